@@ -1,0 +1,95 @@
+"""The node's Mooncake client: zero-copy batch puts, gets and existence checks.
+
+Every method returns one code per object and never raises for a store error:
+put -> 0 stored (or already present) / negative error; get -> bytes read / negative
+error; exists -> 1 / 0 / negative error. Exceptions from the client are turned into
+``CLIENT_ERROR`` for each object of the call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cache_actors.mooncake_codes import CLIENT_ERROR
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeBackend:
+    """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    @classmethod
+    def embedded(
+        cls,
+        *,
+        local_hostname: str,
+        metadata_server: str,
+        master_server_addr: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+    ) -> MooncakeBackend:
+        """A real client contributing ``global_segment_size`` bytes to the store.
+
+        Raises ``RuntimeError`` when ``setup`` fails (master unreachable, bad address).
+        """
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        rc = store.setup(local_hostname, metadata_server, global_segment_size,
+                         local_buffer_size, protocol, rdma_devices, master_server_addr)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
+                               f"{master_server_addr}, metadata {metadata_server})")
+        return cls(store)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self._store.register_buffer(ptr, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_buffer({nbytes} bytes) failed with {rc}")
+
+    def unregister(self, ptr: int) -> None:
+        rc = self._store.unregister_buffer(ptr)
+        if rc != 0:
+            log.warning("Mooncake unregister_buffer failed with %s", rc)
+
+    def exists(self, keys: list[str]) -> list[int]:
+        try:
+            return list(self._store.batch_is_exist(keys))
+        except Exception:
+            log.exception("batch_is_exist raised")
+            return [CLIENT_ERROR] * len(keys)
+
+    def put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Put-if-absent: objects that already exist are not sent and count as stored."""
+        present = self.exists(keys)
+        codes = [0] * len(keys)
+        todo = [i for i, e in enumerate(present) if e != 1]
+        if not todo:
+            return codes
+        try:
+            results = self._store.batch_put_from(
+                [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
+        except Exception:
+            log.exception("batch_put_from raised")
+            results = [CLIENT_ERROR] * len(todo)
+        for i, rc in zip(todo, results, strict=True):
+            codes[i] = int(rc)
+        return codes
+
+    def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        try:
+            return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
+        except Exception:
+            log.exception("batch_get_into raised")
+            return [CLIENT_ERROR] * len(keys)
+
+    def healthy(self) -> bool:
+        return self._store.health_check() == 0
+
+    def close(self) -> None:
+        self._store.close()

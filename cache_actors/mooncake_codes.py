@@ -1,0 +1,19 @@
+"""Mooncake Store return codes and what raykv makes of them."""
+
+CLIENT_ERROR = -1
+"""raykv's own code for an object whose call raised inside the Mooncake client."""
+
+NAMES = {
+    CLIENT_ERROR: "client error",
+    -200: "no space (store full)",
+    -600: "invalid params",
+    -704: "object not found",
+    -706: "object has lease",
+    -800: "transfer failed",
+    -900: "rpc failed (client unreachable)",
+}
+
+
+def describe(code: int) -> str:
+    """Human-readable meaning of a negative Mooncake code."""
+    return NAMES.get(code, f"mooncake error {code}")

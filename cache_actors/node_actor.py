@@ -1,0 +1,221 @@
+"""The per-node cache actor: owns the node's shared host pools and its Mooncake client.
+
+One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace. It is
+async with two concurrency groups: ``control`` (health, stats, pool management) keeps
+answering while ``data`` calls (exists, put, get) run; blocking Mooncake calls run on a
+thread pool, never on the event loop. Store errors come back as per-object codes; a
+bad request raises ``ValueError`` for that call only and the actor keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+import ray
+
+from cache_actors.host_pools import HostPool, PoolHandle
+from cache_actors.mooncake_backend import MooncakeBackend
+from cache_actors.object_batch import ObjectBatch
+from cache_actors.shared_segment import SHM_DIR, segment_path
+from controllers.pool_layout import PoolLayout, check_pool_name
+
+log = logging.getLogger(__name__)
+
+DATA_THREADS = 4
+
+
+def segment_prefix(cluster_tag: str, node_id: str) -> str:
+    """Prefix of every shared segment of one node actor of one raykv cluster."""
+    return f"raykv.{cluster_tag}.{node_id[:16]}."
+
+
+@ray.remote(concurrency_groups={"control": 2, "data": DATA_THREADS})
+class NodeCacheActor:
+    """Serves the ranks of one node. See the module docstring for the contract."""
+
+    def __init__(
+        self,
+        node_id: str,
+        cluster_tag: str,
+        master_address: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int = 16 << 20,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        local_hostname: str | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self._prefix = segment_prefix(cluster_tag, node_id)
+        self._backend = MooncakeBackend.embedded(
+            local_hostname=local_hostname or ray.util.get_node_ip_address(),
+            metadata_server=metadata_server,
+            master_server_addr=master_address,
+            global_segment_size=global_segment_size,
+            local_buffer_size=local_buffer_size,
+            protocol=protocol,
+            rdma_devices=rdma_devices,
+        )
+        self._segment_size = global_segment_size
+        self._pools: dict[str, HostPool] = {}
+        self._executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
+        self._counts: Counter[str] = Counter()
+        self._started = time.time()
+        self._readopt_pools()
+
+    # ----------------------------------------------------------------- pools
+    def _meta_path(self, name: str) -> str:
+        return segment_path(self._prefix + name + ".json")
+
+    def _readopt_pools(self) -> None:
+        """After a restart, map and register again the pools this node already had."""
+        for meta in sorted(glob.glob(os.path.join(SHM_DIR, glob.escape(self._prefix) + "*.json"))):
+            with open(meta) as f:
+                raw = json.load(f)
+            handle = PoolHandle(raw["name"], raw["segment"], PoolLayout(**raw["layout"]))
+            try:
+                self._adopt(HostPool.attach(handle))
+            except (FileNotFoundError, ValueError) as e:
+                log.warning("pool %s could not be re-adopted: %s", handle.name, e)
+
+    def _adopt(self, pool: HostPool) -> None:
+        self._backend.register(pool.base_ptr, pool.nbytes)
+        self._pools[pool.name] = pool
+
+    @ray.method(concurrency_group="control")
+    async def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
+        """Create pool ``name`` (or return it if it exists with the same layout).
+
+        Raises ``ValueError`` if a pool of that name exists with another layout.
+        """
+        check_pool_name(name)
+        if name in self._pools:
+            existing = self._pools[name].handle
+            if existing.layout != layout:
+                raise ValueError(f"pool {name!r} exists on this node with another layout: "
+                                 f"{existing.layout} (asked for {layout})")
+            return existing
+        handle = PoolHandle(name, self._prefix + name, layout)
+        pool = HostPool.create(handle)
+        try:
+            self._adopt(pool)
+        except Exception:
+            pool.close(unlink=True)
+            raise
+        with open(self._meta_path(name), "w") as f:
+            json.dump({"name": name, "segment": handle.segment, "layout": asdict(layout)}, f)
+        os.chmod(self._meta_path(name), 0o600)
+        return handle
+
+    @ray.method(concurrency_group="control")
+    async def get_pool(self, name: str) -> PoolHandle:
+        """The handle of pool ``name``; ``ValueError`` if this node has no such pool."""
+        if name not in self._pools:
+            raise ValueError(f"no pool named {name!r} on node {self.node_id[:12]}; "
+                             f"pools here: {sorted(self._pools)}")
+        return self._pools[name].handle
+
+    @ray.method(concurrency_group="control")
+    async def list_pools(self) -> list[PoolHandle]:
+        return [p.handle for p in self._pools.values()]
+
+    @ray.method(concurrency_group="control")
+    async def destroy_pool(self, name: str) -> bool:
+        """Unregister and remove pool ``name``; False if there was none."""
+        pool = self._pools.pop(name, None)
+        if pool is None:
+            return False
+        self._backend.unregister(pool.base_ptr)
+        pool.close(unlink=True)
+        os.unlink(self._meta_path(name))
+        return True
+
+    # ------------------------------------------------------------------ data
+    def _pointers(self, batch: ObjectBatch) -> list[int]:
+        """Pointers in this process for every object; ``ValueError`` for a bad location."""
+        batch.check()
+        ptrs = []
+        for key, pool_name, off, size in zip(batch.keys, batch.pools, batch.offsets,
+                                             batch.sizes, strict=True):
+            if not key:
+                raise ValueError("empty object key")
+            pool = self._pools.get(pool_name)
+            if pool is None:
+                raise ValueError(f"object {key!r} names pool {pool_name!r}, which this node "
+                                 "does not have")
+            pool.handle.layout.locate(off, size)
+            ptrs.append(pool.base_ptr + off)
+        return ptrs
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _count(self, op: str, codes: list[int], sizes: list[int], ok) -> None:
+        good = [ok(c) for c in codes]
+        self._counts[f"{op}_objects"] += sum(good)
+        self._counts[f"{op}_bytes"] += sum(s for s, g in zip(sizes, good, strict=True) if g)
+        for c, g in zip(codes, good, strict=True):
+            if not g:
+                self._counts[f"{op}_error_{c}"] += 1
+
+    @ray.method(concurrency_group="data")
+    async def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """1 / 0 / negative error per key."""
+        codes = await self._run(self._backend.exists, list(keys))
+        self._counts["exists_calls"] += 1
+        return codes
+
+    @ray.method(concurrency_group="data")
+    async def batch_put(self, batch: ObjectBatch) -> list[int]:
+        """Put-if-absent every object from its pool; 0 stored (or present) / negative."""
+        ptrs = self._pointers(batch)
+        codes = await self._run(self._backend.put, batch.keys, ptrs, batch.sizes)
+        self._count("put", codes, batch.sizes, lambda c: c == 0)
+        return codes
+
+    @ray.method(concurrency_group="data")
+    async def batch_get(self, batch: ObjectBatch) -> list[int]:
+        """Read every object into its pool; bytes read / negative error per object."""
+        ptrs = self._pointers(batch)
+        codes = await self._run(self._backend.get, batch.keys, ptrs, batch.sizes)
+        self._count("get", codes, batch.sizes, lambda c: c > 0)
+        return codes
+
+    # --------------------------------------------------------------- control
+    @ray.method(concurrency_group="control")
+    async def health(self) -> dict:
+        """Answers while data calls run: store connectivity and the pool count."""
+        return {"node_id": self.node_id, "store_healthy": self._backend.healthy(),
+                "pools": len(self._pools), "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    async def stats(self) -> dict:
+        """Counters since start: objects and bytes put/got, errors by Mooncake code, pools."""
+        return {
+            "node_id": self.node_id,
+            "uptime_s": time.time() - self._started,
+            "global_segment_size": self._segment_size,
+            "pools": {n: {"kind": p.handle.layout.kind, "bytes": p.nbytes,
+                          "pages": p.handle.layout.num_pages} for n, p in self._pools.items()},
+            "counters": dict(self._counts),
+        }
+
+    @ray.method(concurrency_group="control")
+    async def shutdown(self, remove_pools: bool = True) -> None:
+        """Close the Mooncake client; with ``remove_pools`` also remove every pool."""
+        for name in list(self._pools):
+            pool = self._pools.pop(name)
+            self._backend.unregister(pool.base_ptr)
+            pool.close(unlink=remove_pools)
+            if remove_pools and os.path.exists(self._meta_path(name)):
+                os.unlink(self._meta_path(name))
+        self._backend.close()
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,36 @@
+"""What a data call carries from a rank to its node actor: keys and where their bytes lie.
+
+Bytes never travel in it: each object is named by its pool and a byte offset into that
+pool's shared segment, which the actor turns into a pointer in its own mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ObjectBatch:
+    """Parallel lists, one entry per Mooncake object."""
+
+    keys: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+    def add(self, key: str, pool: str, offset: int, size: int) -> None:
+        self.keys.append(key)
+        self.pools.append(pool)
+        self.offsets.append(offset)
+        self.sizes.append(size)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless the lists line up and no key repeats."""
+        n = len(self.keys)
+        if not (len(self.pools) == len(self.offsets) == len(self.sizes) == n):
+            raise ValueError("object batch lists differ in length")
+        if len(set(self.keys)) != n:
+            raise ValueError("object batch repeats a key; Mooncake batches need distinct keys")

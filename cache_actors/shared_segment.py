@@ -1,0 +1,58 @@
+"""Named shared-memory segments under ``/dev/shm`` (mode 0600).
+
+The node actor creates and unlinks segments; ranks only attach. Unlike
+``multiprocessing.shared_memory`` before Python 3.13, attaching registers nothing with
+a resource tracker, so a rank that exits never unlinks a segment it did not create.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import mmap
+import os
+
+SHM_DIR = "/dev/shm"
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def create_segment(name: str, nbytes: int) -> mmap.mmap:
+    """Create segment ``name`` of ``nbytes`` bytes (fails if it exists) and map it."""
+    fd = os.open(segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def attach_segment(name: str, nbytes: int) -> mmap.mmap:
+    """Map the existing segment ``name``; raise ``FileNotFoundError`` if it is gone or
+    ``ValueError`` if it is smaller than ``nbytes``."""
+    fd = os.open(segment_path(name), os.O_RDWR)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < nbytes:
+            raise ValueError(f"shared segment {name} holds {actual} bytes, expected {nbytes}")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove segment ``name``; mappings stay valid until unmapped. Missing is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(segment_path(name))
+
+
+def remove_segments(prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix``; return their names."""
+    removed = []
+    for path in glob.glob(segment_path(glob.escape(prefix) + "*")):
+        name = os.path.basename(path)
+        unlink_segment(name)
+        removed.append(name)
+    return removed

@@ -1,0 +1,5 @@
+"""Deployment: the embedded local cluster, Mooncake master supervision, the CLI."""
+
+from clusters.local import LocalCluster, start_local
+
+__all__ = ["LocalCluster", "start_local"]

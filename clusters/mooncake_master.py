@@ -1,0 +1,97 @@
+"""Runs a real ``mooncake_master`` (with its HTTP metadata server) as a child process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def master_binary() -> str:
+    """Path of the ``mooncake_master`` executable shipped inside the mooncake wheel."""
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: install mooncake-transfer-engine-non-cuda "
+                                "(CPU) or mooncake-transfer-engine (CUDA)")
+    return str(path)
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` on ``host`` with free ports, in its own process group.
+
+    ``master_address`` is ``host:rpc_port``; ``metadata_server`` is the URL clients pass
+    to ``setup``. ``extra_args`` are passed through (e.g. ``["-default_kv_lease_ttl=500"]``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", extra_args: list[str] | None = None,
+                 log_dir: str | None = None) -> None:
+        self.host = host
+        self.extra_args = list(extra_args or [])
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="raykv-master-")) / "master.log"
+        self.proc: subprocess.Popen | None = None
+        self.rpc_port = self.http_port = 0
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> MooncakeMaster:
+        """Start and wait until both ports accept; retries on a port taken meanwhile."""
+        for _ in range(attempts):
+            self.rpc_port, self.http_port = free_port(self.host), free_port(self.host)
+            cmd = [master_binary(), f"-rpc_port={self.rpc_port}", f"-rpc_address={self.host}",
+                   "-enable_http_metadata_server=true",
+                   f"-http_metadata_server_host={self.host}",
+                   f"-http_metadata_server_port={self.http_port}",
+                   f"-metrics_port={free_port(self.host)}", *self.extra_args]
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if _listening(self.host, self.rpc_port) and _listening(self.host, self.http_port):
+                    return self
+                time.sleep(0.05)
+            self.stop()
+        raise RuntimeError(f"mooncake_master did not start; see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM the master's process group, SIGKILL after ``timeout_s``."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None

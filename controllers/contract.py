@@ -1,0 +1,99 @@
+"""The storage contract types, named as in SGLang HiCache.
+
+These are plain data: no Ray, no Mooncake. A ``CacheClient`` speaks them; the
+controller and the hit resolution read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class PoolName(StrEnum):
+    """The host pools a deployment may register. ``kv`` is the anchor pool."""
+
+    KV = "kv"
+    MAMBA = "mamba"
+    SWA = "swa"
+    INDEXER = "indexer"
+    DRAFT = "draft"
+
+
+class PoolHitPolicy(StrEnum):
+    """How a pool decides whether a prefix of ``n`` pages is restorable.
+
+    ``all_pages``: every page of the prefix must exist (KV, indexer, draft).
+    ``trailing_pages``: only the last pages of the prefix must exist (Mamba, SWA state).
+    """
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+
+
+@dataclass
+class StorageConfig:
+    """Fields of SGLang's ``HiCacheStorageConfig``.
+
+    ``extra_config`` keys understood by raykv: ``extra_backend_tag`` (str, first part of
+    every key prefix).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+    is_mla_model: bool = False
+    enable_storage_metrics: bool = False
+    is_page_first_layout: bool = True
+    model_name: str | None = None
+    extra_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for rank, size, what in (
+            (self.tp_rank, self.tp_size, "tp"),
+            (self.pp_rank, self.pp_size, "pp"),
+            (self.attn_cp_rank, self.attn_cp_size, "attn_cp"),
+        ):
+            if size < 1:
+                raise ValueError(f"{what}_size must be >= 1, got {size}")
+            if not 0 <= rank < size:
+                raise ValueError(f"{what}_rank {rank} is out of range for {what}_size {size}")
+
+    @property
+    def extra_backend_tag(self) -> str | None:
+        return (self.extra_config or {}).get("extra_backend_tag") or None
+
+
+@dataclass
+class PoolTransfer:
+    """One pool's part of a v2 batch call.
+
+    ``host_indices`` are token-slot indices into the pool (``len(keys) * page_size`` of
+    them, each page's slots contiguous and page-aligned). A sidecar transfer names the
+    pool whose indices it reuses in ``indices_from_pool`` and leaves ``host_indices`` None.
+    """
+
+    name: PoolName
+    keys: list[str] | None = None
+    host_indices: Any = None
+    hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+    indices_from_pool: PoolName | None = None
+
+
+@dataclass
+class PoolTransferResult:
+    """What a v2 exists query found.
+
+    ``kv_hit_pages``: the longest prefix (in pages) that KV and every extra pool can
+    restore together. ``extra_pool_hit_pages``: per extra pool, the pages it must load
+    for that prefix. ``restorable_prefix_pages``: every prefix length (pages, ascending)
+    that all pools can restore.
+    """
+
+    kv_hit_pages: int = 0
+    extra_pool_hit_pages: dict[PoolName, int] = field(default_factory=dict)
+    restorable_prefix_pages: list[int] = field(default_factory=list)

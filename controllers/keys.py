@@ -1,0 +1,102 @@
+"""The object key scheme, compatible with SGLang's Mooncake backend (DESIGN section 4).
+
+Every object key is ``P_`` + page hash + a suffix naming the rank scope and the buffer.
+``P`` is ``extra_backend_tag`` then ``model_name`` (``/`` -> ``-``), joined by ``_``; with
+neither set there is no prefix. A ``KeyPlan`` is the only place that tags, and it tags
+each key exactly once: callers hand it raw page hashes, never keys it returned.
+
+Rank scopes: ``mha`` = ``"{tp}"`` or ``"{tp}_{pp}"`` when ``pp_size > 1`` (data sharded by
+TP rank); ``mla`` = ``""`` or ``"{pp}"`` (data replicated across TP ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controllers.contract import StorageConfig
+
+
+def key_prefix(model_name: str | None, extra_backend_tag: str | None) -> str:
+    """The tag prepended to every object key: ``""`` or ``"P_"``."""
+    parts = [p for p in (extra_backend_tag, (model_name or "").replace("/", "-")) if p]
+    return "_".join(parts) + "_" if parts else ""
+
+
+def mha_suffix(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Scope of TP-sharded data: ``"{tp}"``, or ``"{tp}_{pp}"`` when ``pp_size > 1``."""
+    return f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}"
+
+
+def mla_suffix(pp_rank: int, pp_size: int) -> str:
+    """Scope of TP-replicated data: ``""``, or ``"{pp}"`` when ``pp_size > 1``."""
+    return f"{pp_rank}" if pp_size > 1 else ""
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """Tagging rules of one rank: turns raw page hashes into Mooncake object keys.
+
+    Every method returns the keys of one page in the pointer order of that pool's
+    page meta (K before V; temporal before conv buffers).
+    """
+
+    prefix: str
+    mha: str
+    mla: str
+    is_mla_model: bool
+    tp_rank: int
+
+    @classmethod
+    def from_config(cls, config: StorageConfig) -> KeyPlan:
+        return cls(
+            prefix=key_prefix(config.model_name, config.extra_backend_tag),
+            mha=mha_suffix(config.tp_rank, config.pp_rank, config.pp_size),
+            mla=mla_suffix(config.pp_rank, config.pp_size),
+            is_mla_model=config.is_mla_model,
+            tp_rank=config.tp_rank,
+        )
+
+    def tag(self, key: str) -> str:
+        """``P_`` + ``key``: for keys that carry their own suffix (legacy pointer API)."""
+        return self.prefix + key
+
+    def _sharded(self, page_hash: str, *names: str) -> list[str]:
+        return [f"{self.prefix}{page_hash}_{self.mha}_{n}" for n in names]
+
+    def _replicated(self, page_hash: str, *names: str) -> list[str]:
+        return [f"{self.prefix}{page_hash}_{self.mla}_{n}" for n in names]
+
+    def kv_keys(self, page_hash: str) -> list[str]:
+        """MHA: ``P_h_{mha}_k``, ``P_h_{mha}_v``; MLA: ``P_h_{mla}_k``."""
+        if self.is_mla_model:
+            return self._replicated(page_hash, "k")
+        return self._sharded(page_hash, "k", "v")
+
+    def mamba_keys(self, page_hash: str, num_conv: int, has_temporal: bool = True) -> list[str]:
+        """``P_h_{mha}_temporal`` (unless the temporal state is empty), ``P_h_{mha}_conv_{i}``.
+
+        Mamba state is always TP-sharded, in MLA models too.
+        """
+        names = (["temporal"] if has_temporal else []) + [f"conv_{i}" for i in range(num_conv)]
+        return self._sharded(page_hash, *names)
+
+    def indexer_keys(self, page_hash: str) -> list[str]:
+        """``P_h_{mla}_indexer``: the DSA indexer is replicated across TP ranks."""
+        return self._replicated(page_hash, "indexer")
+
+    def draft_keys(self, page_hash: str, draft_is_mla: bool) -> list[str]:
+        """MHA draft: ``P_h_{mha}_draft_k``, ``_draft_v``; MLA draft: ``P_h_{mla}_draft_k``."""
+        if draft_is_mla:
+            return self._replicated(page_hash, "draft_k")
+        return self._sharded(page_hash, "draft_k", "draft_v")
+
+    def swa_keys(self, page_hash: str, swa_is_mla: bool) -> list[str]:
+        """MHA SWA: ``P_h_{mha}_swa_k``, ``_swa_v``; MLA SWA: ``P_h_{mla}_swa``."""
+        if swa_is_mla:
+            return self._replicated(page_hash, "swa")
+        return self._sharded(page_hash, "swa_k", "swa_v")
+
+    @property
+    def writes_replicated(self) -> bool:
+        """Whether this rank stores TP-replicated pools (only TP rank 0 does)."""
+        return self.tp_rank == 0
