@@ -1,0 +1,141 @@
+"""Bad input: a ValueError naming the problem, raised before any byte moves; the node
+actor keeps serving. Runs against the real embedded cluster."""
+
+import pytest
+import ray
+import torch
+
+from cache_actors import CacheClient
+from cache_actors.object_batch import ObjectBatch
+from controllers import StorageConfig
+from tests.ranks import MHA, MLA, indices
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    c = CacheClient(StorageConfig(model_name="bad/input"))
+    pool = c.create_host_pool("mha", **MHA)
+    c.register_mem_pool_host(pool)
+    yield c
+    c.destroy_host_pool(pool)
+
+
+def moved(client) -> dict:
+    counters = client.stats()["counters"]
+    return {k: v for k, v in counters.items() if k.startswith(("put", "get"))}
+
+
+V1_CASES = [
+    (["a", "b"], indices(0, 3), "entries but 2 keys need 8"),
+    ([], indices(0, 0), "keys is empty"),
+    (["a", ""], indices(0, 2), "non-empty strings"),
+    (["a", 3], indices(0, 2), "non-empty strings"),
+    ("abc", indices(0, 3), "list of strings"),
+    (["a", "a"], indices(0, 2), "appears at positions 0 and 1"),
+    (["a"], indices(64, 1), r"span \[64, 67\]"),
+    (["a"], torch.arange(-4, 0), "span"),
+    (["a"], torch.arange(2, 6), "not aligned"),
+    (["a"], torch.tensor([0, 2, 1, 3]), "contiguous"),
+]
+
+
+@pytest.mark.parametrize(("keys", "idx", "msg"), V1_CASES)
+@pytest.mark.parametrize("method", ["batch_set_v1", "batch_get_v1"])
+def test_v1_bad_input(client, method, keys, idx, msg):
+    before = moved(client)
+    with pytest.raises(ValueError, match=msg):
+        getattr(client, method)(keys, idx)
+    assert moved(client) == before
+
+
+@pytest.mark.parametrize(("keys", "msg"), [([], "empty"), (["x", ""], "non-empty")])
+def test_exists_bad_keys(client, keys, msg):
+    with pytest.raises(ValueError, match=msg):
+        client.batch_exists(keys)
+
+
+def test_pointer_api_bad_input(client):
+    pool = client._kv_pool()
+    ptrs, sizes = pool.get_page_buffer_meta(indices(0, 1))
+    outside = torch.zeros(4096, dtype=torch.uint8)
+    before = moved(client)
+    cases = [
+        (["k"], [outside.data_ptr()], [4096], "do not lie inside a shared pool"),
+        (["k"], [pool.base_ptr + pool.nbytes - 8], [64], "do not lie inside"),
+        (["k"], [pool.base_ptr - 1], [8], "do not lie inside"),
+        (["k", "v"], ptrs, sizes[:1], "lengths must match"),
+        (["k"], None, None, "required"),
+    ]
+    for keys, locs, szs, msg in cases:
+        for method in ("batch_set", "batch_get"):
+            with pytest.raises(ValueError, match=msg):
+                getattr(client, method)(keys, target_locations=locs, target_sizes=szs)
+    assert moved(client) == before
+
+
+def test_unregistered_pool(cluster):
+    c = CacheClient(StorageConfig())
+    with pytest.raises(ValueError, match="no KV host pool is registered"):
+        c.batch_set_v1(["a"], indices(0, 1))
+    with pytest.raises(ValueError, match="pool returned by this client"):
+        c.register_mem_pool_host(object())
+
+
+def test_pool_kind_must_match_model(cluster):
+    c = CacheClient(StorageConfig(is_mla_model=True))
+    pool = c.create_host_pool("mha", **MHA)
+    try:
+        with pytest.raises(ValueError, match="is MHA but the config says is_mla_model=True"):
+            c.register_mem_pool_host(pool)
+    finally:
+        c.destroy_host_pool(pool)
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (MHA | {"layout": "layer_first"}, "layout 'layer_first' cannot be served"),
+        (MHA | {"size": 30}, "multiple of page_size"),
+        (MHA | {"head_num": 0}, "head_num must be a positive int"),
+        (MHA | {"dtype": "notatype"}, "not a torch dtype"),
+        (MHA | {"name": "../etc"}, "pool name"),
+    ],
+)
+def test_bad_pools(client, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        client.create_host_pool("mha", **kw)
+
+
+def test_same_name_other_shape_refused(client):
+    client.create_host_pool("mla", name="shape-clash", **MLA)
+    try:
+        with pytest.raises(ValueError, match="exists on this node with another layout"):
+            client.create_host_pool("mla", name="shape-clash", **(MLA | {"layer_num": 3}))
+    finally:
+        client.destroy_host_pool("shape-clash")
+
+
+def test_attach_missing_pool(client):
+    with pytest.raises(ValueError, match="no pool named 'nope'"):
+        client.attach_host_pool("nope")
+
+
+def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
+    """Requests that bypass the client are checked again by the actor itself."""
+    actor = cluster.node_actors[client.node_id]
+    pool = client._kv_pool()
+    bad = [
+        ObjectBatch([f"{uid}a"], [pool.name], [pool.nbytes], [8]),
+        ObjectBatch([f"{uid}a"], ["no-such-pool"], [0], [8]),
+        ObjectBatch([f"{uid}a", f"{uid}a"], [pool.name] * 2, [0, 8], [8, 8]),
+        ObjectBatch([""], [pool.name], [0], [8]),
+        ObjectBatch([f"{uid}a"], [pool.name], [0, 1], [8]),
+    ]
+    for batch in bad:
+        for method in (actor.batch_put, actor.batch_get):
+            with pytest.raises(ValueError):
+                ray.get(method.remote(batch))
+    assert ray.get(actor.health.remote())["store_healthy"]
+    keys = [f"{uid}-{i}" for i in range(2)]
+    assert client.batch_set_v1(keys, indices(0, 2)) == [True, True]
+    assert client.batch_get_v1(keys, indices(8, 2)) == [True, True]

@@ -1,0 +1,143 @@
+"""v1 data plane against a real two-node Ray cluster and a real mooncake_master.
+
+Ranks run as Ray actors pinned to a node; each reaches Mooncake only through its own
+node's cache actor, so a read on node 2 of what node 1 wrote crosses nodes.
+"""
+
+import ray
+import torch
+from mooncake.store import MooncakeDistributedStore
+
+from controllers import StorageConfig
+from tests.ranks import MHA, indices, start_rank
+
+N = 5
+
+
+def cfg(**kw) -> StorageConfig:
+    return StorageConfig(model_name="org/toy", **kw)
+
+
+def test_round_trip_across_nodes_mha_tp2_and_mla(cluster, uid):
+    node1, node2 = cluster.node_ids
+    keys = [f"{uid}-{i}" for i in range(N)]
+    writers = {
+        "tp0": start_rank(node1, cfg(tp_rank=0, tp_size=2)),
+        "tp1": start_rank(node1, cfg(tp_rank=1, tp_size=2)),
+        "mla": start_rank(node1, cfg(is_mla_model=True), kind="mla"),
+    }
+    readers = {
+        "tp0": start_rank(node2, cfg(tp_rank=0, tp_size=2)),
+        "tp1": start_rank(node2, cfg(tp_rank=1, tp_size=2)),
+        "mla": start_rank(node2, cfg(is_mla_model=True), kind="mla"),
+    }
+    for seed, w in enumerate(writers.values()):
+        ray.get(w.fill.remote(seed))
+        assert ray.get(w.call.remote("batch_set_v1", keys, indices(8, N))) == [True] * N
+    for name, r in readers.items():
+        assert ray.get(r.call.remote("batch_exists", keys)) == N
+        assert ray.get(r.call.remote("batch_get_v1", keys, indices(32, N))) == [True] * N
+        wrote = ray.get(writers[name].pages.remote(8, N))
+        read = ray.get(r.pages.remote(32, N))
+        assert torch.equal(wrote.view(torch.uint8), read.view(torch.uint8)), name
+    # TP shards differ: rank 1 read its own shard, not rank 0's.
+    assert not torch.equal(ray.get(readers["tp0"].pages.remote(32, N)),
+                           ray.get(readers["tp1"].pages.remote(32, N)))
+
+
+def test_object_names_seen_by_plain_mooncake_client(cluster, uid):
+    node1 = cluster.node_ids[0]
+    tagged = dict(model_name="org/toy", extra_config={"extra_backend_tag": "tag"})
+    mha0 = start_rank(node1, StorageConfig(tp_rank=0, tp_size=2, **tagged))
+    mha1 = start_rank(node1, StorageConfig(tp_rank=1, tp_size=2, **tagged))
+    mla = start_rank(node1, StorageConfig(is_mla_model=True, pp_rank=1, pp_size=2, **tagged),
+                     kind="mla")
+    h = f"{uid}h"
+    for r in (mha0, mha1, mla):
+        assert ray.get(r.call.remote("batch_set_v1", [h], indices(0, 1))) == [True]
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                       cluster.master_address) == 0
+    try:
+        p = "tag_org-toy_"
+        expected = [f"{p}{h}_0_k", f"{p}{h}_0_v", f"{p}{h}_1_k", f"{p}{h}_1_v", f"{p}{h}_1_k"]
+        assert store.batch_is_exist(expected) == [1] * 5
+        page_bytes = 4 * MHA["layer_num"] * MHA["head_num"] * MHA["head_dim"] * 2
+        assert store.get_size(f"{p}{h}_0_k") == page_bytes
+        wrong = [f"{h}_0_k", f"org-toy_{h}_0_k", f"{p}{p}{h}_0_k", f"{p}{h}__k"]
+        assert store.batch_is_exist(wrong) == [0] * 4
+    finally:
+        store.close()
+
+
+def test_exists_stops_at_first_missing_page(cluster, uid):
+    r = start_rank(cluster.node_ids[0], cfg())
+    a, b, c, d = (f"{uid}-{x}" for x in "abcd")
+    assert ray.get(r.call.remote("batch_set_v1", [a, b, d], indices(0, 3))) == [True] * 3
+    assert ray.get(r.call.remote("batch_exists", [a, b, c, d])) == 2
+    assert ray.get(r.call.remote("batch_exists", [c, a])) == 0
+    got = ray.get(r.call.remote("batch_get_v1", [a, c, d], indices(16, 3)))
+    assert got == [True, False, True]
+
+
+def test_put_if_absent_keeps_first_writer(cluster, uid):
+    node1, node2 = cluster.node_ids
+    first, second = start_rank(node1, cfg()), start_rank(node2, cfg())
+    ray.get(first.fill.remote(11))
+    ray.get(second.fill.remote(22))
+    keys = [f"{uid}-{i}" for i in range(2)]
+    assert ray.get(first.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
+    assert ray.get(second.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
+    assert ray.get(second.call.remote("batch_get_v1", keys, indices(40, 2))) == [True, True]
+    assert torch.equal(ray.get(second.pages.remote(40, 2)), ray.get(first.pages.remote(0, 2)))
+
+
+def test_mla_only_tp_rank0_writes(cluster, uid):
+    node1, node2 = cluster.node_ids
+    rank1 = start_rank(node1, cfg(is_mla_model=True, tp_rank=1, tp_size=2), kind="mla")
+    keys = [f"{uid}-{i}" for i in range(2)]
+    assert ray.get(rank1.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
+    assert ray.get(rank1.call.remote("batch_exists", keys)) == 0
+    rank0 = start_rank(node2, cfg(is_mla_model=True, tp_rank=0, tp_size=2), kind="mla")
+    ray.get(rank0.fill.remote(5))
+    assert ray.get(rank0.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
+    assert ray.get(rank1.call.remote("batch_get_v1", keys, indices(8, 2))) == [True, True]
+    assert torch.equal(ray.get(rank1.pages.remote(8, 2)), ray.get(rank0.pages.remote(0, 2)))
+
+
+def test_killed_rank_pool_survives_for_replacement(cluster, uid):
+    node1, node2 = cluster.node_ids
+    name = f"survivor-{uid}"
+    rank = start_rank(node1, cfg(), pool_name=name)
+    ray.get(rank.fill.remote(7))
+    before = ray.get(rank.pages.remote(0, 16))
+    ray.kill(rank)
+    replacement = start_rank(node1, cfg(), pool_name=name, attach=True)
+    assert torch.equal(ray.get(replacement.pages.remote(0, 16)), before)
+    # Creating by the same name with the same shape attaches too.
+    again = start_rank(node1, cfg(), pool_name=name)
+    assert torch.equal(ray.get(again.pages.remote(0, 16)), before)
+    keys = [f"{uid}-{i}" for i in range(3)]
+    assert ray.get(replacement.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
+    reader = start_rank(node2, cfg())
+    assert ray.get(reader.call.remote("batch_get_v1", keys, indices(0, 3))) == [True] * 3
+    assert torch.equal(ray.get(reader.pages.remote(0, 3)), before[:, :12])
+
+
+def test_legacy_pointer_api(cluster, uid):
+    r = start_rank(cluster.node_ids[0], cfg())
+    reader = start_rank(cluster.node_ids[1], cfg())
+    ray.get(r.fill.remote(3))
+
+    keys = [f"{uid}-{i}" for i in range(4)]  # 2 pages x (k, v) as free-form object keys
+    ptrs, sizes = ray.get(r.kv_meta.remote(0, 2))
+    assert ray.get(r.call.remote("batch_set", keys, target_locations=ptrs,
+                                 target_sizes=sizes)) is True
+    rptrs, rsizes = ray.get(reader.kv_meta.remote(8, 2))
+    assert ray.get(reader.call.remote("batch_get", keys, target_locations=rptrs,
+                                      target_sizes=rsizes)) == 4
+    assert torch.equal(ray.get(reader.pages.remote(8, 2)), ray.get(r.pages.remote(0, 2)))
+    missing = [keys[0], f"{uid}-none", keys[2]]
+    assert ray.get(reader.call.remote("batch_get", missing, target_locations=rptrs[:3],
+                                      target_sizes=rsizes[:3])) == 1

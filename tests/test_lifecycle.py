@@ -1,0 +1,66 @@
+"""start_local / shutdown, shared-segment hygiene, and per-page failures when the store
+is full. Each test starts its own single-node cluster (no other cluster may run)."""
+
+import glob
+import os
+import stat
+
+import ray
+import torch
+
+from cache_actors import CacheClient
+from cache_actors.node_actor import segment_prefix
+from cache_actors.shared_segment import SHM_DIR
+from clusters import start_local
+from controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
+
+MiB = 1 << 20
+
+
+def test_start_local_then_shutdown_leaves_nothing(uid):
+    with start_local(num_nodes=1, global_segment_size=64 * MiB) as c:
+        master_pid = c.master.proc.pid
+        assert c.master_address.startswith("127.0.0.1:")
+        assert c.metadata_server.startswith("http://127.0.0.1:")
+        (node_id,) = c.node_ids
+        assert ray.get_actor(node_actor_name(node_id), namespace=NAMESPACE)
+        info = ray.get(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).info.remote())
+        assert info["node_ids"] == [node_id]
+        assert info["master_address"] == c.master_address
+        client = CacheClient(StorageConfig())
+        pool = client.create_host_pool("mla", page_size=4, size=16, layer_num=1,
+                                       kv_cache_dim=8, dtype=torch.float32)
+        path = os.path.join(SHM_DIR, pool.handle.segment)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        prefix = segment_prefix(c.cluster_tag, node_id)
+        assert glob.glob(os.path.join(SHM_DIR, prefix + "*"))
+        client.close()
+    assert not ray.is_initialized()
+    assert not glob.glob(os.path.join(SHM_DIR, prefix + "*"))
+    assert not os.path.exists(f"/proc/{master_pid}") or _zombie(master_pid)
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] == "Z"
+
+
+def test_store_full_is_reported_per_page(uid):
+    """Pages that do not fit in the store come back False; never success, never a crash."""
+    with start_local(num_nodes=1, global_segment_size=16 * MiB) as c:
+        client = CacheClient(StorageConfig(is_mla_model=True))
+        pages = 32  # 1 MiB pages, twice what the store holds
+        pool = client.create_host_pool("mla", page_size=16, size=16 * pages, layer_num=1,
+                                       kv_cache_dim=64 * 1024, dtype=torch.uint8)
+        client.register_mem_pool_host(pool)
+        keys = [f"{uid}-{i}" for i in range(pages)]
+        ok = client.batch_set_v1(keys, torch.arange(16 * pages))
+        assert 0 < ok.count(True) < pages, ok
+        # The store may start evicting early pages, so exists can end sooner, never later.
+        assert client.batch_exists(keys) <= ok.index(False)
+        got = client.batch_get_v1(keys, torch.arange(16 * pages))
+        assert [g for g, o in zip(got, ok, strict=True) if not o] == [False] * ok.count(False)
+        assert client.health()["store_healthy"]
+        counters = client.stats()["counters"]
+        assert any(k.startswith("put_error_") for k in counters), counters
+        assert c.node_actors
