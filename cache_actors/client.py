@@ -197,7 +197,7 @@ class CacheClient:
         batch, per_page = self._kv_batch(keys, host_indices)
         if self.config.is_mla_model and not self.plan.writes_replicated:
             return [True] * (len(batch) // per_page)
-        return self._pages(self._call("batch_put", batch), per_page, lambda c: c == 0)
+        return self._pages(self._call("batch_put", batch), per_page, lambda c: c >= 0)
 
     def batch_get_v1(self, keys: Sequence[str], host_indices) -> list[bool]:
         """Read the KV pages under ``keys`` into the pool at ``host_indices``."""
@@ -231,7 +231,7 @@ class CacheClient:
         """Store each ``target_sizes[i]`` bytes at pointer ``target_locations[i]`` under
         ``keys[i]`` (tagged with the model prefix). True if every object was stored."""
         batch = self._pointer_batch(keys, target_locations, target_sizes)
-        return all(c == 0 for c in self._call("batch_put", batch))
+        return all(c >= 0 for c in self._call("batch_put", batch))
 
     def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> int:
         """Read objects into the given pointers; the number of leading objects read in full."""

@@ -1,8 +1,8 @@
 """The node's Mooncake client: zero-copy batch puts, gets and existence checks.
 
 Every method returns one code per object and never raises for a store error:
-put -> 0 stored (or already present) / negative error; get -> bytes read / negative
-error; exists -> 1 / 0 / negative error. Exceptions from the client are turned into
+put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
+get -> bytes read / negative error; exists -> 1 / 0 / negative error. Exceptions from the client are turned into
 ``CLIENT_ERROR`` for each object of the call.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from cache_actors.mooncake_codes import CLIENT_ERROR
+from cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class MooncakeBackend:
     def put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         """Put-if-absent: objects that already exist are not sent and count as stored."""
         present = self.exists(keys)
-        codes = [0] * len(keys)
+        codes = [ALREADY_PRESENT if e == 1 else 0 for e in present]
         todo = [i for i, e in enumerate(present) if e != 1]
         if not todo:
             return codes

@@ -1,5 +1,8 @@
 """Mooncake Store return codes and what raykv makes of them."""
 
+ALREADY_PRESENT = 1
+"""raykv's put code for an object that existed already and was left as it was."""
+
 CLIENT_ERROR = -1
 """raykv's own code for an object whose call raised inside the Mooncake client."""
 

@@ -23,6 +23,7 @@ import ray
 
 from cache_actors.host_pools import HostPool, PoolHandle
 from cache_actors.mooncake_backend import MooncakeBackend
+from cache_actors.mooncake_codes import ALREADY_PRESENT
 from cache_actors.object_batch import ObjectBatch
 from cache_actors.shared_segment import SHM_DIR, segment_path
 from controllers.pool_layout import PoolLayout, check_pool_name
@@ -158,13 +159,16 @@ class NodeCacheActor:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _count(self, op: str, codes: list[int], sizes: list[int], ok) -> None:
-        good = [ok(c) for c in codes]
-        self._counts[f"{op}_objects"] += sum(good)
-        self._counts[f"{op}_bytes"] += sum(s for s, g in zip(sizes, good, strict=True) if g)
-        for c, g in zip(codes, good, strict=True):
-            if not g:
-                self._counts[f"{op}_error_{c}"] += 1
+    def _count(self, op: str, codes: list[int], sizes: list[int], moved) -> None:
+        """Count objects whose bytes ``moved``, present ones (put) and errors by code."""
+        for code, size in zip(codes, sizes, strict=True):
+            if moved(code):
+                self._counts[f"{op}_objects"] += 1
+                self._counts[f"{op}_bytes"] += size
+            elif code == ALREADY_PRESENT:
+                self._counts[f"{op}_present"] += 1
+            else:
+                self._counts[f"{op}_error_{code}"] += 1
 
     @ray.method(concurrency_group="data")
     async def batch_is_exist(self, keys: list[str]) -> list[int]:
@@ -175,7 +179,8 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="data")
     async def batch_put(self, batch: ObjectBatch) -> list[int]:
-        """Put-if-absent every object from its pool; 0 stored (or present) / negative."""
+        """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
+        negative error."""
         ptrs = self._pointers(batch)
         codes = await self._run(self._backend.put, batch.keys, ptrs, batch.sizes)
         self._count("put", codes, batch.sizes, lambda c: c == 0)

@@ -55,8 +55,8 @@ class Rank:
 
 def start_rank(node_id: str, config: StorageConfig, **kw):
     """A ``Rank`` hard-pinned to ``node_id``; returns it once its pool is ready."""
-    rank = Rank.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(config, **kw)
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    rank = Rank.options(scheduling_strategy=strategy).remote(config, **kw)
     assert ray.get(rank.node_id.remote()) == node_id
     return rank
 
