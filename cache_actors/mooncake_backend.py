@@ -2,8 +2,8 @@
 
 Every method returns one code per object and never raises for a store error:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
-get -> bytes read / negative error; exists -> 1 / 0 / negative error. Exceptions from the client are turned into
-``CLIENT_ERROR`` for each object of the call.
+get -> bytes read / negative error; exists -> 1 / 0 / negative error.
+Exceptions from the client are turned into ``CLIENT_ERROR`` for each object of the call.
 """
 
 from __future__ import annotations
