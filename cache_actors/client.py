@@ -13,18 +13,30 @@ stored; ``batch_get`` -> number of leading objects read in full.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 import torch
 
 from cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from cache_actors.object_batch import ObjectBatch
-from controllers.contract import StorageConfig
-from controllers.keys import KeyPlan
+from controllers.contract import (
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+    StorageConfig,
+)
+from controllers.hit_resolution import PoolPresence, resolve_hits
+from controllers.keys import KeyPlan, check_key_rule, is_replicated
 from controllers.naming import NAMESPACE, node_actor_name
 from controllers.pool_layout import PoolLayout, check_pool_name
+
+log = logging.getLogger(__name__)
 
 
 class NodeUnavailableError(RuntimeError):
@@ -45,6 +57,84 @@ def check_keys(keys: Sequence[str]) -> list[str]:
             raise ValueError(f"key {k!r} appears at positions {seen[k]} and {i}")
         seen[k] = i
     return list(keys)
+
+
+def _pool_name(name) -> PoolName:
+    try:
+        return PoolName(name)
+    except ValueError:
+        raise ValueError(f"unknown pool name {name!r}; expected one of "
+                         f"{[p.value for p in PoolName]}") from None
+
+
+def _numpy(indices):
+    return indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
+
+
+def _copy_pages(src: torch.Tensor, dst: torch.Tensor, starts: Sequence[int],
+                page_size: int) -> None:
+    """Copy whole pages (slot dim 1 for MHA ``(2, size, ...)``, 0 for MLA) src -> dst."""
+    if not starts:
+        return
+    slots = torch.as_tensor(np.add.outer(np.asarray(starts), np.arange(page_size)).ravel())
+    dim = 1 if src.dim() == 5 else 0
+    dst.index_copy_(dim, slots, src.index_select(dim, slots))
+
+
+def _dtype_pair(dtype) -> tuple[str, int]:
+    t = torch_dtype(dtype)
+    return dtype_name(t), t.itemsize
+
+
+def _layout(kind: str, *, size, page_size, layer_num, head_num, head_dim, kv_cache_dim,
+            index_head_dim, dtype, temporal_shape, temporal_dtype, conv_shapes, conv_dtypes,
+            layout) -> PoolLayout:
+    """The ``PoolLayout`` that ``create_host_pool`` arguments describe."""
+    if kind == "mamba":
+        if page_size not in (None, 1):
+            raise ValueError(f"a mamba pool holds one checkpoint per slot: page_size must be "
+                             f"1, got {page_size}")
+        conv_dtypes = list(conv_dtypes) if conv_dtypes is not None else [dtype] * len(conv_shapes)
+        if len(conv_dtypes) != len(conv_shapes):
+            raise ValueError(f"{len(conv_shapes)} conv_shapes but {len(conv_dtypes)} conv_dtypes")
+        temporal = None if temporal_shape is None else (
+            tuple(temporal_shape), *_dtype_pair(temporal_dtype or dtype))
+        convs = [(tuple(s), *_dtype_pair(d)) for s, d in zip(conv_shapes, conv_dtypes,
+                                                              strict=True)]
+        return PoolLayout.mamba(size=size, temporal=temporal, convs=convs)
+    if page_size is None:
+        raise ValueError(f"a {kind} pool needs page_size")
+    name, itemsize = _dtype_pair(dtype)
+    common = dict(page_size=page_size, size=size, layer_num=layer_num, dtype=name,
+                  itemsize=itemsize, layout=layout)
+    if kind == "mha":
+        return PoolLayout.mha(head_num=head_num, head_dim=head_dim, **common)
+    if kind == "mla":
+        return PoolLayout.mla(kv_cache_dim=kv_cache_dim, **common)
+    if kind == "indexer":
+        return PoolLayout.indexer(index_head_dim=index_head_dim, **common)
+    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer or mamba")
+
+
+@dataclass
+class _Plan:
+    """One call's objects: ``spans[pool] = (first object, objects per page, pages)``;
+    ``fixed[pool]`` holds results decided without the store (replicas, disabled draft);
+    ``staged[pool] = (engine tensor, staging pool, page starts)``."""
+
+    batch: ObjectBatch = field(default_factory=ObjectBatch)
+    spans: dict[PoolName, tuple[int, int, int]] = field(default_factory=dict)
+    fixed: dict[PoolName, list[bool]] = field(default_factory=dict)
+    staged: dict[PoolName, tuple[torch.Tensor, HostPool, list[int]]] = field(
+        default_factory=dict)
+
+    def results(self, ok: list[bool]) -> dict[PoolName, list[bool]]:
+        """Per pool, one bool per page: every object of the page ``ok``."""
+        out = dict(self.fixed)
+        for name, (first, per_page, pages) in self.spans.items():
+            out[name] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
+                         for p in range(pages)]
+        return out
 
 
 class CacheClient:
@@ -74,7 +164,9 @@ class CacheClient:
                 f"no raykv cache actor on node {self.node_id[:12]} (namespace {namespace!r}); "
                 "is raykv running on this cluster?") from e
         self._pools: dict[str, HostPool] = {}
-        self._kv: HostPool | None = None
+        self._registered: dict[PoolName, HostPool] = {}
+        self._staged: dict[PoolName, torch.Tensor] = {}
+        self._draft_disabled: str | None = None
 
     def _call(self, method: str, *args):
         try:
@@ -89,31 +181,38 @@ class CacheClient:
         self,
         kind: str,
         *,
-        page_size: int,
         size: int,
-        layer_num: int,
+        page_size: int | None = None,
+        layer_num: int = 0,
         head_num: int = 0,
         head_dim: int = 0,
         kv_cache_dim: int = 0,
+        index_head_dim: int = 0,
         dtype: torch.dtype | str = torch.bfloat16,
+        temporal_shape: Sequence[int] | None = None,
+        temporal_dtype: torch.dtype | str | None = None,
+        conv_shapes: Sequence[Sequence[int]] = (),
+        conv_dtypes: Sequence[torch.dtype | str] | None = None,
         layout: str = "page_first",
         name: str | None = None,
     ) -> HostPool:
         """Create a shared host pool on this node and map it here.
 
-        ``kind`` is ``"mha"`` (needs ``head_num``, ``head_dim``) or ``"mla"`` (needs
-        ``kv_cache_dim``); ``size`` and ``page_size`` are token slots. With ``name`` of a
-        pool that exists with the same shape, that pool is attached instead (how a
-        restarted rank finds its pool again). Raises ``ValueError`` for a bad shape.
+        Kinds: ``"mha"`` (``page_size, layer_num, head_num, head_dim``), ``"mla"``
+        (``page_size, layer_num, kv_cache_dim``), ``"indexer"`` (``page_size, layer_num,
+        index_head_dim``), ``"mamba"`` (``temporal_shape`` and ``conv_shapes`` per slot,
+        e.g. ``(layers, heads, head_dim, state)``; dtypes default to ``dtype``; an empty
+        ``temporal_shape`` means a conv-only model). ``size`` and ``page_size`` count
+        token slots (Mamba: checkpoints, page_size 1). With ``name`` of a pool that exists
+        with the same shape, that pool is attached instead (how a restarted rank finds
+        its pool again). Raises ``ValueError`` for a bad shape.
         """
-        kind = str(kind).lower()
-        spec = PoolLayout(kind=kind, page_size=page_size, size=size, layer_num=layer_num,
-                          head_num=head_num if kind == "mha" else 0,
-                          head_dim=head_dim if kind == "mha" else 0,
-                          kv_cache_dim=kv_cache_dim if kind == "mla" else 0,
-                          dtype=dtype_name(torch_dtype(dtype)),
-                          itemsize=torch_dtype(dtype).itemsize, layout=layout)
-        name = check_pool_name(name or f"{kind}-{uuid.uuid4().hex[:12]}")
+        spec = _layout(str(kind).lower(), size=size, page_size=page_size, layer_num=layer_num,
+                       head_num=head_num, head_dim=head_dim, kv_cache_dim=kv_cache_dim,
+                       index_head_dim=index_head_dim, dtype=dtype,
+                       temporal_shape=temporal_shape, temporal_dtype=temporal_dtype,
+                       conv_shapes=conv_shapes, conv_dtypes=conv_dtypes, layout=layout)
+        name = check_pool_name(name or f"{spec.kind}-{uuid.uuid4().hex[:12]}")
         return self._map(self._call("create_pool", name, spec))
 
     def attach_host_pool(self, name: str) -> HostPool:
@@ -127,8 +226,7 @@ class CacheClient:
         name = pool if isinstance(pool, str) else pool.name
         mapped = self._pools.pop(name, None)
         if mapped is not None:
-            if mapped is self._kv:
-                self._kv = None
+            self._registered = {k: v for k, v in self._registered.items() if v is not mapped}
             mapped.close()
         return self._call("destroy_pool", name)
 
@@ -140,53 +238,204 @@ class CacheClient:
             self._pools[handle.name] = pool
         return pool
 
+    def _own(self, pool, what: str) -> HostPool:
+        if not isinstance(pool, HostPool) or self._pools.get(pool.name) is not pool:
+            raise ValueError(f"{what} needs a pool returned by this client's create_host_pool "
+                             "or attach_host_pool")
+        return pool
+
     def register_mem_pool_host(self, pool: HostPool) -> None:
-        """Make ``pool`` this rank's KV pool for the v1 API.
+        """Make ``pool`` this rank's KV pool (v1 API and the v2 anchor).
 
         Raises ``ValueError`` if the pool was not mapped by this client or its kind does
         not match ``config.is_mla_model``.
         """
-        if not isinstance(pool, HostPool) or self._pools.get(pool.name) is not pool:
-            raise ValueError("register_mem_pool_host needs a pool returned by this client's "
-                             "create_host_pool or attach_host_pool")
+        self._own(pool, "register_mem_pool_host")
         want = "mla" if self.config.is_mla_model else "mha"
-        if pool.handle.layout.kind != want:
-            raise ValueError(f"pool {pool.name!r} is {pool.handle.layout.kind.upper()} but the "
+        if pool.kind != want:
+            raise ValueError(f"pool {pool.name!r} is {pool.kind.upper()} but the "
                              f"config says is_mla_model={self.config.is_mla_model}")
-        self._kv = pool
+        self._registered[PoolName.KV] = pool
 
-    def _kv_pool(self) -> HostPool:
-        if self._kv is None:
-            raise ValueError("no KV host pool is registered: call register_mem_pool_host(pool)")
-        return self._kv
+    def register_mem_host_pool_v2(self, pool, name: PoolName | str) -> None:
+        """Register ``pool`` as pool ``name`` for the v2 API.
+
+        A draft pool may also be a pool the engine allocated itself (any object with a
+        contiguous ``kv_buffer`` tensor, MHA ``(2, size, layers, heads, dim)`` or MLA
+        ``(size, layers, 1, dim)``, and ``page_size``): it is served through a shared
+        staging pool and a copy. A draft pool that cannot be served disables draft
+        offload with one warning. Other pools must come from this client.
+        """
+        name = _pool_name(name)
+        if name == PoolName.DRAFT and not isinstance(pool, HostPool):
+            self._register_engine_draft(pool)
+            return
+        self._own(pool, "register_mem_host_pool_v2")
+        check_key_rule(name, pool.kind)
+        if name == PoolName.KV:
+            self.register_mem_pool_host(pool)
+        self._registered[name] = pool
+
+    def _register_engine_draft(self, pool) -> None:
+        buf = getattr(pool, "kv_buffer", None)
+        page_size = getattr(pool, "page_size", None)
+        problem = None
+        if not isinstance(buf, torch.Tensor) or buf.dim() not in (4, 5):
+            problem = "it has no kv_buffer tensor of MHA (5-D) or MLA (4-D) shape"
+        elif buf.dim() == 5 and buf.shape[0] != 2:
+            problem = f"its MHA kv_buffer {tuple(buf.shape)} does not start with (2, ...)"
+        elif not buf.is_contiguous():
+            problem = ("its kv_buffer is not contiguous (heads split across ranks or a "
+                       "layer_first view), so a page is not one run of bytes")
+        elif not isinstance(page_size, int) or page_size < 1:
+            problem = f"its page_size {page_size!r} is not a positive int"
+        if problem:
+            if self._draft_disabled is None:
+                log.warning("draft offload disabled: the draft pool cannot be served: %s",
+                            problem)
+            self._draft_disabled = problem
+            return
+        slot = buf.shape[2:] if buf.dim() == 5 else buf.shape[1:]
+        kind = "mha" if buf.dim() == 5 else "mla"
+        size = buf.shape[1] if kind == "mha" else buf.shape[0]
+        dims = (dict(layer_num=slot[0], head_num=slot[1], head_dim=slot[2]) if kind == "mha"
+                else dict(layer_num=slot[0], kv_cache_dim=slot[2]))
+        staging = self.create_host_pool(kind, size=size, page_size=page_size, dtype=buf.dtype,
+                                        **dims)
+        self._registered[PoolName.DRAFT] = staging
+        self._staged[PoolName.DRAFT] = buf
+
+    def _pool(self, name: PoolName) -> HostPool:
+        pool = self._registered.get(name)
+        if pool is None:
+            hint = ("register_mem_pool_host(pool)" if name == PoolName.KV
+                    else f"register_mem_host_pool_v2(pool, PoolName.{name.name})")
+            raise ValueError(f"no {name.value!r} host pool is registered: call {hint}")
+        return pool
+
+    # -------------------------------------------------------- batches of pages
+    def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> _Plan:
+        """Validate ``transfers`` and lay out their objects in one batch (see _Plan)."""
+        if isinstance(transfers, PoolTransfer) or not isinstance(transfers, Sequence) \
+                or not transfers:
+            raise ValueError("transfers must be a non-empty list of PoolTransfer")
+        by_name: dict[PoolName, PoolTransfer] = {}
+        for t in transfers:
+            if not isinstance(t, PoolTransfer):
+                raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
+            name = _pool_name(t.name)
+            if name in by_name:
+                raise ValueError(f"pool {name.value!r} appears twice in one call")
+            by_name[name] = t
+        plan = _Plan()
+        for name, t in by_name.items():
+            keys, idx = self._resolve(name, t, by_name)
+            if name == PoolName.DRAFT and self._draft_disabled is not None:
+                plan.fixed[name] = [False] * len(keys)
+                continue
+            pool = self._pool(name)
+            layout = pool.handle.layout
+            try:
+                starts = layout.page_starts(_numpy(idx), len(keys))
+            except ValueError as e:
+                raise ValueError(f"pool {name.value!r}: {e}") from None
+            if write and is_replicated(name, pool.kind) and not self.plan.writes_replicated:
+                plan.fixed[name] = [True] * len(keys)
+                continue
+            if name in self._staged:
+                plan.staged[name] = (self._staged[name], pool, starts)
+            names = [b.name for b in layout.buffers]
+            offsets = layout.object_offsets(starts)
+            sizes = layout.object_sizes
+            first = len(plan.batch)
+            for i, h in enumerate(keys):
+                for j, obj in enumerate(self.plan.pool_keys(name, pool.kind, names, h)):
+                    plan.batch.add(obj, pool.name, offsets[i * len(sizes) + j], sizes[j])
+            plan.spans[name] = (first, len(sizes), len(keys))
+        if len(set(plan.batch.keys)) != len(plan.batch):
+            raise ValueError("the transfers name the same object twice")
+        return plan
+
+    def _resolve(self, name: PoolName, t: PoolTransfer,
+                 by_name: dict[PoolName, PoolTransfer]) -> tuple[list[str], object]:
+        """Keys and host indices of a transfer, a sidecar's taken from its source pool."""
+        if t.indices_from_pool is None:
+            if t.host_indices is None:
+                raise ValueError(f"pool {name.value!r}: the transfer has no host_indices")
+            return check_keys(t.keys), t.host_indices
+        if t.host_indices is not None:
+            raise ValueError(f"pool {name.value!r}: give host_indices or indices_from_pool, "
+                             "not both")
+        src_name = _pool_name(t.indices_from_pool)
+        src = by_name.get(src_name)
+        if src is None or src.indices_from_pool is not None or src.host_indices is None:
+            raise ValueError(f"pool {name.value!r} takes its indices from pool "
+                             f"{src_name.value!r}, which has no transfer with host_indices in "
+                             "this call")
+        return check_keys(t.keys if t.keys is not None else src.keys), src.host_indices
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
+        """Store the pages of every pool in one round trip (existence check and put of
+        the missing objects happen together in the node actor). Replicated pools are
+        written by TP rank 0 only; other ranks get True without writing."""
+        plan = self._plan_transfers(transfers, write=True)
+        for buf, staging, starts in plan.staged.values():
+            _copy_pages(buf, staging.kv_buffer, starts, staging.page_size)
+        codes = self._call("batch_put", plan.batch) if len(plan.batch) else []
+        return plan.results([c >= 0 for c in codes])
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
+        """Read the pages of every pool in one round trip; a page is True only if every
+        one of its objects was read in full."""
+        plan = self._plan_transfers(transfers, write=False)
+        codes = self._call("batch_get", plan.batch) if len(plan.batch) else []
+        out = plan.results([c == s for c, s in zip(codes, plan.batch.sizes, strict=True)])
+        for name, (buf, staging, starts) in plan.staged.items():
+            read = [s for s, ok in zip(starts, out[name], strict=True) if ok]
+            _copy_pages(staging.kv_buffer, buf, read, staging.page_size)
+        return out
+
+    def batch_exists_v2(self, keys: Sequence[str],
+                        transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
+        """The longest prefix of ``keys`` that KV and every pool in ``transfers`` can
+        restore together, from one existence check of all their objects.
+
+        A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
+        """
+        keys = check_keys(keys)
+        pools: dict[PoolName, tuple[HostPool, PoolHitPolicy, int]] = {
+            PoolName.KV: (self._pool(PoolName.KV), PoolHitPolicy.ALL_PAGES, 1)}
+        for t in transfers:
+            if not isinstance(t, PoolTransfer):
+                raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
+            name = _pool_name(t.name)
+            try:
+                policy = PoolHitPolicy(t.hit_policy)
+            except ValueError:
+                raise ValueError(f"pool {name.value!r}: unknown hit policy {t.hit_policy!r}; "
+                                 f"expected one of {[p.value for p in PoolHitPolicy]}") from None
+            if name == PoolName.KV or (name == PoolName.DRAFT and self._draft_disabled):
+                continue
+            if name in pools:
+                raise ValueError(f"pool {name.value!r} appears twice in one call")
+            pools[name] = (self._pool(name), policy, len(t.keys) if t.keys else 1)
+        objects: dict[str, int] = {}
+        spans = {}
+        for name, (pool, _, _) in pools.items():
+            names = [b.name for b in pool.handle.layout.buffers]
+            spans[name] = [[objects.setdefault(o, len(objects))
+                            for o in self.plan.pool_keys(name, pool.kind, names, h)]
+                           for h in keys]
+        codes = self._call("batch_is_exist", list(objects))
+        presence = {name: PoolPresence([all(codes[i] == 1 for i in page) for page in pages],
+                                       pools[name][1], pools[name][2])
+                    for name, pages in spans.items()}
+        return resolve_hits(presence.pop(PoolName.KV), presence)
 
     # ------------------------------------------------------------ v1 (pages)
-    def _kv_batch(self, keys: Sequence[str], host_indices) -> tuple[ObjectBatch, int]:
-        keys = check_keys(keys)
-        pool = self._kv_pool()
-        layout = pool.handle.layout
-        idx = host_indices.cpu().numpy() if isinstance(host_indices, torch.Tensor) \
-            else host_indices
-        offsets = layout.object_offsets(layout.page_starts(idx, len(keys)))
-        batch = ObjectBatch()
-        per_page = layout.objects_per_page
-        for i, h in enumerate(keys):
-            for j, obj in enumerate(self.plan.kv_keys(h)):
-                batch.add(obj, pool.name, offsets[i * per_page + j], layout.object_bytes)
-        return batch, per_page
-
-    @staticmethod
-    def _pages(codes: list[int], per_page: int, ok) -> list[bool]:
-        return [all(ok(c) for c in codes[i:i + per_page]) for i in range(0, len(codes), per_page)]
-
     def batch_exists(self, keys: Sequence[str]) -> int:
         """Number of leading pages whose KV objects all exist in the store."""
-        keys = check_keys(keys)
-        objs = [o for h in keys for o in self.plan.kv_keys(h)]
-        codes = self._call("batch_is_exist", objs)
-        per_page = len(objs) // len(keys)
-        hits = self._pages(codes, per_page, lambda c: c == 1)
-        return hits.index(False) if False in hits else len(hits)
+        return self.batch_exists_v2(keys).kv_hit_pages
 
     def batch_set_v1(self, keys: Sequence[str], host_indices) -> list[bool]:
         """Store the KV pages at ``host_indices`` under ``keys`` (put-if-absent).
@@ -194,17 +443,11 @@ class CacheClient:
         On an MLA model only TP rank 0 writes; other ranks validate and report success,
         as their pages are identical.
         """
-        batch, per_page = self._kv_batch(keys, host_indices)
-        if self.config.is_mla_model and not self.plan.writes_replicated:
-            return [True] * (len(batch) // per_page)
-        return self._pages(self._call("batch_put", batch), per_page, lambda c: c >= 0)
+        return self.batch_set_v2([PoolTransfer(PoolName.KV, keys, host_indices)])[PoolName.KV]
 
     def batch_get_v1(self, keys: Sequence[str], host_indices) -> list[bool]:
         """Read the KV pages under ``keys`` into the pool at ``host_indices``."""
-        batch, per_page = self._kv_batch(keys, host_indices)
-        codes = self._call("batch_get", batch)
-        return self._pages([c == s for c, s in zip(codes, batch.sizes, strict=True)],
-                           per_page, bool)
+        return self.batch_get_v2([PoolTransfer(PoolName.KV, keys, host_indices)])[PoolName.KV]
 
     # ---------------------------------------------------- legacy pointer API
     def _pointer_batch(self, keys, target_locations, target_sizes) -> ObjectBatch:
@@ -252,4 +495,5 @@ class CacheClient:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-        self._kv = None
+        self._registered.clear()
+        self._staged.clear()

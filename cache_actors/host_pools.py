@@ -44,7 +44,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class HostPool:
-    """One MHA or MLA host pool mapped from shared memory (``page_first`` layout)."""
+    """One host pool mapped from shared memory (``page_first`` layout).
+
+    Tensors, all views of the shared bytes: ``buffers`` (one ``(size, *slot_shape)``
+    tensor per buffer, in key order); MHA/MLA ``kv_buffer``; Mamba ``temporal_buffer``
+    (None when the temporal state is empty) and ``conv_buffer`` (a list); indexer
+    ``indexer_buffer``.
+    """
 
     def __init__(self, handle: PoolHandle, mm: mmap.mmap, owner: bool) -> None:
         self.handle = handle
@@ -52,9 +58,26 @@ class HostPool:
         self._owner = owner
         layout = handle.layout
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes)
-        self.kv_buffer = self._bytes.view(torch_dtype(layout.dtype)).view(layout.shape)
         self.base_ptr: int = self._bytes.data_ptr()
         self._pinned = False
+        self.buffers: list[torch.Tensor] = [
+            self._bytes[off:off + layout.size * b.slot_bytes]
+            .view(torch_dtype(b.dtype)).view(layout.size, *b.slot_shape)
+            for off, b in zip(layout.buffer_offsets, layout.buffers, strict=True)
+        ]
+        named = {b.name: t for b, t in zip(layout.buffers, self.buffers, strict=True)}
+        if layout.kind == "mha":
+            k = layout.buffers[0]
+            self.kv_buffer = self._bytes.view(torch_dtype(k.dtype)).view(
+                2, layout.size, *k.slot_shape)
+        elif layout.kind == "mla":
+            self.kv_buffer = named["kv"]
+        elif layout.kind == "mamba":
+            self.temporal_buffer = named.get("temporal")
+            self.conv_buffer = [t for b, t in zip(layout.buffers, self.buffers, strict=True)
+                                if b.name.startswith("conv_")]
+        else:
+            self.indexer_buffer = named["indexer"]
 
     @classmethod
     def create(cls, handle: PoolHandle) -> HostPool:
@@ -84,8 +107,12 @@ class HostPool:
         return self.handle.layout.size
 
     @property
+    def kind(self) -> str:
+        return self.handle.layout.kind
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.kv_buffer.dtype
+        return self.buffers[0].dtype
 
     @property
     def nbytes(self) -> int:
@@ -95,15 +122,19 @@ class HostPool:
         """Pointers and byte sizes of the objects of the pages at ``indices``.
 
         ``indices`` are token slots, ``page_size`` per page (as SGLang passes them).
-        Returns ``(ptr_list, size_list)`` in key order: per page K then V (MHA) or the
-        latent (MLA). Raises ``ValueError`` for slots that are not whole pages in range.
+        Returns ``(ptr_list, size_list)`` page by page in key order (MHA: K then V; Mamba:
+        temporal then conv buffers). Raises ``ValueError`` for slots that are not whole
+        pages in range.
         """
         layout = self.handle.layout
         idx = indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
-        n = len(idx) // layout.page_size
-        starts = layout.page_starts(idx, n)
+        starts = layout.page_starts(idx, len(idx) // layout.page_size)
         ptrs = [self.base_ptr + off for off in layout.object_offsets(starts)]
-        return ptrs, [layout.object_bytes] * len(ptrs)
+        return ptrs, layout.object_sizes * len(starts)
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """Every buffer of the pool as a ``(size, *slot_shape)`` tensor, in key order."""
+        return list(self.buffers)
 
     def offset_of(self, ptr: int, size: int) -> int | None:
         """Offset of ``[ptr, ptr + size)`` inside this mapping, or None if it is not inside."""
@@ -126,7 +157,9 @@ class HostPool:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned = False
-        del self.kv_buffer, self._bytes
+        for view in ("kv_buffer", "temporal_buffer", "conv_buffer", "indexer_buffer"):
+            self.__dict__.pop(view, None)
+        del self.buffers, self._bytes
         try:
             self._mm.close()
         except BufferError:

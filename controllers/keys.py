@@ -13,7 +13,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controllers.contract import StorageConfig
+from controllers.contract import PoolName, StorageConfig
+
+# The (pool, pool kind) pairs that have a key rule; everything else is refused.
+KEY_RULES = frozenset({
+    (PoolName.KV, "mha"), (PoolName.KV, "mla"),
+    (PoolName.SWA, "mha"), (PoolName.SWA, "mla"),
+    (PoolName.DRAFT, "mha"), (PoolName.DRAFT, "mla"),
+    (PoolName.INDEXER, "indexer"),
+    (PoolName.MAMBA, "mamba"),
+})
+
+
+def check_key_rule(pool: PoolName, kind: str) -> None:
+    """Raise ``ValueError`` unless a ``kind`` pool can be stored as ``pool``."""
+    if (pool, kind) not in KEY_RULES:
+        allowed = sorted(k for p, k in KEY_RULES if p == pool)
+        raise ValueError(f"pool kind {kind!r} has no key rule as pool {pool.value!r} "
+                         f"(allowed kinds: {allowed})")
+
+
+def is_replicated(pool: PoolName, kind: str) -> bool:
+    """Whether ``pool`` data is identical on every TP rank (stored once, by TP rank 0):
+    MLA-kind KV, SWA and draft pools, and the DSA indexer. Mamba is always sharded."""
+    return kind in ("mla", "indexer") and pool != PoolName.MAMBA
 
 
 def key_prefix(model_name: str | None, extra_backend_tag: str | None) -> str:
@@ -95,6 +118,28 @@ class KeyPlan:
         if swa_is_mla:
             return self._replicated(page_hash, "swa")
         return self._sharded(page_hash, "swa_k", "swa_v")
+
+    def pool_keys(self, pool: PoolName, kind: str, buffer_names: list[str],
+                  page_hash: str) -> list[str]:
+        """Object keys of one page of a ``kind`` pool registered as ``pool``, one per
+        buffer in ``buffer_names`` order. ``ValueError`` if the pair has no key rule."""
+        check_key_rule(pool, kind)
+        mla = kind == "mla"
+        if pool == PoolName.KV:
+            keys = self.kv_keys(page_hash)
+        elif pool == PoolName.SWA:
+            keys = self.swa_keys(page_hash, swa_is_mla=mla)
+        elif pool == PoolName.DRAFT:
+            keys = self.draft_keys(page_hash, draft_is_mla=mla)
+        elif pool == PoolName.INDEXER:
+            keys = self.indexer_keys(page_hash)
+        else:
+            num_conv = sum(n.startswith("conv_") for n in buffer_names)
+            keys = self.mamba_keys(page_hash, num_conv, "temporal" in buffer_names)
+        if len(keys) != len(buffer_names):
+            raise ValueError(f"pool {pool.value!r} has buffers {buffer_names} but its key rule "
+                             f"gives {len(keys)} objects per page")
+        return keys
 
     @property
     def writes_replicated(self) -> bool:

@@ -1,19 +1,32 @@
 """Host pool geometry and page arithmetic (DESIGN section 5). Pure: numpy only.
 
+A pool is one shared segment holding one or more *buffers*. Every buffer is laid out
+``page_first``: token slot outermost, so the ``page_size`` slots of one page are one
+contiguous run of bytes in each buffer, and a page is one Mooncake object per buffer.
+
+Kinds and their buffers (in key order):
+- ``mha``: ``k``, ``v``, each ``(size, layer_num, head_num, head_dim)``; back to back, so
+  ``kv_buffer`` is one ``(2, size, layer_num, head_num, head_dim)`` tensor.
+- ``mla``: ``kv``, ``(size, layer_num, 1, kv_cache_dim)``.
+- ``mamba``: ``temporal`` (absent when the temporal state is empty) then ``conv_0``,
+  ``conv_1``... of their own shapes and dtypes; ``page_size`` 1, one slot per checkpoint.
+- ``indexer``: ``indexer``, ``(size, layer_num, index_head_dim)`` (DSA indexer keys).
+
 Units: ``size`` and ``page_size`` count token slots; offsets and sizes count bytes from
-the start of the pool's shared segment. ``host_indices`` are token-slot indices, one
-per token, ``page_size`` per page, each page's slots contiguous and page-aligned.
+the start of the pool's segment. ``host_indices`` are token-slot indices, one per token,
+``page_size`` per page, each page's slots contiguous and page-aligned.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-POOL_KINDS = ("mha", "mla")
+POOL_KINDS = ("mha", "mla", "mamba", "indexer")
 LAYOUTS = ("page_first", "layer_first")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -28,28 +41,45 @@ def check_pool_name(name: str) -> str:
     return name
 
 
+def _positive(what: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer of a pool: its name, the shape of one token slot, its dtype."""
+
+    name: str
+    slot_shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slot_shape", tuple(self.slot_shape))
+        for i, d in enumerate(self.slot_shape):
+            _positive(f"buffer {self.name!r} dimension {i}", d)
+        _positive(f"buffer {self.name!r} itemsize", self.itemsize)
+
+    @property
+    def slot_bytes(self) -> int:
+        return math.prod(self.slot_shape) * self.itemsize
+
+
 @dataclass(frozen=True)
 class PoolLayout:
-    """Shape of one host pool.
-
-    MHA: ``kv_buffer`` is ``(2, size, layer_num, head_num, head_dim)``; a page is two
-    objects (K, V) of ``page_size * layer_num * head_num * head_dim * itemsize`` bytes.
-    MLA: ``kv_buffer`` is ``(size, layer_num, 1, kv_cache_dim)``; a page is one object of
-    ``page_size * layer_num * kv_cache_dim * itemsize`` bytes.
-    """
+    """Shape of one host pool: kind, page geometry and buffers (see module docstring)."""
 
     kind: str
     page_size: int
     size: int
-    layer_num: int
-    dtype: str
-    itemsize: int
-    head_num: int = 0
-    head_dim: int = 0
-    kv_cache_dim: int = 0
+    buffers: tuple[BufferSpec, ...]
     layout: str = "page_first"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "buffers", tuple(
+            b if isinstance(b, BufferSpec) else BufferSpec(**b) for b in self.buffers))
         if self.kind not in POOL_KINDS:
             raise ValueError(f"pool kind {self.kind!r} is unknown: expected one of {POOL_KINDS}")
         if self.layout not in LAYOUTS:
@@ -57,52 +87,93 @@ class PoolLayout:
         if self.layout != "page_first":
             raise ValueError(
                 f"{self.kind.upper()} layout {self.layout!r} cannot be served: a page must be "
-                "contiguous across layers to be one Mooncake object; use 'page_first'"
-            )
-        dims = {"page_size": self.page_size, "size": self.size, "layer_num": self.layer_num,
-                "itemsize": self.itemsize}
-        if self.kind == "mha":
-            dims |= {"head_num": self.head_num, "head_dim": self.head_dim}
-        else:
-            dims |= {"kv_cache_dim": self.kv_cache_dim}
-        for what, value in dims.items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{self.kind} pool {what} must be a positive int, got {value!r}")
+                "contiguous across layers to be one Mooncake object; use 'page_first'")
+        _positive(f"{self.kind} pool page_size", self.page_size)
+        _positive(f"{self.kind} pool size", self.size)
         if self.size % self.page_size:
-            raise ValueError(
-                f"pool size {self.size} is not a multiple of page_size {self.page_size}"
-            )
+            raise ValueError(f"pool size {self.size} is not a multiple of page_size "
+                             f"{self.page_size}")
+        if self.kind == "mamba" and self.page_size != 1:
+            raise ValueError(f"a mamba pool holds one checkpoint per slot: page_size must be "
+                             f"1, got {self.page_size}")
+        if not self.buffers:
+            raise ValueError(f"a {self.kind} pool needs at least one buffer")
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of ``kv_buffer`` in elements."""
-        if self.kind == "mha":
-            return (2, self.size, self.layer_num, self.head_num, self.head_dim)
-        return (self.size, self.layer_num, 1, self.kv_cache_dim)
+    # ------------------------------------------------------------ factories
+    @classmethod
+    def mha(cls, *, page_size: int, size: int, layer_num: int, head_num: int, head_dim: int,
+            dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+        shape = (_positive("mha pool layer_num", layer_num),
+                 _positive("mha pool head_num", head_num),
+                 _positive("mha pool head_dim", head_dim))
+        return cls("mha", page_size, size, (BufferSpec("k", shape, dtype, itemsize),
+                                            BufferSpec("v", shape, dtype, itemsize)), layout)
 
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token slot of one buffer (K, V or the MLA latent)."""
-        per_layer = self.head_num * self.head_dim if self.kind == "mha" else self.kv_cache_dim
-        return self.layer_num * per_layer * self.itemsize
+    @classmethod
+    def mla(cls, *, page_size: int, size: int, layer_num: int, kv_cache_dim: int, dtype: str,
+            itemsize: int, layout: str = "page_first") -> PoolLayout:
+        shape = (_positive("mla pool layer_num", layer_num), 1,
+                 _positive("mla pool kv_cache_dim", kv_cache_dim))
+        return cls("mla", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), layout)
 
-    @property
-    def object_bytes(self) -> int:
-        """Bytes of one page object (one of K/V for MHA, the page for MLA)."""
-        return self.page_size * self.token_bytes
+    @classmethod
+    def indexer(cls, *, page_size: int, size: int, layer_num: int, index_head_dim: int,
+                dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+        shape = (_positive("indexer pool layer_num", layer_num),
+                 _positive("indexer pool index_head_dim", index_head_dim))
+        return cls("indexer", page_size, size,
+                   (BufferSpec("indexer", shape, dtype, itemsize),), layout)
 
-    @property
-    def objects_per_page(self) -> int:
-        return 2 if self.kind == "mha" else 1
+    @classmethod
+    def mamba(cls, *, size: int, temporal: tuple[tuple[int, ...], str, int] | None,
+              convs: Sequence[tuple[tuple[int, ...], str, int]]) -> PoolLayout:
+        """``temporal`` and each of ``convs`` are ``(slot_shape, dtype, itemsize)``; a
+        temporal state with no elements (or None) has no buffer and no object."""
+        if not convs:
+            raise ValueError("a mamba pool needs at least one conv buffer")
+        buffers = []
+        if temporal is not None and math.prod(temporal[0]) > 0:
+            buffers.append(BufferSpec("temporal", *temporal))
+        buffers += [BufferSpec(f"conv_{i}", *c) for i, c in enumerate(convs)]
+        return cls("mamba", 1, size, tuple(buffers))
 
+    # ------------------------------------------------------------- geometry
     @property
-    def num_pages(self) -> int:
-        return self.size // self.page_size
+    def buffer_offsets(self) -> list[int]:
+        """Byte offset of each buffer in the segment (aligned to the buffer's itemsize)."""
+        offsets, end = [], 0
+        for b in self.buffers:
+            end = -(-end // b.itemsize) * b.itemsize
+            offsets.append(end)
+            end += self.size * b.slot_bytes
+        return offsets
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
-        return self.objects_per_page * self.size * self.token_bytes
+        last = self.buffers[-1]
+        return self.buffer_offsets[-1] + self.size * last.slot_bytes
+
+    @property
+    def objects_per_page(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def object_sizes(self) -> list[int]:
+        """Bytes of one page's object in each buffer, in key order."""
+        return [self.page_size * b.slot_bytes for b in self.buffers]
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of every page object, for pools whose buffers all have one size."""
+        sizes = set(self.object_sizes)
+        if len(sizes) != 1:
+            raise ValueError(f"{self.kind} pool objects differ in size: {self.object_sizes}")
+        return sizes.pop()
+
+    @property
+    def num_pages(self) -> int:
+        return self.size // self.page_size
 
     def page_starts(self, host_indices: Sequence[int] | np.ndarray, num_keys: int) -> list[int]:
         """Validate ``host_indices`` for ``num_keys`` pages; return each page's first slot.
@@ -117,8 +188,7 @@ class PoolLayout:
         if idx.size != num_keys * self.page_size:
             raise ValueError(
                 f"host_indices has {idx.size} entries but {num_keys} keys need "
-                f"{num_keys * self.page_size} ({self.page_size} per page)"
-            )
+                f"{num_keys * self.page_size} ({self.page_size} per page)")
         if idx.size == 0:
             return []
         lo, hi = int(idx.min()), int(idx.max())
@@ -138,15 +208,10 @@ class PoolLayout:
         return starts.tolist()
 
     def object_offsets(self, page_starts: Sequence[int]) -> list[int]:
-        """Byte offsets of every object of every page, in key order (K then V per page)."""
-        tb = self.token_bytes
-        if self.kind == "mla":
-            return [s * tb for s in page_starts]
-        v_base = self.size * tb
-        out: list[int] = []
-        for s in page_starts:
-            out += (s * tb, v_base + s * tb)
-        return out
+        """Byte offsets of every object of every page, page by page in key order."""
+        per_buffer = list(zip(self.buffer_offsets, (b.slot_bytes for b in self.buffers),
+                              strict=True))
+        return [base + s * slot for s in page_starts for base, slot in per_buffer]
 
     def locate(self, offset: int, size: int) -> None:
         """Raise ``ValueError`` unless ``[offset, offset + size)`` lies inside the pool."""

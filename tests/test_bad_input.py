@@ -7,7 +7,7 @@ import torch
 
 from cache_actors import CacheClient
 from cache_actors.object_batch import ObjectBatch
-from controllers import StorageConfig
+from controllers import PoolName, StorageConfig
 from tests.ranks import MHA, MLA, indices
 
 
@@ -55,7 +55,7 @@ def test_exists_bad_keys(client, keys, msg):
 
 
 def test_pointer_api_bad_input(client):
-    pool = client._kv_pool()
+    pool = client._pool(PoolName.KV)
     ptrs, sizes = pool.get_page_buffer_meta(indices(0, 1))
     outside = torch.zeros(4096, dtype=torch.uint8)
     before = moved(client)
@@ -75,7 +75,7 @@ def test_pointer_api_bad_input(client):
 
 def test_unregistered_pool(cluster):
     c = CacheClient(StorageConfig())
-    with pytest.raises(ValueError, match="no KV host pool is registered"):
+    with pytest.raises(ValueError, match="no 'kv' host pool is registered"):
         c.batch_set_v1(["a"], indices(0, 1))
     with pytest.raises(ValueError, match="pool returned by this client"):
         c.register_mem_pool_host(object())
@@ -123,7 +123,7 @@ def test_attach_missing_pool(client):
 def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
     """Requests that bypass the client are checked again by the actor itself."""
     actor = cluster.node_actors[client.node_id]
-    pool = client._kv_pool()
+    pool = client._pool(PoolName.KV)
     bad = [
         ObjectBatch([f"{uid}a"], [pool.name], [pool.nbytes], [8]),
         ObjectBatch([f"{uid}a"], ["no-such-pool"], [0], [8]),
