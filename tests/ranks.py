@@ -63,3 +63,58 @@ def start_rank(node_id: str, config: StorageConfig, **kw):
 
 def indices(start: int, n: int, page_size: int = 4) -> torch.Tensor:
     return torch.arange(start, start + n * page_size)
+
+
+# Pools of a small hybrid deployment: KV, Mamba (temporal + two conv buffers of other
+# shapes and dtypes), SWA, DSA indexer and an MHA draft model. ``size`` counts slots.
+HYBRID = {
+    "kv": ("mha", MHA),
+    "mamba": ("mamba", dict(size=16, temporal_shape=(2, 3, 4), temporal_dtype=torch.float32,
+                            conv_shapes=[(2, 5), (2, 3, 2)],
+                            conv_dtypes=[torch.bfloat16, torch.float16])),
+    "swa": ("mha", MHA),
+    "indexer": ("indexer", dict(page_size=4, size=64, layer_num=2, index_head_dim=12,
+                                dtype=torch.uint8)),
+    "draft": ("mha", dict(MHA, layer_num=1)),
+}
+
+
+@ray.remote(num_cpus=0)
+class HybridRank:
+    """A rank with several pools registered for the v2 API (``pools``: name -> (kind,
+    create_host_pool kwargs), a subset of ``HYBRID`` by default)."""
+
+    def __init__(self, config: StorageConfig, pools: dict | None = None) -> None:
+        from controllers import PoolName
+
+        self.client = CacheClient(config)
+        self.pools = {}
+        for name, (kind, kw) in (pools or HYBRID).items():
+            pool = self.client.create_host_pool(kind, **kw)
+            self.client.register_mem_host_pool_v2(pool, PoolName(name))
+            self.pools[name] = pool
+
+    def node_id(self) -> str:
+        return self.client.node_id
+
+    def fill(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for pool in self.pools.values():
+            for buf in pool.buffers:
+                raw = buf.view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+
+    def slots(self, name: str, slots: list[int]) -> list[torch.Tensor]:
+        """Copies of the given slots of every buffer of pool ``name``."""
+        idx = torch.as_tensor(slots)
+        return [b.index_select(0, idx).clone() for b in self.pools[name].buffers]
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.client, method)(*args, **kwargs)
+
+
+def start_hybrid(node_id: str, config: StorageConfig, pools: dict | None = None):
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    rank = HybridRank.options(scheduling_strategy=strategy).remote(config, pools)
+    assert ray.get(rank.node_id.remote()) == node_id
+    return rank
