@@ -128,11 +128,12 @@ class PoolLayout:
     def mamba(cls, *, size: int, temporal: tuple[tuple[int, ...], str, int] | None,
               convs: Sequence[tuple[tuple[int, ...], str, int]]) -> PoolLayout:
         """``temporal`` and each of ``convs`` are ``(slot_shape, dtype, itemsize)``; a
-        temporal state with no elements (or None) has no buffer and no object."""
+        temporal state that is None, ``()`` or has a zero dimension (conv-only models) has
+        no buffer and no object."""
         if not convs:
             raise ValueError("a mamba pool needs at least one conv buffer")
         buffers = []
-        if temporal is not None and math.prod(temporal[0]) > 0:
+        if temporal is not None and len(temporal[0]) and math.prod(temporal[0]) > 0:
             buffers.append(BufferSpec("temporal", *temporal))
         buffers += [BufferSpec(f"conv_{i}", *c) for i, c in enumerate(convs)]
         return cls("mamba", 1, size, tuple(buffers))

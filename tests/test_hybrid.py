@@ -136,6 +136,28 @@ def test_tag_and_model_found_by_exists_v2(cluster, uid):
         store.close()
 
 
+def test_conv_only_mamba_has_no_temporal_object(hybrid, cluster, uid):
+    client = CacheClient(StorageConfig(model_name="conv/only"))
+    client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+    pool = client.create_host_pool("mamba", size=4, temporal_shape=(), conv_shapes=[(3, 4)],
+                                   dtype=torch.float32)
+    assert pool.temporal_buffer is None and len(pool.conv_buffer) == 1
+    client.register_mem_host_pool_v2(pool, MAMBA)
+    pool.conv_buffer[0].copy_(torch.randn(4, 3, 4))
+    keys = [f"{uid}-0", f"{uid}-1"]
+    assert client.batch_set_v2([PoolTransfer(KV, keys, indices(0, 2)),
+                                PoolTransfer(MAMBA, keys[1:], torch.tensor([2]), TRAIL)]) == {
+        KV: [True, True], MAMBA: [True]}
+    assert client.batch_exists_v2(keys, [PoolTransfer(MAMBA, keys[1:], None, TRAIL)]
+                                  ).kv_hit_pages == 2
+    expected = pool.conv_buffer[0][2].clone()
+    assert client.batch_get_v2([PoolTransfer(MAMBA, keys[1:], torch.tensor([0]), TRAIL)]) == {
+        MAMBA: [True]}
+    assert torch.equal(pool.conv_buffer[0][0], expected)
+    ptrs, sizes = pool.get_page_buffer_meta(torch.tensor([1, 3]))
+    assert sizes == [3 * 4 * 4] * 2 and ptrs[1] - ptrs[0] == 2 * 48
+
+
 def test_mla_model_rank_scoping(cluster, uid):
     """Mamba keys carry the TP rank in an MLA model; the indexer is stored once."""
     node1, node2 = cluster.node_ids
