@@ -1,0 +1,86 @@
+"""Deployment registry, group object naming and group hits (pure logic)."""
+
+import pytest
+
+from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from controllers.deployments import (
+    Deployment,
+    DeploymentRegistry,
+    PoolQuery,
+    PoolSpec,
+    deployment_id,
+    group_hits,
+    group_objects,
+)
+
+KV_MHA = PoolSpec(PoolName.KV, "mha", ("k", "v"))
+KV_MLA = PoolSpec(PoolName.KV, "mla", ("kv",))
+MAMBA = PoolSpec(PoolName.MAMBA, "mamba", ("temporal", "conv_0"))
+IDX = PoolSpec(PoolName.INDEXER, "indexer", ("indexer",))
+
+
+def cfg(**kw) -> StorageConfig:
+    return StorageConfig(model_name="org/m", **kw)
+
+
+def test_deployment_id():
+    assert deployment_id(cfg()) == "org-m"
+    assert deployment_id(StorageConfig()) == "default"
+    assert deployment_id(cfg(extra_config={"extra_backend_tag": "t"})) == "t_org-m"
+
+
+def test_register_and_conflicts():
+    reg = DeploymentRegistry()
+    reg.register_rank(cfg(tp_rank=0, tp_size=2), [KV_MHA, MAMBA], "n1")
+    dep = reg.register_rank(cfg(tp_rank=1, tp_size=2), [KV_MHA, MAMBA], "n2")
+    assert dep.ranks == {"0,0": "n1", "1,0": "n2"}
+    with pytest.raises(ValueError, match="says tp_size=4 but its group registered tp_size=2"):
+        reg.register_rank(cfg(tp_rank=1, tp_size=4), [KV_MHA], "n1")
+    with pytest.raises(ValueError, match="is_mla_model=True"):
+        reg.register_rank(cfg(tp_rank=1, tp_size=2, is_mla_model=True), [KV_MLA], "n1")
+    with pytest.raises(ValueError, match="pool 'mamba' is mamba \\['conv_0'\\]"):
+        reg.register_rank(cfg(tp_rank=1, tp_size=2),
+                          [KV_MHA, PoolSpec(PoolName.MAMBA, "mamba", ("conv_0",))], "n1")
+    with pytest.raises(ValueError, match="must register a kv pool"):
+        reg.register_rank(cfg(), [MAMBA], "n1")
+    with pytest.raises(ValueError, match="'other' is not registered"):
+        reg.get("other")
+    with pytest.raises(ValueError, match="no key rule"):
+        PoolSpec(PoolName.KV, "mamba", ("conv_0",))
+
+
+def test_checkpoint_round_trip():
+    reg = DeploymentRegistry()
+    dep = reg.register_rank(cfg(tp_size=2), [KV_MHA, MAMBA], "n1")
+    assert Deployment.from_dict(dep.to_dict()) == dep
+
+
+def test_group_objects_mla_replicated_once():
+    reg = DeploymentRegistry()
+    dep = reg.register_rank(cfg(tp_size=2, is_mla_model=True), [KV_MLA, MAMBA, IDX], "n")
+    objects, layout = group_objects(dep, ["h"], [PoolQuery(PoolName.MAMBA),
+                                                 PoolQuery(PoolName.INDEXER)])
+    assert sorted(objects) == sorted(["org-m_h__k", "org-m_h__indexer",
+                                      "org-m_h_0_temporal", "org-m_h_0_conv_0",
+                                      "org-m_h_1_temporal", "org-m_h_1_conv_0"])
+    assert layout[(0, 0)][PoolName.KV] == layout[(1, 0)][PoolName.KV]
+    with pytest.raises(ValueError, match="registered no 'swa' pool"):
+        group_objects(dep, ["h"], [PoolQuery(PoolName.SWA)])
+
+
+def test_group_hits_intersect_ranks_and_pp():
+    reg = DeploymentRegistry()
+    dep = reg.register_rank(cfg(tp_size=2, pp_size=2), [KV_MHA, MAMBA], "n")
+    hashes = [f"p{i}" for i in range(4)]
+    q = [PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 1)]
+    objects, layout = group_objects(dep, hashes, q)
+    assert len(objects) == 4 * 4 * 4  # 4 ranks x 4 pages x (k, v, temporal, conv_0)
+    present = set(objects)
+    present.discard("org-m_p3_1_1_v")          # rank tp1/pp1 lacks KV of page 3
+    for h in ("p0", "p2"):                        # Mamba states only after pages 1 and 3
+        for r in ("0_0", "1_0", "0_1", "1_1"):
+            present.discard(f"org-m_{h}_{r}_temporal")
+    result = group_hits(layout, q, [int(o in present) for o in objects])
+    assert result.kv_hit_pages == 2
+    assert result.restorable_prefix_pages == [0, 2]
+    assert result.extra_pool_hit_pages == {PoolName.MAMBA: 1}
