@@ -13,6 +13,7 @@ stored; ``batch_get`` -> number of leading objects read in full.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -31,9 +32,9 @@ from controllers.contract import (
     PoolTransferResult,
     StorageConfig,
 )
-from controllers.hit_resolution import PoolPresence, resolve_hits
+from controllers.deployments import PoolQuery, PoolSpec, group_hits
 from controllers.keys import KeyPlan, check_key_rule, is_replicated
-from controllers.naming import NAMESPACE, node_actor_name
+from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 from controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)
@@ -167,14 +168,28 @@ class CacheClient:
         self._registered: dict[PoolName, HostPool] = {}
         self._staged: dict[PoolName, torch.Tensor] = {}
         self._draft_disabled: str | None = None
+        self._namespace = namespace
+        self._controller = None
+        self._deployment: tuple[str, tuple[PoolSpec, ...]] | None = None
 
     def _call(self, method: str, *args):
+        return self._ask(self._actor, method, *args)
+
+    def _ask(self, actor, method: str, *args):
         try:
-            return ray.get(getattr(self._actor, method).remote(*args))
+            return ray.get(getattr(actor, method).remote(*args))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._reattach()
             raise NodeUnavailableError(
-                f"the raykv cache actor of node {self.node_id[:12]} is unavailable ({e}); "
+                f"raykv actor for {method} (node {self.node_id[:12]}) is unavailable ({e}); "
                 "it is restarted automatically: retry the call") from e
+
+    def _reattach(self) -> None:
+        """Look the node actor and controller up by name again, so the next call reaches
+        a replacement (one the reconciler started after the old one died for good)."""
+        with contextlib.suppress(ValueError):
+            self._actor = ray.get_actor(node_actor_name(self.node_id), namespace=self._namespace)
+        self._controller = None
 
     # ----------------------------------------------------------------- pools
     def create_host_pool(
@@ -395,16 +410,10 @@ class CacheClient:
             _copy_pages(staging.kv_buffer, buf, read, staging.page_size)
         return out
 
-    def batch_exists_v2(self, keys: Sequence[str],
-                        transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
-        """The longest prefix of ``keys`` that KV and every pool in ``transfers`` can
-        restore together, from one existence check of all their objects.
-
-        A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
-        """
-        keys = check_keys(keys)
-        pools: dict[PoolName, tuple[HostPool, PoolHitPolicy, int]] = {
-            PoolName.KV: (self._pool(PoolName.KV), PoolHitPolicy.ALL_PAGES, 1)}
+    def _queries(self, transfers: Sequence[PoolTransfer]) -> list[PoolQuery]:
+        """Validated (pool, hit policy, window) of each extra pool of an exists call;
+        KV is implied and a disabled draft pool is left out."""
+        queries: dict[PoolName, PoolQuery] = {}
         for t in transfers:
             if not isinstance(t, PoolTransfer):
                 raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
@@ -416,21 +425,66 @@ class CacheClient:
                                  f"expected one of {[p.value for p in PoolHitPolicy]}") from None
             if name == PoolName.KV or (name == PoolName.DRAFT and self._draft_disabled):
                 continue
-            if name in pools:
+            if name in queries:
                 raise ValueError(f"pool {name.value!r} appears twice in one call")
-            pools[name] = (self._pool(name), policy, len(t.keys) if t.keys else 1)
+            self._pool(name)
+            queries[name] = PoolQuery(name, policy, len(t.keys) if t.keys else 1)
+        return list(queries.values())
+
+    def batch_exists_v2(self, keys: Sequence[str],
+                        transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
+        """The longest prefix of ``keys`` that KV and every pool in ``transfers`` can
+        restore together, for this rank, from one existence check of all their objects.
+
+        A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
+        """
+        keys = check_keys(keys)
+        kv = self._pool(PoolName.KV)
+        queries = self._queries(transfers)
         objects: dict[str, int] = {}
         spans = {}
-        for name, (pool, _, _) in pools.items():
+        for name, pool in [(PoolName.KV, kv), *((q.name, self._pool(q.name)) for q in queries)]:
             names = [b.name for b in pool.handle.layout.buffers]
             spans[name] = [[objects.setdefault(o, len(objects))
                             for o in self.plan.pool_keys(name, pool.kind, names, h)]
                            for h in keys]
         codes = self._call("batch_is_exist", list(objects))
-        presence = {name: PoolPresence([all(codes[i] == 1 for i in page) for page in pages],
-                                       pools[name][1], pools[name][2])
-                    for name, pages in spans.items()}
-        return resolve_hits(presence.pop(PoolName.KV), presence)
+        return group_hits({(self.config.tp_rank, self.config.pp_rank): spans}, queries, codes)
+
+    # ------------------------------------------------------------ group hits
+    def register_deployment(self) -> str:
+        """Register this rank and its pools with the controller; adopt the key plan it
+        hands back. Returns the deployment id. ``ValueError`` if this rank contradicts
+        what its group registered (parallel sizes, MLA flag, pool kinds)."""
+        specs = tuple(sorted(
+            (PoolSpec(name, pool.kind, tuple(b.name for b in pool.handle.layout.buffers))
+             for name, pool in self._registered.items()), key=lambda p: p.name.value))
+        if self._controller is None:
+            try:
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
+            except ValueError as e:
+                raise NodeUnavailableError("no raykv controller in namespace "
+                                           f"{self._namespace!r}; is raykv running?") from e
+        dep_id, plan = self._ask(self._controller, "register_rank", self.config, list(specs),
+                                 self.node_id)
+        self.plan = plan
+        self._deployment = (dep_id, specs)
+        return dep_id
+
+    def group_exists(self, keys: Sequence[str],
+                     transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
+        """The hit of this rank's whole TP/PP group: the intersection of restorable
+        prefixes over every rank and pool, from one existence check by the controller.
+        Every rank asking about the same keys and pools within the controller's window
+        gets the identical answer, so no all-reduce among ranks is needed."""
+        keys = check_keys(keys)
+        self._pool(PoolName.KV)
+        queries = self._queries(transfers)
+        specs = {(name, pool.kind) for name, pool in self._registered.items()}
+        if (self._controller is None or self._deployment is None
+                or specs != {(p.name, p.kind) for p in self._deployment[1]}):
+            self.register_deployment()
+        return self._ask(self._controller, "group_exists", self._deployment[0], keys, queries)
 
     # ------------------------------------------------------------ v1 (pages)
     def batch_exists(self, keys: Sequence[str]) -> int:

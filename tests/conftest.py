@@ -4,6 +4,7 @@ import uuid
 import pytest
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""Group hits through the controller, rank-consistent answers, conflicts, and recovery
+of the controller and of node actors, on a real two-node cluster."""
+
+import time
+
+import pytest
+import ray
+import torch
+
+from cache_actors import CacheClient, NodeUnavailableError
+from controllers import CONTROLLER_NAME, NAMESPACE, PoolName, PoolTransfer, StorageConfig
+from controllers.contract import PoolHitPolicy
+from controllers.deployments import PoolQuery
+from tests.ranks import HYBRID, MHA, indices, start_hybrid, start_rank
+
+KV, MAMBA = PoolName.KV, PoolName.MAMBA
+TRAIL = PoolHitPolicy.TRAILING_PAGES
+POOLS = {"kv": HYBRID["kv"], "mamba": HYBRID["mamba"]}
+
+
+def store(rank, keys, kv_pages, mamba_pages):
+    transfers = [PoolTransfer(KV, [keys[p] for p in kv_pages],
+                              torch.cat([indices(4 * p, 1) for p in kv_pages]))]
+    if mamba_pages:
+        transfers.append(PoolTransfer(MAMBA, [keys[p] for p in mamba_pages],
+                                      torch.as_tensor(mamba_pages), TRAIL))
+    out = ray.get(rank.call.remote("batch_set_v2", transfers))
+    assert all(all(v) for v in out.values())
+
+
+def test_ranks_disagree_alone_but_agree_as_a_group(cluster, uid):
+    node1, node2 = cluster.node_ids
+    model = f"grp/{uid}"
+    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, tp_size=2, model_name=model), POOLS)
+    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, tp_size=2, model_name=model), POOLS)
+    keys = [f"{uid}-{i}" for i in range(4)]
+    store(r0, keys, [0, 1, 2, 3], [1, 3])   # rank 0: KV 4 pages, states after 2 and 4
+    store(r1, keys, [0, 1, 2], [1, 2])       # rank 1: KV 3 pages, states after 2 and 3
+    ask = [PoolTransfer(MAMBA, keys[-1:], None, TRAIL)]
+    alone = [ray.get(r.call.remote("batch_exists_v2", keys, ask)).kv_hit_pages
+             for r in (r0, r1)]
+    assert alone == [4, 3]                    # each rank alone would load a different prefix
+    group = ray.get([r.call.remote("group_exists", keys, ask) for r in (r0, r1)])
+    assert group[0] == group[1]
+    assert group[0].kv_hit_pages == 2 and group[0].restorable_prefix_pages == [0, 2]
+    assert group[0].extra_pool_hit_pages == {MAMBA: 1}
+
+
+def test_mla_replica_read_by_every_rank(cluster, uid):
+    node1, node2 = cluster.node_ids
+    pools = {"kv": ("mla", dict(page_size=4, size=64, layer_num=2, kv_cache_dim=16))}
+    cfg = dict(is_mla_model=True, tp_size=2, model_name=f"mla/{uid}")
+    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, **cfg), pools)
+    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, **cfg), pools)
+    keys = [f"{uid}-{i}" for i in range(3)]
+    assert ray.get(r1.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
+    assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 0  # rank 1 skips
+    assert ray.get(r0.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
+    time.sleep(2.1)  # past the group window: a fresh answer
+    assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 3
+
+
+def test_answers_are_shared_within_the_window(cluster, uid):
+    client = CacheClient(StorageConfig(model_name=f"win/{uid}"))
+    client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+    keys = [f"{uid}-{i}" for i in range(4)]
+    assert client.batch_set_v1(keys[:2], indices(0, 2)) == [True] * 2
+    first = client.group_exists(keys)
+    assert client.batch_set_v1(keys[2:], indices(8, 2)) == [True] * 2
+    assert client.group_exists(keys) == first           # same answer for the whole window
+    assert first.kv_hit_pages == 2
+    time.sleep(2.1)
+    assert client.group_exists(keys).kv_hit_pages == 4
+
+
+def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
+    model = f"conflict/{uid}"
+    good = CacheClient(StorageConfig(tp_rank=0, tp_size=2, model_name=model))
+    good.register_mem_pool_host(good.create_host_pool("mha", **MHA))
+    assert good.group_exists([f"{uid}-0"]).kv_hit_pages == 0
+    bad = CacheClient(StorageConfig(tp_rank=1, tp_size=4, model_name=model))
+    bad.register_mem_pool_host(bad.create_host_pool("mha", **MHA))
+    with pytest.raises(ValueError, match="says tp_size=4 but its group registered tp_size=2"):
+        bad.group_exists([f"{uid}-0"])
+    mla = CacheClient(StorageConfig(tp_rank=1, tp_size=2, is_mla_model=True, model_name=model))
+    mla.register_mem_pool_host(mla.create_host_pool(
+        "mla", page_size=4, size=64, layer_num=2, kv_cache_dim=16))
+    with pytest.raises(ValueError, match="is_mla_model=True"):
+        mla.group_exists([f"{uid}-0"])
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    with pytest.raises(ValueError, match="'nobody' is not registered"):
+        ray.get(controller.group_exists.remote("nobody", ["a"], [PoolQuery(KV)]))
+    with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
+        StorageConfig(tp_rank=2, tp_size=2)
+    assert good.group_exists([f"{uid}-1"]).kv_hit_pages == 0
+
+
+def settle(method, timeout_s: float = 60.0):
+    """Call an actor method until the (restarting) actor answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(method.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the actor did not come back"
+            time.sleep(0.5)
+
+
+def test_controller_restarts_from_its_checkpoint(cluster, uid):
+    client = CacheClient(StorageConfig(model_name=f"ckpt/{uid}"))
+    client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+    keys = [f"{uid}-{i}" for i in range(2)]
+    assert client.batch_set_v1(keys, indices(0, 2)) == [True] * 2
+    assert client.group_exists(keys).kv_hit_pages == 2
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    before = ray.get(controller.deployments.remote())
+    nodes = ray.get(controller.nodes.remote())
+    ray.kill(controller, no_restart=False)
+    assert settle(controller.deployments) == before
+    assert settle(controller.nodes) == nodes
+    time.sleep(2.1)
+    for _ in range(20):
+        try:
+            assert client.group_exists(keys).kv_hit_pages == 2
+            break
+        except NodeUnavailableError:
+            time.sleep(0.5)
+
+
+def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
+    node2 = cluster.node_ids[1]
+    name = f"reattach-{uid}"
+    rank = start_rank(node2, StorageConfig(), pool_name=name)
+    ray.get(rank.fill.remote(9))
+    before = ray.get(rank.pages.remote(0, 4))
+    ray.kill(cluster.node_actors[node2], no_restart=True)
+    with pytest.raises(NodeUnavailableError, match="retry"):
+        ray.get(rank.call.remote("batch_exists", [f"{uid}-0"]))
+    keys = [f"{uid}-{i}" for i in range(4)]
+    deadline = time.monotonic() + 60
+    stored = [False] * 4
+    while not all(stored):
+        # Until the master expires the dead actor's segment (~10 s), puts placed on it
+        # fail: they must come back as False pages (never as success), and a retry of
+        # those pages lands once the segment is gone.
+        assert time.monotonic() < deadline, f"pages still failing: {stored}"
+        try:
+            stored = ray.get(rank.call.remote("batch_set_v1", keys, indices(0, 4)))
+        except NodeUnavailableError:
+            time.sleep(0.5)
+    assert torch.equal(ray.get(rank.pages.remote(0, 4)), before)  # the pool survived
+    reader = start_rank(cluster.node_ids[0], StorageConfig())
+    assert ray.get(reader.call.remote("batch_get_v1", keys, indices(0, 4))) == [True] * 4
+    assert torch.equal(ray.get(reader.pages.remote(0, 4)), before)
