@@ -9,6 +9,7 @@ Exceptions from the client are turned into ``CLIENT_ERROR`` for each object of t
 from __future__ import annotations
 
 import logging
+import os
 
 from cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
 
@@ -35,8 +36,11 @@ class MooncakeBackend:
     ) -> MooncakeBackend:
         """A real client contributing ``global_segment_size`` bytes to the store.
 
-        Raises ``RuntimeError`` when ``setup`` fails (master unreachable, bad address).
+        Its transport binds to ``local_hostname`` (``MC_TCP_BIND_ADDRESS``, unless the
+        process already sets it), the address peers are told to use. Raises
+        ``RuntimeError`` when ``setup`` fails (master unreachable, bad address).
         """
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()

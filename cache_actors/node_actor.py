@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import ray
+from ray.util import metrics
 
 from cache_actors.host_pools import HostPool, PoolHandle
 from cache_actors.mooncake_backend import MooncakeBackend
@@ -36,6 +37,34 @@ DATA_THREADS = 4
 def segment_prefix(cluster_tag: str, node_id: str) -> str:
     """Prefix of every shared segment of one node actor of one raykv cluster."""
     return f"raykv.{cluster_tag}.{node_id[:16]}."
+
+
+class NodeMetrics:
+    """Ray metrics of one node actor (exported with the ``node`` tag)."""
+
+    def __init__(self, node_id: str) -> None:
+        tags = {"node": node_id[:12]}
+        self.objects = metrics.Counter(
+            "raykv_objects", "Objects moved or refused, by op, pool and outcome",
+            tag_keys=("node", "op", "pool", "outcome"))
+        self.bytes = metrics.Counter("raykv_bytes", "Bytes moved, by op and pool",
+                                     tag_keys=("node", "op", "pool"))
+        self.latency = metrics.Histogram(
+            "raykv_call_seconds", "Store call latency in the node actor, by op",
+            boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0],
+            tag_keys=("node", "op"))
+        self.pool_bytes = metrics.Gauge("raykv_pool_bytes", "Bytes of each shared host pool",
+                                        tag_keys=("node", "pool"))
+        for m in (self.objects, self.bytes, self.latency, self.pool_bytes):
+            m.set_default_tags(tags)
+
+    def record(self, op: str, outcomes: Counter, nbytes: Counter, seconds: float) -> None:
+        for (pool, outcome), n in outcomes.items():
+            self.objects.inc(n, tags={"op": op, "pool": pool, "outcome": outcome})
+        for pool, n in nbytes.items():
+            if n:
+                self.bytes.inc(n, tags={"op": op, "pool": pool})
+        self.latency.observe(seconds, tags={"op": op})
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": DATA_THREADS})
@@ -69,6 +98,8 @@ class NodeCacheActor:
         self._pools: dict[str, HostPool] = {}
         self._executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._counts: Counter[str] = Counter()
+        self._pool_counts: dict[str, Counter[str]] = {}
+        self._metrics = NodeMetrics(node_id)
         self._started = time.time()
         self._readopt_pools()
 
@@ -90,6 +121,7 @@ class NodeCacheActor:
     def _adopt(self, pool: HostPool) -> None:
         self._backend.register(pool.base_ptr, pool.nbytes)
         self._pools[pool.name] = pool
+        self._metrics.pool_bytes.set(pool.nbytes, tags={"pool": pool.name})
 
     @ray.method(concurrency_group="control")
     async def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
@@ -137,6 +169,7 @@ class NodeCacheActor:
         self._backend.unregister(pool.base_ptr)
         pool.close(unlink=True)
         os.unlink(self._meta_path(name))
+        self._metrics.pool_bytes.set(0, tags={"pool": name})
         return True
 
     # ------------------------------------------------------------------ data
@@ -159,22 +192,36 @@ class NodeCacheActor:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _count(self, op: str, codes: list[int], sizes: list[int], moved) -> None:
-        """Count objects whose bytes ``moved``, present ones (put) and errors by code."""
-        for code, size in zip(codes, sizes, strict=True):
+    def _count(self, op: str, batch: ObjectBatch, codes: list[int], seconds: float,
+                moved) -> None:
+        """Count per node and per pool: objects whose bytes ``moved``, objects already
+        present (put), errors by code; export them as Ray metrics."""
+        outcomes: Counter[tuple[str, str]] = Counter()
+        nbytes: Counter[str] = Counter()
+        for code, size, pool in zip(codes, batch.sizes, batch.pools, strict=True):
             if moved(code):
+                outcome = "ok"
                 self._counts[f"{op}_objects"] += 1
                 self._counts[f"{op}_bytes"] += size
+                nbytes[pool] += size
             elif code == ALREADY_PRESENT:
+                outcome = "present"
                 self._counts[f"{op}_present"] += 1
             else:
+                outcome = f"error_{code}"
                 self._counts[f"{op}_error_{code}"] += 1
+            outcomes[(pool, outcome)] += 1
+        for (pool, outcome), n in outcomes.items():
+            self._pool_counts.setdefault(pool, Counter())[f"{op}_{outcome}"] += n
+        self._metrics.record(op, outcomes, nbytes, seconds)
 
     @ray.method(concurrency_group="data")
     async def batch_is_exist(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative error per key."""
+        t = time.perf_counter()
         codes = await self._run(self._backend.exists, list(keys))
         self._counts["exists_calls"] += 1
+        self._metrics.latency.observe(time.perf_counter() - t, tags={"op": "exists"})
         return codes
 
     @ray.method(concurrency_group="data")
@@ -182,16 +229,18 @@ class NodeCacheActor:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
         negative error."""
         ptrs = self._pointers(batch)
+        t = time.perf_counter()
         codes = await self._run(self._backend.put, batch.keys, ptrs, batch.sizes)
-        self._count("put", codes, batch.sizes, lambda c: c == 0)
+        self._count("put", batch, codes, time.perf_counter() - t, lambda c: c == 0)
         return codes
 
     @ray.method(concurrency_group="data")
     async def batch_get(self, batch: ObjectBatch) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object."""
         ptrs = self._pointers(batch)
+        t = time.perf_counter()
         codes = await self._run(self._backend.get, batch.keys, ptrs, batch.sizes)
-        self._count("get", codes, batch.sizes, lambda c: c > 0)
+        self._count("get", batch, codes, time.perf_counter() - t, lambda c: c > 0)
         return codes
 
     # --------------------------------------------------------------- control
@@ -203,13 +252,17 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="control")
     async def stats(self) -> dict:
-        """Counters since start: objects and bytes put/got, errors by Mooncake code, pools."""
+        """Counters since start: objects and bytes put/got, errors by Mooncake code; per
+        pool its kind, bytes, pages and object counters (``put_ok``, ``put_present``,
+        ``get_ok``, ``get_error_-704``...)."""
         return {
             "node_id": self.node_id,
             "uptime_s": time.time() - self._started,
             "global_segment_size": self._segment_size,
             "pools": {n: {"kind": p.handle.layout.kind, "bytes": p.nbytes,
-                          "pages": p.handle.layout.num_pages} for n, p in self._pools.items()},
+                          "pages": p.handle.layout.num_pages,
+                          "counters": dict(self._pool_counts.get(n, {}))}
+                      for n, p in self._pools.items()},
             "counters": dict(self._counts),
         }
 

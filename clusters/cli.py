@@ -31,6 +31,83 @@ def demo(pages: int, page_size: int, layers: int, heads: int, head_dim: int,
     sys.exit(0 if ok else 1)
 
 
+def parse_size(text: str) -> int:
+    """``"512M"``, ``"1GB"``, ``"64KiB"`` or ``"4096"`` -> bytes (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 512M or 1GB") from None
+
+
+ADDRESS = click.option("--address", default="auto", show_default=True,
+                       help="Ray cluster address (as for `ray.init`).")
+NAMESPACE_OPT = click.option("--namespace", default="raykv", show_default=True,
+                             help="Ray namespace of raykv's actors.")
+
+
+@main.command()
+@ADDRESS
+@NAMESPACE_OPT
+@click.option("--master-address", default=None, help="host:port of an existing Mooncake "
+              "master (with --metadata-server); default: run one on the head node.")
+@click.option("--metadata-server", default=None, help="Metadata URL of that master.")
+@click.option("--segment-size", default="1GB", show_default=True,
+              help="Memory each node contributes to the store.")
+@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]))
+@click.option("--mooncake-host", default=None, help="Address Mooncake binds and advertises "
+              "on every node (default: the node's IP; 127.0.0.1 when all nodes share one "
+              "machine).")
+def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
+       segment_size: str, protocol: str, mooncake_host: str | None) -> None:
+    """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
+    from clusters import deploy
+
+    try:
+        info = deploy.up(address, namespace=namespace, master_address=master_address,
+                         metadata_server=metadata_server,
+                         global_segment_size=parse_size(segment_size), protocol=protocol,
+                         mooncake_host=mooncake_host)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"raykv is up in namespace {namespace!r}: master {info['master_address']}, "
+               f"metadata {info['metadata_server']}, {len(info['node_ids'])} node actor(s)")
+
+
+@main.command()
+@ADDRESS
+@NAMESPACE_OPT
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+def status(address: str, namespace: str, as_json: bool) -> None:
+    """Per node: pools, bytes, pages, objects moved and hit rates per pool."""
+    import json
+
+    from clusters import deploy
+    from clusters.status_view import render_status
+
+    try:
+        state = deploy.status(address, namespace)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(state, indent=2, default=str))
+    else:
+        render_status(state)
+
+
+@main.command()
+@ADDRESS
+@NAMESPACE_OPT
+def down(address: str, namespace: str) -> None:
+    """Stop raykv on the cluster: reconciler, node actors (pools removed), controller,
+    master."""
+    from clusters import deploy
+
+    deploy.down(address, namespace)
+    click.echo(f"raykv is down in namespace {namespace!r}")
+
+
 @main.command()
 @click.option("--page-sizes", default="64K,1M,4M", show_default=True,
               help="Comma-separated page sizes (K/M suffixes).")
@@ -42,9 +119,7 @@ def bench(page_sizes: str, batch: int, iters: int, out_dir: str) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run."""
     from clusters.bench import run_dataplane_bench
 
-    units = {"K": 1 << 10, "M": 1 << 20}
-    sizes = [int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
-             for s in page_sizes.split(",")]
+    sizes = [parse_size(s) for s in page_sizes.split(",")]
     run_dataplane_bench(page_sizes=sizes, batch=batch, iters=iters, out_dir=out_dir)
 
 

@@ -9,7 +9,6 @@ one cache actor (also nodes added later with ``add_node``). Leaving the ``with``
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -18,55 +17,18 @@ from collections.abc import Sequence
 
 import ray
 
-from cache_actors.mooncake_backend import MooncakeBackend
 from cache_actors.shared_segment import remove_segments
+from clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from clusters.mooncake_master import MooncakeMaster
-from clusters.node_actors import (
-    RECONCILER_NAME,
-    NodeReconciler,
-    NodeSettings,
-    named_node_actors,
-)
-from controllers.controller import CacheController
-from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from clusters.node_actors import NodeSettings
+from controllers.naming import NAMESPACE, node_actor_name
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-LOOPBACK = "127.0.0.1"
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
-
-
-def controller_store(settings: NodeSettings):
-    """The controller's exists backend: a Mooncake client that contributes no memory."""
-    return functools.partial(
-        MooncakeBackend.embedded, local_hostname=settings.local_hostname or LOOPBACK,
-        metadata_server=settings.metadata_server,
-        master_server_addr=settings.master_address, global_segment_size=0,
-        local_buffer_size=settings.local_buffer_size, protocol=settings.protocol)
-
-
-def start_control_plane(settings: NodeSettings, namespace: str, *, group_window_s: float = 2.0,
-                        reconcile_period_s: float = 1.0,
-                        overrides: dict[str, int] | None = None):
-    """Start the controller and the reconciler (detached, named) and run one reconcile
-    pass; returns ``(controller, reconciler)`` once every node actor answers."""
-    info = {"master_address": settings.master_address,
-            "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag}
-    controller = CacheController.options(
-        name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-        runtime_env={"env_vars": settings.env},
-    ).remote(info, namespace, controller_store(settings), group_window_s)
-    ray.get(controller.info.remote())
-    reconciler = NodeReconciler.options(
-        name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-    ).remote(settings, namespace, reconcile_period_s, overrides)
-    ray.get(reconciler.reconcile.remote())
-    names = ray.get(controller.nodes.remote()).values()
-    ray.get([ray.get_actor(n, namespace=namespace).health.remote() for n in names])
-    return controller, reconciler
 
 
 class LocalCluster:
@@ -128,25 +90,26 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         """Stop reconciler, node actors, controller, master and Ray; remove every shared
-        segment of this cluster."""
-        if self.reconciler is not None:
-            ray.kill(self.reconciler, no_restart=True)
-        if self.controller is not None:
-            for name in named_node_actors(self.namespace):
-                actor = ray.get_actor(name, namespace=self.namespace)
-                try:
-                    ray.get(actor.shutdown.remote(), timeout=30)
-                except Exception as e:  # a dead actor still has to be killed below
-                    log.warning("%s did not shut down cleanly: %s", name, e)
-                ray.kill(actor, no_restart=True)
-            ray.kill(self.controller, no_restart=True)
+        segment of this cluster. Each step runs even if an earlier one failed."""
+        steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
+                 lambda: remove_segments(f"raykv.{self.cluster_tag}.")]
+        if self.controller is not None and ray.is_initialized():
+            steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None
-        self.master.stop()
-        ray.shutdown()
+        errors = []
+        for step in steps:
+            try:
+                step()
+            except Exception as e:  # keep stopping the rest
+                errors.append(e)
+                log.warning("shutdown step failed: %s", e)
+        if errors:
+            raise errors[0]
+
+    def _stop_ray_cluster(self) -> None:
         if self._ray_cluster is not None:
             self._ray_cluster.shutdown()
             self._ray_cluster = None
-        remove_segments(f"raykv.{self.cluster_tag}.")
 
     def __enter__(self) -> LocalCluster:
         return self

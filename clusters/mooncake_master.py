@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -9,6 +11,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,6 +28,13 @@ def _listening(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started it dies (Linux), so a
+    crashed driver or supervisor never leaves a master behind."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def master_binary() -> str:
@@ -61,24 +72,37 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def start(self, timeout_s: float = 30.0, attempts: int = 3) -> MooncakeMaster:
-        """Start and wait until both ports accept; retries on a port taken meanwhile."""
+        """Start on free ports and wait until both accept; retries on a port taken
+        meanwhile."""
         for _ in range(attempts):
             self.rpc_port, self.http_port = free_port(self.host), free_port(self.host)
-            cmd = [master_binary(), f"-rpc_port={self.rpc_port}", f"-rpc_address={self.host}",
-                   "-enable_http_metadata_server=true",
-                   f"-http_metadata_server_host={self.host}",
-                   f"-http_metadata_server_port={self.http_port}",
-                   f"-metrics_port={free_port(self.host)}", *self.extra_args]
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                if _listening(self.host, self.rpc_port) and _listening(self.host, self.http_port):
-                    return self
-                time.sleep(0.05)
-            self.stop()
+            if self._launch(timeout_s):
+                return self
         raise RuntimeError(f"mooncake_master did not start; see {self.log_path}")
+
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Start again on the same ports (after the process died)."""
+        self.stop()
+        if not self._launch(timeout_s):
+            raise RuntimeError(f"mooncake_master did not restart; see {self.log_path}")
+
+    def _launch(self, timeout_s: float) -> bool:
+        cmd = [master_binary(), f"-rpc_port={self.rpc_port}", f"-rpc_address={self.host}",
+               "-enable_http_metadata_server=true",
+               f"-http_metadata_server_host={self.host}",
+               f"-http_metadata_server_port={self.http_port}",
+               f"-metrics_port={free_port(self.host)}", *self.extra_args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if _listening(self.host, self.rpc_port) and _listening(self.host, self.http_port):
+                return True
+            time.sleep(0.05)
+        self.stop()
+        return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

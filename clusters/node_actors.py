@@ -37,12 +37,8 @@ class NodeSettings:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment of every Mooncake client process: the log level and, with a
-        fixed ``local_hostname``, its transport bound to that address."""
-        env = {"MC_LOG_LEVEL": self.mooncake_log_level}
-        if self.local_hostname:
-            env["MC_TCP_BIND_ADDRESS"] = self.local_hostname
-        return env
+        """Environment of every Mooncake client process of the cluster."""
+        return {"MC_LOG_LEVEL": self.mooncake_log_level}
 
 
 def named_node_actors(namespace: str) -> list[str]:

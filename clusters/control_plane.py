@@ -1,0 +1,93 @@
+"""Starting and stopping raykv's actors on a running Ray cluster: the controller, the
+reconciler (and through it one cache actor per node) and, when raykv runs its own
+master, the master supervisor. Used by ``start_local`` and by ``raykv up``/``down``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import ray
+from ray.experimental import internal_kv
+
+from cache_actors.mooncake_backend import MooncakeBackend
+from clusters.master_supervisor import SUPERVISOR_NAME
+from clusters.node_actors import (
+    RECONCILER_NAME,
+    NodeReconciler,
+    NodeSettings,
+    named_node_actors,
+)
+from controllers.controller import CacheController, checkpoint_key
+from controllers.naming import CONTROLLER_NAME
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def controller_store(settings: NodeSettings):
+    """The controller's exists backend: a Mooncake client that contributes no memory."""
+    return functools.partial(
+        MooncakeBackend.embedded, local_hostname=settings.local_hostname or LOOPBACK,
+        metadata_server=settings.metadata_server,
+        master_server_addr=settings.master_address, global_segment_size=0,
+        local_buffer_size=settings.local_buffer_size, protocol=settings.protocol)
+
+
+def start_control_plane(settings: NodeSettings, namespace: str, *, group_window_s: float = 2.0,
+                        reconcile_period_s: float = 1.0,
+                        overrides: dict[str, int] | None = None):
+    """Start the controller and the reconciler (detached, named) and run one reconcile
+    pass; returns ``(controller, reconciler)`` once every node actor answers."""
+    info = {"master_address": settings.master_address,
+            "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag}
+    controller = CacheController.options(
+        name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+        runtime_env={"env_vars": settings.env},
+    ).remote(info, namespace, controller_store(settings), group_window_s)
+    ray.get(controller.info.remote())
+    reconciler = NodeReconciler.options(
+        name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+    ).remote(settings, namespace, reconcile_period_s, overrides)
+    ray.get(reconciler.reconcile.remote())
+    names = ray.get(controller.nodes.remote()).values()
+    ray.get([ray.get_actor(n, namespace=namespace).health.remote() for n in names])
+    return controller, reconciler
+
+
+
+
+def _named(name: str, namespace: str):
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def stop_control_plane(namespace: str) -> None:
+    """Stop everything raykv runs in ``namespace``: reconciler, node actors (their pools
+    removed), controller (its checkpoint deleted) and the master supervisor."""
+    reconciler = _named(RECONCILER_NAME, namespace)
+    if reconciler is not None:
+        ray.kill(reconciler, no_restart=True)
+    for name in named_node_actors(namespace):
+        actor = _named(name, namespace)
+        if actor is None:
+            continue
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        except Exception as e:  # a dead actor still has to be killed below
+            log.warning("%s did not shut down cleanly: %s", name, e)
+        ray.kill(actor, no_restart=True)
+    controller = _named(CONTROLLER_NAME, namespace)
+    if controller is not None:
+        ray.kill(controller, no_restart=True)
+    with contextlib.suppress(Exception):
+        internal_kv._internal_kv_del(checkpoint_key(namespace))
+    supervisor = _named(SUPERVISOR_NAME, namespace)
+    if supervisor is not None:
+        with contextlib.suppress(Exception):
+            ray.get(supervisor.stop.remote(), timeout=30)
+        ray.kill(supervisor, no_restart=True)

@@ -1,0 +1,109 @@
+"""``raykv up | status | down`` against a running Ray cluster.
+
+``up`` starts, in the ``raykv`` namespace, a supervised ``mooncake_master`` on the head
+node (unless ``master_address`` and ``metadata_server`` of an existing one are given),
+the controller and the reconciler, which gives every alive node a cache actor and
+follows the autoscaler from then on. Everything is detached: it outlives the ``up``
+command. ``down`` stops it all.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from clusters.control_plane import start_control_plane, stop_control_plane
+from clusters.master_supervisor import SUPERVISOR_NAME, MasterSupervisor
+from clusters.node_actors import NodeSettings
+from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+
+
+def connect(address: str, namespace: str = NAMESPACE) -> None:
+    """Join the Ray cluster at ``address`` as a driver (quietly)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, logging_level="WARNING",
+                 log_to_driver=False)
+
+
+def head_node() -> dict:
+    """The ``ray.nodes()`` entry of the head node."""
+    for n in ray.nodes():
+        if n["Alive"] and "node:__internal_head__" in n["Resources"]:
+            return n
+    raise RuntimeError("no alive head node in this Ray cluster")
+
+
+def controller(namespace: str = NAMESPACE):
+    """The running controller, or None."""
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None = None,
+       metadata_server: str | None = None, global_segment_size: int = 1 << 30,
+       protocol: str = "tcp", mooncake_host: str | None = None,
+       master_args: tuple[str, ...] = ()) -> dict:
+    """Start raykv on the cluster at ``address``; returns the controller's info.
+
+    ``mooncake_host`` is the address every Mooncake process (master and clients) binds
+    and advertises; None means each node's IP as Ray sees it. Pass ``127.0.0.1`` for a
+    cluster whose nodes all run on one machine.
+
+    Raises ``ValueError`` if raykv already runs there or only one of
+    ``master_address`` / ``metadata_server`` is given.
+    """
+    if (master_address is None) != (metadata_server is None):
+        raise ValueError("give both --master-address and --metadata-server of an existing "
+                         "master, or neither to run one on the head node")
+    connect(address, namespace)
+    if controller(namespace) is not None:
+        raise ValueError(f"raykv is already up in namespace {namespace!r}: "
+                         "use `raykv status` or `raykv down`")
+    if master_address is None:
+        head = head_node()
+        supervisor = MasterSupervisor.options(
+            name=SUPERVISOR_NAME, namespace=namespace, lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(head["NodeID"], soft=False),
+        ).remote(mooncake_host or head["NodeManagerAddress"], list(master_args))
+        found = ray.get(supervisor.addresses.remote())
+        master_address, metadata_server = found["master_address"], found["metadata_server"]
+    settings = NodeSettings(master_address, metadata_server, uuid.uuid4().hex[:8],
+                            global_segment_size, protocol=protocol,
+                            local_hostname=mooncake_host)
+    ctl, _ = start_control_plane(settings, namespace)
+    return ray.get(ctl.info.remote())
+
+
+def status(address: str, namespace: str = NAMESPACE) -> dict:
+    """The controller's info, its deployments, the master supervisor's state and every
+    node actor's stats (``nodes``: node id -> stats, or ``{"error": ...}``)."""
+    connect(address, namespace)
+    ctl = controller(namespace)
+    if ctl is None:
+        raise ValueError(f"raykv is not running in namespace {namespace!r}")
+    info = ray.get(ctl.info.remote())
+    nodes = {}
+    for node_id in info["node_ids"]:
+        try:
+            actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
+            nodes[node_id] = ray.get(actor.stats.remote(), timeout=10)
+        except Exception as e:
+            nodes[node_id] = {"error": str(e).splitlines()[0]}
+    try:
+        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+        master = ray.get(supervisor.addresses.remote(), timeout=10)
+    except ValueError:
+        master = {"master_address": info["master_address"], "supervised": False}
+    return {"info": info, "master": master, "nodes": nodes,
+            "deployments": ray.get(ctl.deployments.remote())}
+
+
+def down(address: str, namespace: str = NAMESPACE) -> None:
+    """Stop everything ``up`` started in ``namespace`` (pools are removed)."""
+    connect(address, namespace)
+    stop_control_plane(namespace)

@@ -1,0 +1,47 @@
+"""``MasterSupervisor``: runs ``mooncake_master`` on the head node and restarts it if it
+dies, on the same ports, so clients' addresses stay valid."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from clusters.mooncake_master import MooncakeMaster
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR_NAME = "raykv-master"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class MasterSupervisor:
+    """Owns one master process; checks it every ``period_s`` seconds."""
+
+    def __init__(self, host: str, extra_args: list[str] | None = None,
+                 period_s: float = 1.0) -> None:
+        self._master = MooncakeMaster(host, extra_args=extra_args).start()
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            if not self._master.alive():
+                log.warning("mooncake_master exited; restarting on the same ports")
+                self._master.restart()
+                self.restarts += 1
+
+    def addresses(self) -> dict:
+        """``master_address``, ``metadata_server``, the master's pid and restart count."""
+        return {"master_address": self._master.master_address,
+                "metadata_server": self._master.metadata_server,
+                "pid": self._master.proc.pid if self._master.proc else None,
+                "restarts": self.restarts}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._master.stop()

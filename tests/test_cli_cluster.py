@@ -1,0 +1,97 @@
+"""`raykv up | status | down` against a real `ray start --head` cluster, as a user runs
+them; a rank uses the cache in between; the supervised master is restarted if killed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from cache_actors import CacheClient
+from clusters.mooncake_master import free_port
+from controllers import StorageConfig
+from tests.ranks import MHA, indices
+
+ENV = os.environ | {"RAY_AUTH_MODE": "disabled"}
+
+
+def raykv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "clusters.cli", *args], env=ENV,
+                         capture_output=True, text=True, timeout=180)
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head started as a user would (`ray start --head --block`), stopped after."""
+    port = free_port()
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    log = open(tmp_path / "head.log", "w")
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}",
+                             "--num-cpus=2", "--include-dashboard=false",
+                             "--disable-usage-stats"], env=ENV, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    from ray._private.services import get_node_ip_address
+
+    address = f"{get_node_ip_address()}:{port}"
+    deadline = time.monotonic() + 60
+    while subprocess.run([ray_cli, "status", f"--address={address}"], env=ENV,
+                         capture_output=True).returncode != 0:
+        assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
+        time.sleep(1)
+    yield address
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def test_up_status_down(ray_head, uid, monkeypatch):
+    up = raykv("up", f"--address={ray_head}", "--segment-size=128M",
+               "--mooncake-host=127.0.0.1")
+    assert "raykv is up" in up.stdout and "1 node actor(s)" in up.stdout
+    again = raykv("up", f"--address={ray_head}", check=False)
+    assert again.returncode != 0 and "already up" in again.stderr
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address=ray_head, namespace="raykv", log_to_driver=False)
+    try:
+        client = CacheClient(StorageConfig(model_name=f"cli/{uid}"))
+        client.register_mem_pool_host(client.create_host_pool("mha", name=f"p{uid}", **MHA))
+        keys = [f"{uid}-{i}" for i in range(3)]
+        assert client.batch_set_v1(keys, indices(0, 3)) == [True] * 3
+        assert client.batch_get_v1(keys, indices(8, 3)) == [True] * 3
+        assert client.group_exists(keys).kv_hit_pages == 3
+    finally:
+        ray.shutdown()
+
+    state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
+    (node,) = state["nodes"].values()
+    counters = node["pools"][f"p{uid}"]["counters"]
+    assert counters["put_ok"] == 6 and counters["get_ok"] == 6
+    assert f"cli-{uid}" in state["deployments"]
+    assert state["master"]["restarts"] == 0
+    table = raykv("status", f"--address={ray_head}").stdout
+    assert "nodes and pools" in table and f"cli-{uid}" in table
+
+    os.kill(state["master"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while json.loads(raykv("status", f"--address={ray_head}", "--json").stdout
+                     )["master"]["restarts"] < 1:
+        assert time.monotonic() < deadline, "the master was not restarted"
+        time.sleep(1)
+
+    assert "raykv is down" in raykv("down", f"--address={ray_head}").stdout
+    gone = raykv("status", f"--address={ray_head}", check=False)
+    assert gone.returncode != 0 and "not running" in gone.stderr
+    assert not list(Path("/dev/shm").glob(f"raykv.*.p{uid}*"))
