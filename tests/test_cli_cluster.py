@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
 from cache_actors import CacheClient
 from clusters.mooncake_master import free_port
@@ -34,11 +33,11 @@ def ray_head(tmp_path):
     """A Ray head started as a user would (`ray start --head --block`), stopped after."""
     port = free_port()
     ray_cli = str(Path(sys.executable).parent / "ray")
-    log = open(tmp_path / "head.log", "w")
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}",
-                             "--num-cpus=2", "--include-dashboard=false",
-                             "--disable-usage-stats"], env=ENV, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(tmp_path / "head.log", "w") as log:
+        head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}",
+                                 "--num-cpus=2", "--include-dashboard=false",
+                                 "--disable-usage-stats"], env=ENV, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     from ray._private.services import get_node_ip_address
 
     address = f"{get_node_ip_address()}:{port}"

@@ -1,0 +1,81 @@
+"""The shipped cluster configs start nodes the way the code expects: every `raykv`
+command in them parses with the real CLI, the namespace is raykv's, each node installs
+Mooncake's libraries and raykv, and every pod has a memory-backed /dev/shm."""
+
+import shlex
+from pathlib import Path
+
+import click
+import yaml
+
+from clusters.cli import main as raykv_cli
+from controllers import NAMESPACE
+
+CONFIGS = Path(__file__).parents[1] / "clusters" / "configs"
+
+
+def raykv_commands(text: str) -> list[list[str]]:
+    """Every `raykv ...` invocation in a shell string."""
+    found = []
+    for part in text.replace("&&", ";").replace("\n", " ").split(";"):
+        words = shlex.split(part)
+        if words and words[0] == "raykv":
+            found.append(words[1:])
+    return found
+
+
+def check_raykv_up(commands: list[list[str]]) -> None:
+    ups = [c for c in commands if c and c[0] == "up"]
+    assert len(ups) == 1, commands
+    ctx = raykv_cli.make_context("raykv", list(ups[0]))  # raises on an unknown option
+    sub = raykv_cli.get_command(ctx, "up")
+    params = sub.make_context("up", ups[0][1:]).params
+    assert params["namespace"] == NAMESPACE
+    assert params["address"] == "auto"
+
+
+def test_autoscaler_yaml():
+    cfg = yaml.safe_load((CONFIGS / "ray-autoscaler.yaml").read_text())
+    setup = " ".join(cfg["setup_commands"])
+    assert "libibverbs1" in setup and "librdmacm1" in setup and "raykv[cpu]" in setup
+    head = cfg["head_start_ray_commands"]
+    assert any(c.startswith("ray start --head --port=6379") for c in head)
+    check_raykv_up([c for line in head for c in raykv_commands(line)])
+    workers = cfg["worker_start_ray_commands"]
+    assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in workers)
+    assert not any("raykv" in c for c in workers), \
+        "workers get their cache actor from the reconciler, not from a command"
+    assert cfg["head_node_type"] in cfg["available_node_types"]
+
+
+def test_kuberay_manifest():
+    rc = yaml.safe_load((CONFIGS / "kuberay-raycluster.yaml").read_text())
+    assert rc["apiVersion"] == "ray.io/v1" and rc["kind"] == "RayCluster"
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    groups = [head] + [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]
+    for pod in groups:
+        (container,) = pod["containers"]
+        start = " ".join(container["args"])
+        assert "libibverbs1" in start and "raykv[cpu]" in start
+        assert "$KUBERAY_GEN_RAY_START_CMD" in start
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        shm = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+        assert shm["emptyDir"]["medium"] == "Memory"
+    hook = " ".join(head["containers"][0]["lifecycle"]["postStart"]["exec"]["command"])
+    check_raykv_up(raykv_commands(hook))
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        assert "raykv" not in " ".join(g["template"]["spec"]["containers"][0]["args"]).replace(
+            "raykv[cpu]", "")
+
+
+def test_sizes_in_configs_parse():
+    from clusters.cli import parse_size
+
+    assert parse_size("16GB") == 16 << 30 and parse_size("512M") == 512 << 20
+    try:
+        parse_size("lots")
+    except click.BadParameter as e:
+        assert "not a size" in str(e)
+    else:
+        raise AssertionError("parse_size accepted 'lots'")
