@@ -1,0 +1,519 @@
+"""Data-plane benchmark: the whole raykv path against raw Mooncake and memcpy.
+
+``run_dataplane_bench`` starts an embedded two-node cluster in which the head node (where
+the driver runs) contributes no store memory, so every object lands in the other node's
+segment and every byte crosses Mooncake's transport (TCP loopback on one machine). It
+then measures, for each page size:
+
+- **whole path**: the driver as a rank, ``CacheClient.batch_set_v1`` / ``batch_get_v1``
+  of ``batch`` pages of an MLA host pool (one object per page), through the node actor;
+- **raw Mooncake**: a plain ``MooncakeDistributedStore`` in the driver process,
+  ``batch_put_from`` / ``batch_get_into`` of ``batch`` objects of the same size from a
+  registered buffer, against the same store;
+- **memcpy**: ``torch`` ``dst.copy_(src)`` of the same number of bytes.
+
+and the per-call latency of 1-page batches on both paths. Units: sizes in bytes,
+bandwidth in GB/s (1e9 bytes per second), durations in seconds, latencies in ms.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from cache_actors.client import CacheClient
+from cache_actors.host_pools import HostPool
+from clusters.local import LocalCluster, start_local
+from controllers.contract import StorageConfig
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 1e9
+DEFAULT_PAGE_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
+# Store memory on node 2. Objects are removed after every iteration, so one iteration
+# (whole path + raw, batch x page bytes each) must fit: 2 x 128 x 4 MiB = 1 GiB by default.
+SEGMENT_BYTES = 3 * GiB
+# MLA page geometry: PAGE_TOKENS tokens of KV_CACHE_DIM one-byte elements per layer.
+# The layer count is chosen so that one page object is exactly the asked page size.
+PAGE_TOKENS = 64
+KV_CACHE_DIM = 512
+LATENCY_PAGE_BYTES = 64 * KiB
+LATENCY_CALLS = 200
+TARGET_RATIO = 0.9
+TARGET_MIN_PAGE_BYTES = 1 * MiB
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Bandwidth in GB/s (1e9 bytes per second) of moving ``nbytes`` bytes in ``seconds``."""
+    return nbytes / seconds / GB
+
+
+def summarize(nbytes: int, seconds: Sequence[float]) -> dict:
+    """Median and best GB/s of moving ``nbytes`` bytes once per duration in ``seconds``."""
+    return {"median_gbps": gbps(nbytes, statistics.median(seconds)),
+            "best_gbps": gbps(nbytes, min(seconds)),
+            "seconds": list(seconds)}
+
+
+def latency_ms(seconds: Sequence[float]) -> dict:
+    """p50 and p99 of per-call durations (given in seconds), in milliseconds."""
+    ms = np.asarray(seconds) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "calls": len(ms)}
+
+
+def timed(fn: Callable[..., object], *args) -> tuple[float, object]:
+    """Call ``fn(*args)`` once; return (seconds it took, its result)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def layer_num_for(page_bytes: int) -> int:
+    """Layers of a uint8 MLA page of ``PAGE_TOKENS`` x ``KV_CACHE_DIM`` per layer that make
+    a page of exactly ``page_bytes`` bytes; ``ValueError`` if none does."""
+    per_layer = PAGE_TOKENS * KV_CACHE_DIM
+    if page_bytes <= 0 or page_bytes % per_layer:
+        raise ValueError(f"page size {page_bytes} bytes is not a positive multiple of "
+                         f"{per_layer} bytes ({PAGE_TOKENS} tokens x {KV_CACHE_DIM} bytes)")
+    return page_bytes // per_layer
+
+
+def page_aligned_bytes(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of ``nbytes`` bytes starting on a memory-page boundary.
+
+    The shared host pools are page-aligned mappings; torch's own allocations are only
+    64-byte aligned, and on these machines a Mooncake TCP get into memory that is off a
+    page boundary runs about 30% slower, which would handicap the raw baseline.
+    """
+    base = torch.zeros(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+    skip = -base.data_ptr() % mmap.PAGESIZE
+    return base[skip:skip + nbytes]
+
+
+def check_codes(what: str, codes: Sequence[int], ok: Callable[[int], bool]) -> None:
+    """Raise ``RuntimeError`` naming ``what`` and the first bad code unless all are ok."""
+    bad = [c for c in codes if not ok(c)]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} of {len(codes)} objects failed "
+                           f"(first code {bad[0]})")
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Raise the calling thread's nice value to ``niceness`` (never lowers it)."""
+    tid = threading.get_native_id()
+    if niceness > os.getpriority(os.PRIO_PROCESS, tid):
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+
+
+class RawStore:
+    """A plain Mooncake client in the driver process: a pure consumer of the same store,
+    with one registered buffer (set by ``resize``) that holds source and target objects.
+
+    Every call to the client runs on one thread of its own whose nice value is
+    ``niceness``; the transfer threads that Mooncake starts inherit it. Ray runs its
+    workers, the node actors among them, at nice 15, and on a small machine a nice-0
+    client against a nice-15 segment owner moves bytes measurably slower than a nice-15
+    one, which would make the baseline differ from the whole path in priority only.
+    """
+
+    def __init__(self, cluster: LocalCluster, niceness: int) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="raw-mooncake",
+                                          initializer=lower_thread_priority,
+                                          initargs=(niceness,))
+        self.store = self.call(self._connect, cluster.metadata_server, cluster.master_address)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _connect(metadata_server: str, master_address: str):
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
+        if rc != 0:
+            raise RuntimeError(f"raw Mooncake client setup failed with code {rc}")
+        return store
+
+    def call(self, fn: Callable[..., object], *args):
+        """``fn(*args)`` on the client's thread."""
+        return self._thread.submit(fn, *args).result()
+
+    def timed(self, fn: Callable[..., object], *args) -> tuple[float, object]:
+        """``timed(fn, *args)`` on the client's thread: the hand-over is not timed."""
+        return self.call(timed, fn, *args)
+
+    def resize(self, nbytes: int) -> None:
+        """Replace the registered buffer with one of ``nbytes`` bytes."""
+        self.release()
+        self.buffer = page_aligned_bytes(nbytes)
+        rc = self.call(self.store.register_buffer, self.buffer.data_ptr(), nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer of {nbytes} bytes failed with code {rc}")
+
+    def release(self) -> None:
+        """Unregister the buffer (if any)."""
+        if self.buffer.numel():
+            self.call(self.store.unregister_buffer, self.buffer.data_ptr())
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def ptrs(self, first: int, count: int, size: int) -> list[int]:
+        """Pointers of ``count`` slots of ``size`` bytes from slot ``first`` of the buffer."""
+        base = self.buffer.data_ptr()
+        return [base + (first + i) * size for i in range(count)]
+
+    def remove(self, keys: list[str]) -> None:
+        """Force-remove ``keys`` (whatever wrote them) so the segment never fills."""
+        check_codes("batch_remove", self.call(self.store.batch_remove, keys, True),
+                    lambda c: c == 0)
+
+    def close(self) -> None:
+        self.release()
+        self.call(self.store.close)
+        self._thread.shutdown()
+
+
+@dataclass
+class Pages:
+    """The pages of one benchmark size: a pool of ``2 * batch`` pages, the first
+    ``batch`` the source of puts, the others the target of gets. The raw baseline's
+    buffer is split the same way (``half``)."""
+
+    page_bytes: int
+    batch: int
+    pool: HostPool
+    src_indices: torch.Tensor
+    dst_indices: torch.Tensor
+
+    @property
+    def pool_bytes(self) -> torch.Tensor:
+        """The whole pool as flat bytes (its MLA ``kv_buffer``)."""
+        return self.pool.kv_buffer.view(-1).view(torch.uint8)
+
+    def half(self, data: torch.Tensor, which: int) -> torch.Tensor:
+        """Source (0) or target (1) half of a buffer of ``2 * batch`` pages."""
+        n = self.batch * self.page_bytes
+        return data[which * n:(which + 1) * n]
+
+
+def make_pages(client: CacheClient, page_bytes: int, batch: int) -> Pages:
+    """Create an MLA pool of ``2 * batch`` pages of ``page_bytes`` bytes; random source pages."""
+    pool = client.create_host_pool("mla", page_size=PAGE_TOKENS, size=2 * batch * PAGE_TOKENS,
+                                   layer_num=layer_num_for(page_bytes),
+                                   kv_cache_dim=KV_CACHE_DIM, dtype=torch.uint8)
+    n = batch * PAGE_TOKENS
+    pages = Pages(page_bytes, batch, pool, torch.arange(n), torch.arange(n, 2 * n))
+    _, object_sizes = pool.get_page_buffer_meta(pages.src_indices[:PAGE_TOKENS])
+    if object_sizes != [page_bytes]:
+        raise RuntimeError(f"a pool page is objects of {object_sizes} bytes, expected one of "
+                           f"{page_bytes}")
+    client.register_mem_pool_host(pool)
+    pages.half(pages.pool_bytes, 0).random_(0, 256)
+    return pages
+
+
+def whole_round(client: CacheClient, pages: Pages, hashes: list[str]) -> tuple[float, float]:
+    """Whole path: ``batch_set_v1`` from the source pages, ``batch_get_v1`` into the
+    target pages; (put seconds, get seconds). ``RuntimeError`` if a page failed."""
+    t_put, ok_put = timed(client.batch_set_v1, hashes, pages.src_indices)
+    t_get, ok_get = timed(client.batch_get_v1, hashes, pages.dst_indices)
+    if not (all(ok_put) and all(ok_get)):
+        raise RuntimeError(f"whole path, {pages.page_bytes}-byte pages: "
+                           f"{ok_put.count(False)} puts and {ok_get.count(False)} gets of "
+                           f"{len(hashes)} pages failed")
+    return t_put, t_get
+
+
+def raw_round(raw: RawStore, pages: Pages, keys: list[str]) -> tuple[float, float]:
+    """Raw Mooncake: ``batch_put_from`` from the source half of the registered buffer,
+    ``batch_get_into`` the target half; (put seconds, get seconds)."""
+    size = pages.page_bytes
+    sizes = [size] * pages.batch
+    src, dst = raw.ptrs(0, pages.batch, size), raw.ptrs(pages.batch, pages.batch, size)
+    t_put, put_codes = raw.timed(raw.store.batch_put_from, keys, src, sizes)
+    t_get, get_codes = raw.timed(raw.store.batch_get_into, keys, dst, sizes)
+    check_codes("raw batch_put_from", put_codes, lambda c: c == 0)
+    check_codes("raw batch_get_into", get_codes, lambda c: c == size)
+    return t_put, t_get
+
+
+def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, iters: int,
+               run_id: str) -> dict:
+    """Whole-path and raw put/get of ``batch`` pages of ``page_bytes`` bytes: ``iters``
+    timed iterations after one untimed warm-up that also checks the bytes read back.
+    The two paths take turns going first, so neither always runs on a warmer store.
+
+    ``ratio_put`` / ``ratio_get``: median over iterations of whole-path GB/s over raw GB/s
+    of the same iteration; ``ratio_*_best``: best whole-path GB/s over best raw GB/s.
+    """
+    pages = make_pages(client, page_bytes, batch)
+    raw.resize(2 * batch * page_bytes)
+    pages.half(raw.buffer, 0).copy_(pages.half(pages.pool_bytes, 0))
+    times: dict[str, list[float]] = {k: [] for k in ("whole_put", "whole_get", "raw_put",
+                                                     "raw_get")}
+    try:
+        for it in range(iters + 1):
+            hashes = [f"bench-{run_id}-{page_bytes}-{it}-{i}" for i in range(batch)]
+            raw_keys = [f"raw-{h}" for h in hashes]
+            if it == 0:
+                pages.half(pages.pool_bytes, 1).zero_()
+                pages.half(raw.buffer, 1).zero_()
+            if it % 2:
+                raw_t = raw_round(raw, pages, raw_keys)
+                whole_t = whole_round(client, pages, hashes)
+            else:
+                whole_t = whole_round(client, pages, hashes)
+                raw_t = raw_round(raw, pages, raw_keys)
+            if it == 0:
+                for name, data in (("whole path", pages.pool_bytes), ("raw", raw.buffer)):
+                    if not torch.equal(pages.half(data, 0), pages.half(data, 1)):
+                        raise RuntimeError(f"{name}, {page_bytes}-byte pages: the bytes read "
+                                           "back differ from the bytes written")
+            else:
+                for name, t in zip(times, (*whole_t, *raw_t), strict=True):
+                    times[name].append(t)
+            raw.remove([k for h in hashes for k in client.plan.kv_keys(h)] + raw_keys)
+    finally:
+        client.destroy_host_pool(pages.pool)
+    nbytes = batch * page_bytes
+    out = {"page_bytes": page_bytes, "batch": batch, "batch_bytes": nbytes}
+    out |= {name: summarize(nbytes, t) for name, t in times.items()}
+    out["memcpy"] = bench_memcpy(nbytes, iters)
+    for op in ("put", "get"):
+        # Paired: both paths ran back to back in each iteration, so load that comes and
+        # goes on the machine cancels out of each iteration's ratio.
+        pairs = zip(times[f"raw_{op}"], times[f"whole_{op}"], strict=True)
+        out[f"ratio_{op}"] = statistics.median(raw_t / whole_t for raw_t, whole_t in pairs)
+        out[f"ratio_{op}_best"] = out[f"whole_{op}"]["best_gbps"] / out[f"raw_{op}"]["best_gbps"]
+    return out
+
+
+def bench_memcpy(nbytes: int, iters: int) -> dict:
+    """``dst.copy_(src)`` of ``nbytes`` bytes in host memory, ``iters`` timed copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # faults the pages in
+    return summarize(nbytes, [timed(dst.copy_, src)[0] for _ in range(iters)])
+
+
+def bench_latency(client: CacheClient, raw: RawStore, run_id: str,
+                  calls: int = LATENCY_CALLS) -> dict:
+    """Per-call latency of 1-page batches of ``LATENCY_PAGE_BYTES`` bytes on both paths,
+    fresh keys every call, plus one bare Ray round trip (``health``) for reference."""
+    pages = make_pages(client, LATENCY_PAGE_BYTES, 1)
+    raw.resize(2 * LATENCY_PAGE_BYTES)
+    pages.half(raw.buffer, 0).copy_(pages.half(pages.pool_bytes, 0))
+    size = [LATENCY_PAGE_BYTES]
+    src, dst = raw.ptrs(0, 1, LATENCY_PAGE_BYTES), raw.ptrs(1, 1, LATENCY_PAGE_BYTES)
+    expected: dict[str, Callable[[object], bool]] = {
+        "whole_set": lambda r: r == [True], "whole_get": lambda r: r == [True],
+        "whole_exists": lambda r: r == 1, "ray_round_trip": bool,
+        "raw_put": lambda r: r == [0], "raw_get": lambda r: r == size,
+        "raw_exists": lambda r: r == [1],
+    }
+    times: dict[str, list[float]] = {name: [] for name in expected}
+    written: list[str] = []
+    try:
+        for i in range(calls):
+            hashes = [f"lat-{run_id}-{i}"]
+            keys = [f"raw-{hashes[0]}"]
+            written += client.plan.kv_keys(hashes[0]) + keys
+            results = {  # (seconds, result) per operation, run in this order
+                "whole_set": timed(client.batch_set_v1, hashes, pages.src_indices),
+                "whole_get": timed(client.batch_get_v1, hashes, pages.dst_indices),
+                "whole_exists": timed(client.batch_exists, hashes),
+                "ray_round_trip": timed(client.health),
+                "raw_put": raw.timed(raw.store.batch_put_from, keys, src, size),
+                "raw_get": raw.timed(raw.store.batch_get_into, keys, dst, size),
+                "raw_exists": raw.timed(raw.store.batch_is_exist, keys),
+            }
+            for name, (t, result) in results.items():
+                if not expected[name](result):
+                    raise RuntimeError(f"latency run, {name} call {i} returned {result!r}")
+                times[name].append(t)
+        raw.remove(written)
+    finally:
+        client.destroy_host_pool(pages.pool)
+    return {"page_bytes": LATENCY_PAGE_BYTES} | {k: latency_ms(t) for k, t in times.items()}
+
+
+def human_bytes(n: int) -> str:
+    """``65536`` -> ``"64 KiB"``, ``4194304`` -> ``"4 MiB"``."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def machine_info() -> dict:
+    """Where the figures were taken: CPU count, OS, library versions, CUDA."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import ray
+
+    mooncake = "unknown"
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            mooncake = f"{dist} {version(dist)}"
+            break
+        except PackageNotFoundError:
+            continue
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+            "ray": ray.__version__, "mooncake": mooncake,
+            "transport": "tcp (loopback between two Ray nodes on this machine)"}
+
+
+def render(result: dict, console: Console) -> None:
+    """Print the bandwidth and latency tables of ``result`` with rich."""
+    def cell(d: dict) -> str:
+        return f"{d['median_gbps']:.2f} ({d['best_gbps']:.2f})"
+
+    table = Table(title=f"raykv data plane, GB/s median (best) over {result['config']['iters']} "
+                        f"iterations, batch of {result['config']['batch']} pages",
+                  caption="ratio = whole path / raw Mooncake: median of per-iteration ratios "
+                          "(best / best)")
+    for col in ("page", "whole put", "raw put", "put ratio", "whole get", "raw get",
+                "get ratio", "memcpy"):
+        table.add_column(col, justify="right")
+    for s in result["sizes"]:
+        table.add_row(human_bytes(s["page_bytes"]), cell(s["whole_put"]), cell(s["raw_put"]),
+                      f"{s['ratio_put']:.2f} ({s['ratio_put_best']:.2f})",
+                      cell(s["whole_get"]), cell(s["raw_get"]),
+                      f"{s['ratio_get']:.2f} ({s['ratio_get_best']:.2f})", cell(s["memcpy"]))
+    console.print(table)
+    lat = result["latency"]
+    ltable = Table(title=f"per-call latency, 1 page of {human_bytes(lat['page_bytes'])}, "
+                         f"{lat['whole_set']['calls']} calls, ms")
+    for col in ("operation", "whole path p50", "whole path p99", "raw p50", "raw p99"):
+        ltable.add_column(col, justify="right")
+    for label, whole, base in (("set / put", "whole_set", "raw_put"),
+                               ("get", "whole_get", "raw_get"),
+                               ("exists", "whole_exists", "raw_exists")):
+        ltable.add_row(label, f"{lat[whole]['p50_ms']:.3f}", f"{lat[whole]['p99_ms']:.3f}",
+                       f"{lat[base]['p50_ms']:.3f}", f"{lat[base]['p99_ms']:.3f}")
+    rt = lat["ray_round_trip"]
+    ltable.add_row("Ray round trip (health)", f"{rt['p50_ms']:.3f}", f"{rt['p99_ms']:.3f}",
+                   "-", "-")
+    console.print(ltable)
+    met = result["target"]["met"]
+    verdict = "not judged (no such page size)" if met is None else "met" if met else "NOT met"
+    console.print(f"target: whole path >= {TARGET_RATIO}x raw Mooncake (median ratios of this "
+                  f"run) for pages of {human_bytes(TARGET_MIN_PAGE_BYTES)} and up: {verdict}")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Grouped bars of median GB/s by page size (whole vs raw, put and get) to a PNG;
+    memcpy GB/s is written under each page size."""
+    from matplotlib.figure import Figure
+
+    sizes = result["sizes"]
+    series = (("whole_put", "whole path put", "#1f77b4"),
+              ("raw_put", "raw Mooncake put", "#aec7e8"),
+              ("whole_get", "whole path get", "#ff7f0e"),
+              ("raw_get", "raw Mooncake get", "#ffbb78"))
+    x = np.arange(len(sizes))
+    width = 0.8 / len(series)
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for i, (key, label, color) in enumerate(series):
+        values = [s[key]["median_gbps"] for s in sizes]
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label,
+                      color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(x, [f"{human_bytes(s['page_bytes'])}\nmemcpy {s['memcpy']['median_gbps']:.1f}"
+                      for s in sizes])
+    ax.set_xlabel(f"page size (batch of {result['config']['batch']} pages)")
+    ax.set_ylabel("GB/s (1e9 bytes/s), median")
+    ax.set_title("raykv data plane vs raw Mooncake (TCP loopback, other node's segment)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_dataplane_bench(
+    page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
+    batch: int = 128,
+    iters: int = 5,
+    out_dir: str | None = None,
+    console: Console | None = None,
+) -> dict:
+    """Benchmark the data plane; print tables, write JSON and PNG, return the figures.
+
+    ``page_sizes`` are page object sizes in bytes (multiples of 32 KiB), ``batch`` pages
+    move per call, ``iters`` timed iterations per size follow one untimed warm-up that
+    also checks the bytes read back. Starts (and stops) its own two-node embedded
+    cluster, so Ray must not be initialised. Writes ``bench_dataplane.json`` and
+    ``bench_dataplane.png`` into ``out_dir`` (default ``raykv-out/``). Bandwidth is in
+    GB/s (1e9 bytes/s), latency in ms, durations in seconds. ``target.met`` is None when
+    no page size is at least 1 MiB.
+    """
+    if batch < 1 or iters < 1:
+        raise ValueError(f"batch and iters must be >= 1, got batch={batch}, iters={iters}")
+    if not page_sizes:
+        raise ValueError("page_sizes is empty")
+    for size in page_sizes:
+        layer_num_for(size)
+    if 2 * batch * max(page_sizes) > SEGMENT_BYTES:
+        raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on both paths do "
+                         f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    console = console or Console()
+    out = Path(out_dir or "raykv-out")
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    started = time.perf_counter()
+    with start_local(num_nodes=2, global_segment_size=[0, SEGMENT_BYTES]) as cluster:
+        client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench"))
+        # Match the raw client's priority to the node actors' (Ray workers run niced).
+        niceness = os.getpriority(os.PRIO_PROCESS, client.health()["pid"])
+        raw = RawStore(cluster, niceness)
+        try:
+            results = []
+            for size in page_sizes:
+                console.print(f"[dim]{human_bytes(size)} pages ...[/dim]")
+                results.append(bench_size(client, raw, size, batch, iters, run_id))
+            console.print("[dim]1-page latency ...[/dim]")
+            latency = bench_latency(client, raw, run_id)
+        finally:
+            raw.close()
+            client.close()
+    judged = [s for s in results if s["page_bytes"] >= TARGET_MIN_PAGE_BYTES]
+    result = {
+        "run_id": run_id,
+        "machine": machine_info(),
+        "config": {"page_sizes": list(page_sizes), "batch": batch, "iters": iters,
+                   "segment_bytes": SEGMENT_BYTES, "nodes": 2, "raw_client_nice": niceness,
+                   "raw_buffer": "page-aligned private memory",
+                   "page_geometry": f"MLA, {PAGE_TOKENS} tokens x {KV_CACHE_DIM} bytes "
+                                    "per layer, uint8"},
+        "sizes": results,
+        "latency": latency,
+        "target": {"ratio": TARGET_RATIO, "min_page_bytes": TARGET_MIN_PAGE_BYTES,
+                   "met": all(min(s["ratio_put"], s["ratio_get"]) >= TARGET_RATIO
+                              for s in judged) if judged else None},
+        "elapsed_s": time.perf_counter() - started,
+    }
+    render(result, console)
+    json_path, png_path = out / "bench_dataplane.json", out / "bench_dataplane.png"
+    json_path.write_text(json.dumps(result, indent=2))
+    plot(result, png_path)
+    result["files"] = {"json": str(json_path), "png": str(png_path)}
+    console.print(f"wrote {json_path} and {png_path} ({result['elapsed_s']:.0f} s)")
+    return result
