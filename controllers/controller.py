@@ -61,6 +61,8 @@ class CacheController:
         self._window = group_window_s
         self._recent: OrderedDict[tuple, tuple[float, PoolTransferResult]] = OrderedDict()
         self._inflight: dict[tuple, asyncio.Future] = {}
+        self._pending: list[tuple] = []
+        self._draining = False
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="raykv-group")
         self._store = exists_backend()
         self._queries = metrics.Counter("raykv_group_queries", "Group existence queries",
@@ -130,7 +132,8 @@ class CacheController:
     async def group_exists(self, deployment_id: str, keys: list[str],
                            queries: list[PoolQuery]) -> PoolTransferResult:
         """The hit of the whole TP/PP group for ``keys``: identical for every rank that
-        asks about the same keys and pools within the window."""
+        asks about the same keys and pools within the window. Distinct queries that
+        arrive while a store check runs are batched into the next single check."""
         dep = self._registry.get(deployment_id)
         qkey = (deployment_id, tuple(keys), tuple(queries))
         now = time.monotonic()
@@ -142,24 +145,44 @@ class CacheController:
         if qkey in self._inflight:
             self._queries.inc(tags={"shared": "inflight"})
             return await asyncio.shield(self._inflight[qkey])
+        objects, layout = group_objects(dep, keys, queries)
         fut = asyncio.get_running_loop().create_future()
         self._inflight[qkey] = fut
-        try:
-            objects, layout = group_objects(dep, keys, queries)
-            t = time.perf_counter()
-            codes = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._store.exists, objects)
-            self._latency.observe(time.perf_counter() - t)
-            result = group_hits(layout, queries, codes)
-        except Exception as e:
-            fut.set_exception(e)
-            fut.exception()  # mark retrieved: waiters re-raise it
-            raise
-        finally:
-            self._inflight.pop(qkey, None)
+        self._pending.append((qkey, objects, layout, queries, fut))
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
         self._queries.inc(tags={"shared": "no"})
-        if result.kv_hit_pages:
-            self._hit_pages.inc(result.kv_hit_pages, tags={"deployment": deployment_id})
-        self._recent[qkey] = (time.monotonic(), result)
-        fut.set_result(result)
-        return result
+        return await asyncio.shield(fut)
+
+    async def _drain(self) -> None:
+        """Answer pending queries, each round with one ``batch_is_exist`` over the union
+        of their objects (no key twice)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                union: dict[str, int] = {}
+                for _, objects, _, _, _ in batch:
+                    for o in objects:
+                        union.setdefault(o, len(union))
+                t = time.perf_counter()
+                try:
+                    codes = await loop.run_in_executor(self._executor, self._store.exists,
+                                                       list(union))
+                except Exception as e:  # answer every waiter, keep serving
+                    codes, error = None, e
+                self._latency.observe(time.perf_counter() - t)
+                for qkey, objects, layout, queries, fut in batch:
+                    self._inflight.pop(qkey, None)
+                    if codes is None:
+                        fut.set_exception(error)
+                        continue
+                    result = group_hits(layout, queries, [codes[union[o]] for o in objects])
+                    if result.kv_hit_pages:
+                        self._hit_pages.inc(result.kv_hit_pages,
+                                            tags={"deployment": qkey[0]})
+                    self._recent[qkey] = (time.monotonic(), result)
+                    fut.set_result(result)
+        finally:
+            self._draining = False
