@@ -32,7 +32,13 @@ from controllers.contract import (
     PoolTransferResult,
     StorageConfig,
 )
-from controllers.deployments import PoolQuery, PoolSpec, group_hits
+from controllers.deployments import (
+    ObjectPlan,
+    PoolQuery,
+    PoolSpec,
+    group_hits,
+    rank_plan_into,
+)
 from controllers.keys import KeyPlan, check_key_rule, is_replicated
 from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 from controllers.pool_layout import PoolLayout, check_pool_name
@@ -441,15 +447,13 @@ class CacheClient:
         keys = check_keys(keys)
         kv = self._pool(PoolName.KV)
         queries = self._queries(transfers)
-        objects: dict[str, int] = {}
-        spans = {}
-        for name, pool in [(PoolName.KV, kv), *((q.name, self._pool(q.name)) for q in queries)]:
-            names = [b.name for b in pool.handle.layout.buffers]
-            spans[name] = [[objects.setdefault(o, len(objects))
-                            for o in self.plan.pool_keys(name, pool.kind, names, h)]
-                           for h in keys]
-        codes = self._call("batch_is_exist", list(objects))
-        return group_hits({(self.config.tp_rank, self.config.pp_rank): spans}, queries, codes)
+        rank = (self.config.tp_rank, self.config.pp_rank)
+        plan = ObjectPlan(self.plan.prefix, keys)
+        rank_plan_into(plan, self.plan, rank, [
+            PoolSpec(name, pool.kind, tuple(b.name for b in pool.handle.layout.buffers))
+            for name, pool in [(PoolName.KV, kv), *((q.name, self._pool(q.name))
+                                                     for q in queries)]])
+        return group_hits(plan, queries, self._call("batch_is_exist", plan.objects))
 
     # ------------------------------------------------------------ group hits
     def register_deployment(self) -> str:

@@ -123,5 +123,20 @@ def bench(page_sizes: str, batch: int, iters: int, out_dir: str) -> None:
     run_dataplane_bench(page_sizes=sizes, batch=batch, iters=iters, out_dir=out_dir)
 
 
+@main.command("bench-group")
+@click.option("--tp-sizes", default="2,4", show_default=True)
+@click.option("--pages", default=128, show_default=True)
+@click.option("--concurrency", default=32, show_default=True, help="Queries in flight.")
+@click.option("--seconds", default=3.0, show_default=True, help="Per throughput run.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True)
+def bench_group(tp_sizes: str, pages: int, concurrency: int, seconds: float,
+                out_dir: str) -> None:
+    """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
+    from clusters.bench_group import run_group_bench
+
+    run_group_bench([int(t) for t in tp_sizes.split(",")], pages=pages,
+                    concurrency=concurrency, seconds=seconds, out_dir=out_dir)
+
+
 if __name__ == "__main__":
     main()

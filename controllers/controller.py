@@ -145,10 +145,10 @@ class CacheController:
         if qkey in self._inflight:
             self._queries.inc(tags={"shared": "inflight"})
             return await asyncio.shield(self._inflight[qkey])
-        objects, layout = group_objects(dep, keys, queries)
+        plan = group_objects(dep, keys, queries)
         fut = asyncio.get_running_loop().create_future()
         self._inflight[qkey] = fut
-        self._pending.append((qkey, objects, layout, queries, fut))
+        self._pending.append((qkey, plan, queries, fut))
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
@@ -162,23 +162,29 @@ class CacheController:
         try:
             while self._pending:
                 batch, self._pending = self._pending, []
-                union: dict[str, int] = {}
-                for _, objects, _, _, _ in batch:
-                    for o in objects:
-                        union.setdefault(o, len(union))
+                if len(batch) == 1:
+                    union = None
+                    names = batch[0][1].objects
+                else:
+                    union = {}
+                    for _, plan, _, _ in batch:
+                        for o in plan.objects:
+                            union.setdefault(o, len(union))
+                    names = list(union)
                 t = time.perf_counter()
                 try:
                     codes = await loop.run_in_executor(self._executor, self._store.exists,
-                                                       list(union))
+                                                       names)
                 except Exception as e:  # answer every waiter, keep serving
                     codes, error = None, e
                 self._latency.observe(time.perf_counter() - t)
-                for qkey, objects, layout, queries, fut in batch:
+                for qkey, plan, queries, fut in batch:
                     self._inflight.pop(qkey, None)
                     if codes is None:
                         fut.set_exception(error)
                         continue
-                    result = group_hits(layout, queries, [codes[union[o]] for o in objects])
+                    mine = codes if union is None else [codes[union[o]] for o in plan.objects]
+                    result = group_hits(plan, queries, mine)
                     if result.kv_hit_pages:
                         self._hit_pages.inc(result.kv_hit_pages,
                                             tags={"deployment": qkey[0]})

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
 from controllers.hit_resolution import PoolPresence, resolve_hits
 from controllers.keys import KeyPlan, check_key_rule, is_replicated, key_prefix
@@ -121,47 +123,71 @@ class PoolQuery:
     window: int = 1
 
 
-def group_objects(dep: Deployment, page_hashes: Sequence[str],
-                  queries: Sequence[PoolQuery]) -> tuple[list[str], dict]:
-    """Every object of every rank and queried pool, deduplicated (replicated pools are
-    stored once, by TP rank 0, so they are named once).
+class ObjectPlan:
+    """The objects of one existence check: for every (rank, pool) a contiguous segment
+    of ``pages x objects-per-page`` keys. A replicated pool's segment is shared by all
+    TP ranks (stored once, by TP rank 0), so no key is named twice."""
 
-    Returns ``(objects, layout)`` where ``layout[(tp, pp)][pool]`` is, per page, the
-    indices into ``objects`` of that page's objects.
-    """
+    def __init__(self, prefix: str, page_hashes: Sequence[str]) -> None:
+        self.prefix = prefix
+        self.hashes = list(page_hashes)
+        self.objects: list[str] = []
+        self.segments: dict[tuple[int, int], dict[PoolName, tuple[int, int]]] = {}
+        self._by_scope: dict[tuple, tuple[int, int]] = {}
+
+    def add(self, rank: tuple[int, int], pool: PoolName, scope: tuple,
+            suffixes: Sequence[str]) -> None:
+        """Name ``prefix + hash + suffix`` for every page and suffix, once per scope."""
+        seg = self._by_scope.get((scope, pool))
+        if seg is None:
+            seg = (len(self.objects), len(suffixes))
+            p = self.prefix
+            self.objects += [p + h + s for h in self.hashes for s in suffixes]
+            self._by_scope[(scope, pool)] = seg
+        self.segments.setdefault(rank, {})[pool] = seg
+
+    def presence(self, exists: np.ndarray, rank: tuple[int, int], pool: PoolName) -> np.ndarray:
+        """Per page: every object of the page exists (``exists`` indexed like ``objects``)."""
+        start, per_page = self.segments[rank][pool]
+        n = len(self.hashes)
+        return exists[start:start + n * per_page].reshape(n, per_page).all(axis=1)
+
+
+def rank_plan_into(plan: ObjectPlan, keys: KeyPlan, rank: tuple[int, int],
+                   pools: Sequence[PoolSpec]) -> None:
+    """Add one rank's objects of ``pools`` to ``plan``."""
+    for spec in pools:
+        scope = ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank
+        plan.add(rank, spec.name, scope, keys.suffixes(spec.name, spec.kind, spec.buffers))
+
+
+def group_objects(dep: Deployment, page_hashes: Sequence[str],
+                  queries: Sequence[PoolQuery]) -> ObjectPlan:
+    """Every object of every rank and queried pool (KV always), each named once."""
     for q in queries:
         if q.name not in dep.pools:
             raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
                              f"pool (it has {[p.value for p in dep.pools]})")
     names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
-    objects: dict[str, int] = {}
-    layout: dict[tuple[int, int], dict[PoolName, list[list[int]]]] = {}
+    specs = [dep.pools[n] for n in names]
+    plan = ObjectPlan(dep.plan(0, 0).prefix, page_hashes)
     for pp in range(dep.pp_size):
         for tp in range(dep.tp_size):
-            plan = dep.plan(tp, pp)
-            per_pool = {}
-            for name in names:
-                spec = dep.pools[name]
-                owner = dep.plan(0, pp) if is_replicated(name, spec.kind) else plan
-                per_pool[name] = [
-                    [objects.setdefault(o, len(objects))
-                     for o in owner.pool_keys(name, spec.kind, list(spec.buffers), h)]
-                    for h in page_hashes]
-            layout[(tp, pp)] = per_pool
-    return list(objects), layout
+            rank_plan_into(plan, dep.plan(tp, pp), (tp, pp), specs)
+    return plan
 
 
-def group_hits(layout: dict, queries: Sequence[PoolQuery], exists: Sequence[int]):
-    """The ``PoolTransferResult`` of the whole group from ``batch_is_exist`` codes of
-    the objects ``group_objects`` named: the intersection over every rank and pool."""
+def group_hits(plan: ObjectPlan, queries: Sequence[PoolQuery], codes: Sequence[int]):
+    """The ``PoolTransferResult`` of every rank in ``plan`` from the ``batch_is_exist``
+    codes of ``plan.objects``: the intersection over every rank and pool."""
+    exists = np.asarray(codes) == 1
     policy = {q.name: q for q in queries if q.name != PoolName.KV}
-
-    def presence(pages: list[list[int]], q: PoolQuery | None) -> PoolPresence:
-        flags = [all(exists[i] == 1 for i in page) for page in pages]
-        return PoolPresence(flags) if q is None else PoolPresence(flags, q.policy, q.window)
-
-    ranks = [(presence(pools[PoolName.KV], None),
-              {n: presence(p, policy[n]) for n, p in pools.items() if n != PoolName.KV})
-             for pools in layout.values()]
+    ranks = []
+    for rank, pools in plan.segments.items():
+        kv = PoolPresence(plan.presence(exists, rank, PoolName.KV))
+        extra = {n: PoolPresence(plan.presence(exists, rank, n), policy[n].policy,
+                                 policy[n].window)
+                 for n in pools if n != PoolName.KV}
+        ranks.append((kv, extra))
     first, *rest = ranks
     return resolve_hits(first[0], first[1], ranks=rest)

@@ -7,13 +7,15 @@ A prefix of ``L`` pages is restorable from a pool when:
 The empty prefix is always restorable. Trailing pools make holes, so the hit is the
 largest length in the **intersection** of every pool's restorable lengths, not the
 minimum of per-pool maxima. Across TP/PP ranks the same intersection is taken over
-every rank's pools.
+every rank's pools. Pure: numpy only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 
@@ -34,15 +36,22 @@ class PoolPresence:
             raise ValueError(f"trailing_pages needs a window >= 1, got {self.window}")
 
 
+def restorable_mask(p: PoolPresence) -> np.ndarray:
+    """``mask[L]`` (``L`` = 0..n pages) is True when pool ``p`` can restore a prefix of
+    ``L`` pages. Vectorised: O(n) whatever the window."""
+    exists = np.asarray(p.exists, dtype=bool)
+    n = exists.size
+    present = np.concatenate(([0], np.cumsum(exists)))  # present[L] = pages < L that exist
+    lengths = np.arange(n + 1)
+    if p.policy == PoolHitPolicy.ALL_PAGES:
+        return present == lengths
+    start = np.maximum(lengths - p.window, 0)
+    return present - present[start] == lengths - start
+
+
 def restorable_lengths(p: PoolPresence) -> set[int]:
     """Prefix lengths (pages, 0 included) that pool ``p`` can restore."""
-    n = len(p.exists)
-    if p.policy == PoolHitPolicy.ALL_PAGES:
-        run = 0
-        while run < n and p.exists[run]:
-            run += 1
-        return set(range(run + 1))
-    return {0} | {L for L in range(1, n + 1) if all(p.exists[max(0, L - p.window):L])}
+    return set(np.flatnonzero(restorable_mask(p)).tolist())
 
 
 def resolve_hits(kv: PoolPresence, extra: Mapping[PoolName, PoolPresence] | None = None,
@@ -58,16 +67,17 @@ def resolve_hits(kv: PoolPresence, extra: Mapping[PoolName, PoolPresence] | None
     extra = dict(extra or {})
     groups = [(kv, extra), *ranks]
     n = len(kv.exists)
-    common = set(range(n + 1))
+    common = np.ones(n + 1, dtype=bool)
     for rank_kv, rank_extra in groups:
         for pool in (rank_kv, *rank_extra.values()):
             if len(pool.exists) != n:
                 raise ValueError(f"pools describe {len(pool.exists)} and {n} pages")
-            common &= restorable_lengths(pool)
-    hit = max(common)
+            common &= restorable_mask(pool)
+    lengths = np.flatnonzero(common).tolist()
+    hit = lengths[-1]
     per_pool = {
         name: hit if p.policy == PoolHitPolicy.ALL_PAGES else min(p.window, hit)
         for name, p in extra.items()
     }
     return PoolTransferResult(kv_hit_pages=hit, extra_pool_hit_pages=per_pool,
-                              restorable_prefix_pages=sorted(common))
+                              restorable_prefix_pages=lengths)

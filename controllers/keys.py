@@ -11,6 +11,7 @@ TP rank); ``mla`` = ``""`` or ``"{pp}"`` (data replicated across TP ranks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controllers.contract import PoolName, StorageConfig
@@ -140,6 +141,11 @@ class KeyPlan:
             raise ValueError(f"pool {pool.value!r} has buffers {buffer_names} but its key rule "
                              f"gives {len(keys)} objects per page")
         return keys
+
+    def suffixes(self, pool: PoolName, kind: str, buffer_names: Sequence[str]) -> list[str]:
+        """What follows the page hash in each object key of a page of this pool, so a
+        key is ``prefix + page_hash + suffix``."""
+        return [k[len(self.prefix):] for k in self.pool_keys(pool, kind, list(buffer_names), "")]
 
     @property
     def writes_replicated(self) -> bool:

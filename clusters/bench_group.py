@@ -1,0 +1,175 @@
+"""Group-exists benchmark: the controller's rank-consistent hit query against a raw
+``batch_is_exist`` of the same objects, in one run.
+
+For each TP size a deployment with KV (MHA, k+v) and Mamba (temporal + 2 conv) pools is
+registered; prompts of ``pages`` pages are stored for every rank (tiny objects: the
+check does not read bytes). Measured:
+- **latency**: ``CacheClient.group_exists`` (rank -> controller -> one ``batch_is_exist``
+  -> intersection) vs the raw ``batch_is_exist`` of the identical object list, p50/p99
+  in ms; *added* = group p50 - raw p50. The controller's answer window is 0, so every
+  query reaches the store (the worst case).
+- **throughput**: group queries/s with ``concurrency`` queries in flight from one
+  driver, (a) every query distinct, (b) every query asked by all ``tp`` ranks, as a TP
+  group does (answers shared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from cache_actors import CacheClient
+from clusters.local import start_local
+from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from controllers.deployments import PoolQuery, group_objects
+
+MIB = 1 << 20
+TRAIL = PoolHitPolicy.TRAILING_PAGES
+MAMBA = dict(size=4, temporal_shape=(2, 4), conv_shapes=[(2, 3), (2, 2)],
+             dtype=torch.float16)
+KV = dict(page_size=16, size=64, layer_num=1, head_num=1, head_dim=8, dtype=torch.float16)
+
+
+def _pct(samples: Sequence[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1e3
+
+
+def _throughput(controller, dep: str, prompts: list[list[str]], queries, repeat: int,
+                concurrency: int, seconds: float) -> float:
+    """Queries/s answered with ``concurrency`` in flight; each prompt asked ``repeat``
+    times back to back (1 = all distinct)."""
+    inflight, done, i = [], 0, 0
+    end = time.perf_counter() + seconds
+    start = time.perf_counter()
+    while time.perf_counter() < end:
+        while len(inflight) < concurrency:
+            keys = prompts[(i // repeat) % len(prompts)]
+            inflight.append(controller.group_exists.remote(dep, keys, queries))
+            i += 1
+        ready, inflight = ray.wait(inflight, num_returns=1)
+        done += len(ready)
+    ray.get(inflight)
+    done += len(inflight)
+    return done / (time.perf_counter() - start)
+
+
+def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
+              seconds: float) -> dict:
+    model = f"bench-group-tp{tp}-{uuid.uuid4().hex[:6]}"
+    client = CacheClient(StorageConfig(tp_rank=0, tp_size=tp, model_name=model))
+    client.register_mem_host_pool_v2(client.create_host_pool("mha", **KV), PoolName.KV)
+    client.register_mem_host_pool_v2(client.create_host_pool("mamba", **MAMBA), PoolName.MAMBA)
+    dep = client.register_deployment()
+    dep_spec = ray.get(cluster.controller.deployments.remote())[dep]
+    from controllers.deployments import Deployment
+
+    deployment = Deployment.from_dict(dep_spec)
+    queries = [PoolQuery(PoolName.MAMBA, TRAIL, 1)]
+    prompts = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(8)]
+    for keys in prompts:  # store every rank's objects of every page
+        raw.put_tiny(group_objects(deployment, keys, queries).objects)
+    transfer = [PoolTransfer(PoolName.MAMBA, None, None, TRAIL)]
+    group, rawt = [], []
+    for n in range(calls):
+        keys = prompts[n % len(prompts)]
+        objects = group_objects(deployment, keys, queries).objects
+        t = time.perf_counter()
+        hit = client.group_exists(keys, transfer)
+        group.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        raw.store.batch_is_exist(objects)
+        rawt.append(time.perf_counter() - t)
+        assert hit.kv_hit_pages == pages
+    fresh = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(256)]
+    distinct = _throughput(cluster.controller, dep, fresh, queries, 1, concurrency, seconds)
+    shared = _throughput(cluster.controller, dep, fresh, queries, tp, concurrency, seconds)
+    client.close()
+    return {"tp": tp, "pages": pages, "objects": len(objects),
+            "group_p50_ms": _pct(group, 0.5), "group_p99_ms": _pct(group, 0.99),
+            "raw_p50_ms": _pct(rawt, 0.5), "raw_p99_ms": _pct(rawt, 0.99),
+            "added_p50_ms": _pct(group, 0.5) - _pct(rawt, 0.5),
+            "qps_distinct": distinct, "qps_group_shared": shared,
+            "group_mean_ms": statistics.mean(group) * 1e3}
+
+
+class _RawStore:
+    """A pure-consumer Mooncake client in the driver with a 4 KiB registered buffer."""
+
+    def __init__(self, cluster) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", cluster.metadata_server, 0, 16 * MIB, "tcp", "",
+                              cluster.master_address)
+        if rc != 0:
+            raise RuntimeError(f"raw Mooncake setup failed: {rc}")
+        self._buf = torch.zeros(4096, dtype=torch.uint8)
+        self.ptr = self._buf.data_ptr()
+        self.store.register_buffer(self.ptr, 4096)
+
+    def put_tiny(self, keys: list[str], attempts: int = 5) -> None:
+        """Store 64-byte objects under ``keys`` (in chunks, retrying transient -800)."""
+        todo = list(keys)
+        for _ in range(attempts):
+            failed = []
+            for i in range(0, len(todo), 256):
+                chunk = todo[i:i + 256]
+                codes = self.store.batch_put_from(chunk, [self.ptr] * len(chunk),
+                                                  [64] * len(chunk))
+                failed += [k for k, c in zip(chunk, codes, strict=True) if c != 0]
+            if not failed:
+                return
+            todo = failed
+        raise RuntimeError(f"{len(todo)} objects could not be stored")
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
+                    concurrency: int = 32, seconds: float = 3.0, out_dir: str | None = None,
+                    console: Console | None = None) -> dict:
+    """Run the benchmark (own single-node cluster); print a table, write
+    ``bench_group.json`` into ``out_dir`` (default ``raykv-out/``), return the figures.
+    Latencies in ms, throughput in queries/s."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    console = console or Console()
+    out = Path(out_dir or "raykv-out")
+    out.mkdir(parents=True, exist_ok=True)
+    with start_local(num_nodes=1, global_segment_size=512 * MIB, group_window_s=0.0) as cluster:
+        raw = _RawStore(cluster)
+        try:
+            rows = [_bench_tp(cluster, raw, tp, pages, calls, concurrency, seconds)
+                    for tp in tp_sizes]
+        finally:
+            raw.close()
+    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba, "
+                  f"{concurrency} in flight)")
+    for col in ("TP", "objects", "group p50/p99 ms", "raw p50/p99 ms", "added p50 ms",
+                "q/s distinct", "q/s TP group"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["tp"]), str(r["objects"]),
+                      f"{r['group_p50_ms']:.2f} / {r['group_p99_ms']:.2f}",
+                      f"{r['raw_p50_ms']:.2f} / {r['raw_p99_ms']:.2f}",
+                      f"{r['added_p50_ms']:.2f}", f"{r['qps_distinct']:.0f}",
+                      f"{r['qps_group_shared']:.0f}")
+    console.print(table)
+    result = {"rows": rows, "config": {"pages": pages, "calls": calls,
+                                       "concurrency": concurrency, "seconds": seconds,
+                                       "cpus": os.cpu_count()}}
+    path = out / "bench_group.json"
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {path}")
+    return result
