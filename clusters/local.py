@@ -76,6 +76,7 @@ class LocalCluster:
         self._ray_cluster.wait_for_nodes()
         (node_id,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
         self._ray_nodes[node_id] = node
+        self.node_ids.append(node_id)
         deadline = time.monotonic() + timeout_s
         while node_id not in ray.get(self.controller.nodes.remote()):
             if time.monotonic() > deadline:
@@ -87,6 +88,7 @@ class LocalCluster:
     def remove_node(self, node_id: str) -> None:
         """Stop a node that ``add_node`` added (as the autoscaler would)."""
         self._ray_cluster.remove_node(self._ray_nodes.pop(node_id))
+        self.node_ids.remove(node_id)
 
     def shutdown(self) -> None:
         """Stop reconciler, node actors, controller, master and Ray; remove every shared
