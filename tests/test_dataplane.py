@@ -141,3 +141,26 @@ def test_legacy_pointer_api(cluster, uid):
     missing = [keys[0], f"{uid}-none", keys[2]]
     assert ray.get(reader.call.remote("batch_get", missing, target_locations=rptrs[:3],
                                       target_sizes=rsizes[:3])) == 1
+
+
+def test_control_group_answers_while_data_calls_run(cluster, uid):
+    """health/stats (control group) are served while the data group is saturated."""
+    from cache_actors import CacheClient
+    from controllers import PoolName
+    from controllers.contract import PoolTransfer
+
+    client = CacheClient(StorageConfig(is_mla_model=True, model_name=f"busy/{uid}"))
+    pool = client.create_host_pool("mla", page_size=16, size=16 * 64, layer_num=1,
+                                   kv_cache_dim=64 * 1024, dtype=torch.uint8)  # 1 MiB pages
+    client.register_mem_pool_host(pool)
+    keys = [f"{uid}-{i}" for i in range(64)]
+    assert client.batch_set_v1(keys, torch.arange(16 * 64)) == [True] * 64
+    plan = client._plan_transfers([PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
+                                  write=False)
+    actor = cluster.node_actors[client.node_id]
+    busy = [actor.batch_get.remote(plan.batch) for _ in range(12)]  # 12 x 64 MiB of reads
+    health = ray.get(actor.health.remote())
+    pending = ray.wait(busy, num_returns=len(busy), timeout=0)[1]
+    assert health["store_healthy"] and pending, "health waited for the data calls"
+    assert all(c == 1 << 20 for codes in ray.get(busy) for c in codes)
+    client.destroy_host_pool(pool)
