@@ -9,6 +9,7 @@ rank's objects, so a *group* existence query covers ranks that never asked.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -161,6 +162,20 @@ def rank_plan_into(plan: ObjectPlan, keys: KeyPlan, rank: tuple[int, int],
         plan.add(rank, spec.name, scope, keys.suffixes(spec.name, spec.kind, spec.buffers))
 
 
+@functools.lru_cache(maxsize=256)
+def _group_template(prefix: str, plans: tuple[tuple[tuple[int, int], KeyPlan], ...],
+                    specs: tuple[PoolSpec, ...]) -> tuple[tuple, ...]:
+    """``(rank, pool, scope, suffixes)`` of every rank and pool, computed once per
+    deployment shape and pool set."""
+    out = []
+    for rank, keys in plans:
+        for spec in specs:
+            scope = ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank
+            out.append((rank, spec.name, scope,
+                        tuple(keys.suffixes(spec.name, spec.kind, spec.buffers))))
+    return tuple(out)
+
+
 def group_objects(dep: Deployment, page_hashes: Sequence[str],
                   queries: Sequence[PoolQuery]) -> ObjectPlan:
     """Every object of every rank and queried pool (KV always), each named once."""
@@ -169,11 +184,12 @@ def group_objects(dep: Deployment, page_hashes: Sequence[str],
             raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
                              f"pool (it has {[p.value for p in dep.pools]})")
     names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
-    specs = [dep.pools[n] for n in names]
-    plan = ObjectPlan(dep.plan(0, 0).prefix, page_hashes)
-    for pp in range(dep.pp_size):
-        for tp in range(dep.tp_size):
-            rank_plan_into(plan, dep.plan(tp, pp), (tp, pp), specs)
+    ranks = tuple(((tp, pp), dep.plan(tp, pp))
+                  for pp in range(dep.pp_size) for tp in range(dep.tp_size))
+    plan = ObjectPlan(ranks[0][1].prefix, page_hashes)
+    for rank, pool, scope, suffixes in _group_template(
+            plan.prefix, ranks, tuple(dep.pools[n] for n in names)):
+        plan.add(rank, pool, scope, suffixes)
     return plan
 
 
