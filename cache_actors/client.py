@@ -365,14 +365,12 @@ class CacheClient:
                 continue
             if name in self._staged:
                 plan.staged[name] = (self._staged[name], pool, starts)
-            names = [b.name for b in layout.buffers]
-            offsets = layout.object_offsets(starts)
-            sizes = layout.object_sizes
+            suffixes = self.plan.suffixes(name, pool.kind, [b.name for b in layout.buffers])
             first = len(plan.batch)
-            for i, h in enumerate(keys):
-                for j, obj in enumerate(self.plan.pool_keys(name, pool.kind, names, h)):
-                    plan.batch.add(obj, pool.name, offsets[i * len(sizes) + j], sizes[j])
-            plan.spans[name] = (first, len(sizes), len(keys))
+            plan.batch.extend([self.plan.prefix + h + s for h in keys for s in suffixes],
+                              pool.name, layout.object_offsets(starts),
+                              layout.object_sizes * len(keys))
+            plan.spans[name] = (first, len(suffixes), len(keys))
         if len(set(plan.batch.keys)) != len(plan.batch):
             raise ValueError("the transfers name the same object twice")
         return plan

@@ -176,17 +176,23 @@ class NodeCacheActor:
     def _pointers(self, batch: ObjectBatch) -> list[int]:
         """Pointers in this process for every object; ``ValueError`` for a bad location."""
         batch.check()
+        pools = {}
+        for name in set(batch.pools):
+            pool = self._pools.get(name)
+            if pool is None:
+                raise ValueError(f"the batch names pool {name!r}, which this node does not "
+                                 "have")
+            pools[name] = (pool.base_ptr, pool.nbytes)
         ptrs = []
-        for key, pool_name, off, size in zip(batch.keys, batch.pools, batch.offsets,
-                                             batch.sizes, strict=True):
+        for key, name, off, size in zip(batch.keys, batch.pools, batch.offsets, batch.sizes,
+                                        strict=True):
+            base, nbytes = pools[name]
             if not key:
                 raise ValueError("empty object key")
-            pool = self._pools.get(pool_name)
-            if pool is None:
-                raise ValueError(f"object {key!r} names pool {pool_name!r}, which this node "
-                                 "does not have")
-            pool.handle.layout.locate(off, size)
-            ptrs.append(pool.base_ptr + off)
+            if size <= 0 or off < 0 or off + size > nbytes:
+                raise ValueError(f"object {key!r}: {size} bytes at offset {off} do not lie "
+                                 f"inside pool {name!r} of {nbytes} bytes")
+            ptrs.append(base + off)
         return ptrs
 
     async def _run(self, fn, *args):

@@ -24,6 +24,13 @@ class ObjectBatch:
         self.offsets.append(offset)
         self.sizes.append(size)
 
+    def extend(self, keys: list[str], pool: str, offsets: list[int], sizes: list[int]) -> None:
+        """Add objects that all lie in ``pool``."""
+        self.keys += keys
+        self.pools += [pool] * len(keys)
+        self.offsets += offsets
+        self.sizes += sizes
+
     def __len__(self) -> int:
         return len(self.keys)
 

@@ -213,9 +213,3 @@ class PoolLayout:
         per_buffer = list(zip(self.buffer_offsets, (b.slot_bytes for b in self.buffers),
                               strict=True))
         return [base + s * slot for s in page_starts for base, slot in per_buffer]
-
-    def locate(self, offset: int, size: int) -> None:
-        """Raise ``ValueError`` unless ``[offset, offset + size)`` lies inside the pool."""
-        if size <= 0 or offset < 0 or offset + size > self.nbytes:
-            raise ValueError(f"range of {size} bytes at offset {offset} does not lie inside "
-                             f"the pool of {self.nbytes} bytes")

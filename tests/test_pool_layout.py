@@ -106,14 +106,6 @@ def test_indexer_geometry():
     assert layout.object_sizes == [4 * 2 * 132]
 
 
-def test_locate():
-    layout = mla()
-    layout.locate(0, layout.nbytes)
-    for off, size in [(-1, 4), (0, 0), (layout.nbytes - 2, 4)]:
-        with pytest.raises(ValueError, match="does not lie inside"):
-            layout.locate(off, size)
-
-
 @pytest.mark.parametrize("name", ["", "a/b", "../x", ".hidden", "x" * 65, 3])
 def test_bad_pool_names(name):
     with pytest.raises(ValueError, match="pool name"):
