@@ -88,6 +88,11 @@ def _copy_pages(src: torch.Tensor, dst: torch.Tensor, starts: Sequence[int],
     dst.index_copy_(dim, slots, src.index_select(dim, slots))
 
 
+def _spec(name: PoolName, pool: HostPool) -> PoolSpec:
+    """What the key rules need of a registered pool."""
+    return PoolSpec(name, pool.kind, tuple(b.name for b in pool.handle.layout.buffers))
+
+
 def _dtype_pair(dtype) -> tuple[str, int]:
     t = torch_dtype(dtype)
     return dtype_name(t), t.itemsize
@@ -448,19 +453,21 @@ class CacheClient:
         rank = (self.config.tp_rank, self.config.pp_rank)
         plan = ObjectPlan(self.plan.prefix, keys)
         rank_plan_into(plan, self.plan, rank, [
-            PoolSpec(name, pool.kind, tuple(b.name for b in pool.handle.layout.buffers))
-            for name, pool in [(PoolName.KV, kv), *((q.name, self._pool(q.name))
-                                                     for q in queries)]])
+            _spec(name, pool) for name, pool in [(PoolName.KV, kv),
+                                                 *((q.name, self._pool(q.name)) for q in queries)]])
         return group_hits(plan, queries, self._call("batch_is_exist", plan.objects))
 
     # ------------------------------------------------------------ group hits
+    def _specs(self) -> tuple[PoolSpec, ...]:
+        """The registered pools as the controller sees them, in a stable order."""
+        return tuple(sorted((_spec(name, pool) for name, pool in self._registered.items()),
+                            key=lambda p: p.name.value))
+
     def register_deployment(self) -> str:
         """Register this rank and its pools with the controller; adopt the key plan it
         hands back. Returns the deployment id. ``ValueError`` if this rank contradicts
         what its group registered (parallel sizes, MLA flag, pool kinds)."""
-        specs = tuple(sorted(
-            (PoolSpec(name, pool.kind, tuple(b.name for b in pool.handle.layout.buffers))
-             for name, pool in self._registered.items()), key=lambda p: p.name.value))
+        specs = self._specs()
         if self._controller is None:
             try:
                 self._controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
@@ -482,9 +489,8 @@ class CacheClient:
         keys = check_keys(keys)
         self._pool(PoolName.KV)
         queries = self._queries(transfers)
-        specs = {(name, pool.kind) for name, pool in self._registered.items()}
         if (self._controller is None or self._deployment is None
-                or specs != {(p.name, p.kind) for p in self._deployment[1]}):
+                or self._specs() != self._deployment[1]):
             self.register_deployment()
         return self._ask(self._controller, "group_exists", self._deployment[0], keys, queries)
 

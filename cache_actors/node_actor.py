@@ -34,9 +34,14 @@ log = logging.getLogger(__name__)
 DATA_THREADS = 4
 
 
+def cluster_prefix(cluster_tag: str) -> str:
+    """Prefix of every shared segment of one raykv cluster."""
+    return f"raykv.{cluster_tag}."
+
+
 def segment_prefix(cluster_tag: str, node_id: str) -> str:
     """Prefix of every shared segment of one node actor of one raykv cluster."""
-    return f"raykv.{cluster_tag}.{node_id[:16]}."
+    return f"{cluster_prefix(cluster_tag)}{node_id[:16]}."
 
 
 class NodeMetrics:

@@ -31,7 +31,7 @@ from rich.table import Table
 from cache_actors import CacheClient
 from clusters.local import start_local
 from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
-from controllers.deployments import PoolQuery, group_objects
+from controllers.deployments import Deployment, PoolQuery, group_objects
 
 MIB = 1 << 20
 TRAIL = PoolHitPolicy.TRAILING_PAGES
@@ -72,8 +72,6 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
     client.register_mem_host_pool_v2(client.create_host_pool("mamba", **MAMBA), PoolName.MAMBA)
     dep = client.register_deployment()
     dep_spec = ray.get(cluster.controller.deployments.remote())[dep]
-    from controllers.deployments import Deployment
-
     deployment = Deployment.from_dict(dep_spec)
     queries = [PoolQuery(PoolName.MAMBA, TRAIL, 1)]
     prompts = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(8)]

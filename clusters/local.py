@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import ray
 
+from cache_actors.node_actor import cluster_prefix
 from cache_actors.shared_segment import remove_segments
 from clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from clusters.mooncake_master import MooncakeMaster
@@ -35,13 +36,13 @@ class LocalCluster:
     """A running embedded raykv cluster. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, master: MooncakeMaster, settings: NodeSettings, namespace: str,
-                 ray_cluster=None) -> None:
+                 ray_cluster=None, node_args: dict | None = None) -> None:
         self.master = master
         self.settings = settings
         self.namespace = namespace
         self._ray_cluster = ray_cluster
         self._ray_nodes: dict[str, object] = {}
-        self._node_args: dict = {}
+        self._node_args = dict(node_args or {})
         self.node_ids: list[str] = []
         self.controller = None
         self.reconciler = None
@@ -94,7 +95,7 @@ class LocalCluster:
         """Stop reconciler, node actors, controller, master and Ray; remove every shared
         segment of this cluster. Each step runs even if an earlier one failed."""
         steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
-                 lambda: remove_segments(f"raykv.{self.cluster_tag}.")]
+                 lambda: remove_segments(cluster_prefix(self.cluster_tag))]
         if self.controller is not None and ray.is_initialized():
             steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None
@@ -173,8 +174,7 @@ def start_local(
                 ray_cluster.add_node(**node_args)
             ray_cluster.wait_for_nodes()
             ray.init(address=ray_cluster.address, namespace=namespace)
-        cluster = LocalCluster(master, settings, namespace, ray_cluster)
-        cluster._node_args = node_args
+        cluster = LocalCluster(master, settings, namespace, ray_cluster, node_args)
         head = ray.get_runtime_context().get_node_id()
         others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
         cluster.node_ids = [head, *others]
