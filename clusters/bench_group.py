@@ -1,16 +1,18 @@
-"""Group-exists benchmark: the controller's rank-consistent hit query against a raw
+"""Group-exists benchmark: the rank-consistent group hit query against a raw
 ``batch_is_exist`` of the same objects, in one run.
 
 For each TP size a deployment with KV (MHA, k+v) and Mamba (temporal + 2 conv) pools is
 registered; prompts of ``pages`` pages are stored for every rank (tiny objects: the
 check does not read bytes). Measured:
-- **latency**: ``CacheClient.group_exists`` (rank -> controller -> one ``batch_is_exist``
-  -> intersection) vs the raw ``batch_is_exist`` of the identical object list, p50/p99
-  in ms; *added* = group p50 - raw p50. The controller's answer window is 0, so every
-  query reaches the store (the worst case).
-- **throughput**: group queries/s with ``concurrency`` queries in flight from one
-  driver, (a) every query distinct, (b) every query asked by all ``tp`` ranks, as a TP
-  group does (answers shared).
+- **latency**: ``CacheClient.group_exists`` (rank -> local channel -> the home node
+  actor names every rank's objects -> one ``batch_is_exist`` -> intersection) vs the raw
+  ``batch_is_exist`` of the identical object list from the driver, p50/p99 in ms;
+  *added* = group p50 - raw p50. The answer window is 0, so every query reaches the
+  store (the worst case).
+- **throughput**: group queries/s from ``concurrency`` caller threads, each a rank of
+  the group with its own ``CacheClient`` use: (a) every query distinct, (b) every query
+  asked by all ``tp`` ranks, as a TP group does (one check serves the ranks that ask
+  while it runs).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -45,32 +49,44 @@ def _pct(samples: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
 
-def _throughput(controller, dep: str, prompts: list[list[str]], queries, repeat: int,
+def _throughput(clients: list[CacheClient], prompts: list[list[str]], transfer, shared: bool,
                 concurrency: int, seconds: float) -> float:
-    """Queries/s answered with ``concurrency`` in flight; each prompt asked ``repeat``
-    times back to back (1 = all distinct)."""
-    inflight, done, i = [], 0, 0
+    """Group queries/s answered by ``concurrency`` threads; thread ``j`` is rank
+    ``j % tp``. ``shared``: every rank asks about every prompt (prompts taken in order
+    per rank); else every query is a prompt of its own."""
+    tp = len(clients)
+    lock = threading.Lock()
+    taken = [0] * (tp if shared else 1)
     end = time.perf_counter() + seconds
+
+    def caller(j: int) -> int:
+        rank, n = j % tp, 0
+        slot = rank if shared else 0
+        while time.perf_counter() < end:
+            with lock:
+                i = taken[slot]
+                taken[slot] += 1
+            clients[rank].group_exists(prompts[i % len(prompts)], transfer)
+            n += 1
+        return n
+
     start = time.perf_counter()
-    while time.perf_counter() < end:
-        while len(inflight) < concurrency:
-            keys = prompts[(i // repeat) % len(prompts)]
-            inflight.append(controller.group_exists.remote(dep, keys, queries))
-            i += 1
-        ready, inflight = ray.wait(inflight, num_returns=1)
-        done += len(ready)
-    ray.get(inflight)
-    done += len(inflight)
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = sum(pool.map(caller, range(concurrency)))
     return done / (time.perf_counter() - start)
 
 
 def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
               seconds: float) -> dict:
     model = f"bench-group-tp{tp}-{uuid.uuid4().hex[:6]}"
-    client = CacheClient(StorageConfig(tp_rank=0, tp_size=tp, model_name=model))
-    client.register_mem_host_pool_v2(client.create_host_pool("mha", **KV), PoolName.KV)
-    client.register_mem_host_pool_v2(client.create_host_pool("mamba", **MAMBA), PoolName.MAMBA)
-    dep = client.register_deployment()
+    clients = []
+    for rank in range(tp):
+        c = CacheClient(StorageConfig(tp_rank=rank, tp_size=tp, model_name=model))
+        c.register_mem_host_pool_v2(c.create_host_pool("mha", **KV), PoolName.KV)
+        c.register_mem_host_pool_v2(c.create_host_pool("mamba", **MAMBA), PoolName.MAMBA)
+        dep = c.register_deployment()
+        clients.append(c)
+    client = clients[0]
     dep_spec = ray.get(cluster.controller.deployments.remote())[dep]
     deployment = Deployment.from_dict(dep_spec)
     queries = [PoolQuery(PoolName.MAMBA, TRAIL, 1)]
@@ -90,9 +106,10 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
         rawt.append(time.perf_counter() - t)
         assert hit.kv_hit_pages == pages
     fresh = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(256)]
-    distinct = _throughput(cluster.controller, dep, fresh, queries, 1, concurrency, seconds)
-    shared = _throughput(cluster.controller, dep, fresh, queries, tp, concurrency, seconds)
-    client.close()
+    distinct = _throughput(clients, fresh, transfer, False, concurrency, seconds)
+    shared = _throughput(clients, fresh, transfer, True, concurrency, seconds)
+    for c in clients:
+        c.close()
     return {"tp": tp, "pages": pages, "objects": len(objects),
             "group_p50_ms": _pct(group, 0.5), "group_p99_ms": _pct(group, 0.99),
             "raw_p50_ms": _pct(rawt, 0.5), "raw_p99_ms": _pct(rawt, 0.99),
@@ -135,6 +152,36 @@ class _RawStore:
         self.store.close()
 
 
+def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
+               concurrency: int = 32, seconds: float = 3.0) -> list[dict]:
+    """One row of figures per TP size on a running raykv ``cluster`` (whose group answer
+    window should be 0, so every query reaches the store). Latencies in ms, throughput
+    in queries/s."""
+    raw = _RawStore(cluster)
+    try:
+        return [_bench_tp(cluster, raw, tp, pages, calls, concurrency, seconds)
+                for tp in tp_sizes]
+    finally:
+        raw.close()
+
+
+def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
+    """Print the group-exists table of ``rows`` with rich."""
+    pages = rows[0]["pages"] if rows else 0
+    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba, "
+                  f"{concurrency} callers)")
+    for col in ("TP", "objects", "group p50/p99 ms", "raw p50/p99 ms", "added p50 ms",
+                "q/s distinct", "q/s TP group"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["tp"]), str(r["objects"]),
+                      f"{r['group_p50_ms']:.2f} / {r['group_p99_ms']:.2f}",
+                      f"{r['raw_p50_ms']:.2f} / {r['raw_p99_ms']:.2f}",
+                      f"{r['added_p50_ms']:.2f}", f"{r['qps_distinct']:.0f}",
+                      f"{r['qps_group_shared']:.0f}")
+    console.print(table)
+
+
 def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
                     concurrency: int = 32, seconds: float = 3.0, out_dir: str | None = None,
                     console: Console | None = None) -> dict:
@@ -146,24 +193,8 @@ def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: i
     out = Path(out_dir or "raykv-out")
     out.mkdir(parents=True, exist_ok=True)
     with start_local(num_nodes=1, global_segment_size=512 * MIB, group_window_s=0.0) as cluster:
-        raw = _RawStore(cluster)
-        try:
-            rows = [_bench_tp(cluster, raw, tp, pages, calls, concurrency, seconds)
-                    for tp in tp_sizes]
-        finally:
-            raw.close()
-    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba, "
-                  f"{concurrency} in flight)")
-    for col in ("TP", "objects", "group p50/p99 ms", "raw p50/p99 ms", "added p50 ms",
-                "q/s distinct", "q/s TP group"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(str(r["tp"]), str(r["objects"]),
-                      f"{r['group_p50_ms']:.2f} / {r['group_p99_ms']:.2f}",
-                      f"{r['raw_p50_ms']:.2f} / {r['raw_p99_ms']:.2f}",
-                      f"{r['added_p50_ms']:.2f}", f"{r['qps_distinct']:.0f}",
-                      f"{r['qps_group_shared']:.0f}")
-    console.print(table)
+        rows = group_rows(cluster, tp_sizes, pages, calls, concurrency, seconds)
+    render_group(rows, concurrency, console)
     result = {"rows": rows, "config": {"pages": pages, "calls": calls,
                                        "concurrency": concurrency, "seconds": seconds,
                                        "cpus": os.cpu_count()}}

@@ -5,13 +5,11 @@ master, the master supervisor. Used by ``start_local`` and by ``raykv up``/``dow
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import ray
 from ray.experimental import internal_kv
 
-from cache_actors.mooncake_backend import MooncakeBackend
 from clusters.master_supervisor import SUPERVISOR_NAME
 from clusters.node_actors import (
     RECONCILER_NAME,
@@ -27,16 +25,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
-def controller_store(settings: NodeSettings):
-    """The controller's exists backend: a Mooncake client that contributes no memory."""
-    return functools.partial(
-        MooncakeBackend.embedded, local_hostname=settings.local_hostname or LOOPBACK,
-        metadata_server=settings.metadata_server,
-        master_server_addr=settings.master_address, global_segment_size=0,
-        local_buffer_size=settings.local_buffer_size, protocol=settings.protocol)
-
-
-def start_control_plane(settings: NodeSettings, namespace: str, *, group_window_s: float = 2.0,
+def start_control_plane(settings: NodeSettings, namespace: str, *,
                         reconcile_period_s: float = 1.0,
                         overrides: dict[str, int] | None = None):
     """Start the controller and the reconciler (detached, named) and run one reconcile
@@ -45,8 +34,7 @@ def start_control_plane(settings: NodeSettings, namespace: str, *, group_window_
             "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag}
     controller = CacheController.options(
         name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-        runtime_env={"env_vars": settings.env},
-    ).remote(info, namespace, controller_store(settings), group_window_s)
+    ).remote(info, namespace)
     ray.get(controller.info.remote())
     reconciler = NodeReconciler.options(
         name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
@@ -55,8 +43,6 @@ def start_control_plane(settings: NodeSettings, namespace: str, *, group_window_
     names = ray.get(controller.nodes.remote()).values()
     ray.get([ray.get_actor(n, namespace=namespace).health.remote() for n in names])
     return controller, reconciler
-
-
 
 
 def _named(name: str, namespace: str):

@@ -141,9 +141,11 @@ def start_local(
     consumer); nodes added later get the first size. ``cpus_per_node`` is the logical
     CPU count each Ray node advertises for ranks (cache actors take none).
     ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the cache actors (``INFO``,
-    ``WARNING``, ``ERROR``). Mooncake binds to 127.0.0.1 (also clients made later in this
-    process: ``MC_TCP_BIND_ADDRESS`` is set unless already set); multi-node clusters
-    detect a removed node within ~3 s. Ray must not be initialised already.
+    ``WARNING``, ``ERROR``). ``group_window_s`` is how long a group hit answer is shared
+    with every rank that asks the same (0: never). Mooncake binds to 127.0.0.1 (also
+    clients made later in this process: ``MC_TCP_BIND_ADDRESS`` is set unless already
+    set); multi-node clusters detect a removed node within ~3 s. Ray must not be
+    initialised already.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -158,7 +160,8 @@ def start_local(
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
     settings = NodeSettings(master.master_address, master.metadata_server, uuid.uuid4().hex[:8],
-                            sizes[0], local_buffer_size, "tcp", LOOPBACK, mooncake_log_level)
+                            sizes[0], local_buffer_size, "tcp", LOOPBACK, mooncake_log_level,
+                            group_window_s)
     ray_cluster = None
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
     try:
@@ -186,8 +189,7 @@ def start_local(
         raise
     try:
         cluster.controller, cluster.reconciler = start_control_plane(
-            settings, namespace, group_window_s=group_window_s,
-            reconcile_period_s=reconcile_period_s,
+            settings, namespace, reconcile_period_s=reconcile_period_s,
             overrides=dict(zip(cluster.node_ids, sizes, strict=True)))
     except BaseException:
         cluster.shutdown()

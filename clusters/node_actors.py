@@ -23,7 +23,8 @@ RECONCILER_NAME = "raykv-reconciler"
 class NodeSettings:
     """How every node actor of a cluster joins the store. Sizes in bytes.
 
-    ``local_hostname`` None means the node's IP as Ray sees it.
+    ``local_hostname`` None means the node's IP as Ray sees it. ``group_window_s`` is
+    how long a group hit answer is shared with every rank that asks the same.
     """
 
     master_address: str
@@ -34,6 +35,7 @@ class NodeSettings:
     protocol: str = "tcp"
     local_hostname: str | None = None
     mooncake_log_level: str = "ERROR"
+    group_window_s: float = 2.0
 
     @property
     def env(self) -> dict[str, str]:
@@ -62,7 +64,7 @@ def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
         runtime_env={"env_vars": settings.env},
     ).remote(node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
              settings.global_segment_size, settings.local_buffer_size, settings.protocol,
-             "", settings.local_hostname)
+             "", settings.local_hostname, group_window_s=settings.group_window_s)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:

@@ -36,7 +36,13 @@ class PoolSpec:
 
 @dataclass
 class Deployment:
-    """One deployment's group spec and the ranks that registered (``"tp,pp"`` -> node)."""
+    """One deployment's group spec and the ranks that registered (``"tp,pp"`` -> node).
+
+    ``home_node`` is the node whose cache actor answers the group's existence queries
+    (the node of the first rank that registered; moved when that node leaves), so every
+    rank's query meets the same window of shared answers. ``version`` grows whenever
+    the pools change, so cached copies can tell they are stale.
+    """
 
     deployment_id: str
     model_name: str | None
@@ -46,6 +52,8 @@ class Deployment:
     is_mla_model: bool
     pools: dict[PoolName, PoolSpec] = field(default_factory=dict)
     ranks: dict[str, str] = field(default_factory=dict)
+    home_node: str | None = None
+    version: int = 1
 
     def plan(self, tp_rank: int, pp_rank: int) -> KeyPlan:
         """The key plan of rank (``tp_rank``, ``pp_rank``)."""
@@ -63,6 +71,17 @@ class Deployment:
     def from_dict(cls, d: dict) -> Deployment:
         pools = {PoolName(p["name"]): PoolSpec(**p) for p in d["pools"]}
         return cls(**(d | {"pools": pools}))
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a registered rank is told: its deployment, key plan, and where (and at which
+    deployment version) its group's existence queries are answered."""
+
+    deployment_id: str
+    plan: KeyPlan
+    home_node: str
+    version: int
 
 
 def deployment_id(config: StorageConfig) -> str:
@@ -87,7 +106,8 @@ class DeploymentRegistry:
         dep = self.deployments.get(dep_id)
         if dep is None:
             dep = Deployment(dep_id, config.model_name, config.extra_backend_tag,
-                             config.tp_size, config.pp_size, config.is_mla_model, pools)
+                             config.tp_size, config.pp_size, config.is_mla_model, pools,
+                             home_node=node_id)
         else:
             for what, mine, theirs in (("tp_size", config.tp_size, dep.tp_size),
                                        ("pp_size", config.pp_size, dep.pp_size),
@@ -102,10 +122,22 @@ class DeploymentRegistry:
                     raise ValueError(f"deployment {dep_id!r}: pool {name.value!r} is "
                                      f"{spec.kind} {list(spec.buffers)} on this rank but "
                                      f"{known.kind} {list(known.buffers)} in its group")
+            if any(name not in dep.pools for name in pools):
+                dep.version += 1
             dep.pools.update(pools)
+        if dep.home_node is None:
+            dep.home_node = node_id
         dep.ranks[f"{config.tp_rank},{config.pp_rank}"] = node_id
         self.deployments[dep_id] = dep
         return dep
+
+    def retire_node(self, node_id: str) -> None:
+        """Forget ``node_id``'s ranks; a deployment homed there moves to the node of
+        another of its ranks (or to the next rank that registers)."""
+        for dep in self.deployments.values():
+            dep.ranks = {r: n for r, n in dep.ranks.items() if n != node_id}
+            if dep.home_node == node_id:
+                dep.home_node = min(dep.ranks.values(), default=None)
 
     def get(self, dep_id: str) -> Deployment:
         dep = self.deployments.get(dep_id)
@@ -196,7 +228,7 @@ def group_objects(dep: Deployment, page_hashes: Sequence[str],
 def group_hits(plan: ObjectPlan, queries: Sequence[PoolQuery], codes: Sequence[int]):
     """The ``PoolTransferResult`` of every rank in ``plan`` from the ``batch_is_exist``
     codes of ``plan.objects``: the intersection over every rank and pool."""
-    exists = np.asarray(codes) == 1
+    exists = np.fromiter(codes, dtype=np.int64, count=len(codes)) == 1
     policy = {q.name: q for q in queries if q.name != PoolName.KV}
     ranks = []
     for rank, pools in plan.segments.items():

@@ -1,4 +1,4 @@
-"""Group hits through the controller, rank-consistent answers, conflicts, and recovery
+"""Group hits through the group's home node actor, rank-consistent answers, conflicts, and recovery
 of the controller and of node actors, on a real two-node cluster."""
 
 import time
@@ -87,9 +87,9 @@ def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
         "mla", page_size=4, size=64, layer_num=2, kv_cache_dim=16))
     with pytest.raises(ValueError, match="is_mla_model=True"):
         mla.group_exists([f"{uid}-0"])
-    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    home = cluster.node_actors[cluster.node_ids[0]]
     with pytest.raises(ValueError, match="'nobody' is not registered"):
-        ray.get(controller.group_exists.remote("nobody", ["a"], [PoolQuery(KV)]))
+        ray.get(home.group_exists.remote("nobody", 1, ["a"], [PoolQuery(KV)]))
     with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
         StorageConfig(tp_rank=2, tp_size=2)
     assert good.group_exists([f"{uid}-1"]).kv_hit_pages == 0

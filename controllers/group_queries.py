@@ -1,0 +1,143 @@
+"""Answering group existence queries: shared within a window, batched when concurrent.
+
+``GroupQueries.ask`` is called from any number of threads. Queries for the same
+deployment, page keys and pools within ``window_s`` seconds of an answer get that very
+answer; a query that arrives while the same one is being checked waits for it. Distinct
+queries that arrive while a store check runs are answered together by the next check,
+one ``exists`` call over the union of their objects (no key twice). The calling
+threads do the work themselves: one at a time leads and checks everything queued; once
+its own query is answered it hands the lead to a caller still waiting, so nobody keeps
+checking for others. No thread or event loop of its own is needed. Pure logic: the
+store is a callable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from controllers.contract import PoolTransferResult
+from controllers.deployments import Deployment, ObjectPlan, PoolQuery, group_hits, group_objects
+
+
+@dataclass
+class _Query:
+    key: tuple
+    plan: ObjectPlan
+    queries: Sequence[PoolQuery]
+    done: bool = False
+    result: PoolTransferResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class GroupQueryStats:
+    """Counters since start: queries answered from a recent answer, by joining a check
+    in flight, and by a store check of their own; store checks made."""
+
+    recent: int = 0
+    inflight: int = 0
+    checked: int = 0
+    store_calls: int = 0
+
+
+class GroupQueries:
+    """See the module docstring. ``exists(objects) -> list[int]`` returns 1 / 0 /
+    negative per object; ``on_check(seconds)`` is told the duration of each store call."""
+
+    def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
+                 on_check: Callable[[float], None] = lambda s: None,
+                 max_recent: int = 4096) -> None:
+        self._exists = exists
+        self._window = window_s
+        self._on_check = on_check
+        self._max_recent = max_recent
+        self._lock = threading.Condition()
+        self._recent: OrderedDict[tuple, tuple[float, PoolTransferResult]] = OrderedDict()
+        self._inflight: dict[tuple, _Query] = {}
+        self._pending: list[_Query] = []
+        self._leading = False  # a caller is checking queued queries
+        self._handoff = False  # ... and asks a waiting caller to take over
+        self.stats = GroupQueryStats()
+
+    def ask(self, dep: Deployment, keys: Sequence[str],
+            queries: Sequence[PoolQuery]) -> PoolTransferResult:
+        """The group hit of ``dep`` for page ``keys`` and extra pools ``queries``.
+        ``ValueError`` if ``queries`` names a pool the deployment did not register;
+        a store failure raises for every query of that check."""
+        key = (dep.deployment_id, tuple(keys), tuple(queries))
+        with self._lock:
+            now = time.monotonic()
+            while self._recent and (next(iter(self._recent.values()))[0] < now - self._window
+                                    or len(self._recent) > self._max_recent):
+                self._recent.popitem(last=False)
+            hit = self._recent.get(key)
+            if hit is not None:
+                self.stats.recent += 1
+                return hit[1]
+            q = self._inflight.get(key)
+            if q is not None:
+                self.stats.inflight += 1
+            else:
+                q = _Query(key, group_objects(dep, keys, queries), queries)
+                self._inflight[key] = q
+                self._pending.append(q)
+                self.stats.checked += 1
+            lead = not self._leading
+            self._leading = True
+            while not lead and not q.done:
+                self._lock.wait()
+                if self._handoff and not q.done:
+                    self._handoff, lead = False, True
+        if lead:
+            self._lead(q)
+        if q.error is not None:
+            raise q.error
+        return q.result
+
+    def _lead(self, q: _Query) -> None:
+        """Check queued queries until ``q`` is answered (every query not yet answered is
+        queued while nobody else leads); then pass the lead on or drop it."""
+        while not q.done:
+            with self._lock:
+                batch, self._pending = self._pending, []
+            self._answer(batch)
+        with self._lock:
+            if self._pending:
+                self._handoff = True
+                self._lock.notify_all()
+            else:
+                self._leading = False
+
+    def _answer(self, batch: list[_Query]) -> None:
+        if len(batch) == 1:
+            union, names = None, batch[0].plan.objects
+        else:
+            union: dict[str, int] = {}
+            for q in batch:
+                for o in q.plan.objects:
+                    union.setdefault(o, len(union))
+            names = list(union)
+        t = time.perf_counter()
+        try:
+            codes, error = self._exists(names), None
+        except Exception as e:  # every waiter of this round gets it
+            codes, error = None, e
+        self._on_check(time.perf_counter() - t)
+        with self._lock:
+            self.stats.store_calls += 1
+            now = time.monotonic()
+            for q in batch:
+                self._inflight.pop(q.key, None)
+                if codes is None:
+                    q.error = error
+                else:
+                    mine = codes if union is None else [codes[union[o]] for o in q.plan.objects]
+                    q.result = group_hits(q.plan, q.queries, mine)
+                    if self._window > 0:
+                        self._recent[q.key] = (now, q.result)
+                q.done = True
+            self._lock.notify_all()

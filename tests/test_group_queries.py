@@ -1,0 +1,115 @@
+"""GroupQueries (pure logic): answers shared within the window and while in flight,
+concurrent distinct queries batched into one store call, store errors to every waiter."""
+
+import threading
+import time
+
+import pytest
+
+from controllers.contract import PoolName
+from controllers.deployments import Deployment, PoolSpec, group_objects
+from controllers.group_queries import GroupQueries
+
+DEP = Deployment("m", "m", None, 2, 1, False,
+                 {PoolName.KV: PoolSpec(PoolName.KV, "mha", ("k", "v"))})
+
+
+class Store:
+    """Objects in ``present`` exist; each call can be held until ``release`` is set."""
+
+    def __init__(self, present=()) -> None:
+        self.present = set(present)
+        self.calls: list[list[str]] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Event()
+        self.fail: Exception | None = None
+
+    def exists(self, keys: list[str]) -> list[int]:
+        self.calls.append(list(keys))
+        self.entered.set()
+        self.release.wait(5)
+        if self.fail:
+            raise self.fail
+        return [1 if k in self.present else 0 for k in keys]
+
+
+def objects(keys):
+    return group_objects(DEP, keys, []).objects
+
+
+def test_answer_is_shared_within_the_window_then_fresh():
+    store = Store(objects(["a", "b"]))
+    groups = GroupQueries(store.exists, window_s=0.2)
+    first = groups.ask(DEP, ["a", "b", "c"], [])
+    store.present |= set(objects(["c"]))
+    assert groups.ask(DEP, ["a", "b", "c"], []) == first
+    assert first.kv_hit_pages == 2 and len(store.calls) == 1
+    time.sleep(0.25)
+    assert groups.ask(DEP, ["a", "b", "c"], []).kv_hit_pages == 3
+    assert len(store.calls) == 2
+    assert groups.stats.recent == 1 and groups.stats.checked == 2
+
+
+def test_window_zero_keeps_nothing():
+    store = Store()
+    groups = GroupQueries(store.exists, window_s=0.0)
+    groups.ask(DEP, ["a"], [])
+    groups.ask(DEP, ["a"], [])
+    assert len(store.calls) == 2
+
+
+def run(groups, keys_list):
+    out: dict[int, object] = {}
+
+    def ask(i, keys):
+        try:
+            out[i] = groups.ask(DEP, keys, [])
+        except Exception as e:  # collected for the assertions
+            out[i] = e
+    threads = [threading.Thread(target=ask, args=(i, k)) for i, k in enumerate(keys_list)]
+    return threads, out
+
+
+def test_concurrent_queries_join_one_check_and_distinct_ones_are_batched():
+    store = Store(objects(["a", "b"]))
+    groups = GroupQueries(store.exists, window_s=0.0)
+    store.release.clear()
+    first, out0 = run(groups, [["a"]])
+    first[0].start()
+    assert store.entered.wait(5)          # the leader's check is in the store
+    threads, out = run(groups, [["a", "b"], ["a", "b"], ["b"], ["c"]])
+    for t in threads:
+        t.start()
+    time.sleep(0.2)                       # all four are queued behind the first check
+    store.release.set()
+    for t in [*first, *threads]:
+        t.join(5)
+    assert out0[0].kv_hit_pages == 1
+    assert [out[i].kv_hit_pages for i in range(4)] == [2, 2, 1, 0]
+    assert out[0] is out[1]               # identical query: one answer object
+    assert len(store.calls) == 2          # first check, then one for all the rest
+    second = store.calls[1]
+    assert len(second) == len(set(second)) == len(set(objects(["a", "b", "c"])))
+    assert groups.stats.inflight == 1 and groups.stats.store_calls == 2
+
+
+def test_a_store_error_reaches_every_waiter_and_the_next_query_works():
+    store = Store(objects(["a"]))
+    store.fail = RuntimeError("store down")
+    groups = GroupQueries(store.exists, window_s=1.0)
+    with pytest.raises(RuntimeError, match="store down"):
+        groups.ask(DEP, ["a"], [])
+    store.fail = None
+    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 1
+
+
+def test_unknown_pool_is_refused_before_the_store_is_asked():
+    from controllers.deployments import PoolQuery
+
+    store = Store()
+    groups = GroupQueries(store.exists, window_s=1.0)
+    with pytest.raises(ValueError, match="registered no 'mamba' pool"):
+        groups.ask(DEP, ["a"], [PoolQuery(PoolName.MAMBA)])
+    assert store.calls == []
+    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 0
