@@ -199,8 +199,8 @@ class Engine:
                    for pool, b in self.page_bytes.items() if pool != "mamba"}
         if self.hybrid:
             fetched["mamba"] = len(self.ranks) * self.page_bytes["mamba"] * (state_key is not None)
-        return _Hit(l3, l2, l3 - l2, ("l3" if state_key else "l2") if self.hybrid else None,
-                    fetched)
+        return _Hit(l3, l3 - len(missing), len(missing),
+                    ("l3" if state_key else "l2") if self.hybrid else None, fetched)
 
     # -------------------------------------------------------------- offload
     def _offload(self, keys: list[str], hit: int) -> dict[str, int]:

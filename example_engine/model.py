@@ -30,7 +30,11 @@ class ModelConfig:
     ``attention``: ``"mha"`` (K and V per head are cached) or ``"mla"`` (one latent of
     ``latent_dim + rope_dim`` floats per token is cached, identical on every TP rank).
     ``ssm_every``: every ``ssm_every``-th layer (layers ``ssm_every-1, 2*ssm_every-1,
-    ...``) is recurrent; 0 means none (a pure transformer).
+    ...``) is recurrent; 0 means none (a pure transformer). ``branch_scale`` scales the
+    initial std of every block's output projections, so the residual stream changes
+    gradually over layers. Weights depend on ``name``, ``seed`` and shapes only: a
+    model with the same name and dimensions but fewer layers is the target's first
+    layers (a self-speculative draft).
     """
 
     name: str
@@ -48,6 +52,7 @@ class ModelConfig:
     ssm_head_dim: int = 32
     ssm_state: int = 16
     conv_kernel: int = 4
+    branch_scale: float = 0.3
     seed: int = 0
 
     @property
@@ -123,13 +128,13 @@ class ShardedModel:
         for what, size in (("heads", c.heads), ("mlp", c.mlp), ("ssm_heads", c.ssm_heads)):
             if size % n:
                 raise ValueError(f"{c.name}: {what}={size} does not split over tp_size={n}")
-        d = c.hidden
+        d, out = c.hidden, c.branch_scale
         self.embed = self._param("embed", (c.vocab, d), 1.0)
         self.lm_head = self._param("lm_head", (d, c.vocab), d ** -0.5)
         for i, kind in enumerate(c.layer_kinds):
             p = dict(mlp_gate=self._param(f"{i}.gate", (d, c.mlp), d ** -0.5, 1),
                      mlp_up=self._param(f"{i}.up", (d, c.mlp), d ** -0.5, 1),
-                     mlp_down=self._param(f"{i}.down", (c.mlp, d), c.mlp ** -0.5, 0))
+                     mlp_down=self._param(f"{i}.down", (c.mlp, d), out * c.mlp ** -0.5, 0))
             hd = c.heads * c.head_dim
             if kind == SSM:
                 ch = c.ssm_channels
@@ -139,7 +144,7 @@ class ShardedModel:
                           a_log=self._param(f"{i}.a_log", (c.ssm_heads,), 1.0, 0),
                           b=self._param(f"{i}.b", (d, c.ssm_state), d ** -0.5),
                           c=self._param(f"{i}.c", (d, c.ssm_state), d ** -0.5),
-                          out=self._param(f"{i}.out", (ch, d), ch ** -0.5, 0))
+                          out=self._param(f"{i}.out", (ch, d), out * ch ** -0.5, 0))
             elif c.attention == "mla":
                 r = c.latent_dim
                 p |= dict(dkv=self._param(f"{i}.dkv", (d, r), d ** -0.5),
@@ -148,16 +153,18 @@ class ShardedModel:
                           qr=self._param(f"{i}.qr", (d, c.heads * c.rope_dim), d ** -0.5, 1),
                           uk=self._param(f"{i}.uk", (r, hd), r ** -0.5, 1),
                           uv=self._param(f"{i}.uv", (r, hd), r ** -0.5, 1),
-                          o=self._param(f"{i}.o", (hd, d), hd ** -0.5, 0))
+                          o=self._param(f"{i}.o", (hd, d), out * hd ** -0.5, 0))
             else:
                 p |= dict(qkv=torch.cat([self._param(f"{i}.{m}", (d, hd), d ** -0.5, 1)
                                          for m in "qkv"], dim=1),
-                          o=self._param(f"{i}.o", (hd, d), hd ** -0.5, 0))
+                          o=self._param(f"{i}.o", (hd, d), out * hd ** -0.5, 0))
             self.w.append(p)
 
     def _param(self, name: str, shape: tuple[int, ...], std: float,
                shard_dim: int | None = None) -> torch.Tensor:
-        g = torch.Generator().manual_seed(_seed(self.cfg.name, self.cfg.seed, name))
+        """A seeded normal tensor of std ``std``, this rank's slice along ``shard_dim``
+        (replicated if None)."""
+        g = torch.Generator().manual_seed(_seed(self.cfg.name, self.cfg.seed, name, shape))
         full = torch.randn(shape, generator=g) * std
         if shard_dim is None:
             return full
