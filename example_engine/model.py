@@ -52,7 +52,7 @@ class ModelConfig:
     ssm_head_dim: int = 32
     ssm_state: int = 16
     conv_kernel: int = 4
-    branch_scale: float = 0.3
+    branch_scale: float = 0.2
     seed: int = 0
 
     @property
