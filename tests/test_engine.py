@@ -20,6 +20,7 @@ from example_engine import Engine
 from example_engine.host_index import HostIndex
 from example_engine.page_hashes import page_hashes
 from example_engine.presets import build
+from example_engine.workload import ChatWorkload
 
 PS = 16  # tokens per page
 SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
@@ -145,3 +146,11 @@ def test_kv_without_its_mamba_state_is_a_miss(engines, cluster):
     assert (local.hit_pages, local.l2_pages, local.l3_pages, local.state_tier) == (
         6, 6, 0, "l3")
     assert_same(local, a.generate(prompt + [5], 3, use_cache=False))
+
+
+def test_chat_workload_shares_the_system_prompt_and_alternates_nodes():
+    work = ChatWorkload(sessions=3, turns=2, system_tokens=40, user_tokens=8, vocab=128)
+    assert list(work.schedule(2)) == [(0, 0, 0), (1, 0, 1), (2, 0, 0),
+                                      (0, 1, 1), (1, 1, 0), (2, 1, 1)]
+    assert work.system_prompt() == work.system_prompt() and len(work.system_prompt()) == 40
+    assert work.user_message(0, 1) != work.user_message(1, 1)
