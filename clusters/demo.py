@@ -41,6 +41,7 @@ def _record(gen: Generation, base: Generation) -> dict:
                 hit_pages=gen.hit_pages, l2_pages=gen.l2_pages, l3_pages=gen.l3_pages,
                 state_tier=gen.state_tier, computed_tokens=gen.computed_tokens,
                 ttft_ms=gen.ttft_s * 1e3, ttft_recompute_ms=base.ttft_s * 1e3,
+                query_ms=gen.query_s * 1e3, fetch_ms=gen.fetch_s * 1e3,
                 fetched_bytes=gen.fetched_bytes, offloaded_pages=gen.offloaded_pages,
                 offload_ms=gen.offload_s * 1e3, decode_ms=gen.decode_s * 1e3,
                 reply_tokens=len(gen.tokens), draft_proposed=gen.proposed,
@@ -203,6 +204,8 @@ def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) ->
     return dict(tokens=n, max_hit_pages=(n - 1) // a.page_size,
                 recompute_ms=base.ttft_s * 1e3, recompute_hit_pages=base.hit_pages,
                 cached_l3_ms=steps["cached_l3"].ttft_s * 1e3,
+                cached_l3_query_ms=steps["cached_l3"].query_s * 1e3,
+                cached_l3_fetch_ms=steps["cached_l3"].fetch_s * 1e3,
                 cached_l2_ms=steps["cached_l2"].ttft_s * 1e3,
                 cached_l3_hit_pages=steps["cached_l3"].l3_pages,
                 cached_l2_hit_pages=steps["cached_l2"].l2_pages,
@@ -242,7 +245,10 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"{io['get_objects']} objects")
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms; fully cached from L3 (other node) "
-                  f"{long['cached_l3_ms']:.0f} ms ({long['speedup_l3']:.1f}x lower), from "
+                  f"{long['cached_l3_ms']:.0f} ms ({long['speedup_l3']:.1f}x lower; group "
+                  f"query {long['cached_l3_query_ms']:.0f} ms, fetch of "
+                  f"{sum(long['l3_fetched_bytes'].values()) / MIB:.0f} MiB "
+                  f"{long['cached_l3_fetch_ms']:.0f} ms), from "
                   f"L2 (local pool) {long['cached_l2_ms']:.0f} ms "
                   f"({long['speedup_l2']:.1f}x lower); {long['cached_l3_hit_pages']} of "
                   f"{long['max_hit_pages']} restorable pages hit")

@@ -43,6 +43,8 @@ class Generation:
     ``l2_pages`` of the restored prefix came from the node's host pools, ``l3_pages``
     were fetched from Mooncake; ``state_tier`` says where the Mamba checkpoint came from
     (``"l2"``, ``"l3"`` or None when nothing was restored or the model has none).
+    ``ttft_s`` = ``query_s`` (group hit query) + ``fetch_s`` (L3 -> host pools) + the
+    prefill (host -> device copies, compute, first token) + bookkeeping.
     """
 
     tokens: list[int]
@@ -55,6 +57,8 @@ class Generation:
     l3_pages: int = 0
     state_tier: str | None = None
     fetched_bytes: dict[str, int] = field(default_factory=dict)
+    query_s: float = 0.0
+    fetch_s: float = 0.0
     offloaded_pages: dict[str, int] = field(default_factory=dict)
     offload_s: float = 0.0
     decode_s: float = 0.0
@@ -75,6 +79,8 @@ class _Hit:
     l3: int = 0
     state_tier: str | None = None
     fetched: dict[str, int] = field(default_factory=dict)
+    query_s: float = 0.0
+    fetch_s: float = 0.0
 
 
 class Engine:
@@ -133,7 +139,7 @@ class Engine:
         logits = ray.get(refs)[0][-1]
         gen = Generation([int(logits.argmax())], [logits], time.perf_counter() - t0,
                          len(tokens), len(keys), hit.pages, hit.l2, hit.l3, hit.state_tier,
-                         hit.fetched, page_size=self.page_size)
+                         hit.fetched, hit.query_s, hit.fetch_s, page_size=self.page_size)
         if use_cache:
             t = time.perf_counter()
             gen.offloaded_pages = self._offload(keys, hit.pages)
@@ -172,8 +178,10 @@ class Engine:
         hit = _Hit(l2, l2, 0, "l2" if self.hybrid and l2 else None)
         if l2 == len(keys) or not keys:
             return hit
+        t = time.perf_counter()
         answers: list[PoolTransferResult] = ray.get([r.group_hit.remote(keys)
                                                      for r in self.ranks])
+        hit.query_s = time.perf_counter() - t
         if any(a != answers[0] for a in answers):
             raise RuntimeError(f"TP ranks got different group hits: {answers}")
         l3 = answers[0].kv_hit_pages
@@ -185,8 +193,10 @@ class Engine:
         slots = self.kv_index.allocate(len(missing), keep=wanted)
         state_slot = self.state_index.allocate(1, keep=[wanted[-1]])[0] \
             if state_key is not None else None
+        t = time.perf_counter()
         got = ray.get([r.fetch.remote(missing, slots, state_key, state_slot)
                        for r in self.ranks])
+        hit.fetch_s = time.perf_counter() - t
         if not all(all(ok) for answer in got for ok in answer.values()):
             self.kv_index.release(slots)
             if state_slot is not None:
@@ -200,7 +210,8 @@ class Engine:
         if self.hybrid:
             fetched["mamba"] = len(self.ranks) * self.page_bytes["mamba"] * (state_key is not None)
         return _Hit(l3, l3 - len(missing), len(missing),
-                    ("l3" if state_key else "l2") if self.hybrid else None, fetched)
+                    ("l3" if state_key else "l2") if self.hybrid else None, fetched,
+                    hit.query_s, hit.fetch_s)
 
     # -------------------------------------------------------------- offload
     def _offload(self, keys: list[str], hit: int) -> dict[str, int]:
