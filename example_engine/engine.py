@@ -113,17 +113,14 @@ class Engine:
         self.kv_index = HostIndex(host_pages)
         self.state_index = HostIndex(state_slots)
 
-    def close(self) -> None:
-        for r in self.ranks:
-            ray.kill(r)
-
     # --------------------------------------------------------------- request
-    def generate(self, tokens: list[int], max_new_tokens: int = 1,
-                 use_cache: bool = True) -> Generation:
+    def generate(self, tokens: list[int], max_new_tokens: int = 1, use_cache: bool = True,
+                 speculate: bool = True) -> Generation:
         """Prefill ``tokens`` and greedily decode ``max_new_tokens`` (>= 1) tokens.
 
         ``use_cache=False`` recomputes the whole prompt and offloads nothing (the
-        baseline without raykv).
+        baseline without raykv). With a draft model, decoding is speculative unless
+        ``speculate`` is False.
         """
         if not tokens or len(tokens) + max_new_tokens + self.spec_tokens > self.max_tokens:
             raise ValueError(f"{len(tokens)} prompt tokens + {max_new_tokens} new do not fit "
@@ -145,7 +142,7 @@ class Engine:
             gen.offloaded_pages = self._offload(keys, hit.pages)
             gen.offload_s = time.perf_counter() - t
         t = time.perf_counter()
-        if self.draft is not None:
+        if self.draft is not None and speculate:
             self._speculate(tokens, gen, max_new_tokens)
         else:
             self._decode(tokens, gen, max_new_tokens)

@@ -40,10 +40,6 @@ class DeviceKV:
             shape = (c.attn_layers, max_tokens, model.local_heads, c.head_dim)
             self.buffers = [torch.zeros(shape), torch.zeros(shape)]
 
-    @property
-    def max_tokens(self) -> int:
-        return self.buffers[0].shape[1]
-
     def host_pool_args(self, page_size: int, pages: int) -> dict:
         """``create_host_pool`` arguments of a host pool of ``pages`` pages that holds
         exactly these buffers' pages."""

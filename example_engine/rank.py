@@ -101,9 +101,6 @@ class EngineRank:
             self.client.register_mem_host_pool_v2(pool, pool_name)
         self.passes: dict[str, _Pass] = {}
 
-    def node_id(self) -> str:
-        return self.client.node_id
-
     def page_bytes(self) -> dict[str, int]:
         """Bytes of one page (KV, draft) or one checkpoint (Mamba) per host pool."""
         return {n.value: sum(p.handle.layout.object_sizes) for n, p in self.pools.items()}
