@@ -235,8 +235,7 @@ class Engine:
 
     # --------------------------------------------------------------- decode
     def _step(self, model: str, tokens: list[int], start: int) -> torch.Tensor:
-        for r in self.ranks:
-            r.start_step.remote(model, tokens, start)
+        ray.get([r.start_step.remote(model, tokens, start) for r in self.ranks])
         return ray.get(self._forward(model))
 
     def _decode(self, prompt: list[int], gen: Generation, max_new: int) -> None:
