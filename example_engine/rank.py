@@ -64,7 +64,8 @@ class EngineRank:
     ``max_tokens``: device capacity in token positions; ``host_pages``: pages of the
     host KV (and draft) pool; ``state_slots``: checkpoints of the host Mamba pool.
     ``pool_tag`` names the host pools (``{pool_tag}-tp{rank}-{pool}``) so a restarted
-    rank finds them again.
+    rank finds them again. A rank computes on one thread and reserves no Ray CPU, so
+    several engines fit on a small node (the engine runs one forward at a time).
     """
 
     def __init__(self, target: ModelConfig, draft: ModelConfig | None, tp_rank: int,
