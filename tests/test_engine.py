@@ -58,6 +58,17 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(SIZES["vocab"]) for _ in range(n)]
 
 
+def stored(cluster, objects: list[str]) -> list[int]:
+    """``batch_is_exist`` of raw object keys, asked by a separate Mooncake client."""
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                       cluster.master_address) == 0
+    try:
+        return store.batch_is_exist(objects)
+    finally:
+        store.close()
+
+
 def assert_same(got, want) -> None:
     """Same generated tokens and bit-identical logits at every step."""
     assert got.tokens == want.tokens
@@ -91,11 +102,15 @@ def test_host_index_evicts_least_recently_used_but_never_kept():
 
 
 @pytest.mark.parametrize("variant", ["mha", "mla-draft", "hybrid-draft"])
-def test_restore_equals_recompute(engines, variant):
+def test_restore_equals_recompute(cluster, engines, variant):
     a, b = engines(variant)
     prompt = tokens(4 * PS + 7, seed=len(variant))
     first = a.generate(prompt, 4)                  # node A: nothing cached yet
     assert first.hit_pages == 0 and first.offloaded_pages["kv"] == 4
+    if variant.startswith("mla"):  # the latent is stored once (TP rank 0), draft per rank
+        p = f"test-{variant}_{page_hashes(prompt, PS)[0]}_"
+        assert stored(cluster, [p + "_k", p + "0_k", p + "1_k", p + "0_draft_k",
+                                p + "1_draft_k"]) == [1, 0, 0, 1, 1]
 
     longer = prompt + tokens(2 * PS + 3, 2)        # node B: prefix from L3 (Mooncake)
     from_l3 = b.generate(longer, 6)
@@ -134,14 +149,8 @@ def test_kv_without_its_mamba_state_is_a_miss(engines, cluster):
     finally:
         a.checkpoint_interval = 1
     keys = page_hashes(prompt, PS)
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
-                       cluster.master_address) == 0
-    try:
-        found = store.batch_is_exist([f"test-hybrid-draft_{k}_0_k" for k in keys]
-                                     + [f"test-hybrid-draft_{k}_0_temporal" for k in keys])
-    finally:
-        store.close()
+    found = stored(cluster, [f"test-hybrid-draft_{k}_0_k" for k in keys]
+                   + [f"test-hybrid-draft_{k}_0_temporal" for k in keys])
     assert found == [1] * 6 + [0, 0, 0, 1, 0, 0]   # all KV; one state, after page 4
 
     got = b.generate(prompt, 3)                  # 6 KV pages exist but only 4 restorable
