@@ -15,20 +15,29 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--pages", default=64, show_default=True, help="Pages each rank writes.")
-@click.option("--page-size", default=16, show_default=True, help="Tokens per page.")
+@click.option("--variant", default="hybrid-draft", show_default=True,
+              type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
+                                 "hybrid-draft"]),
+              help="Model: attention kind, hybrid (Mamba-like layers), draft model.")
+@click.option("--hidden", default=512, show_default=True, help="Model width.")
 @click.option("--layers", default=8, show_default=True)
-@click.option("--heads", default=8, show_default=True, help="KV heads per TP rank.")
-@click.option("--head-dim", default=128, show_default=True)
-@click.option("--tp-size", default=2, show_default=True)
-def demo(pages: int, page_size: int, layers: int, heads: int, head_dim: int,
-         tp_size: int) -> None:
-    """Start an embedded 2-node cluster; write KV pages on one node, read them on the other."""
+@click.option("--head-dim", default=64, show_default=True)
+@click.option("--page-size", default=64, show_default=True, help="Tokens per page.")
+@click.option("--sessions", default=4, show_default=True)
+@click.option("--turns", default=3, show_default=True)
+@click.option("--system-tokens", default=1024, show_default=True,
+              help="Shared system prompt length.")
+@click.option("--user-tokens", default=64, show_default=True, help="Per user message.")
+@click.option("--reply-tokens", default=16, show_default=True, help="Decoded per turn.")
+@click.option("--long-prompt", default=4096, show_default=True,
+              help="Tokens of the prompt timed recomputed vs fully cached.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for demo.json and demo.png.")
+def demo(**options) -> None:
+    """Multi-turn chat on a 2-node cluster: TTFT with raykv vs recomputing, hit rates."""
     from clusters.demo import run_demo
 
-    ok = run_demo(pages=pages, page_size=page_size, layers=layers, heads=heads,
-                  head_dim=head_dim, tp_size=tp_size)
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if run_demo(**options) else 1)
 
 
 def parse_size(text: str) -> int:

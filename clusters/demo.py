@@ -1,113 +1,254 @@
-"""``raykv demo``: pages written by ranks on one node, read back bit-exact on another.
+"""``raykv demo``: a multi-turn chat on a 2-node cluster, with and without raykv.
 
-Ranks are Ray actors pinned to a node, as inference ranks would be. Only keys, indices
-and SHA-256 digests of the pages travel through Ray; the bytes move rank -> shared pool
--> node actor -> Mooncake -> node actor of the other node -> its shared pool.
+An example engine (``example_engine``: a TP=2 transformer on Ray actors, hybrid with a
+Mamba-like layer and a draft model by default) runs on each of the two nodes of an
+embedded cluster. Sessions share a long system prompt and are routed round-robin over
+the nodes, so prefixes are reused from the node's own host pool (L2) and from the other
+node through Mooncake (L3). Every request runs twice: with raykv (group hit, fetch,
+compute the rest) and without (recompute the whole prompt); the first-token logits must
+be bit-identical. Then a long prompt is timed: recomputed vs fully cached (from L3 on
+the other node, and from L2). Figures go to the console, ``demo.json`` and ``demo.png``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
+import json
+import os
+import platform
+import random
+from dataclasses import asdict
+from pathlib import Path
 
+import matplotlib
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cache_actors import CacheClient
 from clusters.local import start_local
-from controllers import StorageConfig
+from example_engine import Engine, Generation
+from example_engine.presets import build
+from example_engine.workload import ChatWorkload
+
+matplotlib.use("Agg")
+MIB = 1 << 20
 
 
-@ray.remote(num_cpus=0)
-class DemoRank:
-    """One TP rank of a toy MHA deployment with a shared host pool on its node."""
-
-    def __init__(self, config: StorageConfig, pool_args: dict) -> None:
-        self.client = CacheClient(config)
-        self.pool = self.client.create_host_pool("mha", **pool_args)
-        self.client.register_mem_pool_host(self.pool)
-
-    def fill(self, seed: int) -> None:
-        """Stand-in for KV computed on the GPU: seeded random values."""
-        g = torch.Generator().manual_seed(seed)
-        self.pool.kv_buffer.copy_(torch.randn(self.pool.kv_buffer.shape, generator=g))
-
-    def digest(self, pages: int) -> str:
-        """SHA-256 of the first ``pages`` pages of K and V."""
-        slots = pages * self.pool.page_size
-        data = self.pool.kv_buffer[:, :slots].contiguous().view(torch.uint8)
-        return hashlib.sha256(data.numpy().tobytes()).hexdigest()
-
-    def run(self, method: str, *args) -> tuple[object, float]:
-        """Call a CacheClient method; returns (result, seconds)."""
-        t = time.perf_counter()
-        out = getattr(self.client, method)(*args)
-        return out, time.perf_counter() - t
+def _record(gen: Generation, base: Generation) -> dict:
+    """One request's figures (``base``: the same prompt recomputed without raykv)."""
+    return dict(prompt_tokens=gen.prompt_tokens, prompt_pages=gen.prompt_pages,
+                hit_pages=gen.hit_pages, l2_pages=gen.l2_pages, l3_pages=gen.l3_pages,
+                state_tier=gen.state_tier, computed_tokens=gen.computed_tokens,
+                ttft_ms=gen.ttft_s * 1e3, ttft_recompute_ms=base.ttft_s * 1e3,
+                query_ms=gen.query_s * 1e3, fetch_ms=gen.fetch_s * 1e3,
+                fetched_bytes=gen.fetched_bytes, offloaded_pages=gen.offloaded_pages,
+                offload_ms=gen.offload_s * 1e3, decode_ms=gen.decode_s * 1e3,
+                reply_tokens=len(gen.tokens), draft_proposed=gen.proposed,
+                draft_accepted=gen.accepted,
+                exact=bool(torch.equal(gen.logits[0], base.logits[0])))
 
 
-def _rank(node_id: str, tp_rank: int, tp_size: int, model: str, pool_args: dict):
-    cfg = StorageConfig(tp_rank=tp_rank, tp_size=tp_size, model_name=model)
-    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return DemoRank.options(scheduling_strategy=strategy).remote(cfg, pool_args)
+def _summary(requests: list[dict], page_size: int, hybrid: bool, draft: bool) -> dict:
+    """Hit rates per tier (prompt tokens served by L2, L3, computed) and per pool
+    (pages or checkpoints), and bytes fetched from L3 per pool."""
+    tokens = sum(r["prompt_tokens"] for r in requests)
+    pages = sum(r["prompt_pages"] for r in requests)
+    l2 = sum(r["l2_pages"] for r in requests)
+    l3 = sum(r["l3_pages"] for r in requests)
+    tiers = {"l2_local_pool": l2 * page_size / tokens, "l3_mooncake": l3 * page_size / tokens,
+             "computed": sum(r["computed_tokens"] for r in requests) / tokens}
+    kv = {"l2": l2 / pages, "l3": l3 / pages, "miss": 1 - (l2 + l3) / pages}
+    pools = {"kv": kv} | ({"draft": dict(kv)} if draft else {})
+    if hybrid:
+        tier = [r["state_tier"] for r in requests]
+        pools["mamba"] = {t: tier.count(t) / len(tier) for t in ("l2", "l3")}
+        pools["mamba"]["miss"] = tier.count(None) / len(tier)
+    fetched: dict[str, int] = {}
+    for r in requests:
+        for pool, b in r["fetched_bytes"].items():
+            fetched[pool] = fetched.get(pool, 0) + b
+    with_ms = sum(r["ttft_ms"] for r in requests)
+    without_ms = sum(r["ttft_recompute_ms"] for r in requests)
+    return dict(tier_hit_rate=tiers, pool_hit_rate=pools, fetched_bytes=fetched,
+                ttft_ms_total=with_ms, ttft_recompute_ms_total=without_ms,
+                speedup=without_ms / with_ms, all_exact=all(r["exact"] for r in requests))
 
 
-def run_demo(pages: int = 64, page_size: int = 16, layers: int = 8, heads: int = 8,
-             head_dim: int = 128, tp_size: int = 2, console: Console | None = None) -> bool:
-    """Run the demo; returns True if every rank read back bit-exact what was written."""
-    console = console or Console()
-    model = "demo/toy-mha"
-    pool_args = dict(page_size=page_size, size=pages * page_size, layer_num=layers,
-                     head_num=heads, head_dim=head_dim, dtype=torch.bfloat16)
-    page_bytes = 2 * page_size * layers * heads * head_dim * 2
-    keys = [hashlib.sha256(f"{model}/prefix/{i}".encode()).hexdigest()[:32]
-            for i in range(pages)]
-    idx = torch.arange(pages * page_size)
+def _plot(requests: list[dict], long: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5),
+                                   gridspec_kw={"width_ratios": [3, 1]})
+    x = range(len(requests))
+    ax1.bar([i - 0.2 for i in x], [r["ttft_recompute_ms"] for r in requests], 0.4,
+            label="without raykv (recompute)", color="#bbbbbb")
+    ax1.bar([i + 0.2 for i in x], [r["ttft_ms"] for r in requests], 0.4,
+            label="with raykv", color="#1f77b4")
+    ax1.set_xticks(list(x), [f"s{r['session']}t{r['turn']}\nnode{r['node']}"
+                             for r in requests], fontsize=7)
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.set_title("Multi-turn chat: time to first token per request")
+    ax1.legend()
+    names = ["recompute", "cached (L3,\nother node)", "cached (L2,\nlocal pool)"]
+    vals = [long["recompute_ms"], long["cached_l3_ms"], long["cached_l2_ms"]]
+    ax2.bar(names, vals, color=["#bbbbbb", "#1f77b4", "#2ca02c"])
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT (ms, log)")
+    ax2.set_title(f"{long['tokens']}-token prompt")
+    for i, v in enumerate(vals):
+        ax2.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _machine() -> dict:
+    return dict(platform=platform.platform(), processor=platform.processor() or "unknown",
+                cpus=os.cpu_count(), load_avg=os.getloadavg(), torch=torch.__version__,
+                ray=ray.__version__, python=platform.python_version())
+
+
+def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 8,
+             head_dim: int = 64, page_size: int = 64, sessions: int = 4, turns: int = 3,
+             system_tokens: int = 1024, user_tokens: int = 64, reply_tokens: int = 16,
+             long_prompt: int = 4096, out_dir: str = "raykv-out",
+             console: Console | None = None) -> bool:
+    """Run the demo; returns True if every request's first-token logits with raykv equal
+    those of recomputing, and the cached long prompt restored every page it could."""
+    console = console or Console(width=None if Console().is_terminal else 120)
+    target, draft = build(variant, f"demo/{variant}-{hidden}x{layers}", hidden=hidden,
+                          layers=layers, head_dim=head_dim)
+    work = ChatWorkload(sessions, turns, system_tokens, user_tokens, reply_tokens,
+                        target.vocab)
+    longest = system_tokens + turns * (user_tokens + reply_tokens)
+    max_tokens = -(-(max(longest, long_prompt) + reply_tokens + 8) // page_size) * page_size
+    host_pages = max_tokens // page_size + (sessions * turns * (user_tokens + reply_tokens)
+                                            + system_tokens) // page_size + 8
     with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
-        cluster = start_local(num_nodes=2)
+        cluster = start_local(num_nodes=2, global_segment_size=1 << 30, group_window_s=0.1)
     with cluster:
-        node1, node2 = cluster.node_ids
-        console.print(f"[bold]raykv[/] cluster up: nodes {node1[:8]} and {node2[:8]}, "
-                      f"Mooncake master {cluster.master_address}, "
-                      f"metadata {cluster.metadata_server}")
-        writers = [_rank(node1, r, tp_size, model, pool_args) for r in range(tp_size)]
-        readers = [_rank(node2, r, tp_size, model, pool_args) for r in range(tp_size)]
-        ray.get([w.fill.remote(r) for r, w in enumerate(writers)])
-        table = Table(title=f"{pages} pages x {tp_size} TP ranks, {page_bytes >> 10} KiB "
-                      "per page per rank (K+V, bf16)")
-        for col in ("step", "rank", "node", "result", "ms", "GB/s"):
-            table.add_column(col)
-        ok = True
-        for r, (w, rd) in enumerate(zip(writers, readers, strict=True)):
-            stored, t_set = ray.get(w.run.remote("batch_set_v1", keys, idx))
-            again, t_again = ray.get(w.run.remote("batch_set_v1", keys, idx))
-            hit, t_ex = ray.get(rd.run.remote("batch_exists", keys))
-            got, t_get = ray.get(rd.run.remote("batch_get_v1", keys, idx))
-            same = ray.get(w.digest.remote(pages)) == ray.get(rd.digest.remote(pages))
-            ok &= all(stored) and all(got) and hit == pages and same
-            gbs = pages * page_bytes / 1e9
-            table.add_row("batch_set_v1", f"tp{r}", node1[:8], f"{sum(stored)}/{pages} stored",
-                          f"{t_set * 1e3:.1f}", f"{gbs / t_set:.2f}")
-            table.add_row("batch_set_v1 again", f"tp{r}", node1[:8],
-                          f"{sum(again)}/{pages} present (put-if-absent)",
-                          f"{t_again * 1e3:.1f}", "")
-            table.add_row("batch_exists", f"tp{r}", node2[:8], f"{hit} leading pages",
-                          f"{t_ex * 1e3:.1f}", "")
-            table.add_row("batch_get_v1", f"tp{r}", node2[:8], f"{sum(got)}/{pages} read",
-                          f"{t_get * 1e3:.1f}", f"{gbs / t_get:.2f}")
-            table.add_row("compare", f"tp{r}", "", "bit-exact" if same else "[red]DIFFERENT",
-                          "", "")
-        console.print(table)
+        console.print(f"[bold]raykv[/] cluster up: nodes "
+                      f"{', '.join(n[:8] for n in cluster.node_ids)}; Mooncake master "
+                      f"{cluster.master_address}")
+        with console.status(f"loading {variant} model ({hidden} hidden, {layers} layers, "
+                            "TP=2) on each node"):
+            engines = [Engine(target, node, draft=draft, page_size=page_size,
+                              max_tokens=max_tokens, host_pages=host_pages,
+                              state_slots=host_pages, name=f"demo-n{i}")
+                       for i, node in enumerate(cluster.node_ids)]
+            for eng in engines:  # warm-up: first calls of every path, nothing cached
+                eng.generate(list(range(page_size + 1)), 4, use_cache=False)
+        requests = _chat(work, engines, console)
+        long = _long_prompt(engines, long_prompt, target.vocab, console)
         stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
-        for s in stats:
-            c = s["counters"]
-            console.print(f"node {s['node_id'][:8]}: {len(s['pools'])} pools, "
-                          f"put {c.get('put_objects', 0)} objects "
-                          f"({c.get('put_bytes', 0) / 2**20:.1f} MiB), "
-                          f"got {c.get('get_objects', 0)} objects "
-                          f"({c.get('get_bytes', 0) / 2**20:.1f} MiB)")
-        console.print("[green]OK[/]: pages written on one node were read back bit-exact on "
-                      "the other" if ok else "[red]FAILED[/]")
+    summary = _summary(requests, page_size, target.ssm_layers > 0, draft is not None)
+    summary["l3_bytes"] = {k: sum(s["counters"].get(k, 0) for s in stats)
+                           for k in ("put_bytes", "get_bytes", "put_objects", "get_objects")}
+    _print(console, requests, summary, long)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(variant=variant, target=asdict(target),
+                  draft=asdict(draft) if draft else None, page_size=page_size, tp_size=2,
+                  nodes=2, workload=asdict(work), long_prompt=long_prompt)
+    (out / "demo.json").write_text(json.dumps(dict(
+        machine=_machine(), config=config, requests=requests, summary=summary,
+        long_prompt=long), indent=2))
+    _plot(requests, long, out / "demo.png")
+    console.print(f"wrote {out / 'demo.json'} and {out / 'demo.png'}")
+    ok = summary["all_exact"] and long["exact"] and long["recompute_hit_pages"] == 0 and \
+        long["cached_l3_hit_pages"] == long["max_hit_pages"] == long["cached_l2_hit_pages"]
+    console.print("[green]OK[/]: with raykv, every first token's logits equal recomputing "
+                  "them, bit for bit" if ok else "[red]FAILED[/]")
     return ok
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console)
+
+
+def _chat(work: ChatWorkload, engines: list[Engine], console: Console) -> list[dict]:
+    system = work.system_prompt()
+    history = {s: list(system) for s in range(work.sessions)}
+    requests = []
+    with _progress(console) as bar:
+        task = bar.add_task("multi-turn chat", total=work.sessions * work.turns)
+        for session, turn, node in work.schedule(len(engines)):
+            prompt = history[session] + work.user_message(session, turn)
+            bar.update(task, description=f"session {session} turn {turn} on node {node} "
+                       f"({len(prompt)} tokens)")
+            gen = engines[node].generate(prompt, work.reply_tokens)
+            base = engines[node].generate(prompt, 1, use_cache=False)
+            history[session] = prompt + gen.tokens
+            requests.append(dict(session=session, turn=turn, node=node) | _record(gen, base))
+            bar.advance(task)
+    return requests
+
+
+def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) -> dict:
+    """TTFT of an ``n``-token prompt: computed from scratch on node 0 (nothing cached:
+    the group query misses, every token is computed, pages are offloaded after the first
+    token), then fully cached: restored from L3 on node 1, and from node 0's L2."""
+    rng = random.Random(f"long/{n}")
+    prompt = [rng.randrange(vocab) for _ in range(n)]
+    a, b = engines
+    with _progress(console) as bar:
+        task = bar.add_task(f"{n}-token prompt", total=3)
+        steps = {}
+        for name, eng in (("recompute", a), ("cached_l3", b), ("cached_l2", a)):
+            bar.update(task, description=f"{n}-token prompt: {name}")
+            steps[name] = eng.generate(prompt, 1)
+            bar.advance(task)
+    base = steps["recompute"]
+    return dict(tokens=n, max_hit_pages=(n - 1) // a.page_size,
+                recompute_ms=base.ttft_s * 1e3, recompute_hit_pages=base.hit_pages,
+                cached_l3_ms=steps["cached_l3"].ttft_s * 1e3,
+                cached_l3_query_ms=steps["cached_l3"].query_s * 1e3,
+                cached_l3_fetch_ms=steps["cached_l3"].fetch_s * 1e3,
+                cached_l2_ms=steps["cached_l2"].ttft_s * 1e3,
+                cached_l3_hit_pages=steps["cached_l3"].l3_pages,
+                cached_l2_hit_pages=steps["cached_l2"].l2_pages,
+                l3_fetched_bytes=steps["cached_l3"].fetched_bytes,
+                speedup_l3=base.ttft_s / steps["cached_l3"].ttft_s,
+                speedup_l2=base.ttft_s / steps["cached_l2"].ttft_s,
+                exact=all(torch.equal(steps[k].logits[0], base.logits[0])
+                          for k in ("cached_l3", "cached_l2")))
+
+
+def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
+    table = Table(title="Time to first token per request (ms)")
+    for col in ("session", "turn", "node", "prompt", "L2 pages", "L3 pages", "computed",
+                "raykv", "recompute", "speedup", "L3 MiB", "state", "exact"):
+        table.add_column(col, justify="right")
+    for r in requests:
+        table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
+                      str(r["prompt_tokens"]), str(r["l2_pages"]), str(r["l3_pages"]),
+                      str(r["computed_tokens"]), f"{r['ttft_ms']:.0f}",
+                      f"{r['ttft_recompute_ms']:.0f}",
+                      f"{r['ttft_recompute_ms'] / r['ttft_ms']:.1f}x",
+                      f"{sum(r['fetched_bytes'].values()) / MIB:.1f}", r["state_tier"] or "-",
+                      "yes" if r["exact"] else "[red]NO")
+    console.print(table)
+    tiers = summary["tier_hit_rate"]
+    console.print(f"prompt tokens served: L2 (local host pool) {tiers['l2_local_pool']:.0%}, "
+                  f"L3 (Mooncake) {tiers['l3_mooncake']:.0%}, computed {tiers['computed']:.0%}"
+                  f"; total TTFT {summary['ttft_ms_total']:.0f} ms with raykv vs "
+                  f"{summary['ttft_recompute_ms_total']:.0f} ms "
+                  f"({summary['speedup']:.1f}x)")
+    for pool, rates in summary["pool_hit_rate"].items():
+        console.print(f"  pool {pool}: " + ", ".join(f"{t} {v:.0%}" for t, v in rates.items())
+                      + f"; fetched from L3 {summary['fetched_bytes'].get(pool, 0) / MIB:.1f} MiB")
+    io = summary["l3_bytes"]
+    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MIB:.1f} MiB in "
+                  f"{io['put_objects']} objects, get {io['get_bytes'] / MIB:.1f} MiB in "
+                  f"{io['get_objects']} objects")
+    console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
+                  f"{long['recompute_ms']:.0f} ms; fully cached from L3 (other node) "
+                  f"{long['cached_l3_ms']:.0f} ms ({long['speedup_l3']:.1f}x lower; group "
+                  f"query {long['cached_l3_query_ms']:.0f} ms, fetch of "
+                  f"{sum(long['l3_fetched_bytes'].values()) / MIB:.0f} MiB "
+                  f"{long['cached_l3_fetch_ms']:.0f} ms), from "
+                  f"L2 (local pool) {long['cached_l2_ms']:.0f} ms "
+                  f"({long['speedup_l2']:.1f}x lower); {long['cached_l3_hit_pages']} of "
+                  f"{long['max_hit_pages']} restorable pages hit")

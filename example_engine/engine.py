@@ -1,0 +1,275 @@
+"""``Engine``: the driver of one TP group of ``EngineRank`` actors on one node.
+
+Per request it does what an SGLang HiCache engine does, through raykv's public API:
+
+1. chained page hashes of the prompt (at least one token is always computed, so at
+   most ``(len - 1) // page_size`` pages can be restored);
+2. L2: the leading pages its node's host pools hold (engine-side ``HostIndex``; for a
+   hybrid model the prefix must end where a Mamba checkpoint is held);
+3. L3: if L2 does not cover it, a *group* hit query (``CacheClient.group_exists``, both
+   ranks ask and get the same answer; KV, the Mamba checkpoint after the last page and
+   the draft KV must all exist) and a fetch of the missing pages from Mooncake into the
+   host pools (``batch_get_v2``; a failed read makes the hit fall back to L2);
+4. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
+   first token (TTFT stops here);
+5. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
+   -> L3 (``batch_set_v2``, put-if-absent), recorded in the L2 index;
+6. greedy decode, speculative when a draft model is loaded.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from controllers import PoolTransferResult
+from example_engine.host_index import HostIndex
+from example_engine.model import ModelConfig
+from example_engine.page_hashes import page_hashes
+from example_engine.rank import DRAFT, TARGET, EngineRank
+
+
+@dataclass
+class Generation:
+    """What one request did. Pages are pages of ``page_size`` tokens; byte counts are
+    summed over the TP ranks, per raykv pool (``kv``, ``mamba``, ``draft``).
+
+    ``logits[i]`` ``(vocab,)`` are the target logits that chose ``tokens[i]``.
+    ``l2_pages`` of the restored prefix came from the node's host pools, ``l3_pages``
+    were fetched from Mooncake; ``state_tier`` says where the Mamba checkpoint came from
+    (``"l2"``, ``"l3"`` or None when nothing was restored or the model has none).
+    ``ttft_s`` = ``query_s`` (group hit query) + ``fetch_s`` (L3 -> host pools) + the
+    prefill (host -> device copies, compute, first token) + bookkeeping.
+    """
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    ttft_s: float
+    prompt_tokens: int
+    prompt_pages: int
+    hit_pages: int = 0
+    l2_pages: int = 0
+    l3_pages: int = 0
+    state_tier: str | None = None
+    fetched_bytes: dict[str, int] = field(default_factory=dict)
+    query_s: float = 0.0
+    fetch_s: float = 0.0
+    offloaded_pages: dict[str, int] = field(default_factory=dict)
+    offload_s: float = 0.0
+    decode_s: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    page_size: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens prefilled (not restored)."""
+        return self.prompt_tokens - self.hit_pages * self.page_size
+
+
+@dataclass
+class _Hit:
+    pages: int = 0
+    l2: int = 0
+    l3: int = 0
+    state_tier: str | None = None
+    fetched: dict[str, int] = field(default_factory=dict)
+    query_s: float = 0.0
+    fetch_s: float = 0.0
+
+
+class Engine:
+    """A TP group of ``tp_size`` ranks serving ``model`` (and ``draft``) on ``node_id``.
+
+    ``host_pages`` / ``state_slots``: capacity of each rank's host KV pool (pages) and
+    Mamba pool (checkpoints). ``checkpoint_interval``: a Mamba checkpoint is offloaded
+    after every ``checkpoint_interval``-th page (a public attribute). ``spec_tokens``:
+    draft tokens proposed per speculative step.
+    """
+
+    def __init__(self, model: ModelConfig, node_id: str, *, draft: ModelConfig | None = None,
+                 page_size: int = 64, max_tokens: int = 4352, host_pages: int = 256,
+                 state_slots: int = 256, tp_size: int = 2, checkpoint_interval: int = 1,
+                 spec_tokens: int = 3, name: str | None = None) -> None:
+        if max_tokens % page_size:
+            raise ValueError(f"max_tokens {max_tokens} is not a multiple of page_size")
+        self.model, self.draft, self.page_size = model, draft, page_size
+        self.max_tokens = max_tokens
+        self.checkpoint_interval = checkpoint_interval
+        self.spec_tokens = spec_tokens
+        self.hybrid = model.ssm_layers > 0
+        tag = name or f"eng-{uuid.uuid4().hex[:8]}"
+        pin = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        self.ranks = [EngineRank.options(scheduling_strategy=pin).remote(
+            model, draft, r, tp_size, page_size, max_tokens, host_pages, state_slots, tag)
+            for r in range(tp_size)]
+        self.node_id = node_id
+        self.page_bytes: dict[str, int] = ray.get(self.ranks[0].page_bytes.remote())
+        self.kv_index = HostIndex(host_pages)
+        self.state_index = HostIndex(state_slots)
+
+    # --------------------------------------------------------------- request
+    def generate(self, tokens: list[int], max_new_tokens: int = 1, use_cache: bool = True,
+                 speculate: bool = True) -> Generation:
+        """Prefill ``tokens`` and greedily decode ``max_new_tokens`` (>= 1) tokens.
+
+        ``use_cache=False`` recomputes the whole prompt and offloads nothing (the
+        baseline without raykv). With a draft model, decoding is speculative unless
+        ``speculate`` is False.
+        """
+        if not tokens or len(tokens) + max_new_tokens + self.spec_tokens > self.max_tokens:
+            raise ValueError(f"{len(tokens)} prompt tokens + {max_new_tokens} new do not fit "
+                             f"max_tokens={self.max_tokens}")
+        t0 = time.perf_counter()
+        keys = page_hashes(tokens, self.page_size)
+        hit = self._restore(keys[:(len(tokens) - 1) // self.page_size]) if use_cache else _Hit()
+        host = self.kv_index.slots(keys[:hit.pages])
+        slot = self.state_index.slots([keys[hit.pages - 1]])[0] \
+            if self.hybrid and hit.pages else None
+        ray.get([r.start_prefill.remote(tokens, hit.pages, host, slot) for r in self.ranks])
+        refs = [self._forward(m) for m in self._models()]
+        logits = ray.get(refs)[0][-1]
+        gen = Generation([int(logits.argmax())], [logits], time.perf_counter() - t0,
+                         len(tokens), len(keys), hit.pages, hit.l2, hit.l3, hit.state_tier,
+                         hit.fetched, hit.query_s, hit.fetch_s, page_size=self.page_size)
+        if use_cache:
+            t = time.perf_counter()
+            gen.offloaded_pages = self._offload(keys, hit.pages)
+            gen.offload_s = time.perf_counter() - t
+        t = time.perf_counter()
+        if self.draft is not None and speculate:
+            self._speculate(tokens, gen, max_new_tokens)
+        else:
+            self._decode(tokens, gen, max_new_tokens)
+        gen.decode_s = time.perf_counter() - t
+        return gen
+
+    def _models(self) -> list[str]:
+        return [TARGET] + ([DRAFT] if self.draft is not None else [])
+
+    def _forward(self, model: str) -> ray.ObjectRef:
+        """Submit one forward pass through every layer; the ref of rank 0's logits.
+        Partial outputs go rank to rank as Ray object refs: nothing waits here."""
+        parts: list[ray.ObjectRef] = []
+        layers = (self.model if model == TARGET else self.draft).layers
+        for layer in range(layers):
+            parts = [r.layer.remote(model, layer, *parts) for r in self.ranks]
+        return self.ranks[0].head.remote(model, *parts)
+
+    # -------------------------------------------------------------- restore
+    def _l2_prefix(self, keys: list[str]) -> int:
+        n = self.kv_index.prefix(keys)
+        while self.hybrid and n and keys[n - 1] not in self.state_index:
+            n -= 1
+        return n
+
+    def _restore(self, keys: list[str]) -> _Hit:
+        """Find the restorable prefix of ``keys`` (L2, then L3) and bring every page of
+        it into the host pools."""
+        l2 = self._l2_prefix(keys)
+        hit = _Hit(l2, l2, 0, "l2" if self.hybrid and l2 else None)
+        if l2 == len(keys) or not keys:
+            return hit
+        t = time.perf_counter()
+        answers: list[PoolTransferResult] = ray.get([r.group_hit.remote(keys)
+                                                     for r in self.ranks])
+        hit.query_s = time.perf_counter() - t
+        if any(a != answers[0] for a in answers):
+            raise RuntimeError(f"TP ranks got different group hits: {answers}")
+        l3 = answers[0].kv_hit_pages
+        if l3 <= l2:
+            return hit
+        wanted = keys[:l3]
+        missing = [k for k in wanted if k not in self.kv_index]
+        state_key = wanted[-1] if self.hybrid and wanted[-1] not in self.state_index else None
+        slots = self.kv_index.allocate(len(missing), keep=wanted)
+        state_slot = self.state_index.allocate(1, keep=[wanted[-1]])[0] \
+            if state_key is not None else None
+        t = time.perf_counter()
+        got = ray.get([r.fetch.remote(missing, slots, state_key, state_slot)
+                       for r in self.ranks])
+        hit.fetch_s = time.perf_counter() - t
+        if not all(all(ok) for answer in got for ok in answer.values()):
+            self.kv_index.release(slots)
+            if state_slot is not None:
+                self.state_index.release([state_slot])
+            return hit
+        self.kv_index.insert(missing, slots)
+        if state_key is not None:
+            self.state_index.insert([state_key], [state_slot])
+        fetched = {pool: len(self.ranks) * len(missing) * b
+                   for pool, b in self.page_bytes.items() if pool != "mamba"}
+        if self.hybrid:
+            fetched["mamba"] = len(self.ranks) * self.page_bytes["mamba"] * (state_key is not None)
+        return _Hit(l3, l3 - len(missing), len(missing),
+                    ("l3" if state_key else "l2") if self.hybrid else None, fetched,
+                    hit.query_s, hit.fetch_s)
+
+    # -------------------------------------------------------------- offload
+    def _offload(self, keys: list[str], hit: int) -> dict[str, int]:
+        """Offload full pages ``hit..`` and their Mamba checkpoints; returns the pages
+        L3 accepted per pool (stored or already present)."""
+        new = keys[hit:]
+        if not new:
+            return {}
+        copy = [k not in self.kv_index for k in new]
+        fresh = self.kv_index.allocate(sum(copy), keep=keys)
+        it = iter(fresh)
+        host = [next(it) if c else self.kv_index.slots([k])[0] for k, c in zip(new, copy,
+                                                                              strict=True)]
+        state_pages = [p for p in range(hit, len(keys))
+                       if self.hybrid and (p + 1) % self.checkpoint_interval == 0
+                       and keys[p] not in self.state_index]
+        state_slots = self.state_index.allocate(len(state_pages),
+                                                keep=[keys[p] for p in state_pages])
+        results = ray.get([r.offload.remote(hit, new, host, copy, state_pages, state_slots)
+                           for r in self.ranks])
+        self.kv_index.insert(new, host)
+        self.state_index.insert([keys[p] for p in state_pages], state_slots)
+        return {pool: min(sum(r[pool]) for r in results) for pool in results[0]}
+
+    # --------------------------------------------------------------- decode
+    def _step(self, model: str, tokens: list[int], start: int) -> torch.Tensor:
+        ray.get([r.start_step.remote(model, tokens, start) for r in self.ranks])
+        return ray.get(self._forward(model))
+
+    def _decode(self, prompt: list[int], gen: Generation, max_new: int) -> None:
+        while len(gen.tokens) < max_new:
+            logits = self._step(TARGET, gen.tokens[-1:], len(prompt) + len(gen.tokens) - 1)[-1]
+            gen.tokens.append(int(logits.argmax()))
+            gen.logits.append(logits)
+
+    def _speculate(self, prompt: list[int], gen: Generation, max_new: int) -> None:
+        """Greedy speculative decoding: the draft proposes ``spec_tokens`` tokens, the
+        target checks them in one multi-row step and keeps the agreeing ones plus its
+        own next token, so the output equals the target's greedy decode up to
+        rounding (a multi-row step rounds differently from single rows)."""
+        seq = list(prompt) + gen.tokens
+        draft_len = len(prompt)            # positions with valid draft KV
+        while len(gen.tokens) < max_new:
+            pending, proposals = seq[draft_len:], []
+            for _ in range(self.spec_tokens):
+                logits = self._step(DRAFT, pending, draft_len)
+                draft_len += len(pending)
+                pending = [int(logits[-1].argmax())]
+                proposals.append(pending[0])
+            base = len(seq)
+            logits = self._step(TARGET, [seq[-1], *proposals], base - 1)
+            k = 0
+            while k < len(proposals) and int(logits[k].argmax()) == proposals[k]:
+                k += 1
+            if self.hybrid:
+                ray.get([r.commit.remote(k + 1) for r in self.ranks])
+            new = [int(logits[i].argmax()) for i in range(k + 1)]
+            gen.tokens += new
+            gen.logits += list(logits[:k + 1])
+            gen.proposed += len(proposals)
+            gen.accepted += k
+            seq += new
+            draft_len = base + min(k, len(proposals) - 1)
+        del gen.tokens[max_new:], gen.logits[max_new:]

@@ -1,0 +1,172 @@
+"""The example engine on a real two-node cluster: restoring a prefix from raykv (local
+host pool or Mooncake, computed on the other node) gives the same logits as recomputing
+it, bit for bit; KV without its Mamba checkpoint is a miss.
+
+Bit-exact equality holds by construction (see ``example_engine.rank``): prefill always
+runs in page-aligned, page-sized chunks on single-threaded deterministic ranks, so
+every chunk computes with the same shapes and inputs whether its prefix was computed
+or restored. Both nodes run on this machine, so the kernels are the same.
+"""
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+import torch
+from mooncake.store import MooncakeDistributedStore
+
+from example_engine import Engine
+from example_engine.host_index import HostIndex
+from example_engine.page_hashes import page_hashes
+from example_engine.presets import build
+from example_engine.workload import ChatWorkload
+
+PS = 16  # tokens per page
+SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The two-node cluster of conftest, with a short group-answer window: the engine
+    asks the same keys again right after another node stored them (a shared answer is
+    reused for the whole window, so a miss answered just before would hide them)."""
+    from clusters import start_local
+
+    with start_local(num_nodes=2, global_segment_size=256 << 20, group_window_s=0.1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engines(cluster):
+    """Per variant, a TP=2 engine on each node (made on first use)."""
+    made: dict[str, tuple[Engine, Engine]] = {}
+
+    def get(variant: str) -> tuple[Engine, Engine]:
+        if variant not in made:
+            target, draft = build(variant, f"test/{variant}", **SIZES)
+            made[variant] = tuple(Engine(target, node, draft=draft, page_size=PS,
+                                         max_tokens=512, host_pages=24, state_slots=24)
+                                  for node in cluster.node_ids)
+        return made[variant]
+
+    return get
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(SIZES["vocab"]) for _ in range(n)]
+
+
+def stored(cluster, objects: list[str]) -> list[int]:
+    """``batch_is_exist`` of raw object keys, asked by a separate Mooncake client."""
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                       cluster.master_address) == 0
+    try:
+        return store.batch_is_exist(objects)
+    finally:
+        store.close()
+
+
+def assert_same(got, want) -> None:
+    """Same generated tokens and bit-identical logits at every step."""
+    assert got.tokens == want.tokens
+    assert len(got.logits) == len(want.logits)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_page_hashes_are_chained():
+    toks = tokens(3 * PS + 5, 1)
+    keys = page_hashes(toks, PS)
+    assert len(keys) == 3
+    prev = b""
+    for i, key in enumerate(keys):
+        digest = hashlib.sha256(prev + np.asarray(toks[i * PS:(i + 1) * PS], "<i4").tobytes())
+        assert key == digest.hexdigest()
+        prev = digest.digest()
+    assert page_hashes(toks[:2 * PS] + [7] * PS, PS)[:2] == keys[:2]
+    assert page_hashes([toks[0] + 1] + toks[1:], PS)[2] != keys[2]  # a prefix change spreads
+
+
+def test_host_index_evicts_least_recently_used_but_never_kept():
+    index = HostIndex(3)
+    index.insert(["a", "b", "c"], index.allocate(3))
+    assert index.prefix(["a", "b", "x", "c"]) == 2
+    assert index.slots(["a", "b"]) == [0, 1]     # LRU order now: c, a, b
+    assert index.allocate(1, keep=["c"]) == [0]  # c is kept, so a goes
+    assert "a" not in index and len(index) == 2
+    with pytest.raises(RuntimeError, match="too small"):
+        index.allocate(3, keep=["b", "c"])
+
+
+@pytest.mark.parametrize("variant", ["mha", "mla-draft", "hybrid-draft"])
+def test_restore_equals_recompute(cluster, engines, variant):
+    a, b = engines(variant)
+    prompt = tokens(4 * PS + 7, seed=len(variant))
+    first = a.generate(prompt, 4)                  # node A: nothing cached yet
+    assert first.hit_pages == 0 and first.offloaded_pages["kv"] == 4
+    if variant.startswith("mla"):  # the latent is stored once (TP rank 0), draft per rank
+        p = f"test-{variant}_{page_hashes(prompt, PS)[0]}_"
+        assert stored(cluster, [p + "_k", p + "0_k", p + "1_k", p + "0_draft_k",
+                                p + "1_draft_k"]) == [1, 0, 0, 1, 1]
+
+    longer = prompt + tokens(2 * PS + 3, 2)        # node B: prefix from L3 (Mooncake)
+    from_l3 = b.generate(longer, 6)
+    assert (from_l3.hit_pages, from_l3.l2_pages, from_l3.l3_pages) == (4, 0, 4)
+    assert from_l3.fetched_bytes["kv"] > 0
+    assert_same(from_l3, b.generate(longer, 6, use_cache=False))
+
+    mixed = a.generate(longer, 6)                  # node A: 4 pages in L2, 2 from L3
+    assert (mixed.hit_pages, mixed.l2_pages, mixed.l3_pages) == (6, 4, 2)
+    assert_same(mixed, a.generate(longer, 6, use_cache=False))
+
+    again = a.generate(longer + [1, 2, 3], 3)     # node A: all 6 pages local now
+    assert (again.hit_pages, again.l2_pages, again.l3_pages) == (6, 6, 0)
+    assert not again.fetched_bytes
+    assert_same(again, a.generate(longer + [1, 2, 3], 3, use_cache=False))
+
+    if "hybrid" in variant:
+        assert (from_l3.state_tier, mixed.state_tier, again.state_tier) == ("l3", "l3", "l2")
+    if "draft" in variant:
+        assert from_l3.fetched_bytes["draft"] > 0 and from_l3.proposed > 0
+        # Speculative decoding keeps the target's greedy output (the recurrent state is
+        # rolled back past rejected tokens); a multi-row verify step rounds differently
+        # from single-row steps, hence a tolerance on its logits.
+        plain = b.generate(longer, 6, use_cache=False, speculate=False)
+        assert plain.tokens == from_l3.tokens and plain.proposed == 0
+        for x, y in zip(plain.logits, from_l3.logits, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_without_its_mamba_state_is_a_miss(engines, cluster):
+    a, b = engines("hybrid-draft")
+    a.checkpoint_interval = 4       # node A offloads KV for 6 pages, a state after page 4
+    try:
+        prompt = tokens(6 * PS + 5, seed=77)
+        assert a.generate(prompt, 1).offloaded_pages == {"kv": 6, "mamba": 1, "draft": 6}
+    finally:
+        a.checkpoint_interval = 1
+    keys = page_hashes(prompt, PS)
+    found = stored(cluster, [f"test-hybrid-draft_{k}_0_k" for k in keys]
+                   + [f"test-hybrid-draft_{k}_0_temporal" for k in keys])
+    assert found == [1] * 6 + [0, 0, 0, 1, 0, 0]   # all KV; one state, after page 4
+
+    got = b.generate(prompt, 3)                  # 6 KV pages exist but only 4 restorable
+    assert (got.hit_pages, got.l3_pages, got.state_tier) == (4, 4, "l3")
+    assert_same(got, b.generate(prompt, 3, use_cache=False))
+    # Node A holds the 6 KV pages in L2 but a state only after page 4; node B has since
+    # stored the state after page 6 in L3: KV comes from L2, the state from L3.
+    local = a.generate(prompt + [5], 3)
+    assert (local.hit_pages, local.l2_pages, local.l3_pages, local.state_tier) == (
+        6, 6, 0, "l3")
+    assert_same(local, a.generate(prompt + [5], 3, use_cache=False))
+
+
+def test_chat_workload_shares_the_system_prompt_and_alternates_nodes():
+    work = ChatWorkload(sessions=3, turns=2, system_tokens=40, user_tokens=8, vocab=128)
+    assert list(work.schedule(2)) == [(0, 0, 0), (1, 0, 1), (2, 0, 0),
+                                      (0, 1, 1), (1, 1, 0), (2, 1, 1)]
+    assert work.system_prompt() == work.system_prompt() and len(work.system_prompt()) == 40
+    assert work.user_message(0, 1) != work.user_message(1, 1)
