@@ -523,8 +523,8 @@ class CacheClient:
         """The hit of this rank's whole TP/PP group: the intersection of restorable
         prefixes over every rank and pool, from one existence check by the cache actor
         of the group's home node (the controller names it at registration). Every rank
-        asking about the same keys and pools within that actor's window gets the
-        identical answer, so no all-reduce among ranks is needed."""
+        of the group asking about the same keys and pools gets the identical answer (a
+        rank asking again gets a fresh one), so no all-reduce among ranks is needed."""
         keys = check_keys(keys)
         self._pool(PoolName.KV)
         queries = self._queries(transfers)
@@ -532,7 +532,8 @@ class CacheClient:
                 or self._specs() != self._deployment[1]):
             self.register_deployment()
         reg = self._deployment[0]
-        return self._data("group_exists", reg.deployment_id, reg.version, keys, queries,
+        return self._data("group_exists", reg.deployment_id, reg.version,
+                          (self.config.tp_rank, self.config.pp_rank), keys, queries,
                           node_id=reg.home_node)
 
     # ------------------------------------------------------------ v1 (pages)

@@ -10,8 +10,9 @@ run the same code. Store errors come back as per-object codes; a bad request rai
 ``ValueError`` for that call only and the actor keeps serving.
 
 The actor also answers the existence queries of every TP/PP group whose home node it
-is (``controllers.group_queries``): answers shared within ``group_window_s``,
-concurrent queries batched into one ``batch_is_exist``.
+is (``controllers.group_queries``): one answer shared by the ranks that ask the same
+(for at most ``group_window_s``), concurrent queries batched into one
+``batch_is_exist``.
 """
 
 from __future__ import annotations
@@ -292,11 +293,11 @@ class NodeCacheActor:
             self._deployments[deployment_id] = dep
         return dep
 
-    def _group_exists(self, deployment_id: str, version: int, keys: list[str],
-                      queries: list[PoolQuery]) -> PoolTransferResult:
+    def _group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
+                      keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
         dep = self._deployment(deployment_id, version)
         before = self._groups.stats.checked
-        result = self._groups.ask(dep, keys, queries)
+        result = self._groups.ask(dep, keys, queries, tuple(rank))
         shared = "no" if self._groups.stats.checked > before else "yes"
         self._metrics.group_queries.inc(tags={"shared": shared})
         return result
@@ -318,13 +319,15 @@ class NodeCacheActor:
         return await self._run(self._get, batch)
 
     @ray.method(concurrency_group="data")
-    async def group_exists(self, deployment_id: str, version: int, keys: list[str],
-                           queries: list[PoolQuery]) -> PoolTransferResult:
+    async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
+                           keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
-        is) for page ``keys``: identical for every rank asking about the same keys and
-        pools within the window. ``ValueError`` for an unregistered deployment or a
-        pool it did not register."""
-        return await self._run(self._group_exists, deployment_id, version, keys, queries)
+        is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
+        about the same keys and pools gets the identical answer (see
+        ``controllers.group_queries``). ``ValueError`` for an unregistered deployment or
+        a pool it did not register."""
+        return await self._run(self._group_exists, deployment_id, version, rank, keys,
+                               queries)
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")

@@ -126,7 +126,7 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
     host_pages = max_tokens // page_size + (sessions * turns * (user_tokens + reply_tokens)
                                             + system_tokens) // page_size + 8
     with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
-        cluster = start_local(num_nodes=2, global_segment_size=1 << 30, group_window_s=0.1)
+        cluster = start_local(num_nodes=2, global_segment_size=1 << 30)
     with cluster:
         console.print(f"[bold]raykv[/] cluster up: nodes "
                       f"{', '.join(n[:8] for n in cluster.node_ids)}; Mooncake master "

@@ -1,8 +1,13 @@
 """Answering group existence queries: shared within a window, batched when concurrent.
 
-``GroupQueries.ask`` is called from any number of threads. Queries for the same
-deployment, page keys and pools within ``window_s`` seconds of an answer get that very
-answer; a query that arrives while the same one is being checked waits for it. Distinct
+``GroupQueries.ask`` is called from any number of threads, each call on behalf of one
+rank ``(tp_rank, pp_rank)``. An answer is shared by the ranks of the group that ask the
+same question (deployment, page keys, pools): a query that arrives while the same one
+is being checked waits for it, and a rank that has not yet had a recent answer (at
+most ``window_s`` seconds old) gets that very answer. So every rank of one engine step
+gets the identical hit. A rank that asks again gets a fresh check, and an answer is
+dropped once every rank of the group has had it, so a miss is never served from memory
+to a later request after the pages were stored. Distinct
 queries that arrive while a store check runs are answered together by the next check,
 one ``exists`` call over the union of their objects (no key twice). The calling
 threads do the work themselves: one at a time leads and checks everything queued; once
@@ -28,15 +33,24 @@ class _Query:
     key: tuple
     plan: ObjectPlan
     queries: Sequence[PoolQuery]
+    ranks: set[tuple[int, int]]
+    group: int
     done: bool = False
     result: PoolTransferResult | None = None
     error: BaseException | None = None
 
 
 @dataclass
+class _Answer:
+    at: float
+    result: PoolTransferResult
+    ranks: set[tuple[int, int]]
+
+
+@dataclass
 class GroupQueryStats:
-    """Counters since start: queries answered from a recent answer, by joining a check
-    in flight, and by a store check of their own; store checks made."""
+    """Counters since start: queries answered from a recent answer (another rank's), by
+    joining a check in flight, and by a store check of their own; store checks made."""
 
     recent: int = 0
     inflight: int = 0
@@ -56,33 +70,38 @@ class GroupQueries:
         self._on_check = on_check
         self._max_recent = max_recent
         self._lock = threading.Condition()
-        self._recent: OrderedDict[tuple, tuple[float, PoolTransferResult]] = OrderedDict()
+        self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
         self._leading = False  # a caller is checking queued queries
         self._handoff = False  # ... and asks a waiting caller to take over
         self.stats = GroupQueryStats()
 
-    def ask(self, dep: Deployment, keys: Sequence[str],
-            queries: Sequence[PoolQuery]) -> PoolTransferResult:
-        """The group hit of ``dep`` for page ``keys`` and extra pools ``queries``.
-        ``ValueError`` if ``queries`` names a pool the deployment did not register;
-        a store failure raises for every query of that check."""
+    def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
+            rank: tuple[int, int] = (0, 0)) -> PoolTransferResult:
+        """The group hit of ``dep`` for page ``keys`` and extra pools ``queries``, asked
+        by ``rank``. ``ValueError`` if ``queries`` names a pool the deployment did not
+        register; a store failure raises for every query of that check."""
         key = (dep.deployment_id, tuple(keys), tuple(queries))
+        group = dep.tp_size * dep.pp_size
         with self._lock:
             now = time.monotonic()
-            while self._recent and (next(iter(self._recent.values()))[0] < now - self._window
+            while self._recent and (next(iter(self._recent.values())).at < now - self._window
                                     or len(self._recent) > self._max_recent):
                 self._recent.popitem(last=False)
             hit = self._recent.get(key)
-            if hit is not None:
+            if hit is not None and rank not in hit.ranks:
                 self.stats.recent += 1
-                return hit[1]
+                hit.ranks.add(rank)
+                if len(hit.ranks) >= group:
+                    del self._recent[key]
+                return hit.result
             q = self._inflight.get(key)
             if q is not None:
                 self.stats.inflight += 1
+                q.ranks.add(rank)
             else:
-                q = _Query(key, group_objects(dep, keys, queries), queries)
+                q = _Query(key, group_objects(dep, keys, queries), queries, {rank}, group)
                 self._inflight[key] = q
                 self._pending.append(q)
                 self.stats.checked += 1
@@ -137,7 +156,8 @@ class GroupQueries:
                 else:
                     mine = codes if union is None else [codes[union[o]] for o in q.plan.objects]
                     q.result = group_hits(q.plan, q.queries, mine)
-                    if self._window > 0:
-                        self._recent[q.key] = (now, q.result)
+                    self._recent.pop(q.key, None)
+                    if self._window > 0 and len(q.ranks) < q.group:
+                        self._recent[q.key] = _Answer(now, q.result, q.ranks)
                 q.done = True
             self._lock.notify_all()

@@ -28,12 +28,12 @@ SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The two-node cluster of conftest, with a short group-answer window: the engine
-    asks the same keys again right after another node stored them (a shared answer is
-    reused for the whole window, so a miss answered just before would hide them)."""
+    """A two-node cluster of its own (default settings). The engine asks about the same
+    keys again right after another node stored them: group answers are shared by the
+    ranks of one request only, so the second request sees the new pages."""
     from clusters import start_local
 
-    with start_local(num_nodes=2, global_segment_size=256 << 20, group_window_s=0.1) as c:
+    with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
         yield c
 
 

@@ -56,21 +56,26 @@ def test_mla_replica_read_by_every_rank(cluster, uid):
     assert ray.get(r1.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
     assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 0  # rank 1 skips
     assert ray.get(r0.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
-    time.sleep(2.1)  # past the group window: a fresh answer
     assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 3
 
 
-def test_answers_are_shared_within_the_window(cluster, uid):
-    client = CacheClient(StorageConfig(model_name=f"win/{uid}"))
-    client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+def test_one_answer_per_group_request(cluster, uid):
+    model = f"win/{uid}"
+    ranks = []
+    for r in range(2):
+        c = CacheClient(StorageConfig(tp_rank=r, tp_size=2, model_name=model))
+        c.register_mem_pool_host(c.create_host_pool("mha", **MHA))
+        ranks.append(c)
     keys = [f"{uid}-{i}" for i in range(4)]
-    assert client.batch_set_v1(keys[:2], indices(0, 2)) == [True] * 2
-    first = client.group_exists(keys)
-    assert client.batch_set_v1(keys[2:], indices(8, 2)) == [True] * 2
-    assert client.group_exists(keys) == first           # same answer for the whole window
+    for c in ranks:
+        assert c.batch_set_v1(keys[:2], indices(0, 2)) == [True] * 2
+    first = ranks[0].group_exists(keys)
+    for c in ranks:
+        assert c.batch_set_v1(keys[2:], indices(8, 2)) == [True] * 2
+    assert ranks[1].group_exists(keys) == first       # the same step: the same answer
     assert first.kv_hit_pages == 2
-    time.sleep(2.1)
-    assert client.group_exists(keys).kv_hit_pages == 4
+    assert ranks[1].group_exists(keys).kv_hit_pages == 4  # a new step: a fresh answer
+    assert ranks[0].group_exists(keys).kv_hit_pages == 4
 
 
 def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
@@ -89,7 +94,7 @@ def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
         mla.group_exists([f"{uid}-0"])
     home = cluster.node_actors[cluster.node_ids[0]]
     with pytest.raises(ValueError, match="'nobody' is not registered"):
-        ray.get(home.group_exists.remote("nobody", 1, ["a"], [PoolQuery(KV)]))
+        ray.get(home.group_exists.remote("nobody", 1, (0, 0), ["a"], [PoolQuery(KV)]))
     with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
         StorageConfig(tp_rank=2, tp_size=2)
     assert good.group_exists([f"{uid}-1"]).kv_hit_pages == 0
@@ -119,7 +124,6 @@ def test_controller_restarts_from_its_checkpoint(cluster, uid):
     ray.kill(controller, no_restart=False)
     assert settle(controller.deployments) == before
     assert settle(controller.nodes) == nodes
-    time.sleep(2.1)
     for _ in range(20):
         try:
             assert client.group_exists(keys).kv_hit_pages == 2

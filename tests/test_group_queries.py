@@ -1,5 +1,6 @@
-"""GroupQueries (pure logic): answers shared within the window and while in flight,
-concurrent distinct queries batched into one store call, store errors to every waiter."""
+"""GroupQueries (pure logic): answers shared by the ranks of a group (within the window
+and while in flight), fresh for a rank that asks again, concurrent distinct queries
+batched into one store call, store errors to every waiter."""
 
 import threading
 import time
@@ -38,24 +39,43 @@ def objects(keys):
     return group_objects(DEP, keys, []).objects
 
 
-def test_answer_is_shared_within_the_window_then_fresh():
+def test_answer_is_shared_by_the_group_then_fresh():
     store = Store(objects(["a", "b"]))
-    groups = GroupQueries(store.exists, window_s=0.2)
-    first = groups.ask(DEP, ["a", "b", "c"], [])
+    groups = GroupQueries(store.exists, window_s=5.0)
+    first = groups.ask(DEP, ["a", "b", "c"], [], rank=(0, 0))
     store.present |= set(objects(["c"]))
-    assert groups.ask(DEP, ["a", "b", "c"], []) == first
+    assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)) is first  # the other rank
     assert first.kv_hit_pages == 2 and len(store.calls) == 1
-    time.sleep(0.25)
-    assert groups.ask(DEP, ["a", "b", "c"], []).kv_hit_pages == 3
+    # Both ranks had it: the answer is gone, the next request is checked afresh.
+    assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)).kv_hit_pages == 3
     assert len(store.calls) == 2
     assert groups.stats.recent == 1 and groups.stats.checked == 2
+
+
+def test_a_rank_asking_again_gets_a_fresh_answer_the_other_rank_the_newest():
+    store = Store(objects(["a"]))
+    groups = GroupQueries(store.exists, window_s=5.0)
+    assert groups.ask(DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 1
+    store.present |= set(objects(["b"]))
+    assert groups.ask(DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 2
+    assert groups.ask(DEP, ["a", "b"], [], rank=(1, 0)).kv_hit_pages == 2
+    assert len(store.calls) == 2
+
+
+def test_answers_expire_after_the_window():
+    store = Store()
+    groups = GroupQueries(store.exists, window_s=0.1)
+    groups.ask(DEP, ["a"], [], rank=(0, 0))
+    store.present |= set(objects(["a"]))
+    time.sleep(0.15)
+    assert groups.ask(DEP, ["a"], [], rank=(1, 0)).kv_hit_pages == 1
 
 
 def test_window_zero_keeps_nothing():
     store = Store()
     groups = GroupQueries(store.exists, window_s=0.0)
-    groups.ask(DEP, ["a"], [])
-    groups.ask(DEP, ["a"], [])
+    groups.ask(DEP, ["a"], [], rank=(0, 0))
+    groups.ask(DEP, ["a"], [], rank=(1, 0))
     assert len(store.calls) == 2
 
 
