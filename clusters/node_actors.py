@@ -23,7 +23,10 @@ RECONCILER_NAME = "raykv-reconciler"
 class NodeSettings:
     """How every node actor of a cluster joins the store. Sizes in bytes.
 
-    ``local_hostname`` None means the node's IP as Ray sees it.
+    ``local_hostname`` None means the node's IP as Ray sees it. ``standalone`` runs each
+    node's segment in a supervised ``mooncake_client`` process (see
+    ``cache_actors.node_store``); ``host_pool_bytes`` is each node's budget for host pools
+    (0: no limit, embedded mode only).
     """
 
     master_address: str
@@ -34,6 +37,17 @@ class NodeSettings:
     protocol: str = "tcp"
     local_hostname: str | None = None
     mooncake_log_level: str = "ERROR"
+    standalone: bool = False
+    host_pool_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.standalone and self.host_pool_bytes <= 0:
+            raise ValueError(f"standalone mode needs host_pool_bytes > 0, got "
+                             f"{self.host_pool_bytes}")
+
+    @property
+    def mode(self) -> str:
+        return "standalone" if self.standalone else "embedded"
 
     @property
     def env(self) -> dict[str, str]:
@@ -62,7 +76,7 @@ def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
         runtime_env={"env_vars": settings.env},
     ).remote(node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
              settings.global_segment_size, settings.local_buffer_size, settings.protocol,
-             "", settings.local_hostname)
+             "", settings.local_hostname, settings.standalone, settings.host_pool_bytes)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:
