@@ -2,7 +2,8 @@
 
 In standalone mode the node's L3 segment lives in a ``mooncake_client`` process, not in
 the node actor, so it survives a crash of the actor. The actor starts the process in its
-own session (a crash of the actor does not take it down), records ``pid``, ``port`` and
+own session and not as its child (through a shell that exits at once: Ray kills a
+worker's children when it kills the worker, ``ray.kill`` included), records ``pid``, ``port`` and
 the kernel's start time (JSON) in the 0600 file ``/dev/shm/<node prefix>@mooncake_client``
 and restarts it on the same port whenever it exits. A restarted actor reads the record and
 adopts the running process when ``/proc/<pid>`` is still that process (same start time,
@@ -100,6 +101,12 @@ class ClientRecord:
         return bool(args) and Path(args[0]).name == BINARY and f"-port={self.port}" in args
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group of ``pid`` (the client's own group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(pid), sig)
+
+
 def record_path(node_prefix: str) -> str:
     return segment_path(node_prefix + RECORD)
 
@@ -119,8 +126,7 @@ def stop_recorded(cluster_prefix: str) -> list[int]:
     for path in Path(SHM_DIR).glob(f"{cluster_prefix}*{RECORD}"):
         rec = read_record(str(path))
         if rec is not None and rec.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(rec.pid, signal.SIGKILL)
+            _signal_group(rec.pid, signal.SIGKILL)
             killed.append(rec.pid)
         path.unlink(missing_ok=True)
     return killed
@@ -152,7 +158,6 @@ class MooncakeClientProcess:
                       f"-global_segment_size={segment_size}", f"-protocol={protocol}"]
         if rdma_devices:
             self._args.append(f"-device_names={rdma_devices}")
-        self._proc: subprocess.Popen | None = None
         self.record: ClientRecord | None = None
         self.adopted = False
         self.restarts = 0
@@ -176,31 +181,29 @@ class MooncakeClientProcess:
         return self
 
     def _launch(self, port: int, timeout_s: float) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ, RAYKV_CLIENT_LOG=str(self._log))
         env.setdefault("MC_TCP_BIND_ADDRESS", self.host)
-        with open(self._log, "ab") as out:
-            self._proc = subprocess.Popen([client_binary(), f"-port={port}", *self._args],
-                                          stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
-        st = _stat(self._proc.pid)
-        self.record = ClientRecord(self._proc.pid, port, st[1] if st else -1)
+        shell = subprocess.run(
+            ["/bin/sh", "-c", '"$0" "$@" </dev/null >>"$RAYKV_CLIENT_LOG" 2>&1 & echo $!',
+             client_binary(), f"-port={port}", *self._args],
+            env=env, stdout=subprocess.PIPE, check=True, start_new_session=True)
+        pid = int(shell.stdout)
+        st = _stat(pid)
+        self.record = ClientRecord(pid, port, st[1] if st else -1)
         self.adopted = False
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(self.record), f)
         deadline = time.monotonic() + timeout_s
         while not _listening(self.host, port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            if not self.record.running() or time.monotonic() > deadline:
                 self._kill()
                 raise RuntimeError(f"mooncake_client did not start on {self.host}:{port}; "
                                    f"see {self._log}")
             time.sleep(0.05)
 
     def alive(self) -> bool:
-        """True while the process runs (reaps it when it is this actor's child)."""
-        if self._proc is not None and self._proc.poll() is not None:
-            return False
+        """True while the process runs."""
         return self.record is not None and self.record.running()
 
     def watch(self, on_restart: Callable[[], None], period_s: float = 0.5) -> None:
@@ -231,17 +234,12 @@ class MooncakeClientProcess:
 
     def _kill(self) -> None:
         if self.record is not None and self.record.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.record.pid, signal.SIGTERM)
+            _signal_group(self.record.pid, signal.SIGTERM)
             deadline = time.monotonic() + 5.0
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.record.pid, signal.SIGKILL)
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(5.0)
+                _signal_group(self.record.pid, signal.SIGKILL)
 
     def stop(self) -> None:
         """Stop supervising, stop the process group, remove the record (for good)."""
