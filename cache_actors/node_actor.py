@@ -159,7 +159,9 @@ class NodeCacheActor:
     async def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
         """Create pool ``name`` (or return it if it exists with the same layout).
 
-        Raises ``ValueError`` if a pool of that name exists with another layout.
+        Raises ``ValueError`` if a pool of that name exists with another layout or the
+        pool does not fit in ``host_pool_bytes`` (nothing is allocated then), and
+        ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone).
         """
         check_pool_name(name)
         if name in self._pools:
@@ -168,6 +170,7 @@ class NodeCacheActor:
                 raise ValueError(f"pool {name!r} exists on this node with another layout: "
                                  f"{existing.layout} (asked for {layout})")
             return existing
+        self._store.check()
         with self._pool_lock:
             pool = self._memory.create(name, layout)
             self._adopt(pool)
