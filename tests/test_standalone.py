@@ -1,5 +1,6 @@
 """Standalone mode on real parts: a real mooncake_master, a real mooncake_client per node
-supervised by its node actor, real Ray.
+supervised by its node actor, real Ray (and unit tests of the budget, the process record
+and the mode switch).
 
 Node 2 contributes no memory (a pure consumer), so every object lives in node 1's
 mooncake_client: what node 2 reads after node 1's actor or client died comes from there.
@@ -13,6 +14,8 @@ import ray
 import torch
 
 from cache_actors import NodeUnavailableError
+from cache_actors.pool_memory import PoolBudget
+from cache_actors.standalone_client import ClientRecord, check_mode
 from clusters import start_local
 from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from tests.processes import running_clients, wait_for
@@ -153,3 +156,37 @@ def test_killed_mooncake_client_fails_clearly_then_recovers(cluster, uid):
     wait_for(lambda: all(all(v) for v in write(writer, keys, 0).values()), "a full write")
     read_back_equal(writer, reader, keys, 0)
 
+
+
+def test_budget_refuses_before_counting():
+    budget = PoolBudget(100)
+    budget.reserve("a", 60)
+    with pytest.raises(ValueError, match=r"pool 'b' needs 41 bytes .* use 60 of "
+                                         r"host_pool_bytes=100 \(40 left\)"):
+        budget.reserve("b", 41)
+    assert budget.used == 60
+    budget.reserve("b", 40)
+    budget.release(60)
+    assert budget.used == 40
+    unlimited = PoolBudget(0)
+    unlimited.reserve("c", 1 << 50)
+    with pytest.raises(ValueError, match="host_pool_bytes must be >= 0, got -1"):
+        PoolBudget(-1)
+
+
+def test_record_matches_only_the_recorded_process():
+    me = os.getpid()
+    with open(f"/proc/{me}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert not ClientRecord(me, 1234, ticks).running()  # alive, but not mooncake_client
+    assert not ClientRecord(me, 1234, ticks + 1).running()
+    assert not ClientRecord(2**22 + 1, 1234, ticks).running()  # no such pid
+
+
+def test_mode_switch_must_match_the_node():
+    check_mode(None, "embedded")
+    check_mode({"standalone_storage": True}, "standalone")
+    check_mode({"standalone_storage": False}, "embedded")
+    with pytest.raises(ValueError, match="is True but this node's cache actor runs in "
+                                         "embedded mode"):
+        check_mode({"standalone_storage": True}, "embedded")
