@@ -73,8 +73,14 @@ class NodeStore:
     def supervise(self, reallocate: Callable[[], None]) -> None:
         """Standalone: restart ``mooncake_client`` whenever it exits, wait until the dummy
         reconnected, then call ``reallocate`` (every pool anew, ``memory.renew()`` first)."""
-        if self.process is not None:
-            self.process.watch(lambda: (self._wait_connected(), reallocate()))
+        if self.process is None:
+            return
+
+        def on_restart() -> None:
+            self._wait_connected()
+            reallocate()
+
+        self.process.watch(on_restart)
 
     def _wait_connected(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
