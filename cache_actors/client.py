@@ -26,9 +26,11 @@ import numpy as np
 import ray
 import torch
 
+from cache_actors.errors import NodeUnavailableError
 from cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from cache_actors.local_channel import ChannelClient, ChannelClosedError
 from cache_actors.object_batch import ObjectBatch
+from cache_actors.standalone_client import check_mode
 from controllers.contract import (
     PoolHitPolicy,
     PoolName,
@@ -53,10 +55,6 @@ log = logging.getLogger(__name__)
 # Data ops: name on the local channel -> name of the node actor's Ray method.
 _RAY_METHODS = {"exists": "batch_is_exist", "put": "batch_put", "get": "batch_get",
                 "group_exists": "group_exists"}
-
-
-class NodeUnavailableError(RuntimeError):
-    """The node's cache actor is down or restarting. Retryable: call again later."""
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
@@ -162,7 +160,13 @@ class CacheClient:
     """A rank's handle on the raykv cache of its node.
 
     ``config`` carries the rank's place in its deployment (TP/PP rank, MLA, model name,
-    ``extra_config["extra_backend_tag"]``), which decides the object keys.
+    ``extra_config["extra_backend_tag"]``), which decides the object keys. If
+    ``extra_config["standalone_storage"]`` is set it must match the node actor's mode,
+    else ``ValueError``.
+
+    After a ``NodeUnavailableError`` the next call first re-maps every pool of this client
+    whose memory the node actor replaced (standalone mode, after a restart): the
+    ``HostPool`` objects stay the same, their tensors point to the new memory.
     """
 
     def __init__(
@@ -193,13 +197,21 @@ class CacheClient:
         self._deployment: tuple[Registration, tuple[PoolSpec, ...]] | None = None
         self._local = self.node_id == ray.get_runtime_context().get_node_id()
         self._channel: ChannelClient | None = None
+        self._epoch = 0
+        self._stale = False
+        if "standalone_storage" in (self.config.extra_config or {}):
+            check_mode(self.config.extra_config, self._call("health")["mode"])
 
     def _call(self, method: str, *args):
+        if self._stale:
+            self._remap()
         return self._ask(self._actor, method, *args)
 
     def _data(self, op: str, *args, node_id: str | None = None):
         """Data op ``op`` on the cache actor of ``node_id`` (default: this client's node):
         over the local channel when that actor runs on this node, else through Ray."""
+        if self._stale:
+            self._remap()
         if node_id not in (None, self.node_id) or not self._local:
             actor = self._actor if node_id in (None, self.node_id) else self._actor_of(node_id)
             return self._ask(actor, _RAY_METHODS[op], *args)
@@ -212,6 +224,9 @@ class CacheClient:
             raise NodeUnavailableError(
                 f"raykv actor for {op} (node {self.node_id[:12]}) is unavailable ({e}); "
                 "it is restarted automatically: retry the call") from e
+        except NodeUnavailableError as e:  # raised by the actor: its store is restarting
+            self._reattach()
+            raise NodeUnavailableError(f"node {self.node_id[:12]}: {e}") from None
 
     def _actor_of(self, node_id: str):
         try:
@@ -221,6 +236,13 @@ class CacheClient:
             raise NodeUnavailableError(f"no raykv cache actor on node {node_id[:12]}; retry "
                                        "the call") from e
 
+    def _remap(self) -> None:
+        """Map again every pool whose handle the node actor changed (see the class doc)."""
+        for name in list(self._pools):
+            with contextlib.suppress(ValueError):  # destroyed meanwhile
+                self._map(self._ask(self._actor, "get_pool", name))
+        self._stale = False
+
     def _ask(self, actor, method: str, *args):
         try:
             return ray.get(getattr(actor, method).remote(*args))
@@ -229,6 +251,10 @@ class CacheClient:
             raise NodeUnavailableError(
                 f"raykv actor for {method} (node {self.node_id[:12]}) is unavailable ({e}); "
                 "it is restarted automatically: retry the call") from e
+        except NodeUnavailableError as e:  # raised by the actor: its store is restarting
+            self._reattach()
+            raise NodeUnavailableError(
+                f"node {self.node_id[:12]}: {getattr(e, 'cause', e)}") from None
 
     def _reattach(self) -> None:
         """Look the node actor and controller up by name again, so the next call reaches
@@ -239,6 +265,7 @@ class CacheClient:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._stale = True
 
     # ----------------------------------------------------------------- pools
     def create_host_pool(
@@ -295,11 +322,16 @@ class CacheClient:
         return self._call("destroy_pool", name)
 
     def _map(self, handle: PoolHandle) -> HostPool:
+        if handle.epoch != self._epoch:  # the node's pools were allocated anew
+            self._stale = self._stale or any(n != handle.name for n in self._pools)
+            self._epoch = handle.epoch
         pool = self._pools.get(handle.name)
-        if pool is None or pool.handle != handle:
+        if pool is None:
             pool = HostPool.attach(handle)
             pool.pin()
             self._pools[handle.name] = pool
+        elif pool.handle != handle:
+            pool.remap(handle)
         return pool
 
     def _own(self, pool, what: str) -> HostPool:
@@ -392,6 +424,7 @@ class CacheClient:
                 raise ValueError(f"pool {name.value!r} appears twice in one call")
             by_name[name] = t
         plan = _Plan()
+        plan.batch.epoch = self._epoch
         for name, t in by_name.items():
             keys, idx = self._resolve(name, t, by_name)
             if name == PoolName.DRAFT and self._draft_disabled is not None:
@@ -562,7 +595,7 @@ class CacheClient:
         if not len(keys) == len(target_locations) == len(target_sizes):
             raise ValueError(f"{len(keys)} keys, {len(target_locations)} target_locations and "
                              f"{len(target_sizes)} target_sizes: lengths must match")
-        batch = ObjectBatch()
+        batch = ObjectBatch(epoch=self._epoch)
         for key, ptr, size in zip(keys, target_locations, target_sizes, strict=True):
             for pool in self._pools.values():
                 off = pool.offset_of(int(ptr), int(size))

@@ -4,10 +4,15 @@ A ``HostPool`` maps one shared segment. The node actor creates it (and registers
 its Mooncake client); ranks on the same node attach to it by name and see the same
 bytes as a writable ``kv_buffer`` tensor. Pointers returned by ``get_page_buffer_meta``
 are valid in the calling process only.
+
+A segment is a ``/dev/shm`` file (embedded mode) or, in standalone mode, a memfd that the
+node actor allocated from ``mooncake_client``'s shared memory, reached by ranks through
+``/proc/<actor pid>/fd/<fd>``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from dataclasses import dataclass
@@ -22,11 +27,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PoolHandle:
-    """What a rank needs to map a pool: its name, its shared segment, its layout."""
+    """What a rank needs to map a pool: its name, its shared segment, its layout.
+
+    ``epoch`` names the generation of the node's pool memory the segment belongs to: it
+    changes when the node actor had to allocate every pool anew (standalone mode, after
+    ``mooncake_client`` or the actor restarted); 0 in embedded mode, where it never does.
+    """
 
     name: str
     segment: str
     layout: PoolLayout
+    epoch: int = 0
 
 
 def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -52,10 +63,13 @@ class HostPool:
     ``indexer_buffer``.
     """
 
-    def __init__(self, handle: PoolHandle, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, handle: PoolHandle, mm: mmap.mmap | ctypes.Array, owner: bool) -> None:
+        self._owner = owner
+        self._bind(handle, mm)
+
+    def _bind(self, handle: PoolHandle, mm: mmap.mmap | ctypes.Array) -> None:
         self.handle = handle
         self._mm = mm
-        self._owner = owner
         layout = handle.layout
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes)
         self.base_ptr: int = self._bytes.data_ptr()
@@ -88,6 +102,26 @@ class HostPool:
     def attach(cls, handle: PoolHandle) -> HostPool:
         """Map an existing segment made by the node actor."""
         return cls(handle, attach_segment(handle.segment, handle.layout.nbytes), owner=False)
+
+    @classmethod
+    def wrap(cls, handle: PoolHandle, address: int) -> HostPool:
+        """View ``handle.layout.nbytes`` bytes at ``address`` that someone else mapped and
+        keeps mapped (the dummy Mooncake client's allocation, in standalone mode)."""
+        return cls(handle, (ctypes.c_ubyte * handle.layout.nbytes).from_address(address),
+                   owner=False)
+
+    def remap(self, handle: PoolHandle) -> None:
+        """Map ``handle``'s segment in place of the current one (same layout), after the
+        node actor allocated the pool anew. Tensors taken from this pool before stay on
+        the old memory: read ``kv_buffer`` etc. again."""
+        if handle.layout != self.handle.layout:
+            raise ValueError(f"pool {handle.name!r} changed layout: {self.handle.layout} -> "
+                             f"{handle.layout}")
+        pinned = self._pinned
+        self.close()
+        self._bind(handle, attach_segment(handle.segment, handle.layout.nbytes))
+        if pinned:
+            self.pin()
 
     # SGLang host-pool attribute names.
     @property
@@ -161,7 +195,8 @@ class HostPool:
             self.__dict__.pop(view, None)
         del self.buffers, self._bytes
         try:
-            self._mm.close()
+            if isinstance(self._mm, mmap.mmap):
+                self._mm.close()
         except BufferError:
             # A caller still holds a view of kv_buffer: the mapping lives until it drops it.
             log.debug("pool %s stays mapped while views of it are alive", self.name)

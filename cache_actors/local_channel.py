@@ -7,10 +7,11 @@ creates, finds, supervises and restarts the actor, and remote callers still use 
 Like a Ray call, a request carries keys, offsets and results only, never page bytes.
 
 Wire format: each message is a 4-byte big-endian length and a pickle. A request is
-``(op, args)``; a reply is ``(True, value)`` or ``(False, (kind, message))`` where kind
-``"value"`` re-raises as ``ValueError`` on the caller's side and anything else as
-``RuntimeError``. The socket file is mode 0600 in ``/dev/shm``: only processes of the
-same user, which could map the pools anyway, can connect (pickle trusts its peer).
+``(op, args)``; a reply is ``(True, value)`` or ``(False, error)``: an exception of one
+of the server's ``passthrough`` types travels as itself and is raised again on the
+caller's side; any other becomes a ``RuntimeError`` naming it. The socket file is mode
+0600 in ``/dev/shm``: only processes of the same user, which could map the pools
+anyway, can connect (pickle trusts its peer).
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ def _recv(sock: socket.socket):
 
 class ChannelServer:
     """Serves ``handlers[op](*args)`` on a Unix socket at ``path``, one thread per
-    connection, until ``close``. A handler's ``ValueError`` goes back to the caller;
-    any other exception is logged and reported as a ``RuntimeError``; the server keeps
-    serving in every case."""
+    connection, until ``close``. A handler's exception of a ``passthrough`` type goes
+    back to the caller as itself; any other is logged and reported as a
+    ``RuntimeError``; the server keeps serving in every case."""
 
-    def __init__(self, path: str, handlers: dict[str, Callable]) -> None:
+    def __init__(self, path: str, handlers: dict[str, Callable],
+                 passthrough: tuple[type[BaseException], ...] = (ValueError,)) -> None:
         self.path = path
         self._handlers = handlers
+        self._passthrough = passthrough
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a previous incarnation of the actor
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -96,11 +99,12 @@ class ChannelServer:
                     break
                 try:
                     reply = (True, self._handlers[op](*args))
-                except ValueError as e:
-                    reply = (False, ("value", str(e)))
+                except self._passthrough as e:
+                    reply = (False, e)
                 except Exception as e:  # reported to the caller; the server keeps going
                     log.exception("channel op %s failed", op)
-                    reply = (False, ("runtime", f"{type(e).__name__}: {e}"))
+                    reply = (False, RuntimeError(f"{op} failed in the node actor: "
+                                                 f"{type(e).__name__}: {e}"))
                 try:
                     _send(conn, reply)
                 except OSError:
@@ -157,8 +161,7 @@ class ChannelClient:
                                      f"{e}") from e
         if ok:
             return value
-        kind, message = value
-        raise (ValueError if kind == "value" else RuntimeError)(message)
+        raise value
 
     def close(self) -> None:
         with self._lock:

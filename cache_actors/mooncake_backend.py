@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
 
@@ -17,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class MooncakeBackend:
-    """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client."""
+    """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
+    dummy client of a ``mooncake_client`` process (standalone mode)."""
 
     def __init__(self, store) -> None:
         self._store = store
@@ -50,6 +52,31 @@ class MooncakeBackend:
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
                                f"{master_server_addr}, metadata {metadata_server})")
         return cls(store)
+
+    @classmethod
+    def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
+              attempts: int = 50) -> MooncakeBackend:
+        """A dummy client of the ``mooncake_client`` listening on ``server_address``
+        (``host:port``); ``setup`` is never called. ``mem_pool_size`` is the node's budget
+        for host pools, each allocated later with ``alloc``. Retries while the process is
+        still coming up; ``RuntimeError`` if it never answers."""
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        for _ in range(attempts):
+            rc = store.setup_dummy(mem_pool_size, local_buffer_size, server_address)
+            if rc == 0:
+                return cls(store)
+            time.sleep(0.1)
+        raise RuntimeError(f"Mooncake setup_dummy to {server_address} failed with code {rc}")
+
+    def alloc(self, nbytes: int) -> int:
+        """``nbytes`` of the real client's shared memory (dummy only): the base address of
+        a new memfd mapping of exactly that size, still to be registered."""
+        ptr = self._store.alloc_from_mem_pool(nbytes)
+        if not ptr:
+            raise RuntimeError(f"Mooncake alloc_from_mem_pool({nbytes} bytes) failed")
+        return ptr
 
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self._store.register_buffer(ptr, nbytes)

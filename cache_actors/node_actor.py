@@ -13,6 +13,10 @@ The actor also answers the existence queries of every TP/PP group whose home nod
 is (``controllers.group_queries``): one answer shared by the ranks that ask the same
 (for at most ``group_window_s``), concurrent queries batched into one
 ``batch_is_exist``.
+
+``standalone`` selects the Mooncake mode (see ``cache_actors.node_store``); in it, a data
+call raises a retryable ``NodeUnavailableError`` while the node's ``mooncake_client`` is
+down or when the caller's pool mappings are older than the node's pools.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from dataclasses import asdict
 import ray
 from ray.util import metrics
 
+from cache_actors.errors import NodeUnavailableError
 from cache_actors.host_pools import HostPool, PoolHandle
 from cache_actors.local_channel import ChannelServer
-from cache_actors.mooncake_backend import MooncakeBackend
 from cache_actors.mooncake_codes import ALREADY_PRESENT
+from cache_actors.node_store import NodeStore
 from cache_actors.object_batch import ObjectBatch
 from cache_actors.shared_segment import SHM_DIR, segment_path
 from controllers.contract import PoolTransferResult
@@ -104,22 +109,24 @@ class NodeCacheActor:
         protocol: str = "tcp",
         rdma_devices: str = "",
         local_hostname: str | None = None,
+        standalone: bool = False,
+        host_pool_bytes: int = 0,
         *,
         group_window_s: float = 2.0,
     ) -> None:
         self.node_id = node_id
         self._prefix = segment_prefix(cluster_tag, node_id)
-        self._backend = MooncakeBackend.embedded(
-            local_hostname=local_hostname or ray.util.get_node_ip_address(),
-            metadata_server=metadata_server,
-            master_server_addr=master_address,
-            global_segment_size=global_segment_size,
-            local_buffer_size=local_buffer_size,
-            protocol=protocol,
-            rdma_devices=rdma_devices,
-        )
+        self._store = NodeStore.open(
+            self._prefix, standalone=standalone,
+            host=local_hostname or ray.util.get_node_ip_address(),
+            master_address=master_address, metadata_server=metadata_server,
+            segment_size=global_segment_size, local_buffer_size=local_buffer_size,
+            protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes)
+        self._backend = self._store.backend
+        self._memory = self._store.memory
         self._segment_size = global_segment_size
         self._pools: dict[str, HostPool] = {}
+        self._pool_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._counts: Counter[str] = Counter()
         self._pool_counts: dict[str, Counter[str]] = {}
@@ -127,14 +134,15 @@ class NodeCacheActor:
         self._metrics = NodeMetrics(node_id)
         self._started = time.time()
         self._readopt_pools()
+        self._store.supervise(self._reallocate)
         self._groups = GroupQueries(
-            self._backend.exists, group_window_s,
+            self._checked_exists, group_window_s,
             on_check=lambda s: self._metrics.latency.observe(s, tags={"op": "group_exists"}))
         self._deployments: dict[str, Deployment] = {}
         self._namespace = ray.get_runtime_context().namespace
         self._channel = ChannelServer(segment_path(self._prefix + "sock"), {
             "exists": self._exists, "put": self._put, "get": self._get,
-            "group_exists": self._group_exists})
+            "group_exists": self._group_exists}, passthrough=(ValueError, NodeUnavailableError))
 
     # ----------------------------------------------------------------- pools
     def _meta_path(self, name: str) -> str:
@@ -147,20 +155,41 @@ class NodeCacheActor:
                 raw = json.load(f)
             handle = PoolHandle(raw["name"], raw["segment"], PoolLayout(**raw["layout"]))
             try:
-                self._adopt(HostPool.attach(handle))
+                self._adopt(self._memory.readopt(handle))
             except (FileNotFoundError, ValueError) as e:
                 log.warning("pool %s could not be re-adopted: %s", handle.name, e)
 
     def _adopt(self, pool: HostPool) -> None:
-        self._backend.register(pool.base_ptr, pool.nbytes)
+        """Register ``pool`` with Mooncake and serve it; on failure give its memory back."""
+        try:
+            self._backend.register(pool.base_ptr, pool.nbytes)
+        except Exception:
+            self._memory.release(pool)
+            raise
         self._pools[pool.name] = pool
         self._metrics.pool_bytes.set(pool.nbytes, tags={"pool": pool.name})
+
+    def _reallocate(self) -> None:
+        """Standalone, after ``mooncake_client`` restarted: every pool anew, same names and
+        layouts, in a new epoch (their old buffers are unknown to the new process)."""
+        with self._pool_lock:
+            self._memory.renew()
+            for name, old in list(self._pools.items()):
+                del self._pools[name]
+                self._memory.release(old)
+                try:
+                    self._adopt(self._memory.create(name, old.handle.layout))
+                except Exception:
+                    log.exception("pool %s could not be allocated again; it is back when "
+                                  "the actor restarts", name)
 
     @ray.method(concurrency_group="control")
     async def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
         """Create pool ``name`` (or return it if it exists with the same layout).
 
-        Raises ``ValueError`` if a pool of that name exists with another layout.
+        Raises ``ValueError`` if a pool of that name exists with another layout or the
+        pool does not fit in ``host_pool_bytes`` (nothing is allocated then), and
+        ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone).
         """
         check_pool_name(name)
         if name in self._pools:
@@ -169,13 +198,11 @@ class NodeCacheActor:
                 raise ValueError(f"pool {name!r} exists on this node with another layout: "
                                  f"{existing.layout} (asked for {layout})")
             return existing
-        handle = PoolHandle(name, self._prefix + name, layout)
-        pool = HostPool.create(handle)
-        try:
+        self._store.check()
+        with self._pool_lock:
+            pool = self._memory.create(name, layout)
             self._adopt(pool)
-        except Exception:
-            pool.close(unlink=True)
-            raise
+        handle = pool.handle
         with open(self._meta_path(name), "w") as f:
             json.dump({"name": name, "segment": handle.segment, "layout": asdict(layout)}, f)
         os.chmod(self._meta_path(name), 0o600)
@@ -196,11 +223,12 @@ class NodeCacheActor:
     @ray.method(concurrency_group="control")
     async def destroy_pool(self, name: str) -> bool:
         """Unregister and remove pool ``name``; False if there was none."""
-        pool = self._pools.pop(name, None)
-        if pool is None:
-            return False
-        self._backend.unregister(pool.base_ptr)
-        pool.close(unlink=True)
+        with self._pool_lock:
+            pool = self._pools.pop(name, None)
+            if pool is None:
+                return False
+            self._backend.unregister(pool.base_ptr)
+            self._memory.release(pool)
         os.unlink(self._meta_path(name))
         self._metrics.pool_bytes.set(0, tags={"pool": name})
         return True
@@ -255,25 +283,32 @@ class NodeCacheActor:
             self._counts[f"{op}_bytes"] += sum(nbytes.values())
         self._metrics.record(op, outcomes, nbytes, seconds)
 
+    def _checked_exists(self, keys: list[str]) -> list[int]:
+        """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""
+        epoch = self._store.check()
+        return self._store.check_codes(epoch, self._backend.exists(list(keys)))
+
     def _exists(self, keys: list[str]) -> list[int]:
         t = time.perf_counter()
-        codes = self._backend.exists(list(keys))
+        codes = self._checked_exists(keys)
         with self._count_lock:
             self._counts["exists_calls"] += 1
         self._metrics.latency.observe(time.perf_counter() - t, tags={"op": "exists"})
         return codes
 
     def _put(self, batch: ObjectBatch) -> list[int]:
+        epoch = self._store.check(batch.epoch)
         ptrs = self._pointers(batch)
         t = time.perf_counter()
-        codes = self._backend.put(batch.keys, ptrs, batch.sizes)
+        codes = self._store.check_codes(epoch, self._backend.put(batch.keys, ptrs, batch.sizes))
         self._count("put", batch, codes, time.perf_counter() - t, lambda c: c == 0)
         return codes
 
     def _get(self, batch: ObjectBatch) -> list[int]:
+        epoch = self._store.check(batch.epoch)
         ptrs = self._pointers(batch)
         t = time.perf_counter()
-        codes = self._backend.get(batch.keys, ptrs, batch.sizes)
+        codes = self._store.check_codes(epoch, self._backend.get(batch.keys, ptrs, batch.sizes))
         self._count("get", batch, codes, time.perf_counter() - t, lambda c: c > 0)
         return codes
 
@@ -338,16 +373,20 @@ class NodeCacheActor:
     @ray.method(concurrency_group="control")
     async def health(self) -> dict:
         """Answers while data calls run: store connectivity and the pool count."""
-        return {"node_id": self.node_id, "store_healthy": self._backend.healthy(),
-                "pools": len(self._pools), "pid": os.getpid()}
+        return {"node_id": self.node_id, "store_healthy": self._store.healthy(),
+                "mode": self._store.mode, "pools": len(self._pools), "pid": os.getpid()}
 
     @ray.method(concurrency_group="control")
     async def stats(self) -> dict:
         """Counters since start: objects and bytes put/got, errors by Mooncake code; per
         pool its kind, bytes, pages and object counters (``put_ok``, ``put_present``,
         ``get_ok``, ``get_error_-704``...); group queries answered here (``recent``,
-        ``inflight``: shared; ``checked``: own store check; ``store_calls``)."""
+        ``inflight``: shared; ``checked``: own store check; ``store_calls``); the mode,
+        ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
+        each counted once), and in standalone mode the ``mooncake_client`` process (pid,
+        port, adopted, restarts, alive)."""
         return {
+            **self._store.stats(),
             "node_id": self.node_id,
             "uptime_s": time.time() - self._started,
             "global_segment_size": self._segment_size,
@@ -361,14 +400,14 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="control")
     async def shutdown(self, remove_pools: bool = True) -> None:
-        """Close the channel and the Mooncake client; with ``remove_pools`` also remove
-        every pool."""
+        """Stop for good: close the channel and the Mooncake client (standalone: stop
+        ``mooncake_client`` too); with ``remove_pools`` also remove every pool."""
         self._channel.close()
         for name in list(self._pools):
             pool = self._pools.pop(name)
             self._backend.unregister(pool.base_ptr)
-            pool.close(unlink=remove_pools)
+            self._memory.release(pool, remove=remove_pools)
             if remove_pools and os.path.exists(self._meta_path(name)):
                 os.unlink(self._meta_path(name))
-        self._backend.close()
+        self._store.close()
         self._executor.shutdown(wait=False)

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ObjectBatch:
-    """Parallel lists, one entry per Mooncake object."""
+    """Parallel lists, one entry per Mooncake object; ``epoch``: that of the pool
+    handles the offsets were taken from (see ``PoolHandle``)."""
 
     keys: list[str] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    epoch: int = 0
 
     def add(self, key: str, pool: str, offset: int, size: int) -> None:
         self.keys.append(key)

@@ -16,7 +16,9 @@ SHM_DIR = "/dev/shm"
 
 
 def segment_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+    """``/dev/shm/<name>``; a name that is an absolute path is that path (the node
+    actor's memfd seen as ``/proc/<pid>/fd/<fd>``, standalone mode)."""
+    return name if name.startswith("/") else os.path.join(SHM_DIR, name)
 
 
 def create_segment(name: str, nbytes: int) -> mmap.mmap:

@@ -68,20 +68,31 @@ NAMESPACE_OPT = click.option("--namespace", default="raykv", show_default=True,
 @click.option("--mooncake-host", default=None, help="Address Mooncake binds and advertises "
               "on every node (default: the node's IP; 127.0.0.1 when all nodes share one "
               "machine).")
+@click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
+              "mooncake_client process its cache actor supervises, so it survives a crash "
+              "of the actor (default: embedded in the actor).")
+@click.option("--host-pool-size", default=None, help="Per node budget for host pools "
+              "(default: no limit; 1GB with --standalone, where it is requested from "
+              "mooncake_client).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
-       segment_size: str, protocol: str, mooncake_host: str | None) -> None:
+       segment_size: str, protocol: str, mooncake_host: str | None, standalone: bool,
+       host_pool_size: str | None) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from clusters import deploy
 
+    if host_pool_size is None:
+        host_pool_size = "1GB" if standalone else "0"
     try:
         info = deploy.up(address, namespace=namespace, master_address=master_address,
                          metadata_server=metadata_server,
                          global_segment_size=parse_size(segment_size), protocol=protocol,
-                         mooncake_host=mooncake_host)
+                         mooncake_host=mooncake_host, standalone=standalone,
+                         host_pool_bytes=parse_size(host_pool_size))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"raykv is up in namespace {namespace!r}: master {info['master_address']}, "
-               f"metadata {info['metadata_server']}, {len(info['node_ids'])} node actor(s)")
+    click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
+               f"{info['master_address']}, metadata {info['metadata_server']}, "
+               f"{len(info['node_ids'])} node actor(s)")
 
 
 @main.command()

@@ -31,7 +31,8 @@ def start_control_plane(settings: NodeSettings, namespace: str, *,
     """Start the controller and the reconciler (detached, named) and run one reconcile
     pass; returns ``(controller, reconciler)`` once every node actor answers."""
     info = {"master_address": settings.master_address,
-            "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag}
+            "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag,
+            "mode": settings.mode, "host_pool_bytes": settings.host_pool_bytes}
     controller = CacheController.options(
         name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
     ).remote(info, namespace)

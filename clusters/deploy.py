@@ -10,6 +10,7 @@ command. ``down`` stops it all.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -46,19 +47,25 @@ def controller(namespace: str = NAMESPACE):
 def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None = None,
        metadata_server: str | None = None, global_segment_size: int = 1 << 30,
        protocol: str = "tcp", mooncake_host: str | None = None,
-       master_args: tuple[str, ...] = ()) -> dict:
+       master_args: tuple[str, ...] = (), standalone: bool = False,
+       host_pool_bytes: int = 0) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
     ``mooncake_host`` is the address every Mooncake process (master and clients) binds
     and advertises; None means each node's IP as Ray sees it. Pass ``127.0.0.1`` for a
-    cluster whose nodes all run on one machine.
+    cluster whose nodes all run on one machine. ``standalone`` gives every node a
+    supervised ``mooncake_client`` process holding its segment; ``host_pool_bytes`` is
+    each node's budget for host pools (required in standalone mode, 0: no limit).
 
-    Raises ``ValueError`` if raykv already runs there or only one of
-    ``master_address`` / ``metadata_server`` is given.
+    Raises ``ValueError`` if raykv already runs there, only one of ``master_address`` /
+    ``metadata_server`` is given, or standalone mode has no ``host_pool_bytes``.
     """
     if (master_address is None) != (metadata_server is None):
         raise ValueError("give both --master-address and --metadata-server of an existing "
                          "master, or neither to run one on the head node")
+    settings = NodeSettings("", "", uuid.uuid4().hex[:8], global_segment_size,
+                            protocol=protocol, local_hostname=mooncake_host,
+                            standalone=standalone, host_pool_bytes=host_pool_bytes)
     connect(address, namespace)
     if controller(namespace) is not None:
         raise ValueError(f"raykv is already up in namespace {namespace!r}: "
@@ -72,9 +79,8 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
         ).remote(mooncake_host or head["NodeManagerAddress"], list(master_args))
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
-    settings = NodeSettings(master_address, metadata_server, uuid.uuid4().hex[:8],
-                            global_segment_size, protocol=protocol,
-                            local_hostname=mooncake_host)
+    settings = replace(settings, master_address=master_address,
+                       metadata_server=metadata_server)
     ctl, _ = start_control_plane(settings, namespace)
     return ray.get(ctl.info.remote())
 

@@ -14,11 +14,13 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import ray
 
 from cache_actors.node_actor import cluster_prefix
 from cache_actors.shared_segment import remove_segments
+from cache_actors.standalone_client import stop_recorded
 from clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from clusters.mooncake_master import MooncakeMaster
 from clusters.node_actors import NodeSettings
@@ -27,6 +29,7 @@ from controllers.naming import NAMESPACE, node_actor_name
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+STANDALONE_POOL_BYTES = 1 << 30
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
@@ -92,10 +95,12 @@ class LocalCluster:
         self.node_ids.remove(node_id)
 
     def shutdown(self) -> None:
-        """Stop reconciler, node actors, controller, master and Ray; remove every shared
-        segment of this cluster. Each step runs even if an earlier one failed."""
+        """Stop reconciler, node actors, controller, master and Ray; stop any
+        ``mooncake_client`` of this cluster still running (standalone mode) and remove
+        every shared segment of it. Each step runs even if an earlier one failed."""
+        prefix = cluster_prefix(self.cluster_tag)
         steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
-                 lambda: remove_segments(cluster_prefix(self.cluster_tag))]
+                 lambda: stop_recorded(prefix), lambda: remove_segments(prefix)]
         if self.controller is not None and ray.is_initialized():
             steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None
@@ -133,6 +138,8 @@ def start_local(
     mooncake_log_level: str = "ERROR",
     group_window_s: float = 2.0,
     reconcile_period_s: float = 1.0,
+    standalone: bool = False,
+    host_pool_bytes: int | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -141,11 +148,16 @@ def start_local(
     consumer); nodes added later get the first size. ``cpus_per_node`` is the logical
     CPU count each Ray node advertises for ranks (cache actors take none).
     ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the cache actors (``INFO``,
-    ``WARNING``, ``ERROR``). ``group_window_s`` is how long a group hit answer is shared
-    with every rank that asks the same (0: never). Mooncake binds to 127.0.0.1 (also
-    clients made later in this process: ``MC_TCP_BIND_ADDRESS`` is set unless already
-    set); multi-node clusters detect a removed node within ~3 s. Ray must not be
-    initialised already.
+    ``WARNING``, ``ERROR``). ``group_window_s`` bounds how long a group hit answer is
+    kept for the ranks of the group that have not asked yet (0: only ranks asking at the
+    same time share one). Mooncake binds to 127.0.0.1 (also clients made later in this
+    process: ``MC_TCP_BIND_ADDRESS`` is set unless already set); multi-node clusters
+    detect a removed node within ~3 s. Ray must not be initialised already.
+
+    ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
+    cache actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
+    node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
+    is what the node requests from ``mooncake_client``).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -158,10 +170,14 @@ def start_local(
         raise ValueError(f"{len(sizes)} global_segment_size values for {num_nodes} nodes")
     # Mooncake clients made in this process (benchmarks, tools) stay on loopback too.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
-    master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
-    settings = NodeSettings(master.master_address, master.metadata_server, uuid.uuid4().hex[:8],
-                            sizes[0], local_buffer_size, "tcp", LOOPBACK, mooncake_log_level,
+    if host_pool_bytes is None:
+        host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
+    settings = NodeSettings("", "", uuid.uuid4().hex[:8], sizes[0], local_buffer_size, "tcp",
+                            LOOPBACK, mooncake_log_level, standalone, host_pool_bytes,
                             group_window_s)
+    master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
+    settings = replace(settings, master_address=master.master_address,
+                       metadata_server=master.metadata_server)
     ray_cluster = None
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
     try:

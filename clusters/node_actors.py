@@ -23,8 +23,11 @@ RECONCILER_NAME = "raykv-reconciler"
 class NodeSettings:
     """How every node actor of a cluster joins the store. Sizes in bytes.
 
-    ``local_hostname`` None means the node's IP as Ray sees it. ``group_window_s`` is
-    how long a group hit answer is shared with every rank that asks the same.
+    ``local_hostname`` None means the node's IP as Ray sees it. ``standalone`` runs each
+    node's segment in a supervised ``mooncake_client`` process (see
+    ``cache_actors.node_store``); ``host_pool_bytes`` is each node's budget for host pools
+    (0: no limit, embedded mode only). ``group_window_s`` bounds how long a group hit
+    answer is kept for the ranks of the group that have not asked yet.
     """
 
     master_address: str
@@ -35,7 +38,18 @@ class NodeSettings:
     protocol: str = "tcp"
     local_hostname: str | None = None
     mooncake_log_level: str = "ERROR"
+    standalone: bool = False
+    host_pool_bytes: int = 0
     group_window_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.standalone and self.host_pool_bytes <= 0:
+            raise ValueError(f"standalone mode needs host_pool_bytes > 0, got "
+                             f"{self.host_pool_bytes}")
+
+    @property
+    def mode(self) -> str:
+        return "standalone" if self.standalone else "embedded"
 
     @property
     def env(self) -> dict[str, str]:
@@ -64,7 +78,8 @@ def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
         runtime_env={"env_vars": settings.env},
     ).remote(node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
              settings.global_segment_size, settings.local_buffer_size, settings.protocol,
-             "", settings.local_hostname, group_window_s=settings.group_window_s)
+             "", settings.local_hostname, settings.standalone, settings.host_pool_bytes,
+             group_window_s=settings.group_window_s)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:

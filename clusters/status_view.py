@@ -18,7 +18,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
                   f"(restarts: {master.get('restarts', 'not supervised')}), "
-                  f"metadata {info['metadata_server']}, {len(state['nodes'])} node(s)")
+                  f"metadata {info['metadata_server']}, {len(state['nodes'])} node(s), "
+                  f"{info.get('mode', 'embedded')} mode")
     for dep_id, dep in state["deployments"].items():
         pools = ", ".join(f"{p['name']}:{p['kind']}" for p in dep["pools"])
         console.print(f"deployment [bold]{dep_id}[/]: TP {dep['tp_size']} x PP "

@@ -7,12 +7,30 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A real two-node embedded raykv cluster (Ray + mooncake_master), per test module."""
+MODES = ("embedded", "standalone")
+
+
+def two_nodes(mode: str):
+    """A real two-node raykv cluster (Ray + mooncake_master; standalone: a supervised
+    mooncake_client per node) in Mooncake ``mode``."""
     from clusters import start_local
 
-    with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
+    return start_local(num_nodes=2, global_segment_size=256 << 20,
+                       standalone=mode == "standalone")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A two-node embedded cluster, per test module."""
+    with two_nodes("embedded") as c:
+        yield c
+
+
+@pytest.fixture(scope="module", params=MODES)
+def any_mode_cluster(request):
+    """A two-node cluster per test module and mode: a module that names this fixture
+    ``cluster`` runs every test in both modes."""
+    with two_nodes(request.param) as c:
         yield c
 
 

@@ -11,7 +11,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_actors import CacheClient
-from controllers import StorageConfig
+from controllers import PoolName, StorageConfig
 
 MHA = dict(page_size=4, size=64, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
 MLA = dict(page_size=4, size=64, layer_num=2, kv_cache_dim=16, dtype=torch.bfloat16)
@@ -85,14 +85,20 @@ class HybridRank:
     create_host_pool kwargs), a subset of ``HYBRID`` by default)."""
 
     def __init__(self, config: StorageConfig, pools: dict | None = None) -> None:
-        from controllers import PoolName
-
         self.client = CacheClient(config)
         self.pools = {}
         for name, (kind, kw) in (pools or HYBRID).items():
-            pool = self.client.create_host_pool(kind, **kw)
-            self.client.register_mem_host_pool_v2(pool, PoolName(name))
-            self.pools[name] = pool
+            self.add_pool(name, kind, kw)
+
+    def add_pool(self, name: str, kind: str, kw: dict) -> None:
+        """Create pool ``kind`` and register it as ``PoolName(name)``."""
+        pool = self.client.create_host_pool(kind, **kw)
+        self.client.register_mem_host_pool_v2(pool, PoolName(name))
+        self.pools[name] = pool
+
+    def handles(self) -> dict:
+        """Pool name -> ``PoolHandle`` as this rank mapped it."""
+        return {name: pool.handle for name, pool in self.pools.items()}
 
     def node_id(self) -> str:
         return self.client.node_id

@@ -1,5 +1,6 @@
 """`raykv up | status | down` against a real `ray start --head` cluster, as a user runs
-them; a rank uses the cache in between; the supervised master is restarted if killed."""
+them; a rank uses the cache in between; the supervised master is restarted if killed;
+`up --standalone` runs a mooncake_client per node that `down` stops."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -15,6 +17,7 @@ import ray
 from cache_actors import CacheClient
 from clusters.mooncake_master import free_port
 from controllers import StorageConfig
+from tests.processes import running_clients
 from tests.ranks import MHA, indices
 
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled"}
@@ -28,12 +31,13 @@ def raykv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head started as a user would (`ray start --head --block`), stopped after."""
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head started as a user would (`ray start --head --block`), stopped after the
+    module; each test leaves it as it found it (`raykv down`)."""
     port = free_port()
     ray_cli = str(Path(sys.executable).parent / "ray")
-    with open(tmp_path / "head.log", "w") as log:
+    with open(tmp_path_factory.mktemp("ray-head") / "head.log", "w") as log:
         head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}",
                                  "--num-cpus=2", "--include-dashboard=false",
                                  "--disable-usage-stats"], env=ENV, stdout=log,
@@ -94,3 +98,29 @@ def test_up_status_down(ray_head, uid, monkeypatch):
     gone = raykv("status", f"--address={ray_head}", check=False)
     assert gone.returncode != 0 and "not running" in gone.stderr
     assert not list(Path("/dev/shm").glob(f"raykv.*.p{uid}*"))
+
+
+def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid, monkeypatch):
+    up = raykv("up", f"--address={ray_head}", "--segment-size=64M", "--standalone",
+               "--host-pool-size=16M", "--mooncake-host=127.0.0.1")
+    assert "(standalone mode)" in up.stdout
+    state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
+    (node,) = state["nodes"].values()
+    assert node["mode"] == "standalone" and node["host_pool_bytes"] == 16 << 20
+    assert node["mooncake_client"]["alive"]
+    cluster = SimpleNamespace(master_address=state["info"]["master_address"])
+    assert running_clients(cluster) == {node["mooncake_client"]["pid"]}
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address=ray_head, namespace="raykv", log_to_driver=False)
+    try:
+        client = CacheClient(StorageConfig(extra_config={"standalone_storage": True}))
+        client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+        keys = [f"{uid}-{i}" for i in range(2)]
+        assert client.batch_set_v1(keys, indices(0, 2)) == [True] * 2
+        assert client.batch_get_v1(keys, indices(8, 2)) == [True] * 2
+    finally:
+        ray.shutdown()
+
+    assert "raykv is down" in raykv("down", f"--address={ray_head}").stdout
+    assert running_clients(cluster) == set()

@@ -1,9 +1,11 @@
-"""v1 data plane against a real two-node Ray cluster and a real mooncake_master.
+"""v1 data plane against a real two-node Ray cluster and a real mooncake_master, in
+both Mooncake modes (embedded; standalone with a real mooncake_client per node).
 
 Ranks run as Ray actors pinned to a node; each reaches Mooncake only through its own
 node's cache actor, so a read on node 2 of what node 1 wrote crosses nodes.
 """
 
+import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
@@ -12,6 +14,12 @@ from controllers import StorageConfig
 from tests.ranks import MHA, indices, start_rank
 
 N = 5
+
+
+@pytest.fixture(scope="module")
+def cluster(any_mode_cluster):
+    """Every test here runs against an embedded and a standalone cluster."""
+    return any_mode_cluster
 
 
 def cfg(**kw) -> StorageConfig:

@@ -1,5 +1,5 @@
-"""v2 multi-pool API on a real store: hit tables, hybrid round trips across nodes,
-tagging, rank scoping, draft offload paths and bad input."""
+"""v2 multi-pool API on a real store, in both Mooncake modes: hit tables, hybrid round
+trips across nodes, tagging, rank scoping, draft offload paths and bad input."""
 
 import logging
 
@@ -15,6 +15,12 @@ from tests.ranks import HYBRID, MHA, indices, start_hybrid
 KV, MAMBA, SWA, IDX, DRAFT = (PoolName.KV, PoolName.MAMBA, PoolName.SWA, PoolName.INDEXER,
                               PoolName.DRAFT)
 TRAIL = PoolHitPolicy.TRAILING_PAGES
+
+
+@pytest.fixture(scope="module")
+def cluster(any_mode_cluster):
+    """Every test here runs against an embedded and a standalone cluster."""
+    return any_mode_cluster
 
 
 @pytest.fixture(scope="module")

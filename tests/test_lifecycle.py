@@ -1,5 +1,6 @@
-"""start_local / shutdown, shared-segment hygiene, and per-page failures when the store
-is full. Each test starts its own single-node cluster (no other cluster may run)."""
+"""start_local / shutdown, shared-segment and process hygiene (both Mooncake modes), and
+per-page failures when the store is full. Each test starts its own single-node cluster
+(no other cluster may run)."""
 
 import glob
 import os
@@ -11,8 +12,10 @@ import torch
 from cache_actors import CacheClient
 from cache_actors.node_actor import segment_prefix
 from cache_actors.shared_segment import SHM_DIR
+from cache_actors.standalone_client import record_path
 from clusters import start_local
 from controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
+from tests.processes import running_clients, wait_for
 
 MiB = 1 << 20
 
@@ -64,3 +67,24 @@ def test_store_full_is_reported_per_page(uid):
         counters = client.stats()["counters"]
         assert any(k.startswith("put_error_") for k in counters), counters
         assert c.node_actors
+
+
+def test_shutdown_leaves_no_mooncake_client(uid):
+    """Also after the actor re-adopted its client (which is then no child of it)."""
+    c = start_local(num_nodes=1, standalone=True, host_pool_bytes=MiB)
+    try:
+        (node,) = c.node_ids
+        record = record_path(segment_prefix(c.cluster_tag, node))
+        assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
+        clients = running_clients(c)
+        assert len(clients) == 1
+        actor_pid = ray.get(c.node_actors[node].health.remote())["pid"]
+        ray.kill(c.node_actors[node], no_restart=False)
+        wait_for(lambda: ray.get(c.node_actors[node].health.remote())["pid"] != actor_pid,
+                 "the node actor's restart")
+        assert running_clients(c) == clients
+    finally:
+        c.shutdown()
+    assert running_clients(c) == set()
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(segment_prefix(c.cluster_tag,
+                                                                                node))]

@@ -1,0 +1,15 @@
+"""Retryable errors a rank sees while its node's cache is (re)starting."""
+
+
+class NodeUnavailableError(RuntimeError):
+    """The node's cache actor is down or restarting. Retryable: call again later."""
+
+
+class StoreUnavailableError(NodeUnavailableError):
+    """The node's ``mooncake_client`` (standalone mode) is down; its node actor restarts
+    it. Retryable."""
+
+
+class StalePoolsError(NodeUnavailableError):
+    """The node actor allocated its pools anew (standalone mode, after a restart); the
+    caller's mappings are of the old memory. The client re-maps; retry the call."""

@@ -1,0 +1,136 @@
+"""A node's Mooncake client and pool memory, in embedded or standalone mode.
+
+- *embedded*: the node actor's process is a real Mooncake client (``setup``) and owns
+  the node's L3 segment; pools are ``/dev/shm`` files. The segment dies with the actor.
+- *standalone*: the actor supervises a ``mooncake_client`` process that owns the
+  segment and talks to it as a dummy client (``setup_dummy``; ``setup`` is never
+  called); pools are allocated from that process's shared memory. The segment survives
+  a restart of the actor.
+
+While ``mooncake_client`` is down, or after it came back and the pools were allocated
+anew, data calls raise a retryable ``StoreUnavailableError`` / ``StalePoolsError``
+(both ``NodeUnavailableError``) instead of reporting per-object codes: -900 and -1 then
+say "the store is down", never "the object is missing".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cache_actors.errors import StalePoolsError, StoreUnavailableError
+from cache_actors.mooncake_backend import MooncakeBackend
+from cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
+from cache_actors.standalone_client import MooncakeClientProcess
+
+log = logging.getLogger(__name__)
+
+PROBE_KEY = "raykv-store-probe"
+
+
+@dataclass
+class NodeStore:
+    """What one node actor stores through: ``backend``, pool ``memory``, and in standalone
+    mode the supervised ``process``."""
+
+    backend: MooncakeBackend
+    memory: ShmPoolMemory | MemfdPoolMemory
+    process: MooncakeClientProcess | None = None
+
+    @classmethod
+    def open(cls, node_prefix: str, *, standalone: bool, host: str, master_address: str,
+             metadata_server: str, segment_size: int, local_buffer_size: int,
+             protocol: str, rdma_devices: str, host_pool_bytes: int) -> NodeStore:
+        """Join the store in the chosen mode (standalone: adopt the node's running
+        ``mooncake_client`` or start one). ``ValueError`` for a bad budget,
+        ``RuntimeError`` if Mooncake cannot be reached."""
+        budget = PoolBudget(host_pool_bytes)
+        if not standalone:
+            backend = MooncakeBackend.embedded(
+                local_hostname=host, metadata_server=metadata_server,
+                master_server_addr=master_address, global_segment_size=segment_size,
+                local_buffer_size=local_buffer_size, protocol=protocol,
+                rdma_devices=rdma_devices)
+            return cls(backend, ShmPoolMemory(node_prefix, budget))
+        if not budget.limit:
+            raise ValueError("standalone mode needs host_pool_bytes > 0: the bytes of host "
+                             "pools requested from mooncake_client")
+        process = MooncakeClientProcess(
+            node_prefix, host=host, master_address=master_address,
+            metadata_server=metadata_server, segment_size=segment_size, protocol=protocol,
+            rdma_devices=rdma_devices).start_or_adopt()
+        backend = MooncakeBackend.dummy(server_address=process.address,
+                                        mem_pool_size=host_pool_bytes,
+                                        local_buffer_size=local_buffer_size)
+        return cls(backend, MemfdPoolMemory(backend, budget), process)
+
+    @property
+    def mode(self) -> str:
+        return self.memory.mode
+
+    def supervise(self, reallocate: Callable[[], None]) -> None:
+        """Standalone: restart ``mooncake_client`` whenever it exits, wait until the dummy
+        reconnected, then call ``reallocate`` (every pool anew, ``memory.renew()`` first)."""
+        if self.process is None:
+            return
+
+        def on_restart() -> None:
+            self._wait_connected()
+            reallocate()
+
+        self.process.watch(on_restart)
+
+    def _wait_connected(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.backend.exists([PROBE_KEY])[0] < 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the dummy client did not reconnect to mooncake_client")
+            time.sleep(0.1)
+
+    def check(self, epoch: int | None = None) -> int:
+        """Before a data call: ``StoreUnavailableError`` while ``mooncake_client`` is down,
+        ``StalePoolsError`` if the caller's pool ``epoch`` is not the current one; returns
+        the current epoch."""
+        if self.process is not None and self.process.down.is_set():
+            raise StoreUnavailableError(
+                f"mooncake_client on port {self.process.record.port} is down; the node actor "
+                "is restarting it: retry the call")
+        if epoch is not None and epoch != self.memory.epoch:
+            raise StalePoolsError(
+                f"this node's pools were allocated anew (epoch {epoch} -> "
+                f"{self.memory.epoch}); L2 contents were lost: re-map and retry")
+        return self.memory.epoch
+
+    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+        """After a data call that started at ``epoch``: ``StoreUnavailableError`` if some
+        object failed because ``mooncake_client`` went down or the pools were replaced
+        meanwhile; else ``codes`` unchanged."""
+        if self.process is None or all(c >= 0 for c in codes):
+            return codes
+        if self.process.down.is_set() or not self.process.alive() or \
+                epoch != self.memory.epoch:
+            raise StoreUnavailableError(
+                f"mooncake_client on port {self.process.record.port} went down during the "
+                "call; the node actor is restarting it: retry the call")
+        return codes
+
+    def healthy(self) -> bool:
+        if self.process is not None:
+            return not self.process.down.is_set() and self.process.alive()
+        return self.backend.healthy()
+
+    def stats(self) -> dict:
+        """Mode, host pool budget and bytes in use, and the ``mooncake_client`` process."""
+        out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
+               "host_pool_used": self.memory.budget.used}
+        if self.process is not None:
+            out["mooncake_client"] = self.process.info()
+        return out
+
+    def close(self) -> None:
+        """Close the client and stop ``mooncake_client`` (the actor stops for good)."""
+        self.backend.close()
+        if self.process is not None:
+            self.process.stop()

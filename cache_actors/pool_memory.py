@@ -1,0 +1,163 @@
+"""Where a node's host pools get their memory, and the node's budget for them.
+
+- ``ShmPoolMemory`` (embedded mode): each pool is a ``/dev/shm`` file owned by the node
+  actor; it outlives the actor, so a restarted actor re-adopts it with its bytes.
+- ``MemfdPoolMemory`` (standalone mode): each pool is one allocation from the real
+  ``mooncake_client``'s shared memory through the dummy client (``alloc_from_mem_pool``:
+  one memfd of exactly the pool's size, registered on its exact base and size). Ranks map
+  it through ``/proc/<actor pid>/fd/<fd>``. The memfd lives only as long as the actor,
+  and a restarted ``mooncake_client`` no longer knows it, so after either restart every
+  pool is allocated anew under a new epoch (L2 contents are lost; L3 is not).
+
+``PoolBudget`` accounts every pool's bytes once (a pool is one allocation holding all its
+buffers: K and V, Mamba temporal and every conv buffer; views and sidecar pools allocate
+nothing) against ``host_pool_bytes`` and refuses a pool that would not fit, before any
+allocation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import time
+
+from cache_actors.host_pools import HostPool, PoolHandle
+from cache_actors.mooncake_backend import MooncakeBackend
+from controllers.pool_layout import PoolLayout
+
+log = logging.getLogger(__name__)
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class PoolBudget:
+    """Bytes of host pools a node may hold: ``limit`` (0: no limit), ``used``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"host_pool_bytes must be >= 0, got {limit}")
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` for pool ``name``; ``ValueError`` naming the numbers if they
+        do not fit (nothing is counted then)."""
+        if self.limit and self.used + nbytes > self.limit:
+            raise ValueError(
+                f"pool {name!r} needs {nbytes} bytes but this node's host pools already use "
+                f"{self.used} of host_pool_bytes={self.limit} ({self.limit - self.used} left); "
+                "raise host_pool_bytes (start_local / `raykv up --host-pool-size`) or make "
+                "the pool smaller")
+        self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+class ShmPoolMemory:
+    """Embedded mode: pools are ``/dev/shm/<node prefix><name>`` files (epoch 0)."""
+
+    mode = "embedded"
+    epoch = 0
+
+    def __init__(self, node_prefix: str, budget: PoolBudget) -> None:
+        self._prefix = node_prefix
+        self.budget = budget
+
+    def create(self, name: str, layout: PoolLayout) -> HostPool:
+        self.budget.reserve(name, layout.nbytes)
+        try:
+            return HostPool.create(PoolHandle(name, self._prefix + name, layout))
+        except BaseException:
+            self.budget.release(layout.nbytes)
+            raise
+
+    def readopt(self, handle: PoolHandle) -> HostPool:
+        """Map a pool this node made before a restart, with its bytes."""
+        self.budget.reserve(handle.name, handle.layout.nbytes)
+        try:
+            return HostPool.attach(handle)
+        except BaseException:
+            self.budget.release(handle.layout.nbytes)
+            raise
+
+    def release(self, pool: HostPool, remove: bool = True) -> None:
+        """Unmap ``pool``; with ``remove`` delete its file too."""
+        pool.close(unlink=remove)
+        self.budget.release(pool.nbytes)
+
+
+def _memfd_of(address: int) -> int:
+    """The fd of this process that holds the memfd mapped at ``address``."""
+    start = f"{address:x}-"
+    with open("/proc/self/maps") as f:
+        line = next((ln for ln in f if ln.startswith(start)), None)
+    if line is None or "memfd:" not in line:
+        raise RuntimeError(f"no memfd is mapped at {address:#x}")
+    inode = int(line.split()[4])
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:" in os.readlink(f"/proc/self/fd/{fd}") and \
+                    os.stat(f"/proc/self/fd/{fd}").st_ino == inode:
+                return int(fd)
+        except FileNotFoundError:
+            continue
+    raise RuntimeError(f"the memfd mapped at {address:#x} has no open fd in this process")
+
+
+def _punch_hole(fd: int, nbytes: int) -> None:
+    """Give the pages of memfd ``fd`` back to the system; mappings stay valid (zeros)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, nbytes) != 0:
+        log.warning("could not release %d bytes of memfd %d: errno %d", nbytes, fd,
+                    ctypes.get_errno())
+
+
+class MemfdPoolMemory:
+    """Standalone mode: pools allocated by the dummy client (see the module docstring).
+
+    Mooncake's dummy client has no call to free an allocation, so a released pool keeps
+    its address range and fd but its pages are given back (hole punched): only live pools
+    hold memory, and only they count against the budget.
+    """
+
+    mode = "standalone"
+
+    def __init__(self, backend: MooncakeBackend, budget: PoolBudget) -> None:
+        self._backend = backend
+        self.budget = budget
+        self.epoch = time.time_ns()
+        self._fds: dict[int, int] = {}  # base address -> memfd
+
+    def renew(self) -> None:
+        """Start a new epoch: pools made from now on replace every earlier one."""
+        self.epoch = time.time_ns()
+
+    def create(self, name: str, layout: PoolLayout) -> HostPool:
+        self.budget.reserve(name, layout.nbytes)
+        try:
+            ptr = self._backend.alloc(layout.nbytes)
+            fd = _memfd_of(ptr)
+        except BaseException:
+            self.budget.release(layout.nbytes)
+            raise
+        self._fds[ptr] = fd
+        handle = PoolHandle(name, f"/proc/{os.getpid()}/fd/{fd}", layout, self.epoch)
+        return HostPool.wrap(handle, ptr)
+
+    def readopt(self, handle: PoolHandle) -> HostPool:
+        """A pool of the same name and layout in fresh memory (the old memfd died with
+        the previous actor process)."""
+        return self.create(handle.name, handle.layout)
+
+    def release(self, pool: HostPool, remove: bool = True) -> None:
+        """Give the pool's pages back (``remove`` is moot: nothing outlives the actor)."""
+        fd = self._fds.pop(pool.base_ptr)
+        nbytes = pool.nbytes
+        pool.close()
+        _punch_hole(fd, nbytes)
+        self.budget.release(nbytes)

@@ -1,0 +1,256 @@
+"""Standalone mode: the node's ``mooncake_client`` process, supervised by its node actor.
+
+In standalone mode the node's L3 segment lives in a ``mooncake_client`` process, not in
+the node actor, so it survives a crash of the actor. The actor starts the process in its
+own session and not as its child (through a shell that exits at once: Ray kills a
+worker's children when it kills the worker, ``ray.kill`` included), records ``pid``, ``port`` and
+the kernel's start time (JSON) in the 0600 file ``/dev/shm/<node prefix>@mooncake_client``
+and restarts it on the same port whenever it exits. A restarted actor reads the record and
+adopts the running process when ``/proc/<pid>`` is still that process (same start time,
+``mooncake_client`` on the recorded port); otherwise it starts a new one. The process is
+stopped only when the actor is stopped for good (``stop``) or the cluster that made it is
+torn down (``stop_recorded``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cache_actors.shared_segment import SHM_DIR, segment_path
+
+log = logging.getLogger(__name__)
+
+BINARY = "mooncake_client"
+RECORD = "@mooncake_client"  # "@" never occurs in a pool name, so never in its files
+MODES = ("embedded", "standalone")
+
+
+def client_binary() -> str:
+    """Path of the ``mooncake_client`` executable shipped inside the mooncake wheel."""
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / BINARY
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: install mooncake-transfer-engine-non-cuda "
+                                "(CPU) or mooncake-transfer-engine (CUDA)")
+    return str(path)
+
+
+def check_mode(extra_config: dict | None, mode: str) -> None:
+    """``ValueError`` if ``extra_config["standalone_storage"]`` (SGLang's switch) is set
+    and contradicts ``mode``, the mode of the node actor serving the rank."""
+    want = (extra_config or {}).get("standalone_storage")
+    if want is not None and bool(want) != (mode == "standalone"):
+        raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
+                         f"cache actor runs in {mode} mode; the mode is a cluster setting: "
+                         "start_local(standalone=...) / `raykv up --standalone`")
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return fields[0], int(fields[19])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    """What identifies a running ``mooncake_client``: pid, port, kernel start time."""
+
+    pid: int
+    port: int
+    start_ticks: int
+
+    def running(self) -> bool:
+        """True if ``pid`` is still this very process (not a zombie, not a reused pid)."""
+        st = _stat(self.pid)
+        if st is None or st[0] in ("Z", "X") or st[1] != self.start_ticks:
+            return False
+        args = _cmdline(self.pid)
+        return bool(args) and Path(args[0]).name == BINARY and f"-port={self.port}" in args
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group of ``pid`` (the client's own group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(pid), sig)
+
+
+def record_path(node_prefix: str) -> str:
+    return segment_path(node_prefix + RECORD)
+
+
+def read_record(path: str) -> ClientRecord | None:
+    try:
+        with open(path) as f:
+            return ClientRecord(**json.load(f))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def stop_recorded(cluster_prefix: str) -> list[int]:
+    """SIGKILL every recorded, still running ``mooncake_client`` of a cluster (its whole
+    process group); returns their pids. For tear-down after the actors are gone."""
+    killed = []
+    for path in Path(SHM_DIR).glob(f"{cluster_prefix}*{RECORD}"):
+        rec = read_record(str(path))
+        if rec is not None and rec.running():
+            _signal_group(rec.pid, signal.SIGKILL)
+            killed.append(rec.pid)
+        path.unlink(missing_ok=True)
+    return killed
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MooncakeClientProcess:
+    """The ``mooncake_client`` of one node: started or adopted, watched, restarted, stopped.
+
+    ``segment_size`` bytes are what the process contributes to the store. ``watch`` runs a
+    thread that restarts the process on the same port when it exits and then calls
+    ``on_restart`` (the dummy reconnects by itself; buffers registered before must be
+    allocated and registered again).
+    """
+
+    def __init__(self, node_prefix: str, *, host: str, master_address: str,
+                 metadata_server: str, segment_size: int, protocol: str = "tcp",
+                 rdma_devices: str = "") -> None:
+        self._path = record_path(node_prefix)
+        self._log = Path(tempfile.gettempdir()) / f"{node_prefix}mooncake_client.log"
+        self.host = host
+        self._args = [f"-host={host}", f"-master_server_address={master_address}",
+                      f"-metadata_server={metadata_server}",
+                      f"-global_segment_size={segment_size}", f"-protocol={protocol}"]
+        if rdma_devices:
+            self._args.append(f"-device_names={rdma_devices}")
+        self.record: ClientRecord | None = None
+        self.adopted = False
+        self.restarts = 0
+        self.down = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` a dummy client connects to."""
+        return f"{self.host}:{self.record.port}"
+
+    def start_or_adopt(self, timeout_s: float = 30.0) -> MooncakeClientProcess:
+        """Adopt the recorded process if it still runs, else start one on a free port."""
+        rec = read_record(self._path)
+        if rec is not None and rec.running():
+            self.record, self.adopted = rec, True
+            log.info("adopted mooncake_client pid %s on port %s", rec.pid, rec.port)
+            return self
+        self._launch(free_port(self.host), timeout_s)
+        return self
+
+    def _launch(self, port: int, timeout_s: float) -> None:
+        env = dict(os.environ, RAYKV_CLIENT_LOG=str(self._log))
+        env.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+        shell = subprocess.run(
+            ["/bin/sh", "-c", '"$0" "$@" </dev/null >>"$RAYKV_CLIENT_LOG" 2>&1 & echo $!',
+             client_binary(), f"-port={port}", *self._args],
+            env=env, stdout=subprocess.PIPE, check=True, start_new_session=True)
+        pid = int(shell.stdout)
+        st = _stat(pid)
+        self.record = ClientRecord(pid, port, st[1] if st else -1)
+        self.adopted = False
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self.record), f)
+        deadline = time.monotonic() + timeout_s
+        while not _listening(self.host, port):
+            if not self.record.running() or time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(f"mooncake_client did not start on {self.host}:{port}; "
+                                   f"see {self._log}")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.record is not None and self.record.running()
+
+    def watch(self, on_restart: Callable[[], None], period_s: float = 0.5) -> None:
+        """Start the supervising thread (see the class docstring)."""
+        self._thread = threading.Thread(target=self._watch, args=(on_restart, period_s),
+                                        name="raykv-mooncake-client", daemon=True)
+        self._thread.start()
+
+    def _watch(self, on_restart: Callable[[], None], period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            if not self.alive():
+                self.down.set()
+                log.warning("mooncake_client pid %s exited; restarting it on port %s",
+                            self.record.pid, self.record.port)
+                try:
+                    self._launch(self.record.port, 30.0)
+                except Exception:
+                    log.exception("restarting mooncake_client failed; trying again")
+                    continue
+                self.restarts += 1
+            if self.down.is_set():
+                try:
+                    on_restart()
+                except Exception:
+                    log.exception("re-registering the pools failed; trying again")
+                    continue
+                self.down.clear()
+
+    def _kill(self) -> None:
+        if self.record is not None and self.record.running():
+            _signal_group(self.record.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5.0
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.alive():
+                _signal_group(self.record.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop supervising, stop the process group, remove the record (for good)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._kill()
+        Path(self._path).unlink(missing_ok=True)
+
+    def info(self) -> dict:
+        return {"pid": self.record.pid if self.record else None,
+                "port": self.record.port if self.record else None,
+                "adopted": self.adopted, "restarts": self.restarts,
+                "alive": not self.down.is_set() and self.alive()}

@@ -1,0 +1,192 @@
+"""Standalone mode on real parts: a real mooncake_master, a real mooncake_client per node
+supervised by its node actor, real Ray (and unit tests of the budget, the process record
+and the mode switch).
+
+Node 2 contributes no memory (a pure consumer), so every object lives in node 1's
+mooncake_client: what node 2 reads after node 1's actor or client died comes from there.
+"""
+
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+from cache_actors import NodeUnavailableError
+from cache_actors.pool_memory import PoolBudget
+from cache_actors.standalone_client import ClientRecord, check_mode
+from clusters import start_local
+from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from tests.processes import running_clients, wait_for
+from tests.ranks import HYBRID, indices, start_hybrid
+
+KV, MAMBA, DRAFT = PoolName.KV, PoolName.MAMBA, PoolName.DRAFT
+POOLS = {"kv": HYBRID["kv"], "mamba": HYBRID["mamba"]}
+BUDGET = 1 << 20
+CFG = StorageConfig(model_name="stand/alone", extra_config={"standalone_storage": True})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_local(num_nodes=2, global_segment_size=[256 << 20, 0], standalone=True,
+                     host_pool_bytes=BUDGET) as c:
+        yield c
+
+
+def stats(cluster, node: str) -> dict:
+    return ray.get(cluster.node_actors[node].stats.remote())
+
+
+def write(rank, keys, first_slot: int) -> dict:
+    return ray.get(rank.call.remote("batch_set_v2", [
+        PoolTransfer(KV, keys, indices(first_slot, len(keys))),
+        PoolTransfer(MAMBA, keys[-1:], torch.tensor([first_slot // 4]),
+                     PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(DRAFT, None, None, indices_from_pool=KV)]))
+
+
+def read_back_equal(writer, reader, keys, first_slot: int) -> None:
+    """``reader`` reads what ``writer`` wrote from ``first_slot``; bit-exact per pool."""
+    n = len(keys)
+    got = ray.get(reader.call.remote("batch_get_v2", [
+        PoolTransfer(KV, keys, indices(0, n)),
+        PoolTransfer(MAMBA, keys[-1:], torch.tensor([0]), PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(DRAFT, None, None, indices_from_pool=KV)]))
+    assert got == {KV: [True] * n, MAMBA: [True], DRAFT: [True] * n}
+    slots = list(range(first_slot, first_slot + 4 * n))
+    for name, src, dst in [("kv", slots, list(range(4 * n))),
+                           ("draft", slots, list(range(4 * n))),
+                           ("mamba", [first_slot // 4], [0])]:
+        wrote = ray.get(writer.slots.remote(name, src))
+        back = ray.get(reader.slots.remote(name, dst))
+        for a, b in zip(wrote, back, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def hybrid_pair(cluster):
+    """A writer on node 1 and a reader on node 2, each with KV, Mamba and draft pools."""
+    node1, node2 = cluster.node_ids
+    ranks = [start_hybrid(node, CFG, POOLS | {"draft": HYBRID["draft"]})
+             for node in (node1, node2)]
+    ray.get(ranks[0].fill.remote(7))
+    return ranks
+
+
+def test_budget_counts_every_buffer_once_and_refuses_what_does_not_fit(cluster, uid):
+    node1, node2 = cluster.node_ids
+    used_before = stats(cluster, node1)["host_pool_used"]
+    writer, reader = (start_hybrid(n, CFG, POOLS) for n in (node1, node2))
+    # A draft pool registered after the rank (and the node) started.
+    for rank in (writer, reader):
+        ray.get(rank.add_pool.remote("draft", "mha", HYBRID["draft"][1]))
+    handles = ray.get(writer.handles.remote())
+    st = stats(cluster, node1)
+    assert st["mode"] == "standalone" and st["host_pool_bytes"] == BUDGET
+    distinct = sum(h.layout.nbytes for h in handles.values())
+    assert distinct == sum(sum(b.slot_bytes for b in h.layout.buffers) * h.layout.size
+                           for h in handles.values())  # K+V, temporal + both conv, draft
+    assert st["host_pool_used"] - used_before == distinct
+    # What was requested from mooncake_client: one memfd per pool, of exactly its size.
+    assert len({h.segment for h in handles.values()}) == len(handles)
+    assert sum(os.stat(h.segment).st_size for h in handles.values()) == distinct
+
+    ray.get(writer.fill.remote(3))
+    keys = [f"{uid}-{i}" for i in range(3)]
+    assert write(writer, keys, 8) == {KV: [True] * 3, MAMBA: [True], DRAFT: [True] * 3}
+    read_back_equal(writer, reader, keys, 8)
+
+    left = BUDGET - st["host_pool_used"]
+    with pytest.raises(ValueError, match=rf"needs {left + 1} bytes .* host_pool_bytes={BUDGET}"):
+        ray.get(writer.call.remote("create_host_pool", "mla", page_size=1, size=left + 1,
+                                   layer_num=1, kv_cache_dim=1, dtype=torch.uint8,
+                                   name=f"big-{uid}"))
+    after = stats(cluster, node1)
+    assert after["host_pool_used"] == st["host_pool_used"] and f"big-{uid}" not in after["pools"]
+
+
+def test_killed_node_actor_keeps_l3_and_adopts_its_client(cluster, uid):
+    node1 = cluster.node_ids[0]
+    writer, reader = hybrid_pair(cluster)
+    keys = [f"{uid}-{i}" for i in range(4)]
+    assert write(writer, keys, 0) == {KV: [True] * 4, MAMBA: [True], DRAFT: [True] * 4}
+    before = stats(cluster, node1)
+    actor_pid = ray.get(cluster.node_actors[node1].health.remote())["pid"]
+
+    ray.kill(cluster.node_actors[node1], no_restart=False)
+    wait_for(lambda: ray.get(cluster.node_actors[node1].health.remote())["pid"] != actor_pid,
+             "the node actor's restart")
+    after = stats(cluster, node1)
+    assert after["mooncake_client"]["pid"] == before["mooncake_client"]["pid"]
+    assert after["mooncake_client"]["adopted"]
+    assert len(running_clients(cluster)) == 2  # one per node, no second one on node 1
+    assert after["host_pool_used"] == before["host_pool_used"]  # pools made again
+    read_back_equal(writer, reader, keys, 0)  # L3 survived in node 1's mooncake_client
+
+    # The writer's mappings are of the dead actor's memory: one retryable error, then
+    # it works on the re-mapped pools.
+    more = [f"{uid}-more-{i}" for i in range(2)]
+    with pytest.raises(NodeUnavailableError):
+        write(writer, more, 0)
+    ray.get(writer.call.remote("health"))  # the first call after the error re-maps
+    ray.get(writer.fill.remote(8))
+    assert write(writer, more, 0) == {KV: [True] * 2, MAMBA: [True], DRAFT: [True] * 2}
+    read_back_equal(writer, reader, more, 0)
+
+
+def test_killed_mooncake_client_fails_clearly_then_recovers(cluster, uid):
+    node1 = cluster.node_ids[0]
+    writer, reader = hybrid_pair(cluster)
+    before = stats(cluster, node1)["mooncake_client"]
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: before["pid"] not in running_clients(cluster), "mooncake_client's death")
+
+    keys = [f"{uid}-{i}" for i in range(3)]
+    with pytest.raises(NodeUnavailableError, match="mooncake_client|allocated anew"):
+        write(writer, keys, 0)
+    after = wait_for(lambda: (s := stats(cluster, node1)["mooncake_client"])["alive"] and s,
+                     "mooncake_client's restart")
+    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
+    assert after["port"] == before["port"]
+    assert len(running_clients(cluster)) == 2
+    # The next call re-maps the writer's pools (allocated anew, empty), then data moves.
+    assert ray.get(writer.call.remote("health"))["store_healthy"]
+    ray.get(writer.fill.remote(9))
+    # Until the master expires the dead client's segment, puts may be placed there.
+    wait_for(lambda: all(all(v) for v in write(writer, keys, 0).values()), "a full write")
+    read_back_equal(writer, reader, keys, 0)
+
+
+
+def test_budget_refuses_before_counting():
+    budget = PoolBudget(100)
+    budget.reserve("a", 60)
+    with pytest.raises(ValueError, match=r"pool 'b' needs 41 bytes .* use 60 of "
+                                         r"host_pool_bytes=100 \(40 left\)"):
+        budget.reserve("b", 41)
+    assert budget.used == 60
+    budget.reserve("b", 40)
+    budget.release(60)
+    assert budget.used == 40
+    unlimited = PoolBudget(0)
+    unlimited.reserve("c", 1 << 50)
+    with pytest.raises(ValueError, match="host_pool_bytes must be >= 0, got -1"):
+        PoolBudget(-1)
+
+
+def test_record_matches_only_the_recorded_process():
+    me = os.getpid()
+    with open(f"/proc/{me}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert not ClientRecord(me, 1234, ticks).running()  # alive, but not mooncake_client
+    assert not ClientRecord(me, 1234, ticks + 1).running()
+    assert not ClientRecord(2**22 + 1, 1234, ticks).running()  # no such pid
+
+
+def test_mode_switch_must_match_the_node():
+    check_mode(None, "embedded")
+    check_mode({"standalone_storage": True}, "standalone")
+    check_mode({"standalone_storage": False}, "embedded")
+    with pytest.raises(ValueError, match="is True but this node's cache actor runs in "
+                                         "embedded mode"):
+        check_mode({"standalone_storage": True}, "embedded")
