@@ -9,9 +9,10 @@ gets the identical hit. A rank that asks again gets a fresh check, and an answer
 dropped once every rank of the group has had it, so a miss is never served from memory
 to a later request after the pages were stored. Distinct
 queries that arrive while a store check runs are answered together by the next check,
-one ``exists`` call over the union of their objects (no key twice). The calling
-threads do the work themselves: one at a time leads and checks everything queued; once
-its own query is answered it hands the lead to a caller still waiting, so nobody keeps
+one ``exists`` call over the union of their objects (no key twice) once ``parallel``
+store calls are already running. The calling threads do the work themselves: up to
+``parallel`` of them lead at a time, each checking everything queued; once its own
+query is answered a leader lets a caller still waiting take its place, so nobody keeps
 checking for others. No thread or event loop of its own is needed. Pure logic: the
 store is a callable.
 """
@@ -64,7 +65,9 @@ class GroupQueries:
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
                  on_check: Callable[[float], None] = lambda s: None,
-                 max_recent: int = 4096) -> None:
+                 max_recent: int = 4096, parallel: int = 4) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._exists = exists
         self._window = window_s
         self._on_check = on_check
@@ -73,8 +76,8 @@ class GroupQueries:
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
-        self._leading = False  # a caller is checking queued queries
-        self._handoff = False  # ... and asks a waiting caller to take over
+        self._parallel = parallel
+        self._leaders = 0  # callers checking queued queries now
         self.stats = GroupQueryStats()
 
     def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
@@ -105,31 +108,34 @@ class GroupQueries:
                 self._inflight[key] = q
                 self._pending.append(q)
                 self.stats.checked += 1
-            lead = not self._leading
-            self._leading = True
-            while not lead and not q.done:
+            while not q.done:
+                if self._pending and self._leaders < self._parallel:
+                    self._leaders += 1
+                    break
                 self._lock.wait()
-                if self._handoff and not q.done:
-                    self._handoff, lead = False, True
-        if lead:
+        if not q.done:
             self._lead(q)
         if q.error is not None:
             raise q.error
         return q.result
 
     def _lead(self, q: _Query) -> None:
-        """Check queued queries until ``q`` is answered (every query not yet answered is
-        queued while nobody else leads); then pass the lead on or drop it."""
-        while not q.done:
+        """Check queued queries until ``q`` is answered or another leader took it; then
+        give the place up (a waiting caller may take it) and wait for ``q``."""
+        try:
+            while True:
+                with self._lock:
+                    if q.done or not self._pending:
+                        break
+                    batch, self._pending = self._pending, []
+                self._answer(batch)
+        finally:
             with self._lock:
-                batch, self._pending = self._pending, []
-            self._answer(batch)
-        with self._lock:
-            if self._pending:
-                self._handoff = True
+                self._leaders -= 1
                 self._lock.notify_all()
-            else:
-                self._leading = False
+        with self._lock:
+            while not q.done:
+                self._lock.wait()
 
     def _answer(self, batch: list[_Query]) -> None:
         if len(batch) == 1:
@@ -146,18 +152,22 @@ class GroupQueries:
         except Exception as e:  # every waiter of this round gets it
             codes, error = None, e
         self._on_check(time.perf_counter() - t)
+        for q in batch:  # outside the lock: other leaders and callers go on meanwhile
+            if codes is None:
+                q.error = error
+                continue
+            mine = codes if union is None else [codes[union[o]] for o in q.plan.objects]
+            try:
+                q.result = group_hits(q.plan, q.queries, mine)
+            except Exception as e:  # reported to this query's callers only
+                q.error = e
         with self._lock:
             self.stats.store_calls += 1
             now = time.monotonic()
             for q in batch:
                 self._inflight.pop(q.key, None)
-                if codes is None:
-                    q.error = error
-                else:
-                    mine = codes if union is None else [codes[union[o]] for o in q.plan.objects]
-                    q.result = group_hits(q.plan, q.queries, mine)
-                    self._recent.pop(q.key, None)
-                    if self._window > 0 and len(q.ranks) < q.group:
-                        self._recent[q.key] = _Answer(now, q.result, q.ranks)
+                self._recent.pop(q.key, None)
+                if q.error is None and self._window > 0 and len(q.ranks) < q.group:
+                    self._recent[q.key] = _Answer(now, q.result, q.ranks)
                 q.done = True
             self._lock.notify_all()

@@ -93,7 +93,7 @@ def run(groups, keys_list):
 
 def test_concurrent_queries_join_one_check_and_distinct_ones_are_batched():
     store = Store(objects(["a", "b"]))
-    groups = GroupQueries(store.exists, window_s=0.0)
+    groups = GroupQueries(store.exists, window_s=0.0, parallel=1)
     store.release.clear()
     first, out0 = run(groups, [["a"]])
     first[0].start()
@@ -133,3 +133,26 @@ def test_unknown_pool_is_refused_before_the_store_is_asked():
         groups.ask(DEP, ["a"], [PoolQuery(PoolName.MAMBA)])
     assert store.calls == []
     assert groups.ask(DEP, ["a"], []).kv_hit_pages == 0
+
+
+def test_up_to_parallel_store_calls_run_at_once():
+    store = Store()
+    inside, peak, lock = [0], [0], threading.Lock()
+    gate = threading.Barrier(2, timeout=5)
+
+    def exists(keys):
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        gate.wait()  # returns only once two calls are in the store together
+        with lock:
+            inside[0] -= 1
+        return store.exists(keys)
+    groups = GroupQueries(exists, window_s=0.0, parallel=2)
+    threads, out = run(groups, [["a"], ["b"]])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert peak[0] == 2 and len(store.calls) == 2
+    assert [out[i].kv_hit_pages for i in range(2)] == [0, 0]
