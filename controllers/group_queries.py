@@ -87,27 +87,34 @@ class GroupQueries:
         register; a store failure raises for every query of that check."""
         key = (dep.deployment_id, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
+        plan = None
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._recent and (next(iter(self._recent.values())).at
+                                        < now - self._window
+                                        or len(self._recent) > self._max_recent):
+                    self._recent.popitem(last=False)
+                hit = self._recent.get(key)
+                if hit is not None and rank not in hit.ranks:
+                    self.stats.recent += 1
+                    hit.ranks.add(rank)
+                    if len(hit.ranks) >= group:
+                        del self._recent[key]
+                    return hit.result
+                q = self._inflight.get(key)
+                if q is not None:
+                    self.stats.inflight += 1
+                    q.ranks.add(rank)
+                    break
+                if plan is not None:
+                    q = _Query(key, plan, queries, {rank}, group)
+                    self._inflight[key] = q
+                    self._pending.append(q)
+                    self.stats.checked += 1
+                    break
+            plan = group_objects(dep, keys, queries)  # outside the lock, then look again
         with self._lock:
-            now = time.monotonic()
-            while self._recent and (next(iter(self._recent.values())).at < now - self._window
-                                    or len(self._recent) > self._max_recent):
-                self._recent.popitem(last=False)
-            hit = self._recent.get(key)
-            if hit is not None and rank not in hit.ranks:
-                self.stats.recent += 1
-                hit.ranks.add(rank)
-                if len(hit.ranks) >= group:
-                    del self._recent[key]
-                return hit.result
-            q = self._inflight.get(key)
-            if q is not None:
-                self.stats.inflight += 1
-                q.ranks.add(rank)
-            else:
-                q = _Query(key, group_objects(dep, keys, queries), queries, {rank}, group)
-                self._inflight[key] = q
-                self._pending.append(q)
-                self.stats.checked += 1
             while not q.done:
                 if self._pending and self._leaders < self._parallel:
                     self._leaders += 1
