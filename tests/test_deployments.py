@@ -49,6 +49,22 @@ def test_register_and_conflicts():
         PoolSpec(PoolName.KV, "mamba", ("conv_0",))
 
 
+def test_home_node_version_and_a_node_leaving():
+    reg = DeploymentRegistry()
+    dep = reg.register_rank(cfg(tp_rank=1, tp_size=2), [KV_MHA], "n2")
+    assert (dep.home_node, dep.version) == ("n2", 1)   # the first rank's node
+    dep = reg.register_rank(cfg(tp_rank=0, tp_size=2), [KV_MHA], "n1")
+    assert (dep.home_node, dep.version) == ("n2", 1)   # same pools: same version
+    dep = reg.register_rank(cfg(tp_rank=0, tp_size=2), [KV_MHA, MAMBA], "n1")
+    assert dep.version == 2                             # a pool was added
+    reg.retire_node("n2")
+    assert dep.home_node == "n1" and dep.ranks == {"0,0": "n1"}
+    reg.retire_node("n1")
+    assert dep.home_node is None and dep.ranks == {}
+    dep = reg.register_rank(cfg(tp_rank=1, tp_size=2), [KV_MHA], "n3")
+    assert dep.home_node == "n3"
+
+
 def test_checkpoint_round_trip():
     reg = DeploymentRegistry()
     dep = reg.register_rank(cfg(tp_size=2), [KV_MHA, MAMBA], "n1")
