@@ -22,9 +22,11 @@ def render_status(state: dict, console: Console | None = None) -> None:
                   f"{info.get('mode', 'embedded')} mode")
     for dep_id, dep in state["deployments"].items():
         pools = ", ".join(f"{p['name']}:{p['kind']}" for p in dep["pools"])
+        home = (dep.get("home_node") or "-")[:8]
         console.print(f"deployment [bold]{dep_id}[/]: TP {dep['tp_size']} x PP "
                       f"{dep['pp_size']}, {'MLA' if dep['is_mla_model'] else 'MHA'}, pools "
-                      f"{pools}, {len(dep['ranks'])} rank(s) registered")
+                      f"{pools}, {len(dep['ranks'])} rank(s) registered, group queries on "
+                      f"node {home}")
     table = Table(title="nodes and pools")
     for col in ("node", "store MiB", "pool", "kind", "pool MiB", "pages", "put", "present",
                 "put err", "got", "get miss", "get hit rate"):
@@ -45,3 +47,10 @@ def render_status(state: dict, console: Console | None = None) -> None:
                           str(p["pages"]), str(c.get("put_ok", 0)), str(c.get("put_present", 0)),
                           str(put_err), str(got), str(miss), _rate(got, got + miss))
     console.print(table)
+    for node_id, s in state["nodes"].items():
+        g = s.get("group_queries")
+        if g and (g["checked"] or g["recent"] or g["inflight"]):
+            shared = g["recent"] + g["inflight"]
+            console.print(f"node {node_id[:8]}: {g['checked'] + shared} group queries, "
+                          f"{shared} shared by ranks of a group, {g['store_calls']} store "
+                          "checks")
