@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cache_actors.local_ports import free_port, listening
 from cache_actors.shared_segment import SHM_DIR, segment_path
 
 log = logging.getLogger(__name__)
@@ -76,14 +76,6 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
 @dataclass(frozen=True)
 class ClientRecord:
     """What identifies a running ``mooncake_client``: pid, port, kernel start time."""
@@ -130,12 +122,6 @@ def stop_recorded(cluster_prefix: str) -> list[int]:
             killed.append(rec.pid)
         path.unlink(missing_ok=True)
     return killed
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MooncakeClientProcess:
@@ -195,7 +181,7 @@ class MooncakeClientProcess:
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(self.record), f)
         deadline = time.monotonic() + timeout_s
-        while not _listening(self.host, port):
+        while not listening(self.host, port):
             if not self.record.running() or time.monotonic() > deadline:
                 self._kill()
                 raise RuntimeError(f"mooncake_client did not start on {self.host}:{port}; "

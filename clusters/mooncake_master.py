@@ -6,28 +6,14 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from cache_actors.local_ports import free_port, listening
+
 PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def _die_with_parent() -> None:
@@ -98,7 +84,7 @@ class MooncakeMaster:
                                          preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if _listening(self.host, self.rpc_port) and _listening(self.host, self.http_port):
+            if listening(self.host, self.rpc_port) and listening(self.host, self.http_port):
                 return True
             time.sleep(0.05)
         self.stop()

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from cache_actors import CacheClient
-from clusters.mooncake_master import free_port
+from cache_actors.local_ports import free_port
 from controllers import StorageConfig
 from tests.processes import running_clients
 from tests.ranks import MHA, indices
