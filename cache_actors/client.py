@@ -212,21 +212,14 @@ class CacheClient:
         over the local channel when that actor runs on this node, else through Ray."""
         if self._stale:
             self._remap()
-        if node_id not in (None, self.node_id) or not self._local:
-            actor = self._actor if node_id in (None, self.node_id) else self._actor_of(node_id)
+        remote = node_id not in (None, self.node_id)
+        if remote or not self._local:
+            actor = self._actor_of(node_id) if remote else self._actor
             return self._ask(actor, _RAY_METHODS[op], *args)
-        try:
+        with self._retryable(op):
             if self._channel is None:
                 self._channel = ChannelClient(self._call("channel_path"))
             return self._channel.call(op, *args)
-        except ChannelClosedError as e:
-            self._reattach()
-            raise NodeUnavailableError(
-                f"raykv actor for {op} (node {self.node_id[:12]}) is unavailable ({e}); "
-                "it is restarted automatically: retry the call") from e
-        except NodeUnavailableError as e:  # raised by the actor: its store is restarting
-            self._reattach()
-            raise NodeUnavailableError(f"node {self.node_id[:12]}: {e}") from None
 
     def _actor_of(self, node_id: str):
         try:
@@ -244,12 +237,21 @@ class CacheClient:
         self._stale = False
 
     def _ask(self, actor, method: str, *args):
-        try:
+        with self._retryable(method):
             return ray.get(getattr(actor, method).remote(*args))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+
+    @contextlib.contextmanager
+    def _retryable(self, what: str):
+        """Turn an unreachable actor (Ray says it is dead or restarting, or its channel
+        broke) and a store restart inside it into ``NodeUnavailableError``, after looking
+        the actors up again so that a retry reaches their replacements."""
+        try:
+            yield
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ChannelClosedError) as e:
             self._reattach()
             raise NodeUnavailableError(
-                f"raykv actor for {method} (node {self.node_id[:12]}) is unavailable ({e}); "
+                f"raykv actor for {what} (node {self.node_id[:12]}) is unavailable ({e}); "
                 "it is restarted automatically: retry the call") from e
         except NodeUnavailableError as e:  # raised by the actor: its store is restarting
             self._reattach()
