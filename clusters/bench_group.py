@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,24 +50,22 @@ def _pct(samples: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
 
-def _throughput(clients: list[CacheClient], prompts: list[list[str]], transfer, shared: bool,
-                concurrency: int, seconds: float) -> float:
-    """Group queries/s answered by ``concurrency`` threads; thread ``j`` is rank
-    ``j % tp``. ``shared``: every rank asks about every prompt (prompts taken in order
-    per rank); else every query is a prompt of its own."""
-    tp = len(clients)
+def _calls_per_second(call: Callable[[int, int], object], streams: int, concurrency: int,
+                      seconds: float) -> float:
+    """Calls/s made by ``concurrency`` threads for ``seconds``: thread ``j`` calls
+    ``call(j, i)`` in a loop, ``i`` taken in order from stream ``j % streams`` (each
+    stream counts 0, 1, 2, ... over all its threads)."""
     lock = threading.Lock()
-    taken = [0] * (tp if shared else 1)
+    taken = [0] * streams
     end = time.perf_counter() + seconds
 
     def caller(j: int) -> int:
-        rank, n = j % tp, 0
-        slot = rank if shared else 0
+        n = 0
         while time.perf_counter() < end:
             with lock:
-                i = taken[slot]
-                taken[slot] += 1
-            clients[rank].group_exists(prompts[i % len(prompts)], transfer)
+                i = taken[j % streams]
+                taken[j % streams] += 1
+            call(j, i)
             n += 1
         return n
 
@@ -75,6 +73,17 @@ def _throughput(clients: list[CacheClient], prompts: list[list[str]], transfer, 
     with ThreadPoolExecutor(concurrency) as pool:
         done = sum(pool.map(caller, range(concurrency)))
     return done / (time.perf_counter() - start)
+
+
+def _throughput(clients: list[CacheClient], prompts: list[list[str]], transfer, shared: bool,
+                concurrency: int, seconds: float) -> float:
+    """Group queries/s answered by ``concurrency`` threads; thread ``j`` is rank
+    ``j % tp``. ``shared``: every rank asks about every prompt (prompts taken in order
+    per rank); else every query is a prompt of its own."""
+    tp = len(clients)
+    return _calls_per_second(
+        lambda j, i: clients[j % tp].group_exists(prompts[i % len(prompts)], transfer),
+        tp if shared else 1, concurrency, seconds)
 
 
 def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurrency: int,
@@ -82,24 +91,8 @@ def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurre
     """``batch_is_exist`` calls/s of the raw client from ``concurrency`` threads, each
     call the object list of one distinct group query: the store's own ceiling."""
     lists = [group_objects(deployment, keys, queries).objects for keys in prompts]
-    lock = threading.Lock()
-    taken = [0]
-    end = time.perf_counter() + seconds
-
-    def caller(_: int) -> int:
-        n = 0
-        while time.perf_counter() < end:
-            with lock:
-                i = taken[0]
-                taken[0] += 1
-            raw.store.batch_is_exist(lists[i % len(lists)])
-            n += 1
-        return n
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        done = sum(pool.map(caller, range(concurrency)))
-    return done / (time.perf_counter() - start)
+    return _calls_per_second(lambda j, i: raw.store.batch_is_exist(lists[i % len(lists)]),
+                             1, concurrency, seconds)
 
 
 def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
