@@ -80,8 +80,9 @@ class NodeMetrics:
         self.pool_bytes = metrics.Gauge("raykv_pool_bytes", "Bytes of each shared host pool",
                                         tag_keys=("node", "pool"))
         self.group_queries = metrics.Counter(
-            "raykv_group_queries", "Group existence queries answered here, by how",
-            tag_keys=("node", "shared"))
+            "raykv_group_queries", "Group existence queries answered here, by how: "
+            "recent / inflight (shared by the ranks of a group) or checked (own store check)",
+            tag_keys=("node", "answer"))
         for m in (self.objects, self.bytes, self.latency, self.pool_bytes, self.group_queries):
             m.set_default_tags(tags)
 
@@ -137,7 +138,8 @@ class NodeCacheActor:
         self._store.supervise(self._reallocate)
         self._groups = GroupQueries(
             self._checked_exists, group_window_s,
-            on_check=lambda s: self._metrics.latency.observe(s, tags={"op": "group_exists"}))
+            on_check=lambda s: self._metrics.latency.observe(s, tags={"op": "group_exists"}),
+            on_query=lambda how: self._metrics.group_queries.inc(tags={"answer": how}))
         self._deployments: dict[str, Deployment] = {}
         self._namespace = ray.get_runtime_context().namespace
         self._channel = ChannelServer(segment_path(self._prefix + "sock"), {
@@ -297,19 +299,20 @@ class NodeCacheActor:
         return codes
 
     def _put(self, batch: ObjectBatch) -> list[int]:
-        epoch = self._store.check(batch.epoch)
-        ptrs = self._pointers(batch)
-        t = time.perf_counter()
-        codes = self._store.check_codes(epoch, self._backend.put(batch.keys, ptrs, batch.sizes))
-        self._count("put", batch, codes, time.perf_counter() - t, lambda c: c == 0)
-        return codes
+        return self._move("put", batch, lambda c: c == 0)
 
     def _get(self, batch: ObjectBatch) -> list[int]:
+        return self._move("get", batch, lambda c: c > 0)
+
+    def _move(self, op: str, batch: ObjectBatch, moved) -> list[int]:
+        """Run the backend's ``op`` ("put" / "get") on every object of ``batch`` after
+        the store and location checks; count outcomes (``moved(code)``: bytes moved)."""
         epoch = self._store.check(batch.epoch)
         ptrs = self._pointers(batch)
         t = time.perf_counter()
-        codes = self._store.check_codes(epoch, self._backend.get(batch.keys, ptrs, batch.sizes))
-        self._count("get", batch, codes, time.perf_counter() - t, lambda c: c > 0)
+        codes = self._store.check_codes(
+            epoch, getattr(self._backend, op)(batch.keys, ptrs, batch.sizes))
+        self._count(op, batch, codes, time.perf_counter() - t, moved)
         return codes
 
     def _deployment(self, deployment_id: str, version: int) -> Deployment:
@@ -331,11 +334,7 @@ class NodeCacheActor:
     def _group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
                       keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
         dep = self._deployment(deployment_id, version)
-        before = self._groups.stats.checked
-        result = self._groups.ask(dep, keys, queries, tuple(rank))
-        shared = "no" if self._groups.stats.checked > before else "yes"
-        self._metrics.group_queries.inc(tags={"shared": shared})
-        return result
+        return self._groups.ask(dep, keys, queries, tuple(rank))
 
     @ray.method(concurrency_group="data")
     async def batch_is_exist(self, keys: list[str]) -> list[int]:

@@ -61,16 +61,20 @@ class GroupQueryStats:
 
 class GroupQueries:
     """See the module docstring. ``exists(objects) -> list[int]`` returns 1 / 0 /
-    negative per object; ``on_check(seconds)`` is told the duration of each store call."""
+    negative per object; ``on_check(seconds)`` is told the duration of each store call,
+    ``on_query(how)`` how each query was answered (a ``GroupQueryStats`` field name:
+    ``"recent"``, ``"inflight"`` or ``"checked"``)."""
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
                  on_check: Callable[[float], None] = lambda s: None,
+                 on_query: Callable[[str], None] = lambda how: None,
                  max_recent: int = 4096, parallel: int = 4) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._exists = exists
         self._window = window_s
         self._on_check = on_check
+        self._on_query = on_query
         self._max_recent = max_recent
         self._lock = threading.Condition()
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
@@ -101,19 +105,26 @@ class GroupQueries:
                     hit.ranks.add(rank)
                     if len(hit.ranks) >= group:
                         del self._recent[key]
-                    return hit.result
+                    break
+                hit = None
                 q = self._inflight.get(key)
                 if q is not None:
                     self.stats.inflight += 1
                     q.ranks.add(rank)
+                    how = "inflight"
                     break
                 if plan is not None:
                     q = _Query(key, plan, queries, {rank}, group)
                     self._inflight[key] = q
                     self._pending.append(q)
                     self.stats.checked += 1
+                    how = "checked"
                     break
             plan = group_objects(dep, keys, queries)  # outside the lock, then look again
+        if hit is not None:
+            self._on_query("recent")
+            return hit.result
+        self._on_query(how)
         with self._lock:
             while not q.done:
                 if self._pending and self._leaders < self._parallel:

@@ -41,7 +41,8 @@ def objects(keys):
 
 def test_answer_is_shared_by_the_group_then_fresh():
     store = Store(objects(["a", "b"]))
-    groups = GroupQueries(store.exists, window_s=5.0)
+    told: list[str] = []
+    groups = GroupQueries(store.exists, window_s=5.0, on_query=told.append)
     first = groups.ask(DEP, ["a", "b", "c"], [], rank=(0, 0))
     store.present |= set(objects(["c"]))
     assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)) is first  # the other rank
@@ -50,6 +51,7 @@ def test_answer_is_shared_by_the_group_then_fresh():
     assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)).kv_hit_pages == 3
     assert len(store.calls) == 2
     assert groups.stats.recent == 1 and groups.stats.checked == 2
+    assert told == ["checked", "recent", "checked"]
 
 
 def test_a_rank_asking_again_gets_a_fresh_answer_the_other_rank_the_newest():
