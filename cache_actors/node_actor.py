@@ -11,8 +11,11 @@ run the same code. Store errors come back as per-object codes; a bad request rai
 
 The actor also answers the existence queries of every TP/PP group whose home node it
 is (``controllers.group_queries``): one answer shared by the ranks that ask the same
-(for at most ``group_window_s``), concurrent queries batched into one
-``batch_is_exist``.
+(for at most ``group_window_s``), only the objects that can change the answer checked,
+pages the store confirmed within ``confirm_ttl_s`` not asked again (Mooncake leases
+what it reports present; ``controllers.confirmed_pages``), concurrent queries batched
+into one ``batch_is_exist``. Confirmations are dropped when the store restarts or
+fails a check, and when told (``forget_confirmations``: a node left).
 
 ``standalone`` selects the Mooncake mode (see ``cache_actors.node_store``); in it, a data
 call raises a retryable ``NodeUnavailableError`` while the node's ``mooncake_client`` is
@@ -114,6 +117,7 @@ class NodeCacheActor:
         host_pool_bytes: int = 0,
         *,
         group_window_s: float = 2.0,
+        confirm_ttl_s: float = 2.0,
     ) -> None:
         self.node_id = node_id
         self._prefix = segment_prefix(cluster_tag, node_id)
@@ -137,7 +141,7 @@ class NodeCacheActor:
         self._readopt_pools()
         self._store.supervise(self._reallocate)
         self._groups = GroupQueries(
-            self._checked_exists, group_window_s,
+            self._group_check, group_window_s, confirm_ttl_s,
             on_check=lambda s: self._metrics.latency.observe(s, tags={"op": "group_exists"}),
             on_query=lambda how: self._metrics.group_queries.inc(tags={"answer": how}))
         self._deployments: dict[str, Deployment] = {}
@@ -174,6 +178,7 @@ class NodeCacheActor:
     def _reallocate(self) -> None:
         """Standalone, after ``mooncake_client`` restarted: every pool anew, same names and
         layouts, in a new epoch (their old buffers are unknown to the new process)."""
+        self._groups.forget()
         with self._pool_lock:
             self._memory.renew()
             for name, old in list(self._pools.items()):
@@ -290,6 +295,15 @@ class NodeCacheActor:
         epoch = self._store.check()
         return self._store.check_codes(epoch, self._backend.exists(list(keys)))
 
+    def _group_check(self, keys: list[str]) -> list[int]:
+        """The store check of group queries: a store outage also drops every
+        confirmation (the objects may be gone when it is back)."""
+        try:
+            return self._checked_exists(keys)
+        except NodeUnavailableError:
+            self._groups.forget()
+            raise
+
     def _exists(self, keys: list[str]) -> list[int]:
         t = time.perf_counter()
         codes = self._checked_exists(keys)
@@ -365,6 +379,13 @@ class NodeCacheActor:
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
+    async def forget_confirmations(self) -> None:
+        """Check every object of later group queries at the store again (call when
+        objects may have left it without their lease running out: a node left, a forced
+        remove)."""
+        self._groups.forget()
+
+    @ray.method(concurrency_group="control")
     async def channel_path(self) -> str:
         """The Unix socket of this actor's local channel (for ranks on this node)."""
         return self._channel.path
@@ -380,7 +401,8 @@ class NodeCacheActor:
         """Counters since start: objects and bytes put/got, errors by Mooncake code; per
         pool its kind, bytes, pages and object counters (``put_ok``, ``put_present``,
         ``get_ok``, ``get_error_-704``...); group queries answered here (``recent``,
-        ``inflight``: shared; ``checked``: own store check; ``store_calls``); the mode,
+        ``inflight``: shared; ``confirmed``: from confirmations alone; ``checked``: own store
+        check; ``store_calls``) and ``confirmed_pages`` held; the mode,
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
         port, adopted, restarts, alive)."""
@@ -395,6 +417,7 @@ class NodeCacheActor:
                       for n, p in self._pools.items()},
             "counters": dict(self._counts),
             "group_queries": asdict(self._groups.stats),
+            "confirmed_pages": len(self._groups.confirmed),
         }
 
     @ray.method(concurrency_group="control")

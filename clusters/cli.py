@@ -74,9 +74,12 @@ NAMESPACE_OPT = click.option("--namespace", default="raykv", show_default=True,
 @click.option("--host-pool-size", default=None, help="Per node budget for host pools "
               "(default: no limit; 1GB with --standalone, where it is requested from "
               "mooncake_client).")
+@click.option("--confirm-ttl", default=2.0, show_default=True, help="Seconds group queries "
+              "trust a page the store confirmed present (below the master's object lease, "
+              "-default_kv_lease_ttl; 0: always ask the store).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        segment_size: str, protocol: str, mooncake_host: str | None, standalone: bool,
-       host_pool_size: str | None) -> None:
+       host_pool_size: str | None, confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from clusters import deploy
 
@@ -87,7 +90,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                          metadata_server=metadata_server,
                          global_segment_size=parse_size(segment_size), protocol=protocol,
                          mooncake_host=mooncake_host, standalone=standalone,
-                         host_pool_bytes=parse_size(host_pool_size))
+                         host_pool_bytes=parse_size(host_pool_size),
+                         confirm_ttl_s=confirm_ttl)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "

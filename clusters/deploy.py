@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from clusters.control_plane import start_control_plane, stop_control_plane
 from clusters.master_supervisor import SUPERVISOR_NAME, MasterSupervisor
+from clusters.mooncake_master import check_confirm_ttl
 from clusters.node_actors import NodeSettings
 from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 
@@ -48,7 +49,7 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
        metadata_server: str | None = None, global_segment_size: int = 1 << 30,
        protocol: str = "tcp", mooncake_host: str | None = None,
        master_args: tuple[str, ...] = (), standalone: bool = False,
-       host_pool_bytes: int = 0) -> dict:
+       host_pool_bytes: int = 0, confirm_ttl_s: float = 2.0) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
     ``mooncake_host`` is the address every Mooncake process (master and clients) binds
@@ -56,6 +57,9 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
     cluster whose nodes all run on one machine. ``standalone`` gives every node a
     supervised ``mooncake_client`` process holding its segment; ``host_pool_bytes`` is
     each node's budget for host pools (required in standalone mode, 0: no limit).
+    ``confirm_ttl_s`` is how long group queries trust a page the store confirmed
+    present; it must be below the master's object lease (checked for the master raykv
+    starts; with ``master_address`` it is the caller's promise), 0 turns it off.
 
     Raises ``ValueError`` if raykv already runs there, only one of ``master_address`` /
     ``metadata_server`` is given, or standalone mode has no ``host_pool_bytes``.
@@ -65,7 +69,10 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
                          "master, or neither to run one on the head node")
     settings = NodeSettings("", "", uuid.uuid4().hex[:8], global_segment_size,
                             protocol=protocol, local_hostname=mooncake_host,
-                            standalone=standalone, host_pool_bytes=host_pool_bytes)
+                            standalone=standalone, host_pool_bytes=host_pool_bytes,
+                            confirm_ttl_s=confirm_ttl_s)
+    if master_address is None:
+        check_confirm_ttl(confirm_ttl_s, master_args)
     connect(address, namespace)
     if controller(namespace) is not None:
         raise ValueError(f"raykv is already up in namespace {namespace!r}: "

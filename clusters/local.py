@@ -22,7 +22,7 @@ from cache_actors.node_actor import cluster_prefix
 from cache_actors.shared_segment import remove_segments
 from cache_actors.standalone_client import stop_recorded
 from clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
-from clusters.mooncake_master import MooncakeMaster
+from clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from clusters.node_actors import NodeSettings
 from controllers.naming import NAMESPACE, node_actor_name
 
@@ -137,6 +137,7 @@ def start_local(
     master_args: Sequence[str] = (),
     mooncake_log_level: str = "ERROR",
     group_window_s: float = 2.0,
+    confirm_ttl_s: float = 2.0,
     reconcile_period_s: float = 1.0,
     standalone: bool = False,
     host_pool_bytes: int | None = None,
@@ -150,7 +151,9 @@ def start_local(
     ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the cache actors (``INFO``,
     ``WARNING``, ``ERROR``). ``group_window_s`` bounds how long a group hit answer is
     kept for the ranks of the group that have not asked yet (0: only ranks asking at the
-    same time share one). Mooncake binds to 127.0.0.1 (also clients made later in this
+    same time share one). ``confirm_ttl_s``: how long group queries trust a page the
+    store confirmed present (below the master's object lease; 0: always ask the store).
+    Mooncake binds to 127.0.0.1 (also clients made later in this
     process: ``MC_TCP_BIND_ADDRESS`` is set unless already set); multi-node clusters
     detect a removed node within ~3 s. Ray must not be initialised already.
 
@@ -174,7 +177,8 @@ def start_local(
         host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
     settings = NodeSettings("", "", uuid.uuid4().hex[:8], sizes[0], local_buffer_size, "tcp",
                             LOOPBACK, mooncake_log_level, standalone, host_pool_bytes,
-                            group_window_s)
+                            group_window_s, confirm_ttl_s)
+    check_confirm_ttl(confirm_ttl_s, master_args)
     master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
     settings = replace(settings, master_address=master.master_address,
                        metadata_server=master.metadata_server)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cache_actors.local_ports import free_port, listening
@@ -32,6 +33,39 @@ def master_binary() -> str:
         raise FileNotFoundError(f"{path} is missing: install mooncake-transfer-engine-non-cuda "
                                 "(CPU) or mooncake-transfer-engine (CUDA)")
     return str(path)
+
+
+DEFAULT_LEASE_TTL_S = 10.0  # mooncake_master's -default_kv_lease_ttl in 0.3.13
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def lease_ttl_s(master_args: Sequence[str]) -> float:
+    """The object lease (seconds) a master started with ``master_args`` grants:
+    ``-default_kv_lease_ttl`` (raw milliseconds or a duration with ms/s/m/h), else
+    Mooncake's default."""
+    value = None
+    for arg in master_args:
+        name, _, v = arg.lstrip("-").partition("=")
+        if name == "default_kv_lease_ttl":
+            value = v.strip()
+    if value is None:
+        return DEFAULT_LEASE_TTL_S
+    for unit in ("ms", "s", "m", "h"):
+        if value.endswith(unit) and value[:-len(unit)].replace(".", "", 1).isdigit():
+            return float(value[:-len(unit)]) * _UNITS[unit]
+    if value.isdigit():
+        return int(value) / 1000
+    raise ValueError(f"cannot read -default_kv_lease_ttl={value!r}")
+
+
+def check_confirm_ttl(confirm_ttl_s: float, master_args: Sequence[str]) -> None:
+    """``ValueError`` unless group queries would trust confirmations for less than
+    the master's object lease (see ``controllers.confirmed_pages``)."""
+    lease = lease_ttl_s(master_args)
+    if confirm_ttl_s >= lease:
+        raise ValueError(f"confirm_ttl_s={confirm_ttl_s} must be below the master's object "
+                         f"lease ({lease} s, -default_kv_lease_ttl); lower it or 0 to turn "
+                         "confirmations off")
 
 
 class MooncakeMaster:

@@ -27,7 +27,9 @@ class NodeSettings:
     node's segment in a supervised ``mooncake_client`` process (see
     ``cache_actors.node_store``); ``host_pool_bytes`` is each node's budget for host pools
     (0: no limit, embedded mode only). ``group_window_s`` bounds how long a group hit
-    answer is kept for the ranks of the group that have not asked yet.
+    answer is kept for the ranks of the group that have not asked yet. ``confirm_ttl_s``
+    is how long group queries trust a page the store confirmed present; it must stay
+    below the master's ``default_kv_lease_ttl`` (10 s by default), 0 turns it off.
     """
 
     master_address: str
@@ -41,8 +43,11 @@ class NodeSettings:
     standalone: bool = False
     host_pool_bytes: int = 0
     group_window_s: float = 2.0
+    confirm_ttl_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.confirm_ttl_s < 0:
+            raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:
             raise ValueError(f"standalone mode needs host_pool_bytes > 0, got "
                              f"{self.host_pool_bytes}")
@@ -79,7 +84,7 @@ def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
     ).remote(node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
              settings.global_segment_size, settings.local_buffer_size, settings.protocol,
              "", settings.local_hostname, settings.standalone, settings.host_pool_bytes,
-             group_window_s=settings.group_window_s)
+             group_window_s=settings.group_window_s, confirm_ttl_s=settings.confirm_ttl_s)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:
@@ -133,6 +138,11 @@ class NodeReconciler:
             retire_node_actor(node_id, self._namespace)
             await self._controller.retire_node.remote(node_id)
             log.info("node %s left: cache actor retired", node_id[:12])
+        if retired:  # its segment's objects leave the store, leases or not
+            for node_id in alive & known:
+                with contextlib.suppress(ValueError):
+                    ray.get_actor(node_actor_name(node_id), namespace=self._namespace
+                                  ).forget_confirmations.remote()
         return {"added": added, "retired": retired}
 
     def stop(self) -> None:

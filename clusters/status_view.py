@@ -49,8 +49,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
     console.print(table)
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
-        if g and (g["checked"] or g["recent"] or g["inflight"]):
+        if g and (g["checked"] or g["recent"] or g["inflight"] or g.get("confirmed")):
             shared = g["recent"] + g["inflight"]
-            console.print(f"node {node_id[:8]}: {g['checked'] + shared} group queries, "
-                          f"{shared} shared by ranks of a group, {g['store_calls']} store "
-                          "checks")
+            confirmed = g.get("confirmed", 0)
+            console.print(f"node {node_id[:8]}: {g['checked'] + confirmed + shared} group "
+                          f"queries, {shared} shared by ranks of a group, {confirmed} "
+                          f"answered from confirmed pages, {g['store_calls']} store checks")

@@ -208,9 +208,10 @@ def _group_template(prefix: str, plans: tuple[tuple[tuple[int, int], KeyPlan], .
     return tuple(out)
 
 
-def group_objects(dep: Deployment, page_hashes: Sequence[str],
-                  queries: Sequence[PoolQuery]) -> ObjectPlan:
-    """Every object of every rank and queried pool (KV always), each named once."""
+def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, tuple]:
+    """The key prefix and ``(rank, pool, scope, suffixes)`` of every rank for KV and
+    every queried pool. ``ValueError`` if a query names a pool the deployment did not
+    register."""
     for q in queries:
         if q.name not in dep.pools:
             raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
@@ -218,9 +219,16 @@ def group_objects(dep: Deployment, page_hashes: Sequence[str],
     names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
     ranks = tuple(((tp, pp), dep.plan(tp, pp))
                   for pp in range(dep.pp_size) for tp in range(dep.tp_size))
-    plan = ObjectPlan(ranks[0][1].prefix, page_hashes)
-    for rank, pool, scope, suffixes in _group_template(
-            plan.prefix, ranks, tuple(dep.pools[n] for n in names)):
+    prefix = ranks[0][1].prefix
+    return prefix, _group_template(prefix, ranks, tuple(dep.pools[n] for n in names))
+
+
+def group_objects(dep: Deployment, page_hashes: Sequence[str],
+                  queries: Sequence[PoolQuery]) -> ObjectPlan:
+    """Every object of every rank and queried pool (KV always), each named once."""
+    prefix, template = group_template(dep, queries)
+    plan = ObjectPlan(prefix, page_hashes)
+    for rank, pool, scope, suffixes in template:
         plan.add(rank, pool, scope, suffixes)
     return plan
 

@@ -5,16 +5,20 @@ rank ``(tp_rank, pp_rank)``. An answer is shared by the ranks of the group that 
 same question (deployment, page keys, pools): a query that arrives while the same one
 is being checked waits for it, and a rank that has not yet had a recent answer (at
 most ``window_s`` seconds old) gets that very answer. So every rank of one engine step
-gets the identical hit. A rank that asks again gets a fresh check, and an answer is
+gets the identical hit. A rank that asks again gets a fresh answer, and an answer is
 dropped once every rank of the group has had it, so a miss is never served from memory
-to a later request after the pages were stored. Distinct
-queries that arrive while a store check runs are answered together by the next check,
-one ``exists`` call over the union of their objects (no key twice) once ``parallel``
-store calls are already running. The calling threads do the work themselves: up to
-``parallel`` of them lead at a time, each checking everything queued; once its own
-query is answered a leader lets a caller still waiting take its place, so nobody keeps
-checking for others. No thread or event loop of its own is needed. Pure logic: the
-store is a callable.
+to a later request after the pages were stored.
+
+Each query is a ``GroupSearch``: it checks only the objects that can change its answer
+and that the store has not confirmed within ``confirm_ttl_s`` (``ConfirmedPages``:
+Mooncake leases every object it reports present), so a query may need no store call
+at all. Distinct queries that arrive while a store check runs are answered together by
+the next check, one ``exists`` call over the union of the objects their current step
+needs (no name twice) once ``parallel`` store calls are already running. The calling
+threads do the work themselves: up to ``parallel`` of them lead at a time, each checking
+everything queued; once its own query is answered a leader lets a caller still waiting
+take its place, so nobody keeps checking for others. No thread or event loop of its
+own is needed. Pure logic: the store is a callable.
 """
 
 from __future__ import annotations
@@ -25,19 +29,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from controllers.confirmed_pages import ConfirmedPages
 from controllers.contract import PoolTransferResult
-from controllers.deployments import Deployment, ObjectPlan, PoolQuery, group_hits, group_objects
+from controllers.deployments import Deployment, PoolQuery
+from controllers.group_search import GroupLayout, GroupSearch, group_layout
 
 
 @dataclass
 class _Query:
     key: tuple
-    plan: ObjectPlan
-    queries: Sequence[PoolQuery]
+    search: GroupSearch
     ranks: set[tuple[int, int]]
     group: int
     done: bool = False
-    result: PoolTransferResult | None = None
     error: BaseException | None = None
 
 
@@ -51,21 +55,25 @@ class _Answer:
 @dataclass
 class GroupQueryStats:
     """Counters since start: queries answered from a recent answer (another rank's), by
-    joining a check in flight, and by a store check of their own; store checks made."""
+    joining a check in flight, from confirmations alone (no store call), and with store
+    checks of their own; store calls made."""
 
     recent: int = 0
     inflight: int = 0
+    confirmed: int = 0
     checked: int = 0
     store_calls: int = 0
 
 
 class GroupQueries:
     """See the module docstring. ``exists(objects) -> list[int]`` returns 1 / 0 /
-    negative per object; ``on_check(seconds)`` is told the duration of each store call,
-    ``on_query(how)`` how each query was answered (a ``GroupQueryStats`` field name:
-    ``"recent"``, ``"inflight"`` or ``"checked"``)."""
+    negative per object; ``confirm_ttl_s`` (below the store's lease; 0 = off) is how
+    long a confirmed page is trusted; ``on_check(seconds)`` is told the duration of each
+    store call, ``on_query(how)`` how each query was answered (a ``GroupQueryStats``
+    field name: ``"recent"``, ``"inflight"``, ``"confirmed"`` or ``"checked"``)."""
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
+                 confirm_ttl_s: float = 0.0,
                  on_check: Callable[[float], None] = lambda s: None,
                  on_query: Callable[[str], None] = lambda how: None,
                  max_recent: int = 4096, parallel: int = 4) -> None:
@@ -73,6 +81,7 @@ class GroupQueries:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._exists = exists
         self._window = window_s
+        self.confirmed = ConfirmedPages(confirm_ttl_s)
         self._on_check = on_check
         self._on_query = on_query
         self._max_recent = max_recent
@@ -80,9 +89,25 @@ class GroupQueries:
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
+        self._layouts: dict[tuple, GroupLayout] = {}
         self._parallel = parallel
         self._leaders = 0  # callers checking queued queries now
         self.stats = GroupQueryStats()
+
+    def forget(self) -> None:
+        """Drop every confirmation: the store may have lost objects (a node left, the
+        master restarted, objects were removed by force)."""
+        self.confirmed.forget()
+
+    def _layout(self, dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
+        key = (dep.deployment_id, dep.version, tuple(queries))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = group_layout(dep, queries)
+            if len(self._layouts) >= 1024:
+                self._layouts.clear()
+            self._layouts[key] = layout
+        return layout
 
     def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
             rank: tuple[int, int] = (0, 0)) -> PoolTransferResult:
@@ -91,7 +116,7 @@ class GroupQueries:
         register; a store failure raises for every query of that check."""
         key = (dep.deployment_id, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
-        plan = None
+        search = None
         while True:
             with self._lock:
                 now = time.monotonic()
@@ -113,14 +138,21 @@ class GroupQueries:
                     q.ranks.add(rank)
                     how = "inflight"
                     break
-                if plan is not None:
-                    q = _Query(key, plan, queries, {rank}, group)
+                if search is not None:
+                    q = _Query(key, search, {rank}, group)
+                    if search.result is not None:
+                        self.stats.confirmed += 1
+                        self._finish([q], now)
+                        how = "confirmed"
+                        break
                     self._inflight[key] = q
                     self._pending.append(q)
                     self.stats.checked += 1
                     how = "checked"
                     break
-            plan = group_objects(dep, keys, queries)  # outside the lock, then look again
+            # outside the lock, then look again
+            search = GroupSearch(self._layout(dep, queries), keys, self.confirmed,
+                                 time.monotonic())
         if hit is not None:
             self._on_query("recent")
             return hit.result
@@ -135,7 +167,7 @@ class GroupQueries:
             self._lead(q)
         if q.error is not None:
             raise q.error
-        return q.result
+        return q.search.result
 
     def _lead(self, q: _Query) -> None:
         """Check queued queries until ``q`` is answered or another leader took it; then
@@ -156,15 +188,17 @@ class GroupQueries:
                 self._lock.wait()
 
     def _answer(self, batch: list[_Query]) -> None:
+        """One store call for the current step of every query in ``batch``; queries
+        with a further step go back in the queue."""
         if len(batch) == 1:
-            union, names = None, batch[0].plan.objects
+            union, names = None, batch[0].search.wanted
         else:
             union: dict[str, int] = {}
             for q in batch:
-                for o in q.plan.objects:
+                for o in q.search.wanted:
                     union.setdefault(o, len(union))
             names = list(union)
-        t = time.perf_counter()
+        since, t = time.monotonic(), time.perf_counter()
         try:
             codes, error = self._exists(names), None
         except Exception as e:  # every waiter of this round gets it
@@ -174,18 +208,24 @@ class GroupQueries:
             if codes is None:
                 q.error = error
                 continue
-            mine = codes if union is None else [codes[union[o]] for o in q.plan.objects]
+            mine = codes if union is None else [codes[union[o]] for o in q.search.wanted]
             try:
-                q.result = group_hits(q.plan, q.queries, mine)
+                q.search.feed(mine, since)
             except Exception as e:  # reported to this query's callers only
                 q.error = e
         with self._lock:
             self.stats.store_calls += 1
-            now = time.monotonic()
-            for q in batch:
-                self._inflight.pop(q.key, None)
-                self._recent.pop(q.key, None)
-                if q.error is None and self._window > 0 and len(q.ranks) < q.group:
-                    self._recent[q.key] = _Answer(now, q.result, q.ranks)
-                q.done = True
+            finished = [q for q in batch if q.error is not None or q.search.result is not None]
+            self._pending += [q for q in batch if q.error is None and q.search.result is None]
+            self._finish(finished, time.monotonic())
             self._lock.notify_all()
+
+    def _finish(self, queries: list[_Query], now: float) -> None:
+        """Under the lock: mark ``queries`` answered and keep their answers for the
+        ranks that have not had them yet."""
+        for q in queries:
+            self._inflight.pop(q.key, None)
+            self._recent.pop(q.key, None)
+            if q.error is None and self._window > 0 and len(q.ranks) < q.group:
+                self._recent[q.key] = _Answer(now, q.search.result, q.ranks)
+            q.done = True

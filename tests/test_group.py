@@ -6,9 +6,17 @@ import time
 import pytest
 import ray
 import torch
+from mooncake.store import MooncakeDistributedStore
 
 from cache_actors import CacheClient, NodeUnavailableError
-from controllers import CONTROLLER_NAME, NAMESPACE, PoolName, PoolTransfer, StorageConfig
+from controllers import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    PoolName,
+    PoolTransfer,
+    StorageConfig,
+    node_actor_name,
+)
 from controllers.contract import PoolHitPolicy
 from controllers.deployments import PoolQuery
 from tests.ranks import HYBRID, MHA, indices, start_hybrid, start_rank
@@ -157,3 +165,35 @@ def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
     reader = start_rank(cluster.node_ids[0], StorageConfig())
     assert ray.get(reader.call.remote("batch_get_v1", keys, indices(0, 4))) == [True] * 4
     assert torch.equal(ray.get(reader.pages.remote(0, 4)), before)
+
+
+def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
+    node1, node2 = cluster.node_ids
+    model = f"conf/{uid}"
+    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, tp_size=2, model_name=model), POOLS)
+    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, tp_size=2, model_name=model), POOLS)
+    keys = [f"{uid}-{i}" for i in range(4)]
+    for rank in (r0, r1):  # KV and a Mamba state for every page
+        store(rank, keys, [0, 1, 2, 3], [0, 1, 2, 3])
+    ask = [PoolTransfer(MAMBA, keys[-1:], None, TRAIL)]
+    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
+    dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}"]
+    home = ray.get_actor(node_actor_name(dep["home_node"]), namespace=NAMESPACE)
+    before = ray.get(home.stats.remote())["group_queries"]
+    # The same rank asks again: a fresh answer, from the pages the store just leased.
+    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
+    after = ray.get(home.stats.remote())["group_queries"]
+    assert after["confirmed"] == before["confirmed"] + 1
+    assert after["store_calls"] == before["store_calls"]
+    # A forced remove takes objects whatever their lease; told so, the actor asks again.
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                     cluster.master_address) == 0
+    try:
+        assert raw.batch_remove([f"conf-{uid}_{keys[2]}_1_k"], True) == [0]
+    finally:
+        raw.close()
+    ray.get(home.forget_confirmations.remote())
+    hit = ray.get(r0.call.remote("group_exists", keys, ask))
+    assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [0, 1, 2]
+    assert ray.get(home.stats.remote())["group_queries"]["store_calls"] > after["store_calls"]

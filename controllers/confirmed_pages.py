@@ -1,0 +1,87 @@
+"""Pages the store confirmed present, remembered for less than Mooncake's lease (pure).
+
+Mooncake's master grants a lease (``default_kv_lease_ttl``, 10 s in Mooncake 0.3.13) to
+every object that ``batch_is_exist`` reports present, and neither eviction nor a
+non-forced remove takes an object whose lease has not expired. So an object confirmed
+at time ``t`` is still in the store until at least ``t + lease``, and a group query
+asked again within ``ttl_s < lease`` need not ask the store about it again. What can
+still take a confirmed object is outside that contract: a forced remove, a store
+segment unmounted (its node left) or the master restarting; the node actor calls
+``forget`` on each of those it sees, and ``ttl_s`` bounds the rest.
+
+Granularity: one entry per (segment, page hash), where a segment is one family of
+object names (``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's or
+the replicated copy's objects of one pool). An entry means every object of that page in
+that segment was confirmed. Memory is bounded by time, not by a scan: entries go into
+the current generation; every ``ttl_s`` the current generation becomes the previous
+one and the previous one is dropped, so nothing older than ``2 x ttl_s`` is held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+SegmentKey = Hashable
+
+
+class ConfirmedPages:
+    """See the module docstring. ``ttl_s <= 0`` disables it (nothing is remembered).
+    Thread-safe: lookups and inserts are single dict operations; a generation turn is
+    taken under a lock."""
+
+    def __init__(self, ttl_s: float, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._current: dict[SegmentKey, dict[str, float]] = {}
+        self._previous: dict[SegmentKey, dict[str, float]] = {}
+        self._turned = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def _turn(self, now: float) -> None:
+        if now - self._turned >= self.ttl_s:
+            with self._lock:
+                if now - self._turned >= self.ttl_s:
+                    self._previous, self._current = self._current, {}
+                    self._turned = now
+
+    def known(self, segment: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
+        """Per page of ``hashes``: whether ``segment``'s objects of that page were
+        confirmed and the confirmation has not expired at ``now``."""
+        n = len(hashes)
+        if not self.enabled:
+            return np.zeros(n, dtype=bool)
+        self._turn(now)
+        cur = self._current.get(segment, {})
+        prev = self._previous.get(segment, {})
+        until = np.fromiter((cur.get(h) or prev.get(h, 0.0) for h in hashes),
+                            dtype=np.float64, count=n)
+        return until > now
+
+    def confirm(self, segment: SegmentKey, hashes: Sequence[str], since: float) -> None:
+        """Record that every object of ``segment`` for ``hashes`` was reported present by
+        a store check that started at ``since`` (the lease began no earlier)."""
+        if not self.enabled or not hashes:
+            return
+        until = since + self.ttl_s
+        pages = self._current.get(segment)
+        if pages is None:
+            pages = self._current.setdefault(segment, {})
+        for h in hashes:
+            pages[h] = until
+
+    def forget(self) -> None:
+        """Drop every confirmation (objects may have left the store)."""
+        with self._lock:
+            self._current, self._previous = {}, {}
+
+    def __len__(self) -> int:
+        """Entries held (both generations; expired ones included until they turn)."""
+        return sum(len(d) for g in (self._current, self._previous) for d in g.values())

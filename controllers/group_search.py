@@ -1,0 +1,149 @@
+"""One group hit query, resolved with as few object checks as possible (pure logic).
+
+The answer is the one ``deployments.group_hits`` gives from a check of every object of
+every rank and pool; this module reaches it by checking only what can change it:
+
+1. **All-pages pools** (KV, and extra pools with policy ``all_pages``), every rank: the
+   pages not already confirmed (``ConfirmedPages``). ``K``, the first page missing in
+   any of them, bounds the hit: no prefix longer than ``K`` is restorable.
+2. **Trailing pools** (Mamba, SWA), every rank: only pages below ``K`` not already
+   confirmed. A miss on page 0 (``K = 0``) needs no trailing objects at all.
+3. The intersection of restorable prefix lengths ``0..K``, vectorised over segments.
+
+A step whose objects are all confirmed needs no store call, so a prefix asked again
+while its confirmations hold is answered from memory. Objects are grouped in
+**segments**: one family ``prefix + page hash + suffix`` per rank and pool (a replicated
+pool's segment is shared by the TP ranks, so nothing is named twice), and a page of a
+segment counts as present when every object of it exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from controllers.confirmed_pages import ConfirmedPages
+from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
+from controllers.deployments import Deployment, PoolQuery, group_template
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One family of object names: ``prefix + hash + s`` for each ``s`` in ``suffixes``;
+    ``window`` is 0 for all-pages pools, else the trailing window in pages."""
+
+    key: tuple[str, tuple[str, ...]]
+    window: int
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return self.key[1]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The distinct segments of one deployment and queried pool set, and the queried
+    extra pools (for ``extra_pool_hit_pages``)."""
+
+    prefix: str
+    segments: tuple[Segment, ...]
+    extra: tuple[PoolQuery, ...]
+
+
+def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
+    """Segments of every rank of ``dep`` for KV and ``queries``' pools. ``ValueError`` if
+    a query names a pool the deployment did not register."""
+    extra = {q.name: q for q in queries if q.name != PoolName.KV}
+    prefix, template = group_template(dep, list(extra.values()))
+    segments: dict[tuple, Segment] = {}
+    for _rank, pool, _scope, suffixes in template:
+        q = extra.get(pool)
+        window = q.window if q is not None and q.policy == PoolHitPolicy.TRAILING_PAGES else 0
+        key = (prefix, suffixes)
+        segments.setdefault(key, Segment(key, window))
+    return GroupLayout(prefix, tuple(segments.values()), tuple(extra.values()))
+
+
+class GroupSearch:
+    """The staged check of one query (see the module docstring). ``wanted`` holds the
+    object names the next store check must cover (empty once ``result`` is set); feed
+    the store's codes for exactly those names, in that order, to ``feed``."""
+
+    def __init__(self, layout: GroupLayout, hashes: Sequence[str],
+                 confirmed: ConfirmedPages, now: float) -> None:
+        self.layout = layout
+        self.hashes = list(hashes)
+        self._confirmed = confirmed
+        segs = layout.segments
+        self._windows = np.array([s.window for s in segs], dtype=np.int64)
+        self.present = np.vstack([confirmed.known(s.key, self.hashes, now) for s in segs])
+        self.result: PoolTransferResult | None = None
+        self.wanted: list[str] = []
+        self._asked: list[tuple[int, np.ndarray]] = []
+        self._limit = len(self.hashes)
+        self._stage = 0
+        self._advance()
+
+    def _ask(self, rows: np.ndarray, pages: int) -> bool:
+        """Name the unknown pages ``< pages`` of segments ``rows``; True if any."""
+        self._asked, names = [], []
+        for s in rows:
+            missing = np.flatnonzero(~self.present[s, :pages])
+            if missing.size:
+                seg = self.layout.segments[s]
+                p, suffixes = self.layout.prefix, seg.suffixes
+                names += [p + self.hashes[i] + x for i in missing.tolist() for x in suffixes]
+                self._asked.append((s, missing))
+        self.wanted = names
+        return bool(names)
+
+    def _advance(self) -> None:
+        if self._stage == 0:
+            self._stage = 1
+            if self._ask(np.flatnonzero(self._windows == 0), len(self.hashes)):
+                return
+        if self._stage == 1:
+            full = self.present[self._windows == 0]
+            first_missing = np.where(full.all(axis=1), full.shape[1], full.argmin(axis=1))
+            self._limit = int(first_missing.min())
+            self._stage = 2
+            if self._limit and self._ask(np.flatnonzero(self._windows > 0), self._limit):
+                return
+        self.wanted = []
+        self.result = self._resolve()
+
+    def feed(self, codes: Sequence[int], since: float) -> None:
+        """Take the store's codes (1 = exists) for ``wanted``, from a check that started
+        at ``since`` (monotonic seconds); confirm the pages found whole; go on."""
+        ok = np.fromiter(codes, dtype=np.int64, count=len(self.wanted)) == 1
+        i = 0
+        for s, pages in self._asked:
+            seg = self.layout.segments[s]
+            per = len(seg.suffixes)
+            whole = ok[i:i + pages.size * per].reshape(pages.size, per).all(axis=1)
+            i += pages.size * per
+            found = pages[whole]
+            self.present[s, found] = True
+            self._confirmed.confirm(seg.key, [self.hashes[p] for p in found.tolist()], since)
+        self._advance()
+
+    def _resolve(self) -> PoolTransferResult:
+        k = self._limit
+        lengths = np.arange(k + 1)
+        common = np.ones(k + 1, dtype=bool)
+        trailing = self._windows > 0
+        if trailing.any() and k:
+            have = self.present[trailing, :k].astype(np.int64)
+            counts = np.concatenate((np.zeros((have.shape[0], 1), np.int64),
+                                     np.cumsum(have, axis=1)), axis=1)
+            start = np.maximum(lengths[None, :] - self._windows[trailing][:, None], 0)
+            found = counts - np.take_along_axis(counts, start, axis=1)
+            common &= (found == lengths[None, :] - start).all(axis=0)
+        hits = np.flatnonzero(common).tolist()
+        hit = hits[-1]
+        per_pool = {q.name: hit if q.policy == PoolHitPolicy.ALL_PAGES else min(q.window, hit)
+                    for q in self.layout.extra}
+        return PoolTransferResult(kv_hit_pages=hit, extra_pool_hit_pages=per_pool,
+                                  restorable_prefix_pages=hits)

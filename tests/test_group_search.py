@@ -1,0 +1,167 @@
+"""GroupSearch and ConfirmedPages (pure logic): the staged check gives exactly the
+answer of a check of every object, asks the store only about what can change it, and
+trusts a confirmation only while it is younger than its TTL."""
+
+import random
+
+import numpy as np
+import pytest
+
+from controllers.confirmed_pages import ConfirmedPages
+from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from controllers.deployments import (
+    DeploymentRegistry,
+    PoolQuery,
+    PoolSpec,
+    group_hits,
+    group_objects,
+)
+from controllers.group_search import GroupSearch, group_layout
+
+TRAIL = PoolHitPolicy.TRAILING_PAGES
+KV_MHA = PoolSpec(PoolName.KV, "mha", ("k", "v"))
+KV_MLA = PoolSpec(PoolName.KV, "mla", ("k",))
+MAMBA = PoolSpec(PoolName.MAMBA, "mamba", ("temporal", "conv_0"))
+IDX = PoolSpec(PoolName.INDEXER, "indexer", ("indexer",))
+DRAFT = PoolSpec(PoolName.DRAFT, "mha", ("draft_k", "draft_v"))
+
+
+def deployment(tp=2, pp=1, mla=False, pools=(MAMBA,)):
+    reg = DeploymentRegistry()
+    config = StorageConfig(tp_size=tp, pp_size=pp, is_mla_model=mla, model_name="org/m")
+    return reg.register_rank(config, [KV_MLA if mla else KV_MHA, *pools], "n")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(search: GroupSearch, present: set[str], calls: list[list[str]], since=0.0):
+    while search.result is None:
+        calls.append(list(search.wanted))
+        search.feed([1 if o in present else 0 for o in search.wanted], since)
+    return search.result
+
+
+SHAPES = [
+    (deployment(), [PoolQuery(PoolName.MAMBA, TRAIL, 1)]),
+    (deployment(tp=4, pp=2), [PoolQuery(PoolName.MAMBA, TRAIL, 2)]),
+    (deployment(mla=True, pools=(MAMBA, IDX)),
+     [PoolQuery(PoolName.MAMBA, TRAIL, 1), PoolQuery(PoolName.INDEXER)]),
+    (deployment(pools=(DRAFT,)), [PoolQuery(PoolName.DRAFT)]),
+    (deployment(tp=1, pools=()), []),
+]
+
+
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_staged_answer_equals_the_full_check(shape):
+    dep, queries = SHAPES[shape]
+    rng = random.Random(shape)
+    for trial in range(300):
+        hashes = [f"h{trial}-{i}" for i in range(rng.randint(1, 12))]
+        plan = group_objects(dep, hashes, queries)
+        # Mostly present near the front, holes further back: every kind of answer.
+        present = {o for i, o in enumerate(plan.objects)
+                   if rng.random() < (0.97 if hashes.index(o.split("_")[1]) < 4 else 0.7)}
+        full = group_hits(plan, queries, [int(o in present) for o in plan.objects])
+        calls: list[list[str]] = []
+        confirmed = ConfirmedPages(0.0)
+        staged = run(GroupSearch(group_layout(dep, queries), hashes, confirmed, 0.0),
+                     present, calls)
+        assert staged == full
+        asked = [o for c in calls for o in c]
+        assert len(asked) == len(set(asked)) <= len(plan.objects)
+        assert set(asked) <= set(plan.objects)
+
+
+def test_a_miss_on_page_zero_checks_no_trailing_objects():
+    dep, queries = SHAPES[0]
+    hashes = [f"p{i}" for i in range(8)]
+    calls: list[list[str]] = []
+    result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
+                 set(), calls)
+    assert result.kv_hit_pages == 0 and result.restorable_prefix_pages == [0]
+    assert len(calls) == 1 and all(o.endswith(("_k", "_v")) for o in calls[0])
+    assert len(calls[0]) == 8 * 2 * 2  # pages x ranks x (k, v)
+
+
+def test_trailing_objects_are_checked_only_below_the_kv_limit():
+    dep, queries = SHAPES[0]
+    hashes = [f"p{i}" for i in range(8)]
+    plan = group_objects(dep, hashes, queries)
+    present = {o for o in plan.objects if not o.startswith("org-m_p5_")}
+    calls: list[list[str]] = []
+    result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
+                 present, calls)
+    assert result.kv_hit_pages == 5
+    assert len(calls) == 2 and {o.split("_")[1] for o in calls[1]} == {f"p{i}" for i in range(5)}
+
+
+def test_confirmed_pages_answer_without_the_store_until_the_ttl():
+    dep, queries = SHAPES[1]
+    layout = group_layout(dep, queries)
+    hashes = [f"p{i}" for i in range(6)]
+    present = set(group_objects(dep, hashes, queries).objects)
+    clock = Clock()
+    confirmed = ConfirmedPages(2.0, clock=clock)
+    calls: list[list[str]] = []
+    first = run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
+    assert first.kv_hit_pages == 6 and len(calls) == 2
+    clock.now += 1.9
+    again = GroupSearch(layout, hashes, confirmed, clock.now)
+    assert again.result == first and again.wanted == []       # no store call at all
+    longer = GroupSearch(layout, hashes + ["p6"], confirmed, clock.now)
+    assert {o.split("_")[1] for o in longer.wanted} == {"p6"}  # only the new page
+    clock.now += 0.2                                            # confirmations expired
+    stale = GroupSearch(layout, hashes, confirmed, clock.now)
+    assert len(stale.wanted) == len([o for o in present if o.endswith(("_k", "_v"))])
+
+
+def test_only_whole_pages_are_confirmed_and_misses_never():
+    dep, queries = SHAPES[0]
+    layout = group_layout(dep, queries)
+    hashes = ["a", "b"]
+    confirmed = ConfirmedPages(5.0, clock=Clock())
+    present = set(group_objects(dep, hashes, queries).objects) - {"org-m_b_1_v"}
+    run(GroupSearch(layout, hashes, confirmed, 100.0), present, [], 100.0)
+    known = [confirmed.known(s.key, hashes, 100.0).tolist() for s in layout.segments]
+    # KV rank 0: both pages; KV rank 1: page a only (b lacks v); Mamba: below the limit.
+    assert known == [[True, True], [True, False], [True, False], [True, False]]
+    confirmed.forget()
+    assert not any(confirmed.known(s.key, hashes, 100.0).any() for s in layout.segments)
+
+
+def test_generations_bound_memory_by_time():
+    clock = Clock()
+    confirmed = ConfirmedPages(1.0, clock=clock)
+    for step in range(10):
+        confirmed.confirm("s", [f"{step}-{i}" for i in range(100)], clock.now)
+        confirmed.known("s", ["x"], clock.now)
+        clock.now += 0.5
+    assert len(confirmed) <= 300
+    assert confirmed.known("s", ["9-0", "8-0", "0-0"], clock.now - 0.5).tolist() == [
+        True, True, False]
+
+
+def test_disabled_remembers_nothing():
+    confirmed = ConfirmedPages(0.0)
+    confirmed.confirm("s", ["a"], 0.0)
+    assert len(confirmed) == 0 and not confirmed.known("s", ["a"], 0.0).any()
+
+
+def test_unknown_pool_is_refused():
+    dep, _ = SHAPES[0]
+    with pytest.raises(ValueError, match="registered no 'indexer' pool"):
+        group_layout(dep, [PoolQuery(PoolName.INDEXER)])
+
+
+def test_layout_shares_replicated_segments():
+    dep, queries = SHAPES[2]
+    layout = group_layout(dep, queries)
+    # MLA KV and indexer once, Mamba per TP rank
+    assert len(layout.segments) == 2 + 2
+    assert np.array([s.window for s in layout.segments]).tolist().count(0) == 2
