@@ -63,6 +63,13 @@ def check_keys(keys: Sequence[str]) -> list[str]:
         raise ValueError(f"keys must be a list of strings, got {type(keys).__name__}")
     if not keys:
         raise ValueError("keys is empty")
+    keys = list(keys)
+    try:  # the common case at the cost of one set; the loop below names what is wrong
+        if set(map(type, keys)) == {str} and len(unique := set(keys)) == len(keys) \
+                and "" not in unique:
+            return keys
+    except TypeError:  # an unhashable key
+        pass
     seen: dict[str, int] = {}
     for i, k in enumerate(keys):
         if not isinstance(k, str) or not k:
@@ -70,7 +77,7 @@ def check_keys(keys: Sequence[str]) -> list[str]:
         if k in seen:
             raise ValueError(f"key {k!r} appears at positions {seen[k]} and {i}")
         seen[k] = i
-    return list(keys)
+    return keys
 
 
 def _pool_name(name) -> PoolName:
@@ -190,6 +197,8 @@ class CacheClient:
                 "is raykv running on this cluster?") from e
         self._pools: dict[str, HostPool] = {}
         self._registered: dict[PoolName, HostPool] = {}
+        self._spec_cache: tuple[tuple[tuple[PoolName, HostPool], ...],
+                                tuple[PoolSpec, ...]] = ((), ())
         self._staged: dict[PoolName, torch.Tensor] = {}
         self._draft_disabled: str | None = None
         self._namespace = namespace
@@ -532,9 +541,16 @@ class CacheClient:
 
     # ------------------------------------------------------------ group hits
     def _specs(self) -> tuple[PoolSpec, ...]:
-        """The registered pools as the controller sees them, in a stable order."""
-        return tuple(sorted((_spec(name, pool) for name, pool in self._registered.items()),
-                            key=lambda p: p.name.value))
+        """The registered pools as the controller sees them, in a stable order (made
+        again only when the registered pools changed)."""
+        pools, specs = self._spec_cache
+        if len(pools) != len(self._registered) or any(
+                self._registered.get(name) is not pool for name, pool in pools):
+            pools = tuple(self._registered.items())
+            specs = tuple(sorted((_spec(name, pool) for name, pool in pools),
+                                 key=lambda p: p.name.value))
+            self._spec_cache = (pools, specs)
+        return specs
 
     def register_deployment(self) -> str:
         """Register this rank and its pools with the controller; adopt the key plan it

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from cache_actors.client import CacheClient
 from cache_actors.host_pools import HostPool
-from clusters.bench_group import group_rows, render_group
+from clusters.bench_group import group_rows, judge_group, render_group, render_targets
 from clusters.local import LocalCluster, start_local
 from controllers.contract import StorageConfig
 
@@ -419,9 +419,7 @@ def render(result: dict, console: Console) -> None:
     console.print(ltable)
     if result["group"]:
         render_group(result["group"], result["config"]["group_concurrency"], console)
-    for name, met in result["targets"].items():
-        verdict = "not judged" if met is None else "met" if met else "NOT met"
-        console.print(f"target {name}: {verdict}")
+    render_targets(result["targets"], console)
 
 
 LATENCY_PAIRS = (("set / put", "whole_set", "raw_put"), ("get", "whole_get", "raw_get"),
@@ -478,9 +476,10 @@ def plot(result: dict, path: Path) -> None:
     ours = [lat[w]["p50_ms"] for _, w, _ in LATENCY_PAIRS]
     raw = [lat[b]["p50_ms"] for _, _, b in LATENCY_PAIRS]
     for row in result["group"]:
-        labels.append(f"group TP={row['tp']}\n{row['objects']} objects")
-        ours.append(row["group_p50_ms"])
-        raw.append(row["raw_p50_ms"])
+        for case in ("cold", "warm"):
+            labels.append(f"group TP={row['tp']}\n{case}, {row['objects']} obj")
+            ours.append(row[f"{case}_p50_ms"])
+            raw.append(row[f"{case}_raw_p50_ms"])
     lx = np.arange(len(labels))
     for off, values, label, color in ((-0.2, ours, "raykv", "#2ca02c"),
                                       (0.2, raw, "raw Mooncake", "#98df8a")):
@@ -566,7 +565,7 @@ def run_dataplane_bench(
         "sizes": results,
         "latency": latency,
         "group": group,
-        "targets": judge(results, latency),
+        "targets": judge(results, latency) | judge_group(group),
         "elapsed_s": time.perf_counter() - started,
     }
     render(result, console)

@@ -2,25 +2,29 @@
 ``batch_is_exist`` of the same objects, in one run.
 
 For each TP size a deployment with KV (MHA, k+v) and Mamba (temporal + 2 conv) pools is
-registered; prompts of ``pages`` pages are stored for every rank (tiny objects: the
-check does not read bytes). Measured:
-- **latency**: ``CacheClient.group_exists`` (rank -> local channel -> the home node
-  actor names every rank's objects -> one ``batch_is_exist`` -> intersection) vs the raw
-  ``batch_is_exist`` of the identical object list from the driver, p50/p99 in ms;
-  *added* = group p50 - raw p50. The answer window is 0, so every query reaches the
-  store (the worst case).
+registered; 64 prompts of ``pages`` pages are stored for every rank, every page with
+its Mamba state (tiny objects: the check does not read bytes). Measured:
+- **latency, cold**: ``CacheClient.group_exists`` (rank -> local channel -> the home
+  node actor -> staged store checks -> intersection) right after the home node forgot
+  every confirmation, so every object is checked at the store, vs the raw
+  ``batch_is_exist`` of the identical object list from the driver; p50/p99 in ms,
+  *added* = group p50 - raw p50. The answer window is 0: no answer is shared.
+- **latency, warm**: the same rank asking again about prompts the store confirmed
+  less than ``confirm_ttl_s`` ago (Mooncake leases them), against the same raw check.
 - **throughput**: group queries/s from ``concurrency`` caller threads, each a rank of
-  the group with its own ``CacheClient`` use: (a) every query distinct, (b) every query
-  asked by all ``tp`` ranks, as a TP group does (one check serves the ranks that ask
-  while it runs); and, as the store's ceiling, raw ``batch_is_exist`` calls/s of the
-  same object lists from as many driver threads.
+  the group with its own ``CacheClient``: distinct queries about stored prompts (hits,
+  confirmations renewed as they expire), distinct queries about prompts never stored
+  (misses: only KV objects are checked, never confirmed), and every stored prompt asked
+  by all ``tp`` ranks (as a TP group does); as the store's ceiling, raw
+  ``batch_is_exist`` calls/s of the full object lists from as many driver threads.
+- **answered**: how the home node answered the run's queries (shared, from
+  confirmations, with store checks) and its store calls.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 import uuid
@@ -35,7 +39,14 @@ from rich.table import Table
 
 from cache_actors import CacheClient
 from clusters.local import start_local
-from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from controllers import (
+    NAMESPACE,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    StorageConfig,
+    node_actor_name,
+)
 from controllers.deployments import Deployment, PoolQuery, group_objects
 
 MIB = 1 << 20
@@ -95,6 +106,25 @@ def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurre
                              1, concurrency, seconds)
 
 
+def _latency(client: CacheClient, raw, deployment: Deployment, prompts, queries, transfer,
+             calls: int, before=lambda: None) -> tuple[list[float], list[float]]:
+    """``calls`` sequential group queries and raw checks of the same objects, taking
+    turns; ``before()`` runs untimed ahead of each group query."""
+    group, rawt = [], []
+    for n in range(calls):
+        keys = prompts[n % len(prompts)]
+        objects = group_objects(deployment, keys, queries).objects
+        before()
+        t = time.perf_counter()
+        hit = client.group_exists(keys, transfer)
+        group.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        raw.store.batch_is_exist(objects)
+        rawt.append(time.perf_counter() - t)
+        assert hit.kv_hit_pages == len(keys), hit
+    return group, rawt
+
+
 def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
               seconds: float) -> dict:
     model = f"bench-group-tp{tp}-{uuid.uuid4().hex[:6]}"
@@ -105,37 +135,40 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
         c.register_mem_host_pool_v2(c.create_host_pool("mamba", **MAMBA), PoolName.MAMBA)
         dep = c.register_deployment()
         clients.append(c)
-    client = clients[0]
     dep_spec = ray.get(cluster.controller.deployments.remote())[dep]
     deployment = Deployment.from_dict(dep_spec)
+    home = ray.get_actor(node_actor_name(dep_spec["home_node"]), namespace=NAMESPACE)
     queries = [PoolQuery(PoolName.MAMBA, TRAIL, 1)]
-    prompts = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(8)]
-    for keys in prompts:  # store every rank's objects of every page
+    stored = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(64)]
+    for keys in stored:  # every rank's objects of every page
         raw.put_tiny(group_objects(deployment, keys, queries).objects)
     transfer = [PoolTransfer(PoolName.MAMBA, None, None, TRAIL)]
-    group, rawt = [], []
-    for n in range(calls):
-        keys = prompts[n % len(prompts)]
-        objects = group_objects(deployment, keys, queries).objects
-        t = time.perf_counter()
-        hit = client.group_exists(keys, transfer)
-        group.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        raw.store.batch_is_exist(objects)
-        rawt.append(time.perf_counter() - t)
-        assert hit.kv_hit_pages == pages
-    fresh = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(256)]
-    distinct = _throughput(clients, fresh, transfer, False, concurrency, seconds)
-    shared = _throughput(clients, fresh, transfer, True, concurrency, seconds)
-    raw_qps = _raw_throughput(raw, deployment, fresh, queries, concurrency, seconds)
+    before = ray.get(home.stats.remote())["group_queries"]
+    cold, cold_raw = _latency(clients[0], raw, deployment, stored, queries, transfer, calls,
+                              lambda: ray.get(home.forget_confirmations.remote()))
+    warm, warm_raw = _latency(clients[0], raw, deployment, stored[:8], queries, transfer,
+                              calls)
+    misses = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(256)]
+    qps = {
+        "qps_hits": _throughput(clients, stored, transfer, False, concurrency, seconds),
+        "qps_misses": _throughput(clients, misses, transfer, False, concurrency, seconds),
+        "qps_group_shared": _throughput(clients, stored, transfer, True, concurrency,
+                                        seconds),
+        "qps_raw": _raw_throughput(raw, deployment, stored, queries, concurrency, seconds),
+    }
+    after = ray.get(home.stats.remote())["group_queries"]
     for c in clients:
         c.close()
-    return {"tp": tp, "pages": pages, "objects": len(objects),
-            "group_p50_ms": _pct(group, 0.5), "group_p99_ms": _pct(group, 0.99),
-            "raw_p50_ms": _pct(rawt, 0.5), "raw_p99_ms": _pct(rawt, 0.99),
-            "added_p50_ms": _pct(group, 0.5) - _pct(rawt, 0.5),
-            "qps_distinct": distinct, "qps_group_shared": shared, "qps_raw": raw_qps,
-            "group_mean_ms": statistics.mean(group) * 1e3}
+    answered = {k: after[k] - before[k] for k in ("recent", "inflight", "confirmed",
+                                                   "checked", "store_calls")}
+    row = {"tp": tp, "pages": pages,
+           "objects": len(group_objects(deployment, stored[0], queries).objects),
+           "answered": answered, **qps}
+    for name, group, rawt in (("cold", cold, cold_raw), ("warm", warm, warm_raw)):
+        row |= {f"{name}_p50_ms": _pct(group, 0.5), f"{name}_p99_ms": _pct(group, 0.99),
+                f"{name}_raw_p50_ms": _pct(rawt, 0.5), f"{name}_raw_p99_ms": _pct(rawt, 0.99),
+                f"{name}_added_p50_ms": _pct(group, 0.5) - _pct(rawt, 0.5)}
+    return row
 
 
 class _RawStore:
@@ -172,11 +205,15 @@ class _RawStore:
         self.store.close()
 
 
+TARGET_ADDED_MS = 1.0  # group p50 minus raw p50 (issue #4)
+TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores (issue #4)
+
+
 def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
                concurrency: int = 32, seconds: float = 3.0) -> list[dict]:
     """One row of figures per TP size on a running raykv ``cluster`` (whose group answer
-    window should be 0, so every query reaches the store). Latencies in ms, throughput
-    in queries/s."""
+    window should be 0, so no answer is shared between queries). Latencies in ms,
+    throughput in queries/s."""
     raw = _RawStore(cluster)
     try:
         return [_bench_tp(cluster, raw, tp, pages, calls, concurrency, seconds)
@@ -185,21 +222,55 @@ def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, call
         raw.close()
 
 
+def judge_group(rows: list[dict]) -> dict[str, bool | None]:
+    """Issue #4's targets on ``rows``, each case judged on its own (None: no rows)."""
+    if not rows:
+        return {}
+    out = {}
+    for case in ("cold", "warm"):
+        out[f"group query adds < {TARGET_ADDED_MS} ms p50 ({case})"] = all(
+            r[f"{case}_added_p50_ms"] < TARGET_ADDED_MS for r in rows)
+    for key, case in (("qps_hits", "hits"), ("qps_misses", "misses"),
+                      ("qps_group_shared", "asked by every TP rank")):
+        out[f">= {TARGET_QPS:.0f} group queries/s ({case})"] = all(
+            r[key] >= TARGET_QPS for r in rows)
+    return out
+
+
 def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
-    """Print the group-exists table of ``rows`` with rich."""
+    """Print the group-exists tables of ``rows`` with rich."""
     pages = rows[0]["pages"] if rows else 0
-    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba, "
-                  f"{concurrency} callers)")
-    for col in ("TP", "objects", "group p50/p99 ms", "raw p50/p99 ms", "added p50 ms",
-                "q/s distinct", "q/s TP group", "raw checks/s"):
+    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba): "
+                  "p50 / p99 ms")
+    for col in ("TP", "objects", "cold group", "cold raw", "cold added", "warm group",
+                "warm raw", "warm added"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["tp"]), str(r["objects"]),
-                      f"{r['group_p50_ms']:.2f} / {r['group_p99_ms']:.2f}",
-                      f"{r['raw_p50_ms']:.2f} / {r['raw_p99_ms']:.2f}",
-                      f"{r['added_p50_ms']:.2f}", f"{r['qps_distinct']:.0f}",
-                      f"{r['qps_group_shared']:.0f}", f"{r['qps_raw']:.0f}")
+                      *(f"{r[f'{c}_p50_ms']:.2f} / {r[f'{c}_p99_ms']:.2f}" for c in ("cold",)),
+                      f"{r['cold_raw_p50_ms']:.2f} / {r['cold_raw_p99_ms']:.2f}",
+                      f"{r['cold_added_p50_ms']:.2f}",
+                      f"{r['warm_p50_ms']:.2f} / {r['warm_p99_ms']:.2f}",
+                      f"{r['warm_raw_p50_ms']:.2f} / {r['warm_raw_p99_ms']:.2f}",
+                      f"{r['warm_added_p50_ms']:.2f}")
     console.print(table)
+    table = Table(title=f"group queries/s, {concurrency} callers")
+    for col in ("TP", "hits", "misses", "TP group", "raw checks/s", "shared", "confirmed",
+                "checked", "store calls"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        a = r["answered"]
+        table.add_row(str(r["tp"]), f"{r['qps_hits']:.0f}", f"{r['qps_misses']:.0f}",
+                      f"{r['qps_group_shared']:.0f}", f"{r['qps_raw']:.0f}",
+                      str(a["recent"] + a["inflight"]), str(a["confirmed"]),
+                      str(a["checked"]), str(a["store_calls"]))
+    console.print(table)
+
+
+def render_targets(targets: dict[str, bool | None], console: Console) -> None:
+    for name, met in targets.items():
+        verdict = "not judged" if met is None else "met" if met else "NOT met"
+        console.print(f"target {name}: {verdict}")
 
 
 def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
@@ -215,9 +286,11 @@ def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: i
     with start_local(num_nodes=1, global_segment_size=512 * MIB, group_window_s=0.0) as cluster:
         rows = group_rows(cluster, tp_sizes, pages, calls, concurrency, seconds)
     render_group(rows, concurrency, console)
-    result = {"rows": rows, "config": {"pages": pages, "calls": calls,
-                                       "concurrency": concurrency, "seconds": seconds,
-                                       "cpus": os.cpu_count()}}
+    targets = judge_group(rows)
+    render_targets(targets, console)
+    result = {"rows": rows, "targets": targets,
+              "config": {"pages": pages, "calls": calls, "concurrency": concurrency,
+                         "seconds": seconds, "cpus": os.cpu_count()}}
     path = out / "bench_group.json"
     path.write_text(json.dumps(result, indent=2))
     console.print(f"wrote {path}")

@@ -9,12 +9,15 @@ still take a confirmed object is outside that contract: a forced remove, a store
 segment unmounted (its node left) or the master restarting; the node actor calls
 ``forget`` on each of those it sees, and ``ttl_s`` bounds the rest.
 
-Granularity: one entry per (segment, page hash), where a segment is one family of
-object names (``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's or
-the replicated copy's objects of one pool). An entry means every object of that page in
-that segment was confirmed. Memory is bounded by time, not by a scan: entries go into
-the current generation; every ``ttl_s`` the current generation becomes the previous
-one and the previous one is dropped, so nothing older than ``2 x ttl_s`` is held.
+Granularity: one entry per (key, page hash). A key names a set of objects per page: a
+segment (one family ``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's
+or the replicated copy's objects of one pool), or a whole group layout (every segment),
+so a page whose every object was confirmed is found with one lookup. An entry holds the
+time until which it can be trusted; a layout entry takes the earliest of its segments',
+so no entry outlives the confirmation it came from. Memory is bounded by time, not by a
+scan: entries go into the current generation; every ``ttl_s`` the current generation
+becomes the previous one and the previous one is dropped, so nothing older than ``2 x
+ttl_s`` is held.
 """
 
 from __future__ import annotations
@@ -52,30 +55,37 @@ class ConfirmedPages:
                     self._previous, self._current = self._current, {}
                     self._turned = now
 
-    def known(self, segment: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
-        """Per page of ``hashes``: whether ``segment``'s objects of that page were
-        confirmed and the confirmation has not expired at ``now``."""
-        n = len(hashes)
+    def until(self, key: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
+        """Per page of ``hashes``: until when (monotonic seconds) ``key``'s objects of
+        that page are confirmed; 0 where never (or turned out). Compare with ``now``."""
         if not self.enabled:
-            return np.zeros(n, dtype=bool)
+            return np.zeros(len(hashes), dtype=np.float64)
         self._turn(now)
-        cur = self._current.get(segment, {})
-        prev = self._previous.get(segment, {})
-        until = np.fromiter((cur.get(h) or prev.get(h, 0.0) for h in hashes),
-                            dtype=np.float64, count=n)
-        return until > now
+        cur = self._current.get(key, {})
+        prev = self._previous.get(key, {})
+        if prev:
+            return np.array([cur.get(h) or prev.get(h, 0.0) for h in hashes], np.float64)
+        return np.array([cur.get(h, 0.0) for h in hashes], np.float64)
 
-    def confirm(self, segment: SegmentKey, hashes: Sequence[str], since: float) -> None:
-        """Record that every object of ``segment`` for ``hashes`` was reported present by
-        a store check that started at ``since`` (the lease began no earlier)."""
+    def known(self, key: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
+        """Per page of ``hashes``: whether ``key``'s objects of that page are confirmed
+        at ``now``."""
+        return self.until(key, hashes, now) > now
+
+    def confirm(self, key: SegmentKey, hashes: Sequence[str], since: float) -> None:
+        """Record that every object of ``key`` for ``hashes`` was reported present by a
+        store check that started at ``since`` (the lease began no earlier)."""
+        self.record(key, hashes, [since + self.ttl_s] * len(hashes))
+
+    def record(self, key: SegmentKey, hashes: Sequence[str], until: Sequence[float]) -> None:
+        """Record per page of ``hashes`` the time ``until`` which ``key``'s objects are
+        confirmed (each taken from confirmations made by ``confirm``)."""
         if not self.enabled or not hashes:
             return
-        until = since + self.ttl_s
-        pages = self._current.get(segment)
+        pages = self._current.get(key)
         if pages is None:
-            pages = self._current.setdefault(segment, {})
-        for h in hashes:
-            pages[h] = until
+            pages = self._current.setdefault(key, {})
+        pages.update(zip(hashes, until, strict=True))
 
     def forget(self) -> None:
         """Drop every confirmation (objects may have left the store)."""

@@ -56,13 +56,14 @@ class _Answer:
 class GroupQueryStats:
     """Counters since start: queries answered from a recent answer (another rank's), by
     joining a check in flight, from confirmations alone (no store call), and with store
-    checks of their own; store calls made."""
+    checks of their own; store calls made and the seconds they took."""
 
     recent: int = 0
     inflight: int = 0
     confirmed: int = 0
     checked: int = 0
     store_calls: int = 0
+    store_seconds: float = 0.0
 
 
 class GroupQueries:
@@ -203,7 +204,8 @@ class GroupQueries:
             codes, error = self._exists(names), None
         except Exception as e:  # every waiter of this round gets it
             codes, error = None, e
-        self._on_check(time.perf_counter() - t)
+        took = time.perf_counter() - t
+        self._on_check(took)
         for q in batch:  # outside the lock: other leaders and callers go on meanwhile
             if codes is None:
                 q.error = error
@@ -215,6 +217,7 @@ class GroupQueries:
                 q.error = e
         with self._lock:
             self.stats.store_calls += 1
+            self.stats.store_seconds += took
             finished = [q for q in batch if q.error is not None or q.search.result is not None]
             self._pending += [q for q in batch if q.error is None and q.search.result is None]
             self._finish(finished, time.monotonic())

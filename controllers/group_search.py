@@ -11,10 +11,11 @@ every rank and pool; this module reaches it by checking only what can change it:
 3. The intersection of restorable prefix lengths ``0..K``, vectorised over segments.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
-while its confirmations hold is answered from memory. Objects are grouped in
-**segments**: one family ``prefix + page hash + suffix`` per rank and pool (a replicated
-pool's segment is shared by the TP ranks, so nothing is named twice), and a page of a
-segment counts as present when every object of it exists.
+while its confirmations hold is answered from memory; a page confirmed whole (every
+segment) is found with one lookup, and a query whose every page is, needs no arrays.
+Objects are grouped in **segments**: one family ``prefix + page hash + suffix`` per rank
+and pool (a replicated pool's segment is shared by the TP ranks, so nothing is named
+twice), and a page of a segment counts as present when every object of it exists.
 """
 
 from __future__ import annotations
@@ -45,11 +46,23 @@ class Segment:
 @dataclass(frozen=True)
 class GroupLayout:
     """The distinct segments of one deployment and queried pool set, and the queried
-    extra pools (for ``extra_pool_hit_pages``)."""
+    extra pools (for ``extra_pool_hit_pages``). ``key`` names the set of every
+    segment's objects (for confirmations of whole pages)."""
 
     prefix: str
     segments: tuple[Segment, ...]
     extra: tuple[PoolQuery, ...]
+
+    @property
+    def key(self) -> tuple:
+        return ("layout", *(s.key for s in self.segments))
+
+    def hit(self, pages: int, lengths: list[int]) -> PoolTransferResult:
+        """The result for a hit of ``pages`` pages and restorable ``lengths``."""
+        per_pool = {q.name: pages if q.policy == PoolHitPolicy.ALL_PAGES
+                    else min(q.window, pages) for q in self.extra}
+        return PoolTransferResult(kv_hit_pages=pages, extra_pool_hit_pages=per_pool,
+                                  restorable_prefix_pages=lengths)
 
 
 def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
@@ -75,14 +88,22 @@ class GroupSearch:
                  confirmed: ConfirmedPages, now: float) -> None:
         self.layout = layout
         self.hashes = list(hashes)
+        self.result: PoolTransferResult | None = None
+        self.wanted: list[str] = []
+        n = len(self.hashes)
+        whole = confirmed.until(layout.key, self.hashes, now)
+        if (whole > now).all():  # every object of every page confirmed
+            self.result = layout.hit(n, list(range(n + 1)))
+            return
         self._confirmed = confirmed
         segs = layout.segments
         self._windows = np.array([s.window for s in segs], dtype=np.int64)
-        self.present = np.vstack([confirmed.known(s.key, self.hashes, now) for s in segs])
-        self.result: PoolTransferResult | None = None
-        self.wanted: list[str] = []
+        self._until = np.vstack([confirmed.until(s.key, self.hashes, now) for s in segs])
+        np.maximum(self._until, whole[None, :], out=self._until)
+        self.present = self._until > now
         self._asked: list[tuple[int, np.ndarray]] = []
-        self._limit = len(self.hashes)
+        self._fed = False
+        self._limit = n
         self._stage = 0
         self._advance()
 
@@ -113,11 +134,17 @@ class GroupSearch:
                 return
         self.wanted = []
         self.result = self._resolve()
+        if self._fed:  # pages now confirmed whole: one lookup next time
+            whole = np.flatnonzero(self.present.all(axis=0))
+            self._confirmed.record(self.layout.key, [self.hashes[p] for p in whole.tolist()],
+                                   self._until[:, whole].min(axis=0).tolist())
 
     def feed(self, codes: Sequence[int], since: float) -> None:
         """Take the store's codes (1 = exists) for ``wanted``, from a check that started
         at ``since`` (monotonic seconds); confirm the pages found whole; go on."""
         ok = np.fromiter(codes, dtype=np.int64, count=len(self.wanted)) == 1
+        until = since + self._confirmed.ttl_s
+        self._fed = True
         i = 0
         for s, pages in self._asked:
             seg = self.layout.segments[s]
@@ -126,6 +153,7 @@ class GroupSearch:
             i += pages.size * per
             found = pages[whole]
             self.present[s, found] = True
+            self._until[s, found] = until
             self._confirmed.confirm(seg.key, [self.hashes[p] for p in found.tolist()], since)
         self._advance()
 
@@ -142,8 +170,4 @@ class GroupSearch:
             found = counts - np.take_along_axis(counts, start, axis=1)
             common &= (found == lengths[None, :] - start).all(axis=0)
         hits = np.flatnonzero(common).tolist()
-        hit = hits[-1]
-        per_pool = {q.name: hit if q.policy == PoolHitPolicy.ALL_PAGES else min(q.window, hit)
-                    for q in self.layout.extra}
-        return PoolTransferResult(kv_hit_pages=hit, extra_pool_hit_pages=per_pool,
-                                  restorable_prefix_pages=hits)
+        return self.layout.hit(hits[-1], hits)

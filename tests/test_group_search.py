@@ -165,3 +165,23 @@ def test_layout_shares_replicated_segments():
     # MLA KV and indexer once, Mamba per TP rank
     assert len(layout.segments) == 2 + 2
     assert np.array([s.window for s in layout.segments]).tolist().count(0) == 2
+
+
+def test_a_whole_page_is_trusted_no_longer_than_its_oldest_confirmation():
+    dep, queries = SHAPES[0]
+    layout = group_layout(dep, queries)
+    hashes = ["a", "b"]
+    clock = Clock()
+    confirmed = ConfirmedPages(2.0, clock=clock)
+    present = set(group_objects(dep, hashes, queries).objects)
+    kv_only = group_layout(dep, [])
+    run(GroupSearch(kv_only, hashes, confirmed, clock.now), present, [], clock.now)  # KV at 100
+    clock.now = 101.5
+    calls: list[list[str]] = []
+    run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
+    assert all("temporal" in o or "conv" in o for c in calls for o in c)  # KV was known
+    assert GroupSearch(layout, hashes, confirmed, 101.9).wanted == []     # whole pages
+    assert confirmed.until(layout.key, hashes, 101.9).tolist() == [102.0, 102.0]
+    clock.now = 102.1  # the KV confirmations ran out: checked again, Mamba still known
+    again = GroupSearch(layout, hashes, confirmed, clock.now)
+    assert again.wanted and all(o.endswith(("_k", "_v")) for o in again.wanted)
