@@ -41,8 +41,11 @@ class _Query:
     search: GroupSearch
     ranks: set[tuple[int, int]]
     group: int
+    cond: threading.Condition  # on the GroupQueries lock: wakes this query's callers only
     done: bool = False
     error: BaseException | None = None
+    waiting: int = 0       # callers waiting on ``cond``
+    promote: bool = False  # one of them is asked to lead (a leader place is kept for it)
 
 
 @dataclass
@@ -86,7 +89,7 @@ class GroupQueries:
         self._on_check = on_check
         self._on_query = on_query
         self._max_recent = max_recent
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
@@ -140,7 +143,7 @@ class GroupQueries:
                     how = "inflight"
                     break
                 if search is not None:
-                    q = _Query(key, search, {rank}, group)
+                    q = _Query(key, search, {rank}, group, threading.Condition(self._lock))
                     if search.result is not None:
                         self.stats.confirmed += 1
                         self._finish([q], now)
@@ -158,21 +161,37 @@ class GroupQueries:
             self._on_query("recent")
             return hit.result
         self._on_query(how)
-        with self._lock:
-            while not q.done:
-                if self._pending and self._leaders < self._parallel:
-                    self._leaders += 1
-                    break
-                self._lock.wait()
-        if not q.done:
+        while self._wait(q):
             self._lead(q)
         if q.error is not None:
             raise q.error
         return q.search.result
 
+    def _wait(self, q: _Query) -> bool:
+        """Wait until ``q`` is answered (False) or this caller is to lead (True: a
+        leader place is taken for it)."""
+        with self._lock:
+            q.waiting += 1
+            try:
+                while True:
+                    if q.promote:
+                        q.promote = False
+                        if not q.done:
+                            return True
+                        self._leaders -= 1  # answered meanwhile: the place goes on
+                        self._promote()
+                    if q.done:
+                        return False
+                    if self._pending and self._leaders < self._parallel:
+                        self._leaders += 1
+                        return True
+                    q.cond.wait()
+            finally:
+                q.waiting -= 1
+
     def _lead(self, q: _Query) -> None:
-        """Check queued queries until ``q`` is answered or another leader took it; then
-        give the place up (a waiting caller may take it) and wait for ``q``."""
+        """Check queued queries until ``q`` is answered or nothing is queued; then give
+        the place up to a caller whose query waits in the queue."""
         try:
             while True:
                 with self._lock:
@@ -183,10 +202,17 @@ class GroupQueries:
         finally:
             with self._lock:
                 self._leaders -= 1
-                self._lock.notify_all()
-        with self._lock:
-            while not q.done:
-                self._lock.wait()
+                self._promote()
+
+    def _promote(self) -> None:
+        """Under the lock: wake one caller of queued queries per free leader place."""
+        for p in self._pending:
+            if self._leaders >= self._parallel:
+                return
+            if p.waiting and not p.promote:
+                p.promote = True
+                self._leaders += 1
+                p.cond.notify()
 
     def _answer(self, batch: list[_Query]) -> None:
         """One store call for the current step of every query in ``batch``; queries
@@ -221,7 +247,7 @@ class GroupQueries:
             finished = [q for q in batch if q.error is not None or q.search.result is not None]
             self._pending += [q for q in batch if q.error is None and q.search.result is None]
             self._finish(finished, time.monotonic())
-            self._lock.notify_all()
+            self._promote()
 
     def _finish(self, queries: list[_Query], now: float) -> None:
         """Under the lock: mark ``queries`` answered and keep their answers for the
@@ -232,3 +258,4 @@ class GroupQueries:
             if q.error is None and self._window > 0 and len(q.ranks) < q.group:
                 self._recent[q.key] = _Answer(now, q.search.result, q.ranks)
             q.done = True
+            q.cond.notify_all()

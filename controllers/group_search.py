@@ -3,12 +3,14 @@
 The answer is the one ``deployments.group_hits`` gives from a check of every object of
 every rank and pool; this module reaches it by checking only what can change it:
 
-1. **All-pages pools** (KV, and extra pools with policy ``all_pages``), every rank: the
-   pages not already confirmed (``ConfirmedPages``). ``K``, the first page missing in
-   any of them, bounds the hit: no prefix longer than ``K`` is restorable.
-2. **Trailing pools** (Mamba, SWA), every rank: only pages below ``K`` not already
-   confirmed. A miss on page 0 (``K = 0``) needs no trailing objects at all.
-3. The intersection of restorable prefix lengths ``0..K``, vectorised over segments.
+1. **One all-pages segment** (rank 0's KV, or the replicated KV): every page not already
+   confirmed (``ConfirmedPages``). Its first missing page bounds the hit.
+2. **The other all-pages segments** (every rank's KV, extra pools with policy
+   ``all_pages``): only pages below that bound. ``K``, the first page missing in any
+   all-pages segment, bounds the hit: no prefix longer than ``K`` is restorable.
+3. **Trailing pools** (Mamba, SWA), every rank: only pages below ``K``. A miss on page
+   0 (``K = 0``) needs nothing after step 1.
+4. The intersection of restorable prefix lengths ``0..K``, vectorised over segments.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
@@ -114,24 +116,28 @@ class GroupSearch:
             missing = np.flatnonzero(~self.present[s, :pages])
             if missing.size:
                 seg = self.layout.segments[s]
-                p, suffixes = self.layout.prefix, seg.suffixes
-                names += [p + self.hashes[i] + x for i in missing.tolist() for x in suffixes]
+                p, hashes = self.layout.prefix, self.hashes
+                names += [f"{p}{hashes[i]}{x}" for i in missing.tolist() for x in seg.suffixes]
                 self._asked.append((s, missing))
         self.wanted = names
         return bool(names)
 
+    def _bound(self, rows: np.ndarray) -> int:
+        """The first page missing (or not checked) in any of segments ``rows``."""
+        full = self.present[rows]
+        return int(np.where(full.all(axis=1), full.shape[1], full.argmin(axis=1)).min())
+
     def _advance(self) -> None:
-        if self._stage == 0:
-            self._stage = 1
-            if self._ask(np.flatnonzero(self._windows == 0), len(self.hashes)):
+        every = np.flatnonzero(self._windows == 0)
+        steps = (lambda: (every[:1], len(self.hashes)),
+                 lambda: (every[1:], self._bound(every[:1])),
+                 lambda: (np.flatnonzero(self._windows > 0), self._bound(every)))
+        while self._stage < len(steps):
+            rows, pages = steps[self._stage]()
+            self._stage += 1
+            if pages and self._ask(rows, pages):
                 return
-        if self._stage == 1:
-            full = self.present[self._windows == 0]
-            first_missing = np.where(full.all(axis=1), full.shape[1], full.argmin(axis=1))
-            self._limit = int(first_missing.min())
-            self._stage = 2
-            if self._limit and self._ask(np.flatnonzero(self._windows > 0), self._limit):
-                return
+        self._limit = self._bound(every)
         self.wanted = []
         self.result = self._resolve()
         if self._fed:  # pages now confirmed whole: one lookup next time
