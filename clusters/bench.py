@@ -477,7 +477,7 @@ def plot(result: dict, path: Path) -> None:
     raw = [lat[b]["p50_ms"] for _, _, b in LATENCY_PAIRS]
     for row in result["group"]:
         for case in ("cold", "warm"):
-            labels.append(f"group TP={row['tp']}\n{case}, {row['objects']} obj")
+            labels.append(f"group\nTP={row['tp']}\n{case}")
             ours.append(row[f"{case}_p50_ms"])
             raw.append(row[f"{case}_raw_p50_ms"])
     lx = np.arange(len(labels))
@@ -485,7 +485,7 @@ def plot(result: dict, path: Path) -> None:
                                       (0.2, raw, "raw Mooncake", "#98df8a")):
         bars = lax.bar(lx + off, values, 0.4, label=label, color=color)
         lax.bar_label(bars, fmt="%.2f", fontsize=7)
-    lax.set_xticks(lx, labels, fontsize=8)
+    lax.set_xticks(lx, labels, fontsize=7)
     lax.set_ylabel("p50 latency, ms")
     lax.set_title(f"1-page calls ({human_bytes(lat['page_bytes'])}) and group queries",
                   fontsize=10)
