@@ -36,11 +36,14 @@ def store(rank, keys, kv_pages, mamba_pages):
     assert all(all(v) for v in out.values())
 
 
+def tp2_ranks(cluster, pools=POOLS, **config):
+    """TP ranks 0 and 1 of one deployment, on the first and second node."""
+    return [start_hybrid(node, StorageConfig(tp_rank=r, tp_size=2, **config), pools)
+            for r, node in enumerate(cluster.node_ids[:2])]
+
+
 def test_ranks_disagree_alone_but_agree_as_a_group(cluster, uid):
-    node1, node2 = cluster.node_ids
-    model = f"grp/{uid}"
-    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, tp_size=2, model_name=model), POOLS)
-    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, tp_size=2, model_name=model), POOLS)
+    r0, r1 = tp2_ranks(cluster, model_name=f"grp/{uid}")
     keys = [f"{uid}-{i}" for i in range(4)]
     store(r0, keys, [0, 1, 2, 3], [1, 3])   # rank 0: KV 4 pages, states after 2 and 4
     store(r1, keys, [0, 1, 2], [1, 2])       # rank 1: KV 3 pages, states after 2 and 3
@@ -55,11 +58,8 @@ def test_ranks_disagree_alone_but_agree_as_a_group(cluster, uid):
 
 
 def test_mla_replica_read_by_every_rank(cluster, uid):
-    node1, node2 = cluster.node_ids
     pools = {"kv": ("mla", dict(page_size=4, size=64, layer_num=2, kv_cache_dim=16))}
-    cfg = dict(is_mla_model=True, tp_size=2, model_name=f"mla/{uid}")
-    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, **cfg), pools)
-    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, **cfg), pools)
+    r0, r1 = tp2_ranks(cluster, pools, is_mla_model=True, model_name=f"mla/{uid}")
     keys = [f"{uid}-{i}" for i in range(3)]
     assert ray.get(r1.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
     assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 0  # rank 1 skips
@@ -84,6 +84,35 @@ def test_one_answer_per_group_request(cluster, uid):
     assert first.kv_hit_pages == 2
     assert ranks[1].group_exists(keys).kv_hit_pages == 4  # a new step: a fresh answer
     assert ranks[0].group_exists(keys).kv_hit_pages == 4
+
+
+def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
+    r0, r1 = tp2_ranks(cluster, model_name=f"conf/{uid}")
+    keys = [f"{uid}-{i}" for i in range(4)]
+    for rank in (r0, r1):  # KV and a Mamba state for every page
+        store(rank, keys, [0, 1, 2, 3], [0, 1, 2, 3])
+    ask = [PoolTransfer(MAMBA, keys[-1:], None, TRAIL)]
+    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
+    dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}"]
+    home = ray.get_actor(node_actor_name(dep["home_node"]), namespace=NAMESPACE)
+    before = ray.get(home.stats.remote())["group_queries"]
+    # The same rank asks again: a fresh answer, from the pages the store just leased.
+    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
+    after = ray.get(home.stats.remote())["group_queries"]
+    assert after["confirmed"] == before["confirmed"] + 1
+    assert after["store_calls"] == before["store_calls"]
+    # A forced remove takes objects whatever their lease; told so, the actor asks again.
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                     cluster.master_address) == 0
+    try:
+        assert raw.batch_remove([f"conf-{uid}_{keys[2]}_1_k"], True) == [0]
+    finally:
+        raw.close()
+    ray.get(home.forget_confirmations.remote())
+    hit = ray.get(r0.call.remote("group_exists", keys, ask))
+    assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [0, 1, 2]
+    assert ray.get(home.stats.remote())["group_queries"]["store_calls"] > after["store_calls"]
 
 
 def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
@@ -141,6 +170,8 @@ def test_controller_restarts_from_its_checkpoint(cluster, uid):
 
 
 def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
+    # Last in the module: puts placed on the killed actor's segment fail until the
+    # master expires it (~10 s), which would fail the stores of tests after it.
     node2 = cluster.node_ids[1]
     name = f"reattach-{uid}"
     rank = start_rank(node2, StorageConfig(), pool_name=name)
@@ -165,35 +196,3 @@ def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
     reader = start_rank(cluster.node_ids[0], StorageConfig())
     assert ray.get(reader.call.remote("batch_get_v1", keys, indices(0, 4))) == [True] * 4
     assert torch.equal(ray.get(reader.pages.remote(0, 4)), before)
-
-
-def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
-    node1, node2 = cluster.node_ids
-    model = f"conf/{uid}"
-    r0 = start_hybrid(node1, StorageConfig(tp_rank=0, tp_size=2, model_name=model), POOLS)
-    r1 = start_hybrid(node2, StorageConfig(tp_rank=1, tp_size=2, model_name=model), POOLS)
-    keys = [f"{uid}-{i}" for i in range(4)]
-    for rank in (r0, r1):  # KV and a Mamba state for every page
-        store(rank, keys, [0, 1, 2, 3], [0, 1, 2, 3])
-    ask = [PoolTransfer(MAMBA, keys[-1:], None, TRAIL)]
-    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
-    dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}"]
-    home = ray.get_actor(node_actor_name(dep["home_node"]), namespace=NAMESPACE)
-    before = ray.get(home.stats.remote())["group_queries"]
-    # The same rank asks again: a fresh answer, from the pages the store just leased.
-    assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
-    after = ray.get(home.stats.remote())["group_queries"]
-    assert after["confirmed"] == before["confirmed"] + 1
-    assert after["store_calls"] == before["store_calls"]
-    # A forced remove takes objects whatever their lease; told so, the actor asks again.
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
-                     cluster.master_address) == 0
-    try:
-        assert raw.batch_remove([f"conf-{uid}_{keys[2]}_1_k"], True) == [0]
-    finally:
-        raw.close()
-    ray.get(home.forget_confirmations.remote())
-    hit = ray.get(r0.call.remote("group_exists", keys, ask))
-    assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [0, 1, 2]
-    assert ray.get(home.stats.remote())["group_queries"]["store_calls"] > after["store_calls"]
