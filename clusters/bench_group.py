@@ -246,13 +246,12 @@ def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
                 "warm raw", "warm added"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["tp"]), str(r["objects"]),
-                      *(f"{r[f'{c}_p50_ms']:.2f} / {r[f'{c}_p99_ms']:.2f}" for c in ("cold",)),
-                      f"{r['cold_raw_p50_ms']:.2f} / {r['cold_raw_p99_ms']:.2f}",
-                      f"{r['cold_added_p50_ms']:.2f}",
-                      f"{r['warm_p50_ms']:.2f} / {r['warm_p99_ms']:.2f}",
-                      f"{r['warm_raw_p50_ms']:.2f} / {r['warm_raw_p99_ms']:.2f}",
-                      f"{r['warm_added_p50_ms']:.2f}")
+        cells = []
+        for c in ("cold", "warm"):
+            cells += [f"{r[f'{c}_p50_ms']:.2f} / {r[f'{c}_p99_ms']:.2f}",
+                      f"{r[f'{c}_raw_p50_ms']:.2f} / {r[f'{c}_raw_p99_ms']:.2f}",
+                      f"{r[f'{c}_added_p50_ms']:.2f}"]
+        table.add_row(str(r["tp"]), str(r["objects"]), *cells)
     console.print(table)
     table = Table(title=f"group queries/s, {concurrency} callers")
     for col in ("TP", "hits", "misses", "TP group", "raw checks/s", "shared", "confirmed",
@@ -268,6 +267,7 @@ def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
 
 
 def render_targets(targets: dict[str, bool | None], console: Console) -> None:
+    """Print one verdict line per target (``None``: this run had no such case)."""
     for name, met in targets.items():
         verdict = "not judged" if met is None else "met" if met else "NOT met"
         console.print(f"target {name}: {verdict}")

@@ -50,9 +50,9 @@ def lease_ttl_s(master_args: Sequence[str]) -> float:
             value = v.strip()
     if value is None:
         return DEFAULT_LEASE_TTL_S
-    for unit in ("ms", "s", "m", "h"):
+    for unit, seconds in _UNITS.items():  # "ms" before "s" and "m"
         if value.endswith(unit) and value[:-len(unit)].replace(".", "", 1).isdigit():
-            return float(value[:-len(unit)]) * _UNITS[unit]
+            return float(value[:-len(unit)]) * seconds
     if value.isdigit():
         return int(value) / 1000
     raise ValueError(f"cannot read -default_kv_lease_ttl={value!r}")

@@ -38,7 +38,6 @@ class ConfirmedPages:
 
     def __init__(self, ttl_s: float, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
-        self._clock = clock
         self._lock = threading.Lock()
         self._current: dict[SegmentKey, dict[str, float]] = {}
         self._previous: dict[SegmentKey, dict[str, float]] = {}
@@ -66,11 +65,6 @@ class ConfirmedPages:
         if prev:
             return np.array([cur.get(h) or prev.get(h, 0.0) for h in hashes], np.float64)
         return np.array([cur.get(h, 0.0) for h in hashes], np.float64)
-
-    def known(self, key: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
-        """Per page of ``hashes``: whether ``key``'s objects of that page are confirmed
-        at ``now``."""
-        return self.until(key, hashes, now) > now
 
     def confirm(self, key: SegmentKey, hashes: Sequence[str], since: float) -> None:
         """Record that every object of ``key`` for ``hashes`` was reported present by a

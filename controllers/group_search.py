@@ -22,6 +22,7 @@ twice), and a page of a segment counts as present when every object of it exists
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import numpy as np
 from controllers.confirmed_pages import ConfirmedPages
 from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 from controllers.deployments import Deployment, PoolQuery, group_template
+from controllers.hit_resolution import pool_hit_pages, trailing_masks
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,19 @@ class Segment:
 class GroupLayout:
     """The distinct segments of one deployment and queried pool set, and the queried
     extra pools (for ``extra_pool_hit_pages``). ``key`` names the set of every
-    segment's objects (for confirmations of whole pages)."""
+    segment's objects (for confirmations of whole pages), made once per layout."""
 
     prefix: str
     segments: tuple[Segment, ...]
     extra: tuple[PoolQuery, ...]
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple:
         return ("layout", *(s.key for s in self.segments))
 
     def hit(self, pages: int, lengths: list[int]) -> PoolTransferResult:
         """The result for a hit of ``pages`` pages and restorable ``lengths``."""
-        per_pool = {q.name: pages if q.policy == PoolHitPolicy.ALL_PAGES
-                    else min(q.window, pages) for q in self.extra}
+        per_pool = {q.name: pool_hit_pages(pages, q.policy, q.window) for q in self.extra}
         return PoolTransferResult(kv_hit_pages=pages, extra_pool_hit_pages=per_pool,
                                   restorable_prefix_pages=lengths)
 
@@ -105,7 +106,6 @@ class GroupSearch:
         self.present = self._until > now
         self._asked: list[tuple[int, np.ndarray]] = []
         self._fed = False
-        self._limit = n
         self._stage = 0
         self._advance()
 
@@ -137,9 +137,8 @@ class GroupSearch:
             self._stage += 1
             if pages and self._ask(rows, pages):
                 return
-        self._limit = self._bound(every)
         self.wanted = []
-        self.result = self._resolve()
+        self.result = self._resolve(self._bound(every))
         if self._fed:  # pages now confirmed whole: one lookup next time
             whole = np.flatnonzero(self.present.all(axis=0))
             self._confirmed.record(self.layout.key, [self.hashes[p] for p in whole.tolist()],
@@ -163,17 +162,13 @@ class GroupSearch:
             self._confirmed.confirm(seg.key, [self.hashes[p] for p in found.tolist()], since)
         self._advance()
 
-    def _resolve(self) -> PoolTransferResult:
-        k = self._limit
-        lengths = np.arange(k + 1)
+    def _resolve(self, k: int) -> PoolTransferResult:
+        """The answer once every page below ``k`` (the first page some all-pages segment
+        lacks) is known: every length ``0..k`` that the trailing segments allow."""
         common = np.ones(k + 1, dtype=bool)
         trailing = self._windows > 0
         if trailing.any() and k:
-            have = self.present[trailing, :k].astype(np.int64)
-            counts = np.concatenate((np.zeros((have.shape[0], 1), np.int64),
-                                     np.cumsum(have, axis=1)), axis=1)
-            start = np.maximum(lengths[None, :] - self._windows[trailing][:, None], 0)
-            found = counts - np.take_along_axis(counts, start, axis=1)
-            common &= (found == lengths[None, :] - start).all(axis=0)
+            common &= trailing_masks(self.present[trailing, :k],
+                                     self._windows[trailing]).all(axis=0)
         hits = np.flatnonzero(common).tolist()
         return self.layout.hit(hits[-1], hits)

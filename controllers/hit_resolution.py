@@ -40,13 +40,28 @@ def restorable_mask(p: PoolPresence) -> np.ndarray:
     """``mask[L]`` (``L`` = 0..n pages) is True when pool ``p`` can restore a prefix of
     ``L`` pages. Vectorised: O(n) whatever the window."""
     exists = np.asarray(p.exists, dtype=bool)
-    n = exists.size
-    present = np.concatenate(([0], np.cumsum(exists)))  # present[L] = pages < L that exist
-    lengths = np.arange(n + 1)
     if p.policy == PoolHitPolicy.ALL_PAGES:
-        return present == lengths
-    start = np.maximum(lengths - p.window, 0)
-    return present - present[start] == lengths - start
+        present = np.concatenate(([0], np.cumsum(exists)))  # pages < L that exist
+        return present == np.arange(exists.size + 1)
+    return trailing_masks(exists[None, :], np.array([p.window]))[0]
+
+
+def trailing_masks(exists: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """For rows of trailing pools at once: ``exists`` is ``(rows, n)`` bool, ``windows``
+    ``(rows,)``; ``mask[r, L]`` (``L`` = 0..n) is True when pages ``L-w..L-1`` of row
+    ``r`` all exist."""
+    rows, n = exists.shape
+    present = np.concatenate((np.zeros((rows, 1), np.int64), np.cumsum(exists, axis=1)),
+                             axis=1)  # present[r, L] = pages < L that exist
+    lengths = np.arange(n + 1)
+    start = np.maximum(lengths[None, :] - np.asarray(windows)[:, None], 0)
+    return present - np.take_along_axis(present, start, axis=1) == lengths[None, :] - start
+
+
+def pool_hit_pages(hit: int, policy: PoolHitPolicy, window: int) -> int:
+    """Pages an extra pool must load for a hit of ``hit`` pages: all of them for
+    ``all_pages``, the trailing window (at most the hit) for ``trailing_pages``."""
+    return hit if policy == PoolHitPolicy.ALL_PAGES else min(window, hit)
 
 
 def restorable_lengths(p: PoolPresence) -> set[int]:
@@ -75,9 +90,6 @@ def resolve_hits(kv: PoolPresence, extra: Mapping[PoolName, PoolPresence] | None
             common &= restorable_mask(pool)
     lengths = np.flatnonzero(common).tolist()
     hit = lengths[-1]
-    per_pool = {
-        name: hit if p.policy == PoolHitPolicy.ALL_PAGES else min(p.window, hit)
-        for name, p in extra.items()
-    }
+    per_pool = {name: pool_hit_pages(hit, p.policy, p.window) for name, p in extra.items()}
     return PoolTransferResult(kv_hit_pages=hit, extra_pool_hit_pages=per_pool,
                               restorable_prefix_pages=lengths)

@@ -129,11 +129,12 @@ def test_only_whole_pages_are_confirmed_and_misses_never():
     confirmed = ConfirmedPages(5.0, clock=Clock())
     present = set(group_objects(dep, hashes, queries).objects) - {"org-m_b_1_v"}
     run(GroupSearch(layout, hashes, confirmed, 100.0), present, [], 100.0)
-    known = [confirmed.known(s.key, hashes, 100.0).tolist() for s in layout.segments]
+    known = [(confirmed.until(s.key, hashes, 100.0) > 100.0).tolist() for s in layout.segments]
     # KV rank 0: both pages; KV rank 1: page a only (b lacks v); Mamba: below the limit.
     assert known == [[True, True], [True, False], [True, False], [True, False]]
     confirmed.forget()
-    assert not any(confirmed.known(s.key, hashes, 100.0).any() for s in layout.segments)
+    assert not any((confirmed.until(s.key, hashes, 100.0) > 100.0).any()
+                   for s in layout.segments)
 
 
 def test_generations_bound_memory_by_time():
@@ -141,17 +142,18 @@ def test_generations_bound_memory_by_time():
     confirmed = ConfirmedPages(1.0, clock=clock)
     for step in range(10):
         confirmed.confirm("s", [f"{step}-{i}" for i in range(100)], clock.now)
-        confirmed.known("s", ["x"], clock.now)
+        confirmed.until("s", ["x"], clock.now)  # a lookup turns the generations
         clock.now += 0.5
     assert len(confirmed) <= 300
-    assert confirmed.known("s", ["9-0", "8-0", "0-0"], clock.now - 0.5).tolist() == [
+    last = clock.now - 0.5
+    assert (confirmed.until("s", ["9-0", "8-0", "0-0"], last) > last).tolist() == [
         True, True, False]
 
 
 def test_disabled_remembers_nothing():
     confirmed = ConfirmedPages(0.0)
     confirmed.confirm("s", ["a"], 0.0)
-    assert len(confirmed) == 0 and not confirmed.known("s", ["a"], 0.0).any()
+    assert len(confirmed) == 0 and not (confirmed.until("s", ["a"], 0.0) > 0.0).any()
 
 
 def test_unknown_pool_is_refused():
