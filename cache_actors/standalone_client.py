@@ -84,10 +84,15 @@ class ClientRecord:
     port: int
     start_ticks: int
 
-    def running(self) -> bool:
-        """True if ``pid`` is still this very process (not a zombie, not a reused pid)."""
+    def exists(self) -> bool:
+        """True while ``pid`` is this very process (not a zombie, not a reused pid),
+        whether or not it has exec'd ``mooncake_client`` yet."""
         st = _stat(self.pid)
-        if st is None or st[0] in ("Z", "X") or st[1] != self.start_ticks:
+        return st is not None and st[0] not in ("Z", "X") and st[1] == self.start_ticks
+
+    def running(self) -> bool:
+        """True if ``pid`` is this very process and runs ``mooncake_client`` on ``port``."""
+        if not self.exists():
             return False
         args = _cmdline(self.pid)
         return bool(args) and Path(args[0]).name == BINARY and f"-port={self.port}" in args
@@ -182,7 +187,8 @@ class MooncakeClientProcess:
             json.dump(asdict(self.record), f)
         deadline = time.monotonic() + timeout_s
         while not listening(self.host, port):
-            if not self.record.running() or time.monotonic() > deadline:
+            # exists(), not running(): the launching shell may not have exec'd yet
+            if not self.record.exists() or time.monotonic() > deadline:
                 self._kill()
                 raise RuntimeError(f"mooncake_client did not start on {self.host}:{port}; "
                                    f"see {self._log}")
@@ -219,12 +225,13 @@ class MooncakeClientProcess:
                 self.down.clear()
 
     def _kill(self) -> None:
-        if self.record is not None and self.record.running():
+        """Stop the recorded process group (also one still between fork and exec)."""
+        if self.record is not None and self.record.exists():
             _signal_group(self.record.pid, signal.SIGTERM)
             deadline = time.monotonic() + 5.0
-            while self.alive() and time.monotonic() < deadline:
+            while self.record.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if self.alive():
+            if self.record.exists():
                 _signal_group(self.record.pid, signal.SIGKILL)
 
     def stop(self) -> None:
