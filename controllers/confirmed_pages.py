@@ -9,15 +9,20 @@ still take a confirmed object is outside that contract: a forced remove, a store
 segment unmounted (its node left) or the master restarting; the node actor calls
 ``forget`` on each of those it sees, and ``ttl_s`` bounds the rest.
 
-Granularity: one entry per (key, page hash). A key names a set of objects per page: a
+Granularity: one entry per (page hash, key). A key names a set of objects per page: a
 segment (one family ``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's
 or the replicated copy's objects of one pool), or a whole group layout (every segment),
-so a page whose every object was confirmed is found with one lookup. An entry holds the
-time until which it can be trusted; a layout entry takes the earliest of its segments',
-so no entry outlives the confirmation it came from. Memory is bounded by time, not by a
-scan: entries go into the current generation; every ``ttl_s`` the current generation
-becomes the previous one and the previous one is dropped, so nothing older than ``2 x
-ttl_s`` is held.
+so a page whose every object was confirmed is found with one lookup. A layout key is a
+*cover* (``cover(segment keys)``): its entry also stands for each of its segments, so a
+page confirmed whole needs that one entry, and a query over another set of pools still
+finds the segments they share. Entries are indexed by page hash first, so one lookup per
+page finds every key of it, and a page never confirmed costs one failed lookup per
+generation whatever the number of keys. An entry holds the time until which it can be
+trusted; a cover entry takes the earliest of its segments', so no entry outlives the
+confirmation it came from. Memory is bounded by
+time, not by a scan: entries go into the current generation; every ``ttl_s`` the
+current generation becomes the previous one and the previous one is dropped, so
+nothing older than ``2 x ttl_s`` is held.
 """
 
 from __future__ import annotations
@@ -26,9 +31,19 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 
-import numpy as np
-
 SegmentKey = Hashable
+
+
+def cover(keys: Sequence[SegmentKey]) -> frozenset:
+    """The key of a set of segments: an entry under it confirms each of ``keys``. (A
+    frozenset keeps its hash, so a cover key costs no more to look up than a string.)"""
+    return frozenset(keys)
+
+
+def _covered(entry: dict[SegmentKey, float], key: SegmentKey) -> float:
+    """Until when a cover in ``entry`` (one page's) confirms ``key``; 0 if none does."""
+    return max((v for k, v in entry.items() if type(k) is frozenset and key in k),
+               default=0.0)
 
 
 class ConfirmedPages:
@@ -39,8 +54,8 @@ class ConfirmedPages:
     def __init__(self, ttl_s: float, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._current: dict[SegmentKey, dict[str, float]] = {}
-        self._previous: dict[SegmentKey, dict[str, float]] = {}
+        self._current: dict[str, dict[SegmentKey, float]] = {}
+        self._previous: dict[str, dict[SegmentKey, float]] = {}
         self._turned = clock()
 
     @property
@@ -54,17 +69,23 @@ class ConfirmedPages:
                     self._previous, self._current = self._current, {}
                     self._turned = now
 
-    def until(self, key: SegmentKey, hashes: Sequence[str], now: float) -> np.ndarray:
-        """Per page of ``hashes``: until when (monotonic seconds) ``key``'s objects of
-        that page are confirmed; 0 where never (or turned out). Compare with ``now``."""
+    def until(self, keys: Sequence[SegmentKey], hashes: Sequence[str],
+              now: float) -> list[list[float]]:
+        """``out[k][p]``: until when (monotonic seconds) the objects of ``keys[k]`` for
+        page ``hashes[p]`` are confirmed, directly or by a cover; 0 where never (or
+        turned out). Compare with ``now``."""
         if not self.enabled:
-            return np.zeros(len(hashes), dtype=np.float64)
+            return [[0.0] * len(hashes) for _ in keys]
         self._turn(now)
-        cur = self._current.get(key, {})
-        prev = self._previous.get(key, {})
-        if prev:
-            return np.array([cur.get(h) or prev.get(h, 0.0) for h in hashes], np.float64)
-        return np.array([cur.get(h, 0.0) for h in hashes], np.float64)
+        rows = [[0.0] * len(hashes) for _ in keys]
+        for gen in (self._current, self._previous):
+            entries = [gen.get(h) for h in hashes] if gen else []
+            if entries.count(None) == len(entries):
+                continue
+            for k, key in enumerate(keys):
+                rows[k] = [t or ((e.get(key) or _covered(e, key)) if e is not None else 0.0)
+                           for t, e in zip(rows[k], entries, strict=True)]
+        return rows
 
     def confirm(self, key: SegmentKey, hashes: Sequence[str], since: float) -> None:
         """Record that every object of ``key`` for ``hashes`` was reported present by a
@@ -74,12 +95,14 @@ class ConfirmedPages:
     def record(self, key: SegmentKey, hashes: Sequence[str], until: Sequence[float]) -> None:
         """Record per page of ``hashes`` the time ``until`` which ``key``'s objects are
         confirmed (each taken from confirmations made by ``confirm``)."""
-        if not self.enabled or not hashes:
+        if not self.enabled:
             return
-        pages = self._current.get(key)
-        if pages is None:
-            pages = self._current.setdefault(key, {})
-        pages.update(zip(hashes, until, strict=True))
+        cur = self._current
+        for h, t in zip(hashes, until, strict=True):
+            entry = cur.get(h)
+            if entry is None:
+                entry = cur.setdefault(h, {})
+            entry[key] = t
 
     def forget(self) -> None:
         """Drop every confirmation (objects may have left the store)."""
@@ -88,4 +111,4 @@ class ConfirmedPages:
 
     def __len__(self) -> int:
         """Entries held (both generations; expired ones included until they turn)."""
-        return sum(len(d) for g in (self._current, self._previous) for d in g.values())
+        return sum(len(e) for g in (self._current, self._previous) for e in g.values())

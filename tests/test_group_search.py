@@ -89,7 +89,7 @@ def test_a_miss_on_page_zero_checks_no_trailing_objects():
     assert len(calls[0]) == 8 * 2  # rank 0's pages x (k, v): the rest cannot matter
 
 
-def test_trailing_objects_are_checked_only_below_the_kv_limit():
+def test_other_segments_are_checked_only_below_rank_zeros_limit():
     dep, queries = SHAPES[0]
     hashes = [f"p{i}" for i in range(8)]
     plan = group_objects(dep, hashes, queries)
@@ -98,8 +98,8 @@ def test_trailing_objects_are_checked_only_below_the_kv_limit():
     result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  present, calls)
     assert result.kv_hit_pages == 5
-    assert len(calls) == 3  # rank 0's KV, rank 1's below page 5, Mamba below page 5
-    assert {o.split("_")[1] for o in calls[1] + calls[2]} == {f"p{i}" for i in range(5)}
+    assert len(calls) == 2  # rank 0's KV; rank 1's KV and Mamba below page 5
+    assert {o.split("_")[1] for o in calls[1]} == {f"p{i}" for i in range(5)}
 
 
 def test_confirmed_pages_answer_without_the_store_until_the_ttl():
@@ -111,7 +111,7 @@ def test_confirmed_pages_answer_without_the_store_until_the_ttl():
     confirmed = ConfirmedPages(2.0, clock=clock)
     calls: list[list[str]] = []
     first = run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
-    assert first.kv_hit_pages == 6 and len(calls) == 3
+    assert first.kv_hit_pages == 6 and len(calls) == 2
     clock.now += 1.9
     again = GroupSearch(layout, hashes, confirmed, clock.now)
     assert again.result == first and again.wanted == []       # no store call at all
@@ -119,7 +119,7 @@ def test_confirmed_pages_answer_without_the_store_until_the_ttl():
     assert {o.split("_")[1] for o in longer.wanted} == {"p6"}  # only the new page
     clock.now += 0.2                                            # confirmations expired
     stale = GroupSearch(layout, hashes, confirmed, clock.now)
-    assert stale.wanted == [f"org-m_p{i}_0_0_{x}" for i in range(6) for x in "kv"]  # step 1
+    assert stale.wanted == [f"org-m_p{i}_0_0_{x}" for x in "kv" for i in range(6)]  # step 1
 
 
 def test_only_whole_pages_are_confirmed_and_misses_never():
@@ -129,12 +129,16 @@ def test_only_whole_pages_are_confirmed_and_misses_never():
     confirmed = ConfirmedPages(5.0, clock=Clock())
     present = set(group_objects(dep, hashes, queries).objects) - {"org-m_b_1_v"}
     run(GroupSearch(layout, hashes, confirmed, 100.0), present, [], 100.0)
-    known = [(confirmed.until(s.key, hashes, 100.0) > 100.0).tolist() for s in layout.segments]
-    # KV rank 0: both pages; KV rank 1: page a only (b lacks v); Mamba: below the limit.
-    assert known == [[True, True], [True, False], [True, False], [True, False]]
+    known = [[t > 100.0 for t in row]
+             for row in confirmed.until([s.key for s in layout.segments], hashes, 100.0)]
+    # Segments: KV rank 0, Mamba rank 0, KV rank 1, Mamba rank 1. Everything was checked
+    # below rank 0's limit (2) and found, except rank 1's KV of page b (it lacks v).
+    assert known == [[True, True], [True, True], [True, False], [True, True]]
+    assert [t > 100.0 for t in confirmed.until([layout.key], hashes, 100.0)[0]] == [True,
+                                                                                    False]
     confirmed.forget()
-    assert not any((confirmed.until(s.key, hashes, 100.0) > 100.0).any()
-                   for s in layout.segments)
+    assert not any(t > 100.0 for row in confirmed.until([s.key for s in layout.segments],
+                                                         hashes, 100.0) for t in row)
 
 
 def test_generations_bound_memory_by_time():
@@ -142,18 +146,18 @@ def test_generations_bound_memory_by_time():
     confirmed = ConfirmedPages(1.0, clock=clock)
     for step in range(10):
         confirmed.confirm("s", [f"{step}-{i}" for i in range(100)], clock.now)
-        confirmed.until("s", ["x"], clock.now)  # a lookup turns the generations
+        confirmed.until(["s"], ["x"], clock.now)  # a lookup turns the generations
         clock.now += 0.5
     assert len(confirmed) <= 300
     last = clock.now - 0.5
-    assert (confirmed.until("s", ["9-0", "8-0", "0-0"], last) > last).tolist() == [
+    assert [t > last for t in confirmed.until(["s"], ["9-0", "8-0", "0-0"], last)[0]] == [
         True, True, False]
 
 
 def test_disabled_remembers_nothing():
     confirmed = ConfirmedPages(0.0)
     confirmed.confirm("s", ["a"], 0.0)
-    assert len(confirmed) == 0 and not (confirmed.until("s", ["a"], 0.0) > 0.0).any()
+    assert len(confirmed) == 0 and confirmed.until(["s"], ["a"], 0.0) == [[0.0]]
 
 
 def test_unknown_pool_is_refused():
@@ -184,7 +188,9 @@ def test_a_whole_page_is_trusted_no_longer_than_its_oldest_confirmation():
     run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
     assert all("temporal" in o or "conv" in o for c in calls for o in c)  # KV was known
     assert GroupSearch(layout, hashes, confirmed, 101.9).wanted == []     # whole pages
-    assert confirmed.until(layout.key, hashes, 101.9).tolist() == [102.0, 102.0]
+    assert confirmed.until([layout.key], hashes, 101.9) == [[102.0, 102.0]]
     clock.now = 102.1  # the KV confirmations ran out: checked again, Mamba still known
     again = GroupSearch(layout, hashes, confirmed, clock.now)
     assert again.wanted and all(o.endswith(("_k", "_v")) for o in again.wanted)
+    known = confirmed.until([s.key for s in layout.segments], hashes, clock.now)
+    assert [min(row) > clock.now for row in known] == [s.window > 0 for s in layout.segments]
