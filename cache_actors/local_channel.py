@@ -12,6 +12,14 @@ of the server's ``passthrough`` types travels as itself and is raised again on t
 caller's side; any other becomes a ``RuntimeError`` naming it. The socket file is mode
 0600 in ``/dev/shm``: only processes of the same user, which could map the pools
 anyway, can connect (pickle trusts its peer).
+
+Serving: one I/O thread waits on every connection at once (``selectors``) and reads
+whatever requests are ready, so a burst of requests from many ranks costs one wake-up,
+not one thread switch each. An op that may block (a store call) runs on a worker pool;
+an *async* op is started in the I/O thread itself and given a ``reply(value, error)``
+callable that it calls later, once, from any thread (group hits: the query joins a
+batch and its answer is sent by whichever thread completes the batch). A client sends
+one request at a time per connection, so replies never interleave.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ import contextlib
 import logging
 import os
 import pickle
+import selectors
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +66,47 @@ def _recv(sock: socket.socket):
     return pickle.loads(_recv_exact(sock, n))
 
 
+Reply = Callable[[object, BaseException | None], None]
+
+
+class _Conn:
+    """One accepted connection: bytes read but not yet parsed, and a send lock."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.send_lock = threading.Lock()
+
+    def messages(self) -> list:
+        """Every complete request in the buffer, removed from it."""
+        out = []
+        while len(self.buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self.buf)
+            if len(self.buf) < _LEN.size + n:
+                break
+            out.append(pickle.loads(self.buf[_LEN.size:_LEN.size + n]))
+            del self.buf[:_LEN.size + n]
+        return out
+
+
 class ChannelServer:
-    """Serves ``handlers[op](*args)`` on a Unix socket at ``path``, one thread per
-    connection, until ``close``. A handler's exception of a ``passthrough`` type goes
-    back to the caller as itself; any other is logged and reported as a
-    ``RuntimeError``; the server keeps serving in every case."""
+    """Serves requests on a Unix socket at ``path`` until ``close`` (see the module
+    docstring): ``handlers[op](*args)`` on a pool of up to ``workers`` threads, and
+    ``async_handlers[op](reply, *args)`` in the I/O thread (it must not block; it calls
+    ``reply(value, None)`` or ``reply(None, error)`` exactly once, now or later). A
+    handler's exception of a ``passthrough`` type goes back to the caller as itself;
+    any other is logged and reported as a ``RuntimeError``; the server keeps serving in
+    every case."""
 
     def __init__(self, path: str, handlers: dict[str, Callable],
-                 passthrough: tuple[type[BaseException], ...] = (ValueError,)) -> None:
+                 passthrough: tuple[type[BaseException], ...] = (ValueError,),
+                 async_handlers: dict[str, Callable[..., None]] | None = None,
+                 workers: int = 16) -> None:
         self.path = path
         self._handlers = handlers
+        self._async = async_handlers or {}
         self._passthrough = passthrough
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="raykv-channel-op")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a previous incarnation of the actor
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,46 +118,92 @@ class ChannelServer:
         self._sock.listen(64)
         self._closed = False
         self._conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="raykv-channel", daemon=True).start()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        threading.Thread(target=self._loop, name="raykv-channel", daemon=True).start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select():
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.data is not None:
+                        self._read(key.data)
+        except (OSError, ValueError):  # closed under us
+            if not self._closed:
+                log.exception("channel I/O loop stopped")
+        finally:
+            self._selector.close()
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="raykv-channel-conn",
-                             daemon=True).start()
+        conn, _ = self._sock.accept()
+        self._conns.add(conn)
+        self._selector.register(conn, selectors.EVENT_READ, _Conn(conn))
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    op, args = _recv(conn)
-                except (ChannelClosedError, OSError):
-                    break
-                try:
-                    reply = (True, self._handlers[op](*args))
-                except self._passthrough as e:
-                    reply = (False, e)
-                except Exception as e:  # reported to the caller; the server keeps going
-                    log.exception("channel op %s failed", op)
-                    reply = (False, RuntimeError(f"{op} failed in the node actor: "
-                                                 f"{type(e).__name__}: {e}"))
-                try:
-                    _send(conn, reply)
-                except OSError:
-                    break
-        self._conns.discard(conn)
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # the rank closed its end (or died)
+            self._selector.unregister(conn.sock)
+            self._conns.discard(conn.sock)
+            conn.sock.close()
+            return
+        conn.buf += data
+        for op, args in conn.messages():
+            self._dispatch(conn, op, args)
+
+    def _dispatch(self, conn: _Conn, op: str, args: tuple) -> None:
+        done = threading.Lock()  # a reply is sent once
+
+        def reply(value: object, error: BaseException | None = None) -> None:
+            if not done.acquire(blocking=False):
+                return
+            self._send(conn, (True, value) if error is None else (False, self._error(op, error)))
+
+        start = self._async.get(op)
+        if start is not None:
+            try:
+                start(reply, *args)
+            except Exception as e:  # refused at once (bad input): reported to the caller
+                reply(None, e)
+            return
+        self._pool.submit(self._run, op, args, reply)
+
+    def _run(self, op: str, args: tuple, reply: Reply) -> None:
+        try:
+            handler = self._handlers[op]
+            value = handler(*args)
+        except Exception as e:  # reported to the caller; the server keeps going
+            reply(None, e)
+            return
+        reply(value, None)
+
+    def _error(self, op: str, error: BaseException) -> BaseException:
+        if isinstance(error, self._passthrough):
+            return error
+        log.error("channel op %s failed", op, exc_info=error)
+        return RuntimeError(f"{op} failed in the node actor: {type(error).__name__}: {error}")
+
+    def _send(self, conn: _Conn, reply: tuple) -> None:
+        with conn.send_lock, contextlib.suppress(OSError):  # a dead rank: nobody to tell
+            _send(conn.sock, reply)
 
     def close(self) -> None:
-        """Stop accepting, drop every connection and remove the socket file."""
+        """Stop serving, drop every connection and remove the socket file."""
         self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         for s in (self._sock, *list(self._conns)):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+        self._wake_w.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

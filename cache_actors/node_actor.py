@@ -6,8 +6,9 @@ answering while ``data`` calls (exists, put, get, group hits) run; blocking Moon
 calls run on a thread pool, never on the event loop. Ranks on the same node send their
 data calls over the actor's local channel instead (``cache_actors.local_channel``,
 served by the actor's own threads, ~0.1 ms instead of a ~1 ms Ray call); both routes
-run the same code. Store errors come back as per-object codes; a bad request raises
-``ValueError`` for that call only and the actor keeps serving.
+run the same code (group queries: started in the channel's I/O thread, answered by
+the thread that completes their check). Store errors come back as per-object codes; a
+bad request raises ``ValueError`` for that call only and the actor keeps serving.
 
 The actor also answers the existence queries of every TP/PP group whose home node it
 is (``controllers.group_queries``): one answer shared by the ranks that ask the same
@@ -146,9 +147,11 @@ class NodeCacheActor:
             on_query=lambda how: self._metrics.group_queries.inc(tags={"answer": how}))
         self._deployments: dict[str, Deployment] = {}
         self._namespace = ray.get_runtime_context().namespace
-        self._channel = ChannelServer(segment_path(self._prefix + "sock"), {
-            "exists": self._exists, "put": self._put, "get": self._get,
-            "group_exists": self._group_exists}, passthrough=(ValueError, NodeUnavailableError))
+        self._channel = ChannelServer(
+            segment_path(self._prefix + "sock"),
+            {"exists": self._exists, "put": self._put, "get": self._get},
+            passthrough=(ValueError, NodeUnavailableError),
+            async_handlers={"group_exists": self._group_submit})
 
     # ----------------------------------------------------------------- pools
     def _meta_path(self, name: str) -> str:
@@ -349,6 +352,25 @@ class NodeCacheActor:
                       keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
         dep = self._deployment(deployment_id, version)
         return self._groups.ask(dep, keys, queries, tuple(rank))
+
+    def _group_submit(self, reply, deployment_id: str, version: int, rank: tuple[int, int],
+                      keys: list[str], queries: list[PoolQuery]) -> None:
+        """The channel's group query, started in its I/O thread: answered by
+        ``reply(result, error)`` once the group's check is done. A deployment not known
+        here at ``version`` is fetched from the controller on the data pool first (a
+        Ray call must not block the I/O thread)."""
+        dep = self._deployments.get(deployment_id)
+        if dep is not None and dep.version >= version:
+            self._groups.submit(dep, keys, queries, tuple(rank), reply)
+            return
+
+        def fetch_then_submit() -> None:
+            try:
+                dep = self._deployment(deployment_id, version)
+                self._groups.submit(dep, keys, queries, tuple(rank), reply)
+            except Exception as e:  # unknown deployment or pool: the caller's error
+                reply(None, e)
+        self._executor.submit(fetch_then_submit)
 
     @ray.method(concurrency_group="data")
     async def batch_is_exist(self, keys: list[str]) -> list[int]:

@@ -1,28 +1,30 @@
 """Answering group existence queries: shared within a window, batched when concurrent.
 
-``GroupQueries.ask`` is called from any number of threads, each call on behalf of one
-rank ``(tp_rank, pp_rank)``. An answer is shared by the ranks of the group that ask the
-same question (deployment, page keys, pools): a query that arrives while the same one
-is being checked waits for it, and a rank that has not yet had a recent answer (at
-most ``window_s`` seconds old) gets that very answer. So every rank of one engine step
-gets the identical hit. A rank that asks again gets a fresh answer, and an answer is
-dropped once every rank of the group has had it, so a miss is never served from memory
-to a later request after the pages were stored.
+``GroupQueries.submit`` starts a query on behalf of one rank ``(tp_rank, pp_rank)`` and
+calls ``done(result, error)`` once it is answered; ``ask`` is the blocking form. An
+answer is shared by the ranks of the group that ask the same question (deployment, page
+keys, pools): a query that arrives while the same one is being checked joins it, and a
+rank that has not yet had a recent answer (at most ``window_s`` seconds old) gets that
+very answer. So every rank of one engine step gets the identical hit. A rank that asks
+again gets a fresh answer, and an answer is dropped once every rank of the group has
+had it, so a miss is never served from memory to a later request after the pages were
+stored.
 
 Each query is a ``GroupSearch``: it checks only the objects that can change its answer
 and that the store has not confirmed within ``confirm_ttl_s`` (``ConfirmedPages``:
-Mooncake leases every object it reports present), so a query may need no store call
-at all. Distinct queries that arrive while a store check runs are answered together by
-the next check, one ``exists`` call over the union of the objects their current step
-needs (no name twice) once ``parallel`` store calls are already running. The calling
-threads do the work themselves: up to ``parallel`` of them lead at a time, each checking
-everything queued; once its own query is answered a leader lets a caller still waiting
-take its place, so nobody keeps checking for others. No thread or event loop of its
-own is needed. Pure logic: the store is a callable.
+Mooncake leases every object it reports present), so a query may be answered at once,
+in the submitting thread, with no store call. The others queue; up to ``parallel``
+checker threads take everything queued, make one ``exists`` call over the union of the
+objects the current step of each query needs (no name twice), feed the codes back, call
+``done`` for the queries answered and queue the rest for their next step. Nobody waits
+on a query but its own ``done``: under load one store call and one thread wake-up serve
+a whole batch. Checker threads are started when work is queued and none is idle, and
+end after ``idle_s`` without work. Pure logic: the store is a callable.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +36,18 @@ from controllers.contract import PoolTransferResult
 from controllers.deployments import Deployment, PoolQuery
 from controllers.group_search import GroupLayout, GroupSearch, group_layout
 
+Done = Callable[[PoolTransferResult | None, BaseException | None], None]
+log = logging.getLogger(__name__)
+
+
+def _tell(done: Done, result: PoolTransferResult | None, error: BaseException | None) -> None:
+    """Call ``done``; its own failure (a caller gone) is logged, never raised into the
+    thread answering other queries."""
+    try:
+        done(result, error)
+    except Exception:
+        log.exception("a group query's done callback failed")
+
 
 @dataclass
 class _Query:
@@ -41,11 +55,8 @@ class _Query:
     search: GroupSearch
     ranks: set[tuple[int, int]]
     group: int
-    cond: threading.Condition  # on the GroupQueries lock: wakes this query's callers only
-    done: bool = False
+    done: list[Done]  # one per caller of this query
     error: BaseException | None = None
-    waiting: int = 0       # callers waiting on ``cond``
-    promote: bool = False  # one of them is asked to lead (a leader place is kept for it)
 
 
 @dataclass
@@ -80,7 +91,7 @@ class GroupQueries:
                  confirm_ttl_s: float = 0.0,
                  on_check: Callable[[float], None] = lambda s: None,
                  on_query: Callable[[str], None] = lambda how: None,
-                 max_recent: int = 4096, parallel: int = 4) -> None:
+                 max_recent: int = 4096, parallel: int = 4, idle_s: float = 5.0) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._exists = exists
@@ -90,12 +101,15 @@ class GroupQueries:
         self._on_query = on_query
         self._max_recent = max_recent
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # checkers wait here for queries
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
         self._layouts: dict[tuple, GroupLayout] = {}
         self._parallel = parallel
-        self._leaders = 0  # callers checking queued queries now
+        self._idle_s = idle_s
+        self._checkers = 0  # checker threads alive
+        self._idle = 0      # of which waiting for work
         self.stats = GroupQueryStats()
 
     def forget(self) -> None:
@@ -115,9 +129,28 @@ class GroupQueries:
 
     def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
             rank: tuple[int, int] = (0, 0)) -> PoolTransferResult:
-        """The group hit of ``dep`` for page ``keys`` and extra pools ``queries``, asked
-        by ``rank``. ``ValueError`` if ``queries`` names a pool the deployment did not
-        register; a store failure raises for every query of that check."""
+        """``submit`` and wait for the answer: the result, or the store's error raised."""
+        answered = threading.Event()
+        out: list = []
+
+        def done(result: PoolTransferResult | None, error: BaseException | None) -> None:
+            out[:] = [result, error]
+            answered.set()
+        self.submit(dep, keys, queries, rank, done)
+        answered.wait()
+        result, error = out
+        if error is not None:
+            raise error
+        return result
+
+    def submit(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
+               rank: tuple[int, int], done: Done) -> None:
+        """Start the group hit query of ``dep`` for page ``keys`` and extra pools
+        ``queries``, asked by ``rank``; ``done(result, None)`` or ``done(None, error)``
+        is called once it is answered (a store failure: for every query of that check),
+        in this thread if the answer is known at once. ``ValueError`` (raised here,
+        ``done`` never called) if ``queries`` names a pool the deployment did not
+        register."""
         key = (dep.deployment_id, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
         search = None
@@ -134,89 +167,65 @@ class GroupQueries:
                     hit.ranks.add(rank)
                     if len(hit.ranks) >= group:
                         del self._recent[key]
+                    how = "recent"
                     break
                 hit = None
                 q = self._inflight.get(key)
                 if q is not None:
                     self.stats.inflight += 1
                     q.ranks.add(rank)
+                    q.done.append(done)
                     how = "inflight"
                     break
                 if search is not None:
-                    q = _Query(key, search, {rank}, group, threading.Condition(self._lock))
+                    q = _Query(key, search, {rank}, group, [done])
                     if search.result is not None:
                         self.stats.confirmed += 1
-                        self._finish([q], now)
+                        self._keep([q], now)
                         how = "confirmed"
                         break
                     self._inflight[key] = q
                     self._pending.append(q)
                     self.stats.checked += 1
+                    self._wake()
                     how = "checked"
+                    q = None  # answered by a checker
                     break
             # outside the lock, then look again
             search = GroupSearch(self._layout(dep, queries), keys, self.confirmed,
                                  time.monotonic())
-        if hit is not None:
-            self._on_query("recent")
-            return hit.result
         self._on_query(how)
-        while self._wait(q):
-            self._lead(q)
-        if q.error is not None:
-            raise q.error
-        return q.search.result
+        if hit is not None:
+            _tell(done, hit.result, None)
+        elif how == "confirmed":
+            _tell(done, q.search.result, None)
 
-    def _wait(self, q: _Query) -> bool:
-        """Wait until ``q`` is answered (False) or this caller is to lead (True: a
-        leader place is taken for it)."""
-        with self._lock:
-            q.waiting += 1
-            try:
-                while True:
-                    if q.promote:
-                        q.promote = False
-                        if not q.done:
-                            return True
-                        self._leaders -= 1  # answered meanwhile: the place goes on
-                        self._promote()
-                    if q.done:
-                        return False
-                    if self._pending and self._leaders < self._parallel:
-                        self._leaders += 1
-                        return True
-                    q.cond.wait()
-            finally:
-                q.waiting -= 1
+    def _wake(self) -> None:
+        """Under the lock: get a checker to the queue, starting one if none is idle."""
+        if self._idle:
+            self._work.notify()
+        elif self._checkers < self._parallel:
+            self._checkers += 1
+            threading.Thread(target=self._check, name="raykv-group-check",
+                             daemon=True).start()
 
-    def _lead(self, q: _Query) -> None:
-        """Check queued queries until ``q`` is answered or nothing is queued; then give
-        the place up to a caller whose query waits in the queue."""
-        try:
-            while True:
-                with self._lock:
-                    if q.done or not self._pending:
-                        break
-                    batch, self._pending = self._pending, []
-                self._answer(batch)
-        finally:
+    def _check(self) -> None:
+        """A checker thread: answer queued queries until idle for ``idle_s``."""
+        while True:
             with self._lock:
-                self._leaders -= 1
-                self._promote()
-
-    def _promote(self) -> None:
-        """Under the lock: wake one caller of queued queries per free leader place."""
-        for p in self._pending:
-            if self._leaders >= self._parallel:
-                return
-            if p.waiting and not p.promote:
-                p.promote = True
-                self._leaders += 1
-                p.cond.notify()
+                while not self._pending:
+                    self._idle += 1
+                    woken = self._work.wait(self._idle_s)
+                    self._idle -= 1
+                    if not woken and not self._pending:
+                        self._checkers -= 1
+                        return
+                batch, self._pending = self._pending, []
+            self._answer(batch)
 
     def _answer(self, batch: list[_Query]) -> None:
         """One store call for the current step of every query in ``batch``; queries
-        with a further step go back in the queue."""
+        with a further step go back in the queue; the answered are told."""
         if len(batch) == 1:
             union, names = None, batch[0].search.wanted
         else:
@@ -228,11 +237,11 @@ class GroupQueries:
         since, t = time.monotonic(), time.perf_counter()
         try:
             codes, error = self._exists(names), None
-        except Exception as e:  # every waiter of this round gets it
+        except Exception as e:  # every query of this round gets it
             codes, error = None, e
         took = time.perf_counter() - t
         self._on_check(took)
-        for q in batch:  # outside the lock: other leaders and callers go on meanwhile
+        for q in batch:
             if codes is None:
                 q.error = error
                 continue
@@ -245,17 +254,22 @@ class GroupQueries:
             self.stats.store_calls += 1
             self.stats.store_seconds += took
             finished = [q for q in batch if q.error is not None or q.search.result is not None]
-            self._pending += [q for q in batch if q.error is None and q.search.result is None]
-            self._finish(finished, time.monotonic())
-            self._promote()
+            again = [q for q in batch if q.error is None and q.search.result is None]
+            if again:
+                self._pending += again
+                if self._idle:  # another checker may take them while this one replies
+                    self._work.notify()
+            self._keep(finished, time.monotonic())
+            for q in finished:
+                self._inflight.pop(q.key, None)
+        for q in finished:  # callers joined until the query left ``_inflight``
+            for done in q.done:
+                _tell(done, None if q.error else q.search.result, q.error)
 
-    def _finish(self, queries: list[_Query], now: float) -> None:
-        """Under the lock: mark ``queries`` answered and keep their answers for the
-        ranks that have not had them yet."""
+    def _keep(self, queries: list[_Query], now: float) -> None:
+        """Under the lock: keep the answers of ``queries`` for the ranks of the group
+        that have not had them yet."""
         for q in queries:
-            self._inflight.pop(q.key, None)
             self._recent.pop(q.key, None)
             if q.error is None and self._window > 0 and len(q.ranks) < q.group:
                 self._recent[q.key] = _Answer(now, q.search.result, q.ranks)
-            q.done = True
-            q.cond.notify_all()

@@ -16,12 +16,19 @@ A cold full hit costs two store calls and checks each object once; a miss costs 
 call over one segment. Checking the trailing pools in step 2 rather than after ``K`` is
 known checks a few objects in vain only when ranks disagree (another rank's KV ends
 before rank 0's), and saves a round trip on every hit.
+
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
-segment) is found with one lookup, and a query whose every page is, needs no arrays.
-Objects are grouped in **segments**: one family ``prefix + page hash + suffix`` per rank
-and pool (a replicated pool's segment is shared by the TP ranks, so nothing is named
-twice), and a page of a segment counts as present when every object of it exists.
+segment) is found with one lookup. Objects are grouped in **segments**: one family
+``prefix + page hash + suffix`` per rank and pool (a replicated pool's segment is shared
+by the TP ranks, so nothing is named twice), and a page of a segment counts as present
+when every object of it exists.
+
+Cost: a query runs in the node actor for every rank's request, so its bookkeeping is
+kept to a few C-level operations per segment: presence is a ``bytearray`` per segment
+(first missing page: ``find``; known pages: ``count``; pages whole in every segment: one
+integer AND over all rows), store codes are scanned with ``list.count`` before any
+per-object work, and numpy is used only to intersect trailing windows of a hit.
 """
 
 from __future__ import annotations
@@ -84,6 +91,17 @@ def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
     return GroupLayout(prefix, tuple(segments.values()), tuple(extra.values()))
 
 
+def _bits(row: bytes | bytearray) -> int:
+    """A row of 0/1 bytes as an integer (byte ``p`` of the row is byte ``p`` of it)."""
+    return int.from_bytes(row, "little")
+
+
+def _pages(bits: int, n: int) -> list[int]:
+    """The pages whose byte is 1 in ``bits`` (a row made by ``_bits``) of ``n`` pages."""
+    row = bits.to_bytes(n, "little")
+    return [p for p in range(n) if row[p]] if bits else []
+
+
 class GroupSearch:
     """The staged check of one query (see the module docstring). ``wanted`` holds the
     object names the next store check must cover (empty once ``result`` is set); feed
@@ -104,17 +122,23 @@ class GroupSearch:
             return
         self._confirmed = confirmed
         segs = layout.segments
-        self._windows = np.array([s.window for s in segs], dtype=np.int64)
-        self._until = np.array(confirmed.until([s.key for s in segs], self.hashes, now),
-                               dtype=np.float64).reshape(len(segs), n)
-        np.maximum(self._until, np.array(whole)[None, :], out=self._until)
-        self.present = self._until > now
-        self._fresh = np.zeros_like(self.present)  # found by this search's store checks
+        self._until = confirmed.until([s.key for s in segs], self.hashes, now)
+        if max(whole, default=0.0) > now:
+            self._until = [list(map(max, row, whole)) for row in self._until]
+        self._present = [bytearray(t > now for t in row) if max(row, default=0.0) > now
+                         else bytearray(n) for row in self._until]
+        self._fresh = [bytearray(n) for _ in segs]  # found by this search's checks
+        self._all = [s for s, seg in enumerate(segs) if not seg.window]  # all-pages rows
         self._bases: list[str] | None = None  # prefix + hash per page, made when needed
-        self._asked: list[tuple[int, np.ndarray]] = []
+        self._asked: list[tuple[int, Sequence[int]]] = []
         self._since: float | None = None  # when this search's first store check began
         self._stage = 0
         self._advance()
+
+    @property
+    def present(self) -> list[bytearray]:
+        """Per segment, per page: 1 where every object of the page is known present."""
+        return self._present
 
     def _ask(self, rows: Sequence[int], pages: int) -> bool:
         """Name the unknown pages ``< pages`` of segments ``rows``, segment by segment
@@ -124,86 +148,126 @@ class GroupSearch:
             p = self.layout.prefix
             self._bases = [p + h for h in self.hashes]
         for s in rows:
-            missing = np.flatnonzero(~self.present[s, :pages])
-            if missing.size:
-                bases = (self._bases[:pages] if missing.size == pages
-                         else [self._bases[i] for i in missing.tolist()])
-                for x in self.layout.segments[s].suffixes:
-                    names += [b + x for b in bases]
-                self._asked.append((s, missing))
+            row = self._present[s]
+            known = row.count(1, 0, pages)
+            if known == pages:
+                continue
+            if known:
+                missing = [i for i in range(pages) if not row[i]]
+                bases = [self._bases[i] for i in missing]
+            else:
+                missing, bases = range(pages), self._bases[:pages]
+            for x in self.layout.segments[s].suffixes:
+                names += [b + x for b in bases]
+            self._asked.append((s, missing))
         self.wanted = names
         return bool(names)
 
-    def _bound(self, rows: np.ndarray) -> int:
+    def _bound(self, rows: Sequence[int]) -> int:
         """The first page missing (or not checked) in any of segments ``rows``."""
-        full = self.present[rows]
-        return int(np.where(full.all(axis=1), full.shape[1], full.argmin(axis=1)).min())
+        n = len(self.hashes)
+        return min((p if p >= 0 else n for p in (self._present[s].find(0) for s in rows)),
+                   default=n)
 
     def _advance(self) -> None:
-        every = np.flatnonzero(self._windows == 0)
+        first = self._all[0]
         if self._stage == 0:
             self._stage = 1
-            if self._ask(every[:1].tolist(), len(self.hashes)):
+            if self._ask([first], len(self.hashes)):
                 return
         if self._stage == 1:
             self._stage = 2
-            bound = self._bound(every[:1])
-            rest = [r for r in range(len(self._windows)) if r != every[0]]
+            bound = self._bound([first])
+            rest = [r for r in range(len(self._present)) if r != first]
             if bound and self._ask(rest, bound):
                 return
         self.wanted = []
-        self.result = self._resolve(self._bound(every))
-        self._record()
+        self.result = self._resolve(self._bound(self._all))
+        if self._since is not None:
+            self._record()
 
     def _record(self) -> None:
         """Confirm what this search found: pages now whole (every segment) under the
         cover key, until their earliest confirmation; per segment, found pages that are
         not whole or whose segment stays confirmed longer than the page's cover."""
-        fresh = self._fresh
-        if not fresh.any():
+        n = len(self.hashes)
+        fresh = [_bits(row) for row in self._fresh]
+        if not any(fresh):
             return
-        earliest = self._until.min(axis=0)
-        whole = self.present.all(axis=0)
-        pages = np.flatnonzero(whole & fresh.any(axis=0))
-        if pages.size:
-            self._confirmed.record(self.layout.key, [self.hashes[p] for p in pages.tolist()],
-                                   earliest[pages].tolist())
-        fresh &= ~whole | (self._until > earliest)
-        for s in np.flatnonzero(fresh.any(axis=1)).tolist():
-            pages = np.flatnonzero(fresh[s])
-            self._confirmed.record(self.layout.segments[s].key,
-                                   [self.hashes[p] for p in pages.tolist()],
-                                   self._until[s, pages].tolist())
+        whole = -1
+        for row in self._present:
+            whole &= _bits(row)
+        any_fresh = 0
+        for f in fresh:
+            any_fresh |= f
+        earliest = list(map(min, *self._until)) if len(self._until) > 1 else self._until[0]
+        pages = _pages(whole & any_fresh, n)
+        if pages:
+            self._confirmed.record(self.layout.key, [self.hashes[p] for p in pages],
+                                   [earliest[p] for p in pages])
+        # Found pages of a whole page outlive its cover only where the page was whole
+        # thanks to older confirmations (this search's own all end together).
+        older = any(row != f for row, f in zip(self._present, self._fresh, strict=True))
+        partial = _bits(b"\x01" * n) ^ whole
+        for s, f in enumerate(fresh):
+            until = self._until[s]
+            if older:
+                pages = [p for p in _pages(f, n)
+                         if not (whole >> (8 * p)) & 1 or until[p] > earliest[p]]
+            else:
+                pages = _pages(f & partial, n)
+            if pages:
+                self._confirmed.record(self.layout.segments[s].key,
+                                       [self.hashes[p] for p in pages],
+                                       [until[p] for p in pages])
 
     def feed(self, codes: Sequence[int], since: float) -> None:
         """Take the store's codes (1 = exists) for ``wanted``, from a check that started
         at ``since`` (monotonic seconds); go on. Everything this search finds counts as
         confirmed from its first check on, so one query's confirmations end together."""
-        if self._since is None:
-            self._since = since
-        until = self._since + self._confirmed.ttl_s
         found = list(codes)
         if len(found) != len(self.wanted):
             raise ValueError(f"{len(found)} codes for {len(self.wanted)} objects")
-        everything = found.count(1) == len(found)
-        ok = None if everything else np.array(found, dtype=np.int64) == 1
+        if self._since is None:
+            self._since = since
+        until = self._since + self._confirmed.ttl_s
+        hits = found.count(1)
         i = 0
-        for s, asked in self._asked:
-            per, pages = len(self.layout.segments[s].suffixes), asked
-            if ok is not None:  # a page counts when every object of it exists
-                pages = asked[ok[i:i + asked.size * per].reshape(per, asked.size).all(axis=0)]
-            i += asked.size * per
-            self.present[s, pages] = True
-            self._fresh[s, pages] = True
-            self._until[s, pages] = until
+        for s, missing in self._asked:
+            m, per = len(missing), len(self.layout.segments[s].suffixes)
+            chunk, i = found[i:i + m * per], i + m * per
+            if not hits:
+                continue
+            if chunk.count(1) == len(chunk):
+                pages = missing
+            else:  # a page counts when every object of it (one per suffix) exists
+                parts = [chunk[j * m:(j + 1) * m] for j in range(per)]
+                pages = [p for p, *c in zip(missing, *parts, strict=True)
+                         if c.count(1) == per]
+            row, fresh, times = self._present[s], self._fresh[s], self._until[s]
+            if isinstance(pages, range):
+                row[:m] = fresh[:m] = b"\x01" * m
+                times[:m] = [until] * m
+            else:
+                for p in pages:
+                    row[p] = fresh[p] = 1
+                    times[p] = until
         self._advance()
+
     def _resolve(self, k: int) -> PoolTransferResult:
         """The answer once every page below ``k`` (the first page some all-pages segment
         lacks) is known: every length ``0..k`` that the trailing segments allow."""
-        common = np.ones(k + 1, dtype=bool)
-        trailing = self._windows > 0
-        if trailing.any() and k:
-            common &= trailing_masks(self.present[trailing, :k],
-                                     self._windows[trailing]).all(axis=0)
-        hits = np.flatnonzero(common).tolist()
+        trailing = [s for s, seg in enumerate(self.layout.segments) if seg.window]
+        if not k or not trailing:
+            return self.layout.hit(k, list(range(k + 1)))
+        if all(self.layout.segments[s].window == 1 for s in trailing):  # Mamba: page L-1
+            last = -1
+            for s in trailing:
+                last &= _bits(self._present[s][:k])
+            hits = [0, *(p + 1 for p in _pages(last, k))]
+            return self.layout.hit(hits[-1], hits)
+        exists = np.frombuffer(b"".join(bytes(self._present[s][:k]) for s in trailing),
+                               dtype=np.uint8).reshape(len(trailing), k).astype(bool)
+        windows = np.array([self.layout.segments[s].window for s in trailing])
+        hits = np.flatnonzero(trailing_masks(exists, windows).all(axis=0)).tolist()
         return self.layout.hit(hits[-1], hits)

@@ -78,6 +78,28 @@ def test_staged_answer_equals_the_full_check(shape):
         assert set(asked) <= set(plan.objects)
 
 
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_answers_from_confirmations_equal_the_full_check(shape):
+    """Queries sharing one ConfirmedPages (the store unchanged meanwhile), over random
+    windows of the same pages, with and without the extra pools: every answer, whether
+    from confirmations, from the store or from both, is the full check's."""
+    dep, queries = SHAPES[shape]
+    rng = random.Random(100 + shape)
+    hashes = [f"h{i}" for i in range(16)]
+    plan = group_objects(dep, hashes, queries)
+    present = {o for o in plan.objects if rng.random() < 0.97}
+    confirmed = ConfirmedPages(5.0)
+    for trial in range(200):
+        start = rng.randint(0, 8)
+        keys = hashes[start:start + rng.randint(1, 8)]
+        pools = queries if rng.random() < 0.7 else []
+        objects = group_objects(dep, keys, pools).objects
+        full = group_hits(group_objects(dep, keys, pools), pools,
+                          [int(o in present) for o in objects])
+        search = GroupSearch(group_layout(dep, pools), keys, confirmed, 1.0 + trial * 1e-3)
+        assert run(search, present, [], 1.0 + trial * 1e-3) == full, trial
+
+
 def test_a_miss_on_page_zero_checks_no_trailing_objects():
     dep, queries = SHAPES[0]
     hashes = [f"p{i}" for i in range(8)]

@@ -18,11 +18,22 @@ def broken():
     raise KeyError("internal")
 
 
+def later(reply, value):
+    """An async op: answered from another thread, after the I/O thread moved on."""
+    threading.Timer(0.05, reply, (value, None)).start()
+
+
+def refuse(reply, value):
+    raise ValueError(f"refused {value}")
+
+
 @pytest.fixture
 def server(tmp_path):
+    together = threading.Barrier(4, timeout=5)
     srv = ChannelServer(str(tmp_path / "node.sock"), {
         "echo": lambda *a: a, "bad": bad, "broken": broken,
-        "thread": threading.get_ident})
+        "together": lambda: together.wait() is not None},
+        async_handlers={"later": later, "refuse": refuse})
     yield srv
     srv.close()
 
@@ -40,15 +51,33 @@ def test_replies_and_errors(server):
 
 
 def test_each_thread_has_its_own_connection(server):
+    """Four calls that return only once all four are in the server at the same time:
+    each calling thread has its own connection, served concurrently."""
     client = ChannelClient(server.path)
-    names: list[int] = []
-    threads = [threading.Thread(target=lambda: names.append(client.call("thread")))
+    out: list[bool] = []
+    threads = [threading.Thread(target=lambda: out.append(client.call("together")))
                for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(5)
-    assert len(set(names)) == 4  # four server threads, one per connection
+    assert out == [True] * 4
+    client.close()
+
+
+def test_async_ops_reply_later_and_many_callers_are_all_answered(server):
+    client = ChannelClient(server.path)
+    with pytest.raises(ValueError, match="refused 3"):
+        client.call("refuse", 3)
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: out.update({i: client.call("later", i)}))
+               for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert out == {i: i for i in range(32)}
+    assert client.call("echo", "after") == ("after",)
     client.close()
 
 
