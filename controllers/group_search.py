@@ -15,7 +15,9 @@ every rank and pool; this module reaches it by checking only what can change it:
 A cold full hit costs two store calls and checks each object once; a miss costs one
 call over one segment. Checking the trailing pools in step 2 rather than after ``K`` is
 known checks a few objects in vain only when ranks disagree (another rank's KV ends
-before rank 0's), and saves a round trip on every hit.
+before rank 0's), and saves a round trip on every hit. A search told to ``speculate``
+(its caller expects a hit) asks every unknown object of every page in one call: one
+round trip instead of two for a hit, every object checked in vain for a miss.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
@@ -110,7 +112,7 @@ class GroupSearch:
     once the answer is known."""
 
     def __init__(self, layout: GroupLayout, hashes: Sequence[str],
-                 confirmed: ConfirmedPages, now: float) -> None:
+                 confirmed: ConfirmedPages, now: float, speculate: bool = False) -> None:
         self.layout = layout
         self.hashes = list(hashes)
         self.result: PoolTransferResult | None = None
@@ -132,13 +134,16 @@ class GroupSearch:
         self._bases: list[str] | None = None  # prefix + hash per page, made when needed
         self._asked: list[tuple[int, Sequence[int]]] = []
         self._since: float | None = None  # when this search's first store check began
+        self._speculate = speculate
         self._stage = 0
         self._advance()
 
     @property
-    def present(self) -> list[bytearray]:
-        """Per segment, per page: 1 where every object of the page is known present."""
-        return self._present
+    def first_page_present(self) -> bool:
+        """Whether page 0 of the first all-pages segment exists (known once ``result``
+        is set): a search that found it needed, or would have needed, step 2."""
+        return bool(self.hashes) and self.result is not None and (
+            self.result.kv_hit_pages > 0 or self._present[self._all[0]][0] == 1)
 
     def _ask(self, rows: Sequence[int], pages: int) -> bool:
         """Name the unknown pages ``< pages`` of segments ``rows``, segment by segment
@@ -172,9 +177,14 @@ class GroupSearch:
     def _advance(self) -> None:
         first = self._all[0]
         if self._stage == 0:
-            self._stage = 1
-            if self._ask([first], len(self.hashes)):
-                return
+            if self._speculate:  # every segment at once: nothing is left for step 2
+                self._stage = 2
+                if self._ask(range(len(self._present)), len(self.hashes)):
+                    return
+            else:
+                self._stage = 1
+                if self._ask([first], len(self.hashes)):
+                    return
         if self._stage == 1:
             self._stage = 2
             bound = self._bound([first])

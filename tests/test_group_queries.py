@@ -100,7 +100,7 @@ def test_concurrent_queries_join_one_check_and_distinct_ones_are_batched():
     store.release.clear()
     first, out0 = run(groups, [["a"]])
     first[0].start()
-    assert store.entered.wait(5)          # the leader's check is in the store
+    assert store.entered.wait(5)          # the first check is in the store
     threads, out = run(groups, [["a", "b"], ["a", "b"], ["b"], ["c"]])
     for t in threads:
         t.start()
@@ -166,9 +166,9 @@ def test_up_to_parallel_store_calls_run_at_once():
     assert [out[i].kv_hit_pages for i in range(2)] == [0, 0]
 
 
-def test_many_callers_few_leaders_all_answered():
-    """Leader places pass to callers whose queries wait in the queue: with 48 callers
-    and 2 places every query is answered, each with its own hit."""
+def test_many_callers_few_checkers_all_answered():
+    """With 48 callers and 2 checker threads every query is answered, each with its own
+    hit."""
     keys = [[f"k{i}-{j}" for j in range(4)] for i in range(48)]
     present = [k for i, ks in enumerate(keys) for k in ks[:i % 5]]
 
@@ -186,3 +186,32 @@ def test_many_callers_few_leaders_all_answered():
     assert not any(t.is_alive() for t in threads)
     assert [out[i].kv_hit_pages for i in range(48)] == [min(i % 5, 4) for i in range(48)]
     assert groups.stats.store_calls < 2 * 48  # distinct queries were batched
+
+
+def test_mostly_hits_check_everything_in_one_call_mostly_misses_go_staged():
+    store = Store(objects([f"p{i}" for i in range(20)]))
+    groups = GroupQueries(store.exists, window_s=0.0)
+    assert groups.ask(DEP, ["p0", "p1"], []).kv_hit_pages == 2
+    assert len(store.calls) == 2  # no history: rank 0's KV, then rank 1's
+    for i in range(2, 20):
+        groups.ask(DEP, [f"p{i}"], [])
+    store.calls.clear()
+    assert groups.ask(DEP, ["p0", "p1", "x"], []).kv_hit_pages == 2
+    assert len(store.calls) == 1 and sorted(store.calls[0]) == sorted(objects(["p0", "p1",
+                                                                              "x"]))
+    for i in range(20):  # a run of misses: staged again, a miss costs rank 0's KV only
+        groups.ask(DEP, [f"m{i}"], [])
+    store.calls.clear()
+    assert groups.ask(DEP, ["m", "p0"], []).kv_hit_pages == 0
+    assert store.calls == [["m_m_0_k", "m_p0_0_k", "m_m_0_v", "m_p0_0_v"]]
+
+
+def test_checker_threads_end_when_idle_and_come_back():
+    store = Store(objects(["a"]))
+    groups = GroupQueries(store.exists, window_s=0.0, idle_s=0.05)
+    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 1
+    deadline = time.monotonic() + 5
+    while groups._checkers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert groups._checkers == 0
+    assert groups.ask(DEP, ["a", "b"], []).kv_hit_pages == 1

@@ -73,6 +73,11 @@ def test_staged_answer_equals_the_full_check(shape):
         staged = run(GroupSearch(group_layout(dep, queries), hashes, confirmed, 0.0),
                      present, calls)
         assert staged == full
+        at_once: list[list[str]] = []
+        speculated = run(GroupSearch(group_layout(dep, queries), hashes, confirmed, 0.0,
+                                     speculate=True), present, at_once)
+        assert speculated == full and len(at_once) == 1
+        assert sorted(at_once[0]) == sorted(plan.objects)
         asked = [o for c in calls for o in c]
         assert len(asked) == len(set(asked)) <= len(plan.objects)
         assert set(asked) <= set(plan.objects)
