@@ -16,11 +16,11 @@ Mooncake leases every object it reports present), so a query may be answered at 
 in the submitting thread, with no store call. Per deployment and pool set, the share of
 recent checked queries that found their first page (a moving average) decides how a
 query checks: mostly hits, every object in one store call (one round trip); mostly
-misses, rank 0's KV first (a miss then costs one segment's objects). The others queue;
-up to ``parallel`` checker threads take everything queued, make one ``exists`` call
-over the union of the objects the current step of each query needs (no name twice),
-feed the codes back, call ``done`` for the queries answered and queue the rest for
-their next step. Nobody waits on a query but its own ``done``: under load one store
+misses, a probe of page 0 first (a miss then costs a handful of objects). The others
+queue; up to ``parallel`` checker threads take everything queued, make one ``exists``
+call over the union of the objects the current step of each query needs (no name
+twice), feed the codes back, call ``done`` for the queries answered and queue the rest
+for their next step. Nobody waits on a query but its own ``done``: under load one store
 call and one thread wake-up serve a whole batch. Checker threads are started when work
 is queued and none is idle, and end after ``idle_s`` without work; two of them (the
 default) gave the most group queries/s on 2 cores (four: ~20% fewer, smaller batches).
@@ -29,6 +29,7 @@ Pure logic: the store is a callable.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -230,18 +231,25 @@ class GroupQueries:
                         self._checkers -= 1
                         return
                 batch, self._pending = self._pending, []
-            self._answer(batch)
+            try:
+                self._answer(batch)
+            except Exception as e:  # a bug: never leave the callers waiting
+                log.exception("answering a batch of group queries failed")
+                with self._lock:
+                    for q in batch:
+                        self._inflight.pop(q.key, None)
+                for q in batch:
+                    for done in q.done:
+                        _tell(done, None, e)
 
     def _answer(self, batch: list[_Query]) -> None:
         """One store call for the current step of every query in ``batch``; queries
         with a further step go back in the queue; the answered are told."""
-        if len(batch) == 1:
-            union, names = None, batch[0].search.wanted
-        else:
-            union: dict[str, int] = {}
-            for q in batch:
-                for o in q.search.wanted:
-                    union.setdefault(o, len(union))
+        wanted = [q.search.wanted for q in batch]
+        names = list(itertools.chain.from_iterable(wanted))
+        union = dict.fromkeys(names)  # no name twice (prompts sharing a prefix)
+        shared = len(union) < len(names)
+        if shared:
             names = list(union)
         since, t = time.monotonic(), time.perf_counter()
         try:
@@ -250,11 +258,20 @@ class GroupQueries:
             codes, error = None, e
         took = time.perf_counter() - t
         self._on_check(took)
-        for q in batch:
+        if codes is not None and len(codes) != len(names):
+            codes, error = None, RuntimeError(
+                f"the store answered {len(codes)} codes for {len(names)} objects")
+        if codes is not None and shared:
+            union = dict(zip(names, codes, strict=True))
+        at = 0
+        for q, mine in zip(batch, wanted, strict=True):
             if codes is None:
                 q.error = error
                 continue
-            mine = codes if union is None else [codes[union[o]] for o in q.search.wanted]
+            if shared:
+                mine = list(map(union.__getitem__, mine))
+            else:
+                mine, at = codes[at:at + len(mine)], at + len(mine)
             try:
                 q.search.feed(mine, since)
             except Exception as e:  # reported to this query's callers only

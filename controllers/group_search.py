@@ -3,21 +3,18 @@
 The answer is the one ``deployments.group_hits`` gives from a check of every object of
 every rank and pool; this module reaches it by checking only what can change it:
 
-1. **One all-pages segment** (rank 0's KV, or the replicated KV): every page not already
-   confirmed (``ConfirmedPages``). Its first missing page bounds the hit; a miss on page
-   0 needs nothing more.
-2. **Every other segment** (the other ranks' KV, extra pools with policy ``all_pages``,
-   trailing pools such as Mamba or SWA): only pages below that bound, in one store call.
+1. **A probe**: page 0 of every all-pages segment (every rank's KV, extra pools with
+   policy ``all_pages``; a replicated pool once), unless already confirmed. If one
+   lacks it, nothing is restorable and the query is answered: a miss costs a handful
+   of objects, whatever the prompt's length.
+2. **Everything else** not already confirmed, every segment (trailing pools such as
+   Mamba or SWA included), every page, in one store call.
 3. The answer: ``K``, the first page missing in any all-pages segment, bounds the hit;
-   the restorable prefix lengths are those ``0..K`` every trailing segment allows,
-   vectorised over segments.
+   the restorable prefix lengths are those ``0..K`` every trailing segment allows.
 
-A cold full hit costs two store calls and checks each object once; a miss costs one
-call over one segment. Checking the trailing pools in step 2 rather than after ``K`` is
-known checks a few objects in vain only when ranks disagree (another rank's KV ends
-before rank 0's), and saves a round trip on every hit. A search told to ``speculate``
-(its caller expects a hit) asks every unknown object of every page in one call: one
-round trip instead of two for a hit, every object checked in vain for a miss.
+A search told to ``speculate`` (its caller expects a hit: most recent queries found
+their first page) skips the probe: one round trip instead of two for a hit, every
+object checked in vain for a miss.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
@@ -140,10 +137,9 @@ class GroupSearch:
 
     @property
     def first_page_present(self) -> bool:
-        """Whether page 0 of the first all-pages segment exists (known once ``result``
-        is set): a search that found it needed, or would have needed, step 2."""
-        return bool(self.hashes) and self.result is not None and (
-            self.result.kv_hit_pages > 0 or self._present[self._all[0]][0] == 1)
+        """Whether page 0 exists in every all-pages segment (known once ``result`` is
+        set): a search that found it needed, or would have needed, step 2."""
+        return self.result is not None and self.result.kv_hit_pages > 0
 
     def _ask(self, rows: Sequence[int], pages: int) -> bool:
         """Name the unknown pages ``< pages`` of segments ``rows``, segment by segment
@@ -175,21 +171,14 @@ class GroupSearch:
                    default=n)
 
     def _advance(self) -> None:
-        first = self._all[0]
+        every, n = range(len(self._present)), len(self.hashes)
         if self._stage == 0:
-            if self._speculate:  # every segment at once: nothing is left for step 2
-                self._stage = 2
-                if self._ask(range(len(self._present)), len(self.hashes)):
-                    return
-            else:
-                self._stage = 1
-                if self._ask([first], len(self.hashes)):
-                    return
+            self._stage = 1
+            if not self._speculate and self._ask(self._all, 1):
+                return
         if self._stage == 1:
             self._stage = 2
-            bound = self._bound([first])
-            rest = [r for r in range(len(self._present)) if r != first]
-            if bound and self._ask(rest, bound):
+            if (self._speculate or self._bound(self._all)) and self._ask(every, n):
                 return
         self.wanted = []
         self.result = self._resolve(self._bound(self._all))

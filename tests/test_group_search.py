@@ -112,11 +112,11 @@ def test_a_miss_on_page_zero_checks_no_trailing_objects():
     result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  set(), calls)
     assert result.kv_hit_pages == 0 and result.restorable_prefix_pages == [0]
-    assert len(calls) == 1 and all(o.endswith(("_k", "_v")) for o in calls[0])
-    assert len(calls[0]) == 8 * 2  # rank 0's pages x (k, v): the rest cannot matter
+    # One call: page 0 of each rank's KV (2 ranks x k, v); the rest cannot matter.
+    assert calls == [["org-m_p0_0_k", "org-m_p0_0_v", "org-m_p0_1_k", "org-m_p0_1_v"]]
 
 
-def test_other_segments_are_checked_only_below_rank_zeros_limit():
+def test_after_the_probe_everything_else_in_one_call():
     dep, queries = SHAPES[0]
     hashes = [f"p{i}" for i in range(8)]
     plan = group_objects(dep, hashes, queries)
@@ -125,8 +125,8 @@ def test_other_segments_are_checked_only_below_rank_zeros_limit():
     result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  present, calls)
     assert result.kv_hit_pages == 5
-    assert len(calls) == 2  # rank 0's KV; rank 1's KV and Mamba below page 5
-    assert {o.split("_")[1] for o in calls[1]} == {f"p{i}" for i in range(5)}
+    assert len(calls) == 2 and {o.split("_")[1] for o in calls[0]} == {"p0"}
+    assert sorted(calls[0] + calls[1]) == sorted(plan.objects)  # each object once
 
 
 def test_confirmed_pages_answer_without_the_store_until_the_ttl():
@@ -146,7 +146,8 @@ def test_confirmed_pages_answer_without_the_store_until_the_ttl():
     assert {o.split("_")[1] for o in longer.wanted} == {"p6"}  # only the new page
     clock.now += 0.2                                            # confirmations expired
     stale = GroupSearch(layout, hashes, confirmed, clock.now)
-    assert stale.wanted == [f"org-m_p{i}_0_0_{x}" for x in "kv" for i in range(6)]  # step 1
+    assert stale.wanted == [f"org-m_p0_{tp}_{pp}_{x}" for pp in range(2) for tp in range(4)
+                            for x in "kv"]  # the probe: page 0 of every rank's KV
 
 
 def test_only_whole_pages_are_confirmed_and_misses_never():
