@@ -227,7 +227,8 @@ class CacheClient:
             return self._ask(actor, _RAY_METHODS[op], *args)
         with self._retryable(op):
             if self._channel is None:
-                self._channel = ChannelClient(self._call("channel_path"))
+                self._channel = ChannelClient(self._call("channel_path"),
+                                              async_ops=frozenset({"group_exists"}))
             return self._channel.call(op, *args)
 
     def _actor_of(self, node_id: str):

@@ -48,8 +48,10 @@ def _covered(entry: dict[SegmentKey, float], key: SegmentKey) -> float:
 
 class ConfirmedPages:
     """See the module docstring. ``ttl_s <= 0`` disables it (nothing is remembered).
-    Thread-safe: lookups and inserts are single dict operations; a generation turn is
-    taken under a lock."""
+    Thread-safe without a lock on the hot path: lookups and inserts are single dict
+    operations (two racing first inserts for one page may keep only one of them: a
+    confirmation is lost, nothing false is recorded); a generation turn is taken under
+    a lock."""
 
     def __init__(self, ttl_s: float, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -100,9 +102,10 @@ class ConfirmedPages:
         cur = self._current
         for h, t in zip(hashes, until, strict=True):
             entry = cur.get(h)
-            if entry is None:
-                entry = cur.setdefault(h, {})
-            entry[key] = t
+            if entry is None:  # a racing insert may be lost: a confirmation, never a miss
+                cur[h] = {key: t}
+            else:
+                entry[key] = t
 
     def forget(self) -> None:
         """Drop every confirmation (objects may have left the store)."""

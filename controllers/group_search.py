@@ -199,14 +199,20 @@ class GroupSearch:
         any_fresh = 0
         for f in fresh:
             any_fresh |= f
-        earliest = list(map(min, *self._until)) if len(self._until) > 1 else self._until[0]
+        # Without older confirmations every page known here was found by this search,
+        # so all its confirmations end together.
+        older = any(row != f for row, f in zip(self._present, self._fresh, strict=True))
+        if older:
+            earliest = list(map(min, *self._until)) if len(self._until) > 1 \
+                else self._until[0]
         pages = _pages(whole & any_fresh, n)
         if pages:
-            self._confirmed.record(self.layout.key, [self.hashes[p] for p in pages],
-                                   [earliest[p] for p in pages])
+            self._confirmed.record(
+                self.layout.key, [self.hashes[p] for p in pages],
+                [earliest[p] for p in pages] if older
+                else [self._since + self._confirmed.ttl_s] * len(pages))
         # Found pages of a whole page outlive its cover only where the page was whole
-        # thanks to older confirmations (this search's own all end together).
-        older = any(row != f for row, f in zip(self._present, self._fresh, strict=True))
+        # thanks to older confirmations.
         partial = _bits(b"\x01" * n) ^ whole
         for s, f in enumerate(fresh):
             until = self._until[s]

@@ -65,8 +65,11 @@ def test_each_thread_has_its_own_connection(server):
     client.close()
 
 
-def test_async_ops_reply_later_and_many_callers_are_all_answered(server):
-    client = ChannelClient(server.path)
+@pytest.mark.parametrize("async_ops", [frozenset({"later", "refuse"}), frozenset()])
+def test_async_ops_reply_later_and_many_callers_are_all_answered(server, async_ops):
+    """Async ops on connections of their own (served by the I/O thread) or mixed with
+    data ops on one connection per thread: every caller gets its own answer."""
+    client = ChannelClient(server.path, async_ops=async_ops)
     with pytest.raises(ValueError, match="refused 3"):
         client.call("refuse", 3)
     out: dict[int, object] = {}
@@ -78,6 +81,18 @@ def test_async_ops_reply_later_and_many_callers_are_all_answered(server):
         t.join(5)
     assert out == {i: i for i in range(32)}
     assert client.call("echo", "after") == ("after",)
+    client.close()
+
+
+def test_a_data_op_on_an_async_connection_is_still_served(server):
+    """A connection that began with an async op is read by the I/O thread; a data op
+    sent on it later runs on a worker, never blocking that thread."""
+    client = ChannelClient(server.path)
+    assert client.call("later", 1) == 1        # this connection goes to the I/O thread
+    assert client.call("echo", 2) == (2,)      # a data op on it
+    with pytest.raises(RuntimeError, match="broken failed in the node actor"):
+        client.call("broken")
+    assert client.call("later", 3) == 3
     client.close()
 
 
