@@ -46,6 +46,7 @@ Done = Callable[[PoolTransferResult | None, BaseException | None], None]
 log = logging.getLogger(__name__)
 
 HIT_SHARE_WEIGHT = 0.1  # of the newest checked query in the moving average of hits
+SPECULATE_FROM = 0.5    # share of hits from which a query checks everything at once
 
 
 def _tell(done: Done, result: PoolTransferResult | None, error: BaseException | None) -> None:
@@ -202,8 +203,9 @@ class GroupQueries:
                     break
             # outside the lock, then look again
             layout = self._layout(dep, queries)
-            search = GroupSearch(layout, keys, self.confirmed, time.monotonic(),
-                                 speculate=self._hit_share.get(layout.key, 0.0) >= 0.5)
+            search = GroupSearch(
+                layout, keys, self.confirmed, time.monotonic(),
+                speculate=self._hit_share.get(layout.key, 0.0) >= SPECULATE_FROM)
         self._on_query(how)
         if hit is not None:
             _tell(done, hit.result, None)
@@ -291,6 +293,8 @@ class GroupQueries:
                 if q.error is None:
                     key = q.search.layout.key
                     share = self._hit_share.get(key, 0.0)
+                    if len(self._hit_share) >= 1024 and key not in self._hit_share:
+                        self._hit_share.clear()  # deployments come and go: start over
                     self._hit_share[key] = share + HIT_SHARE_WEIGHT * (
                         q.search.first_page_present - share)
         for q in finished:  # callers joined until the query left ``_inflight``

@@ -114,10 +114,14 @@ class GroupSearch:
         self.hashes = list(hashes)
         self.result: PoolTransferResult | None = None
         self.wanted: list[str] = []
+        # Once ``result`` is set: whether page 0 exists in every all-pages segment (a
+        # search that found it needed, or would have needed, step 2).
+        self.first_page_present = False
         n = len(self.hashes)
         (whole,) = confirmed.until((layout.key,), self.hashes, now)
         if min(whole, default=now + 1.0) > now:  # every object of every page confirmed
             self.result = layout.hit(n, list(range(n + 1)))
+            self.first_page_present = n > 0
             return
         self._confirmed = confirmed
         segs = layout.segments
@@ -134,12 +138,6 @@ class GroupSearch:
         self._speculate = speculate
         self._stage = 0
         self._advance()
-
-    @property
-    def first_page_present(self) -> bool:
-        """Whether page 0 exists in every all-pages segment (known once ``result`` is
-        set): a search that found it needed, or would have needed, step 2."""
-        return self.result is not None and self.result.kv_hit_pages > 0
 
     def _ask(self, rows: Sequence[int], pages: int) -> bool:
         """Name the unknown pages ``< pages`` of segments ``rows``, segment by segment
@@ -181,7 +179,9 @@ class GroupSearch:
             if (self._speculate or self._bound(self._all)) and self._ask(every, n):
                 return
         self.wanted = []
-        self.result = self._resolve(self._bound(self._all))
+        k = self._bound(self._all)
+        self.first_page_present = k > 0
+        self.result = self._resolve(k)
         if self._since is not None:
             self._record()
 

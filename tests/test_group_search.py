@@ -222,3 +222,16 @@ def test_a_whole_page_is_trusted_no_longer_than_its_oldest_confirmation():
     assert again.wanted and all(o.endswith(("_k", "_v")) for o in again.wanted)
     known = confirmed.until([s.key for s in layout.segments], hashes, clock.now)
     assert [min(row) > clock.now for row in known] == [s.window > 0 for s in layout.segments]
+
+
+def test_first_page_present_follows_the_kv_not_the_hit():
+    """KV everywhere but no Mamba state: nothing is restorable, yet page 0 was found
+    (the probe did not settle the query), which is what the hit share learns from."""
+    dep, queries = SHAPES[0]
+    hashes = ["a", "b"]
+    present = {o for o in group_objects(dep, hashes, queries).objects
+               if o.endswith(("_k", "_v"))}
+    search = GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
+    assert run(search, present, []).kv_hit_pages == 0 and search.first_page_present
+    miss = GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
+    assert run(miss, set(), []).kv_hit_pages == 0 and not miss.first_page_present
