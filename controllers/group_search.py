@@ -26,8 +26,9 @@ when every object of it exists.
 Cost: a query runs in the node actor for every rank's request, so its bookkeeping is
 kept to a few C-level operations per segment: presence is a ``bytearray`` per segment
 (first missing page: ``find``; known pages: ``count``; pages whole in every segment: one
-integer AND over all rows), store codes are scanned with ``list.count`` before any
-per-object work, and numpy is used only to intersect trailing windows of a hit.
+integer AND over all rows; trailing windows: ``hit_resolution.trailing_ends``, a few
+integer shifts), and store codes are scanned with ``list.count`` before any per-object
+work.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from controllers.confirmed_pages import ConfirmedPages, cover
 from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 from controllers.deployments import Deployment, PoolQuery, group_template
-from controllers.hit_resolution import pool_hit_pages, trailing_masks
+from controllers.hit_resolution import pool_hit_pages, trailing_ends
 
 
 @dataclass(frozen=True)
@@ -265,14 +264,8 @@ class GroupSearch:
         trailing = [s for s, seg in enumerate(self.layout.segments) if seg.window]
         if not k or not trailing:
             return self.layout.hit(k, list(range(k + 1)))
-        if all(self.layout.segments[s].window == 1 for s in trailing):  # Mamba: page L-1
-            last = -1
-            for s in trailing:
-                last &= _bits(self._present[s][:k])
-            hits = [0, *(p + 1 for p in _pages(last, k))]
-            return self.layout.hit(hits[-1], hits)
-        exists = np.frombuffer(b"".join(bytes(self._present[s][:k]) for s in trailing),
-                               dtype=np.uint8).reshape(len(trailing), k).astype(bool)
-        windows = np.array([self.layout.segments[s].window for s in trailing])
-        hits = np.flatnonzero(trailing_masks(exists, windows).all(axis=0)).tolist()
+        ends = -1  # byte p: a prefix of p + 1 pages is restorable from every trailing pool
+        for s in trailing:
+            ends &= trailing_ends(self._present[s][:k], self.layout.segments[s].window)
+        hits = [0, *(p + 1 for p in _pages(ends, k))]
         return self.layout.hit(hits[-1], hits)

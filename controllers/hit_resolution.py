@@ -7,7 +7,7 @@ A prefix of ``L`` pages is restorable from a pool when:
 The empty prefix is always restorable. Trailing pools make holes, so the hit is the
 largest length in the **intersection** of every pool's restorable lengths, not the
 minimum of per-pool maxima. Across TP/PP ranks the same intersection is taken over
-every rank's pools. Pure: numpy only.
+every rank's pools. Pure: numpy and integer masks.
 """
 
 from __future__ import annotations
@@ -38,24 +38,34 @@ class PoolPresence:
 
 def restorable_mask(p: PoolPresence) -> np.ndarray:
     """``mask[L]`` (``L`` = 0..n pages) is True when pool ``p`` can restore a prefix of
-    ``L`` pages. Vectorised: O(n) whatever the window."""
+    ``L`` pages."""
     exists = np.asarray(p.exists, dtype=bool)
     if p.policy == PoolHitPolicy.ALL_PAGES:
         present = np.concatenate(([0], np.cumsum(exists)))  # pages < L that exist
         return present == np.arange(exists.size + 1)
-    return trailing_masks(exists[None, :], np.array([p.window]))[0]
+    ends = trailing_ends(exists.astype(np.uint8).tobytes(), p.window)
+    mask = np.ones(exists.size + 1, dtype=bool)
+    mask[1:] = np.frombuffer(ends.to_bytes(exists.size, "little"), dtype=np.uint8)
+    return mask
 
 
-def trailing_masks(exists: np.ndarray, windows: np.ndarray) -> np.ndarray:
-    """For rows of trailing pools at once: ``exists`` is ``(rows, n)`` bool, ``windows``
-    ``(rows,)``; ``mask[r, L]`` (``L`` = 0..n) is True when pages ``L-w..L-1`` of row
-    ``r`` all exist."""
-    rows, n = exists.shape
-    present = np.concatenate((np.zeros((rows, 1), np.int64), np.cumsum(exists, axis=1)),
-                             axis=1)  # present[r, L] = pages < L that exist
-    lengths = np.arange(n + 1)
-    start = np.maximum(lengths[None, :] - np.asarray(windows)[:, None], 0)
-    return present - np.take_along_axis(present, start, axis=1) == lengths[None, :] - start
+def trailing_ends(present: bytes | bytearray, window: int) -> int:
+    """For a trailing pool whose page ``p`` exists where byte ``p`` of ``present`` is 1
+    (else 0): an integer whose byte ``p`` (little-endian) is 1 when pages
+    ``max(0, p-window+1)..p`` all exist, i.e. a prefix of ``p + 1`` pages is restorable.
+    O(log window) shifts of one integer."""
+    n = len(present)
+    acc = int.from_bytes(present, "little")  # byte p: pages p-span+1..p all exist
+    span, w = 1, min(window, n)
+
+    def back(v: int, k: int) -> int:  # byte p takes byte p-k; pages before 0 count
+        return (v << (8 * k)) | int.from_bytes(b"\x01" * k, "little")
+    while span * 2 <= w:
+        acc &= back(acc, span)
+        span *= 2
+    if span < w:
+        acc &= back(acc, w - span)
+    return acc & int.from_bytes(b"\x01" * n, "little")
 
 
 def pool_hit_pages(hit: int, policy: PoolHitPolicy, window: int) -> int:

@@ -1,9 +1,16 @@
 """Hit resolution tables: intersections of restorable prefixes across pools and ranks."""
 
+import random
+
 import pytest
 
 from controllers.contract import PoolHitPolicy, PoolName
-from controllers.hit_resolution import PoolPresence, resolve_hits, restorable_lengths
+from controllers.hit_resolution import (
+    PoolPresence,
+    resolve_hits,
+    restorable_lengths,
+    trailing_ends,
+)
 
 ALL, TRAIL = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 T, F = True, False
@@ -74,3 +81,12 @@ def test_bad_policy(kw, msg):
 def test_length_mismatch():
     with pytest.raises(ValueError, match="pages"):
         resolve_hits(PoolPresence([T, T]), {PoolName.MAMBA: trailing([T])})
+
+
+def test_trailing_ends_equal_a_check_of_every_window():
+    rng = random.Random(7)
+    for _ in range(500):
+        n, window = rng.randint(0, 40), rng.randint(1, 45)
+        row = bytes(int(rng.random() < 0.8) for _ in range(n))
+        ends = trailing_ends(row, window).to_bytes(n, "little")
+        assert list(ends) == [int(all(row[max(0, p - window + 1):p + 1])) for p in range(n)]
