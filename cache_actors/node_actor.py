@@ -85,7 +85,8 @@ class NodeMetrics:
                                         tag_keys=("node", "pool"))
         self.group_queries = metrics.Counter(
             "raykv_group_queries", "Group existence queries answered here, by how: "
-            "recent / inflight (shared by the ranks of a group) or checked (own store check)",
+            "recent / inflight (shared by the ranks of a group), confirmed (from confirmed "
+            "pages alone) or checked (own store check)",
             tag_keys=("node", "answer"))
         for m in (self.objects, self.bytes, self.latency, self.pool_bytes, self.group_queries):
             m.set_default_tags(tags)
@@ -332,11 +333,16 @@ class NodeCacheActor:
         self._count(op, batch, codes, time.perf_counter() - t, moved)
         return codes
 
+    def _known(self, deployment_id: str, version: int) -> Deployment | None:
+        """The copy here of the deployment, if it is at ``version`` or later."""
+        dep = self._deployments.get(deployment_id)
+        return dep if dep is not None and dep.version >= version else None
+
     def _deployment(self, deployment_id: str, version: int) -> Deployment:
         """The deployment at ``version`` or later, from the controller when the copy here
         is missing or older; ``ValueError`` if the controller does not know it."""
-        dep = self._deployments.get(deployment_id)
-        if dep is None or dep.version < version:
+        dep = self._known(deployment_id, version)
+        if dep is None:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
             try:
                 # A thread of an async actor: wait on the future, not with ray.get.
@@ -359,8 +365,8 @@ class NodeCacheActor:
         ``reply(result, error)`` once the group's check is done. A deployment not known
         here at ``version`` is fetched from the controller on the data pool first (a
         Ray call must not block the I/O thread)."""
-        dep = self._deployments.get(deployment_id)
-        if dep is not None and dep.version >= version:
+        dep = self._known(deployment_id, version)
+        if dep is not None:
             self._groups.submit(dep, keys, queries, tuple(rank), reply)
             return
 

@@ -5,7 +5,7 @@ For each TP size a deployment with KV (MHA, k+v) and Mamba (temporal + 2 conv) p
 registered; 64 prompts of ``pages`` pages are stored for every rank, every page with
 its Mamba state (tiny objects: the check does not read bytes). Measured:
 - **latency, cold**: ``CacheClient.group_exists`` (rank -> local channel -> the home
-  node actor -> staged store checks -> intersection) right after the home node forgot
+  node actor -> store checks -> intersection) right after the home node forgot
   every confirmation, so every object is checked at the store, vs the raw
   ``batch_is_exist`` of the identical object list from the driver; p50/p99 in ms,
   *added* = group p50 - raw p50. The answer window is 0: no answer is shared.
@@ -14,7 +14,8 @@ its Mamba state (tiny objects: the check does not read bytes). Measured:
 - **throughput**: group queries/s from ``concurrency`` caller threads, each a rank of
   the group with its own ``CacheClient``: distinct queries about stored prompts (hits,
   confirmations renewed as they expire), distinct queries about prompts never stored
-  (misses: only KV objects are checked, never confirmed), and every stored prompt asked
+  (misses: once the home node sees mostly misses, only page 0 of each rank's KV is
+  checked; never confirmed), and every stored prompt asked
   by all ``tp`` ranks (as a TP group does); as the store's ceiling, raw
   ``batch_is_exist`` calls/s of the full object lists from as many driver threads.
 - **answered**: how the home node answered the run's queries (shared, from
