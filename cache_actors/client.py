@@ -25,20 +25,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
-
-from cache_actors.errors import NodeUnavailableError
-from cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
-from cache_actors.local_channel import ChannelClient, ChannelClosedError
-from cache_actors.object_batch import ObjectBatch
-from cache_actors.standalone_client import check_mode
-from controllers.contract import (
+from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
+from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
+from raykv.cache_actors.object_batch import ObjectBatch
+from raykv.cache_actors.standalone_client import check_mode
+from raykv.controllers.contract import (
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
     StorageConfig,
 )
-from controllers.deployments import (
+from raykv.controllers.deployments import (
     ObjectPlan,
     PoolQuery,
     PoolSpec,
@@ -46,9 +45,9 @@ from controllers.deployments import (
     group_hits,
     rank_plan_into,
 )
-from controllers.keys import KeyPlan, check_key_rule, is_replicated
-from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
-from controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated
+from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +184,7 @@ class CacheClient:
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("CacheClient needs a connected Ray: call ray.init(...) or "
-                               "start raykv with clusters.start_local() first")
+                               "start raykv with raykv.start_local() first")
         self.config = config or StorageConfig()
         self.plan = KeyPlan.from_config(self.config)
         self.node_id = node_id or ray.get_runtime_context().get_node_id()

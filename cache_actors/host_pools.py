@@ -18,9 +18,8 @@ import mmap
 from dataclasses import dataclass
 
 import torch
-
-from cache_actors.shared_segment import attach_segment, create_segment, unlink_segment
-from controllers.pool_layout import PoolLayout
+from raykv.cache_actors.shared_segment import attach_segment, create_segment, unlink_segment
+from raykv.controllers.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
 

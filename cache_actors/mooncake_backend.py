@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
+from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
 
 log = logging.getLogger(__name__)
 

@@ -38,19 +38,18 @@ from dataclasses import asdict
 
 import ray
 from ray.util import metrics
-
-from cache_actors.errors import NodeUnavailableError
-from cache_actors.host_pools import HostPool, PoolHandle
-from cache_actors.local_channel import ChannelServer
-from cache_actors.mooncake_codes import ALREADY_PRESENT
-from cache_actors.node_store import NodeStore
-from cache_actors.object_batch import ObjectBatch
-from cache_actors.shared_segment import SHM_DIR, segment_path
-from controllers.contract import PoolTransferResult
-from controllers.deployments import Deployment, PoolQuery
-from controllers.group_queries import GroupQueries
-from controllers.naming import CONTROLLER_NAME
-from controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.local_channel import ChannelServer
+from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.object_batch import ObjectBatch
+from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
+from raykv.controllers.contract import PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolQuery
+from raykv.controllers.group_queries import GroupQueries
+from raykv.controllers.naming import CONTROLLER_NAME
+from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache_actors.errors import StalePoolsError, StoreUnavailableError
-from cache_actors.mooncake_backend import MooncakeBackend
-from cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
-from cache_actors.standalone_client import MooncakeClientProcess
+from raykv.cache_actors.errors import StalePoolsError, StoreUnavailableError
+from raykv.cache_actors.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
+from raykv.cache_actors.standalone_client import MooncakeClientProcess
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import logging
 import os
 import time
 
-from cache_actors.host_pools import HostPool, PoolHandle
-from cache_actors.mooncake_backend import MooncakeBackend
-from controllers.pool_layout import PoolLayout
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.mooncake_backend import MooncakeBackend
+from raykv.controllers.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cache_actors.local_ports import free_port, listening
-from cache_actors.shared_segment import SHM_DIR, segment_path
+from raykv.cache_actors.local_ports import free_port, listening
+from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Deployment: the embedded local cluster, Mooncake master supervision, the CLI."""
 
-from clusters.local import LocalCluster, start_local
+from raykv.clusters.local import LocalCluster, start_local
 
 __all__ = ["LocalCluster", "start_local"]

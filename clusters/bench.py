@@ -35,14 +35,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from raykv.cache_actors.client import CacheClient
+from raykv.cache_actors.host_pools import HostPool
+from raykv.clusters.bench_group import group_rows, judge_group, render_group, render_targets
+from raykv.clusters.local import LocalCluster, start_local
+from raykv.controllers.contract import StorageConfig
 from rich.console import Console
 from rich.table import Table
-
-from cache_actors.client import CacheClient
-from cache_actors.host_pools import HostPool
-from clusters.bench_group import group_rows, judge_group, render_group, render_targets
-from clusters.local import LocalCluster, start_local
-from controllers.contract import StorageConfig
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -35,12 +35,9 @@ from pathlib import Path
 
 import ray
 import torch
-from rich.console import Console
-from rich.table import Table
-
-from cache_actors import CacheClient
-from clusters.local import start_local
-from controllers import (
+from raykv.cache_actors import CacheClient
+from raykv.clusters.local import start_local
+from raykv.controllers import (
     NAMESPACE,
     PoolHitPolicy,
     PoolName,
@@ -48,7 +45,9 @@ from controllers import (
     StorageConfig,
     node_actor_name,
 )
-from controllers.deployments import Deployment, PoolQuery, group_objects
+from raykv.controllers.deployments import Deployment, PoolQuery, group_objects
+from rich.console import Console
+from rich.table import Table
 
 MIB = 1 << 20
 TRAIL = PoolHitPolicy.TRAILING_PAGES

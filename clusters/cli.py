@@ -35,7 +35,7 @@ def main() -> None:
               help="Folder for demo.json and demo.png.")
 def demo(**options) -> None:
     """Multi-turn chat on a 2-node cluster: TTFT with raykv vs recomputing, hit rates."""
-    from clusters.demo import run_demo
+    from raykv.clusters.demo import run_demo
 
     sys.exit(0 if run_demo(**options) else 1)
 
@@ -81,7 +81,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        segment_size: str, protocol: str, mooncake_host: str | None, standalone: bool,
        host_pool_size: str | None, confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
-    from clusters import deploy
+    from raykv.clusters import deploy
 
     if host_pool_size is None:
         host_pool_size = "1GB" if standalone else "0"
@@ -107,8 +107,8 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     """Per node: pools, bytes, pages, objects moved and hit rates per pool."""
     import json
 
-    from clusters import deploy
-    from clusters.status_view import render_status
+    from raykv.clusters import deploy
+    from raykv.clusters.status_view import render_status
 
     try:
         state = deploy.status(address, namespace)
@@ -126,7 +126,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
 def down(address: str, namespace: str) -> None:
     """Stop raykv on the cluster: reconciler, node actors (pools removed), controller,
     master."""
-    from clusters import deploy
+    from raykv.clusters import deploy
 
     deploy.down(address, namespace)
     click.echo(f"raykv is down in namespace {namespace!r}")
@@ -141,7 +141,7 @@ def down(address: str, namespace: str) -> None:
               help="Folder for bench_dataplane.json and .png.")
 def bench(page_sizes: str, batch: int, iters: int, out_dir: str) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run."""
-    from clusters.bench import run_dataplane_bench
+    from raykv.clusters.bench import run_dataplane_bench
 
     sizes = [parse_size(s) for s in page_sizes.split(",")]
     run_dataplane_bench(page_sizes=sizes, batch=batch, iters=iters, out_dir=out_dir)
@@ -156,7 +156,7 @@ def bench(page_sizes: str, batch: int, iters: int, out_dir: str) -> None:
 def bench_group(tp_sizes: str, pages: int, concurrency: int, seconds: float,
                 out_dir: str) -> None:
     """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
-    from clusters.bench_group import run_group_bench
+    from raykv.clusters.bench_group import run_group_bench
 
     run_group_bench([int(t) for t in tp_sizes.split(",")], pages=pages,
                     concurrency=concurrency, seconds=seconds, out_dir=out_dir)

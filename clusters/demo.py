@@ -22,14 +22,13 @@ from pathlib import Path
 import matplotlib
 import ray
 import torch
+from raykv.clusters.local import start_local
+from raykv.example_engine import Engine, Generation
+from raykv.example_engine.presets import build
+from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from clusters.local import start_local
-from example_engine import Engine, Generation
-from example_engine.presets import build
-from example_engine.workload import ChatWorkload
 
 matplotlib.use("Agg")
 MIB = 1 << 20

@@ -14,12 +14,11 @@ from dataclasses import replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from clusters.control_plane import start_control_plane, stop_control_plane
-from clusters.master_supervisor import SUPERVISOR_NAME, MasterSupervisor
-from clusters.mooncake_master import check_confirm_ttl
-from clusters.node_actors import NodeSettings
-from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from raykv.clusters.control_plane import start_control_plane, stop_control_plane
+from raykv.clusters.master_supervisor import SUPERVISOR_NAME, MasterSupervisor
+from raykv.clusters.mooncake_master import check_confirm_ttl
+from raykv.clusters.node_actors import NodeSettings
+from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:

@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import ray
-
-from cache_actors.node_actor import cluster_prefix
-from cache_actors.shared_segment import remove_segments
-from cache_actors.standalone_client import stop_recorded
-from clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
-from clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
-from clusters.node_actors import NodeSettings
-from controllers.naming import NAMESPACE, node_actor_name
+from raykv.cache_actors.node_actor import cluster_prefix
+from raykv.cache_actors.shared_segment import remove_segments
+from raykv.cache_actors.standalone_client import stop_recorded
+from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
+from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
+from raykv.clusters.node_actors import NodeSettings
+from raykv.controllers.naming import NAMESPACE, node_actor_name
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,7 @@ import logging
 import threading
 
 import ray
-
-from clusters.mooncake_master import MooncakeMaster
+from raykv.clusters.mooncake_master import MooncakeMaster
 
 log = logging.getLogger(__name__)
 

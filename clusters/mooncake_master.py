@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cache_actors.local_ports import free_port, listening
+from raykv.cache_actors.local_ports import free_port, listening
 
 PR_SET_PDEATHSIG = 1
 

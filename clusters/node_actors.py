@@ -10,9 +10,8 @@ from dataclasses import dataclass, replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from cache_actors.node_actor import NodeCacheActor
-from controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.cache_actors.node_actor import NodeCacheActor
+from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 log = logging.getLogger(__name__)
 

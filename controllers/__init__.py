@@ -1,15 +1,15 @@
 """Policy and control plane: contract types, key scheme, pool layout arithmetic."""
 
-from controllers.contract import (
+from raykv.controllers.contract import (
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
     StorageConfig,
 )
-from controllers.keys import KeyPlan, key_prefix, mha_suffix, mla_suffix
-from controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
-from controllers.pool_layout import PoolLayout
+from raykv.controllers.keys import KeyPlan, key_prefix, mha_suffix, mla_suffix
+from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from raykv.controllers.pool_layout import PoolLayout
 
 __all__ = [
     "CONTROLLER_NAME",

@@ -18,15 +18,14 @@ from collections.abc import Sequence
 
 import ray
 from ray.experimental import internal_kv
-
-from controllers.contract import StorageConfig
-from controllers.deployments import (
+from raykv.controllers.contract import StorageConfig
+from raykv.controllers.deployments import (
     Deployment,
     DeploymentRegistry,
     PoolSpec,
     Registration,
 )
-from controllers.naming import node_actor_name
+from raykv.controllers.naming import node_actor_name
 
 log = logging.getLogger(__name__)
 

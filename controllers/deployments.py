@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from controllers.hit_resolution import PoolPresence, resolve_hits
-from controllers.keys import KeyPlan, check_key_rule, is_replicated, key_prefix
+from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from raykv.controllers.hit_resolution import PoolPresence, resolve_hits
+from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated, key_prefix
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from controllers.confirmed_pages import ConfirmedPages
-from controllers.contract import PoolTransferResult
-from controllers.deployments import Deployment, PoolQuery
-from controllers.group_search import GroupLayout, GroupSearch, group_layout
+from raykv.controllers.confirmed_pages import ConfirmedPages
+from raykv.controllers.contract import PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolQuery
+from raykv.controllers.group_search import GroupLayout, GroupSearch, group_layout
 
 Done = Callable[[PoolTransferResult | None, BaseException | None], None]
 log = logging.getLogger(__name__)

@@ -37,10 +37,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controllers.confirmed_pages import ConfirmedPages, cover
-from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
-from controllers.deployments import Deployment, PoolQuery, group_template
-from controllers.hit_resolution import pool_hit_pages, trailing_ends
+from raykv.controllers.confirmed_pages import ConfirmedPages, cover
+from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolQuery, group_template
+from raykv.controllers.hit_resolution import pool_hit_pages, trailing_ends
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
+from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controllers.contract import PoolName, StorageConfig
+from raykv.controllers.contract import PoolName, StorageConfig
 
 # The (pool, pool kind) pairs that have a key rule; everything else is refused.
 KEY_RULES = frozenset({

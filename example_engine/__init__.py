@@ -2,7 +2,7 @@
 a Mamba-like layer, optional draft model) whose KV and state go device -> raykv host
 pool (L2) -> Mooncake (L3) and back, as an SGLang HiCache engine's would."""
 
-from example_engine.engine import Engine, Generation
-from example_engine.model import ModelConfig
+from raykv.example_engine.engine import Engine, Generation
+from raykv.example_engine.model import ModelConfig
 
 __all__ = ["Engine", "Generation", "ModelConfig"]

@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from controllers import PoolTransferResult
-from example_engine.host_index import HostIndex
-from example_engine.model import ModelConfig
-from example_engine.page_hashes import page_hashes
-from example_engine.rank import DRAFT, TARGET, EngineRank
+from raykv.controllers import PoolTransferResult
+from raykv.example_engine.host_index import HostIndex
+from raykv.example_engine.model import ModelConfig
+from raykv.example_engine.page_hashes import page_hashes
+from raykv.example_engine.rank import DRAFT, TARGET, EngineRank
 
 
 @dataclass

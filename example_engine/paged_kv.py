@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from cache_actors import HostPool
-from example_engine.model import ShardedModel
+from raykv.cache_actors import HostPool
+from raykv.example_engine.model import ShardedModel
 
 
 def page_slots(pages: Sequence[int], page_size: int) -> torch.Tensor:

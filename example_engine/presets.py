@@ -9,7 +9,7 @@ an MHA model with its own KV (raykv's ``draft`` pool).
 
 from __future__ import annotations
 
-from example_engine.model import ModelConfig
+from raykv.example_engine.model import ModelConfig
 
 VARIANTS = ("mha", "mla", "hybrid", "mha-draft", "mla-draft", "hybrid-draft")
 

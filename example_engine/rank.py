@@ -27,11 +27,16 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
-
-from cache_actors import CacheClient, HostPool
-from controllers import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult, StorageConfig
-from example_engine.model import ATTN, ModelConfig, ShardedModel, causal_attention, rms_norm
-from example_engine.paged_kv import DeviceKV, DeviceState, page_slots
+from raykv.cache_actors import CacheClient, HostPool
+from raykv.controllers import (
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+    StorageConfig,
+)
+from raykv.example_engine.model import ATTN, ModelConfig, ShardedModel, causal_attention, rms_norm
+from raykv.example_engine.paged_kv import DeviceKV, DeviceState, page_slots
 
 TARGET, DRAFT = "target", "draft"
 TRAIL = PoolHitPolicy.TRAILING_PAGES

@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 
 def mha(**kw) -> PoolLayout:

@@ -6,8 +6,7 @@ import stat
 import threading
 
 import pytest
-
-from cache_actors.local_channel import ChannelClient, ChannelClosedError, ChannelServer
+from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError, ChannelServer
 
 
 def bad(_):

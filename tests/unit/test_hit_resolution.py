@@ -3,9 +3,8 @@
 import random
 
 import pytest
-
-from controllers.contract import PoolHitPolicy, PoolName
-from controllers.hit_resolution import (
+from raykv.controllers.contract import PoolHitPolicy, PoolName
+from raykv.controllers.hit_resolution import (
     PoolPresence,
     resolve_hits,
     restorable_lengths,

@@ -7,9 +7,8 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
-
-from cache_actors import CacheClient, NodeUnavailableError
-from controllers import (
+from raykv.cache_actors import CacheClient, NodeUnavailableError
+from raykv.controllers import (
     CONTROLLER_NAME,
     NAMESPACE,
     PoolName,
@@ -17,9 +16,10 @@ from controllers import (
     StorageConfig,
     node_actor_name,
 )
-from controllers.contract import PoolHitPolicy
-from controllers.deployments import PoolQuery
-from tests.ranks import HYBRID, MHA, indices, start_hybrid, start_rank
+from raykv.controllers.contract import PoolHitPolicy
+from raykv.controllers.deployments import PoolQuery
+
+from tests.integration.ranks import HYBRID, MHA, indices, start_hybrid, start_rank
 
 KV, MAMBA = PoolName.KV, PoolName.MAMBA
 TRAIL = PoolHitPolicy.TRAILING_PAGES

@@ -5,11 +5,11 @@ import time
 
 import ray
 import torch
+from raykv.clusters import start_local
+from raykv.clusters.node_actors import named_node_actors
+from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 
-from clusters import start_local
-from clusters.node_actors import named_node_actors
-from controllers import NAMESPACE, StorageConfig, node_actor_name
-from tests.ranks import indices, start_rank
+from tests.integration.ranks import indices, start_rank
 
 MiB = 1 << 20
 

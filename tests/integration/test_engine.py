@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 from mooncake.store import MooncakeDistributedStore
-
-from example_engine import Engine
-from example_engine.host_index import HostIndex
-from example_engine.page_hashes import page_hashes
-from example_engine.presets import build
-from example_engine.workload import ChatWorkload
+from raykv.example_engine import Engine
+from raykv.example_engine.host_index import HostIndex
+from raykv.example_engine.page_hashes import page_hashes
+from raykv.example_engine.presets import build
+from raykv.example_engine.workload import ChatWorkload
 
 PS = 16  # tokens per page
 SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
@@ -31,7 +30,7 @@ def cluster():
     """A two-node cluster of its own (default settings). The engine asks about the same
     keys again right after another node stored them: group answers are shared by the
     ranks of one request only, so the second request sees the new pages."""
-    from clusters import start_local
+    from raykv.clusters import start_local
 
     with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
         yield c

@@ -6,10 +6,9 @@ import threading
 import time
 
 import pytest
-
-from controllers.contract import PoolName
-from controllers.deployments import Deployment, PoolSpec, group_objects
-from controllers.group_queries import GroupQueries
+from raykv.controllers.contract import PoolName
+from raykv.controllers.deployments import Deployment, PoolSpec, group_objects
+from raykv.controllers.group_queries import GroupQueries
 
 DEP = Deployment("m", "m", None, 2, 1, False,
                  {PoolName.KV: PoolSpec(PoolName.KV, "mha", ("k", "v"))})
@@ -132,7 +131,7 @@ def test_a_store_error_reaches_every_waiter_and_the_next_query_works():
 
 
 def test_unknown_pool_is_refused_before_the_store_is_asked():
-    from controllers.deployments import PoolQuery
+    from raykv.controllers.deployments import PoolQuery
 
     store = Store()
     groups = GroupQueries(store.exists, window_s=1.0)

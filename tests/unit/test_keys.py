@@ -1,8 +1,7 @@
 """Every row of the DESIGN section 4 key table, and tagging exactly once."""
 
 import pytest
-
-from controllers import KeyPlan, StorageConfig, key_prefix, mha_suffix, mla_suffix
+from raykv.controllers import KeyPlan, StorageConfig, key_prefix, mha_suffix, mla_suffix
 
 
 def plan(**kw) -> KeyPlan:

@@ -8,14 +8,14 @@ import stat
 
 import ray
 import torch
+from raykv.cache_actors import CacheClient
+from raykv.cache_actors.node_actor import segment_prefix
+from raykv.cache_actors.shared_segment import SHM_DIR
+from raykv.cache_actors.standalone_client import record_path
+from raykv.clusters import start_local
+from raykv.controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
 
-from cache_actors import CacheClient
-from cache_actors.node_actor import segment_prefix
-from cache_actors.shared_segment import SHM_DIR
-from cache_actors.standalone_client import record_path
-from clusters import start_local
-from controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
-from tests.processes import running_clients, wait_for
+from tests.integration.processes import running_clients, wait_for
 
 MiB = 1 << 20
 

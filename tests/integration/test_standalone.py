@@ -12,14 +12,14 @@ import signal
 import pytest
 import ray
 import torch
+from raykv.cache_actors import NodeUnavailableError
+from raykv.cache_actors.pool_memory import PoolBudget
+from raykv.cache_actors.standalone_client import ClientRecord, check_mode
+from raykv.clusters import start_local
+from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 
-from cache_actors import NodeUnavailableError
-from cache_actors.pool_memory import PoolBudget
-from cache_actors.standalone_client import ClientRecord, check_mode
-from clusters import start_local
-from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
-from tests.processes import running_clients, wait_for
-from tests.ranks import HYBRID, indices, start_hybrid
+from tests.integration.processes import running_clients, wait_for
+from tests.integration.ranks import HYBRID, indices, start_hybrid
 
 KV, MAMBA, DRAFT = PoolName.KV, PoolName.MAMBA, PoolName.DRAFT
 POOLS = {"kv": HYBRID["kv"], "mamba": HYBRID["mamba"]}

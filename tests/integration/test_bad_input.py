@@ -4,11 +4,11 @@ actor keeps serving. Runs against the real embedded cluster."""
 import pytest
 import ray
 import torch
+from raykv.cache_actors import CacheClient
+from raykv.cache_actors.object_batch import ObjectBatch
+from raykv.controllers import PoolName, StorageConfig
 
-from cache_actors import CacheClient
-from cache_actors.object_batch import ObjectBatch
-from controllers import PoolName, StorageConfig
-from tests.ranks import MHA, MLA, indices
+from tests.integration.ranks import MHA, MLA, indices
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
+from raykv.controllers import StorageConfig
 
-from controllers import StorageConfig
-from tests.ranks import MHA, indices, start_rank
+from tests.integration.ranks import MHA, indices, start_rank
 
 N = 5
 
@@ -153,9 +153,9 @@ def test_legacy_pointer_api(cluster, uid):
 
 def test_control_group_answers_while_data_calls_run(cluster, uid):
     """health/stats (control group) are served while the data group is saturated."""
-    from cache_actors import CacheClient
-    from controllers import PoolName
-    from controllers.contract import PoolTransfer
+    from raykv.cache_actors import CacheClient
+    from raykv.controllers import PoolName
+    from raykv.controllers.contract import PoolTransfer
 
     client = CacheClient(StorageConfig(is_mla_model=True, model_name=f"busy/{uid}"))
     pool = client.create_host_pool("mla", page_size=16, size=16 * 64, layer_num=1,

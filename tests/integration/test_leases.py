@@ -7,8 +7,7 @@ import time
 
 import torch
 from mooncake.store import MooncakeDistributedStore
-
-from clusters.mooncake_master import MooncakeMaster, lease_ttl_s
+from raykv.clusters.mooncake_master import MooncakeMaster, lease_ttl_s
 
 MiB = 1 << 20
 LEASE = ["-default_kv_lease_ttl=6000"]

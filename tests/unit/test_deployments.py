@@ -1,9 +1,8 @@
 """Deployment registry, group object naming and group hits (pure logic)."""
 
 import pytest
-
-from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from controllers.deployments import (
+from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from raykv.controllers.deployments import (
     Deployment,
     DeploymentRegistry,
     PoolQuery,

@@ -13,18 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+from raykv.cache_actors import CacheClient
+from raykv.cache_actors.local_ports import free_port
+from raykv.controllers import StorageConfig
 
-from cache_actors import CacheClient
-from cache_actors.local_ports import free_port
-from controllers import StorageConfig
-from tests.processes import running_clients
-from tests.ranks import MHA, indices
+from tests.integration.processes import running_clients
+from tests.integration.ranks import MHA, indices
 
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled"}
 
 
 def raykv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "clusters.cli", *args], env=ENV,
+    out = subprocess.run([sys.executable, "-m", "raykv.clusters.cli", *args], env=ENV,
                          capture_output=True, text=True, timeout=180)
     if check:
         assert out.returncode == 0, out.stderr[-3000:]

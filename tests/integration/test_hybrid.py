@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
+from raykv.cache_actors import CacheClient
+from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 
-from cache_actors import CacheClient
-from controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
-from tests.ranks import HYBRID, MHA, indices, start_hybrid
+from tests.integration.ranks import HYBRID, MHA, indices, start_hybrid
 
 KV, MAMBA, SWA, IDX, DRAFT = (PoolName.KV, PoolName.MAMBA, PoolName.SWA, PoolName.INDEXER,
                               PoolName.DRAFT)
@@ -227,7 +227,7 @@ def test_unservable_draft_is_disabled_with_one_warning(cluster, uid, caplog):
         page_size = 4
         kv_buffer = torch.zeros(2, 64, 1, 4, 8)[:, :, :, :2]
 
-    with caplog.at_level(logging.WARNING, logger="cache_actors.client"):
+    with caplog.at_level(logging.WARNING, logger="raykv.cache_actors.client"):
         client.register_mem_host_pool_v2(SplitHeads(), DRAFT)
         client.register_mem_host_pool_v2(SplitHeads(), DRAFT)
     assert [r.message for r in caplog.records].count(

@@ -9,9 +9,8 @@ from __future__ import annotations
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from cache_actors import CacheClient
-from controllers import PoolName, StorageConfig
+from raykv.cache_actors import CacheClient
+from raykv.controllers import PoolName, StorageConfig
 
 MHA = dict(page_size=4, size=64, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
 MLA = dict(page_size=4, size=64, layer_num=2, kv_cache_dim=16, dtype=torch.bfloat16)

@@ -6,17 +6,16 @@ import random
 
 import numpy as np
 import pytest
-
-from controllers.confirmed_pages import ConfirmedPages
-from controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from controllers.deployments import (
+from raykv.controllers.confirmed_pages import ConfirmedPages
+from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from raykv.controllers.deployments import (
     DeploymentRegistry,
     PoolQuery,
     PoolSpec,
     group_hits,
     group_objects,
 )
-from controllers.group_search import GroupSearch, group_layout
+from raykv.controllers.group_search import GroupSearch, group_layout
 
 TRAIL = PoolHitPolicy.TRAILING_PAGES
 KV_MHA = PoolSpec(PoolName.KV, "mha", ("k", "v"))

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import click
 import yaml
+from raykv.clusters.cli import main as raykv_cli
+from raykv.controllers import NAMESPACE
 
-from clusters.cli import main as raykv_cli
-from controllers import NAMESPACE
-
-CONFIGS = Path(__file__).parents[1] / "clusters" / "configs"
+CONFIGS = Path(__file__).parents[2] / "clusters" / "configs"
 
 
 def raykv_commands(text: str) -> list[list[str]]:
@@ -70,7 +69,7 @@ def test_kuberay_manifest():
 
 
 def test_sizes_in_configs_parse():
-    from clusters.cli import parse_size
+    from raykv.clusters.cli import parse_size
 
     assert parse_size("16GB") == 16 << 30 and parse_size("512M") == 512 << 20
     try:

@@ -4,8 +4,7 @@ import os
 import time
 
 import ray
-
-from cache_actors import NodeUnavailableError
+from raykv.cache_actors import NodeUnavailableError
 
 
 def running_clients(cluster) -> set[int]:
