@@ -54,6 +54,12 @@ class LocalCluster:
         return self.settings.cluster_tag
 
     @property
+    def address(self) -> str:
+        """The Ray GCS address (``host:port``) that other processes join with
+        ``ray.init(address=..., namespace=self.namespace)``."""
+        return ray.get_runtime_context().gcs_address
+
+    @property
     def master_address(self) -> str:
         """``host:port`` of the Mooncake master, for any other Mooncake client."""
         return self.master.master_address
