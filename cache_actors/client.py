@@ -38,13 +38,11 @@ from raykv.controllers.contract import (
     StorageConfig,
 )
 from raykv.controllers.deployments import (
-    ObjectPlan,
     PoolQuery,
     PoolSpec,
     Registration,
-    group_hits,
-    rank_plan_into,
 )
+from raykv.controllers.group_search import rank_layout, search
 from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
@@ -533,11 +531,11 @@ class CacheClient:
         kv = self._pool(PoolName.KV)
         queries = self._queries(transfers)
         rank = (self.config.tp_rank, self.config.pp_rank)
-        plan = ObjectPlan(self.plan.prefix, keys)
-        rank_plan_into(plan, self.plan, rank, [
+        layout = rank_layout(self.plan, rank, [
             _spec(name, pool) for name, pool in [(PoolName.KV, kv),
-                                                 *((q.name, self._pool(q.name)) for q in queries)]])
-        return group_hits(plan, queries, self._data("exists", plan.objects))
+                                                 *((q.name, self._pool(q.name)) for q in queries)]],
+            queries)
+        return search(layout, keys, lambda names: self._data("exists", names))
 
     # ------------------------------------------------------------ group hits
     def _specs(self) -> tuple[PoolSpec, ...]:

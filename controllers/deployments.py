@@ -13,9 +13,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from raykv.controllers.hit_resolution import PoolPresence, resolve_hits
 from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated, key_prefix
 
 
@@ -155,56 +153,22 @@ class PoolQuery:
     window: int = 1
 
 
-class ObjectPlan:
-    """The objects of one existence check: for every (rank, pool) a contiguous segment
-    of ``pages x objects-per-page`` keys. A replicated pool's segment is shared by all
-    TP ranks (stored once, by TP rank 0), so no key is named twice."""
-
-    def __init__(self, prefix: str, page_hashes: Sequence[str]) -> None:
-        self.prefix = prefix
-        self.hashes = list(page_hashes)
-        self.objects: list[str] = []
-        self.segments: dict[tuple[int, int], dict[PoolName, tuple[int, int]]] = {}
-        self._by_scope: dict[tuple, tuple[int, int]] = {}
-
-    def add(self, rank: tuple[int, int], pool: PoolName, scope: tuple,
-            suffixes: Sequence[str]) -> None:
-        """Name ``prefix + hash + suffix`` for every page and suffix, once per scope."""
-        seg = self._by_scope.get((scope, pool))
-        if seg is None:
-            seg = (len(self.objects), len(suffixes))
-            p = self.prefix
-            self.objects += [p + h + s for h in self.hashes for s in suffixes]
-            self._by_scope[(scope, pool)] = seg
-        self.segments.setdefault(rank, {})[pool] = seg
-
-    def presence(self, exists: np.ndarray, rank: tuple[int, int], pool: PoolName) -> np.ndarray:
-        """Per page: every object of the page exists (``exists`` indexed like ``objects``)."""
-        start, per_page = self.segments[rank][pool]
-        n = len(self.hashes)
-        return exists[start:start + n * per_page].reshape(n, per_page).all(axis=1)
-
-
-def rank_plan_into(plan: ObjectPlan, keys: KeyPlan, rank: tuple[int, int],
-                   pools: Sequence[PoolSpec]) -> None:
-    """Add one rank's objects of ``pools`` to ``plan``."""
-    for spec in pools:
-        scope = ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank
-        plan.add(rank, spec.name, scope, keys.suffixes(spec.name, spec.kind, spec.buffers))
+def rank_template(keys: KeyPlan, rank: tuple[int, int],
+                  specs: Sequence[PoolSpec]) -> tuple[tuple, ...]:
+    """``(rank, pool, scope, suffixes)`` of one rank's ``specs``, its objects named by
+    ``keys``: a replicated pool's scope is shared by the TP ranks of its PP stage (its
+    objects are stored once), any other pool's is the rank."""
+    return tuple((rank, spec.name,
+                  ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank,
+                  tuple(keys.suffixes(spec.name, spec.kind, spec.buffers)))
+                 for spec in specs)
 
 
 @functools.lru_cache(maxsize=256)
-def _group_template(prefix: str, plans: tuple[tuple[tuple[int, int], KeyPlan], ...],
+def _group_template(plans: tuple[tuple[tuple[int, int], KeyPlan], ...],
                     specs: tuple[PoolSpec, ...]) -> tuple[tuple, ...]:
-    """``(rank, pool, scope, suffixes)`` of every rank and pool, computed once per
-    deployment shape and pool set."""
-    out = []
-    for rank, keys in plans:
-        for spec in specs:
-            scope = ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank
-            out.append((rank, spec.name, scope,
-                        tuple(keys.suffixes(spec.name, spec.kind, spec.buffers))))
-    return tuple(out)
+    """``rank_template`` of every rank, computed once per deployment shape and pool set."""
+    return tuple(t for rank, keys in plans for t in rank_template(keys, rank, specs))
 
 
 def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, tuple]:
@@ -219,30 +183,4 @@ def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, 
     ranks = tuple(((tp, pp), dep.plan(tp, pp))
                   for pp in range(dep.pp_size) for tp in range(dep.tp_size))
     prefix = ranks[0][1].prefix
-    return prefix, _group_template(prefix, ranks, tuple(dep.pools[n] for n in names))
-
-
-def group_objects(dep: Deployment, page_hashes: Sequence[str],
-                  queries: Sequence[PoolQuery]) -> ObjectPlan:
-    """Every object of every rank and queried pool (KV always), each named once."""
-    prefix, template = group_template(dep, queries)
-    plan = ObjectPlan(prefix, page_hashes)
-    for rank, pool, scope, suffixes in template:
-        plan.add(rank, pool, scope, suffixes)
-    return plan
-
-
-def group_hits(plan: ObjectPlan, queries: Sequence[PoolQuery], codes: Sequence[int]):
-    """The ``PoolTransferResult`` of every rank in ``plan`` from the ``batch_is_exist``
-    codes of ``plan.objects``: the intersection over every rank and pool."""
-    exists = np.fromiter(codes, dtype=np.int64, count=len(codes)) == 1
-    policy = {q.name: q for q in queries if q.name != PoolName.KV}
-    ranks = []
-    for rank, pools in plan.segments.items():
-        kv = PoolPresence(plan.presence(exists, rank, PoolName.KV))
-        extra = {n: PoolPresence(plan.presence(exists, rank, n), policy[n].policy,
-                                 policy[n].window)
-                 for n in pools if n != PoolName.KV}
-        ranks.append((kv, extra))
-    first, *rest = ranks
-    return resolve_hits(first[0], first[1], ranks=rest)
+    return prefix, _group_template(ranks, tuple(dep.pools[n] for n in names))

@@ -1,7 +1,8 @@
 """One group hit query, resolved with as few object checks as possible (pure logic).
 
-The answer is the one ``deployments.group_hits`` gives from a check of every object of
-every rank and pool; this module reaches it by checking only what can change it:
+The answer is the one a check of every object of every rank and pool gives (the unit
+tests' oracle, ``tests/unit/oracle.py``, computes it that simple way); this module
+reaches it by checking only what can change it:
 
 1. **A probe**: page 0 of every all-pages segment (every rank's KV, extra pools with
    policy ``all_pages``; a replicated pool once), unless already confirmed. If one
@@ -34,13 +35,20 @@ work.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.confirmed_pages import ConfirmedPages, cover
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
-from raykv.controllers.deployments import Deployment, PoolQuery, group_template
+from raykv.controllers.deployments import (
+    Deployment,
+    PoolQuery,
+    PoolSpec,
+    group_template,
+    rank_template,
+)
 from raykv.controllers.hit_resolution import pool_hit_pages, trailing_ends
+from raykv.controllers.keys import KeyPlan
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,11 @@ class GroupLayout:
     def key(self) -> tuple:
         return cover([s.key for s in self.segments])
 
+    def objects(self, hashes: Sequence[str]) -> list[str]:
+        """Every object name of every segment for pages ``hashes`` (a full check's list)."""
+        bases = [self.prefix + h for h in hashes]
+        return [b + x for seg in self.segments for x in seg.suffixes for b in bases]
+
     def hit(self, pages: int, lengths: list[int]) -> PoolTransferResult:
         """The result for a hit of ``pages`` pages and restorable ``lengths``."""
         per_pool = {q.name: pool_hit_pages(pages, q.policy, q.window) for q in self.extra}
@@ -80,6 +93,18 @@ def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
     a query names a pool the deployment did not register."""
     extra = {q.name: q for q in queries if q.name != PoolName.KV}
     prefix, template = group_template(dep, list(extra.values()))
+    return _layout(prefix, template, extra)
+
+
+def rank_layout(keys: KeyPlan, rank: tuple[int, int], specs: Sequence[PoolSpec],
+                queries: Sequence[PoolQuery]) -> GroupLayout:
+    """Segments of one rank (``rank`` = (tp, pp), named by ``keys``) for its pools
+    ``specs`` (KV first), with ``queries``' hit policies: a group of one."""
+    extra = {q.name: q for q in queries if q.name != PoolName.KV}
+    return _layout(keys.prefix, rank_template(keys, rank, specs), extra)
+
+
+def _layout(prefix: str, template, extra: dict[PoolName, PoolQuery]) -> GroupLayout:
     segments: dict[tuple, Segment] = {}
     for _rank, pool, _scope, suffixes in template:
         q = extra.get(pool)
@@ -87,6 +112,16 @@ def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
         key = "\0".join((prefix, *suffixes))
         segments.setdefault(key, Segment(key, suffixes, window))
     return GroupLayout(prefix, tuple(segments.values()), tuple(extra.values()))
+
+
+def search(layout: GroupLayout, hashes: Sequence[str],
+           check: Callable[[list[str]], Sequence[int]]) -> PoolTransferResult:
+    """The hit of ``hashes`` from ``check`` (object names -> store codes, 1 = exists)
+    alone, nothing confirmed or remembered: one call to ``check`` naming every object."""
+    s = GroupSearch(layout, hashes, ConfirmedPages(0.0), 0.0, speculate=True)
+    while s.result is None:
+        s.feed(check(s.wanted), 0.0)
+    return s.result
 
 
 def _bits(row: bytes | bytearray) -> int:

@@ -8,9 +8,9 @@ from raykv.controllers.deployments import (
     PoolQuery,
     PoolSpec,
     deployment_id,
-    group_hits,
-    group_objects,
 )
+
+from tests.unit.oracle import group_hits, group_objects
 
 KV_MHA = PoolSpec(PoolName.KV, "mha", ("k", "v"))
 KV_MLA = PoolSpec(PoolName.KV, "mla", ("kv",))

@@ -7,8 +7,10 @@ import time
 
 import pytest
 from raykv.controllers.contract import PoolName
-from raykv.controllers.deployments import Deployment, PoolSpec, group_objects
+from raykv.controllers.deployments import Deployment, PoolSpec
 from raykv.controllers.group_queries import GroupQueries
+
+from tests.unit.oracle import group_objects
 
 DEP = Deployment("m", "m", None, 2, 1, False,
                  {PoolName.KV: PoolSpec(PoolName.KV, "mha", ("k", "v"))})

@@ -12,10 +12,10 @@ from raykv.controllers.deployments import (
     DeploymentRegistry,
     PoolQuery,
     PoolSpec,
-    group_hits,
-    group_objects,
 )
 from raykv.controllers.group_search import GroupSearch, group_layout
+
+from tests.unit.oracle import group_hits, group_objects
 
 TRAIL = PoolHitPolicy.TRAILING_PAGES
 KV_MHA = PoolSpec(PoolName.KV, "mha", ("k", "v"))
