@@ -42,7 +42,7 @@ from raykv.controllers.deployments import (
     PoolSpec,
     Registration,
 )
-from raykv.controllers.group_search import rank_layout, search
+from raykv.controllers.group_search import rank_families, search
 from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
@@ -531,11 +531,11 @@ class CacheClient:
         kv = self._pool(PoolName.KV)
         queries = self._queries(transfers)
         rank = (self.config.tp_rank, self.config.pp_rank)
-        layout = rank_layout(self.plan, rank, [
+        families = rank_families(self.plan, rank, [
             _spec(name, pool) for name, pool in [(PoolName.KV, kv),
                                                  *((q.name, self._pool(q.name)) for q in queries)]],
             queries)
-        return search(layout, keys, lambda names: self._data("exists", names))
+        return search(families, keys, lambda names: self._data("exists", names))
 
     # ------------------------------------------------------------ group hits
     def _specs(self) -> tuple[PoolSpec, ...]:

@@ -46,7 +46,7 @@ from raykv.controllers import (
     node_actor_name,
 )
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import group_layout
+from raykv.controllers.group_search import group_families
 from rich.console import Console
 from rich.table import Table
 
@@ -102,7 +102,7 @@ def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurre
                     seconds: float) -> float:
     """``batch_is_exist`` calls/s of the raw client from ``concurrency`` threads, each
     call the object list of one distinct group query: the store's own ceiling."""
-    lists = [group_layout(deployment, queries).objects(keys) for keys in prompts]
+    lists = [group_families(deployment, queries).objects(keys) for keys in prompts]
     return _calls_per_second(lambda j, i: raw.store.batch_is_exist(lists[i % len(lists)]),
                              1, concurrency, seconds)
 
@@ -116,7 +116,7 @@ def _latency(client: CacheClient, raw, deployment: Deployment, prompts, queries,
     group, rawt = [], []
     for n in range(calls):
         keys = prompts[n % len(prompts)]
-        objects = group_layout(deployment, queries).objects(keys)
+        objects = group_families(deployment, queries).objects(keys)
         before()
         for side in ((0, 1) if n % 2 else (1, 0)):
             t = time.perf_counter()
@@ -146,7 +146,7 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
     queries = [PoolQuery(PoolName.MAMBA, TRAIL, 1)]
     stored = [[uuid.uuid4().hex for _ in range(pages)] for _ in range(64)]
     for keys in stored:  # every rank's objects of every page
-        raw.put_tiny(group_layout(deployment, queries).objects(keys))
+        raw.put_tiny(group_families(deployment, queries).objects(keys))
     transfer = [PoolTransfer(PoolName.MAMBA, None, None, TRAIL)]
     before = ray.get(home.stats.remote())["group_queries"]
     cold, cold_raw = _latency(clients[0], raw, deployment, stored, queries, transfer, calls,
@@ -167,7 +167,7 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
     answered = {k: after[k] - before[k] for k in ("recent", "inflight", "confirmed",
                                                    "checked", "store_calls")}
     row = {"tp": tp, "pages": pages,
-           "objects": len(group_layout(deployment, queries).objects(stored[0])),
+           "objects": len(group_families(deployment, queries).objects(stored[0])),
            "answered": answered, **qps}
     for name, group, rawt in (("cold", cold, cold_raw), ("warm", warm, warm_raw)):
         row |= {f"{name}_p50_ms": _pct(group, 0.5), f"{name}_p99_ms": _pct(group, 0.99),

@@ -10,15 +10,15 @@ segment unmounted (its node left) or the master restarting; the node actor calls
 ``forget`` on each of those it sees, and ``ttl_s`` bounds the rest.
 
 Granularity: one entry per (page hash, key). A key names a set of objects per page: a
-segment (one family ``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's
-or the replicated copy's objects of one pool), or a whole group layout (every segment),
-so a page whose every object was confirmed is found with one lookup. A layout key is a
-*cover* (``cover(segment keys)``): its entry also stands for each of its segments, so a
+family (one family ``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's
+or the replicated copy's objects of one pool), or a whole group (every family),
+so a page whose every object was confirmed is found with one lookup. A group key is a
+*cover* (``cover(family keys)``): its entry also stands for each of its families, so a
 page confirmed whole needs that one entry, and a query over another set of pools still
-finds the segments they share. Entries are indexed by page hash first, so one lookup per
+finds the families they share. Entries are indexed by page hash first, so one lookup per
 page finds every key of it, and a page never confirmed costs one failed lookup per
 generation whatever the number of keys. An entry holds the time until which it can be
-trusted; a cover entry takes the earliest of its segments', so no entry outlives the
+trusted; a cover entry takes the earliest of its families', so no entry outlives the
 confirmation it came from. Memory is bounded by
 time, not by a scan: entries go into the current generation; every ``ttl_s`` the
 current generation becomes the previous one and the previous one is dropped, so
@@ -31,16 +31,16 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 
-SegmentKey = Hashable
+FamilyKey = Hashable
 
 
-def cover(keys: Sequence[SegmentKey]) -> frozenset:
-    """The key of a set of segments: an entry under it confirms each of ``keys``. (A
+def cover(keys: Sequence[FamilyKey]) -> frozenset:
+    """The key of a set of families: an entry under it confirms each of ``keys``. (A
     frozenset keeps its hash, so a cover key costs no more to look up than a string.)"""
     return frozenset(keys)
 
 
-def _covered(entry: dict[SegmentKey, float], key: SegmentKey) -> float:
+def _covered(entry: dict[FamilyKey, float], key: FamilyKey) -> float:
     """Until when a cover in ``entry`` (one page's) confirms ``key``; 0 if none does."""
     return max((v for k, v in entry.items() if type(k) is frozenset and key in k),
                default=0.0)
@@ -56,8 +56,8 @@ class ConfirmedPages:
     def __init__(self, ttl_s: float, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._current: dict[str, dict[SegmentKey, float]] = {}
-        self._previous: dict[str, dict[SegmentKey, float]] = {}
+        self._current: dict[str, dict[FamilyKey, float]] = {}
+        self._previous: dict[str, dict[FamilyKey, float]] = {}
         self._turned = clock()
 
     @property
@@ -71,7 +71,7 @@ class ConfirmedPages:
                     self._previous, self._current = self._current, {}
                     self._turned = now
 
-    def until(self, keys: Sequence[SegmentKey], hashes: Sequence[str],
+    def until(self, keys: Sequence[FamilyKey], hashes: Sequence[str],
               now: float) -> list[list[float]]:
         """``out[k][p]``: until when (monotonic seconds) the objects of ``keys[k]`` for
         page ``hashes[p]`` are confirmed, directly or by a cover; 0 where never (or
@@ -89,12 +89,12 @@ class ConfirmedPages:
                            for t, e in zip(rows[k], entries, strict=True)]
         return rows
 
-    def confirm(self, key: SegmentKey, hashes: Sequence[str], since: float) -> None:
+    def confirm(self, key: FamilyKey, hashes: Sequence[str], since: float) -> None:
         """Record that every object of ``key`` for ``hashes`` was reported present by a
         store check that started at ``since`` (the lease began no earlier)."""
         self.record(key, hashes, [since + self.ttl_s] * len(hashes))
 
-    def record(self, key: SegmentKey, hashes: Sequence[str], until: Sequence[float]) -> None:
+    def record(self, key: FamilyKey, hashes: Sequence[str], until: Sequence[float]) -> None:
         """Record per page of ``hashes`` the time ``until`` which ``key``'s objects are
         confirmed (each taken from confirmations made by ``confirm``)."""
         if not self.enabled:

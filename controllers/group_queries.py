@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from raykv.controllers.confirmed_pages import ConfirmedPages
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import GroupLayout, GroupSearch, group_layout
+from raykv.controllers.group_search import GroupFamilies, GroupSearch, group_families
 
 Done = Callable[[PoolTransferResult | None, BaseException | None], None]
 log = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ class GroupQueries:
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
-        self._layouts: dict[tuple, GroupLayout] = {}
-        self._hit_share: dict[frozenset, float] = {}  # per layout key, moving average
+        self._family_sets: dict[tuple, GroupFamilies] = {}
+        self._hit_share: dict[frozenset, float] = {}  # per group key, moving average
         self._parallel = parallel
         self._idle_s = idle_s
         self._checkers = 0  # checker threads alive
@@ -127,15 +127,15 @@ class GroupQueries:
         master restarted, objects were removed by force)."""
         self.confirmed.forget()
 
-    def _layout(self, dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
+    def _families(self, dep: Deployment, queries: Sequence[PoolQuery]) -> GroupFamilies:
         key = (dep.deployment_id, dep.version, tuple(queries))
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = group_layout(dep, queries)
-            if len(self._layouts) >= 1024:
-                self._layouts.clear()
-            self._layouts[key] = layout
-        return layout
+        families = self._family_sets.get(key)
+        if families is None:
+            families = group_families(dep, queries)
+            if len(self._family_sets) >= 1024:
+                self._family_sets.clear()
+            self._family_sets[key] = families
+        return families
 
     def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
             rank: tuple[int, int] = (0, 0)) -> PoolTransferResult:
@@ -202,10 +202,10 @@ class GroupQueries:
                     q = None  # answered by a checker
                     break
             # outside the lock, then look again
-            layout = self._layout(dep, queries)
+            families = self._families(dep, queries)
             search = GroupSearch(
-                layout, keys, self.confirmed, time.monotonic(),
-                speculate=self._hit_share.get(layout.key, 0.0) >= SPECULATE_FROM)
+                families, keys, self.confirmed, time.monotonic(),
+                speculate=self._hit_share.get(families.key, 0.0) >= SPECULATE_FROM)
         self._on_query(how)
         if hit is not None:
             _tell(done, hit.result, None)
@@ -291,7 +291,7 @@ class GroupQueries:
             for q in finished:
                 self._inflight.pop(q.key, None)
                 if q.error is None:
-                    key = q.search.layout.key
+                    key = q.search.group.key
                     share = self._hit_share.get(key, 0.0)
                     if len(self._hit_share) >= 1024 and key not in self._hit_share:
                         self._hit_share.clear()  # deployments come and go: start over

@@ -4,14 +4,14 @@ The answer is the one a check of every object of every rank and pool gives (the 
 tests' oracle, ``tests/unit/oracle.py``, computes it that simple way); this module
 reaches it by checking only what can change it:
 
-1. **A probe**: page 0 of every all-pages segment (every rank's KV, extra pools with
+1. **A probe**: page 0 of every all-pages family (every rank's KV, extra pools with
    policy ``all_pages``; a replicated pool once), unless already confirmed. If one
    lacks it, nothing is restorable and the query is answered: a miss costs a handful
    of objects, whatever the prompt's length.
-2. **Everything else** not already confirmed, every segment (trailing pools such as
+2. **Everything else** not already confirmed, every family (trailing pools such as
    Mamba or SWA included), every page, in one store call.
-3. The answer: ``K``, the first page missing in any all-pages segment, bounds the hit;
-   the restorable prefix lengths are those ``0..K`` every trailing segment allows.
+3. The answer: ``K``, the first page missing in any all-pages family, bounds the hit;
+   the restorable prefix lengths are those ``0..K`` every trailing family allows.
 
 A search told to ``speculate`` (its caller expects a hit: most recent queries found
 their first page) skips the probe: one round trip instead of two for a hit, every
@@ -19,14 +19,14 @@ object checked in vain for a miss.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
-segment) is found with one lookup. Objects are grouped in **segments**: one family
-``prefix + page hash + suffix`` per rank and pool (a replicated pool's segment is shared
-by the TP ranks, so nothing is named twice), and a page of a segment counts as present
+family) is found with one lookup. Objects are grouped in **families**: one family
+``prefix + page hash + suffix`` per rank and pool (a replicated pool's family is shared
+by the TP ranks, so nothing is named twice), and a page of a family counts as present
 when every object of it exists.
 
 Cost: a query runs in the node actor for every rank's request, so its bookkeeping is
-kept to a few C-level operations per segment: presence is a ``bytearray`` per segment
-(first missing page: ``find``; known pages: ``count``; pages whole in every segment: one
+kept to a few C-level operations per family: presence is a ``bytearray`` per family
+(first missing page: ``find``; known pages: ``count``; pages whole in every family: one
 integer AND over all rows; trailing windows: ``hit_resolution.trailing_ends``, a few
 integer shifts), and store codes are scanned with ``list.count`` before any per-object
 work.
@@ -52,7 +52,7 @@ from raykv.controllers.keys import KeyPlan
 
 
 @dataclass(frozen=True)
-class Segment:
+class Family:
     """One family of object names: ``prefix + hash + s`` for each ``s`` in ``suffixes``;
     ``window`` is 0 for all-pages pools, else the trailing window in pages. ``key``
     names the family (a string: its hash is kept, so lookups by it are cheap)."""
@@ -63,23 +63,23 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class GroupLayout:
-    """The distinct segments of one deployment and queried pool set, and the queried
+class GroupFamilies:
+    """The distinct families of one deployment and queried pool set, and the queried
     extra pools (for ``extra_pool_hit_pages``). ``key`` names the set of every
-    segment's objects (for confirmations of whole pages), made once per layout."""
+    family's objects (for confirmations of whole pages), made once per group."""
 
     prefix: str
-    segments: tuple[Segment, ...]
+    families: tuple[Family, ...]
     extra: tuple[PoolQuery, ...]
 
     @functools.cached_property
     def key(self) -> tuple:
-        return cover([s.key for s in self.segments])
+        return cover([s.key for s in self.families])
 
     def objects(self, hashes: Sequence[str]) -> list[str]:
-        """Every object name of every segment for pages ``hashes`` (a full check's list)."""
+        """Every object name of every family for pages ``hashes`` (a full check's list)."""
         bases = [self.prefix + h for h in hashes]
-        return [b + x for seg in self.segments for x in seg.suffixes for b in bases]
+        return [b + x for seg in self.families for x in seg.suffixes for b in bases]
 
     def hit(self, pages: int, lengths: list[int]) -> PoolTransferResult:
         """The result for a hit of ``pages`` pages and restorable ``lengths``."""
@@ -88,37 +88,37 @@ class GroupLayout:
                                   restorable_prefix_pages=lengths)
 
 
-def group_layout(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupLayout:
-    """Segments of every rank of ``dep`` for KV and ``queries``' pools. ``ValueError`` if
+def group_families(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupFamilies:
+    """Families of every rank of ``dep`` for KV and ``queries``' pools. ``ValueError`` if
     a query names a pool the deployment did not register."""
     extra = {q.name: q for q in queries if q.name != PoolName.KV}
     prefix, template = group_template(dep, list(extra.values()))
-    return _layout(prefix, template, extra)
+    return _families_of(prefix, template, extra)
 
 
-def rank_layout(keys: KeyPlan, rank: tuple[int, int], specs: Sequence[PoolSpec],
-                queries: Sequence[PoolQuery]) -> GroupLayout:
-    """Segments of one rank (``rank`` = (tp, pp), named by ``keys``) for its pools
+def rank_families(keys: KeyPlan, rank: tuple[int, int], specs: Sequence[PoolSpec],
+                queries: Sequence[PoolQuery]) -> GroupFamilies:
+    """Families of one rank (``rank`` = (tp, pp), named by ``keys``) for its pools
     ``specs`` (KV first), with ``queries``' hit policies: a group of one."""
     extra = {q.name: q for q in queries if q.name != PoolName.KV}
-    return _layout(keys.prefix, rank_template(keys, rank, specs), extra)
+    return _families_of(keys.prefix, rank_template(keys, rank, specs), extra)
 
 
-def _layout(prefix: str, template, extra: dict[PoolName, PoolQuery]) -> GroupLayout:
-    segments: dict[tuple, Segment] = {}
+def _families_of(prefix: str, template, extra: dict[PoolName, PoolQuery]) -> GroupFamilies:
+    families: dict[tuple, Family] = {}
     for _rank, pool, _scope, suffixes in template:
         q = extra.get(pool)
         window = q.window if q is not None and q.policy == PoolHitPolicy.TRAILING_PAGES else 0
         key = "\0".join((prefix, *suffixes))
-        segments.setdefault(key, Segment(key, suffixes, window))
-    return GroupLayout(prefix, tuple(segments.values()), tuple(extra.values()))
+        families.setdefault(key, Family(key, suffixes, window))
+    return GroupFamilies(prefix, tuple(families.values()), tuple(extra.values()))
 
 
-def search(layout: GroupLayout, hashes: Sequence[str],
+def search(group: GroupFamilies, hashes: Sequence[str],
            check: Callable[[list[str]], Sequence[int]]) -> PoolTransferResult:
     """The hit of ``hashes`` from ``check`` (object names -> store codes, 1 = exists)
     alone, nothing confirmed or remembered: one call to ``check`` naming every object."""
-    s = GroupSearch(layout, hashes, ConfirmedPages(0.0), 0.0, speculate=True)
+    s = GroupSearch(group, hashes, ConfirmedPages(0.0), 0.0, speculate=True)
     while s.result is None:
         s.feed(check(s.wanted), 0.0)
     return s.result
@@ -139,26 +139,26 @@ class GroupSearch:
     """The staged check of one query (see the module docstring). ``wanted`` holds the
     object names the next store check must cover (empty once ``result`` is set); feed
     the store's codes for exactly those names, in that order, to ``feed``. Pages found
-    whole are confirmed under the layout's cover key, other pages found per segment,
+    whole are confirmed under the group's cover key, other pages found per family,
     once the answer is known."""
 
-    def __init__(self, layout: GroupLayout, hashes: Sequence[str],
+    def __init__(self, group: GroupFamilies, hashes: Sequence[str],
                  confirmed: ConfirmedPages, now: float, speculate: bool = False) -> None:
-        self.layout = layout
+        self.group = group
         self.hashes = list(hashes)
         self.result: PoolTransferResult | None = None
         self.wanted: list[str] = []
-        # Once ``result`` is set: whether page 0 exists in every all-pages segment (a
+        # Once ``result`` is set: whether page 0 exists in every all-pages family (a
         # search that found it needed, or would have needed, step 2).
         self.first_page_present = False
         n = len(self.hashes)
-        (whole,) = confirmed.until((layout.key,), self.hashes, now)
+        (whole,) = confirmed.until((group.key,), self.hashes, now)
         if min(whole, default=now + 1.0) > now:  # every object of every page confirmed
-            self.result = layout.hit(n, list(range(n + 1)))
+            self.result = group.hit(n, list(range(n + 1)))
             self.first_page_present = n > 0
             return
         self._confirmed = confirmed
-        segs = layout.segments
+        segs = group.families
         self._until = confirmed.until([s.key for s in segs], self.hashes, now)
         if max(whole, default=0.0) > now:
             self._until = [list(map(max, row, whole)) for row in self._until]
@@ -174,11 +174,11 @@ class GroupSearch:
         self._advance()
 
     def _ask(self, rows: Sequence[int], pages: int) -> bool:
-        """Name the unknown pages ``< pages`` of segments ``rows``, segment by segment
+        """Name the unknown pages ``< pages`` of families ``rows``, family by family
         and within one suffix by suffix; True if any."""
         self._asked, names = [], []
         if self._bases is None:
-            p = self.layout.prefix
+            p = self.group.prefix
             self._bases = [p + h for h in self.hashes]
         for s in rows:
             row = self._present[s]
@@ -190,14 +190,14 @@ class GroupSearch:
                 bases = [self._bases[i] for i in missing]
             else:
                 missing, bases = range(pages), self._bases[:pages]
-            for x in self.layout.segments[s].suffixes:
+            for x in self.group.families[s].suffixes:
                 names += [b + x for b in bases]
             self._asked.append((s, missing))
         self.wanted = names
         return bool(names)
 
     def _bound(self, rows: Sequence[int]) -> int:
-        """The first page missing (or not checked) in any of segments ``rows``."""
+        """The first page missing (or not checked) in any of families ``rows``."""
         n = len(self.hashes)
         return min((p if p >= 0 else n for p in (self._present[s].find(0) for s in rows)),
                    default=n)
@@ -220,9 +220,9 @@ class GroupSearch:
             self._record()
 
     def _record(self) -> None:
-        """Confirm what this search found: pages now whole (every segment) under the
-        cover key, until their earliest confirmation; per segment, found pages that are
-        not whole or whose segment stays confirmed longer than the page's cover."""
+        """Confirm what this search found: pages now whole (every family) under the
+        cover key, until their earliest confirmation; per family, found pages that are
+        not whole or whose family stays confirmed longer than the page's cover."""
         n = len(self.hashes)
         fresh = [_bits(row) for row in self._fresh]
         if not any(fresh):
@@ -242,7 +242,7 @@ class GroupSearch:
         pages = _pages(whole & any_fresh, n)
         if pages:
             self._confirmed.record(
-                self.layout.key, [self.hashes[p] for p in pages],
+                self.group.key, [self.hashes[p] for p in pages],
                 [earliest[p] for p in pages] if older
                 else [self._since + self._confirmed.ttl_s] * len(pages))
         # Found pages of a whole page outlive its cover only where the page was whole
@@ -256,7 +256,7 @@ class GroupSearch:
             else:
                 pages = _pages(f & partial, n)
             if pages:
-                self._confirmed.record(self.layout.segments[s].key,
+                self._confirmed.record(self.group.families[s].key,
                                        [self.hashes[p] for p in pages],
                                        [until[p] for p in pages])
 
@@ -273,7 +273,7 @@ class GroupSearch:
         hits = found.count(1)
         i = 0
         for s, missing in self._asked:
-            m, per = len(missing), len(self.layout.segments[s].suffixes)
+            m, per = len(missing), len(self.group.families[s].suffixes)
             chunk, i = found[i:i + m * per], i + m * per
             if not hits:
                 continue
@@ -294,13 +294,13 @@ class GroupSearch:
         self._advance()
 
     def _resolve(self, k: int) -> PoolTransferResult:
-        """The answer once every page below ``k`` (the first page some all-pages segment
-        lacks) is known: every length ``0..k`` that the trailing segments allow."""
-        trailing = [s for s, seg in enumerate(self.layout.segments) if seg.window]
+        """The answer once every page below ``k`` (the first page some all-pages family
+        lacks) is known: every length ``0..k`` that the trailing families allow."""
+        trailing = [s for s, seg in enumerate(self.group.families) if seg.window]
         if not k or not trailing:
-            return self.layout.hit(k, list(range(k + 1)))
+            return self.group.hit(k, list(range(k + 1)))
         ends = -1  # byte p: a prefix of p + 1 pages is restorable from every trailing pool
         for s in trailing:
-            ends &= trailing_ends(self._present[s][:k], self.layout.segments[s].window)
+            ends &= trailing_ends(self._present[s][:k], self.group.families[s].window)
         hits = [0, *(p + 1 for p in _pages(ends, k))]
-        return self.layout.hit(hits[-1], hits)
+        return self.group.hit(hits[-1], hits)

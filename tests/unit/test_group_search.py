@@ -13,7 +13,7 @@ from raykv.controllers.deployments import (
     PoolQuery,
     PoolSpec,
 )
-from raykv.controllers.group_search import GroupSearch, group_layout
+from raykv.controllers.group_search import GroupSearch, group_families
 
 from tests.unit.oracle import group_hits, group_objects
 
@@ -69,11 +69,11 @@ def test_staged_answer_equals_the_full_check(shape):
         full = group_hits(plan, queries, [int(o in present) for o in plan.objects])
         calls: list[list[str]] = []
         confirmed = ConfirmedPages(0.0)
-        staged = run(GroupSearch(group_layout(dep, queries), hashes, confirmed, 0.0),
+        staged = run(GroupSearch(group_families(dep, queries), hashes, confirmed, 0.0),
                      present, calls)
         assert staged == full
         at_once: list[list[str]] = []
-        speculated = run(GroupSearch(group_layout(dep, queries), hashes, confirmed, 0.0,
+        speculated = run(GroupSearch(group_families(dep, queries), hashes, confirmed, 0.0,
                                      speculate=True), present, at_once)
         assert speculated == full and len(at_once) == 1
         assert sorted(at_once[0]) == sorted(plan.objects)
@@ -100,7 +100,7 @@ def test_answers_from_confirmations_equal_the_full_check(shape):
         objects = group_objects(dep, keys, pools).objects
         full = group_hits(group_objects(dep, keys, pools), pools,
                           [int(o in present) for o in objects])
-        search = GroupSearch(group_layout(dep, pools), keys, confirmed, 1.0 + trial * 1e-3)
+        search = GroupSearch(group_families(dep, pools), keys, confirmed, 1.0 + trial * 1e-3)
         assert run(search, present, [], 1.0 + trial * 1e-3) == full, trial
 
 
@@ -108,7 +108,7 @@ def test_a_miss_on_page_zero_checks_no_trailing_objects():
     dep, queries = SHAPES[0]
     hashes = [f"p{i}" for i in range(8)]
     calls: list[list[str]] = []
-    result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
+    result = run(GroupSearch(group_families(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  set(), calls)
     assert result.kv_hit_pages == 0 and result.restorable_prefix_pages == [0]
     # One call: page 0 of each rank's KV (2 ranks x k, v); the rest cannot matter.
@@ -121,7 +121,7 @@ def test_after_the_probe_everything_else_in_one_call():
     plan = group_objects(dep, hashes, queries)
     present = {o for o in plan.objects if not o.startswith("org-m_p5_")}
     calls: list[list[str]] = []
-    result = run(GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
+    result = run(GroupSearch(group_families(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  present, calls)
     assert result.kv_hit_pages == 5
     assert len(calls) == 2 and {o.split("_")[1] for o in calls[0]} == {"p0"}
@@ -130,41 +130,41 @@ def test_after_the_probe_everything_else_in_one_call():
 
 def test_confirmed_pages_answer_without_the_store_until_the_ttl():
     dep, queries = SHAPES[1]
-    layout = group_layout(dep, queries)
+    group = group_families(dep, queries)
     hashes = [f"p{i}" for i in range(6)]
     present = set(group_objects(dep, hashes, queries).objects)
     clock = Clock()
     confirmed = ConfirmedPages(2.0, clock=clock)
     calls: list[list[str]] = []
-    first = run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
+    first = run(GroupSearch(group, hashes, confirmed, clock.now), present, calls, clock.now)
     assert first.kv_hit_pages == 6 and len(calls) == 2
     clock.now += 1.9
-    again = GroupSearch(layout, hashes, confirmed, clock.now)
+    again = GroupSearch(group, hashes, confirmed, clock.now)
     assert again.result == first and again.wanted == []       # no store call at all
-    longer = GroupSearch(layout, hashes + ["p6"], confirmed, clock.now)
+    longer = GroupSearch(group, hashes + ["p6"], confirmed, clock.now)
     assert {o.split("_")[1] for o in longer.wanted} == {"p6"}  # only the new page
     clock.now += 0.2                                            # confirmations expired
-    stale = GroupSearch(layout, hashes, confirmed, clock.now)
+    stale = GroupSearch(group, hashes, confirmed, clock.now)
     assert stale.wanted == [f"org-m_p0_{tp}_{pp}_{x}" for pp in range(2) for tp in range(4)
                             for x in "kv"]  # the probe: page 0 of every rank's KV
 
 
 def test_only_whole_pages_are_confirmed_and_misses_never():
     dep, queries = SHAPES[0]
-    layout = group_layout(dep, queries)
+    group = group_families(dep, queries)
     hashes = ["a", "b"]
     confirmed = ConfirmedPages(5.0, clock=Clock())
     present = set(group_objects(dep, hashes, queries).objects) - {"org-m_b_1_v"}
-    run(GroupSearch(layout, hashes, confirmed, 100.0), present, [], 100.0)
+    run(GroupSearch(group, hashes, confirmed, 100.0), present, [], 100.0)
     known = [[t > 100.0 for t in row]
-             for row in confirmed.until([s.key for s in layout.segments], hashes, 100.0)]
+             for row in confirmed.until([s.key for s in group.families], hashes, 100.0)]
     # Segments: KV rank 0, Mamba rank 0, KV rank 1, Mamba rank 1. Everything was checked
     # below rank 0's limit (2) and found, except rank 1's KV of page b (it lacks v).
     assert known == [[True, True], [True, True], [True, False], [True, True]]
-    assert [t > 100.0 for t in confirmed.until([layout.key], hashes, 100.0)[0]] == [True,
+    assert [t > 100.0 for t in confirmed.until([group.key], hashes, 100.0)[0]] == [True,
                                                                                     False]
     confirmed.forget()
-    assert not any(t > 100.0 for row in confirmed.until([s.key for s in layout.segments],
+    assert not any(t > 100.0 for row in confirmed.until([s.key for s in group.families],
                                                          hashes, 100.0) for t in row)
 
 
@@ -190,37 +190,37 @@ def test_disabled_remembers_nothing():
 def test_unknown_pool_is_refused():
     dep, _ = SHAPES[0]
     with pytest.raises(ValueError, match="registered no 'indexer' pool"):
-        group_layout(dep, [PoolQuery(PoolName.INDEXER)])
+        group_families(dep, [PoolQuery(PoolName.INDEXER)])
 
 
 def test_layout_shares_replicated_segments():
     dep, queries = SHAPES[2]
-    layout = group_layout(dep, queries)
+    group = group_families(dep, queries)
     # MLA KV and indexer once, Mamba per TP rank
-    assert len(layout.segments) == 2 + 2
-    assert np.array([s.window for s in layout.segments]).tolist().count(0) == 2
+    assert len(group.families) == 2 + 2
+    assert np.array([s.window for s in group.families]).tolist().count(0) == 2
 
 
 def test_a_whole_page_is_trusted_no_longer_than_its_oldest_confirmation():
     dep, queries = SHAPES[0]
-    layout = group_layout(dep, queries)
+    group = group_families(dep, queries)
     hashes = ["a", "b"]
     clock = Clock()
     confirmed = ConfirmedPages(2.0, clock=clock)
     present = set(group_objects(dep, hashes, queries).objects)
-    kv_only = group_layout(dep, [])
+    kv_only = group_families(dep, [])
     run(GroupSearch(kv_only, hashes, confirmed, clock.now), present, [], clock.now)  # KV at 100
     clock.now = 101.5
     calls: list[list[str]] = []
-    run(GroupSearch(layout, hashes, confirmed, clock.now), present, calls, clock.now)
+    run(GroupSearch(group, hashes, confirmed, clock.now), present, calls, clock.now)
     assert all("temporal" in o or "conv" in o for c in calls for o in c)  # KV was known
-    assert GroupSearch(layout, hashes, confirmed, 101.9).wanted == []     # whole pages
-    assert confirmed.until([layout.key], hashes, 101.9) == [[102.0, 102.0]]
+    assert GroupSearch(group, hashes, confirmed, 101.9).wanted == []     # whole pages
+    assert confirmed.until([group.key], hashes, 101.9) == [[102.0, 102.0]]
     clock.now = 102.1  # the KV confirmations ran out: checked again, Mamba still known
-    again = GroupSearch(layout, hashes, confirmed, clock.now)
+    again = GroupSearch(group, hashes, confirmed, clock.now)
     assert again.wanted and all(o.endswith(("_k", "_v")) for o in again.wanted)
-    known = confirmed.until([s.key for s in layout.segments], hashes, clock.now)
-    assert [min(row) > clock.now for row in known] == [s.window > 0 for s in layout.segments]
+    known = confirmed.until([s.key for s in group.families], hashes, clock.now)
+    assert [min(row) > clock.now for row in known] == [s.window > 0 for s in group.families]
 
 
 def test_first_page_present_follows_the_kv_not_the_hit():
@@ -230,7 +230,7 @@ def test_first_page_present_follows_the_kv_not_the_hit():
     hashes = ["a", "b"]
     present = {o for o in group_objects(dep, hashes, queries).objects
                if o.endswith(("_k", "_v"))}
-    search = GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
+    search = GroupSearch(group_families(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
     assert run(search, present, []).kv_hit_pages == 0 and search.first_page_present
-    miss = GroupSearch(group_layout(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
+    miss = GroupSearch(group_families(dep, queries), hashes, ConfirmedPages(0.0), 0.0)
     assert run(miss, set(), []).kv_hit_pages == 0 and not miss.first_page_present
