@@ -96,7 +96,7 @@ class CacheController:
         """
         dep = self._registry.register_rank(config, pools, node_id)
         self._save()
-        return Registration(dep.deployment_id, dep.plan(config.tp_rank, config.pp_rank),
+        return Registration(dep.deployment_id, dep.key_plan(config.tp_rank, config.pp_rank),
                             dep.home_node, dep.version)
 
     def deployment(self, deployment_id: str) -> Deployment:

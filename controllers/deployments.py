@@ -52,7 +52,7 @@ class Deployment:
     home_node: str | None = None
     version: int = 1
 
-    def plan(self, tp_rank: int, pp_rank: int) -> KeyPlan:
+    def key_plan(self, tp_rank: int, pp_rank: int) -> KeyPlan:
         """The key plan of rank (``tp_rank``, ``pp_rank``)."""
         return KeyPlan.from_config(StorageConfig(
             tp_rank=tp_rank, tp_size=self.tp_size, pp_rank=pp_rank, pp_size=self.pp_size,
@@ -180,7 +180,7 @@ def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, 
             raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
                              f"pool (it has {[p.value for p in dep.pools]})")
     names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
-    ranks = tuple(((tp, pp), dep.plan(tp, pp))
+    ranks = tuple(((tp, pp), dep.key_plan(tp, pp))
                   for pp in range(dep.pp_size) for tp in range(dep.tp_size))
     prefix = ranks[0][1].prefix
     return prefix, _group_template(ranks, tuple(dep.pools[n] for n in names))
