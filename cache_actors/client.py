@@ -28,7 +28,6 @@ import torch
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
-from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.cache_actors.standalone_client import check_mode
 from raykv.controllers.contract import (
     PoolHitPolicy,
@@ -47,6 +46,7 @@ from raykv.controllers.deployments import (
 )
 from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)

@@ -43,12 +43,12 @@ from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node_store import NodeStore
-from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
 from raykv.controllers.naming import CONTROLLER_NAME
+from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)

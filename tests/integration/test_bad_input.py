@@ -5,8 +5,8 @@ import pytest
 import ray
 import torch
 from raykv.cache_actors import CacheClient
-from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.controllers import PoolName, StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.ranks import MHA, MLA, indices
 
