@@ -38,6 +38,7 @@ from dataclasses import asdict
 
 import ray
 from ray.util import metrics
+from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
@@ -149,9 +150,9 @@ class NodeCacheActor:
         self._namespace = ray.get_runtime_context().namespace
         self._channel = ChannelServer(
             segment_path(self._prefix + "sock"),
-            {"exists": self._exists, "put": self._put, "get": self._get},
+            {DataOp.EXISTS: self._exists, DataOp.PUT: self._put, DataOp.GET: self._get},
             passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={"group_exists": self._group_submit})
+            async_handlers={DataOp.GROUP_EXISTS: self._group_submit})
 
     # ----------------------------------------------------------------- pools
     def _meta_path(self, name: str) -> str:

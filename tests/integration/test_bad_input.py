@@ -55,7 +55,7 @@ def test_exists_bad_keys(client, keys, msg):
 
 
 def test_pointer_api_bad_input(client):
-    pool = client._pool(PoolName.KV)
+    pool = client._pools.pool(PoolName.KV)
     ptrs, sizes = pool.get_page_buffer_meta(indices(0, 1))
     outside = torch.zeros(4096, dtype=torch.uint8)
     before = moved(client)
@@ -123,7 +123,7 @@ def test_attach_missing_pool(client):
 def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
     """Requests that bypass the client are checked again by the actor itself."""
     actor = cluster.node_actors[client.node_id]
-    pool = client._pool(PoolName.KV)
+    pool = client._pools.pool(PoolName.KV)
     bad = [
         ObjectBatch([f"{uid}a"], [pool.name], [pool.nbytes], [8]),
         ObjectBatch([f"{uid}a"], ["no-such-pool"], [0], [8]),
