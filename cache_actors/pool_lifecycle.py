@@ -27,7 +27,7 @@ from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
 from raykv.controllers.keys import check_key_rule
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
-from raykv.controllers.transfer_plan import PlanPool, TransferPlan, registered
+from raykv.controllers.transfer_plan import PlanPool, TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,6 @@ class PoolLifecycle:
         return list(self._mapped.values())
 
     # -------------------------------------------------------- registration
-    def pool(self, name: PoolName) -> HostPool:
-        """The pool registered as ``name``; ``ValueError`` naming how to register one."""
-        return registered(self._registered, name)
-
     def _own(self, pool: object, what: str) -> HostPool:
         if not isinstance(pool, HostPool) or self._mapped.get(pool.name) is not pool:
             raise ValueError(f"{what} needs a pool returned by this client's create_host_pool "

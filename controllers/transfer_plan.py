@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
 from raykv.controllers.deployments import ObjectPlan, PoolQuery, PoolSpec, rank_plan_into
 from raykv.controllers.keys import KeyPlan, is_replicated
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
-
-P = TypeVar("P")
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
@@ -61,7 +58,7 @@ def pool_name(name: PoolName | str) -> PoolName:
                          f"{[p.value for p in PoolName]}") from None
 
 
-def registered(pools: Mapping[PoolName, P], name: PoolName) -> P:
+def registered(pools: Mapping[PoolName, PlanPool], name: PoolName) -> PlanPool:
     """``pools[name]``; ``ValueError`` naming the call that registers it otherwise."""
     pool = pools.get(name)
     if pool is None:
