@@ -38,17 +38,18 @@ from dataclasses import asdict
 
 import ray
 from ray.util import metrics
+from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node_store import NodeStore
-from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
 from raykv.controllers.naming import CONTROLLER_NAME
+from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,9 @@ class NodeCacheActor:
         self._namespace = ray.get_runtime_context().namespace
         self._channel = ChannelServer(
             segment_path(self._prefix + "sock"),
-            {"exists": self._exists, "put": self._put, "get": self._get},
+            {DataOp.EXISTS: self._exists, DataOp.PUT: self._put, DataOp.GET: self._get},
             passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={"group_exists": self._group_submit})
+            async_handlers={DataOp.GROUP_EXISTS: self._group_submit})
 
     # ----------------------------------------------------------------- pools
     def _meta_path(self, name: str) -> str:

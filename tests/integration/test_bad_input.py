@@ -5,16 +5,18 @@ import pytest
 import ray
 import torch
 from raykv.cache_actors import CacheClient
-from raykv.cache_actors.object_batch import ObjectBatch
-from raykv.controllers import PoolName, StorageConfig
+from raykv.controllers import StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.ranks import MHA, MLA, indices
+
+KV_POOL = "bad-input-kv"
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
     c = CacheClient(StorageConfig(model_name="bad/input"))
-    pool = c.create_host_pool("mha", **MHA)
+    pool = c.create_host_pool("mha", name=KV_POOL, **MHA)
     c.register_mem_pool_host(pool)
     yield c
     c.destroy_host_pool(pool)
@@ -55,7 +57,7 @@ def test_exists_bad_keys(client, keys, msg):
 
 
 def test_pointer_api_bad_input(client):
-    pool = client._pool(PoolName.KV)
+    pool = client.attach_host_pool(KV_POOL)
     ptrs, sizes = pool.get_page_buffer_meta(indices(0, 1))
     outside = torch.zeros(4096, dtype=torch.uint8)
     before = moved(client)
@@ -123,7 +125,7 @@ def test_attach_missing_pool(client):
 def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
     """Requests that bypass the client are checked again by the actor itself."""
     actor = cluster.node_actors[client.node_id]
-    pool = client._pool(PoolName.KV)
+    pool = client.attach_host_pool(KV_POOL)
     bad = [
         ObjectBatch([f"{uid}a"], [pool.name], [pool.nbytes], [8]),
         ObjectBatch([f"{uid}a"], ["no-such-pool"], [0], [8]),

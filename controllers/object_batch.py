@@ -1,11 +1,17 @@
 """What a data call carries from a rank to its node actor: keys and where their bytes lie.
 
 Bytes never travel in it: each object is named by its pool and a byte offset into that
-pool's shared segment, which the actor turns into a pointer in its own mapping.
+pool's shared segment, which the actor turns into a pointer in its own mapping. Pure (no
+Ray, no Mooncake): transfer planning builds it, the node actor reads it.
+
+Codes the node actor answers per object: ``batch_put`` 0 stored, 1 already present
+(put-if-absent), negative Mooncake error; ``batch_get`` bytes read or negative error.
+``stored`` and ``read_in_full`` turn them into one bool per object.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -43,3 +49,12 @@ class ObjectBatch:
             raise ValueError("object batch lists differ in length")
         if len(set(self.keys)) != n:
             raise ValueError("object batch repeats a key; Mooncake batches need distinct keys")
+
+    @staticmethod
+    def stored(codes: Sequence[int]) -> list[bool]:
+        """Per object of a put: True if it is in the store (stored now or already there)."""
+        return [c >= 0 for c in codes]
+
+    def read_in_full(self, codes: Sequence[int]) -> list[bool]:
+        """Per object of a get: True if every one of its ``sizes`` bytes was read."""
+        return [c == s for c, s in zip(codes, self.sizes, strict=True)]

@@ -1,0 +1,47 @@
+"""A rank's registration with the controller, and the group hit query it enables.
+
+The controller keeps every deployment's ranks and pools; registering hands the rank
+its key plan and names the group's *home node*, whose cache actor answers the group's
+existence queries (``controllers.group_queries``). A rank registers again whenever its
+registered pools changed or the link re-attached (the controller or the home node may
+have moved).
+"""
+
+from __future__ import annotations
+
+from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.node_link import NodeLink
+from raykv.controllers.contract import PoolTransferResult, StorageConfig
+from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
+
+
+class GroupRegistration:
+    """The registration of one rank (``config``, on ``link``'s node)."""
+
+    def __init__(self, link: NodeLink, config: StorageConfig) -> None:
+        self._link = link
+        self._config = config
+        self._current: tuple[Registration, tuple[PoolSpec, ...]] | None = None
+
+    def register(self, specs: tuple[PoolSpec, ...]) -> Registration:
+        """Register this rank with pools ``specs``; ``ValueError`` if the rank
+        contradicts what its group registered (parallel sizes, MLA flag, pool kinds)."""
+        reg = self._link.ask_controller("register_rank", self._config, list(specs),
+                                        self._link.node_id)
+        self._current = (reg, specs)
+        return reg
+
+    def outdated(self, specs: tuple[PoolSpec, ...]) -> bool:
+        """Whether a group query must register first: never registered, the link
+        re-attached since, or the registered pools are not ``specs``."""
+        return (not self._link.controller_attached or self._current is None
+                or self._current[1] != specs)
+
+    def exists(self, keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
+        """The group's hit for page ``keys`` and extra pools ``queries``, answered by the
+        home node's cache actor (call after ``register``; see ``outdated``)."""
+        assert self._current is not None, "register before a group query"
+        reg = self._current[0]
+        return self._link.data(DataOp.GROUP_EXISTS, reg.deployment_id, reg.version,
+                               (self._config.tp_rank, self._config.pp_rank), keys, queries,
+                               node_id=reg.home_node)

@@ -1,0 +1,247 @@
+"""The host pools one client mapped and registered, from creation to destruction.
+
+Pools are shared memory owned by the node actor; the client maps them here as torch
+tensors (``HostPool``) and registers them by role (``PoolName``) for the batch calls.
+A draft pool the engine allocated itself is served through a shared *staging* pool of
+the same shape: its pages are copied into the staging pool before a put and out of it
+after a get.
+
+Threads: pool management (create, attach, destroy, register, close) is expected from
+one thread of the rank, not concurrently with batch calls on the same pools; the
+read-only views (``plan_pools``, ``specs``, ``disabled``) are replaced, never mutated,
+so a batch call sees one consistent set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
+from raykv.cache_actors.node_link import NodeLink
+from raykv.controllers.contract import PoolName
+from raykv.controllers.deployments import PoolSpec
+from raykv.controllers.keys import check_key_rule
+from raykv.controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.controllers.transfer_plan import PlanPool, TransferPlan
+
+log = logging.getLogger(__name__)
+
+
+def _dtype_pair(dtype: torch.dtype | str) -> tuple[str, int]:
+    t = torch_dtype(dtype)
+    return dtype_name(t), t.itemsize
+
+
+def pool_layout(kind: str, *, size: int, page_size: int | None, layer_num: int,
+                head_num: int, head_dim: int, kv_cache_dim: int, index_head_dim: int,
+                dtype: torch.dtype | str, temporal_shape: Sequence[int] | None,
+                temporal_dtype: torch.dtype | str | None, conv_shapes: Sequence[Sequence[int]],
+                conv_dtypes: Sequence[torch.dtype | str] | None, layout: str) -> PoolLayout:
+    """The ``PoolLayout`` that ``CacheClient.create_host_pool`` arguments describe (the
+    same names and units); ``ValueError`` for a bad shape."""
+    if kind == "mamba":
+        if page_size not in (None, 1):
+            raise ValueError(f"a mamba pool holds one checkpoint per slot: page_size must be "
+                             f"1, got {page_size}")
+        conv_dtypes = list(conv_dtypes) if conv_dtypes is not None else [dtype] * len(conv_shapes)
+        if len(conv_dtypes) != len(conv_shapes):
+            raise ValueError(f"{len(conv_shapes)} conv_shapes but {len(conv_dtypes)} conv_dtypes")
+        temporal = None if temporal_shape is None else (
+            tuple(temporal_shape), *_dtype_pair(temporal_dtype or dtype))
+        convs = [(tuple(s), *_dtype_pair(d)) for s, d in zip(conv_shapes, conv_dtypes,
+                                                              strict=True)]
+        return PoolLayout.mamba(size=size, temporal=temporal, convs=convs)
+    if page_size is None:
+        raise ValueError(f"a {kind} pool needs page_size")
+    name, itemsize = _dtype_pair(dtype)
+    common = dict(page_size=page_size, size=size, layer_num=layer_num, dtype=name,
+                  itemsize=itemsize, layout=layout)
+    if kind == "mha":
+        return PoolLayout.mha(head_num=head_num, head_dim=head_dim, **common)
+    if kind == "mla":
+        return PoolLayout.mla(kv_cache_dim=kv_cache_dim, **common)
+    if kind == "indexer":
+        return PoolLayout.indexer(index_head_dim=index_head_dim, **common)
+    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer or mamba")
+
+
+def _copy_pages(src: torch.Tensor, dst: torch.Tensor, starts: Sequence[int],
+                page_size: int) -> None:
+    """Copy whole pages (slot dim 1 for MHA ``(2, size, ...)``, 0 for MLA) src -> dst."""
+    if not starts:
+        return
+    slots = torch.as_tensor(np.add.outer(np.asarray(starts), np.arange(page_size)).ravel())
+    dim = 1 if src.dim() == 5 else 0
+    dst.index_copy_(dim, slots, src.index_select(dim, slots))
+
+
+def _draft_problem(buf: object, page_size: object) -> str | None:
+    """Why an engine's draft pool cannot be served through a staging pool, or None."""
+    if not isinstance(buf, torch.Tensor) or buf.dim() not in (4, 5):
+        return "it has no kv_buffer tensor of MHA (5-D) or MLA (4-D) shape"
+    if buf.dim() == 5 and buf.shape[0] != 2:
+        return f"its MHA kv_buffer {tuple(buf.shape)} does not start with (2, ...)"
+    if not buf.is_contiguous():
+        return ("its kv_buffer is not contiguous (heads split across ranks or a "
+                "layer_first view), so a page is not one run of bytes")
+    if not isinstance(page_size, int) or page_size < 1:
+        return f"its page_size {page_size!r} is not a positive int"
+    return None
+
+
+class PoolLifecycle:
+    """The pools of one client: mapped by name, registered by role.
+
+    ``epoch``: that of the node's pool memory the mappings belong to (``PoolHandle``);
+    when a handle of a newer epoch arrives, every other mapping is marked for re-mapping
+    (``link.stale``). ``plan_pools`` and ``specs``: the registered pools as transfer
+    planning and the controller see them; ``disabled``: pools whose pages fail without
+    the store (a draft pool that cannot be served).
+    """
+
+    def __init__(self, link: NodeLink) -> None:
+        self._link = link
+        self._mapped: dict[str, HostPool] = {}
+        self._registered: dict[PoolName, HostPool] = {}
+        self._staged: dict[PoolName, torch.Tensor] = {}
+        self._draft_problem: str | None = None
+        self.epoch = 0
+        self.plan_pools: dict[PoolName, PlanPool] = {}
+        self.specs: tuple[PoolSpec, ...] = ()
+        self.disabled: frozenset[PoolName] = frozenset()
+
+    # ------------------------------------------------------------- mapping
+    def create(self, layout: PoolLayout, name: str | None = None) -> HostPool:
+        """Create a pool of ``layout`` on the node (or attach the pool ``name`` if it
+        exists with that layout) and map it; a generated name if ``name`` is None."""
+        name = check_pool_name(name or f"{layout.kind}-{uuid.uuid4().hex[:12]}")
+        return self._map(self._link.call("create_pool", name, layout))
+
+    def attach(self, name: str) -> HostPool:
+        """Map the existing pool ``name``; ``ValueError`` if the node has none."""
+        if name in self._mapped:
+            return self._mapped[name]
+        return self._map(self._link.call("get_pool", check_pool_name(name)))
+
+    def destroy(self, pool: HostPool | str) -> bool:
+        """Unmap and unregister ``pool`` here, remove it from the node; False if the
+        node had no such pool."""
+        name = pool if isinstance(pool, str) else pool.name
+        mapped = self._mapped.pop(name, None)
+        if mapped is not None:
+            self._set_registered({k: v for k, v in self._registered.items()
+                                  if v is not mapped})
+            mapped.close()
+        return self._link.call("destroy_pool", name)
+
+    def remap(self) -> None:
+        """Map again every pool whose handle the node actor changed (the link calls
+        this after a re-attach); a pool destroyed meanwhile is left as it is."""
+        for name in list(self._mapped):
+            with contextlib.suppress(ValueError):
+                self._map(self._link.ask("get_pool", name))
+
+    def _map(self, handle: PoolHandle) -> HostPool:
+        if handle.epoch != self.epoch:  # the node's pools were allocated anew
+            self._link.stale = self._link.stale or any(n != handle.name for n in self._mapped)
+            self.epoch = handle.epoch
+        pool = self._mapped.get(handle.name)
+        if pool is None:
+            pool = HostPool.attach(handle)
+            pool.pin()
+            self._mapped[handle.name] = pool
+        elif pool.handle != handle:
+            pool.remap(handle)
+        return pool
+
+    def mapped(self) -> list[HostPool]:
+        """Every pool this client mapped."""
+        return list(self._mapped.values())
+
+    # -------------------------------------------------------- registration
+    def _own(self, pool: object, what: str) -> HostPool:
+        if not isinstance(pool, HostPool) or self._mapped.get(pool.name) is not pool:
+            raise ValueError(f"{what} needs a pool returned by this client's create_host_pool "
+                             "or attach_host_pool")
+        return pool
+
+    def register_kv(self, pool: HostPool, is_mla_model: bool) -> None:
+        """Register ``pool`` as KV (see ``CacheClient.register_mem_pool_host``)."""
+        self._own(pool, "register_mem_pool_host")
+        want = "mla" if is_mla_model else "mha"
+        if pool.kind != want:
+            raise ValueError(f"pool {pool.name!r} is {pool.kind.upper()} but the "
+                             f"config says is_mla_model={is_mla_model}")
+        self._set_registered({**self._registered, PoolName.KV: pool})
+
+    def register(self, pool: object, name: PoolName, is_mla_model: bool) -> None:
+        """Register ``pool`` as ``name`` (see ``CacheClient.register_mem_host_pool_v2``)."""
+        if name == PoolName.DRAFT and not isinstance(pool, HostPool):
+            self._register_engine_draft(pool)
+            return
+        pool = self._own(pool, "register_mem_host_pool_v2")
+        check_key_rule(name, pool.kind)
+        if name == PoolName.KV:
+            self.register_kv(pool, is_mla_model)
+        self._set_registered({**self._registered, name: pool})
+
+    def _register_engine_draft(self, pool: object) -> None:
+        buf = getattr(pool, "kv_buffer", None)
+        page_size = getattr(pool, "page_size", None)
+        problem = _draft_problem(buf, page_size)
+        if problem:
+            if self._draft_problem is None:
+                log.warning("draft offload disabled: the draft pool cannot be served: %s",
+                            problem)
+            self._draft_problem = problem
+            self.disabled = frozenset({PoolName.DRAFT})
+            return
+        dtype, itemsize = _dtype_pair(buf.dtype)
+        if buf.dim() == 5:  # MHA (2, size, layers, heads, dim)
+            layout = PoolLayout.mha(page_size=page_size, size=buf.shape[1],
+                                    layer_num=buf.shape[2], head_num=buf.shape[3],
+                                    head_dim=buf.shape[4], dtype=dtype, itemsize=itemsize)
+        else:  # MLA (size, layers, 1, dim)
+            layout = PoolLayout.mla(page_size=page_size, size=buf.shape[0],
+                                    layer_num=buf.shape[1], kv_cache_dim=buf.shape[3],
+                                    dtype=dtype, itemsize=itemsize)
+        staging = self.create(layout)
+        self._set_registered({**self._registered, PoolName.DRAFT: staging})
+        self._staged[PoolName.DRAFT] = buf
+
+    def _set_registered(self, pools: dict[PoolName, HostPool]) -> None:
+        self._registered = pools
+        self.plan_pools = {n: PlanPool(p.name, p.handle.layout) for n, p in pools.items()}
+        self.specs = tuple(sorted((pp.spec(n) for n, pp in self.plan_pools.items()),
+                                  key=lambda s: s.name.value))
+
+    # ------------------------------------------------------------- staging
+    def stage_in(self, plan: TransferPlan) -> None:
+        """Before a put: copy the planned pages of engine-owned pools to their staging
+        pools."""
+        for name, buf in self._staged.items():
+            if name in plan.starts:
+                staging = self._registered[name]
+                _copy_pages(buf, staging.kv_buffer, plan.starts[name], staging.page_size)
+
+    def stage_out(self, plan: TransferPlan, results: dict[PoolName, list[bool]]) -> None:
+        """After a get: copy the pages read in full from staging to engine-owned pools."""
+        for name, buf in self._staged.items():
+            if name in plan.starts:
+                staging = self._registered[name]
+                read = [s for s, ok in zip(plan.starts[name], results[name], strict=True)
+                        if ok]
+                _copy_pages(staging.kv_buffer, buf, read, staging.page_size)
+
+    def close(self) -> None:
+        """Unmap every pool of this client and forget its registrations."""
+        for pool in self._mapped.values():
+            pool.close()
+        self._mapped.clear()
+        self._set_registered({})
+        self._staged.clear()
