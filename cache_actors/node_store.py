@@ -7,10 +7,11 @@
   called); pools are allocated from that process's shared memory. The segment survives
   a restart of the actor.
 
-While ``mooncake_client`` is down, or after it came back and the pools were allocated
-anew, data calls raise a retryable ``StoreUnavailableError`` / ``StalePoolsError``
-(both ``NodeUnavailableError``) instead of reporting per-object codes: -900 and -1 then
-say "the store is down", never "the object is missing".
+While ``mooncake_client`` is down, data calls raise a retryable ``StoreUnavailableError``
+(a ``NodeUnavailableError``) instead of reporting per-object codes: -900 and -1 then say
+"the store is down", never "the object is missing". After it came back, the pools are
+allocated anew and a call with the old mappings gets ``StalePoolsError``
+(``cache_actors.node_pools``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raykv.cache_actors.errors import StalePoolsError, StoreUnavailableError
+from raykv.cache_actors.errors import StoreUnavailableError
 from raykv.cache_actors.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
 from raykv.cache_actors.standalone_client import MooncakeClientProcess
@@ -89,18 +90,13 @@ class NodeStore:
                 raise RuntimeError("the dummy client did not reconnect to mooncake_client")
             time.sleep(0.1)
 
-    def check(self, epoch: int | None = None) -> int:
-        """Before a data call: ``StoreUnavailableError`` while ``mooncake_client`` is down,
-        ``StalePoolsError`` if the caller's pool ``epoch`` is not the current one; returns
-        the current epoch."""
+    def check(self) -> int:
+        """Before a data call: ``StoreUnavailableError`` while ``mooncake_client`` is down;
+        returns the current epoch of the pool memory."""
         if self.process is not None and self.process.down.is_set():
             raise StoreUnavailableError(
                 f"mooncake_client on port {self.process.record.port} is down; the node actor "
                 "is restarting it: retry the call")
-        if epoch is not None and epoch != self.memory.epoch:
-            raise StalePoolsError(
-                f"this node's pools were allocated anew (epoch {epoch} -> "
-                f"{self.memory.epoch}); L2 contents were lost: re-map and retry")
         return self.memory.epoch
 
     def check_codes(self, epoch: int, codes: list[int]) -> list[int]:

@@ -9,8 +9,7 @@ import logging
 from dataclasses import dataclass, replace
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors.node_actor import NodeCacheActor
+from raykv.cache_actors.node_actor import node_actor_class
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 log = logging.getLogger(__name__)
@@ -73,17 +72,13 @@ def alive_node_ids() -> set[str]:
 
 
 def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
-    """The cache actor of ``node_id``: named, detached, hard-pinned, zero CPUs, restarted
-    by Ray if it dies. Returns the existing one if it is already there."""
-    return NodeCacheActor.options(
-        name=node_actor_name(node_id), namespace=namespace, lifetime="detached",
-        get_if_exists=True, max_restarts=-1, num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        runtime_env={"env_vars": settings.env},
-    ).remote(node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
-             settings.global_segment_size, settings.local_buffer_size, settings.protocol,
-             "", settings.local_hostname, settings.standalone, settings.host_pool_bytes,
-             group_window_s=settings.group_window_s, confirm_ttl_s=settings.confirm_ttl_s)
+    """The cache actor of ``node_id`` (see ``node_actor_class``); the existing one if it
+    is already there."""
+    return node_actor_class(node_id, namespace, settings.env).remote(
+        node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
+        settings.global_segment_size, settings.local_buffer_size, settings.protocol, "",
+        settings.local_hostname, settings.standalone, settings.host_pool_bytes,
+        group_window_s=settings.group_window_s, confirm_ttl_s=settings.confirm_ttl_s)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:

@@ -8,15 +8,20 @@ mooncake_client: what node 2 reads after node 1's actor or client died comes fro
 
 import os
 import signal
+import threading
+from collections import Counter
 
 import pytest
 import ray
 import torch
 from raykv.cache_actors import NodeUnavailableError
+from raykv.cache_actors.local_channel import ChannelClient
 from raykv.cache_actors.pool_memory import PoolBudget
 from raykv.cache_actors.standalone_client import ClientRecord, check_mode
 from raykv.clusters import start_local
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.pool_layout import PoolLayout
 
 from tests.integration.processes import running_clients, wait_for
 from tests.integration.ranks import HYBRID, indices, start_hybrid
@@ -156,6 +161,58 @@ def test_killed_mooncake_client_fails_clearly_then_recovers(cluster, uid):
     wait_for(lambda: all(all(v) for v in write(writer, keys, 0).values()), "a full write")
     read_back_equal(writer, reader, keys, 0)
 
+
+def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
+    """Puts and gets from many threads, over the local channel and over Ray, while node
+    1's mooncake_client dies and its pools are allocated anew: every call either works
+    or raises a retryable NodeUnavailableError (StalePoolsError once its mappings are of
+    the old pools), never a ValueError from a pool table caught half-replaced."""
+    node1 = cluster.node_ids[0]
+    actor = cluster.node_actors[node1]
+    layout = PoolLayout.mla(page_size=1, size=64, layer_num=1, kv_cache_dim=64,
+                            dtype="uint8", itemsize=1)
+    names = [f"race{i}-{uid}" for i in range(3)]  # several pools: a longer re-allocation
+    handles = [ray.get(actor.create_pool.remote(n, layout)) for n in names]
+    batch = ObjectBatch(epoch=handles[0].epoch)
+    for name in names:
+        batch.extend([f"{uid}-{name}-{j}" for j in range(64)], name,
+                     [64 * j for j in range(64)], [64] * 64)
+    channel = ChannelClient(ray.get(actor.channel_path.remote()))
+    calls = [lambda: channel.call("put", batch), lambda: channel.call("get", batch),
+             lambda: ray.get(actor.batch_put.remote(batch)),
+             lambda: ray.get(actor.batch_get.remote(batch))]
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    wrong: list[BaseException] = []
+
+    def hammer(call) -> None:
+        while not stop.is_set():
+            try:
+                call()
+                outcomes["ok"] += 1
+            except NodeUnavailableError as e:
+                outcomes[type(e).__name__.removeprefix("RayTaskError(").rstrip(")")] += 1
+            except Exception as e:  # what the test looks for
+                wrong.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(calls[i % len(calls)],))
+               for i in range(12)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: outcomes["ok"] >= 20, "data calls before the kill")
+        before = stats(cluster, node1)["mooncake_client"]
+        os.kill(before["pid"], signal.SIGKILL)
+        wait_for(lambda: stats(cluster, node1)["mooncake_client"]["restarts"] >
+                 before["restarts"] and outcomes["StalePoolsError"] >= 20,
+                 "the re-allocation, then stale calls")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        channel.close()
+    assert not wrong, f"{len(wrong)} calls failed otherwise, first: {wrong[0]!r}; {outcomes}"
+    assert all(ray.get(actor.destroy_pool.remote(n)) for n in names)
 
 
 def test_budget_refuses_before_counting():
