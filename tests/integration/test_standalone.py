@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 from raykv.cache_actors import NodeUnavailableError
+from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.local_channel import ChannelClient
 from raykv.cache_actors.pool_memory import PoolBudget
 from raykv.cache_actors.standalone_client import ClientRecord, check_mode
@@ -178,7 +179,7 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
         batch.extend([f"{uid}-{name}-{j}" for j in range(64)], name,
                      [64 * j for j in range(64)], [64] * 64)
     channel = ChannelClient(ray.get(actor.channel_path.remote()))
-    calls = [lambda: channel.call("put", batch), lambda: channel.call("get", batch),
+    calls = [lambda: channel.call(DataOp.PUT, batch), lambda: channel.call(DataOp.GET, batch),
              lambda: ray.get(actor.batch_put.remote(batch)),
              lambda: ray.get(actor.batch_get.remote(batch))]
     stop = threading.Event()
