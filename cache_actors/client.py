@@ -138,7 +138,10 @@ def _layout(kind: str, *, size, page_size, layer_num, head_num, head_dim, kv_cac
         return PoolLayout.mla(kv_cache_dim=kv_cache_dim, **common)
     if kind == "indexer":
         return PoolLayout.indexer(index_head_dim=index_head_dim, **common)
-    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer or mamba")
+    if kind == "vllm":
+        return PoolLayout.vllm(head_num=head_num, head_dim=head_dim, **common)
+    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer, mamba or "
+                     "vllm")
 
 
 @dataclass
@@ -302,7 +305,9 @@ class CacheClient:
 
         Kinds: ``"mha"`` (``page_size, layer_num, head_num, head_dim``), ``"mla"``
         (``page_size, layer_num, kv_cache_dim``), ``"indexer"`` (``page_size, layer_num,
-        index_head_dim``), ``"mamba"`` (``temporal_shape`` and ``conv_shapes`` per slot,
+        index_head_dim``), ``"vllm"`` (``page_size`` = vLLM block size, ``layer_num,
+        head_num, head_dim``: one vLLM block of every layer per page, see
+        ``PoolLayout.vllm``), ``"mamba"`` (``temporal_shape`` and ``conv_shapes`` per slot,
         e.g. ``(layers, heads, head_dim, state)``; dtypes default to ``dtype``; an empty
         ``temporal_shape`` means a conv-only model). ``size`` and ``page_size`` count
         token slots (Mamba: checkpoints, page_size 1). With ``name`` of a pool that exists
@@ -359,7 +364,7 @@ class CacheClient:
         """
         self._own(pool, "register_mem_pool_host")
         want = "mla" if self.config.is_mla_model else "mha"
-        if pool.kind != want:
+        if pool.kind != want and not (pool.kind == "vllm" and want == "mha"):
             raise ValueError(f"pool {pool.name!r} is {pool.kind.upper()} but the "
                              f"config says is_mla_model={self.config.is_mla_model}")
         self._registered[PoolName.KV] = pool
