@@ -22,6 +22,22 @@ ENV = {
 }
 
 
+def _worker_stats(worker) -> dict:
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    return dict(c.stats, tp_rank=c.tp_rank, pid=os.getpid())
+
+
+def _corrupt_loads(worker, on: bool) -> None:
+    from dataclasses import replace
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    c.opts = replace(c.opts, debug_corrupt_loads=on)
+
+
 @ray.remote(num_cpus=0)
 class Engine:
     """One vLLM ``LLM``; ``connector`` is the raykv ``kv_connector_extra_config`` (None:
@@ -32,6 +48,8 @@ class Engine:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
+        if tp > 1:  # the TP workers are processes of their own that join Ray themselves
+            os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         kw = dict(model=model, dtype="bfloat16", max_model_len=2048, seed=0,
                   enforce_eager=True, enable_prefix_caching=prefix_caching,
                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, max_num_seqs=4)
@@ -50,22 +68,14 @@ class Engine:
                                                ignore_eos=True), use_tqdm=False)[0]
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
 
-    def _worker_connector(self):
-        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
-
-        return get_kv_transfer_group()
-
-    def worker_stats(self) -> dict:
-        """The worker connector's counters (TP=1: the worker runs in this process)."""
-        return dict(self._worker_connector().stats)
+    def worker_stats(self) -> list[dict]:
+        """Each TP rank's worker connector counters (in the worker processes at TP > 1)."""
+        return self.llm.collective_rpc(_worker_stats)
 
     def corrupt_loads(self, on: bool) -> None:
-        """Test only: make the worker connector load random bytes instead of the stored
-        ones (the control that shows loaded KV is really used)."""
-        from dataclasses import replace
-
-        c = self._worker_connector()
-        c.opts = replace(c.opts, debug_corrupt_loads=on)
+        """Test only: make every worker connector load random bytes instead of the
+        stored ones (the control that shows loaded KV is really used)."""
+        self.llm.collective_rpc(_corrupt_loads, args=(on,))
 
     def pid(self) -> int:
         return os.getpid()
