@@ -42,12 +42,12 @@ def vcluster():
 
 @pytest.fixture(scope="module")
 def engines(vcluster, model, uid_module):
-    """Engine A on node 1, engine B on node 2 (both with raykv, vLLM's prefix caching off,
-    B with ``kv_load_failure_policy="recompute"``) and a baseline without the connector
-    on node 1, with vLLM's own prefix cache (see test_partial_hit)."""
+    """Engine A on node 1 (raykv and vLLM's own prefix cache), engine B on node 2 (raykv,
+    vLLM's prefix cache off), both ``kv_load_failure_policy="recompute"``, and a baseline
+    without the connector on node 1, with vLLM's own prefix cache (see test_partial_hit)."""
     n1, n2 = vcluster.node_ids
     conf = {"model_name": f"tiny-{uid_module}"}
-    a = start_engine(n1, model, conf)
+    a = start_engine(n1, model, conf, prefix_caching=True)
     b = start_engine(n2, model, conf)
     base = start_engine(n1, model, None, prefix_caching=True)
     ready(a, b, base)
@@ -89,6 +89,11 @@ def test_partial_hit(engines):
     assert want["cached"] == 4 * BLOCK  # vLLM's own prefix cache
     got = ray.get(b.generate.remote(q))
     assert got["cached"] == 4 * BLOCK, got
+    assert got["tokens"] == want["tokens"]
+    # A has the first 4 blocks in its own prefix cache and B saved the next 4: A loads
+    # only those from raykv (8 of q's 8 full blocks cached, 4 + 4).
+    got = ray.get(a.generate.remote(q))
+    assert got["cached"] == 8 * BLOCK, got
     assert got["tokens"] == want["tokens"]
 
 
