@@ -7,6 +7,7 @@ that may come from raykv (the last token is always computed).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import time
@@ -174,4 +175,6 @@ def test_tp2_each_rank_loads_its_own_blocks(vcluster, model, uid_module):
         assert [s["saved"] for s in stats] == [7, 7], stats
         assert [s["load_failed"] for s in stats] == [0, 0], stats
     finally:
+        with contextlib.suppress(Exception):
+            ray.get(e.close.remote(), timeout=60)
         ray.kill(e)

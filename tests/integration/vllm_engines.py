@@ -77,6 +77,11 @@ class Engine:
         stored ones (the control that shows loaded KV is really used)."""
         self.llm.collective_rpc(_corrupt_loads, args=(on,))
 
+    def close(self) -> None:
+        """Shut the engine down (its TP worker processes and their shared memory), so
+        that killing the actor leaves nothing behind."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def pid(self) -> int:
         return os.getpid()
 
