@@ -100,7 +100,9 @@ class CacheClient:
 
         Kinds: ``"mha"`` (``page_size, layer_num, head_num, head_dim``), ``"mla"``
         (``page_size, layer_num, kv_cache_dim``), ``"indexer"`` (``page_size, layer_num,
-        index_head_dim``), ``"mamba"`` (``temporal_shape`` and ``conv_shapes`` per slot,
+        index_head_dim``), ``"vllm"`` (``page_size`` = vLLM block size, ``layer_num,
+        head_num, head_dim``: one vLLM block of every layer per page, see
+        ``PoolLayout.vllm``), ``"mamba"`` (``temporal_shape`` and ``conv_shapes`` per slot,
         e.g. ``(layers, heads, head_dim, state)``; dtypes default to ``dtype``; an empty
         ``temporal_shape`` means a conv-only model). ``size`` and ``page_size`` count
         token slots (Mamba: checkpoints, page_size 1). With ``name`` of a pool that exists

@@ -57,7 +57,8 @@ class HostPool:
     """One host pool mapped from shared memory (``page_first`` layout).
 
     Tensors, all views of the shared bytes: ``buffers`` (one ``(size, *slot_shape)``
-    tensor per buffer, in key order); MHA/MLA ``kv_buffer``; Mamba ``temporal_buffer``
+    tensor per buffer, in key order); MHA/MLA ``kv_buffer``; vLLM ``kv_buffer``
+    ``(pages, layer_num, head_num, page_size, head_dim)``; Mamba ``temporal_buffer``
     (None when the temporal state is empty) and ``conv_buffer`` (a list); indexer
     ``indexer_buffer``.
     """
@@ -85,6 +86,10 @@ class HostPool:
                 2, layout.size, *k.slot_shape)
         elif layout.kind == "mla":
             self.kv_buffer = named["kv"]
+        elif layout.kind == "vllm":  # (pages, layer_num, head_num, page_size, head_dim)
+            layers, heads, dim = layout.buffers[0].slot_shape
+            self.kv_buffer = named["kv"].view(layout.num_pages, layers, heads,
+                                              layout.page_size, dim)
         elif layout.kind == "mamba":
             self.temporal_buffer = named.get("temporal")
             self.conv_buffer = [t for b, t in zip(layout.buffers, self.buffers, strict=True)

@@ -67,7 +67,10 @@ def pool_layout(kind: str, *, size: int, page_size: int | None, layer_num: int,
         return PoolLayout.mla(kv_cache_dim=kv_cache_dim, **common)
     if kind == "indexer":
         return PoolLayout.indexer(index_head_dim=index_head_dim, **common)
-    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer or mamba")
+    if kind == "vllm":
+        return PoolLayout.vllm(head_num=head_num, head_dim=head_dim, **common)
+    raise ValueError(f"pool kind {kind!r} is unknown: expected mha, mla, indexer, mamba or "
+                     "vllm")
 
 
 def _copy_pages(src: torch.Tensor, dst: torch.Tensor, starts: Sequence[int],
@@ -174,7 +177,7 @@ class PoolLifecycle:
         """Register ``pool`` as KV (see ``CacheClient.register_mem_pool_host``)."""
         self._own(pool, "register_mem_pool_host")
         want = "mla" if is_mla_model else "mha"
-        if pool.kind != want:
+        if pool.kind != want and not (pool.kind == "vllm" and want == "mha"):
             raise ValueError(f"pool {pool.name!r} is {pool.kind.upper()} but the "
                              f"config says is_mla_model={is_mla_model}")
         self._set_registered({**self._registered, PoolName.KV: pool})

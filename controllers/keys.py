@@ -23,6 +23,7 @@ KEY_RULES = frozenset({
     (PoolName.DRAFT, "mha"), (PoolName.DRAFT, "mla"),
     (PoolName.INDEXER, "indexer"),
     (PoolName.MAMBA, "mamba"),
+    (PoolName.KV, "vllm"),
 })
 
 
@@ -126,7 +127,9 @@ class KeyPlan:
         buffer in ``buffer_names`` order. ``ValueError`` if the pair has no key rule."""
         check_key_rule(pool, kind)
         mla = kind == "mla"
-        if pool == PoolName.KV:
+        if pool == PoolName.KV and kind == "vllm":
+            keys = self._sharded(page_hash, "kv")  # P_h_{mha}_kv: a whole vLLM block
+        elif pool == PoolName.KV:
             keys = self.kv_keys(page_hash)
         elif pool == PoolName.SWA:
             keys = self.swa_keys(page_hash, swa_is_mla=mla)

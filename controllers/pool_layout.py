@@ -11,6 +11,11 @@ Kinds and their buffers (in key order):
 - ``mamba``: ``temporal`` (absent when the temporal state is empty) then ``conv_0``,
   ``conv_1``... of their own shapes and dtypes; ``page_size`` 1, one slot per checkpoint.
 - ``indexer``: ``indexer``, ``(size, layer_num, index_head_dim)`` (DSA indexer keys).
+- ``vllm``: ``kv``, one vLLM KV block per page holding every layer: page ``p`` is
+  ``(layer_num, head_num, page_size, head_dim)`` (vLLM's CPU block layout per layer,
+  ``head_dim`` = K and V side by side), so a page is one object and one block of one
+  layer is one contiguous run. The buffer's slot shape ``(layer_num, head_num,
+  head_dim)`` only sizes it; ``HostPool.kv_buffer`` is the page view.
 
 Units: ``size`` and ``page_size`` count token slots; offsets and sizes count bytes from
 the start of the pool's segment. ``host_indices`` are token-slot indices, one per token,
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POOL_KINDS = ("mha", "mla", "mamba", "indexer")
+POOL_KINDS = ("mha", "mla", "mamba", "indexer", "vllm")
 LAYOUTS = ("page_first", "layer_first")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -123,6 +128,16 @@ class PoolLayout:
                  _positive("indexer pool index_head_dim", index_head_dim))
         return cls("indexer", page_size, size,
                    (BufferSpec("indexer", shape, dtype, itemsize),), layout)
+
+    @classmethod
+    def vllm(cls, *, page_size: int, size: int, layer_num: int, head_num: int, head_dim: int,
+             dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+        """vLLM KV blocks, ``page_size`` = vLLM's block size: page ``p`` is ``(layer_num,
+        head_num, page_size, head_dim)``, all layers of one block in one object."""
+        shape = (_positive("vllm pool layer_num", layer_num),
+                 _positive("vllm pool head_num", head_num),
+                 _positive("vllm pool head_dim", head_dim))
+        return cls("vllm", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), layout)
 
     @classmethod
     def mamba(cls, *, size: int, temporal: tuple[tuple[int, ...], str, int] | None,

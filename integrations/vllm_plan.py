@@ -1,0 +1,87 @@
+"""Scheduler-side bookkeeping of raykv's vLLM connector (pure: no vLLM, no Ray).
+
+Which blocks each worker loads before a step and saves after it, decided from what the
+scheduler knows: the request's block hashes, its block ids, its computed tokens. The
+connector in ``raykv.integrations.vllm`` feeds vLLM's objects in; this module only sees
+ints, lists and strings, so it is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def hash_hex(block_hash) -> str:
+    """vLLM's ``BlockHash`` (bytes) as the page hash in raykv keys."""
+    return block_hash.hex() if isinstance(block_hash, bytes | bytearray) else str(block_hash)
+
+
+def max_loadable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks that may come from outside: at least one token is left to compute
+    (vLLM needs a forward to produce the next token's logits)."""
+    return max(0, (num_tokens - 1) // block_size)
+
+
+def external_tokens(hit_blocks: int, num_computed_tokens: int, block_size: int) -> int:
+    """Tokens to load beyond vLLM's local hit, given the leading blocks raykv holds."""
+    return max(0, hit_blocks * block_size - num_computed_tokens)
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request that a worker moves in one direction: vLLM block ids and
+    the page hashes (hex) of the same blocks, in order."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+
+
+@dataclass
+class RequestBlocks:
+    """What the scheduler side tracks per running request."""
+
+    request: object  # vLLM's Request (live object: block_hashes grows with decoding)
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks known stored (loaded, saved or planned)
+    local_hit_tokens: int = 0  # vLLM's own hit, from get_num_new_matched_tokens
+    pending_load: BlockTransfer | None = None
+
+
+def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit_tokens: int,
+              num_external_tokens: int, block_size: int) -> BlockTransfer | None:
+    """The blocks to load for ``num_external_tokens`` beyond the local hit: ``block_ids``
+    are all of the request's blocks (local-hit blocks first)."""
+    if num_external_tokens <= 0:
+        return None
+    first = local_hit_tokens // block_size
+    n = num_external_tokens // block_size
+    ids = list(block_ids[first:first + n])
+    keys = [hash_hex(h) for h in hashes[first:first + n]]
+    if len(ids) != n or len(keys) != n:
+        raise ValueError(f"request {req_id}: {n} blocks to load from block {first} but it "
+                         f"has {len(block_ids)} block ids and {len(hashes)} hashes")
+    return BlockTransfer(req_id, ids, keys)
+
+
+def plan_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
+        BlockTransfer | None:
+    """Newly completed full blocks of a request (their KV exists once this step's
+    forward ran), beyond those already stored; advances ``state.saved_blocks``."""
+    hashes = state.request.block_hashes
+    full = min(computed_after_step // block_size, len(hashes), len(state.block_ids))
+    if full <= state.saved_blocks:
+        return None
+    idx = range(state.saved_blocks, full)
+    state.saved_blocks = full
+    return BlockTransfer(state.request.request_id, [state.block_ids[j] for j in idx],
+                         [hash_hex(hashes[j]) for j in idx])
+
+
+def first_invalid_block(block_ids: Sequence[int], invalid: set[int]) -> int | None:
+    """Index of the first of ``block_ids`` that is in ``invalid`` (None if none is)."""
+    for i, b in enumerate(block_ids):
+        if b in invalid:
+            return i
+    return None
