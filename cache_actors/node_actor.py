@@ -45,6 +45,7 @@ from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node_store import NodeStore
 from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
+from raykv.cache_actors.transfer_merger import TransferMerger
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
@@ -129,6 +130,7 @@ class NodeCacheActor:
             segment_size=global_segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes)
         self._backend = self._store.backend
+        self._merger = TransferMerger(self._backend)  # concurrent ranks share store calls
         self._memory = self._store.memory
         self._segment_size = global_segment_size
         self._pools: dict[str, HostPool] = {}
@@ -328,7 +330,7 @@ class NodeCacheActor:
         ptrs = self._pointers(batch)
         t = time.perf_counter()
         codes = self._store.check_codes(
-            epoch, getattr(self._backend, op)(batch.keys, ptrs, batch.sizes))
+            epoch, self._merger.run(op, batch.keys, ptrs, batch.sizes))
         self._count(op, batch, codes, time.perf_counter() - t, moved)
         return codes
 
