@@ -434,7 +434,8 @@ class NodeCacheActor:
         check; ``store_calls``) and ``confirmed_pages`` held; the mode,
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
-        port, adopted, restarts, alive)."""
+        port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
+        the ranks' batches they carried (``cache_actors.transfer_merger``)."""
         return {
             **self._store.stats(),
             "node_id": self.node_id,
@@ -447,6 +448,7 @@ class NodeCacheActor:
             "counters": dict(self._counts),
             "group_queries": asdict(self._groups.stats),
             "confirmed_pages": len(self._groups.confirmed),
+            "merged_calls": asdict(self._merger.stats),
         }
 
     @ray.method(concurrency_group="control")
