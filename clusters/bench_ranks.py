@@ -219,8 +219,9 @@ class RawWorker:
             self.buffer = None
 
 
-def phase(workers: list, pids: list[int], run_id: str, seconds: float) -> dict:
-    """Run ``workers`` together for ``seconds``; GB/s and CPU-s of the processes ``pids``."""
+def phase(workers: list, pids: dict[int, str], run_id: str, seconds: float) -> dict:
+    """Run ``workers`` together for ``seconds``; GB/s and CPU-s of the processes ``pids``
+    (pid -> role; ``cpu_by_role``: CPU-s summed per role)."""
     before = {p: cpu_seconds(p) for p in pids}
     start = time.time() + 0.3
     results = ray.get([w.run.remote(run_id, start, seconds) for w in workers])
@@ -228,15 +229,21 @@ def phase(workers: list, pids: list[int], run_id: str, seconds: float) -> dict:
     nbytes = sum(b for b, _ in results)
     wall = max(end for _, end in results) - start
     total_cpu = sum(cpu.values())
+    by_role: dict[str, float] = {}
+    for p, role in pids.items():
+        by_role[role] = by_role.get(role, 0.0) + cpu[p]
     return {"bytes": nbytes, "wall_s": wall, "gbps": nbytes / wall / GB,
-            "cpu_s": total_cpu, "cpu_s_per_gb": total_cpu / (nbytes / GB) if nbytes else None}
+            "cpu_s": total_cpu, "cpu_s_per_gb": total_cpu / (nbytes / GB) if nbytes else None,
+            "cpu_by_role": by_role}
 
 
-def bench_case(ranks: list, raws: list, node_pids: list[int], n: int, page_bytes: int,
+def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_bytes: int,
                batch: int, seconds: float, rounds: int, run_id: str) -> dict:
-    """``rounds`` pairs of phases (raykv, raw; order alternating) with ``n`` actors each."""
+    """``rounds`` pairs of phases (raykv, raw; order alternating) with ``n`` actors each;
+    ``node_pids``: pid -> role of the node actors, counted on both sides."""
     sides = {"raykv": ranks[:n], "raw": raws[:n]}
-    pids = {name: node_pids + ray.get([w.pid.remote() for w in ws])
+    roles = {"raykv": "rank actors", "raw": "raw clients"}
+    pids = {name: node_pids | {p: roles[name] for p in ray.get([w.pid.remote() for w in ws])}
             for name, ws in sides.items()}
     for ws in sides.values():
         ray.get([w.prepare.remote(page_bytes, batch) for w in ws])
@@ -294,6 +301,23 @@ def render(result: dict, console: Console) -> None:
                       f"{c['raykv_cpu_s_per_gb']:.2f}", f"{c['raw_cpu_s_per_gb']:.2f}",
                       f"{c['cpu_ratio']:.2f}")
     console.print(table)
+    roles = Table(title="CPU-s per GB by process, largest N of each page size (median round)")
+    for col in ("page", "N", "side", "node actor 1", "node actor 2", "ranks / raw clients"):
+        roles.add_column(col, justify="right")
+    most = max(c["ranks"] for c in result["cases"])
+    for c in result["cases"]:
+        if c["ranks"] != most:
+            continue
+        for side in ("raykv", "raw"):
+            runs = sorted(c["runs"][side], key=lambda x: x["cpu_s_per_gb"])
+            run = runs[len(runs) // 2]
+            gb = run["bytes"] / GB
+            per = {k: v / gb for k, v in run["cpu_by_role"].items()}
+            workers = per.get("rank actors", per.get("raw clients", 0.0))
+            roles.add_row(human_bytes(c["page_bytes"]), str(c["ranks"]), side,
+                          f"{per.get('node actor 1', 0.0):.2f}",
+                          f"{per.get('node actor 2', 0.0):.2f}", f"{workers:.2f}")
+    console.print(roles)
     targets = Table(title="targets (issue #15)")
     targets.add_column("target")
     targets.add_column("met")
@@ -396,7 +420,9 @@ def _bench(cluster, page_sizes, ranks, batch, seconds, rounds, run_id, console) 
                     for i in range(most)]
     raw_workers = [RawWorker.options(scheduling_strategy=pin).remote(i, *args)
                    for i in range(most)]
-    node_pids = [ray.get(a.health.remote())["pid"] for a in cluster.node_actors.values()]
+    actors = cluster.node_actors
+    node_pids = {ray.get(actors[n].health.remote())["pid"]: f"node actor {i + 1}"
+                 for i, n in enumerate(cluster.node_ids[:2])}
     ray.get([w.pid.remote() for w in rank_workers + raw_workers])
     cases = []
     try:
