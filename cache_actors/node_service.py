@@ -62,6 +62,7 @@ from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node_pools import NodePools
 from raykv.cache_actors.node_store import NodeStore
 from raykv.cache_actors.shared_segment import segment_path
+from raykv.cache_actors.transfer_merger import TransferMerger
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
@@ -95,6 +96,7 @@ class NodeService:
         self._deployments: dict[str, Deployment] = {}
         self._pools = NodePools(prefix, store, metrics.pool_size)
         self._pools.readopt()
+        self._merger = TransferMerger(store.backend)  # concurrent ranks share store calls
         self._groups = GroupQueries(self._group_check, group_window_s, confirm_ttl_s,
                                     on_check=metrics.record_group_check,
                                     on_query=metrics.record_group_query)
@@ -158,7 +160,7 @@ class NodeService:
         ptrs = table.pointers(batch)
         t = time.perf_counter()
         codes = self._store.check_codes(
-            table.epoch, getattr(self._store.backend, op)(batch.keys, ptrs, batch.sizes))
+            table.epoch, self._merger.run(op, batch.keys, ptrs, batch.sizes))
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t, moved)
         return codes
 
@@ -244,7 +246,8 @@ class NodeService:
         store check; ``store_calls``) and ``confirmed_pages`` held; the mode,
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
-        port, adopted, restarts, alive)."""
+        port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
+        the ranks' batches they carried (``cache_actors.transfer_merger``)."""
         return {
             **self._store.stats(),
             "node_id": self.node_id,
@@ -257,6 +260,7 @@ class NodeService:
             "counters": self._metrics.counters(),
             "group_queries": asdict(self._groups.stats),
             "confirmed_pages": len(self._groups.confirmed),
+            "merged_calls": asdict(self._merger.stats),
         }
 
     def shutdown(self, remove_pools: bool = True) -> None:

@@ -139,12 +139,43 @@ def down(address: str, namespace: str) -> None:
 @click.option("--iters", default=5, show_default=True, help="Timed iterations per size.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_dataplane.json and .png.")
-def bench(page_sizes: str, batch: int, iters: int, out_dir: str) -> None:
+@click.option("--ranks", "with_ranks", is_flag=True,
+              help="Also run `raykv bench-ranks` with its defaults afterwards.")
+def bench(page_sizes: str, batch: int, iters: int, out_dir: str, with_ranks: bool) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run."""
     from raykv.clusters.bench import run_dataplane_bench
 
     sizes = [parse_size(s) for s in page_sizes.split(",")]
     run_dataplane_bench(page_sizes=sizes, batch=batch, iters=iters, out_dir=out_dir)
+    if with_ranks:
+        from raykv.clusters.bench_ranks import run_ranks_bench
+
+        run_ranks_bench(out_dir=out_dir)
+
+
+@main.command("bench-ranks")
+@click.option("--page-sizes", default="64K,256K,1M", show_default=True,
+              help="Comma-separated page sizes (K/M suffixes, multiples of 32K).")
+@click.option("--ranks", default="1,2,4,8", show_default=True,
+              help="Comma-separated numbers of concurrent ranks on the node.")
+@click.option("--batch", default=32, show_default=True, help="Pages per batch call.")
+@click.option("--seconds", default=3.0, show_default=True, help="Per phase (side, N, size).")
+@click.option("--rounds", default=1, show_default=True,
+              help="Phase pairs (raykv, raw) per case; ratios are medians over rounds.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_ranks.json and .png.")
+def bench_ranks(page_sizes: str, ranks: str, batch: int, seconds: float, rounds: int,
+                out_dir: str) -> None:
+    """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
+    GB/s and CPU-s per GB, in one run."""
+    from raykv.clusters.bench_ranks import run_ranks_bench
+
+    try:
+        run_ranks_bench(page_sizes=[parse_size(s) for s in page_sizes.split(",")],
+                        ranks=[int(n) for n in ranks.split(",")], batch=batch,
+                        seconds=seconds, rounds=rounds, out_dir=out_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command("bench-group")
