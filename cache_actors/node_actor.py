@@ -38,6 +38,7 @@ from dataclasses import asdict
 
 import ray
 from ray.util import metrics
+from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
@@ -219,6 +220,27 @@ class NodeCacheActor:
         return handle
 
     @ray.method(concurrency_group="control")
+    async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
+                                probe: list[tuple[int, int]] = ()) -> PoolHandle:
+        """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``) as pool
+        ``name`` with no copy (``cache_actors.engine_memory``); the same handle again if
+        it is already served. ``ValueError`` for anything that is not such a memfd."""
+        known = self._pools.get(name)
+        if known is not None and known.handle == PoolHandle(name, path, layout):
+            return known.handle
+        if known is not None:
+            raise ValueError(f"pool {name!r} exists on this node as another pool")
+        with self._pool_lock:
+            self._memory.budget.reserve(name, layout.nbytes)  # released with the pool
+            try:
+                pool = map_engine_pool(name, path, layout, self._store.mode, probe)
+            except BaseException:
+                self._memory.budget.release(layout.nbytes)
+                raise
+            self._adopt(pool)
+        return pool.handle
+
+    @ray.method(concurrency_group="control")
     async def get_pool(self, name: str) -> PoolHandle:
         """The handle of pool ``name``; ``ValueError`` if this node has no such pool."""
         if name not in self._pools:
@@ -239,7 +261,8 @@ class NodeCacheActor:
                 return False
             self._backend.unregister(pool.base_ptr)
             self._memory.release(pool)
-        os.unlink(self._meta_path(name))
+        if os.path.exists(self._meta_path(name)):  # engine pools have none
+            os.unlink(self._meta_path(name))
         self._metrics.pool_bytes.set(0, tags={"pool": name})
         return True
 
