@@ -292,6 +292,10 @@ class RayKVStore(HiCacheStorage):
                          "backup_bandwidth": []}
         self.mem_pool_host = None
         self.registered_pools = {}
+        if not extra.get("interface_v1"):
+            log.warning("raykv: \"interface_v1\" is not set in "
+                        "--hicache-storage-backend-extra-config: SGLang will use its legacy "
+                        "value API, which raykv does not serve (no hits, no backups)")
 
     # ----------------------------------------------------------- registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -589,37 +593,68 @@ class RayKVStore(HiCacheStorage):
         return result
 
     # --------------------------------------------------- legacy abstract API
-    def get(self, key, target_location=None, target_sizes=None):
-        """Legacy single-object read: raykv moves bytes only between registered pools and
-        the store, so this reads into ``target_location`` (a pointer inside a registered
-        pool) and returns True/None; with no pointer it returns None."""
-        if target_location is None:
+    # SGLang without "interface_v1" hands page *values* (tensors) to batch_set and
+    # batch_get. raykv moves bytes only between registered pools and the store, never
+    # through a call, so that path is refused: one warning, then False / misses, and
+    # SGLang recomputes. The pointer form (target_locations = ints) is served when every
+    # pointer lies inside one of SGLang's registered host pools (keys then carry their
+    # own suffixes, as in MooncakeStore's pointer API; the model tag is added once).
+    def _legacy(self, what: str, values, locations) -> list[int] | None:
+        """Pointers of the legacy call in raykv's mappings, or None (refused, warned)."""
+        if values is not None or locations is None or any(
+                not isinstance(p, int) for p in locations):
+            if not self._warned_at.get("legacy"):
+                self._warned_at["legacy"] = time.monotonic()
+                log.warning("raykv: SGLang called the legacy %s with page values; raykv "
+                            "serves only the v1/v2 API: add \"interface_v1\": 1 to "
+                            "--hicache-storage-backend-extra-config", what)
             return None
-        n = self.batch_get([key], [target_location], [target_sizes])
+        out = []
+        for p in locations:
+            for ep in self._pools.values():
+                base = ep.pages[0].data_ptr()
+                end = base + sum(b.numel() for b in ep.pages)
+                if ep.zero_copy and base <= p < end:
+                    out.append(ep.pool.base_ptr + (p - base))
+                    break
+            else:
+                out.append(p)  # the client refuses it unless it lies in a raykv pool
+        return out
+
+    def get(self, key, target_location=None, target_sizes=None):
+        """One object into a pointer (see ``batch_get``): True, or None if not read."""
+        n = self.batch_get([key], None if target_location is None else [target_location],
+                           None if target_sizes is None else [target_sizes])
         return True if n == 1 else None
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        """Legacy pointer API (SGLang without ``interface_v1``): objects read in full into
-        pointers inside registered pools, as a count of leading objects; 0 on failure."""
+        """Legacy pointer API: the number of leading objects read in full (0 on any
+        failure); the value form returns ``[None] * len(keys)`` (see above)."""
+        ptrs = self._legacy("batch_get", None, target_locations)
+        if ptrs is None:
+            return [None] * len(keys)
         try:
             self._ready()
-            return self.client.batch_get(list(keys), target_locations, target_sizes)
+            return self.client.batch_get(list(keys), ptrs, target_sizes)
         except Exception as e:
             self._warn("batch_get", e)
             return 0
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
-        """Legacy single-object write from a pointer inside a registered pool; False
-        when given a value instead (raykv never takes page bytes through a call)."""
-        if target_location is None:
-            return False
-        return self.batch_set([key], None, [target_location], [target_sizes])
+        """One object from a pointer (see ``batch_set``)."""
+        return self.batch_set([key], None if value is None else [value],
+                              None if target_location is None else [target_location],
+                              None if target_sizes is None else [target_sizes])
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        """Legacy pointer API: True only if every object was stored."""
+        """Legacy pointer API: True only if every object was stored; False for the value
+        form (see above) and on any failure."""
+        ptrs = self._legacy("batch_set", values, target_locations)
+        if ptrs is None:
+            return False
         try:
             self._ready()
-            return self.client.batch_set(list(keys), target_locations, target_sizes)
+            return self.client.batch_set(list(keys), ptrs, target_sizes)
         except Exception as e:
             self._warn("batch_set", e)
             return False
