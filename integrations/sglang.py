@@ -175,6 +175,8 @@ def describe_pool(name: PoolName, engine) -> EnginePool:
                          "page_first_direct")
     if name == PoolName.MAMBA:
         return _describe_mamba(engine)
+    if name == PoolName.INDEXER:
+        return _describe_indexer(engine, layout_name)
     buf = getattr(engine, "kv_buffer", None)
     page = int(getattr(engine, "page_size", 0) or 0)
     if not isinstance(buf, torch.Tensor) or page < 1:
@@ -182,9 +184,6 @@ def describe_pool(name: PoolName, engine) -> EnginePool:
                          "tensor and page_size; raykv serves MHA/MLA KV-like pools and Mamba")
     item = buf.element_size()
     dtype = str(buf.dtype).removeprefix("torch.")
-    if name == PoolName.INDEXER:
-        raise ValueError("pool 'indexer': SGLang's DSA indexer host pool is not served by "
-                         "raykv's SGLang backend yet")
     if buf.dim() == 5 and buf.shape[0] == 2 and layout_name == "page_first":
         size, layers, heads, dim = buf.shape[1:]
         kind, pages_of = "mha", [buf[0], buf[1]]
@@ -209,13 +208,37 @@ def describe_pool(name: PoolName, engine) -> EnginePool:
                                 kv_cache_dim=int(dim), dtype=dtype, itemsize=item)
     num_pages = layout.num_pages
     pages = [_pages(b, num_pages) for b in pages_of]
-    memfd = None
+    return EnginePool(name, engine, kind, layout, pages, _memfd(engine, buf, layout_name))
+
+
+def _memfd(engine, buf: torch.Tensor, layout_name: str) -> tuple[int, int] | None:
+    """(pid, fd) of the memfd holding ``buf`` from its first byte, if it can be shared."""
     fd = getattr(engine, "fd", None)
     if fd is None:
         fd = getattr(getattr(engine, "allocator", None), "fd", None)
     if fd is not None and layout_name == "page_first" and _maps_at_start(fd, buf):
-        memfd = (os.getpid(), int(fd))
-    return EnginePool(name, engine, kind, layout, pages, memfd)
+        return (os.getpid(), int(fd))
+    return None
+
+
+def _describe_indexer(engine, layout_name: str) -> EnginePool:
+    """SGLang's DSA indexer pool: ``index_k_with_scale_buffer`` ``(pages, layers, 1,
+    stride)``, one object per page (``P_h__indexer``), described as a raykv indexer pool
+    of bytes with the same page objects at the same offsets."""
+    buf = getattr(engine, "index_k_with_scale_buffer", None)
+    page = int(getattr(engine, "page_size", 0) or 0)
+    if not isinstance(buf, torch.Tensor) or buf.dim() != 4 or page < 1:
+        raise ValueError(f"pool 'indexer': {type(engine).__name__} has no page_first "
+                         "index_k_with_scale_buffer (pages, layers, 1, stride)")
+    num_pages = int(buf.shape[0])
+    page_bytes = buf[0].numel() * buf.element_size()
+    if page_bytes % page:
+        raise ValueError(f"pool 'indexer': {page_bytes} bytes per page do not split into "
+                         f"{page} token slots")
+    layout = PoolLayout.indexer(page_size=page, size=num_pages * page, layer_num=1,
+                                index_head_dim=page_bytes // page, dtype="uint8", itemsize=1)
+    return EnginePool(PoolName.INDEXER, engine, "indexer", layout, [_pages(buf, num_pages)],
+                      _memfd(engine, buf, layout_name))
 
 
 def _describe_mamba(engine) -> EnginePool:
@@ -378,6 +401,11 @@ class RayKVStore(HiCacheStorage):
             return self.client.create_host_pool(
                 "mla", size=size, page_size=lay.page_size, layer_num=layers, kv_cache_dim=dim,
                 dtype=b[0].dtype, name=name)
+        if lay.kind == "indexer":
+            layers, dim = b[0].slot_shape
+            return self.client.create_host_pool(
+                "indexer", size=size, page_size=lay.page_size, layer_num=layers,
+                index_head_dim=dim, dtype=b[0].dtype, name=name)
         temporal = next((x for x in b if x.name == "temporal"), None)
         convs = [x for x in b if x.name.startswith("conv_")]
         return self.client.create_host_pool(
@@ -423,8 +451,7 @@ class RayKVStore(HiCacheStorage):
         if self._readopt:
             self._readopt_all()
 
-    def _transfers(self, transfers, keys_needed: bool) -> list[tuple[EnginePool, list[str],
-                                                                    list[int], Any]]:
+    def _transfers(self, transfers) -> list[tuple[EnginePool, list[str], list[int], Any]]:
         """(pool, keys, page starts in SGLang's pool, hit policy) per SGLang transfer;
         sidecars take their indices from their source pool's transfer."""
         by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
@@ -435,12 +462,13 @@ class RayKVStore(HiCacheStorage):
             if name is None or name not in self._pools:
                 raise ValueError(f"pool {value!r} is not registered with raykv")
             ep = self._pools[name]
-            idx = t.host_indices
-            if idx is None and t.indices_from_pool is not None:
+            idx, keys = t.host_indices, t.keys
+            if idx is None and t.indices_from_pool is not None:  # a sidecar: its source's
                 src = by_name.get(str(getattr(t.indices_from_pool, "value",
                                               t.indices_from_pool)))
                 idx = None if src is None else src.host_indices
-            keys = list(t.keys or [])
+                keys = keys if keys is not None or src is None else src.keys
+            keys = list(keys or [])
             if idx is None:
                 raise ValueError(f"pool {value!r}: the transfer has no host indices")
             starts = ep.layout.page_starts(_np(idx), len(keys))
@@ -575,12 +603,14 @@ class RayKVStore(HiCacheStorage):
         start = time.perf_counter()
         try:
             self._ready()
-            items = self._transfers(transfers, keys_needed=True)
+            items = self._transfers(transfers)
             out = self._move(items, write)
             result = {SGPoolName(n.value): v for n, v in out.items()}
         except Exception as e:
             self._warn(what, e)
-            return {t.name: [False] * len(t.keys or []) for t in transfers}
+            most = max((len(t.keys or []) for t in transfers), default=0)
+            return {t.name: [False] * (len(t.keys) if t.keys is not None else most)
+                    for t in transfers}
         pages = sum(sum(v) for v in result.values())
         nbytes = sum(sum(v) * sum(ep.layout.object_sizes) for (ep, *_), v in
                      zip(items, (out[ep.name] for ep, *_ in items), strict=True))
