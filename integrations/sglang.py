@@ -75,16 +75,15 @@ CONFIG_KEYS = ("ray_address", "ray_namespace", "ray_auth_mode", "ray_node_id", "
 # --------------------------------------------------------------------- config
 def storage_config(config: HiCacheStorageConfig) -> StorageConfig:
     """raykv's ``StorageConfig`` for SGLang's ``config``; ``ValueError`` naming what raykv
-    cannot serve (decode context parallelism, heads split across ranks, ``layer_first``)."""
+    cannot serve (decode context parallelism, heads split across ranks). Host layouts are
+    checked per pool at registration (SGLang sets ``is_page_first_layout`` only for
+    ``page_first``, not for the also servable ``page_first_direct``)."""
     problems = []
     if getattr(config, "dcp_size", 1) > 1:
         problems.append(f"dcp_size={config.dcp_size} (decode context parallel keys are not "
                         "supported)")
     if getattr(config, "should_split_heads", False):
         problems.append("should_split_heads=True (heads split across a TP LCM group)")
-    if not config.is_page_first_layout:
-        problems.append("a layer_first host layout (use --hicache-mem-layout page_first or "
-                        "page_first_direct: a page must be one contiguous run per buffer)")
     if problems:
         raise ValueError("raykv cannot serve this SGLang HiCache config: " + "; ".join(problems))
     extra = dict(config.extra_config or {})
@@ -349,7 +348,10 @@ class RayKVStore(HiCacheStorage):
             old = self._pools.get(name)
             if old is not None and old.engine is engine:
                 return
-            ep = describe_pool(name, engine)
+            try:
+                ep = describe_pool(name, engine)
+            except ValueError as e:
+                raise ValueError(f"raykv cannot serve this SGLang HiCache config: {e}") from None
             if name == PoolName.KV:
                 want = "mla" if self.config.is_mla_model else "mha"
                 if ep.kind != want:

@@ -92,8 +92,9 @@ class Engine:
                                   head_dim=64, layer_num=LAYERS, device="cpu",
                                   enable_memory_saver=False)
             info = kv.get_device_pool_infos()[0].buffer_info
-            host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, "page_first", pin_memory=False,
-                                        device="cpu", allocator_type=alloc_type,
+            host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, sc.get("layout", "page_first"),
+                                        pin_memory=False, device="cpu",
+                                        allocator_type=alloc_type,
                                         device_capacity_tokens=kv.size, start_layer=0,
                                         end_layer=LAYERS - 1)
         alloc = PagedTokenToKVPoolAllocator(SIZE, PAGE, dtype, "cpu", kv, need_sort=False)
@@ -115,14 +116,19 @@ class Engine:
                                             transfer_layer_id_max=LAYERS))
         self.host = host
         self.group = HostPoolGroup(entries)
-        extra = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
-                 "class_name": "RayKVStore", "interface_v1": 1, "allocator": alloc_type,
-                 "ray_address": spec["ray_address"], "ray_namespace": spec["namespace"],
-                 "ray_node_id": spec["node_id"], **sc.get("extra", {})}
+        if sc.get("backend") == "mooncake":  # SGLang's built-in MooncakeStore
+            backend = "mooncake"
+            extra = {"interface_v1": 1, **sc["mooncake"]}
+        else:
+            backend = "dynamic"
+            extra = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
+                     "class_name": "RayKVStore", "interface_v1": 1, "allocator": alloc_type,
+                     "ray_address": spec["ray_address"], "ray_namespace": spec["namespace"],
+                     "ray_node_id": spec["node_id"], **sc.get("extra", {})}
         t = time.time()
         self.cc = HybridCacheController(
             alloc, self.group, PAGE, group, threading.Event(), io_backend="direct",
-            storage_backend="dynamic", prefetch_threshold=PAGE,
+            storage_backend=backend, prefetch_threshold=PAGE,
             model_name=sc["model_name"], storage_backend_extra_config=extra,
             transfer_layer_id_max=LAYERS)
         self.attach_s = time.time() - t
@@ -294,6 +300,18 @@ class Engine:
         dist.barrier()
         return {}
 
+    def wait_healthy(self, step) -> dict:
+        """Wait until this node's cache actor answers again (Ray restarts it)."""
+        t = time.time()
+        while time.time() - t < step.get("s", 120):
+            try:
+                if self.backend.client.health()["store_healthy"]:
+                    return {"waited_s": round(time.time() - t, 1)}
+            except Exception:
+                pass
+            time.sleep(0.5)
+        return {"waited_s": None}
+
     def wait(self, step) -> dict:
         time.sleep(step["s"])
         return {}
@@ -336,7 +354,13 @@ def main() -> None:
                                         pp_rank=0, pp_size=1)
     out = {"scenarios": {}}
     for sc in spec["scenarios"]:
-        eng = Engine(spec, sc, group)
+        try:
+            eng = Engine(spec, sc, group)
+        except Exception as e:  # SGLang fails the attach: report what it said
+            out["scenarios"][sc["name"]] = {"attach_error": f"{type(e).__name__}: {e}",
+                                            "warnings": list(WARNINGS.messages)}
+            WARNINGS.messages.clear()
+            continue
         res = {"attach_s": eng.attach_s, "backend": type(eng.backend).__name__, "steps": []}
         for step in sc["steps"]:
             try:
