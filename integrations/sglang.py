@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_POOLS = {p.value: p for p in PoolName}
 # Pages staged per pool and direction (SGLang moves at most 128 pages per call).
 STAGING_PAGES = 256
+MAMBA_STAGING_SLOTS = 16
 WARN_EVERY_S = 10.0
 # extra_config keys this backend reads (SGLang's own keys pass through untouched).
 CONFIG_KEYS = ("ray_address", "ray_namespace", "ray_auth_mode", "ray_node_id", "zero_copy",
@@ -384,7 +385,10 @@ class RayKVStore(HiCacheStorage):
             log.warning("raykv: host pools are served through a staging copy (%s); for "
                         "zero-copy set \"allocator\": \"shm\" in "
                         "--hicache-storage-backend-extra-config (embedded Mooncake mode)", why)
-        ep.staging = min(self._staging_pages, ep.layout.num_pages)
+        # Mamba slots are large and move one per request: a few staged slots suffice
+        # (a call with more goes through in rounds).
+        cap = MAMBA_STAGING_SLOTS if ep.kind == "mamba" else self._staging_pages
+        ep.staging = max(1, min(cap, ep.layout.num_pages))
         ep.pool = self._create_staging(ep, 2 * ep.staging)
 
     def _create_staging(self, ep: EnginePool, pages: int) -> HostPool:

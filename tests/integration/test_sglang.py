@@ -106,11 +106,12 @@ def cross_node(cluster, tmp_path_factory, request):
             {"op": "prefetch", "seed": f"by-raykv-{uid}", "n_pages": 3},
             {"op": "prefetch", "seed": f"never-{uid}", "n_pages": 3}],
             model_name=interop, backend="mooncake", mooncake=mooncake),
+        # Staged with 2 pages per direction: 5 pages load in 3 rounds.
         _scenario("mha", "mha", "default", [
             {"op": "prefetch", "seed": f"mha-{uid}", "n_pages": 5},
             {"op": "prefetch", "seed": f"mha-{uid}", "n_pages": 5, "rid": "again"},
             {"op": "prefetch", "seed": f"never-{uid}", "n_pages": 4},
-            {"op": "stats"}], model_name=f"org/mha-{uid}"),
+            {"op": "stats"}], model_name=f"org/mha-{uid}", extra={"staging_pages": 2}),
         _scenario("hybrid", "hybrid", "shm", [
             {"op": "exists_v2", **hy},
             {"op": "prefetch", **hy},
