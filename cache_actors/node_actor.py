@@ -91,6 +91,11 @@ class NodeCacheActor:
         return self._service.create_pool(name, layout)
 
     @ray.method(concurrency_group="control")
+    async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
+                                probe: list[tuple[int, int]] = ()) -> PoolHandle:
+        return self._service.adopt_engine_pool(name, path, layout, probe)
+
+    @ray.method(concurrency_group="control")
     async def get_pool(self, name: str) -> PoolHandle:
         return self._service.get_pool(name)
 

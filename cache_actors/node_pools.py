@@ -16,15 +16,17 @@ budget holds one generation at a time), then publishes the full table of the new
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
+from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_store import NodeStore
@@ -150,6 +152,30 @@ class NodePools:
             os.chmod(self._meta_path(name), 0o600)
             return pool.handle
 
+    def adopt_engine(self, name: str, path: str, layout: PoolLayout,
+                     probe: Sequence[tuple[int, int]] = ()) -> PoolHandle:
+        """An engine's own memfd ``path`` served as pool ``name`` with no copy
+        (``engine_memory.map_engine_pool`` checks it); the same handle again if it is
+        already served. No metadata file: a restarted actor does not re-adopt it (the
+        engine registers it again). ``ValueError`` for anything that is not such a memfd,
+        a name taken by another pool, or a pool over the budget."""
+        with self._lock:
+            known = self.table.pools.get(name)
+            if known is not None:
+                if known.handle == PoolHandle(name, path, layout):
+                    return known.handle
+                raise ValueError(f"pool {name!r} exists on this node as another pool")
+            budget = self._store.memory.budget
+            budget.reserve(name, layout.nbytes)  # released with the pool
+            try:
+                pool = map_engine_pool(name, path, layout, self._store.mode, probe)
+            except BaseException:
+                budget.release(layout.nbytes)
+                raise
+            pool = self._register(pool)
+            self.table = self.table.replaced(name, pool)
+            return pool.handle
+
     def handle(self, name: str, node: str) -> PoolHandle:
         """The handle of pool ``name``; ``ValueError`` naming ``node`` if there is none."""
         pools = self.settled().pools
@@ -167,7 +193,8 @@ class NodePools:
             self.table = self.table.replaced(name, None)
             self._store.backend.unregister(pool.base_ptr)
             self._store.memory.release(pool)
-            os.unlink(self._meta_path(name))
+            with contextlib.suppress(FileNotFoundError):  # engine pools have none
+                os.unlink(self._meta_path(name))
         self._sized(name, 0)
         return True
 

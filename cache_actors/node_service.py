@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -121,6 +121,12 @@ class NodeService:
         ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone).
         """
         return self._pools.create(name, layout)
+
+    def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
+                          probe: Sequence[tuple[int, int]] = ()) -> PoolHandle:
+        """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``) as pool ``name``
+        with no copy (``NodePools.adopt_engine``)."""
+        return self._pools.adopt_engine(name, path, layout, probe)
 
     def get_pool(self, name: str) -> PoolHandle:
         """The handle of pool ``name``; ``ValueError`` if this node has no such pool."""

@@ -1,0 +1,19 @@
+"""``import raykv`` never needs an engine: the SGLang backend imports SGLang itself."""
+
+import importlib.util
+import subprocess
+import sys
+
+
+def test_import_raykv_does_not_import_sglang():
+    code = ("import sys, raykv, raykv.integrations; "
+            "assert 'sglang' not in sys.modules, 'raykv imported sglang'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_sglang_backend_needs_sglang_only_when_imported():
+    if importlib.util.find_spec("sglang") is not None:
+        return  # this venv has SGLang: nothing to check here
+    r = subprocess.run([sys.executable, "-c", "import raykv.integrations.sglang"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "sglang" in r.stderr
