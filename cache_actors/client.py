@@ -22,13 +22,13 @@ from collections.abc import Sequence
 
 import ray
 import torch
+from raykv.cache_actors.client_supervisor import check_mode
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.group_registration import GroupRegistration
 from raykv.cache_actors.host_pools import HostPool
 from raykv.cache_actors.node_link import NodeLink
 from raykv.cache_actors.pointer_api import all_stored, leading_read, pointer_batch
 from raykv.cache_actors.pool_lifecycle import PoolLifecycle, pool_layout
-from raykv.cache_actors.standalone_client import check_mode
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
 from raykv.controllers.keys import KeyPlan
@@ -93,7 +93,7 @@ class CacheClient:
         temporal_dtype: torch.dtype | str | None = None,
         conv_shapes: Sequence[Sequence[int]] = (),
         conv_dtypes: Sequence[torch.dtype | str] | None = None,
-        layout: str = "page_first",
+        order: str = "page_first",
         name: str | None = None,
     ) -> HostPool:
         """Create a shared host pool on this node and map it here.
@@ -114,7 +114,7 @@ class CacheClient:
             head_num=head_num, head_dim=head_dim, kv_cache_dim=kv_cache_dim,
             index_head_dim=index_head_dim, dtype=dtype, temporal_shape=temporal_shape,
             temporal_dtype=temporal_dtype, conv_shapes=conv_shapes, conv_dtypes=conv_dtypes,
-            layout=layout), name)
+            order=order), name)
 
     def attach_host_pool(self, name: str) -> HostPool:
         """Map the existing pool ``name`` of this node; ``ValueError`` if there is none."""

@@ -14,9 +14,9 @@ from enum import StrEnum
 class DataOp(StrEnum):
     """A data operation of ``NodeCacheActor`` (arguments and codes: see its methods)."""
 
-    EXISTS = "batch_is_exist"
-    PUT = "batch_put"
-    GET = "batch_get"
+    EXISTS = "exists"
+    PUT = "put"
+    GET = "get"
     GROUP_EXISTS = "group_exists"
 
 

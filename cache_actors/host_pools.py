@@ -1,11 +1,11 @@
 """Host KV pools in shared memory, seen as torch tensors by the node actor and by ranks.
 
-A ``HostPool`` maps one shared segment. The node actor creates it (and registers it with
+A ``HostPool`` maps one shared-memory file. The node actor creates it (and registers it with
 its Mooncake client); ranks on the same node attach to it by name and see the same
 bytes as a writable ``kv_buffer`` tensor. Pointers returned by ``get_page_buffer_meta``
 are valid in the calling process only.
 
-A segment is a ``/dev/shm`` file (embedded mode) or, in standalone mode, a memfd that the
+That file is a ``/dev/shm`` file (embedded mode) or, in standalone mode, a memfd that the
 node actor allocated from ``mooncake_client``'s shared memory, reached by ranks through
 ``/proc/<actor pid>/fd/<fd>``.
 """
@@ -18,7 +18,7 @@ import mmap
 from dataclasses import dataclass
 
 import torch
-from raykv.cache_actors.shared_segment import attach_segment, create_segment, unlink_segment
+from raykv.cache_actors.shared_memory import attach_shm_file, create_shm_file, unlink_shm_file
 from raykv.controllers.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -26,15 +26,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PoolHandle:
-    """What a rank needs to map a pool: its name, its shared segment, its layout.
+    """What a rank needs to map a pool: its name, the path of its shared memory, its layout.
 
-    ``epoch`` names the generation of the node's pool memory the segment belongs to: it
+    ``epoch`` names the generation of the node's pool memory its memory belongs to: it
     changes when the node actor had to allocate every pool anew (standalone mode, after
     ``mooncake_client`` or the actor restarted); 0 in embedded mode, where it never does.
     """
 
     name: str
-    segment: str
+    path: str
     layout: PoolLayout
     epoch: int = 0
 
@@ -99,13 +99,13 @@ class HostPool:
 
     @classmethod
     def create(cls, handle: PoolHandle) -> HostPool:
-        """Create the shared segment (zero-filled) and map it; the caller owns it."""
-        return cls(handle, create_segment(handle.segment, handle.layout.nbytes), owner=True)
+        """Create the shared-memory file (zero-filled) and map it; the caller owns it."""
+        return cls(handle, create_shm_file(handle.path, handle.layout.nbytes), owner=True)
 
     @classmethod
     def attach(cls, handle: PoolHandle) -> HostPool:
-        """Map an existing segment made by the node actor."""
-        return cls(handle, attach_segment(handle.segment, handle.layout.nbytes), owner=False)
+        """Map an existing shared-memory file made by the node actor."""
+        return cls(handle, attach_shm_file(handle.path, handle.layout.nbytes), owner=False)
 
     @classmethod
     def wrap(cls, handle: PoolHandle, address: int) -> HostPool:
@@ -115,7 +115,7 @@ class HostPool:
                    owner=False)
 
     def remap(self, handle: PoolHandle) -> None:
-        """Map ``handle``'s segment in place of the current one (same layout), after the
+        """Map ``handle``'s memory in place of the current one (same layout), after the
         node actor allocated the pool anew. Tensors taken from this pool before stay on
         the old memory: read ``kv_buffer`` etc. again."""
         if handle.layout != self.handle.layout:
@@ -123,18 +123,19 @@ class HostPool:
                              f"{handle.layout}")
         pinned = self._pinned
         self.close()
-        self._bind(handle, attach_segment(handle.segment, handle.layout.nbytes))
+        self._bind(handle, attach_shm_file(handle.path, handle.layout.nbytes))
         if pinned:
             self.pin()
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's layout (kind, page geometry, buffers, page order)."""
+        return self.handle.layout
 
     # SGLang host-pool attribute names.
     @property
     def name(self) -> str:
         return self.handle.name
-
-    @property
-    def layout(self) -> str:
-        return self.handle.layout.layout
 
     @property
     def page_size(self) -> int:
@@ -191,7 +192,7 @@ class HostPool:
         self._pinned = True
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap; with ``unlink`` (owner only) remove the shared segment too."""
+        """Unmap; with ``unlink`` (owner only) remove the shared-memory file too."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned = False
@@ -205,4 +206,4 @@ class HostPool:
             # A caller still holds a view of kv_buffer: the mapping lives until it drops it.
             log.debug("pool %s stays mapped while views of it are alive", self.name)
         if unlink and self._owner:
-            unlink_segment(self.handle.segment)
+            unlink_shm_file(self.handle.path)

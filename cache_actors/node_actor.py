@@ -20,25 +20,15 @@ from raykv.cache_actors.node_service import DATA_THREADS, NodeService
 from raykv.cache_actors.node_store import NodeStore
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
 
-def cluster_prefix(cluster_tag: str) -> str:
-    """Prefix of every shared segment of one raykv cluster."""
-    return f"raykv.{cluster_tag}."
-
-
-def segment_prefix(cluster_tag: str, node_id: str) -> str:
-    """Prefix of every shared segment of one node actor of one raykv cluster."""
-    return f"{cluster_prefix(cluster_tag)}{node_id[:16]}."
-
-
 class NodeCacheActor:
     """Serves the ranks of one node; each method is the ``NodeService`` method of the
-    same name (``batch_is_exist``: ``exists``, ``batch_put``: ``put``, ``batch_get``:
-    ``get``), whose docstring states its contract. Runs only as ``node_actor_class``."""
+    same name (the data ops are ``DataOp``), whose docstring states its contract. Runs
+    only as ``node_actor_class``."""
 
     def __init__(
         self,
@@ -57,7 +47,7 @@ class NodeCacheActor:
         group_window_s: float = 2.0,
         confirm_ttl_s: float = 2.0,
     ) -> None:
-        prefix = segment_prefix(cluster_tag, node_id)
+        prefix = node_shm_prefix(cluster_tag, node_id)
         store = NodeStore.open(
             prefix, standalone=standalone,
             host=local_hostname or ray.util.get_node_ip_address(),
@@ -109,15 +99,15 @@ class NodeCacheActor:
 
     # ------------------------------------------------------------------ data
     @ray.method(concurrency_group="data")
-    async def batch_is_exist(self, keys: list[str]) -> list[int]:
+    async def exists(self, keys: list[str]) -> list[int]:
         return await self._run(self._service.exists, keys)
 
     @ray.method(concurrency_group="data")
-    async def batch_put(self, batch: ObjectBatch) -> list[int]:
+    async def put(self, batch: ObjectBatch) -> list[int]:
         return await self._run(self._service.put, batch)
 
     @ray.method(concurrency_group="data")
-    async def batch_get(self, batch: ObjectBatch) -> list[int]:
+    async def get(self, batch: ObjectBatch) -> list[int]:
         return await self._run(self._service.get, batch)
 
     @ray.method(concurrency_group="data")

@@ -76,7 +76,7 @@ class NodeMetrics:
         self._latency.observe(seconds, tags={"op": op})
 
     def record_exists(self, seconds: float) -> None:
-        """One ``batch_is_exist`` call (counted as ``exists_calls``)."""
+        """One ``exists`` call (counted as ``exists_calls``)."""
         with self._lock:
             self._counts["exists_calls"] += 1
         self._latency.observe(seconds, tags={"op": "exists"})

@@ -30,7 +30,7 @@ from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_store import NodeStore
-from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
+from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
@@ -99,7 +99,7 @@ class NodePools:
         self.table = PoolTable(store.memory.epoch)
 
     def _meta_path(self, name: str) -> str:
-        return segment_path(self._prefix + name + ".json")
+        return shm_path(self._prefix + name + ".json")
 
     def _register(self, pool: HostPool) -> HostPool:
         """Register ``pool`` with Mooncake; on failure give its memory back."""
@@ -123,7 +123,7 @@ class NodePools:
             for meta in sorted(glob.glob(pattern)):
                 with open(meta) as f:
                     raw = json.load(f)
-                handle = PoolHandle(raw["name"], raw["segment"], PoolLayout(**raw["layout"]))
+                handle = PoolHandle(raw["name"], raw["path"], PoolLayout(**raw["layout"]))
                 try:
                     pool = self._register(self._store.memory.readopt(handle))
                 except (FileNotFoundError, ValueError) as e:
@@ -147,7 +147,7 @@ class NodePools:
             pool = self._register(self._store.memory.create(name, layout))
             self.table = self.table.replaced(name, pool)
             with open(self._meta_path(name), "w") as f:
-                json.dump({"name": name, "segment": pool.handle.segment,
+                json.dump({"name": name, "path": pool.handle.path,
                            "layout": asdict(layout)}, f)
             os.chmod(self._meta_path(name), 0o600)
             return pool.handle
@@ -219,7 +219,7 @@ class NodePools:
 
     def close(self, remove: bool) -> None:
         """Unregister and unmap every pool (the actor stops for good); with ``remove``
-        also delete their segments and files."""
+        also delete their shared-memory and metadata files."""
         with self._lock:
             old, self.table = self.table, PoolTable(self.table.epoch)
             for name, pool in old.pools.items():

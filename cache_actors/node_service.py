@@ -61,11 +61,12 @@ from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node_pools import NodePools
 from raykv.cache_actors.node_store import NodeStore
-from raykv.cache_actors.shared_segment import segment_path
+from raykv.cache_actors.shared_memory import shm_path
 from raykv.cache_actors.transfer_merger import TransferMerger
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
+from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -102,7 +103,7 @@ class NodeService:
                                     on_query=metrics.record_group_query)
         store.supervise(self._reallocate)
         self._channel = ChannelServer(
-            segment_path(prefix + "sock"),
+            shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
             passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: self.group_submit})

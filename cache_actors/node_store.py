@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raykv.cache_actors.client_supervisor import MooncakeClientProcess
 from raykv.cache_actors.errors import StoreUnavailableError
 from raykv.cache_actors.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
-from raykv.cache_actors.standalone_client import MooncakeClientProcess
 
 log = logging.getLogger(__name__)
 

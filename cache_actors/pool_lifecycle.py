@@ -41,7 +41,7 @@ def pool_layout(kind: str, *, size: int, page_size: int | None, layer_num: int,
                 head_num: int, head_dim: int, kv_cache_dim: int, index_head_dim: int,
                 dtype: torch.dtype | str, temporal_shape: Sequence[int] | None,
                 temporal_dtype: torch.dtype | str | None, conv_shapes: Sequence[Sequence[int]],
-                conv_dtypes: Sequence[torch.dtype | str] | None, layout: str) -> PoolLayout:
+                conv_dtypes: Sequence[torch.dtype | str] | None, order: str) -> PoolLayout:
     """The ``PoolLayout`` that ``CacheClient.create_host_pool`` arguments describe (the
     same names and units); ``ValueError`` for a bad shape."""
     if kind == "mamba":
@@ -60,7 +60,7 @@ def pool_layout(kind: str, *, size: int, page_size: int | None, layer_num: int,
         raise ValueError(f"a {kind} pool needs page_size")
     name, itemsize = _dtype_pair(dtype)
     common = dict(page_size=page_size, size=size, layer_num=layer_num, dtype=name,
-                  itemsize=itemsize, layout=layout)
+                  itemsize=itemsize, order=order)
     if kind == "mha":
         return PoolLayout.mha(head_num=head_num, head_dim=head_dim, **common)
     if kind == "mla":

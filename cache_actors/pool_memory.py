@@ -87,7 +87,7 @@ class ShmPoolMemory:
     def release(self, pool: HostPool, remove: bool = True) -> None:
         """Unmap ``pool``; with ``remove`` delete its file too, if this node named it (an
         absolute path is an engine's memory, ``engine_memory``: never unlinked)."""
-        pool.close(unlink=remove and not pool.handle.segment.startswith("/"))
+        pool.close(unlink=remove and not pool.handle.path.startswith("/"))
         self.budget.release(pool.nbytes)
 
 

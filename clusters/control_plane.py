@@ -9,15 +9,13 @@ import logging
 
 import ray
 from ray.experimental import internal_kv
-from raykv.clusters.master_supervisor import SUPERVISOR_NAME
 from raykv.clusters.node_actors import (
-    RECONCILER_NAME,
     NodeReconciler,
     NodeSettings,
     named_node_actors,
 )
 from raykv.controllers.controller import CacheController, checkpoint_key
-from raykv.controllers.naming import CONTROLLER_NAME
+from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import replace
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
-from raykv.clusters.master_supervisor import SUPERVISOR_NAME, MasterSupervisor
+from raykv.clusters.master_supervisor import MasterSupervisor
 from raykv.clusters.mooncake_master import check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
-from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
+from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:

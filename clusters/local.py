@@ -4,7 +4,7 @@
 when ``num_nodes > 1``), a real ``mooncake_master`` with its HTTP metadata server on
 free loopback ports, the controller, and the reconciler, which gives every node exactly
 one cache actor (also nodes added later with ``add_node``). Leaving the ``with`` block
-(or ``shutdown()``) stops all of it and removes every shared segment it made.
+(or ``shutdown()``) stops all of it and removes every shared-memory file it made.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import ray
-from raykv.cache_actors.node_actor import cluster_prefix
-from raykv.cache_actors.shared_segment import remove_segments
-from raykv.cache_actors.standalone_client import stop_recorded
+from raykv.cache_actors.client_supervisor import stop_recorded
+from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
-from raykv.controllers.naming import NAMESPACE, node_actor_name
+from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +101,10 @@ class LocalCluster:
     def shutdown(self) -> None:
         """Stop reconciler, node actors, controller, master and Ray; stop any
         ``mooncake_client`` of this cluster still running (standalone mode) and remove
-        every shared segment of it. Each step runs even if an earlier one failed."""
-        prefix = cluster_prefix(self.cluster_tag)
+        every shared-memory file of it. Each step runs even if an earlier one failed."""
+        prefix = cluster_shm_prefix(self.cluster_tag)
         steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
-                 lambda: stop_recorded(prefix), lambda: remove_segments(prefix)]
+                 lambda: stop_recorded(prefix), lambda: remove_shm_files(prefix)]
         if self.controller is not None and ray.is_initialized():
             steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None

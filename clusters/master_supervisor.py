@@ -11,7 +11,6 @@ from raykv.clusters.mooncake_master import MooncakeMaster
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR_NAME = "raykv-master"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

@@ -14,7 +14,6 @@ from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 log = logging.getLogger(__name__)
 
-RECONCILER_NAME = "raykv-reconciler"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Bytes never travel in it: each object is named by its pool and a byte offset int
 pool's shared segment, which the actor turns into a pointer in its own mapping. Pure (no
 Ray, no Mooncake): transfer planning builds it, the node actor reads it.
 
-Codes the node actor answers per object: ``batch_put`` 0 stored, 1 already present
-(put-if-absent), negative Mooncake error; ``batch_get`` bytes read or negative error.
+Codes the node actor answers per object: ``put`` 0 stored, 1 already present
+(put-if-absent), negative Mooncake error; ``get`` bytes read or negative error.
 ``stored`` and ``read_in_full`` turn them into one bool per object.
 """
 

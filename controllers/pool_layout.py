@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 POOL_KINDS = ("mha", "mla", "mamba", "indexer", "vllm")
-LAYOUTS = ("page_first", "layer_first")
+ORDERS = ("page_first", "layer_first")  # SGLang's host "mem layout" names
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -80,19 +80,19 @@ class PoolLayout:
     page_size: int
     size: int
     buffers: tuple[BufferSpec, ...]
-    layout: str = "page_first"
+    order: str = "page_first"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buffers", tuple(
             b if isinstance(b, BufferSpec) else BufferSpec(**b) for b in self.buffers))
         if self.kind not in POOL_KINDS:
             raise ValueError(f"pool kind {self.kind!r} is unknown: expected one of {POOL_KINDS}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} is unknown: expected one of {LAYOUTS}")
-        if self.layout != "page_first":
+        if self.order not in ORDERS:
+            raise ValueError(f"page order {self.order!r} is unknown: expected one of {ORDERS}")
+        if self.order != "page_first":
             raise ValueError(
-                f"{self.kind.upper()} layout {self.layout!r} cannot be served: a page must be "
-                "contiguous across layers to be one Mooncake object; use 'page_first'")
+                f"{self.kind.upper()} page order {self.order!r} cannot be served: a page must "
+                "be contiguous across layers to be one Mooncake object; use 'page_first'")
         _positive(f"{self.kind} pool page_size", self.page_size)
         _positive(f"{self.kind} pool size", self.size)
         if self.size % self.page_size:
@@ -107,37 +107,37 @@ class PoolLayout:
     # ------------------------------------------------------------ factories
     @classmethod
     def mha(cls, *, page_size: int, size: int, layer_num: int, head_num: int, head_dim: int,
-            dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+            dtype: str, itemsize: int, order: str = "page_first") -> PoolLayout:
         shape = (_positive("mha pool layer_num", layer_num),
                  _positive("mha pool head_num", head_num),
                  _positive("mha pool head_dim", head_dim))
         return cls("mha", page_size, size, (BufferSpec("k", shape, dtype, itemsize),
-                                            BufferSpec("v", shape, dtype, itemsize)), layout)
+                                            BufferSpec("v", shape, dtype, itemsize)), order)
 
     @classmethod
     def mla(cls, *, page_size: int, size: int, layer_num: int, kv_cache_dim: int, dtype: str,
-            itemsize: int, layout: str = "page_first") -> PoolLayout:
+            itemsize: int, order: str = "page_first") -> PoolLayout:
         shape = (_positive("mla pool layer_num", layer_num), 1,
                  _positive("mla pool kv_cache_dim", kv_cache_dim))
-        return cls("mla", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), layout)
+        return cls("mla", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), order)
 
     @classmethod
     def indexer(cls, *, page_size: int, size: int, layer_num: int, index_head_dim: int,
-                dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+                dtype: str, itemsize: int, order: str = "page_first") -> PoolLayout:
         shape = (_positive("indexer pool layer_num", layer_num),
                  _positive("indexer pool index_head_dim", index_head_dim))
         return cls("indexer", page_size, size,
-                   (BufferSpec("indexer", shape, dtype, itemsize),), layout)
+                   (BufferSpec("indexer", shape, dtype, itemsize),), order)
 
     @classmethod
     def vllm(cls, *, page_size: int, size: int, layer_num: int, head_num: int, head_dim: int,
-             dtype: str, itemsize: int, layout: str = "page_first") -> PoolLayout:
+             dtype: str, itemsize: int, order: str = "page_first") -> PoolLayout:
         """vLLM KV blocks, ``page_size`` = vLLM's block size: page ``p`` is ``(layer_num,
         head_num, page_size, head_dim)``, all layers of one block in one object."""
         shape = (_positive("vllm pool layer_num", layer_num),
                  _positive("vllm pool head_num", head_num),
                  _positive("vllm pool head_dim", head_dim))
-        return cls("vllm", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), layout)
+        return cls("vllm", page_size, size, (BufferSpec("kv", shape, dtype, itemsize),), order)
 
     @classmethod
     def mamba(cls, *, size: int, temporal: tuple[tuple[int, ...], str, int] | None,

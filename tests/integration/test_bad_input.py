@@ -96,7 +96,7 @@ def test_pool_kind_must_match_model(cluster):
 @pytest.mark.parametrize(
     ("kw", "msg"),
     [
-        (MHA | {"layout": "layer_first"}, "layout 'layer_first' cannot be served"),
+        (MHA | {"order": "layer_first"}, "page order 'layer_first' cannot be served"),
         (MHA | {"size": 30}, "multiple of page_size"),
         (MHA | {"head_num": 0}, "head_num must be a positive int"),
         (MHA | {"dtype": "notatype"}, "not a torch dtype"),
@@ -134,7 +134,7 @@ def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
         ObjectBatch([f"{uid}a"], [pool.name], [0, 1], [8]),
     ]
     for batch in bad:
-        for method in (actor.batch_put, actor.batch_get):
+        for method in (actor.put, actor.get):
             with pytest.raises(ValueError):
                 ray.get(method.remote(batch))
     assert ray.get(actor.health.remote())["store_healthy"]

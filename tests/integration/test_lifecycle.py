@@ -9,11 +9,11 @@ import stat
 import ray
 import torch
 from raykv.cache_actors import CacheClient
-from raykv.cache_actors.node_actor import segment_prefix
-from raykv.cache_actors.shared_segment import SHM_DIR
-from raykv.cache_actors.standalone_client import record_path
+from raykv.cache_actors.client_supervisor import record_path
+from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.clusters import start_local
 from raykv.controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
+from raykv.controllers.naming import node_shm_prefix
 
 from tests.integration.processes import running_clients, wait_for
 
@@ -33,9 +33,9 @@ def test_start_local_then_shutdown_leaves_nothing(uid):
         client = CacheClient(StorageConfig())
         pool = client.create_host_pool("mla", page_size=4, size=16, layer_num=1,
                                        kv_cache_dim=8, dtype=torch.float32)
-        path = os.path.join(SHM_DIR, pool.handle.segment)
+        path = os.path.join(SHM_DIR, pool.handle.path)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        prefix = segment_prefix(c.cluster_tag, node_id)
+        prefix = node_shm_prefix(c.cluster_tag, node_id)
         assert glob.glob(os.path.join(SHM_DIR, prefix + "*"))
         client.close()
     assert not ray.is_initialized()
@@ -74,7 +74,7 @@ def test_shutdown_leaves_no_mooncake_client(uid):
     c = start_local(num_nodes=1, standalone=True, host_pool_bytes=MiB)
     try:
         (node,) = c.node_ids
-        record = record_path(segment_prefix(c.cluster_tag, node))
+        record = record_path(node_shm_prefix(c.cluster_tag, node))
         assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
         clients = running_clients(c)
         assert len(clients) == 1
@@ -86,5 +86,5 @@ def test_shutdown_leaves_no_mooncake_client(uid):
     finally:
         c.shutdown()
     assert running_clients(c) == set()
-    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(segment_prefix(c.cluster_tag,
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(node_shm_prefix(c.cluster_tag,
                                                                                 node))]

@@ -15,10 +15,10 @@ import pytest
 import ray
 import torch
 from raykv.cache_actors import NodeUnavailableError
+from raykv.cache_actors.client_supervisor import ClientRecord, check_mode
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.local_channel import ChannelClient
 from raykv.cache_actors.pool_memory import PoolBudget
-from raykv.cache_actors.standalone_client import ClientRecord, check_mode
 from raykv.clusters import start_local
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
@@ -94,8 +94,8 @@ def test_budget_counts_every_buffer_once_and_refuses_what_does_not_fit(cluster, 
                            for h in handles.values())  # K+V, temporal + both conv, draft
     assert st["host_pool_used"] - used_before == distinct
     # What was requested from mooncake_client: one memfd per pool, of exactly its size.
-    assert len({h.segment for h in handles.values()}) == len(handles)
-    assert sum(os.stat(h.segment).st_size for h in handles.values()) == distinct
+    assert len({h.path for h in handles.values()}) == len(handles)
+    assert sum(os.stat(h.path).st_size for h in handles.values()) == distinct
 
     ray.get(writer.fill.remote(3))
     keys = [f"{uid}-{i}" for i in range(3)]
@@ -180,8 +180,8 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
                      [64 * j for j in range(64)], [64] * 64)
     channel = ChannelClient(ray.get(actor.channel_path.remote()))
     calls = [lambda: channel.call(DataOp.PUT, batch), lambda: channel.call(DataOp.GET, batch),
-             lambda: ray.get(actor.batch_put.remote(batch)),
-             lambda: ray.get(actor.batch_get.remote(batch))]
+             lambda: ray.get(actor.put.remote(batch)),
+             lambda: ray.get(actor.get.remote(batch))]
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
     wrong: list[BaseException] = []

@@ -59,8 +59,8 @@ def test_page_starts_rejects(indices, n, msg):
 @pytest.mark.parametrize(
     ("kw", "msg"),
     [
-        ({"layout": "layer_first"}, "cannot be served"),
-        ({"layout": "weird"}, "unknown"),
+        ({"order": "layer_first"}, "cannot be served"),
+        ({"order": "weird"}, "unknown"),
         ({"size": 30}, "multiple of page_size"),
         ({"head_num": 0}, "head_num must be a positive int"),
         ({"page_size": True}, "page_size must be a positive int"),

@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raykv.cache_actors.local_ports import free_port, listening
-from raykv.cache_actors.shared_segment import SHM_DIR, segment_path
+from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
+from raykv.controllers.naming import CLIENT_RECORD
 
 log = logging.getLogger(__name__)
 
 BINARY = "mooncake_client"
-RECORD = "@mooncake_client"  # "@" never occurs in a pool name, so never in its files
 MODES = ("embedded", "standalone")
 
 
@@ -105,7 +105,7 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def record_path(node_prefix: str) -> str:
-    return segment_path(node_prefix + RECORD)
+    return shm_path(node_prefix + CLIENT_RECORD)
 
 
 def read_record(path: str) -> ClientRecord | None:
@@ -116,11 +116,11 @@ def read_record(path: str) -> ClientRecord | None:
         return None
 
 
-def stop_recorded(cluster_prefix: str) -> list[int]:
+def stop_recorded(cluster_shm_prefix: str) -> list[int]:
     """SIGKILL every recorded, still running ``mooncake_client`` of a cluster (its whole
     process group); returns their pids. For tear-down after the actors are gone."""
     killed = []
-    for path in Path(SHM_DIR).glob(f"{cluster_prefix}*{RECORD}"):
+    for path in Path(SHM_DIR).glob(f"{cluster_shm_prefix}*{CLIENT_RECORD}"):
         rec = read_record(str(path))
         if rec is not None and rec.running():
             _signal_group(rec.pid, signal.SIGKILL)
