@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
-from raykv.cache_actors.object_batch import ObjectBatch
 from raykv.controllers import StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.ranks import MLA, indices, start_rank
 
