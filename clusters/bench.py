@@ -568,7 +568,14 @@ def run_dataplane_bench(
         "elapsed_s": time.perf_counter() - started,
     }
     render(result, console)
-    json_path, png_path = out / "bench_dataplane.json", out / "bench_dataplane.png"
+    return save(result, out, "bench_dataplane", plot, console)
+
+
+def save(result: dict, out: Path, stem: str, plot: Callable[[dict, Path], None],
+         console: Console) -> dict:
+    """Write ``result`` as ``out/<stem>.json`` and its ``plot`` as ``out/<stem>.png``;
+    return it with their paths under ``files``."""
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     json_path.write_text(json.dumps(result, indent=2))
     plot(result, png_path)
     result["files"] = {"json": str(json_path), "png": str(png_path)}

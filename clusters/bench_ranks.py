@@ -24,7 +24,6 @@ Units: sizes in bytes, GB = 1e9 bytes.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -44,6 +43,7 @@ from raykv.clusters.bench import (
     human_bytes,
     layer_num_for,
     machine_info,
+    save,
 )
 from rich.console import Console
 from rich.table import Table
@@ -87,8 +87,32 @@ def _remove(store, keys: list[str]) -> None:
         raise RuntimeError(f"batch_remove: {len(bad)} of {len(keys)} failed ({bad[0]})")
 
 
+class _Worker:
+    """What both sides' workers share: ``_round(prefix)`` puts then gets ``batch`` fresh
+    pages of ``page_bytes`` (set by ``prepare``) and removes them."""
+
+    index: int
+    batch: int
+    page_bytes: int
+
+    def _round(self, prefix: str) -> None:
+        raise NotImplementedError
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, run_id: str, start: float, seconds: float) -> tuple[int, float]:
+        """Rounds from wall time ``start`` until ``start + seconds``: (bytes moved, end)."""
+        _wait_until(start)
+        rounds = 0
+        while time.time() < start + seconds:
+            self._round(f"{run_id}-{self.index}-{rounds}")
+            rounds += 1
+        return 2 * rounds * self.batch * self.page_bytes, time.time()
+
+
 @ray.remote(num_cpus=0)
-class RankWorker:
+class RankWorker(_Worker):
     """One inference rank: a ``CacheClient`` on node 1 with one MLA pool per page size."""
 
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
@@ -102,9 +126,6 @@ class RankWorker:
         self.janitor = _janitor(metadata_server, master_address)
         self.pool = None
         self.batch = 0
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def prepare(self, page_bytes: int, batch: int) -> None:
         """A pool of ``2 * batch`` pages of ``page_bytes``: the first half random."""
@@ -142,15 +163,6 @@ class RankWorker:
         self._round(f"check-{run_id}-{self.index}")
         return bool(torch.equal(flat[:n], flat[n:2 * n]))
 
-    def run(self, run_id: str, start: float, seconds: float) -> tuple[int, float]:
-        """Rounds from wall time ``start`` until ``start + seconds``: (bytes moved, end)."""
-        _wait_until(start)
-        rounds = 0
-        while time.time() < start + seconds:
-            self._round(f"{run_id}-{self.index}-{rounds}")
-            rounds += 1
-        return 2 * rounds * self.batch * self.page_bytes, time.time()
-
     def release(self) -> None:
         if self.pool is not None:
             self.client.destroy_host_pool(self.pool)
@@ -158,7 +170,7 @@ class RankWorker:
 
 
 @ray.remote(num_cpus=0)
-class RawWorker:
+class RawWorker(_Worker):
     """One independent Mooncake client on node 1 (segment 0, one registered buffer)."""
 
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
@@ -166,9 +178,6 @@ class RawWorker:
         self.index = index
         self.store = _janitor(metadata_server, master_address)
         self.buffer = None
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def prepare(self, page_bytes: int, batch: int) -> None:
         from raykv.clusters.bench import page_aligned_bytes
@@ -204,14 +213,6 @@ class RawWorker:
         self.buffer[n:].zero_()
         self._round(f"check-{run_id}-{self.index}")
         return bool(torch.equal(self.buffer[:n], self.buffer[n:]))
-
-    def run(self, run_id: str, start: float, seconds: float) -> tuple[int, float]:
-        _wait_until(start)
-        rounds = 0
-        while time.time() < start + seconds:
-            self._round(f"{run_id}-{self.index}-{rounds}")
-            rounds += 1
-        return 2 * rounds * self.batch * self.page_bytes, time.time()
 
     def release(self) -> None:
         if self.buffer is not None:
@@ -403,12 +404,7 @@ def run_ranks_bench(
         "elapsed_s": time.perf_counter() - started,
     }
     render(result, console)
-    json_path, png_path = out / "bench_ranks.json", out / "bench_ranks.png"
-    json_path.write_text(json.dumps(result, indent=2))
-    plot(result, png_path)
-    result["files"] = {"json": str(json_path), "png": str(png_path)}
-    console.print(f"wrote {json_path} and {png_path} ({result['elapsed_s']:.0f} s)")
-    return result
+    return save(result, out, "bench_ranks", plot, console)
 
 
 def _bench(cluster, page_sizes, ranks, batch, seconds, rounds, run_id, console) -> list[dict]:
