@@ -51,6 +51,13 @@ class Rank:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.client, method)(*args, **kwargs)
 
+    def data(self, op: str, *args):
+        """A raw data op (``DataOp``: exists / put / get) over this client's route to
+        its node actor (the local channel), per-object codes back."""
+        from raykv.cache_actors.data_ops import DataOp
+
+        return self.client._link.data(DataOp(op), *args)
+
 
 def start_rank(node_id: str, config: StorageConfig, **kw):
     """A ``Rank`` hard-pinned to ``node_id``; returns it once its pool is ready."""

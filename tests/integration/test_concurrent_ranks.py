@@ -70,13 +70,13 @@ def test_concurrent_puts_of_the_same_objects_have_one_first_writer(cluster, rank
     (code 0), every other sees it already present; the bytes read are that rank's."""
     ray.get([r.fill.remote(100 + seed) for seed, r in enumerate(ranks)])
     keys = [f"{uid}-same-{i}" for i in range(PAGES)]
-    codes = ray.get([r.call.remote("_data", "put", object_batch(r, 0, keys, f"conc{i}"))
+    codes = ray.get([r.data.remote("put", object_batch(r, 0, keys, f"conc{i}"))
                      for i, r in enumerate(ranks)])
     for k in range(PAGES):
         column = [c[k] for c in codes]
         assert sorted(column) == [0] + [ALREADY_PRESENT] * (RANKS - 1), column
     reader = ranks[0]
-    got = ray.get(reader.call.remote("_data", "get", object_batch(reader, 32, keys, "conc0")))
+    got = ray.get(reader.data.remote("get", object_batch(reader, 32, keys, "conc0")))
     assert all(c > 0 for c in got)
     read = ray.get(reader.pages.remote(32, PAGES)).view(torch.uint8)
     for k in range(PAGES):
@@ -90,7 +90,7 @@ def test_bad_offset_in_one_rank_fails_only_that_rank(cluster, ranks, uid):
     keys = {i: [f"{uid}-bad-{i}-{p}" for p in range(PAGES)] for i in range(RANKS)}
     batches = {i: object_batch(r, 0, keys[i], f"conc{i}") for i, r in enumerate(ranks)}
     batches[2].offsets[3] = 1 << 40  # far outside the pool
-    refs = {i: r.call.remote("_data", "put", batches[i]) for i, r in enumerate(ranks)}
+    refs = {i: r.data.remote("put", batches[i]) for i, r in enumerate(ranks)}
     for i, ref in refs.items():
         if i == 2:
             with pytest.raises(ValueError, match="do not lie inside pool"):
@@ -101,10 +101,10 @@ def test_bad_offset_in_one_rank_fails_only_that_rank(cluster, ranks, uid):
         else:
             assert ray.get(ref) == [0] * PAGES
     # Nothing of the bad batch was stored; the others read back their own bytes.
-    exists = ray.get(ranks[2].call.remote("_data", "exists", keys[2]))
+    exists = ray.get(ranks[2].data.remote("exists", keys[2]))
     assert exists == [0] * PAGES
     for i in (0, 5):
-        got = ray.get(ranks[i].call.remote("_data", "get",
+        got = ray.get(ranks[i].data.remote("get",
                                            object_batch(ranks[i], 32, keys[i], f"conc{i}")))
         assert all(c > 0 for c in got)
         assert torch.equal(ray.get(ranks[i].pages.remote(0, PAGES)).view(torch.uint8),
