@@ -16,6 +16,9 @@ from tests.integration.conftest import two_nodes
 DECOYS = ("controllers", "clusters", "cache_actors", "example_engine")
 # The repository root must not be on the path: only the installed package may be found.
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+# Ray's local clusters use token authentication; a process joining one says so.
+if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+    ENV.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.fixture

@@ -145,8 +145,16 @@ def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
         (s0,) = ray.get(b.worker_stats.remote())
         got = ray.get(b.generate.remote(q))
         (s1,) = ray.get(b.worker_stats.remote())
-        assert got["tokens"] == want
-        if got["cached"] == 7 * BLOCK and s1["loaded"] - s0["loaded"] == 7:
+        loaded = s1["loaded"] - s0["loaded"]
+        # The baseline computed every token in one prefill: B's tokens must equal it when
+        # B loaded nothing or every block (the split that
+        # test_second_node_loads_blocks_and_matches_baseline checks). A partial load (some
+        # of A's saves failed on the dead segment) splits the prefill elsewhere, and bf16
+        # numerics on vLLM's CPU kernels depend on that split (see test_partial_hit), so
+        # this baseline does not apply to it.
+        if loaded in (0, 7):
+            assert got["tokens"] == want, f"B loaded {loaded} blocks"
+        if got["cached"] == 7 * BLOCK and loaded == 7:
             break
         assert time.monotonic() < deadline, f"B never loaded all 7 blocks again: {got}, {s1}"
         time.sleep(2)
