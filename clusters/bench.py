@@ -126,6 +126,18 @@ def lower_thread_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
+
+def raw_client(metadata_server: str, master_address: str):
+    """A plain Mooncake client on loopback that contributes no segment (the raw side of
+    the benchmarks)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
+    if rc != 0:
+        raise RuntimeError(f"raw Mooncake client setup failed with code {rc}")
+    return store
+
 class RawStore:
     """A plain Mooncake client in the driver process: a pure consumer of the same store,
     with one registered buffer (set by ``resize``) that holds source and target objects.
@@ -141,18 +153,8 @@ class RawStore:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="raw-mooncake",
                                           initializer=lower_thread_priority,
                                           initargs=(niceness,))
-        self.store = self.call(self._connect, cluster.metadata_server, cluster.master_address)
+        self.store = self.call(raw_client, cluster.metadata_server, cluster.master_address)
         self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    @staticmethod
-    def _connect(metadata_server: str, master_address: str):
-        from mooncake.store import MooncakeDistributedStore
-
-        store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
-        if rc != 0:
-            raise RuntimeError(f"raw Mooncake client setup failed with code {rc}")
-        return store
 
     def call(self, fn: Callable[..., object], *args):
         """``fn(*args)`` on the client's thread."""

@@ -43,6 +43,7 @@ from raykv.clusters.bench import (
     human_bytes,
     layer_num_for,
     machine_info,
+    raw_client,
     save,
 )
 from rich.console import Console
@@ -68,16 +69,6 @@ def _wait_until(t: float) -> None:
     delay = t - time.time()
     if delay > 0:
         time.sleep(delay)
-
-
-def _janitor(metadata_server: str, master_address: str):
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
-    if rc != 0:
-        raise RuntimeError(f"Mooncake setup failed with code {rc}")
-    return store
 
 
 def _remove(store, keys: list[str]) -> None:
@@ -123,7 +114,7 @@ class RankWorker(_Worker):
         self.index = index
         self.client = CacheClient(StorageConfig(is_mla_model=True,
                                                 model_name=f"raykv-ranks-{index}"))
-        self.janitor = _janitor(metadata_server, master_address)
+        self.janitor = raw_client(metadata_server, master_address)
         self.pool = None
         self.batch = 0
 
@@ -176,7 +167,7 @@ class RawWorker(_Worker):
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.index = index
-        self.store = _janitor(metadata_server, master_address)
+        self.store = raw_client(metadata_server, master_address)
         self.buffer = None
 
     def prepare(self, page_bytes: int, batch: int) -> None:
