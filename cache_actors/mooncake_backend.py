@@ -1,8 +1,9 @@
-"""The node's Mooncake client: zero-copy batch puts, gets and existence checks.
+"""The node's Mooncake client: zero-copy batch puts, gets, existence checks and removals.
 
 Every method returns one code per object and never raises for a store error:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
-get -> bytes read / negative error; exists -> 1 / 0 / negative error.
+get -> bytes read / negative error; exists -> 1 / 0 / negative error; remove -> 0 /
+negative error.
 Exceptions from the client are turned into ``CLIENT_ERROR`` for each object of the call.
 """
 
@@ -117,6 +118,14 @@ class MooncakeBackend:
             return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
         except Exception:
             log.exception("batch_get_into raised")
+            return [CLIENT_ERROR] * len(keys)
+
+    def remove(self, keys: list[str]) -> list[int]:
+        """Forced ``batch_remove`` (leases ignored): 0 / negative error per key."""
+        try:
+            return [int(r) for r in self._store.batch_remove(keys, True)]
+        except Exception:
+            log.exception("batch_remove raised")
             return [CLIENT_ERROR] * len(keys)
 
     def healthy(self) -> bool:

@@ -8,7 +8,9 @@ counts every outcome once (``NodeMetrics``). Store errors come back as per-objec
 a bad request raises ``ValueError`` for that call only and the service keeps serving; in
 standalone mode a data call raises a retryable ``NodeUnavailableError`` while the node's
 ``mooncake_client`` is down (``StoreUnavailableError``) or when the caller's pool
-mappings are older than the node's pools (``StalePoolsError``).
+mappings are older than the node's pools (``StalePoolsError``, also for a call during
+which the pools were allocated anew: a put's objects stored by it are removed, since
+their bytes may have come from released memory).
 
 It also answers the existence queries of every TP/PP group whose home node it is
 (``controllers.group_queries``): one answer shared by the ranks that ask the same (for
@@ -48,6 +50,7 @@ State and what guards it:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +59,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.errors import NodeUnavailableError, StalePoolsError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node_pools import NodePools
@@ -72,6 +75,8 @@ from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node_metrics import NodeMetrics
+
+log = logging.getLogger(__name__)
 
 DATA_THREADS = 4
 
@@ -166,10 +171,31 @@ class NodeService:
         table = self._pools.table
         ptrs = table.pointers(batch)
         t = time.perf_counter()
-        codes = self._store.check_codes(
-            table.epoch, self._merger.run(op, batch.keys, ptrs, batch.sizes))
+        codes = self._merger.run(op, batch.keys, ptrs, batch.sizes)
+        if self._pools.table.epoch != table.epoch:
+            self._replaced_during(op, batch, codes, table.epoch)
+        codes = self._store.check_codes(table.epoch, codes)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t, moved)
         return codes
+
+    def _replaced_during(self, op: str, batch: ObjectBatch, codes: list[int],
+                         epoch: int) -> None:
+        """The pools were allocated anew while ``op`` ran (standalone: ``mooncake_client``
+        restarted): its bytes may have moved from or into released, zero-filled memory.
+        A put's objects stored by this call (code 0) are removed, so that no zeros stay
+        under real keys; then ``StalePoolsError`` (retryable) for the whole call, never a
+        success. Re-allocation starts a new epoch before it releases any memory, so a
+        call that ends still in its epoch read valid memory."""
+        stored = [k for k, c in zip(batch.keys, codes, strict=True) if c == 0]
+        if op == "put" and stored:
+            failed = [k for k, c in zip(stored, self._store.backend.remove(stored),
+                                        strict=True) if c != 0]
+            if failed:
+                log.warning("%d objects put while the pools were replaced could not be "
+                            "removed (first: %s)", len(failed), failed[0])
+        raise StalePoolsError(
+            f"this node's pools were allocated anew during the {op} (epoch {epoch} -> "
+            f"{self._pools.table.epoch}); its objects were not kept: re-map and retry")
 
     def _checked_exists(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""

@@ -1,0 +1,136 @@
+"""A data call that ran while the node's pools were allocated anew (standalone mode,
+``mooncake_client`` restarted) never ends as a success: its bytes may have come from
+released, zero-filled memory, so a put's stored objects are removed and the call raises
+the retryable ``StalePoolsError`` (fake store and memory; the real race with a killed
+``mooncake_client`` is in tests/integration/test_standalone.py)."""
+
+import uuid
+
+import pytest
+from raykv.cache_actors.errors import StalePoolsError
+from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node_service import NodeService
+from raykv.controllers.object_batch import ObjectBatch
+
+from tests.unit.test_node_pools import LAYOUT, FakeMemory
+
+
+class FakeBackend:
+    """put-if-absent over a dict; ``during`` runs inside the next call (the re-allocation
+    that races it); removals are recorded."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, int] = {"present": 1}
+        self.removed: list[str] = []
+        self.during = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        pass
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+    def _race(self) -> None:
+        if self.during is not None:
+            self.during, during = None, self.during
+            during()
+
+    def put(self, keys, ptrs, sizes):
+        self._race()
+        codes = [ALREADY_PRESENT if k in self.objects else 0 for k in keys]
+        self.objects.update({k: p for k, p in zip(keys, ptrs, strict=True)})
+        return codes
+
+    def get(self, keys, ptrs, sizes):
+        self._race()
+        return [s if k in self.objects else -704 for k, s in zip(keys, sizes, strict=True)]
+
+    def remove(self, keys):
+        self.removed += keys
+        for k in keys:
+            del self.objects[k]
+        return [0] * len(keys)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.memory = FakeMemory()
+        self.backend = FakeBackend()
+        self.process = None
+
+    def check(self) -> int:
+        return self.memory.epoch
+
+    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+        return codes
+
+    def supervise(self, reallocate) -> None:
+        self.reallocate = reallocate
+
+    def close(self) -> None:
+        pass
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.moves: list[str] = []
+
+    def record_move(self, op, batch, codes, seconds, moved) -> None:
+        self.moves.append(op)
+
+    def pool_size(self, name: str, nbytes: int) -> None:
+        pass
+
+    def record_group_check(self, seconds: float) -> None:
+        pass
+
+    def record_group_query(self, how: str) -> None:
+        pass
+
+
+@pytest.fixture
+def node():
+    store, metrics = FakeStore(), FakeMetrics()
+    service = NodeService("fake-node-id", f"raykv.test-{uuid.uuid4().hex[:8]}.", store,
+                          metrics, lambda _: None, segment_size=0, group_window_s=0.0,
+                          confirm_ttl_s=0.0)
+    handle = service.create_pool("kv", LAYOUT)
+    batch = ObjectBatch(epoch=handle.epoch)
+    batch.extend(["a", "present", "b"], "kv", [0, 8, 16], [8, 8, 8])
+    yield service, store, metrics, batch
+    service.shutdown(remove_pools=True)
+
+
+def test_a_put_that_ran_across_a_reallocation_is_not_kept(node):
+    service, store, metrics, batch = node
+    store.backend.during = store.reallocate  # the watcher re-allocates mid-transfer
+    with pytest.raises(StalePoolsError, match="allocated anew during the put"):
+        service.put(batch)
+    # What this call stored is gone; what was there before it is left alone.
+    assert store.backend.removed == ["a", "b"]
+    assert set(store.backend.objects) == {"present"}
+    assert metrics.moves == []  # not counted as moved
+
+
+def test_a_get_that_ran_across_a_reallocation_fails(node):
+    service, store, metrics, batch = node
+    store.backend.during = store.reallocate
+    with pytest.raises(StalePoolsError, match="allocated anew during the get"):
+        service.get(batch)
+    assert store.backend.removed == []
+
+
+def test_control_without_a_reallocation_the_same_calls_succeed(node):
+    service, store, metrics, batch = node
+    assert service.put(batch) == [0, ALREADY_PRESENT, 0]
+    assert service.get(batch) == [8, 8, 8]
+    assert store.backend.removed == [] and metrics.moves == ["put", "get"]
+    # After a re-allocation between calls (not during one), the old batch is stale
+    # before any byte moves.
+    store.reallocate()
+    with pytest.raises(StalePoolsError):
+        service.put(batch)
+    assert store.backend.removed == []
