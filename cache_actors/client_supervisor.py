@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raykv.cache_actors.local_ports import free_port, listening
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.naming import CLIENT_RECORD
 
@@ -58,16 +59,6 @@ def check_mode(extra_config: dict | None, mode: str) -> None:
                          "start_local(standalone=...) / `raykv up --standalone`")
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    return fields[0], int(fields[19])
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -87,8 +78,7 @@ class ClientRecord:
     def exists(self) -> bool:
         """True while ``pid`` is this very process (not a zombie, not a reused pid),
         whether or not it has exec'd ``mooncake_client`` yet."""
-        st = _stat(self.pid)
-        return st is not None and st[0] not in ("Z", "X") and st[1] == self.start_ticks
+        return ProcessIdentity(self.pid, self.start_ticks).alive()
 
     def running(self) -> bool:
         """True if ``pid`` is this very process and runs ``mooncake_client`` on ``port``."""
@@ -179,8 +169,8 @@ class MooncakeClientProcess:
              client_binary(), f"-port={port}", *self._args],
             env=env, stdout=subprocess.PIPE, check=True, start_new_session=True)
         pid = int(shell.stdout)
-        st = _stat(pid)
-        self.record = ClientRecord(pid, port, st[1] if st else -1)
+        me = ProcessIdentity.of(pid)
+        self.record = ClientRecord(pid, port, me.start_ticks if me else -1)
         self.adopted = False
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -12,9 +12,11 @@ memfd, a file smaller than the pool's layout, or bytes at the probed offsets tha
 from what the engine read there itself (a wrong fd or a layout that does not match).
 
 Such a pool is never written to ``/dev/shm`` and not re-adopted by a restarted actor
-(the engine re-registers it; a pid may be reused). It only exists in embedded mode: in
-standalone mode the store's buffers belong to ``mooncake_client``, which cannot see
-the engine's memory.
+(the engine re-registers it; a pid may be reused). The node actor removes it once the
+engine process has exited (``NodePools.reap_engines``), so an engine that dies without
+closing its backend does not keep its host memory alive in the actor. It only exists in
+embedded mode: in standalone mode the store's buffers belong to ``mooncake_client``,
+which cannot see the engine's memory.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 _PROC_FD = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
 
 
+def engine_pid(path: str) -> int:
+    """The pid of the engine process whose memfd ``path`` (``/proc/<pid>/fd/<fd>``)
+    names; ``ValueError`` for another path."""
+    m = _PROC_FD.match(path or "")
+    if m is None:
+        raise ValueError(f"{path!r} is not /proc/<pid>/fd/<fd>")
+    return int(m.group(1))
+
+
 def map_engine_pool(name: str, path: str, layout: PoolLayout, mode: str,
                     probe: list[tuple[int, int]] = ()) -> HostPool:
     """Map the engine memfd ``path`` as pool ``name`` of ``layout`` (see the module
@@ -37,10 +48,10 @@ def map_engine_pool(name: str, path: str, layout: PoolLayout, mode: str,
     if mode != "embedded":
         raise ValueError(f"engine memory can only be served zero-copy in embedded mode (this "
                          f"node runs {mode}: the store's buffers belong to mooncake_client)")
-    m = _PROC_FD.match(path or "")
-    if m is None:
-        raise ValueError(f"engine pool {name!r}: {path!r} is not /proc/<pid>/fd/<fd>")
-    pid = int(m.group(1))
+    try:
+        pid = engine_pid(path)
+    except ValueError as e:
+        raise ValueError(f"engine pool {name!r}: {e}") from None
     try:
         owner = os.stat(f"/proc/{pid}").st_uid
         target = os.readlink(path)

@@ -22,14 +22,16 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
-from raykv.cache_actors.engine_memory import map_engine_pool
+from raykv.cache_actors.engine_memory import engine_pid, map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
@@ -97,6 +99,8 @@ class NodePools:
         self._sized = sized
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
+        self._engines: dict[str, ProcessIdentity | None] = {}  # engine pools' processes
+        self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
 
     def _meta_path(self, name: str) -> str:
         return shm_path(self._prefix + name + ".json")
@@ -174,7 +178,25 @@ class NodePools:
                 raise
             pool = self._register(pool)
             self.table = self.table.replaced(name, pool)
+            self._engines[name] = ProcessIdentity.of(engine_pid(path))
             return pool.handle
+
+    def reap_engines(self, grace_s: float) -> list[str]:
+        """Destroy the engine pools whose process exited at least ``grace_s`` seconds ago
+        (seen gone by an earlier call that long before: a store call the engine started
+        before it died may still be moving its pages, and the pool's memory must stay
+        mapped until it ends). An engine that dies without closing its backend would
+        otherwise keep its whole host pool alive in this actor. Returns the names."""
+        now = time.monotonic()
+        with self._lock:
+            for name, process in self._engines.items():
+                if process is None or not process.alive():
+                    self._exited.setdefault(name, now)
+            due = [n for n, t in self._exited.items() if now - t >= grace_s]
+        for name in due:
+            log.warning("engine pool %s: its process exited; the pool is removed", name)
+            self.destroy(name)
+        return due
 
     def handle(self, name: str, node: str) -> PoolHandle:
         """The handle of pool ``name``; ``ValueError`` naming ``node`` if there is none."""
@@ -191,6 +213,8 @@ class NodePools:
             if pool is None:
                 return False
             self.table = self.table.replaced(name, None)
+            self._engines.pop(name, None)
+            self._exited.pop(name, None)
             self._store.backend.unregister(pool.base_ptr)
             self._store.memory.release(pool)
             with contextlib.suppress(FileNotFoundError):  # engine pools have none
@@ -222,6 +246,8 @@ class NodePools:
         also delete their shared-memory and metadata files."""
         with self._lock:
             old, self.table = self.table, PoolTable(self.table.epoch)
+            self._engines.clear()
+            self._exited.clear()
             for name, pool in old.pools.items():
                 self._store.backend.unregister(pool.base_ptr)
                 self._store.memory.release(pool, remove=remove)

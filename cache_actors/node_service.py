@@ -34,6 +34,9 @@ Concurrency contract. Threads that call in:
 - Group-query checker threads (``GroupQueries``): the store check, then the replies.
 - Standalone: the ``mooncake_client`` watcher thread, which restarts the process and
   then calls ``_reallocate``.
+- The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the engine-owned pools
+  (``adopt_engine_pool``) whose process exited more than ``ENGINE_GRACE_S`` ago
+  (``NodePools.reap_engines``, under the pool lock).
 
 State and what guards it:
 
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +83,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DATA_THREADS = 4
+ENGINE_CHECK_S = 5.0
+"""Seconds between two looks at the processes of engine-owned pools."""
+ENGINE_GRACE_S = 30.0
+"""Seconds an engine pool stays mapped after its process was seen gone (its last store
+calls end first)."""
 
 
 class NodeService:
@@ -107,6 +116,9 @@ class NodeService:
                                     on_check=metrics.record_group_check,
                                     on_query=metrics.record_group_query)
         store.supervise(self._reallocate)
+        self._stop = threading.Event()
+        threading.Thread(target=self._reap_engines, name="raykv-engine-reaper",
+                         daemon=True).start()
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
@@ -118,6 +130,13 @@ class NodeService:
         """The watcher's call after ``mooncake_client`` restarted (standalone)."""
         self._groups.forget()
         self._pools.reallocate()
+
+    def _reap_engines(self) -> None:
+        while not self._stop.wait(ENGINE_CHECK_S):
+            try:
+                self._pools.reap_engines(ENGINE_GRACE_S)
+            except Exception:  # the reaper must outlive one bad look
+                log.exception("engine pool check failed")
 
     def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
         """Create pool ``name`` (or return it if it exists with the same layout).
@@ -299,6 +318,7 @@ class NodeService:
     def shutdown(self, remove_pools: bool = True) -> None:
         """Stop for good: close the channel and the Mooncake client (standalone: stop
         ``mooncake_client`` too); with ``remove_pools`` also remove every pool."""
+        self._stop.set()
         self._channel.close()
         self._pools.close(remove_pools)
         self._store.close()

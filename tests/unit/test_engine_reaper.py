@@ -1,0 +1,99 @@
+"""Engine-owned pools go away with their engine: a real memfd of a child process, served
+as a node pool (``NodePools.adopt_engine``), is removed once the child exited and the
+grace period passed, and never while it runs (fake Mooncake registration only)."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from raykv.cache_actors.node_pools import NodePools
+from raykv.cache_actors.pool_memory import PoolBudget, ShmPoolMemory
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.pool_layout import PoolLayout
+
+LAYOUT = PoolLayout.mha(page_size=4, size=16, layer_num=2, head_num=1, head_dim=8,
+                        dtype="bfloat16", itemsize=2)
+
+ENGINE = """
+import os, sys
+fd = os.memfd_create("sglang_host_pool_test")
+os.ftruncate(fd, int(sys.argv[1]))
+print(fd, flush=True)
+sys.stdin.read()  # lives until its stdin closes
+"""
+
+
+class Registrations:
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.live.add(ptr)
+
+    def unregister(self, ptr: int) -> None:
+        self.live.remove(ptr)
+
+
+@dataclass
+class Store:
+    memory: ShmPoolMemory
+    backend: Registrations
+    mode: str = "embedded"
+
+    def check(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def engine():
+    child = subprocess.Popen([sys.executable, "-c", ENGINE, str(LAYOUT.nbytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    fd = int(child.stdout.readline())
+    yield child, f"/proc/{child.pid}/fd/{fd}"
+    child.kill()
+    child.wait()
+
+
+@pytest.fixture
+def pools():
+    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
+    store = Store(ShmPoolMemory(prefix, PoolBudget(0)), Registrations())
+    node = NodePools(prefix, store, lambda name, n: None)
+    yield node, store
+    node.close(remove=True)
+
+
+def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
+    child, path = engine
+    node, store = pools
+    node.adopt_engine("sglang-kv", path, LAYOUT)
+    assert node.reap_engines(grace_s=0.0) == []  # the engine runs: kept
+    assert "sglang-kv" in node.table.pools and store.backend.live
+
+    child.stdin.close()  # the engine exits without unregistering anything
+    child.wait(10)
+    assert node.reap_engines(grace_s=60.0) == []  # seen gone now; still within the grace
+    assert "sglang-kv" in node.table.pools
+    time.sleep(0.05)
+    assert node.reap_engines(grace_s=0.01) == ["sglang-kv"]
+    assert "sglang-kv" not in node.table.pools
+    assert not store.backend.live and store.memory.budget.used == 0
+    assert node.reap_engines(grace_s=0.0) == []
+
+
+def test_node_pools_are_never_reaped(pools):
+    node, _ = pools
+    node.create("kv", LAYOUT)
+    assert node.reap_engines(grace_s=0.0) == []
+    assert "kv" in node.table.pools
+
+
+def test_a_reused_pid_is_not_the_process_it_once_named():
+    me = ProcessIdentity.of(os.getpid())
+    assert me is not None and me.alive()
+    assert not ProcessIdentity(me.pid, me.start_ticks + 1).alive()
+    assert ProcessIdentity.of(2**22 + 1) is None  # above pid_max: no such process
