@@ -1,8 +1,10 @@
 """raykv's vLLM connector with a real vLLM (CPU build) on a real two-node raykv cluster.
 
-Engines run inside Ray actors pinned to nodes, in-process, eager, on a tiny random Llama
-made by a fixture (no download). Block size 128: a 1000-token prompt has 7 full blocks
-that may come from raykv (the last token is always computed).
+Engines run inside Ray actors pinned to nodes (``raykv.integrations.vllm_actors``),
+in-process and eager (one engine in vLLM's default multiprocess mode), on a tiny
+random Llama that a fixture makes (``raykv.integrations.vllm_model``, no download).
+Block size 128: a 1000-token prompt has 7 full blocks that may come from raykv (the
+last token is always computed).
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import time
 import pytest
 import ray
 from raykv.clusters import start_local
-
-from tests.integration.vllm_engines import ready, start_engine
-from tests.integration.vllm_model import make_tiny_llama
+from raykv.integrations.vllm_actors import VLLMEngine, ready, start_engine
+from raykv.integrations.vllm_model import make_llama
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +32,24 @@ def _vllm_installed():
 BLOCK = 128
 
 
+def _corrupt_loads(worker, on: bool) -> None:
+    from dataclasses import replace
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    c.opts = replace(c.opts, debug_corrupt_loads=on)
+
+
+@ray.remote(num_cpus=0)
+class ControlEngine(VLLMEngine):
+    """An engine that can load random bytes instead of the stored blocks (the control
+    that shows loaded KV is really used)."""
+
+    def corrupt_loads(self, on: bool) -> None:
+        self.llm.collective_rpc(_corrupt_loads, args=(on,))
+
+
 def prompt(seed: int, n: int = 1000) -> list[int]:
     rnd = random.Random(seed)
     return [rnd.randrange(3, 2000) for _ in range(n)]
@@ -38,7 +57,7 @@ def prompt(seed: int, n: int = 1000) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
+    return make_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +73,9 @@ def engines(vcluster, model, uid_module):
     without the connector on node 1, with vLLM's own prefix cache (see test_partial_hit)."""
     n1, n2 = vcluster.node_ids
     conf = {"model_name": f"tiny-{uid_module}"}
-    a = start_engine(n1, model, conf, prefix_caching=True)
-    b = start_engine(n2, model, conf)
-    base = start_engine(n1, model, None, prefix_caching=True)
+    a = start_engine(n1, model, conf, enable_prefix_caching=True)
+    b = start_engine(n2, model, conf, actor_class=ControlEngine)
+    base = start_engine(n1, model, None, enable_prefix_caching=True)
     ready(a, b, base)
     yield a, b, base
     for e in (a, b, base):
@@ -120,6 +139,42 @@ def test_corrupted_loads_change_the_output(engines):
     assert got["tokens"] != want
 
 
+def _gets(vcluster) -> dict[str, int]:
+    """Objects each node's cache actor has read from Mooncake so far."""
+    return {n: ray.get(actor.stats.remote())["counters"]["get_objects"]
+            for n, actor in vcluster.node_actors.items()}
+
+
+def test_multiprocess_engine_loads_blocks_saved_on_another_node(engines, vcluster, model,
+                                                               uid_module):
+    """vLLM's default multiprocess engine in a Ray actor on node 2: its engine core and
+    worker are processes of their own, not Ray workers; their connectors join Ray
+    themselves and use node 2's cache actor (the node of the actor that started them,
+    not the head node Ray attaches them to). It loads the 7 blocks that the in-process
+    engine A on node 1 saved, through node 2's actor, and gives the baseline's tokens.
+    One engine in this mode: a start takes 24-51 s here."""
+    a, b, base = engines
+    n1, n2 = vcluster.node_ids
+    e = start_engine(n2, model, {"model_name": f"tiny-{uid_module}"},
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    try:
+        assert ray.get(e.generate.remote(prompt(30), 2))["cached"] == 0  # started, missed
+        p = prompt(31)
+        want = ray.get(base.generate.remote(p))["tokens"]
+        assert ray.get(a.generate.remote(p))["tokens"] == want
+        before = _gets(vcluster)
+        got = ray.get(e.generate.remote(p))
+        after = _gets(vcluster)
+        assert got["cached"] == 7 * BLOCK, got
+        assert got["tokens"] == want
+        assert after[n2] - before[n2] == 7, (before, after)  # one object per block
+        assert after[n1] == before[n1], (before, after)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.get(e.close.remote(), timeout=60)
+        ray.kill(e)
+
+
 def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
     a, b, base = engines
     n2 = vcluster.node_ids[1]
@@ -173,7 +228,7 @@ def test_tp2_each_rank_loads_its_own_blocks(vcluster, model, uid_module):
     from TP=1's, so the first, fully computed run is the reference). One engine: two
     TP=2 engines on this 2-core machine took 14 minutes."""
     conf = {"model_name": f"tiny-{uid_module}"}
-    e = start_engine(vcluster.node_ids[1], model, conf, tp=2,
+    e = start_engine(vcluster.node_ids[1], model, conf, tensor_parallel_size=2,
                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:
         ready(e)
