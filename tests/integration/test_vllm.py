@@ -18,8 +18,10 @@ import time
 import pytest
 import ray
 from raykv.clusters import start_local
-from raykv.integrations.vllm_actors import VLLMEngine, ready, start_engine
+from raykv.integrations.vllm_actors import ready, start_engine
 from raykv.integrations.vllm_model import make_llama
+
+from tests.integration.vllm_control import ControlEngine
 
 
 @pytest.fixture(autouse=True)
@@ -30,24 +32,6 @@ def _vllm_installed():
                     "'Use from vLLM'; CI installs it)")
 
 BLOCK = 128
-
-
-def _corrupt_loads(worker, on: bool) -> None:
-    from dataclasses import replace
-
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
-
-    c = get_kv_transfer_group()
-    c.opts = replace(c.opts, debug_corrupt_loads=on)
-
-
-@ray.remote(num_cpus=0)
-class ControlEngine(VLLMEngine):
-    """An engine that can load random bytes instead of the stored blocks (the control
-    that shows loaded KV is really used)."""
-
-    def corrupt_loads(self, on: bool) -> None:
-        self.llm.collective_rpc(_corrupt_loads, args=(on,))
 
 
 def prompt(seed: int, n: int = 1000) -> list[int]:
@@ -141,7 +125,7 @@ def test_corrupted_loads_change_the_output(engines):
 
 def _gets(vcluster) -> dict[str, int]:
     """Objects each node's cache actor has read from Mooncake so far."""
-    return {n: ray.get(actor.stats.remote())["counters"]["get_objects"]
+    return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
             for n, actor in vcluster.node_actors.items()}
 
 
