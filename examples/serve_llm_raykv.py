@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 
 import ray
@@ -33,8 +34,13 @@ from ray.serve.llm import LLMConfig, build_openai_app
 
 
 def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
-                     prefix_caching: bool, max_model_len: int) -> LLMConfig:
-    """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector."""
+                     prefix_caching: bool, max_model_len: int, model_name: str | None = None,
+                     **llm_config) -> LLMConfig:
+    """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector.
+
+    ``model_name``: the model part of raykv's keys (default ``model_source``): engines
+    share blocks when it (and the TP size) match. ``llm_config``: any other ``LLMConfig``
+    field (e.g. ``placement_group_config``)."""
     engine_kwargs = dict(
         max_model_len=max_model_len,
         enable_prefix_caching=prefix_caching,
@@ -44,12 +50,11 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
             kv_connector_module_path="raykv.integrations.vllm",
             kv_role="kv_both",                   # load and save
             kv_load_failure_policy="recompute",  # a block that did not load is recomputed
-            # Replicas share blocks when model_name (and the TP size) match.
-            kv_connector_extra_config={"model_name": model_source},
+            kv_connector_extra_config={"model_name": model_name or model_source},
         ),
     )
     env = {}
-    kw = {}
+    kw = dict(llm_config)
     if cpu:
         kw["accelerator_config"] = {"kind": "cpu"}
         engine_kwargs |= dict(dtype="bfloat16", enforce_eager=True,
@@ -65,14 +70,19 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
     )
 
 
-def complete(url: str, model_id: str, prompt: str, max_tokens: int = 16) -> dict:
-    """One OpenAI completion through the Serve app; its ``usage``."""
+def complete(url: str, model_id: str, prompt: str | list[int], max_tokens: int = 16,
+             **extra) -> dict:
+    """One greedy OpenAI completion through the Serve app (``prompt``: text or token ids;
+    ``extra``: more request fields, e.g. vLLM's ``return_token_ids``); the response."""
     body = json.dumps({"model": model_id, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0}).encode()
+                       "temperature": 0} | extra).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.load(r)["usage"]
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:  # the app's own message says what was wrong
+        raise RuntimeError(f"{e.code} from the app: {e.read().decode()[:2000]}") from None
 
 
 def main() -> None:
@@ -86,19 +96,21 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--address", default="auto", help="Ray cluster (raykv must be up there)")
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
     args = p.parse_args()
 
     ray.init(address=args.address)
     config = raykv_llm_config(args.model_id, args.model, replicas=args.replicas, cpu=args.cpu,
                               prefix_caching=not args.no_prefix_caching,
                               max_model_len=args.max_model_len)
+    serve.start(http_options={"port": args.port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
-    url = "http://127.0.0.1:8000"
+    url = f"http://127.0.0.1:{args.port}"
     rng = random.Random(0)
     shared = " ".join(f"w{rng.randrange(10_000)}" for _ in range(args.max_model_len // 4))
     for i in range(args.requests):
         t0 = time.perf_counter()
-        usage = complete(url, args.model_id, f"{shared} question {i}:")
+        usage = complete(url, args.model_id, f"{shared} question {i}:")["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         print(f"request {i}: {usage['prompt_tokens']} prompt tokens, {cached} cached, "
               f"{time.perf_counter() - t0:.2f} s")

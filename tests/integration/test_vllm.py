@@ -13,7 +13,9 @@ import contextlib
 import importlib.util
 import itertools
 import random
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -129,34 +131,58 @@ def _gets(vcluster) -> dict[str, int]:
             for n, actor in vcluster.node_actors.items()}
 
 
-def test_multiprocess_engine_loads_blocks_saved_on_another_node(engines, vcluster, model,
-                                                               uid_module):
-    """vLLM's default multiprocess engine in a Ray actor on node 2: its engine core and
-    worker are processes of their own, not Ray workers; their connectors join Ray
-    themselves and use node 2's cache actor (the node of the actor that started them,
-    not the head node Ray attaches them to). It loads the 7 blocks that the in-process
-    engine A on node 1 saved, through node 2's actor, and gives the baseline's tokens.
-    One engine in this mode: a start takes 24-51 s here."""
+def _example(name: str):
+    """A module of ``examples/``, loaded from its file (examples are scripts, not a
+    package)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,
+                                                             uid_module):
+    """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node
+    added for it, not the head: its replica runs vLLM's default multiprocess engine, whose
+    engine core and worker are processes of their own, not Ray workers. Their connectors
+    join Ray themselves and use that node's cache actor (the node of the replica that
+    started them, not the head node Ray attaches them to). The replica loads the 7 blocks
+    that the in-process engine A on node 1 saved, through its node's actor, and gives the
+    baseline's tokens. One engine in this mode: a start takes 24-51 s here."""
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    example = _example("serve_llm_raykv")
     a, b, base = engines
-    n1, n2 = vcluster.node_ids
-    e = start_engine(n2, model, {"model_name": f"tiny-{uid_module}"},
-                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    node = vcluster.add_node(resources={"serve_llm": 1})
+    config = example.raykv_llm_config(
+        "tiny", model, replicas=1, cpu=True, prefix_caching=False, max_model_len=2048,
+        model_name=f"tiny-{uid_module}",
+        placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        assert ray.get(e.generate.remote(prompt(30), 2))["cached"] == 0  # started, missed
+        serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
+                  route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
         p = prompt(31)
         want = ray.get(base.generate.remote(p))["tokens"]
         assert ray.get(a.generate.remote(p))["tokens"] == want
         before = _gets(vcluster)
-        got = ray.get(e.generate.remote(p))
+        got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
+                               ignore_eos=True)
         after = _gets(vcluster)
-        assert got["cached"] == 7 * BLOCK, got
-        assert got["tokens"] == want
-        assert after[n2] - before[n2] == 7, (before, after)  # one object per block
-        assert after[n1] == before[n1], (before, after)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
+        assert got["choices"][0]["token_ids"] == want
+        assert {n: after[n] - before.get(n, 0) for n in after} == \
+            {n: 7 if n == node else 0 for n in after}  # one object per block
     finally:
         with contextlib.suppress(Exception):
-            ray.get(e.close.remote(), timeout=60)
-        ray.kill(e)
+            serve.shutdown()
+        vcluster.remove_node(node)
 
 
 def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
