@@ -6,8 +6,8 @@ loads those blocks from raykv (the node's cache actor, Mooncake) instead of comp
 them. Nothing else changes in the Serve app: routing, autoscaling and the OpenAI API are
 Ray Serve LLM's.
 
-On a Ray cluster with GPUs (vLLM's CUDA build, ``pip install vllm``, and raykv installed
-on every node, same Ray version)::
+On a Ray cluster with GPUs (Ray Serve LLM and vLLM's CUDA build, ``pip install
+'ray[serve,llm]'``, and raykv installed on every node, same Ray version)::
 
     raykv up --address auto                     # master, controller, a cache actor per node
     python examples/serve_llm_raykv.py --model Qwen/Qwen2.5-7B-Instruct --replicas 2
@@ -15,8 +15,9 @@ on every node, same Ray version)::
 The script starts the app, sends a few requests that share a long prefix and prints, per
 request, the prompt tokens vLLM reported as cached (its own prefix cache plus the blocks
 raykv loaded; with ``--no-prefix-caching`` only raykv's). ``--cpu`` runs the replicas on
-CPUs with the CPU build (``pip install 'raykv[vllm]'``): see the README, "Ray Serve LLM",
-for what happened when that was tried.
+CPUs with vLLM's CPU build (``pip install 'raykv[vllm]'``, then ``pip install
+'ray[serve]==<this Ray's version>' pyarrow``: ``ray[llm]`` would pull the CUDA build
+over it); see the README, "Ray Serve LLM".
 """
 
 from __future__ import annotations
@@ -106,11 +107,13 @@ def main() -> None:
     serve.start(http_options={"port": args.port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
+    # Prompts as token ids (any model's vocabulary has ids 100-1999): half the context
+    # shared by every request, then a few ids of its own.
     rng = random.Random(0)
-    shared = " ".join(f"w{rng.randrange(10_000)}" for _ in range(args.max_model_len // 4))
+    shared = [rng.randrange(100, 2000) for _ in range(args.max_model_len // 2)]
     for i in range(args.requests):
         t0 = time.perf_counter()
-        usage = complete(url, args.model_id, f"{shared} question {i}:")["usage"]
+        usage = complete(url, args.model_id, shared + [100 + i] * 8)["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         print(f"request {i}: {usage['prompt_tokens']} prompt tokens, {cached} cached, "
               f"{time.perf_counter() - t0:.2f} s")
