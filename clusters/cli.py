@@ -15,14 +15,21 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--variant", default="hybrid-draft", show_default=True,
+@click.option("--engine", default="example", show_default=True,
+              type=click.Choice(["example", "vllm"]),
+              help="example: the example engine (nothing to install); vllm: real vLLM "
+              "engines (pip install 'raykv[vllm]') on a random-weight Llama made locally.")
+@click.option("--variant", default=None,
               type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
                                  "hybrid-draft"]),
-              help="Model: attention kind, hybrid (Mamba-like layers), draft model.")
-@click.option("--hidden", default=512, show_default=True, help="Model width.")
-@click.option("--layers", default=8, show_default=True)
-@click.option("--head-dim", default=64, show_default=True)
-@click.option("--page-size", default=64, show_default=True, help="Tokens per page.")
+              help="Example engine's model: attention kind, hybrid (Mamba-like layers), "
+              "draft model.  [default: hybrid-draft]")
+@click.option("--hidden", default=None, type=int,
+              help="Model width.  [default: 512 example, 384 vllm]")
+@click.option("--layers", default=None, type=int, help="[default: 8 example, 6 vllm]")
+@click.option("--head-dim", default=None, type=int, help="[default: 64]")
+@click.option("--page-size", default=None, type=int,
+              help="Tokens per page (vllm: per block).  [default: 64 example, 128 vllm]")
 @click.option("--sessions", default=4, show_default=True)
 @click.option("--turns", default=3, show_default=True)
 @click.option("--system-tokens", default=1024, show_default=True,
@@ -32,12 +39,25 @@ def main() -> None:
 @click.option("--long-prompt", default=4096, show_default=True,
               help="Tokens of the prompt timed recomputed vs fully cached.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
-              help="Folder for demo.json and demo.png.")
-def demo(**options) -> None:
-    """Multi-turn chat on a 2-node cluster: TTFT with raykv vs recomputing, hit rates."""
-    from raykv.clusters.demo import run_demo
+              help="Folder for demo.json and demo.png (vllm: demo_vllm.json, .png).")
+def demo(engine: str, **options) -> None:
+    """Multi-turn chat on a 2-node cluster: TTFT with raykv vs without, hit rates."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if engine == "example":
+        from raykv.clusters.demo import run_demo
 
-    sys.exit(0 if run_demo(**options) else 1)
+        sys.exit(0 if run_demo(**options) else 1)
+    import importlib.util
+
+    if "variant" in options:
+        raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
+                               "runs a Llama (--hidden, --layers, --head-dim)")
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException("--engine vllm needs vLLM: pip install 'raykv[vllm]' "
+                                   "(see the README, 'Use from vLLM')")
+    from raykv.clusters.demo_vllm import run_vllm_demo
+
+    sys.exit(0 if run_vllm_demo(**options)["ok"] else 1)
 
 
 def parse_size(text: str) -> int:

@@ -74,14 +74,20 @@ def _summary(requests: list[dict], page_size: int, hybrid: bool, draft: bool) ->
                 speedup=without_ms / with_ms, all_exact=all(r["exact"] for r in requests))
 
 
-def _plot(requests: list[dict], long: dict, path: Path) -> None:
+def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: Path, *,
+              without: tuple[str, str] = ("ttft_recompute_ms", "without raykv (recompute)")
+              ) -> None:
+    """The demo's figure: left, TTFT per request with raykv (``ttft_ms``) and without
+    (``without``: the record key and its legend); right, the ``tokens``-token prompt's
+    TTFT per way of serving it (``bars``: label -> ms, at most 4, the first one grey)."""
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5),
-                                   gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13 + len(bars) - 3, 4.5),
+                                   gridspec_kw={"width_ratios": [3, len(bars) / 3]})
     x = range(len(requests))
-    ax1.bar([i - 0.2 for i in x], [r["ttft_recompute_ms"] for r in requests], 0.4,
-            label="without raykv (recompute)", color="#bbbbbb")
+    key, label = without
+    ax1.bar([i - 0.2 for i in x], [r[key] for r in requests], 0.4, label=label,
+            color="#bbbbbb")
     ax1.bar([i + 0.2 for i in x], [r["ttft_ms"] for r in requests], 0.4,
             label="with raykv", color="#1f77b4")
     ax1.set_xticks(list(x), [f"s{r['session']}t{r['turn']}\nnode{r['node']}"
@@ -89,12 +95,12 @@ def _plot(requests: list[dict], long: dict, path: Path) -> None:
     ax1.set_ylabel("TTFT (ms)")
     ax1.set_title("Multi-turn chat: time to first token per request")
     ax1.legend()
-    names = ["recompute", "cached (L3,\nother node)", "cached (L2,\nlocal pool)"]
-    vals = [long["recompute_ms"], long["cached_l3_ms"], long["cached_l2_ms"]]
-    ax2.bar(names, vals, color=["#bbbbbb", "#1f77b4", "#2ca02c"])
+    names, vals = list(bars), list(bars.values())
+    ax2.bar(names, vals, color=["#bbbbbb", "#1f77b4", "#2ca02c", "#ff7f0e"][:len(vals)])
     ax2.set_yscale("log")
+    ax2.tick_params(axis="x", labelsize=8)
     ax2.set_ylabel("TTFT (ms, log)")
-    ax2.set_title(f"{long['tokens']}-token prompt")
+    ax2.set_title(f"{tokens}-token prompt")
     for i, v in enumerate(vals):
         ax2.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
@@ -102,7 +108,7 @@ def _plot(requests: list[dict], long: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> dict:
+def machine() -> dict:
     return dict(platform=platform.platform(), processor=platform.processor() or "unknown",
                 cpus=os.cpu_count(), load_avg=os.getloadavg(), torch=torch.__version__,
                 ray=ray.__version__, python=platform.python_version())
@@ -151,9 +157,12 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
                   draft=asdict(draft) if draft else None, page_size=page_size, tp_size=2,
                   nodes=2, workload=asdict(work), long_prompt=long_prompt)
     (out / "demo.json").write_text(json.dumps(dict(
-        machine=_machine(), config=config, requests=requests, summary=summary,
+        machine=machine(), config=config, requests=requests, summary=summary,
         long_prompt=long), indent=2))
-    _plot(requests, long, out / "demo.png")
+    plot_ttft(requests, {"recompute": long["recompute_ms"],
+                         "cached (L3,\nother node)": long["cached_l3_ms"],
+                         "cached (L2,\nlocal pool)": long["cached_l2_ms"]},
+              long["tokens"], out / "demo.png")
     console.print(f"wrote {out / 'demo.json'} and {out / 'demo.png'}")
     ok = summary["all_exact"] and long["exact"] and long["recompute_hit_pages"] == 0 and \
         long["cached_l3_hit_pages"] == long["max_hit_pages"] == long["cached_l2_hit_pages"]
@@ -162,7 +171,7 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
     return ok
 
 
-def _progress(console: Console) -> Progress:
+def progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=console)
 
@@ -171,7 +180,7 @@ def _chat(work: ChatWorkload, engines: list[Engine], console: Console) -> list[d
     system = work.system_prompt()
     history = {s: list(system) for s in range(work.sessions)}
     requests = []
-    with _progress(console) as bar:
+    with progress(console) as bar:
         task = bar.add_task("multi-turn chat", total=work.sessions * work.turns)
         for session, turn, node in work.schedule(len(engines)):
             prompt = history[session] + work.user_message(session, turn)
@@ -192,7 +201,7 @@ def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) ->
     rng = random.Random(f"long/{n}")
     prompt = [rng.randrange(vocab) for _ in range(n)]
     a, b = engines
-    with _progress(console) as bar:
+    with progress(console) as bar:
         task = bar.add_task(f"{n}-token prompt", total=3)
         steps = {}
         for name, eng in (("recompute", a), ("cached_l3", b), ("cached_l2", a)):

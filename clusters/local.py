@@ -145,6 +145,7 @@ def start_local(
     reconcile_period_s: float = 1.0,
     standalone: bool = False,
     host_pool_bytes: int | None = None,
+    log_to_driver: bool = True,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -164,7 +165,8 @@ def start_local(
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
     cache actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
     node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
-    is what the node requests from ``mooncake_client``).
+    is what the node requests from ``mooncake_client``). ``log_to_driver=False`` keeps
+    the output of Ray workers (engines' logs) off this process's console.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -191,7 +193,7 @@ def start_local(
     try:
         if num_nodes == 1:
             ray.init(address="local", namespace=namespace, include_dashboard=False,
-                     **node_args)
+                     log_to_driver=log_to_driver, **node_args)
         else:
             from ray.cluster_utils import Cluster
 
@@ -200,7 +202,8 @@ def start_local(
             for _ in range(num_nodes - 1):
                 ray_cluster.add_node(**node_args)
             ray_cluster.wait_for_nodes()
-            ray.init(address=ray_cluster.address, namespace=namespace)
+            ray.init(address=ray_cluster.address, namespace=namespace,
+                     log_to_driver=log_to_driver)
         cluster = LocalCluster(master, settings, namespace, ray_cluster, node_args)
         head = ray.get_runtime_context().get_node_id()
         others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)

@@ -82,8 +82,9 @@ class _Options:
       ``-pp{PP}`` added when PP > 1: blocks of another TP size are other bytes).
     - ``namespace``: the Ray namespace raykv runs in (default ``raykv``).
     - ``ray_address``: the Ray cluster to join from a process that is not a Ray worker
-      (vLLM's multiprocess engine and TP worker processes); default ``$RAY_ADDRESS``,
-      else ``auto``.
+      (vLLM's multiprocess engine core and TP worker processes); default
+      ``$RAY_ADDRESS``, else the cluster of the Ray actor that started the engine, else
+      ``auto`` (see ``join_ray``).
     - ``pool_blocks``: blocks in each TP rank's shared staging pool (default 64); larger
       loads and saves go through it in chunks of this many blocks.
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
@@ -122,31 +123,67 @@ class _Options:
                    debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))
 
 
-def join_ray(address: str | None, namespace: str) -> None:
-    """Connect this process to the raykv cluster unless it already is (a Ray worker).
+def inherited_ray_node() -> tuple[str, str] | None:
+    """``(node id, GCS address)`` of the Ray node this process belongs to when it descends
+    from a Ray worker without being one (vLLM's engine core and worker processes started
+    inside a Ray actor), else None.
+
+    Ray gives every worker its raylet's pid (``RAY_RAYLET_PID``) and processes a worker
+    starts inherit it; the raylet's command line names its node and GCS (``--node_id``,
+    ``--gcs-address``; Ray's own ``find_node_ids`` reads the same flags). None when the
+    variable is unset or that raylet cannot be read (another PID namespace, gone).
+    """
+    pid = os.environ.get("RAY_RAYLET_PID", "")
+    if not pid.isdigit():
+        return None
+    import psutil
+
+    try:
+        args = psutil.Process(int(pid)).cmdline()
+    except psutil.Error:
+        return None
+    flags = dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    node, gcs = flags.get("--node_id"), flags.get("--gcs-address")
+    return (node, gcs) if node and gcs else None
+
+
+def join_ray(address: str | None, namespace: str) -> str | None:
+    """Connect this process to the raykv cluster unless it already is (a Ray worker, or
+    a process that joined before); return the node whose cache actor it uses (None: the
+    node Ray attached this process to).
 
     vLLM's multiprocess engine core and TP worker processes are plain processes even when
-    the engine runs inside a Ray actor. Ray >= 2.60 local clusters use token
-    authentication; a process that was refused for want of a token retries with
-    ``RAY_AUTH_MODE=token`` (the token is read from ``~/.ray/auth_token``).
+    the engine runs inside a Ray actor. They join the cluster at ``address``, else
+    ``$RAY_ADDRESS`` (vLLM sets it to the actor's cluster before it starts them), else
+    the cluster of the Ray node they descend from (``inherited_ray_node``), else
+    ``auto``; and use that node's cache actor (Ray attaches a joining process to a raylet
+    of its machine, the head node's when a machine runs several, as tests do). Ray >=
+    2.60 local clusters use token authentication; a process that was refused for want of
+    a token retries with ``RAY_AUTH_MODE=token`` (the token is read from
+    ``~/.ray/auth_token``).
     """
     import ray
 
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False,
-                 include_dashboard=False)
-    except Exception as e:
-        if "auth" not in str(e).lower() or os.environ.get("RAY_AUTH_MODE") == "token":
-            raise
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        os.environ["RAY_AUTH_MODE"] = "token"
-        ray.init(address=address, namespace=namespace, log_to_driver=False,
-                 include_dashboard=False)
-    log.info("RayKVConnector joined Ray at %s (pid %d)", address, os.getpid())
+    inherited = inherited_ray_node()
+    if not ray.is_initialized():
+        address = (address or os.environ.get("RAY_ADDRESS")
+                   or (inherited[1] if inherited else None) or "auto")
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False,
+                     include_dashboard=False)
+        except Exception as e:
+            if "auth" not in str(e).lower() or os.environ.get("RAY_AUTH_MODE") == "token":
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray.init(address=address, namespace=namespace, log_to_driver=False,
+                     include_dashboard=False)
+        log.info("RayKVConnector joined Ray at %s (pid %d)", address, os.getpid())
+    if inherited is None or inherited[0] == ray.get_runtime_context().get_node_id():
+        return None
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return inherited[0] if inherited[0] in alive else None
 
 
 @dataclass
@@ -228,8 +265,9 @@ class RayKVConnector(KVConnectorBase_V1):
             return self._client
         from raykv.cache_actors.client import CacheClient
 
-        join_ray(self.opts.ray_address, self.opts.namespace)
-        client = CacheClient(self._storage_config(), namespace=self.opts.namespace)
+        node_id = join_ray(self.opts.ray_address, self.opts.namespace)
+        client = CacheClient(self._storage_config(), node_id=node_id,
+                             namespace=self.opts.namespace)
         try:
             name = f"vllm-{uuid.uuid4().hex[:12]}"
             if self.role == KVConnectorRole.SCHEDULER:
@@ -426,9 +464,11 @@ class RayKVConnector(KVConnectorBase_V1):
         pages = self._pages()[:n]
         if self.opts.debug_corrupt_loads:
             pages.copy_(torch.randn(pages.shape).to(pages.dtype))
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         for layer, blocks in enumerate(self._layers):
-            blocks.index_copy_(0, ids, pages[:, layer].reshape(n, *self._block_shape))
+            blocks.index_copy_(0, ids, pages[:, layer].reshape(n, *self._block_shape)
+                               .to(device))
 
     def _agree(self, firsts: list[int]) -> list[int]:
         """Every TP rank takes the smallest first-failed block of any rank, so all ranks
@@ -465,7 +505,8 @@ class RayKVConnector(KVConnectorBase_V1):
             pages = self._pages()
             while done < len(x.block_ids):
                 n = min(self.opts.pool_blocks, len(x.block_ids) - done)
-                ids = torch.tensor(x.block_ids[done:done + n], dtype=torch.long)
+                ids = torch.tensor(x.block_ids[done:done + n], dtype=torch.long,
+                                   device=self._layers[0].device)
                 for layer, blocks in enumerate(self._layers):
                     pages[:n, layer].copy_(blocks.index_select(0, ids).reshape(n, -1))
                 ok = self._client.batch_set_v2([PoolTransfer(

@@ -1,8 +1,10 @@
 """raykv's vLLM connector with a real vLLM (CPU build) on a real two-node raykv cluster.
 
-Engines run inside Ray actors pinned to nodes, in-process, eager, on a tiny random Llama
-made by a fixture (no download). Block size 128: a 1000-token prompt has 7 full blocks
-that may come from raykv (the last token is always computed).
+Engines run inside Ray actors pinned to nodes (``raykv.integrations.vllm_actors``),
+in-process and eager (one engine in vLLM's default multiprocess mode), on a tiny
+random Llama that a fixture makes (``raykv.integrations.vllm_model``, no download).
+Block size 128: a 1000-token prompt has 7 full blocks that may come from raykv (the
+last token is always computed).
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import contextlib
 import importlib.util
 import itertools
 import random
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import ray
 from raykv.clusters import start_local
+from raykv.integrations.vllm_actors import ready, start_engine
+from raykv.integrations.vllm_model import make_llama
 
-from tests.integration.vllm_engines import ready, start_engine
-from tests.integration.vllm_model import make_tiny_llama
+from tests.integration.vllm_control import ControlEngine
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +43,7 @@ def prompt(seed: int, n: int = 1000) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
+    return make_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +59,9 @@ def engines(vcluster, model, uid_module):
     without the connector on node 1, with vLLM's own prefix cache (see test_partial_hit)."""
     n1, n2 = vcluster.node_ids
     conf = {"model_name": f"tiny-{uid_module}"}
-    a = start_engine(n1, model, conf, prefix_caching=True)
-    b = start_engine(n2, model, conf)
-    base = start_engine(n1, model, None, prefix_caching=True)
+    a = start_engine(n1, model, conf, enable_prefix_caching=True)
+    b = start_engine(n2, model, conf, actor_class=ControlEngine)
+    base = start_engine(n1, model, None, enable_prefix_caching=True)
     ready(a, b, base)
     yield a, b, base
     for e in (a, b, base):
@@ -120,6 +125,66 @@ def test_corrupted_loads_change_the_output(engines):
     assert got["tokens"] != want
 
 
+def _gets(vcluster) -> dict[str, int]:
+    """Objects each node's cache actor has read from Mooncake so far."""
+    return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+            for n, actor in vcluster.node_actors.items()}
+
+
+def _example(name: str):
+    """A module of ``examples/``, loaded from its file (examples are scripts, not a
+    package)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,
+                                                             uid_module):
+    """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node
+    added for it, not the head: its replica runs vLLM's default multiprocess engine, whose
+    engine core and worker are processes of their own, not Ray workers. Their connectors
+    join Ray themselves and use that node's cache actor (the node of the replica that
+    started them, not the head node Ray attaches them to). The replica loads the 7 blocks
+    that the in-process engine A on node 1 saved, through its node's actor, and gives the
+    baseline's tokens. One engine in this mode: a start takes 24-51 s here."""
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    example = _example("serve_llm_raykv")
+    a, b, base = engines
+    node = vcluster.add_node(resources={"serve_llm": 1})
+    config = example.raykv_llm_config(
+        "tiny", model, replicas=1, cpu=True, prefix_caching=False, max_model_len=2048,
+        model_name=f"tiny-{uid_module}",
+        placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
+                  route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        p = prompt(31)
+        want = ray.get(base.generate.remote(p))["tokens"]
+        assert ray.get(a.generate.remote(p))["tokens"] == want
+        before = _gets(vcluster)
+        got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
+                               ignore_eos=True)
+        after = _gets(vcluster)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
+        assert got["choices"][0]["token_ids"] == want
+        assert {n: after[n] - before.get(n, 0) for n in after} == \
+            {n: 7 if n == node else 0 for n in after}  # one object per block
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        vcluster.remove_node(node)
+
+
 def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
     a, b, base = engines
     n2 = vcluster.node_ids[1]
@@ -173,7 +238,7 @@ def test_tp2_each_rank_loads_its_own_blocks(vcluster, model, uid_module):
     from TP=1's, so the first, fully computed run is the reference). One engine: two
     TP=2 engines on this 2-core machine took 14 minutes."""
     conf = {"model_name": f"tiny-{uid_module}"}
-    e = start_engine(vcluster.node_ids[1], model, conf, tp=2,
+    e = start_engine(vcluster.node_ids[1], model, conf, tensor_parallel_size=2,
                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:
         ready(e)

@@ -1,0 +1,253 @@
+"""``raykv demo --engine vllm``: the multi-turn chat of ``raykv demo`` on real vLLM.
+
+An embedded 2-node cluster (``start_local(num_nodes=2)``: two Ray nodes, a real
+``mooncake_master``, one cache actor per node) runs two vLLM engines per node, each in a
+Ray actor (in-process engine core, eager, one OMP thread: ``integrations.vllm_actors``),
+on a random-weight Llama made locally (``integrations.vllm_model``): one with raykv's
+``RayKVConnector``, one without (stock vLLM). Both keep vLLM's own prefix cache on (its
+default), so "without raykv" is vLLM as deployed: it reuses what its own engine
+computed; with raykv an engine also loads the blocks any engine on any node computed
+(from Mooncake, through its node's cache actor).
+
+The chat is ``ChatWorkload``'s (sessions share a system prompt; turn ``t`` of session
+``s`` runs on node ``(s + t) % 2``); every request runs on its node's raykv engine, then
+on the node's stock engine. TTFT is vLLM's own ``first_token_latency`` (the request's
+arrival to its first token, in the engine). Per request: tokens from vLLM's prefix
+cache, loaded from raykv, computed. Then a long prompt: recomputed by node 0's stock
+engine, computed (and saved) by node 0's raykv engine, then fully cached: loaded from
+raykv on node 1 (the blocks node 0 computed), and from node 0's own prefix cache. The
+two cached runs compute the same last tokens over what must be the same KV: they must
+give the same tokens, with every restorable block loaded. (bf16 results of vLLM's CPU
+kernels depend on how a prefill is split, so a recomputed prompt is compared, not
+required, to match.)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+from raykv.clusters.bench import save
+from raykv.clusters.demo import machine, plot_ttft, progress
+from raykv.clusters.local import start_local
+from raykv.example_engine.workload import ChatWorkload
+from raykv.integrations.vllm_actors import ready, start_engine
+from raykv.integrations.vllm_model import VOCAB, LlamaDims, make_llama
+from rich.console import Console
+from rich.table import Table
+
+MIB = 1 << 20
+
+
+def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
+                  page_size: int = 128, sessions: int = 4, turns: int = 3,
+                  system_tokens: int = 1024, user_tokens: int = 64, reply_tokens: int = 16,
+                  long_prompt: int = 4096, out_dir: str = "raykv-out",
+                  console: Console | None = None) -> dict:
+    """Run the demo and write ``demo_vllm.json`` and ``demo_vllm.png`` to ``out_dir``;
+    returns the result (``result["ok"]``: node 1 loaded every restorable block of the long
+    prompt from raykv and then gave the same tokens as node 0 restoring the same prefix
+    from vLLM's own prefix cache, i.e. the loaded KV is the KV node 0 computed).
+    ``page_size`` is vLLM's block size (a multiple of 32 on CPU); the model is made once under
+    ``out_dir/models``."""
+    console = console or Console(width=None if Console().is_terminal else 120)
+    started = time.perf_counter()
+    phases: dict[str, float] = {}  # seconds per phase of the run
+
+    def lap(name: str) -> None:
+        phases[name] = time.perf_counter() - started - sum(phases.values())
+
+    dims = LlamaDims.of(hidden, layers, head_dim)
+    out = Path(out_dir)
+    with console.status(f"making a random-weight Llama ({dims.params / 1e6:.0f} M parameters)"):
+        model = make_llama(str(out / "models" / f"llama-{hidden}x{layers}-d{head_dim}"), dims)
+    lap("model")
+    work = ChatWorkload(sessions, turns, system_tokens, user_tokens, reply_tokens, VOCAB)
+    longest = max(system_tokens + turns * (user_tokens + reply_tokens), long_prompt)
+    max_model_len = -(-(longest + reply_tokens) // page_size) * page_size
+    # Room for every prompt and reply of the run in vLLM's own cache (nothing evicted).
+    cached = system_tokens + sessions * turns * (user_tokens + reply_tokens) + longest
+    kv_bytes = max(64 * MIB, 2 * cached * dims.kv_bytes_per_token)
+    llm = dict(max_model_len=max_model_len, block_size=page_size,
+               enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
+    with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
+        cluster = start_local(num_nodes=2, global_segment_size=1 << 30,
+                              log_to_driver=False)
+    with cluster:
+        lap("cluster")
+        console.print(f"[bold]raykv[/] cluster up: nodes "
+                      f"{', '.join(n[:8] for n in cluster.node_ids)}; Mooncake master "
+                      f"{cluster.master_address}")
+        with console.status("starting 4 vLLM engines (2 per node: with raykv, stock)"):
+            conf = {"model_name": f"demo/llama-{hidden}x{layers}"}
+            with_raykv = [start_engine(n, model, conf, **llm) for n in cluster.node_ids]
+            stock = [start_engine(n, model, None, **llm) for n in cluster.node_ids]
+            ready(*with_raykv, *stock)
+            warm = random.Random("warm-up")
+            ray.get([e.generate.remote([warm.randrange(3, VOCAB) for _ in
+                                        range(2 * page_size + 1)], 2)
+                     for e in with_raykv + stock])
+        lap("engines")
+        requests = _chat(work, with_raykv, stock, page_size, console)
+        lap("chat")
+        long = _long_prompt(with_raykv, stock, long_prompt, reply_tokens, page_size,
+                            console)
+        lap("long_prompt")
+        stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+        for e in with_raykv + stock:
+            ray.kill(e)
+    summary = _summary(requests)
+    summary["l3_bytes"] = {k: sum(s["counters"].get(k, 0) for s in stats)
+                           for k in ("put_bytes", "get_bytes", "put_objects", "get_objects")}
+    _print(console, requests, summary, long)
+    import vllm
+
+    ok = long["exact"] and long["raykv_loaded_blocks"] == long["max_hit_blocks"] and \
+        long["recompute_cached_tokens"] == 0
+    result = dict(
+        machine=machine() | {"vllm": vllm.__version__},
+        config=dict(engine="vllm", model=asdict(dims) | {"params": dims.params,
+                                                         "vocab": VOCAB, "dtype": "bfloat16"},
+                    block_size=page_size, nodes=2, tp_size=1, workload=asdict(work),
+                    long_prompt=long_prompt, vllm=llm | {"enforce_eager": True,
+                                                         "omp_threads": 1}),
+        requests=requests, summary=summary, long_prompt=long, ok=ok, phases_s=phases,
+        elapsed_s=time.perf_counter() - started)
+    out.mkdir(parents=True, exist_ok=True)
+    save(result, out, "demo_vllm", lambda r, path: plot_ttft(
+        r["requests"], {"recompute\n(stock vLLM)": long["recompute_ms"],
+                        "cached (raykv,\nother node)": long["cached_raykv_ms"],
+                        "cached (vLLM's\nprefix cache)": long["cached_vllm_ms"],
+                        "recompute, save\nto raykv": long["recompute_save_ms"]},
+        long["tokens"], path, without=("ttft_stock_ms", "without raykv (stock vLLM)")),
+        console)
+    console.print("[green]OK[/]: the long prompt restored from raykv on the other node gives "
+                  "the tokens of restoring it from vLLM's own prefix cache" if ok else
+                  "[red]FAILED[/]")
+    return result
+
+
+def _loaded(engine) -> tuple[int, int]:
+    """Blocks the engine's (TP=1) worker connector has loaded and saved so far."""
+    (s,) = ray.get(engine.worker_stats.remote())
+    return s["loaded"], s["saved"]
+
+
+def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int,
+          console: Console) -> list[dict]:
+    system = work.system_prompt()
+    history = {s: list(system) for s in range(work.sessions)}
+    requests = []
+    with progress(console) as bar:
+        task = bar.add_task("multi-turn chat", total=work.sessions * work.turns)
+        for session, turn, node in work.schedule(len(with_raykv)):
+            prompt = history[session] + work.user_message(session, turn)
+            bar.update(task, description=f"session {session} turn {turn} on node {node} "
+                       f"({len(prompt)} tokens)")
+            loaded0, saved0 = _loaded(with_raykv[node])
+            got = ray.get(with_raykv[node].generate.remote(prompt, work.reply_tokens))
+            loaded1, saved1 = _loaded(with_raykv[node])
+            base = ray.get(stock[node].generate.remote(prompt, work.reply_tokens))
+            history[session] = prompt + got["tokens"]
+            raykv = (loaded1 - loaded0) * block
+            requests.append(dict(
+                session=session, turn=turn, node=node, prompt_tokens=len(prompt),
+                vllm_cached_tokens=got["cached"] - raykv, raykv_tokens=raykv,
+                computed_tokens=len(prompt) - got["cached"], saved_blocks=saved1 - saved0,
+                ttft_ms=got["ttft_s"] * 1e3, ttft_stock_ms=base["ttft_s"] * 1e3,
+                stock_cached_tokens=base["cached"],
+                same_tokens=got["tokens"] == base["tokens"]))
+            bar.advance(task)
+    return requests
+
+
+def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int,
+                 console: Console) -> dict:
+    """TTFT of an ``n``-token prompt, in order: recomputed by node 0's stock engine (the
+    reference); computed by node 0's raykv engine (raykv misses; its full blocks are
+    saved, inside its TTFT: saves are synchronous); fully cached: loaded from raykv by
+    node 1's raykv engine, and from node 0's raykv engine's own prefix cache."""
+    rng = random.Random(f"long/{n}")
+    prompt = [rng.randrange(3, VOCAB) for _ in range(n)]
+    a, b = with_raykv
+    runs = (("recompute", stock[0]), ("recompute_save", a), ("cached_raykv", b),
+            ("cached_vllm", a))
+    steps = {}
+    loaded_before = _loaded(b)[0]  # b runs the prompt once: what it loads is this
+    with progress(console) as bar:
+        task = bar.add_task(f"{n}-token prompt", total=len(runs))
+        for name, eng in runs:
+            bar.update(task, description=f"{n}-token prompt: {name}")
+            steps[name] = ray.get(eng.generate.remote(prompt, reply))
+            bar.advance(task)
+    ms = {k: v["ttft_s"] * 1e3 for k, v in steps.items()}
+    want = steps["recompute"]["tokens"]
+    return dict(tokens=n, max_hit_blocks=(n - 1) // block,
+                recompute_ms=ms["recompute"],
+                recompute_save_ms=ms["recompute_save"],
+                recompute_cached_tokens=steps["recompute_save"]["cached"],
+                cached_raykv_ms=ms["cached_raykv"],
+                raykv_loaded_blocks=_loaded(b)[0] - loaded_before,
+                cached_raykv_tokens=steps["cached_raykv"]["cached"],
+                cached_vllm_ms=ms["cached_vllm"],
+                cached_vllm_tokens=steps["cached_vllm"]["cached"],
+                speedup_raykv=ms["recompute"] / ms["cached_raykv"],
+                speedup_vllm=ms["recompute"] / ms["cached_vllm"],
+                same_tokens_as_recompute={k: v["tokens"] == want for k, v in steps.items()},
+                exact=steps["cached_raykv"]["tokens"] == steps["cached_vllm"]["tokens"])
+
+
+def _summary(requests: list[dict]) -> dict:
+    """Prompt tokens served per tier, with raykv and without; TTFT totals."""
+    tokens = sum(r["prompt_tokens"] for r in requests)
+    vllm = sum(r["vllm_cached_tokens"] for r in requests)
+    raykv = sum(r["raykv_tokens"] for r in requests)
+    stock = sum(r["stock_cached_tokens"] for r in requests)
+    with_ms = sum(r["ttft_ms"] for r in requests)
+    stock_ms = sum(r["ttft_stock_ms"] for r in requests)
+    return dict(
+        tier_hit_rate={"vllm_prefix_cache": vllm / tokens, "raykv": raykv / tokens,
+                       "computed": 1 - (vllm + raykv) / tokens},
+        stock_hit_rate={"vllm_prefix_cache": stock / tokens, "computed": 1 - stock / tokens},
+        ttft_ms_total=with_ms, ttft_stock_ms_total=stock_ms, speedup=stock_ms / with_ms,
+        same_tokens=sum(r["same_tokens"] for r in requests), requests=len(requests))
+
+
+def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
+    table = Table(title="Time to first token per request (ms), vLLM with raykv vs stock")
+    for col in ("session", "turn", "node", "prompt", "vLLM cache", "raykv", "computed",
+                "raykv TTFT", "stock TTFT", "speedup", "stock cached", "same tokens"):
+        table.add_column(col, justify="right")
+    for r in requests:
+        table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
+                      str(r["prompt_tokens"]), str(r["vllm_cached_tokens"]),
+                      str(r["raykv_tokens"]), str(r["computed_tokens"]),
+                      f"{r['ttft_ms']:.0f}", f"{r['ttft_stock_ms']:.0f}",
+                      f"{r['ttft_stock_ms'] / r['ttft_ms']:.1f}x",
+                      str(r["stock_cached_tokens"]), "yes" if r["same_tokens"] else "no")
+    console.print(table)
+    tiers, stock = summary["tier_hit_rate"], summary["stock_hit_rate"]
+    console.print(f"prompt tokens served with raykv: vLLM prefix cache "
+                  f"{tiers['vllm_prefix_cache']:.0%}, raykv (Mooncake) {tiers['raykv']:.0%}, "
+                  f"computed {tiers['computed']:.0%}; stock vLLM: prefix cache "
+                  f"{stock['vllm_prefix_cache']:.0%}, computed {stock['computed']:.0%}")
+    console.print(f"total TTFT {summary['ttft_ms_total']:.0f} ms with raykv vs "
+                  f"{summary['ttft_stock_ms_total']:.0f} ms stock ({summary['speedup']:.1f}x); "
+                  f"greedy tokens equal to stock vLLM's in {summary['same_tokens']} of "
+                  f"{summary['requests']} requests")
+    io = summary["l3_bytes"]
+    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MIB:.1f} MiB in "
+                  f"{io['put_objects']} objects, get {io['get_bytes'] / MIB:.1f} MiB in "
+                  f"{io['get_objects']} objects")
+    console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
+                  f"{long['recompute_ms']:.0f} ms (stock vLLM; "
+                  f"{long['recompute_save_ms']:.0f} ms with raykv saving its blocks); fully "
+                  f"cached from raykv (other node, "
+                  f"{long['raykv_loaded_blocks']} of {long['max_hit_blocks']} blocks loaded) "
+                  f"{long['cached_raykv_ms']:.0f} ms ([bold]{long['speedup_raykv']:.1f}x "
+                  f"lower[/]); from vLLM's own prefix cache {long['cached_vllm_ms']:.0f} ms "
+                  f"({long['speedup_vllm']:.1f}x lower); same tokens: "
+                  f"{'yes' if long['exact'] else 'NO'}")

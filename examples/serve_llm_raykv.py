@@ -1,0 +1,123 @@
+"""Ray Serve LLM with raykv: vLLM replicas that reuse the KV blocks any replica computed.
+
+Every replica's vLLM engine loads ``RayKVConnector`` (``engine_kwargs`` ->
+``kv_transfer_config``); a prompt whose prefix any replica on any node served before
+loads those blocks from raykv (the node's cache actor, Mooncake) instead of computing
+them. Nothing else changes in the Serve app: routing, autoscaling and the OpenAI API are
+Ray Serve LLM's.
+
+On a Ray cluster with GPUs (Ray Serve LLM and vLLM's CUDA build, ``pip install
+'ray[serve,llm]'``, and raykv installed on every node, same Ray version)::
+
+    raykv up --address auto                     # master, controller, a cache actor per node
+    python examples/serve_llm_raykv.py --model Qwen/Qwen2.5-7B-Instruct --replicas 2
+
+The script starts the app, sends a few requests that share a long prefix and prints, per
+request, the prompt tokens vLLM reported as cached (its own prefix cache plus the blocks
+raykv loaded; with ``--no-prefix-caching`` only raykv's). ``--cpu`` runs the replicas on
+CPUs with vLLM's CPU build (``pip install 'raykv[vllm]'``, then ``pip install
+'ray[serve]==<this Ray's version>' pyarrow``: ``ray[llm]`` would pull the CUDA build
+over it); see the README, "Ray Serve LLM".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+
+import ray
+from ray import serve
+from ray.serve.llm import LLMConfig, build_openai_app
+
+
+def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
+                     prefix_caching: bool, max_model_len: int, model_name: str | None = None,
+                     **llm_config) -> LLMConfig:
+    """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector.
+
+    ``model_name``: the model part of raykv's keys (default ``model_source``): engines
+    share blocks when it (and the TP size) match. ``llm_config``: any other ``LLMConfig``
+    field (e.g. ``placement_group_config``)."""
+    engine_kwargs = dict(
+        max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching,
+        enable_prompt_tokens_details=True,  # usage.prompt_tokens_details.cached_tokens
+        kv_transfer_config=dict(
+            kv_connector="RayKVConnector",
+            kv_connector_module_path="raykv.integrations.vllm",
+            kv_role="kv_both",                   # load and save
+            kv_load_failure_policy="recompute",  # a block that did not load is recomputed
+            kv_connector_extra_config={"model_name": model_name or model_source},
+        ),
+    )
+    env = {}
+    kw = dict(llm_config)
+    if cpu:
+        kw["accelerator_config"] = {"kind": "cpu"}
+        engine_kwargs |= dict(dtype="bfloat16", enforce_eager=True,
+                              kv_cache_memory_bytes=256 << 20)
+        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return LLMConfig(
+        model_loading_config=dict(model_id=model_id, model_source=model_source),
+        deployment_config=dict(autoscaling_config=dict(min_replicas=replicas,
+                                                       max_replicas=replicas)),
+        engine_kwargs=engine_kwargs,
+        runtime_env={"env_vars": env},
+        **kw,
+    )
+
+
+def complete(url: str, model_id: str, prompt: str | list[int], max_tokens: int = 16,
+             **extra) -> dict:
+    """One greedy OpenAI completion through the Serve app (``prompt``: text or token ids;
+    ``extra``: more request fields, e.g. vLLM's ``return_token_ids``); the response."""
+    body = json.dumps({"model": model_id, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0} | extra).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:  # the app's own message says what was wrong
+        raise RuntimeError(f"{e.code} from the app: {e.read().decode()[:2000]}") from None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model id or local path")
+    p.add_argument("--model-id", default="raykv-llm", help="name the app serves it as")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="CPU replicas (vLLM's CPU build)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM's own prefix cache off: every cached token came from raykv")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--address", default="auto", help="Ray cluster (raykv must be up there)")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
+    args = p.parse_args()
+
+    ray.init(address=args.address)
+    config = raykv_llm_config(args.model_id, args.model, replicas=args.replicas, cpu=args.cpu,
+                              prefix_caching=not args.no_prefix_caching,
+                              max_model_len=args.max_model_len)
+    serve.start(http_options={"port": args.port})
+    serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
+    url = f"http://127.0.0.1:{args.port}"
+    # Prompts as token ids (any model's vocabulary has ids 100-1999): half the context
+    # shared by every request, then a few ids of its own.
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 2000) for _ in range(args.max_model_len // 2)]
+    for i in range(args.requests):
+        t0 = time.perf_counter()
+        usage = complete(url, args.model_id, shared + [100 + i] * 8)["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        print(f"request {i}: {usage['prompt_tokens']} prompt tokens, {cached} cached, "
+              f"{time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""vLLM engines inside Ray actors pinned to nodes, with or without raykv's connector:
+the engines of ``raykv demo --engine vllm`` and of the vLLM tests.
+
+An engine is one vLLM ``LLM`` in the actor's process. ``ENV`` (set through the actor's
+runtime env, so it holds before torch is imported there) runs it in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and, at TP=1, worker in the actor),
+with one OMP thread; ``env`` overrides it, e.g. ``{"VLLM_ENABLE_V1_MULTIPROCESSING":
+"1"}`` for vLLM's default multiprocess engine, whose engine core and worker processes
+join Ray themselves (see ``raykv.integrations.vllm.join_ray``).
+
+Imports vLLM only inside the actor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+# vLLM's LLM(...) arguments unless the caller gives them: eager (identical greedy
+# output across processes and runs), vLLM's prefix cache off (so every cached token of
+# a connector engine came from raykv), a 64 MiB KV cache (else vLLM wants 92% of RAM).
+LLM_DEFAULTS = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
+                    enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+                    max_num_seqs=4, disable_log_stats=False)
+
+
+def _worker_stats(worker) -> dict:
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    return dict(c.stats, tp_rank=c.tp_rank, pid=os.getpid())
+
+
+class VLLMEngine:
+    """One vLLM ``LLM`` (the body of a Ray actor: ``start_engine``).
+
+    ``connector``: raykv's ``kv_connector_extra_config`` (None: no connector);
+    ``failure_policy``: vLLM's ``kv_load_failure_policy``; ``llm_kwargs``: any other
+    ``LLM(...)`` argument, over ``LLM_DEFAULTS``.
+    """
+
+    def __init__(self, model: str, connector: dict | None, *,
+                 failure_policy: str = "recompute", **llm_kwargs) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kw = LLM_DEFAULTS | llm_kwargs
+        if connector is not None:
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="RayKVConnector", kv_connector_module_path="raykv.integrations.vllm",
+                kv_role="kv_both", kv_load_failure_policy=failure_policy,
+                kv_connector_extra_config=connector)
+        self.llm = LLM(model=model, **kw)
+
+    def generate(self, prompt: list[int], max_tokens: int = 24) -> dict:
+        """Greedy ``max_tokens`` tokens after ``prompt`` (token ids): ``tokens``,
+        ``cached`` (vLLM's ``num_cached_tokens``: its own prefix cache plus tokens a
+        connector loaded) and ``ttft_s`` (vLLM's ``first_token_latency``: from the
+        request's arrival to its first token; None with ``disable_log_stats``)."""
+        from vllm import SamplingParams
+
+        out = self.llm.generate({"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True), use_tqdm=False)[0]
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                "ttft_s": out.metrics.first_token_latency if out.metrics else None}
+
+    def worker_stats(self) -> list[dict]:
+        """Each TP rank's worker connector counters (``RayKVConnector.stats``, its TP
+        rank and pid). Needs the callable to reach the workers: in-process engines, or
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` with the multiprocess engine."""
+        return self.llm.collective_rpc(_worker_stats)
+
+    def close(self) -> None:
+        """Shut the engine down (its engine core and worker processes and their shared
+        memory), so that killing the actor leaves nothing behind."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+Engine = ray.remote(num_cpus=0)(VLLMEngine)
+
+
+def start_engine(node_id: str, model: str, connector: dict | None, *,
+                 env: dict | None = None, actor_class=Engine, **kw):
+    """An engine actor (``actor_class``: ``Engine`` or another ``ray.remote`` subclass of
+    ``VLLMEngine``) hard-pinned to ``node_id``, ``ENV | env`` in its environment; it is
+    starting when this returns (``ready`` waits for it)."""
+    return actor_class.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": ENV | (env or {})}).remote(model, connector, **kw)
+
+
+def ready(*engines) -> None:
+    """Wait until every engine has started (they start in parallel)."""
+    ray.get([e.pid.remote() for e in engines])

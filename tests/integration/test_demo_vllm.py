@@ -1,0 +1,65 @@
+"""``raykv demo --engine vllm`` at tiny sizes, as a user runs it (the CLI, in a process
+of its own: it starts its own 2-node cluster, 4 real vLLM engines and Mooncake).
+
+Checks the structure of what it measured, never how fast: which tier served which
+tokens, the long prompt fully loaded from the other node, the files written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BLOCK = 128
+SYSTEM, USER, REPLY, LONG = 256, 64, 8, 1024
+
+
+@pytest.fixture(autouse=True)
+def _vllm_installed():
+    """This test needs a real vLLM: missing, it fails (never skips) with the fix."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed: pip install 'raykv[vllm]' (see README, "
+                    "'Use from vLLM'; CI installs it)")
+
+
+def test_vllm_demo_small(tmp_path: Path):
+    cmd = [str(Path(sys.executable).parent / "raykv"), "demo", "--engine", "vllm",
+           "--hidden", "128", "--layers", "2", "--sessions", "2", "--turns", "2",
+           "--system-tokens", str(SYSTEM), "--user-tokens", str(USER), "--reply-tokens",
+           str(REPLY), "--long-prompt", str(LONG), "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"COLUMNS": "160"})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "-token prompt" in out.stdout
+    result = json.loads((tmp_path / "demo_vllm.json").read_text())
+    assert (tmp_path / "demo_vllm.png").stat().st_size > 0
+    assert result["ok"] is True
+    reqs = result["requests"]
+    assert [(r["session"], r["turn"], r["node"]) for r in reqs] == \
+        [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)]
+    for r in reqs:
+        assert r["vllm_cached_tokens"] + r["raykv_tokens"] + r["computed_tokens"] == \
+            r["prompt_tokens"], r
+        assert r["vllm_cached_tokens"] >= 0 and r["raykv_tokens"] % BLOCK == 0
+        assert r["ttft_ms"] > 0 and r["ttft_stock_ms"] > 0
+    first, second = reqs[0], reqs[1]
+    # Nothing is cached before the first request; node 0 saves the system prompt's
+    # blocks. Session 1 starts on node 1: those blocks come from raykv, not from node
+    # 1's own prefix cache (empty), while stock vLLM on node 1 computes everything.
+    assert first["raykv_tokens"] == first["vllm_cached_tokens"] == 0
+    assert first["saved_blocks"] >= SYSTEM // BLOCK
+    assert second["raykv_tokens"] == SYSTEM and second["vllm_cached_tokens"] == 0
+    assert second["stock_cached_tokens"] == 0
+    long = result["long_prompt"]
+    assert long["recompute_cached_tokens"] == 0
+    assert long["raykv_loaded_blocks"] == long["max_hit_blocks"] == (LONG - 1) // BLOCK
+    assert long["cached_raykv_tokens"] == long["max_hit_blocks"] * BLOCK
+    assert long["exact"] is True
+    assert result["summary"]["tier_hit_rate"]["raykv"] > 0
+    assert result["summary"]["l3_bytes"]["get_objects"] >= long["max_hit_blocks"]
