@@ -45,6 +45,7 @@ import time
 import traceback
 from collections import Counter
 
+START = time.perf_counter()
 logging.basicConfig(level=logging.WARNING,
                     format="%(levelname)s %(threadName)s %(name)s: %(message)s")
 
@@ -525,6 +526,7 @@ def main() -> None:
     out = {"scenarios": {}}
     for sc in spec["scenarios"]:
         INJECTED.calls.clear()
+        started = time.perf_counter()
         try:
             eng = Engine(spec, sc, group)
         except Exception as e:  # SGLang fails the attach: report what it said
@@ -545,11 +547,13 @@ def main() -> None:
         res["injected"] = dict(INJECTED.calls)
         WARNINGS.messages.clear()
         eng.cc.detach_storage_backend()
+        res["elapsed_s"] = round(time.perf_counter() - started, 2)
         out["scenarios"][sc["name"]] = res
     if group is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    out["process_s"] = round(time.perf_counter() - START, 2)
     print(json.dumps(out))
 
 
