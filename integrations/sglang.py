@@ -542,19 +542,16 @@ class RayKVStore(HiCacheStorage):
 
     def _copy(self, ep: EnginePool, epages: list[int], spages: list[int],
               to_stage: bool) -> None:
-        if not epages:
-            return
-        e = torch.as_tensor(epages)
-        s = torch.as_tensor(spages)
+        """Copy SGLang pages ``epages`` to staging pages ``spages`` (or back), one slice
+        copy per run of pages consecutive on both sides (no gather into a temporary)."""
         staged = [_pages(b, ep.pool.size // ep.page_size) for b in ep.pool.buffers]
-        nbytes = 0
-        for src_e, dst_s in zip(ep.pages, staged, strict=True):
-            if to_stage:
-                dst_s.index_copy_(0, s, src_e.index_select(0, e))
-            else:
-                src_e.index_copy_(0, e, dst_s.index_select(0, s))
-            nbytes += len(epages) * src_e.shape[1]
-        self.counters["staged_bytes"] += nbytes
+        for e0, s0, n in _runs(epages, spages):
+            for engine_pages, stage_pages in zip(ep.pages, staged, strict=True):
+                if to_stage:
+                    stage_pages[s0:s0 + n].copy_(engine_pages[e0:e0 + n])
+                else:
+                    engine_pages[e0:e0 + n].copy_(stage_pages[s0:s0 + n])
+        self.counters["staged_bytes"] += len(epages) * sum(b.shape[1] for b in ep.pages)
 
     # ------------------------------------------------------------------ v1 API
     def batch_exists(self, keys: list[str],
@@ -758,6 +755,18 @@ class RayKVStore(HiCacheStorage):
 
 def _np(idx):
     return idx.cpu().numpy() if isinstance(idx, torch.Tensor) else idx
+
+
+def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """``(a0, b0, n)`` per maximal run where ``a`` and ``b`` both go up by one per item:
+    ``_runs([4, 5, 9], [0, 1, 2]) == [(4, 0, 2), (9, 2, 1)]``."""
+    out: list[tuple[int, int, int]] = []
+    for x, y in zip(a, b, strict=True):
+        if out and x == out[-1][0] + out[-1][2] and y == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((x, y, 1))
+    return out
 
 
 def _slots(starts: list[int], page_size: int) -> torch.Tensor:
