@@ -244,6 +244,7 @@ def run_sglang_bench(
         "run_id": run_id,
         "machine": machine_info(),
         "sglang": raw["sglang"],
+        "sglang_environment": raw["environment"],
         "config": {"page_sizes": list(page_sizes), "batch": batch, "iters": iters,
                    "segment_bytes": SEGMENT_BYTES, "nodes": 2,
                    "mode": "standalone" if standalone else "embedded",

@@ -199,6 +199,16 @@ class Bench:
         return stats
 
 
+def _installed(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -206,9 +216,16 @@ def main() -> None:
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0,
                                         tp_size=1, pp_rank=0, pp_size=1)
-    import sglang
+    from importlib.metadata import version
 
-    out: dict[str, Any] = {"sglang": sglang.__version__, "sizes": []}
+    import sglang
+    import torch
+
+    out: dict[str, Any] = {"sglang": sglang.__version__, "sizes": [], "environment": {
+        "torch": torch.__version__, "python": sys.version.split()[0],
+        "mooncake": version("mooncake-transfer-engine-non-cuda")
+        if _installed("mooncake-transfer-engine-non-cuda")
+        else version("mooncake-transfer-engine")}}
     base = int(spec["run_id"], 16) % (1 << 40)
     for i, page_bytes in enumerate(spec["page_sizes"]):
         t = time.perf_counter()
