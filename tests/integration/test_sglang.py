@@ -249,7 +249,8 @@ def test_random_backend_failures_never_load_wrong_bytes(cross_node):
     writer, reader = cross_node
     w, r, rec = writer["faulty"], reader["faulty"], reader["recovered"]
     assert w["wrapper"] == r["wrapper"] == "HiCacheStorageFailureInjector"
-    assert sum(w["injected"].values()) > 0 and sum(r["injected"].values()) > 0
+    # ~50 calls at p = 0.3: no injected failure at all has a probability of ~1e-7.
+    assert sum(w["injected"].values()) + sum(r["injected"].values()) > 0
     steps(w)
     served = []
     for pre in steps(r):
