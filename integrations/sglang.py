@@ -13,9 +13,9 @@ joins the raykv cluster over Ray, talks to the cache actor of its node through a
 
 - **Zero-copy** (``"allocator": "shm"``, embedded Mooncake mode): SGLang's KV-like host
   pools (KV, SWA, draft, DSA indexer; MHA or MLA, ``page_first``) are memfds in the
-  scheduler process. The node actor maps them through ``/proc/<pid>/fd/<fd>``, registers them with
-  its Mooncake client (``cache_actors.engine_memory``), and pages move straight between
-  SGLang's tensors and the store.
+  scheduler process. The node actor maps them through ``/proc/<pid>/fd/<fd>``, registers
+  them with its Mooncake client (``cache_actors.engine_memory``), and pages move straight
+  between SGLang's tensors and the store.
 - **Staging** (any other allocator, Mamba pools, standalone mode): a raykv host pool of
   the same page geometry per SGLang pool; pages are copied into it before a put and out
   of it after a get (one warning names the reason and what would make it zero-copy). In
