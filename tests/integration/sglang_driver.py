@@ -419,8 +419,8 @@ class Engine:
         while True:
             a = self.cc.ack_prefetch_queue.get(timeout=60)
             acks.append([a.completed_tokens, str(a.pool_hits), a.completed_req])
-            pool_hits.update({str(getattr(k, "value", k)): v
-                              for k, v in (a.pool_hits or {}).items()})
+            pool_hits.update({str(getattr(k, "value", k)): v  # SGLang lists every pool
+                              for k, v in (a.pool_hits or {}).items() if v})
             if a.completed_req:
                 break
         loaded = max((a[0] or 0) for a in acks) // P

@@ -198,11 +198,14 @@ def test_swa_windows_through_sglang_swa_pool(cross_node):
     assert ex["extra"] == {"swa": 2}
     assert pre["hit_pages"] == 5 and pre["loaded_pages"] == 5
     assert pre["restorable"] == [0, 1, 2, 5]
+    assert pre["query_pool_hit_pages"] == {"kv": 5, "swa": 2}
     assert pre["kv_match"] == [True] * 5
     assert pre["pool_hits"]["swa"] == 2 and pre["swa_pages"] == [3, 4]
     assert pre["swa_match"] == [True, True]
     assert ex_short["rank_local_v1"] == 5 and ex_short["restorable"] == [0, 1, 2]
     assert pre_short["hit_pages"] == 2 and pre_short["loaded_pages"] == 2
+    assert pre_short["restorable"] == [0, 1, 2]
+    assert pre_short["query_pool_hit_pages"] == {"kv": 2, "swa": 2}
     assert pre_short["kv_match"] == [True] * 2
     assert pre_short["swa_pages"] == [0, 1] and pre_short["swa_match"] == [True, True]
     assert ex_none["rank_local_v1"] == 3 and ex_none["kv_hit_pages"] == 0
@@ -221,6 +224,8 @@ def test_dsa_indexer_sidecar_through_sglang_dsa_pool(cross_node):
     assert ex["rank_local_v1"] == 5 and ex["kv_hit_pages"] == 3
     assert ex["extra"] == {"indexer": 3}
     assert pre["hit_pages"] == 3 and pre["loaded_pages"] == 3
+    assert pre["restorable"] == [0, 1, 2, 3]
+    assert pre["query_pool_hit_pages"] == {"kv": 3, "indexer": 3}
     assert pre["kv_match"] == [True] * 3 and pre["side_match"] == [True] * 3
     assert st["pools"]["indexer"]["zero_copy"] is True
     assert all(reader["dsa"]["threads"].values())
@@ -237,6 +242,8 @@ def test_draft_sidecar_through_sglang_draft_pool(cross_node):
     assert ex["rank_local_v1"] == 5 and ex["kv_hit_pages"] == 2
     assert ex["extra"] == {"draft": 2}
     assert pre["hit_pages"] == 2 and pre["loaded_pages"] == 2
+    assert pre["restorable"] == [0, 1, 2]
+    assert pre["query_pool_hit_pages"] == {"kv": 2, "draft": 2}
     assert pre["kv_match"] == [True] * 2 and pre["side_match"] == [True] * 2
     assert st["pools"]["draft"]["zero_copy"] is True
     assert all(reader["draft"]["threads"].values())
