@@ -23,11 +23,10 @@ DSA_PAGE = 64
 FAILURE_ENV = "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"
 
 
-def require_sglang(python: str | None = None) -> None:
+def require_sglang() -> None:
     """Fail the test (never skip) when the SGLang venv's python is missing."""
-    python = python or SGLANG_PY
-    if not os.path.exists(python):
-        pytest.fail(f"the SGLang venv is missing ({python}): build it with "
+    if not os.path.exists(SGLANG_PY):
+        pytest.fail(f"the SGLang venv is missing ({SGLANG_PY}): build it with "
                     "`.ci/sglang-venv` or point RAYKV_SGLANG_PYTHON at a python with "
                     "sglang==0.5.23 and raykv installed", pytrace=False)
 
