@@ -153,20 +153,45 @@ def down(address: str, namespace: str) -> None:
 
 
 @main.command()
-@click.option("--page-sizes", default="64K,1M,4M", show_default=True,
-              help="Comma-separated page sizes (K/M suffixes).")
+@click.option("--engine", default="raykv", show_default=True,
+              type=click.Choice(["raykv", "sglang"]),
+              help="raykv: the data plane vs raw Mooncake and memcpy (bench_dataplane.*). "
+                   "sglang: SGLang's write_storage / prefetch through RayKVStore vs SGLang's "
+                   "built-in MooncakeStore (bench_sglang.*), run in SGLang's venv.")
+@click.option("--page-sizes", default=None,
+              help="Comma-separated page sizes (K/M suffixes) [default: 64K,1M,4M; "
+                   "sglang: 64K,256K,1M,4M, multiples of 64K].")
 @click.option("--batch", default=128, show_default=True, help="Pages per batch call.")
 @click.option("--iters", default=5, show_default=True, help="Timed iterations per size.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
-              help="Folder for bench_dataplane.json and .png.")
+              help="Folder for the JSON and PNG.")
 @click.option("--ranks", "with_ranks", is_flag=True,
               help="Also run `raykv bench-ranks` with its defaults afterwards.")
-def bench(page_sizes: str, batch: int, iters: int, out_dir: str, with_ranks: bool) -> None:
-    """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run."""
-    from raykv.clusters.bench import run_dataplane_bench
+@click.option("--sglang-python", default=None, help="--engine sglang: SGLang's python "
+              "[default: $RAYKV_SGLANG_PYTHON, else .venv-sglang/bin/python].")
+@click.option("--standalone", is_flag=True, help="--engine sglang: nodes in standalone "
+              "Mooncake mode (RayKVStore then stages SGLang's pages; bench_sglang_standalone.*).")
+def bench(engine: str, page_sizes: str | None, batch: int, iters: int, out_dir: str,
+          with_ranks: bool, sglang_python: str | None, standalone: bool) -> None:
+    """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run; or
+    (--engine sglang) SGLang's HiCache L3 through raykv vs SGLang's MooncakeStore."""
+    sizes = [parse_size(s) for s in page_sizes.split(",")] if page_sizes else None
+    if engine == "sglang":
+        from raykv.clusters.bench_sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
-    sizes = [parse_size(s) for s in page_sizes.split(",")]
-    run_dataplane_bench(page_sizes=sizes, batch=batch, iters=iters, out_dir=out_dir)
+        try:
+            run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
+                             iters=iters, out_dir=out_dir, python=sglang_python,
+                             standalone=standalone)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    else:
+        if sglang_python or standalone:
+            raise click.UsageError("--sglang-python and --standalone need --engine sglang")
+        from raykv.clusters.bench import DEFAULT_PAGE_SIZES, run_dataplane_bench
+
+        run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
+                            iters=iters, out_dir=out_dir)
     if with_ranks:
         from raykv.clusters.bench_ranks import run_ranks_bench
 

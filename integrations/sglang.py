@@ -12,13 +12,17 @@ joins the raykv cluster over Ray, talks to the cache actor of its node through a
 ``CacheClient`` and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
 
 - **Zero-copy** (``"allocator": "shm"``, embedded Mooncake mode): SGLang's KV-like host
-  pools (KV, SWA, draft; MHA or MLA, ``page_first``) are memfds in the scheduler
-  process. The node actor maps them through ``/proc/<pid>/fd/<fd>``, registers them with
-  its Mooncake client (``cache_actors.engine_memory``), and pages move straight between
-  SGLang's tensors and the store.
+  pools (KV, SWA, draft, DSA indexer; MHA or MLA, ``page_first``) are memfds in the
+  scheduler process. The node actor maps them through ``/proc/<pid>/fd/<fd>``, registers
+  them with its Mooncake client (``cache_actors.engine_memory``), and pages move straight
+  between SGLang's tensors and the store.
 - **Staging** (any other allocator, Mamba pools, standalone mode): a raykv host pool of
   the same page geometry per SGLang pool; pages are copied into it before a put and out
-  of it after a get (one warning names the flag when the allocator is the reason).
+  of it after a get (one warning names the reason and what would make it zero-copy). In
+  standalone mode the store's buffers are ``mooncake_client``'s shared memory, which
+  only ``mooncake_client`` can register and which cannot map SGLang's memfds, so every
+  pool is staged there; the staging pools are allocated from that memory and count
+  against the node's ``host_pool_bytes`` (``2 * staging_pages`` pages per pool).
 
 Hit queries (``batch_exists``, ``batch_exists_v2``) go through raykv's group query: every
 TP rank of the deployment gets the same answer, so SGLang's MIN all-reduce never shrinks
@@ -302,6 +306,9 @@ class RayKVStore(HiCacheStorage):
         self._node_id = extra.get("ray_node_id") or None
         self.client = CacheClient(self.config, node_id=self._node_id,
                                   namespace=self._namespace)
+        # The node's Mooncake mode decides what zero-copy is possible: in standalone mode
+        # the store's buffers belong to mooncake_client, which cannot map SGLang's memfds.
+        self._mode = self.client.health()["mode"]
         self._zero_copy = bool(extra.get("zero_copy", True))
         self._allocator = extra.get("allocator")
         self._staging_pages = int(extra.get("staging_pages", STAGING_PAGES))
@@ -368,12 +375,20 @@ class RayKVStore(HiCacheStorage):
     def _serve(self, ep: EnginePool) -> None:
         """Give ``ep`` its raykv pool: SGLang's memfd adopted by the node actor, or a
         staging pool."""
-        why = None
+        hint = ("for zero-copy set \"allocator\": \"shm\" in "
+                "--hicache-storage-backend-extra-config (embedded Mooncake mode)")
         if not self._zero_copy:
             why = "zero_copy is off in the extra config"
+        elif ep.kind == "mamba":
+            why = "Mamba pools are staged"
+        elif self._mode != "embedded":
+            why = (f"the node's cache actor runs in {self._mode} Mooncake mode, where the "
+                   "store's buffers belong to mooncake_client, which cannot map SGLang's "
+                   "memory")
+            hint = "zero-copy needs raykv in embedded Mooncake mode"
         elif ep.memfd is None:
             why = (f"allocator {self._allocator or 'default'}: its host pool is not a memfd "
-                   "of this process" if ep.kind != "mamba" else "Mamba pools are staged")
+                   "of this process")
         else:
             try:
                 self._adopt(ep)
@@ -382,9 +397,8 @@ class RayKVStore(HiCacheStorage):
                 why = str(e)
         if ep.kind != "mamba" and not self._warned_staging:
             self._warned_staging = True
-            log.warning("raykv: host pools are served through a staging copy (%s); for "
-                        "zero-copy set \"allocator\": \"shm\" in "
-                        "--hicache-storage-backend-extra-config (embedded Mooncake mode)", why)
+            log.warning("raykv: host pools are served through a staging copy (%s); %s",
+                        why, hint)
         # Mamba slots are large and move one per request: a few staged slots suffice
         # (a call with more goes through in rounds).
         cap = MAMBA_STAGING_SLOTS if ep.kind == "mamba" else self._staging_pages
@@ -528,19 +542,16 @@ class RayKVStore(HiCacheStorage):
 
     def _copy(self, ep: EnginePool, epages: list[int], spages: list[int],
               to_stage: bool) -> None:
-        if not epages:
-            return
-        e = torch.as_tensor(epages)
-        s = torch.as_tensor(spages)
+        """Copy SGLang pages ``epages`` to staging pages ``spages`` (or back), one slice
+        copy per run of pages consecutive on both sides (no gather into a temporary)."""
         staged = [_pages(b, ep.pool.size // ep.page_size) for b in ep.pool.buffers]
-        nbytes = 0
-        for src_e, dst_s in zip(ep.pages, staged, strict=True):
-            if to_stage:
-                dst_s.index_copy_(0, s, src_e.index_select(0, e))
-            else:
-                src_e.index_copy_(0, e, dst_s.index_select(0, s))
-            nbytes += len(epages) * src_e.shape[1]
-        self.counters["staged_bytes"] += nbytes
+        for e0, s0, n in _runs(epages, spages):
+            for engine_pages, stage_pages in zip(ep.pages, staged, strict=True):
+                if to_stage:
+                    stage_pages[s0:s0 + n].copy_(engine_pages[e0:e0 + n])
+                else:
+                    engine_pages[e0:e0 + n].copy_(stage_pages[s0:s0 + n])
+        self.counters["staged_bytes"] += len(epages) * sum(b.shape[1] for b in ep.pages)
 
     # ------------------------------------------------------------------ v1 API
     def batch_exists(self, keys: list[str],
@@ -720,7 +731,7 @@ class RayKVStore(HiCacheStorage):
 
     def raykv_stats(self) -> dict:
         """This backend's counters and how each pool is served."""
-        return {"counters": dict(self.counters),
+        return {"counters": dict(self.counters), "mode": self._mode,
                 "pools": {n.value: {"zero_copy": p.zero_copy, "raykv_pool": p.pool.name,
                                     "memfd": p.memfd, "kind": p.kind}
                           for n, p in self._pools.items()}}
@@ -744,6 +755,18 @@ class RayKVStore(HiCacheStorage):
 
 def _np(idx):
     return idx.cpu().numpy() if isinstance(idx, torch.Tensor) else idx
+
+
+def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """``(a0, b0, n)`` per maximal run where ``a`` and ``b`` both go up by one per item:
+    ``_runs([4, 5, 9], [0, 1, 2]) == [(4, 0, 2), (9, 2, 1)]``."""
+    out: list[tuple[int, int, int]] = []
+    for x, y in zip(a, b, strict=True):
+        if out and x == out[-1][0] + out[-1][2] and y == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((x, y, 1))
+    return out
 
 
 def _slots(starts: list[int], page_size: int) -> torch.Tensor:

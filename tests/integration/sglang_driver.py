@@ -2,14 +2,35 @@
 
 It builds SGLang 0.5.23's own device and host pools on CPU and its
 ``HybridCacheController`` with ``storage_backend="dynamic"`` loading
-``raykv.integrations.sglang.RayKVStore``, joins the raykv cluster of the test (GCS
-address, namespace, node id from the spec), and runs the spec's steps through SGLang's
-own prefetch / prefetch-IO / backup threads. Page bytes are a function of (seed, page
-hash, TP rank), so a reader on another node knows what it must find.
+``raykv.integrations.sglang.RayKVStore`` (or ``"mooncake"``: SGLang's built-in
+``MooncakeStore``), joins the raykv cluster of the test (GCS address, namespace, node id
+from the spec), and runs the spec's steps through SGLang's own prefetch / prefetch-IO /
+backup threads. Page bytes are a function of (seed, page hash, pool, TP rank), so a reader
+on another node knows what it must find; every load lands in slots first filled with
+noise, so a page reported loaded but not written fails the byte check.
+
+Models (``model``), each SGLang's own classes on ``device="cpu"``:
+
+- ``mha`` / ``mla``: one KV host pool (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``);
+- ``hybrid``: MHA KV + ``MambaPoolHost`` (Mamba state after a page, ``trailing_pages``);
+- ``swa``: MHA full-attention KV + an SWA host pool (an ``MHATokenToKVPoolHost`` of its own
+  device pool, as ``build_hybrid_swa_group`` makes it) whose window of ``SWA_WINDOW``
+  pages is backed up and loaded as SGLang's SWA component does (``trailing_pages``; the
+  prefetch query carries ``SWA_WINDOW`` placeholder keys, SGLang re-aligns them to the
+  hit);
+- ``dsa``: ``DSATokenToKVPool`` (64-token pages) with its MLA host pool and SGLang's
+  ``DSAIndexerPoolHost`` as the ``indexer`` sidecar (``indices_from_pool=KV``);
+- ``draft``: MHA KV + a draft model's MHA host pool registered after attach through
+  ``register_host_pool_entry`` as ``build_full_draft_pools`` does, the ``draft`` sidecar
+  (``indices_from_pool=KV``).
 
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
-Spec: ``ray_address, namespace, node_id, tp_rank, tp_size, gloo_port, scenarios`` where
-each scenario has ``name, model (mha | mla | hybrid), allocator, model_name, steps``.
+Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
+gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
+steps`` and optionally ``node`` (serve through that node's cache actor), ``backend``
+(``mooncake``) with ``mooncake`` (its config), ``extra`` (extra-config keys), ``layout``
+and ``env`` (environment set while SGLang builds the backend, e.g.
+``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE``).
 """
 
 from __future__ import annotations
@@ -22,13 +43,18 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 
+START = time.perf_counter()
 logging.basicConfig(level=logging.WARNING,
                     format="%(levelname)s %(threadName)s %(name)s: %(message)s")
 
 PAGE = 16
+DSA_PAGE = 64            # DSATokenToKVPool requires 64-token pages
 LAYERS = 2
 SIZE = 1024
+SWA_WINDOW = 2           # SWA pages per window (sliding window / page size)
+INJECTOR_LOG = "sglang.srt.mem_cache.hicache_storage"
 
 
 class WarningCounter(logging.Handler):
@@ -41,8 +67,26 @@ class WarningCounter(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+class InjectionCounter(logging.Handler):
+    """Counts the failures SGLang's ``HiCacheStorageFailureInjector`` injected, per call."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.calls: Counter[str] = Counter()
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("Inject failure in "):
+            self.calls[msg.removeprefix("Inject failure in ")] += 1
+
+
 WARNINGS = WarningCounter()
 logging.getLogger().addHandler(WARNINGS)
+INJECTED = InjectionCounter()
+_injector_log = logging.getLogger(INJECTOR_LOG)
+_injector_log.setLevel(logging.DEBUG)
+_injector_log.propagate = False
+_injector_log.addHandler(INJECTED)
 
 
 def page_tensor(seed: str, key: str, rank: int, shape, dtype):
@@ -50,7 +94,18 @@ def page_tensor(seed: str, key: str, rank: int, shape, dtype):
 
     h = int.from_bytes(hashlib.sha256(f"{seed}|{key}|{rank}".encode()).digest()[:8], "little")
     g = torch.Generator().manual_seed(h & ((1 << 63) - 1))
-    return torch.randn(shape, generator=g).to(dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(dtype)
+
+
+def noise(shape, dtype):
+    """Random bytes that no page of any seed equals (a fresh, unseeded draw)."""
+    import torch
+
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(0, 256, shape, dtype=torch.uint8).to(dtype)
 
 
 class Engine:
@@ -64,55 +119,87 @@ class Engine:
             HybridCacheController,
         )
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         self.torch = torch
         self.sc = sc
         self.rank = spec["tp_rank"]
         alloc_type = sc.get("allocator", "shm")
         model = sc["model"]
+        self.page = page = DSA_PAGE if model == "dsa" else PAGE
         dtype = torch.bfloat16
-        if model == "mla":
-            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        mapping = {i: i for i in range(LAYERS)}
+
+        def mha_pool(layers: int):
+            return MHATokenToKVPool(size=SIZE, page_size=page, dtype=dtype, head_num=2,
+                                    head_dim=64, layer_num=layers, device="cpu",
+                                    enable_memory_saver=False)
+
+        def mha_host(device_pool, layout="page_first", capacity=None):
+            info = device_pool.get_device_pool_infos()[0].buffer_info
+            return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False,
+                                        device="cpu", allocator_type=alloc_type,
+                                        device_capacity_tokens=device_pool.size,
+                                        start_layer=0, end_layer=device_pool.layer_num - 1,
+                                        host_token_capacity=capacity)
+
+        if model in ("mla", "dsa"):
+            from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
             from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-            kv = MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, kv_lora_rank=64,
-                                  qk_rope_head_dim=32, layer_num=LAYERS, device="cpu",
-                                  enable_memory_saver=False)
+            if model == "dsa":
+                kv = DSATokenToKVPool(size=SIZE, page_size=page, kv_lora_rank=64, dtype=dtype,
+                                      qk_rope_head_dim=32, layer_num=LAYERS, device="cpu",
+                                      index_head_dim=128, enable_memory_saver=False,
+                                      kv_cache_dim=96)
+            else:
+                kv = MLATokenToKVPool(size=SIZE, page_size=page, dtype=dtype, kv_lora_rank=64,
+                                      qk_rope_head_dim=32, layer_num=LAYERS, device="cpu",
+                                      enable_memory_saver=False)
             info = kv.get_device_pool_infos()[0].buffer_info
-            host = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, "page_first", pin_memory=False,
+            host = MLATokenToKVPoolHost(info, 2.0, 0, page, "page_first", pin_memory=False,
                                         device="cpu", allocator_type=alloc_type,
                                         device_capacity_tokens=kv.size, start_layer=0,
                                         end_layer=LAYERS - 1, target_layer_num=LAYERS)
         else:
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-            from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-            kv = MHATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, head_num=2,
-                                  head_dim=64, layer_num=LAYERS, device="cpu",
-                                  enable_memory_saver=False)
-            info = kv.get_device_pool_infos()[0].buffer_info
-            host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, sc.get("layout", "page_first"),
-                                        pin_memory=False, device="cpu",
-                                        allocator_type=alloc_type,
-                                        device_capacity_tokens=kv.size, start_layer=0,
-                                        end_layer=LAYERS - 1)
-        alloc = PagedTokenToKVPoolAllocator(SIZE, PAGE, dtype, "cpu", kv, need_sort=False)
-        mapping = {i: i for i in range(LAYERS)}
+            kv = mha_pool(LAYERS)
+            host = mha_host(kv, sc.get("layout", "page_first"))
+        alloc = PagedTokenToKVPoolAllocator(SIZE, page, dtype, "cpu", kv, need_sort=False)
         entries = [build_pool_entry(name=PoolName.KV, host_pool=host, device_pool=kv,
                                     layer_mapping=mapping, transfer_layer_id_max=LAYERS,
                                     is_anchor=True)]
-        self.mamba = None
+        self.mamba = self.swa = self.side = None
+        self.side_name = None
         if model == "hybrid":
             from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
             from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
             minfo = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 16, 16),
                                          conv=(torch.zeros(2, 8, 3, 64, dtype=dtype),))
-            self.mamba = MambaPoolHost(minfo, 2.0, 0, device_capacity=8, pin_memory=False,
+            self.mamba = MambaPoolHost(minfo, 2.0, 0, device_capacity=16, pin_memory=False,
                                        allocator_type=alloc_type, layout="page_first")
             entries.append(build_pool_entry(name=PoolName.MAMBA, host_pool=self.mamba,
                                             device_pool=None, layer_mapping=mapping,
+                                            transfer_layer_id_max=LAYERS))
+        elif model == "swa":
+            swa_kv = mha_pool(LAYERS)
+            self.swa = mha_host(swa_kv)
+            entries.append(build_pool_entry(name=PoolName.SWA, host_pool=self.swa,
+                                            device_pool=swa_kv, layer_mapping=mapping,
+                                            transfer_layer_id_max=LAYERS))
+        elif model == "dsa":
+            from sglang.srt.mem_cache.pool_host.dsa import (
+                DSAIndexerPoolHost,
+                make_dsa_indexer_pool_decl,
+            )
+
+            self.side = DSAIndexerPoolHost(decl=make_dsa_indexer_pool_decl(kv), anchor_host=host,
+                                           pin_memory=False, allocator_type=alloc_type)
+            self.side_name = PoolName.INDEXER
+            entries.append(build_pool_entry(name=PoolName.INDEXER, host_pool=self.side,
+                                            device_pool=kv, layer_mapping=mapping,
                                             transfer_layer_id_max=LAYERS))
         self.host = host
         self.group = HostPoolGroup(entries)
@@ -121,48 +208,69 @@ class Engine:
             extra = {"interface_v1": 1, **sc["mooncake"]}
         else:
             backend = "dynamic"
+            node = spec["node_ids"][sc.get("node", spec["node"])]
             extra = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
                      "class_name": "RayKVStore", "interface_v1": 1, "allocator": alloc_type,
                      "ray_address": spec["ray_address"], "ray_namespace": spec["namespace"],
-                     "ray_node_id": spec["node_id"], **sc.get("extra", {})}
+                     "ray_node_id": node, **sc.get("extra", {})}
         t = time.time()
-        self.cc = HybridCacheController(
-            alloc, self.group, PAGE, group, threading.Event(), io_backend="direct",
-            storage_backend=backend, prefetch_threshold=PAGE,
-            model_name=sc["model_name"], storage_backend_extra_config=extra,
-            transfer_layer_id_max=LAYERS)
+        env = sc.get("env", {})
+        os.environ.update(env)  # SGLang reads its test switches while it builds the backend
+        try:
+            self.cc = HybridCacheController(
+                alloc, self.group, page, group, threading.Event(), io_backend="direct",
+                storage_backend=backend, prefetch_threshold=page,
+                model_name=sc["model_name"], storage_backend_extra_config=extra,
+                transfer_layer_id_max=LAYERS)
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        if model == "draft":
+            # A draft model's KV arrives after attach, as a sidecar of the target KV's
+            # indices (SGLang's build_full_draft_pools + register_host_pool_entry).
+            draft_kv = MHATokenToKVPool(size=SIZE, page_size=page, dtype=dtype, head_num=2,
+                                        head_dim=64, layer_num=1, device="cpu",
+                                        enable_memory_saver=False)
+            self.side = mha_host(draft_kv, capacity=host.size)
+            self.side_name = PoolName.DRAFT
+            self.cc.register_host_pool_entry(build_pool_entry(
+                name=PoolName.DRAFT, host_pool=self.side, device_pool=draft_kv,
+                layer_mapping={0: 0}, transfer_layer_id_max=1))
         self.attach_s = time.time() - t
         self.backend = self.cc.storage_backend
+        # SGLang's fault injector wraps the backend; the store itself is inside.
+        self.store = getattr(self.backend, "_backend", self.backend)
+        self.side_tag = f"|{self.side_name.value}" if self.side_name is not None else ""
 
     # ------------------------------------------------------------ page bytes
-    def kv_page_shape(self):
-        buf = self.host.kv_buffer
-        return (2, PAGE, *buf.shape[2:]) if buf.dim() == 5 else (PAGE, *buf.shape[1:])
+    def page_view(self, pool, slot: int):
+        """The page of SGLang host pool ``pool`` whose first token slot is ``slot``."""
+        buf = getattr(pool, "index_k_with_scale_buffer", None)
+        if buf is not None:
+            return buf[slot // self.page]
+        buf = pool.kv_buffer
+        return buf[:, slot:slot + self.page] if buf.dim() == 5 else buf[slot:slot + self.page]
 
-    def kv_view(self, slots):
-        buf = self.host.kv_buffer
-        return buf[:, slots] if buf.dim() == 5 else buf[slots]
+    def starts(self, slots) -> list[int]:
+        return [int(s) for s in slots[::self.page].tolist()]
 
-    def fill_kv(self, seed, hashes, slots):
-        torch = self.torch
-        pages = [page_tensor(seed, h, self.rank, self.kv_page_shape(), self.host.dtype)
-                 for h in hashes]
-        if self.host.kv_buffer.dim() == 5:
-            data = torch.cat(pages, dim=1)
-        else:
-            data = torch.cat(pages, dim=0)
-        if self.host.kv_buffer.dim() == 5:
-            self.host.kv_buffer[:, slots] = data
-        else:
-            self.host.kv_buffer[slots] = data
+    def fill(self, pool, tag, seed, hashes, slots) -> None:
+        for h, s in zip(hashes, self.starts(slots), strict=True):
+            v = self.page_view(pool, s)
+            v.copy_(page_tensor(seed, h + tag, self.rank, v.shape, v.dtype))
 
-    def kv_matches(self, seed, hashes, slots) -> list[bool]:
+    def matches(self, pool, tag, seed, hashes, slots) -> list[bool]:
         out = []
-        for i, h in enumerate(hashes):
-            want = page_tensor(seed, h, self.rank, self.kv_page_shape(), self.host.dtype)
-            got = self.kv_view(slots[i * PAGE:(i + 1) * PAGE])
-            out.append(bool(self.torch.equal(got, want)))
+        for h, s in zip(hashes, self.starts(slots)[:len(hashes)], strict=True):
+            v = self.page_view(pool, s)
+            out.append(bool(self.torch.equal(
+                v, page_tensor(seed, h + tag, self.rank, v.shape, v.dtype))))
         return out
+
+    def poison(self, pool, slots) -> None:
+        for s in self.starts(slots):
+            v = self.page_view(pool, s)
+            v.copy_(noise(v.shape, v.dtype))
 
     def mamba_bufs(self):
         return [b for b in self.mamba.get_hybrid_pool_buffer() if b.numel() > 0]
@@ -170,6 +278,10 @@ class Engine:
     def fill_mamba(self, seed, key, slot):
         for i, b in enumerate(self.mamba_bufs()):
             b[slot] = page_tensor(seed, f"{key}|m{i}", self.rank, b[slot].shape, b.dtype)
+
+    def poison_mamba(self, slot):
+        for b in self.mamba_bufs():
+            b[slot] = noise(b[slot].shape, b.dtype)
 
     def mamba_matches(self, seed, key, slot) -> bool:
         return all(bool(self.torch.equal(
@@ -181,116 +293,170 @@ class Engine:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         base = int(hashlib.sha256(seed.encode()).hexdigest()[:6], 16) * 10
-        toks = list(range(base, base + n_pages * PAGE))
-        return toks, get_storage_hash_str(toks, None, page_size=PAGE)
+        toks = list(range(base, base + n_pages * self.page))
+        return toks, get_storage_hash_str(toks, None, page_size=self.page)
 
-    def write(self, step) -> dict:
-        """Back up pages ``pages`` (indices into the prompt) of a prompt of ``n_pages``;
-        with ``mamba``: Mamba states after those prefix lengths, one backup each."""
+    def extra_transfers(self, hashes) -> list:
+        """The extra pools of a prefetch query, as SGLang's components build them."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
+        out = []
+        if self.mamba is not None:
+            out.append(PoolTransfer(name=PoolName.MAMBA, keys=[hashes[-1]],
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        if self.swa is not None:  # SWAComponent: placeholders, re-aligned to the hit
+            out.append(PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * SWA_WINDOW,
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        if self.side is not None:
+            out.append(PoolTransfer(name=self.side_name, indices_from_pool=PoolName.KV))
+        return out
+
+    def write(self, step) -> dict:
+        """Back up pages ``pages`` (indices into the prompt, default all) of a prompt of
+        ``n_pages``, in runs of consecutive pages; the sidecar pool (dsa, draft) rides
+        along for the pages in ``side`` (default all). ``mamba``: Mamba states after those
+        prefix lengths; ``swa``: SWA windows ending after those prefix lengths (each with
+        the KV pages of its window), one backup each."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        P = self.page
         seed = step["seed"]
         toks, hashes = self.tokens(seed, step["n_pages"])
         pages = step.get("pages", list(range(step["n_pages"])))
+        side = set(step.get("side", pages))
         runs, run = [], []
         for p in pages:
-            if run and p != run[-1] + 1:
+            if run and (p != run[-1] + 1 or (p in side) != (run[-1] in side)):
                 runs.append(run)
                 run = []
             run.append(p)
         if run:
             runs.append(run)
-        completed = []
+        completed, pool_results = [], []
         for run in runs:
-            hidx = self.group.alloc(len(run) * PAGE)
+            hidx = self.group.alloc(len(run) * P)
             sel = [hashes[p] for p in run]
-            self.fill_kv(seed, sel, hidx)
-            rtoks = toks[run[0] * PAGE:(run[-1] + 1) * PAGE]
-            self.cc.write_storage(hidx, rtoks, hash_value=sel)
-            completed.append(self.cc.ack_backup_queue.get(timeout=60).completed_tokens)
+            self.fill(self.host, "", seed, sel, hidx)
+            extra = None
+            if self.side is not None and run[0] in side:
+                self.fill(self.side, self.side_tag, seed, sel, hidx)
+                extra = [PoolTransfer(name=self.side_name, indices_from_pool=PoolName.KV)]
+            rtoks = toks[run[0] * P:(run[-1] + 1) * P]
+            self.cc.write_storage(hidx, rtoks, hash_value=sel, extra_pools=extra)
+            ack = self.cc.ack_backup_queue.get(timeout=60)
+            completed.append(ack.completed_tokens)
+            pool_results.append({str(getattr(k, "value", k)): v for k, v in
+                                 ack.pool_storage_result.extra_pool_hit_pages.items()})
         for n in step.get("mamba", []):
             slot = self.group.alloc(1, pool=PoolName.MAMBA)
             self.fill_mamba(seed, hashes[n - 1], int(slot[0]))
             # One page of KV with the state after it (the page exists already: put-if-absent).
-            hidx = self.group.alloc(PAGE)
-            self.fill_kv(seed, [hashes[n - 1]], hidx)
+            hidx = self.group.alloc(P)
+            self.fill(self.host, "", seed, [hashes[n - 1]], hidx)
             self.cc.write_storage(
-                hidx, toks[(n - 1) * PAGE:n * PAGE], hash_value=[hashes[n - 1]],
+                hidx, toks[(n - 1) * P:n * P], hash_value=[hashes[n - 1]],
                 extra_pools=[PoolTransfer(name=PoolName.MAMBA, host_indices=slot,
                                           keys=[hashes[n - 1]],
                                           hit_policy=PoolHitPolicy.TRAILING_PAGES)])
             ack = self.cc.ack_backup_queue.get(timeout=60)
             completed.append((ack.completed_tokens, str(ack.pool_storage_result)))
-        return {"completed": completed}
+        for n in step.get("swa", []):
+            lo = max(0, n - SWA_WINDOW)
+            sel = hashes[lo:n]
+            hidx = self.group.alloc(len(sel) * P)
+            self.fill(self.host, "", seed, sel, hidx)
+            sslots = self.group.alloc(len(sel) * P, pool=PoolName.SWA)
+            self.fill(self.swa, "|swa", seed, sel, sslots)
+            self.cc.write_storage(
+                hidx, toks[lo * P:n * P], hash_value=sel,
+                extra_pools=[PoolTransfer(name=PoolName.SWA, host_indices=sslots, keys=sel,
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+            ack = self.cc.ack_backup_queue.get(timeout=60)
+            completed.append(ack.completed_tokens)
+            pool_results.append({str(getattr(k, "value", k)): v for k, v in
+                                 ack.pool_storage_result.extra_pool_hit_pages.items()})
+        return {"completed": completed, "pool_results": pool_results}
 
     def prefetch(self, step) -> dict:
         """SGLang's prefetch of a prompt of ``n_pages``: hit query on the prefetch thread,
-        then the load on the prefetch-IO thread; bytes compared with what the writer
-        wrote."""
+        then the load on the prefetch-IO thread into slots filled with noise; bytes
+        compared with what the writer wrote, for the pages SGLang reports loaded."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.hicache_storage import PoolName
 
+        P = self.page
         seed = step["seed"]
         toks, hashes = self.tokens(seed, step["n_pages"])
-        extra = None
-        if self.mamba is not None:
-            extra = [PoolTransfer(name=PoolName.MAMBA, keys=[hashes[-1]],
-                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)]
         rid = f"{step.get('rid', seed)}-{time.time_ns()}"
-        op = self.cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), toks, None,
-                              extra_pools=extra)
+        self.cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), toks, None,
+                         extra_pools=self.extra_transfers(hashes) or None)
         op = self.cc.prefetch_hit_queue.get(timeout=60)
         hit_tokens = op.storage_hit_count
-        res = {"hit_tokens": hit_tokens, "hit_pages": hit_tokens // PAGE,
-               "query_pool_hit_pages": {str(k): v for k, v in
+        res = {"hit_tokens": hit_tokens, "hit_pages": hit_tokens // P,
+               "restorable": list(op.pool_storage_result.restorable_prefix_pages or []),
+               "query_pool_hit_pages": {str(getattr(k, "value", k)): v for k, v in
                                         (op.query_pool_hit_pages or {}).items()}}
         if hit_tokens == 0:
             res.update(loaded_pages=0, kv_match=[], mamba_match=None)
             return res
         op.host_indices = self.group.alloc(hit_tokens)
-        mslot = None
-        if self.mamba is not None:
-            mslot = self.group.alloc(1, pool=PoolName.MAMBA)
-            for t in op.pool_transfers or []:
-                if t.name == PoolName.MAMBA:
-                    t.host_indices = mslot
+        self.poison(self.host, op.host_indices)
+        if self.side is not None:
+            self.poison(self.side, op.host_indices)
+        mslot = swa = None
+        for t in op.pool_transfers or []:
+            if t.name == PoolName.MAMBA:
+                mslot = self.group.alloc(1, pool=PoolName.MAMBA)
+                self.poison_mamba(int(mslot[0]))
+                t.host_indices = mslot
+            elif t.name == PoolName.SWA:
+                swa = t
+                n = min(SWA_WINDOW, hit_tokens // P)
+                t.host_indices = self.group.alloc(n * P, pool=PoolName.SWA)
+                self.poison(self.swa, t.host_indices)
         self.cc.prefetch_buffer.put(op)
-        acks = []
+        acks, pool_hits = [], {}
         while True:
             a = self.cc.ack_prefetch_queue.get(timeout=60)
             acks.append([a.completed_tokens, str(a.pool_hits), a.completed_req])
+            pool_hits.update({str(getattr(k, "value", k)): v  # SGLang lists every pool
+                              for k, v in (a.pool_hits or {}).items() if v})
             if a.completed_req:
                 break
-        loaded = max((a[0] or 0) for a in acks) // PAGE
-        res["acks"] = acks
-        res["loaded_pages"] = loaded
-        res["kv_match"] = self.kv_matches(seed, hashes[:loaded], op.host_indices.tolist())
-        if mslot is not None and loaded:
+        loaded = max((a[0] or 0) for a in acks) // P
+        res.update(acks=acks, loaded_pages=loaded, pool_hits=pool_hits)
+        res["kv_match"] = self.matches(self.host, "", seed, hashes[:loaded], op.host_indices)
+        if self.side is not None:
+            res["side_match"] = self.matches(self.side, self.side_tag, seed, hashes[:loaded],
+                                             op.host_indices)
+        if mslot is not None and loaded and pool_hits.get("mamba", 0) >= 1:
             res["mamba_match"] = self.mamba_matches(seed, hashes[loaded - 1], int(mslot[0]))
+        else:
+            res["mamba_match"] = None
+        if swa is not None and pool_hits.get("swa", 0) >= 1:
+            # SGLang re-aligned the placeholder keys to the last window pages of the hit.
+            res["swa_pages"] = [hashes.index(k) for k in swa.keys]
+            res["swa_match"] = self.matches(self.swa, "|swa", seed, list(swa.keys),
+                                            swa.host_indices)
         return res
 
     def exists_v2(self, step) -> dict:
         """The backend's own v2 answer (as SGLang's prefetch thread asks it)."""
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-
         _, hashes = self.tokens(step["seed"], step["n_pages"])
-        extra = []
-        if self.mamba is not None:
-            extra = [PoolTransfer(name=PoolName.MAMBA, keys=[hashes[-1]],
-                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)]
-        r = self.backend.batch_exists_v2(hashes, extra)
-        local = self.backend.client.batch_exists(hashes)
+        r = self.store.batch_exists_v2(hashes, self.extra_transfers(hashes))
+        local = self.store.client.batch_exists(hashes)
         return {"kv_hit_pages": r.kv_hit_pages,
                 "restorable": list(r.restorable_prefix_pages or []),
-                "extra": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
-                "group_v1": self.backend.batch_exists(hashes), "rank_local_v1": local}
+                "extra": {str(getattr(k, "value", k)): v
+                          for k, v in r.extra_pool_hit_pages.items()},
+                "group_v1": self.store.batch_exists(hashes), "rank_local_v1": local}
 
     def kill_node_actor(self, step) -> dict:
         import ray
         from raykv.controllers.naming import node_actor_name
 
-        actor = ray.get_actor(node_actor_name(self.backend.client.node_id),
-                              namespace=self.backend._namespace)
+        actor = ray.get_actor(node_actor_name(self.store.client.node_id),
+                              namespace=self.store._namespace)
         ray.kill(actor, no_restart=False)
         return {"killed": True}
 
@@ -305,7 +471,7 @@ class Engine:
         t = time.time()
         while time.time() - t < step.get("s", 120):
             try:
-                if self.backend.client.health()["store_healthy"]:
+                if self.store.client.health()["store_healthy"]:
                     return {"waited_s": round(time.time() - t, 1)}
             except Exception:
                 pass
@@ -317,13 +483,18 @@ class Engine:
         return {}
 
     def stats(self, step) -> dict:
-        be = self.backend
+        be = self.store
         st = be.raykv_stats()
         node = be.client.stats()
+        st["node"] = {"mode": node.get("mode"), "host_pool_used": node.get("host_pool_used")}
         st["node_pools"] = {n: {"kind": p["kind"], "bytes": p["bytes"]}
                             for n, p in node["pools"].items()}
         st["sglang_fds"] = {}
-        for name, pool in [("kv", self.host)] + ([("mamba", self.mamba)] if self.mamba else []):
+        pools = [("kv", self.host), ("mamba", self.mamba), ("swa", self.swa),
+                 (self.side_name.value if self.side_name else "", self.side)]
+        for name, pool in pools:
+            if pool is None:
+                continue
             fds = list(getattr(getattr(pool, "allocator", None), "fds", []) or [])
             st["sglang_fds"][name] = [[os.getpid(), fd, os.readlink(f"/proc/self/fd/{fd}"),
                                        os.fstat(fd).st_size] for fd in fds]
@@ -333,7 +504,7 @@ class Engine:
         cc = self.cc
         return {n: t.is_alive() for n, t in (
             ("prefetch", cc.prefetch_thread), ("prefetch_io", cc.prefetch_io_aux_thread),
-            ("backup", cc.backup_thread))}
+            ("prefetch_sync", cc.prefetch_sync_thread), ("backup", cc.backup_thread))}
 
 
 def main() -> None:
@@ -354,6 +525,8 @@ def main() -> None:
                                         pp_rank=0, pp_size=1)
     out = {"scenarios": {}}
     for sc in spec["scenarios"]:
+        INJECTED.calls.clear()
+        started = time.perf_counter()
         try:
             eng = Engine(spec, sc, group)
         except Exception as e:  # SGLang fails the attach: report what it said
@@ -361,7 +534,8 @@ def main() -> None:
                                             "warnings": list(WARNINGS.messages)}
             WARNINGS.messages.clear()
             continue
-        res = {"attach_s": eng.attach_s, "backend": type(eng.backend).__name__, "steps": []}
+        res = {"attach_s": eng.attach_s, "backend": type(eng.store).__name__,
+               "wrapper": type(eng.backend).__name__, "steps": []}
         for step in sc["steps"]:
             try:
                 res["steps"].append(getattr(eng, step["op"])(step))
@@ -370,13 +544,16 @@ def main() -> None:
                                      "where": traceback.format_exc()[-1500:]})
         res["threads"] = eng.threads()
         res["warnings"] = list(WARNINGS.messages)
+        res["injected"] = dict(INJECTED.calls)
         WARNINGS.messages.clear()
         eng.cc.detach_storage_backend()
+        res["elapsed_s"] = round(time.perf_counter() - started, 2)
         out["scenarios"][sc["name"]] = res
     if group is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    out["process_s"] = round(time.perf_counter() - START, 2)
     print(json.dumps(out))
 
 

@@ -26,6 +26,7 @@ from raykv.controllers.pool_layout import PoolLayout
 
 from tests.integration.processes import running_clients, wait_for
 from tests.integration.ranks import HYBRID, indices, start_hybrid
+from tests.integration.sglang_runs import PAGE, run_driver, scenario, steps
 
 KV, MAMBA, DRAFT = PoolName.KV, PoolName.MAMBA, PoolName.DRAFT
 POOLS = {"kv": HYBRID["kv"], "mamba": HYBRID["mamba"]}
@@ -214,6 +215,41 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
         channel.close()
     assert not wrong, f"{len(wrong)} calls failed otherwise, first: {wrong[0]!r}; {outcomes}"
     assert all(ray.get(actor.destroy_pool.remote(n)) for n in names)
+
+
+def test_sglang_memory_is_staged_in_standalone_mode(cluster, tmp_path, uid):
+    """SGLang 0.5.23's own controller and host pools (``allocator: shm``) on this
+    standalone cluster: the store's buffers are mooncake_client's, which cannot map
+    SGLang's memfds, so RayKVStore serves them through staging pools allocated from
+    mooncake_client's memory (counted in the node's budget), with one warning naming
+    standalone mode. Pages SGLang backs up through node 1 load byte-identical through
+    node 2 (one SGLang driver process, one scenario per node)."""
+    extra = {"staging_pages": 2}  # 2 pages per direction: 5 pages move in 3 rounds
+    out = run_driver(tmp_path, cluster, 0, [
+        scenario("writer", "mha", "shm", [
+            {"op": "write", "seed": f"st-{uid}", "n_pages": 5},
+            {"op": "stats"}], model_name=f"stand/sglang-{uid}", node=0, extra=extra),
+        scenario("reader", "mha", "shm", [
+            {"op": "prefetch", "seed": f"st-{uid}", "n_pages": 5},
+            {"op": "prefetch", "seed": f"never-{uid}", "n_pages": 3},
+            {"op": "stats"}], model_name=f"stand/sglang-{uid}", node=1, extra=extra),
+    ])["scenarios"]
+    written, w_stats = steps(out["writer"])
+    assert written["completed"] == [5 * PAGE]
+    pre, never, r_stats = steps(out["reader"])
+    assert pre["hit_pages"] == 5 and pre["kv_match"] == [True] * 5
+    assert never["hit_pages"] == 0
+    # 2 x 2 staging pages of K and V, 2 layers x 16 tokens x 2 heads x 64 x bf16 each.
+    staging_bytes = 4 * 2 * (2 * 16 * 2 * 64 * 2)
+    for st, sc in ((w_stats, out["writer"]), (r_stats, out["reader"])):
+        assert st["mode"] == "standalone" and st["node"]["mode"] == "standalone"
+        assert st["pools"]["kv"]["zero_copy"] is False and st["pools"]["kv"]["memfd"]
+        assert st["counters"]["staged_bytes"] >= 5 * staging_bytes // 4
+        assert st["node_pools"][st["pools"]["kv"]["raykv_pool"]]["bytes"] == staging_bytes
+        assert st["node"]["host_pool_used"] >= staging_bytes
+        staging = [m for m in sc["warnings"] if "staging copy" in m]
+        assert len(staging) == 1 and "standalone Mooncake mode" in staging[0], sc["warnings"]
+        assert all(sc["threads"].values())
 
 
 def test_budget_refuses_before_counting():

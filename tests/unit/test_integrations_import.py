@@ -11,6 +11,14 @@ def test_import_raykv_does_not_import_sglang():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_sglang_benchmark_modules_import_without_sglang():
+    """``raykv bench --engine sglang`` runs in raykv's venv; only its SGLang side, run by
+    SGLang's python, imports SGLang (inside its functions)."""
+    code = ("import sys, raykv.clusters.bench_sglang, raykv.integrations.sglang_bench; "
+            "assert 'sglang' not in sys.modules, 'a benchmark module imported sglang'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_sglang_backend_needs_sglang_only_when_imported():
     if importlib.util.find_spec("sglang") is not None:
         return  # this venv has SGLang: nothing to check here
