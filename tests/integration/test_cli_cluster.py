@@ -52,8 +52,8 @@ def ray_head(tmp_path_factory):
         time.sleep(1)
     yield address
     os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(30)
+    try:  # `ray start --block` often outlives SIGTERM here: 5 s, then the whole group
+        head.wait(5)
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
         head.wait()
