@@ -176,16 +176,15 @@ class NodeService:
     def put(self, batch: ObjectBatch) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
         negative error."""
-        return self._move("put", batch, lambda c: c == 0)
+        return self._move("put", batch)
 
     def get(self, batch: ObjectBatch) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object."""
-        return self._move("get", batch, lambda c: c > 0)
+        return self._move("get", batch)
 
-    def _move(self, op: str, batch: ObjectBatch, moved: Callable[[int], bool]) -> list[int]:
+    def _move(self, op: str, batch: ObjectBatch) -> list[int]:
         """The backend's ``op`` on every object of ``batch``, after the store check and
-        against one generation of the pools; outcomes counted (``moved(code)``: bytes
-        moved)."""
+        against one generation of the pools; outcomes counted."""
         self._store.check()
         table = self._pools.table
         ptrs = table.pointers(batch)
@@ -194,7 +193,7 @@ class NodeService:
         if self._pools.table.epoch != table.epoch:
             self._replaced_during(op, batch, codes, table.epoch)
         codes = self._store.check_codes(table.epoch, codes)
-        self._metrics.record_move(op, batch, codes, time.perf_counter() - t, moved)
+        self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
         return codes
 
     def _replaced_during(self, op: str, batch: ObjectBatch, codes: list[int],
@@ -322,4 +321,5 @@ class NodeService:
         self._channel.close()
         self._pools.close(remove_pools)
         self._store.close()
+        self._metrics.close()
         self.executor.shutdown(wait=False)

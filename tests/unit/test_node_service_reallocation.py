@@ -78,7 +78,7 @@ class FakeMetrics:
     def __init__(self) -> None:
         self.moves: list[str] = []
 
-    def record_move(self, op, batch, codes, seconds, moved) -> None:
+    def record_move(self, op, batch, codes, seconds) -> None:
         self.moves.append(op)
 
     def pool_size(self, name: str, nbytes: int) -> None:
@@ -88,6 +88,9 @@ class FakeMetrics:
         pass
 
     def record_group_query(self, how: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -1,0 +1,92 @@
+"""NodeMetrics: every outcome counted at once for ``stats()``, Ray metrics updated only
+by ``export`` (off the data path), each recorded amount exported exactly once."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from raykv.cache_actors import node_metrics
+from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node_metrics import NodeMetrics
+from raykv.controllers.object_batch import ObjectBatch
+
+
+class FakeMetric:
+    """Stands in for a ``ray.util.metrics`` object: records what it was given."""
+
+    def __init__(self, name: str, *args, **kwargs) -> None:
+        self.name = name
+        self.calls: list[tuple[str, float, dict]] = []
+
+    def set_default_tags(self, tags: dict) -> None:
+        pass
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self.calls.append(("inc", value, dict(tags or {})))
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        self.calls.append(("observe", value, dict(tags or {})))
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self.calls.append(("set", value, dict(tags or {})))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    made: dict[str, FakeMetric] = {}
+
+    def make(name, *args, **kwargs):
+        made[name] = FakeMetric(name)
+        return made[name]
+
+    monkeypatch.setattr(node_metrics, "metrics",
+                        SimpleNamespace(Counter=make, Histogram=make, Gauge=make))
+    m = NodeMetrics("node-0123456789", export_s=3600.0)  # exported by hand below
+    yield m, made
+    m.close()
+
+
+def batch(pools: list[str], sizes: list[int]) -> ObjectBatch:
+    b = ObjectBatch()
+    for i, (pool, size) in enumerate(zip(pools, sizes, strict=True)):
+        b.add(f"k{i}", pool, i * size, size)
+    return b
+
+
+def test_counts_are_current_before_any_export(recorded):
+    m, made = recorded
+    m.record_move("put", batch(["kv"] * 3, [8, 8, 8]), [0, ALREADY_PRESENT, -800], 0.01)
+    m.record_move("get", batch(["kv", "mamba"], [8, 4]), [8, 4], 0.02)
+    assert m.counters() == {"put_objects": 1, "put_present": 1, "put_error_-800": 1,
+                            "put_bytes": 8, "get_objects": 2, "get_bytes": 12}
+    assert m.pool_counters("kv") == {"put_ok": 1, "put_present": 1, "put_error_-800": 1,
+                                     "get_ok": 1}
+    assert m.pool_counters("mamba") == {"get_ok": 1}
+    assert all(not metric.calls for metric in made.values())  # nothing on the data path
+
+
+def test_export_hands_each_amount_to_ray_once(recorded):
+    m, made = recorded
+    for _ in range(3):  # the common case: one pool, every object moved
+        m.record_move("put", batch(["kv"] * 2, [8, 8]), [0, 0], 0.01)
+    m.record_move("get", batch(["kv"], [8]), [-704], 0.5)
+    m.record_exists(0.001)
+    m.record_group_query("checked")
+    m.export()
+    objects = {(c[2]["op"], c[2]["outcome"]): c[1] for c in made["raykv_objects"].calls}
+    assert objects == {("put", "ok"): 6, ("get", "error_-704"): 1}
+    assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"})]
+    assert sorted((c[2]["op"], c[1]) for c in made["raykv_call_seconds"].calls) == [
+        ("exists", 0.001), ("get", 0.5), ("put", 0.01), ("put", 0.01), ("put", 0.01)]
+    assert made["raykv_group_queries"].calls == [("inc", 1, {"answer": "checked"})]
+    before = {name: len(metric.calls) for name, metric in made.items()}
+    m.export()  # nothing new recorded: nothing exported again
+    assert {name: len(metric.calls) for name, metric in made.items()} == before
+
+
+def test_close_exports_what_is_left(recorded):
+    m, made = recorded
+    m.record_move("put", batch(["kv"], [8]), [0], 0.01)
+    m.close()
+    assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"})]
