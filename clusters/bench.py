@@ -75,6 +75,19 @@ def summarize(nbytes: int, seconds: Sequence[float]) -> dict:
             "seconds": list(seconds)}
 
 
+def median_ci(values: Sequence[float], level: float = 0.9, draws: int = 2000,
+              seed: int = 0) -> tuple[float, float]:
+    """A bootstrap ``level`` confidence interval of the median of ``values`` (resampled
+    ``draws`` times with a fixed ``seed``, so one run's numbers always give one interval).
+    On this shared 2-core machine one iteration's ratio swings by +-30%; the interval says
+    how far the median of a run can be trusted."""
+    rng = np.random.default_rng(seed)
+    samples = rng.choice(np.asarray(values, dtype=float), size=(draws, len(values)))
+    medians = np.median(samples, axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(medians, tail)), float(np.quantile(medians, 1 - tail))
+
+
 def latency_ms(seconds: Sequence[float]) -> dict:
     """p50 and p99 of per-call durations (given in seconds), in milliseconds."""
     ms = np.asarray(seconds) * 1e3

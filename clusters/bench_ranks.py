@@ -43,6 +43,7 @@ from raykv.clusters.bench import (
     human_bytes,
     layer_num_for,
     machine_info,
+    median_ci,
     raw_client,
     save,
 )
@@ -254,7 +255,9 @@ def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_
         out[f"{name}_gbps"] = statistics.median(x["gbps"] for x in runs[name])
         out[f"{name}_cpu_s_per_gb"] = statistics.median(x["cpu_s_per_gb"] for x in runs[name])
     pairs = list(zip(runs["raykv"], runs["raw"], strict=True))
-    out["ratio"] = statistics.median(a["gbps"] / b["gbps"] for a, b in pairs)
+    ratios = [a["gbps"] / b["gbps"] for a, b in pairs]
+    out["ratio"] = statistics.median(ratios)
+    out["ratio_ci90"] = median_ci(ratios)
     out["cpu_ratio"] = statistics.median(a["cpu_s_per_gb"] / b["cpu_s_per_gb"] for a, b in pairs)
     return out
 
@@ -283,13 +286,14 @@ def render(result: dict, console: Console) -> None:
                         f"{cfg['rounds']} round(s)",
                   caption="GB/s = (put + get bytes) / wall time, all actors together; "
                           "CPU-s/GB over every process of the side; ratio = raykv / raw "
-                          "(median over rounds)")
+                          "(median over rounds [90% bootstrap interval of that median])")
     for col in ("page", "N", "raykv GB/s", "raw GB/s", "ratio", "raykv CPU-s/GB",
                 "raw CPU-s/GB", "CPU ratio"):
         table.add_column(col, justify="right")
     for c in result["cases"]:
+        lo, hi = c.get("ratio_ci90", (c["ratio"], c["ratio"]))
         table.add_row(human_bytes(c["page_bytes"]), str(c["ranks"]), f"{c['raykv_gbps']:.2f}",
-                      f"{c['raw_gbps']:.2f}", f"{c['ratio']:.2f}",
+                      f"{c['raw_gbps']:.2f}", f"{c['ratio']:.2f} [{lo:.2f}-{hi:.2f}]",
                       f"{c['raykv_cpu_s_per_gb']:.2f}", f"{c['raw_cpu_s_per_gb']:.2f}",
                       f"{c['cpu_ratio']:.2f}")
     console.print(table)

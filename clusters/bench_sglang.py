@@ -42,6 +42,7 @@ from raykv.clusters.bench import (
     MiB,
     human_bytes,
     machine_info,
+    median_ci,
     save,
     summarize,
 )
@@ -117,7 +118,9 @@ def size_row(raw: dict) -> dict:
             "median_pages_s": batch / statistics.median(seconds)}
     for op in OPS:
         pairs = zip(times[f"raykv_{op}"], times[f"mooncake_{op}"], strict=True)
-        row[f"ratio_{op}"] = statistics.median(m / r for r, m in pairs)
+        ratios = [m / r for r, m in pairs]
+        row[f"ratio_{op}"] = statistics.median(ratios)
+        row[f"ratio_{op}_ci90"] = median_ci(ratios)
     return row
 
 
@@ -130,13 +133,20 @@ def judge(rows: list[dict]) -> dict[str, bool | None]:
             f"{human_bytes(TARGET_MIN_PAGE_BYTES)}": met}
 
 
+def ratio_cell(row: dict, op: str) -> str:
+    """``op``'s median ratio and its 90% interval (older JSON has no interval)."""
+    lo, hi = row.get(f"ratio_{op}_ci90", (row[f"ratio_{op}"],) * 2)
+    return f"{row[f'ratio_{op}']:.2f} [{lo:.2f}-{hi:.2f}]"
+
+
 def render(result: dict, console: Console) -> None:
     cfg = result["config"]
     table = Table(title=f"SGLang {result['sglang']} HiCache L3, GB/s median (best) and "
                         f"pages/s, {cfg['iters']} iterations of {cfg['batch']} pages, "
                         f"{cfg['mode']} mode",
                   caption="ratio = RayKVStore / MooncakeStore: median of per-iteration "
-                          "ratios; prefetch = hit query + load")
+                          "ratios [90% bootstrap interval of that median]; prefetch = hit "
+                          "query + load")
     for col in ("page", "backend", "write GB/s", "write pages/s", "prefetch GB/s",
                 "prefetch pages/s", "load GB/s"):
         table.add_column(col, justify="right")
@@ -149,8 +159,8 @@ def render(result: dict, console: Console) -> None:
                           cell(r, f"{b}_write"), f"{r[f'{b}_write']['median_pages_s']:.0f}",
                           cell(r, f"{b}_prefetch"),
                           f"{r[f'{b}_prefetch']['median_pages_s']:.0f}", cell(r, f"{b}_load"))
-        table.add_row("", "ratio", f"{r['ratio_write']:.2f}", "", f"{r['ratio_prefetch']:.2f}",
-                      "", f"{r['ratio_load']:.2f}", end_section=True)
+        table.add_row("", "ratio", ratio_cell(r, "write"), "", ratio_cell(r, "prefetch"), "",
+                      ratio_cell(r, "load"), end_section=True)
     console.print(table)
     for target, met in result["targets"].items():
         verdict = {True: "[green]met[/green]", False: "[red]not met[/red]",

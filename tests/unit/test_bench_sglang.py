@@ -1,5 +1,7 @@
 """clusters.bench_sglang's arithmetic and checks (the run itself: docs/benchmarks.md)."""
 
+import statistics
+
 import pytest
 from raykv.clusters.bench_sglang import MiB, check_sizes, judge, sglang_python, size_row
 
@@ -45,3 +47,13 @@ def test_sizes_and_python_are_checked_before_anything_starts(tmp_path):
         check_sizes([64 * KiB], batch=0, iters=1)
     with pytest.raises(ValueError, match="sglang-venv"):
         sglang_python(str(tmp_path / "no-python"))
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_agreement():
+    from raykv.clusters.bench import median_ci
+
+    noisy = [0.6, 1.3, 0.9, 1.1, 0.7, 1.2, 0.95, 1.05, 0.8]
+    lo, hi = median_ci(noisy)
+    assert lo <= statistics.median(noisy) <= hi and hi - lo > 0.1
+    assert median_ci([0.97] * 9) == (0.97, 0.97)
+    assert median_ci(noisy) == (lo, hi)  # fixed seed: one run, one interval
