@@ -1,7 +1,18 @@
 """Data plane: shared host pools, the Mooncake backend, the per-node actor, the client."""
 
-from raykv.cache_actors.client import CacheClient
-from raykv.cache_actors.errors import NodeUnavailableError
-from raykv.cache_actors.host_pools import HostPool, PoolHandle
+import importlib
+
+_EXPORTS = {"CacheClient": "raykv.cache_actors.client",
+            "HostPool": "raykv.cache_actors.host_pools",
+            "NodeUnavailableError": "raykv.cache_actors.errors",
+            "PoolHandle": "raykv.cache_actors.host_pools"}
 
 __all__ = ["CacheClient", "HostPool", "NodeUnavailableError", "PoolHandle"]
+
+
+def __getattr__(name: str):
+    """The package's names, imported on first use (see ``raykv.__getattr__``)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raykv.cache_actors' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -16,10 +16,13 @@ import ctypes
 import logging
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from raykv.cache_actors.shared_memory import attach_shm_file, create_shm_file, unlink_shm_file
 from raykv.controllers.pool_layout import PoolLayout
+
+if TYPE_CHECKING:  # imported where used: the reconciler imports this module, never a pool
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class PoolHandle:
 
 def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """``torch.bfloat16`` or ``"bfloat16"`` -> ``torch.bfloat16``; ``ValueError`` otherwise."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     found = getattr(torch, str(dtype).removeprefix("torch."), None)
@@ -68,6 +73,8 @@ class HostPool:
         self._bind(handle, mm)
 
     def _bind(self, handle: PoolHandle, mm: mmap.mmap | ctypes.Array) -> None:
+        import torch
+
         self.handle = handle
         self._mm = mm
         layout = handle.layout
@@ -166,7 +173,7 @@ class HostPool:
         pages in range.
         """
         layout = self.handle.layout
-        idx = indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
+        idx = indices.cpu().numpy() if callable(getattr(indices, "cpu", None)) else indices
         starts = layout.page_starts(idx, len(idx) // layout.page_size)
         ptrs = [self.base_ptr + off for off in layout.object_offsets(starts)]
         return ptrs, layout.object_sizes * len(starts)
@@ -182,6 +189,8 @@ class HostPool:
 
     def pin(self) -> None:
         """Page-lock the mapping for DMA-speed device copies (no-op without CUDA)."""
+        import torch
+
         if self._pinned or not torch.cuda.is_available():
             return
         rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.nbytes, 0)
@@ -194,6 +203,8 @@ class HostPool:
     def close(self, unlink: bool = False) -> None:
         """Unmap; with ``unlink`` (owner only) remove the shared-memory file too."""
         if self._pinned:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned = False
         for view in ("kv_buffer", "temporal_buffer", "conv_buffer", "indexer_buffer"):

@@ -11,6 +11,8 @@ run what, which lock guards which state) is ``cache_actors.node_service``.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import threading
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -47,6 +49,10 @@ class NodeCacheActor:
         group_window_s: float = 2.0,
         confirm_ttl_s: float = 2.0,
     ) -> None:
+        # Pools are torch tensors; torch loads beside the start (seconds on a small
+        # machine) rather than inside the first pool's creation.
+        threading.Thread(target=importlib.import_module, args=("torch",),
+                         name="raykv-import-torch", daemon=True).start()
         prefix = node_shm_prefix(cluster_tag, node_id)
         store = NodeStore.open(
             prefix, standalone=standalone,

@@ -12,21 +12,38 @@ never shadow them. Engine integrations (``raykv.integrations.sglang``,
 SGLang or vLLM.
 """
 
-from raykv.cache_actors.client import CacheClient
-from raykv.cache_actors.errors import (
-    NodeUnavailableError,
-    StalePoolsError,
-    StoreUnavailableError,
-)
-from raykv.cache_actors.host_pools import HostPool
-from raykv.clusters.local import LocalCluster, start_local
-from raykv.controllers.contract import (
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-    PoolTransferResult,
-    StorageConfig,
-)
+import importlib
+
+_EXPORTS = {
+    "CacheClient": "raykv.cache_actors.client",
+    "HostPool": "raykv.cache_actors.host_pools",
+    "LocalCluster": "raykv.clusters.local",
+    "NodeUnavailableError": "raykv.cache_actors.errors",
+    "PoolHitPolicy": "raykv.controllers.contract",
+    "PoolName": "raykv.controllers.contract",
+    "PoolTransfer": "raykv.controllers.contract",
+    "PoolTransferResult": "raykv.controllers.contract",
+    "StalePoolsError": "raykv.cache_actors.errors",
+    "StorageConfig": "raykv.controllers.contract",
+    "StoreUnavailableError": "raykv.cache_actors.errors",
+    "start_local": "raykv.clusters.local",
+}
+
+
+def __getattr__(name: str):
+    """The public names, each imported on first use (PEP 562): the processes Ray starts
+    for raykv's own actors (controller, reconciler, supervisors) unpickle classes from
+    sub-packages and never pay for torch, which only ranks need (~3 s per process on a
+    small machine)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raykv' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "CacheClient",
