@@ -34,6 +34,8 @@ Concurrency contract. Threads that call in:
 - Group-query checker threads (``GroupQueries``): the store check, then the replies.
 - Standalone: the ``mooncake_client`` watcher thread, which restarts the process and
   then calls ``_reallocate``.
+- The metrics exporter thread (``NodeMetrics``): every second it hands the counts
+  recorded since to the Ray metrics.
 - The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the engine-owned pools
   (``adopt_engine_pool``) whose process exited more than ``ENGINE_GRACE_S`` ago
   (``NodePools.reap_engines``, under the pool lock).
