@@ -7,20 +7,51 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import ray
-from raykv.cache_actors import CacheClient
 from raykv.cache_actors.local_ports import free_port
-from raykv.controllers import StorageConfig
 
 from tests.integration.processes import running_clients
-from tests.integration.ranks import MHA, indices
 
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled"}
+ROOT = Path(__file__).resolve().parents[2]
+# A user's driver on the cluster, in a process of its own as with any `ray start` cluster.
+# (When the pytest process itself joined this auth-disabled cluster, the next start_local
+# in it failed: "Failed to start GCS ... RAY_AUTH_MODE is currently 'disabled'".)
+RANK = textwrap.dedent('''
+    import sys
+    import ray
+    from raykv import CacheClient, StorageConfig
+    from tests.integration.ranks import MHA, indices
+
+    address, uid, standalone = sys.argv[1], sys.argv[2], sys.argv[3] == "standalone"
+    ray.init(address=address, namespace="raykv", log_to_driver=False)
+    if standalone:
+        client = CacheClient(StorageConfig(extra_config={"standalone_storage": True}))
+        client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+        keys = [f"{uid}-{i}" for i in range(2)]
+        assert client.batch_set_v1(keys, indices(0, 2)) == [True] * 2
+        assert client.batch_get_v1(keys, indices(8, 2)) == [True] * 2
+    else:
+        client = CacheClient(StorageConfig(model_name=f"cli/{uid}"))
+        client.register_mem_pool_host(client.create_host_pool("mha", name=f"p{uid}", **MHA))
+        keys = [f"{uid}-{i}" for i in range(3)]
+        assert client.batch_set_v1(keys, indices(0, 3)) == [True] * 3
+        assert client.batch_get_v1(keys, indices(8, 3)) == [True] * 3
+        assert client.group_exists(keys).kv_hit_pages == 3
+    print("rank ok")
+''')
+
+
+def rank(address: str, uid: str, mode: str) -> None:
+    """Run ``RANK`` as a driver process of its own against the cluster at ``address``."""
+    out = subprocess.run([sys.executable, "-c", RANK, address, uid, mode], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "rank ok" in out.stdout, out.stderr[-3000:]
 
 
 def raykv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,24 +90,14 @@ def ray_head(tmp_path_factory):
         head.wait()
 
 
-def test_up_status_down(ray_head, uid, monkeypatch):
+def test_up_status_down(ray_head, uid):
     up = raykv("up", f"--address={ray_head}", "--segment-size=128M",
                "--mooncake-host=127.0.0.1")
     assert "raykv is up" in up.stdout and "1 node actor(s)" in up.stdout
     again = raykv("up", f"--address={ray_head}", check=False)
     assert again.returncode != 0 and "already up" in again.stderr
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address=ray_head, namespace="raykv", log_to_driver=False)
-    try:
-        client = CacheClient(StorageConfig(model_name=f"cli/{uid}"))
-        client.register_mem_pool_host(client.create_host_pool("mha", name=f"p{uid}", **MHA))
-        keys = [f"{uid}-{i}" for i in range(3)]
-        assert client.batch_set_v1(keys, indices(0, 3)) == [True] * 3
-        assert client.batch_get_v1(keys, indices(8, 3)) == [True] * 3
-        assert client.group_exists(keys).kv_hit_pages == 3
-    finally:
-        ray.shutdown()
+    rank(ray_head, uid, "embedded")
 
     state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
     (node,) = state["nodes"].values()
@@ -100,7 +121,7 @@ def test_up_status_down(ray_head, uid, monkeypatch):
     assert not list(Path("/dev/shm").glob(f"raykv.*.p{uid}*"))
 
 
-def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid, monkeypatch):
+def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid):
     up = raykv("up", f"--address={ray_head}", "--segment-size=64M", "--standalone",
                "--host-pool-size=16M", "--mooncake-host=127.0.0.1")
     assert "(standalone mode)" in up.stdout
@@ -111,16 +132,7 @@ def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid, monk
     cluster = SimpleNamespace(master_address=state["info"]["master_address"])
     assert running_clients(cluster) == {node["mooncake_client"]["pid"]}
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address=ray_head, namespace="raykv", log_to_driver=False)
-    try:
-        client = CacheClient(StorageConfig(extra_config={"standalone_storage": True}))
-        client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
-        keys = [f"{uid}-{i}" for i in range(2)]
-        assert client.batch_set_v1(keys, indices(0, 2)) == [True] * 2
-        assert client.batch_get_v1(keys, indices(8, 2)) == [True] * 2
-    finally:
-        ray.shutdown()
+    rank(ray_head, uid, "standalone")
 
     assert "raykv is down" in raykv("down", f"--address={ray_head}").stdout
     assert running_clients(cluster) == set()
