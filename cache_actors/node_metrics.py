@@ -4,7 +4,7 @@ Ray metrics (tag ``node``).
 Data calls only count, under ``_lock``: the Ray metric objects are updated from the
 counts by an exporter thread every ``export_s`` seconds (``export``), not on the data
 path, where a Ray metric update cost ~10 us each, several per call (measured here: a
-32-object put's bookkeeping went from ~70 us to ~10 us). Ray ships metrics every few
+32-object put's bookkeeping went from ~70 us to ~20 us). Ray ships metrics every few
 seconds anyway, so the delay is not visible to a metrics scrape; ``stats()`` reads the
 counts directly and is always current.
 

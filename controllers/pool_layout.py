@@ -207,25 +207,21 @@ class PoolLayout:
                 f"{num_keys * self.page_size} ({self.page_size} per page)")
         if idx.size == 0:
             return []
-        pages = idx.reshape(num_keys, self.page_size)
-        starts = pages[:, 0]
-        # One vectorised check for the common case (aligned, contiguous, inside the
-        # pool); only a failure looks for the first bad page, to name it.
-        if int(starts.min()) >= 0 and int(starts.max()) + self.page_size <= self.size \
-                and not (starts % self.page_size).any() \
-                and np.array_equal(pages, starts[:, None] + np.arange(self.page_size)):
-            return starts.tolist()
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= self.size:
             raise ValueError(f"host_indices span [{lo}, {hi}] but the pool holds slots "
                              f"[0, {self.size - 1}]")
+        pages = idx.reshape(num_keys, self.page_size)
+        starts = pages[:, 0]
         bad = np.flatnonzero(starts % self.page_size)
         if bad.size:
             raise ValueError(f"page {int(bad[0])} starts at slot {int(starts[bad[0]])}, which is "
                              f"not aligned to page_size {self.page_size}")
         ragged = np.flatnonzero((pages - starts[:, None] != np.arange(self.page_size)).any(axis=1))
-        raise ValueError(f"page {int(ragged[0])} does not cover {self.page_size} contiguous "
-                         f"slots from {int(starts[ragged[0]])}")
+        if ragged.size:
+            raise ValueError(f"page {int(ragged[0])} does not cover {self.page_size} contiguous "
+                             f"slots from {int(starts[ragged[0]])}")
+        return starts.tolist()
 
     def object_offsets(self, page_starts: Sequence[int]) -> list[int]:
         """Byte offsets of every object of every page, page by page in key order."""
