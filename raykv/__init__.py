@@ -30,32 +30,23 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    """The public names, each imported on first use (PEP 562): the processes Ray starts
-    for raykv's own actors (controller, reconciler, supervisors) unpickle classes from
-    sub-packages and never pay for torch, which only ranks need (~3 s per process on a
-    small machine)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'raykv' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+def lazy_getattr(package: str, exports: dict[str, str]):
+    """A PEP 562 module ``__getattr__`` for ``package``: each name of ``exports`` (name ->
+    module) is imported on first use. raykv's packages export this way so that the
+    processes Ray starts for raykv's own actors (controller, reconciler, supervisors),
+    which unpickle classes from sub-packages, never pay for torch, which only ranks need
+    (~3 s per process on a small machine)."""
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+    return __getattr__
+
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
-
-
-__all__ = [
-    "CacheClient",
-    "HostPool",
-    "LocalCluster",
-    "NodeUnavailableError",
-    "PoolHitPolicy",
-    "PoolName",
-    "PoolTransfer",
-    "PoolTransferResult",
-    "StalePoolsError",
-    "StorageConfig",
-    "StoreUnavailableError",
-    "start_local",
-]
+    return __all__
