@@ -88,6 +88,13 @@ def median_ci(values: Sequence[float], level: float = 0.9, draws: int = 2000,
     return float(np.quantile(medians, tail)), float(np.quantile(medians, 1 - tail))
 
 
+def ratio_text(row: dict, key: str) -> str:
+    """``row[key]`` (a median ratio) and its interval ``row[key + "_ci90"]`` as
+    ``0.95 [0.91-0.99]``; JSON written before intervals existed has none."""
+    lo, hi = row.get(f"{key}_ci90", (row[key],) * 2)
+    return f"{row[key]:.2f} [{lo:.2f}-{hi:.2f}]"
+
+
 def latency_ms(seconds: Sequence[float]) -> dict:
     """p50 and p99 of per-call durations (given in seconds), in milliseconds."""
     ms = np.asarray(seconds) * 1e3

@@ -44,6 +44,7 @@ from raykv.clusters.bench import (
     layer_num_for,
     machine_info,
     median_ci,
+    ratio_text,
     raw_client,
     save,
 )
@@ -291,9 +292,8 @@ def render(result: dict, console: Console) -> None:
                 "raw CPU-s/GB", "CPU ratio"):
         table.add_column(col, justify="right")
     for c in result["cases"]:
-        lo, hi = c.get("ratio_ci90", (c["ratio"], c["ratio"]))
         table.add_row(human_bytes(c["page_bytes"]), str(c["ranks"]), f"{c['raykv_gbps']:.2f}",
-                      f"{c['raw_gbps']:.2f}", f"{c['ratio']:.2f} [{lo:.2f}-{hi:.2f}]",
+                      f"{c['raw_gbps']:.2f}", ratio_text(c, "ratio"),
                       f"{c['raykv_cpu_s_per_gb']:.2f}", f"{c['raw_cpu_s_per_gb']:.2f}",
                       f"{c['cpu_ratio']:.2f}")
     console.print(table)

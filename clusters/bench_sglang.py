@@ -43,6 +43,7 @@ from raykv.clusters.bench import (
     human_bytes,
     machine_info,
     median_ci,
+    ratio_text,
     save,
     summarize,
 )
@@ -133,12 +134,6 @@ def judge(rows: list[dict]) -> dict[str, bool | None]:
             f"{human_bytes(TARGET_MIN_PAGE_BYTES)}": met}
 
 
-def ratio_cell(row: dict, op: str) -> str:
-    """``op``'s median ratio and its 90% interval (older JSON has no interval)."""
-    lo, hi = row.get(f"ratio_{op}_ci90", (row[f"ratio_{op}"],) * 2)
-    return f"{row[f'ratio_{op}']:.2f} [{lo:.2f}-{hi:.2f}]"
-
-
 def render(result: dict, console: Console) -> None:
     cfg = result["config"]
     table = Table(title=f"SGLang {result['sglang']} HiCache L3, GB/s median (best) and "
@@ -159,8 +154,9 @@ def render(result: dict, console: Console) -> None:
                           cell(r, f"{b}_write"), f"{r[f'{b}_write']['median_pages_s']:.0f}",
                           cell(r, f"{b}_prefetch"),
                           f"{r[f'{b}_prefetch']['median_pages_s']:.0f}", cell(r, f"{b}_load"))
-        table.add_row("", "ratio", ratio_cell(r, "write"), "", ratio_cell(r, "prefetch"), "",
-                      ratio_cell(r, "load"), end_section=True)
+        table.add_row("", "ratio", ratio_text(r, "ratio_write"), "",
+                      ratio_text(r, "ratio_prefetch"), "", ratio_text(r, "ratio_load"),
+                      end_section=True)
     console.print(table)
     for target, met in result["targets"].items():
         verdict = {True: "[green]met[/green]", False: "[red]not met[/red]",
