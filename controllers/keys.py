@@ -11,6 +11,7 @@ TP rank); ``mla`` = ``""`` or ``"{pp}"`` (data replicated across TP ranks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,10 +148,16 @@ class KeyPlan:
 
     def suffixes(self, pool: PoolName, kind: str, buffer_names: Sequence[str]) -> list[str]:
         """What follows the page hash in each object key of a page of this pool, so a
-        key is ``prefix + page_hash + suffix``."""
-        return [k[len(self.prefix):] for k in self.pool_keys(pool, kind, list(buffer_names), "")]
+        key is ``prefix + page_hash + suffix`` (worked out once per plan and pool)."""
+        return list(_suffixes(self, pool, kind, tuple(buffer_names)))
 
     @property
     def writes_replicated(self) -> bool:
         """Whether this rank stores TP-replicated pools (only TP rank 0 does)."""
         return self.tp_rank == 0
+
+
+@functools.lru_cache(maxsize=256)
+def _suffixes(plan: KeyPlan, pool: PoolName, kind: str,
+              buffer_names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(k[len(plan.prefix):] for k in plan.pool_keys(pool, kind, list(buffer_names), ""))

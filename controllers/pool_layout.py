@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -191,14 +192,26 @@ class PoolLayout:
     def num_pages(self) -> int:
         return self.size // self.page_size
 
+    @cached_property
+    def _object_bases(self) -> tuple[tuple[int, int], ...]:
+        """(byte offset of the buffer, bytes per slot) of each buffer, in key order."""
+        return tuple(zip(self.buffer_offsets, (b.slot_bytes for b in self.buffers),
+                         strict=True))
+
+    @cached_property
+    def _page_run(self) -> np.ndarray:
+        """0, 1, ..., page_size - 1: a page's slots relative to its first."""
+        return np.arange(self.page_size)
+
     def page_starts(self, host_indices: Sequence[int] | np.ndarray, num_keys: int) -> list[int]:
         """Validate ``host_indices`` for ``num_keys`` pages; return each page's first slot.
 
         Raises ``ValueError`` naming the problem when the count does not match, a page
-        is not page-aligned or not contiguous, or an index lies outside the pool.
+        is not page-aligned or not contiguous, or an index lies outside the pool. Each
+        check is one whole-array test; which page fails is worked out only on failure.
         """
         idx = np.asarray(host_indices)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
             raise ValueError(f"host_indices must be a 1-D sequence of ints, got {idx.dtype} "
                              f"with shape {idx.shape}")
         if idx.size != num_keys * self.page_size:
@@ -213,18 +226,19 @@ class PoolLayout:
                              f"[0, {self.size - 1}]")
         pages = idx.reshape(num_keys, self.page_size)
         starts = pages[:, 0]
-        bad = np.flatnonzero(starts % self.page_size)
-        if bad.size:
-            raise ValueError(f"page {int(bad[0])} starts at slot {int(starts[bad[0]])}, which is "
-                             f"not aligned to page_size {self.page_size}")
-        ragged = np.flatnonzero((pages - starts[:, None] != np.arange(self.page_size)).any(axis=1))
-        if ragged.size:
-            raise ValueError(f"page {int(ragged[0])} does not cover {self.page_size} contiguous "
-                             f"slots from {int(starts[ragged[0]])}")
+        offset = starts % self.page_size
+        if offset.any():
+            bad = int(np.flatnonzero(offset)[0])
+            raise ValueError(f"page {bad} starts at slot {int(starts[bad])}, which is not "
+                             f"aligned to page_size {self.page_size}")
+        if self.page_size > 1:
+            ragged = pages - starts[:, None] != self._page_run
+            if ragged.any():
+                bad = int(np.flatnonzero(ragged.any(axis=1))[0])
+                raise ValueError(f"page {bad} does not cover {self.page_size} contiguous "
+                                 f"slots from {int(starts[bad])}")
         return starts.tolist()
 
     def object_offsets(self, page_starts: Sequence[int]) -> list[int]:
         """Byte offsets of every object of every page, page by page in key order."""
-        per_buffer = list(zip(self.buffer_offsets, (b.slot_bytes for b in self.buffers),
-                              strict=True))
-        return [base + s * slot for s in page_starts for base, slot in per_buffer]
+        return [base + s * slot for s in page_starts for base, slot in self._object_bases]
