@@ -264,17 +264,19 @@ def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_
 
 
 def judge(cases: list[dict]) -> dict[str, bool | None]:
-    """The issue's targets on this run; None where the run has no such case."""
+    """The issue's targets on this run; None where the run has no such case. Like the
+    issue, the throughput targets count pages of 256 KiB and up (64 KiB rows are
+    reported, not judged)."""
     def all_of(rows: list[dict], ok) -> bool | None:
         return all(ok(r) for r in rows) if rows else None
 
-    big8 = [c for c in cases if c["ranks"] == 8 and c["page_bytes"] >= 256 * KiB]
+    big = [c for c in cases if c["page_bytes"] >= 256 * KiB]
     n8 = [c for c in cases if c["ranks"] == 8]
     return {
         f"8 ranks >= {TARGET_RATIO}x of 8 raw clients at pages >= 256 KiB":
-            all_of(big8, lambda c: c["ratio"] >= TARGET_RATIO),
-        f">= {TARGET_RATIO}x raw at every N and page size":
-            all_of(cases, lambda c: c["ratio"] >= TARGET_RATIO),
+            all_of([c for c in big if c["ranks"] == 8], lambda c: c["ratio"] >= TARGET_RATIO),
+        f">= {TARGET_RATIO}x raw at every N, pages >= 256 KiB":
+            all_of(big, lambda c: c["ratio"] >= TARGET_RATIO),
         f"CPU-s per GB <= {TARGET_CPU_RATIO}x raw at N=8":
             all_of(n8, lambda c: c["cpu_ratio"] <= TARGET_CPU_RATIO),
     }
