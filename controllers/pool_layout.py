@@ -231,12 +231,11 @@ class PoolLayout:
             bad = int(np.flatnonzero(offset)[0])
             raise ValueError(f"page {bad} starts at slot {int(starts[bad])}, which is not "
                              f"aligned to page_size {self.page_size}")
-        if self.page_size > 1:
-            ragged = pages - starts[:, None] != self._page_run
-            if ragged.any():
-                bad = int(np.flatnonzero(ragged.any(axis=1))[0])
-                raise ValueError(f"page {bad} does not cover {self.page_size} contiguous "
-                                 f"slots from {int(starts[bad])}")
+        ragged = pages - starts[:, None] != self._page_run
+        if ragged.any():
+            bad = int(np.flatnonzero(ragged.any(axis=1))[0])
+            raise ValueError(f"page {bad} does not cover {self.page_size} contiguous "
+                             f"slots from {int(starts[bad])}")
         return starts.tolist()
 
     def object_offsets(self, page_starts: Sequence[int]) -> list[int]:
