@@ -13,3 +13,9 @@ class StoreUnavailableError(NodeUnavailableError):
 class StalePoolsError(NodeUnavailableError):
     """The node actor allocated its pools anew (standalone mode, after a restart); the
     caller's mappings are of the old memory. The client re-maps; retry the call."""
+
+
+class DeadlineExceededError(NodeUnavailableError):
+    """A call to the node actor did not finish within its deadline (the actor is hung,
+    stopped or overloaded, or a store call is stuck). Retryable: nothing was reported
+    stored or read by that call."""
