@@ -70,7 +70,8 @@ class CacheClient:
         self.config = config or StorageConfig()
         self.plan = KeyPlan.from_config(self.config)
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
-        self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap())
+        self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
+                              timeout_s=self.config.timeout_s)
         self._pools = PoolLifecycle(self._link)
         self._group = GroupRegistration(self._link, self.config)
         if "standalone_storage" in (self.config.extra_config or {}):

@@ -9,6 +9,14 @@ that the retry reaches their replacements; the link is then *stale*, and its nex
 first re-maps the client's pools (``remap``), whose memory the replacement may have
 allocated anew.
 
+Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), every control
+call ``CONTROL_TIMEOUT_S`` (creating a pool reserves its memory, seconds per GiB on a
+slow host). A call that runs past its deadline raises ``DeadlineExceededError`` (a
+``NodeUnavailableError``): a Ray call is cancelled (best effort: a call the actor already
+started runs on), a channel connection is closed so that a late reply is never taken
+for the next call's. A deadline does not make the link stale: the actor may only be
+slow, and re-mapping would ask it a control call.
+
 Threads: any thread of the rank may call; the channel gives each calling thread its
 own connection. Re-attaching is not locked: concurrent failures each re-attach.
 """
@@ -21,19 +29,26 @@ from typing import Any
 
 import ray
 from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
-from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
+from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+
+CONTROL_TIMEOUT_S = 120.0
+"""Deadline of a control call (pools, health, stats, registration), in seconds."""
 
 
 class NodeLink:
     """The route of one client to the actor of ``node_id`` in ``namespace`` (and to any
     other node's actor and the controller). ``remap()`` is called before the first call
     after the link went stale (see the module docstring); it may use ``ask``.
+    ``timeout_s``: the deadline of each data op, in seconds.
     ``NodeUnavailableError`` if that node has no cache actor."""
 
-    def __init__(self, node_id: str, namespace: str, remap: Callable[[], None]) -> None:
+    def __init__(self, node_id: str, namespace: str, remap: Callable[[], None],
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.node_id = node_id
+        self.timeout_s = timeout_s
         self._namespace = namespace
         self._remap = remap
         try:
@@ -64,10 +79,12 @@ class NodeLink:
         self._refresh()
         remote = node_id not in (None, self.node_id)
         if remote or not self._local:
-            return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args)
+            return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
+                             timeout_s=self.timeout_s)
         with self._retryable(op):
             if self._channel is None:
-                self._channel = ChannelClient(self.call("channel_path"), async_ops=ASYNC_OPS)
+                self._channel = ChannelClient(self.call("channel_path"), async_ops=ASYNC_OPS,
+                                              timeout_s=self.timeout_s)
             return self._channel.call(op.value, *args)
 
     def ask_controller(self, method: str, *args) -> Any:
@@ -108,9 +125,19 @@ class NodeLink:
             raise NodeUnavailableError(f"no raykv cache actor on node {node_id[:12]}; retry "
                                        "the call") from e
 
-    def _ray(self, actor: Any, method: str, *args) -> Any:
+    def _ray(self, actor: Any, method: str, *args,
+             timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
         with self._retryable(method):
-            return ray.get(getattr(actor, method).remote(*args))
+            ref = getattr(actor, method).remote(*args)
+            try:
+                return ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                with contextlib.suppress(Exception):  # best effort: it may have started
+                    ray.cancel(ref)
+                raise DeadlineExceededError(
+                    f"raykv actor call {method} (node {self.node_id[:12]}) did not finish "
+                    f"within {timeout_s:g} s; the actor may be hung or overloaded: retry "
+                    "later") from None
 
     @contextlib.contextmanager
     def _retryable(self, what: str) -> Iterator[None]:
@@ -118,6 +145,8 @@ class NodeLink:
         ``NodeUnavailableError``, after re-attaching (see the module docstring)."""
         try:
             yield
+        except DeadlineExceededError:  # slow, not gone: no re-attach, no re-map
+            raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ChannelClosedError) as e:
             self._reattach()

@@ -65,7 +65,11 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.errors import NodeUnavailableError, StalePoolsError
+from raykv.cache_actors.errors import (
+    DeadlineExceededError,
+    NodeUnavailableError,
+    StalePoolsError,
+)
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node_pools import NodePools
@@ -85,6 +89,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DATA_THREADS = 4
+WAIT_S = 30.0
+"""Longest a data call waits inside the node actor for its turn (a queued put/get, a group
+query's answer) when its caller gave no deadline of its own, in seconds: a stuck store
+call then fails the calls queued behind it with ``DeadlineExceededError`` instead of
+holding their threads for good."""
 ENGINE_CHECK_S = 5.0
 """Seconds between two looks at the processes of engine-owned pools."""
 ENGINE_GRACE_S = 30.0
@@ -175,23 +184,27 @@ class NodeService:
         self._metrics.record_exists(time.perf_counter() - t)
         return codes
 
-    def put(self, batch: ObjectBatch) -> list[int]:
+    def put(self, batch: ObjectBatch, deadline: float | None = None) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
-        negative error."""
-        return self._move("put", batch)
+        negative error. ``deadline`` (``time.monotonic()`` seconds, default ``WAIT_S``
+        from now): ``DeadlineExceededError`` if the batch still waits for the store then."""
+        return self._move("put", batch, deadline)
 
-    def get(self, batch: ObjectBatch) -> list[int]:
-        """Read every object into its pool; bytes read / negative error per object."""
-        return self._move("get", batch)
+    def get(self, batch: ObjectBatch, deadline: float | None = None) -> list[int]:
+        """Read every object into its pool; bytes read / negative error per object.
+        ``deadline`` as for ``put``."""
+        return self._move("get", batch, deadline)
 
-    def _move(self, op: str, batch: ObjectBatch) -> list[int]:
+    def _move(self, op: str, batch: ObjectBatch, deadline: float | None) -> list[int]:
         """The backend's ``op`` on every object of ``batch``, after the store check and
         against one generation of the pools; outcomes counted."""
         self._store.check()
         table = self._pools.table
         ptrs = table.pointers(batch)
         t = time.perf_counter()
-        codes = self._merger.run(op, batch.keys, ptrs, batch.sizes)
+        codes = self._merger.run(op, batch.keys, ptrs, batch.sizes,
+                                 deadline if deadline is not None
+                                 else time.monotonic() + WAIT_S)
         if self._pools.table.epoch != table.epoch:
             self._replaced_during(op, batch, codes, table.epoch)
         codes = self._store.check_codes(table.epoch, codes)
@@ -250,9 +263,13 @@ class NodeService:
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
         ``controllers.group_queries``). ``ValueError`` for an unregistered deployment or
-        a pool it did not register. Blocks until answered."""
+        a pool it did not register. Blocks until answered, at most ``WAIT_S``
+        (then ``DeadlineExceededError``)."""
         dep = self._deployment(deployment_id, version)
-        return self._groups.ask(dep, keys, queries, tuple(rank))
+        try:
+            return self._groups.ask(dep, keys, queries, tuple(rank), WAIT_S)
+        except TimeoutError as e:
+            raise DeadlineExceededError(str(e)) from None
 
     def group_submit(self, reply, deployment_id: str, version: int, rank: tuple[int, int],
                      keys: list[str], queries: list[PoolQuery]) -> None:

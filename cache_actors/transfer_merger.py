@@ -16,6 +16,13 @@ calls. Two calls never move the same key at once (a batch naming a key of a call
 flight waits for it), so of concurrent puts of one key exactly one stores it and the
 others see it ``ALREADY_PRESENT``, whatever ``max_inflight``.
 
+A caller may give a ``deadline`` (``time.monotonic()`` seconds): if its batch is still
+queued then, it leaves the queue and gets ``DeadlineExceededError``, so a stuck store
+call holds only the callers whose batches it carries, never every rank of the node for
+good. A batch already in a store call is waited for whatever the deadline: the call holds
+pointers into the caller's pool, and the caller's return is what lets that pool be
+released (``NodePools``).
+
 Callers hand in batches already validated (every pointer inside a registered pool), so a
 bad batch fails its own caller before it is queued. The backend's per-object codes
 (put-if-absent ``ALREADY_PRESENT`` included) come back unchanged, each caller getting
@@ -27,9 +34,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.controllers.transfer_merge import Pending, merge, select, split
 
 OPS = ("put", "get")
@@ -86,8 +95,10 @@ class TransferMerger:
         return self.run("get", keys, ptrs, sizes)
 
     def run(self, op: str, keys: Sequence[str], ptrs: Sequence[int],
-            sizes: Sequence[int]) -> list[int]:
-        """The backend's ``op`` codes for exactly these objects (keys distinct)."""
+            sizes: Sequence[int], deadline: float | None = None) -> list[int]:
+        """The backend's ``op`` codes for exactly these objects (keys distinct);
+        ``DeadlineExceededError`` if the batch is still queued at ``deadline``
+        (``time.monotonic()`` seconds; None: wait for ever)."""
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
         req = _Request(op, list(keys), list(ptrs), list(sizes))
@@ -103,7 +114,19 @@ class TransferMerger:
             while not req.done:
                 group = self._take() if self._inflight < self._max_inflight else []
                 if not group:
-                    self._cond.wait()
+                    if deadline is None:
+                        self._cond.wait()
+                        continue
+                    left = deadline - time.monotonic()
+                    if left > 0:
+                        self._cond.wait(left)
+                        continue
+                    if req in self._queue:  # never taken: give up on it
+                        self._queue.remove(req)
+                        raise DeadlineExceededError(
+                            f"{op} of {len(req.keys)} objects waited past its deadline "
+                            "for this node's store (a store call in flight did not end)")
+                    self._cond.wait()  # taken by another caller: its call ends it
                     continue
                 self._inflight += 1
                 busy = [k for r in group for k in r.keys]

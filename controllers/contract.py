@@ -32,12 +32,23 @@ class PoolHitPolicy(StrEnum):
     TRAILING_PAGES = "trailing_pages"
 
 
+DEFAULT_TIMEOUT_S = 5.0
+"""Default deadline of one data call, in seconds. A healthy call takes 0.1-100 ms (one
+batch of up to a few hundred MiB over TCP); Mooncake itself gives up on a dead peer after
+~10-20 s (when the master expires it). Five seconds is long enough that a busy node never
+trips it, and short enough that an engine waiting on a hung node actor (vLLM's scheduler
+calls synchronously) stalls for one visible hiccup, not for good."""
+MAX_TIMEOUT_S = 600.0
+
+
 @dataclass
 class StorageConfig:
     """Fields of SGLang's ``HiCacheStorageConfig``.
 
     ``extra_config`` keys understood by raykv: ``extra_backend_tag`` (str, first part of
-    every key prefix).
+    every key prefix); ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
+    deadline of every data call this rank makes to a node actor (exists, put, get, group
+    hit), see ``timeout_s``.
     """
 
     tp_rank: int = 0
@@ -62,10 +73,21 @@ class StorageConfig:
                 raise ValueError(f"{what}_size must be >= 1, got {size}")
             if not 0 <= rank < size:
                 raise ValueError(f"{what}_rank {rank} is out of range for {what}_size {size}")
+        timeout = (self.extra_config or {}).get("timeout_s", DEFAULT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
+                not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"extra_config['timeout_s'] must be a number of seconds in "
+                             f"(0, {MAX_TIMEOUT_S}], got {timeout!r}")
 
     @property
     def extra_backend_tag(self) -> str | None:
         return (self.extra_config or {}).get("extra_backend_tag") or None
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a data call may take before it fails with the retryable
+        ``DeadlineExceededError`` (the engine then treats it as a miss / a failed load)."""
+        return float((self.extra_config or {}).get("timeout_s", DEFAULT_TIMEOUT_S))
 
 
 @dataclass

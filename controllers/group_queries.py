@@ -138,8 +138,10 @@ class GroupQueries:
         return families
 
     def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
-            rank: tuple[int, int] = (0, 0)) -> PoolTransferResult:
-        """``submit`` and wait for the answer: the result, or the store's error raised."""
+            rank: tuple[int, int] = (0, 0),
+            timeout_s: float | None = None) -> PoolTransferResult:
+        """``submit`` and wait for the answer: the result, or the store's error raised;
+        ``TimeoutError`` if none came within ``timeout_s`` seconds (None: no limit)."""
         answered = threading.Event()
         out: list = []
 
@@ -147,7 +149,9 @@ class GroupQueries:
             out[:] = [result, error]
             answered.set()
         self.submit(dep, keys, queries, rank, done)
-        answered.wait()
+        if not answered.wait(timeout_s):
+            raise TimeoutError(f"the group query was not answered within {timeout_s:g} s "
+                               "(the store check in flight did not end)")
         result, error = out
         if error is not None:
             raise error

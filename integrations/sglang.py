@@ -98,7 +98,7 @@ def storage_config(config: HiCacheStorageConfig) -> StorageConfig:
         attn_cp_size=config.attn_cp_size, is_mla_model=config.is_mla_model,
         enable_storage_metrics=config.enable_storage_metrics,
         is_page_first_layout=config.is_page_first_layout, model_name=config.model_name,
-        extra_config={k: extra[k] for k in ("extra_backend_tag",) if k in extra})
+        extra_config={k: extra[k] for k in ("extra_backend_tag", "timeout_s") if k in extra})
 
 
 def _token_available() -> bool:

@@ -40,7 +40,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
+from raykv.controllers.contract import (
+    DEFAULT_TIMEOUT_S,
+    PoolName,
+    PoolTransfer,
+    StorageConfig,
+)
 from raykv.controllers.naming import NAMESPACE
 from raykv.integrations.vllm_plan import (
     BlockTransfer,
@@ -87,6 +92,10 @@ class _Options:
       ``auto`` (see ``join_ray``).
     - ``pool_blocks``: blocks in each TP rank's shared staging pool (default 64); larger
       loads and saves go through it in chunks of this many blocks.
+    - ``timeout_s``: the deadline of each call to raykv, in seconds (default
+      ``DEFAULT_TIMEOUT_S``, 5): a hung or stopped node actor then costs a failed load
+      (recomputed under ``kv_load_failure_policy="recompute"``) or a lost save, and the
+      scheduler's hit query a miss, never a stalled engine.
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
       values (shows that loaded KV is really used).
     """
@@ -96,13 +105,14 @@ class _Options:
     namespace: str = NAMESPACE
     ray_address: str | None = None
     pool_blocks: int = 64
+    timeout_s: float = DEFAULT_TIMEOUT_S
     debug_corrupt_loads: bool = False
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig) -> _Options:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         known = {"model_name", "extra_backend_tag", "namespace", "ray_address", "pool_blocks",
-                 "debug_corrupt_loads"}
+                 "timeout_s", "debug_corrupt_loads"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"RayKVConnector: unknown kv_connector_extra_config keys "
@@ -120,6 +130,7 @@ class _Options:
                                                                           tag)),
                    namespace=str(extra.get("namespace", NAMESPACE)),
                    ray_address=extra.get("ray_address"), pool_blocks=pool_blocks,
+                   timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
                    debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))
 
 
@@ -256,7 +267,8 @@ class RayKVConnector(KVConnectorBase_V1):
     def _storage_config(self) -> StorageConfig:
         return StorageConfig(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
                              pp_size=self.pp_size, model_name=self.opts.model_name,
-                             extra_config={"extra_backend_tag": self.opts.extra_backend_tag})
+                             extra_config={"extra_backend_tag": self.opts.extra_backend_tag,
+                                           "timeout_s": self.opts.timeout_s})
 
     def _cache(self):
         """This process's ``CacheClient`` and its registered pool, made on first use

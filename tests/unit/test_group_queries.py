@@ -220,3 +220,13 @@ def test_checker_threads_end_when_idle_and_come_back():
         time.sleep(0.01)
     assert groups._checkers == 0
     assert groups.ask(DEP, ["a", "b"], []).kv_hit_pages == 1
+
+
+def test_ask_gives_up_at_its_wait_limit_while_the_store_check_hangs():
+    store = Store(objects(["a"]))
+    store.release.clear()  # the store check hangs
+    groups = GroupQueries(store.exists, window_s=0.0)
+    with pytest.raises(TimeoutError, match="not answered within 0.2 s"):
+        groups.ask(DEP, ["a"], [], timeout_s=0.2)
+    store.release.set()
+    assert groups.ask(DEP, ["a"], [], timeout_s=5).kv_hit_pages == 1

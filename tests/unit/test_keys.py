@@ -86,3 +86,13 @@ def test_writes_replicated_only_rank0():
 def test_config_rejects_bad_ranks(kw):
     with pytest.raises(ValueError, match="must be|out of range"):
         StorageConfig(**kw)
+
+
+def test_timeout_s_is_one_validated_setting_in_extra_config():
+    from raykv.controllers.contract import DEFAULT_TIMEOUT_S
+
+    assert StorageConfig().timeout_s == DEFAULT_TIMEOUT_S
+    assert StorageConfig(extra_config={"timeout_s": 0.5}).timeout_s == 0.5
+    for bad in (0, -1, "5", True, None, 1e9):
+        with pytest.raises(ValueError, match="timeout_s"):
+            StorageConfig(extra_config={"timeout_s": bad})

@@ -280,3 +280,33 @@ def test_same_key_never_in_two_calls_at_once_with_two_slots():
                                for i in range(8)])
     assert errors == [None] * 8
     assert sorted(c[0] for c in out) == [0] + [ALREADY_PRESENT] * 7
+
+
+def test_a_queued_batch_leaves_at_its_deadline_while_a_store_call_is_stuck():
+    """A store call that does not end holds only its own callers: a batch queued behind
+    it gets ``DeadlineExceededError`` at its deadline (control: with no deadline it is
+    still waiting when the stuck call is released), and once the call ends the store
+    serves the next caller."""
+    from raykv.cache_actors.errors import DeadlineExceededError
+
+    store = FakeStore()
+    store.hold.clear()  # the first call sticks in the store
+    merger = TransferMerger(store, max_inflight=1)
+    first = threading.Thread(target=merger.put, args=(["a"], [1], [1]), name="stuck")
+    first.start()
+    deadline = time.monotonic() + 5
+    while not store.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(DeadlineExceededError, match="deadline"):
+        merger.run("put", ["b"], [2], [1], deadline=time.monotonic() + 0.2)
+    assert [c[1] for c in store.calls] == [["a"]]  # "b" never reached the store
+    waiting = []
+    control = threading.Thread(target=lambda: waiting.append(merger.put(["c"], [3], [1])))
+    control.start()
+    control.join(0.5)
+    assert control.is_alive() and not waiting  # no deadline: it waits for the stuck call
+    store.hold.set()
+    first.join(5)
+    control.join(5)
+    assert waiting == [[0]]
+    assert merger.run("put", ["b"], [2], [1], deadline=time.monotonic() + 5) == [0]
