@@ -74,7 +74,7 @@ MAMBA_STAGING_SLOTS = 16
 WARN_EVERY_S = 10.0
 # extra_config keys this backend reads (SGLang's own keys pass through untouched).
 CONFIG_KEYS = ("ray_address", "ray_namespace", "ray_auth_mode", "ray_node_id", "zero_copy",
-               "staging_pages", "extra_backend_tag")
+               "staging_pages", "extra_backend_tag", "timeout_s")
 
 
 # --------------------------------------------------------------------- config
@@ -295,7 +295,9 @@ class RayKVStore(HiCacheStorage):
     ``ray_node_id`` (serve through the cache actor of that node instead of the node Ray
     placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
     memfds), ``staging_pages`` (per pool and direction, default 256),
-    ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore).
+    ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
+    deadline of each call to raykv, default 5 s: past it a lookup is a miss, a backup or
+    a load fails for its pages, and SGLang keeps serving).
     """
 
     def __init__(self, storage_config_: HiCacheStorageConfig, kwargs: Any = None) -> None:
