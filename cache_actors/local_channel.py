@@ -40,6 +40,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from raykv.cache_actors.errors import DeadlineExceededError
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
@@ -242,8 +244,10 @@ class ChannelClient:
     one another; ops in ``async_ops`` go on a second connection of their own (see the
     module docstring). Raises ``ChannelClosedError`` when the actor is unreachable."""
 
-    def __init__(self, path: str, async_ops: frozenset[str] = frozenset()) -> None:
+    def __init__(self, path: str, async_ops: frozenset[str] = frozenset(),
+                 timeout_s: float = 5.0) -> None:
         self.path = path
+        self._timeout_s = timeout_s
         self._async_ops = async_ops
         self._local = threading.local()
         self._all: list[socket.socket] = []
@@ -257,6 +261,7 @@ class ChannelClient:
         sock = socks.get(kind)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self._timeout_s)
             try:
                 sock.connect(self.path)
             except OSError as e:
@@ -274,6 +279,11 @@ class ChannelClient:
         try:
             _send(sock, (op, args))
             ok, value = _recv(sock)
+        except TimeoutError as e:
+            del self._local.socks[kind]
+            sock.close()
+            raise DeadlineExceededError(f"the node actor did not answer {op} within "
+                                        f"{self._timeout_s:g} s") from e
         except OSError as e:
             del self._local.socks[kind]
             sock.close()

@@ -1,0 +1,130 @@
+"""Deadlines against a real two-node cluster: a node actor stopped with SIGSTOP (hung,
+from its callers' side) fails every call that waits on it within the caller's deadline,
+over both routes (the local channel of its own node's ranks, a Ray call from a rank on
+another node), and serves again once it is continued.
+
+Each call runs in a thread joined with a bound far above the deadline, so that a call
+that hangs (the code before deadlines: socket reads and ``ray.get`` without a timeout)
+fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import ray
+from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
+from raykv.controllers import PoolName, PoolTransfer, StorageConfig
+from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+
+from tests.integration.ranks import indices, start_rank
+
+N = 4
+TIMEOUT_S = 1.0
+HANG_S = 30.0  # a call still running after this long is taken as hung
+
+
+def cfg(tp_rank: int) -> StorageConfig:
+    return StorageConfig(model_name="org/deadline", tp_rank=tp_rank, tp_size=2,
+                         extra_config={"timeout_s": TIMEOUT_S})
+
+
+def timed(call) -> tuple[float, object]:
+    """(seconds, result or exception) of ``call()`` run in a thread; ``(inf, None)`` if
+    it is still running after ``HANG_S``."""
+    out: list = []
+
+    def run() -> None:
+        t = time.monotonic()
+        try:
+            value = call()
+        except Exception as e:  # the outcome under test
+            value = e
+        out.append((time.monotonic() - t, value))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    return out[0] if out else (float("inf"), None)
+
+
+def unavailable(outcome: tuple[float, object]) -> bool:
+    seconds, value = outcome
+    return isinstance(value, NodeUnavailableError) and seconds < HANG_S
+
+
+def home_node(cluster) -> str:
+    """The node whose actor answers the group queries of the deployment of ``cfg``."""
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=cluster.namespace)
+    deployments = ray.get(controller.deployments.remote())
+    (dep,) = [d for d in deployments.values() if d["model_name"] == "org/deadline"]
+    return dep["home_node"]
+
+
+def test_a_stopped_node_actor_fails_calls_at_their_deadline_then_serves_again(cluster, uid):
+    ranks = {n: start_rank(n, cfg(i)) for i, n in enumerate(cluster.node_ids)}
+    keys = [f"{uid}-{i}" for i in range(N)]
+    for seed, rank in enumerate(ranks.values()):
+        ray.get(rank.fill.remote(seed))
+        assert ray.get(rank.call.remote("batch_set_v1", keys, indices(0, N))) == [True] * N
+        assert ray.get(rank.call.remote("batch_exists", keys)) == N
+    for rank in ranks.values():  # registers the group
+        assert ray.get(rank.call.remote("group_exists", keys)).kv_hit_pages == N
+    node = home_node(cluster)
+    home = ranks[node]  # its data calls and group queries go over the channel
+    (other,) = [r for n, r in ranks.items() if n != node]  # its group queries: Ray
+    asked = keys + [f"{uid}-unasked"]  # no shared recent answer for these
+
+    actor = ray.get_actor(node_actor_name(node), namespace=cluster.namespace)
+    pid = ray.get(actor.health.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcomes = {
+            "channel batch_get_v1": timed(lambda: ray.get(home.call.remote(
+                "batch_get_v1", keys, indices(32, N)))),
+            "channel batch_set_v2": timed(lambda: ray.get(home.call.remote(
+                "batch_set_v2", [PoolTransfer(PoolName.KV, [f"{uid}-new"],
+                                              indices(16, 1))]))),
+            "channel batch_exists": timed(lambda: ray.get(home.call.remote(
+                "batch_exists", asked))),
+            "channel group_exists": timed(lambda: ray.get(home.call.remote(
+                "group_exists", asked))),
+            "Ray group_exists": timed(lambda: ray.get(other.call.remote(
+                "group_exists", asked))),
+        }
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for what, outcome in outcomes.items():
+        assert unavailable(outcome), f"{what}: {outcome}"
+        assert isinstance(outcome[1], DeadlineExceededError), f"{what}: {outcome}"
+
+    # Hits resume once the actor runs again (its first calls may still be busy with the
+    # requests that expired meanwhile).
+    deadline = time.monotonic() + 60
+    while True:
+        seconds, got = timed(lambda: ray.get(home.call.remote(
+            "batch_get_v1", keys, indices(32, N))))
+        if got == [True] * N or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == [True] * N
+    assert ray.get(other.call.remote("group_exists", keys)).kv_hit_pages == N
+    wrote = ray.get(home.pages.remote(0, N))
+    assert bool((ray.get(home.pages.remote(32, N)) == wrote).all())
+
+
+def test_control_without_a_stop_every_call_answers_within_the_deadline(cluster, uid):
+    """Control for the test above: the same calls on a running actor answer normally, so
+    the errors above come from the stop, not from a deadline too short for this host."""
+    node1, node2 = cluster.node_ids
+    home = start_rank(node1, cfg(0))
+    other = start_rank(node2, cfg(1))
+    keys = [f"{uid}-{i}" for i in range(N)]
+    ray.get(home.fill.remote(1))
+    assert ray.get(home.call.remote("batch_set_v1", keys, indices(0, N))) == [True] * N
+    ray.get(other.fill.remote(2))
+    assert ray.get(other.call.remote("batch_set_v1", keys, indices(0, N))) == [True] * N
+    assert ray.get(home.call.remote("batch_get_v1", keys, indices(32, N))) == [True] * N
+    assert ray.get(other.call.remote("batch_exists", keys)) == N
