@@ -18,7 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node_metrics import NodeMetrics
-from raykv.cache_actors.node_service import DATA_THREADS, NodeService
+from raykv.cache_actors.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node_store import NodeStore
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
@@ -67,11 +67,12 @@ class NodeCacheActor:
             confirm_ttl_s=confirm_ttl_s)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
-        """The controller's copy (``ValueError`` if it does not know it). Runs on a
+        """The controller's copy (``ValueError`` if it does not know it;
+        ``TimeoutError`` if the controller does not answer within ``WAIT_S``). Runs on a
         thread of this async actor: waits on the future, not with ``ray.get``."""
         controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
         try:
-            return controller.deployment.remote(deployment_id).future().result()
+            return controller.deployment.remote(deployment_id).future().result(WAIT_S)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):
                 raise ValueError(str(e.cause)) from None

@@ -251,10 +251,17 @@ class NodeService:
 
     def _deployment(self, deployment_id: str, version: int) -> Deployment:
         """The deployment at ``version`` or later, from the controller when the copy here
-        is missing or older; ``ValueError`` if the controller does not know it."""
+        is missing or older; ``ValueError`` if the controller does not know it,
+        ``DeadlineExceededError`` if it does not answer in time."""
         dep = self._known(deployment_id, version)
         if dep is None:
-            dep = self._deployments[deployment_id] = self._fetch_deployment(deployment_id)
+            try:
+                dep = self._fetch_deployment(deployment_id)
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"the controller did not hand over deployment {deployment_id!r} in "
+                    "time") from None
+            self._deployments[deployment_id] = dep
         return dep
 
     def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
