@@ -1,12 +1,8 @@
-"""Named shared-memory files under ``SHM_DIR`` (mode 0600), reserved when made.
+"""Named shared-memory files under ``/dev/shm`` (mode 0600), reserved when made.
 
 The node actor creates and unlinks files; ranks only attach. Unlike
 ``multiprocessing.shared_memory`` before Python 3.13, attaching registers nothing with
 a resource tracker, so a rank that exits never unlinks a file it did not create.
-
-``SHM_DIR`` is ``/dev/shm`` unless ``$RAYKV_SHM_DIR`` names another tmpfs directory; it
-is read once, at import, so every raykv process of a node (node actor, ranks) must see
-the same value in its environment.
 
 Every byte of a file is allocated when the file is made (``reserve``): a tmpfs that is
 full (Docker gives a container a 64 MiB ``/dev/shm`` by default) then refuses the pool
@@ -22,15 +18,13 @@ import glob
 import mmap
 import os
 
-from raykv.controllers import naming
-
-SHM_DIR = os.environ.get("RAYKV_SHM_DIR") or naming.SHM_DIR
+from raykv.controllers.naming import SHM_DIR
 
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 
 
 def shm_path(name: str) -> str:
-    """``SHM_DIR/<name>``; a name that is an absolute path is that path (the node
+    """``/dev/shm/<name>``; a name that is an absolute path is that path (the node
     actor's memfd seen as ``/proc/<pid>/fd/<fd>``, standalone mode)."""
     return name if name.startswith("/") else os.path.join(SHM_DIR, name)
 
