@@ -89,11 +89,14 @@ class EngineHostPool(HostPool):
         the lost pages would raise SIGBUS). Any thread."""
         if self.sealed:
             return
-        size = os.fstat(self._fd).st_size
+        fd = self._fd
+        if fd < 0:
+            raise ValueError(f"engine pool {self.name!r} was removed")
+        size = os.fstat(fd).st_size
         if size < self.nbytes:
             raise ValueError(f"engine pool {self.name!r}: the engine truncated its memfd to "
                              f"{size} bytes but the pool's layout needs {self.nbytes}: no "
-                             "page of it moves until the engine registers it again")
+                             "page of it moves while it is smaller")
 
     def close(self, unlink: bool = False) -> None:
         """Unmap and close the fd (an engine's memfd is never unlinked)."""
