@@ -96,6 +96,7 @@ class CacheClient:
         conv_dtypes: Sequence[torch.dtype | str] | None = None,
         order: str = "page_first",
         name: str | None = None,
+        per_process: bool = False,
     ) -> HostPool:
         """Create a shared host pool on this node and map it here.
 
@@ -108,14 +109,17 @@ class CacheClient:
         ``temporal_shape`` means a conv-only model). ``size`` and ``page_size`` count
         token slots (Mamba: checkpoints, page_size 1). With ``name`` of a pool that exists
         with the same shape, that pool is attached instead (how a restarted rank finds
-        its pool again). Raises ``ValueError`` for a bad shape.
+        its pool again). ``per_process``: the pool serves this process alone (an
+        engine's staging pool): the node removes it once this process exited; by default
+        a pool outlives every rank. Raises ``ValueError`` for a bad shape, or a pool that
+        does not fit in the node's budget or shared memory.
         """
         return self._pools.create(pool_layout(
             str(kind).lower(), size=size, page_size=page_size, layer_num=layer_num,
             head_num=head_num, head_dim=head_dim, kv_cache_dim=kv_cache_dim,
             index_head_dim=index_head_dim, dtype=dtype, temporal_shape=temporal_shape,
             temporal_dtype=temporal_dtype, conv_shapes=conv_shapes, conv_dtypes=conv_dtypes,
-            order=order), name)
+            order=order), name, per_process)
 
     def attach_host_pool(self, name: str) -> HostPool:
         """Map the existing pool ``name`` of this node; ``ValueError`` if there is none."""

@@ -106,8 +106,11 @@ class HostPool:
 
     @classmethod
     def create(cls, handle: PoolHandle) -> HostPool:
-        """Create the shared-memory file (zero-filled) and map it; the caller owns it."""
-        return cls(handle, create_shm_file(handle.path, handle.layout.nbytes), owner=True)
+        """Create the shared-memory file (zero-filled, every byte allocated now) and map
+        it; the caller owns it. ``ValueError`` naming the pool, the bytes it needs and the
+        free space if the shared-memory filesystem cannot hold it (no file is left)."""
+        return cls(handle, create_shm_file(handle.path, handle.layout.nbytes,
+                                           f"pool {handle.name!r}"), owner=True)
 
     @classmethod
     def attach(cls, handle: PoolHandle) -> HostPool:
@@ -186,6 +189,12 @@ class HostPool:
         """Offset of ``[ptr, ptr + size)`` inside this mapping, or None if it is not inside."""
         off = ptr - self.base_ptr
         return off if off >= 0 and size > 0 and off + size <= self.nbytes else None
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if pages of this pool can no longer be touched safely
+        (the node actor calls it before every data call that names the pool). Pools
+        made by raykv are allocated whole and never shrink: nothing to check; an
+        engine's memfd can (``engine_memory.EngineHostPool``)."""
 
     def pin(self) -> None:
         """Page-lock the mapping for DMA-speed device copies (no-op without CUDA)."""

@@ -20,6 +20,7 @@ from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node_metrics import NodeMetrics
 from raykv.cache_actors.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
@@ -84,13 +85,14 @@ class NodeCacheActor:
 
     # ----------------------------------------------------------------- pools
     @ray.method(concurrency_group="control")
-    async def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
-        return self._service.create_pool(name, layout)
+    async def create_pool(self, name: str, layout: PoolLayout,
+                          owner: ProcessIdentity | None = None) -> PoolHandle:
+        return self._service.create_pool(name, layout, owner)
 
     @ray.method(concurrency_group="control")
     async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                                probe: list[tuple[int, int]] = ()) -> PoolHandle:
-        return self._service.adopt_engine_pool(name, path, layout, probe)
+                                inode: tuple[int, int]) -> PoolHandle:
+        return self._service.adopt_engine_pool(name, path, layout, inode)
 
     @ray.method(concurrency_group="control")
     async def get_pool(self, name: str) -> PoolHandle:

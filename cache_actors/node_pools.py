@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
-from raykv.cache_actors.engine_memory import engine_pid, map_engine_pool
+from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_store import NodeStore
@@ -68,6 +68,7 @@ class PoolTable:
             if pool is None:
                 raise ValueError(f"the batch names pool {name!r}, which this node does not "
                                  "have")
+            pool.check()  # an engine's memfd that shrank: refused, never a SIGBUS
             pools[name] = (pool.base_ptr, pool.nbytes)
         ptrs = []
         for key, name, off, size in zip(batch.keys, batch.pools, batch.offsets, batch.sizes,
@@ -99,7 +100,7 @@ class NodePools:
         self._sized = sized
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
-        self._engines: dict[str, ProcessIdentity | None] = {}  # engine pools' processes
+        self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
         self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
 
     def _meta_path(self, name: str) -> str:
@@ -135,10 +136,16 @@ class NodePools:
                     continue
                 self.table = self.table.replaced(pool.name, pool)
 
-    def create(self, name: str, layout: PoolLayout) -> PoolHandle:
+    def create(self, name: str, layout: PoolLayout,
+               owner: ProcessIdentity | None = None) -> PoolHandle:
         """Pool ``name`` (made now unless it exists with the same layout). ``ValueError``
-        for another layout, a bad name or a pool over the budget (nothing allocated),
-        ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone)."""
+        for another layout, a bad name, a pool over the budget or one the shared memory
+        cannot hold (nothing allocated), ``StoreUnavailableError`` while
+        ``mooncake_client`` is down (standalone). ``owner``: the one process the new pool
+        serves (an engine's staging pool); ``reap_engines`` removes the pool once that
+        process exited, if this machine shows it now (else it is kept: a process of
+        another pid namespace or machine cannot be watched). Pools without an owner (L2
+        shared by many ranks) outlive every rank."""
         check_pool_name(name)
         with self._lock:
             existing = self.table.pools.get(name)
@@ -150,6 +157,8 @@ class NodePools:
             self._store.check()
             pool = self._register(self._store.memory.create(name, layout))
             self.table = self.table.replaced(name, pool)
+            if owner is not None and owner.alive():
+                self._engines[name] = owner
             with open(self._meta_path(name), "w") as f:
                 json.dump({"name": name, "path": pool.handle.path,
                            "layout": asdict(layout)}, f)
@@ -157,12 +166,13 @@ class NodePools:
             return pool.handle
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
-                     probe: Sequence[tuple[int, int]] = ()) -> PoolHandle:
+                     inode: Sequence[int]) -> PoolHandle:
         """An engine's own memfd ``path`` served as pool ``name`` with no copy
-        (``engine_memory.map_engine_pool`` checks it); the same handle again if it is
-        already served. No metadata file: a restarted actor does not re-adopt it (the
-        engine registers it again). ``ValueError`` for anything that is not such a memfd,
-        a name taken by another pool, or a pool over the budget."""
+        (``engine_memory.map_engine_pool`` checks it, ``inode`` = the engine's
+        ``(st_dev, st_ino)`` of it); the same handle again if it is already served. No
+        metadata file: a restarted actor does not re-adopt it (the engine registers it
+        again). ``ValueError`` for anything that is not such a memfd, a name taken by
+        another pool, or a pool over the budget."""
         with self._lock:
             known = self.table.pools.get(name)
             if known is not None:
@@ -172,29 +182,33 @@ class NodePools:
             budget = self._store.memory.budget
             budget.reserve(name, layout.nbytes)  # released with the pool
             try:
-                pool = map_engine_pool(name, path, layout, self._store.mode, probe)
+                pool, process = map_engine_pool(name, path, layout, self._store.mode,
+                                                tuple(inode))
             except BaseException:
                 budget.release(layout.nbytes)
                 raise
             pool = self._register(pool)
             self.table = self.table.replaced(name, pool)
-            self._engines[name] = ProcessIdentity.of(engine_pid(path))
+            self._engines[name] = process
             return pool.handle
 
     def reap_engines(self, grace_s: float) -> list[str]:
-        """Destroy the engine pools whose process exited at least ``grace_s`` seconds ago
-        (seen gone by an earlier call that long before: a store call the engine started
-        before it died may still be moving its pages, and the pool's memory must stay
-        mapped until it ends). An engine that dies without closing its backend would
-        otherwise keep its whole host pool alive in this actor. Returns the names."""
+        """Destroy the pools of one engine process (adopted memfds, and pools created
+        with an ``owner``: SGLang staging pools, vLLM pools) whose process exited at
+        least ``grace_s`` seconds ago (seen gone by an earlier call that long before: a
+        store call the engine started before it died may still be moving its pages, and
+        the pool's memory must stay mapped until it ends). An engine that dies without
+        closing its backend would otherwise keep its host pools alive in this node.
+        Returns the names."""
         now = time.monotonic()
         with self._lock:
             for name, process in self._engines.items():
-                if process is None or not process.alive():
+                if not process.alive():
                     self._exited.setdefault(name, now)
             due = [n for n, t in self._exited.items() if now - t >= grace_s]
         for name in due:
-            log.warning("engine pool %s: its process exited; the pool is removed", name)
+            log.warning("pool %s: the engine process it served exited; the pool is removed",
+                        name)
             self.destroy(name)
         return due
 

@@ -36,8 +36,9 @@ Concurrency contract. Threads that call in:
   then calls ``_reallocate``.
 - The metrics exporter thread (``NodeMetrics``): every second it hands the counts
   recorded since to the Ray metrics.
-- The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the engine-owned pools
-  (``adopt_engine_pool``) whose process exited more than ``ENGINE_GRACE_S`` ago
+- The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the pools of one engine
+  process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
+  pools) whose process exited more than ``ENGINE_GRACE_S`` ago
   (``NodePools.reap_engines``, under the pool lock).
 
 State and what guards it:
@@ -74,6 +75,7 @@ from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node_pools import NodePools
 from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
 from raykv.cache_actors.transfer_merger import TransferMerger
 from raykv.controllers.contract import PoolTransferResult
@@ -149,20 +151,25 @@ class NodeService:
             except Exception:  # the reaper must outlive one bad look
                 log.exception("engine pool check failed")
 
-    def create_pool(self, name: str, layout: PoolLayout) -> PoolHandle:
-        """Create pool ``name`` (or return it if it exists with the same layout).
+    def create_pool(self, name: str, layout: PoolLayout,
+                    owner: ProcessIdentity | None = None) -> PoolHandle:
+        """Create pool ``name`` (or return it if it exists with the same layout); with
+        ``owner`` (one engine process's pool) it is removed once that process exited
+        (``NodePools.create``, the engine reaper).
 
         Raises ``ValueError`` if a pool of that name exists with another layout or the
-        pool does not fit in ``host_pool_bytes`` (nothing is allocated then), and
-        ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone).
+        pool does not fit in ``host_pool_bytes`` or in the shared memory (nothing is
+        allocated then), and ``StoreUnavailableError`` while ``mooncake_client`` is down
+        (standalone).
         """
-        return self._pools.create(name, layout)
+        return self._pools.create(name, layout, owner)
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                          probe: Sequence[tuple[int, int]] = ()) -> PoolHandle:
-        """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``) as pool ``name``
-        with no copy (``NodePools.adopt_engine``)."""
-        return self._pools.adopt_engine(name, path, layout, probe)
+                          inode: Sequence[int]) -> PoolHandle:
+        """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``, ``inode`` its
+        ``(st_dev, st_ino)`` as the engine sees it) as pool ``name`` with no copy
+        (``NodePools.adopt_engine``)."""
+        return self._pools.adopt_engine(name, path, layout, inode)
 
     def get_pool(self, name: str) -> PoolHandle:
         """The handle of pool ``name``; ``ValueError`` if this node has no such pool."""

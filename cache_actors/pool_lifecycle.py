@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from raykv.cache_actors.node_link import NodeLink
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
 from raykv.controllers.keys import check_key_rule
@@ -119,11 +120,16 @@ class PoolLifecycle:
         self.disabled: frozenset[PoolName] = frozenset()
 
     # ------------------------------------------------------------- mapping
-    def create(self, layout: PoolLayout, name: str | None = None) -> HostPool:
+    def create(self, layout: PoolLayout, name: str | None = None,
+               per_process: bool = False) -> HostPool:
         """Create a pool of ``layout`` on the node (or attach the pool ``name`` if it
-        exists with that layout) and map it; a generated name if ``name`` is None."""
+        exists with that layout) and map it; a generated name if ``name`` is None.
+        ``per_process``: the pool serves this process alone, and the node removes it
+        once this process exited (``NodePools.create``'s ``owner``); otherwise it
+        outlives every rank (a restarted rank finds its L2 intact)."""
         name = check_pool_name(name or f"{layout.kind}-{uuid.uuid4().hex[:12]}")
-        return self._map(self._link.call("create_pool", name, layout))
+        owner = (ProcessIdentity.current(),) if per_process else ()
+        return self._map(self._link.call("create_pool", name, layout, *owner))
 
     def attach(self, name: str) -> HostPool:
         """Map the existing pool ``name``; ``ValueError`` if the node has none."""
@@ -213,7 +219,7 @@ class PoolLifecycle:
             layout = PoolLayout.mla(page_size=page_size, size=buf.shape[0],
                                     layer_num=buf.shape[1], kv_cache_dim=buf.shape[3],
                                     dtype=dtype, itemsize=itemsize)
-        staging = self.create(layout)
+        staging = self.create(layout, per_process=True)
         self._set_registered({**self._registered, PoolName.DRAFT: staging})
         self._staged[PoolName.DRAFT] = buf
 

@@ -3,6 +3,7 @@ pid is never taken for the process it once named (Linux ``/proc``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -28,6 +29,13 @@ class ProcessIdentity:
         """The identity of the process ``pid`` now names; None if there is none."""
         st = process_stat(pid)
         return None if st is None else cls(pid, st[1])
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        """This process."""
+        me = cls.of(os.getpid())
+        assert me is not None  # this process is running
+        return me
 
     def alive(self) -> bool:
         """True while ``pid`` is this very process and has not exited (not a zombie)."""

@@ -418,17 +418,17 @@ class RayKVStore(HiCacheStorage):
             layers, heads, dim = b[0].slot_shape
             return self.client.create_host_pool(
                 "mha", size=size, page_size=lay.page_size, layer_num=layers, head_num=heads,
-                head_dim=dim, dtype=b[0].dtype, name=name)
+                head_dim=dim, dtype=b[0].dtype, name=name, per_process=True)
         if lay.kind == "mla":
             layers, _, dim = b[0].slot_shape
             return self.client.create_host_pool(
                 "mla", size=size, page_size=lay.page_size, layer_num=layers, kv_cache_dim=dim,
-                dtype=b[0].dtype, name=name)
+                dtype=b[0].dtype, name=name, per_process=True)
         if lay.kind == "indexer":
             layers, dim = b[0].slot_shape
             return self.client.create_host_pool(
                 "indexer", size=size, page_size=lay.page_size, layer_num=layers,
-                index_head_dim=dim, dtype=b[0].dtype, name=name)
+                index_head_dim=dim, dtype=b[0].dtype, name=name, per_process=True)
         temporal = next((x for x in b if x.name == "temporal"), None)
         convs = [x for x in b if x.name.startswith("conv_")]
         return self.client.create_host_pool(
@@ -436,7 +436,7 @@ class RayKVStore(HiCacheStorage):
             temporal_shape=temporal.slot_shape if temporal else None,
             temporal_dtype=temporal.dtype if temporal else None,
             conv_shapes=[c.slot_shape for c in convs], conv_dtypes=[c.dtype for c in convs],
-            name=name)
+            name=name, per_process=True)
 
     def _adopt(self, ep: EnginePool) -> None:
         """Have the node actor map and register SGLang's memfd of ``ep`` as a pool, then
@@ -445,8 +445,10 @@ class RayKVStore(HiCacheStorage):
         name = ep.pool.name if ep.pool is not None else \
             f"sglang-{pid}-{fd}-{uuid.uuid4().hex[:8]}"
         actor = ray.get_actor(node_actor_name(self.client.node_id), namespace=self._namespace)
+        st = os.fstat(fd)  # the memfd that _maps_at_start found under SGLang's tensors
         ray.get(actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout,
-                                               _probe(ep)), timeout=CONTROL_TIMEOUT_S)
+                                               (st.st_dev, st.st_ino)),
+                timeout=CONTROL_TIMEOUT_S)
         ep.pool = self.client.attach_host_pool(name)
         ep.zero_copy = True
 
@@ -779,16 +781,3 @@ def _slots(starts: list[int], page_size: int) -> torch.Tensor:
     if not starts:
         return torch.empty(0, dtype=torch.int64)
     return (torch.as_tensor(starts)[:, None] + torch.arange(page_size)[None, :]).reshape(-1)
-
-
-def _probe(ep: EnginePool) -> list[tuple[int, int]]:
-    """(offset, first 8 bytes as int) of the first and last page of each of SGLang's
-    buffers, as SGLang sees them: the node actor checks it reads the same through its
-    mapping, so a wrong fd or offset is refused before any byte moves."""
-    out = []
-    base = ep.pages[0].data_ptr()
-    for b in ep.pages:
-        for page in (0, b.shape[0] - 1):
-            off = b[page].data_ptr() - base
-            out.append((off, int.from_bytes(bytes(b[page, :8].tolist()), "little")))
-    return out

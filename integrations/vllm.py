@@ -287,14 +287,15 @@ class RayKVConnector(KVConnectorBase_V1):
                 # names the deployment's pool spec; the ranks' pools hold the bytes.
                 pool = client.create_host_pool("vllm", page_size=self.block_size,
                                                size=self.block_size, layer_num=1, head_num=1,
-                                               head_dim=1, name=name)
+                                               head_dim=1, name=name, per_process=True)
             else:
                 layers = len(self._layers)
                 heads, dim = self._pool_dims()
                 pool = client.create_host_pool(
                     "vllm", page_size=self.block_size,
                     size=self.opts.pool_blocks * self.block_size, layer_num=layers,
-                    head_num=heads, head_dim=dim, dtype=self._layers[0].dtype, name=name)
+                    head_num=heads, head_dim=dim, dtype=self._layers[0].dtype, name=name,
+                    per_process=True)
             client.register_mem_host_pool_v2(pool, PoolName.KV)
         except BaseException:
             client.close()

@@ -1,6 +1,8 @@
 """Engine-owned pools go away with their engine: a real memfd of a child process, served
-as a node pool (``NodePools.adopt_engine``), is removed once the child exited and the
-grace period passed, and never while it runs (fake Mooncake registration only)."""
+as a node pool (``NodePools.adopt_engine``), and a pool created for one process (an
+``owner``: SGLang staging and vLLM pools) are removed once that process exited and the
+grace period passed, never while it runs; shared pools are never removed (fake Mooncake
+registration only)."""
 
 import os
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 from raykv.cache_actors.node_pools import NodePools
 from raykv.cache_actors.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.controllers.pool_layout import PoolLayout
 
 LAYOUT = PoolLayout.mha(page_size=4, size=16, layer_num=2, head_num=1, head_dim=8,
@@ -53,7 +56,9 @@ def engine():
     child = subprocess.Popen([sys.executable, "-c", ENGINE, str(LAYOUT.nbytes)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     fd = int(child.stdout.readline())
-    yield child, f"/proc/{child.pid}/fd/{fd}"
+    path = f"/proc/{child.pid}/fd/{fd}"
+    st = os.stat(path)
+    yield child, path, (st.st_dev, st.st_ino)
     child.kill()
     child.wait()
 
@@ -68,9 +73,9 @@ def pools():
 
 
 def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
-    child, path = engine
+    child, path, inode = engine
     node, store = pools
-    node.adopt_engine("sglang-kv", path, LAYOUT)
+    node.adopt_engine("sglang-kv", path, LAYOUT, inode)
     assert node.reap_engines(grace_s=0.0) == []  # the engine runs: kept
     assert "sglang-kv" in node.table.pools and store.backend.live
 
@@ -83,6 +88,37 @@ def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
     assert "sglang-kv" not in node.table.pools
     assert not store.backend.live and store.memory.budget.used == 0
     assert node.reap_engines(grace_s=0.0) == []
+
+
+def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools):
+    child, _, _ = engine
+    node, store = pools
+    owner = ProcessIdentity.of(child.pid)
+    node.create("sglang-staging", LAYOUT, owner=owner)
+    node.create("shared-kv", LAYOUT)  # L2 of many ranks: outlives every one of them
+    assert node.reap_engines(grace_s=0.0) == []
+
+    child.stdin.close()
+    child.wait(10)
+    assert node.reap_engines(grace_s=60.0) == []
+    time.sleep(0.05)
+    assert node.reap_engines(grace_s=0.01) == ["sglang-staging"]
+    assert sorted(node.table.pools) == ["shared-kv"]
+    assert store.memory.budget.used == LAYOUT.nbytes and len(store.backend.live) == 1
+    assert not os.path.exists(os.path.join(SHM_DIR, node._prefix + "sglang-staging"))
+
+
+def test_an_owner_this_machine_does_not_show_is_never_reaped(engine, pools):
+    """An owner whose pid names another process here (another pid namespace, a reused
+    pid) cannot be watched: its pool is kept rather than taken from a live engine."""
+    child, _, _ = engine
+    node, _ = pools
+    me = ProcessIdentity.of(child.pid)
+    node.create("elsewhere", LAYOUT, owner=ProcessIdentity(me.pid, me.start_ticks + 1))
+    node.create("gone", LAYOUT, owner=ProcessIdentity(2**22 + 1, 1))
+    time.sleep(0.05)
+    assert node.reap_engines(grace_s=0.0) == []
+    assert sorted(node.table.pools) == ["elsewhere", "gone"]
 
 
 def test_node_pools_are_never_reaped(pools):

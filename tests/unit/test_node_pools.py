@@ -31,6 +31,9 @@ class FakePool:
     def nbytes(self) -> int:
         return self.handle.layout.nbytes
 
+    def check(self) -> None:
+        """Fake memory never shrinks."""
+
 
 class FakeMemory:
     """Standalone-like: a new epoch per ``renew``; ``create`` may be held at ``gate``."""
