@@ -6,7 +6,11 @@ runtime env, so it holds before torch is imported there) runs it in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and, at TP=1, worker in the actor),
 with one OMP thread; ``env`` overrides it, e.g. ``{"VLLM_ENABLE_V1_MULTIPROCESSING":
 "1"}`` for vLLM's default multiprocess engine, whose engine core and worker processes
-join Ray themselves (see ``raykv.integrations.vllm.join_ray``).
+join Ray themselves (see ``raykv.integrations.vllm.join_ray``). One OMP thread in every
+mode: vLLM's default CPU binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) would give a
+multiprocess engine's worker every core it finds instead, and greedy tokens of vLLM's CPU
+kernels depend on the thread count (2 threads instead of 1 changed 5 of 6 prompts'
+tokens here), so engines in different modes would not be comparable.
 
 Imports vLLM only inside the actor.
 """
@@ -21,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # keep OMP_NUM_THREADS in worker processes
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",

@@ -10,15 +10,38 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import ray
 
 from tests.integration.conftest import two_nodes
 
 DECOYS = ("controllers", "clusters", "cache_actors", "example_engine")
-# The repository root must not be on the path: only the installed package may be found.
-ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-# Ray's local clusters use token authentication; a process joining one says so.
-if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
-    ENV.setdefault("RAY_AUTH_MODE", "token")
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child process, read when called (never at import: the
+    cluster a child joins may change this process's ``RAY_AUTH_MODE``).
+
+    Without ``PYTHONPATH``: only the installed raykv may be found. When this process is
+    connected to a Ray cluster, ``RAY_AUTH_MODE`` is the mode it uses with that
+    cluster: the cluster's processes were started from this process's environment, and
+    a driver that joins by address never turns token authentication on by itself
+    (``ray.init`` does that only for a cluster it starts or finds with ``auto``). The
+    token itself, if any, is found where this process found it (same ``HOME``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if ray.is_initialized():
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+
+        token = get_authentication_mode() == AuthenticationMode.TOKEN
+        env["RAY_AUTH_MODE"] = "token" if token else "disabled"
+    return env
+
+
+@pytest.fixture
+def cluster_and_env():
+    """A two-node embedded cluster and the environment of a driver that joins it,
+    computed once the cluster runs (its auth mode is only known then)."""
+    with two_nodes("embedded") as cluster:
+        yield cluster, child_env()
 
 
 @pytest.fixture
@@ -32,7 +55,7 @@ def decoy_dir(tmp_path: Path) -> Path:
 
 def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=ENV)
+                          env=child_env())
 
 
 def test_decoys_are_proven_to_shadow(decoy_dir):
@@ -86,12 +109,12 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
-def test_ray_job_with_decoys_in_working_dir_moves_pages(decoy_dir, uid):
+def test_ray_job_with_decoys_in_working_dir_moves_pages(decoy_dir, uid, cluster_and_env):
     (decoy_dir / "driver.py").write_text(DRIVER)
-    with two_nodes("embedded") as cluster:
-        out = subprocess.run(
-            [sys.executable, "driver.py", cluster.address, cluster.namespace,
-             str(decoy_dir), uid], cwd=decoy_dir, capture_output=True, text=True,
-            timeout=300, env=ENV)
+    cluster, env = cluster_and_env
+    out = subprocess.run(
+        [sys.executable, "driver.py", cluster.address, cluster.namespace,
+         str(decoy_dir), uid], cwd=decoy_dir, capture_output=True, text=True,
+        timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "RESULT" in out.stdout

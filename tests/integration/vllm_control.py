@@ -1,26 +1,89 @@
 """The vLLM tests' control engine: an engine actor that can load random bytes instead of
-the stored blocks (shows that loaded KV is really used). In a module of its own so that
-Ray workers import it by name (``tests.integration.vllm_control``)."""
+the stored blocks (shows that loaded KV is really used), and that can record the bytes
+of the blocks its connector saves and loads (the loaded KV compared with the saved KV
+byte for byte, which no numerical effect can blur). In a module of its own so that Ray
+workers import it by name (``tests.integration.vllm_control``)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import ray
+import torch
 from raykv.integrations.vllm_actors import VLLMEngine
+
+
+def _connector():
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    return get_kv_transfer_group()
 
 
 def _corrupt_loads(worker, on: bool) -> None:
     from dataclasses import replace
 
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
-
-    c = get_kv_transfer_group()
+    c = _connector()
     c.opts = replace(c.opts, debug_corrupt_loads=on)
+
+
+def _digests(c, block_ids: list[int]) -> list[list[str]]:
+    """Per block, per layer (vLLM's layer order): SHA-256 of the block's bytes in vLLM's
+    KV cache as they are now."""
+    return [[hashlib.sha256(layer[b].contiguous().view(torch.uint8).numpy()).hexdigest()
+             for layer in c._layers] for b in block_ids]
+
+
+def _record_blocks(worker, on: bool) -> None:
+    """Wrap this worker's connector (instance attributes over the class's methods, which
+    is what vLLM calls): ``wait_for_save`` first records the bytes of the blocks it is
+    about to save, as vLLM's KV cache holds them then; ``start_load_kv`` records the
+    bytes of the blocks it loaded, right after the load. Off: the class's methods
+    again."""
+    c = _connector()
+    c._recorded = {"saved": {}, "loaded": {}}
+    if not on:
+        for name in ("wait_for_save", "start_load_kv"):
+            c.__dict__.pop(name, None)
+        return
+    cls = type(c)
+
+    def wait_for_save() -> None:
+        meta = c._get_connector_metadata()
+        for x in getattr(meta, "saves", ()):
+            for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
+                c._recorded["saved"].setdefault(h, d)
+        cls.wait_for_save(c)
+
+    def start_load_kv(forward_context, **kwargs) -> None:
+        cls.start_load_kv(c, forward_context, **kwargs)
+        meta = c._get_connector_metadata()
+        for x in getattr(meta, "loads", ()):
+            for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
+                c._recorded["loaded"][h] = d
+
+    c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
+
+
+def _recorded(worker) -> dict:
+    return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
 
 
 @ray.remote(num_cpus=0)
 class ControlEngine(VLLMEngine):
-    """``VLLMEngine`` plus ``corrupt_loads``."""
+    """``VLLMEngine`` plus ``corrupt_loads`` and the block recorder (in-process, TP=1)."""
 
     def corrupt_loads(self, on: bool) -> None:
         """Every worker connector loads random bytes (on) or the stored blocks (off)."""
         self.llm.collective_rpc(_corrupt_loads, args=(on,))
+
+    def record_blocks(self, on: bool) -> None:
+        """Start recording (anew) or stop recording the blocks the connector saves and
+        loads (see ``recorded_blocks``)."""
+        self.llm.collective_rpc(_record_blocks, args=(on,))
+
+    def recorded_blocks(self) -> dict[str, dict[str, list[str]]]:
+        """``{"saved": {page hash: [sha256 per layer]}, "loaded": {...}}`` since
+        ``record_blocks(True)``: a saved block's bytes when the connector saved it (first
+        save of that hash), a loaded block's bytes right after its load."""
+        (rec,) = self.llm.collective_rpc(_recorded)
+        return rec
