@@ -60,7 +60,9 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
         kw["accelerator_config"] = {"kind": "cpu"}
         engine_kwargs |= dict(dtype="bfloat16", enforce_eager=True,
                               kv_cache_memory_bytes=256 << 20)
-        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        # nobind: else vLLM binds its worker to every core and OMP_NUM_THREADS=1 is lost
+        env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "HF_HUB_OFFLINE": "1"}
     return LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_source),
         deployment_config=dict(autoscaling_config=dict(min_replicas=replicas,
