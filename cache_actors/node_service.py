@@ -76,7 +76,7 @@ from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
 from raykv.controllers.naming import CHANNEL_SOCKET
-from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -169,7 +169,9 @@ class NodeService:
 
     # ------------------------------------------------------------------ data
     def exists(self, keys: list[str]) -> list[int]:
-        """1 / 0 / negative error per key."""
+        """1 / 0 / negative error per key; ``ValueError`` for keys that are not a list of
+        non-empty strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
+        keys = check_object_keys(keys)
         t = time.perf_counter()
         codes = self._checked_exists(keys)
         self._metrics.record_exists(time.perf_counter() - t)
@@ -186,13 +188,20 @@ class NodeService:
 
     def _move(self, op: str, batch: ObjectBatch) -> list[int]:
         """The backend's ``op`` on every object of ``batch``, after the store check and
-        against one generation of the pools; outcomes counted."""
+        against one generation of the pools, counted in flight on the pools it uses for
+        the store call (a pool being removed waits for it: ``NodePools.enter``);
+        outcomes counted."""
         self._store.check()
-        table = self._pools.table
-        ptrs = table.pointers(batch)
-        t = time.perf_counter()
-        codes = self._merger.run(op, batch.keys, ptrs, batch.sizes)
-        if self._pools.table.epoch != table.epoch:
+        pools = self._pools
+        table = pools.table
+        ptrs, used = table.resolve(batch)
+        pools.enter(table, used)
+        try:
+            t = time.perf_counter()
+            codes = self._merger.run(op, batch.keys, ptrs, batch.sizes)
+        finally:
+            pools.leave(used)
+        if pools.table.epoch != table.epoch:
             self._replaced_during(op, batch, codes, table.epoch)
         codes = self._store.check_codes(table.epoch, codes)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)

@@ -1,18 +1,38 @@
-"""The node's pool table under re-allocation: a data call resolving its batch while the
-pools are being replaced gets ``StalePoolsError``, never a ``ValueError`` (fake store and
-memory; the real race is in tests/integration/test_standalone.py)."""
+"""The node's pool table under change.
 
+- Re-allocation: a data call resolving its batch while the pools are being replaced gets
+  ``StalePoolsError``, never a ``ValueError`` (fake store and memory; the real race is in
+  tests/integration/test_standalone.py).
+- Teardown against transfers in flight (real shared memory, a fake store call held open):
+  a pool leaving by destroy, the engine reaper, close or re-allocation is released only
+  once the store calls reading it ended (tests/integration/test_pool_teardown.py: the
+  same with real Ray and Mooncake).
+- Restart records: planted or broken ``<prefix><name>.json`` files are skipped, never
+  mapped, never fatal (tests/integration/test_restart_metadata.py: a real actor killed).
+"""
+
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
 import threading
 import uuid
+import zlib
 from dataclasses import dataclass
 from itertools import count
 
 import pytest
+import torch
 from raykv.cache_actors.errors import StalePoolsError
-from raykv.cache_actors.host_pools import PoolHandle
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_pools import NodePools
+from raykv.cache_actors.node_service import NodeService
+from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
+
+from tests.unit.test_engine_reaper import ENGINE
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
                         itemsize=1)
@@ -124,3 +144,303 @@ def test_a_table_once_read_never_changes(pools):
     assert set(snapshot.pools) == {"kv"} and set(node.table.pools) == {"draft"}
     with pytest.raises(TypeError):
         snapshot.pools["x"] = None
+
+
+# --------------------------------------------------------------------------------------
+# Teardown against transfers in flight: real shared-memory pools (a /dev/shm file, or a
+# memfd whose pages are given back as in standalone mode), a fake store whose put is held
+# inside the "store call" while the pool is being destroyed.
+
+
+def mapped(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies in one mapping of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr and ptr + nbytes <= hi:
+                return True
+    return False
+
+
+def page(key: str, nbytes: int) -> bytes:
+    """The bytes a writer puts under ``key``: a pattern derived from the key (never 0s)."""
+    seed = (zlib.crc32(key.encode()) % 250) + 1
+    return bytes((seed + i) % 255 + 1 for i in range(nbytes))
+
+
+class HeldBackend:
+    """A store whose ``put`` reads every object's bytes like Mooncake does, but first
+    waits inside the call until ``release`` is set (or ``hold_s`` passed): the window in
+    which the test tears the pool down. Reading an unmapped pointer would crash the
+    test process, so it records ``"unmapped"`` instead."""
+
+    def __init__(self, hold_s: float = 2.0) -> None:
+        self.hold_s = hold_s
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.stored: dict[str, bytes | str] = {}
+        self.registered: set[int] = set()
+        self.saw_release_before_read = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.registered.add(ptr)
+
+    def unregister(self, ptr: int) -> None:
+        self.registered.discard(ptr)
+
+    def put(self, keys, ptrs, sizes):
+        self.entered.set()
+        self.release.wait(self.hold_s)
+        for k, p, s in zip(keys, ptrs, sizes, strict=True):
+            self.stored[k] = ctypes.string_at(p, s) if mapped(p, s) else "unmapped"
+        return [0] * len(keys)
+
+    def get(self, keys, ptrs, sizes):
+        return [-704] * len(keys)
+
+    def remove(self, keys):
+        for k in keys:
+            self.stored.pop(k, None)
+        return [0] * len(keys)
+
+    def close(self) -> None:
+        pass
+
+
+class MemfdAllocator(HeldBackend):
+    """``HeldBackend`` that also hands out memfd mappings like the dummy client's
+    ``alloc_from_mem_pool`` (standalone mode's pool memory)."""
+
+    def __init__(self, hold_s: float = 2.0) -> None:
+        super().__init__(hold_s)
+        self._maps: list[tuple[int, mmap.mmap]] = []
+
+    def alloc(self, nbytes: int) -> int:
+        fd = os.memfd_create("raykv-test-pool")
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        self._maps.append((fd, mm))  # kept open and mapped, as the dummy client does
+        return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+class RealStore:
+    """The parts of ``NodeStore`` a ``NodeService`` uses, over real pool memory."""
+
+    def __init__(self, mode: str, prefix: str) -> None:
+        if mode == "embedded":
+            self.backend = HeldBackend()
+            self.memory = ShmPoolMemory(prefix, PoolBudget(0))
+        else:
+            self.backend = MemfdAllocator()
+            self.memory = MemfdPoolMemory(self.backend, PoolBudget(1 << 30))
+        self.mode = mode
+        self.process = None
+
+    def check(self) -> int:
+        return self.memory.epoch
+
+    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+        return codes
+
+    def supervise(self, reallocate) -> None:
+        self.reallocate = reallocate
+
+    def close(self) -> None:
+        pass
+
+
+class NoMetrics:
+    def record_move(self, *args) -> None:
+        pass
+
+    def pool_size(self, name: str, nbytes: int) -> None:
+        pass
+
+    def record_group_check(self, seconds: float) -> None:
+        pass
+
+    def record_group_query(self, how: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+POOL = PoolLayout.mla(page_size=1, size=64, layer_num=2, kv_cache_dim=256, dtype="uint8",
+                      itemsize=1)  # 512-byte pages
+
+
+@pytest.fixture(params=["embedded", "standalone"])
+def service(request):
+    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
+    store = RealStore(request.param, prefix)
+    node = NodeService("fake-node-id", prefix, store, NoMetrics(), lambda _: None,
+                       segment_size=0, group_window_s=0.0, confirm_ttl_s=0.0)
+    yield node, store
+    store.backend.release.set()
+    node.shutdown(remove_pools=True)
+
+
+def written_batch(node: NodeService, uid: str, n: int = 4) -> ObjectBatch:
+    """Pool "kv" created and ``n`` checksummed pages written into it through a rank's
+    own mapping; the batch that puts them."""
+    handle = node.create_pool("kv", POOL)
+    rank = HostPool.attach(handle)
+    size = POOL.object_sizes[0]
+    batch = ObjectBatch(epoch=handle.epoch)
+    for i in range(n):
+        key = f"{uid}-{i}"
+        rank.kv_buffer.view(-1)[i * size:(i + 1) * size] = torch.frombuffer(
+            bytearray(page(key, size)), dtype=torch.uint8)
+        batch.add(key, "kv", i * size, size)
+    rank.close()
+    return batch
+
+
+def test_destroy_waits_for_the_put_that_reads_the_pool(service):
+    node, store = service
+    batch = written_batch(node, "w")
+    put = threading.Thread(target=node.put, args=(batch,))
+    put.start()
+    assert store.backend.entered.wait(10)  # the put is inside its store call
+
+    destroyed = threading.Event()
+
+    def destroy() -> None:
+        assert node.destroy_pool("kv")
+        destroyed.set()
+        store.backend.release.set()  # (old code) the put reads after destroy returned
+    teardown = threading.Thread(target=destroy)
+    teardown.start()
+    while "kv" in node._pools.table.pools and not destroyed.is_set():
+        teardown.join(0.01)
+    assert not destroyed.wait(0.5)  # it waits for the put ...
+    with pytest.raises(ValueError, match="'kv'"):  # ... and new calls no longer see kv
+        node.put(batch)
+    store.backend.release.set()
+    put.join(10)
+    teardown.join(10)
+    assert destroyed.is_set()
+    # Every object stored holds what its writer wrote: never unmapped memory, never the
+    # zeros of a pool whose pages were given back.
+    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
+                                                                   strict=True)}
+    assert not store.backend.registered and store.memory.budget.used == 0
+
+
+def test_a_stuck_put_keeps_the_pool_mapped_until_it_ends(service, caplog):
+    node, store = service
+    node._pools._drain_s = 0.2  # the bounded wait runs out
+    batch = written_batch(node, "s")
+    base = node._pools.table.pools["kv"].base_ptr
+    put = threading.Thread(target=node.put, args=(batch,))
+    store.backend.hold_s = 60
+    put.start()
+    assert store.backend.entered.wait(10)
+    assert node.destroy_pool("kv")  # returns after the wait, the pool parked
+    assert "still use it" in caplog.text
+    assert "kv" not in node._pools.table.pools
+    assert mapped(base, POOL.nbytes) and base in store.backend.registered
+    store.backend.release.set()
+    put.join(10)
+    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
+                                                                   strict=True)}
+    # released by the put's own leave, as soon as it ended
+    assert base not in store.backend.registered and store.memory.budget.used == 0
+    if store.mode == "embedded":
+        assert not mapped(base, POOL.nbytes)
+
+
+def test_close_waits_for_calls_in_flight(service):
+    node, store = service
+    batch = written_batch(node, "c")
+    put = threading.Thread(target=node.put, args=(batch,))
+    put.start()
+    assert store.backend.entered.wait(10)
+    closing = threading.Thread(target=node._pools.close, args=(True,))
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()
+    store.backend.release.set()
+    put.join(10)
+    closing.join(10)
+    assert not closing.is_alive()
+    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
+                                                                   strict=True)}
+
+
+def test_a_pool_destroyed_between_resolve_and_store_call_is_refused(service):
+    node, store = service
+    batch = written_batch(node, "r")
+    pools = node._pools
+    table = pools.table
+    _, used = table.resolve(batch)
+    assert pools.destroy("kv")
+    with pytest.raises(ValueError, match="destroyed"):
+        pools.enter(table, used)
+    assert store.backend.stored == {}
+
+
+@pytest.fixture
+def engine_memfd():
+    """A child process holding a memfd the size of ``POOL`` (an SGLang engine's pool)."""
+    child = subprocess.Popen([sys.executable, "-c", ENGINE, str(POOL.nbytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    fd = int(child.stdout.readline())
+    yield child, f"/proc/{child.pid}/fd/{fd}"
+    child.kill()
+    child.wait()
+
+
+def test_the_engine_reaper_waits_for_a_put_on_the_engine_pool(engine_memfd):
+    child, path = engine_memfd
+    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
+    store = RealStore("embedded", prefix)
+    node = NodeService("fake-node-id", prefix, store, NoMetrics(), lambda _: None,
+                       segment_size=0, group_window_s=0.0, confirm_ttl_s=0.0)
+    try:
+        handle = node.adopt_engine_pool("engine-kv", path, POOL)
+        engine = HostPool.attach(handle)
+        size = POOL.object_sizes[0]
+        engine.kv_buffer.view(-1)[:size] = torch.frombuffer(bytearray(page("e-0", size)),
+                                                            dtype=torch.uint8)
+        engine.close()
+        batch = ObjectBatch(["e-0"], ["engine-kv"], [0], [size], handle.epoch)
+        put = threading.Thread(target=node.put, args=(batch,))
+        put.start()
+        assert store.backend.entered.wait(10)
+        child.stdin.close()  # the engine dies while its pages are being stored
+        child.wait(10)
+        reaped: list[list[str]] = []
+        reaper = threading.Thread(target=lambda: reaped.append(
+            node._pools.reap_engines(grace_s=0.0)))
+        reaper.start()
+        reaper.join(0.5)
+        assert reaper.is_alive()  # the pool stays while the put reads it
+        store.backend.release.set()
+        put.join(10)
+        reaper.join(10)
+        assert reaped == [["engine-kv"]]
+        assert store.backend.stored == {"e-0": page("e-0", size)}
+    finally:
+        store.backend.release.set()
+        node.shutdown(remove_pools=True)
+
+
+def test_reallocation_releases_old_pools_only_after_their_calls(pools):
+    node, memory = pools
+    released: list[str] = []
+    memory.release = lambda pool, remove=True: released.append(pool.name)
+    handle = node.create("kv", LAYOUT)
+    table = node.table
+    _, used = table.resolve(batch_of(handle))
+    node.enter(table, used)
+    realloc = threading.Thread(target=node.reallocate)
+    realloc.start()
+    realloc.join(0.3)
+    assert realloc.is_alive() and released == []
+    with pytest.raises(StalePoolsError):
+        node.enter(table, used)  # a call resolved from the old table never starts
+    node.leave(used)
+    realloc.join(10)
+    assert released == ["kv"] and node.handle("kv", "t").epoch == handle.epoch + 1
