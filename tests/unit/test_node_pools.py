@@ -12,14 +12,17 @@
 """
 
 import ctypes
+import glob
+import json
 import mmap
 import os
+import stat
 import subprocess
 import sys
 import threading
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import count
 
 import pytest
@@ -297,6 +300,10 @@ def written_batch(node: NodeService, uid: str, n: int = 4) -> ObjectBatch:
     return batch
 
 
+def expected(batch: ObjectBatch) -> dict[str, bytes]:
+    return {k: page(k, s) for k, s in zip(batch.keys, batch.sizes, strict=True)}
+
+
 def test_destroy_waits_for_the_put_that_reads_the_pool(service):
     node, store = service
     batch = written_batch(node, "w")
@@ -312,19 +319,18 @@ def test_destroy_waits_for_the_put_that_reads_the_pool(service):
         store.backend.release.set()  # (old code) the put reads after destroy returned
     teardown = threading.Thread(target=destroy)
     teardown.start()
-    while "kv" in node._pools.table.pools and not destroyed.is_set():
+    while "kv" in node._pools.table.pools:
         teardown.join(0.01)
-    assert not destroyed.wait(0.5)  # it waits for the put ...
-    with pytest.raises(ValueError, match="'kv'"):  # ... and new calls no longer see kv
+    with pytest.raises(ValueError, match="'kv'"):  # new calls no longer see kv at once
         node.put(batch)
+    returned_during_put = destroyed.wait(0.5)
     store.backend.release.set()
     put.join(10)
     teardown.join(10)
-    assert destroyed.is_set()
-    # Every object stored holds what its writer wrote: never unmapped memory, never the
-    # zeros of a pool whose pages were given back.
-    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
-                                                                   strict=True)}
+    # Every object stored holds what its writer wrote: never unmapped memory (a crash
+    # in Mooncake), never the zeros of a pool whose pages were given back.
+    assert store.backend.stored == expected(batch)
+    assert not returned_during_put and destroyed.is_set()
     assert not store.backend.registered and store.memory.budget.used == 0
 
 
@@ -338,13 +344,12 @@ def test_a_stuck_put_keeps_the_pool_mapped_until_it_ends(service, caplog):
     put.start()
     assert store.backend.entered.wait(10)
     assert node.destroy_pool("kv")  # returns after the wait, the pool parked
-    assert "still use it" in caplog.text
-    assert "kv" not in node._pools.table.pools
-    assert mapped(base, POOL.nbytes) and base in store.backend.registered
+    parked = mapped(base, POOL.nbytes), base in store.backend.registered
     store.backend.release.set()
     put.join(10)
-    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
-                                                                   strict=True)}
+    assert store.backend.stored == expected(batch)
+    assert parked == (True, True) and "kv" not in node._pools.table.pools
+    assert "still use it" in caplog.text
     # released by the put's own leave, as soon as it ended
     assert base not in store.backend.registered and store.memory.budget.used == 0
     if store.mode == "embedded":
@@ -357,16 +362,19 @@ def test_close_waits_for_calls_in_flight(service):
     put = threading.Thread(target=node.put, args=(batch,))
     put.start()
     assert store.backend.entered.wait(10)
-    closing = threading.Thread(target=node._pools.close, args=(True,))
+
+    def close() -> None:
+        node._pools.close(True)
+        store.backend.release.set()  # (old code) the put reads after close returned
+    closing = threading.Thread(target=close)
     closing.start()
     closing.join(0.5)
-    assert closing.is_alive()
+    closed_during_put = not closing.is_alive()
     store.backend.release.set()
     put.join(10)
     closing.join(10)
-    assert not closing.is_alive()
-    assert store.backend.stored == {k: page(k, s) for k, s in zip(batch.keys, batch.sizes,
-                                                                   strict=True)}
+    assert store.backend.stored == expected(batch)
+    assert not closed_during_put and not closing.is_alive()
 
 
 def test_a_pool_destroyed_between_resolve_and_store_call_is_refused(service):
@@ -444,3 +452,147 @@ def test_reallocation_releases_old_pools_only_after_their_calls(pools):
     node.leave(used)
     realloc.join(10)
     assert released == ["kv"] and node.handle("kv", "t").epoch == handle.epoch + 1
+
+
+# --------------------------------------------------------------------------------------
+# Restart records: what a restarted actor re-adopts from /dev/shm.
+
+
+class Registrations:
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.live.add(ptr)
+
+    def unregister(self, ptr: int) -> None:
+        self.live.discard(ptr)
+
+
+@dataclass
+class ShmStore:
+    memory: ShmPoolMemory
+    backend: Registrations
+    mode: str = "embedded"
+
+    def check(self) -> int:
+        return 0
+
+
+def shm_node(prefix: str) -> NodePools:
+    """A node's pools as a (re)started actor has them: a fresh ``NodePools`` over the
+    same ``/dev/shm`` prefix, its records re-adopted."""
+    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations()),
+                     lambda name, n: None)
+    node.readopt()
+    return node
+
+
+@pytest.fixture
+def shm_prefix():
+    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
+    yield prefix
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
+        os.unlink(path)
+
+
+def record(prefix: str, stem: str, **fields) -> str:
+    """Write a pool record ``<prefix><stem>.json`` like a valid one of pool ``kv``,
+    with ``fields`` replaced; returns its path."""
+    raw = {"name": stem, "path": prefix + stem, "layout": asdict(POOL)} | fields
+    path = f"/dev/shm/{prefix}{stem}.json"
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    os.chmod(path, 0o600)
+    return path
+
+
+def test_records_are_written_atomically_and_private(shm_prefix):
+    node = shm_node(shm_prefix)
+    node.create("kv", POOL)
+    path = f"/dev/shm/{shm_prefix}kv.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with open(path) as f:
+        assert json.load(f)["path"] == shm_prefix + "kv"
+    assert glob.glob(f"/dev/shm/{glob.escape(shm_prefix)}*.tmp") == []
+    node.close(remove=False)
+    again = shm_node(shm_prefix)
+    assert set(again.table.pools) == {"kv"}
+    again.close(remove=True)
+
+
+def test_planted_and_broken_records_are_skipped_and_never_mapped(shm_prefix, tmp_path,
+                                                                  caplog):
+    node = shm_node(shm_prefix)
+    node.create("kv", POOL)
+    node.close(remove=False)  # the actor dies; its pool and record stay
+
+    target = tmp_path / "target"
+    target.write_bytes(b"\x01" * POOL.nbytes)
+    bad = {
+        "absolute": record(shm_prefix, "absolute", path=str(target)),
+        "dots": record(shm_prefix, "dots", name="../dots", path=shm_prefix + "../dots"),
+        "other-name": record(shm_prefix, "other-name", name="kv"),
+        "bad-layout": record(shm_prefix, "bad-layout",
+                             layout=asdict(POOL) | {"page_size": 0}),
+        "not-a-dict": record(shm_prefix, "not-a-dict", layout=[1, 2]),
+    }
+    truncated = f"/dev/shm/{shm_prefix}truncated.json"
+    with open(truncated, "w") as f:
+        f.write(json.dumps({"name": "truncated", "path": shm_prefix + "truncated"})[:25])
+    bad["truncated"] = truncated
+    writable = record(shm_prefix, "writable")
+    os.chmod(writable, 0o666)
+    bad["writable"] = writable
+    link = f"/dev/shm/{shm_prefix}link.json"
+    os.symlink(f"/dev/shm/{shm_prefix}kv.json", link)
+    # a record that looks right, for a pool file that is not this uid's own
+    HostPool.create(PoolHandle("foreign-pool", shm_prefix + "foreign-pool", POOL)).close()
+    record(shm_prefix, "foreign-pool")
+    foreign = []
+    if os.getuid() == 0:  # a record of another user (only root can make one here)
+        os.chown(f"/dev/shm/{shm_prefix}foreign-pool", 65534, 65534)
+        foreign.append(record(shm_prefix, "foreign"))
+        os.chown(foreign[0], 65534, 65534)
+
+    again = shm_node(shm_prefix)  # the restarted actor: starts, whatever it found
+    assert set(again.table.pools) == {"kv"}
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    assert str(target) not in maps and "dots" not in maps
+    for path in bad.values():  # this uid's own refused records are set aside
+        assert not os.path.lexists(path) and os.path.lexists(path + ".bad")
+    for path in foreign:  # another user's file is left alone (and never trusted)
+        assert os.path.exists(path)
+        assert "belongs to uid 65534" in caplog.text
+    assert "writable by group or others" in caplog.text
+    again.close(remove=True)
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"{", b"[]", b'{"name": 1, "path": "x", "layout": {}}', b"\xff\xfe",
+    b'{"name": "kv", "path": "x"}', b'{"name": "kv", "path": 3, "layout": null}',
+])
+def test_record_parsing_refuses_garbage(shm_prefix, raw):
+    node = NodePools(shm_prefix, ShmStore(ShmPoolMemory(shm_prefix, PoolBudget(0)),
+                                          Registrations()), lambda name, n: None)
+    path = f"/dev/shm/{shm_prefix}kv.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, raw)
+    os.close(fd)
+    with pytest.raises(ValueError):
+        node._read_meta(path)
+    node.readopt()  # never raises
+    assert not node.table.pools
+
+
+def test_standalone_readopt_never_maps_the_recorded_path(tmp_path):
+    memory = MemfdPoolMemory(MemfdAllocator(), PoolBudget(1 << 30))
+    target = tmp_path / "target"
+    target.write_bytes(b"\x01" * POOL.nbytes)
+    pool = memory.readopt(PoolHandle("kv", str(target), POOL))
+    with open("/proc/self/maps") as f:
+        assert str(target) not in f.read()
+    assert pool.handle.path.startswith("/proc/") and bytes(pool._bytes[:4].tolist()) == \
+        b"\0\0\0\0"
+    memory.release(pool)
