@@ -140,7 +140,8 @@ class NodePools:
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity | None] = {}  # engine pools' processes
         self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
-        self._flight = threading.Condition(threading.Lock())
+        self._flight_lock = threading.Lock()  # the data path takes it bare (cheaper)
+        self._flight = threading.Condition(self._flight_lock)
         self._inflight: dict[int, int] = {}  # id(pool) -> data calls using it now
         # id(pool) -> (pool, its release): out of the table, still used by a call
         self._parked: dict[int, tuple[HostPool, Callable[[HostPool], None]]] = {}
@@ -169,7 +170,7 @@ class NodePools:
         its store call; ``leave(pools)`` after it, always. Raises (nothing counted) if
         one of them left the table since: ``StalePoolsError`` after a re-allocation,
         ``ValueError`` after a destroy."""
-        with self._flight:
+        with self._flight_lock:
             current = self.table
             if current is not table:
                 if current.epoch != table.epoch:
@@ -188,7 +189,7 @@ class NodePools:
         """Count a data call out of ``pools`` (see ``enter``); a parked pool whose last
         call this was is released now, or by the next change if one is under way."""
         idle = False
-        with self._flight:
+        with self._flight_lock:
             inflight = self._inflight
             for pool in pools:
                 n = inflight[id(pool)] - 1
@@ -293,7 +294,9 @@ class NodePools:
             raise ValueError("its layout is not one this node writes")
         if not isinstance(recorded, str):
             raise ValueError(f"path {recorded!r} is not a string")
-        return PoolHandle(name, recorded, layout)
+        if self._store.mode == "embedded" and recorded != self._prefix + name:
+            raise ValueError(f"path {recorded!r} is not this node's file for pool {name!r}")
+        return PoolHandle(name, recorded, layout)  # standalone: the path is never mapped
 
     def readopt(self) -> None:
         """At start: map and register again the pools this node had before a restart;
