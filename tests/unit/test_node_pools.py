@@ -32,7 +32,7 @@ from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_pools import NodePools
 from raykv.cache_actors.node_service import NodeService
 from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
-from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
 from tests.unit.test_engine_reaper import ENGINE
@@ -596,3 +596,62 @@ def test_standalone_readopt_never_maps_the_recorded_path(tmp_path):
     assert pool.handle.path.startswith("/proc/") and bytes(pool._bytes[:4].tolist()) == \
         b"\0\0\0\0"
     memory.release(pool)
+
+
+# --------------------------------------------------------------------------------------
+# Batches are type-checked and bounded before they are resolved (and merged with other
+# ranks' batches into one store call).
+
+
+def one(key=None, pool="kv", off=8, size=8, epoch=1) -> ObjectBatch:
+    return ObjectBatch(["k" if key is None else key], [pool], [off], [size], epoch)
+
+
+@pytest.mark.parametrize(("batch", "msg"), [
+    (one(key=1), "key 0 is 1 \\(int\\)"),
+    (one(key=b"k"), "key 0 is b'k' \\(bytes\\)"),
+    (one(key=""), "key 0 is ''"),
+    (one(off=0.5), r"offsets\[0\] is 0.5 \(float\)"),
+    (one(off=8.0), r"offsets\[0\] is 8.0"),
+    (one(size=True), r"sizes\[0\] is True \(bool\)"),
+    (one(size="8"), r"sizes\[0\] is '8'"),
+    (one(pool=3), "pool names"),
+    (one(pool=["kv"]), "pool names"),
+    (one(epoch=1.0), "epoch is 1.0"),
+    (one(epoch=True), "epoch is True"),
+    (ObjectBatch("kk", ["kv"] * 2, [0, 8], [8, 8], 1), "must be a list"),
+    (ObjectBatch(["a", "b"], ["kv"], [0, 8], [8, 8], 1), "differ in length"),
+    (ObjectBatch(["a", "a"], ["kv"] * 2, [0, 8], [8, 8], 1), "repeats a key"),
+    (ObjectBatch(["a"], ["kv"], (0.5,), (8,), 1), r"offsets\[0\] is 0.5"),
+])
+def test_ill_typed_batches_are_refused_before_any_pointer(pools, batch, msg):
+    node, _ = pools
+    node.create("kv", LAYOUT)
+    with pytest.raises(ValueError, match=msg):
+        node.table.resolve(batch)
+
+
+def test_numpy_integers_are_taken_as_ints(pools):
+    np = pytest.importorskip("numpy")
+    node, _ = pools
+    node.create("kv", LAYOUT)
+    batch = ObjectBatch(["k"], ["kv"], [np.int64(8)], [np.uint32(8)], np.int64(1))
+    ptrs, _ = node.table.resolve(batch)
+    assert ptrs == [node.table.pools["kv"].base_ptr + 8]
+    assert type(batch.offsets[0]) is int and type(batch.sizes[0]) is int
+    assert type(batch.epoch) is int
+
+
+def test_batches_and_key_lists_are_bounded(pools):
+    node, _ = pools
+    node.create("kv", LAYOUT)
+    n = MAX_BATCH_OBJECTS + 1
+    batch = ObjectBatch([f"k{i}" for i in range(n)], ["kv"] * n, [0] * n, [8] * n, 1)
+    with pytest.raises(ValueError, match=f"{n} objects; at most MAX_BATCH_OBJECTS"):
+        node.table.resolve(batch)
+    with pytest.raises(ValueError, match="MAX_BATCH_OBJECTS"):
+        check_object_keys(batch.keys)
+    assert check_object_keys(("a", "b")) == ["a", "b"]
+    for bad in ("ab", [b"a"], ["a", None], {"a"}):
+        with pytest.raises(ValueError):
+            check_object_keys(bad)
