@@ -45,6 +45,9 @@ State and what guards it:
 - The pool table: ``NodePools.table`` is an immutable ``PoolTable`` (epoch + pools)
   replaced whole under ``NodePools._lock``; a data call reads it once, without a lock,
   and resolves its whole batch against that one generation (see ``node_pools``).
+- Data calls in flight per pool: ``NodePools._flight`` (a data call counts itself in
+  after resolving its pointers and out after its store call; a pool leaving the table,
+  by any path, is released only once its count is 0, waiting at most ``DRAIN_S``).
 - Counters: ``NodeMetrics._lock``. Group-query state: ``GroupQueries``' own lock.
 - Store state: ``NodeStore`` (the watcher sets and clears ``process.down``; the pool
   memory's epoch changes only under the pool lock). The Mooncake client is called from
@@ -163,8 +166,9 @@ class NodeService:
         return [p.handle for p in self._pools.settled().pools.values()]
 
     def destroy_pool(self, name: str) -> bool:
-        """Unregister and remove pool ``name``; False if there was none. The caller
-        makes sure no rank still moves pages through it."""
+        """Remove pool ``name``: later data calls naming it fail with ``ValueError``,
+        the calls in flight on it end first (``NodePools.destroy``), then it is
+        unregistered and released; False if there was none."""
         return self._pools.destroy(name)
 
     # ------------------------------------------------------------------ data
