@@ -82,10 +82,6 @@ class PoolTable:
             pools[name] = pool
         return PoolTable(self.epoch, MappingProxyType(pools))
 
-    def pointers(self, batch: ObjectBatch) -> list[int]:
-        """Pointers in this process for every object of ``batch`` (``resolve``)."""
-        return self.resolve(batch)[0]
-
     def resolve(self, batch: ObjectBatch) -> tuple[list[int], tuple[HostPool, ...]]:
         """Pointers in this process for every object of ``batch`` and the pools they lie
         in. ``StalePoolsError`` if the batch's offsets were taken from another
@@ -259,7 +255,9 @@ class NodePools:
                            "layout": asdict(pool.handle.layout)}).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
