@@ -5,6 +5,21 @@ put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
 get -> bytes read / negative error; exists -> 1 / 0 / negative error; remove -> 0 /
 negative error.
 Exceptions from the client are turned into ``CLIENT_ERROR`` for each object of the call.
+
+Put-if-absent reports "stored" only for bytes known to be in the store. Mooncake's
+``batch_put_from`` returns 0 both for an object it stored and for a key that another
+client is still putting (measured on 0.3.13: while a 768 MiB put by another process was
+in flight, ``batch_is_exist`` of its key returned 0 and ``batch_put_from`` of the same
+key returned 0 at once; the object only exists once the first put ends, and never if it
+fails). So a put first asks which keys exist (those are ``ALREADY_PRESENT``: an object
+reported existing is complete), sends the others, and confirms the ones that came back 0
+with one more ``batch_is_exist``: an object not reported existing then gets
+``NOT_CONFIRMED`` (a failure: the caller may put it again later), never a success.
+
+Test-only: the environment variable ``RAYKV_TEST_STORE_DELAY_S`` (seconds, read once at
+import; unset or 0 in production, where it costs one falsy test per call) makes every
+put and get wait that long inside the store call, after the node actor resolved its
+pointers: integration tests use it to tear pools down under transfers in flight.
 """
 
 from __future__ import annotations
@@ -13,9 +28,11 @@ import logging
 import os
 import time
 
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR
+from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
 
 log = logging.getLogger(__name__)
+
+_TEST_DELAY_S = float(os.environ.get("RAYKV_TEST_STORE_DELAY_S") or 0)
 
 
 class MooncakeBackend:
@@ -97,7 +114,11 @@ class MooncakeBackend:
             return [CLIENT_ERROR] * len(keys)
 
     def put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        """Put-if-absent: objects that already exist are not sent and count as stored."""
+        """Put-if-absent: objects that already exist are not sent and count as stored
+        (``ALREADY_PRESENT``); a sent object is 0 only once the store reports it
+        existing, else ``NOT_CONFIRMED`` (see the module docstring)."""
+        if _TEST_DELAY_S:
+            time.sleep(_TEST_DELAY_S)
         present = self.exists(keys)
         codes = [ALREADY_PRESENT if e == 1 else 0 for e in present]
         todo = [i for i, e in enumerate(present) if e != 1]
@@ -109,11 +130,21 @@ class MooncakeBackend:
         except Exception:
             log.exception("batch_put_from raised")
             results = [CLIENT_ERROR] * len(todo)
+        sent = []
         for i, rc in zip(todo, results, strict=True):
             codes[i] = int(rc)
+            if codes[i] == 0:
+                sent.append(i)
+        if sent:
+            confirmed = self.exists([keys[i] for i in sent])
+            for i, e in zip(sent, confirmed, strict=True):
+                if e != 1:
+                    codes[i] = NOT_CONFIRMED
         return codes
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if _TEST_DELAY_S:
+            time.sleep(_TEST_DELAY_S)
         try:
             return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
         except Exception:

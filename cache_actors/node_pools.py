@@ -12,6 +12,27 @@ table caught half-way through a re-allocation. When ``mooncake_client`` restarte
 (standalone), ``reallocate`` first publishes an empty table of the new epoch (every old
 handle is stale from then on), then releases the old pools and allocates them anew (the
 budget holds one generation at a time), then publishes the full table of the new epoch.
+
+Teardown never frees memory under a live pointer. A data call resolves its pointers from
+one table, then counts itself in on the pools it uses (``enter``, under a small lock that
+also checks those pools are still published) and out after its store call (``leave``).
+A pool leaving (``destroy``: the destroy_pool API, an SGLang backend's close, the engine
+reaper; ``close``: the actor stops; ``reallocate``: ``mooncake_client`` restarted) first
+leaves the table, so new calls naming it fail (``ValueError``, or ``StalePoolsError``
+after a re-allocation) before any byte moves, then waits up to ``drain_s`` seconds for
+the calls in flight on it, and only then is unregistered and unmapped (embedded) or has
+its pages given back (standalone). A pool whose calls outlive the wait (a stuck store
+call) is *parked*: it stays mapped and registered, an error is logged, and it is released
+when its last call leaves. So a store call never reads unmapped memory (a crash) or
+memory given back (zeros stored under real keys and reported stored).
+
+Restart: each pool has a ``<prefix><name>.json`` record, written atomically (a 0600
+temporary file, fsync, rename). ``readopt`` trusts none of them blindly: a record that is
+not a regular file of this process's uid, or is group/world-writable, or does not parse,
+or names an invalid pool name, another name than its file's, an invalid layout or
+another path than the one this node gives that name, is logged and skipped (and, when it
+is this uid's, renamed aside to ``<file>.bad``); it never stops the actor from starting.
+In standalone mode the recorded path is never mapped (every pool gets fresh memory).
 """
 
 from __future__ import annotations
@@ -21,6 +42,7 @@ import glob
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,12 +53,19 @@ from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.pool_memory import check_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
 log = logging.getLogger(__name__)
+
+DRAIN_S = 30.0
+"""Seconds a leaving pool waits for the data calls in flight on it before it is parked
+(kept mapped until they end) instead of released."""
+META_MAX_BYTES = 64 << 10
+"""A pool record larger than this is not read (a real one is well under 4 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -53,55 +82,66 @@ class PoolTable:
             pools[name] = pool
         return PoolTable(self.epoch, MappingProxyType(pools))
 
-    def pointers(self, batch: ObjectBatch) -> list[int]:
-        """Pointers in this process for every object of ``batch``. ``StalePoolsError``
-        if the batch's offsets were taken from another generation's handles,
-        ``ValueError`` for a bad batch or an object outside its pool."""
+    def resolve(self, batch: ObjectBatch) -> tuple[list[int], tuple[HostPool, ...]]:
+        """Pointers in this process for every object of ``batch`` and the pools they lie
+        in. ``StalePoolsError`` if the batch's offsets were taken from another
+        generation's handles, ``ValueError`` for a bad batch (``ObjectBatch.check``) or
+        an object outside its pool."""
+        names = batch.check()
         if batch.epoch != self.epoch:
             raise StalePoolsError(
                 f"this node's pools were allocated anew (epoch {batch.epoch} -> "
                 f"{self.epoch}); L2 contents were lost: re-map and retry")
-        batch.check()
         pools = {}
-        for name in set(batch.pools):
+        used = []
+        for name in names:
             pool = self.pools.get(name)
             if pool is None:
                 raise ValueError(f"the batch names pool {name!r}, which this node does not "
-                                 "have")
+                                 "have (never created, or destroyed)")
             pool.check()  # an engine's memfd that shrank: refused, never a SIGBUS
             pools[name] = (pool.base_ptr, pool.nbytes)
+            used.append(pool)
         ptrs = []
         for key, name, off, size in zip(batch.keys, batch.pools, batch.offsets, batch.sizes,
                                         strict=True):
             base, nbytes = pools[name]
-            if not key:
-                raise ValueError("empty object key")
             if size <= 0 or off < 0 or off + size > nbytes:
                 raise ValueError(f"object {key!r}: {size} bytes at offset {off} do not lie "
                                  f"inside pool {name!r} of {nbytes} bytes")
             ptrs.append(base + off)
-        return ptrs
+        return ptrs, tuple(used)
 
 
 class NodePools:
     """Creates, re-adopts, re-allocates and removes the pools of one node, registers
-    each with the node's Mooncake client, keeps a ``<prefix><name>.json`` file per pool
+    each with the node's Mooncake client, keeps a ``<prefix><name>.json`` record per pool
     (what a restarted actor re-adopts) and tells ``sized(name, nbytes)`` each pool's size.
 
     Concurrency: ``table`` may be read by any thread without a lock (one snapshot per
     read). ``_lock`` serialises every change (create, destroy, reallocate, close) and
     ``settled``, so control reads never see the empty table of a re-allocation under way.
+    ``_flight`` (a condition, never held across a store call) guards the count of data
+    calls in flight per pool and the parked pools; lock order: ``_lock`` then
+    ``_flight``. ``drain_s``: how long a leaving pool waits for its calls (see the
+    module docstring).
     """
 
     def __init__(self, prefix: str, store: NodeStore,
-                 sized: Callable[[str, int], None]) -> None:
+                 sized: Callable[[str, int], None], *, drain_s: float = DRAIN_S) -> None:
         self._prefix = prefix
         self._store = store
         self._sized = sized
+        self._drain_s = drain_s
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
         self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
+        self._flight_lock = threading.Lock()  # the data path takes it bare (cheaper)
+        self._flight = threading.Condition(self._flight_lock)
+        self._inflight: dict[int, int] = {}  # id(pool) -> data calls using it now
+        # id(pool) -> (pool, its release): out of the table, still used by a call
+        self._parked: dict[int, tuple[HostPool, Callable[[HostPool], None]]] = {}
 
     def _meta_path(self, name: str) -> str:
         return shm_path(self._prefix + name + ".json")
@@ -121,21 +161,184 @@ class NodePools:
         with self._lock:
             return self.table
 
+    # ------------------------------------------------------ data calls in flight
+    def enter(self, table: PoolTable, pools: tuple[HostPool, ...]) -> None:
+        """Count a data call in on ``pools``, which it resolved from ``table``, before
+        its store call; ``leave(pools)`` after it, always. Raises (nothing counted) if
+        one of them left the table since: ``StalePoolsError`` after a re-allocation,
+        ``ValueError`` after a destroy."""
+        with self._flight_lock:
+            current = self.table
+            if current is not table:
+                if current.epoch != table.epoch:
+                    raise StalePoolsError(
+                        f"this node's pools were allocated anew (epoch {table.epoch} -> "
+                        f"{current.epoch}); L2 contents were lost: re-map and retry")
+                for pool in pools:
+                    if current.pools.get(pool.name) is not pool:
+                        raise ValueError(f"pool {pool.name!r} was destroyed on this node "
+                                         "while the call was being prepared")
+            inflight = self._inflight
+            for pool in pools:
+                inflight[id(pool)] = inflight.get(id(pool), 0) + 1
+
+    def leave(self, pools: tuple[HostPool, ...]) -> None:
+        """Count a data call out of ``pools`` (see ``enter``); a parked pool whose last
+        call this was is released now, or by the next change if one is under way."""
+        idle = False
+        with self._flight_lock:
+            inflight = self._inflight
+            for pool in pools:
+                n = inflight[id(pool)] - 1
+                if n:
+                    inflight[id(pool)] = n
+                else:
+                    del inflight[id(pool)]
+                    idle = True
+            if idle:
+                self._flight.notify_all()
+                idle = bool(self._parked)
+        if idle and self._lock.acquire(blocking=False):
+            try:
+                self._release_parked()
+            finally:
+                self._lock.release()
+
+    def _drain(self, pools: list[HostPool], release: Callable[[HostPool], None],
+               deadline: float) -> None:
+        """With ``_lock`` held, ``pools`` already out of the table: wait until no data
+        call uses them (until ``deadline``, ``time.monotonic()``), then ``release`` each;
+        one still in use is parked, released by its last call (never freed under a live
+        pointer)."""
+        inflight = self._inflight
+        with self._flight:
+            self._flight.wait_for(lambda: not any(id(p) in inflight for p in pools),
+                                  timeout=max(0.0, deadline - time.monotonic()))
+            busy = [(p, inflight[id(p)]) for p in pools if id(p) in inflight]
+            for pool, _ in busy:
+                self._parked[id(pool)] = (pool, release)
+        for pool, calls in busy:
+            log.error("pool %s: %d data calls still use it after %.0f s; it stays mapped "
+                      "and registered until they end (a store call is stuck)", pool.name,
+                      calls, self._drain_s)
+        parked = {id(p) for p, _ in busy}
+        for pool in pools:
+            if id(pool) not in parked:
+                release(pool)
+
+    def _release_parked(self) -> None:
+        """With ``_lock`` held: release the parked pools no call uses any more."""
+        with self._flight:
+            idle = [v for k, v in self._parked.items() if k not in self._inflight]
+            for pool, _ in idle:
+                del self._parked[id(pool)]
+        for pool, release in idle:
+            log.warning("pool %s: its last data call ended; released now", pool.name)
+            try:
+                release(pool)
+            except Exception:  # a data thread must not fail for it
+                log.exception("pool %s could not be released", pool.name)
+
+    def _unregister_and_release(self, remove: bool = True) -> Callable[[HostPool], None]:
+        def release(pool: HostPool) -> None:
+            self._store.backend.unregister(pool.base_ptr)
+            self._store.memory.release(pool, remove=remove)
+        return release
+
+    # ------------------------------------------------------------- records
+    def _write_meta(self, pool: HostPool, owner: ProcessIdentity | None) -> None:
+        """The pool's record, atomically: a 0600 temporary file, fsync, rename. ``owner``
+        is recorded so that a restarted actor still reaps the pool with its process."""
+        path = self._meta_path(pool.name)
+        tmp = f"{path}.{os.getpid()}.tmp"  # never matches readopt's "*.json"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        record = {"name": pool.name, "path": pool.handle.path,
+                  "layout": asdict(pool.handle.layout)}
+        if owner is not None:
+            record["owner"] = [owner.pid, owner.start_ticks]
+        data = json.dumps(record).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def _read_meta(self, path: str) -> tuple[PoolHandle, ProcessIdentity | None]:
+        """The pool handle recorded in ``path`` and the process the pool serves (None: a
+        shared pool); ``ValueError`` naming what is wrong (see the module docstring for
+        what is refused)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            check_own_file(fd, "pool record")
+            data = os.read(fd, META_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > META_MAX_BYTES:
+            raise ValueError(f"larger than {META_MAX_BYTES} bytes")
+        try:
+            raw = json.loads(data)
+            name, recorded, layout_raw = raw["name"], raw["path"], raw["layout"]
+            layout = PoolLayout(**layout_raw)
+            owner_raw = raw.get("owner")
+            owner = None if owner_raw is None else ProcessIdentity(*owner_raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a pool record: {type(e).__name__}: {e}") from None
+        check_pool_name(name)
+        if path != self._meta_path(name):
+            raise ValueError(f"it names pool {name!r}, whose record is another file")
+        if json.loads(json.dumps(asdict(layout))) != layout_raw:
+            raise ValueError("its layout is not one this node writes")
+        if not isinstance(recorded, str):
+            raise ValueError(f"path {recorded!r} is not a string")
+        if self._store.mode == "embedded" and recorded != self._prefix + name:
+            raise ValueError(f"path {recorded!r} is not this node's file for pool {name!r}")
+        if owner is not None and not all(type(v) is int for v in (owner.pid,
+                                                                    owner.start_ticks)):
+            raise ValueError(f"owner {owner_raw!r} is not a process identity")
+        # standalone: the path is never mapped
+        return PoolHandle(name, recorded, layout), owner
+
     def readopt(self) -> None:
-        """At start: map and register again the pools this node had before a restart."""
+        """At start: map and register again the pools this node had before a restart;
+        a record that cannot be trusted or used is logged and skipped (never raises for
+        one: the actor must start)."""
         pattern = os.path.join(SHM_DIR, glob.escape(self._prefix) + "*.json")
         with self._lock:
             for meta in sorted(glob.glob(pattern)):
-                with open(meta) as f:
-                    raw = json.load(f)
-                handle = PoolHandle(raw["name"], raw["path"], PoolLayout(**raw["layout"]))
+                try:
+                    handle, owner = self._read_meta(meta)
+                except (OSError, ValueError) as e:
+                    log.error("pool record %s is ignored: %s", meta, e)
+                    self._set_aside(meta)
+                    continue
                 try:
                     pool = self._register(self._store.memory.readopt(handle))
-                except (FileNotFoundError, ValueError) as e:
+                except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
                     log.warning("pool %s could not be re-adopted: %s", handle.name, e)
                     continue
                 self.table = self.table.replaced(pool.name, pool)
+                if owner is not None:  # the reaper removes it if its process is gone
+                    self._engines[pool.name] = owner
 
+    @staticmethod
+    def _set_aside(meta: str) -> None:
+        """Rename a refused record of this uid to ``<file>.bad`` (left if not ours)."""
+        with contextlib.suppress(OSError):
+            st = os.lstat(meta)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.replace(meta, meta + ".bad")
+
+    # ---------------------------------------------------------------- changes
     def create(self, name: str, layout: PoolLayout,
                owner: ProcessIdentity | None = None) -> PoolHandle:
         """Pool ``name`` (made now unless it exists with the same layout). ``ValueError``
@@ -148,6 +351,7 @@ class NodePools:
         shared by many ranks) outlive every rank."""
         check_pool_name(name)
         with self._lock:
+            self._release_parked()
             existing = self.table.pools.get(name)
             if existing is not None:
                 if existing.handle.layout != layout:
@@ -156,13 +360,16 @@ class NodePools:
                 return existing.handle
             self._store.check()
             pool = self._register(self._store.memory.create(name, layout))
+            watched = owner if owner is not None and owner.alive() else None
+            try:
+                self._write_meta(pool, watched)
+            except BaseException:
+                self._unregister_and_release()(pool)
+                self._sized(name, 0)
+                raise
             self.table = self.table.replaced(name, pool)
-            if owner is not None and owner.alive():
-                self._engines[name] = owner
-            with open(self._meta_path(name), "w") as f:
-                json.dump({"name": name, "path": pool.handle.path,
-                           "layout": asdict(layout)}, f)
-            os.chmod(self._meta_path(name), 0o600)
+            if watched is not None:
+                self._engines[name] = watched
             return pool.handle
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
@@ -195,13 +402,13 @@ class NodePools:
     def reap_engines(self, grace_s: float) -> list[str]:
         """Destroy the pools of one engine process (adopted memfds, and pools created
         with an ``owner``: SGLang staging pools, vLLM pools) whose process exited at
-        least ``grace_s`` seconds ago (seen gone by an earlier call that long before: a
-        store call the engine started before it died may still be moving its pages, and
-        the pool's memory must stay mapped until it ends). An engine that dies without
-        closing its backend would otherwise keep its host pools alive in this node.
-        Returns the names."""
+        least ``grace_s`` seconds ago (seen gone by an earlier call that long before);
+        ``destroy`` then also waits for the store calls still moving its pages. An engine
+        that dies without closing its backend would otherwise keep its host pools alive
+        in this node. Returns the names. Also releases parked pools whose calls ended."""
         now = time.monotonic()
         with self._lock:
+            self._release_parked()
             for name, process in self._engines.items():
                 if not process.alive():
                     self._exited.setdefault(name, now)
@@ -221,33 +428,42 @@ class NodePools:
         return pools[name].handle
 
     def destroy(self, name: str) -> bool:
-        """Unregister and remove pool ``name``; False if there was none."""
+        """Remove pool ``name`` from the table (later calls naming it fail), wait for the
+        data calls in flight on it (at most ``drain_s``; parked after that), then
+        unregister and release it; False if there was none."""
         with self._lock:
+            self._release_parked()
             pool = self.table.pools.get(name)
             if pool is None:
                 return False
-            self.table = self.table.replaced(name, None)
+            with self._flight:
+                self.table = self.table.replaced(name, None)
             self._engines.pop(name, None)
             self._exited.pop(name, None)
-            self._store.backend.unregister(pool.base_ptr)
-            self._store.memory.release(pool)
             with contextlib.suppress(FileNotFoundError):  # engine pools have none
                 os.unlink(self._meta_path(name))
+            self._drain([pool], self._unregister_and_release(),
+                        time.monotonic() + self._drain_s)
         self._sized(name, 0)
         return True
 
     def reallocate(self) -> None:
         """Standalone, after ``mooncake_client`` restarted: every pool anew, same names and
-        layouts, in a new epoch (the new process does not know the old buffers). A pool
-        that cannot be allocated again is logged and comes back when the actor restarts."""
+        layouts, in a new epoch (the new process does not know the old buffers). The old
+        pools are released once the calls in flight on them ended (``drain_s``). A pool
+        that cannot be allocated again is logged and comes back when the actor
+        restarts."""
         with self._lock:
+            self._release_parked()
             old = self.table
             memory = self._store.memory
             memory.renew()
-            self.table = PoolTable(memory.epoch)  # every old handle is stale from here on
+            with self._flight:
+                self.table = PoolTable(memory.epoch)  # every old handle is stale from here
+            self._drain(list(old.pools.values()), memory.release,
+                        time.monotonic() + self._drain_s)
             fresh = {}
             for name, pool in old.pools.items():
-                memory.release(pool)
                 try:
                     fresh[name] = self._register(memory.create(name, pool.handle.layout))
                 except Exception:
@@ -256,14 +472,18 @@ class NodePools:
             self.table = PoolTable(memory.epoch, MappingProxyType(fresh))
 
     def close(self, remove: bool) -> None:
-        """Unregister and unmap every pool (the actor stops for good); with ``remove``
-        also delete their shared-memory and metadata files."""
+        """Unregister and unmap every pool (the actor stops for good), once the data calls
+        in flight on them ended (at most ``drain_s``); with ``remove`` also delete their
+        shared-memory and metadata files."""
         with self._lock:
-            old, self.table = self.table, PoolTable(self.table.epoch)
+            self._release_parked()
+            with self._flight:
+                old, self.table = self.table, PoolTable(self.table.epoch)
             self._engines.clear()
             self._exited.clear()
-            for name, pool in old.pools.items():
-                self._store.backend.unregister(pool.base_ptr)
-                self._store.memory.release(pool, remove=remove)
-                if remove and os.path.exists(self._meta_path(name)):
-                    os.unlink(self._meta_path(name))
+            if remove:
+                for name in old.pools:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._meta_path(name))
+            self._drain(list(old.pools.values()), self._unregister_and_release(remove),
+                        time.monotonic() + self._drain_s)

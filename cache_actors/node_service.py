@@ -46,6 +46,9 @@ State and what guards it:
 - The pool table: ``NodePools.table`` is an immutable ``PoolTable`` (epoch + pools)
   replaced whole under ``NodePools._lock``; a data call reads it once, without a lock,
   and resolves its whole batch against that one generation (see ``node_pools``).
+- Data calls in flight per pool: ``NodePools._flight`` (a data call counts itself in
+  after resolving its pointers and out after its store call; a pool leaving the table,
+  by any path, is released only once its count is 0, waiting at most ``DRAIN_S``).
 - Counters: ``NodeMetrics._lock``. Group-query state: ``GroupQueries``' own lock.
 - Store state: ``NodeStore`` (the watcher sets and clears ``process.down``; the pool
   memory's epoch changes only under the pool lock). The Mooncake client is called from
@@ -82,7 +85,7 @@ from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_queries import GroupQueries
 from raykv.controllers.naming import CHANNEL_SOCKET
-from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -179,13 +182,16 @@ class NodeService:
         return [p.handle for p in self._pools.settled().pools.values()]
 
     def destroy_pool(self, name: str) -> bool:
-        """Unregister and remove pool ``name``; False if there was none. The caller
-        makes sure no rank still moves pages through it."""
+        """Remove pool ``name``: later data calls naming it fail with ``ValueError``,
+        the calls in flight on it end first (``NodePools.destroy``), then it is
+        unregistered and released; False if there was none."""
         return self._pools.destroy(name)
 
     # ------------------------------------------------------------------ data
     def exists(self, keys: list[str]) -> list[int]:
-        """1 / 0 / negative error per key."""
+        """1 / 0 / negative error per key; ``ValueError`` for keys that are not a list of
+        non-empty strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
+        keys = check_object_keys(keys)
         t = time.perf_counter()
         codes = self._checked_exists(keys)
         self._metrics.record_exists(time.perf_counter() - t)
@@ -204,15 +210,22 @@ class NodeService:
 
     def _move(self, op: str, batch: ObjectBatch, deadline: float | None) -> list[int]:
         """The backend's ``op`` on every object of ``batch``, after the store check and
-        against one generation of the pools; outcomes counted."""
+        against one generation of the pools, counted in flight on the pools it uses for
+        the store call (a pool being removed waits for it: ``NodePools.enter``);
+        outcomes counted."""
         self._store.check()
-        table = self._pools.table
-        ptrs = table.pointers(batch)
-        t = time.perf_counter()
-        codes = self._merger.run(op, batch.keys, ptrs, batch.sizes,
-                                 deadline if deadline is not None
-                                 else time.monotonic() + WAIT_S)
-        if self._pools.table.epoch != table.epoch:
+        pools = self._pools
+        table = pools.table
+        ptrs, used = table.resolve(batch)
+        pools.enter(table, used)
+        try:
+            t = time.perf_counter()
+            codes = self._merger.run(op, batch.keys, ptrs, batch.sizes,
+                                     deadline if deadline is not None
+                                     else time.monotonic() + WAIT_S)
+        finally:
+            pools.leave(used)
+        if pools.table.epoch != table.epoch:
             self._replaced_during(op, batch, codes, table.epoch)
         codes = self._store.check_codes(table.epoch, codes)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)

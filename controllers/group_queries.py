@@ -41,6 +41,7 @@ from raykv.controllers.confirmed_pages import ConfirmedPages
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_search import GroupFamilies, GroupSearch, group_families
+from raykv.controllers.object_batch import check_object_keys
 
 Done = Callable[[PoolTransferResult | None, BaseException | None], None]
 log = logging.getLogger(__name__)
@@ -164,7 +165,9 @@ class GroupQueries:
         is called once it is answered (a store failure: for every query of that check),
         in this thread if the answer is known at once. ``ValueError`` (raised here,
         ``done`` never called) if ``queries`` names a pool the deployment did not
-        register."""
+        register, or ``keys`` that are not a list of non-empty str of at most
+        ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
+        keys = check_object_keys(keys, "the group query's keys")
         key = (dep.deployment_id, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
         search = None

@@ -8,7 +8,7 @@ from raykv.cache_actors import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
 
-from tests.integration.ranks import MHA, MLA, indices
+from tests.integration.ranks import MHA, MLA, indices, start_rank
 
 KV_POOL = "bad-input-kv"
 
@@ -141,3 +141,46 @@ def test_node_actor_rejects_bad_batches_and_keeps_serving(cluster, client, uid):
     keys = [f"{uid}-{i}" for i in range(2)]
     assert client.batch_set_v1(keys, indices(0, 2)) == [True, True]
     assert client.batch_get_v1(keys, indices(8, 2)) == [True, True]
+
+
+def test_ill_typed_and_huge_batches_fail_alone_beside_honest_ranks(cluster, client, uid):
+    """Batches of the wrong types or over ``MAX_BATCH_OBJECTS`` sent straight to the
+    node actor's Ray methods while honest ranks put and get through the same actor (whose
+    store calls merge concurrent ranks' batches): each bad call gets a ValueError naming
+    the problem, before it is merged with anyone's work; the honest pages round-trip."""
+    actor = cluster.node_actors[client.node_id]
+    pool = client.attach_host_pool(KV_POOL)
+    node = client.node_id
+    honest = [start_rank(node, StorageConfig(model_name=f"honest/{uid}{i}"),
+                         pool_name=f"bad-input-honest{i}") for i in range(3)]
+    ray.get([r.fill.remote(i) for i, r in enumerate(honest)])
+    huge = 1_000_000
+    bad = [
+        (ObjectBatch([f"{uid}a"], [pool.name], [0.5], [8]), r"offsets\[0\] is 0.5"),
+        (ObjectBatch([1], [pool.name], [0], [8]), "key 0 is 1"),
+        (ObjectBatch([b"k"], [pool.name], [0], [8]), "key 0 is b'k'"),
+        (ObjectBatch([f"{uid}a"], [pool.name], [0], [True]), r"sizes\[0\] is True"),
+        (ObjectBatch([f"{uid}a"], [pool.name], [0], [8], epoch="0"), "epoch"),
+        (ObjectBatch([f"{uid}a"], [7], [0], [8]), "pool names"),
+        (ObjectBatch([f"{uid}{i}" for i in range(huge)], [pool.name] * huge, [0] * huge,
+                     [8] * huge), "MAX_BATCH_OBJECTS=65536"),
+    ]
+    keys = [[f"{uid}-h{i}-{p}" for p in range(8)] for i in range(len(honest))]
+    puts = [r.call.remote("batch_set_v1", k, indices(0, 8))
+            for r, k in zip(honest, keys, strict=True)]
+    for batch, msg in bad:
+        for method in (actor.put, actor.get):
+            with pytest.raises(ValueError, match=msg):
+                ray.get(method.remote(batch))
+    with pytest.raises(ValueError, match="key 1 is 3"):
+        ray.get(actor.exists.remote([f"{uid}a", 3]))
+    with pytest.raises(ValueError, match="MAX_BATCH_OBJECTS"):
+        ray.get(actor.exists.remote([f"{uid}{i}" for i in range(huge)]))
+    assert ray.get(puts) == [[True] * 8] * len(honest)
+    gets = [r.call.remote("batch_get_v1", k, indices(32, 8))
+            for r, k in zip(honest, keys, strict=True)]
+    assert ray.get(gets) == [[True] * 8] * len(honest)
+    for r in honest:
+        wrote, read = ray.get([r.pages.remote(0, 8), r.pages.remote(32, 8)])
+        assert torch.equal(wrote.view(torch.uint8), read.view(torch.uint8))
+    assert ray.get(actor.health.remote())["store_healthy"]

@@ -107,7 +107,7 @@ def test_a_sealable_memfd_can_no_longer_shrink():
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 0)          # the engine can no longer truncate it
         os.ftruncate(fd, 2 * LAYOUT.nbytes)  # growing stays allowed
-        PoolTable(0, {"eng": pool}).pointers(_get_batch("eng"))
+        PoolTable(0, {"eng": pool}).resolve(_get_batch("eng"))[0]
     finally:
         pool.close()
         mm.close()
@@ -122,12 +122,12 @@ def test_an_unsealable_memfd_that_shrank_fails_data_calls():
     table = PoolTable(0, {"eng": pool})
     try:
         assert not pool.sealed
-        assert table.pointers(_get_batch("eng")) == [pool.base_ptr]
+        assert table.resolve(_get_batch("eng"))[0] == [pool.base_ptr]
         os.ftruncate(fd, LAYOUT.nbytes // 2)
         with pytest.raises(ValueError, match="truncated its memfd"):
-            table.pointers(_get_batch("eng"))
+            table.resolve(_get_batch("eng"))[0]
         os.ftruncate(fd, LAYOUT.nbytes)  # the engine's own fix: the size is back
-        assert table.pointers(_get_batch("eng")) == [pool.base_ptr]
+        assert table.resolve(_get_batch("eng"))[0] == [pool.base_ptr]
     finally:
         pool.close()
         mm.close()
@@ -152,7 +152,7 @@ ENGINE_TRUNCATES = textwrap.dedent("""
     size = layout.object_sizes[0]
     batch = ObjectBatch(["k"], ["eng"], [layout.nbytes - size], [size])
     try:
-        ptrs = PoolTable(0, {"eng": pool}).pointers(batch)
+        ptrs = PoolTable(0, {"eng": pool}).resolve(batch)[0]
     except ValueError as e:
         print("refused:", e)
         raise SystemExit(0)

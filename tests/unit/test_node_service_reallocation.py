@@ -4,6 +4,7 @@ released, zero-filled memory, so a put's stored objects are removed and the call
 the retryable ``StalePoolsError`` (fake store and memory; the real race with a killed
 ``mooncake_client`` is in tests/integration/test_standalone.py)."""
 
+import threading
 import uuid
 
 import pytest
@@ -103,13 +104,30 @@ def node():
     handle = service.create_pool("kv", LAYOUT)
     batch = ObjectBatch(epoch=handle.epoch)
     batch.extend(["a", "present", "b"], "kv", [0, 8, 16], [8, 8, 8])
+    watcher: list[threading.Thread] = []
+
+    def reallocate_now() -> None:
+        """The watcher re-allocating on its own thread while the store call runs: the
+        call returns once the new epoch is published (the old pools are released only
+        after it left them)."""
+        epoch = service._pools.table.epoch
+        t = threading.Thread(target=store.reallocate)
+        t.start()
+        watcher.append(t)
+        while service._pools.table.epoch == epoch:
+            t.join(0.001)
+
+    store.backend.reallocate_now = reallocate_now
     yield service, store, metrics, batch
+    for t in watcher:
+        t.join(10)
+        assert not t.is_alive()
     service.shutdown(remove_pools=True)
 
 
 def test_a_put_that_ran_across_a_reallocation_is_not_kept(node):
     service, store, metrics, batch = node
-    store.backend.during = store.reallocate  # the watcher re-allocates mid-transfer
+    store.backend.during = store.backend.reallocate_now  # mid-transfer
     with pytest.raises(StalePoolsError, match="allocated anew during the put"):
         service.put(batch)
     # What this call stored is gone; what was there before it is left alone.
@@ -120,7 +138,7 @@ def test_a_put_that_ran_across_a_reallocation_is_not_kept(node):
 
 def test_a_get_that_ran_across_a_reallocation_fails(node):
     service, store, metrics, batch = node
-    store.backend.during = store.reallocate
+    store.backend.during = store.backend.reallocate_now
     with pytest.raises(StalePoolsError, match="allocated anew during the get"):
         service.get(batch)
     assert store.backend.removed == []

@@ -1,0 +1,72 @@
+"""A pool destroyed while ranks loop puts and gets through it (real Ray, real
+mooncake_master, embedded and standalone): the node actor never crashes and no key ever
+reads back bytes other than what its writer wrote.
+
+The node actors run with ``RAYKV_TEST_STORE_DELAY_S`` (``cache_actors.mooncake_backend``):
+each store call waits inside itself, after the pointers were resolved, so the destroy
+lands while calls are in flight on the pool. Before the fix, the pool was unmapped
+(embedded: the store call read unmapped memory) or had its pages given back (standalone:
+zeros stored under real keys and reported stored) under those calls.
+"""
+
+import os
+import time
+
+import pytest
+import ray
+from raykv.cache_actors import CacheClient
+from raykv.controllers import StorageConfig
+
+from tests.integration.conftest import MODES, two_nodes
+from tests.integration.loopers import PAGES, POOL, looper
+
+DELAY_S = 0.15
+VICTIM = "teardown-victim"
+
+
+@pytest.fixture(scope="module", params=MODES)
+def slow_cluster(request):
+    """A two-node cluster whose node actors hold every store call ``DELAY_S`` s."""
+    os.environ["RAYKV_TEST_STORE_DELAY_S"] = str(DELAY_S)
+    try:
+        cluster = two_nodes(request.param)
+    finally:
+        del os.environ["RAYKV_TEST_STORE_DELAY_S"]
+    with cluster:
+        yield cluster
+
+
+def pids(cluster) -> dict:
+    return {n: ray.get(a.health.remote())["pid"] for n, a in cluster.node_actors.items()}
+
+
+def test_destroy_during_puts_and_gets_never_stores_wrong_bytes(slow_cluster, uid):
+    cluster = slow_cluster
+    head, other = cluster.node_ids
+    before = pids(cluster)
+    owner = CacheClient(StorageConfig(model_name="teardown/owner"))
+    assert owner.node_id == head
+    owner.create_host_pool("mha", name=VICTIM, **POOL)
+    victims = [looper(head, f"{uid}v{i}", VICTIM, attach=True, slot=i * 2 * PAGES * 4)
+               for i in range(3)]
+    honest = looper(other, f"{uid}h", f"teardown-own-{uid}", attach=False)
+    runs = [*(r.loop.remote(200) for r in victims), honest.loop.remote(20)]
+    deadline = time.monotonic() + 300
+    while min(ray.get([r.rounds_done.remote() for r in victims])) < 2:  # all looping
+        assert time.monotonic() < deadline and not ray.wait(runs, timeout=0)[0]
+        time.sleep(DELAY_S)
+    assert owner.destroy_host_pool(VICTIM)
+    results = ray.get(runs, timeout=300)
+
+    assert pids(cluster) == before  # no node actor crashed (or was restarted)
+    for res in results[:-1]:  # the victims' loop ended with a clear error
+        assert res["error"] is not None and "ValueError" in res["error"], res["error"]
+        assert VICTIM in res["error"] or "destroyed" in res["error"], res["error"]
+    assert results[-1]["error"] is None  # the other node's rank never noticed
+    assert not any(res["mismatched"] for res in results)
+
+    # Every key any rank was told stored reads back as exactly what its writer wrote
+    # (read by that rank, into a fresh pool of its own).
+    for res, rank in zip(results, [*victims, honest], strict=True):
+        assert res["stored"], "a looper stored nothing before the destroy"
+        assert ray.get(rank.verify.remote(res["stored"]), timeout=300) == []
