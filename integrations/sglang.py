@@ -49,8 +49,9 @@ from typing import Any
 import ray
 import torch
 from raykv.cache_actors.client import CacheClient
-from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.node_link import CONTROL_TIMEOUT_S
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.naming import NAMESPACE, node_actor_name
 from raykv.controllers.pool_layout import PoolLayout
@@ -444,8 +445,14 @@ class RayKVStore(HiCacheStorage):
         name = ep.pool.name if ep.pool is not None else \
             f"sglang-{pid}-{fd}-{uuid.uuid4().hex[:8]}"
         actor = ray.get_actor(node_actor_name(self.client.node_id), namespace=self._namespace)
-        ray.get(actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout,
-                                               _probe(ep)))
+        ref = actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout, _probe(ep))
+        try:
+            ray.get(ref, timeout=CONTROL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):  # best effort: it may have started
+                ray.cancel(ref)
+            raise DeadlineExceededError(f"the node actor did not adopt SGLang's pool {name} "
+                                        f"within {CONTROL_TIMEOUT_S:g} s") from None
         ep.pool = self.client.attach_host_pool(name)
         ep.zero_copy = True
 
@@ -461,8 +468,14 @@ class RayKVStore(HiCacheStorage):
 
     # ----------------------------------------------------------------- helpers
     def _warn(self, what: str, e: BaseException) -> None:
+        """Count and (rate-limited) log a failed call. After an unavailable node actor
+        (a restart) the zero-copy pools are adopted again before the next call; not after
+        a deadline: the actor is slow or hung, not new, and adopting is a control call
+        that would hold SGLang's thread while it stays hung."""
         self.counters[f"{what}_failures"] += 1
-        if isinstance(e, NodeUnavailableError) or "does not have" in str(e):
+        restarted = isinstance(e, NodeUnavailableError) and not isinstance(
+            e, DeadlineExceededError)
+        if restarted or "does not have" in str(e):
             self._readopt = self._readopt or any(p.zero_copy for p in self._pools.values())
         now = time.monotonic()
         if now - self._warned_at.get(what, -1e9) >= WARN_EVERY_S:
