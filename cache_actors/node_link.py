@@ -82,8 +82,9 @@ class NodeLink:
             return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
                              timeout_s=self.timeout_s)
         with self._retryable(op):
-            if self._channel is None:
-                self._channel = ChannelClient(self.call("channel_path"), async_ops=ASYNC_OPS,
+            if self._channel is None:  # its path is asked within the data op's deadline
+                path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)
+                self._channel = ChannelClient(path, async_ops=ASYNC_OPS,
                                               timeout_s=self.timeout_s)
             return self._channel.call(op.value, *args)
 

@@ -28,30 +28,35 @@ HANG_S = 15.0  # a backend call still running after this long is taken as hung
 N = 4
 
 
-def stopped_scenario(name: str, model: str, uid: str, mamba: list | None = None) -> dict:
+def stopped_scenario(name: str, model: str, uid: str,
+                     mamba: list | None = None) -> tuple[dict, list[str]]:
     """Back up and prefetch ``seed`` A, then the three stops (see the module docstring),
-    then hits again after SIGCONT."""
+    then hits again after SIGCONT; the scenario and a label per step."""
     a, b, c = (f"{x}-{name}-{uid}" for x in "abc")
     extra = {"mamba": mamba} if mamba else {}
 
     def logged(inner: dict, **kw) -> dict:
         return {"op": "logged", "inner": inner, **kw}
 
-    return scenario(name, model, "shm", [
-        {"op": "write", "seed": a, "n_pages": N, **extra},                   # 0
-        logged({"op": "prefetch", "seed": a, "n_pages": N}),                 # 1 control
-        {"op": "stop_node_actor"},                                           # 2
-        logged({"op": "prefetch", "seed": a, "n_pages": N, "rid": "stop"}),  # 3 lookup
-        logged({"op": "write", "seed": b, "n_pages": N, **extra}),           # 4 backup
-        {"op": "cont_node_actor"},                                           # 5
-        {"op": "until_hit", "seed": a, "n_pages": N},                        # 6
-        logged({"op": "prefetch", "seed": a, "n_pages": N, "rid": "load"},   # 7 load
-               stop_after_hit=True),
-        {"op": "cont_node_actor"},                                           # 8
-        {"op": "until_hit", "seed": a, "n_pages": N},                        # 9
-        {"op": "write", "seed": c, "n_pages": N, **extra},                   # 10
-        logged({"op": "prefetch", "seed": c, "n_pages": N}),                 # 11
-    ], model_name=f"org/deadline-{name}-{uid}", extra={"timeout_s": TIMEOUT_S})
+    labeled = [
+        ("write A", {"op": "write", "seed": a, "n_pages": N, **extra}),
+        ("control prefetch A", logged({"op": "prefetch", "seed": a, "n_pages": N})),
+        ("stop", {"op": "stop_node_actor"}),
+        ("lookup while stopped", logged({"op": "prefetch", "seed": a, "n_pages": N,
+                                         "rid": "stop"})),
+        ("backup while stopped", logged({"op": "write", "seed": b, "n_pages": N, **extra})),
+        ("continue", {"op": "cont_node_actor"}),
+        ("hits again", {"op": "until_hit", "seed": a, "n_pages": N}),
+        ("load while stopped", logged({"op": "prefetch", "seed": a, "n_pages": N,
+                                       "rid": "load"}, stop_after_hit=True)),
+        ("continue again", {"op": "cont_node_actor"}),
+        ("hits again after the load", {"op": "until_hit", "seed": a, "n_pages": N}),
+        ("write C", {"op": "write", "seed": c, "n_pages": N, **extra}),
+        ("prefetch C", logged({"op": "prefetch", "seed": c, "n_pages": N})),
+    ]
+    return scenario(name, model, "shm", [step for _, step in labeled],
+                    model_name=f"org/deadline-{name}-{uid}",
+                    extra={"timeout_s": TIMEOUT_S}), [label for label, _ in labeled]
 
 
 def check_calls(step: dict, what: str) -> list[dict]:
@@ -67,10 +72,12 @@ def check_calls(step: dict, what: str) -> list[dict]:
 
 def run(tmp_path, cluster, name: str, model: str, mamba: list | None = None) -> dict:
     uid = os.urandom(4).hex()
-    sc = run_driver(tmp_path, cluster, 0, [stopped_scenario(name, model, uid, mamba)],
-                    timeout=900)["scenarios"][name]
-    for s in sc["steps"]:
-        assert "error" not in s, s
+    spec, labels = stopped_scenario(name, model, uid, mamba)
+    sc = run_driver(tmp_path, cluster, 0, [spec], timeout=900)["scenarios"][name]
+    assert "attach_error" not in sc, sc
+    # The first step that raised, or whose SGLang queue wait ran out (a call hung).
+    for label, s in zip(labels, sc["steps"], strict=True):
+        assert "error" not in s and "inner_error" not in s, f"{label}: {s}"
     assert all(sc["threads"].values()), sc["threads"]
     return sc
 
