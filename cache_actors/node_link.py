@@ -9,7 +9,8 @@ that the retry reaches their replacements; the link is then *stale*, and its nex
 first re-maps the client's pools (``remap``), whose memory the replacement may have
 allocated anew.
 
-Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), every control
+Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``; a data op that
+first opens the channel asks the actor for its path within it too), every control
 call ``CONTROL_TIMEOUT_S`` (creating a pool reserves its memory, seconds per GiB on a
 slow host). A call that runs past its deadline raises ``DeadlineExceededError`` (a
 ``NodeUnavailableError``): a Ray call is cancelled (best effort: a call the actor already

@@ -24,6 +24,11 @@ Models (``model``), each SGLang's own classes on ``device="cpu"``:
   ``register_host_pool_entry`` as ``build_full_draft_pools`` does, the ``draft`` sidecar
   (``indices_from_pool=KV``).
 
+Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node_actor``
+(SIGSTOP / SIGCONT this backend's node actor), ``logged`` (another step with every
+backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
+query and its load) and ``until_hit``.
+
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
 gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
