@@ -9,7 +9,8 @@ that the retry reaches their replacements; the link is then *stale*, and its nex
 first re-maps the client's pools (``remap``), whose memory the replacement may have
 allocated anew.
 
-Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), every control
+Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``; a data op that
+first opens the channel asks the actor for its path within it too), every control
 call ``CONTROL_TIMEOUT_S`` (creating a pool reserves its memory, seconds per GiB on a
 slow host). A call that runs past its deadline raises ``DeadlineExceededError`` (a
 ``NodeUnavailableError``): a Ray call is cancelled (best effort: a call the actor already
@@ -82,8 +83,9 @@ class NodeLink:
             return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
                              timeout_s=self.timeout_s)
         with self._retryable(op):
-            if self._channel is None:
-                self._channel = ChannelClient(self.call("channel_path"), async_ops=ASYNC_OPS,
+            if self._channel is None:  # its path is asked within the data op's deadline
+                path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)
+                self._channel = ChannelClient(path, async_ops=ASYNC_OPS,
                                               timeout_s=self.timeout_s)
             return self._channel.call(op.value, *args)
 

@@ -446,9 +446,15 @@ class RayKVStore(HiCacheStorage):
             f"sglang-{pid}-{fd}-{uuid.uuid4().hex[:8]}"
         actor = ray.get_actor(node_actor_name(self.client.node_id), namespace=self._namespace)
         st = os.fstat(fd)  # the memfd that _maps_at_start found under SGLang's tensors
-        ray.get(actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout,
-                                               (st.st_dev, st.st_ino)),
-                timeout=CONTROL_TIMEOUT_S)
+        ref = actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout,
+                                             (st.st_dev, st.st_ino))
+        try:
+            ray.get(ref, timeout=CONTROL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):  # best effort: it may have started
+                ray.cancel(ref)
+            raise DeadlineExceededError(f"the node actor did not adopt SGLang's pool {name} "
+                                        f"within {CONTROL_TIMEOUT_S:g} s") from None
         ep.pool = self.client.attach_host_pool(name)
         ep.zero_copy = True
 
@@ -464,9 +470,13 @@ class RayKVStore(HiCacheStorage):
 
     # ----------------------------------------------------------------- helpers
     def _warn(self, what: str, e: BaseException) -> None:
+        """Count and (rate-limited) log a failed call. After an unavailable node actor
+        (a restart) the zero-copy pools are adopted again before the next call; not after
+        a deadline: the actor is slow or hung, not new, and adopting is a control call
+        that would hold SGLang's thread while it stays hung."""
         self.counters[f"{what}_failures"] += 1
-        restarted = isinstance(e, NodeUnavailableError) and \
-            not isinstance(e, DeadlineExceededError)  # a slow actor has its pools still
+        restarted = isinstance(e, NodeUnavailableError) and not isinstance(
+            e, DeadlineExceededError)
         if restarted or "does not have" in str(e):
             self._readopt = self._readopt or any(p.zero_copy for p in self._pools.values())
         now = time.monotonic()

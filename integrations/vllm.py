@@ -34,12 +34,14 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers.contract import (
     DEFAULT_TIMEOUT_S,
     PoolName,
@@ -243,6 +245,8 @@ class RayKVConnector(KVConnectorBase_V1):
         self._warn = _Throttled()
         self._client = None
         self._pool = None
+        self._attaching: threading.Thread | None = None
+        self._attach_error: Exception | None = None
         # scheduler side
         self._reqs: dict[str, RequestBlocks] = {}
         # worker side
@@ -262,6 +266,8 @@ class RayKVConnector(KVConnectorBase_V1):
         log.info("RayKVConnector %s tp %d/%d: keys %s_%s_<block>_%d_kv, block_size %d",
                  role.name, self.tp_rank, self.tp_size, self.opts.extra_backend_tag,
                  self.opts.model_name.replace("/", "-"), self.tp_rank, self.block_size)
+        if role == KVConnectorRole.SCHEDULER and self.do_load:
+            self._attach_at_start()  # not in the first lookup: see _cache
 
     # ------------------------------------------------------------ raykv client
     def _storage_config(self) -> StorageConfig:
@@ -270,11 +276,12 @@ class RayKVConnector(KVConnectorBase_V1):
                              extra_config={"extra_backend_tag": self.opts.extra_backend_tag,
                                            "timeout_s": self.opts.timeout_s})
 
-    def _cache(self):
-        """This process's ``CacheClient`` and its registered pool, made on first use
-        (raises what the client raises; callers turn that into misses / failures)."""
-        if self._client is not None:
-            return self._client
+    def _attach(self) -> None:
+        """Make this process's ``CacheClient`` and its registered pool (raises what the
+        client raises). Its calls to the node actor are control calls (deadline
+        ``CONTROL_TIMEOUT_S``, 120 s), so this runs at start-up (the scheduler's
+        construction, ``register_kv_caches``) or on ``_cache``'s background thread,
+        never on vLLM's step."""
         from raykv.cache_actors.client import CacheClient
 
         node_id = join_ray(self.opts.ray_address, self.opts.namespace)
@@ -300,8 +307,42 @@ class RayKVConnector(KVConnectorBase_V1):
         except BaseException:
             client.close()
             raise
-        self._client, self._pool = client, pool
-        return client
+        self._pool = pool  # first: a caller that sees the client uses the pool
+        self._client = client
+
+    def _attach_at_start(self) -> None:
+        try:
+            self._attach()
+        except Exception as e:  # raykv may come up later: retried on first use
+            self._warn.warning("attach", "RayKVConnector: raykv not reachable yet (%s); "
+                               "lookups miss, loads fail and saves are skipped until it is",
+                               e)
+
+    def _attach_in_background(self) -> None:
+        try:
+            self._attach()
+        except Exception as e:
+            self._attach_error = e
+
+    def _cache(self):
+        """This process's ``CacheClient`` (callers turn what it raises into misses,
+        failed loads and skipped saves). If start-up did not attach, a background thread
+        attaches (one at a time) and this waits for it at most ``timeout_s``, then raises
+        ``NodeUnavailableError``: a hung node actor never holds vLLM's scheduler or a
+        forward longer than one deadline per call."""
+        if self._client is not None:
+            return self._client
+        if self._attaching is None or not self._attaching.is_alive():
+            self._attach_error = None
+            self._attaching = threading.Thread(target=self._attach_in_background,
+                                               name="raykv-attach", daemon=True)
+            self._attaching.start()
+        self._attaching.join(self.opts.timeout_s)
+        if self._client is None:
+            raise NodeUnavailableError(
+                f"raykv is not attached yet ({self._attach_error or 'still attaching'}); "
+                "attaching again in the background")
+        return self._client
 
     # --------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request,
@@ -415,11 +456,7 @@ class RayKVConnector(KVConnectorBase_V1):
                              f"of block_size {self.block_size}")
         log.info("RayKVConnector tp %d: %d layers of %d blocks %s %s", self.tp_rank,
                  len(tensors), num_blocks, self._block_shape, first.dtype)
-        try:
-            self._cache()
-        except Exception as e:  # raykv may come up later: retried on first use
-            self._warn.warning("attach", "RayKVConnector: raykv not reachable yet (%s); "
-                               "loads fail and saves are skipped until it is", e)
+        self._attach_at_start()
 
     def _pool_dims(self) -> tuple[int, int]:
         """``head_num, head_dim`` of the pool: vLLM's CPU block ``(heads, block_size,

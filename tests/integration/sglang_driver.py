@@ -24,6 +24,11 @@ Models (``model``), each SGLang's own classes on ``device="cpu"``:
   ``register_host_pool_entry`` as ``build_full_draft_pools`` does, the ``draft`` sidecar
   (``indices_from_pool=KV``).
 
+Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node_actor``
+(SIGSTOP / SIGCONT this backend's node actor), ``logged`` (another step with every
+backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
+query and its load) and ``until_hit``.
+
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
 gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
@@ -106,6 +111,54 @@ def noise(shape, dtype):
     if dtype.is_floating_point:
         return torch.randn(shape).to(dtype)
     return torch.randint(0, 256, shape, dtype=torch.uint8).to(dtype)
+
+
+class CallLog:
+    """Every data call SGLang's threads make on the backend (wrapped on ``store``, inside
+    any fault injector): the call, SGLang's thread, its seconds (None while it runs),
+    a summary of what it returned, or what it raised into SGLang."""
+
+    CALLS = ("batch_exists", "batch_exists_v2", "batch_get_v1", "batch_get_v2",
+             "batch_set_v1", "batch_set_v2")
+
+    def __init__(self, store) -> None:
+        self.calls: list[dict] = []
+        self._lock = threading.Lock()
+        for name in self.CALLS:
+            setattr(store, name, self._wrap(name, getattr(store, name)))
+
+    def _wrap(self, name, fn):
+        def call(*args, **kwargs):
+            rec = {"call": name, "thread": threading.current_thread().name, "seconds": None}
+            with self._lock:
+                self.calls.append(rec)
+            t = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException as e:
+                rec["raised"] = repr(e)
+                raise
+            finally:
+                rec["seconds"] = round(time.perf_counter() - t, 3)
+            rec["result"] = summary(out)
+            return out
+        return call
+
+    def since(self, n: int) -> list[dict]:
+        with self._lock:
+            return [dict(c) for c in self.calls[n:]]
+
+
+def summary(out):
+    """A backend call's result as JSON: a count, a list of bools, ``{pool: bools}``, or a
+    ``PoolTransferResult``'s KV hit."""
+    if isinstance(out, dict):
+        return {str(getattr(k, "value", k)): [bool(v) for v in vs] for k, vs in out.items()}
+    if isinstance(out, list):
+        return [bool(v) for v in out]
+    if hasattr(out, "kv_hit_pages"):
+        return {"kv_hit_pages": out.kv_hit_pages}
+    return out
 
 
 class Engine:
@@ -499,6 +552,65 @@ class Engine:
             st["sglang_fds"][name] = [[os.getpid(), fd, os.readlink(f"/proc/self/fd/{fd}"),
                                        os.fstat(fd).st_size] for fd in fds]
         return st
+
+    # ------------------------------------------------------- deadline steps
+    def stop_node_actor(self, step) -> dict:
+        """SIGSTOP this backend's node actor (hung, as its callers see it)."""
+        import signal
+
+        self.stopped_pid = self.store.client.health()["pid"]
+        os.kill(self.stopped_pid, signal.SIGSTOP)
+        return {"pid": self.stopped_pid}
+
+    def cont_node_actor(self, step) -> dict:
+        """SIGCONT the node actor ``stop_node_actor`` stopped."""
+        import signal
+
+        os.kill(self.stopped_pid, signal.SIGCONT)
+        return {"pid": self.stopped_pid}
+
+    def logged(self, step) -> dict:
+        """Run step ``inner`` with every backend data call logged (``CallLog``):
+        ``result`` (or ``inner_error``: the step itself failed, e.g. an SGLang queue
+        wait ran out because a call hung), ``calls`` made meanwhile, and a moment later
+        the calls still running. ``stop_after_hit``: SIGSTOP the node actor once SGLang's
+        prefetch thread has answered the hit query, before the load starts."""
+        log_ = getattr(self, "call_log", None) or CallLog(self.store)
+        self.call_log = log_
+        first = len(log_.calls)
+        queue = self.cc.prefetch_hit_queue
+        if step.get("stop_after_hit"):
+            get = queue.get
+
+            def get_then_stop(*args, **kwargs):
+                op = get(*args, **kwargs)
+                self.stop_node_actor({})
+                return op
+            queue.get = get_then_stop
+        out: dict = {}
+        try:
+            out["result"] = getattr(self, step["inner"]["op"])(step["inner"])
+        except Exception as e:
+            out["inner_error"] = repr(e)
+        finally:
+            queue.__dict__.pop("get", None)
+        time.sleep(step.get("settle_s", 0.5))  # a call SGLang's thread still has running
+        out["calls"] = log_.since(first)
+        return out
+
+    def until_hit(self, step) -> dict:
+        """Prefetch ``seed`` (``n_pages``) until every page loads byte-identical, for at
+        most ``s`` seconds (the node actor may first work through calls that expired
+        while it was stopped); the tries and the last prefetch."""
+        t = time.time()
+        tries = 0
+        while True:
+            tries += 1
+            res = self.prefetch({**step, "rid": f"until-{tries}"})
+            full = res["loaded_pages"] == step["n_pages"] and all(res["kv_match"])
+            if full or time.time() - t > step.get("s", 60):
+                return {"tries": tries, "hit": full, "last": res}
+            time.sleep(0.5)
 
     def threads(self) -> dict:
         cc = self.cc

@@ -1,0 +1,147 @@
+"""A hung node actor under SGLang's real cache controller: every call SGLang's threads
+make on raykv's ``RayKVStore`` returns within the deadline as misses / failed pages,
+never raises into SGLang and never reports a page stored or loaded that was not, and
+hits resume once the actor runs again.
+
+``sglang_driver.py`` (SGLang 0.5.23's ``HybridCacheController`` and host pools, in the
+SGLang venv) drives backups and prefetches through SGLang's own threads with
+``timeout_s`` = 1 s; the node actor is stopped with SIGSTOP (its pid from ``health()``)
+(a) before a prefetch (the hit query times out), (b) before a backup, and (c) between
+the hit query and the load (the driver stops it as SGLang's prefetch thread hands the
+answered query back), then continued with SIGCONT. MHA (v1 calls: ``batch_exists``,
+``batch_get_v1``, ``batch_set_v1``, zero-copy KV) and hybrid (v2 calls with a staged
+Mamba pool: ``batch_exists_v2``, ``batch_set_v2``).
+
+Hang detection: the driver's waits on SGLang's queues end after 60 s (an inner step
+then reports ``inner_error``) and each logged call must have returned within
+``HANG_S``; a call hung for good (the rank side before deadlines) fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tests.integration.sglang_runs import run_driver, scenario, steps
+
+TIMEOUT_S = 1.0
+HANG_S = 15.0  # a backend call still running after this long is taken as hung
+N = 4
+
+
+def stopped_scenario(name: str, model: str, uid: str,
+                     mamba: list | None = None) -> tuple[dict, list[str]]:
+    """Back up and prefetch ``seed`` A, then the three stops (see the module docstring),
+    then hits again after SIGCONT; the scenario and a label per step."""
+    a, b, c = (f"{x}-{name}-{uid}" for x in "abc")
+    extra = {"mamba": mamba} if mamba else {}
+
+    def logged(inner: dict, **kw) -> dict:
+        return {"op": "logged", "inner": inner, **kw}
+
+    labeled = [
+        ("write A", {"op": "write", "seed": a, "n_pages": N, **extra}),
+        ("control prefetch A", logged({"op": "prefetch", "seed": a, "n_pages": N})),
+        ("stop", {"op": "stop_node_actor"}),
+        ("lookup while stopped", logged({"op": "prefetch", "seed": a, "n_pages": N,
+                                         "rid": "stop"})),
+        ("backup while stopped", logged({"op": "write", "seed": b, "n_pages": N, **extra})),
+        ("continue", {"op": "cont_node_actor"}),
+        ("hits again", {"op": "until_hit", "seed": a, "n_pages": N}),
+        ("load while stopped", logged({"op": "prefetch", "seed": a, "n_pages": N,
+                                       "rid": "load"}, stop_after_hit=True)),
+        ("continue again", {"op": "cont_node_actor"}),
+        ("hits again after the load", {"op": "until_hit", "seed": a, "n_pages": N}),
+        ("write C", {"op": "write", "seed": c, "n_pages": N, **extra}),
+        ("prefetch C", logged({"op": "prefetch", "seed": c, "n_pages": N})),
+    ]
+    return scenario(name, model, "shm", [step for _, step in labeled],
+                    model_name=f"org/deadline-{name}-{uid}",
+                    extra={"timeout_s": TIMEOUT_S}), [label for label, _ in labeled]
+
+
+def check_calls(step: dict, what: str) -> list[dict]:
+    """The calls of a logged step: each returned (no inner step ran out waiting on
+    SGLang), within ``HANG_S``, without raising into SGLang's thread."""
+    assert "inner_error" not in step, f"{what}: {step['inner_error']}; calls {step['calls']}"
+    for c in step["calls"]:
+        assert c["seconds"] is not None, f"{what}: {c['call']} still running: {step['calls']}"
+        assert c["seconds"] < HANG_S, f"{what}: {c} took past {HANG_S} s"
+        assert "raised" not in c, f"{what}: {c['call']} raised into SGLang: {c}"
+    return step["calls"]
+
+
+def run(tmp_path, cluster, name: str, model: str, mamba: list | None = None) -> dict:
+    uid = os.urandom(4).hex()
+    spec, labels = stopped_scenario(name, model, uid, mamba)
+    sc = run_driver(tmp_path, cluster, 0, [spec], timeout=900)["scenarios"][name]
+    assert "attach_error" not in sc, sc
+    # The first step that raised, or whose SGLang queue wait ran out (a call hung).
+    for label, s in zip(labels, sc["steps"], strict=True):
+        assert "error" not in s and "inner_error" not in s, f"{label}: {s}"
+    assert all(sc["threads"].values()), sc["threads"]
+    return sc
+
+
+def check_common(sc: dict, lookup: str, backup: set[str], load: str) -> None:
+    """What both models must show (``lookup`` / ``backup`` / ``load``: the backend
+    calls SGLang makes for each)."""
+    st = sc["steps"]
+    before = st[1]["result"]
+    assert before["hit_pages"] == N and before["kv_match"] == [True] * N, st[1]
+    check_calls(st[1], "control")
+
+    # (a) hit query on the stopped actor: a miss, within the deadline.
+    calls = check_calls(st[3], "lookup while stopped")
+    assert st[3]["result"]["hit_pages"] == 0, st[3]
+    assert [c["call"] for c in calls] == [lookup], calls
+    assert calls[0]["seconds"] >= TIMEOUT_S * 0.9, calls  # it did wait for the actor
+
+    # (b) backup on the stopped actor: every page reported not stored.
+    calls = check_calls(st[4], "backup while stopped")
+    assert {c["call"] for c in calls} == backup, calls
+    assert not any(ok for c in calls for ok in _bools(c["result"])), calls
+    assert all(_zero(done) for done in st[4]["result"]["completed"]), st[4]
+
+    # Hits resume after SIGCONT.
+    assert st[6]["hit"], st[6]
+
+    # (c) stopped between hit query and load: the query hit, the load failed in full,
+    # nothing reported loaded (so no byte is taken from the poisoned slots).
+    calls = check_calls(st[7], "load while stopped")
+    pre = st[7]["result"]
+    assert pre["hit_pages"] == N and pre["loaded_pages"] == 0, st[7]
+    assert pre["kv_match"] == [], st[7]
+    loads = [c for c in calls if c["call"] == load]
+    assert loads and all(not any(_bools(c["result"])) for c in loads), calls
+
+    # After SIGCONT: hits and backups work again, bytes identical.
+    assert st[9]["hit"], st[9]
+    after = st[11]["result"]
+    assert after["hit_pages"] == N and after["kv_match"] == [True] * N, st[11]
+    assert any("failed" in m for m in sc["warnings"]), sc["warnings"]
+
+
+def _bools(result) -> list[bool]:
+    return [v for vs in result.values() for v in vs] if isinstance(result, dict) else result
+
+
+def _zero(done) -> bool:
+    """A backup ack that stored nothing: 0 tokens (a Mamba backup's is ``[tokens, pool
+    result]``)."""
+    return (done[0] if isinstance(done, list) else done) == 0
+
+
+def test_mha_v1_calls_on_a_stopped_node_actor(cluster, tmp_path):
+    sc = run(tmp_path, cluster, "mha", "mha")
+    check_common(sc, "batch_exists", {"batch_set_v1"}, "batch_get_v1")
+    assert steps(sc)[-1]["result"]["kv_match"] == [True] * N
+
+
+def test_hybrid_v2_calls_on_a_stopped_node_actor(cluster, tmp_path):
+    """Hybrid (MHA KV zero-copy + a staged Mamba pool): SGLang asks ``batch_exists_v2``
+    and backs the Mamba state up with ``batch_set_v2``; after SIGCONT the Mamba state
+    loads again, byte-identical."""
+    sc = run(tmp_path, cluster, "hybrid", "hybrid", mamba=[N])
+    check_common(sc, "batch_exists_v2", {"batch_set_v1", "batch_set_v2"}, "batch_get_v1")
+    after = sc["steps"][11]["result"]
+    assert after["mamba_match"] is True, after
