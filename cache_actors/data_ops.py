@@ -3,12 +3,17 @@
 A rank reaches its node's cache actor through the actor's local channel (same node) or
 through a Ray call (another node, or no channel); a ``DataOp``'s value is the name of
 the actor's Ray method *and* the op name its channel serves, so the two routes can never
-disagree on what an operation is called.
+disagree on what an operation is called. ``DATA_OP_ARGS`` are the argument types the
+channel checks every request against before it reaches a handler.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from raykv.cache_actors.channel_codec import Signature
+from raykv.controllers.deployments import PoolQuery
+from raykv.controllers.object_batch import ObjectBatch
 
 
 class DataOp(StrEnum):
@@ -22,3 +27,12 @@ class DataOp(StrEnum):
 
 # Ops the channel answers asynchronously (a group query joins a batch of queries).
 ASYNC_OPS = frozenset({DataOp.GROUP_EXISTS})
+
+DATA_OP_ARGS: dict[str, Signature] = {
+    DataOp.EXISTS: Signature((list[str],)),
+    DataOp.PUT: Signature((ObjectBatch,)),
+    DataOp.GET: Signature((ObjectBatch,)),
+    # deployment id, its version, the asking rank (tp, pp), page keys, extra pools
+    DataOp.GROUP_EXISTS: Signature((str, int, tuple[int, int], list[str], list[PoolQuery])),
+}
+"""Argument types of each data op on the channel (``NodeService``'s handlers)."""

@@ -6,12 +6,25 @@ hits) over a Unix stream socket that the actor serves from its own threads; Ray 
 creates, finds, supervises and restarts the actor, and remote callers still use Ray.
 Like a Ray call, a request carries keys, offsets and results only, never page bytes.
 
-Wire format: each message is a 4-byte big-endian length and a pickle. A request is
-``(op, args)``; a reply is ``(True, value)`` or ``(False, error)``: an exception of one
-of the server's ``passthrough`` types travels as itself and is raised again on the
-caller's side; any other becomes a ``RuntimeError`` naming it. The socket file is mode
-0600 in ``/dev/shm``: only processes of the same user, which could map the pools
-anyway, can connect (pickle trusts its peer).
+Wire format (``channel_codec``): each message is a 4-byte big-endian length and a
+msgpack body of at most ``MAX_FRAME`` (64 MiB) bytes. A connection opens with a hello
+each way (protocol number and raykv version: different wires refuse each other with a
+``ChannelVersionError`` naming both versions). A request is ``[op, deadline, args]``
+with the caller's deadline in ``time.monotonic()`` seconds; a reply is ``[True,
+value]`` or ``[False, [error name, message]]``: an exception of one of the server's
+``passthrough`` types travels as its nearest class among ValueError, RuntimeError and
+the ``NodeUnavailableError`` family, and is raised again on the caller's side; any
+other becomes a ``RuntimeError`` naming it. Only plain values and the classes the data
+ops carry (``ObjectBatch``, ``PoolQuery``, ``PoolTransferResult``) can be decoded, and
+every request is checked against its op's argument types (``Signature``) first.
+
+Trust. The socket file is mode 0600 in ``/dev/shm`` and the server accepts only peers
+of its own uid (``SO_PEERCRED``): processes that could map the pools anyway. Even so,
+nothing a peer sends can hurt other connections: a header over ``MAX_FRAME`` closes
+the connection before anything is allocated for it; bytes are buffered only as they
+arrive; a malformed message (not msgpack, wrong shape, unknown op, a second request
+before the reply to the first) closes that connection only, with one throttled log
+line. A reply the peer does not read for ``SEND_TIMEOUT_S`` closes its connection.
 
 Serving, two kinds of connection. A connection starts with its own thread, which reads
 each request and runs the handler itself: no thread switch lies between a request and
@@ -23,93 +36,181 @@ query, and no thread per caller waits (measured here: twice the hit queries/s of
 thread per connection, while a selector in front of data ops doubled their round
 trip). An async op is given a ``reply(value, error)`` callable that it calls later,
 once, from any thread (a group query joins a batch; the thread that completes the batch
-sends its replies). ``ChannelClient`` keeps one connection of each kind per thread. A
-client sends one request at a time per connection, so replies never interleave.
+sends its replies); a data op sent on such a connection runs on one of
+``POOL_THREADS`` pool threads. A request whose deadline has passed when it would start
+(the actor was stopped or overloaded) is not run: it is answered with
+``DeadlineExceededError``, which its caller has stopped waiting for.
+
+Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
+new one over it is closed at once. Threads: one accept thread, one I/O thread, one per
+data connection, ``POOL_THREADS``. Every connection's socket is closed and its thread
+ends when its peer goes or misbehaves. The accept thread survives every error (out of
+file descriptors, buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to
+``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
+
+Client. ``ChannelClient`` checks a connection out of a small free list for each call
+and back in after it (one list per kind: data ops, async ops), so calls from
+concurrent threads run on separate connections, the caller's thread does all the I/O
+(no thread switch), and the connections open are at most the calls in flight plus
+``MAX_IDLE`` idle ones per kind, whatever threads come and go. Each call has a deadline
+(``timeout_s``); when it passes, that connection is closed (a late reply can never be
+read by a later call) and the call raises ``DeadlineExceededError``. One request at a
+time per connection, so replies never interleave.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
-import pickle
 import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from raykv.cache_actors.channel_codec import (
+    MAX_FRAME,
+    ChannelVersionError,
+    FrameReader,
+    Signature,
+    WireError,
+    check_hello,
+    decode,
+    error_name,
+    error_reply,
+    hello,
+    parse_reply,
+    parse_request,
+    reply,
+    request,
+)
 from raykv.cache_actors.errors import DeadlineExceededError
+
+__all__ = ["MAX_FRAME", "ChannelClient", "ChannelClosedError", "ChannelServer",
+           "ChannelVersionError"]
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("!I")
+MAX_CONNECTIONS = 1024
+"""Connections a server holds at most; one more is closed as soon as it is accepted."""
+POOL_THREADS = 4
+"""Threads that run data ops sent on async connections."""
+SEND_TIMEOUT_S = 2.0
+"""A reply that cannot be written for this long (the peer does not read) ends its
+connection. An honest peer is reading: it waits for that one reply."""
+ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.1, 1.0
+MAX_IDLE = 16
+"""Idle connections a client keeps per kind."""
+DEFAULT_TIMEOUT_S = 5.0
+_WARN_EVERY_S = 10.0
 
 
 class ChannelClosedError(ConnectionError):
     """The actor's end of the channel is gone (actor dead or restarting)."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ChannelClosedError("the node actor closed the channel")
-        got += k
-    return bytes(buf)
+class _Throttled:
+    """Warnings logged at most once per ``_WARN_EVERY_S`` per kind (with a count of the
+    ones held back), so a flood of bad peers costs a line, and one kind of trouble
+    never hides another. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (logged at, held since)
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            last, held = self._last.get(kind, (-_WARN_EVERY_S, 0))
+            if now - last < _WARN_EVERY_S:
+                self._last[kind] = (last, held + 1)
+                return
+            self._last[kind] = (now, 0)
+        suffix = f" ({held} more like this not logged)" if held else ""
+        log.warning(message + suffix, *args)
 
 
-def _send(sock: socket.socket, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
-def _recv(sock: socket.socket):
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return pickle.loads(_recv_exact(sock, n))
+def _recv_frame(sock: socket.socket, reader: FrameReader) -> bytes:
+    """The next frame's body from a blocking ``sock``; ``ChannelClosedError`` at EOF,
+    ``WireError`` for a header over ``MAX_FRAME``."""
+    while (body := reader.next()) is None:
+        data = sock.recv(reader.want())
+        if not data:
+            raise ChannelClosedError("the peer closed the channel")
+        reader.feed(data)
+    return body
 
 
 class _Conn:
-    """One accepted connection: bytes read but not yet parsed (I/O thread only) and the
+    """One accepted connection: its bytes not yet parsed (read by one thread at a
+    time: its own, then the I/O thread), whether a request awaits its reply, and the
     lock that keeps replies from different threads whole."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buf = bytearray()
+        self.reader = FrameReader()
         self.send_lock = threading.Lock()
+        self.busy = False
+        self.dead = False
 
-    def messages(self) -> list:
-        """Every complete request in the buffer, removed from it."""
-        out = []
-        while len(self.buf) >= _LEN.size:
-            (n,) = _LEN.unpack_from(self.buf)
-            if len(self.buf) < _LEN.size + n:
-                break
-            out.append(pickle.loads(self.buf[_LEN.size:_LEN.size + n]))
-            del self.buf[:_LEN.size + n]
-        return out
+    def send(self, data: bytes) -> None:
+        """Write one reply; on failure (peer gone or not reading) shut the connection,
+        which its reader then drops."""
+        with self.send_lock:
+            if self.dead:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        """Wake whatever thread reads or writes it; its reader drops it."""
+        self.dead = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.shutdown()
+        with self.send_lock:
+            self.sock.close()
 
 
 class ChannelServer:
     """Serves requests on a Unix socket at ``path`` until ``close`` (see the module
     docstring): ``handlers[op](*args)`` in the connection's thread, and
     ``async_handlers[op](reply, *args)``, which must not block and calls
-    ``reply(value, None)`` or ``reply(None, error)`` exactly once, now or later. A
-    handler's exception of a ``passthrough`` type goes back to the caller as itself;
-    any other is logged and reported as a ``RuntimeError``; the server keeps serving in
-    every case."""
+    ``reply(value, None)`` or ``reply(None, error)`` exactly once, now or later.
+    ``arg_types[op]`` gives every op's argument types; a request that does not match
+    them never reaches a handler. A handler's exception of a ``passthrough`` type goes
+    back to the caller as itself; any other is logged and reported as a
+    ``RuntimeError``; the server keeps serving in every case."""
 
-    def __init__(self, path: str, handlers: dict[str, Callable],
+    def __init__(self, path: str, handlers: Mapping[str, Callable], *,
+                 arg_types: Mapping[str, Signature],
                  passthrough: tuple[type[BaseException], ...] = (ValueError,),
-                 async_handlers: dict[str, Callable[..., None]] | None = None) -> None:
+                 async_handlers: Mapping[str, Callable[..., None]] | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.path = path
-        self._handlers = handlers
-        self._async = async_handlers or {}
-        self._passthrough = passthrough
+        self._handlers = dict(handlers)
+        self._async = dict(async_handlers or {})
+        missing = {*self._handlers, *self._async} - set(arg_types)
+        if missing:
+            raise ValueError(f"no argument types for channel ops {sorted(missing)}")
+        self._signatures = {op: arg_types[op] for op in {*self._handlers, *self._async}}
+        self._passthrough = (*passthrough, DeadlineExceededError)
+        self._max_connections = max_connections
+        self._uid = os.getuid()
+        self._warn = _Throttled()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a previous incarnation of the actor
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,11 +219,13 @@ class ChannelServer:
             self._sock.bind(path)
         finally:
             os.umask(old)
-        self._sock.listen(64)
-        self._closed = False
-        self._conns: set[socket.socket] = set()
+        self._sock.listen(socket.SOMAXCONN)
+        self._stop = threading.Event()
+        self._conns: set[_Conn] = set()
+        self._conns_lock = threading.Lock()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._adopted: list[_Conn] = []  # handed over, not yet registered by the loop
         self._adopt_lock = threading.Lock()
@@ -130,172 +233,369 @@ class ChannelServer:
         threading.Thread(target=self._accept, name="raykv-channel", daemon=True).start()
         threading.Thread(target=self._loop, name="raykv-channel-io", daemon=True).start()
 
+    # ------------------------------------------------------------- accepting
     def _accept(self) -> None:
-        while not self._closed:
+        """The accept thread: admit connections until ``close``, whatever fails."""
+        pause = 0.0
+        while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self._conns.add(conn)
+                sock, _ = self._sock.accept()
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                pause = min(ACCEPT_PAUSE_MAX_S, pause * 2 or ACCEPT_PAUSE_S)
+                resource = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                       errno.ENOMEM)
+                self._warn.warn("accept", "channel %s: accept failed (%s%s); retrying in "
+                                "%.1f s", self.path, e, ", out of resources" if resource else "",
+                                pause)
+                self._stop.wait(pause)
+                continue
+            pause = 0.0
+            try:
+                self._admit(sock)
+            except Exception as e:  # one connection's failure, never the accept thread's
+                self._warn.warn("admit", "channel %s: could not take a connection: %s",
+                                self.path, e)
+                sock.close()
+
+    def _admit(self, sock: socket.socket) -> None:
+        uid = _peer_uid(sock)
+        if uid != self._uid:
+            self._warn.warn("uid", "channel %s: refused a peer of uid %d (serving uid %d only)",
+                            self.path, uid, self._uid)
+            sock.close()
+            return
+        conn = _Conn(sock)
+        with self._conns_lock:
+            full = len(self._conns) >= self._max_connections
+            if not full:
+                self._conns.add(conn)
+        if full:
+            self._warn.warn("full", "channel %s: %d connections open, refused one more",
+                            self.path, self._max_connections)
+            sock.close()
+            return
+        seconds = int(SEND_TIMEOUT_S)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
+        try:
             threading.Thread(target=self._serve, args=(conn,), name="raykv-channel-conn",
                              daemon=True).start()
+        except BaseException:
+            self._drop(conn)
+            raise
 
-    def _serve(self, sock: socket.socket) -> None:
-        """A connection's own thread, until it closes or its first request is async."""
-        conn = _Conn(sock)
-        first = True
-        while True:
-            try:
-                op, args = _recv(sock)
-            except (ChannelClosedError, OSError):
-                break
-            self._dispatch(conn, op, args)
-            if first and op in self._async:  # from now on the I/O thread reads it
-                with self._adopt_lock:
-                    self._adopted.append(conn)
-                with contextlib.suppress(OSError):
-                    self._wake_w.send(b"a")
-                return
-            first = False
-        self._drop(conn)
-
-    def _loop(self) -> None:
-        """The I/O thread: read every adopted connection, start async ops here."""
+    # ------------------------------------------------------ connection threads
+    def _serve(self, conn: _Conn) -> None:
+        """A connection's own thread: the hello, then requests until the connection
+        closes or its first request is async (then the I/O thread reads it)."""
+        adopted = False
         try:
-            while not self._closed:
-                for key, _ in self._selector.select():
-                    if key.fileobj is self._wake_r:
-                        self._wake_r.recv(4096)
-                        with self._adopt_lock:
-                            adopted, self._adopted = self._adopted, []
-                        for conn in adopted:
-                            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-                    else:
-                        self._read(key.data)
-        except (OSError, ValueError):  # closed under us
-            if not self._closed:
-                log.exception("channel I/O thread stopped")
+            check_hello(decode(_recv_frame(conn.sock, conn.reader)), "rank")
+            conn.send(hello())
+            first = True
+            while not conn.dead:
+                op, deadline, args = parse_request(_recv_frame(conn.sock, conn.reader),
+                                                   self._signatures)
+                conn.busy = True
+                self._dispatch(conn, op, deadline, args)
+                if first and op in self._async:
+                    self._adopt(conn)
+                    adopted = True
+                    return
+                first = False
+        except ChannelVersionError as e:
+            conn.send(hello())  # the rank then names both versions too
+            self._warn.warn("version", "channel %s: %s", self.path, e)
+        except (ChannelClosedError, OSError):
+            pass  # the peer went
+        except WireError as e:
+            self._warn.warn("bad", "channel %s: dropped a connection: %s", self.path, e)
+        except Exception:
+            log.exception("channel %s: connection failed", self.path)
+        finally:
+            if not adopted:
+                self._drop(conn)
+
+    def _adopt(self, conn: _Conn) -> None:
+        with self._adopt_lock:
+            self._adopted.append(conn)
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            self._wake_w.send(b"a")
+
+    def _drop(self, conn: _Conn) -> None:
+        with self._conns_lock:
+            self._conns.discard(conn)
+        conn.close()
+
+    # ------------------------------------------------------------ I/O thread
+    def _loop(self) -> None:
+        """The I/O thread: read every adopted connection, start async ops here. A
+        connection's failure drops that connection only."""
+        while not self._stop.is_set():
+            try:
+                events = self._selector.select()
+            except OSError as e:  # not expected; never spin on it
+                log.error("channel %s: select failed: %s", self.path, e)
+                self._stop.wait(ACCEPT_PAUSE_S)
+                continue
+            for key, _ in events:
+                if key.fileobj is self._wake_r:
+                    self._register_adopted()
+                    continue
+                conn = key.data
+                try:
+                    self._read(conn)
+                except WireError as e:
+                    self._warn.warn("bad", "channel %s: dropped a connection: %s", self.path, e)
+                    self._unregister(conn)
+                except Exception:
+                    log.exception("channel %s: connection failed", self.path)
+                    self._unregister(conn)
+        for key in list(self._selector.get_map().values()):
+            if key.data is not None:
+                self._drop(key.data)
+        with self._adopt_lock:
+            for conn in self._adopted:
+                self._drop(conn)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _register_adopted(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_r.recv(4096)
+        with self._adopt_lock:
+            adopted, self._adopted = self._adopted, []
+        for conn in adopted:
+            try:
+                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+                self._process(conn)  # requests already buffered
+            except (OSError, ValueError, KeyError, WireError) as e:
+                self._warn.warn("bad", "channel %s: dropped a connection: %s", self.path, e)
+                self._unregister(conn)
+
+    def _unregister(self, conn: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        self._drop(conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 16)
+            data = conn.sock.recv(conn.reader.want())
         except OSError:
             data = b""
-        if not data:  # the rank closed its end (or died)
-            self._selector.unregister(conn.sock)
-            self._drop(conn)
+        if not data:  # the rank closed its end (or died), or we shut it
+            self._unregister(conn)
             return
-        conn.buf += data
-        for op, args in conn.messages():
+        conn.reader.feed(data)
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        """Start every whole request buffered on ``conn``; ``WireError`` if one is
+        malformed or comes before the reply to the previous one."""
+        while (body := conn.reader.next()) is not None:
+            if conn.busy:
+                raise WireError("a request sent before the reply to the previous one")
+            op, deadline, args = parse_request(body, self._signatures)
+            conn.busy = True
             if op in self._async:
-                self._dispatch(conn, op, args)
-            else:  # a data op on this connection: never block the I/O thread
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(4, thread_name_prefix="raykv-channel-op")
-                self._pool.submit(self._dispatch, conn, op, args)
+                self._dispatch(conn, op, deadline, args)
+                continue
+            if self._pool is None:  # a data op here: never block the I/O thread
+                self._pool = ThreadPoolExecutor(POOL_THREADS,
+                                                thread_name_prefix="raykv-channel-op")
+            self._pool.submit(self._dispatch, conn, op, deadline, args)
 
-    def _drop(self, conn: _Conn) -> None:
-        self._conns.discard(conn.sock)
-        conn.sock.close()
-
-    def _dispatch(self, conn: _Conn, op: str, args: tuple) -> None:
+    # -------------------------------------------------------------- requests
+    def _dispatch(self, conn: _Conn, op: str, deadline: float, args: tuple) -> None:
         done = threading.Lock()  # a reply is sent once
 
-        def reply(value: object, error: BaseException | None = None) -> None:
+        def respond(value: object, error: BaseException | None = None) -> None:
             if not done.acquire(blocking=False):
                 return
-            message = (True, value) if error is None else (False, self._error(op, error))
-            with conn.send_lock, contextlib.suppress(OSError):  # a dead rank: nobody to tell
-                _send(conn.sock, message)
+            conn.busy = False  # before the send: the next request follows the reply
+            conn.send(self._encode(op, value, error))
 
+        if time.monotonic() > deadline:
+            respond(None, DeadlineExceededError(
+                f"{op} reached the node actor after its deadline; it was not run"))
+            return
         start = self._async.get(op)
         try:
             if start is not None:
-                start(reply, *args)
+                start(respond, *args)
             else:
-                reply(self._handlers[op](*args))
+                respond(self._handlers[op](*args))
         except Exception as e:  # reported to the caller; the server keeps going
-            reply(None, e)
+            respond(None, e)
 
-    def _error(self, op: str, error: BaseException) -> BaseException:
-        if isinstance(error, self._passthrough):
-            return error
+    def _encode(self, op: str, value: object, error: BaseException | None) -> bytes:
+        if error is None:
+            try:
+                return reply(value)
+            except (TypeError, ValueError, OverflowError) as e:
+                error = e
+        name = error_name(error) if isinstance(error, self._passthrough) else None
+        if name is not None:
+            return error_reply(name, str(error))
         log.error("channel op %s failed", op, exc_info=error)
-        return RuntimeError(f"{op} failed in the node actor: {type(error).__name__}: {error}")
+        return error_reply("RuntimeError", f"{op} failed in the node actor: "
+                                           f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
         """Stop serving, drop every connection and remove the socket file."""
-        self._closed = True
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        self._sock.close()
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        for s in (self._sock, *list(self._conns)):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.shutdown()  # each one's reader drops it
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
 
+_TIMEVAL = struct.Struct("ll")
+_SMALL = 1 << 16
+"""A request this small is never waited on by ``send``: the peer read every byte sent
+before it (it answered them), so the socket's buffer is empty."""
+
+
+class _Link:
+    """A client's connection: its socket and the bytes of a reply not yet whole. The
+    socket blocks, its deadline set by ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` (one
+    ``setsockopt`` per call; a Python socket timeout costs two ``ioctl``s and a
+    ``poll`` per send and per receive)."""
+
+    def __init__(self, path: str, deadline: float) -> None:
+        """Connect to ``path`` and exchange hellos by ``deadline``; raises as
+        ``exchange``, and ``ChannelVersionError``."""
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.reader = FrameReader()
+        try:
+            self._limit(socket.SO_SNDTIMEO, deadline)  # connect waits on a full backlog
+            try:
+                self.sock.connect(path)
+            except BlockingIOError as e:
+                raise TimeoutError("the node actor's backlog stayed full") from e
+            check_hello(decode(self.exchange(hello(), deadline)), "node actor")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _limit(self, option: int, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        seconds = int(left)
+        micros = max(1 - seconds, int((left - seconds) * 1e6))  # (0, 0): no limit at all
+        self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
+
+    def exchange(self, data: bytes, deadline: float) -> bytes:
+        """Send ``data``, return the next frame's body. ``TimeoutError`` when
+        ``deadline`` (monotonic seconds) passes, ``ChannelClosedError`` at EOF, other
+        ``OSError``s and ``WireError`` as they come."""
+        sock, reader = self.sock, self.reader
+        try:
+            if len(data) > _SMALL:
+                self._limit(socket.SO_SNDTIMEO, deadline)
+            sock.sendall(data)
+            while (body := reader.next()) is None:
+                self._limit(socket.SO_RCVTIMEO, deadline)
+                chunk = sock.recv(reader.want())
+                if not chunk:
+                    raise ChannelClosedError("the node actor closed the channel")
+                reader.feed(chunk)
+        except BlockingIOError as e:  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+            raise TimeoutError("deadline passed") from e
+        return body
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class ChannelClient:
-    """The rank's end: ``call(op, *args)`` blocks for the reply. Thread-safe: each
-    calling thread gets its own connections, so concurrent callers do not queue behind
-    one another; ops in ``async_ops`` go on a second connection of their own (see the
-    module docstring). Raises ``ChannelClosedError`` when the actor is unreachable."""
+    """The rank's end: ``call(op, *args)`` blocks for the reply, ``timeout_s`` at most
+    (then ``DeadlineExceededError``, retryable). Thread-safe: concurrent calls use
+    separate connections from a free list; ops in ``async_ops`` use connections of
+    their own (see the module docstring). Raises ``ChannelClosedError`` when the actor
+    is unreachable, ``ChannelVersionError`` when it runs another wire."""
 
     def __init__(self, path: str, async_ops: frozenset[str] = frozenset(),
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_idle: int = MAX_IDLE) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.path = path
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._async_ops = async_ops
-        self._local = threading.local()
-        self._all: list[socket.socket] = []
+        self._max_idle = max_idle
+        self._idle: dict[bool, list[_Link]] = {False: [], True: []}
         self._lock = threading.Lock()
-        self._conn(False)  # fail now, not at the first data call, if nobody listens
-
-    def _conn(self, kind: bool) -> socket.socket:
-        socks = getattr(self._local, "socks", None)
-        if socks is None:
-            socks = self._local.socks = {}
-        sock = socks.get(kind)
-        if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self._timeout_s)
-            try:
-                sock.connect(self.path)
-            except OSError as e:
-                sock.close()
-                raise ChannelClosedError(f"cannot reach the node actor at {self.path}: "
-                                         f"{e}") from e
-            socks[kind] = sock
-            with self._lock:
-                self._all.append(sock)
-        return sock
+        self._generation = 0  # close() starts a new one; links of older ones are closed
+        # fail now, not at the first data call, if nobody (or another wire) listens
+        self._release(False, self._open(time.monotonic() + timeout_s), 0)
 
     def call(self, op: str, *args):
+        """``op``'s reply value, or the error the node actor raised. ``TypeError`` for
+        an argument the channel cannot carry (nothing is sent)."""
+        deadline = time.monotonic() + self.timeout_s
+        data = request(op, deadline, args)
         kind = op in self._async_ops
-        sock = self._conn(kind)
+        with self._lock:
+            generation = self._generation
+            idle = self._idle[kind]
+            link = idle.pop() if idle else None
+        if link is None:
+            link = self._open(deadline)
         try:
-            _send(sock, (op, args))
-            ok, value = _recv(sock)
-        except TimeoutError as e:
-            del self._local.socks[kind]
-            sock.close()
-            raise DeadlineExceededError(f"the node actor did not answer {op} within "
-                                        f"{self._timeout_s:g} s") from e
-        except OSError as e:
-            del self._local.socks[kind]
-            sock.close()
+            body = link.exchange(data, deadline)
+            ok, value = parse_reply(body)
+        except TimeoutError:
+            link.close()  # a late reply must never reach a later call
+            raise DeadlineExceededError(
+                f"the node actor did not answer {op} within {self.timeout_s} s "
+                f"(channel {self.path}): retry the call") from None
+        except (OSError, WireError) as e:
+            link.close()
             raise ChannelClosedError(f"channel to the node actor broke during {op}: "
                                      f"{e}") from e
+        self._release(kind, link, generation)
         if ok:
             return value
         raise value
 
+    def _open(self, deadline: float) -> _Link:
+        try:
+            return _Link(self.path, deadline)
+        except TimeoutError:
+            raise DeadlineExceededError(f"the node actor at {self.path} did not accept a "
+                                        f"connection within {self.timeout_s} s") from None
+        except (OSError, WireError) as e:
+            raise ChannelClosedError(f"cannot reach the node actor at {self.path}: "
+                                     f"{e}") from e
+
+    def _release(self, kind: bool, link: _Link, generation: int) -> None:
+        if not link.reader.pending:  # else bytes nobody asked for: do not reuse
+            with self._lock:
+                idle = self._idle[kind]
+                if generation == self._generation and len(idle) < self._max_idle:
+                    idle.append(link)
+                    return
+        link.close()
+
     def close(self) -> None:
+        """Close the idle connections, and those in use once their call ends; later
+        calls open new ones."""
         with self._lock:
-            for s in self._all:
-                s.close()
-            self._all.clear()
-        self._local = threading.local()
+            self._generation += 1
+            links = self._idle[False] + self._idle[True]
+            self._idle = {False: [], True: []}
+        for link in links:
+            link.close()

@@ -68,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
 from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
@@ -138,7 +138,7 @@ class NodeService:
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
-            passthrough=(ValueError, NodeUnavailableError),
+            arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: self.group_submit})
 
     # ----------------------------------------------------------------- pools

@@ -1,12 +1,46 @@
-"""The same-node channel on its own: replies, errors by kind, concurrent callers, the
-socket's mode, and a clear retryable error once the server is gone."""
+"""The same-node channel on its own, over real Unix sockets: replies, errors by kind,
+concurrent callers, the socket's mode, a clear retryable error once the server is gone;
+and what a hostile or broken peer cannot do: allocate by announcing a huge frame, stop
+other connections with a bad message, leak fds or threads, end accepting by exhausting
+fds; deadlines on the client and stale requests left unrun on the server."""
 
+import contextlib
+import logging
 import os
+import resource
+import signal
+import socket
 import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
+import time
 
+import msgpack
 import pytest
-from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError, ChannelServer
+from raykv.cache_actors import channel_codec as codec
+from raykv.cache_actors.channel_codec import MAX_FRAME, ChannelVersionError, Signature, WireError
+from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
+from raykv.cache_actors.errors import (
+    DeadlineExceededError,
+    NodeUnavailableError,
+    StalePoolsError,
+)
+from raykv.cache_actors.local_channel import (
+    MAX_IDLE,
+    ChannelClient,
+    ChannelClosedError,
+    ChannelServer,
+)
+from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
+from raykv.controllers.deployments import PoolQuery
+from raykv.controllers.object_batch import ObjectBatch
+
+ANSWER_S = 10.0  # "answers at all": a generous bound, only there to turn a hang into a failure
+GONE_S = 30.0    # fds and threads of closed connections are released within this
 
 
 def bad(_):
@@ -26,40 +60,113 @@ def refuse(reply, value):
     raise ValueError(f"refused {value}")
 
 
+ARGS = {"echo": Signature((int, list[str], dict[str, int])), "bad": Signature((int,)),
+        "broken": Signature(()), "together": Signature(()), "later": Signature((int,)),
+        "refuse": Signature((int,))}
+
+
 @pytest.fixture
 def server(tmp_path):
     together = threading.Barrier(4, timeout=5)
     srv = ChannelServer(str(tmp_path / "node.sock"), {
-        "echo": lambda *a: a, "bad": bad, "broken": broken,
+        "echo": lambda *a: list(a), "bad": bad, "broken": broken,
         "together": lambda: together.wait() is not None},
-        async_handlers={"later": later, "refuse": refuse})
+        arg_types=ARGS, async_handlers={"later": later, "refuse": refuse})
     yield srv
     srv.close()
 
 
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def settle(what, limit_s: float = GONE_S) -> bool:
+    """Poll ``what()`` until it is true; its last value."""
+    end = time.monotonic() + limit_s
+    while not (ok := what()) and time.monotonic() < end:
+        time.sleep(0.05)
+    return ok
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (EOF or reset), waiting ``ANSWER_S`` at most;
+    any bytes it sent first are skipped."""
+    sock.settimeout(ANSWER_S)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+class RawPeer:
+    """A rank speaking the wire by hand, to send what an honest client never would."""
+
+    def __init__(self, path: str, greet: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(ANSWER_S)
+        self.reader = codec.FrameReader()
+        if greet:
+            self.sock.sendall(codec.hello())
+            codec.check_hello(codec.decode(self.frame()), "node actor")
+
+    def frame(self) -> bytes:
+        while (body := self.reader.next()) is None:
+            data = self.sock.recv(1 << 16)
+            assert data, "the server closed the connection"
+            self.reader.feed(data)
+        return body
+
+    def call(self, op: str, *args, deadline: float | None = None):
+        if deadline is None:
+            deadline = time.monotonic() + ANSWER_S
+        self.sock.sendall(codec.request(op, deadline, args))
+        return codec.parse_reply(self.frame())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ------------------------------------------------------------------ behaviour
 def test_replies_and_errors(server):
     client = ChannelClient(server.path)
-    assert client.call("echo", 1, ["k"], {"x": 2}) == (1, ["k"], {"x": 2})
+    assert client.call("echo", 1, ["k"], {"x": 2}) == [1, ["k"], {"x": 2}]
     with pytest.raises(ValueError, match="bad offset 7"):
         client.call("bad", 0)
     with pytest.raises(RuntimeError, match="broken failed in the node actor: KeyError"):
         client.call("broken")
-    assert client.call("echo", "still serving") == ("still serving",)
+    assert client.call("echo", 2, [], {}) == [2, [], {}]
     assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
     client.close()
 
 
-def test_each_thread_has_its_own_connection(server):
+def test_concurrent_callers_are_served_concurrently(server):
     """Four calls that return only once all four are in the server at the same time:
-    each calling thread has its own connection, served concurrently."""
+    concurrent calls run on separate connections, served in parallel."""
     client = ChannelClient(server.path)
     out: list[bool] = []
-    threads = [threading.Thread(target=lambda: out.append(client.call("together")))
+    callers = [threading.Thread(target=lambda: out.append(client.call("together")))
                for _ in range(4)]
-    for t in threads:
+    for t in callers:
         t.start()
-    for t in threads:
-        t.join(5)
+    for t in callers:
+        t.join(ANSWER_S)
     assert out == [True] * 4
     client.close()
 
@@ -67,19 +174,19 @@ def test_each_thread_has_its_own_connection(server):
 @pytest.mark.parametrize("async_ops", [frozenset({"later", "refuse"}), frozenset()])
 def test_async_ops_reply_later_and_many_callers_are_all_answered(server, async_ops):
     """Async ops on connections of their own (served by the I/O thread) or mixed with
-    data ops on one connection per thread: every caller gets its own answer."""
+    data ops on one connection: every caller gets its own answer."""
     client = ChannelClient(server.path, async_ops=async_ops)
     with pytest.raises(ValueError, match="refused 3"):
         client.call("refuse", 3)
     out: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i: out.update({i: client.call("later", i)}))
+    callers = [threading.Thread(target=lambda i=i: out.update({i: client.call("later", i)}))
                for i in range(32)]
-    for t in threads:
+    for t in callers:
         t.start()
-    for t in threads:
-        t.join(5)
+    for t in callers:
+        t.join(ANSWER_S)
     assert out == {i: i for i in range(32)}
-    assert client.call("echo", "after") == ("after",)
+    assert client.call("echo", 3, ["after"], {}) == [3, ["after"], {}]
     client.close()
 
 
@@ -88,7 +195,7 @@ def test_a_data_op_on_an_async_connection_is_still_served(server):
     sent on it later runs on a worker, never blocking that thread."""
     client = ChannelClient(server.path)
     assert client.call("later", 1) == 1        # this connection goes to the I/O thread
-    assert client.call("echo", 2) == (2,)      # a data op on it
+    assert client.call("echo", 2, [], {}) == [2, [], {}]  # a data op on it
     with pytest.raises(RuntimeError, match="broken failed in the node actor"):
         client.call("broken")
     assert client.call("later", 3) == 3
@@ -97,9 +204,359 @@ def test_a_data_op_on_an_async_connection_is_still_served(server):
 
 def test_a_closed_server_is_a_clear_connection_error(server):
     client = ChannelClient(server.path)
-    assert client.call("echo", 1) == (1,)
+    assert client.call("echo", 1, [], {}) == [1, [], {}]
     server.close()
     with pytest.raises(ChannelClosedError):
-        client.call("echo", 2)
+        client.call("echo", 2, [], {})
     with pytest.raises(ChannelClosedError, match="cannot reach the node actor"):
         ChannelClient(server.path)
+
+
+def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_path):
+    """The node actor's own signatures: an ObjectBatch, PoolQuerys, a PoolTransferResult,
+    lists of ints, and the passthrough errors (a subclass travels as itself)."""
+    seen = []
+
+    def put(batch):
+        seen.append(batch)
+        return [0] * len(batch)
+
+    def get(batch):
+        raise StalePoolsError("re-map")
+
+    def group(reply, dep, version, rank, keys, queries):
+        seen.append((dep, version, rank, keys, queries))
+        reply(PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2]), None)
+
+    srv = ChannelServer(str(tmp_path / "n.sock"),
+                        {DataOp.PUT: put, DataOp.GET: get, DataOp.EXISTS: lambda k: [1] * len(k)},
+                        arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
+                        async_handlers={DataOp.GROUP_EXISTS: group})
+    client = ChannelClient(srv.path, async_ops=frozenset({DataOp.GROUP_EXISTS}))
+    batch = ObjectBatch(["a", "b"], [PoolName.KV, PoolName.KV], [0, 4096], [4096, 4096], 7)
+    assert client.call(DataOp.PUT, batch) == [0, 0]
+    assert seen[0] == batch and isinstance(seen[0], ObjectBatch)
+    with pytest.raises(StalePoolsError, match="re-map"):
+        client.call(DataOp.GET, batch)
+    assert client.call(DataOp.EXISTS, ["a", "b", "c"]) == [1, 1, 1]
+    query = PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 2)
+    got = client.call(DataOp.GROUP_EXISTS, "dep", 3, (0, 1), ["a"], [query])
+    assert got == PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2])
+    assert type(next(iter(got.extra_pool_hit_pages))) is PoolName
+    assert seen[1] == ("dep", 3, (0, 1), ["a"], [query])
+    client.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("args", [
+    [[["k"]]], [], [[["k"], [], [], [], 0]], [[b"k"]], [["k", 1]], [["k"], ["k"]],
+], ids=["nested", "arity", "batch", "bytes", "mixed", "too-many"])
+def test_requests_are_checked_against_their_signature(args):
+    """Pure codec: a request whose arguments do not match its op's signature
+    (``exists(list[str])``) never decodes into a call."""
+    with pytest.raises(WireError):
+        codec.parse_request(msgpack.packb(["exists", 1.0, args]), DATA_OP_ARGS)
+    good = codec.request("exists", 1.0, [["k"]])[codec.HEADER:]
+    assert codec.parse_request(good, DATA_OP_ARGS) == ("exists", 1.0, [["k"]])
+
+
+# ---------------------------------------------------------------- hostile peers
+@pytest.mark.parametrize("claim", [0xFFFFFFFF, MAX_FRAME + 1], ids=["4GiB", "limit+1"])
+def test_a_huge_frame_header_allocates_nothing_and_drops_its_connection(server, claim):
+    """Eight connections each announce a frame of ``claim`` bytes: the server drops
+    each at once, having allocated nothing for it (RSS of this process, which is the
+    server's, grows < 100 MB), and still serves others."""
+    client = ChannelClient(server.path)
+    before = rss_bytes()
+    peers = []
+    for _ in range(8):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(server.path)
+        s.sendall(struct.pack("!I", claim) + b"\x00" * 64)
+        peers.append(s)
+    dropped = [closed_by_peer(s) for s in peers]
+    grown = rss_bytes() - before
+    for s in peers:
+        s.close()
+    assert dropped == [True] * 8
+    assert grown < 100 << 20, f"RSS grew {grown >> 20} MiB"
+    assert client.call("echo", 1, [], {}) == [1, [], {}]
+    client.close()
+
+
+UNKNOWN_CLASS_PICKLE = b"craykv.no_such_module\nThing\n)\x81."  # protocol 0: Thing()
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1garbage that is no msgpack \x00\xff",
+    msgpack.packb(["later"]),                       # a 1-tuple
+    msgpack.packb(["no_such_op", 1e12, [1]]),       # an unknown op
+    UNKNOWN_CLASS_PICKLE,                           # a class missing here (pickle)
+    msgpack.packb(["later", 1e12, ["one", "two"]]),  # wrong arity and type
+    msgpack.packb([["later"], 1e12, [1]]),          # an unhashable op
+], ids=["garbage", "1-tuple", "unknown-op", "unknown-class", "wrong-shape", "unhashable-op"])
+def test_a_bad_message_on_an_async_connection_closes_only_that_one(server, payload):
+    """Another client's async connection is open and answered before; after one peer's
+    bad message on its own async connection (read by the same I/O thread), that peer
+    is dropped and the other client's async calls still answer."""
+    other = ChannelClient(server.path, async_ops=frozenset({"later"}), timeout_s=ANSWER_S)
+    assert other.call("later", 1) == 1
+    peer = RawPeer(server.path)
+    assert peer.call("later", 2) == (True, 2)  # its connection is now the I/O thread's
+    peer.sock.sendall(codec.frame(payload))
+    assert closed_by_peer(peer.sock)
+    peer.close()
+    assert [other.call("later", i) for i in range(3, 6)] == [3, 4, 5]
+    assert other.call("echo", 1, [], {}) == [1, [], {}]
+    other.close()
+
+
+def test_a_second_request_before_the_reply_drops_the_connection(server):
+    """One request at a time per connection: a peer that sends more before reading is
+    dropped, so a peer that does not read cannot queue work."""
+    peer = RawPeer(server.path)
+    assert peer.call("later", 1) == (True, 1)
+    deadline = time.monotonic() + ANSWER_S
+    peer.sock.sendall(codec.request("later", deadline, [2]) + codec.request("later", deadline, [3]))
+    assert closed_by_peer(peer.sock)
+    peer.close()
+
+
+def test_floods_of_garbage_and_fd_exhaustion_leave_nothing_behind(server, caplog):
+    """500 connections that send garbage and close, then a moment with no free fd
+    (accept fails with EMFILE): the accept thread backs off and goes on; fds and
+    threads come back to where they were; a connection made meanwhile and a new client
+    are served; the garbage costs a few log lines, not 500."""
+    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.local_channel")
+    client = ChannelClient(server.path)
+    assert client.call("echo", 1, [], {}) == [1, [], {}]
+    base_fds, base_threads = fds(), threads()
+    for _ in range(5):
+        socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(100)]
+        for s in socks:
+            s.connect(server.path)
+            s.sendall(b"\x00\x00\x00\x10this is no hello")
+        for s in socks:
+            s.close()
+    assert settle(lambda: fds() <= base_fds and threads() <= base_threads), \
+        f"fds {fds()} (were {base_fds}), threads {threads()} (were {base_threads})"
+    assert len(caplog.records) < 20
+
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fds() + 32, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        waiting.connect(server.path)   # queued: accepting it needs an fd
+        waiting.sendall(codec.hello())
+        assert settle(lambda: "out of resources" in caplog.text, ANSWER_S), \
+            "accept never failed with EMFILE"
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    waiting.settimeout(ANSWER_S)
+    reader = codec.FrameReader()
+    while (body := reader.next()) is None:
+        reader.feed(waiting.recv(1 << 16))
+    codec.check_hello(codec.decode(body), "node actor")  # accepted after the back-off
+    waiting.close()
+    fresh = ChannelClient(server.path)
+    assert fresh.call("echo", 2, [], {}) == [2, [], {}]
+    fresh.close()
+    assert settle(lambda: fds() <= base_fds and threads() <= base_threads), \
+        f"fds {fds()} (were {base_fds}), threads {threads()} (were {base_threads})"
+    client.close()
+
+
+def test_short_lived_caller_threads_leave_no_connections_behind(server):
+    """100 threads that each make one call and exit, all at once: afterwards at most
+    ``MAX_IDLE`` connections stay open (each holds an fd at either end)."""
+    client = ChannelClient(server.path)
+    base_fds = fds()
+    start = threading.Barrier(100, timeout=ANSWER_S)
+    out: list[object] = []
+
+    def once(i: int) -> None:
+        start.wait()
+        out.append(client.call("echo", i, [], {}))
+
+    callers = [threading.Thread(target=once, args=(i,)) for i in range(100)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(ANSWER_S)
+    assert len(out) == 100
+    assert settle(lambda: fds() - base_fds <= 2 * MAX_IDLE), \
+        f"{fds() - base_fds} fds more than before the callers"
+    client.close()
+
+
+# ------------------------------------------------------------------ deadlines
+def test_a_call_to_a_blocked_handler_ends_at_its_deadline(tmp_path):
+    """The handler blocks: the call raises DeadlineExceededError after ~timeout_s and
+    closes its connection; the late reply is never read by the next call."""
+    release = threading.Event()
+    calls = []
+
+    def slow(i):
+        calls.append(i)
+        if i == 1:
+            release.wait(ANSWER_S)
+        return i
+
+    srv = ChannelServer(str(tmp_path / "n.sock"), {"slow": slow},
+                        arg_types={"slow": Signature((int,))})
+    client = ChannelClient(srv.path, timeout_s=0.5)
+    t = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="did not answer slow within 0.5 s"):
+        client.call("slow", 1)
+    took = time.monotonic() - t
+    assert 0.5 <= took < ANSWER_S
+    release.set()
+    assert client.call("slow", 2) == 2
+    assert client.call("slow", 3) == 3
+    client.close()
+    srv.close()
+
+
+SERVER = textwrap.dedent("""
+    import sys
+    from raykv.cache_actors.channel_codec import Signature
+    from raykv.cache_actors.local_channel import ChannelServer
+    runs = []
+    srv = ChannelServer(sys.argv[1], {"record": lambda: runs.append(1) or len(runs),
+                                      "runs": lambda: len(runs)},
+                        arg_types={"record": Signature(()), "runs": Signature(())})
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_request_past_its_deadline_is_not_run(tmp_path):
+    """The node actor is stopped (SIGSTOP) while a call waits: the call ends at its
+    deadline; once the actor runs again (SIGCONT) it reads that request but does not
+    run it."""
+    path = str(tmp_path / "n.sock")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        client = ChannelClient(path, timeout_s=0.5)
+        assert client.call("runs") == 0
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert settle(lambda: _state(proc.pid) == "T", ANSWER_S)  # stopped for sure
+        try:
+            with pytest.raises(DeadlineExceededError):
+                client.call("record")
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:  # time for the actor to read the stale request
+            assert client.call("runs") == 0
+            time.sleep(0.1)
+        assert client.call("record") == 1  # a fresh one runs
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_server_answers_a_stale_request_with_deadline_exceeded(server):
+    peer = RawPeer(server.path)
+    ok, error = peer.call("echo", 1, [], {}, deadline=time.monotonic() - 1)
+    assert not ok and isinstance(error, DeadlineExceededError)
+    assert peer.call("echo", 2, [], {}) == (True, [2, [], {}])
+    peer.close()
+
+
+# ---------------------------------------------------------------- who may talk
+def test_a_peer_of_another_version_gets_both_versions_named(server):
+    """A rank of another wire: the server answers its own hello and closes; a client
+    meeting a node actor of another wire raises ChannelVersionError naming both."""
+    peer = RawPeer(server.path, greet=False)
+    peer.sock.sendall(codec.encode([codec.MAGIC, codec.PROTOCOL + 1, "9.9.9"]))
+    assert codec.decode(peer.frame()) == [codec.MAGIC, codec.PROTOCOL, codec.RAYKV_VERSION]
+    assert closed_by_peer(peer.sock)
+    peer.close()
+
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake_path = server.path + ".fake"
+    fake.bind(fake_path)
+    fake.listen(1)
+
+    def answer() -> None:
+        conn, _ = fake.accept()
+        conn.recv(1 << 16)
+        conn.sendall(codec.encode([codec.MAGIC, codec.PROTOCOL + 1, "9.9.9"]))
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(ChannelVersionError, match=r"node actor runs raykv 9\.9\.9.*this "
+                                                  rf"process raykv {codec.RAYKV_VERSION}"):
+        ChannelClient(fake_path)
+    fake.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_a_peer_of_another_uid_is_refused(tmp_path):
+    """Even with the socket file opened up to everyone, a process of another uid is
+    closed at once (SO_PEERCRED)."""
+    folder = tempfile.mkdtemp()
+    os.chmod(folder, 0o755)
+    srv = ChannelServer(os.path.join(folder, "n.sock"), {"echo": lambda: 1},
+                        arg_types={"echo": Signature(())})
+    os.chmod(srv.path, 0o666)
+    probe = textwrap.dedent(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        s.connect({srv.path!r})
+        s.settimeout({ANSWER_S!r})
+        try:
+            s.sendall({codec.hello()!r})
+            print(repr(s.recv(100)))
+        except (ConnectionResetError, BrokenPipeError):
+            print(repr(b""))
+    """)
+    out = subprocess.run(["/usr/bin/python3", "-c", probe], user=65534, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "b''", out
+    client = ChannelClient(srv.path)  # its own uid: served
+    assert client.call("echo") == 1
+    client.close()
+    srv.close()
+    os.rmdir(folder)
+
+
+def test_connections_over_the_limit_are_closed_at_once(tmp_path):
+    srv = ChannelServer(str(tmp_path / "n.sock"), {"echo": lambda: 1},
+                        arg_types={"echo": Signature(())}, max_connections=4)
+    clients = [ChannelClient(srv.path) for _ in range(4)]
+    extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    extra.connect(srv.path)
+    assert closed_by_peer(extra)
+    extra.close()
+    clients.pop().close()
+    assert settle(lambda: _served(srv.path))
+    for c in clients:
+        assert c.call("echo") == 1
+        c.close()
+    srv.close()
+
+
+def _served(path: str) -> bool:
+    try:
+        c = ChannelClient(path, timeout_s=1.0)
+    except (ChannelClosedError, DeadlineExceededError):
+        return False
+    ok = c.call("echo") == 1
+    c.close()
+    return ok

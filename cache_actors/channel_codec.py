@@ -1,0 +1,413 @@
+"""The local channel's wire: frames, a schema-checked msgpack encoding, the handshake.
+
+Frames. Each message is a 4-byte big-endian length and that many bytes of msgpack. No
+length over ``MAX_FRAME`` is accepted: a bigger header ends the connection before
+anything is allocated for it, and a frame's bytes are buffered only as they arrive
+(``FrameReader``).
+
+``MAX_FRAME`` = 64 MiB. The largest real message is a put/get ``ObjectBatch`` of the
+largest batch (assumed 65,536 objects, keys up to ~200 characters): per object a key
+(2 + 200 bytes), a pool name (2 + up to 64), an offset (<= 9) and a size (<= 5), ~282
+bytes, so 18.5 MB for the batch (measured: 18,481,173 bytes); a group query carries one
+key per page (13.2 MB for 65,536 pages); a reply at most 9 bytes per object (0.6 MB).
+64 MiB leaves 3.6 times the largest. Decoding is bounded too: no array longer than
+``MAX_ITEMS`` (16 x 65,536), no map longer than ``MAX_MAP``, no string longer than
+``MAX_STR``, no bin type at all.
+
+Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
+tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
+``PoolQuery``, ``PoolTransferResult``) as the list of their fields, in order. In a
+request their places are known from the op's argument types (``Signature``); a reply
+value (the client has no schema) wraps the list in a msgpack extension type naming the
+class. Either way each field is checked against its annotation (a ``StrEnum`` field
+comes back as that enum). Nothing else can be decoded: there is no pickle, no class
+lookup by name. Errors travel as ``[name, message]`` and come back as the class of that
+name in ``_ERRORS`` (the passthrough exceptions), any other name as ``RuntimeError``.
+
+Messages. A connection begins with a hello each way, ``[MAGIC, PROTOCOL, raykv version]``
+(client first): peers whose ``PROTOCOL`` differ refuse each other with an error naming
+both raykv versions. A request is ``[op, deadline, args]``: ``deadline`` in
+``time.monotonic()`` seconds (``CLOCK_MONOTONIC``, one clock for every process of a
+node); a reply is ``[True, value]`` or ``[False, [error name, message]]``. Requests are
+checked against the op's argument types (``Signature``) before any handler sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from types import NoneType
+
+import msgpack
+from raykv.cache_actors.errors import (
+    DeadlineExceededError,
+    NodeUnavailableError,
+    StalePoolsError,
+    StoreUnavailableError,
+)
+from raykv.controllers.contract import PoolTransferResult
+from raykv.controllers.deployments import PoolQuery
+from raykv.controllers.object_batch import ObjectBatch
+
+PROTOCOL = 1
+"""The wire's version: raise it on any change to frames, messages or ``_CLASSES``."""
+
+MAGIC = "raykv-channel"
+try:
+    RAYKV_VERSION = metadata.version("raykv")
+except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    RAYKV_VERSION = "unknown"
+
+MAX_FRAME = 64 << 20
+"""Bytes of one message, at most (see the module docstring for the sum)."""
+MAX_ITEMS = 16 * 65536
+MAX_MAP = 1024
+MAX_STR = 1 << 20
+
+_LEN = struct.Struct("!I")
+HEADER = _LEN.size
+_CHUNK = 1 << 16  # bytes asked of one recv while a frame's size is unknown
+_BIG_CHUNK = 1 << 20  # ... and at most, once a big frame's size is known
+
+
+class WireError(ValueError):
+    """Bytes from the peer that are not a valid message of this protocol."""
+
+
+class ChannelVersionError(RuntimeError):
+    """The two ends of a channel run raykv versions whose wires differ. Not retryable:
+    run the same raykv version on ranks and node actors."""
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with its length header; ``ValueError`` over ``MAX_FRAME``."""
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"a channel message of {len(body)} bytes exceeds the limit of "
+                         f"{MAX_FRAME} bytes; send fewer objects per call")
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Frames out of a byte stream, buffering no more than the frame being read
+    (``MAX_FRAME`` at most). One reader per connection, used by one thread at a time."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def want(self) -> int:
+        """How many bytes to ask of the next ``recv``: the rest of the current frame,
+        between ``_CHUNK`` and ``_BIG_CHUNK``."""
+        if len(self._buf) < HEADER:
+            return _CHUNK
+        (n,) = _LEN.unpack_from(self._buf)
+        return max(_CHUNK, min(_BIG_CHUNK, HEADER + n - len(self._buf)))
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> bytes | None:
+        """The next whole frame's body, removed from the buffer; None until one is
+        complete. ``WireError`` for a header over ``MAX_FRAME`` (then drop the peer)."""
+        buf = self._buf
+        if len(buf) < HEADER:
+            return None
+        (n,) = _LEN.unpack_from(buf)
+        if n > MAX_FRAME:
+            raise WireError(f"a frame of {n} bytes announced, over the limit of {MAX_FRAME}")
+        if len(buf) < HEADER + n:
+            return None
+        body = bytes(buf[HEADER:HEADER + n])
+        del buf[:HEADER + n]
+        return body
+
+    @property
+    def pending(self) -> int:
+        """Bytes buffered that are not yet a whole frame."""
+        return len(self._buf)
+
+
+# ------------------------------------------------------------------ checks by type
+Check = Callable[[object], object]
+"""Returns the value (converted: a tuple from a list, an enum from a str, an instance
+of ``_CLASSES`` from its fields) or raises ``WireError``."""
+
+
+def _fail(value: object, hint: object) -> typing.NoReturn:
+    text = repr(value)
+    raise WireError(f"expected {hint}, got {text[:80]}{'...' if len(text) > 80 else ''}")
+
+
+def _scalar(kind: type) -> Check:
+    accepted = (int, float) if kind is float else (kind,)
+
+    def check(v: object) -> object:
+        if type(v) not in accepted:  # exact: a bool is no int here
+            _fail(v, kind.__name__)
+        return v
+    return check
+
+
+def _strs(v: object) -> object:
+    try:  # str.join refuses any item that is not a str, at C speed
+        if type(v) is list and "".join(v) is not None:
+            return v
+    except TypeError:
+        pass
+    _fail(v, "list[str]")
+
+
+def _list_of(item: object) -> Check:
+    if item is str:
+        return _strs
+    if item in _SCALARS:
+        kinds = frozenset({int, float} if item is float else {item})
+
+        def check(v: object) -> object:  # one C-level pass over the types
+            if type(v) is not list or not set(map(type, v)) <= kinds:
+                _fail(v, f"list[{item.__name__}]")
+            return v
+        return check
+    inner = checker(item)
+
+    def check_items(v: object) -> object:
+        if type(v) is not list:
+            _fail(v, "a list")
+        return [inner(x) for x in v]
+    return check_items
+
+
+def _tuple_of(items: tuple) -> Check:
+    if len(items) == 2 and items[1] is Ellipsis:
+        each = _list_of(items[0])
+        return lambda v: tuple(each(v))
+    inner = [checker(t) for t in items]
+
+    def check(v: object) -> object:
+        if type(v) is not list or len(v) != len(inner):
+            _fail(v, f"a list of {len(inner)}")
+        return tuple(c(x) for c, x in zip(inner, v, strict=True))
+    return check
+
+
+def _dict_of(key: object, value: object) -> Check:
+    ck, cv = checker(key), checker(value)
+
+    def check(v: object) -> object:
+        if type(v) is not dict:
+            _fail(v, "a map")
+        return {ck(k): cv(x) for k, x in v.items()}
+    return check
+
+
+def _enum(kind: type[enum.StrEnum]) -> Check:
+    def check(v: object) -> object:
+        if type(v) is not str:
+            _fail(v, kind.__name__)
+        try:
+            return kind(v)
+        except ValueError:
+            _fail(v, f"one of {[m.value for m in kind]}")
+    return check
+
+
+def _fields_of(cls: type) -> Check:
+    """An instance of dataclass ``cls`` from the list of its fields, in order, each
+    checked against its annotation."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    checks = [checker(hints[n]) for n in names]
+
+    def check(v: object) -> object:
+        if type(v) is not list or len(v) != len(checks):
+            _fail(v, f"the {len(checks)} fields of {cls.__name__}")
+        return cls(*[c(x) for c, x in zip(checks, v, strict=False)])  # length checked
+    return check
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def checker(hint: object) -> Check:
+    """The check of values of type ``hint``: str, int, float, bool, None, ``list[T]``,
+    ``tuple[T, ...]``, ``tuple[A, B, ...]``, ``dict[K, V]``, a ``StrEnum``, or a class
+    of ``_CLASSES`` (sent as the list of its fields). ``TypeError`` for any other (a
+    programming error, found when the check is built)."""
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _SCALARS:
+        return _scalar(hint)
+    if hint is None or hint is NoneType:
+        return lambda v: v if v is None else _fail(v, "None")
+    if origin is list:
+        return _list_of(params[0])
+    if origin is tuple:
+        return _tuple_of(params)
+    if origin is dict:
+        return _dict_of(*params)
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        return _enum(hint)
+    if hint in _FIELDS:
+        return _FIELDS[hint][1]
+    raise TypeError(f"the channel cannot carry values of type {hint!r}")
+
+
+# --------------------------------------------------------- classes on the wire
+_CLASSES: tuple[type, ...] = (ObjectBatch, PoolQuery, PoolTransferResult)
+"""The classes that travel: a request argument (its type known from the op's
+``Signature``) as the plain list of its fields; a reply value (the client has no
+schema) as extension type ``1 + index here`` holding that list."""
+_FIELDS: dict[type, tuple[tuple[str, ...], Check]] = {}
+for _cls in _CLASSES:  # in order: a class's fields may be of classes before it
+    _FIELDS[_cls] = (tuple(f.name for f in dataclasses.fields(_cls)), _fields_of(_cls))
+_BY_CODE = {code: _FIELDS[cls][1] for code, cls in enumerate(_CLASSES, start=1)}
+_CODE = {cls: code for code, cls in enumerate(_CLASSES, start=1)}
+
+_LIMITS = dict(max_str_len=MAX_STR, max_bin_len=0, max_array_len=MAX_ITEMS,
+               max_map_len=MAX_MAP, max_ext_len=MAX_FRAME)
+
+
+def _fields(value: object) -> object:
+    """A request argument as it travels: an instance of ``_CLASSES`` (or a list or
+    tuple of them) as its field lists, anything else as itself."""
+    names = _FIELDS.get(type(value), ((),))[0]
+    if names:
+        return [getattr(value, n) for n in names]
+    if type(value) in (list, tuple) and value and type(value[0]) in _FIELDS:
+        return [_fields(v) for v in value]
+    return value
+
+
+def _tagged(value: object) -> object:
+    """A reply value as it travels: an instance of ``_CLASSES`` as its extension
+    type."""
+    code = _CODE.get(type(value))
+    if code is None:
+        return value
+    return msgpack.ExtType(code, msgpack.packb(_fields(value)))
+
+
+def _no_ext(code: int, data: bytes) -> object:
+    raise WireError(f"extension type {code} where none may be")
+
+
+def _ext(code: int, data: bytes) -> object:
+    check = _BY_CODE.get(code)
+    if check is None:
+        raise WireError(f"unknown extension type {code}")
+    return check(msgpack.unpackb(data, ext_hook=_no_ext, **_LIMITS))
+
+
+def encode(obj: object) -> bytes:
+    """One framed message of plain msgpack values (and ``_tagged``'s extension types);
+    ``TypeError`` for a value the channel cannot carry."""
+    return frame(msgpack.packb(obj))
+
+
+def decode(body: bytes, tagged: bool = False) -> object:
+    """One message body: plain msgpack values, and with ``tagged`` the extension types
+    of ``_CLASSES``. ``WireError`` for anything else, or over the limits."""
+    try:
+        return msgpack.unpackb(body, ext_hook=_ext if tagged else _no_ext, **_LIMITS)
+    except WireError:
+        raise
+    except Exception as e:  # msgpack's own errors, a bad field, bad UTF-8, ...
+        raise WireError(f"undecodable message ({type(e).__name__}: {e})") from None
+
+
+# -------------------------------------------------------------------- handshake
+def hello() -> bytes:
+    """This end's hello, framed."""
+    return encode([MAGIC, PROTOCOL, RAYKV_VERSION])
+
+
+def check_hello(message: object, peer: str) -> None:
+    """``WireError`` if ``message`` is no hello; ``ChannelVersionError`` naming both
+    versions if the ``peer`` ("rank" / "node actor") speaks another protocol."""
+    if (type(message) is not list or len(message) != 3 or message[0] != MAGIC
+            or type(message[1]) is not int or type(message[2]) is not str):
+        raise WireError(f"not a raykv channel hello: {str(message)[:80]}")
+    if message[1] != PROTOCOL:
+        raise ChannelVersionError(
+            f"the {peer} runs raykv {message[2]} (channel protocol {message[1]}), this "
+            f"process raykv {RAYKV_VERSION} (channel protocol {PROTOCOL}): run the same "
+            "raykv version on ranks and node actors")
+
+
+# --------------------------------------------------------------------- requests
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """The argument types of one op, in order."""
+
+    args: tuple[object, ...]
+    checks: tuple[Check, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checks", tuple(checker(a) for a in self.args))
+
+
+def request(op: str, deadline: float, args: Sequence[object]) -> bytes:
+    """A request, framed (``TypeError`` for an argument the channel cannot carry)."""
+    return encode([op, deadline, [_fields(a) for a in args]])
+
+
+def parse_request(body: bytes,
+                  signatures: Mapping[str, Signature]) -> tuple[str, float, list]:
+    """``(op, deadline, args)`` of a request body whose op is in ``signatures`` and whose
+    arguments have that op's arity and types; ``WireError`` otherwise."""
+    message = decode(body)
+    if type(message) is not list or len(message) != 3:
+        _fail(message, "a request [op, deadline, args]")
+    op, deadline, args = message
+    signature = signatures.get(op) if type(op) is str else None
+    if signature is None:
+        _fail(op, f"an op of {sorted(signatures)}")
+    if type(deadline) not in (int, float):
+        _fail(deadline, "a deadline (seconds)")
+    if type(args) is not list or len(args) != len(signature.checks):
+        _fail(args, f"{len(signature.checks)} arguments of {op}")
+    return op, deadline, [c(a) for c, a in zip(signature.checks, args, strict=False)]
+
+
+# ----------------------------------------------------------------------- replies
+_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    ValueError, RuntimeError, NodeUnavailableError, StoreUnavailableError,
+    StalePoolsError, DeadlineExceededError)}
+
+
+def error_name(error: BaseException) -> str | None:
+    """The name ``error`` travels under: its nearest class in ``_ERRORS``; None if it
+    has none."""
+    for cls in type(error).__mro__:
+        if _ERRORS.get(cls.__name__) is cls:
+            return cls.__name__
+    return None
+
+
+def reply(value: object) -> bytes:
+    """A successful reply, framed."""
+    return encode([True, _tagged(value)])
+
+
+def error_reply(name: str, message: str) -> bytes:
+    """A failed reply, framed: ``name`` must be a key of ``_ERRORS``."""
+    return encode([False, [name, message]])
+
+
+def parse_reply(body: bytes) -> tuple[bool, object]:
+    """``(True, value)`` or ``(False, exception)`` of a reply body; ``WireError`` if it
+    is none."""
+    message = decode(body, tagged=True)
+    if type(message) is not list or len(message) != 2 or type(message[0]) is not bool:
+        _fail(message, "a reply [ok, value]")
+    ok, value = message
+    if ok:
+        return True, value
+    if (type(value) is not list or len(value) != 2 or type(value[0]) is not str
+            or type(value[1]) is not str):
+        _fail(value, "an error [name, message]")
+    name, text = value
+    cls = _ERRORS.get(name)
+    return False, cls(text) if cls is not None else RuntimeError(f"{name}: {text}")
