@@ -89,6 +89,7 @@ from raykv.cache_actors.channel_codec import (
     request,
 )
 from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 
 __all__ = ["MAX_FRAME", "ChannelClient", "ChannelClosedError", "ChannelServer",
            "ChannelVersionError"]
@@ -105,7 +106,6 @@ connection. An honest peer is reading: it waits for that one reply."""
 ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.1, 1.0
 MAX_IDLE = 16
 """Idle connections a client keeps per kind."""
-DEFAULT_TIMEOUT_S = 5.0
 _WARN_EVERY_S = 10.0
 
 
@@ -191,14 +191,16 @@ class ChannelServer:
     ``async_handlers[op](reply, *args)``, which must not block and calls
     ``reply(value, None)`` or ``reply(None, error)`` exactly once, now or later.
     ``arg_types[op]`` gives every op's argument types; a request that does not match
-    them never reaches a handler. A handler's exception of a ``passthrough`` type goes
-    back to the caller as itself; any other is logged and reported as a
-    ``RuntimeError``; the server keeps serving in every case."""
+    them never reaches a handler. The handlers of ``deadline_ops`` are also given the
+    caller's deadline, ``deadline=`` (``time.monotonic()`` seconds). A handler's
+    exception of a ``passthrough`` type goes back to the caller as itself; any other is
+    logged and reported as a ``RuntimeError``; the server keeps serving in every case."""
 
     def __init__(self, path: str, handlers: Mapping[str, Callable], *,
                  arg_types: Mapping[str, Signature],
                  passthrough: tuple[type[BaseException], ...] = (ValueError,),
                  async_handlers: Mapping[str, Callable[..., None]] | None = None,
+                 deadline_ops: frozenset[str] = frozenset(),
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.path = path
         self._handlers = dict(handlers)
@@ -208,6 +210,7 @@ class ChannelServer:
             raise ValueError(f"no argument types for channel ops {sorted(missing)}")
         self._signatures = {op: arg_types[op] for op in {*self._handlers, *self._async}}
         self._passthrough = (*passthrough, DeadlineExceededError)
+        self._deadline_ops = deadline_ops
         self._max_connections = max_connections
         self._uid = os.getuid()
         self._warn = _Throttled()
@@ -426,6 +429,8 @@ class ChannelServer:
         try:
             if start is not None:
                 start(respond, *args)
+            elif op in self._deadline_ops:
+                respond(self._handlers[op](*args, deadline=deadline))
             else:
                 respond(self._handlers[op](*args))
         except Exception as e:  # reported to the caller; the server keeps going

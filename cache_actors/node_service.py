@@ -139,7 +139,8 @@ class NodeService:
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={DataOp.GROUP_EXISTS: self.group_submit})
+            async_handlers={DataOp.GROUP_EXISTS: self.group_submit},
+            deadline_ops=frozenset({DataOp.PUT, DataOp.GET}))
 
     # ----------------------------------------------------------------- pools
     def _reallocate(self) -> None:

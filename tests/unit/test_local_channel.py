@@ -214,11 +214,13 @@ def test_a_closed_server_is_a_clear_connection_error(server):
 
 def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_path):
     """The node actor's own signatures: an ObjectBatch, PoolQuerys, a PoolTransferResult,
-    lists of ints, and the passthrough errors (a subclass travels as itself)."""
-    seen = []
+    lists of ints, and the passthrough errors (a subclass travels as itself); a handler
+    of ``deadline_ops`` gets the caller's deadline."""
+    seen, deadlines = [], []
 
-    def put(batch):
+    def put(batch, deadline):
         seen.append(batch)
+        deadlines.append(deadline)
         return [0] * len(batch)
 
     def get(batch):
@@ -231,10 +233,13 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     srv = ChannelServer(str(tmp_path / "n.sock"),
                         {DataOp.PUT: put, DataOp.GET: get, DataOp.EXISTS: lambda k: [1] * len(k)},
                         arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
-                        async_handlers={DataOp.GROUP_EXISTS: group})
-    client = ChannelClient(srv.path, async_ops=frozenset({DataOp.GROUP_EXISTS}))
+                        async_handlers={DataOp.GROUP_EXISTS: group},
+                        deadline_ops=frozenset({DataOp.PUT}))
+    client = ChannelClient(srv.path, async_ops=frozenset({DataOp.GROUP_EXISTS}), timeout_s=60)
     batch = ObjectBatch(["a", "b"], [PoolName.KV, PoolName.KV], [0, 4096], [4096, 4096], 7)
+    sent = time.monotonic()
     assert client.call(DataOp.PUT, batch) == [0, 0]
+    assert sent + 60 <= deadlines[0] <= time.monotonic() + 60  # the caller's, to the handler
     assert seen[0] == batch and isinstance(seen[0], ObjectBatch)
     with pytest.raises(StalePoolsError, match="re-map"):
         client.call(DataOp.GET, batch)
@@ -278,8 +283,8 @@ def test_a_huge_frame_header_allocates_nothing_and_drops_its_connection(server, 
     grown = rss_bytes() - before
     for s in peers:
         s.close()
-    assert dropped == [True] * 8
     assert grown < 100 << 20, f"RSS grew {grown >> 20} MiB"
+    assert dropped == [True] * 8
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     client.close()
 
@@ -304,10 +309,10 @@ def test_a_bad_message_on_an_async_connection_closes_only_that_one(server, paylo
     peer = RawPeer(server.path)
     assert peer.call("later", 2) == (True, 2)  # its connection is now the I/O thread's
     peer.sock.sendall(codec.frame(payload))
-    assert closed_by_peer(peer.sock)
-    peer.close()
     assert [other.call("later", i) for i in range(3, 6)] == [3, 4, 5]
     assert other.call("echo", 1, [], {}) == [1, [], {}]
+    assert closed_by_peer(peer.sock)
+    peer.close()
     other.close()
 
 
@@ -322,26 +327,41 @@ def test_a_second_request_before_the_reply_drops_the_connection(server):
     peer.close()
 
 
-def test_floods_of_garbage_and_fd_exhaustion_leave_nothing_behind(server, caplog):
-    """500 connections that send garbage and close, then a moment with no free fd
-    (accept fails with EMFILE): the accept thread backs off and goes on; fds and
-    threads come back to where they were; a connection made meanwhile and a new client
-    are served; the garbage costs a few log lines, not 500."""
+def flood(path: str) -> None:
+    """500 connections that send garbage and close, 100 at a time."""
+    for _ in range(5):
+        socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(100)]
+        for s in socks:
+            s.connect(path)
+            s.sendall(b"\x00\x00\x00\x10this is no hello")
+        for s in socks:
+            s.close()
+
+
+def test_a_flood_of_garbage_connections_leaves_nothing_behind(server, caplog):
+    """500 connections that send garbage and close: fds and threads come back to where
+    they were, the garbage costs a few log lines (not 500), clients are served."""
     caplog.set_level(logging.WARNING, logger="raykv.cache_actors.local_channel")
     client = ChannelClient(server.path)
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     base_fds, base_threads = fds(), threads()
-    for _ in range(5):
-        socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(100)]
-        for s in socks:
-            s.connect(server.path)
-            s.sendall(b"\x00\x00\x00\x10this is no hello")
-        for s in socks:
-            s.close()
+    flood(server.path)
     assert settle(lambda: fds() <= base_fds and threads() <= base_threads), \
         f"fds {fds()} (were {base_fds}), threads {threads()} (were {base_threads})"
     assert len(caplog.records) < 20
+    assert client.call("echo", 2, [], {}) == [2, [], {}]
+    client.close()
 
+
+def test_accepting_survives_running_out_of_fds(server, caplog):
+    """After a garbage flood, a moment with no free fd (accept fails with EMFILE): the
+    accept thread backs off and goes on; the connection made meanwhile and a new client
+    are served; fds and threads come back to where they were."""
+    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.local_channel")
+    client = ChannelClient(server.path)
+    assert client.call("echo", 1, [], {}) == [1, [], {}]
+    base_fds, base_threads = fds(), threads()
+    flood(server.path)
     waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fillers: list[int] = []
@@ -352,8 +372,7 @@ def test_floods_of_garbage_and_fd_exhaustion_leave_nothing_behind(server, caplog
                 fillers.append(os.open("/dev/null", os.O_RDONLY))
         waiting.connect(server.path)   # queued: accepting it needs an fd
         waiting.sendall(codec.hello())
-        assert settle(lambda: "out of resources" in caplog.text, ANSWER_S), \
-            "accept never failed with EMFILE"
+        settle(lambda: "out of resources" in caplog.text, ANSWER_S)  # accept hit EMFILE
     finally:
         for fd in fillers:
             os.close(fd)
@@ -364,6 +383,7 @@ def test_floods_of_garbage_and_fd_exhaustion_leave_nothing_behind(server, caplog
         reader.feed(waiting.recv(1 << 16))
     codec.check_hello(codec.decode(body), "node actor")  # accepted after the back-off
     waiting.close()
+    assert "out of resources" in caplog.text  # it was accepted after an EMFILE
     fresh = ChannelClient(server.path)
     assert fresh.call("echo", 2, [], {}) == [2, [], {}]
     fresh.close()
@@ -373,23 +393,24 @@ def test_floods_of_garbage_and_fd_exhaustion_leave_nothing_behind(server, caplog
 
 
 def test_short_lived_caller_threads_leave_no_connections_behind(server):
-    """100 threads that each make one call and exit, all at once: afterwards at most
+    """100 threads that each make one call and exit, ten at a time: afterwards at most
     ``MAX_IDLE`` connections stay open (each holds an fd at either end)."""
     client = ChannelClient(server.path)
     base_fds = fds()
-    start = threading.Barrier(100, timeout=ANSWER_S)
     out: list[object] = []
+    for wave in range(10):
+        start = threading.Barrier(10, timeout=ANSWER_S)
 
-    def once(i: int) -> None:
-        start.wait()
-        out.append(client.call("echo", i, [], {}))
+        def once(i: int, start=start) -> None:
+            start.wait()
+            out.append(client.call("echo", i, [], {}))
 
-    callers = [threading.Thread(target=once, args=(i,)) for i in range(100)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(ANSWER_S)
-    assert len(out) == 100
+        callers = [threading.Thread(target=once, args=(10 * wave + i,)) for i in range(10)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(ANSWER_S)
+    assert sorted(r[0] for r in out) == list(range(100))
     assert settle(lambda: fds() - base_fds <= 2 * MAX_IDLE), \
         f"{fds() - base_fds} fds more than before the callers"
     client.close()
