@@ -151,18 +151,37 @@ def _scalar(kind: type) -> Check:
     return check
 
 
+_STR = frozenset({str})
+
+
 def _strs(v: object) -> object:
-    try:  # str.join refuses any item that is not a str, at C speed
-        if type(v) is list and "".join(v) is not None:
+    if type(v) is list:
+        if len(v) > 1024:  # joining a long list would copy all its text: look at types
+            if set(map(type, v)) <= _STR:
+                return v
+        else:
+            try:
+                "".join(v)  # refuses any item that is not a str, at C speed
+                return v
+            except TypeError:
+                pass
+    _fail(v, "list[str]")
+
+
+def _ints(v: object) -> object:
+    try:  # sum refuses any item that is no number, and a float makes the sum a float
+        if type(v) is list and type(sum(v)) is int:  # (a bool passes: it is an int)
             return v
     except TypeError:
         pass
-    _fail(v, "list[str]")
+    _fail(v, "list[int]")
 
 
 def _list_of(item: object) -> Check:
     if item is str:
         return _strs
+    if item is int:
+        return _ints
     if item in _SCALARS:
         kinds = frozenset({int, float} if item is float else {item})
 

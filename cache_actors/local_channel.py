@@ -471,19 +471,26 @@ _TIMEVAL = struct.Struct("ll")
 _SMALL = 1 << 16
 """A request this small is never waited on by ``send``: the peer read every byte sent
 before it (it answered them), so the socket's buffer is empty."""
+_SLACK_S = 0.01
+"""How far past its deadline a receive may wait rather than pay a ``setsockopt``."""
 
 
 class _Link:
     """A client's connection: its socket and the bytes of a reply not yet whole. The
-    socket blocks, its deadline set by ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` (one
-    ``setsockopt`` per call; a Python socket timeout costs two ``ioctl``s and a
-    ``poll`` per send and per receive)."""
+    socket blocks; its kernel timeouts (``SO_RCVTIMEO``, ``SO_SNDTIMEO``) enforce the
+    deadline. They stay at the full ``timeout_s`` while a call's time left is within
+    ``_SLACK_S`` of it (the usual case: a call that found an idle connection and sent a
+    small request), so a call costs no extra syscall; otherwise they are set to the time
+    left (a Python socket timeout would cost two ``ioctl``s and a ``poll`` per send and
+    per receive)."""
 
-    def __init__(self, path: str, deadline: float) -> None:
+    def __init__(self, path: str, timeout_s: float, deadline: float) -> None:
         """Connect to ``path`` and exchange hellos by ``deadline``; raises as
         ``exchange``, and ``ChannelVersionError``."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.reader = FrameReader()
+        self._full = timeout_s
+        self._limits = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}  # 0: none set
         try:
             self._limit(socket.SO_SNDTIMEO, deadline)  # connect waits on a full backlog
             try:
@@ -496,12 +503,19 @@ class _Link:
             raise
 
     def _limit(self, option: int, deadline: float) -> None:
+        """Make ``option``'s timeout end by ``deadline`` (``_SLACK_S`` late at most)."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline passed")
+        now = self._limits[option]
+        if left <= now <= left + _SLACK_S:
+            return
+        if left >= self._full - _SLACK_S:
+            left = self._full  # back to the full timeout: the usual calls need no syscall
         seconds = int(left)
         micros = max(1 - seconds, int((left - seconds) * 1e6))  # (0, 0): no limit at all
         self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
+        self._limits[option] = left
 
     def exchange(self, data: bytes, deadline: float) -> bytes:
         """Send ``data``, return the next frame's body. ``TimeoutError`` when
@@ -578,7 +592,7 @@ class ChannelClient:
 
     def _open(self, deadline: float) -> _Link:
         try:
-            return _Link(self.path, deadline)
+            return _Link(self.path, self.timeout_s, deadline)
         except TimeoutError:
             raise DeadlineExceededError(f"the node actor at {self.path} did not accept a "
                                         f"connection within {self.timeout_s} s") from None

@@ -253,16 +253,31 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     srv.close()
 
 
-@pytest.mark.parametrize("args", [
-    [[["k"]]], [], [[["k"], [], [], [], 0]], [[b"k"]], [["k", 1]], [["k"], ["k"]],
-], ids=["nested", "arity", "batch", "bytes", "mixed", "too-many"])
-def test_requests_are_checked_against_their_signature(args):
+BAD_REQUESTS = {
+    "nested": ("exists", [[["k"]]]),
+    "arity": ("exists", []),
+    "too-many": ("exists", [["k"], ["k"]]),
+    "bytes": ("exists", [[b"k"]]),
+    "mixed": ("exists", [["k", 1]]),
+    "long-mixed": ("exists", [["k"] * 2000 + [1]]),
+    "float-offset": ("put", [[["k"], ["kv"], [0.5], [1], 0]]),
+    "bool-epoch": ("put", [[["k"], ["kv"], [0], [1], True]]),
+    "four-fields": ("put", [[["k"], ["kv"], [0], [1]]]),
+    "rank": ("group_exists", ["d", 1, [0], ["k"], []]),
+    "pool-name": ("group_exists", ["d", 1, [0, 0], ["k"], [["no-such-pool", "all_pages", 1]]]),
+    "deadline": ("exists", [["k"]], "soon"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_requests_are_checked_against_their_signature(case):
     """Pure codec: a request whose arguments do not match its op's signature
-    (``exists(list[str])``) never decodes into a call."""
+    (``DATA_OP_ARGS``) never decodes into a call."""
+    op, args, deadline = (*case, 1.0)[:3]
     with pytest.raises(WireError):
-        codec.parse_request(msgpack.packb(["exists", 1.0, args]), DATA_OP_ARGS)
-    good = codec.request("exists", 1.0, [["k"]])[codec.HEADER:]
-    assert codec.parse_request(good, DATA_OP_ARGS) == ("exists", 1.0, [["k"]])
+        codec.parse_request(msgpack.packb([op, deadline, args]), DATA_OP_ARGS)
+    good = codec.request("exists", 1.0, [["k"] * 2000])[codec.HEADER:]
+    assert codec.parse_request(good, DATA_OP_ARGS) == ("exists", 1.0, [["k"] * 2000])
 
 
 # ---------------------------------------------------------------- hostile peers
