@@ -204,11 +204,19 @@ def _tuple_of(items: tuple) -> Check:
         each = _list_of(items[0])
         return lambda v: tuple(each(v))
     inner = [checker(t) for t in items]
+    if all(t in (str, int, bool) for t in items):  # (int, int): nothing to convert
+        kinds = list(items)
+
+        def check_scalars(v: object) -> object:
+            if type(v) is not list or list(map(type, v)) != kinds:
+                _fail(v, f"a list of {len(kinds)}: {kinds}")
+            return tuple(v)
+        return check_scalars
 
     def check(v: object) -> object:
         if type(v) is not list or len(v) != len(inner):
             _fail(v, f"a list of {len(inner)}")
-        return tuple(c(x) for c, x in zip(inner, v, strict=True))
+        return tuple([c(x) for c, x in zip(inner, v, strict=True)])
     return check
 
 
@@ -223,13 +231,13 @@ def _dict_of(key: object, value: object) -> Check:
 
 
 def _enum(kind: type[enum.StrEnum]) -> Check:
+    members = {m.value: m for m in kind}  # a dict lookup: calling the enum costs ~1 us
+
     def check(v: object) -> object:
-        if type(v) is not str:
-            _fail(v, kind.__name__)
-        try:
-            return kind(v)
-        except ValueError:
-            _fail(v, f"one of {[m.value for m in kind]}")
+        member = members.get(v) if type(v) is str else None
+        if member is None:
+            _fail(v, f"one of {list(members)}")
+        return member
     return check
 
 
