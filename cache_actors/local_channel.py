@@ -24,7 +24,8 @@ nothing a peer sends can hurt other connections: a header over ``MAX_FRAME`` clo
 the connection before anything is allocated for it; bytes are buffered only as they
 arrive; a malformed message (not msgpack, wrong shape, unknown op, a second request
 before the reply to the first) closes that connection only, with one throttled log
-line. A reply the peer does not read for ``SEND_TIMEOUT_S`` closes its connection.
+line. A reply the peer does not read for ``SEND_TIMEOUT_S``, or a hello not sent within
+``HELLO_TIMEOUT_S`` of connecting, closes its connection.
 
 Serving, two kinds of connection. A connection starts with its own thread, which reads
 each request and runs the handler itself: no thread switch lies between a request and
@@ -103,10 +104,14 @@ POOL_THREADS = 4
 SEND_TIMEOUT_S = 2.0
 """A reply that cannot be written for this long (the peer does not read) ends its
 connection. An honest peer is reading: it waits for that one reply."""
+HELLO_TIMEOUT_S = 10.0
+"""A connection that has not sent its hello this long after it was accepted is closed
+(it would hold a connection and a thread for nothing)."""
 ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.1, 1.0
 MAX_IDLE = 16
 """Idle connections a client keeps per kind."""
 _WARN_EVERY_S = 10.0
+_TIMEVAL = struct.Struct("ll")
 
 
 class ChannelClosedError(ConnectionError):
@@ -132,6 +137,12 @@ class _Throttled:
             self._last[kind] = (now, 0)
         suffix = f" ({held} more like this not logged)" if held else ""
         log.warning(message + suffix, *args)
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as a ``struct timeval`` (0: no timeout)."""
+    whole = int(seconds)
+    return _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -279,9 +290,8 @@ class ChannelServer:
                             self.path, self._max_connections)
             sock.close()
             return
-        seconds = int(SEND_TIMEOUT_S)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HELLO_TIMEOUT_S))
         try:
             threading.Thread(target=self._serve, args=(conn,), name="raykv-channel-conn",
                              daemon=True).start()
@@ -296,6 +306,7 @@ class ChannelServer:
         adopted = False
         try:
             check_hello(decode(_recv_frame(conn.sock, conn.reader)), "rank")
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
             conn.send(hello())
             first = True
             while not conn.dead:
@@ -467,7 +478,6 @@ class ChannelServer:
             os.unlink(self.path)
 
 
-_TIMEVAL = struct.Struct("ll")
 _SMALL = 1 << 16
 """A request this small is never waited on by ``send``: the peer read every byte sent
 before it (it answered them), so the socket's buffer is empty."""
@@ -512,9 +522,7 @@ class _Link:
             return
         if left >= self._full - _SLACK_S:
             left = self._full  # back to the full timeout: the usual calls need no syscall
-        seconds = int(left)
-        micros = max(1 - seconds, int((left - seconds) * 1e6))  # (0, 0): no limit at all
-        self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
+        self.sock.setsockopt(socket.SOL_SOCKET, option, _timeval(max(left, 1e-6)))
         self._limits[option] = left
 
     def exchange(self, data: bytes, deadline: float) -> bytes:

@@ -22,6 +22,7 @@ import time
 import msgpack
 import pytest
 from raykv.cache_actors import channel_codec as codec
+from raykv.cache_actors import local_channel
 from raykv.cache_actors.channel_codec import MAX_FRAME, ChannelVersionError, Signature, WireError
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
 from raykv.cache_actors.errors import (
@@ -570,6 +571,20 @@ def test_a_peer_of_another_uid_is_refused(tmp_path):
     client.close()
     srv.close()
     os.rmdir(folder)
+
+
+def test_a_peer_that_never_says_hello_is_closed(server, monkeypatch):
+    """A connection that sends nothing would hold a connection slot and a thread: it is
+    closed ``HELLO_TIMEOUT_S`` after it was accepted; one that said hello may stay idle."""
+    monkeypatch.setattr(local_channel, "HELLO_TIMEOUT_S", 0.5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(server.path)
+    peer = RawPeer(server.path)
+    assert closed_by_peer(silent)
+    time.sleep(1.0)  # well past the hello timeout
+    assert peer.call("echo", 1, [], {}) == (True, [1, [], {}])
+    silent.close()
+    peer.close()
 
 
 def test_connections_over_the_limit_are_closed_at_once(tmp_path):
