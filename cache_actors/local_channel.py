@@ -40,23 +40,27 @@ once, from any thread (a group query joins a batch; the thread that completes th
 sends its replies); a data op sent on such a connection runs on one of
 ``POOL_THREADS`` pool threads. A request whose deadline has passed when it would start
 (the actor was stopped or overloaded) is not run: it is answered with
-``DeadlineExceededError``, which its caller has stopped waiting for.
+``DeadlineExceededError``, which its caller has stopped waiting for. Handlers of
+``deadline_ops`` (put, get) are handed the deadline, to stop waiting in the node actor
+when it passes.
 
 Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
 new one over it is closed at once. Threads: one accept thread, one I/O thread, one per
-data connection, ``POOL_THREADS``. Every connection's socket is closed and its thread
-ends when its peer goes or misbehaves. The accept thread survives every error (out of
-file descriptors, buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to
-``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
+data connection (so at most ``max_connections``), ``POOL_THREADS``. Every connection's
+socket is closed and its thread ends when its peer goes or misbehaves. The accept
+thread survives every error (out of file descriptors, buffers or memory: it backs off
+from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
 
 Client. ``ChannelClient`` checks a connection out of a small free list for each call
 and back in after it (one list per kind: data ops, async ops), so calls from
 concurrent threads run on separate connections, the caller's thread does all the I/O
 (no thread switch), and the connections open are at most the calls in flight plus
-``MAX_IDLE`` idle ones per kind, whatever threads come and go. Each call has a deadline
-(``timeout_s``); when it passes, that connection is closed (a late reply can never be
-read by a later call) and the call raises ``DeadlineExceededError``. One request at a
-time per connection, so replies never interleave.
+``MAX_IDLE`` idle ones per kind, whatever threads come and go (a connection per thread
+would hold a socket, and a server thread, for every thread that ever called, until a
+finalizer ran). Each call has a deadline (``timeout_s``, kept by the socket's kernel
+timeouts, at most ``_SLACK_S`` late); when it passes, that connection is closed (a late
+reply can never be read by a later call) and the call raises ``DeadlineExceededError``.
+One request at a time per connection, so replies never interleave.
 """
 
 from __future__ import annotations
