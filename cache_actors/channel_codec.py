@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import reprlib
 import struct
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -137,8 +138,7 @@ of ``_CLASSES`` from its fields) or raises ``WireError``."""
 
 
 def _fail(value: object, hint: object) -> typing.NoReturn:
-    text = repr(value)
-    raise WireError(f"expected {hint}, got {text[:80]}{'...' if len(text) > 80 else ''}")
+    raise WireError(f"expected {hint}, got {reprlib.repr(value)}")  # bounded, however big
 
 
 def _scalar(kind: type) -> Check:
