@@ -6,13 +6,13 @@ anything is allocated for it, and a frame's bytes are buffered only as they arri
 (``FrameReader``).
 
 ``MAX_FRAME`` = 64 MiB. The largest real message is a put/get ``ObjectBatch`` of the
-largest batch (assumed 65,536 objects, keys up to ~200 characters): per object a key
-(2 + 200 bytes), a pool name (2 + up to 64), an offset (<= 9) and a size (<= 5), ~282
-bytes, so 18.5 MB for the batch (measured: 18,481,173 bytes); a group query carries one
-key per page (13.2 MB for 65,536 pages); a reply at most 9 bytes per object (0.6 MB).
-64 MiB leaves 3.6 times the largest. Decoding is bounded too: no array longer than
-``MAX_ITEMS`` (16 x 65,536), no map longer than ``MAX_MAP``, no string longer than
-``MAX_STR``, no bin type at all.
+largest batch (``MAX_BATCH_OBJECTS`` = 65,536 objects; keys up to ~200 characters
+assumed): per object a key (2 + 200 bytes), a pool name (2 + up to 64), an offset
+(<= 9) and a size (<= 5), ~282 bytes, so 18.5 MB for the batch (measured: 18,481,173
+bytes); a group query carries one key per page (13.2 MB for 65,536 pages); a reply at
+most 9 bytes per object (0.6 MB). 64 MiB leaves 3.6 times the largest. Decoding is
+bounded too: no array longer than ``MAX_ITEMS`` (16 x ``MAX_BATCH_OBJECTS``), no map
+longer than ``MAX_MAP``, no string longer than ``MAX_STR``, no bin type at all.
 
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
 tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
@@ -52,7 +52,7 @@ from raykv.cache_actors.errors import (
 )
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import PoolQuery
-from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch
 
 PROTOCOL = 1
 """The wire's version: raise it on any change to frames, messages or ``_CLASSES``."""
@@ -65,7 +65,7 @@ except metadata.PackageNotFoundError:  # run from a source tree that is not inst
 
 MAX_FRAME = 64 << 20
 """Bytes of one message, at most (see the module docstring for the sum)."""
-MAX_ITEMS = 16 * 65536
+MAX_ITEMS = 16 * MAX_BATCH_OBJECTS
 MAX_MAP = 1024
 MAX_STR = 1 << 20
 
