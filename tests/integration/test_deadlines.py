@@ -1,7 +1,7 @@
 """Deadlines against a real two-node cluster: a node actor stopped with SIGSTOP (hung,
 from its callers' side) fails every call that waits on it within the caller's deadline,
 over both routes (the local channel of its own node's ranks, a Ray call from a rank on
-another node), and serves again once it is continued.
+another node), never runs them late, and serves again once it is continued.
 
 Each call runs in a thread joined with a bound far above the deadline, so that a call
 that hangs (the code before deadlines: socket reads and ``ray.get`` without a timeout)
@@ -111,6 +111,9 @@ def test_a_stopped_node_actor_fails_calls_at_their_deadline_then_serves_again(cl
         time.sleep(0.5)
     assert got == [True] * N
     assert ray.get(other.call.remote("group_exists", keys)).kv_hit_pages == N
+    # The put that failed at its deadline was never run late (it would have stored what
+    # the rank's slots held by then, under a key the rank was told is not stored).
+    assert ray.get(home.call.remote("batch_exists", [f"{uid}-new"])) == 0
     wrote = ray.get(home.pages.remote(0, N))
     assert bool((ray.get(home.pages.remote(32, N)) == wrote).all())
 
