@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-from raykv.cache_actors.node_pools import NodePools
+from raykv.cache_actors.node_pools import NodePools, PoolTable
 from raykv.cache_actors.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR
@@ -106,6 +106,30 @@ def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools)
     assert sorted(node.table.pools) == ["shared-kv"]
     assert store.memory.budget.used == LAYOUT.nbytes and len(store.backend.live) == 1
     assert not os.path.exists(os.path.join(SHM_DIR, node._prefix + "sglang-staging"))
+
+
+def test_a_restarted_node_still_reaps_a_pool_with_its_process(engine, pools):
+    """The owner is kept in the pool's record: a node actor that restarts (a new
+    ``NodePools`` over the same prefix) re-adopts the pool and still removes it once its
+    process exited; a shared pool is re-adopted and kept. Control: without the owner in
+    the record the restarted node never reaps it."""
+    child, _, _ = engine
+    node, store = pools
+    node.create("sglang-staging", LAYOUT, owner=ProcessIdentity.of(child.pid))
+    node.create("shared-kv", LAYOUT)
+    for pool in list(node.table.pools.values()):  # the old actor dies: nothing removed
+        store.memory.release(pool, remove=False)
+    restarted = NodePools(node._prefix, store, lambda name, n: None)
+    restarted.readopt()
+    assert sorted(restarted.table.pools) == ["sglang-staging", "shared-kv"]
+    child.stdin.close()
+    child.wait(10)
+    assert restarted.reap_engines(grace_s=60.0) == []
+    time.sleep(0.05)
+    assert restarted.reap_engines(grace_s=0.01) == ["sglang-staging"]
+    assert sorted(restarted.table.pools) == ["shared-kv"]
+    node.table = PoolTable(node.table.epoch)  # released above: the fixture closes none
+    restarted.close(remove=True)
 
 
 def test_an_owner_this_machine_does_not_show_is_never_reaped(engine, pools):
