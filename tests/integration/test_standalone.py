@@ -214,6 +214,18 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
             t.join()
         channel.close()
     assert not wrong, f"{len(wrong)} calls failed otherwise, first: {wrong[0]!r}; {outcomes}"
+    # Until the master expires the killed client's segment, puts may be placed there and
+    # fail (-800): wait for whole puts again, so the next test finds a whole store.
+    pool = ray.get(actor.get_pool.remote(names[0]))
+    probes = iter(range(1 << 30))
+
+    def whole_put() -> bool:
+        n = next(probes)
+        probe = ObjectBatch(epoch=pool.epoch)
+        probe.extend([f"{uid}-probe-{n}-{j}" for j in range(64)], names[0],
+                     [64 * j for j in range(64)], [64] * 64)
+        return all(c == 0 for c in ray.get(actor.put.remote(probe)))
+    wait_for(whole_put, "whole puts after the client's restart")
     assert all(ray.get(actor.destroy_pool.remote(n)) for n in names)
 
 
