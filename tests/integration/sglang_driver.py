@@ -29,7 +29,8 @@ Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node
 backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
 query and its load) and ``until_hit``. Close steps (``test_sglang_close.py``):
 ``close_during_backup`` (the backend closed while SGLang's backup thread is in a store
-call) and ``read_back`` (every object of a prompt that exists, read by a fresh backend
+call), ``close_during_copy`` (closed while the backend copies pages through its staging
+pool) and ``read_back`` (every object of a prompt that exists, read by a fresh backend
 and compared byte for byte).
 
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
@@ -689,6 +690,74 @@ class Engine:
         stored = [r * run + i for r, done in enumerate(completed) for i in range(done // P)]
         return {"pid": pid, "close": close, "calls": calls, "completed": completed,
                 "stored_pages": stored}
+
+    def close_during_copy(self, step) -> dict:
+        """The backend's ``close()`` called from this thread while the backend copies
+        pages between SGLang's pool and its staging pool: ``direction`` ``"in"``, a
+        backup of prompt ``seed`` (``n_pages``; SGLang's pages copied into staging before
+        the put), or ``"out"``, a prefetch of it (backed up before; the pages read copied
+        out of staging into SGLang's). Each page of that copy is slowed by ``copy_s``
+        seconds (test-only: ``raykv.integrations.sglang._runs`` patched for this step),
+        and ``close()`` runs once the copy has begun; the backup or prefetch runs on a
+        thread of this step through SGLang's own threads.
+
+        Returns ``result`` (what ``write`` / ``prefetch`` report: the acked tokens, or
+        the pages SGLang's acks count loaded and whether their bytes are the writer's),
+        ``close`` (start, end) and ``copy_started`` (seconds since the step began)."""
+        import raykv.integrations.sglang as raykv_sglang
+
+        runs = raykv_sglang._runs
+        copy = self.store._copy
+        slowed = threading.local()
+        copying = threading.Event()
+        backup = step["direction"] == "in"
+        t0 = time.perf_counter()
+        copy_started: list[float] = []
+
+        def slow_copy(ep, epages, spages, to_stage):
+            slowed.on = to_stage == backup
+            try:
+                return copy(ep, epages, spages, to_stage=to_stage)
+            finally:
+                slowed.on = False
+
+        def slow_runs(a, b):
+            for a0, b0, n in runs(a, b):
+                for i in range(n):
+                    if getattr(slowed, "on", False):
+                        if not copying.is_set():
+                            copy_started.append(time.perf_counter() - t0)
+                            copying.set()
+                        time.sleep(step["copy_s"])
+                    yield a0 + i, b0 + i, 1
+
+        done: dict = {}
+        inner = {"seed": step["seed"], "n_pages": step["n_pages"], "rid": "close-copy"}
+
+        def transfer() -> None:
+            try:
+                done["result"] = self.write(inner) if backup else self.prefetch(inner)
+            except Exception as e:
+                done["error"] = repr(e)
+
+        self.store._copy = slow_copy
+        raykv_sglang._runs = slow_runs
+        try:
+            thread = threading.Thread(target=transfer, name="close-copy")
+            thread.start()
+            if not copying.wait(60):
+                raise TimeoutError("the backend never copied pages through its staging pool")
+            close = {"start": time.perf_counter() - t0}
+            self.store.close()
+            close["end"] = time.perf_counter() - t0
+            thread.join(120)
+        finally:
+            raykv_sglang._runs = runs
+            self.store.__dict__.pop("_copy", None)
+        if "error" in done:
+            raise RuntimeError(f"the {step['direction']} transfer failed: {done['error']}")
+        return {"result": done.get("result"), "close": close,
+                "copy_started": copy_started[0]}
 
     def read_back(self, step) -> dict:
         """Every KV object of prompt ``seed`` (``n_pages``) that exists in the store, read

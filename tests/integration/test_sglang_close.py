@@ -20,6 +20,9 @@ call (6 backups of 8 pages queued at once, ``close()`` once the second call has 
 0.1 s in the store; staged with 4 pages per direction, so a backup is two store calls).
 The node actor drains the call before the pool goes; with that drain disabled
 (``NodePools._drain`` releasing at once) the embedded node actor died of SIGSEGV.
+``test_close_during_staging_copies_...``: ``close()`` while the backend copies pages
+into or out of its staging pool (slowed per page); before ``close()`` waited for the
+staged transfer under way, SGLang's process died of SIGSEGV in that copy.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ DELAY_S = 0.25
 OPS = 6
 RUN_PAGES = 8
 STAGING_PAGES = 4
+LOAD_PAGES = 8
+COPY_S = 0.05
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -115,3 +120,60 @@ def test_close_during_backup_never_stores_or_reads_wrong_bytes(slow_cluster, tmp
         for p in wrote["stored_pages"]:
             assert all(objects[p]), (name, p, objects[p])
 
+
+def test_close_during_staging_copies_never_crashes_or_hands_over_other_bytes(slow_cluster,
+                                                                           tmp_path):
+    """``close()`` while the backend copies pages through its staging pool (each page's
+    copy slowed to ``COPY_S`` s: ``close_during_copy``): SGLang's pages into staging
+    before a backup (``in``), pages read out of staging into SGLang's after a load
+    (``out``). SGLang's process survives, no page SGLang's acks count stored or loaded
+    holds other bytes than the writer's, and every object that exists afterwards reads
+    back exact. Before ``close()`` waited for the staged transfers under way, it
+    unmapped the staging pool under the copy (torch views hold no buffer export, so the
+    mapping went at once) and SGLang's process died of SIGSEGV."""
+    mode, cluster = slow_cluster
+    before = pids(cluster)
+    uid = os.urandom(4).hex()
+    extra = {"zero_copy": False} if mode == "embedded" else {}  # staged in both modes
+    seeds = {d: f"close-copy-{d}-{uid}" for d in ("in", "out")}
+    copy = {"n_pages": LOAD_PAGES, "copy_s": COPY_S}
+    specs = [
+        scenario("in", "mha", "shm", [
+            {"op": "close_during_copy", "direction": "in", "seed": seeds["in"], **copy}],
+            model_name=f"org/{seeds['in']}", extra=extra),
+        scenario("out", "mha", "shm", [
+            {"op": "write", "seed": seeds["out"], "n_pages": LOAD_PAGES},
+            {"op": "close_during_copy", "direction": "out", "seed": seeds["out"], **copy}],
+            model_name=f"org/{seeds['out']}", extra=extra),
+        scenario("reader", "mha", "shm", [
+            {"op": "read_back", "seed": seeds["in"], "n_pages": LOAD_PAGES}],
+            model_name=f"org/{seeds['in']}"),
+    ]
+    out = run_driver(tmp_path, cluster, 0, specs, timeout=300)["scenarios"]
+
+    assert pids(cluster) == before
+    for sc in out.values():
+        assert "attach_error" not in sc, sc
+        for s in sc["steps"]:
+            assert "error" not in s, s
+    for direction in ("in", "out"):
+        step = out[direction]["steps"][-1]
+        # close() began while the copy through staging was under way.
+        assert step["copy_started"] < step["close"]["start"] < \
+            step["copy_started"] + LOAD_PAGES * COPY_S, (direction, step)
+
+    # Backup: what SGLang's acks count stored exists and reads back exact, and so does
+    # every other object of the prompt that exists.
+    stored = out["in"]["steps"][0]["result"]["completed"]
+    back = out["reader"]["steps"][0]
+    assert stored[0] > 0, out["in"]  # the backup under way ended before its pool went
+    assert not any(o is False for page in back["objects"] for o in page), back
+    assert back["read"] == back["existing"], back
+    for p in range(stored[0] // PAGE):
+        assert all(back["objects"][p]), (p, back)
+
+    # Load: the pages SGLang's acks count loaded hold the writer's bytes.
+    assert out["out"]["steps"][0]["completed"] == [LOAD_PAGES * PAGE], out["out"]
+    got = out["out"]["steps"][1]["result"]
+    assert got["hit_pages"] == LOAD_PAGES and got["loaded_pages"] > 0, got
+    assert got["kv_match"] == [True] * got["loaded_pages"], got
