@@ -151,6 +151,8 @@ class EnginePool:
     ``pool`` is the raykv pool calls name: SGLang's own memory mapped again (zero-copy)
     or a staging pool of ``2 * staging`` pages (the first half for puts, the second for
     gets). ``memfd`` is ``(pid, fd)`` of SGLang's memfd when it can be shared.
+    ``locks``: the put and get halves' (a staged transfer holds its half's for its whole
+    run: copies and store calls); ``closed``: set by ``RayKVStore.close`` under both.
     """
 
     name: PoolName
@@ -164,6 +166,7 @@ class EnginePool:
     staging: int = 0
     locks: tuple[threading.Lock, threading.Lock] = field(
         default_factory=lambda: (threading.Lock(), threading.Lock()))
+    closed: bool = False
 
     @property
     def page_size(self) -> int:
@@ -523,6 +526,9 @@ class RayKVStore(HiCacheStorage):
         with contextlib.ExitStack() as stack:
             for _, lock in locks:
                 stack.enter_context(lock)
+            closed = [ep.name.value for ep, *_ in staged if ep.closed]
+            if closed:  # its mapping here is gone: a copy would fault
+                raise ValueError(f"raykv: the backend was closed (pools {closed})")
             rounds = max([-(-len(keys) // ep.staging) for ep, keys, *_ in staged] + [1])
             for r in range(rounds):
                 calls, plan = [], []
@@ -759,12 +765,21 @@ class RayKVStore(HiCacheStorage):
         log.info("raykv: clear() leaves the shared store as it is")
 
     def close(self) -> None:
-        """Drop this backend's pools from the node actor and close the client."""
+        """Drop this backend's pools from the node actor and close the client (from
+        any thread; a second call does nothing more). A staging pool goes only once the
+        staged transfer under way on it has ended (both its locks taken): its copies run
+        on this process's mapping of the pool, which destroying it unmaps at once (torch
+        views keep no mapping alive), so a copy under way would fault (SIGSEGV). So
+        close() may wait for one transfer per pool (its rounds' store calls, each within
+        ``timeout_s``). Store calls in flight on a zero-copy pool are waited for by the
+        node actor. Calls after close() fail their pages, never raise."""
         with self._lock:
             for ep in self._pools.values():
-                if ep.pool is not None:
-                    with contextlib.suppress(Exception):
-                        self.client.destroy_host_pool(ep.pool)
+                with ep.locks[0], ep.locks[1]:
+                    ep.closed = True
+                    if ep.pool is not None:
+                        with contextlib.suppress(Exception):
+                            self.client.destroy_host_pool(ep.pool)
             self._pools.clear()
             with contextlib.suppress(Exception):
                 self.client.close()

@@ -27,7 +27,11 @@ Models (``model``), each SGLang's own classes on ``device="cpu"``:
 Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node_actor``
 (SIGSTOP / SIGCONT this backend's node actor), ``logged`` (another step with every
 backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
-query and its load) and ``until_hit``.
+query and its load) and ``until_hit``. Close steps (``test_sglang_close.py``):
+``close_during_backup`` (the backend closed while SGLang's backup thread is in a store
+call), ``close_during_copy`` (closed while the backend copies pages through its staging
+pool) and ``read_back`` (every object of a prompt that exists, read by a fresh backend
+and compared byte for byte).
 
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
@@ -611,6 +615,204 @@ class Engine:
             if full or time.time() - t > step.get("s", 60):
                 return {"tries": tries, "hit": full, "last": res}
             time.sleep(0.5)
+
+    # ------------------------------------------------ close under a backup
+    def close_during_backup(self, step) -> dict:
+        """SGLang's backup of prompt ``seed`` as ``ops`` write operations of ``run_pages``
+        consecutive pages each, queued at once (SGLang's backup thread takes them in
+        turn, one ``batch_set_v1`` each), with the backend's ``close()`` called from this
+        thread while one of those calls is in the node actor's store call: once
+        ``after_calls`` calls have started and the latest has run ``into_s`` seconds (the
+        node actor holds each store call ``RAYKV_TEST_STORE_DELAY_S`` seconds). One more
+        operation (the prompt's last ``run_pages`` pages) is queued after ``close()``
+        returned: SGLang's backup thread then calls the closed backend.
+
+        Returns ``pid`` (the node actor's, from ``health()`` before), ``close`` (its start
+        and end), ``calls`` (per ``batch_set_v1``: its page indices, start, end, what it
+        reported per page, or what it raised), ``completed`` (SGLang's acked tokens per
+        operation, the late one last) and ``stored_pages`` (page indices SGLang's acks
+        count stored). Times are seconds since the step began."""
+        P = self.page
+        seed, run, n_ops = step["seed"], step["run_pages"], step["ops"]
+        toks, hashes = self.tokens(seed, run * (n_ops + 1))
+        index = {h: i for i, h in enumerate(hashes)}
+        pid = self.store.client.health()["pid"]
+        calls: list[dict] = []
+        lock = threading.Lock()
+        t0 = time.perf_counter()
+        original = self.store.batch_set_v1
+
+        def batch_set_v1(keys, host_indices, extra_info=None):
+            rec = {"pages": [index.get(k) for k in keys],
+                   "start": time.perf_counter() - t0, "end": None}
+            with lock:
+                calls.append(rec)
+            try:
+                out = original(keys, host_indices, extra_info)
+                rec["result"] = [bool(v) for v in out]
+                return out
+            except BaseException as e:
+                rec["raised"] = repr(e)
+                raise
+            finally:
+                rec["end"] = time.perf_counter() - t0
+
+        def backup(r: int) -> None:
+            hidx = self.group.alloc(run * P)
+            self.fill(self.host, "", seed, hashes[r * run:(r + 1) * run], hidx)
+            self.cc.write_storage(hidx, toks[r * run * P:(r + 1) * run * P],
+                                  hash_value=hashes[r * run:(r + 1) * run])
+
+        self.store.batch_set_v1 = batch_set_v1  # SGLang looks it up at every call
+        try:
+            for r in range(n_ops):
+                backup(r)
+            deadline = time.monotonic() + 60
+            while True:
+                with lock:
+                    started = len(calls)
+                    running = [c for c in calls if c["end"] is None]
+                now = time.perf_counter() - t0
+                if (started >= step["after_calls"] and running
+                        and now - running[-1]["start"] >= step["into_s"]):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"SGLang's backup thread made {started} calls in 60 s")
+                time.sleep(0.002)
+            close = {"start": time.perf_counter() - t0}
+            self.store.close()
+            close["end"] = time.perf_counter() - t0
+            backup(n_ops)
+            completed = [self.cc.ack_backup_queue.get(timeout=60).completed_tokens
+                         for _ in range(n_ops + 1)]
+        finally:
+            self.store.__dict__.pop("batch_set_v1", None)
+        stored = [r * run + i for r, done in enumerate(completed) for i in range(done // P)]
+        return {"pid": pid, "close": close, "calls": calls, "completed": completed,
+                "stored_pages": stored}
+
+    def close_during_copy(self, step) -> dict:
+        """The backend's ``close()`` called from this thread while the backend copies
+        pages between SGLang's pool and its staging pool: ``direction`` ``"in"``, a
+        backup of prompt ``seed`` (``n_pages``; SGLang's pages copied into staging before
+        the put), or ``"out"``, a prefetch of it (backed up before; the pages read copied
+        out of staging into SGLang's). Each page of that copy is slowed by ``copy_s``
+        seconds (test-only: ``raykv.integrations.sglang._runs`` patched for this step),
+        and ``close()`` runs once the copy has begun; the backup or prefetch runs on a
+        thread of this step through SGLang's own threads.
+
+        Returns ``result`` (what ``write`` / ``prefetch`` report: the acked tokens, or
+        the pages SGLang's acks count loaded and whether their bytes are the writer's),
+        ``close`` (start, end) and ``copy_started`` (seconds since the step began)."""
+        import raykv.integrations.sglang as raykv_sglang
+
+        runs = raykv_sglang._runs
+        copy = self.store._copy
+        slowed = threading.local()
+        copying = threading.Event()
+        backup = step["direction"] == "in"
+        t0 = time.perf_counter()
+        copy_started: list[float] = []
+
+        def slow_copy(ep, epages, spages, to_stage):
+            slowed.on = to_stage == backup
+            try:
+                return copy(ep, epages, spages, to_stage=to_stage)
+            finally:
+                slowed.on = False
+
+        def slow_runs(a, b):
+            for a0, b0, n in runs(a, b):
+                for i in range(n):
+                    if getattr(slowed, "on", False):
+                        if not copying.is_set():
+                            copy_started.append(time.perf_counter() - t0)
+                            copying.set()
+                        time.sleep(step["copy_s"])
+                    yield a0 + i, b0 + i, 1
+
+        done: dict = {}
+        inner = {"seed": step["seed"], "n_pages": step["n_pages"], "rid": "close-copy"}
+
+        def transfer() -> None:
+            try:
+                done["result"] = self.write(inner) if backup else self.prefetch(inner)
+            except Exception as e:
+                done["error"] = repr(e)
+
+        self.store._copy = slow_copy
+        raykv_sglang._runs = slow_runs
+        try:
+            thread = threading.Thread(target=transfer, name="close-copy")
+            thread.start()
+            if not copying.wait(60):
+                raise TimeoutError("the backend never copied pages through its staging pool")
+            close = {"start": time.perf_counter() - t0}
+            self.store.close()
+            close["end"] = time.perf_counter() - t0
+            thread.join(120)
+        finally:
+            raykv_sglang._runs = runs
+            self.store.__dict__.pop("_copy", None)
+        if "error" in done:
+            raise RuntimeError(f"the {step['direction']} transfer failed: {done['error']}")
+        return {"result": done.get("result"), "close": close,
+                "copy_started": copy_started[0]}
+
+    def read_back(self, step) -> dict:
+        """Every KV object of prompt ``seed`` (``n_pages``) that exists in the store, read
+        through this backend's own client (a fresh ``CacheClient``) into pages of its
+        pool filled with noise first, and compared with what the writer wrote.
+
+        Existence per object: the node actor's ``exists``; the reads: one pointer-API
+        ``batch_get`` of every existing object. Returns ``objects`` (per page, per object
+        K, V: None absent, True the writer's bytes, False other bytes or not read),
+        ``read`` (objects read in full, of ``existing``) and ``pid`` (the node actor's,
+        from ``health()``)."""
+        import numpy as np
+        import ray
+        from raykv.controllers.contract import PoolName as RayKVPool
+        from raykv.controllers.naming import node_actor_name
+
+        P = self.page
+        seed = step["seed"]
+        _, hashes = self.tokens(seed, step["n_pages"])
+        client = self.store.client
+        plan = client.plan
+        tagged = [plan.kv_keys(h) for h in hashes]
+        actor = ray.get_actor(node_actor_name(client.node_id), namespace=self.store._namespace)
+        flat = [k for keys in tagged for k in keys]
+        codes = ray.get(actor.exists.remote(flat), timeout=60)
+        per_page = len(tagged[0])
+        exists = [[codes[p * per_page + i] == 1 for i in range(per_page)]
+                  for p in range(len(hashes))]
+        pool = self.store._pools[RayKVPool.KV].pool
+        keys, ptrs, sizes, slots = [], [], [], {}
+        for p, (page_keys, present) in enumerate(zip(tagged, exists, strict=True)):
+            if not any(present):
+                continue
+            slot = len(slots) * P
+            slots[p] = slot
+            view = pool.kv_buffer[:, slot:slot + P]
+            view.copy_(noise(view.shape, view.dtype))
+            page_ptrs, page_sizes = pool.get_page_buffer_meta(np.arange(slot, slot + P))
+            for i, key in enumerate(page_keys):
+                if present[i]:  # the pointer API tags keys itself
+                    keys.append(key.removeprefix(plan.prefix))
+                    ptrs.append(page_ptrs[i])
+                    sizes.append(page_sizes[i])
+        read = client.batch_get(keys, ptrs, sizes) if keys else 0
+        objects = []
+        for p, h in enumerate(hashes):
+            if p not in slots:
+                objects.append([None] * per_page)
+                continue
+            view = pool.kv_buffer[:, slots[p]:slots[p] + P]
+            want = page_tensor(seed, h, self.rank, view.shape, view.dtype)
+            objects.append([bool(self.torch.equal(view[i], want[i])) if exists[p][i] else None
+                            for i in range(per_page)])
+        return {"objects": objects, "read": read, "existing": len(keys),
+                "pid": client.health()["pid"]}
 
     def threads(self) -> dict:
         cc = self.cc
