@@ -210,7 +210,10 @@ class HostPool:
         self._pinned = True
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap; with ``unlink`` (owner only) remove the shared-memory file too."""
+        """Unmap; with ``unlink`` (owner only) remove the shared-memory file too. The
+        caller makes sure no thread still uses a tensor of this pool: torch views made
+        with ``torch.frombuffer`` do not keep the mapping alive (measured: the unmap
+        succeeds with views alive), so touching one afterwards is a use after unmap."""
         if self._pinned:
             import torch
 
@@ -222,8 +225,7 @@ class HostPool:
         try:
             if isinstance(self._mm, mmap.mmap):
                 self._mm.close()
-        except BufferError:
-            # A caller still holds a view of kv_buffer: the mapping lives until it drops it.
-            log.debug("pool %s stays mapped while views of it are alive", self.name)
+        except BufferError:  # a memoryview (not a torch view) of the mapping is alive
+            log.debug("pool %s stays mapped while a memoryview of it is alive", self.name)
         if unlink and self._owner:
             unlink_shm_file(self.handle.path)
