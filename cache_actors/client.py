@@ -33,6 +33,7 @@ from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResul
 from raykv.controllers.group_search import search
 from raykv.controllers.keys import KeyPlan
 from raykv.controllers.naming import NAMESPACE
+from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
     TransferPlan,
     check_exists,
@@ -124,6 +125,13 @@ class CacheClient:
     def attach_host_pool(self, name: str) -> HostPool:
         """Map the existing pool ``name`` of this node; ``ValueError`` if there is none."""
         return self._pools.attach(name)
+
+    def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
+                          inode: Sequence[int]) -> HostPool:
+        """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``, ``inode`` its
+        ``(st_dev, st_ino)`` as the engine sees it) as this node's pool ``name`` with no
+        copy, and map it here. ``ValueError`` for anything that is not such a memfd."""
+        return self._pools.adopt_engine(name, path, layout, inode)
 
     def destroy_host_pool(self, pool: HostPool | str) -> bool:
         """Remove a pool from this node for every rank; False if it did not exist."""

@@ -68,6 +68,12 @@ META_MAX_BYTES = 64 << 10
 """A pool record larger than this is not read (a real one is well under 4 KiB)."""
 
 
+def _stale(old: int, new: int) -> StalePoolsError:
+    """The error of a call whose pool handles are of epoch ``old``, the node's ``new``."""
+    return StalePoolsError(f"this node's pools were allocated anew (epoch {old} -> {new}); "
+                           "L2 contents were lost: re-map and retry")
+
+
 @dataclass(frozen=True)
 class PoolTable:
     """One generation of a node's pools (read-only; see the module docstring)."""
@@ -89,9 +95,7 @@ class PoolTable:
         an object outside its pool."""
         names = batch.check()
         if batch.epoch != self.epoch:
-            raise StalePoolsError(
-                f"this node's pools were allocated anew (epoch {batch.epoch} -> "
-                f"{self.epoch}); L2 contents were lost: re-map and retry")
+            raise _stale(batch.epoch, self.epoch)
         pools = {}
         used = []
         for name in names:
@@ -171,9 +175,7 @@ class NodePools:
             current = self.table
             if current is not table:
                 if current.epoch != table.epoch:
-                    raise StalePoolsError(
-                        f"this node's pools were allocated anew (epoch {table.epoch} -> "
-                        f"{current.epoch}); L2 contents were lost: re-map and retry")
+                    raise _stale(table.epoch, current.epoch)
                 for pool in pools:
                     if current.pools.get(pool.name) is not pool:
                         raise ValueError(f"pool {pool.name!r} was destroyed on this node "

@@ -131,6 +131,14 @@ class PoolLifecycle:
         owner = (ProcessIdentity.current(),) if per_process else ()
         return self._map(self._link.call("create_pool", name, layout, *owner))
 
+    def adopt_engine(self, name: str, path: str, layout: PoolLayout,
+                     inode: Sequence[int]) -> HostPool:
+        """Have the node serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``,
+        ``inode`` its ``(st_dev, st_ino)``) as pool ``name`` with no copy, then map that
+        pool here (``NodeService.adopt_engine_pool``)."""
+        self._link.call("adopt_engine_pool", name, path, layout, tuple(inode))
+        return self.attach(name)
+
     def attach(self, name: str) -> HostPool:
         """Map the existing pool ``name``; ``ValueError`` if the node has none."""
         if name in self._mapped:

@@ -51,9 +51,8 @@ import torch
 from raykv.cache_actors.client import CacheClient
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.node_link import CONTROL_TIMEOUT_S
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
-from raykv.controllers.naming import NAMESPACE, node_actor_name
+from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.pool_layout import PoolLayout
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -447,18 +446,9 @@ class RayKVStore(HiCacheStorage):
         pid, fd = ep.memfd
         name = ep.pool.name if ep.pool is not None else \
             f"sglang-{pid}-{fd}-{uuid.uuid4().hex[:8]}"
-        actor = ray.get_actor(node_actor_name(self.client.node_id), namespace=self._namespace)
         st = os.fstat(fd)  # the memfd that _maps_at_start found under SGLang's tensors
-        ref = actor.adopt_engine_pool.remote(name, f"/proc/{pid}/fd/{fd}", ep.layout,
-                                             (st.st_dev, st.st_ino))
-        try:
-            ray.get(ref, timeout=CONTROL_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            with contextlib.suppress(Exception):  # best effort: it may have started
-                ray.cancel(ref)
-            raise DeadlineExceededError(f"the node actor did not adopt SGLang's pool {name} "
-                                        f"within {CONTROL_TIMEOUT_S:g} s") from None
-        ep.pool = self.client.attach_host_pool(name)
+        ep.pool = self.client.adopt_engine_pool(name, f"/proc/{pid}/fd/{fd}", ep.layout,
+                                                (st.st_dev, st.st_ino))
         ep.zero_copy = True
 
     def _readopt_all(self) -> None:
