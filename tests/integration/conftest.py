@@ -19,6 +19,24 @@ def two_nodes(mode: str):
                        standalone=mode == "standalone")
 
 
+def slow_two_nodes(mode: str, delay_s: float):
+    """``two_nodes(mode)`` whose node actors hold every put and get ``delay_s`` s inside
+    the store call (``RAYKV_TEST_STORE_DELAY_S``, read by the node actors as they start):
+    tests tear pools down under transfers in flight."""
+    os.environ["RAYKV_TEST_STORE_DELAY_S"] = str(delay_s)
+    try:
+        return two_nodes(mode)
+    finally:
+        del os.environ["RAYKV_TEST_STORE_DELAY_S"]
+
+
+def node_pids(cluster) -> dict:
+    """The pid of every node actor of ``cluster``, by node id (a crash changes one)."""
+    import ray
+
+    return {n: ray.get(a.health.remote())["pid"] for n, a in cluster.node_actors.items()}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A two-node embedded cluster, per test module."""

@@ -9,7 +9,6 @@ lands while calls are in flight on the pool. Before the fix, the pool was unmapp
 zeros stored under real keys and reported stored) under those calls.
 """
 
-import os
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import ray
 from raykv.cache_actors import CacheClient
 from raykv.controllers import StorageConfig
 
-from tests.integration.conftest import MODES, two_nodes
+from tests.integration.conftest import MODES, node_pids, slow_two_nodes
 from tests.integration.loopers import PAGES, POOL, looper
 
 DELAY_S = 0.15
@@ -27,23 +26,14 @@ VICTIM = "teardown-victim"
 @pytest.fixture(scope="module", params=MODES)
 def slow_cluster(request):
     """A two-node cluster whose node actors hold every store call ``DELAY_S`` s."""
-    os.environ["RAYKV_TEST_STORE_DELAY_S"] = str(DELAY_S)
-    try:
-        cluster = two_nodes(request.param)
-    finally:
-        del os.environ["RAYKV_TEST_STORE_DELAY_S"]
-    with cluster:
+    with slow_two_nodes(request.param, DELAY_S) as cluster:
         yield cluster
-
-
-def pids(cluster) -> dict:
-    return {n: ray.get(a.health.remote())["pid"] for n, a in cluster.node_actors.items()}
 
 
 def test_destroy_during_puts_and_gets_never_stores_wrong_bytes(slow_cluster, uid):
     cluster = slow_cluster
     head, other = cluster.node_ids
-    before = pids(cluster)
+    before = node_pids(cluster)
     owner = CacheClient(StorageConfig(model_name="teardown/owner"))
     assert owner.node_id == head
     owner.create_host_pool("mha", name=VICTIM, **POOL)
@@ -58,7 +48,7 @@ def test_destroy_during_puts_and_gets_never_stores_wrong_bytes(slow_cluster, uid
     assert owner.destroy_host_pool(VICTIM)
     results = ray.get(runs, timeout=300)
 
-    assert pids(cluster) == before  # no node actor crashed (or was restarted)
+    assert node_pids(cluster) == before  # no node actor crashed (or was restarted)
     for res in results[:-1]:  # the victims' loop ended with a clear error
         assert res["error"] is not None and "ValueError" in res["error"], res["error"]
         assert VICTIM in res["error"] or "destroyed" in res["error"], res["error"]

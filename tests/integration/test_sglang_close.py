@@ -30,9 +30,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import ray
 
-from tests.integration.conftest import MODES, two_nodes
+from tests.integration.conftest import MODES, node_pids, slow_two_nodes
 from tests.integration.sglang_runs import PAGE, run_driver, scenario
 
 DELAY_S = 0.25
@@ -47,17 +46,8 @@ COPY_S = 0.05
 def slow_cluster(request):
     """``(mode, cluster)``: a two-node cluster whose node actors hold every put and get
     ``DELAY_S`` s."""
-    os.environ["RAYKV_TEST_STORE_DELAY_S"] = str(DELAY_S)
-    try:
-        cluster = two_nodes(request.param)
-    finally:
-        del os.environ["RAYKV_TEST_STORE_DELAY_S"]
-    with cluster:
+    with slow_two_nodes(request.param, DELAY_S) as cluster:
         yield request.param, cluster
-
-
-def pids(cluster) -> dict:
-    return {n: ray.get(a.health.remote())["pid"] for n, a in cluster.node_actors.items()}
 
 
 def paths(mode: str) -> dict[str, dict]:
@@ -70,7 +60,7 @@ def paths(mode: str) -> dict[str, dict]:
 
 def test_close_during_backup_never_stores_or_reads_wrong_bytes(slow_cluster, tmp_path):
     mode, cluster = slow_cluster
-    before = pids(cluster)
+    before = node_pids(cluster)
     uid = os.urandom(4).hex()
     specs = []
     for name, extra in paths(mode).items():
@@ -87,7 +77,7 @@ def test_close_during_backup_never_stores_or_reads_wrong_bytes(slow_cluster, tmp
         ]
     out = run_driver(tmp_path, cluster, 0, specs, timeout=300)["scenarios"]
 
-    assert pids(cluster) == before  # no node actor crashed (or was restarted)
+    assert node_pids(cluster) == before  # no node actor crashed (or was restarted)
     for name in paths(mode):
         writer, reader = out[f"{name}-writer"], out[f"{name}-reader"]
         for sc in (writer, reader):
@@ -132,7 +122,7 @@ def test_close_during_staging_copies_never_crashes_or_hands_over_other_bytes(slo
     unmapped the staging pool under the copy (torch views hold no buffer export, so the
     mapping went at once) and SGLang's process died of SIGSEGV."""
     mode, cluster = slow_cluster
-    before = pids(cluster)
+    before = node_pids(cluster)
     uid = os.urandom(4).hex()
     extra = {"zero_copy": False} if mode == "embedded" else {}  # staged in both modes
     seeds = {d: f"close-copy-{d}-{uid}" for d in ("in", "out")}
@@ -151,7 +141,7 @@ def test_close_during_staging_copies_never_crashes_or_hands_over_other_bytes(slo
     ]
     out = run_driver(tmp_path, cluster, 0, specs, timeout=300)["scenarios"]
 
-    assert pids(cluster) == before
+    assert node_pids(cluster) == before
     for sc in out.values():
         assert "attach_error" not in sc, sc
         for s in sc["steps"]:
