@@ -560,10 +560,10 @@ class Engine:
     # ------------------------------------------------------- deadline steps
     def stop_node_actor(self, step) -> dict:
         """SIGSTOP this backend's node actor (hung, as its callers see it)."""
-        import signal
+        from process_stop import stop_process  # this script's folder
 
         self.stopped_pid = self.store.client.health()["pid"]
-        os.kill(self.stopped_pid, signal.SIGSTOP)
+        stop_process(self.stopped_pid)
         return {"pid": self.stopped_pid}
 
     def cont_node_actor(self, step) -> dict:

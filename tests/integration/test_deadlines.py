@@ -20,6 +20,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableErro
 from raykv.controllers import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
+from tests.integration.process_stop import stop_process
 from tests.integration.ranks import indices, start_rank
 
 N = 4
@@ -79,7 +80,7 @@ def test_a_stopped_node_actor_fails_calls_at_their_deadline_then_serves_again(cl
 
     actor = ray.get_actor(node_actor_name(node), namespace=cluster.namespace)
     pid = ray.get(actor.health.remote())["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         outcomes = {
             "channel batch_get_v1": timed(lambda: ray.get(home.call.remote(

@@ -28,6 +28,7 @@ import ray
 from raykv.integrations.vllm_actors import ready, start_engine
 from raykv.integrations.vllm_model import make_llama
 
+from tests.integration.process_stop import stop_process
 from tests.integration.test_vllm import BLOCK, prompt
 from tests.integration.vllm_deadline_engine import DeadlineEngine
 
@@ -83,7 +84,7 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
     try:
         ready(e)
         # Before the first request: the lookup misses at the deadline.
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             first = bounded(e.generate.remote(prompt(40)), "first request while stopped")
         finally:
@@ -100,7 +101,7 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
         assert warm["cached"] == FULL and warm["tokens"] == cold["tokens"], warm
 
         # Stopped with p stored: a miss at the deadline, the cold tokens.
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             got = bounded(e.generate.remote(p), "lookup while stopped")
         finally:

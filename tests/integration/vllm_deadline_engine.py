@@ -5,12 +5,12 @@ In a module of its own so that Ray workers import it by name."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import ray
 from raykv.integrations.vllm_actors import VLLMEngine
+
+from tests.integration.process_stop import stop_process
 
 
 @ray.remote(num_cpus=0)
@@ -30,7 +30,7 @@ class DeadlineEngine(VLLMEngine):
             out = lookup(request, num_computed_tokens)
             self._lookups.append({"seconds": time.perf_counter() - t, "tokens": out[0]})
             if self._stop_pid is not None and out[0]:
-                os.kill(self._stop_pid, signal.SIGSTOP)
+                stop_process(self._stop_pid)
                 self._stop_pid = None
             return out
         connector.get_num_new_matched_tokens = timed
