@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from raykv.cache_actors.client import CacheClient
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.client import CacheClient
 from raykv.clusters.bench_group import group_rows, judge_group, render_group, render_targets
 from raykv.clusters.local import LocalCluster, start_local
 from raykv.controllers.contract import StorageConfig
@@ -313,7 +313,7 @@ def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, 
             else:
                 for name, t in zip(times, (*whole_t, *raw_t), strict=True):
                     times[name].append(t)
-            raw.remove([k for h in hashes for k in client.plan.kv_keys(h)] + raw_keys)
+            raw.remove([k for h in hashes for k in client.key_scheme.kv_keys(h)] + raw_keys)
     finally:
         client.destroy_host_pool(pages.pool)
     nbytes = batch * page_bytes
@@ -358,7 +358,7 @@ def bench_latency(client: CacheClient, raw: RawStore, run_id: str,
         for i in range(calls):
             hashes = [f"lat-{run_id}-{i}"]
             keys = [f"raw-{hashes[0]}"]
-            written += client.plan.kv_keys(hashes[0]) + keys
+            written += client.key_scheme.kv_keys(hashes[0]) + keys
             results = {  # (seconds, result) per operation, run in this order
                 "whole_set": timed(client.batch_set_v1, hashes, pages.src_indices),
                 "whole_get": timed(client.batch_get_v1, hashes, pages.dst_indices),

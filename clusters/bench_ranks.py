@@ -110,7 +110,7 @@ class RankWorker(_Worker):
 
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        from raykv.cache_actors.client import CacheClient
+        from raykv.cache_actors.rank.client import CacheClient
         from raykv.controllers.contract import StorageConfig
 
         self.index = index
@@ -144,7 +144,7 @@ class RankWorker(_Worker):
         if not (all(ok_put) and all(ok_get)):
             raise RuntimeError(f"rank {self.index}: {ok_put.count(False)} puts and "
                                f"{ok_get.count(False)} gets of {len(hashes)} pages failed")
-        _remove(self.janitor, [k for h in hashes for k in self.client.plan.kv_keys(h)])
+        _remove(self.janitor, [k for h in hashes for k in self.client.key_scheme.kv_keys(h)])
 
     def check(self, run_id: str) -> bool:
         """One round whose bytes read back are compared with the bytes written."""

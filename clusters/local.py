@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import ray
-from raykv.cache_actors.client_supervisor import stop_recorded
+from raykv.cache_actors.node.client_supervisor import stop_recorded
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, replace
 
 import ray
-from raykv.cache_actors.node_actor import node_actor_class
+from raykv.cache_actors.node.node_actor import node_actor_class
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class NodeSettings:
 
     ``local_hostname`` None means the node's IP as Ray sees it. ``standalone`` runs each
     node's segment in a supervised ``mooncake_client`` process (see
-    ``cache_actors.node_store``); ``host_pool_bytes`` is each node's budget for host pools
+    ``cache_actors.node.node_store``); ``host_pool_bytes`` is each node's budget for host pools
     (0: no limit, embedded mode only). ``group_window_s`` bounds how long a group hit
     answer is kept for the ranks of the group that have not asked yet. ``confirm_ttl_s``
     is how long group queries trust a page the store confirmed present; it must stay

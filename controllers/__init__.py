@@ -7,14 +7,14 @@ from raykv.controllers.contract import (
     PoolTransferResult,
     StorageConfig,
 )
-from raykv.controllers.keys import KeyPlan, key_prefix, mha_suffix, mla_suffix
+from raykv.controllers.keys import KeyScheme, key_prefix, mha_suffix, mla_suffix
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, node_actor_name
 from raykv.controllers.pool_layout import PoolLayout
 
 __all__ = [
     "CONTROLLER_NAME",
     "NAMESPACE",
-    "KeyPlan",
+    "KeyScheme",
     "PoolHitPolicy",
     "PoolLayout",
     "PoolName",

@@ -2,7 +2,7 @@
 
 It is off the byte path and off the query path. It records where the store is and
 which node actors serve which Ray nodes, keeps the deployments (their TP/PP groups and
-pools), hands each rank its key plan and names the *home* node of each group: that
+pools), hands each rank its key scheme and names the *home* node of each group: that
 node's cache actor answers the group's existence queries (one ``batch_is_exist`` over
 every rank's and pool's objects, shared by every rank that asks within a window), so
 ranks never need an all-reduce and can never disagree, and query load spreads over the
@@ -90,13 +90,13 @@ class CacheController:
     # ----------------------------------------------------------- deployments
     def register_rank(self, config: StorageConfig, pools: Sequence[PoolSpec],
                       node_id: str) -> Registration:
-        """Record a rank of a deployment; returns its key plan and its group's home.
+        """Record a rank of a deployment; returns its key scheme and its group's home.
 
         ``ValueError`` naming the conflict if the rank contradicts its group.
         """
         dep = self._registry.register_rank(config, pools, node_id)
         self._save()
-        return Registration(dep.deployment_id, dep.key_plan(config.tp_rank, config.pp_rank),
+        return Registration(dep.deployment_id, dep.key_scheme(config.tp_rank, config.pp_rank),
                             dep.home_node, dep.version)
 
     def deployment(self, deployment_id: str) -> Deployment:

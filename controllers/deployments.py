@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from raykv.controllers.keys import KeyPlan, check_key_rule, is_replicated, key_prefix
+from raykv.controllers.keys import KeyScheme, check_key_rule, is_replicated, key_prefix
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ class Deployment:
     home_node: str | None = None
     version: int = 1
 
-    def key_plan(self, tp_rank: int, pp_rank: int) -> KeyPlan:
-        """The key plan of rank (``tp_rank``, ``pp_rank``)."""
-        return KeyPlan.from_config(StorageConfig(
+    def key_scheme(self, tp_rank: int, pp_rank: int) -> KeyScheme:
+        """The key scheme of rank (``tp_rank``, ``pp_rank``)."""
+        return KeyScheme.from_config(StorageConfig(
             tp_rank=tp_rank, tp_size=self.tp_size, pp_rank=pp_rank, pp_size=self.pp_size,
             is_mla_model=self.is_mla_model, model_name=self.model_name,
             extra_config={"extra_backend_tag": self.extra_backend_tag}))
@@ -72,11 +72,11 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Registration:
-    """What a registered rank is told: its deployment, key plan, and where (and at which
+    """What a registered rank is told: its deployment, key scheme, and where (and at which
     deployment version) its group's existence queries are answered."""
 
     deployment_id: str
-    plan: KeyPlan
+    key_scheme: KeyScheme
     home_node: str
     version: int
 
@@ -153,7 +153,7 @@ class PoolQuery:
     window: int = 1
 
 
-def rank_template(keys: KeyPlan, rank: tuple[int, int],
+def rank_template(keys: KeyScheme, rank: tuple[int, int],
                   specs: Sequence[PoolSpec]) -> tuple[tuple, ...]:
     """``(rank, pool, scope, suffixes)`` of one rank's ``specs``, its objects named by
     ``keys``: a replicated pool's scope is shared by the TP ranks of its PP stage (its
@@ -165,7 +165,7 @@ def rank_template(keys: KeyPlan, rank: tuple[int, int],
 
 
 @functools.lru_cache(maxsize=256)
-def _group_template(plans: tuple[tuple[tuple[int, int], KeyPlan], ...],
+def _group_template(plans: tuple[tuple[tuple[int, int], KeyScheme], ...],
                     specs: tuple[PoolSpec, ...]) -> tuple[tuple, ...]:
     """``rank_template`` of every rank, computed once per deployment shape and pool set."""
     return tuple(t for rank, keys in plans for t in rank_template(keys, rank, specs))
@@ -180,7 +180,7 @@ def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, 
             raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
                              f"pool (it has {[p.value for p in dep.pools]})")
     names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
-    ranks = tuple(((tp, pp), dep.key_plan(tp, pp))
+    ranks = tuple(((tp, pp), dep.key_scheme(tp, pp))
                   for pp in range(dep.pp_size) for tp in range(dep.tp_size))
     prefix = ranks[0][1].prefix
     return prefix, _group_template(ranks, tuple(dep.pools[n] for n in names))

@@ -48,7 +48,7 @@ from raykv.controllers.deployments import (
     rank_template,
 )
 from raykv.controllers.hit_resolution import pool_hit_pages, trailing_ends
-from raykv.controllers.keys import KeyPlan
+from raykv.controllers.keys import KeyScheme
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def group_families(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupFamili
     return _families_of(prefix, template, extra)
 
 
-def rank_families(keys: KeyPlan, rank: tuple[int, int], specs: Sequence[PoolSpec],
+def rank_families(keys: KeyScheme, rank: tuple[int, int], specs: Sequence[PoolSpec],
                 queries: Sequence[PoolQuery]) -> GroupFamilies:
     """Families of one rank (``rank`` = (tp, pp), named by ``keys``) for its pools
     ``specs`` (KV first), with ``queries``' hit policies: a group of one."""

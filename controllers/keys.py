@@ -2,7 +2,7 @@
 
 Every object key is ``P_`` + page hash + a suffix naming the rank scope and the buffer.
 ``P`` is ``extra_backend_tag`` then ``model_name`` (``/`` -> ``-``), joined by ``_``; with
-neither set there is no prefix. A ``KeyPlan`` is the only place that tags, and it tags
+neither set there is no prefix. A ``KeyScheme`` is the only place that tags, and it tags
 each key exactly once: callers hand it raw page hashes, never keys it returned.
 
 Rank scopes: ``mha`` = ``"{tp}"`` or ``"{tp}_{pp}"`` when ``pp_size > 1`` (data sharded by
@@ -59,7 +59,7 @@ def mla_suffix(pp_rank: int, pp_size: int) -> str:
 
 
 @dataclass(frozen=True)
-class KeyPlan:
+class KeyScheme:
     """Tagging rules of one rank: turns raw page hashes into Mooncake object keys.
 
     Every method returns the keys of one page in the pointer order of that pool's
@@ -73,7 +73,7 @@ class KeyPlan:
     tp_rank: int
 
     @classmethod
-    def from_config(cls, config: StorageConfig) -> KeyPlan:
+    def from_config(cls, config: StorageConfig) -> KeyScheme:
         return cls(
             prefix=key_prefix(config.model_name, config.extra_backend_tag),
             mha=mha_suffix(config.tp_rank, config.pp_rank, config.pp_size),
@@ -148,7 +148,7 @@ class KeyPlan:
 
     def suffixes(self, pool: PoolName, kind: str, buffer_names: Sequence[str]) -> list[str]:
         """What follows the page hash in each object key of a page of this pool, so a
-        key is ``prefix + page_hash + suffix`` (worked out once per plan and pool)."""
+        key is ``prefix + page_hash + suffix`` (worked out once per scheme and pool)."""
         return list(_suffixes(self, pool, kind, tuple(buffer_names)))
 
     @property
@@ -158,6 +158,7 @@ class KeyPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def _suffixes(plan: KeyPlan, pool: PoolName, kind: str,
+def _suffixes(scheme: KeyScheme, pool: PoolName, kind: str,
               buffer_names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(k[len(plan.prefix):] for k in plan.pool_keys(pool, kind, list(buffer_names), ""))
+    keys = scheme.pool_keys(pool, kind, list(buffer_names), "")
+    return tuple(k[len(scheme.prefix):] for k in keys)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
 from raykv.controllers.deployments import PoolQuery, PoolSpec
 from raykv.controllers.group_search import GroupFamilies, rank_families
-from raykv.controllers.keys import KeyPlan, is_replicated
+from raykv.controllers.keys import KeyScheme, is_replicated
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -153,11 +153,11 @@ def _slots(indices: object) -> object:
 
 
 def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, PlanPool],
-                   keys: KeyPlan, *, write: bool, epoch: int,
+                   keys: KeyScheme, *, write: bool, epoch: int,
                    disabled: Collection[PoolName] = ()) -> TransferPlan:
     """Validate ``transfers`` and lay out their objects in one batch.
 
-    ``pools``: the registered pools by role; ``keys``: the rank's key plan; ``write``:
+    ``pools``: the registered pools by role; ``keys``: the rank's key scheme; ``write``:
     a put (replicated pools are then written by TP rank 0 only: other ranks get True
     without writing); ``epoch``: that of the pool handles (``ObjectBatch.epoch``);
     ``disabled``: pools whose pages fail without the store. ``ValueError`` for bad
@@ -222,7 +222,7 @@ def check_exists(keys: Sequence[str], transfers: Sequence[PoolTransfer],
 
 
 def exists_families(queries: Sequence[PoolQuery], pools: Mapping[PoolName, PlanPool],
-                    keys: KeyPlan, rank: tuple[int, int]) -> GroupFamilies:
+                    keys: KeyScheme, rank: tuple[int, int]) -> GroupFamilies:
     """The object families of KV and of each queried pool of one ``rank`` (tp, pp), as
     ``check_exists`` validated them: ``group_search.search`` resolves the hit."""
     return rank_families(keys, rank, [pools[n].spec(n)

@@ -14,7 +14,7 @@ joins the raykv cluster over Ray, talks to the cache actor of its node through a
 - **Zero-copy** (``"allocator": "shm"``, embedded Mooncake mode): SGLang's KV-like host
   pools (KV, SWA, draft, DSA indexer; MHA or MLA, ``page_first``) are memfds in the
   scheduler process. The node actor maps them through ``/proc/<pid>/fd/<fd>``, registers
-  them with its Mooncake client (``cache_actors.engine_memory``), and pages move straight
+  them with its Mooncake client (``cache_actors.node.engine_memory``), and pages move straight
   between SGLang's tensors and the store.
 - **Staging** (any other allocator, Mamba pools, standalone mode): a raykv host pool of
   the same page geometry per SGLang pool; pages are copied into it before a put and out
@@ -48,9 +48,9 @@ from typing import Any
 
 import ray
 import torch
-from raykv.cache_actors.client import CacheClient
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.client import CacheClient
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.pool_layout import PoolLayout

@@ -154,7 +154,7 @@ class Bench:
 
     def remove(self, hashes: list[str]) -> None:
         """Force-remove every object of ``hashes`` (both backends use the same keys)."""
-        keys = [k for h in hashes for k in self.store.client.plan.kv_keys(h)]
+        keys = [k for h in hashes for k in self.store.client.key_scheme.kv_keys(h)]
         codes = self.cc["mooncake"].storage_backend.store.batch_remove(keys, True)
         bad = [c for c in codes if c != 0]
         if bad:

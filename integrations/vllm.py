@@ -282,7 +282,7 @@ class RayKVConnector(KVConnectorBase_V1):
         ``CONTROL_TIMEOUT_S``, 120 s), so this runs at start-up (the scheduler's
         construction, ``register_kv_caches``) or on ``_cache``'s background thread,
         never on vLLM's step."""
-        from raykv.cache_actors.client import CacheClient
+        from raykv.cache_actors.rank.client import CacheClient
 
         node_id = join_ray(self.opts.ray_address, self.opts.namespace)
         client = CacheClient(self._storage_config(), node_id=node_id,

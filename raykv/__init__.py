@@ -15,7 +15,7 @@ SGLang or vLLM.
 import importlib
 
 _EXPORTS = {
-    "CacheClient": "raykv.cache_actors.client",
+    "CacheClient": "raykv.cache_actors.rank.client",
     "HostPool": "raykv.cache_actors.host_pools",
     "LocalCluster": "raykv.clusters.local",
     "NodeUnavailableError": "raykv.cache_actors.errors",

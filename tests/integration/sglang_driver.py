@@ -778,8 +778,8 @@ class Engine:
         seed = step["seed"]
         _, hashes = self.tokens(seed, step["n_pages"])
         client = self.store.client
-        plan = client.plan
-        tagged = [plan.kv_keys(h) for h in hashes]
+        scheme = client.key_scheme
+        tagged = [scheme.kv_keys(h) for h in hashes]
         actor = ray.get_actor(node_actor_name(client.node_id), namespace=self.store._namespace)
         flat = [k for keys in tagged for k in keys]
         codes = ray.get(actor.exists.remote(flat), timeout=60)
@@ -798,7 +798,7 @@ class Engine:
             page_ptrs, page_sizes = pool.get_page_buffer_meta(np.arange(slot, slot + P))
             for i, key in enumerate(page_keys):
                 if present[i]:  # the pointer API tags keys itself
-                    keys.append(key.removeprefix(plan.prefix))
+                    keys.append(key.removeprefix(scheme.prefix))
                     ptrs.append(page_ptrs[i])
                     sizes.append(page_sizes[i])
         read = client.batch_get(keys, ptrs, sizes) if keys else 0

@@ -1,12 +1,12 @@
 """Many ranks of one node moving pages at the same time through its cache actor, whose
-store calls merge the ranks' concurrent batches (``cache_actors.transfer_merger``):
+store calls merge the ranks' concurrent batches (``cache_actors.node.transfer_merger``):
 each rank still gets its own per-page results and bytes, put-if-absent has exactly one
 first writer per object, and a bad batch fails only the rank that sent it."""
 
 import pytest
 import ray
 import torch
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.controllers import StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
 

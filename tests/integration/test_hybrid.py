@@ -227,7 +227,7 @@ def test_unservable_draft_is_disabled_with_one_warning(cluster, uid, caplog):
         page_size = 4
         kv_buffer = torch.zeros(2, 64, 1, 4, 8)[:, :, :, :2]
 
-    with caplog.at_level(logging.WARNING, logger="raykv.cache_actors.client"):
+    with caplog.at_level(logging.WARNING, logger="raykv.cache_actors.rank.client"):
         client.register_mem_host_pool_v2(SplitHeads(), DRAFT)
         client.register_mem_host_pool_v2(SplitHeads(), DRAFT)
     assert [r.message for r in caplog.records].count(

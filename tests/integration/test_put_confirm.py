@@ -4,7 +4,7 @@ of a key whose put by another client is still in flight is not reported stored.
 Mooncake's ``batch_put_from`` returns 0 for such a key (and ``batch_is_exist`` says 0
 until the first put ends), so without the confirmation the second writer was told
 "stored" for an object that did not exist yet, and never would if the first put failed
-(``cache_actors.mooncake_backend``)."""
+(``cache_actors.node.mooncake_backend``)."""
 
 import ctypes
 import mmap
@@ -12,8 +12,8 @@ import multiprocessing as mp
 import time
 
 import pytest
-from raykv.cache_actors.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT, NOT_CONFIRMED
+from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, NOT_CONFIRMED
 from raykv.clusters.mooncake_master import MooncakeMaster
 
 BIG = 512 << 20  # a put that takes a while over TCP loopback

@@ -24,7 +24,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors import CacheClient
-from raykv.cache_actors.node_service import ENGINE_CHECK_S, ENGINE_GRACE_S
+from raykv.cache_actors.node.node_service import ENGINE_CHECK_S, ENGINE_GRACE_S
 from raykv.controllers import StorageConfig
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.pool_layout import PoolLayout
@@ -35,7 +35,7 @@ from tests.integration.ranks import MHA
 SMALL_SHM_NODE = textwrap.dedent("""
     import json
     import torch
-    from raykv.cache_actors.client import CacheClient
+    from raykv.cache_actors.rank.client import CacheClient
     from raykv.clusters import start_local
 
     def mha(mib):  # an MHA pool of `mib` MiB: 4096 bytes per token slot

@@ -1,4 +1,4 @@
-"""cache_actors.engine_memory: an engine's memfd mapped as a node pool, or refused; a
+"""cache_actors.node.engine_memory: an engine's memfd mapped as a node pool, or refused; a
 memfd that shrinks afterwards fails data calls instead of raising SIGBUS."""
 
 import mmap
@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 import pytest
-from raykv.cache_actors.engine_memory import map_engine_pool
-from raykv.cache_actors.node_pools import PoolTable
+from raykv.cache_actors.node.engine_memory import map_engine_pool
+from raykv.cache_actors.node.node_pools import PoolTable
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -136,8 +136,8 @@ def test_an_unsealable_memfd_that_shrank_fails_data_calls():
 
 ENGINE_TRUNCATES = textwrap.dedent("""
     import ctypes, mmap, os
-    from raykv.cache_actors.engine_memory import map_engine_pool
-    from raykv.cache_actors.node_pools import PoolTable
+    from raykv.cache_actors.node.engine_memory import map_engine_pool
+    from raykv.cache_actors.node.node_pools import PoolTable
     from raykv.controllers.object_batch import ObjectBatch
     from raykv.controllers.pool_layout import PoolLayout
 

@@ -12,8 +12,8 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-from raykv.cache_actors.node_pools import NodePools, PoolTable
-from raykv.cache_actors.pool_memory import PoolBudget, ShmPoolMemory
+from raykv.cache_actors.node.node_pools import NodePools, PoolTable
+from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.controllers.pool_layout import PoolLayout

@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
+from raykv.cache_actors.node.group_queries import GroupQueries
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment, PoolSpec
-from raykv.controllers.group_queries import GroupQueries
 
 from tests.unit.oracle import group_objects
 

@@ -1,11 +1,11 @@
 """Every row of the DESIGN section 4 key table, and tagging exactly once."""
 
 import pytest
-from raykv.controllers import KeyPlan, StorageConfig, key_prefix, mha_suffix, mla_suffix
+from raykv.controllers import KeyScheme, StorageConfig, key_prefix, mha_suffix, mla_suffix
 
 
-def plan(**kw) -> KeyPlan:
-    return KeyPlan.from_config(StorageConfig(**kw))
+def scheme(**kw) -> KeyScheme:
+    return KeyScheme.from_config(StorageConfig(**kw))
 
 
 @pytest.mark.parametrize(
@@ -31,45 +31,45 @@ def test_suffixes():
 
 
 def test_design_example():
-    p = plan(model_name="org/toy", tp_rank=0, tp_size=2)
+    p = scheme(model_name="org/toy", tp_rank=0, tp_size=2)
     assert p.kv_keys("abc") == ["org-toy_abc_0_k", "org-toy_abc_0_v"]
 
 
 def test_mha_kv_with_pp():
-    p = plan(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
+    p = scheme(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
     assert p.kv_keys("h") == ["h_1_1_k", "h_1_1_v"]
 
 
 def test_mla_kv():
-    assert plan(is_mla_model=True, tp_rank=1, tp_size=2).kv_keys("h") == ["h__k"]
-    assert plan(is_mla_model=True, pp_rank=1, pp_size=2).kv_keys("h") == ["h_1_k"]
+    assert scheme(is_mla_model=True, tp_rank=1, tp_size=2).kv_keys("h") == ["h__k"]
+    assert scheme(is_mla_model=True, pp_rank=1, pp_size=2).kv_keys("h") == ["h_1_k"]
 
 
 def test_mamba_rank_scoped_even_in_mla():
-    p = plan(is_mla_model=True, tp_rank=1, tp_size=2, model_name="m")
+    p = scheme(is_mla_model=True, tp_rank=1, tp_size=2, model_name="m")
     assert p.mamba_keys("h", num_conv=2) == ["m_h_1_temporal", "m_h_1_conv_0", "m_h_1_conv_1"]
     assert p.mamba_keys("h", num_conv=1, has_temporal=False) == ["m_h_1_conv_0"]
 
 
 def test_indexer_replicated():
-    assert plan(tp_rank=1, tp_size=2).indexer_keys("h") == ["h__indexer"]
-    assert plan(pp_rank=1, pp_size=2).indexer_keys("h") == ["h_1_indexer"]
+    assert scheme(tp_rank=1, tp_size=2).indexer_keys("h") == ["h__indexer"]
+    assert scheme(pp_rank=1, pp_size=2).indexer_keys("h") == ["h_1_indexer"]
 
 
 def test_draft_keys():
-    p = plan(tp_rank=1, tp_size=2)
+    p = scheme(tp_rank=1, tp_size=2)
     assert p.draft_keys("h", draft_is_mla=False) == ["h_1_draft_k", "h_1_draft_v"]
     assert p.draft_keys("h", draft_is_mla=True) == ["h__draft_k"]
 
 
 def test_swa_keys():
-    p = plan(tp_rank=0, tp_size=2)
+    p = scheme(tp_rank=0, tp_size=2)
     assert p.swa_keys("h", swa_is_mla=False) == ["h_0_swa_k", "h_0_swa_v"]
     assert p.swa_keys("h", swa_is_mla=True) == ["h__swa"]
 
 
 def test_tagged_exactly_once_with_tag_and_model():
-    p = plan(model_name="org/toy", extra_config={"extra_backend_tag": "t"})
+    p = scheme(model_name="org/toy", extra_config={"extra_backend_tag": "t"})
     keys = p.kv_keys("h")
     assert keys == ["t_org-toy_h_0_k", "t_org-toy_h_0_v"]
     assert all(k.count("t_org-toy_") == 1 for k in keys)
@@ -77,8 +77,8 @@ def test_tagged_exactly_once_with_tag_and_model():
 
 
 def test_writes_replicated_only_rank0():
-    assert plan(tp_rank=0, tp_size=2).writes_replicated
-    assert not plan(tp_rank=1, tp_size=2).writes_replicated
+    assert scheme(tp_rank=0, tp_size=2).writes_replicated
+    assert not scheme(tp_rank=1, tp_size=2).writes_replicated
 
 
 @pytest.mark.parametrize("kw", [{"tp_rank": 2, "tp_size": 2}, {"pp_size": 0},

@@ -13,7 +13,7 @@ def run(code: str) -> None:
 def test_control_plane_and_cli_do_not_import_torch():
     run("import sys, raykv, raykv.clusters.cli, raykv.clusters.control_plane, "
         "raykv.controllers.controller, raykv.clusters.master_supervisor, "
-        "raykv.cache_actors.node_actor; "
+        "raykv.cache_actors.node.node_actor; "
         "assert 'torch' not in sys.modules, 'torch was imported'")
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from raykv.cache_actors import node_metrics
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
-from raykv.cache_actors.node_metrics import NodeMetrics
+from raykv.cache_actors.node import node_metrics
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.controllers.object_batch import ObjectBatch
 
 

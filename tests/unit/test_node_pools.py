@@ -29,9 +29,9 @@ import pytest
 import torch
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.node_pools import NodePools
-from raykv.cache_actors.node_service import NodeService
-from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
+from raykv.cache_actors.node.node_pools import NodePools
+from raykv.cache_actors.node.node_service import NodeService
+from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from raykv.cache_actors import shared_memory
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.pool_memory import PoolBudget, ShmPoolMemory
+from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.controllers.pool_layout import PoolLayout
 
 MiB = 1 << 20

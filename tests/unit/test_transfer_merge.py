@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
-from raykv.cache_actors.transfer_merger import TransferMerger
-from raykv.controllers.transfer_merge import Pending, merge, select, split
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
+from raykv.cache_actors.node.transfer_merger import TransferMerger
 
 
 def test_select_takes_same_op_disjoint_keys_in_order():

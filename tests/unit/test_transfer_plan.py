@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from raykv.controllers import KeyPlan, PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from raykv.controllers import KeyScheme, PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
@@ -40,8 +40,8 @@ def mamba() -> PoolLayout:
                             convs=[((2, 5), "float32", 4)])
 
 
-def keys_of(**config) -> KeyPlan:
-    return KeyPlan.from_config(StorageConfig(model_name="org/toy", **config))
+def keys_of(**config) -> KeyScheme:
+    return KeyScheme.from_config(StorageConfig(model_name="org/toy", **config))
 
 
 def slots(*pages: int) -> list[int]:
@@ -160,7 +160,7 @@ def test_unregistered_kv_names_the_call():
 
 
 def test_an_object_named_twice_is_refused():
-    class OneSuffix(KeyPlan):
+    class OneSuffix(KeyScheme):
         def suffixes(self, pool, kind, buffer_names):
             return ["_x"]
 

@@ -11,7 +11,7 @@ import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.controllers.contract import PoolName, StorageConfig
 from raykv.controllers.deployments import PoolSpec
-from raykv.controllers.keys import KeyPlan, is_replicated
+from raykv.controllers.keys import KeyScheme, is_replicated
 from raykv.controllers.pool_layout import PoolLayout
 
 
@@ -49,10 +49,10 @@ def test_vllm_page_view_matches_object_bytes():
 
 
 def test_vllm_keys_are_sharded_single_object():
-    plan = KeyPlan.from_config(StorageConfig(tp_rank=1, tp_size=2, model_name="org/m",
+    scheme = KeyScheme.from_config(StorageConfig(tp_rank=1, tp_size=2, model_name="org/m",
                                              extra_config={"extra_backend_tag": "vllm-tp2"}))
-    assert plan.pool_keys(PoolName.KV, "vllm", ["kv"], "abc") == ["vllm-tp2_org-m_abc_1_kv"]
-    assert plan.suffixes(PoolName.KV, "vllm", ["kv"]) == ["_1_kv"]
+    assert scheme.pool_keys(PoolName.KV, "vllm", ["kv"], "abc") == ["vllm-tp2_org-m_abc_1_kv"]
+    assert scheme.suffixes(PoolName.KV, "vllm", ["kv"]) == ["_1_kv"]
     assert not is_replicated(PoolName.KV, "vllm")
     PoolSpec(PoolName.KV, "vllm", ("kv",))  # has a key rule
     with pytest.raises(ValueError, match="no key rule"):

@@ -2,7 +2,7 @@
 
 ``NodeService`` owns the node's shared host pools (``NodePools``) and its Mooncake client
 (``NodeStore``), serves data calls (exists, put, get, group hits) from the Ray actor
-(``cache_actors.node_actor``, a thin shell over it) and from its local channel
+(``cache_actors.node.node_actor``, a thin shell over it) and from its local channel
 (``cache_actors.local_channel``: same code, ~0.1 ms instead of a ~1 ms Ray call), and
 counts every outcome once (``NodeMetrics``). Store errors come back as per-object codes;
 a bad request raises ``ValueError`` for that call only and the service keeps serving; in
@@ -13,7 +13,7 @@ which the pools were allocated anew: a put's objects stored by it are removed, s
 their bytes may have come from released memory).
 
 It also answers the existence queries of every TP/PP group whose home node it is
-(``controllers.group_queries``): one answer shared by the ranks that ask the same (for
+(``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
 at most ``group_window_s``), only the objects that can change the answer checked, pages
 the store confirmed within ``confirm_ttl_s`` not asked again (Mooncake leases what it
 reports present; ``controllers.confirmed_pages``), concurrent queries batched into one
@@ -76,20 +76,20 @@ from raykv.cache_actors.errors import (
 )
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
-from raykv.cache_actors.node_pools import NodePools
-from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.node.group_queries import GroupQueries
+from raykv.cache_actors.node.node_pools import NodePools
+from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
-from raykv.cache_actors.transfer_merger import TransferMerger
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_queries import GroupQueries
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
-    from raykv.cache_actors.node_metrics import NodeMetrics
+    from raykv.cache_actors.node.node_metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class NodeService:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
-        ``controllers.group_queries``). ``ValueError`` for an unregistered deployment or
+        ``cache_actors.node.group_queries``). ``ValueError`` for an unregistered deployment or
         a pool it did not register. Blocks until answered, at most ``WAIT_S``
         (then ``DeadlineExceededError``)."""
         dep = self._deployment(deployment_id, version)
@@ -345,7 +345,7 @@ class NodeService:
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
         port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
-        the ranks' batches they carried (``cache_actors.transfer_merger``)."""
+        the ranks' batches they carried (``cache_actors.node.transfer_merger``)."""
         return {
             **self._store.stats(),
             "node_id": self.node_id,

@@ -1,6 +1,6 @@
 """Merging concurrent callers' object batches into one store call, and splitting its codes.
 
-Pure logic, no Ray and no Mooncake: ``cache_actors.transfer_merger`` runs it in front of
+Pure logic, no Ray and no Mooncake: ``cache_actors.node.transfer_merger`` runs it in front of
 the node's Mooncake client. Several ranks of a node put or get pages at the same time;
 instead of each batch waiting on the transfer engine on its own thread, the batches
 queued at one moment go out as one ``batch_put_from`` / ``batch_get_into``:

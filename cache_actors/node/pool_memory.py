@@ -25,7 +25,7 @@ import stat
 import time
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.shared_memory import reserve, shm_path
 from raykv.controllers.pool_layout import PoolLayout
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from raykv.cache_actors.host_pools import HostPool
-from raykv.controllers.keys import KeyPlan
+from raykv.controllers.keys import KeyScheme
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.transfer_plan import check_keys
 
 
 def pointer_batch(keys: Sequence[str], target_locations: Sequence[int] | None,
                   target_sizes: Sequence[int] | None, pools: Sequence[HostPool],
-                  plan: KeyPlan, epoch: int) -> ObjectBatch:
+                  scheme: KeyScheme, epoch: int) -> ObjectBatch:
     """One object per key: ``target_sizes[i]`` bytes at pointer ``target_locations[i]``
     (in this process), stored under ``keys[i]`` tagged by ``plan``. ``ValueError`` for
     bad keys, missing or mismatched lists, or a range outside every pool in ``pools``."""
@@ -33,7 +33,7 @@ def pointer_batch(keys: Sequence[str], target_locations: Sequence[int] | None,
         for pool in pools:
             off = pool.offset_of(int(ptr), int(size))
             if off is not None:
-                batch.add(plan.tag(key), pool.name, off, int(size))
+                batch.add(scheme.tag(key), pool.name, off, int(size))
                 break
         else:
             raise ValueError(f"key {key!r}: {size} bytes at {int(ptr):#x} do not lie inside "

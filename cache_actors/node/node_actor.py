@@ -5,7 +5,7 @@ only through ``node_actor_class``, which sets every Ray option it runs under. It
 with two concurrency groups: ``control`` (health, stats, pool management) keeps
 answering while ``data`` calls (exists, put, get, group hits) run on the service's
 executor, never on the event loop. Everything else (what each call does, which threads
-run what, which lock guards which state) is ``cache_actors.node_service``.
+run what, which lock guards which state) is ``cache_actors.node.node_service``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import threading
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node_metrics import NodeMetrics
-from raykv.cache_actors.node_service import DATA_THREADS, WAIT_S, NodeService
-from raykv.cache_actors.node_store import NodeStore
+from raykv.cache_actors.node.node_metrics import NodeMetrics
+from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
+from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery

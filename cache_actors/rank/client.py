@@ -22,16 +22,15 @@ from collections.abc import Sequence
 
 import ray
 import torch
-from raykv.cache_actors.client_supervisor import check_mode
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.group_registration import GroupRegistration
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.node_link import NodeLink
-from raykv.cache_actors.pointer_api import all_stored, leading_read, pointer_batch
-from raykv.cache_actors.pool_lifecycle import PoolLifecycle, pool_layout
+from raykv.cache_actors.rank.group_registration import GroupRegistration
+from raykv.cache_actors.rank.node_link import NodeLink
+from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
+from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
-from raykv.controllers.keys import KeyPlan
+from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
@@ -43,11 +42,21 @@ from raykv.controllers.transfer_plan import (
 )
 
 
+def check_mode(extra_config: dict | None, mode: str) -> None:
+    """``ValueError`` if ``extra_config["standalone_storage"]`` (SGLang's switch) is set
+    and contradicts ``mode``, the mode of the node actor serving the rank."""
+    want = (extra_config or {}).get("standalone_storage")
+    if want is not None and bool(want) != (mode == "standalone"):
+        raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
+                         f"cache actor runs in {mode} mode; the mode is a cluster setting: "
+                         "start_local(standalone=...) / `raykv up --standalone`")
+
+
 class CacheClient:
     """A rank's handle on the raykv cache of its node.
 
     ``config`` carries the rank's place in its deployment (TP/PP rank, MLA, model name,
-    ``extra_config["extra_backend_tag"]``), which decides the object keys (``plan``).
+    ``extra_config["extra_backend_tag"]``), which decides the object keys (``key_scheme``).
     If ``extra_config["standalone_storage"]`` is set it must match the node actor's mode,
     else ``ValueError``. ``NodeUnavailableError`` (retryable) while the node's actor or
     store is down; after one, the next call first re-maps every pool of this client
@@ -69,7 +78,7 @@ class CacheClient:
             raise RuntimeError("CacheClient needs a connected Ray: call ray.init(...) or "
                                "start raykv with raykv.start_local() first")
         self.config = config or StorageConfig()
-        self.plan = KeyPlan.from_config(self.config)
+        self.key_scheme = KeyScheme.from_config(self.config)
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
                               timeout_s=self.config.timeout_s)
@@ -160,7 +169,7 @@ class CacheClient:
     def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> TransferPlan:
         """Validate ``transfers`` and lay out their objects in one batch."""
         pools = self._pools
-        return plan_transfers(transfers, pools.plan_pools, self.plan, write=write,
+        return plan_transfers(transfers, pools.plan_pools, self.key_scheme, write=write,
                               epoch=pools.epoch, disabled=pools.disabled)
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
@@ -188,17 +197,17 @@ class CacheClient:
         """
         pools = self._pools
         keys, queries = check_exists(keys, transfers, pools.plan_pools, pools.disabled)
-        families = exists_families(queries, pools.plan_pools, self.plan,
+        families = exists_families(queries, pools.plan_pools, self.key_scheme,
                                    (self.config.tp_rank, self.config.pp_rank))
         return search(families, keys, lambda names: self._link.data(DataOp.EXISTS, names))
 
     # ------------------------------------------------------------ group hits
     def register_deployment(self) -> str:
-        """Register this rank and its pools with the controller; adopt the key plan it
+        """Register this rank and its pools with the controller; adopt the key scheme it
         hands back. Returns the deployment id. ``ValueError`` if this rank contradicts
         what its group registered (parallel sizes, MLA flag, pool kinds)."""
         reg = self._group.register(self._pools.specs)
-        self.plan = reg.plan
+        self.key_scheme = reg.key_scheme
         return reg.deployment_id
 
     def group_exists(self, keys: Sequence[str],
@@ -236,13 +245,13 @@ class CacheClient:
         """Store each ``target_sizes[i]`` bytes at pointer ``target_locations[i]`` under
         ``keys[i]`` (tagged with the model prefix). True if every object was stored."""
         batch = pointer_batch(keys, target_locations, target_sizes, self._pools.mapped(),
-                              self.plan, self._pools.epoch)
+                              self.key_scheme, self._pools.epoch)
         return all_stored(batch, self._link.data(DataOp.PUT, batch))
 
     def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> int:
         """Read objects into the given pointers; the number of leading objects read in full."""
         batch = pointer_batch(keys, target_locations, target_sizes, self._pools.mapped(),
-                              self.plan, self._pools.epoch)
+                              self.key_scheme, self._pools.epoch)
         return leading_read(batch, self._link.data(DataOp.GET, batch))
 
     # --------------------------------------------------------------- control

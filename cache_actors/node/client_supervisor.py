@@ -49,16 +49,6 @@ def client_binary() -> str:
     return str(path)
 
 
-def check_mode(extra_config: dict | None, mode: str) -> None:
-    """``ValueError`` if ``extra_config["standalone_storage"]`` (SGLang's switch) is set
-    and contradicts ``mode``, the mode of the node actor serving the rank."""
-    want = (extra_config or {}).get("standalone_storage")
-    if want is not None and bool(want) != (mode == "standalone"):
-        raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
-                         f"cache actor runs in {mode} mode; the mode is a cluster setting: "
-                         "start_local(standalone=...) / `raykv up --standalone`")
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

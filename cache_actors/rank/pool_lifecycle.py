@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
-from raykv.cache_actors.node_link import NodeLink
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
 from raykv.controllers.keys import check_key_rule

@@ -11,7 +11,7 @@ While ``mooncake_client`` is down, data calls raise a retryable ``StoreUnavailab
 (a ``NodeUnavailableError``) instead of reporting per-object codes: -900 and -1 then say
 "the store is down", never "the object is missing". After it came back, the pools are
 allocated anew and a call with the old mappings gets ``StalePoolsError``
-(``cache_actors.node_pools``).
+(``cache_actors.node.node_pools``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raykv.cache_actors.client_supervisor import MooncakeClientProcess
 from raykv.cache_actors.errors import StoreUnavailableError
-from raykv.cache_actors.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
+from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
+from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """A rank's registration with the controller, and the group hit query it enables.
 
 The controller keeps every deployment's ranks and pools; registering hands the rank
-its key plan and names the group's *home node*, whose cache actor answers the group's
-existence queries (``controllers.group_queries``). A rank registers again whenever its
+its key scheme and names the group's *home node*, whose cache actor answers the group's
+existence queries (``cache_actors.node.group_queries``). A rank registers again whenever its
 registered pools changed or the link re-attached (the controller or the home node may
 have moved).
 """
@@ -10,7 +10,7 @@ have moved).
 from __future__ import annotations
 
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.node_link import NodeLink
+from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.controllers.contract import PoolTransferResult, StorageConfig
 from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
 

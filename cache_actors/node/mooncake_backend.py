@@ -28,7 +28,7 @@ import logging
 import os
 import time
 
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
 
 log = logging.getLogger(__name__)
 

@@ -49,11 +49,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
-from raykv.cache_actors.engine_memory import map_engine_pool
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.node_store import NodeStore
-from raykv.cache_actors.pool_memory import check_own_file
+from raykv.cache_actors.node.engine_memory import map_engine_pool
+from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.pool_memory import check_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.object_batch import ObjectBatch

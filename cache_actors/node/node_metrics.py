@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 
 from ray.util import metrics
-from raykv.cache_actors.mooncake_codes import ALREADY_PRESENT
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.controllers.object_batch import ObjectBatch
 
 EXPORT_S = 1.0
