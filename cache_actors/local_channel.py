@@ -94,6 +94,7 @@ from raykv.cache_actors.channel_codec import (
     request,
 )
 from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 
 __all__ = ["MAX_FRAME", "ChannelClient", "ChannelClosedError", "ChannelServer",
@@ -120,27 +121,6 @@ _TIMEVAL = struct.Struct("ll")
 
 class ChannelClosedError(ConnectionError):
     """The actor's end of the channel is gone (actor dead or restarting)."""
-
-
-class _Throttled:
-    """Warnings logged at most once per ``_WARN_EVERY_S`` per kind (with a count of the
-    ones held back), so a flood of bad peers costs a line, and one kind of trouble
-    never hides another. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: dict[str, tuple[float, int]] = {}  # kind -> (logged at, held since)
-
-    def warn(self, kind: str, message: str, *args: object) -> None:
-        with self._lock:
-            now = time.monotonic()
-            last, held = self._last.get(kind, (-_WARN_EVERY_S, 0))
-            if now - last < _WARN_EVERY_S:
-                self._last[kind] = (last, held + 1)
-                return
-            self._last[kind] = (now, 0)
-        suffix = f" ({held} more like this not logged)" if held else ""
-        log.warning(message + suffix, *args)
 
 
 def _timeval(seconds: float) -> bytes:
@@ -228,7 +208,7 @@ class ChannelServer:
         self._deadline_ops = deadline_ops
         self._max_connections = max_connections
         self._uid = os.getuid()
-        self._warn = _Throttled()
+        self._warn = ThrottledLog(log, _WARN_EVERY_S)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a previous incarnation of the actor
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

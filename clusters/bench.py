@@ -40,12 +40,10 @@ from raykv.cache_actors.rank.client import CacheClient
 from raykv.clusters.bench_group import group_rows, judge_group, render_group, render_targets
 from raykv.clusters.local import LocalCluster, start_local
 from raykv.controllers.contract import StorageConfig
+from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
 from rich.table import Table
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 GB = 1e9
 DEFAULT_PAGE_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 # Store memory on node 2. Objects are removed after every iteration, so one iteration

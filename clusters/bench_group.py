@@ -47,10 +47,10 @@ from raykv.controllers import (
 )
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.group_search import group_families
+from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 from rich.table import Table
 
-MIB = 1 << 20
 TRAIL = PoolHitPolicy.TRAILING_PAGES
 MAMBA = dict(size=4, temporal_shape=(2, 4), conv_shapes=[(2, 3), (2, 2)],
              dtype=torch.float16)
@@ -183,7 +183,7 @@ class _RawStore:
         from mooncake.store import MooncakeDistributedStore
 
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", cluster.metadata_server, 0, 16 * MIB, "tcp", "",
+        rc = self.store.setup("127.0.0.1", cluster.metadata_server, 0, 16 * MiB, "tcp", "",
                               cluster.master_address)
         if rc != 0:
             raise RuntimeError(f"raw Mooncake setup failed: {rc}")
@@ -288,7 +288,7 @@ def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: i
     console = console or Console()
     out = Path(out_dir or "raykv-out")
     out.mkdir(parents=True, exist_ok=True)
-    with start_local(num_nodes=1, global_segment_size=512 * MIB, group_window_s=0.0) as cluster:
+    with start_local(num_nodes=1, global_segment_size=512 * MiB, group_window_s=0.0) as cluster:
         rows = group_rows(cluster, tp_sizes, pages, calls, concurrency, seconds)
     render_group(rows, concurrency, console)
     targets = judge_group(rows)

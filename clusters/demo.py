@@ -23,6 +23,7 @@ import matplotlib
 import ray
 import torch
 from raykv.clusters.local import start_local
+from raykv.controllers.pool_layout import MiB
 from raykv.example_engine import Engine, Generation
 from raykv.example_engine.presets import build
 from raykv.example_engine.workload import ChatWorkload
@@ -31,7 +32,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 matplotlib.use("Agg")
-MIB = 1 << 20
 
 
 def _record(gen: Generation, base: Generation) -> dict:
@@ -235,7 +235,7 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                       str(r["computed_tokens"]), f"{r['ttft_ms']:.0f}",
                       f"{r['ttft_recompute_ms']:.0f}",
                       f"{r['ttft_recompute_ms'] / r['ttft_ms']:.1f}x",
-                      f"{sum(r['fetched_bytes'].values()) / MIB:.1f}", r["state_tier"] or "-",
+                      f"{sum(r['fetched_bytes'].values()) / MiB:.1f}", r["state_tier"] or "-",
                       "yes" if r["exact"] else "[red]NO")
     console.print(table)
     tiers = summary["tier_hit_rate"]
@@ -246,16 +246,16 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"({summary['speedup']:.1f}x)")
     for pool, rates in summary["pool_hit_rate"].items():
         console.print(f"  pool {pool}: " + ", ".join(f"{t} {v:.0%}" for t, v in rates.items())
-                      + f"; fetched from L3 {summary['fetched_bytes'].get(pool, 0) / MIB:.1f} MiB")
+                      + f"; fetched from L3 {summary['fetched_bytes'].get(pool, 0) / MiB:.1f} MiB")
     io = summary["l3_bytes"]
-    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MIB:.1f} MiB in "
-                  f"{io['put_objects']} objects, get {io['get_bytes'] / MIB:.1f} MiB in "
+    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MiB:.1f} MiB in "
+                  f"{io['put_objects']} objects, get {io['get_bytes'] / MiB:.1f} MiB in "
                   f"{io['get_objects']} objects")
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms; fully cached from L3 (other node) "
                   f"{long['cached_l3_ms']:.0f} ms ({long['speedup_l3']:.1f}x lower; group "
                   f"query {long['cached_l3_query_ms']:.0f} ms, fetch of "
-                  f"{sum(long['l3_fetched_bytes'].values()) / MIB:.0f} MiB "
+                  f"{sum(long['l3_fetched_bytes'].values()) / MiB:.0f} MiB "
                   f"{long['cached_l3_fetch_ms']:.0f} ms), from "
                   f"L2 (local pool) {long['cached_l2_ms']:.0f} ms "
                   f"({long['speedup_l2']:.1f}x lower); {long['cached_l3_hit_pages']} of "

@@ -33,13 +33,12 @@ import ray
 from raykv.clusters.bench import save
 from raykv.clusters.demo import machine, plot_ttft, progress
 from raykv.clusters.local import start_local
+from raykv.controllers.pool_layout import MiB
 from raykv.example_engine.workload import ChatWorkload
 from raykv.integrations.vllm_actors import ready, start_engine
 from raykv.integrations.vllm_model import VOCAB, LlamaDims, make_llama
 from rich.console import Console
 from rich.table import Table
-
-MIB = 1 << 20
 
 
 def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
@@ -70,7 +69,7 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     max_model_len = -(-(longest + reply_tokens) // page_size) * page_size
     # Room for every prompt and reply of the run in vLLM's own cache (nothing evicted).
     cached = system_tokens + sessions * turns * (user_tokens + reply_tokens) + longest
-    kv_bytes = max(64 * MIB, 2 * cached * dims.kv_bytes_per_token)
+    kv_bytes = max(64 * MiB, 2 * cached * dims.kv_bytes_per_token)
     llm = dict(max_model_len=max_model_len, block_size=page_size,
                enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
     with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
@@ -239,8 +238,8 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"greedy tokens equal to stock vLLM's in {summary['same_tokens']} of "
                   f"{summary['requests']} requests")
     io = summary["l3_bytes"]
-    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MIB:.1f} MiB in "
-                  f"{io['put_objects']} objects, get {io['get_bytes'] / MIB:.1f} MiB in "
+    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MiB:.1f} MiB in "
+                  f"{io['put_objects']} objects, get {io['get_bytes'] / MiB:.1f} MiB in "
                   f"{io['get_objects']} objects")
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms (stock vLLM; "

@@ -23,10 +23,10 @@ from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_con
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
+from raykv.controllers.pool_layout import MiB
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 STANDALONE_POOL_BYTES = 1 << 30
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,

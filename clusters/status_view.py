@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 from rich.table import Table
-
-MiB = 1 << 20
 
 
 def _rate(ok: int, total: int) -> str:

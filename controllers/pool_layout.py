@@ -32,6 +32,9 @@ from functools import cached_property
 
 import numpy as np
 
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+"""Byte units: every size in raykv is in bytes; these name the powers of two."""
+
 POOL_KINDS = ("mha", "mla", "mamba", "indexer", "vllm")
 ORDERS = ("page_first", "layer_first")  # SGLang's host "mem layout" names
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -8,10 +8,9 @@ import torch
 from raykv.clusters import start_local
 from raykv.clusters.node_actors import named_node_actors
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
+from raykv.controllers.pool_layout import MiB
 
 from tests.integration.ranks import indices, start_rank
-
-MiB = 1 << 20
 
 
 def test_nodes_join_and_leave(uid):

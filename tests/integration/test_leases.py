@@ -8,8 +8,8 @@ import time
 import torch
 from mooncake.store import MooncakeDistributedStore
 from raykv.clusters.mooncake_master import MooncakeMaster, lease_ttl_s
+from raykv.controllers.pool_layout import MiB
 
-MiB = 1 << 20
 LEASE = ["-default_kv_lease_ttl=6000"]
 
 

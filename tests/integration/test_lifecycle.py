@@ -14,10 +14,9 @@ from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.clusters import start_local
 from raykv.controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.naming import node_shm_prefix
+from raykv.controllers.pool_layout import MiB
 
 from tests.integration.processes import running_clients, wait_for
-
-MiB = 1 << 20
 
 
 def test_start_local_then_shutdown_leaves_nothing(uid):

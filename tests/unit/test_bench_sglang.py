@@ -4,8 +4,7 @@ import statistics
 
 import pytest
 from raykv.clusters.bench_sglang import MiB, check_sizes, judge, sglang_python, size_row
-
-KiB = 1 << 10
+from raykv.controllers.pool_layout import KiB
 
 
 def raw(page_bytes: int, raykv: list[float], mooncake: list[float]) -> dict:

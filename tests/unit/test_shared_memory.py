@@ -13,9 +13,7 @@ import pytest
 from raykv.cache_actors import shared_memory
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
-from raykv.controllers.pool_layout import PoolLayout
-
-MiB = 1 << 20
+from raykv.controllers.pool_layout import MiB, PoolLayout
 
 
 def _mha(mib: int) -> PoolLayout:

@@ -1,0 +1,81 @@
+"""Joining the raykv cluster's Ray from an engine process (pure Ray: no engine import).
+
+Both engine integrations call ``join_ray`` from the process the engine runs them in
+(SGLang's scheduler, vLLM's engine core and workers), which is often a plain process
+even when the engine itself runs in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("raykv.integrations")
+
+
+def token_available() -> bool:
+    """Whether a Ray auth token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token``)."""
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
+
+
+def inherited_ray_node() -> tuple[str, str] | None:
+    """``(node id, GCS address)`` of the Ray node this process belongs to when it descends
+    from a Ray worker without being one (an engine's processes started inside a Ray
+    actor), else None.
+
+    Ray gives every worker its raylet's pid (``RAY_RAYLET_PID``) and processes a worker
+    starts inherit it; the raylet's command line names its node and GCS (``--node_id``,
+    ``--gcs-address``; Ray's own ``find_node_ids`` reads the same flags). None when the
+    variable is unset or that raylet cannot be read (another PID namespace, gone).
+    """
+    pid = os.environ.get("RAY_RAYLET_PID", "")
+    if not pid.isdigit():
+        return None
+    import psutil
+
+    try:
+        args = psutil.Process(int(pid)).cmdline()
+    except psutil.Error:
+        return None
+    flags = dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    node, gcs = flags.get("--node_id"), flags.get("--gcs-address")
+    return (node, gcs) if node and gcs else None
+
+
+def join_ray(address: str | None, namespace: str, auth_mode: str | None = None,
+             default_address: str | None = "auto") -> str | None:
+    """Connect this process to the raykv cluster unless it already is (a Ray worker, or
+    a process that joined before); return the node whose cache actor it should use
+    (None: the node Ray attached this process to).
+
+    Address: ``address``, else ``$RAY_ADDRESS``, else the cluster of the Ray node this
+    process descends from (``inherited_ray_node``), else ``default_address``;
+    ``ValueError`` when that is None too. Authentication: ``auth_mode`` when given sets
+    ``RAY_AUTH_MODE``; else ``RAY_AUTH_MODE=token`` is set when unset and a token is at
+    hand (Ray >= 2.60 clusters started with token authentication refuse a process
+    without it). The node: Ray attaches a joining process to a raylet of its machine
+    (the head node's when a machine runs several, as tests do); a process that descends
+    from another alive node's worker uses that node instead.
+    """
+    import ray
+
+    inherited = inherited_ray_node()
+    if not ray.is_initialized():
+        address = (address or os.environ.get("RAY_ADDRESS")
+                   or (inherited[1] if inherited else None) or default_address)
+        if not address:
+            raise ValueError("raykv: no Ray cluster to join: give the engine's raykv config "
+                             "\"ray_address\": \"<gcs host:port>\" or set RAY_ADDRESS")
+        if auth_mode:
+            os.environ["RAY_AUTH_MODE"] = str(auth_mode)
+        elif "RAY_AUTH_MODE" not in os.environ and token_available():
+            os.environ["RAY_AUTH_MODE"] = "token"
+        ray.init(address=address, namespace=namespace, log_to_driver=False,
+                 include_dashboard=False, logging_level=logging.WARNING)
+        log.info("raykv joined Ray at %s (pid %d)", address, os.getpid())
+    if inherited is None or inherited[0] == ray.get_runtime_context().get_node_id():
+        return None
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return inherited[0] if inherited[0] in alive else None
