@@ -93,6 +93,7 @@ class FakeBackend:
 class FakeStore:
     memory: FakeMemory
     backend: FakeBackend
+    mode: str = "embedded"
 
     def check(self) -> int:
         return self.memory.epoch
@@ -585,7 +586,7 @@ def test_record_parsing_refuses_garbage(shm_prefix, raw):
     os.write(fd, raw)
     os.close(fd)
     with pytest.raises(ValueError):
-        node._read_meta(path)
+        node._records.read(path)
     node.readopt()  # never raises
     assert not node.table.pools
 

@@ -60,6 +60,7 @@ class FakeStore:
     def __init__(self) -> None:
         self.memory = FakeMemory()
         self.backend = FakeBackend()
+        self.mode = "standalone"
         self.process = None
 
     def check(self) -> int:
