@@ -46,7 +46,7 @@ from raykv.controllers import (
     node_actor_name,
 )
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import group_families
+from raykv.controllers.families import group_families
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 from rich.table import Table

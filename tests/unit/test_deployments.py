@@ -78,8 +78,8 @@ def test_group_objects_mla_replicated_once():
     assert sorted(plan.objects) == sorted(["org-m_h__k", "org-m_h__indexer",
                                       "org-m_h_0_temporal", "org-m_h_0_conv_0",
                                       "org-m_h_1_temporal", "org-m_h_1_conv_0"])
-    assert plan.segments[(0, 0)][PoolName.KV] == plan.segments[(1, 0)][PoolName.KV]
-    assert plan.segments[(0, 0)][PoolName.MAMBA] != plan.segments[(1, 0)][PoolName.MAMBA]
+    assert plan.spans[(0, 0)][PoolName.KV] == plan.spans[(1, 0)][PoolName.KV]
+    assert plan.spans[(0, 0)][PoolName.MAMBA] != plan.spans[(1, 0)][PoolName.MAMBA]
     with pytest.raises(ValueError, match="registered no 'swa' pool"):
         group_objects(dep, ["h"], [PoolQuery(PoolName.SWA)])
 

@@ -13,7 +13,8 @@ from raykv.controllers.deployments import (
     PoolQuery,
     PoolSpec,
 )
-from raykv.controllers.group_search import GroupSearch, group_families
+from raykv.controllers.families import group_families
+from raykv.controllers.group_search import GroupSearch
 
 from tests.unit.oracle import group_hits, group_objects
 
