@@ -37,7 +37,7 @@ Concurrency contract. Threads that call in:
   then calls ``_reallocate``.
 - The metrics exporter thread (``NodeMetrics``): every second it hands the counts
   recorded since to the Ray metrics.
-- The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the pools of one engine
+- The engine reaper thread: every ``ENGINE_REAP_S`` it removes the pools of one engine
   process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
   pools) whose process exited more than ``ENGINE_GRACE_S`` ago
   (``NodePools.reap_engines``, under the pool lock).
@@ -99,7 +99,7 @@ WAIT_S = 30.0
 query's answer) when its caller gave no deadline of its own, in seconds: a stuck store
 call then fails the calls queued behind it with ``DeadlineExceededError`` instead of
 holding their threads for good."""
-ENGINE_CHECK_S = 5.0
+ENGINE_REAP_S = 5.0
 """Seconds between two looks at the processes of engine-owned pools."""
 ENGINE_GRACE_S = 30.0
 """Seconds an engine pool stays mapped after its process was seen gone (its last store
@@ -150,11 +150,11 @@ class NodeService:
         self._pools.reallocate()
 
     def _reap_engines(self) -> None:
-        while not self._stop.wait(ENGINE_CHECK_S):
+        while not self._stop.wait(ENGINE_REAP_S):
             try:
                 self._pools.reap_engines(ENGINE_GRACE_S)
             except Exception:  # the reaper must outlive one bad look
-                log.exception("engine pool check failed")
+                log.exception("a look at the engine pools failed")
 
     def create_pool(self, name: str, layout: PoolLayout,
                     owner: ProcessIdentity | None = None) -> PoolHandle:

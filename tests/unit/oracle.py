@@ -104,15 +104,15 @@ def group_objects(dep: Deployment, page_hashes: Sequence[str],
     return AllObjects(group_families(dep, queries), page_hashes)
 
 
-def group_hits(plan: AllObjects, queries: Sequence[PoolQuery], codes: Sequence[int]):
-    """The ``PoolTransferResult`` of every rank in ``plan`` from the ``batch_is_exist``
-    codes of ``plan.objects``: the intersection over every rank and pool."""
+def group_hits(every: AllObjects, queries: Sequence[PoolQuery], codes: Sequence[int]):
+    """The ``PoolTransferResult`` of every rank in ``every`` from the ``batch_is_exist``
+    codes of ``every.objects``: the intersection over every rank and pool."""
     exists = np.fromiter(codes, dtype=np.int64, count=len(codes)) == 1
     policy = {q.role: q for q in queries if q.role != PoolName.KV}
     ranks = []
-    for rank, pools in plan.spans.items():
-        kv = PoolPresence(plan.presence(exists, rank, PoolName.KV))
-        extra = {n: PoolPresence(plan.presence(exists, rank, n), policy[n].policy,
+    for rank, pools in every.spans.items():
+        kv = PoolPresence(every.presence(exists, rank, PoolName.KV))
+        extra = {n: PoolPresence(every.presence(exists, rank, n), policy[n].policy,
                                  policy[n].window)
                  for n in pools if n != PoolName.KV}
         ranks.append((kv, extra))
