@@ -210,8 +210,8 @@ class _RawStore:
         self.store.close()
 
 
-TARGET_ADDED_MS = 1.0  # group p50 minus raw p50 (issue #4)
-TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores (issue #4)
+TARGET_ADDED_MS = 1.0  # group p50 minus raw p50
+TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores
 
 
 def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,

@@ -31,8 +31,9 @@ from raykv.controllers.pool_layout import PoolLayout
 
 class NodeCacheActor:
     """Serves the ranks of one node; each method is the ``NodeService`` method of the
-    same name (the data ops are ``DataOp``), whose docstring states its contract. Runs
-    only as ``node_actor_class``."""
+    same name (the data ops are ``DataOp``), whose docstring states its contract
+    (``group_exists`` waits here for the service's reply). Runs only as
+    ``node_actor_class``."""
 
     def __init__(
         self,
