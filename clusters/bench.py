@@ -446,7 +446,7 @@ LATENCY_PAIRS = (("set / put", "whole_set", "raw_put"), ("get", "whole_get", "ra
 
 
 def judge(sizes: list[dict], latency: dict) -> dict[str, bool | None]:
-    """The issue's targets on this run's medians: None where this run has no such case."""
+    """The targets on this run's medians: None where this run has no such case."""
     big = [s for s in sizes if s["page_bytes"] >= TARGET_MIN_PAGE_BYTES]
     small = [s for s in sizes if s["page_bytes"] < TARGET_MIN_PAGE_BYTES]
 

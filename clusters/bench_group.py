@@ -46,7 +46,7 @@ from raykv.controllers import (
     node_actor_name,
 )
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import group_families
+from raykv.controllers.families import group_families
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 from rich.table import Table
@@ -210,8 +210,8 @@ class _RawStore:
         self.store.close()
 
 
-TARGET_ADDED_MS = 1.0  # group p50 minus raw p50 (issue #4)
-TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores (issue #4)
+TARGET_ADDED_MS = 1.0  # group p50 minus raw p50
+TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores
 
 
 def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,

@@ -264,8 +264,8 @@ def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_
 
 
 def judge(cases: list[dict]) -> dict[str, bool | None]:
-    """The issue's targets on this run; None where the run has no such case. Like the
-    issue, the throughput targets count pages of 256 KiB and up (64 KiB rows are
+    """The targets on this run; None where the run has no such case. The
+    throughput targets count pages of 256 KiB and up (64 KiB rows are
     reported, not judged)."""
     def all_of(rows: list[dict], ok) -> bool | None:
         return all(ok(r) for r in rows) if rows else None
@@ -316,7 +316,7 @@ def render(result: dict, console: Console) -> None:
                           f"{per.get('node actor 1', 0.0):.2f}",
                           f"{per.get('node actor 2', 0.0):.2f}", f"{workers:.2f}")
     console.print(roles)
-    targets = Table(title="targets (issue #15)")
+    targets = Table(title="targets")
     targets.add_column("target")
     targets.add_column("met")
     for name, ok in result["targets"].items():

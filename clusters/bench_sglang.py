@@ -126,7 +126,7 @@ def size_row(raw: dict) -> dict:
 
 
 def judge(rows: list[dict]) -> dict[str, bool | None]:
-    """The issue's target on this run's medians (None: no page size >= 1 MiB)."""
+    """The target on this run's medians (None: no page size >= 1 MiB)."""
     big = [r for r in rows if r["page_bytes"] >= TARGET_MIN_PAGE_BYTES]
     met = (all(min(r["ratio_write"], r["ratio_prefetch"]) >= TARGET_RATIO for r in big)
            if big else None)

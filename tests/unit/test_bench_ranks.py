@@ -1,4 +1,4 @@
-"""bench-ranks' verdict on the issue's targets (pure: made-up cases, no cluster)."""
+"""bench-ranks' verdict on its targets (pure: made-up cases, no cluster)."""
 
 from raykv.clusters.bench import KiB
 from raykv.clusters.bench_ranks import judge
