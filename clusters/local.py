@@ -93,10 +93,17 @@ class LocalCluster:
         ray.get(self.node_actors[node_id].health.remote())
         return node_id
 
-    def remove_node(self, node_id: str) -> None:
-        """Stop a node that ``add_node`` added (as the autoscaler would)."""
+    def remove_node(self, node_id: str, timeout_s: float = 60.0) -> None:
+        """Stop a node that ``add_node`` added (as the autoscaler would); returns once the
+        controller no longer lists it (its cache actor retired), so ``node_actors`` never
+        names an actor that is gone. ``TimeoutError`` after ``timeout_s``."""
         self._ray_cluster.remove_node(self._ray_nodes.pop(node_id))
         self.node_ids.remove(node_id)
+        deadline = time.monotonic() + timeout_s
+        while node_id in ray.get(self.controller.nodes.remote()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node_id[:12]} left but is still listed")
+            time.sleep(0.2)
 
     def shutdown(self) -> None:
         """Stop reconciler, node actors, controller, master and Ray; stop any
