@@ -468,7 +468,9 @@ def plot(result: dict, path: Path) -> None:
     """A PNG of two panels: grouped bars of median GB/s by page size (whole vs raw, put
     and get; memcpy GB/s under each size), and p50 latency in ms of 1-page calls and of
     group queries (raykv vs raw Mooncake)."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
+
+    Figure = figure_class("bench")
 
     sizes = result["sizes"]
     series = (("whole_put", "whole path put", "#1f77b4"),

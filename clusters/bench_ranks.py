@@ -326,7 +326,9 @@ def render(result: dict, console: Console) -> None:
 
 def plot(result: dict, path: Path) -> None:
     """Two panels per page size row: aggregate GB/s and CPU-s per GB against N."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
+
+    Figure = figure_class("bench")
 
     sizes = result["config"]["page_sizes"]
     fig = Figure(figsize=(11, 3.6 * len(sizes)))

@@ -167,7 +167,9 @@ def render(result: dict, console: Console) -> None:
 def plot(result: dict, path: Path) -> None:
     """Grouped bars of median GB/s by page size (RayKVStore vs MooncakeStore, write and
     prefetch) and the paired ratios against the 0.9 target."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
+
+    Figure = figure_class("bench")
 
     rows = result["sizes"]
     series = (("raykv_write", "RayKVStore write", "#1f77b4"),

@@ -19,7 +19,6 @@ import random
 from dataclasses import asdict
 from pathlib import Path
 
-import matplotlib
 import ray
 import torch
 from raykv.clusters.local import start_local
@@ -30,8 +29,6 @@ from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-matplotlib.use("Agg")
 
 
 def _record(gen: Generation, base: Generation) -> dict:
@@ -80,10 +77,10 @@ def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: P
     """The demo's figure: left, TTFT per request with raykv (``ttft_ms``) and without
     (``without``: the record key and its legend); right, the ``tokens``-token prompt's
     TTFT per way of serving it (``bars``: label -> ms, at most 4, the first one grey)."""
-    import matplotlib.pyplot as plt
+    from raykv.clusters.plotting import figure_class
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13 + len(bars) - 3, 4.5),
-                                   gridspec_kw={"width_ratios": [3, len(bars) / 3]})
+    fig = figure_class("demo")(figsize=(13 + len(bars) - 3, 4.5))
+    ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, len(bars) / 3]})
     x = range(len(requests))
     key, label = without
     ax1.bar([i - 0.2 for i in x], [r[key] for r in requests], 0.4, label=label,
@@ -105,7 +102,6 @@ def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: P
         ax2.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def machine() -> dict:
