@@ -71,14 +71,27 @@ def test_wrong_address_is_one_line_with_the_hint():
 
 @pytest.mark.parametrize(("args", "words"), [
     (["bench", "--page-sizes", "100K"], ["--page-sizes", "100K", "32K"]),
-    (["bench", "--engine", "sglang", "--page-sizes", "96K"], ["--page-sizes", "64K"]),
     (["bench", "--batch", "0"], ["--batch"]),
     (["bench-group", "--tp-sizes", "2,a"], ["--tp-sizes", "'a'"]),
-    (["bench-ranks", "--ranks", "0"], ["--ranks"]),
-    (["up", "--segment-size", "lots"], ["--segment-size", "lots"]),
 ])
 def test_bad_option_values_are_usage_errors(args, words):
     assert_one_line_error(raykv(*args), 2, "Invalid value", *words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["bench", "--engine", "sglang", "--page-sizes", "96K"], ["--page-sizes", "64K"]),
+    (["bench-ranks", "--ranks", "0"], ["--ranks"]),
+    (["bench-group", "--seconds", "0"], ["--seconds"]),
+    (["up", "--segment-size", "lots"], ["--segment-size", "lots"]),
+    (["demo", "--turns", "0"], ["--turns"]),
+])
+def test_more_bad_option_values_in_process(args, words):
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2, out.output
+    assert "Invalid value" in out.output and all(w in out.output for w in words), out.output
 
 
 def test_version_is_the_package_metadata():
