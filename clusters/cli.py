@@ -305,8 +305,8 @@ def down(address: str, namespace: str) -> None:
     if not stopped:
         raise click.ClickException(f"nothing to stop: raykv is not running in namespace "
                                    f"{namespace!r}")
-    click.echo(f"raykv is down in namespace {namespace!r} (stopped {len(stopped)}: "
-               f"{', '.join(stopped)})")
+    actors = len([name for name in stopped if name != "checkpoint"])
+    click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
 
 
 @main.command(epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
