@@ -33,7 +33,7 @@ def figure_class(extra: str) -> type[Figure]:
     try:
         from matplotlib.figure import Figure
     except ModuleNotFoundError as e:
-        if e.name != "matplotlib":
+        if (e.name or "").partition(".")[0] != "matplotlib":
             raise
         raise MissingExtraError(_message(extra), name="matplotlib") from None
     return Figure
