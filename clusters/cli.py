@@ -189,7 +189,7 @@ def demo(engine: str, **options) -> None:
     if engine == "example":
         _progress(f"raykv demo: starting a 2-node embedded cluster and the example engine "
                   f"({options.get('variant', 'hybrid-draft')}) on each node ...")
-        from raykv.clusters.demo import run_demo
+        from raykv.clusters.demo.example_demo import run_demo
 
         sys.exit(0 if run_demo(**options) else 1)
     import importlib.util
@@ -202,7 +202,7 @@ def demo(engine: str, **options) -> None:
                                    "(see the README, 'Use from vLLM')")
     _progress("raykv demo: starting a 2-node embedded cluster and a vLLM engine per node "
               "...")
-    from raykv.clusters.demo_vllm import run_vllm_demo
+    from raykv.clusters.demo.vllm_demo import run_vllm_demo
 
     sys.exit(0 if run_vllm_demo(**options)["ok"] else 1)
 
@@ -347,7 +347,7 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
     _progress(f"raykv bench: starting a 2-node embedded cluster, then {iters} timed "
               f"iteration(s) of {batch}-page batches per page size ...")
     if engine == "sglang":
-        from raykv.clusters.bench_sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
+        from raykv.clusters.bench.sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
         try:
             run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
@@ -356,7 +356,7 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     else:
-        from raykv.clusters.bench import DEFAULT_PAGE_SIZES, run_dataplane_bench
+        from raykv.clusters.bench.dataplane import DEFAULT_PAGE_SIZES, run_dataplane_bench
 
         try:  # its checks run before anything starts (e.g. batch x page size too big)
             run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
@@ -365,7 +365,7 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
             raise click.ClickException(str(e)) from None
     if with_ranks:
         _progress("raykv bench: bench-ranks with its defaults ...")
-        from raykv.clusters.bench_ranks import run_ranks_bench
+        from raykv.clusters.bench.ranks import run_ranks_bench
 
         run_ranks_bench(out_dir=out_dir)
 
@@ -394,7 +394,7 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     timed = len(page_sizes) * len(ranks) * rounds * 2 * seconds
     _progress(f"raykv bench-ranks: starting a 2-node embedded cluster, then "
               f"{len(page_sizes) * len(ranks)} case(s), {timed:.0f} s of timed phases ...")
-    from raykv.clusters.bench_ranks import run_ranks_bench
+    from raykv.clusters.bench.ranks import run_ranks_bench
 
     try:
         run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
@@ -422,7 +422,7 @@ def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds
     _progress(f"raykv bench-group: starting a 1-node embedded cluster, then per TP size "
               f"({', '.join(map(str, tp_sizes))}): latency runs and 4 throughput runs of "
               f"{seconds:g} s ...")
-    from raykv.clusters.bench_group import run_group_bench
+    from raykv.clusters.bench.group import run_group_bench
 
     run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency, seconds=seconds,
                     out_dir=out_dir)

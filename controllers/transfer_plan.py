@@ -7,11 +7,11 @@ naming the problem.
 - ``plan_transfers``: the objects of a ``batch_set_v2`` / ``batch_get_v2`` call as one
   ``ObjectBatch`` (keys, pool, byte offset, byte size per object) and, from the node
   actor's per-object codes, ``{PoolName: [bool per page]}`` (``TransferPlan``).
-- ``check_exists`` and ``exists_families``: the keys, per-pool hit queries and object
-  families of an exists call (``group_search.search`` turns the codes into the hit).
+- ``check_hit_query`` and ``exists_families``: the keys, per-role queries and object
+  families of a hit query (``group_search.search`` turns the codes into the hit).
 
 Units: ``host_indices`` count token slots (``page_size`` per page, see ``PoolLayout``);
-offsets and sizes count bytes from the start of a pool's shared segment.
+offsets and sizes count bytes from the start of a pool's shared memory.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
 from raykv.controllers.deployments import PoolQuery, PoolSpec
-from raykv.controllers.group_search import GroupFamilies, rank_families
+from raykv.controllers.families import GroupFamilies, rank_families
 from raykv.controllers.keys import KeyScheme, is_replicated
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
@@ -50,8 +50,8 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     return keys
 
 
-def pool_name(name: PoolName | str) -> PoolName:
-    """``name`` as a ``PoolName``; ``ValueError`` listing the known names otherwise."""
+def pool_role(name: PoolName | str) -> PoolName:
+    """``name`` as a role (``PoolName``); ``ValueError`` listing the known ones otherwise."""
     try:
         return PoolName(name)
     except ValueError:
@@ -59,22 +59,22 @@ def pool_name(name: PoolName | str) -> PoolName:
                          f"{[p.value for p in PoolName]}") from None
 
 
-def registered(pools: Mapping[PoolName, PlanPool], name: PoolName) -> PlanPool:
-    """``pools[name]``; ``ValueError`` naming the call that registers it otherwise."""
-    pool = pools.get(name)
+def registered(pools: Mapping[PoolName, PlanPool], role: PoolName) -> PlanPool:
+    """``pools[role]``; ``ValueError`` naming the call that registers it otherwise."""
+    pool = pools.get(role)
     if pool is None:
-        hint = ("register_mem_pool_host(pool)" if name == PoolName.KV
-                else f"register_mem_host_pool_v2(pool, PoolName.{name.name})")
-        raise ValueError(f"no {name.value!r} host pool is registered: call {hint}")
+        hint = ("register_mem_pool_host(pool)" if role == PoolName.KV
+                else f"register_mem_host_pool_v2(pool, PoolName.{role.name})")
+        raise ValueError(f"no {role.value!r} host pool is registered: call {hint}")
     return pool
 
 
 @dataclass(frozen=True)
 class PlanPool:
-    """A registered pool as planning sees it: ``name``, the pool (shared segment) that
-    batches name, and its ``layout``."""
+    """A pool registered for a role, as planning sees it: ``pool_name``, its name on the
+    node (what an ``ObjectBatch`` names each object's pool by), and its ``layout``."""
 
-    name: str
+    pool_name: str
     layout: PoolLayout
 
     def spec(self, role: PoolName) -> PoolSpec:
@@ -112,36 +112,36 @@ class TransferPlan:
         return self.results(self.batch.read_in_full(codes))
 
 
-def _by_name(transfers: Sequence[PoolTransfer]) -> dict[PoolName, PoolTransfer]:
+def _by_role(transfers: Sequence[PoolTransfer]) -> dict[PoolName, PoolTransfer]:
     if isinstance(transfers, PoolTransfer) or not isinstance(transfers, Sequence) \
             or not transfers:
         raise ValueError("transfers must be a non-empty list of PoolTransfer")
-    by_name: dict[PoolName, PoolTransfer] = {}
+    by_role: dict[PoolName, PoolTransfer] = {}
     for t in transfers:
         if not isinstance(t, PoolTransfer):
             raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
-        name = pool_name(t.name)
-        if name in by_name:
-            raise ValueError(f"pool {name.value!r} appears twice in one call")
-        by_name[name] = t
-    return by_name
+        role = pool_role(t.name)
+        if role in by_role:
+            raise ValueError(f"pool {role.value!r} appears twice in one call")
+        by_role[role] = t
+    return by_role
 
 
-def _resolve(name: PoolName, t: PoolTransfer,
-             by_name: Mapping[PoolName, PoolTransfer]) -> tuple[list[str], object]:
+def _resolve(role: PoolName, t: PoolTransfer,
+             by_role: Mapping[PoolName, PoolTransfer]) -> tuple[list[str], object]:
     """Keys and host indices of a transfer, a sidecar's taken from its source pool."""
     if t.indices_from_pool is None:
         if t.host_indices is None:
-            raise ValueError(f"pool {name.value!r}: the transfer has no host_indices")
+            raise ValueError(f"pool {role.value!r}: the transfer has no host_indices")
         return check_keys(t.keys), t.host_indices
     if t.host_indices is not None:
-        raise ValueError(f"pool {name.value!r}: give host_indices or indices_from_pool, "
+        raise ValueError(f"pool {role.value!r}: give host_indices or indices_from_pool, "
                          "not both")
-    src_name = pool_name(t.indices_from_pool)
-    src = by_name.get(src_name)
+    src_role = pool_role(t.indices_from_pool)
+    src = by_role.get(src_role)
     if src is None or src.indices_from_pool is not None or src.host_indices is None:
-        raise ValueError(f"pool {name.value!r} takes its indices from pool "
-                         f"{src_name.value!r}, which has no transfer with host_indices in "
+        raise ValueError(f"pool {role.value!r} takes its indices from pool "
+                         f"{src_role.value!r}, which has no transfer with host_indices in "
                          "this call")
     return check_keys(t.keys if t.keys is not None else src.keys), src.host_indices
 
@@ -164,40 +164,41 @@ def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, P
     input: not a list of transfers, a pool named twice or unknown or not registered,
     bad keys or host indices, a sidecar without its source, an object named twice.
     """
-    by_name = _by_name(transfers)
+    by_role = _by_role(transfers)
     plan = TransferPlan()
     plan.batch.epoch = epoch
-    for name, t in by_name.items():
-        page_hashes, idx = _resolve(name, t, by_name)
-        if name in disabled:
-            plan.fixed[name] = [False] * len(page_hashes)
+    for role, t in by_role.items():
+        page_hashes, idx = _resolve(role, t, by_role)
+        if role in disabled:
+            plan.fixed[role] = [False] * len(page_hashes)
             continue
-        pool = registered(pools, name)
+        pool = registered(pools, role)
         layout = pool.layout
         try:
             starts = layout.page_starts(_slots(idx), len(page_hashes))
         except ValueError as e:
-            raise ValueError(f"pool {name.value!r}: {e}") from None
-        if write and is_replicated(name, layout.kind) and not keys.writes_replicated:
-            plan.fixed[name] = [True] * len(page_hashes)
+            raise ValueError(f"pool {role.value!r}: {e}") from None
+        if write and is_replicated(role, layout.kind) and not keys.writes_replicated:
+            plan.fixed[role] = [True] * len(page_hashes)
             continue
-        suffixes = keys.suffixes(name, layout.kind, [b.name for b in layout.buffers])
+        suffixes = keys.suffixes(role, layout.kind, [b.name for b in layout.buffers])
         first = len(plan.batch)
         plan.batch.extend([keys.prefix + h + s for h in page_hashes for s in suffixes],
-                          pool.name, layout.object_offsets(starts),
+                          pool.pool_name, layout.object_offsets(starts),
                           layout.object_sizes * len(page_hashes))
-        plan.spans[name] = (first, len(suffixes), len(page_hashes))
-        plan.starts[name] = starts
+        plan.spans[role] = (first, len(suffixes), len(page_hashes))
+        plan.starts[role] = starts
     if len(set(plan.batch.keys)) != len(plan.batch):
         raise ValueError("the transfers name the same object twice")
     return plan
 
 
-def check_exists(keys: Sequence[str], transfers: Sequence[PoolTransfer],
-                 pools: Mapping[PoolName, PlanPool],
-                 disabled: Collection[PoolName] = ()) -> tuple[list[str], list[PoolQuery]]:
-    """Validate an exists call: its page keys, a registered KV pool and, per extra pool
-    of ``transfers``, its (pool, hit policy, window) query. KV is implied and pools in
+def check_hit_query(keys: Sequence[str], transfers: Sequence[PoolTransfer],
+                    pools: Mapping[PoolName, PlanPool],
+                    disabled: Collection[PoolName] = ()) -> tuple[list[str], list[PoolQuery]]:
+    """Validate a hit query (``batch_exists_v2``, ``group_exists``): its page keys, a
+    registered KV pool and, per extra pool of ``transfers``, its (role, hit policy,
+    window) query. KV is implied and pools in
     ``disabled`` are left out. A ``trailing_pages`` window is the number of the
     transfer's keys (1 if none). ``ValueError`` for bad input."""
     keys = check_keys(keys)
@@ -206,25 +207,25 @@ def check_exists(keys: Sequence[str], transfers: Sequence[PoolTransfer],
     for t in transfers:
         if not isinstance(t, PoolTransfer):
             raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
-        name = pool_name(t.name)
+        role = pool_role(t.name)
         try:
             policy = PoolHitPolicy(t.hit_policy)
         except ValueError:
-            raise ValueError(f"pool {name.value!r}: unknown hit policy {t.hit_policy!r}; "
+            raise ValueError(f"pool {role.value!r}: unknown hit policy {t.hit_policy!r}; "
                              f"expected one of {[p.value for p in PoolHitPolicy]}") from None
-        if name == PoolName.KV or name in disabled:
+        if role == PoolName.KV or role in disabled:
             continue
-        if name in queries:
-            raise ValueError(f"pool {name.value!r} appears twice in one call")
-        registered(pools, name)
-        queries[name] = PoolQuery(name, policy, len(t.keys) if t.keys else 1)
+        if role in queries:
+            raise ValueError(f"pool {role.value!r} appears twice in one call")
+        registered(pools, role)
+        queries[role] = PoolQuery(role, policy, len(t.keys) if t.keys else 1)
     return keys, list(queries.values())
 
 
 def exists_families(queries: Sequence[PoolQuery], pools: Mapping[PoolName, PlanPool],
                     keys: KeyScheme, rank: tuple[int, int]) -> GroupFamilies:
     """The object families of KV and of each queried pool of one ``rank`` (tp, pp), as
-    ``check_exists`` validated them: ``group_search.search`` resolves the hit."""
-    return rank_families(keys, rank, [pools[n].spec(n)
-                                      for n in (PoolName.KV, *(q.name for q in queries))],
-                         queries)
+    ``check_hit_query`` validated them: ``group_search.search`` resolves the hit."""
+    return rank_families(keys, rank, tuple(pools[r].spec(r) for r in
+                                           (PoolName.KV, *(q.role for q in queries))),
+                         tuple(queries))

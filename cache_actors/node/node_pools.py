@@ -267,7 +267,7 @@ class NodePools:
                     raise ValueError(f"pool {name!r} exists on this node with another "
                                      f"layout: {existing.handle.layout} (asked for {layout})")
                 return existing.handle
-            self._store.check()
+            self._store.before_call()
             pool = self._register(self._store.memory.create(name, layout))
             watched = owner if owner is not None and owner.alive() else None
             try:

@@ -235,7 +235,7 @@ class PoolLifecycle:
         self._registered = pools
         self.plan_pools = {n: PlanPool(p.name, p.handle.layout) for n, p in pools.items()}
         self.specs = tuple(sorted((pp.spec(n) for n, pp in self.plan_pools.items()),
-                                  key=lambda s: s.name.value))
+                                  key=lambda s: s.role.value))
 
     # ------------------------------------------------------------- staging
     def stage_in(self, plan: TransferPlan) -> None:

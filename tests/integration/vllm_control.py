@@ -10,7 +10,7 @@ import hashlib
 
 import ray
 import torch
-from raykv.integrations.vllm_actors import VLLMEngine
+from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
 def _connector():

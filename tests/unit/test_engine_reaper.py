@@ -47,7 +47,7 @@ class Store:
     backend: Registrations
     mode: str = "embedded"
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return 0
 
 
