@@ -135,10 +135,10 @@ def test_param_types():
 
 
 def test_page_quanta_are_the_benchmarks_own():
-    from raykv.clusters import bench, bench_sglang
+    from raykv.clusters.bench import sglang, toolkit
 
-    assert BENCH_PAGE_QUANTUM == bench.PAGE_TOKENS * bench.KV_CACHE_DIM
-    assert SGLANG_PAGE_QUANTUM == bench_sglang.LAYER_PAGE_BYTES
+    assert BENCH_PAGE_QUANTUM == toolkit.PAGE_TOKENS * toolkit.KV_CACHE_DIM
+    assert SGLANG_PAGE_QUANTUM == sglang.LAYER_PAGE_BYTES
 
 
 STATE = {

@@ -32,7 +32,8 @@ def test_commands_that_draw_fail_first_without_matplotlib(monkeypatch, args, ext
 def test_no_module_imports_matplotlib_until_it_draws():
     import subprocess
 
-    code = ("import sys, raykv.clusters.cli, raykv.clusters.demo, raykv.clusters.bench, "
-            "raykv.clusters.bench_ranks, raykv.clusters.bench_sglang; "
+    code = ("import sys, raykv.clusters.cli, raykv.clusters.demo.example_demo, "
+            "raykv.clusters.demo.chat, raykv.clusters.bench.dataplane, "
+            "raykv.clusters.bench.ranks, raykv.clusters.bench.sglang; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
