@@ -1,5 +1,18 @@
-"""Deployment: the embedded local cluster, Mooncake master supervision, the CLI."""
+"""Deployment: the embedded local cluster, Mooncake master supervision, the CLI.
 
-from raykv.clusters.local import LocalCluster, start_local
+Exports are lazy (``raykv.lazy_getattr``), so the ``raykv`` command starts without
+importing Ray; the ``TYPE_CHECKING`` imports name them for a type checker."""
 
-__all__ = ["LocalCluster", "start_local"]
+from typing import TYPE_CHECKING
+
+from raykv import lazy_getattr
+
+if TYPE_CHECKING:
+    from raykv.clusters.local import LocalCluster as LocalCluster
+    from raykv.clusters.local import start_local as start_local
+
+_EXPORTS = {"LocalCluster": "raykv.clusters.local", "start_local": "raykv.clusters.local"}
+
+if not TYPE_CHECKING:
+    __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,63 +1,44 @@
-"""The ``raykv`` command line."""
+"""The ``raykv`` command line.
+
+User errors end in one line on stderr and a non-zero exit, never a traceback: a bad
+option value is click's usage error (exit 2), anything else a ``click.ClickException``
+(exit 1), e.g. when no Ray cluster answers at ``--address`` (found out in seconds, see
+``clusters.ray_address``). Each command's help lists its exit codes.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 import click
+from raykv.controllers.pool_layout import KiB
+
+# The benchmarks' page quanta (a test keeps them equal to the benchmarks' own): raykv's
+# bench and bench-ranks build MLA pages of 64 tokens x 512 one-byte elements per layer;
+# the SGLang bench pages of 64 tokens x K + V of 128 bf16 per layer.
+BENCH_PAGE_QUANTUM = 32 * KiB
+SGLANG_PAGE_QUANTUM = 64 * KiB
 
 
-@click.group()
+
+def _epilog(zero: str = "done", one: tuple[str, ...] = ()) -> str:
+    """A command's exit codes as its help's last lines, kept as written (``\b``):
+    ``zero`` says when it exits 0, ``one`` the lines of what else than a failure exits
+    1."""
+    lines = ["\b", "Exit codes:", f"  0  {zero}",
+             "  1  failed (the message says why)" + (";" if one else ""),
+             *(f"     {line}" for line in one), "  2  bad usage or option value"]
+    return "\n".join(lines)
+
+
+@click.group(epilog=_epilog())
+@click.version_option(package_name="raykv", prog_name="raykv")
 def main() -> None:
     """raykv: a Ray-native distributed KV cache for LLM inference."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-
-
-@main.command()
-@click.option("--engine", default="example", show_default=True,
-              type=click.Choice(["example", "vllm"]),
-              help="example: the example engine (nothing to install); vllm: real vLLM "
-              "engines (pip install 'raykv[vllm]') on a random-weight Llama made locally.")
-@click.option("--variant", default=None,
-              type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
-                                 "hybrid-draft"]),
-              help="Example engine's model: attention kind, hybrid (Mamba-like layers), "
-              "draft model.  [default: hybrid-draft]")
-@click.option("--hidden", default=None, type=int,
-              help="Model width.  [default: 512 example, 384 vllm]")
-@click.option("--layers", default=None, type=int, help="[default: 8 example, 6 vllm]")
-@click.option("--head-dim", default=None, type=int, help="[default: 64]")
-@click.option("--page-size", default=None, type=int,
-              help="Tokens per page (vllm: per block).  [default: 64 example, 128 vllm]")
-@click.option("--sessions", default=4, show_default=True)
-@click.option("--turns", default=3, show_default=True)
-@click.option("--system-tokens", default=1024, show_default=True,
-              help="Shared system prompt length.")
-@click.option("--user-tokens", default=64, show_default=True, help="Per user message.")
-@click.option("--reply-tokens", default=16, show_default=True, help="Decoded per turn.")
-@click.option("--long-prompt", default=4096, show_default=True,
-              help="Tokens of the prompt timed recomputed vs fully cached.")
-@click.option("--out", "out_dir", default="raykv-out", show_default=True,
-              help="Folder for demo.json and demo.png (vllm: demo_vllm.json, .png).")
-def demo(engine: str, **options) -> None:
-    """Multi-turn chat on a 2-node cluster: TTFT with raykv vs without, hit rates."""
-    options = {k: v for k, v in options.items() if v is not None}
-    if engine == "example":
-        from raykv.clusters.demo.example_demo import run_demo
-
-        sys.exit(0 if run_demo(**options) else 1)
-    import importlib.util
-
-    if "variant" in options:
-        raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
-                               "runs a Llama (--hidden, --layers, --head-dim)")
-    if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException("--engine vllm needs vLLM: pip install 'raykv[vllm]' "
-                                   "(see the README, 'Use from vLLM')")
-    from raykv.clusters.demo.vllm_demo import run_vllm_demo
-
-    sys.exit(0 if run_vllm_demo(**options)["ok"] else 1)
 
 
 def parse_size(text: str) -> int:
@@ -70,20 +51,190 @@ def parse_size(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size like 512M or 1GB") from None
 
 
+def _short(n: int) -> str:
+    """``32768`` -> ``"32K"``: bytes as an option value would give them."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+class Size(click.ParamType):
+    """A byte count >= 0 with an optional K/M/G/T suffix (powers of 1024; ``B`` and
+    ``iB`` allowed after it): ``512M``, ``1GB``, ``64KiB``, ``4096``."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            size = parse_size(value)
+        except click.BadParameter as e:
+            self.fail(e.message, param, ctx)
+        if size < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return size
+
+
+class SizeList(click.ParamType):
+    """Comma-separated sizes (as ``Size``), each a positive multiple of ``quantum`` bytes
+    (``what`` says why, for the message); converts to a tuple of byte counts."""
+
+    name = "sizes"
+
+    def __init__(self, quantum: int, what: str) -> None:
+        self.quantum, self.what = quantum, what
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        if isinstance(value, tuple | list):
+            return tuple(value)
+        sizes = []
+        for part in value.split(","):
+            size = Size().convert(part, param, ctx)
+            if size <= 0 or size % self.quantum:
+                self.fail(f"{part.strip()} ({size} bytes) is not a positive multiple of "
+                          f"{_short(self.quantum)} ({self.what})", param, ctx)
+            sizes.append(size)
+        return tuple(sizes)
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers, each at least ``min``; converts to a tuple."""
+
+    name = "ints"
+
+    def __init__(self, min: int = 1) -> None:
+        self.min = min
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        if isinstance(value, tuple | list):
+            return tuple(value)
+        numbers = []
+        for part in value.split(","):
+            try:
+                n = int(part)
+            except ValueError:
+                self.fail(f"{part.strip()!r} is not an integer (give a comma-separated list "
+                          f"like 2,4)", param, ctx)
+            if n < self.min:
+                self.fail(f"{n} is below {self.min}", param, ctx)
+            numbers.append(n)
+        return tuple(numbers)
+
+
+POSITIVE = click.IntRange(min=1)
+SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+def _progress(line: str) -> None:
+    """A line on stderr before a command's long phase (stdout keeps its results)."""
+    click.echo(line, err=True)
+
+
+@contextlib.contextmanager
+def _spinner(text: str) -> Iterator[None]:
+    """A spinner on stderr while a cluster command waits (on a terminal only: nothing is
+    written when stderr is a pipe or a file)."""
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
+
+
+def _require_figures(extra: str) -> None:
+    """Fail before a long run, rather than at its figure, if matplotlib is missing."""
+    from raykv.clusters.plotting import MissingExtraError, require_matplotlib
+
+    try:
+        require_matplotlib(extra)
+    except MissingExtraError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command(epilog=_epilog(one=(
+    "also when a first token's logits with raykv differ from recomputing, or",
+    "the cached long prompt did not restore every page it could")))
+@click.option("--engine", default="example", show_default=True,
+              type=click.Choice(["example", "vllm"]),
+              help="example: the example engine (nothing to install); vllm: real vLLM "
+              "engines (pip install 'raykv[vllm]') on a random-weight Llama made locally.")
+@click.option("--variant", default=None,
+              type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
+                                 "hybrid-draft"]),
+              help="Example engine's model: attention kind, hybrid (Mamba-like layers), "
+              "draft model.  [default: hybrid-draft]")
+@click.option("--hidden", default=None, type=POSITIVE,
+              help="Model width.  [default: 512 example, 384 vllm]")
+@click.option("--layers", default=None, type=POSITIVE, help="[default: 8 example, 6 vllm]")
+@click.option("--head-dim", default=None, type=POSITIVE, help="[default: 64]")
+@click.option("--page-size", default=None, type=POSITIVE,
+              help="Tokens per page (vllm: per block).  [default: 64 example, 128 vllm]")
+@click.option("--sessions", default=4, show_default=True, type=POSITIVE)
+@click.option("--turns", default=3, show_default=True, type=POSITIVE)
+@click.option("--system-tokens", default=1024, show_default=True, type=POSITIVE,
+              help="Shared system prompt length.")
+@click.option("--user-tokens", default=64, show_default=True, type=POSITIVE,
+              help="Per user message.")
+@click.option("--reply-tokens", default=16, show_default=True, type=POSITIVE,
+              help="Decoded per turn.")
+@click.option("--long-prompt", default=4096, show_default=True, type=POSITIVE,
+              help="Tokens of the prompt timed recomputed vs fully cached.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for demo.json and demo.png (vllm: demo_vllm.json, .png).")
+def demo(engine: str, **options) -> None:
+    """Multi-turn chat on a 2-node cluster: TTFT with raykv vs without, hit rates."""
+    options = {k: v for k, v in options.items() if v is not None}
+    _require_figures("demo")
+    if engine == "example":
+        _progress(f"raykv demo: starting a 2-node embedded cluster and the example engine "
+                  f"({options.get('variant', 'hybrid-draft')}) on each node ...")
+        from raykv.clusters.demo.example_demo import run_demo
+
+        sys.exit(0 if run_demo(**options) else 1)
+    import importlib.util
+
+    if "variant" in options:
+        raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
+                               "runs a Llama (--hidden, --layers, --head-dim)")
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException("--engine vllm needs vLLM: pip install 'raykv[vllm]' "
+                                   "(see the README, 'Use from vLLM')")
+    _progress("raykv demo: starting a 2-node embedded cluster and a vLLM engine per node "
+              "...")
+    from raykv.clusters.demo.vllm_demo import run_vllm_demo
+
+    sys.exit(0 if run_vllm_demo(**options)["ok"] else 1)
+
+
 ADDRESS = click.option("--address", default="auto", show_default=True,
-                       help="Ray cluster address (as for `ray.init`).")
+                       help="Ray cluster address (as for `ray.init`: host:port of the head's "
+                       "GCS; auto: RAY_ADDRESS, else the cluster `ray start` made here).")
 NAMESPACE_OPT = click.option("--namespace", default="raykv", show_default=True,
                              help="Ray namespace of raykv's actors.")
 
 
-@main.command()
+def _connected(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` of ``clusters.deploy``, its user errors (no Ray cluster
+    at the address, raykv not running or already up) as one-line ``ClickException``."""
+    from raykv.clusters.ray_address import RayUnreachableError
+
+    try:
+        return call(*args, **kwargs)
+    except (RayUnreachableError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command(epilog=_epilog(one=(
+    "also when no Ray cluster answers at --address (checked within seconds),",
+    "or raykv already runs in the namespace")))
 @ADDRESS
 @NAMESPACE_OPT
 @click.option("--master-address", default=None, help="host:port of an existing Mooncake "
               "master (with --metadata-server); default: run one on the head node.")
 @click.option("--metadata-server", default=None, help="Metadata URL of that master.")
-@click.option("--segment-size", default="1GB", show_default=True,
-              help="Memory each node contributes to the store.")
+@click.option("--segment-size", default="1GB", show_default=True, type=Size(),
+              help="Memory each node contributes to the store (K/M/G suffixes).")
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]))
 @click.option("--mooncake-host", default=None, help="Address Mooncake binds and advertises "
               "on every node (default: the node's IP; 127.0.0.1 when all nodes share one "
@@ -91,56 +242,57 @@ NAMESPACE_OPT = click.option("--namespace", default="raykv", show_default=True,
 @click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
               "mooncake_client process its cache actor supervises, so it survives a crash "
               "of the actor (default: embedded in the actor).")
-@click.option("--host-pool-size", default=None, help="Per node budget for host pools "
-              "(default: no limit; 1GB with --standalone, where it is requested from "
+@click.option("--host-pool-size", default=None, type=Size(), help="Per node budget for host "
+              "pools (default: no limit; 1GB with --standalone, where it is requested from "
               "mooncake_client).")
-@click.option("--confirm-ttl", default=2.0, show_default=True, help="Seconds group queries "
-              "trust a page the store confirmed present (below the master's object lease, "
-              "-default_kv_lease_ttl; 0: always ask the store).")
+@click.option("--confirm-ttl", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds group queries trust a page the store confirmed present (below "
+              "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
-       segment_size: str, protocol: str, mooncake_host: str | None, standalone: bool,
-       host_pool_size: str | None, confirm_ttl: float) -> None:
+       segment_size: int, protocol: str, mooncake_host: str | None, standalone: bool,
+       host_pool_size: int | None, confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
 
     if host_pool_size is None:
-        host_pool_size = "1GB" if standalone else "0"
-    try:
-        info = deploy.up(address, namespace=namespace, master_address=master_address,
-                         metadata_server=metadata_server,
-                         global_segment_size=parse_size(segment_size), protocol=protocol,
-                         mooncake_host=mooncake_host, standalone=standalone,
-                         host_pool_bytes=parse_size(host_pool_size),
-                         confirm_ttl_s=confirm_ttl)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        host_pool_size = (1 << 30) if standalone else 0
+    with _spinner("starting raykv: master, controller, a cache actor per node ..."):
+        info = _connected(deploy.up, address, namespace=namespace,
+                          master_address=master_address, metadata_server=metadata_server,
+                          global_segment_size=segment_size, protocol=protocol,
+                          mooncake_host=mooncake_host, standalone=standalone,
+                          host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")
 
 
-@main.command()
+@main.command(epilog=_epilog(one=(
+    "also when no Ray cluster answers at --address (checked within seconds),",
+    "or raykv does not run in the namespace")))
 @ADDRESS
 @NAMESPACE_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(address: str, namespace: str, as_json: bool) -> None:
-    """Per node: pools, bytes, pages, objects moved and hit rates per pool."""
+    """Per node: pools, bytes, pages, objects moved and hit rates per pool. A table where
+    it fits the terminal; narrower (and when piped), the same figures as lines."""
     import json
 
     from raykv.clusters import deploy
     from raykv.clusters.status_view import render_status
 
-    try:
-        state = deploy.status(address, namespace)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    with _spinner("asking the controller and every node actor ..."):
+        state = _connected(deploy.status, address, namespace)
     if as_json:
         click.echo(json.dumps(state, indent=2, default=str))
     else:
         render_status(state)
 
 
-@main.command()
+@main.command(epilog=_epilog(zero="raykv stopped", one=(
+    "also when no Ray cluster answers at --address (checked within seconds),",
+    "or nothing of raykv ran in the namespace: nothing to stop (so a",
+    "mistyped --namespace shows)")))
 @ADDRESS
 @NAMESPACE_OPT
 def down(address: str, namespace: str) -> None:
@@ -148,21 +300,30 @@ def down(address: str, namespace: str) -> None:
     master."""
     from raykv.clusters import deploy
 
-    deploy.down(address, namespace)
-    click.echo(f"raykv is down in namespace {namespace!r}")
+    with _spinner("stopping raykv ..."):
+        stopped = _connected(deploy.down, address, namespace)
+    if not stopped:
+        raise click.ClickException(f"nothing to stop: raykv is not running in namespace "
+                                   f"{namespace!r}")
+    actors = len([name for name in stopped if name != "checkpoint"])
+    click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
 
 
-@main.command()
+@main.command(epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
 @click.option("--engine", default="raykv", show_default=True,
               type=click.Choice(["raykv", "sglang"]),
               help="raykv: the data plane vs raw Mooncake and memcpy (bench_dataplane.*). "
                    "sglang: SGLang's write_storage / prefetch through RayKVStore vs SGLang's "
                    "built-in MooncakeStore (bench_sglang.*), run in SGLang's venv.")
 @click.option("--page-sizes", default=None,
-              help="Comma-separated page sizes (K/M suffixes) [default: 64K,1M,4M; "
-                   "sglang: 64K,256K,1M,4M, multiples of 64K].")
-@click.option("--batch", default=128, show_default=True, help="Pages per batch call.")
-@click.option("--iters", default=5, show_default=True, help="Timed iterations per size.")
+              type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
+              help=f"Comma-separated page sizes (K/M suffixes), multiples of "
+                   f"{_short(BENCH_PAGE_QUANTUM)}; sglang: of {_short(SGLANG_PAGE_QUANTUM)} "
+                   f"[default: 64K,1M,4M; sglang: 64K,256K,1M,4M].")
+@click.option("--batch", default=128, show_default=True, type=POSITIVE,
+              help="Pages per batch call.")
+@click.option("--iters", default=5, show_default=True, type=POSITIVE,
+              help="Timed iterations per size.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for the JSON and PNG.")
 @click.option("--ranks", "with_ranks", is_flag=True,
@@ -171,11 +332,20 @@ def down(address: str, namespace: str) -> None:
               "[default: $RAYKV_SGLANG_PYTHON, else .venv-sglang/bin/python].")
 @click.option("--standalone", is_flag=True, help="--engine sglang: nodes in standalone "
               "Mooncake mode (RayKVStore then stages SGLang's pages; bench_sglang_standalone.*).")
-def bench(engine: str, page_sizes: str | None, batch: int, iters: int, out_dir: str,
-          with_ranks: bool, sglang_python: str | None, standalone: bool) -> None:
+def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: int,
+          out_dir: str, with_ranks: bool, sglang_python: str | None, standalone: bool) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run; or
     (--engine sglang) SGLang's HiCache L3 through raykv vs SGLang's MooncakeStore."""
-    sizes = [parse_size(s) for s in page_sizes.split(",")] if page_sizes else None
+    sizes = list(page_sizes) if page_sizes else None
+    if engine == "sglang" and sizes and any(s % SGLANG_PAGE_QUANTUM for s in sizes):
+        raise click.BadParameter(
+            f"--engine sglang needs multiples of {_short(SGLANG_PAGE_QUANTUM)} (K + V of one "
+            f"layer of a 64-token page of 2 x 128 bf16)", param_hint="'--page-sizes'")
+    if engine != "sglang" and (sglang_python or standalone):
+        raise click.UsageError("--sglang-python and --standalone need --engine sglang")
+    _require_figures("bench")
+    _progress(f"raykv bench: starting a 2-node embedded cluster, then {iters} timed "
+              f"iteration(s) of {batch}-page batches per page size ...")
     if engine == "sglang":
         from raykv.clusters.bench.sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
@@ -186,56 +356,76 @@ def bench(engine: str, page_sizes: str | None, batch: int, iters: int, out_dir: 
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     else:
-        if sglang_python or standalone:
-            raise click.UsageError("--sglang-python and --standalone need --engine sglang")
         from raykv.clusters.bench.dataplane import DEFAULT_PAGE_SIZES, run_dataplane_bench
 
-        run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
-                            iters=iters, out_dir=out_dir)
+        try:  # its checks run before anything starts (e.g. batch x page size too big)
+            run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
+                                iters=iters, out_dir=out_dir)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     if with_ranks:
+        _progress("raykv bench: bench-ranks with its defaults ...")
         from raykv.clusters.bench.ranks import run_ranks_bench
 
         run_ranks_bench(out_dir=out_dir)
 
 
-@main.command("bench-ranks")
+@main.command("bench-ranks",
+              epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
 @click.option("--page-sizes", default="64K,256K,1M", show_default=True,
-              help="Comma-separated page sizes (K/M suffixes, multiples of 32K).")
-@click.option("--ranks", default="1,2,4,8", show_default=True,
+              type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
+              help=f"Comma-separated page sizes (K/M suffixes, multiples of "
+                   f"{_short(BENCH_PAGE_QUANTUM)}).")
+@click.option("--ranks", default="1,2,4,8", show_default=True, type=IntList(min=1),
               help="Comma-separated numbers of concurrent ranks on the node.")
-@click.option("--batch", default=32, show_default=True, help="Pages per batch call.")
-@click.option("--seconds", default=3.0, show_default=True, help="Per phase (side, N, size).")
-@click.option("--rounds", default=1, show_default=True,
+@click.option("--batch", default=32, show_default=True, type=POSITIVE,
+              help="Pages per batch call.")
+@click.option("--seconds", default=3.0, show_default=True, type=SECONDS,
+              help="Per phase (side, N, size).")
+@click.option("--rounds", default=1, show_default=True, type=POSITIVE,
               help="Phase pairs (raykv, raw) per case; ratios are medians over rounds.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_ranks.json and .png.")
-def bench_ranks(page_sizes: str, ranks: str, batch: int, seconds: float, rounds: int,
-                out_dir: str) -> None:
+def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
+                seconds: float, rounds: int, out_dir: str) -> None:
     """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
+    _require_figures("bench")
+    timed = len(page_sizes) * len(ranks) * rounds * 2 * seconds
+    _progress(f"raykv bench-ranks: starting a 2-node embedded cluster, then "
+              f"{len(page_sizes) * len(ranks)} case(s), {timed:.0f} s of timed phases ...")
     from raykv.clusters.bench.ranks import run_ranks_bench
 
     try:
-        run_ranks_bench(page_sizes=[parse_size(s) for s in page_sizes.split(",")],
-                        ranks=[int(n) for n in ranks.split(",")], batch=batch,
+        run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
                         seconds=seconds, rounds=rounds, out_dir=out_dir)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
 
 
-@main.command("bench-group")
-@click.option("--tp-sizes", default="2,4", show_default=True)
-@click.option("--pages", default=128, show_default=True)
-@click.option("--concurrency", default=32, show_default=True, help="Queries in flight.")
-@click.option("--seconds", default=3.0, show_default=True, help="Per throughput run.")
-@click.option("--out", "out_dir", default="raykv-out", show_default=True)
-def bench_group(tp_sizes: str, pages: int, concurrency: int, seconds: float,
+@main.command("bench-group",
+              epilog=_epilog(zero="done, targets met or not (the table and JSON say)"))
+@click.option("--tp-sizes", default="2,4", show_default=True, type=IntList(min=1),
+              help="Comma-separated TP sizes: one group of that many ranks each, measured "
+                   "one after the other.")
+@click.option("--pages", default=128, show_default=True, type=POSITIVE,
+              help="Pages per group query (a prompt's length).")
+@click.option("--concurrency", default=32, show_default=True, type=POSITIVE,
+              help="Queries in flight in the throughput runs.")
+@click.option("--seconds", default=3.0, show_default=True, type=SECONDS,
+              help="Per throughput run (4 per TP size: hits, misses, shared, raw).")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_group.json.")
+def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds: float,
                 out_dir: str) -> None:
     """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
+    _progress(f"raykv bench-group: starting a 1-node embedded cluster, then per TP size "
+              f"({', '.join(map(str, tp_sizes))}): latency runs and 4 throughput runs of "
+              f"{seconds:g} s ...")
     from raykv.clusters.bench.group import run_group_bench
 
-    run_group_bench([int(t) for t in tp_sizes.split(",")], pages=pages,
-                    concurrency=concurrency, seconds=seconds, out_dir=out_dir)
+    run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency, seconds=seconds,
+                    out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -50,12 +50,16 @@ def _named(name: str, namespace: str):
         return None
 
 
-def stop_control_plane(namespace: str) -> None:
+def stop_control_plane(namespace: str) -> list[str]:
     """Stop everything raykv runs in ``namespace``: reconciler, node actors (their pools
-    removed), controller (its checkpoint deleted) and the master supervisor."""
+    removed), controller (its checkpoint deleted) and the master supervisor. Returns
+    what was there to stop (actor names, ``checkpoint`` if one was deleted): empty if
+    raykv did not run in ``namespace``."""
+    stopped = []
     reconciler = _named(RECONCILER_NAME, namespace)
     if reconciler is not None:
         ray.kill(reconciler, no_restart=True)
+        stopped.append(RECONCILER_NAME)
     for name in named_node_actors(namespace):
         actor = _named(name, namespace)
         if actor is None:
@@ -65,13 +69,18 @@ def stop_control_plane(namespace: str) -> None:
         except Exception as e:  # a dead actor still has to be killed below
             log.warning("%s did not shut down cleanly: %s", name, e)
         ray.kill(actor, no_restart=True)
+        stopped.append(name)
     controller = _named(CONTROLLER_NAME, namespace)
     if controller is not None:
         ray.kill(controller, no_restart=True)
+        stopped.append(CONTROLLER_NAME)
     with contextlib.suppress(Exception):
-        internal_kv._internal_kv_del(checkpoint_key(namespace))
+        if internal_kv._internal_kv_del(checkpoint_key(namespace)):
+            stopped.append("checkpoint")
     supervisor = _named(SUPERVISOR_NAME, namespace)
     if supervisor is not None:
         with contextlib.suppress(Exception):
             ray.get(supervisor.stop.remote(), timeout=30)
         ray.kill(supervisor, no_restart=True)
+        stopped.append(SUPERVISOR_NAME)
+    return stopped

@@ -4,7 +4,8 @@
 node (unless ``master_address`` and ``metadata_server`` of an existing one are given),
 the controller and the reconciler, which gives every alive node a cache actor and
 follows the autoscaler from then on. Everything is detached: it outlives the ``up``
-command. ``down`` stops it all.
+command. ``down`` stops it all. Each joins the cluster through ``connect``, which fails
+in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answers.
 """
 
 from __future__ import annotations
@@ -18,14 +19,22 @@ from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor
 from raykv.clusters.mooncake_master import check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
+from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:
-    """Join the Ray cluster at ``address`` as a driver (quietly)."""
-    if not ray.is_initialized():
+    """Join the Ray cluster at ``address`` as a driver (quietly). Raises
+    ``RayUnreachableError`` (one line, with a hint) within seconds if no Ray cluster
+    answers there (see ``clusters.ray_address``)."""
+    if ray.is_initialized():
+        return
+    check_gcs(address)
+    try:
         ray.init(address=address, namespace=namespace, logging_level="WARNING",
                  log_to_driver=False)
+    except ConnectionError as e:
+        raise RayUnreachableError(f"{str(e).splitlines()[0]}: {HINT}") from None
 
 
 def head_node() -> dict:
@@ -115,7 +124,8 @@ def status(address: str, namespace: str = NAMESPACE) -> dict:
             "deployments": ray.get(ctl.deployments.remote())}
 
 
-def down(address: str, namespace: str = NAMESPACE) -> None:
-    """Stop everything ``up`` started in ``namespace`` (pools are removed)."""
+def down(address: str, namespace: str = NAMESPACE) -> list[str]:
+    """Stop everything ``up`` started in ``namespace`` (pools are removed); returns what
+    was stopped (actor names, and the controller's checkpoint), empty if nothing ran."""
     connect(address, namespace)
-    stop_control_plane(namespace)
+    return stop_control_plane(namespace)

@@ -1,18 +1,82 @@
-"""Renders ``raykv status`` as rich tables."""
+"""Renders ``raykv status`` for a terminal of any width, or a pipe (80 columns)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 
 def _rate(ok: int, total: int) -> str:
     return f"{100 * ok / total:.0f}%" if total else "-"
 
 
+COLUMNS = ("node", "store MiB", "pool", "kind", "pool MiB", "pages", "put", "present",
+           "put err", "got", "get miss", "get hit rate")
+
+
+def _pool_rows(nodes: dict) -> Iterator[tuple[str, ...]]:
+    """One row of ``COLUMNS`` per node and pool (a node without pools: one row with
+    pool ``-``; a node whose stats failed: its error under ``pool``, in red)."""
+    for node_id, s in nodes.items():
+        if "error" in s:
+            yield (node_id[:8], "", "[red]" + s["error"], *[""] * 9)
+            continue
+        seg = f"{s['global_segment_size'] / MiB:.0f}"
+        if not s["pools"]:
+            yield (node_id[:8], seg, "-", *[""] * 9)
+        for name, p in s["pools"].items():
+            c = p["counters"]
+            put_err = sum(v for k, v in c.items() if k.startswith("put_error"))
+            miss = sum(v for k, v in c.items() if k.startswith("get_error"))
+            got = c.get("get_ok", 0)
+            yield (node_id[:8], seg, name, p["kind"], f"{p['bytes'] / MiB:.1f}",
+                   str(p["pages"]), str(c.get("put_ok", 0)), str(c.get("put_present", 0)),
+                   str(put_err), str(got), str(miss), _rate(got, got + miss))
+
+
+def _packed(head: str, pairs: list[str], width: int, indent: str = "    ") -> list[str]:
+    """``head`` then ``pairs`` joined by ", ", packed into lines of at most ``width``
+    characters where possible; a line breaks between pairs only."""
+    lines, line = [], head
+    for i, pair in enumerate(pairs):
+        piece = pair + ("," if i < len(pairs) - 1 else "")
+        if line.strip() and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = indent + piece
+        else:
+            line = f"{line} {piece}" if line.strip() else indent + piece
+    return [*lines, line]
+
+
+def _print_narrow(rows: list[tuple[str, ...]], console: Console) -> None:
+    """The table's rows where it does not fit the console (a pipe is 80 columns): per
+    node its store, then one line per pool of ``name value`` pairs, wrapped between
+    pairs, never inside a value."""
+    console.print("[bold]nodes and pools[/]")
+    node = None
+    for row in rows:
+        if row[0] != node:
+            node = row[0]
+            console.print(f"node {node}" + (f": store {row[1]} MiB" if row[1] else ""))
+        if row[2] == "-":
+            console.print("  no pools")
+        elif not row[3]:  # the node's stats failed: the error
+            console.print(f"  {row[2]}")
+        else:
+            pairs = [f"{name} {value}" for name, value in zip(COLUMNS[4:], row[4:],
+                                                               strict=True)]
+            for line in _packed(f"  pool {row[2]} ({row[3]}):", pairs, console.width):
+                console.print(Text(line), soft_wrap=True)
+
+
 def render_status(state: dict, console: Console | None = None) -> None:
-    """Print the master, the deployments and one row per node and pool."""
+    """Print the master, the deployments and one row per node and pool: a table where it
+    fits the console's width, else the same figures as lines (``_print_narrow``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -26,26 +90,17 @@ def render_status(state: dict, console: Console | None = None) -> None:
                       f"{dep['pp_size']}, {'MLA' if dep['is_mla_model'] else 'MHA'}, pools "
                       f"{pools}, {len(dep['ranks'])} rank(s) registered, group queries on "
                       f"node {home}")
+    rows = list(_pool_rows(state["nodes"]))
     table = Table(title="nodes and pools")
-    for col in ("node", "store MiB", "pool", "kind", "pool MiB", "pages", "put", "present",
-                "put err", "got", "get miss", "get hit rate"):
+    for col in COLUMNS:
         table.add_column(col)
-    for node_id, s in state["nodes"].items():
-        if "error" in s:
-            table.add_row(node_id[:8], "", "[red]" + s["error"], *[""] * 9)
-            continue
-        seg = f"{s['global_segment_size'] / MiB:.0f}"
-        if not s["pools"]:
-            table.add_row(node_id[:8], seg, "-", *[""] * 9)
-        for name, p in s["pools"].items():
-            c = p["counters"]
-            put_err = sum(v for k, v in c.items() if k.startswith("put_error"))
-            miss = sum(v for k, v in c.items() if k.startswith("get_error"))
-            got = c.get("get_ok", 0)
-            table.add_row(node_id[:8], seg, name, p["kind"], f"{p['bytes'] / MiB:.1f}",
-                          str(p["pages"]), str(c.get("put_ok", 0)), str(c.get("put_present", 0)),
-                          str(put_err), str(got), str(miss), _rate(got, got + miss))
-    console.print(table)
+    for row in rows:
+        table.add_row(*row)
+    natural = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    if natural <= console.width:
+        console.print(table)
+    else:
+        _print_narrow(rows, console)
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
         if g and (g["checked"] or g["recent"] or g["inflight"] or g.get("confirmed")):

@@ -10,9 +10,35 @@ The repository's folders install as sub-packages of this one (``raykv.controller
 never shadow them. Engine integrations (``raykv.integrations.sglang``,
 ``raykv.integrations.vllm``) import their engine lazily: importing ``raykv`` never needs
 SGLang or vLLM.
+
+The names are imported on first use (see ``lazy_getattr``); a type checker sees them
+through the ``TYPE_CHECKING`` imports below, which name the same modules as
+``_EXPORTS`` (a unit test keeps the two equal). The package ships ``py.typed``.
 """
 
 import importlib
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.errors import NodeUnavailableError as NodeUnavailableError
+    from raykv.cache_actors.errors import StalePoolsError as StalePoolsError
+    from raykv.cache_actors.errors import StoreUnavailableError as StoreUnavailableError
+    from raykv.cache_actors.host_pools import HostPool as HostPool
+    from raykv.cache_actors.rank.client import CacheClient as CacheClient
+    from raykv.clusters.local import LocalCluster as LocalCluster
+    from raykv.clusters.local import start_local as start_local
+    from raykv.controllers.contract import PoolHitPolicy as PoolHitPolicy
+    from raykv.controllers.contract import PoolName as PoolName
+    from raykv.controllers.contract import PoolTransfer as PoolTransfer
+    from raykv.controllers.contract import PoolTransferResult as PoolTransferResult
+    from raykv.controllers.contract import StorageConfig as StorageConfig
+
+try:
+    __version__: str = version("raykv")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "CacheClient": "raykv.cache_actors.rank.client",
@@ -30,13 +56,17 @@ _EXPORTS = {
 }
 
 
-def lazy_getattr(package: str, exports: dict[str, str]):
+def lazy_getattr(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A PEP 562 module ``__getattr__`` for ``package``: each name of ``exports`` (name ->
     module) is imported on first use. raykv's packages export this way so that the
     processes Ray starts for raykv's own actors (controller, reconciler, supervisors),
     which unpickle classes from sub-packages, never pay for torch, which only ranks need
-    (~3 s per process on a small machine)."""
-    def __getattr__(name: str):
+    (~3 s per process on a small machine).
+
+    Install it under ``if not TYPE_CHECKING:`` beside ``TYPE_CHECKING`` imports of the
+    same names: a type checker that sees a module ``__getattr__`` accepts any name, so
+    a removed export would go unnoticed."""
+    def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
@@ -44,7 +74,8 @@ def lazy_getattr(package: str, exports: dict[str, str]):
     return __getattr__
 
 
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+if not TYPE_CHECKING:
+    __getattr__ = lazy_getattr(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)
 
 

@@ -310,10 +310,10 @@ def render(result: dict, console: Console) -> None:
 
 def plot(result: dict, path: Path) -> None:
     """Two panels per page size row: aggregate GB/s and CPU-s per GB against N."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
 
     sizes = result["config"]["page_sizes"]
-    fig = Figure(figsize=(11, 3.6 * len(sizes)))
+    fig = figure_class("bench")(figsize=(11, 3.6 * len(sizes)))
     axes = fig.subplots(len(sizes), 2, squeeze=False)
     for row, size in zip(axes, sizes, strict=True):
         cases = [c for c in result["cases"] if c["page_bytes"] == size]

@@ -330,9 +330,9 @@ def right_table(title: str, columns: Sequence[str], caption: str | None = None) 
 
 def bars_and_panel() -> tuple[Figure, Axes, Axes]:
     """A 13 x 4.8 inch figure of two panels, 3:2 wide: the bars and a companion."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
 
-    fig = Figure(figsize=(13, 4.8))
+    fig = figure_class("bench")(figsize=(13, 4.8))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     return fig, left, right
 

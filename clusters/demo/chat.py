@@ -122,9 +122,9 @@ def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: P
     """The demo's figure: left, TTFT per request with raykv (``ttft_ms``) and without
     (``without``: the record key and its legend); right, the ``tokens``-token prompt's
     TTFT per way of serving it (``bars``: label -> ms, at most 4, the first one grey)."""
-    from matplotlib.figure import Figure
+    from raykv.clusters.plotting import figure_class
 
-    fig = Figure(figsize=(13 + len(bars) - 3, 4.5))
+    fig = figure_class("demo")(figsize=(13 + len(bars) - 3, 4.5))
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, len(bars) / 3]})
     x = range(len(requests))
     key, label = without

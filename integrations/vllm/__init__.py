@@ -28,11 +28,19 @@ Modules:
 - ``options``: ``kv_connector_extra_config`` (``ConnectorOptions``).
 """
 
+from typing import TYPE_CHECKING
+
 from raykv import lazy_getattr
+
+if TYPE_CHECKING:
+    from raykv.integrations.vllm.connector import RayKVConnector as RayKVConnector
+    from raykv.integrations.vllm.metadata import RayKVConnectorMetadata as RayKVConnectorMetadata
+    from raykv.integrations.vllm.options import ConnectorOptions as ConnectorOptions
 
 _EXPORTS = {"RayKVConnector": "raykv.integrations.vllm.connector",
             "RayKVConnectorMetadata": "raykv.integrations.vllm.metadata",
             "ConnectorOptions": "raykv.integrations.vllm.options"}
 
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+if not TYPE_CHECKING:
+    __getattr__ = lazy_getattr(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

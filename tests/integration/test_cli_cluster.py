@@ -54,9 +54,10 @@ def rank(address: str, uid: str, mode: str) -> None:
     assert out.returncode == 0 and "rank ok" in out.stdout, out.stderr[-3000:]
 
 
-def raykv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "raykv.clusters.cli", *args], env=ENV,
-                         capture_output=True, text=True, timeout=180)
+def raykv(*args: str, check: bool = True, env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "raykv.clusters.cli", *args],
+                         env=ENV | (env or {}), capture_output=True, text=True, timeout=180)
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -107,6 +108,15 @@ def test_up_status_down(ray_head, uid):
     assert state["master"]["restarts"] == 0
     table = raykv("status", f"--address={ray_head}").stdout
     assert "nodes and pools" in table and f"cli-{uid}" in table
+    # Piped, at 80 columns: every figure whole (the 12-column table does not fit there).
+    piped = raykv("status", f"--address={ray_head}", env={"COLUMNS": "80"}).stdout
+    assert "…" not in piped, piped
+    (node_id,) = state["nodes"]
+    pool = node["pools"][f"p{uid}"]
+    for whole in (f"node {node_id[:8]}: store 128 MiB", f"pool p{uid} (mha):",
+                  f"pool MiB {pool['bytes'] / (1 << 20):.1f}", f"pages {pool['pages']}",
+                  "put 6,", "got 6,"):
+        assert whole in piped, (whole, piped)
 
     os.kill(state["master"]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -136,3 +146,16 @@ def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid):
 
     assert "raykv is down" in raykv("down", f"--address={ray_head}").stdout
     assert running_clients(cluster) == set()
+
+
+def test_down_with_nothing_running_says_so(ray_head, uid):
+    """A mistyped namespace shows: `down` has nothing to stop, `status` finds nothing;
+    each exits 1 with one line and no traceback."""
+    down = raykv("down", f"--address={ray_head}", f"--namespace=typo-{uid}", check=False)
+    status = raykv("status", f"--address={ray_head}", f"--namespace=typo-{uid}", check=False)
+    for out in (down, status):
+        assert out.returncode == 1, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, \
+            out.stderr
+    assert f"nothing to stop: raykv is not running in namespace 'typo-{uid}'" in down.stderr
+    assert f"raykv is not running in namespace 'typo-{uid}'" in status.stderr

@@ -1,0 +1,176 @@
+"""The installed ``raykv`` console script explains itself: user errors end in one line
+and a non-zero exit, never a traceback (no Ray cluster at the address, a wrong address,
+a bad option value), ``--version`` works; the option types and the narrow ``status``
+layout on their own. No cluster: every address here is one where no Ray answers."""
+
+import http.server
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import click
+import pytest
+from raykv.clusters.cli import (
+    BENCH_PAGE_QUANTUM,
+    SGLANG_PAGE_QUANTUM,
+    IntList,
+    Size,
+    SizeList,
+)
+from raykv.clusters.status_view import render_status
+from rich.console import Console
+
+RAYKV = str(Path(sys.executable).parent / "raykv")
+
+
+def closed_port() -> int:
+    """A TCP port nothing listens on, on any interface (Ray turns 127.0.0.1 into the
+    node's IP)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def raykv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([RAYKV, *args], capture_output=True, text=True, timeout=60,
+                          env=base | (env or {}), cwd=Path(__file__).parent)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, out.stderr
+    for word in words:
+        assert word in errors[0], out.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "down", "up"])
+def test_no_ray_cluster_is_one_line_with_the_hint(command):
+    out = raykv(command, env={"RAY_ADDRESS": f"127.0.0.1:{closed_port()}"})
+    assert_one_line_error(out, 1, "no Ray cluster", "RAY_ADDRESS", "ray start --head")
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+
+
+def test_wrong_address_is_one_line_with_the_hint():
+    """--address names a port where some other service (an HTTP server) listens."""
+    server = http.server.HTTPServer(("", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = raykv("status", f"--address=127.0.0.1:{server.server_port}",
+                    env={"RAY_ADDRESS": f"127.0.0.1:{closed_port()}"})
+    finally:
+        server.shutdown()
+    assert_one_line_error(out, 1, f":{server.server_port}", "ray start --head")
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["bench", "--page-sizes", "100K"], ["--page-sizes", "100K", "32K"]),
+    (["bench", "--batch", "0"], ["--batch"]),
+    (["bench-group", "--tp-sizes", "2,a"], ["--tp-sizes", "'a'"]),
+])
+def test_bad_option_values_are_usage_errors(args, words):
+    assert_one_line_error(raykv(*args), 2, "Invalid value", *words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["bench", "--engine", "sglang", "--page-sizes", "96K"], ["--page-sizes", "64K"]),
+    (["bench-ranks", "--ranks", "0"], ["--ranks"]),
+    (["bench-group", "--seconds", "0"], ["--seconds"]),
+    (["up", "--segment-size", "lots"], ["--segment-size", "lots"]),
+    (["demo", "--turns", "0"], ["--turns"]),
+])
+def test_more_bad_option_values_in_process(args, words):
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2, out.output
+    assert "Invalid value" in out.output and all(w in out.output for w in words), out.output
+
+
+def test_version_is_the_package_metadata():
+    from importlib.metadata import version
+
+    import raykv as package
+
+    out = raykv("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"raykv, version {version('raykv')}"
+    assert package.__version__ == version("raykv")
+
+
+def test_every_command_documents_its_exit_codes_and_options():
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    def help_text(*command: str) -> str:
+        out = CliRunner().invoke(main, [*command, "--help"], terminal_width=100)
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    assert "Exit codes:" in help_text()
+    for command in main.commands:
+        assert "Exit codes:" in help_text(command), command
+    text = help_text("bench-group")
+    for option in ("--tp-sizes", "--pages", "--concurrency", "--seconds", "--out"):
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(option))
+        assert len(line.split()) > 2, f"{option} has no help text"
+
+
+def test_param_types():
+    assert Size().convert("1GB", None, None) == 1 << 30
+    assert SizeList(BENCH_PAGE_QUANTUM, "x").convert("64K,1M", None, None) == (64 << 10,
+                                                                                1 << 20)
+    assert IntList().convert("2, 4", None, None) == (2, 4)
+    for param_type, value in ((Size(), "-1K"), (SizeList(BENCH_PAGE_QUANTUM, "x"), "0"),
+                              (SizeList(BENCH_PAGE_QUANTUM, "x"), "64K,,1M"),
+                              (IntList(min=1), "0"), (IntList(), "")):
+        with pytest.raises(click.BadParameter):
+            param_type.convert(value, None, None)
+
+
+def test_page_quanta_are_the_benchmarks_own():
+    from raykv.clusters.bench import sglang, toolkit
+
+    assert BENCH_PAGE_QUANTUM == toolkit.PAGE_TOKENS * toolkit.KV_CACHE_DIM
+    assert SGLANG_PAGE_QUANTUM == sglang.LAYER_PAGE_BYTES
+
+
+STATE = {
+    "info": {"metadata_server": "http://10.1.2.3:38111/metadata", "mode": "embedded",
+             "master_address": "10.1.2.3:45123"},
+    "master": {"master_address": "10.1.2.3:45123", "restarts": 0},
+    "deployments": {},
+    "nodes": {
+        "3b7474c5b7c6aa69e31103d0": {
+            "global_segment_size": 16 << 30,
+            "pools": {"p1a2b3c4d-kv": {"kind": "mha", "bytes": 163840123, "pages": 163840,
+                                       "counters": {"put_ok": 1638400, "put_present": 12,
+                                                    "get_ok": 1638406, "get_error_miss": 3}}}},
+        "ffff74c5b7c6aa69e31103d0": {"error": "ActorDiedError: the actor died"},
+        "eeee74c5b7c6aa69e31103d0": {"global_segment_size": 0, "pools": {}},
+    },
+}
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_status_shows_whole_values_when_narrow(width):
+    out = io.StringIO()
+    render_status(STATE, Console(file=out, width=width))
+    text = out.getvalue()
+    assert "…" not in text
+    assert all(len(line) <= width for line in text.splitlines() if "pool " in line)
+    for value in ("3b7474c5", "16384", "p1a2b3c4d-kv", "156.3", "163840", "1638400",
+                  "1638406", "100%", "ActorDiedError", "ffff74c5", "eeee74c5"):
+        assert value in text, (value, text)
+
+
+def test_status_is_a_table_where_it_fits():
+    out = io.StringIO()
+    render_status(STATE, Console(file=out, width=200))
+    assert "get hit rate" in out.getvalue() and "┃" in out.getvalue()
