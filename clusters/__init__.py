@@ -1,4 +1,7 @@
-"""Deployment: the embedded local cluster, Mooncake master supervision, the CLI.
+"""Runs in the driver's process (the ``raykv`` CLI, ``start_local``, the benchmarks and
+demos): starting, watching and stopping a raykv cluster. Two of its classes run as
+actors of their own: ``NodeReconciler`` (one cache actor per alive node) and
+``MasterSupervisor`` (the head node's ``mooncake_master``).
 
 Exports are lazy (``raykv.lazy_getattr``), so the ``raykv`` command starts without
 importing Ray; the ``TYPE_CHECKING`` imports name them for a type checker."""

@@ -1,4 +1,7 @@
-"""Policy and control plane: contract types, key scheme, pool layout arithmetic."""
+"""Runs in every raykv process: pure logic (storage contract types, key scheme, pool
+layout arithmetic, deployments, transfer plans, hit search; no Ray or Mooncake import),
+plus ``controller``, the one module here that runs as an actor (``CacheController``,
+the cluster's one controller)."""
 
 from raykv.controllers.contract import (
     PoolHitPolicy,

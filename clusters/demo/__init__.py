@@ -1,4 +1,5 @@
-"""Demos (``raykv demo``, ``raykv demo --engine vllm``): a multi-turn chat on a 2-node
+"""Runs in the driver's process (``raykv demo``, ``raykv demo --engine vllm``), and
+``vllm_actors`` in the vLLM engine actors it starts: a multi-turn chat on a 2-node
 cluster, with raykv and without.
 
 ``chat`` holds what both share (cluster, chat loop, long prompt, report, figure);
