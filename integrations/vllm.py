@@ -295,15 +295,16 @@ class RayKVConnector(KVConnectorBase_V1):
                 pool = client.create_host_pool("vllm", page_size=self.block_size,
                                                size=self.block_size, layer_num=1, head_num=1,
                                                head_dim=1, name=name, per_process=True)
-            else:
-                layers = len(self._layers)
-                heads, dim = self._pool_dims()
+            else:  # vLLM's KV cache, served through a staging pool of pool_blocks pages
+                from raykv.cache_actors.rank.engine_pools import StagedPool, staging_layout
+
                 pool = client.create_host_pool(
-                    "vllm", page_size=self.block_size,
-                    size=self.opts.pool_blocks * self.block_size, layer_num=layers,
-                    head_num=heads, head_dim=dim, dtype=self._layers[0].dtype, name=name,
+                    staging_layout(self._memory.layout, self.opts.pool_blocks), name=name,
                     per_process=True)
-            client.register_mem_host_pool_v2(pool, PoolName.KV)
+            client.register_mem_host_pool_v2(
+                pool if self.role == KVConnectorRole.SCHEDULER else StagedPool(
+                    self._memory, pool, self.opts.pool_blocks, shared=True, stage=self._pages),
+                PoolName.KV)
         except BaseException:
             client.close()
             raise
@@ -454,6 +455,16 @@ class RayKVConnector(KVConnectorBase_V1):
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
                              f"of block_size {self.block_size}")
+        from raykv.cache_actors.rank.engine_pools import EngineMemory, dtype_of
+        from raykv.controllers.pool_layout import PoolLayout
+
+        heads, dim = self._pool_dims()
+        dtype, itemsize = dtype_of(first)
+        # vLLM's blocks as a raykv pool: page = block id, one view per layer.
+        self._memory = EngineMemory(PoolLayout.vllm(
+            page_size=self.block_size, size=num_blocks * self.block_size,
+            layer_num=len(tensors), head_num=heads, head_dim=dim, dtype=dtype,
+            itemsize=itemsize), self._layers)
         log.info("RayKVConnector tp %d: %d layers of %d blocks %s %s", self.tp_rank,
                  len(tensors), num_blocks, self._block_shape, first.dtype)
         self._attach_at_start()
@@ -467,10 +478,18 @@ class RayKVConnector(KVConnectorBase_V1):
             return shape[0], shape[2]
         return 1, math.prod(shape) // self.block_size
 
-    def _pages(self) -> torch.Tensor:
-        """The pool as ``(pool_blocks, layers, elements per block)``."""
-        buf = self._pool.kv_buffer
-        return buf.view(buf.shape[0], buf.shape[1], -1)
+    def _pages(self, pool) -> list[torch.Tensor]:
+        """The staging pool's pages per layer, ``(pool_blocks, *block)`` views lining up
+        with ``self._layers`` (a page holds every layer's block, layer after layer)."""
+        buf = pool.kv_buffer
+        pages = buf.view(buf.shape[0], buf.shape[1], -1)
+        return [pages[:, layer].view(buf.shape[0], *self._block_shape)
+                for layer in range(buf.shape[1])]
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        """Host indices (token slots) of vLLM's blocks ``block_ids``."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -488,8 +507,10 @@ class RayKVConnector(KVConnectorBase_V1):
             self.stats["loaded"] += first
 
     def _load(self, x: BlockTransfer) -> int:
-        """Load ``x``'s blocks into vLLM's KV cache; the index of the first block that did
-        not load (``len`` if all did). Never raises."""
+        """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
+        full out of the staging pool), ``pool_blocks`` at a time, up to the first chunk
+        with a block that did not load; the index of that block (``len`` if all did).
+        Never raises."""
         done = 0
         try:
             self._cache()
@@ -498,10 +519,10 @@ class RayKVConnector(KVConnectorBase_V1):
                 n = min(n_pool, len(x.block_ids) - done)
                 hashes = x.hashes[done:done + n]
                 ok = self._client.batch_get_v2([PoolTransfer(
-                    PoolName.KV, hashes, torch.arange(n * self.block_size))])[PoolName.KV]
+                    PoolName.KV, hashes, self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 good = ok.index(False) if False in ok else n
-                if good:
-                    self._copy_in(x.block_ids[done:done + good], good)
+                if good and self.opts.debug_corrupt_loads:
+                    self._copy_in(x.block_ids[done:done + good])
                 done += good
                 if good < n:
                     break
@@ -510,15 +531,14 @@ class RayKVConnector(KVConnectorBase_V1):
                                "vLLM recomputes them", len(x.block_ids) - done, e)
         return done
 
-    def _copy_in(self, block_ids: list[int], n: int) -> None:
-        pages = self._pages()[:n]
-        if self.opts.debug_corrupt_loads:
-            pages.copy_(torch.randn(pages.shape).to(pages.dtype))
+    def _copy_in(self, block_ids: list[int]) -> None:
+        """Test only (``debug_corrupt_loads``): overwrite loaded blocks with random
+        values."""
         device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for layer, blocks in enumerate(self._layers):
-            blocks.index_copy_(0, ids, pages[:, layer].reshape(n, *self._block_shape)
-                               .to(device))
+        for blocks in self._layers:
+            noise = torch.randn((len(block_ids), *self._block_shape)).to(blocks.dtype)
+            blocks.index_copy_(0, ids, noise.to(device))
 
     def _agree(self, firsts: list[int]) -> list[int]:
         """Every TP rank takes the smallest first-failed block of any rank, so all ranks
@@ -552,16 +572,11 @@ class RayKVConnector(KVConnectorBase_V1):
         done = 0
         try:
             self._cache()
-            pages = self._pages()
-            while done < len(x.block_ids):
+            while done < len(x.block_ids):  # the client copies the blocks into staging
                 n = min(self.opts.pool_blocks, len(x.block_ids) - done)
-                ids = torch.tensor(x.block_ids[done:done + n], dtype=torch.long,
-                                   device=self._layers[0].device)
-                for layer, blocks in enumerate(self._layers):
-                    pages[:n, layer].copy_(blocks.index_select(0, ids).reshape(n, -1))
                 ok = self._client.batch_set_v2([PoolTransfer(
                     PoolName.KV, x.hashes[done:done + n],
-                    torch.arange(n * self.block_size))])[PoolName.KV]
+                    self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 self.stats["saved"] += sum(ok)
                 self.stats["save_failed"] += n - sum(ok)
                 done += n
