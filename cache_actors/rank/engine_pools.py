@@ -49,8 +49,10 @@ def dtype_of(t: torch.Tensor) -> tuple[str, int]:
 class EngineMemory:
     """An engine's pool in raykv terms: ``layout`` (same page count, page size and page
     objects as the engine's; for ``page_first`` KV the same bytes at the same offsets)
-    and ``pages``, per buffer of ``layout`` in key order, the engine's memory as a
-    ``(num_pages, ...)`` tensor whose row ``p`` holds that buffer's object of page ``p``."""
+    and ``pages``, the engine's memory as ``(num_pages, ...)`` tensors whose row ``p``
+    holds a part of page ``p``: by default one per buffer of ``layout`` in key order
+    (that buffer's object of the page); they line up with a staging pool's views
+    (``StagedPool``'s ``stage``: vLLM's are one per layer)."""
 
     layout: PoolLayout
     pages: list[torch.Tensor]

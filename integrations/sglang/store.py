@@ -61,8 +61,9 @@ class RayKVStore(HiCacheStorage):
         self.sglang_config = storage_config_
         self.config = storage_config(storage_config_)
         self._namespace = opts.namespace
-        self._node_id = opts.node_id or join_ray(opts.ray_address, opts.namespace,
-                                                  opts.auth_mode, default_address=None)
+        joined = join_ray(opts.ray_address, opts.namespace, opts.auth_mode,
+                          default_address=None)
+        self._node_id = opts.node_id or joined
         self.client = CacheClient(self.config, node_id=self._node_id,
                                   namespace=self._namespace)
         # The node's Mooncake mode decides what zero-copy is possible.
