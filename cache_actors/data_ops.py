@@ -2,9 +2,10 @@
 
 A rank reaches its node's cache actor through the actor's local channel (same node) or
 through a Ray call (another node, or no channel); a ``DataOp``'s value is the name of
-the actor's Ray method *and* the op name its channel serves, so the two routes can never
-disagree on what an operation is called. ``DATA_OP_ARGS`` are the argument types the
-channel checks every request against before it reaches a handler.
+the actor's Ray method, the op name its channel serves *and* the ``NodeService`` method
+both call, so the two routes can never disagree on what an operation is called.
+``DATA_OP_ARGS`` are the argument types the channel checks every request against before
+it reaches a handler.
 """
 
 from __future__ import annotations

@@ -181,10 +181,6 @@ class HostPool:
         ptrs = [self.base_ptr + off for off in layout.object_offsets(starts)]
         return ptrs, layout.object_sizes * len(starts)
 
-    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        """Every buffer of the pool as a ``(size, *slot_shape)`` tensor, in key order."""
-        return list(self.buffers)
-
     def offset_of(self, ptr: int, size: int) -> int | None:
         """Offset of ``[ptr, ptr + size)`` inside this mapping, or None if it is not inside."""
         off = ptr - self.base_ptr

@@ -44,7 +44,7 @@ def demo(engine: str, **options) -> None:
     """Multi-turn chat on a 2-node cluster: TTFT with raykv vs without, hit rates."""
     options = {k: v for k, v in options.items() if v is not None}
     if engine == "example":
-        from raykv.clusters.demo import run_demo
+        from raykv.clusters.demo.example_demo import run_demo
 
         sys.exit(0 if run_demo(**options) else 1)
     import importlib.util
@@ -55,7 +55,7 @@ def demo(engine: str, **options) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise click.ClickException("--engine vllm needs vLLM: pip install 'raykv[vllm]' "
                                    "(see the README, 'Use from vLLM')")
-    from raykv.clusters.demo_vllm import run_vllm_demo
+    from raykv.clusters.demo.vllm_demo import run_vllm_demo
 
     sys.exit(0 if run_vllm_demo(**options)["ok"] else 1)
 
@@ -177,7 +177,7 @@ def bench(engine: str, page_sizes: str | None, batch: int, iters: int, out_dir: 
     (--engine sglang) SGLang's HiCache L3 through raykv vs SGLang's MooncakeStore."""
     sizes = [parse_size(s) for s in page_sizes.split(",")] if page_sizes else None
     if engine == "sglang":
-        from raykv.clusters.bench_sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
+        from raykv.clusters.bench.sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
         try:
             run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
@@ -188,12 +188,12 @@ def bench(engine: str, page_sizes: str | None, batch: int, iters: int, out_dir: 
     else:
         if sglang_python or standalone:
             raise click.UsageError("--sglang-python and --standalone need --engine sglang")
-        from raykv.clusters.bench import DEFAULT_PAGE_SIZES, run_dataplane_bench
+        from raykv.clusters.bench.dataplane import DEFAULT_PAGE_SIZES, run_dataplane_bench
 
         run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
                             iters=iters, out_dir=out_dir)
     if with_ranks:
-        from raykv.clusters.bench_ranks import run_ranks_bench
+        from raykv.clusters.bench.ranks import run_ranks_bench
 
         run_ranks_bench(out_dir=out_dir)
 
@@ -213,7 +213,7 @@ def bench_ranks(page_sizes: str, ranks: str, batch: int, seconds: float, rounds:
                 out_dir: str) -> None:
     """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
-    from raykv.clusters.bench_ranks import run_ranks_bench
+    from raykv.clusters.bench.ranks import run_ranks_bench
 
     try:
         run_ranks_bench(page_sizes=[parse_size(s) for s in page_sizes.split(",")],
@@ -232,7 +232,7 @@ def bench_ranks(page_sizes: str, ranks: str, batch: int, seconds: float, rounds:
 def bench_group(tp_sizes: str, pages: int, concurrency: int, seconds: float,
                 out_dir: str) -> None:
     """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
-    from raykv.clusters.bench_group import run_group_bench
+    from raykv.clusters.bench.group import run_group_bench
 
     run_group_bench([int(t) for t in tp_sizes.split(",")], pages=pages,
                     concurrency=concurrency, seconds=seconds, out_dir=out_dir)

@@ -20,7 +20,7 @@ def render_status(state: dict, console: Console | None = None) -> None:
                   f"metadata {info['metadata_server']}, {len(state['nodes'])} node(s), "
                   f"{info.get('mode', 'embedded')} mode")
     for dep_id, dep in state["deployments"].items():
-        pools = ", ".join(f"{p['name']}:{p['kind']}" for p in dep["pools"])
+        pools = ", ".join(f"{p['role']}:{p['kind']}" for p in dep["pools"])
         home = (dep.get("home_node") or "-")[:8]
         console.print(f"deployment [bold]{dep_id}[/]: TP {dep['tp_size']} x PP "
                       f"{dep['pp_size']}, {'MLA' if dep['is_mla_model'] else 'MHA'}, pools "

@@ -3,32 +3,31 @@
 A deployment is one key space: the model name and ``extra_backend_tag`` (its key
 prefix), its parallel sizes, MLA or MHA, and the pools every rank registers. Ranks of
 one deployment must agree on all of it; a rank that contradicts its group is refused
-with an error naming the conflict. From the spec alone the controller can name every
-rank's objects, so a *group* existence query covers ranks that never asked.
+with an error naming the conflict. From the spec alone every rank's objects can be named
+(``controllers.families``), so a *group* existence query covers ranks that never asked.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
-from raykv.controllers.keys import KeyScheme, check_key_rule, is_replicated, key_prefix
+from raykv.controllers.keys import KeyScheme, check_key_rule, key_prefix
 
 
 @dataclass(frozen=True)
 class PoolSpec:
     """What the key rules need of a pool: its role, kind and buffer names in key order."""
 
-    name: PoolName
+    role: PoolName
     kind: str
     buffers: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "name", PoolName(self.name))
+        object.__setattr__(self, "role", PoolName(self.role))
         object.__setattr__(self, "buffers", tuple(self.buffers))
-        check_key_rule(self.name, self.kind)
+        check_key_rule(self.role, self.kind)
 
 
 @dataclass
@@ -61,12 +60,12 @@ class Deployment:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["pools"] = [asdict(p) | {"name": p.name.value} for p in self.pools.values()]
+        d["pools"] = [asdict(p) | {"role": p.role.value} for p in self.pools.values()]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Deployment:
-        pools = {PoolName(p["name"]): PoolSpec(**p) for p in d["pools"]}
+        pools = {PoolName(p["role"]): PoolSpec(**p) for p in d["pools"]}
         return cls(**(d | {"pools": pools}))
 
 
@@ -97,7 +96,7 @@ class DeploymentRegistry:
         """Record a rank and its pools. ``ValueError`` naming the conflict if the rank
         contradicts what its group registered (parallel sizes, MLA flag, pool kinds)."""
         dep_id = deployment_id(config)
-        pools = {p.name: p for p in pools}
+        pools = {p.role: p for p in pools}
         if PoolName.KV not in pools:
             raise ValueError(f"deployment {dep_id!r}: a rank must register a kv pool")
         dep = self.deployments.get(dep_id)
@@ -113,13 +112,13 @@ class DeploymentRegistry:
                     raise ValueError(f"deployment {dep_id!r}: rank tp={config.tp_rank} "
                                      f"pp={config.pp_rank} says {what}={mine} but its group "
                                      f"registered {what}={theirs}")
-            for name, spec in pools.items():
-                known = dep.pools.get(name)
+            for role, spec in pools.items():
+                known = dep.pools.get(role)
                 if known is not None and known != spec:
-                    raise ValueError(f"deployment {dep_id!r}: pool {name.value!r} is "
+                    raise ValueError(f"deployment {dep_id!r}: pool {role.value!r} is "
                                      f"{spec.kind} {list(spec.buffers)} on this rank but "
                                      f"{known.kind} {list(known.buffers)} in its group")
-            if any(name not in dep.pools for name in pools):
+            if any(role not in dep.pools for role in pools):
                 dep.version += 1
             dep.pools.update(pools)
         if dep.home_node is None:
@@ -146,41 +145,9 @@ class DeploymentRegistry:
 
 @dataclass(frozen=True)
 class PoolQuery:
-    """One pool of a group query: hit policy and trailing window (pages)."""
+    """One extra pool of a hit query, by role: hit policy and trailing window (pages)."""
 
-    name: PoolName
+    role: PoolName
     policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
     window: int = 1
 
-
-def rank_template(keys: KeyScheme, rank: tuple[int, int],
-                  specs: Sequence[PoolSpec]) -> tuple[tuple, ...]:
-    """``(rank, pool, scope, suffixes)`` of one rank's ``specs``, its objects named by
-    ``keys``: a replicated pool's scope is shared by the TP ranks of its PP stage (its
-    objects are stored once), any other pool's is the rank."""
-    return tuple((rank, spec.name,
-                  ("replicated", rank[1]) if is_replicated(spec.name, spec.kind) else rank,
-                  tuple(keys.suffixes(spec.name, spec.kind, spec.buffers)))
-                 for spec in specs)
-
-
-@functools.lru_cache(maxsize=256)
-def _group_template(plans: tuple[tuple[tuple[int, int], KeyScheme], ...],
-                    specs: tuple[PoolSpec, ...]) -> tuple[tuple, ...]:
-    """``rank_template`` of every rank, computed once per deployment shape and pool set."""
-    return tuple(t for rank, keys in plans for t in rank_template(keys, rank, specs))
-
-
-def group_template(dep: Deployment, queries: Sequence[PoolQuery]) -> tuple[str, tuple]:
-    """The key prefix and ``(rank, pool, scope, suffixes)`` of every rank for KV and
-    every queried pool. ``ValueError`` if a query names a pool the deployment did not
-    register."""
-    for q in queries:
-        if q.name not in dep.pools:
-            raise ValueError(f"deployment {dep.deployment_id!r} registered no {q.name.value!r} "
-                             f"pool (it has {[p.value for p in dep.pools]})")
-    names = [PoolName.KV, *(q.name for q in queries if q.name != PoolName.KV)]
-    ranks = tuple(((tp, pp), dep.key_scheme(tp, pp))
-                  for pp in range(dep.pp_size) for tp in range(dep.tp_size))
-    prefix = ranks[0][1].prefix
-    return prefix, _group_template(ranks, tuple(dep.pools[n] for n in names))

@@ -1,8 +1,8 @@
-"""One group hit query, resolved with as few object checks as possible (pure logic).
+"""One group hit query, resolved with as few object lookups as possible (pure logic).
 
-The answer is the one a check of every object of every rank and pool gives (the unit
+The answer is the one a lookup of every object of every rank and pool gives (the unit
 tests' oracle, ``tests/unit/oracle.py``, computes it that simple way); this module
-reaches it by checking only what can change it:
+reaches it by looking up only what can change it:
 
 1. **A probe**: page 0 of every all-pages family (every rank's KV, extra pools with
    policy ``all_pages``; a replicated pool once), unless already confirmed. If one
@@ -15,14 +15,14 @@ reaches it by checking only what can change it:
 
 A search told to ``speculate`` (its caller expects a hit: most recent queries found
 their first page) skips the probe: one round trip instead of two for a hit, every
-object checked in vain for a miss.
+object looked up in vain for a miss.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
 family) is found with one lookup. Objects are grouped in **families**: one family
-``prefix + page hash + suffix`` per rank and pool (a replicated pool's family is shared
-by the TP ranks, so nothing is named twice), and a page of a family counts as present
-when every object of it exists.
+``prefix + page hash + suffix`` per rank and role (``controllers.families``; a
+replicated pool's family is shared by the TP ranks, so nothing is named twice), and a
+page of a family counts as present when every object of it exists.
 
 Cost: a query runs in the node actor for every rank's request, so its bookkeeping is
 kept to a few C-level operations per family: presence is a ``bytearray`` per family
@@ -34,93 +34,21 @@ work.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from raykv.controllers.confirmed_pages import ConfirmedPages, cover
-from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
-from raykv.controllers.deployments import (
-    Deployment,
-    PoolQuery,
-    PoolSpec,
-    group_template,
-    rank_template,
-)
-from raykv.controllers.hit_resolution import pool_hit_pages, trailing_ends
-from raykv.controllers.keys import KeyScheme
-
-
-@dataclass(frozen=True)
-class Family:
-    """One family of object names: ``prefix + hash + s`` for each ``s`` in ``suffixes``;
-    ``window`` is 0 for all-pages pools, else the trailing window in pages. ``key``
-    names the family (a string: its hash is kept, so lookups by it are cheap)."""
-
-    key: str
-    suffixes: tuple[str, ...]
-    window: int
-
-
-@dataclass(frozen=True)
-class GroupFamilies:
-    """The distinct families of one deployment and queried pool set, and the queried
-    extra pools (for ``extra_pool_hit_pages``). ``key`` names the set of every
-    family's objects (for confirmations of whole pages), made once per group."""
-
-    prefix: str
-    families: tuple[Family, ...]
-    extra: tuple[PoolQuery, ...]
-
-    @functools.cached_property
-    def key(self) -> tuple:
-        return cover([s.key for s in self.families])
-
-    def objects(self, hashes: Sequence[str]) -> list[str]:
-        """Every object name of every family for pages ``hashes`` (a full check's list)."""
-        bases = [self.prefix + h for h in hashes]
-        return [b + x for seg in self.families for x in seg.suffixes for b in bases]
-
-    def hit(self, pages: int, lengths: list[int]) -> PoolTransferResult:
-        """The result for a hit of ``pages`` pages and restorable ``lengths``."""
-        per_pool = {q.name: pool_hit_pages(pages, q.policy, q.window) for q in self.extra}
-        return PoolTransferResult(kv_hit_pages=pages, extra_pool_hit_pages=per_pool,
-                                  restorable_prefix_pages=lengths)
-
-
-def group_families(dep: Deployment, queries: Sequence[PoolQuery]) -> GroupFamilies:
-    """Families of every rank of ``dep`` for KV and ``queries``' pools. ``ValueError`` if
-    a query names a pool the deployment did not register."""
-    extra = {q.name: q for q in queries if q.name != PoolName.KV}
-    prefix, template = group_template(dep, list(extra.values()))
-    return _families_of(prefix, template, extra)
-
-
-def rank_families(keys: KeyScheme, rank: tuple[int, int], specs: Sequence[PoolSpec],
-                queries: Sequence[PoolQuery]) -> GroupFamilies:
-    """Families of one rank (``rank`` = (tp, pp), named by ``keys``) for its pools
-    ``specs`` (KV first), with ``queries``' hit policies: a group of one."""
-    extra = {q.name: q for q in queries if q.name != PoolName.KV}
-    return _families_of(keys.prefix, rank_template(keys, rank, specs), extra)
-
-
-def _families_of(prefix: str, template, extra: dict[PoolName, PoolQuery]) -> GroupFamilies:
-    families: dict[tuple, Family] = {}
-    for _rank, pool, _scope, suffixes in template:
-        q = extra.get(pool)
-        window = q.window if q is not None and q.policy == PoolHitPolicy.TRAILING_PAGES else 0
-        key = "\0".join((prefix, *suffixes))
-        families.setdefault(key, Family(key, suffixes, window))
-    return GroupFamilies(prefix, tuple(families.values()), tuple(extra.values()))
+from raykv.controllers.confirmed_pages import ConfirmedPages
+from raykv.controllers.contract import PoolTransferResult
+from raykv.controllers.families import GroupFamilies
+from raykv.controllers.hit_resolution import trailing_ends
 
 
 def search(group: GroupFamilies, hashes: Sequence[str],
-           check: Callable[[list[str]], Sequence[int]]) -> PoolTransferResult:
-    """The hit of ``hashes`` from ``check`` (object names -> store codes, 1 = exists)
-    alone, nothing confirmed or remembered: one call to ``check`` naming every object."""
+           exists: Callable[[list[str]], Sequence[int]]) -> PoolTransferResult:
+    """The hit of ``hashes`` from ``exists`` (object names -> store codes, 1 = exists)
+    alone, nothing confirmed or remembered: one call to ``exists`` naming every object."""
     s = GroupSearch(group, hashes, ConfirmedPages(0.0), 0.0, speculate=True)
     while s.result is None:
-        s.feed(check(s.wanted), 0.0)
+        s.feed(exists(s.wanted), 0.0)
     return s.result
 
 
@@ -136,8 +64,8 @@ def _pages(bits: int, n: int) -> list[int]:
 
 
 class GroupSearch:
-    """The staged check of one query (see the module docstring). ``wanted`` holds the
-    object names the next store check must cover (empty once ``result`` is set); feed
+    """The staged lookups of one query (see the module docstring). ``wanted`` holds the
+    object names the next store lookup must cover (empty once ``result`` is set); feed
     the store's codes for exactly those names, in that order, to ``feed``. Pages found
     whole are confirmed under the group's cover key, other pages found per family,
     once the answer is known."""
@@ -158,17 +86,17 @@ class GroupSearch:
             self.first_page_present = n > 0
             return
         self._confirmed = confirmed
-        segs = group.families
-        self._until = confirmed.until([s.key for s in segs], self.hashes, now)
+        families = group.families
+        self._until = confirmed.until([f.key for f in families], self.hashes, now)
         if max(whole, default=0.0) > now:
             self._until = [list(map(max, row, whole)) for row in self._until]
         self._present = [bytearray(t > now for t in row) if max(row, default=0.0) > now
                          else bytearray(n) for row in self._until]
-        self._fresh = [bytearray(n) for _ in segs]  # found by this search's checks
-        self._all = [s for s, seg in enumerate(segs) if not seg.window]  # all-pages rows
+        self._fresh = [bytearray(n) for _ in families]  # found by this search's lookups
+        self._all = [s for s, f in enumerate(families) if not f.window]  # all-pages rows
         self._bases: list[str] | None = None  # prefix + hash per page, made when needed
         self._asked: list[tuple[int, Sequence[int]]] = []
-        self._since: float | None = None  # when this search's first store check began
+        self._since: float | None = None  # when this search's first store lookup began
         self._speculate = speculate
         self._stage = 0
         self._advance()
@@ -197,7 +125,7 @@ class GroupSearch:
         return bool(names)
 
     def _bound(self, rows: Sequence[int]) -> int:
-        """The first page missing (or not checked) in any of families ``rows``."""
+        """The first page missing (or not looked up) in any of families ``rows``."""
         n = len(self.hashes)
         return min((p if p >= 0 else n for p in (self._present[s].find(0) for s in rows)),
                    default=n)
@@ -261,9 +189,9 @@ class GroupSearch:
                                        [until[p] for p in pages])
 
     def feed(self, codes: Sequence[int], since: float) -> None:
-        """Take the store's codes (1 = exists) for ``wanted``, from a check that started
+        """Take the store's codes (1 = exists) for ``wanted``, from a lookup that started
         at ``since`` (monotonic seconds); go on. Everything this search finds counts as
-        confirmed from its first check on, so one query's confirmations end together."""
+        confirmed from its first lookup on, so one query's confirmations end together."""
         found = list(codes)
         if len(found) != len(self.wanted):
             raise ValueError(f"{len(found)} codes for {len(self.wanted)} objects")
@@ -296,7 +224,7 @@ class GroupSearch:
     def _resolve(self, k: int) -> PoolTransferResult:
         """The answer once every page below ``k`` (the first page some all-pages family
         lacks) is known: every length ``0..k`` that the trailing families allow."""
-        trailing = [s for s, seg in enumerate(self.group.families) if seg.window]
+        trailing = [s for s, f in enumerate(self.group.families) if f.window]
         if not k or not trailing:
             return self.group.hit(k, list(range(k + 1)))
         ends = -1  # byte p: a prefix of p + 1 pages is restorable from every trailing pool

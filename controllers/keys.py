@@ -1,4 +1,4 @@
-"""The object key scheme, compatible with SGLang's Mooncake backend (DESIGN section 4).
+"""The object key scheme, compatible with SGLang's Mooncake backend.
 
 Every object key is ``P_`` + page hash + a suffix naming the rank scope and the buffer.
 ``P`` is ``extra_backend_tag`` then ``model_name`` (``/`` -> ``-``), joined by ``_``; with

@@ -1,7 +1,7 @@
 """What a data call carries from a rank to its node actor: keys and where their bytes lie.
 
 Bytes never travel in it: each object is named by its pool and a byte offset into that
-pool's shared segment, which the actor turns into a pointer in its own mapping. Pure (no
+pool's shared memory, which the actor turns into a pointer in its own mapping. Pure (no
 Ray, no Mooncake): transfer planning builds it, the node actor reads it.
 
 Codes the node actor answers per object: ``put`` 0 stored, 1 already present

@@ -1,6 +1,6 @@
-"""Host pool geometry and page arithmetic (DESIGN section 5). Pure: numpy only.
+"""Host pool geometry and page arithmetic. Pure: numpy only.
 
-A pool is one shared segment holding one or more *buffers*. Every buffer is laid out
+A pool is one region of shared memory holding one or more *buffers*. Every buffer is laid out
 ``page_first``: token slot outermost, so the ``page_size`` slots of one page are one
 contiguous run of bytes in each buffer, and a page is one Mooncake object per buffer.
 
@@ -18,7 +18,7 @@ Kinds and their buffers (in key order):
   head_dim)`` only sizes it; ``HostPool.kv_buffer`` is the page view.
 
 Units: ``size`` and ``page_size`` count token slots; offsets and sizes count bytes from
-the start of the pool's segment. ``host_indices`` are token-slot indices, one per token,
+the start of the pool's memory. ``host_indices`` are token-slot indices, one per token,
 ``page_size`` per page, each page's slots contiguous and page-aligned.
 """
 
@@ -41,7 +41,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def check_pool_name(name: str) -> str:
-    """Return ``name`` if it can name a shared segment, else raise ``ValueError``."""
+    """Return ``name`` if it can name a pool (and its shared-memory file), else raise
+    ``ValueError``."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(
             f"pool name {name!r} is invalid: use 1-64 characters of letters, digits, '_', '.', "
@@ -160,7 +161,7 @@ class PoolLayout:
     # ------------------------------------------------------------- geometry
     @property
     def buffer_offsets(self) -> list[int]:
-        """Byte offset of each buffer in the segment (aligned to the buffer's itemsize)."""
+        """Byte offset of each buffer in the pool (aligned to the buffer's itemsize)."""
         offsets, end = [], 0
         for b in self.buffers:
             end = -(-end // b.itemsize) * b.itemsize

@@ -10,11 +10,11 @@ naming the problem.
   size per object) and, from the node actor's per-object codes, ``{PoolName: [bool per
   page]}`` (``TransferPlan``); a call through staging pools lays out each round's
   objects itself (``TransferPlan.add``, ``cache_actors.rank.engine_pools``).
-- ``check_exists`` and ``exists_families``: the keys, per-pool hit queries and object
-  families of an exists call (``group_search.search`` turns the codes into the hit).
+- ``check_hit_query`` and ``exists_families``: the keys, per-role queries and object
+  families of a hit query (``group_search.search`` turns the codes into the hit).
 
 Units: ``host_indices`` count token slots (``page_size`` per page, see ``PoolLayout``);
-offsets and sizes count bytes from the start of a pool's shared segment.
+offsets and sizes count bytes from the start of a pool's shared memory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
 from raykv.controllers.deployments import PoolQuery, PoolSpec
-from raykv.controllers.group_search import GroupFamilies, rank_families
+from raykv.controllers.families import GroupFamilies, rank_families
 from raykv.controllers.keys import KeyScheme, is_replicated
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
@@ -53,8 +53,8 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     return keys
 
 
-def pool_name(name: PoolName | str) -> PoolName:
-    """``name`` as a ``PoolName``; ``ValueError`` listing the known names otherwise."""
+def pool_role(name: PoolName | str) -> PoolName:
+    """``name`` as a role (``PoolName``); ``ValueError`` listing the known ones otherwise."""
     try:
         return PoolName(name)
     except ValueError:
@@ -62,22 +62,22 @@ def pool_name(name: PoolName | str) -> PoolName:
                          f"{[p.value for p in PoolName]}") from None
 
 
-def registered(pools: Mapping[PoolName, PlanPool], name: PoolName) -> PlanPool:
-    """``pools[name]``; ``ValueError`` naming the call that registers it otherwise."""
-    pool = pools.get(name)
+def registered(pools: Mapping[PoolName, PlanPool], role: PoolName) -> PlanPool:
+    """``pools[role]``; ``ValueError`` naming the call that registers it otherwise."""
+    pool = pools.get(role)
     if pool is None:
-        hint = ("register_mem_pool_host(pool)" if name == PoolName.KV
-                else f"register_mem_host_pool_v2(pool, PoolName.{name.name})")
-        raise ValueError(f"no {name.value!r} host pool is registered: call {hint}")
+        hint = ("register_mem_pool_host(pool)" if role == PoolName.KV
+                else f"register_mem_host_pool_v2(pool, PoolName.{role.name})")
+        raise ValueError(f"no {role.value!r} host pool is registered: call {hint}")
     return pool
 
 
 @dataclass(frozen=True)
 class PlanPool:
-    """A registered pool as planning sees it: ``name``, the pool (shared segment) that
-    batches name, and its ``layout``."""
+    """A pool registered for a role, as planning sees it: ``pool_name``, its name on the
+    node (what an ``ObjectBatch`` names each object's pool by), and its ``layout``."""
 
-    name: str
+    pool_name: str
     layout: PoolLayout
 
     def spec(self, role: PoolName) -> PoolSpec:
@@ -87,11 +87,11 @@ class PlanPool:
 
 @dataclass(frozen=True)
 class PoolPages:
-    """One pool's pages in a call, checked: ``objects`` (the object keys, page by page,
+    """One role's pages in a call, checked: ``objects`` (the object keys, page by page,
     ``per_page`` each, in key order) and ``starts`` (the first token slot of each page in
     the memory the call's host indices name: ``pool.layout``)."""
 
-    name: PoolName
+    role: PoolName
     pool: PlanPool
     objects: list[str]
     per_page: int
@@ -99,15 +99,15 @@ class PoolPages:
 
     def pages(self, lo: int, hi: int) -> PoolPages:
         """Pages ``lo`` to ``hi - 1`` of this part."""
-        return PoolPages(self.name, self.pool, self.objects[lo * self.per_page:
+        return PoolPages(self.role, self.pool, self.objects[lo * self.per_page:
                                                             hi * self.per_page],
                          self.per_page, self.starts[lo:hi])
 
 
 @dataclass
 class CheckedTransfers:
-    """A call's transfers after every check: ``parts`` (pools whose pages go to the
-    store) and ``fixed`` (per pool, results decided without the store: a replicated
+    """A call's transfers after every check: ``parts`` (roles whose pages go to the
+    store) and ``fixed`` (per role, results decided without the store: a replicated
     pool on a rank that does not write it, a disabled pool)."""
 
     parts: list[PoolPages] = field(default_factory=list)
@@ -116,9 +116,9 @@ class CheckedTransfers:
 
 @dataclass
 class TransferPlan:
-    """One data call's objects, all in ``batch``: ``spans[pool] = (first object, objects
-    per page, pages)``; ``starts[pool]``: the first token slot of each page of a pool in
-    the batch (in the pool the batch names); ``fixed[pool]``: results decided without
+    """One data call's objects, all in ``batch``: ``spans[role] = (first object, objects
+    per page, pages)``; ``starts[role]``: the first token slot of each page of a role in
+    the batch (in the pool the batch names); ``fixed[role]``: results decided without
     the store."""
 
     batch: ObjectBatch = field(default_factory=ObjectBatch)
@@ -126,23 +126,23 @@ class TransferPlan:
     starts: dict[PoolName, list[int]] = field(default_factory=dict)
     fixed: dict[PoolName, list[bool]] = field(default_factory=dict)
 
-    def add(self, part: PoolPages, pool: str, layout: PoolLayout,
+    def add(self, part: PoolPages, pool_name: str, layout: PoolLayout,
             starts: Sequence[int]) -> None:
         """Lay out ``part``'s objects in ``batch``: its pages at ``starts`` (first slots)
-        of pool ``pool`` of ``layout`` (the part's own pool, or the staging pool its
+        of pool ``pool_name`` of ``layout`` (the role's own pool, or the staging pool its
         pages go through)."""
         starts = list(starts)
-        self.spans[part.name] = (len(self.batch), part.per_page, len(starts))
-        self.starts[part.name] = starts
-        self.batch.extend(part.objects, pool, layout.object_offsets(starts),
+        self.spans[part.role] = (len(self.batch), part.per_page, len(starts))
+        self.starts[part.role] = starts
+        self.batch.extend(part.objects, pool_name, layout.object_offsets(starts),
                           layout.object_sizes * len(starts))
 
     def results(self, ok: Sequence[bool]) -> dict[PoolName, list[bool]]:
-        """Per pool, one bool per page: every object of the page ``ok`` (``ok`` holds
+        """Per role, one bool per page: every object of the page ``ok`` (``ok`` holds
         one bool per object of ``batch``)."""
         out = dict(self.fixed)
-        for name, (first, per_page, pages) in self.spans.items():
-            out[name] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
+        for role, (first, per_page, pages) in self.spans.items():
+            out[role] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
                          for p in range(pages)]
         return out
 
@@ -155,36 +155,36 @@ class TransferPlan:
         return self.results(self.batch.read_in_full(codes))
 
 
-def _by_name(transfers: Sequence[PoolTransfer]) -> dict[PoolName, PoolTransfer]:
+def _by_role(transfers: Sequence[PoolTransfer]) -> dict[PoolName, PoolTransfer]:
     if isinstance(transfers, PoolTransfer) or not isinstance(transfers, Sequence) \
             or not transfers:
         raise ValueError("transfers must be a non-empty list of PoolTransfer")
-    by_name: dict[PoolName, PoolTransfer] = {}
+    by_role: dict[PoolName, PoolTransfer] = {}
     for t in transfers:
         if not isinstance(t, PoolTransfer):
             raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
-        name = pool_name(t.name)
-        if name in by_name:
-            raise ValueError(f"pool {name.value!r} appears twice in one call")
-        by_name[name] = t
-    return by_name
+        role = pool_role(t.name)
+        if role in by_role:
+            raise ValueError(f"pool {role.value!r} appears twice in one call")
+        by_role[role] = t
+    return by_role
 
 
-def _resolve(name: PoolName, t: PoolTransfer,
-             by_name: Mapping[PoolName, PoolTransfer]) -> tuple[list[str], object]:
+def _resolve(role: PoolName, t: PoolTransfer,
+             by_role: Mapping[PoolName, PoolTransfer]) -> tuple[list[str], object]:
     """Keys and host indices of a transfer, a sidecar's taken from its source pool."""
     if t.indices_from_pool is None:
         if t.host_indices is None:
-            raise ValueError(f"pool {name.value!r}: the transfer has no host_indices")
+            raise ValueError(f"pool {role.value!r}: the transfer has no host_indices")
         return check_keys(t.keys), t.host_indices
     if t.host_indices is not None:
-        raise ValueError(f"pool {name.value!r}: give host_indices or indices_from_pool, "
+        raise ValueError(f"pool {role.value!r}: give host_indices or indices_from_pool, "
                          "not both")
-    src_name = pool_name(t.indices_from_pool)
-    src = by_name.get(src_name)
+    src_role = pool_role(t.indices_from_pool)
+    src = by_role.get(src_role)
     if src is None or src.indices_from_pool is not None or src.host_indices is None:
-        raise ValueError(f"pool {name.value!r} takes its indices from pool "
-                         f"{src_name.value!r}, which has no transfer with host_indices in "
+        raise ValueError(f"pool {role.value!r} takes its indices from pool "
+                         f"{src_role.value!r}, which has no transfer with host_indices in "
                          "this call")
     return check_keys(t.keys if t.keys is not None else src.keys), src.host_indices
 
@@ -208,24 +208,24 @@ def check_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, 
     or not registered, bad keys or host indices, a sidecar without its source, an object
     named twice.
     """
-    by_name = _by_name(transfers)
+    by_role = _by_role(transfers)
     out = CheckedTransfers()
-    for name, t in by_name.items():
-        page_hashes, idx = _resolve(name, t, by_name)
-        if name in disabled:
-            out.fixed[name] = [False] * len(page_hashes)
+    for role, t in by_role.items():
+        page_hashes, idx = _resolve(role, t, by_role)
+        if role in disabled:
+            out.fixed[role] = [False] * len(page_hashes)
             continue
-        pool = registered(pools, name)
+        pool = registered(pools, role)
         layout = pool.layout
         try:
             starts = layout.page_starts(_slots(idx), len(page_hashes))
         except ValueError as e:
-            raise ValueError(f"pool {name.value!r}: {e}") from None
-        if write and is_replicated(name, layout.kind) and not keys.writes_replicated:
-            out.fixed[name] = [True] * len(page_hashes)
+            raise ValueError(f"pool {role.value!r}: {e}") from None
+        if write and is_replicated(role, layout.kind) and not keys.writes_replicated:
+            out.fixed[role] = [True] * len(page_hashes)
             continue
-        suffixes = keys.suffixes(name, layout.kind, [b.name for b in layout.buffers])
-        out.parts.append(PoolPages(name, pool, [keys.prefix + h + s for h in page_hashes
+        suffixes = keys.suffixes(role, layout.kind, [b.name for b in layout.buffers])
+        out.parts.append(PoolPages(role, pool, [keys.prefix + h + s for h in page_hashes
                                                 for s in suffixes], len(suffixes), starts))
     objects = [k for part in out.parts for k in part.objects]
     if len(set(objects)) != len(objects):
@@ -243,15 +243,16 @@ def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, P
     plan = TransferPlan(fixed=dict(checked.fixed))
     plan.batch.epoch = epoch
     for part in checked.parts:
-        plan.add(part, part.pool.name, part.pool.layout, part.starts)
+        plan.add(part, part.pool.pool_name, part.pool.layout, part.starts)
     return plan
 
 
-def check_exists(keys: Sequence[str], transfers: Sequence[PoolTransfer],
-                 pools: Mapping[PoolName, PlanPool],
-                 disabled: Collection[PoolName] = ()) -> tuple[list[str], list[PoolQuery]]:
-    """Validate an exists call: its page keys, a registered KV pool and, per extra pool
-    of ``transfers``, its (pool, hit policy, window) query. KV is implied and pools in
+def check_hit_query(keys: Sequence[str], transfers: Sequence[PoolTransfer],
+                    pools: Mapping[PoolName, PlanPool],
+                    disabled: Collection[PoolName] = ()) -> tuple[list[str], list[PoolQuery]]:
+    """Validate a hit query (``batch_exists_v2``, ``group_exists``): its page keys, a
+    registered KV pool and, per extra pool of ``transfers``, its (role, hit policy,
+    window) query. KV is implied and pools in
     ``disabled`` are left out. A ``trailing_pages`` window is the number of the
     transfer's keys (1 if none). ``ValueError`` for bad input."""
     keys = check_keys(keys)
@@ -260,25 +261,25 @@ def check_exists(keys: Sequence[str], transfers: Sequence[PoolTransfer],
     for t in transfers:
         if not isinstance(t, PoolTransfer):
             raise ValueError(f"transfers holds a {type(t).__name__}, not a PoolTransfer")
-        name = pool_name(t.name)
+        role = pool_role(t.name)
         try:
             policy = PoolHitPolicy(t.hit_policy)
         except ValueError:
-            raise ValueError(f"pool {name.value!r}: unknown hit policy {t.hit_policy!r}; "
+            raise ValueError(f"pool {role.value!r}: unknown hit policy {t.hit_policy!r}; "
                              f"expected one of {[p.value for p in PoolHitPolicy]}") from None
-        if name == PoolName.KV or name in disabled:
+        if role == PoolName.KV or role in disabled:
             continue
-        if name in queries:
-            raise ValueError(f"pool {name.value!r} appears twice in one call")
-        registered(pools, name)
-        queries[name] = PoolQuery(name, policy, len(t.keys) if t.keys else 1)
+        if role in queries:
+            raise ValueError(f"pool {role.value!r} appears twice in one call")
+        registered(pools, role)
+        queries[role] = PoolQuery(role, policy, len(t.keys) if t.keys else 1)
     return keys, list(queries.values())
 
 
 def exists_families(queries: Sequence[PoolQuery], pools: Mapping[PoolName, PlanPool],
                     keys: KeyScheme, rank: tuple[int, int]) -> GroupFamilies:
     """The object families of KV and of each queried pool of one ``rank`` (tp, pp), as
-    ``check_exists`` validated them: ``group_search.search`` resolves the hit."""
-    return rank_families(keys, rank, [pools[n].spec(n)
-                                      for n in (PoolName.KV, *(q.name for q in queries))],
-                         queries)
+    ``check_hit_query`` validated them: ``group_search.search`` resolves the hit."""
+    return rank_families(keys, rank, tuple(pools[r].spec(r) for r in
+                                           (PoolName.KV, *(q.role for q in queries))),
+                         tuple(queries))

@@ -1,29 +1,30 @@
 """Answering group existence queries: shared within a window, batched when concurrent.
 
 ``GroupQueries.submit`` starts a query on behalf of one rank ``(tp_rank, pp_rank)`` and
-calls ``done(result, error)`` once it is answered; ``ask`` is the blocking form. An
+calls ``done(result, error)`` once it is answered; it never blocks. An
 answer is shared by the ranks of the group that ask the same question (deployment, page
-keys, pools): a query that arrives while the same one is being checked joins it, and a
+keys, pools): a query that arrives while the same one is being looked up joins it, and a
 rank that has not yet had a recent answer (at most ``window_s`` seconds old) gets that
 very answer. So every rank of one engine step gets the identical hit. A rank that asks
 again gets a fresh answer, and an answer is dropped once every rank of the group has
 had it, so a miss is never served from memory to a later request after the pages were
 stored.
 
-Each query is a ``GroupSearch``: it checks only the objects that can change its answer
+Each query is a ``GroupSearch``: it looks up only the objects that can change its answer
 and that the store has not confirmed within ``confirm_ttl_s`` (``ConfirmedPages``:
 Mooncake leases every object it reports present), so a query may be answered at once,
 in the submitting thread, with no store call. Per deployment and pool set, the share of
-recent checked queries that found their first page (a moving average) decides how a
-query checks: mostly hits, every object in one store call (one round trip); mostly
-misses, a probe of page 0 first (a miss then costs a handful of objects). The others
-queue; up to ``parallel`` checker threads take everything queued, make one ``exists``
-call over the union of the objects the current step of each query needs (no name
-twice), feed the codes back, call ``done`` for the queries answered and queue the rest
-for their next step. Nobody waits on a query but its own ``done``: under load one store
-call and one thread wake-up serve a whole batch. Checker threads are started when work
-is queued and none is idle, and end after ``idle_s`` without work; two of them (the
+recent queries that needed a lookup and found their first page (a moving average)
+decides how a query looks up: mostly hits, every object in one store call (one round
+trip); mostly misses, a probe of page 0 first (a miss then costs a handful of objects).
+The others queue; up to ``parallel`` lookup threads take everything queued, make one
+``exists`` call over the union of the objects the current step of each query needs (no
+name twice), feed the codes back, call ``done`` for the queries answered and queue the
+rest for their next step. Nobody waits on a query but its own ``done``: under load one
+store call and one thread wake-up serve a whole batch. Lookup threads are started when
+work is queued and none is idle, and end after ``idle_s`` without work; two of them (the
 default) gave the most group queries/s on 2 cores (four: ~20% fewer, smaller batches).
+What happened is told to ``on_query`` and ``on_store_call`` (``NodeMetrics`` counts it).
 Pure logic: the store is a callable.
 """
 
@@ -40,14 +41,15 @@ from dataclasses import dataclass
 from raykv.controllers.confirmed_pages import ConfirmedPages
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import GroupFamilies, GroupSearch, group_families
+from raykv.controllers.families import GroupFamilies, group_families
+from raykv.controllers.group_search import GroupSearch
 from raykv.controllers.object_batch import check_object_keys
 
 Done = Callable[[PoolTransferResult | None, BaseException | None], None]
 log = logging.getLogger(__name__)
 
-HIT_SHARE_WEIGHT = 0.1  # of the newest checked query in the moving average of hits
-SPECULATE_FROM = 0.5    # share of hits from which a query checks everything at once
+HIT_SHARE_WEIGHT = 0.1  # of the newest looked-up query in the moving average of hits
+SPECULATE_FROM = 0.5    # share of hits from which a query looks everything up at once
 
 
 def _tell(done: Done, result: PoolTransferResult | None, error: BaseException | None) -> None:
@@ -76,30 +78,19 @@ class _Answer:
     ranks: set[tuple[int, int]]
 
 
-@dataclass
-class GroupQueryStats:
-    """Counters since start: queries answered from a recent answer (another rank's), by
-    joining a check in flight, from confirmations alone (no store call), and with store
-    checks of their own; store calls made and the seconds they took."""
-
-    recent: int = 0
-    inflight: int = 0
-    confirmed: int = 0
-    checked: int = 0
-    store_calls: int = 0
-    store_seconds: float = 0.0
-
-
 class GroupQueries:
     """See the module docstring. ``exists(objects) -> list[int]`` returns 1 / 0 /
     negative per object; ``confirm_ttl_s`` (below the store's lease; 0 = off) is how
-    long a confirmed page is trusted; ``on_check(seconds)`` is told the duration of each
-    store call, ``on_query(how)`` how each query was answered (a ``GroupQueryStats``
-    field name: ``"recent"``, ``"inflight"``, ``"confirmed"`` or ``"checked"``)."""
+    long a confirmed page is trusted; ``on_store_call(seconds)`` is told the duration of
+    each store call (on the lookup thread, before its queries are answered),
+    ``on_query(how)`` how each query was answered, under this object's lock, before the
+    answer is handed over: ``"recent"`` (another rank's recent answer), ``"inflight"``
+    (joined a lookup in flight), ``"confirmed"`` (from confirmations alone, no store
+    call) or ``"checked"`` (lookups of its own)."""
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
                  confirm_ttl_s: float = 0.0,
-                 on_check: Callable[[float], None] = lambda s: None,
+                 on_store_call: Callable[[float], None] = lambda s: None,
                  on_query: Callable[[str], None] = lambda how: None,
                  max_recent: int = 4096, parallel: int = 2, idle_s: float = 5.0) -> None:
         if parallel < 1:
@@ -107,11 +98,11 @@ class GroupQueries:
         self._exists = exists
         self._window = window_s
         self.confirmed = ConfirmedPages(confirm_ttl_s)
-        self._on_check = on_check
+        self._on_store_call = on_store_call
         self._on_query = on_query
         self._max_recent = max_recent
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # checkers wait here for queries
+        self._work = threading.Condition(self._lock)  # lookup threads wait here
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
@@ -119,9 +110,8 @@ class GroupQueries:
         self._hit_share: dict[frozenset, float] = {}  # per group key, moving average
         self._parallel = parallel
         self._idle_s = idle_s
-        self._checkers = 0  # checker threads alive
-        self._idle = 0      # of which waiting for work
-        self.stats = GroupQueryStats()
+        self._threads = 0  # lookup threads alive
+        self._idle = 0     # of which waiting for work
 
     def forget(self) -> None:
         """Drop every confirmation: the store may have lost objects (a node left, the
@@ -138,31 +128,11 @@ class GroupQueries:
             self._family_sets[key] = families
         return families
 
-    def ask(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
-            rank: tuple[int, int] = (0, 0),
-            timeout_s: float | None = None) -> PoolTransferResult:
-        """``submit`` and wait for the answer: the result, or the store's error raised;
-        ``TimeoutError`` if none came within ``timeout_s`` seconds (None: no limit)."""
-        answered = threading.Event()
-        out: list = []
-
-        def done(result: PoolTransferResult | None, error: BaseException | None) -> None:
-            out[:] = [result, error]
-            answered.set()
-        self.submit(dep, keys, queries, rank, done)
-        if not answered.wait(timeout_s):
-            raise TimeoutError(f"the group query was not answered within {timeout_s:g} s "
-                               "(the store check in flight did not end)")
-        result, error = out
-        if error is not None:
-            raise error
-        return result
-
     def submit(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
                rank: tuple[int, int], done: Done) -> None:
         """Start the group hit query of ``dep`` for page ``keys`` and extra pools
         ``queries``, asked by ``rank``; ``done(result, None)`` or ``done(None, error)``
-        is called once it is answered (a store failure: for every query of that check),
+        is called once it is answered (a store failure: for every query of that lookup),
         in this thread if the answer is known at once. ``ValueError`` (raised here,
         ``done`` never called) if ``queries`` names a pool the deployment did not
         register, or ``keys`` that are not a list of non-empty str of at most
@@ -180,56 +150,55 @@ class GroupQueries:
                     self._recent.popitem(last=False)
                 hit = self._recent.get(key)
                 if hit is not None and rank not in hit.ranks:
-                    self.stats.recent += 1
                     hit.ranks.add(rank)
                     if len(hit.ranks) >= group:
                         del self._recent[key]
                     how = "recent"
+                    self._on_query(how)
                     break
                 hit = None
                 q = self._inflight.get(key)
                 if q is not None:
-                    self.stats.inflight += 1
                     q.ranks.add(rank)
                     q.done.append(done)
                     how = "inflight"
+                    self._on_query(how)
                     break
                 if search is not None:
                     q = _Query(key, search, {rank}, group, [done])
                     if search.result is not None:
-                        self.stats.confirmed += 1
                         self._keep([q], now)
                         how = "confirmed"
+                        self._on_query(how)
                         break
                     self._inflight[key] = q
                     self._pending.append(q)
-                    self.stats.checked += 1
-                    self._wake()
                     how = "checked"
-                    q = None  # answered by a checker
+                    self._on_query(how)
+                    self._wake()
+                    q = None  # answered by a lookup thread
                     break
             # outside the lock, then look again
             families = self._families(dep, queries)
             search = GroupSearch(
                 families, keys, self.confirmed, time.monotonic(),
                 speculate=self._hit_share.get(families.key, 0.0) >= SPECULATE_FROM)
-        self._on_query(how)
         if hit is not None:
             _tell(done, hit.result, None)
         elif how == "confirmed":
             _tell(done, q.search.result, None)
 
     def _wake(self) -> None:
-        """Under the lock: get a checker to the queue, starting one if none is idle."""
+        """Under the lock: get a lookup thread to the queue, starting one if none is idle."""
         if self._idle:
             self._work.notify()
-        elif self._checkers < self._parallel:
-            self._checkers += 1
-            threading.Thread(target=self._check, name="raykv-group-check",
+        elif self._threads < self._parallel:
+            self._threads += 1
+            threading.Thread(target=self._lookups, name="raykv-group-lookup",
                              daemon=True).start()
 
-    def _check(self) -> None:
-        """A checker thread: answer queued queries until idle for ``idle_s``."""
+    def _lookups(self) -> None:
+        """A lookup thread: answer queued queries until idle for ``idle_s``."""
         while True:
             with self._lock:
                 while not self._pending:
@@ -237,7 +206,7 @@ class GroupQueries:
                     woken = self._work.wait(self._idle_s)
                     self._idle -= 1
                     if not woken and not self._pending:
-                        self._checkers -= 1
+                        self._threads -= 1
                         return
                 batch, self._pending = self._pending, []
             try:
@@ -266,7 +235,7 @@ class GroupQueries:
         except Exception as e:  # every query of this round gets it
             codes, error = None, e
         took = time.perf_counter() - t
-        self._on_check(took)
+        self._on_store_call(took)
         if codes is not None and len(codes) != len(names):
             codes, error = None, RuntimeError(
                 f"the store answered {len(codes)} codes for {len(names)} objects")
@@ -286,13 +255,11 @@ class GroupQueries:
             except Exception as e:  # reported to this query's callers only
                 q.error = e
         with self._lock:
-            self.stats.store_calls += 1
-            self.stats.store_seconds += took
             finished = [q for q in batch if q.error is not None or q.search.result is not None]
             again = [q for q in batch if q.error is None and q.search.result is None]
             if again:
                 self._pending += again
-                if self._idle:  # another checker may take them while this one replies
+                if self._idle:  # another lookup thread may take them while this one replies
                     self._work.notify()
             self._keep(finished, time.monotonic())
             for q in finished:

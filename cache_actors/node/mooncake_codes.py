@@ -1,4 +1,5 @@
-"""Mooncake Store return codes and what raykv makes of them."""
+"""raykv's own per-object codes beside Mooncake Store's (negative: Mooncake's errors,
+e.g. -704 object not found, -800 transfer failed, -900 rpc failed)."""
 
 ALREADY_PRESENT = 1
 """raykv's put code for an object that existed already and was left as it was."""
@@ -9,19 +10,3 @@ CLIENT_ERROR = -1
 NOT_CONFIRMED = -2
 """raykv's put code for an object Mooncake accepted but did not report existing right
 after (another client's put of the key still in flight): not known stored."""
-
-NAMES = {
-    CLIENT_ERROR: "client error",
-    NOT_CONFIRMED: "put not confirmed (another writer's put of the key in flight)",
-    -200: "no space (store full)",
-    -600: "invalid params",
-    -704: "object not found",
-    -706: "object has lease",
-    -800: "transfer failed",
-    -900: "rpc failed (client unreachable)",
-}
-
-
-def describe(code: int) -> str:
-    """Human-readable meaning of a negative Mooncake code."""
-    return NAMES.get(code, f"mooncake error {code}")

@@ -16,6 +16,7 @@ import threading
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
@@ -30,8 +31,9 @@ from raykv.controllers.pool_layout import PoolLayout
 
 class NodeCacheActor:
     """Serves the ranks of one node; each method is the ``NodeService`` method of the
-    same name (the data ops are ``DataOp``), whose docstring states its contract. Runs
-    only as ``node_actor_class``."""
+    same name (the data ops are ``DataOp``), whose docstring states its contract
+    (``group_exists`` waits here for the service's reply). Runs only as
+    ``node_actor_class``."""
 
     def __init__(
         self,
@@ -122,8 +124,28 @@ class NodeCacheActor:
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
                            keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
-        return await self._run(self._service.group_exists, deployment_id, version, rank,
-                               keys, queries)
+        """Waits for the service's reply at most ``WAIT_S`` (then
+        ``DeadlineExceededError``), on the event loop: no thread is held meanwhile."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def settle(result: PoolTransferResult | None, error: BaseException | None) -> None:
+            if answer.done():  # cancelled, or past its wait
+                return
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(result)
+
+        def reply(result: PoolTransferResult | None, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, result, error)
+        self._service.group_exists(reply, deployment_id, version, rank, keys, queries)
+        try:
+            return await asyncio.wait_for(answer, WAIT_S)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"the group query was not answered within {WAIT_S:g} s (the store lookup "
+                "in flight did not end)") from None
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")

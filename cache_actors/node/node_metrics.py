@@ -1,5 +1,7 @@
 """What a node actor counts: one count per outcome, read by ``stats()`` and exported as
-Ray metrics (tag ``node``).
+Ray metrics (tag ``node``). The only place a node actor counts: data calls, group
+queries (``GroupQueries`` tells it how each was answered and what its store calls took)
+and merged transfers (``TransferMerger`` tells it each store call's batches).
 
 Data calls only count, under ``_lock``: the Ray metric objects are updated from the
 counts by an exporter thread every ``export_s`` seconds (``export``), not on the data
@@ -8,8 +10,10 @@ path, where a Ray metric update cost ~10 us each, several per call (measured her
 seconds anyway, so the delay is not visible to a metrics scrape; ``stats()`` reads the
 counts directly and is always current.
 
-Thread-safe: data calls record from the Ray data threads, the local channel's threads and
-the group-query checker threads at once; the exporter thread drains what they recorded.
+Thread-safe: data calls record from the Ray data threads, the local channel's threads,
+the group-query lookup threads and callers holding the locks of ``GroupQueries`` and
+``TransferMerger`` (this lock is taken last, never the other way round); the exporter
+thread drains what they recorded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from raykv.controllers.object_batch import ObjectBatch
 
 EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
+GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "checked", "store_calls")
+MERGED_CALL_COUNTS = ("calls", "batches", "largest")
 
 
 def moved(op: str, code: int) -> bool:
@@ -60,6 +66,8 @@ class NodeMetrics:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._pool_counts: dict[str, Counter[str]] = {}
+        self._group = dict.fromkeys(GROUP_QUERY_COUNTS, 0) | {"store_seconds": 0.0}
+        self._merged = dict.fromkeys(MERGED_CALL_COUNTS, 0)
         # Not yet exported: (metric, tags) -> increment, and (op, seconds) latencies.
         self._pending: Counter[tuple[metrics.Counter, tuple[tuple[str, str], ...]]] = Counter()
         self._latencies: list[tuple[str, float]] = []
@@ -109,16 +117,27 @@ class NodeMetrics:
             self._counts["exists_calls"] += 1
             self._latencies.append(("exists", seconds))
 
-    def record_group_check(self, seconds: float) -> None:
-        """One store call of the group queries (exported only: ``GroupQueries.stats``
-        counts them for ``stats()``)."""
+    def record_group_store_call(self, seconds: float) -> None:
+        """One store call (lookup) of the group queries that took ``seconds``."""
         with self._lock:
+            self._group["store_calls"] += 1
+            self._group["store_seconds"] += seconds
             self._latencies.append(("group_exists", seconds))
 
     def record_group_query(self, how: str) -> None:
-        """One group query answered ``how`` (exported only, as above)."""
+        """One group query answered ``how``: ``"recent"``, ``"inflight"``,
+        ``"confirmed"`` or ``"checked"`` (see ``GroupQueries``)."""
         with self._lock:
+            self._group[how] += 1
             self._pending[(self._group_queries, (("answer", how),))] += 1
+
+    def record_merged_call(self, batches: int) -> None:
+        """One put/get store call that carried ``batches`` ranks' batches."""
+        with self._lock:
+            m = self._merged
+            m["calls"] += 1
+            m["batches"] += batches
+            m["largest"] = max(m["largest"], batches)
 
     def pool_size(self, name: str, nbytes: int) -> None:
         """Pool ``name`` now holds ``nbytes`` (0: gone); set at once (rare)."""
@@ -154,3 +173,18 @@ class NodeMetrics:
         """Per pool: ``put_ok``, ``put_present``, ``get_ok``, ``<op>_error_<code>``."""
         with self._lock:
             return dict(self._pool_counts.get(pool, {}))
+
+    def group_queries(self) -> dict[str, float]:
+        """Group queries answered here: from a recent answer (another rank's:
+        ``recent``), by joining a lookup in flight (``inflight``), from confirmations
+        alone (``confirmed``), with lookups of their own (``checked``); the store calls
+        of their lookups (``store_calls``) and the seconds they took
+        (``store_seconds``)."""
+        with self._lock:
+            return dict(self._group)
+
+    def merged_calls(self) -> dict[str, int]:
+        """Put/get store calls made (``calls``), the ranks' batches they carried
+        (``batches``) and the most batches in one call (``largest``)."""
+        with self._lock:
+            return dict(self._merged)

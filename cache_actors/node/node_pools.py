@@ -26,36 +26,26 @@ call) is *parked*: it stays mapped and registered, an error is logged, and it is
 when its last call leaves. So a store call never reads unmapped memory (a crash) or
 memory given back (zeros stored under real keys and reported stored).
 
-Restart: each pool has a ``<prefix><name>.json`` record, written atomically (a 0600
-temporary file, fsync, rename). ``readopt`` trusts none of them blindly: a record that is
-not a regular file of this process's uid, or is group/world-writable, or does not parse,
-or names an invalid pool name, another name than its file's, an invalid layout or
-another path than the one this node gives that name, is logged and skipped (and, when it
-is this uid's, renamed aside to ``<file>.bad``); it never stops the actor from starting.
+Restart: each pool has a record (``pool_records``) that a restarted actor re-adopts;
+a record it cannot trust is logged and skipped, never stopping the actor.
 In standalone mode the recorded path is never mapped (every pool gets fresh memory).
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import json
 import logging
-import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.engine_memory import map_engine_pool
 from raykv.cache_actors.node.node_store import NodeStore
-from raykv.cache_actors.node.pool_memory import check_own_file
+from raykv.cache_actors.node.pool_records import PoolRecords
 from raykv.cache_actors.processes import ProcessIdentity
-from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 
@@ -64,8 +54,6 @@ log = logging.getLogger(__name__)
 DRAIN_S = 30.0
 """Seconds a leaving pool waits for the data calls in flight on it before it is parked
 (kept mapped until they end) instead of released."""
-META_MAX_BYTES = 64 << 10
-"""A pool record larger than this is not read (a real one is well under 4 KiB)."""
 
 
 def _stale(old: int, new: int) -> StalePoolsError:
@@ -133,8 +121,8 @@ class NodePools:
 
     def __init__(self, prefix: str, store: NodeStore,
                  sized: Callable[[str, int], None], *, drain_s: float = DRAIN_S) -> None:
-        self._prefix = prefix
         self._store = store
+        self._records = PoolRecords(prefix, store.mode)
         self._sized = sized
         self._drain_s = drain_s
         self._lock = threading.Lock()
@@ -146,9 +134,6 @@ class NodePools:
         self._inflight: dict[int, int] = {}  # id(pool) -> data calls using it now
         # id(pool) -> (pool, its release): out of the table, still used by a call
         self._parked: dict[int, tuple[HostPool, Callable[[HostPool], None]]] = {}
-
-    def _meta_path(self, name: str) -> str:
-        return shm_path(self._prefix + name + ".json")
 
     def _register(self, pool: HostPool) -> HostPool:
         """Register ``pool`` with Mooncake; on failure give its memory back."""
@@ -247,82 +232,12 @@ class NodePools:
             self._store.memory.release(pool, remove=remove)
         return release
 
-    # ------------------------------------------------------------- records
-    def _write_meta(self, pool: HostPool, owner: ProcessIdentity | None) -> None:
-        """The pool's record, atomically: a 0600 temporary file, fsync, rename. ``owner``
-        is recorded so that a restarted actor still reaps the pool with its process."""
-        path = self._meta_path(pool.name)
-        tmp = f"{path}.{os.getpid()}.tmp"  # never matches readopt's "*.json"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        record = {"name": pool.name, "path": pool.handle.path,
-                  "layout": asdict(pool.handle.layout)}
-        if owner is not None:
-            record["owner"] = [owner.pid, owner.start_ticks]
-        data = json.dumps(record).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-
-    def _read_meta(self, path: str) -> tuple[PoolHandle, ProcessIdentity | None]:
-        """The pool handle recorded in ``path`` and the process the pool serves (None: a
-        shared pool); ``ValueError`` naming what is wrong (see the module docstring for
-        what is refused)."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            check_own_file(fd, "pool record")
-            data = os.read(fd, META_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
-        if len(data) > META_MAX_BYTES:
-            raise ValueError(f"larger than {META_MAX_BYTES} bytes")
-        try:
-            raw = json.loads(data)
-            name, recorded, layout_raw = raw["name"], raw["path"], raw["layout"]
-            layout = PoolLayout(**layout_raw)
-            owner_raw = raw.get("owner")
-            owner = None if owner_raw is None else ProcessIdentity(*owner_raw)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"not a pool record: {type(e).__name__}: {e}") from None
-        check_pool_name(name)
-        if path != self._meta_path(name):
-            raise ValueError(f"it names pool {name!r}, whose record is another file")
-        if json.loads(json.dumps(asdict(layout))) != layout_raw:
-            raise ValueError("its layout is not one this node writes")
-        if not isinstance(recorded, str):
-            raise ValueError(f"path {recorded!r} is not a string")
-        if self._store.mode == "embedded" and recorded != self._prefix + name:
-            raise ValueError(f"path {recorded!r} is not this node's file for pool {name!r}")
-        if owner is not None and not all(type(v) is int for v in (owner.pid,
-                                                                    owner.start_ticks)):
-            raise ValueError(f"owner {owner_raw!r} is not a process identity")
-        # standalone: the path is never mapped
-        return PoolHandle(name, recorded, layout), owner
-
     def readopt(self) -> None:
         """At start: map and register again the pools this node had before a restart;
         a record that cannot be trusted or used is logged and skipped (never raises for
         one: the actor must start)."""
-        pattern = os.path.join(SHM_DIR, glob.escape(self._prefix) + "*.json")
         with self._lock:
-            for meta in sorted(glob.glob(pattern)):
-                try:
-                    handle, owner = self._read_meta(meta)
-                except (OSError, ValueError) as e:
-                    log.error("pool record %s is ignored: %s", meta, e)
-                    self._set_aside(meta)
-                    continue
+            for handle, owner in self._records.trusted():
                 try:
                     pool = self._register(self._store.memory.readopt(handle))
                 except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
@@ -331,14 +246,6 @@ class NodePools:
                 self.table = self.table.replaced(pool.name, pool)
                 if owner is not None:  # the reaper removes it if its process is gone
                     self._engines[pool.name] = owner
-
-    @staticmethod
-    def _set_aside(meta: str) -> None:
-        """Rename a refused record of this uid to ``<file>.bad`` (left if not ours)."""
-        with contextlib.suppress(OSError):
-            st = os.lstat(meta)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-                os.replace(meta, meta + ".bad")
 
     # ---------------------------------------------------------------- changes
     def create(self, name: str, layout: PoolLayout,
@@ -360,11 +267,11 @@ class NodePools:
                     raise ValueError(f"pool {name!r} exists on this node with another "
                                      f"layout: {existing.handle.layout} (asked for {layout})")
                 return existing.handle
-            self._store.check()
+            self._store.before_call()
             pool = self._register(self._store.memory.create(name, layout))
             watched = owner if owner is not None and owner.alive() else None
             try:
-                self._write_meta(pool, watched)
+                self._records.write(pool, watched)
             except BaseException:
                 self._unregister_and_release()(pool)
                 self._sized(name, 0)
@@ -442,8 +349,7 @@ class NodePools:
                 self.table = self.table.replaced(name, None)
             self._engines.pop(name, None)
             self._exited.pop(name, None)
-            with contextlib.suppress(FileNotFoundError):  # engine pools have none
-                os.unlink(self._meta_path(name))
+            self._records.remove(name)  # engine pools have none
             self._drain([pool], self._unregister_and_release(),
                         time.monotonic() + self._drain_s)
         self._sized(name, 0)
@@ -485,7 +391,6 @@ class NodePools:
             self._exited.clear()
             if remove:
                 for name in old.pools:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._meta_path(name))
+                    self._records.remove(name)
             self._drain(list(old.pools.values()), self._unregister_and_release(remove),
                         time.monotonic() + self._drain_s)

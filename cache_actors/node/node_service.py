@@ -25,18 +25,19 @@ Concurrency contract. Threads that call in:
 - Ray ``control`` group (the actor's control event loop): pool management, ``health``,
   ``stats``, ``forget_confirmations``, ``channel_path``, ``shutdown``, run inline; they
   may wait on the pool lock (for the few ms of a re-allocation).
-- Ray ``data`` group: each call runs on ``executor`` (``DATA_THREADS`` threads):
-  ``exists``, ``put``, ``get``, ``group_exists``; the executor also fetches deployments
-  for group queries that came over the channel.
+- Ray ``data`` group: ``exists``, ``put``, ``get`` run on ``executor``
+  (``DATA_THREADS`` threads); ``group_exists`` starts on the group's event loop (it
+  never blocks) and is answered through its ``reply``. The executor also fetches
+  deployments for group queries.
 - The local channel: one thread per data connection (``exists``, ``put``, ``get``), a
   few pool threads for data ops sent on a group connection, and one I/O thread that
-  starts group queries (``group_submit``, which must not block).
-- Group-query checker threads (``GroupQueries``): the store check, then the replies.
+  starts group queries (``group_exists``).
+- Group-query lookup threads (``GroupQueries``): the store lookup, then the replies.
 - Standalone: the ``mooncake_client`` watcher thread, which restarts the process and
   then calls ``_reallocate``.
 - The metrics exporter thread (``NodeMetrics``): every second it hands the counts
   recorded since to the Ray metrics.
-- The engine reaper thread: every ``ENGINE_CHECK_S`` it removes the pools of one engine
+- The engine reaper thread: every ``ENGINE_REAP_S`` it removes the pools of one engine
   process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
   pools) whose process exited more than ``ENGINE_GRACE_S`` ago
   (``NodePools.reap_engines``, under the pool lock).
@@ -49,7 +50,8 @@ State and what guards it:
 - Data calls in flight per pool: ``NodePools._flight`` (a data call counts itself in
   after resolving its pointers and out after its store call; a pool leaving the table,
   by any path, is released only once its count is 0, waiting at most ``DRAIN_S``).
-- Counters: ``NodeMetrics._lock``. Group-query state: ``GroupQueries``' own lock.
+- Counters (data calls, group queries, merged transfers): ``NodeMetrics._lock``, taken
+  last. Group-query state: ``GroupQueries``' own lock.
 - Store state: ``NodeStore`` (the watcher sets and clears ``process.down``; the pool
   memory's epoch changes only under the pool lock). The Mooncake client is called from
   any thread (it is thread-safe).
@@ -65,7 +67,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
@@ -76,13 +77,12 @@ from raykv.cache_actors.errors import (
 )
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
-from raykv.cache_actors.node.group_queries import GroupQueries
+from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
-from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
@@ -99,7 +99,7 @@ WAIT_S = 30.0
 query's answer) when its caller gave no deadline of its own, in seconds: a stuck store
 call then fails the calls queued behind it with ``DeadlineExceededError`` instead of
 holding their threads for good."""
-ENGINE_CHECK_S = 5.0
+ENGINE_REAP_S = 5.0
 """Seconds between two looks at the processes of engine-owned pools."""
 ENGINE_GRACE_S = 30.0
 """Seconds an engine pool stays mapped after its process was seen gone (its last store
@@ -127,9 +127,10 @@ class NodeService:
         self._deployments: dict[str, Deployment] = {}
         self._pools = NodePools(prefix, store, metrics.pool_size)
         self._pools.readopt()
-        self._merger = TransferMerger(store.backend)  # concurrent ranks share store calls
-        self._groups = GroupQueries(self._group_check, group_window_s, confirm_ttl_s,
-                                    on_check=metrics.record_group_check,
+        # concurrent ranks share store calls
+        self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
+        self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,
+                                    on_store_call=metrics.record_group_store_call,
                                     on_query=metrics.record_group_query)
         store.supervise(self._reallocate)
         self._stop = threading.Event()
@@ -139,7 +140,7 @@ class NodeService:
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={DataOp.GROUP_EXISTS: self.group_submit},
+            async_handlers={DataOp.GROUP_EXISTS: self.group_exists},
             deadline_ops=frozenset({DataOp.PUT, DataOp.GET}))
 
     # ----------------------------------------------------------------- pools
@@ -149,11 +150,11 @@ class NodeService:
         self._pools.reallocate()
 
     def _reap_engines(self) -> None:
-        while not self._stop.wait(ENGINE_CHECK_S):
+        while not self._stop.wait(ENGINE_REAP_S):
             try:
                 self._pools.reap_engines(ENGINE_GRACE_S)
             except Exception:  # the reaper must outlive one bad look
-                log.exception("engine pool check failed")
+                log.exception("a look at the engine pools failed")
 
     def create_pool(self, name: str, layout: PoolLayout,
                     owner: ProcessIdentity | None = None) -> PoolHandle:
@@ -194,7 +195,7 @@ class NodeService:
         non-empty strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
         keys = check_object_keys(keys)
         t = time.perf_counter()
-        codes = self._checked_exists(keys)
+        codes = self._store_exists(keys)
         self._metrics.record_exists(time.perf_counter() - t)
         return codes
 
@@ -210,11 +211,11 @@ class NodeService:
         return self._move("get", batch, deadline)
 
     def _move(self, op: str, batch: ObjectBatch, deadline: float | None) -> list[int]:
-        """The backend's ``op`` on every object of ``batch``, after the store check and
+        """The backend's ``op`` on every object of ``batch``, once the store is up and
         against one generation of the pools, counted in flight on the pools it uses for
         the store call (a pool being removed waits for it: ``NodePools.enter``);
         outcomes counted."""
-        self._store.check()
+        self._store.before_call()
         pools = self._pools
         table = pools.table
         ptrs, used = table.resolve(batch)
@@ -228,7 +229,7 @@ class NodeService:
             pools.leave(used)
         if pools.table.epoch != table.epoch:
             self._replaced_during(op, batch, codes, table.epoch)
-        codes = self._store.check_codes(table.epoch, codes)
+        codes = self._store.after_call(table.epoch, codes)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
         return codes
 
@@ -251,16 +252,16 @@ class NodeService:
             f"this node's pools were allocated anew during the {op} (epoch {epoch} -> "
             f"{self._pools.table.epoch}); its objects were not kept: re-map and retry")
 
-    def _checked_exists(self, keys: list[str]) -> list[int]:
+    def _store_exists(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""
-        epoch = self._store.check()
-        return self._store.check_codes(epoch, self._store.backend.exists(list(keys)))
+        epoch = self._store.before_call()
+        return self._store.after_call(epoch, self._store.backend.exists(list(keys)))
 
-    def _group_check(self, keys: list[str]) -> list[int]:
-        """The store check of group queries: a store outage also drops every
+    def _group_lookup(self, keys: list[str]) -> list[int]:
+        """The store lookup of group queries: a store outage also drops every
         confirmation (the objects may be gone when it is back)."""
         try:
-            return self._checked_exists(keys)
+            return self._store_exists(keys)
         except NodeUnavailableError:
             self._groups.forget()
             raise
@@ -285,25 +286,18 @@ class NodeService:
             self._deployments[deployment_id] = dep
         return dep
 
-    def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
-                     keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
+    def group_exists(self, reply: Done, deployment_id: str, version: int,
+                     rank: tuple[int, int], keys: list[str], queries: list[PoolQuery]) -> None:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
-        ``cache_actors.node.group_queries``). ``ValueError`` for an unregistered deployment or
-        a pool it did not register. Blocks until answered, at most ``WAIT_S``
-        (then ``DeadlineExceededError``)."""
-        dep = self._deployment(deployment_id, version)
-        try:
-            return self._groups.ask(dep, keys, queries, tuple(rank), WAIT_S)
-        except TimeoutError as e:
-            raise DeadlineExceededError(str(e)) from None
-
-    def group_submit(self, reply, deployment_id: str, version: int, rank: tuple[int, int],
-                     keys: list[str], queries: list[PoolQuery]) -> None:
-        """``group_exists`` for the channel's I/O thread, without blocking: answered by
-        ``reply(result, error)`` once the group's check is done. A deployment not known
-        here at ``version`` is fetched from the controller on ``executor`` first."""
+        ``cache_actors.node.group_queries``). Never blocks: ``reply(result, None)`` or
+        ``reply(None, error)`` once answered (``ValueError`` for an unregistered
+        deployment, ``DeadlineExceededError`` if the controller did not hand it over in
+        time); ``ValueError`` raised here for bad keys or a pool the deployment did not
+        register. A deployment not known here at ``version`` is fetched from the
+        controller on ``executor`` first. Both routes call it: the channel's I/O thread
+        and the Ray actor, which waits for the reply at most ``WAIT_S``."""
         dep = self._known(deployment_id, version)
         if dep is not None:
             self._groups.submit(dep, keys, queries, tuple(rank), reply)
@@ -341,7 +335,8 @@ class NodeService:
         (``NodeMetrics.counters``); per pool its kind, bytes, pages and object counters
         (``NodeMetrics.pool_counters``); group queries answered here (``recent``,
         ``inflight``: shared; ``confirmed``: from confirmations alone; ``checked``: own
-        store check; ``store_calls``) and ``confirmed_pages`` held; the mode,
+        lookups; ``store_calls``, ``store_seconds``: ``NodeMetrics.group_queries``) and
+        ``confirmed_pages`` held; the mode,
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
         port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
@@ -356,9 +351,9 @@ class NodeService:
                           "counters": self._metrics.pool_counters(n)}
                       for n, p in self._pools.settled().pools.items()},
             "counters": self._metrics.counters(),
-            "group_queries": asdict(self._groups.stats),
+            "group_queries": self._metrics.group_queries(),
             "confirmed_pages": len(self._groups.confirmed),
-            "merged_calls": asdict(self._merger.stats),
+            "merged_calls": self._metrics.merged_calls(),
         }
 
     def shutdown(self, remove_pools: bool = True) -> None:

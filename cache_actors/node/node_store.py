@@ -90,16 +90,16 @@ class NodeStore:
                 raise RuntimeError("the dummy client did not reconnect to mooncake_client")
             time.sleep(0.1)
 
-    def check(self) -> int:
-        """Before a data call: ``StoreUnavailableError`` while ``mooncake_client`` is down;
-        returns the current epoch of the pool memory."""
+    def before_call(self) -> int:
+        """Before a data call (and a pool's creation): ``StoreUnavailableError`` while
+        ``mooncake_client`` is down; returns the current epoch of the pool memory."""
         if self.process is not None and self.process.down.is_set():
             raise StoreUnavailableError(
                 f"mooncake_client on port {self.process.record.port} is down; the node actor "
                 "is restarting it: retry the call")
         return self.memory.epoch
 
-    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+    def after_call(self, epoch: int, codes: list[int]) -> list[int]:
         """After a data call that started at ``epoch``: ``StoreUnavailableError`` if some
         object failed because ``mooncake_client`` went down or the pools were replaced
         meanwhile; else ``codes`` unchanged."""

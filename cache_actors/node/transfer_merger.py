@@ -1,6 +1,6 @@
 """Concurrent ranks' put/get batches as fewer, larger calls on the node's Mooncake client.
 
-Measured here (issue #15): with N ranks moving pages through one node actor, N threads
+Measured here (``raykv bench-ranks``): with N ranks moving pages through one node actor, N threads
 each waited on its own batch inside the one transfer engine, and Mooncake's completion
 wait polls (``TransferFuture::wait`` -> ``getTransferStatus``, ``sched_yield``), so the
 node spent about twice the CPU per GB of N independent clients and its throughput fell
@@ -27,7 +27,8 @@ Callers hand in batches already validated (every pointer inside a registered poo
 bad batch fails its own caller before it is queued. The backend's per-object codes
 (put-if-absent ``ALREADY_PRESENT`` included) come back unchanged, each caller getting
 exactly the codes of its own objects. An exception raised by the backend call fails
-every caller whose batch was in that call.
+every caller whose batch was in that call. Each store call is told to ``on_call`` with
+the number of batches it carries (``NodeMetrics.record_merged_call``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
@@ -58,24 +58,16 @@ class _Request:
         self.done = False
 
 
-@dataclass
-class MergeStats:
-    """``calls``: store calls made; ``batches``: callers' batches they carried;
-    ``largest``: most batches in one call."""
-
-    calls: int = 0
-    batches: int = 0
-    largest: int = 0
-
-
 class TransferMerger:
     """``put`` / ``get`` of a ``MooncakeBackend`` (or anything with the same two methods),
     shared by concurrent callers: at most ``max_inflight`` store calls at a time, each
     carrying up to ``max_objects`` objects (a bigger single batch goes alone);
-    ``max_inflight=0`` turns merging off (each caller calls the backend itself)."""
+    ``max_inflight=0`` turns merging off (each caller calls the backend itself).
+    ``on_call(batches)``: told of each merged store call, under this merger's lock."""
 
     def __init__(self, backend, *, max_inflight: int = MAX_INFLIGHT,
-                 max_objects: int = MAX_OBJECTS) -> None:
+                 max_objects: int = MAX_OBJECTS,
+                 on_call: Callable[[int], None] = lambda batches: None) -> None:
         if max_inflight < 0 or max_objects < 1:
             raise ValueError(f"max_inflight must be >= 0 and max_objects >= 1, got "
                              f"{max_inflight}, {max_objects}")
@@ -86,13 +78,7 @@ class TransferMerger:
         self._queue: list[_Request] = []
         self._inflight = 0
         self._busy: set[str] = set()  # keys of the calls in flight
-        self.stats = MergeStats()
-
-    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        return self.run("put", keys, ptrs, sizes)
-
-    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        return self.run("get", keys, ptrs, sizes)
+        self._on_call = on_call
 
     def run(self, op: str, keys: Sequence[str], ptrs: Sequence[int],
             sizes: Sequence[int], deadline: float | None = None) -> list[int]:
@@ -147,9 +133,7 @@ class TransferMerger:
         """Remove from the queue (lock held) the requests of the next store call."""
         if len(self._queue) == 1 and not self._busy:  # a lone caller: no selection
             group, self._queue = self._queue, []
-            self.stats.calls += 1
-            self.stats.batches += 1
-            self.stats.largest = max(self.stats.largest, 1)
+            self._on_call(1)
             return group
         picked = select([Pending(r.op, r.keys) for r in self._queue], self._max_objects,
                         self._busy)
@@ -158,9 +142,7 @@ class TransferMerger:
         group = [self._queue[i] for i in picked]
         chosen = set(picked)
         self._queue = [r for i, r in enumerate(self._queue) if i not in chosen]
-        self.stats.calls += 1
-        self.stats.batches += len(group)
-        self.stats.largest = max(self.stats.largest, len(group))
+        self._on_call(len(group))
         return group
 
     def _call(self, group: list[_Request]) -> None:

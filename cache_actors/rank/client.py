@@ -37,11 +37,11 @@ from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
     TransferPlan,
-    check_exists,
+    check_hit_query,
     check_transfers,
     exists_families,
     plan_transfers,
-    pool_name,
+    pool_role,
 )
 
 
@@ -176,7 +176,7 @@ class CacheClient:
         offload with one warning. Other pools must come from this client, or be engine
         memory served through a staging pool of this client (``StagedPool``).
         """
-        self._pools.register(pool, pool_name(name), self.config.is_mla_model)
+        self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
     # -------------------------------------------------------- batches of pages
     def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> TransferPlan:
@@ -215,7 +215,7 @@ class CacheClient:
         A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
         """
         pools = self._pools
-        keys, queries = check_exists(keys, transfers, pools.plan_pools, pools.disabled)
+        keys, queries = check_hit_query(keys, transfers, pools.plan_pools, pools.disabled)
         families = exists_families(queries, pools.plan_pools, self.key_scheme,
                                    (self.config.tp_rank, self.config.pp_rank))
         return search(families, keys, lambda names: self._link.data(DataOp.EXISTS, names))
@@ -237,7 +237,7 @@ class CacheClient:
         of the group asking about the same keys and pools gets the identical answer (a
         rank asking again gets a fresh one), so no all-reduce among ranks is needed."""
         pools = self._pools
-        keys, queries = check_exists(keys, transfers, pools.plan_pools, pools.disabled)
+        keys, queries = check_hit_query(keys, transfers, pools.plan_pools, pools.disabled)
         if self._group.outdated(pools.specs):
             self.register_deployment()
         return self._group.exists(keys, queries)

@@ -231,14 +231,14 @@ def staged_call(checked: CheckedTransfers, staged: Mapping[PoolName, StagedPool]
     was closed. What ``call`` raises propagates (pages of earlier rounds are then
     stored or copied out, but reported by none)."""
     results = dict(checked.fixed)
-    direct = [p for p in checked.parts if p.name not in staged]
-    moved = [(p, staged[p.name]) for p in checked.parts if p.name in staged]
+    direct = [p for p in checked.parts if p.role not in staged]
+    moved = [(p, staged[p.role]) for p in checked.parts if p.role in staged]
     for part in checked.parts:
-        results[part.name] = []
+        results[part.role] = []
     with contextlib.ExitStack() as stack:
         for sp in sorted({id(sp): sp for _, sp in moved}.values(), key=id):
             stack.enter_context(sp.lock(write))
-        closed = [p.name.value for p, sp in moved if sp.closed]
+        closed = [p.role.value for p, sp in moved if sp.closed]
         if closed:  # its mapping here is gone: a copy would fault
             raise ValueError(f"raykv: staged pools {closed} were closed")
         for r in range(max([sp.rounds(len(p.starts)) for p, sp in moved] + [1])):
@@ -253,7 +253,7 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
     plan = TransferPlan()
     plan.batch.epoch = epoch
     for part in direct:
-        plan.add(part, part.pool.name, part.pool.layout, part.starts)
+        plan.add(part, part.pool.pool_name, part.pool.layout, part.starts)
     copies = []
     for part, sp in moved:
         lo, hi = sp.chunk(r, len(part.starts))
@@ -266,14 +266,14 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
             sp.copy_in(engine_pages, staging_pages)
         plan.add(part.pages(lo, hi), sp.name, sp.pool.layout,
                  [p * page for p in staging_pages])
-        copies.append((part.name, sp, engine_pages, staging_pages))
+        copies.append((part.role, sp, engine_pages, staging_pages))
     if not plan.spans:
         return
     codes = call(plan.batch) if len(plan.batch) else []
     out = plan.stored(codes) if write else plan.read(codes)
-    for name, sp, engine_pages, staging_pages in copies:
+    for role, sp, engine_pages, staging_pages in copies:
         if not write:
-            read = [i for i, ok in enumerate(out[name]) if ok]
+            read = [i for i, ok in enumerate(out[role]) if ok]
             sp.copy_out([engine_pages[i] for i in read], [staging_pages[i] for i in read])
-    for name, ok in out.items():
-        results[name].extend(ok)
+    for role, ok in out.items():
+        results[role].extend(ok)

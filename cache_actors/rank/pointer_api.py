@@ -19,7 +19,7 @@ def pointer_batch(keys: Sequence[str], target_locations: Sequence[int] | None,
                   target_sizes: Sequence[int] | None, pools: Sequence[HostPool],
                   scheme: KeyScheme, epoch: int) -> ObjectBatch:
     """One object per key: ``target_sizes[i]`` bytes at pointer ``target_locations[i]``
-    (in this process), stored under ``keys[i]`` tagged by ``plan``. ``ValueError`` for
+    (in this process), stored under ``keys[i]`` tagged by ``scheme``. ``ValueError`` for
     bad keys, missing or mismatched lists, or a range outside every pool in ``pools``."""
     keys = check_keys(keys)
     if target_locations is None or target_sizes is None:

@@ -221,7 +221,7 @@ class PoolLifecycle:
         self.plan_pools = {n: PlanPool(p.name, p.layout) for n, p in pools.items()}
         self.staged = {n: p for n, p in pools.items() if isinstance(p, StagedPool)}
         self.specs = tuple(sorted((pp.spec(n) for n, pp in self.plan_pools.items()),
-                                  key=lambda s: s.name.value))
+                                  key=lambda s: s.role.value))
 
     def close(self) -> None:
         """Unmap every pool of this client and forget its registrations."""

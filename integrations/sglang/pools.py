@@ -30,13 +30,14 @@ SERVABLE_ORDERS = ("page_first", "page_first_direct")
 class EnginePool:
     """One SGLang host pool as raykv serves it.
 
-    ``memory``: SGLang's pool in raykv terms (``EngineMemory``: layout and page views).
-    ``memfd``: ``(pid, fd)`` of SGLang's memfd holding it from its first byte, when it
-    can be shared. ``pool``: the raykv pool calls name: SGLang's own memory mapped again
-    (zero-copy) or the staging pool of ``staged``. ``engine``: SGLang's host pool object.
+    ``role``: what SGLang registered it as. ``memory``: SGLang's pool in raykv terms
+    (``EngineMemory``: layout and page views). ``memfd``: ``(pid, fd)`` of SGLang's memfd
+    holding it from its first byte, when it can be shared. ``pool``: the raykv pool calls
+    name: SGLang's own memory mapped again (zero-copy) or the staging pool of ``staged``.
+    ``engine``: SGLang's host pool object.
     """
 
-    name: PoolName
+    role: PoolName
     engine: Any
     memory: EngineMemory
     memfd: tuple[int, int] | None = None
@@ -61,30 +62,30 @@ class EnginePool:
         return self.pool is not None and self.staged is None
 
 
-def describe_pool(name: PoolName, engine: Any) -> EnginePool:
-    """How raykv serves SGLang host pool ``engine`` registered as ``name``; ``ValueError``
+def describe_pool(role: PoolName, engine: Any) -> EnginePool:
+    """How raykv serves SGLang host pool ``engine`` registered as ``role``; ``ValueError``
     naming why it cannot (layout, buffer shapes)."""
     order = getattr(engine, "layout", "page_first")
     if order not in SERVABLE_ORDERS:
-        raise ValueError(f"pool {name.value!r}: host layout {order!r} cannot be served "
+        raise ValueError(f"pool {role.value!r}: host layout {order!r} cannot be served "
                          "(a page must be one contiguous run per buffer): use page_first or "
                          "page_first_direct")
-    if name == PoolName.MAMBA:
-        return EnginePool(name, engine, _describe_mamba(engine))
-    if name == PoolName.INDEXER:
+    if role == PoolName.MAMBA:
+        return EnginePool(role, engine, _describe_mamba(engine))
+    if role == PoolName.INDEXER:
         buf = getattr(engine, "index_k_with_scale_buffer", None)
-        return EnginePool(name, engine, _describe_indexer(engine),
+        return EnginePool(role, engine, _describe_indexer(engine),
                           _memfd(engine, buf, order))
     buf = getattr(engine, "kv_buffer", None)
     page = int(getattr(engine, "page_size", 0) or 0)
     if not isinstance(buf, torch.Tensor) or page < 1:
-        raise ValueError(f"pool {name.value!r}: {type(engine).__name__} has no kv_buffer "
+        raise ValueError(f"pool {role.value!r}: {type(engine).__name__} has no kv_buffer "
                          "tensor and page_size; raykv serves MHA/MLA KV-like pools and Mamba")
     try:
         memory = describe_kv_buffer(buf, page, order)
     except ValueError as e:
-        raise ValueError(f"pool {name.value!r}: {e}") from None
-    return EnginePool(name, engine, memory, _memfd(engine, buf, order))
+        raise ValueError(f"pool {role.value!r}: {e}") from None
+    return EnginePool(role, engine, memory, _memfd(engine, buf, order))
 
 
 def _describe_indexer(engine: Any) -> EngineMemory:

@@ -39,29 +39,29 @@ class ServedPools:
         self.readopt = False
         self._warned_staging = False
 
-    def register(self, name: PoolName, engine) -> None:
-        """Serve SGLang's host pool ``engine`` as ``name`` (again only if it is another
+    def register(self, role: PoolName, engine) -> None:
+        """Serve SGLang's host pool ``engine`` as ``role`` (again only if it is another
         object); ``ValueError`` naming why it cannot be served."""
         with self.lock:
-            old = self.pools.get(name)
+            old = self.pools.get(role)
             if old is not None and old.engine is engine:
                 return
             try:
-                ep = describe_pool(name, engine)
+                ep = describe_pool(role, engine)
             except ValueError as e:
                 raise ValueError(f"raykv cannot serve this SGLang HiCache config: {e}") from None
-            if name == PoolName.KV:
+            if role == PoolName.KV:
                 want = "mla" if self.is_mla_model else "mha"
                 if ep.kind != want:
                     raise ValueError(f"raykv: the KV host pool is {ep.kind.upper()} but SGLang "
                                      f"says is_mla_model={self.is_mla_model}")
             self._serve(ep)
-            self.pools[name] = ep
+            self.pools[role] = ep
             served = ep.staged if ep.staged is not None else ep.pool
-            if name == PoolName.KV:
+            if role == PoolName.KV:
                 self.client.register_mem_pool_host(served)
             else:
-                self.client.register_mem_host_pool_v2(served, name)
+                self.client.register_mem_host_pool_v2(served, role)
 
     def _serve(self, ep: EnginePool) -> None:
         """Give ``ep`` its raykv pool: SGLang's memfd adopted by the node actor, or a
@@ -92,7 +92,7 @@ class ServedPools:
                         why, hint)
         cap = MAMBA_STAGING_SLOTS if ep.kind == "mamba" else self.opts.staging_pages
         window = max(1, min(cap, ep.layout.num_pages))
-        name = f"sglang-{os.getpid()}-{ep.name.value}-{uuid.uuid4().hex[:8]}"
+        name = f"sglang-{os.getpid()}-{ep.role.value}-{uuid.uuid4().hex[:8]}"
         ep.pool = self.client.create_host_pool(staging_layout(ep.layout, 2 * window),
                                                name=name, per_process=True)
         ep.staged = StagedPool(ep.memory, ep.pool, window)

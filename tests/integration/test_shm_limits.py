@@ -24,7 +24,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors import CacheClient
-from raykv.cache_actors.node.node_service import ENGINE_CHECK_S, ENGINE_GRACE_S
+from raykv.cache_actors.node.node_service import ENGINE_GRACE_S, ENGINE_REAP_S
 from raykv.controllers import StorageConfig
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.pool_layout import PoolLayout
@@ -170,7 +170,7 @@ def test_pools_of_one_engine_process_go_with_it(cluster, uid):
         assert {shared, own} <= pools()
         ray.kill(engine)  # the engine process dies without cleaning up
         wait_for(lambda: own not in pools(), f"the removal of {own}",
-                 timeout_s=ENGINE_GRACE_S + 4 * ENGINE_CHECK_S + 60)
+                 timeout_s=ENGINE_GRACE_S + 4 * ENGINE_REAP_S + 60)
         assert shared in pools()
     finally:
         ray.get(actor.destroy_pool.remote(shared))

@@ -1,8 +1,8 @@
 """raykv's vLLM connector with a real vLLM (CPU build) on a real two-node raykv cluster.
 
-Engines run inside Ray actors pinned to nodes (``raykv.integrations.vllm_actors``),
+Engines run inside Ray actors pinned to nodes (``raykv.clusters.demo.vllm_actors``),
 in-process and eager (one engine in vLLM's default multiprocess mode), on a tiny
-random Llama that a fixture makes (``raykv.integrations.vllm_model``, no download).
+random Llama that a fixture makes (``raykv.clusters.demo.vllm_model``, no download).
 Block size 128: a 1000-token prompt has 7 full blocks that may come from raykv (the
 last token is always computed).
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import ray
 from raykv.clusters import start_local
-from raykv.integrations.vllm_actors import ready, start_engine
-from raykv.integrations.vllm_model import make_llama
+from raykv.clusters.demo.vllm_actors import ready, start_engine
+from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.integration.vllm_control import ControlEngine
 

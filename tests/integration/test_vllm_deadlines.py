@@ -25,8 +25,8 @@ import time
 
 import pytest
 import ray
-from raykv.integrations.vllm_actors import ready, start_engine
-from raykv.integrations.vllm_model import make_llama
+from raykv.clusters.demo.vllm_actors import ready, start_engine
+from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.integration.process_stop import stop_process
 from tests.integration.test_vllm import BLOCK, prompt

@@ -10,7 +10,7 @@ import hashlib
 
 import ray
 import torch
-from raykv.integrations.vllm_actors import VLLMEngine
+from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
 def _connector():
@@ -22,15 +22,15 @@ def _connector():
 def _corrupt_loads(worker, on: bool) -> None:
     from dataclasses import replace
 
-    c = _connector()
-    c.opts = replace(c.opts, debug_corrupt_loads=on)
+    w = _connector().connector_worker
+    w.opts = replace(w.opts, debug_corrupt_loads=on)
 
 
 def _digests(c, block_ids: list[int]) -> list[list[str]]:
     """Per block, per layer (vLLM's layer order): SHA-256 of the block's bytes in vLLM's
     KV cache as they are now."""
     return [[hashlib.sha256(layer[b].contiguous().view(torch.uint8).numpy()).hexdigest()
-             for layer in c._layers] for b in block_ids]
+             for layer in c.connector_worker._layers] for b in block_ids]
 
 
 def _record_blocks(worker, on: bool) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import ray
-from raykv.integrations.vllm_actors import VLLMEngine
+from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 from tests.integration.process_stop import stop_process
 

@@ -73,13 +73,13 @@ def test_checkpoint_round_trip():
 def test_group_objects_mla_replicated_once():
     reg = DeploymentRegistry()
     dep = reg.register_rank(cfg(tp_size=2, is_mla_model=True), [KV_MLA, MAMBA, IDX], "n")
-    plan = group_objects(dep, ["h"], [PoolQuery(PoolName.MAMBA),
+    every = group_objects(dep, ["h"], [PoolQuery(PoolName.MAMBA),
                                                  PoolQuery(PoolName.INDEXER)])
-    assert sorted(plan.objects) == sorted(["org-m_h__k", "org-m_h__indexer",
+    assert sorted(every.objects) == sorted(["org-m_h__k", "org-m_h__indexer",
                                       "org-m_h_0_temporal", "org-m_h_0_conv_0",
                                       "org-m_h_1_temporal", "org-m_h_1_conv_0"])
-    assert plan.segments[(0, 0)][PoolName.KV] == plan.segments[(1, 0)][PoolName.KV]
-    assert plan.segments[(0, 0)][PoolName.MAMBA] != plan.segments[(1, 0)][PoolName.MAMBA]
+    assert every.spans[(0, 0)][PoolName.KV] == every.spans[(1, 0)][PoolName.KV]
+    assert every.spans[(0, 0)][PoolName.MAMBA] != every.spans[(1, 0)][PoolName.MAMBA]
     with pytest.raises(ValueError, match="registered no 'swa' pool"):
         group_objects(dep, ["h"], [PoolQuery(PoolName.SWA)])
 
@@ -89,15 +89,15 @@ def test_group_hits_intersect_ranks_and_pp():
     dep = reg.register_rank(cfg(tp_size=2, pp_size=2), [KV_MHA, MAMBA], "n")
     hashes = [f"p{i}" for i in range(4)]
     q = [PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 1)]
-    plan = group_objects(dep, hashes, q)
-    objects = plan.objects
+    every = group_objects(dep, hashes, q)
+    objects = every.objects
     assert len(objects) == len(set(objects)) == 4 * 4 * 4  # ranks x pages x objects
     present = set(objects)
     present.discard("org-m_p3_1_1_v")          # rank tp1/pp1 lacks KV of page 3
     for h in ("p0", "p2"):                        # Mamba states only after pages 1 and 3
         for r in ("0_0", "1_0", "0_1", "1_1"):
             present.discard(f"org-m_{h}_{r}_temporal")
-    result = group_hits(plan, q, [int(o in present) for o in objects])
+    result = group_hits(every, q, [int(o in present) for o in objects])
     assert result.kv_hit_pages == 2
     assert result.restorable_prefix_pages == [0, 2]
     assert result.extra_pool_hit_pages == {PoolName.MAMBA: 1}

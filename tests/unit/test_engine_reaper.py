@@ -47,7 +47,7 @@ class Store:
     backend: Registrations
     mode: str = "embedded"
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return 0
 
 
@@ -105,7 +105,7 @@ def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools)
     assert node.reap_engines(grace_s=0.01) == ["sglang-staging"]
     assert sorted(node.table.pools) == ["shared-kv"]
     assert store.memory.budget.used == LAYOUT.nbytes and len(store.backend.live) == 1
-    assert not os.path.exists(os.path.join(SHM_DIR, node._prefix + "sglang-staging"))
+    assert not os.path.exists(os.path.join(SHM_DIR, node._records.prefix + "sglang-staging"))
 
 
 def test_a_restarted_node_still_reaps_a_pool_with_its_process(engine, pools):
@@ -119,7 +119,7 @@ def test_a_restarted_node_still_reaps_a_pool_with_its_process(engine, pools):
     node.create("shared-kv", LAYOUT)
     for pool in list(node.table.pools.values()):  # the old actor dies: nothing removed
         store.memory.release(pool, remove=False)
-    restarted = NodePools(node._prefix, store, lambda name, n: None)
+    restarted = NodePools(node._records.prefix, store, lambda name, n: None)
     restarted.readopt()
     assert sorted(restarted.table.pools) == ["sglang-staging", "shared-kv"]
     child.stdin.close()

@@ -7,9 +7,10 @@ import time
 
 import pytest
 from raykv.cache_actors.node.group_queries import GroupQueries
-from raykv.controllers.contract import PoolName
+from raykv.controllers.contract import PoolName, PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolSpec
 
+from tests.unit.fakes import Counts
 from tests.unit.oracle import group_objects
 
 DEP = Deployment("m", "m", None, 2, 1, False,
@@ -36,6 +37,25 @@ class Store:
         return [1 if k in self.present else 0 for k in keys]
 
 
+def answer(groups: GroupQueries, dep: Deployment, keys, queries, rank=(0, 0),
+        timeout_s: float | None = None) -> PoolTransferResult:
+    """``groups.submit`` and wait for the answer: the result, or the store's error
+    raised; ``TimeoutError`` if none came within ``timeout_s`` seconds (None: no limit)."""
+    answered = threading.Event()
+    out: list = []
+
+    def done(result, error) -> None:
+        out[:] = [result, error]
+        answered.set()
+    groups.submit(dep, keys, queries, rank, done)
+    if not answered.wait(timeout_s):
+        raise TimeoutError(f"the group query was not answered within {timeout_s:g} s")
+    result, error = out
+    if error is not None:
+        raise error
+    return result
+
+
 def objects(keys):
     return group_objects(DEP, keys, []).objects
 
@@ -43,43 +63,45 @@ def objects(keys):
 def test_answer_is_shared_by_the_group_then_fresh():
     store = Store(objects(["a", "b"]))
     told: list[str] = []
-    groups = GroupQueries(store.exists, window_s=5.0, on_query=told.append)
-    first = groups.ask(DEP, ["a", "b", "c"], [], rank=(0, 0))
+    counts = Counts()
+    groups = GroupQueries(store.exists, window_s=5.0,
+                          on_query=lambda how: (told.append(how), counts.record_group_query(how)))
+    first = answer(groups, DEP, ["a", "b", "c"], [], rank=(0, 0))
     store.present |= set(objects(["c"]))
-    assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)) is first  # the other rank
+    assert answer(groups, DEP, ["a", "b", "c"], [], rank=(1, 0)) is first  # the other rank
     # Two store calls: the probe of page 0 (both ranks), then the rest.
     assert first.kv_hit_pages == 2 and len(store.calls) == 2
     # Both ranks had it: the answer is gone, the next request is checked afresh.
-    assert groups.ask(DEP, ["a", "b", "c"], [], rank=(1, 0)).kv_hit_pages == 3
+    assert answer(groups, DEP, ["a", "b", "c"], [], rank=(1, 0)).kv_hit_pages == 3
     assert len(store.calls) == 4
-    assert groups.stats.recent == 1 and groups.stats.checked == 2
+    assert counts.recent == 1 and counts.checked == 2
     assert told == ["checked", "recent", "checked"]
 
 
 def test_a_rank_asking_again_gets_a_fresh_answer_the_other_rank_the_newest():
     store = Store(objects(["a"]))
     groups = GroupQueries(store.exists, window_s=5.0)
-    assert groups.ask(DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 1
+    assert answer(groups, DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 1
     store.present |= set(objects(["b"]))
-    assert groups.ask(DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 2
-    assert groups.ask(DEP, ["a", "b"], [], rank=(1, 0)).kv_hit_pages == 2
+    assert answer(groups, DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 2
+    assert answer(groups, DEP, ["a", "b"], [], rank=(1, 0)).kv_hit_pages == 2
     assert len(store.calls) == 4  # two checks of two steps; the other rank shared one
 
 
 def test_answers_expire_after_the_window():
     store = Store()
     groups = GroupQueries(store.exists, window_s=0.1)
-    groups.ask(DEP, ["a"], [], rank=(0, 0))
+    answer(groups, DEP, ["a"], [], rank=(0, 0))
     store.present |= set(objects(["a"]))
     time.sleep(0.15)
-    assert groups.ask(DEP, ["a"], [], rank=(1, 0)).kv_hit_pages == 1
+    assert answer(groups, DEP, ["a"], [], rank=(1, 0)).kv_hit_pages == 1
 
 
 def test_window_zero_keeps_nothing():
     store = Store()
     groups = GroupQueries(store.exists, window_s=0.0)
-    groups.ask(DEP, ["a"], [], rank=(0, 0))
-    groups.ask(DEP, ["a"], [], rank=(1, 0))
+    answer(groups, DEP, ["a"], [], rank=(0, 0))
+    answer(groups, DEP, ["a"], [], rank=(1, 0))
     assert len(store.calls) == 2
 
 
@@ -88,7 +110,7 @@ def run(groups, keys_list):
 
     def ask(i, keys):
         try:
-            out[i] = groups.ask(DEP, keys, [])
+            out[i] = answer(groups, DEP, keys, [])
         except Exception as e:  # collected for the assertions
             out[i] = e
     threads = [threading.Thread(target=ask, args=(i, k)) for i, k in enumerate(keys_list)]
@@ -97,7 +119,10 @@ def run(groups, keys_list):
 
 def test_concurrent_queries_join_one_check_and_distinct_ones_are_batched():
     store = Store(objects(["a", "b"]))
-    groups = GroupQueries(store.exists, window_s=0.0, parallel=1)
+    counts = Counts()
+    groups = GroupQueries(store.exists, window_s=0.0, parallel=1,
+                          on_query=counts.record_group_query,
+                          on_store_call=counts.record_group_store_call)
     store.release.clear()
     first, out0 = run(groups, [["a"]])
     first[0].start()
@@ -119,7 +144,7 @@ def test_concurrent_queries_join_one_check_and_distinct_ones_are_batched():
     second, third = store.calls[1], store.calls[2]
     assert sorted(second) == sorted(objects(["a", "b"]))
     assert sorted(third) == sorted(objects(["b", "c"]))
-    assert groups.stats.inflight == 1 and groups.stats.store_calls == 3
+    assert counts.inflight == 1 and counts.store_calls == 3
 
 
 def test_a_store_error_reaches_every_waiter_and_the_next_query_works():
@@ -127,9 +152,9 @@ def test_a_store_error_reaches_every_waiter_and_the_next_query_works():
     store.fail = RuntimeError("store down")
     groups = GroupQueries(store.exists, window_s=1.0)
     with pytest.raises(RuntimeError, match="store down"):
-        groups.ask(DEP, ["a"], [])
+        answer(groups, DEP, ["a"], [])
     store.fail = None
-    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 1
+    assert answer(groups, DEP, ["a"], []).kv_hit_pages == 1
 
 
 def test_unknown_pool_is_refused_before_the_store_is_asked():
@@ -138,9 +163,9 @@ def test_unknown_pool_is_refused_before_the_store_is_asked():
     store = Store()
     groups = GroupQueries(store.exists, window_s=1.0)
     with pytest.raises(ValueError, match="registered no 'mamba' pool"):
-        groups.ask(DEP, ["a"], [PoolQuery(PoolName.MAMBA)])
+        answer(groups, DEP, ["a"], [PoolQuery(PoolName.MAMBA)])
     assert store.calls == []
-    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 0
+    assert answer(groups, DEP, ["a"], []).kv_hit_pages == 0
 
 
 def test_up_to_parallel_store_calls_run_at_once():
@@ -182,7 +207,10 @@ def test_many_callers_few_checkers_all_answered():
             time.sleep(0.002)
             return super().exists(names)
     store = Slow(objects(present))
-    groups = GroupQueries(store.exists, window_s=0.0, parallel=2)
+    counts = Counts()
+    groups = GroupQueries(store.exists, window_s=0.0, parallel=2,
+                          on_query=counts.record_group_query,
+                          on_store_call=counts.record_group_store_call)
     threads, out = run(groups, keys)
     for t in threads:
         t.start()
@@ -190,36 +218,36 @@ def test_many_callers_few_checkers_all_answered():
         t.join(10)
     assert not any(t.is_alive() for t in threads)
     assert [out[i].kv_hit_pages for i in range(48)] == [min(i % 5, 4) for i in range(48)]
-    assert groups.stats.store_calls < 2 * 48  # distinct queries were batched
+    assert counts.store_calls < 2 * 48  # distinct queries were batched
 
 
 def test_mostly_hits_check_everything_in_one_call_mostly_misses_probe_first():
     store = Store(objects([f"p{i}" for i in range(20)]))
     groups = GroupQueries(store.exists, window_s=0.0)
-    assert groups.ask(DEP, ["p0", "p1"], []).kv_hit_pages == 2
+    assert answer(groups, DEP, ["p0", "p1"], []).kv_hit_pages == 2
     assert len(store.calls) == 2  # no history: the probe of page 0, then the rest
     for i in range(2, 20):
-        groups.ask(DEP, [f"p{i}"], [])
+        answer(groups, DEP, [f"p{i}"], [])
     store.calls.clear()
-    assert groups.ask(DEP, ["p0", "p1", "x"], []).kv_hit_pages == 2
+    assert answer(groups, DEP, ["p0", "p1", "x"], []).kv_hit_pages == 2
     assert len(store.calls) == 1 and sorted(store.calls[0]) == sorted(objects(["p0", "p1",
                                                                               "x"]))
     for i in range(20):  # a run of misses: probes again, a miss costs page 0 only
-        groups.ask(DEP, [f"m{i}"], [])
+        answer(groups, DEP, [f"m{i}"], [])
     store.calls.clear()
-    assert groups.ask(DEP, ["m", "p0"], []).kv_hit_pages == 0
+    assert answer(groups, DEP, ["m", "p0"], []).kv_hit_pages == 0
     assert store.calls == [["m_m_0_k", "m_m_0_v", "m_m_1_k", "m_m_1_v"]]
 
 
-def test_checker_threads_end_when_idle_and_come_back():
+def test_lookup_threads_end_when_idle_and_come_back():
     store = Store(objects(["a"]))
     groups = GroupQueries(store.exists, window_s=0.0, idle_s=0.05)
-    assert groups.ask(DEP, ["a"], []).kv_hit_pages == 1
+    assert answer(groups, DEP, ["a"], []).kv_hit_pages == 1
     deadline = time.monotonic() + 5
-    while groups._checkers and time.monotonic() < deadline:
+    while groups._threads and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert groups._checkers == 0
-    assert groups.ask(DEP, ["a", "b"], []).kv_hit_pages == 1
+    assert groups._threads == 0
+    assert answer(groups, DEP, ["a", "b"], []).kv_hit_pages == 1
 
 
 def test_ask_gives_up_at_its_wait_limit_while_the_store_check_hangs():
@@ -227,6 +255,6 @@ def test_ask_gives_up_at_its_wait_limit_while_the_store_check_hangs():
     store.release.clear()  # the store check hangs
     groups = GroupQueries(store.exists, window_s=0.0)
     with pytest.raises(TimeoutError, match="not answered within 0.2 s"):
-        groups.ask(DEP, ["a"], [], timeout_s=0.2)
+        answer(groups, DEP, ["a"], [], timeout_s=0.2)
     store.release.set()
-    assert groups.ask(DEP, ["a"], [], timeout_s=5).kv_hit_pages == 1
+    assert answer(groups, DEP, ["a"], [], timeout_s=5).kv_hit_pages == 1

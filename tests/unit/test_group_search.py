@@ -13,7 +13,8 @@ from raykv.controllers.deployments import (
     PoolQuery,
     PoolSpec,
 )
-from raykv.controllers.group_search import GroupSearch, group_families
+from raykv.controllers.families import group_families
+from raykv.controllers.group_search import GroupSearch
 
 from tests.unit.oracle import group_hits, group_objects
 
@@ -62,11 +63,11 @@ def test_staged_answer_equals_the_full_check(shape):
     rng = random.Random(shape)
     for trial in range(300):
         hashes = [f"h{trial}-{i}" for i in range(rng.randint(1, 12))]
-        plan = group_objects(dep, hashes, queries)
+        every = group_objects(dep, hashes, queries)
         # Mostly present near the front, holes further back: every kind of answer.
-        present = {o for i, o in enumerate(plan.objects)
+        present = {o for i, o in enumerate(every.objects)
                    if rng.random() < (0.97 if hashes.index(o.split("_")[1]) < 4 else 0.7)}
-        full = group_hits(plan, queries, [int(o in present) for o in plan.objects])
+        full = group_hits(every, queries, [int(o in present) for o in every.objects])
         calls: list[list[str]] = []
         confirmed = ConfirmedPages(0.0)
         staged = run(GroupSearch(group_families(dep, queries), hashes, confirmed, 0.0),
@@ -76,10 +77,10 @@ def test_staged_answer_equals_the_full_check(shape):
         speculated = run(GroupSearch(group_families(dep, queries), hashes, confirmed, 0.0,
                                      speculate=True), present, at_once)
         assert speculated == full and len(at_once) == 1
-        assert sorted(at_once[0]) == sorted(plan.objects)
+        assert sorted(at_once[0]) == sorted(every.objects)
         asked = [o for c in calls for o in c]
-        assert len(asked) == len(set(asked)) <= len(plan.objects)
-        assert set(asked) <= set(plan.objects)
+        assert len(asked) == len(set(asked)) <= len(every.objects)
+        assert set(asked) <= set(every.objects)
 
 
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
@@ -90,8 +91,8 @@ def test_answers_from_confirmations_equal_the_full_check(shape):
     dep, queries = SHAPES[shape]
     rng = random.Random(100 + shape)
     hashes = [f"h{i}" for i in range(16)]
-    plan = group_objects(dep, hashes, queries)
-    present = {o for o in plan.objects if rng.random() < 0.97}
+    every = group_objects(dep, hashes, queries)
+    present = {o for o in every.objects if rng.random() < 0.97}
     confirmed = ConfirmedPages(5.0)
     for trial in range(200):
         start = rng.randint(0, 8)
@@ -118,14 +119,14 @@ def test_a_miss_on_page_zero_checks_no_trailing_objects():
 def test_after_the_probe_everything_else_in_one_call():
     dep, queries = SHAPES[0]
     hashes = [f"p{i}" for i in range(8)]
-    plan = group_objects(dep, hashes, queries)
-    present = {o for o in plan.objects if not o.startswith("org-m_p5_")}
+    every = group_objects(dep, hashes, queries)
+    present = {o for o in every.objects if not o.startswith("org-m_p5_")}
     calls: list[list[str]] = []
     result = run(GroupSearch(group_families(dep, queries), hashes, ConfirmedPages(0.0), 0.0),
                  present, calls)
     assert result.kv_hit_pages == 5
     assert len(calls) == 2 and {o.split("_")[1] for o in calls[0]} == {"p0"}
-    assert sorted(calls[0] + calls[1]) == sorted(plan.objects)  # each object once
+    assert sorted(calls[0] + calls[1]) == sorted(every.objects)  # each object once
 
 
 def test_confirmed_pages_answer_without_the_store_until_the_ttl():

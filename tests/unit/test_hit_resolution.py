@@ -4,12 +4,9 @@ import random
 
 import pytest
 from raykv.controllers.contract import PoolHitPolicy, PoolName
-from raykv.controllers.hit_resolution import (
-    PoolPresence,
-    resolve_hits,
-    restorable_lengths,
-    trailing_ends,
-)
+from raykv.controllers.hit_resolution import trailing_ends
+
+from tests.unit.oracle import PoolPresence, resolve_hits, restorable_lengths
 
 ALL, TRAIL = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 T, F = True, False

@@ -14,7 +14,7 @@ def test_import_raykv_does_not_import_sglang():
 def test_sglang_benchmark_modules_import_without_sglang():
     """``raykv bench --engine sglang`` runs in raykv's venv; only its SGLang side, run by
     SGLang's python, imports SGLang (inside its functions)."""
-    code = ("import sys, raykv.clusters.bench_sglang, raykv.integrations.sglang_bench; "
+    code = ("import sys, raykv.clusters.bench.sglang, raykv.clusters.bench.sglang_runner; "
             "assert 'sglang' not in sys.modules, 'a benchmark module imported sglang'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -1,4 +1,5 @@
-"""Every row of the DESIGN section 4 key table, and tagging exactly once."""
+"""Every key rule of ``controllers.keys`` (the SGLang Mooncake backend's key table), and
+tagging exactly once."""
 
 import pytest
 from raykv.controllers import KeyScheme, StorageConfig, key_prefix, mha_suffix, mla_suffix

@@ -90,3 +90,26 @@ def test_close_exports_what_is_left(recorded):
     m.record_move("put", batch(["kv"], [8]), [0], 0.01)
     m.close()
     assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"})]
+
+
+def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
+    """``GroupQueries`` and ``TransferMerger`` only report: the counts ``stats()`` shows
+    are these, and the Ray metrics are exported from the same records."""
+    m, made = recorded
+    assert m.group_queries() == {"recent": 0, "inflight": 0, "confirmed": 0, "checked": 0,
+                                 "store_calls": 0, "store_seconds": 0.0}
+    assert m.merged_calls() == {"calls": 0, "batches": 0, "largest": 0}
+    for how in ("checked", "recent", "inflight", "checked", "confirmed"):
+        m.record_group_query(how)
+    m.record_group_store_call(0.25)
+    m.record_group_store_call(0.5)
+    for batches in (1, 3, 2):
+        m.record_merged_call(batches)
+    assert m.group_queries() == {"recent": 1, "inflight": 1, "confirmed": 1, "checked": 2,
+                                 "store_calls": 2, "store_seconds": 0.75}
+    assert m.merged_calls() == {"calls": 3, "batches": 6, "largest": 3}
+    m.export()
+    answers = sorted((c[2]["answer"], c[1]) for c in made["raykv_group_queries"].calls)
+    assert answers == [("checked", 2), ("confirmed", 1), ("inflight", 1), ("recent", 1)]
+    assert sorted(c[1] for c in made["raykv_call_seconds"].calls
+                  if c[2]["op"] == "group_exists") == [0.25, 0.5]

@@ -93,8 +93,9 @@ class FakeBackend:
 class FakeStore:
     memory: FakeMemory
     backend: FakeBackend
+    mode: str = "embedded"
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return self.memory.epoch
 
 
@@ -242,10 +243,10 @@ class RealStore:
         self.mode = mode
         self.process = None
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return self.memory.epoch
 
-    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+    def after_call(self, epoch: int, codes: list[int]) -> list[int]:
         return codes
 
     def supervise(self, reallocate) -> None:
@@ -262,10 +263,13 @@ class NoMetrics:
     def pool_size(self, name: str, nbytes: int) -> None:
         pass
 
-    def record_group_check(self, seconds: float) -> None:
+    def record_group_store_call(self, seconds: float) -> None:
         pass
 
     def record_group_query(self, how: str) -> None:
+        pass
+
+    def record_merged_call(self, batches: int) -> None:
         pass
 
     def close(self) -> None:
@@ -479,7 +483,7 @@ class ShmStore:
     backend: Registrations
     mode: str = "embedded"
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return 0
 
 
@@ -585,7 +589,7 @@ def test_record_parsing_refuses_garbage(shm_prefix, raw):
     os.write(fd, raw)
     os.close(fd)
     with pytest.raises(ValueError):
-        node._read_meta(path)
+        node._records.read(path)
     node.readopt()  # never raises
     assert not node.table.pools
 

@@ -60,12 +60,13 @@ class FakeStore:
     def __init__(self) -> None:
         self.memory = FakeMemory()
         self.backend = FakeBackend()
+        self.mode = "standalone"
         self.process = None
 
-    def check(self) -> int:
+    def before_call(self) -> int:
         return self.memory.epoch
 
-    def check_codes(self, epoch: int, codes: list[int]) -> list[int]:
+    def after_call(self, epoch: int, codes: list[int]) -> list[int]:
         return codes
 
     def supervise(self, reallocate) -> None:
@@ -85,10 +86,13 @@ class FakeMetrics:
     def pool_size(self, name: str, nbytes: int) -> None:
         pass
 
-    def record_group_check(self, seconds: float) -> None:
+    def record_group_store_call(self, seconds: float) -> None:
         pass
 
     def record_group_query(self, how: str) -> None:
+        pass
+
+    def record_merged_call(self, batches: int) -> None:
         pass
 
     def close(self) -> None:

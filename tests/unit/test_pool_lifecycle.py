@@ -126,8 +126,8 @@ def test_register_needs_this_clients_pools_of_the_right_kind(node, pools):
     with pytest.raises(ValueError, match="needs a pool returned by this client"):
         pools.register_kv(other, is_mla_model=False)
     pools.register(pool, KV, is_mla_model=False)
-    assert pools.plan_pools[KV].name == "kv-a" and pools.plan_pools[KV].layout == mha()
-    assert [s.name for s in pools.specs] == [KV] and pools.staged == {}
+    assert pools.plan_pools[KV].pool_name == "kv-a" and pools.plan_pools[KV].layout == mha()
+    assert [s.role for s in pools.specs] == [KV] and pools.staged == {}
 
 
 def test_an_engine_draft_pool_is_staged_through_a_mirror_pool(node, pools):
@@ -137,7 +137,7 @@ def test_an_engine_draft_pool_is_staged_through_a_mirror_pool(node, pools):
     assert isinstance(staged, StagedPool) and staged.window is None
     assert staged.layout == mha() and staged.pool.layout == mha()
     assert node.owners[staged.pool.name] == (ProcessIdentity.current(),)
-    assert pools.plan_pools[DRAFT].name == staged.pool.name
+    assert pools.plan_pools[DRAFT].pool_name == staged.pool.name
     assert pools.disabled == frozenset()
 
 

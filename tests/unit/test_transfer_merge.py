@@ -11,6 +11,8 @@ from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 
+from tests.unit.fakes import Counts
+
 
 def test_select_takes_same_op_disjoint_keys_in_order():
     pending = [Pending("put", ["a", "b"]), Pending("get", ["c"]), Pending("put", ["c"]),
@@ -130,8 +132,8 @@ def run_threads(fns):
 
 @pytest.mark.parametrize("inflight", [1, 2, 0])
 def test_concurrent_callers_get_their_own_codes(inflight):
-    store = FakeStore()
-    merger = TransferMerger(store, max_inflight=inflight)
+    store, counts = FakeStore(), Counts()
+    merger = TransferMerger(store, max_inflight=inflight, on_call=counts.record_merged_call)
     store.objects["shared-0"] = (1, 5)
 
     def caller(c):
@@ -140,8 +142,8 @@ def test_concurrent_callers_get_their_own_codes(inflight):
             for r in range(20):
                 keys = [f"c{c}-r{r}-{i}" for i in range(c + 1)] + [f"shared-{r % 3}"]
                 sizes = [100 * c + i + 1 for i in range(c + 1)] + [5]
-                put = merger.put(keys, list(range(len(keys))), sizes)
-                got = merger.get(keys, list(range(len(keys))), sizes)
+                put = merger.run("put", keys, list(range(len(keys))), sizes)
+                got = merger.run("get", keys, list(range(len(keys))), sizes)
                 results.append((keys, sizes, put, got))
             return results
         return fn
@@ -162,21 +164,21 @@ def test_concurrent_callers_get_their_own_codes(inflight):
         assert shared_stored[k].count(ALREADY_PRESENT) == len(shared_stored[k]) - 1
     if inflight:
         assert store.most_inflight <= inflight
-        assert merger.stats.batches == 8 * 40
-        assert merger.stats.calls <= merger.stats.batches
+        assert counts.batches == 8 * 40
+        assert counts.calls <= counts.batches
 
 
 def test_queued_batches_share_one_call():
-    store = FakeStore()
-    merger = TransferMerger(store, max_inflight=1)
+    store, counts = FakeStore(), Counts()
+    merger = TransferMerger(store, max_inflight=1, on_call=counts.record_merged_call)
     store.hold.clear()  # the first call blocks; the others queue behind it
-    first = threading.Thread(target=merger.get, args=(["x"], [1], [1]))
+    first = threading.Thread(target=merger.run, args=("get", ["x"], [1], [1]))
     first.start()
     time.sleep(0.05)
     out = [None] * 6
 
     def put(i):
-        out[i] = merger.put([f"k{i}"], [i], [i + 1])
+        out[i] = merger.run("put", [f"k{i}"], [i], [i + 1])
     threads = [threading.Thread(target=put, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
@@ -187,19 +189,19 @@ def test_queued_batches_share_one_call():
     assert out == [[0]] * 6
     assert [op for op, _ in store.calls] == ["get", "put"]
     assert sorted(store.calls[1][1]) == [f"k{i}" for i in range(6)]
-    assert merger.stats.largest == 6
+    assert counts.largest == 6
 
 
 def test_colliding_keys_never_share_a_call():
     store = FakeStore()
     merger = TransferMerger(store, max_inflight=1)
     store.hold.clear()
-    threading.Thread(target=merger.get, args=(["x"], [1], [1])).start()
+    threading.Thread(target=merger.run, args=("get", ["x"], [1], [1])).start()
     time.sleep(0.05)
     out = []
 
     def put(i):
-        out.append(merger.put(["same", f"o{i}"], [1, 2], [3, 4]))
+        out.append(merger.run("put", ["same", f"o{i}"], [1, 2], [3, 4]))
     threads = [threading.Thread(target=put, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -215,7 +217,7 @@ def test_error_in_a_call_reaches_every_caller_of_that_call_only():
     store = FakeStore()
     merger = TransferMerger(store, max_inflight=1)
     store.hold.clear()
-    blocker = threading.Thread(target=merger.get, args=(["x"], [1], [1]))
+    blocker = threading.Thread(target=merger.run, args=("get", ["x"], [1], [1]))
     blocker.start()
     time.sleep(0.05)
     store.fail = RuntimeError("boom")
@@ -223,7 +225,7 @@ def test_error_in_a_call_reaches_every_caller_of_that_call_only():
 
     def put(i):
         try:
-            results[i] = merger.put([f"k{i}"], [1], [1])
+            results[i] = merger.run("put", [f"k{i}"], [1], [1])
         except RuntimeError as e:
             results[i] = e
     threads = [threading.Thread(target=put, args=(i,)) for i in range(3)]
@@ -236,16 +238,16 @@ def test_error_in_a_call_reaches_every_caller_of_that_call_only():
         t.join(5)
     assert all(isinstance(results[i], RuntimeError) for i in range(3))
     store.fail = None
-    assert merger.put(["later"], [1], [1]) == [0]  # the merger keeps serving
+    assert merger.run("put", ["later"], [1], [1]) == [0]  # the merger keeps serving
 
 
 def test_lone_caller_calls_the_store_on_its_own_thread():
     store = FakeStore()
     merger = TransferMerger(store)
-    assert merger.put(["a"], [1], [2]) == [0]
-    assert merger.get(["a", "b"], [1, 2], [2, 2]) == [2, -704]
+    assert merger.run("put", ["a"], [1], [2]) == [0]
+    assert merger.run("get", ["a", "b"], [1, 2], [2, 2]) == [2, -704]
     assert store.threads == {threading.current_thread().name}
-    assert merger.get([], [], []) == []
+    assert merger.run("get", [], [], []) == []
 
 
 def test_bad_arguments():
@@ -253,7 +255,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown operation"):
         merger.run("remove", ["a"], [1], [1])
     with pytest.raises(ValueError, match="lengths must match"):
-        merger.put(["a", "b"], [1], [1, 2])
+        merger.run("put", ["a", "b"], [1], [1, 2])
     with pytest.raises(ValueError, match="max_inflight"):
         TransferMerger(FakeStore(), max_inflight=-1)
 
@@ -264,7 +266,7 @@ def test_backend_code_count_mismatch_is_an_error_not_a_silent_shift():
             return [1] * (len(keys) - 1)
     merger = TransferMerger(Short())
     with pytest.raises(RuntimeError, match="codes"):
-        merger.get(["a", "b"], [1, 2], [1, 1])
+        merger.run("get", ["a", "b"], [1, 2], [1, 1])
 
 
 def test_select_skips_keys_of_calls_in_flight():
@@ -276,7 +278,7 @@ def test_select_skips_keys_of_calls_in_flight():
 def test_same_key_never_in_two_calls_at_once_with_two_slots():
     store = FakeStore()
     merger = TransferMerger(store, max_inflight=2)
-    out, errors = run_threads([lambda i=i: merger.put(["k", f"own{i}"], [1, 2], [1, 1])
+    out, errors = run_threads([lambda i=i: merger.run("put", ["k", f"own{i}"], [1, 2], [1, 1])
                                for i in range(8)])
     assert errors == [None] * 8
     assert sorted(c[0] for c in out) == [0] + [ALREADY_PRESENT] * 7
@@ -292,7 +294,7 @@ def test_a_queued_batch_leaves_at_its_deadline_while_a_store_call_is_stuck():
     store = FakeStore()
     store.hold.clear()  # the first call sticks in the store
     merger = TransferMerger(store, max_inflight=1)
-    first = threading.Thread(target=merger.put, args=(["a"], [1], [1]), name="stuck")
+    first = threading.Thread(target=merger.run, args=("put", ["a"], [1], [1]), name="stuck")
     first.start()
     deadline = time.monotonic() + 5
     while not store.calls and time.monotonic() < deadline:
@@ -301,7 +303,7 @@ def test_a_queued_batch_leaves_at_its_deadline_while_a_store_call_is_stuck():
         merger.run("put", ["b"], [2], [1], deadline=time.monotonic() + 0.2)
     assert [c[1] for c in store.calls] == [["a"]]  # "b" never reached the store
     waiting = []
-    control = threading.Thread(target=lambda: waiting.append(merger.put(["c"], [3], [1])))
+    control = threading.Thread(target=lambda: waiting.append(merger.run("put", ["c"], [3], [1])))
     control.start()
     control.join(0.5)
     assert control.is_alive() and not waiting  # no deadline: it waits for the stuck call

@@ -11,7 +11,7 @@ from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
     PlanPool,
-    check_exists,
+    check_hit_query,
     check_keys,
     exists_families,
     plan_transfers,
@@ -187,7 +187,7 @@ def test_bad_keys(keys, msg):
 
 def test_exists_queries_and_objects():
     pools = {KV: PlanPool("kv", mha()), PoolName.MAMBA: PlanPool("mb", mamba())}
-    keys, queries = check_exists(
+    keys, queries = check_hit_query(
         ("a", "b"), [PoolTransfer(KV, ["a", "b"]),
                      PoolTransfer(PoolName.MAMBA, ["x", "y", "z"], hit_policy="trailing_pages"),
                      PoolTransfer(PoolName.DRAFT, hit_policy="all_pages")],
@@ -212,7 +212,7 @@ def test_exists_queries_and_objects():
 ])
 def test_bad_exists(pools, transfers, msg):
     with pytest.raises(ValueError, match=msg):
-        check_exists(["a"], transfers, pools)
+        check_hit_query(["a"], transfers, pools)
 
 
 def test_transfer_planning_stays_pure():

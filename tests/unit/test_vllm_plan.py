@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 import pytest
-from raykv.integrations.vllm_plan import (
+from raykv.integrations.vllm.plan import (
     RequestBlocks,
     external_tokens,
     first_invalid_block,
@@ -70,8 +70,9 @@ def test_import_raykv_never_imports_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, raykv, raykv.integrations, raykv.integrations.vllm_plan; "
-            "print('vllm' in sys.modules)")
+    code = ("import sys, raykv, raykv.integrations, raykv.integrations.vllm, "
+            "raykv.integrations.vllm.plan, raykv.integrations.vllm.options, "
+            "raykv.integrations.vllm.side; print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"

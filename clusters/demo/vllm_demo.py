@@ -2,8 +2,8 @@
 
 An embedded 2-node cluster (``start_local(num_nodes=2)``: two Ray nodes, a real
 ``mooncake_master``, one cache actor per node) runs two vLLM engines per node, each in a
-Ray actor (in-process engine core, eager, one OMP thread: ``integrations.vllm_actors``),
-on a random-weight Llama made locally (``integrations.vllm_model``): one with raykv's
+Ray actor (in-process engine core, eager, one OMP thread: ``clusters.demo.vllm_actors``),
+on a random-weight Llama made locally (``clusters.demo.vllm_model``): one with raykv's
 ``RayKVConnector``, one without (stock vLLM). Both keep vLLM's own prefix cache on (its
 default), so "without raykv" is vLLM as deployed: it reuses what its own engine
 computed; with raykv an engine also loads the blocks any engine on any node computed
@@ -27,18 +27,27 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import ray
-from raykv.clusters.bench import save
-from raykv.clusters.demo import machine, plot_ttft, progress
-from raykv.clusters.local import start_local
+from raykv.clusters.bench.toolkit import right_table, save
+from raykv.clusters.demo.chat import (
+    demo_console,
+    l3_traffic,
+    long_prompt_tokens,
+    machine,
+    plot_ttft,
+    print_l3_traffic,
+    run_chat,
+    run_steps,
+    start_demo_cluster,
+)
+from raykv.clusters.demo.vllm_actors import ready, start_engine
+from raykv.clusters.demo.vllm_model import VOCAB, LlamaDims, make_llama
 from raykv.controllers.pool_layout import MiB
 from raykv.example_engine.workload import ChatWorkload
-from raykv.integrations.vllm_actors import ready, start_engine
-from raykv.integrations.vllm_model import VOCAB, LlamaDims, make_llama
 from rich.console import Console
-from rich.table import Table
 
 
 def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
@@ -52,7 +61,7 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     from vLLM's own prefix cache, i.e. the loaded KV is the KV node 0 computed).
     ``page_size`` is vLLM's block size (a multiple of 32 on CPU); the model is made once under
     ``out_dir/models``."""
-    console = console or Console(width=None if Console().is_terminal else 120)
+    console = demo_console(console)
     started = time.perf_counter()
     phases: dict[str, float] = {}  # seconds per phase of the run
 
@@ -72,14 +81,8 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     kv_bytes = max(64 * MiB, 2 * cached * dims.kv_bytes_per_token)
     llm = dict(max_model_len=max_model_len, block_size=page_size,
                enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
-    with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
-        cluster = start_local(num_nodes=2, global_segment_size=1 << 30,
-                              log_to_driver=False)
-    with cluster:
+    with start_demo_cluster(console, log_to_driver=False) as cluster:
         lap("cluster")
-        console.print(f"[bold]raykv[/] cluster up: nodes "
-                      f"{', '.join(n[:8] for n in cluster.node_ids)}; Mooncake master "
-                      f"{cluster.master_address}")
         with console.status("starting 4 vLLM engines (2 per node: with raykv, stock)"):
             conf = {"model_name": f"demo/llama-{hidden}x{layers}"}
             with_raykv = [start_engine(n, model, conf, **llm) for n in cluster.node_ids]
@@ -95,12 +98,11 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
         long = _long_prompt(with_raykv, stock, long_prompt, reply_tokens, page_size,
                             console)
         lap("long_prompt")
-        stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+        traffic = l3_traffic(cluster)
         for e in with_raykv + stock:
             ray.kill(e)
     summary = _summary(requests)
-    summary["l3_bytes"] = {k: sum(s["counters"].get(k, 0) for s in stats)
-                           for k in ("put_bytes", "get_bytes", "put_objects", "get_objects")}
+    summary["l3_bytes"] = traffic
     _print(console, requests, summary, long)
     import vllm
 
@@ -129,6 +131,11 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     return result
 
 
+def _generate(engine, prompt: list[int], max_tokens: int) -> dict:
+    """``VLLMEngine.generate`` on the engine actor ``engine``, waited for."""
+    return ray.get(engine.generate.remote(prompt, max_tokens))
+
+
 def _loaded(engine) -> tuple[int, int]:
     """Blocks the engine's (TP=1) worker connector has loaded and saved so far."""
     (s,) = ray.get(engine.worker_stats.remote())
@@ -137,30 +144,21 @@ def _loaded(engine) -> tuple[int, int]:
 
 def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int,
           console: Console) -> list[dict]:
-    system = work.system_prompt()
-    history = {s: list(system) for s in range(work.sessions)}
-    requests = []
-    with progress(console) as bar:
-        task = bar.add_task("multi-turn chat", total=work.sessions * work.turns)
-        for session, turn, node in work.schedule(len(with_raykv)):
-            prompt = history[session] + work.user_message(session, turn)
-            bar.update(task, description=f"session {session} turn {turn} on node {node} "
-                       f"({len(prompt)} tokens)")
-            loaded0, saved0 = _loaded(with_raykv[node])
-            got = ray.get(with_raykv[node].generate.remote(prompt, work.reply_tokens))
-            loaded1, saved1 = _loaded(with_raykv[node])
-            base = ray.get(stock[node].generate.remote(prompt, work.reply_tokens))
-            history[session] = prompt + got["tokens"]
-            raykv = (loaded1 - loaded0) * block
-            requests.append(dict(
-                session=session, turn=turn, node=node, prompt_tokens=len(prompt),
-                vllm_cached_tokens=got["cached"] - raykv, raykv_tokens=raykv,
-                computed_tokens=len(prompt) - got["cached"], saved_blocks=saved1 - saved0,
-                ttft_ms=got["ttft_s"] * 1e3, ttft_stock_ms=base["ttft_s"] * 1e3,
-                stock_cached_tokens=base["cached"],
-                same_tokens=got["tokens"] == base["tokens"]))
-            bar.advance(task)
-    return requests
+    """The chat: each request on its node's raykv engine, then on its stock engine."""
+    def serve(node: int, prompt: list[int]) -> tuple[list[int], dict]:
+        loaded0, saved0 = _loaded(with_raykv[node])
+        got = ray.get(with_raykv[node].generate.remote(prompt, work.reply_tokens))
+        loaded1, saved1 = _loaded(with_raykv[node])
+        base = ray.get(stock[node].generate.remote(prompt, work.reply_tokens))
+        raykv = (loaded1 - loaded0) * block
+        return got["tokens"], dict(
+            prompt_tokens=len(prompt), vllm_cached_tokens=got["cached"] - raykv,
+            raykv_tokens=raykv, computed_tokens=len(prompt) - got["cached"],
+            saved_blocks=saved1 - saved0, ttft_ms=got["ttft_s"] * 1e3,
+            ttft_stock_ms=base["ttft_s"] * 1e3, stock_cached_tokens=base["cached"],
+            same_tokens=got["tokens"] == base["tokens"])
+
+    return run_chat(work, len(with_raykv), console, serve)
 
 
 def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int,
@@ -169,19 +167,13 @@ def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int,
     reference); computed by node 0's raykv engine (raykv misses; its full blocks are
     saved, inside its TTFT: saves are synchronous); fully cached: loaded from raykv by
     node 1's raykv engine, and from node 0's raykv engine's own prefix cache."""
-    rng = random.Random(f"long/{n}")
-    prompt = [rng.randrange(3, VOCAB) for _ in range(n)]
+    prompt = long_prompt_tokens(n, VOCAB, first_id=3)
     a, b = with_raykv
     runs = (("recompute", stock[0]), ("recompute_save", a), ("cached_raykv", b),
             ("cached_vllm", a))
-    steps = {}
     loaded_before = _loaded(b)[0]  # b runs the prompt once: what it loads is this
-    with progress(console) as bar:
-        task = bar.add_task(f"{n}-token prompt", total=len(runs))
-        for name, eng in runs:
-            bar.update(task, description=f"{n}-token prompt: {name}")
-            steps[name] = ray.get(eng.generate.remote(prompt, reply))
-            bar.advance(task)
+    steps = run_steps(console, f"{n}-token prompt",
+                      [(name, partial(_generate, eng, prompt, reply)) for name, eng in runs])
     ms = {k: v["ttft_s"] * 1e3 for k, v in steps.items()}
     want = steps["recompute"]["tokens"]
     return dict(tokens=n, max_hit_blocks=(n - 1) // block,
@@ -216,10 +208,10 @@ def _summary(requests: list[dict]) -> dict:
 
 
 def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
-    table = Table(title="Time to first token per request (ms), vLLM with raykv vs stock")
-    for col in ("session", "turn", "node", "prompt", "vLLM cache", "raykv", "computed",
-                "raykv TTFT", "stock TTFT", "speedup", "stock cached", "same tokens"):
-        table.add_column(col, justify="right")
+    table = right_table("Time to first token per request (ms), vLLM with raykv vs stock",
+                        ("session", "turn", "node", "prompt", "vLLM cache", "raykv",
+                         "computed", "raykv TTFT", "stock TTFT", "speedup", "stock cached",
+                         "same tokens"))
     for r in requests:
         table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
                       str(r["prompt_tokens"]), str(r["vllm_cached_tokens"]),
@@ -237,10 +229,7 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"{summary['ttft_stock_ms_total']:.0f} ms stock ({summary['speedup']:.1f}x); "
                   f"greedy tokens equal to stock vLLM's in {summary['same_tokens']} of "
                   f"{summary['requests']} requests")
-    io = summary["l3_bytes"]
-    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MiB:.1f} MiB in "
-                  f"{io['put_objects']} objects, get {io['get_bytes'] / MiB:.1f} MiB in "
-                  f"{io['get_objects']} objects")
+    print_l3_traffic(console, summary["l3_bytes"])
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms (stock vLLM; "
                   f"{long['recompute_save_ms']:.0f} ms with raykv saving its blocks); fully "

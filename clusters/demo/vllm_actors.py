@@ -6,7 +6,7 @@ runtime env, so it holds before torch is imported there) runs it in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and, at TP=1, worker in the actor),
 with one OMP thread; ``env`` overrides it, e.g. ``{"VLLM_ENABLE_V1_MULTIPROCESSING":
 "1"}`` for vLLM's default multiprocess engine, whose engine core and worker processes
-join Ray themselves (see ``raykv.integrations.vllm.join_ray``). One OMP thread in every
+join Ray themselves (see ``raykv.integrations.ray_join.join_ray``). One OMP thread in every
 mode: vLLM's default CPU binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) would give a
 multiprocess engine's worker every core it finds instead, and greedy tokens of vLLM's CPU
 kernels depend on the thread count (2 threads instead of 1 changed 5 of 6 prompts'

@@ -2,8 +2,8 @@
 
 Which blocks each worker loads before a step and saves after it, decided from what the
 scheduler knows: the request's block hashes, its block ids, its computed tokens. The
-connector in ``raykv.integrations.vllm`` feeds vLLM's objects in; this module only sees
-ints, lists and strings, so it is unit-tested without vLLM.
+connector's scheduler side (``raykv.integrations.vllm.scheduler``) feeds vLLM's objects in;
+this module only sees ints, lists and strings, so it is unit-tested without vLLM.
 """
 
 from __future__ import annotations

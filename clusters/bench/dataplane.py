@@ -12,7 +12,7 @@ then measures, for each page size:
   registered buffer, against the same store;
 - **memcpy**: ``torch`` ``dst.copy_(src)`` of the same number of bytes.
 
-and the per-call latency of 1-page batches on both paths, and (``clusters.bench_group``)
+and the per-call latency of 1-page batches on both paths, and (``clusters.bench.group``)
 group-exists latency and throughput against a raw ``batch_is_exist`` of the same
 objects. Units: sizes in bytes, bandwidth in GB/s (1e9 bytes per second), durations in
 seconds, latencies in ms, throughput in queries/s.
@@ -20,16 +20,9 @@ seconds, latencies in ms, throughput in queries/s.
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
-import platform
 import statistics
-import threading
-import time
-import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,179 +30,40 @@ import numpy as np
 import torch
 from raykv.cache_actors.host_pools import HostPool
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.clusters.bench_group import group_rows, judge_group, render_group, render_targets
-from raykv.clusters.local import LocalCluster, start_local
+from raykv.clusters.bench.group import group_rows, judge_group, render_group, render_targets
+from raykv.clusters.bench.toolkit import (
+    KV_CACHE_DIM,
+    PAGE_TOKENS,
+    BenchRun,
+    RawStore,
+    bars_and_panel,
+    check_codes,
+    gbps_text,
+    grouped_bars,
+    human_bytes,
+    latency_ms,
+    layer_num_for,
+    machine_info,
+    right_table,
+    start_cluster,
+    summarize,
+    timed,
+    write_figure,
+)
 from raykv.controllers.contract import StorageConfig
 from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
-from rich.table import Table
 
-GB = 1e9
 DEFAULT_PAGE_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 # Store memory on node 2. Objects are removed after every iteration, so one iteration
 # (whole path + raw, batch x page bytes each) must fit: 2 x 128 x 4 MiB = 1 GiB by default.
 SEGMENT_BYTES = 3 * GiB
-# MLA page geometry: PAGE_TOKENS tokens of KV_CACHE_DIM one-byte elements per layer.
-# The layer count is chosen so that one page object is exactly the asked page size.
-PAGE_TOKENS = 64
-KV_CACHE_DIM = 512
 LATENCY_PAGE_BYTES = 64 * KiB
 LATENCY_CALLS = 200
 TARGET_RATIO = 0.9
 TARGET_MIN_PAGE_BYTES = 1 * MiB
 SMALL_TARGET_RATIO = 0.7  # pages below TARGET_MIN_PAGE_BYTES
 TARGET_OVERHEAD_MS = 1.5  # whole path p50 minus raw p50, 1-page set and get
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Bandwidth in GB/s (1e9 bytes per second) of moving ``nbytes`` bytes in ``seconds``."""
-    return nbytes / seconds / GB
-
-
-def summarize(nbytes: int, seconds: Sequence[float]) -> dict:
-    """Median and best GB/s of moving ``nbytes`` bytes once per duration in ``seconds``."""
-    return {"median_gbps": gbps(nbytes, statistics.median(seconds)),
-            "best_gbps": gbps(nbytes, min(seconds)),
-            "seconds": list(seconds)}
-
-
-def median_ci(values: Sequence[float], level: float = 0.9, draws: int = 2000,
-              seed: int = 0) -> tuple[float, float]:
-    """A bootstrap ``level`` confidence interval of the median of ``values`` (resampled
-    ``draws`` times with a fixed ``seed``, so one run's numbers always give one interval).
-    On this shared 2-core machine one iteration's ratio swings by +-30%; the interval says
-    how far the median of a run can be trusted."""
-    rng = np.random.default_rng(seed)
-    samples = rng.choice(np.asarray(values, dtype=float), size=(draws, len(values)))
-    medians = np.median(samples, axis=1)
-    tail = (1 - level) / 2
-    return float(np.quantile(medians, tail)), float(np.quantile(medians, 1 - tail))
-
-
-def ratio_text(row: dict, key: str) -> str:
-    """``row[key]`` (a median ratio) and its interval ``row[key + "_ci90"]`` as
-    ``0.95 [0.91-0.99]``; JSON written before intervals existed has none."""
-    lo, hi = row.get(f"{key}_ci90", (row[key],) * 2)
-    return f"{row[key]:.2f} [{lo:.2f}-{hi:.2f}]"
-
-
-def latency_ms(seconds: Sequence[float]) -> dict:
-    """p50 and p99 of per-call durations (given in seconds), in milliseconds."""
-    ms = np.asarray(seconds) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "calls": len(ms)}
-
-
-def timed(fn: Callable[..., object], *args) -> tuple[float, object]:
-    """Call ``fn(*args)`` once; return (seconds it took, its result)."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out
-
-
-def layer_num_for(page_bytes: int) -> int:
-    """Layers of a uint8 MLA page of ``PAGE_TOKENS`` x ``KV_CACHE_DIM`` per layer that make
-    a page of exactly ``page_bytes`` bytes; ``ValueError`` if none does."""
-    per_layer = PAGE_TOKENS * KV_CACHE_DIM
-    if page_bytes <= 0 or page_bytes % per_layer:
-        raise ValueError(f"page size {page_bytes} bytes is not a positive multiple of "
-                         f"{per_layer} bytes ({PAGE_TOKENS} tokens x {KV_CACHE_DIM} bytes)")
-    return page_bytes // per_layer
-
-
-def page_aligned_bytes(nbytes: int) -> torch.Tensor:
-    """A zeroed uint8 tensor of ``nbytes`` bytes starting on a memory-page boundary.
-
-    The shared host pools are page-aligned mappings; torch's own allocations are only
-    64-byte aligned, and on these machines a Mooncake TCP get into memory that is off a
-    page boundary runs about 30% slower, which would handicap the raw baseline.
-    """
-    base = torch.zeros(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
-    skip = -base.data_ptr() % mmap.PAGESIZE
-    return base[skip:skip + nbytes]
-
-
-def check_codes(what: str, codes: Sequence[int], ok: Callable[[int], bool]) -> None:
-    """Raise ``RuntimeError`` naming ``what`` and the first bad code unless all are ok."""
-    bad = [c for c in codes if not ok(c)]
-    if bad:
-        raise RuntimeError(f"{what}: {len(bad)} of {len(codes)} objects failed "
-                           f"(first code {bad[0]})")
-
-
-def lower_thread_priority(niceness: int) -> None:
-    """Raise the calling thread's nice value to ``niceness`` (never lowers it)."""
-    tid = threading.get_native_id()
-    if niceness > os.getpriority(os.PRIO_PROCESS, tid):
-        os.setpriority(os.PRIO_PROCESS, tid, niceness)
-
-
-
-def raw_client(metadata_server: str, master_address: str):
-    """A plain Mooncake client on loopback that contributes no segment (the raw side of
-    the benchmarks)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
-    if rc != 0:
-        raise RuntimeError(f"raw Mooncake client setup failed with code {rc}")
-    return store
-
-class RawStore:
-    """A plain Mooncake client in the driver process: a pure consumer of the same store,
-    with one registered buffer (set by ``resize``) that holds source and target objects.
-
-    Every call to the client runs on one thread of its own whose nice value is
-    ``niceness``; the transfer threads that Mooncake starts inherit it. Ray runs its
-    workers, the node actors among them, at nice 15, and on a small machine a nice-0
-    client against a nice-15 segment owner moves bytes measurably slower than a nice-15
-    one, which would make the baseline differ from the whole path in priority only.
-    """
-
-    def __init__(self, cluster: LocalCluster, niceness: int) -> None:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="raw-mooncake",
-                                          initializer=lower_thread_priority,
-                                          initargs=(niceness,))
-        self.store = self.call(raw_client, cluster.metadata_server, cluster.master_address)
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    def call(self, fn: Callable[..., object], *args):
-        """``fn(*args)`` on the client's thread."""
-        return self._thread.submit(fn, *args).result()
-
-    def timed(self, fn: Callable[..., object], *args) -> tuple[float, object]:
-        """``timed(fn, *args)`` on the client's thread: the hand-over is not timed."""
-        return self.call(timed, fn, *args)
-
-    def resize(self, nbytes: int) -> None:
-        """Replace the registered buffer with one of ``nbytes`` bytes."""
-        self.release()
-        self.buffer = page_aligned_bytes(nbytes)
-        rc = self.call(self.store.register_buffer, self.buffer.data_ptr(), nbytes)
-        if rc != 0:
-            raise RuntimeError(f"register_buffer of {nbytes} bytes failed with code {rc}")
-
-    def release(self) -> None:
-        """Unregister the buffer (if any)."""
-        if self.buffer.numel():
-            self.call(self.store.unregister_buffer, self.buffer.data_ptr())
-            self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    def ptrs(self, first: int, count: int, size: int) -> list[int]:
-        """Pointers of ``count`` slots of ``size`` bytes from slot ``first`` of the buffer."""
-        base = self.buffer.data_ptr()
-        return [base + (first + i) * size for i in range(count)]
-
-    def remove(self, keys: list[str]) -> None:
-        """Force-remove ``keys`` (whatever wrote them) so the segment never fills."""
-        check_codes("batch_remove", self.call(self.store.batch_remove, keys, True),
-                    lambda c: c == 0)
-
-    def close(self) -> None:
-        self.release()
-        self.call(self.store.close)
-        self._thread.shutdown()
 
 
 @dataclass
@@ -376,58 +230,28 @@ def bench_latency(client: CacheClient, raw: RawStore, run_id: str,
     return {"page_bytes": LATENCY_PAGE_BYTES} | {k: latency_ms(t) for k, t in times.items()}
 
 
-def human_bytes(n: int) -> str:
-    """``65536`` -> ``"64 KiB"``, ``4194304`` -> ``"4 MiB"``."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
-
-
-def machine_info() -> dict:
-    """Where the figures were taken: CPU count, OS, library versions, CUDA."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import ray
-
-    mooncake = "unknown"
-    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
-        try:
-            mooncake = f"{dist} {version(dist)}"
-            break
-        except PackageNotFoundError:
-            continue
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-            "ray": ray.__version__, "mooncake": mooncake,
-            "transport": "tcp (loopback between two Ray nodes on this machine)"}
-
-
 def render(result: dict, console: Console) -> None:
     """Print the bandwidth and latency tables of ``result`` with rich."""
-    def cell(d: dict) -> str:
-        return f"{d['median_gbps']:.2f} ({d['best_gbps']:.2f})"
-
-    table = Table(title=f"raykv data plane, GB/s median (best) over {result['config']['iters']} "
-                        f"iterations, batch of {result['config']['batch']} pages",
-                  caption="ratio = whole path / raw Mooncake: median of per-iteration ratios "
-                          "(best / best)")
-    for col in ("page", "whole put", "raw put", "put ratio", "whole get", "raw get",
-                "get ratio", "memcpy"):
-        table.add_column(col, justify="right")
+    table = right_table(
+        f"raykv data plane, GB/s median (best) over {result['config']['iters']} "
+        f"iterations, batch of {result['config']['batch']} pages",
+        ("page", "whole put", "raw put", "put ratio", "whole get", "raw get", "get ratio",
+         "memcpy"),
+        caption="ratio = whole path / raw Mooncake: median of per-iteration ratios "
+                "(best / best)")
     for s in result["sizes"]:
-        table.add_row(human_bytes(s["page_bytes"]), cell(s["whole_put"]), cell(s["raw_put"]),
+        table.add_row(human_bytes(s["page_bytes"]), gbps_text(s["whole_put"]),
+                      gbps_text(s["raw_put"]),
                       f"{s['ratio_put']:.2f} ({s['ratio_put_best']:.2f})",
-                      cell(s["whole_get"]), cell(s["raw_get"]),
-                      f"{s['ratio_get']:.2f} ({s['ratio_get_best']:.2f})", cell(s["memcpy"]))
+                      gbps_text(s["whole_get"]), gbps_text(s["raw_get"]),
+                      f"{s['ratio_get']:.2f} ({s['ratio_get_best']:.2f})",
+                      gbps_text(s["memcpy"]))
     console.print(table)
     lat = result["latency"]
-    ltable = Table(title=f"per-call latency, 1 page of {human_bytes(lat['page_bytes'])}, "
-                         f"{lat['whole_set']['calls']} calls, ms")
-    for col in ("operation", "whole path p50", "whole path p99", "raw p50", "raw p99",
-                "overhead p50"):
-        ltable.add_column(col, justify="right")
+    ltable = right_table(f"per-call latency, 1 page of {human_bytes(lat['page_bytes'])}, "
+                         f"{lat['whole_set']['calls']} calls, ms",
+                         ("operation", "whole path p50", "whole path p99", "raw p50",
+                          "raw p99", "overhead p50"))
     for label, whole, base in LATENCY_PAIRS:
         ltable.add_row(label, f"{lat[whole]['p50_ms']:.3f}", f"{lat[whole]['p99_ms']:.3f}",
                        f"{lat[base]['p50_ms']:.3f}", f"{lat[base]['p99_ms']:.3f}",
@@ -446,7 +270,7 @@ LATENCY_PAIRS = (("set / put", "whole_set", "raw_put"), ("get", "whole_get", "ra
 
 
 def judge(sizes: list[dict], latency: dict) -> dict[str, bool | None]:
-    """The issue's targets on this run's medians: None where this run has no such case."""
+    """The targets on this run's medians: None where this run has no such case."""
     big = [s for s in sizes if s["page_bytes"] >= TARGET_MIN_PAGE_BYTES]
     small = [s for s in sizes if s["page_bytes"] < TARGET_MIN_PAGE_BYTES]
 
@@ -468,22 +292,12 @@ def plot(result: dict, path: Path) -> None:
     """A PNG of two panels: grouped bars of median GB/s by page size (whole vs raw, put
     and get; memcpy GB/s under each size), and p50 latency in ms of 1-page calls and of
     group queries (raykv vs raw Mooncake)."""
-    from matplotlib.figure import Figure
-
     sizes = result["sizes"]
-    series = (("whole_put", "whole path put", "#1f77b4"),
-              ("raw_put", "raw Mooncake put", "#aec7e8"),
-              ("whole_get", "whole path get", "#ff7f0e"),
-              ("raw_get", "raw Mooncake get", "#ffbb78"))
-    x = np.arange(len(sizes))
-    width = 0.8 / len(series)
-    fig = Figure(figsize=(13, 4.8))
-    ax, lax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    for i, (key, label, color) in enumerate(series):
-        values = [s[key]["median_gbps"] for s in sizes]
-        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label,
-                      color=color)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    fig, ax, lax = bars_and_panel()
+    x = grouped_bars(ax, sizes, (("whole_put", "whole path put", "#1f77b4"),
+                                 ("raw_put", "raw Mooncake put", "#aec7e8"),
+                                 ("whole_get", "whole path get", "#ff7f0e"),
+                                 ("raw_get", "raw Mooncake get", "#ffbb78")))
     ax.set_xticks(x, [f"{human_bytes(s['page_bytes'])}\nmemcpy {s['memcpy']['median_gbps']:.1f}"
                       for s in sizes])
     ax.set_xlabel(f"page size (batch of {result['config']['batch']} pages)")
@@ -509,8 +323,7 @@ def plot(result: dict, path: Path) -> None:
     lax.set_title(f"1-page calls ({human_bytes(lat['page_bytes'])}) and group queries",
                   fontsize=10)
     lax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path)
 
 
 def run_dataplane_bench(
@@ -533,7 +346,7 @@ def run_dataplane_bench(
     ``bench_dataplane.png`` into ``out_dir`` (default ``raykv-out/``). Bandwidth is in
     GB/s (1e9 bytes/s), latency in ms, durations in seconds. Group queries
     (``group_tp_sizes``, empty to skip) run in the same cluster with an answer window of
-    0; see ``clusters.bench_group``. ``targets`` maps each target to met / not met /
+    0; see ``clusters.bench.group``. ``targets`` maps each target to met / not met /
     None (this run has no such case).
     """
     if batch < 1 or iters < 1:
@@ -545,25 +358,22 @@ def run_dataplane_bench(
     if 2 * batch * max(page_sizes) > SEGMENT_BYTES:
         raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on both paths do "
                          f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
-    os.environ["MC_LOG_LEVEL"] = "ERROR"
-    console = console or Console()
-    out = Path(out_dir or "raykv-out")
-    out.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
-    started = time.perf_counter()
-    with start_local(num_nodes=2, global_segment_size=[0, SEGMENT_BYTES],
-                     group_window_s=0.0) as cluster:
+    run = BenchRun.begin(out_dir, console)
+    console = run.console
+    cluster = start_cluster(console, 2, global_segment_size=[0, SEGMENT_BYTES],
+                            group_window_s=0.0)
+    with cluster:
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench"))
         # Match the raw client's priority to the node actors' (Ray workers run niced).
         niceness = os.getpriority(os.PRIO_PROCESS, client.health()["pid"])
-        raw = RawStore(cluster, niceness)
+        raw = RawStore(cluster.metadata_server, cluster.master_address, niceness)
         try:
             results = []
             for size in page_sizes:
                 console.print(f"[dim]{human_bytes(size)} pages ...[/dim]")
-                results.append(bench_size(client, raw, size, batch, iters, run_id))
+                results.append(bench_size(client, raw, size, batch, iters, run.run_id))
             console.print("[dim]1-page latency ...[/dim]")
-            latency = bench_latency(client, raw, run_id)
+            latency = bench_latency(client, raw, run.run_id)
             console.print("[dim]group exists ...[/dim]")
             group = group_rows(cluster, group_tp_sizes, group_pages,
                                concurrency=group_concurrency,
@@ -572,7 +382,7 @@ def run_dataplane_bench(
             raw.close()
             client.close()
     result = {
-        "run_id": run_id,
+        "run_id": run.run_id,
         "machine": machine_info(),
         "config": {"page_sizes": list(page_sizes), "batch": batch, "iters": iters,
                    "segment_bytes": SEGMENT_BYTES, "nodes": 2, "raw_client_nice": niceness,
@@ -585,19 +395,8 @@ def run_dataplane_bench(
         "latency": latency,
         "group": group,
         "targets": judge(results, latency) | judge_group(group),
-        "elapsed_s": time.perf_counter() - started,
+        "elapsed_s": run.elapsed_s(),
     }
     render(result, console)
-    return save(result, out, "bench_dataplane", plot, console)
+    return run.save(result, "bench_dataplane", plot)
 
-
-def save(result: dict, out: Path, stem: str, plot: Callable[[dict, Path], None],
-         console: Console) -> dict:
-    """Write ``result`` as ``out/<stem>.json`` and its ``plot`` as ``out/<stem>.png``;
-    return it with their paths under ``files``."""
-    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
-    json_path.write_text(json.dumps(result, indent=2))
-    plot(result, png_path)
-    result["files"] = {"json": str(json_path), "png": str(png_path)}
-    console.print(f"wrote {json_path} and {png_path} ({result['elapsed_s']:.0f} s)")
-    return result

@@ -12,26 +12,28 @@ the other node, and from L2). Figures go to the console, ``demo.json`` and ``dem
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import random
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
-import matplotlib
-import ray
 import torch
-from raykv.clusters.local import start_local
+from raykv.clusters.bench.toolkit import right_table, save
+from raykv.clusters.demo.chat import (
+    demo_console,
+    l3_traffic,
+    long_prompt_tokens,
+    machine,
+    plot_ttft,
+    print_l3_traffic,
+    run_chat,
+    run_steps,
+    start_demo_cluster,
+)
 from raykv.controllers.pool_layout import MiB
 from raykv.example_engine import Engine, Generation
 from raykv.example_engine.presets import build
 from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
-matplotlib.use("Agg")
 
 
 def _record(gen: Generation, base: Generation) -> dict:
@@ -74,46 +76,6 @@ def _summary(requests: list[dict], page_size: int, hybrid: bool, draft: bool) ->
                 speedup=without_ms / with_ms, all_exact=all(r["exact"] for r in requests))
 
 
-def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: Path, *,
-              without: tuple[str, str] = ("ttft_recompute_ms", "without raykv (recompute)")
-              ) -> None:
-    """The demo's figure: left, TTFT per request with raykv (``ttft_ms``) and without
-    (``without``: the record key and its legend); right, the ``tokens``-token prompt's
-    TTFT per way of serving it (``bars``: label -> ms, at most 4, the first one grey)."""
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13 + len(bars) - 3, 4.5),
-                                   gridspec_kw={"width_ratios": [3, len(bars) / 3]})
-    x = range(len(requests))
-    key, label = without
-    ax1.bar([i - 0.2 for i in x], [r[key] for r in requests], 0.4, label=label,
-            color="#bbbbbb")
-    ax1.bar([i + 0.2 for i in x], [r["ttft_ms"] for r in requests], 0.4,
-            label="with raykv", color="#1f77b4")
-    ax1.set_xticks(list(x), [f"s{r['session']}t{r['turn']}\nnode{r['node']}"
-                             for r in requests], fontsize=7)
-    ax1.set_ylabel("TTFT (ms)")
-    ax1.set_title("Multi-turn chat: time to first token per request")
-    ax1.legend()
-    names, vals = list(bars), list(bars.values())
-    ax2.bar(names, vals, color=["#bbbbbb", "#1f77b4", "#2ca02c", "#ff7f0e"][:len(vals)])
-    ax2.set_yscale("log")
-    ax2.tick_params(axis="x", labelsize=8)
-    ax2.set_ylabel("TTFT (ms, log)")
-    ax2.set_title(f"{tokens}-token prompt")
-    for i, v in enumerate(vals):
-        ax2.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def machine() -> dict:
-    return dict(platform=platform.platform(), processor=platform.processor() or "unknown",
-                cpus=os.cpu_count(), load_avg=os.getloadavg(), torch=torch.__version__,
-                ray=ray.__version__, python=platform.python_version())
-
-
 def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 8,
              head_dim: int = 64, page_size: int = 64, sessions: int = 4, turns: int = 3,
              system_tokens: int = 1024, user_tokens: int = 64, reply_tokens: int = 16,
@@ -121,7 +83,7 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
              console: Console | None = None) -> bool:
     """Run the demo; returns True if every request's first-token logits with raykv equal
     those of recomputing, and the cached long prompt restored every page it could."""
-    console = console or Console(width=None if Console().is_terminal else 120)
+    console = demo_console(console)
     target, draft = build(variant, f"demo/{variant}-{hidden}x{layers}", hidden=hidden,
                           layers=layers, head_dim=head_dim)
     work = ChatWorkload(sessions, turns, system_tokens, user_tokens, reply_tokens,
@@ -130,12 +92,7 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
     max_tokens = -(-(max(longest, long_prompt) + reply_tokens + 8) // page_size) * page_size
     host_pages = max_tokens // page_size + (sessions * turns * (user_tokens + reply_tokens)
                                             + system_tokens) // page_size + 8
-    with console.status("starting Ray (2 nodes), mooncake_master and the cache actors"):
-        cluster = start_local(num_nodes=2, global_segment_size=1 << 30)
-    with cluster:
-        console.print(f"[bold]raykv[/] cluster up: nodes "
-                      f"{', '.join(n[:8] for n in cluster.node_ids)}; Mooncake master "
-                      f"{cluster.master_address}")
+    with start_demo_cluster(console) as cluster:
         with console.status(f"loading {variant} model ({hidden} hidden, {layers} layers, "
                             "TP=2) on each node"):
             engines = [Engine(target, node, draft=draft, page_size=page_size,
@@ -146,24 +103,21 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
                 eng.generate(list(range(page_size + 1)), 4, use_cache=False)
         requests = _chat(work, engines, console)
         long = _long_prompt(engines, long_prompt, target.vocab, console)
-        stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+        traffic = l3_traffic(cluster)
     summary = _summary(requests, page_size, target.ssm_layers > 0, draft is not None)
-    summary["l3_bytes"] = {k: sum(s["counters"].get(k, 0) for s in stats)
-                           for k in ("put_bytes", "get_bytes", "put_objects", "get_objects")}
+    summary["l3_bytes"] = traffic
     _print(console, requests, summary, long)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(variant=variant, target=asdict(target),
                   draft=asdict(draft) if draft else None, page_size=page_size, tp_size=2,
                   nodes=2, workload=asdict(work), long_prompt=long_prompt)
-    (out / "demo.json").write_text(json.dumps(dict(
-        machine=machine(), config=config, requests=requests, summary=summary,
-        long_prompt=long), indent=2))
-    plot_ttft(requests, {"recompute": long["recompute_ms"],
-                         "cached (L3,\nother node)": long["cached_l3_ms"],
-                         "cached (L2,\nlocal pool)": long["cached_l2_ms"]},
-              long["tokens"], out / "demo.png")
-    console.print(f"wrote {out / 'demo.json'} and {out / 'demo.png'}")
+    bars = {"recompute": long["recompute_ms"],
+            "cached (L3,\nother node)": long["cached_l3_ms"],
+            "cached (L2,\nlocal pool)": long["cached_l2_ms"]}
+    save(dict(machine=machine(), config=config, requests=requests, summary=summary,
+              long_prompt=long), out, "demo",
+         lambda r, path: plot_ttft(r["requests"], bars, long["tokens"], path), console)
     ok = summary["all_exact"] and long["exact"] and long["recompute_hit_pages"] == 0 and \
         long["cached_l3_hit_pages"] == long["max_hit_pages"] == long["cached_l2_hit_pages"]
     console.print("[green]OK[/]: with raykv, every first token's logits equal recomputing "
@@ -171,43 +125,25 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
     return ok
 
 
-def progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console)
-
-
 def _chat(work: ChatWorkload, engines: list[Engine], console: Console) -> list[dict]:
-    system = work.system_prompt()
-    history = {s: list(system) for s in range(work.sessions)}
-    requests = []
-    with progress(console) as bar:
-        task = bar.add_task("multi-turn chat", total=work.sessions * work.turns)
-        for session, turn, node in work.schedule(len(engines)):
-            prompt = history[session] + work.user_message(session, turn)
-            bar.update(task, description=f"session {session} turn {turn} on node {node} "
-                       f"({len(prompt)} tokens)")
-            gen = engines[node].generate(prompt, work.reply_tokens)
-            base = engines[node].generate(prompt, 1, use_cache=False)
-            history[session] = prompt + gen.tokens
-            requests.append(dict(session=session, turn=turn, node=node) | _record(gen, base))
-            bar.advance(task)
-    return requests
+    """The chat: each request with raykv, then recomputed without it (one token)."""
+    def serve(node: int, prompt: list[int]) -> tuple[list[int], dict]:
+        gen = engines[node].generate(prompt, work.reply_tokens)
+        base = engines[node].generate(prompt, 1, use_cache=False)
+        return gen.tokens, _record(gen, base)
+
+    return run_chat(work, len(engines), console, serve)
 
 
 def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) -> dict:
     """TTFT of an ``n``-token prompt: computed from scratch on node 0 (nothing cached:
     the group query misses, every token is computed, pages are offloaded after the first
     token), then fully cached: restored from L3 on node 1, and from node 0's L2."""
-    rng = random.Random(f"long/{n}")
-    prompt = [rng.randrange(vocab) for _ in range(n)]
+    prompt = long_prompt_tokens(n, vocab)
     a, b = engines
-    with progress(console) as bar:
-        task = bar.add_task(f"{n}-token prompt", total=3)
-        steps = {}
-        for name, eng in (("recompute", a), ("cached_l3", b), ("cached_l2", a)):
-            bar.update(task, description=f"{n}-token prompt: {name}")
-            steps[name] = eng.generate(prompt, 1)
-            bar.advance(task)
+    steps = run_steps(console, f"{n}-token prompt",
+                      [(name, partial(eng.generate, prompt, 1))
+                       for name, eng in (("recompute", a), ("cached_l3", b), ("cached_l2", a))])
     base = steps["recompute"]
     return dict(tokens=n, max_hit_pages=(n - 1) // a.page_size,
                 recompute_ms=base.ttft_s * 1e3, recompute_hit_pages=base.hit_pages,
@@ -225,10 +161,10 @@ def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) ->
 
 
 def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
-    table = Table(title="Time to first token per request (ms)")
-    for col in ("session", "turn", "node", "prompt", "L2 pages", "L3 pages", "computed",
-                "raykv", "recompute", "speedup", "L3 MiB", "state", "exact"):
-        table.add_column(col, justify="right")
+    table = right_table("Time to first token per request (ms)",
+                        ("session", "turn", "node", "prompt", "L2 pages", "L3 pages",
+                         "computed", "raykv", "recompute", "speedup", "L3 MiB", "state",
+                         "exact"))
     for r in requests:
         table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
                       str(r["prompt_tokens"]), str(r["l2_pages"]), str(r["l3_pages"]),
@@ -247,10 +183,7 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
     for pool, rates in summary["pool_hit_rate"].items():
         console.print(f"  pool {pool}: " + ", ".join(f"{t} {v:.0%}" for t, v in rates.items())
                       + f"; fetched from L3 {summary['fetched_bytes'].get(pool, 0) / MiB:.1f} MiB")
-    io = summary["l3_bytes"]
-    console.print(f"Mooncake traffic (node actors): put {io['put_bytes'] / MiB:.1f} MiB in "
-                  f"{io['put_objects']} objects, get {io['get_bytes'] / MiB:.1f} MiB in "
-                  f"{io['get_objects']} objects")
+    print_l3_traffic(console, summary["l3_bytes"])
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms; fully cached from L3 (other node) "
                   f"{long['cached_l3_ms']:.0f} ms ({long['speedup_l3']:.1f}x lower; group "

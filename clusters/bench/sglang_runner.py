@@ -1,10 +1,10 @@
 """SGLang side of ``raykv bench --engine sglang``; run by a python with SGLang installed.
 
-``python -m raykv.integrations.sglang_bench SPEC.json`` prints one JSON line: per page
+``python -m raykv.clusters.bench.sglang_runner SPEC.json`` prints one JSON line: per page
 size, the seconds each timed SGLang operation took through ``RayKVStore`` and through
-SGLang's built-in ``MooncakeStore``. The caller (``clusters.bench_sglang``) starts the
+SGLang's built-in ``MooncakeStore``. The caller (``clusters.bench.sglang``) starts the
 raykv cluster, runs this in SGLang's environment and turns the seconds into GB/s. Only
-SGLang's environment imports this module (``import raykv`` never does).
+SGLang's environment runs this module; it imports SGLang inside its functions.
 
 Per page size, one SGLang MHA device pool and one ``MHATokenToKVPoolHost`` (``page_first``,
 ``allocator: shm``, 64-token pages of 2 heads x 128 bf16 per layer, so K + V of one layer
@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from raykv.clusters.bench.toolkit import check_codes, mooncake_wheel
 
 PAGE_TOKENS = 64
 HEADS = 2
@@ -155,11 +157,9 @@ class Bench:
     def remove(self, hashes: list[str]) -> None:
         """Force-remove every object of ``hashes`` (both backends use the same keys)."""
         keys = [k for h in hashes for k in self.store.client.key_scheme.kv_keys(h)]
-        codes = self.cc["mooncake"].storage_backend.store.batch_remove(keys, True)
-        bad = [c for c in codes if c != 0]
-        if bad:
-            raise RuntimeError(f"batch_remove: {len(bad)} of {len(keys)} objects failed "
-                               f"(first code {bad[0]})")
+        check_codes("batch_remove",
+                    self.cc["mooncake"].storage_backend.store.batch_remove(keys, True),
+                    lambda c: c == 0)
 
     def pages(self, slots) -> list:
         """Each page of ``slots`` (token slots, page-aligned runs) as a byte view."""
@@ -199,16 +199,6 @@ class Bench:
         return stats
 
 
-def _installed(dist: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(dist)
-    except PackageNotFoundError:
-        return False
-    return True
-
-
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -216,16 +206,12 @@ def main() -> None:
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0,
                                         tp_size=1, pp_rank=0, pp_size=1)
-    from importlib.metadata import version
-
     import sglang
     import torch
 
     out: dict[str, Any] = {"sglang": sglang.__version__, "sizes": [], "environment": {
         "torch": torch.__version__, "python": sys.version.split()[0],
-        "mooncake": version("mooncake-transfer-engine-non-cuda")
-        if _installed("mooncake-transfer-engine-non-cuda")
-        else version("mooncake-transfer-engine")}}
+        "mooncake": mooncake_wheel()[1]}}
     base = int(spec["run_id"], 16) % (1 << 40)
     for i, page_bytes in enumerate(spec["page_sizes"]):
         t = time.perf_counter()

@@ -24,19 +24,17 @@ its Mamba state (tiny objects: the check does not read bytes). Measured:
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import ray
 import torch
 from raykv.cache_actors import CacheClient
-from raykv.clusters.local import start_local
+from raykv.clusters.bench.toolkit import BenchRun, RawStore, right_table, start_cluster
 from raykv.controllers import (
     NAMESPACE,
     PoolHitPolicy,
@@ -46,10 +44,9 @@ from raykv.controllers import (
     node_actor_name,
 )
 from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.group_search import group_families
+from raykv.controllers.families import group_families
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console
-from rich.table import Table
 
 TRAIL = PoolHitPolicy.TRAILING_PAGES
 MAMBA = dict(size=4, temporal_shape=(2, 4), conv_shapes=[(2, 3), (2, 2)],
@@ -98,8 +95,8 @@ def _throughput(clients: list[CacheClient], prompts: list[list[str]], transfer, 
         tp if shared else 1, concurrency, seconds)
 
 
-def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurrency: int,
-                    seconds: float) -> float:
+def _raw_throughput(raw: RawStore, deployment: Deployment, prompts: list[list[str]],
+                    queries, concurrency: int, seconds: float) -> float:
     """``batch_is_exist`` calls/s of the raw client from ``concurrency`` threads, each
     call the object list of one distinct group query: the store's own ceiling."""
     lists = [group_families(deployment, queries).objects(keys) for keys in prompts]
@@ -107,7 +104,7 @@ def _raw_throughput(raw, deployment, prompts: list[list[str]], queries, concurre
                              1, concurrency, seconds)
 
 
-def _latency(client: CacheClient, raw, deployment: Deployment, prompts, queries, transfer,
+def _latency(client: CacheClient, raw: RawStore, deployment: Deployment, prompts, queries, transfer,
              calls: int, before=lambda: None) -> tuple[list[float], list[float]]:
     """``calls`` sequential group queries and raw checks of the same objects, taking
     turns; ``before()`` runs untimed ahead of each pair. Which of the two goes first
@@ -130,7 +127,7 @@ def _latency(client: CacheClient, raw, deployment: Deployment, prompts, queries,
     return group, rawt
 
 
-def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
+def _bench_tp(cluster, raw: RawStore, tp: int, pages: int, calls: int, concurrency: int,
               seconds: float) -> dict:
     model = f"bench-group-tp{tp}-{uuid.uuid4().hex[:6]}"
     clients = []
@@ -176,42 +173,9 @@ def _bench_tp(cluster, raw, tp: int, pages: int, calls: int, concurrency: int,
     return row
 
 
-class _RawStore:
-    """A pure-consumer Mooncake client in the driver with a 4 KiB registered buffer."""
-
-    def __init__(self, cluster) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", cluster.metadata_server, 0, 16 * MiB, "tcp", "",
-                              cluster.master_address)
-        if rc != 0:
-            raise RuntimeError(f"raw Mooncake setup failed: {rc}")
-        self._buf = torch.zeros(4096, dtype=torch.uint8)
-        self.ptr = self._buf.data_ptr()
-        self.store.register_buffer(self.ptr, 4096)
-
-    def put_tiny(self, keys: list[str], attempts: int = 5) -> None:
-        """Store 64-byte objects under ``keys`` (in chunks, retrying transient -800)."""
-        todo = list(keys)
-        for _ in range(attempts):
-            failed = []
-            for i in range(0, len(todo), 256):
-                chunk = todo[i:i + 256]
-                codes = self.store.batch_put_from(chunk, [self.ptr] * len(chunk),
-                                                  [64] * len(chunk))
-                failed += [k for k, c in zip(chunk, codes, strict=True) if c != 0]
-            if not failed:
-                return
-            todo = failed
-        raise RuntimeError(f"{len(todo)} objects could not be stored")
-
-    def close(self) -> None:
-        self.store.close()
-
-
-TARGET_ADDED_MS = 1.0  # group p50 minus raw p50 (issue #4)
-TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores (issue #4)
+RAW_BUFFER_BYTES = 4096  # the raw client's registered buffer: put_tiny's source
+TARGET_ADDED_MS = 1.0  # group p50 minus raw p50
+TARGET_QPS = 2000.0    # group queries/s from concurrent callers on 2 cores
 
 
 def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: int = 200,
@@ -219,8 +183,9 @@ def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, call
     """One row of figures per TP size on a running raykv ``cluster`` (whose group answer
     window should be 0, so no answer is shared between queries). Latencies in ms,
     throughput in queries/s."""
-    raw = _RawStore(cluster)
+    raw = RawStore(cluster.metadata_server, cluster.master_address)
     try:
+        raw.resize(RAW_BUFFER_BYTES)
         return [_bench_tp(cluster, raw, tp, pages, calls, concurrency, seconds)
                 for tp in tp_sizes]
     finally:
@@ -245,11 +210,10 @@ def judge_group(rows: list[dict]) -> dict[str, bool | None]:
 def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
     """Print the group-exists tables of ``rows`` with rich."""
     pages = rows[0]["pages"] if rows else 0
-    table = Table(title=f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba): "
-                  "p50 / p99 ms")
-    for col in ("TP", "objects", "cold group", "cold raw", "cold added", "warm group",
-                "warm raw", "warm added"):
-        table.add_column(col, justify="right")
+    table = right_table(f"group_exists vs raw batch_is_exist ({pages} pages, KV + Mamba): "
+                        "p50 / p99 ms",
+                        ("TP", "objects", "cold group", "cold raw", "cold added",
+                         "warm group", "warm raw", "warm added"))
     for r in rows:
         cells = []
         for c in ("cold", "warm"):
@@ -258,10 +222,9 @@ def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
                       f"{r[f'{c}_added_p50_ms']:.2f}"]
         table.add_row(str(r["tp"]), str(r["objects"]), *cells)
     console.print(table)
-    table = Table(title=f"group queries/s, {concurrency} callers")
-    for col in ("TP", "hits", "misses", "TP group", "raw checks/s", "shared", "confirmed",
-                "checked", "store calls"):
-        table.add_column(col, justify="right")
+    table = right_table(f"group queries/s, {concurrency} callers",
+                        ("TP", "hits", "misses", "TP group", "raw checks/s", "shared",
+                         "confirmed", "checked", "store calls"))
     for r in rows:
         a = r["answered"]
         table.add_row(str(r["tp"]), f"{r['qps_hits']:.0f}", f"{r['qps_misses']:.0f}",
@@ -284,19 +247,15 @@ def run_group_bench(tp_sizes: Sequence[int] = (2, 4), pages: int = 128, calls: i
     """Run the benchmark (own single-node cluster); print a table, write
     ``bench_group.json`` into ``out_dir`` (default ``raykv-out/``), return the figures.
     Latencies in ms, throughput in queries/s."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    console = console or Console()
-    out = Path(out_dir or "raykv-out")
-    out.mkdir(parents=True, exist_ok=True)
-    with start_local(num_nodes=1, global_segment_size=512 * MiB, group_window_s=0.0) as cluster:
+    run = BenchRun.begin(out_dir, console)
+    cluster = start_cluster(run.console, 1, global_segment_size=512 * MiB,
+                            group_window_s=0.0)
+    with cluster:
         rows = group_rows(cluster, tp_sizes, pages, calls, concurrency, seconds)
-    render_group(rows, concurrency, console)
+    render_group(rows, concurrency, run.console)
     targets = judge_group(rows)
-    render_targets(targets, console)
+    render_targets(targets, run.console)
     result = {"rows": rows, "targets": targets,
               "config": {"pages": pages, "calls": calls, "concurrency": concurrency,
                          "seconds": seconds, "cpus": os.cpu_count()}}
-    path = out / "bench_group.json"
-    path.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {path}")
-    return result
+    return run.save(result, "bench_group")

@@ -27,27 +27,27 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.clusters.bench import (
+from raykv.clusters.bench.toolkit import (
     GB,
     KV_CACHE_DIM,
     PAGE_TOKENS,
-    GiB,
-    KiB,
-    MiB,
+    BenchRun,
+    RawStore,
     human_bytes,
     layer_num_for,
     machine_info,
     median_ci,
     ratio_text,
-    raw_client,
-    save,
+    right_table,
+    start_cluster,
+    write_figure,
 )
+from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
 from rich.table import Table
 
@@ -71,13 +71,6 @@ def _wait_until(t: float) -> None:
     delay = t - time.time()
     if delay > 0:
         time.sleep(delay)
-
-
-def _remove(store, keys: list[str]) -> None:
-    codes = store.batch_remove(keys, True)
-    bad = [c for c in codes if c != 0]
-    if bad:
-        raise RuntimeError(f"batch_remove: {len(bad)} of {len(keys)} failed ({bad[0]})")
 
 
 class _Worker:
@@ -116,7 +109,7 @@ class RankWorker(_Worker):
         self.index = index
         self.client = CacheClient(StorageConfig(is_mla_model=True,
                                                 model_name=f"raykv-ranks-{index}"))
-        self.janitor = raw_client(metadata_server, master_address)
+        self.janitor = RawStore(metadata_server, master_address)
         self.pool = None
         self.batch = 0
 
@@ -144,7 +137,7 @@ class RankWorker(_Worker):
         if not (all(ok_put) and all(ok_get)):
             raise RuntimeError(f"rank {self.index}: {ok_put.count(False)} puts and "
                                f"{ok_get.count(False)} gets of {len(hashes)} pages failed")
-        _remove(self.janitor, [k for h in hashes for k in self.client.key_scheme.kv_keys(h)])
+        self.janitor.remove([k for h in hashes for k in self.client.key_scheme.kv_keys(h)])
 
     def check(self, run_id: str) -> bool:
         """One round whose bytes read back are compared with the bytes written."""
@@ -169,48 +162,40 @@ class RawWorker(_Worker):
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.index = index
-        self.store = raw_client(metadata_server, master_address)
-        self.buffer = None
+        self.raw = RawStore(metadata_server, master_address)
 
     def prepare(self, page_bytes: int, batch: int) -> None:
-        from raykv.clusters.bench import page_aligned_bytes
-
-        self.release()
-        self.buffer = page_aligned_bytes(2 * batch * page_bytes)
-        rc = self.store.register_buffer(self.buffer.data_ptr(), self.buffer.numel())
-        if rc != 0:
-            raise RuntimeError(f"register_buffer failed with code {rc}")
-        self.buffer[:batch * page_bytes].random_(0, 256)
-        base = self.buffer.data_ptr()
+        self.raw.resize(2 * batch * page_bytes)
+        self.raw.buffer[:batch * page_bytes].random_(0, 256)
         self.batch, self.page_bytes = batch, page_bytes
-        self.src = [base + i * page_bytes for i in range(batch)]
-        self.dst = [base + (batch + i) * page_bytes for i in range(batch)]
+        self.src = self.raw.ptrs(0, batch, page_bytes)
+        self.dst = self.raw.ptrs(batch, batch, page_bytes)
         self.sizes = [page_bytes] * batch
 
     def _round(self, prefix: str) -> None:
         keys = [f"raw-{prefix}-{i}" for i in range(self.batch)]
-        present = self.store.batch_is_exist(keys)
+        store = self.raw.store
+        present = store.batch_is_exist(keys)
         todo = [i for i, e in enumerate(present) if e != 1]
-        put = self.store.batch_put_from([keys[i] for i in todo], [self.src[i] for i in todo],
-                                        [self.sizes[i] for i in todo])
-        got = self.store.batch_get_into(keys, self.dst, self.sizes)
+        put = store.batch_put_from([keys[i] for i in todo], [self.src[i] for i in todo],
+                                   [self.sizes[i] for i in todo])
+        got = store.batch_get_into(keys, self.dst, self.sizes)
         if any(c != 0 for c in put) or any(c != self.page_bytes for c in got):
             raise RuntimeError(f"raw client {self.index}: put codes {set(put)}, get codes "
                                f"{set(got)}")
-        _remove(self.store, keys)
+        self.raw.remove(keys)
 
     def check(self, run_id: str) -> bool:
         import torch
 
         n = self.batch * self.page_bytes
-        self.buffer[n:].zero_()
+        buffer = self.raw.buffer
+        buffer[n:].zero_()
         self._round(f"check-{run_id}-{self.index}")
-        return bool(torch.equal(self.buffer[:n], self.buffer[n:]))
+        return bool(torch.equal(buffer[:n], buffer[n:]))
 
     def release(self) -> None:
-        if self.buffer is not None:
-            self.store.unregister_buffer(self.buffer.data_ptr())
-            self.buffer = None
+        self.raw.release()
 
 
 def phase(workers: list, pids: dict[int, str], run_id: str, seconds: float) -> dict:
@@ -264,8 +249,8 @@ def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_
 
 
 def judge(cases: list[dict]) -> dict[str, bool | None]:
-    """The issue's targets on this run; None where the run has no such case. Like the
-    issue, the throughput targets count pages of 256 KiB and up (64 KiB rows are
+    """The targets on this run; None where the run has no such case. The
+    throughput targets count pages of 256 KiB and up (64 KiB rows are
     reported, not judged)."""
     def all_of(rows: list[dict], ok) -> bool | None:
         return all(ok(r) for r in rows) if rows else None
@@ -284,24 +269,23 @@ def judge(cases: list[dict]) -> dict[str, bool | None]:
 
 def render(result: dict, console: Console) -> None:
     cfg = result["config"]
-    table = Table(title=f"ranks per node: N ranks through one node actor vs N raw Mooncake "
-                        f"clients, batch of {cfg['batch']} pages, {cfg['seconds']} s phases, "
-                        f"{cfg['rounds']} round(s)",
-                  caption="GB/s = (put + get bytes) / wall time, all actors together; "
-                          "CPU-s/GB over every process of the side; ratio = raykv / raw "
-                          "(median over rounds [90% bootstrap interval of that median])")
-    for col in ("page", "N", "raykv GB/s", "raw GB/s", "ratio", "raykv CPU-s/GB",
-                "raw CPU-s/GB", "CPU ratio"):
-        table.add_column(col, justify="right")
+    table = right_table(
+        f"ranks per node: N ranks through one node actor vs N raw Mooncake clients, batch "
+        f"of {cfg['batch']} pages, {cfg['seconds']} s phases, {cfg['rounds']} round(s)",
+        ("page", "N", "raykv GB/s", "raw GB/s", "ratio", "raykv CPU-s/GB", "raw CPU-s/GB",
+         "CPU ratio"),
+        caption="GB/s = (put + get bytes) / wall time, all actors together; CPU-s/GB over "
+                "every process of the side; ratio = raykv / raw (median over rounds [90% "
+                "bootstrap interval of that median])")
     for c in result["cases"]:
         table.add_row(human_bytes(c["page_bytes"]), str(c["ranks"]), f"{c['raykv_gbps']:.2f}",
                       f"{c['raw_gbps']:.2f}", ratio_text(c, "ratio"),
                       f"{c['raykv_cpu_s_per_gb']:.2f}", f"{c['raw_cpu_s_per_gb']:.2f}",
                       f"{c['cpu_ratio']:.2f}")
     console.print(table)
-    roles = Table(title="CPU-s per GB by process, largest N of each page size (median round)")
-    for col in ("page", "N", "side", "node actor 1", "node actor 2", "ranks / raw clients"):
-        roles.add_column(col, justify="right")
+    roles = right_table("CPU-s per GB by process, largest N of each page size (median round)",
+                        ("page", "N", "side", "node actor 1", "node actor 2",
+                         "ranks / raw clients"))
     most = max(c["ranks"] for c in result["cases"])
     for c in result["cases"]:
         if c["ranks"] != most:
@@ -316,7 +300,7 @@ def render(result: dict, console: Console) -> None:
                           f"{per.get('node actor 1', 0.0):.2f}",
                           f"{per.get('node actor 2', 0.0):.2f}", f"{workers:.2f}")
     console.print(roles)
-    targets = Table(title="targets (issue #15)")
+    targets = Table(title="targets")
     targets.add_column("target")
     targets.add_column("met")
     for name, ok in result["targets"].items():
@@ -345,8 +329,7 @@ def plot(result: dict, path: Path) -> None:
             ax.set_ylim(bottom=0)
             ax.set_title(f"{human_bytes(size)} pages: {label}", fontsize=10)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
 
 
 def run_ranks_bench(
@@ -375,21 +358,16 @@ def run_ranks_bench(
     if 2 * max(ranks) * batch * max(page_sizes) > SEGMENT_BYTES:
         raise ValueError(f"{max(ranks)} x {batch} pages of {human_bytes(max(page_sizes))} do "
                          f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
-    os.environ["MC_LOG_LEVEL"] = "ERROR"
-    console = console or Console()
-    out = Path(out_dir or "raykv-out")
-    out.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
-    started = time.perf_counter()
+    run = BenchRun.begin(out_dir, console)
     if cluster is None:
-        from raykv.clusters.local import start_local
-
-        with start_local(num_nodes=2, global_segment_size=[0, SEGMENT_BYTES]) as own:
-            cases = _bench(own, page_sizes, ranks, batch, seconds, rounds, run_id, console)
+        with start_cluster(run.console, 2, global_segment_size=[0, SEGMENT_BYTES]) as own:
+            cases = _bench(own, page_sizes, ranks, batch, seconds, rounds, run.run_id,
+                           run.console)
     else:
-        cases = _bench(cluster, page_sizes, ranks, batch, seconds, rounds, run_id, console)
+        cases = _bench(cluster, page_sizes, ranks, batch, seconds, rounds, run.run_id,
+                       run.console)
     result = {
-        "run_id": run_id,
+        "run_id": run.run_id,
         "machine": machine_info() | {"loadavg": os.getloadavg()},
         "config": {"page_sizes": list(page_sizes), "ranks": list(ranks), "batch": batch,
                    "seconds": seconds, "rounds": rounds, "segment_bytes": SEGMENT_BYTES,
@@ -398,10 +376,10 @@ def run_ranks_bench(
                                     "per layer, uint8"},
         "cases": cases,
         "targets": judge(cases),
-        "elapsed_s": time.perf_counter() - started,
+        "elapsed_s": run.elapsed_s(),
     }
-    render(result, console)
-    return save(result, out, "bench_ranks", plot, console)
+    render(result, run.console)
+    return run.save(result, "bench_ranks", plot)
 
 
 def _bench(cluster, page_sizes, ranks, batch, seconds, rounds, run_id, console) -> list[dict]:

@@ -4,7 +4,7 @@ SGLang's built-in ``MooncakeStore``, on the same store, in the same run.
 ``run_sglang_bench`` starts an embedded two-node cluster in which the head node (where
 the SGLang process joins) contributes no store memory, so every object lands in the
 other node's segment and every byte crosses Mooncake's transport (TCP loopback here), for
-both backends. It then runs ``raykv.integrations.sglang_bench`` in SGLang's environment
+both backends. It then runs ``raykv.clusters.bench.sglang_runner`` in SGLang's environment
 (``sglang_python``: SGLang cannot share raykv's venv, see ``.ci/sglang-venv``), which
 drives SGLang 0.5.23's ``HybridCacheController`` over one SGLang host pool with both
 backends: ``write_storage`` and ``prefetch`` of ``batch`` pages per call (see that
@@ -14,7 +14,7 @@ the per-iteration ratios (both backends ran back to back in each iteration).
 
 The SGLang process runs at the node actors' nice value (Ray runs its workers niced), so
 MooncakeStore's transfer threads, which run in that process, and raykv's, which run in
-the node actor, have the same priority (see ``clusters.bench``).
+the node actor, have the same priority (see ``clusters.bench.toolkit.RawStore``).
 
 ``standalone=True`` runs the nodes in standalone Mooncake mode: the store's buffers then
 belong to ``mooncake_client``, which cannot map SGLang's memory, so ``RayKVStore`` serves
@@ -29,35 +29,35 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import ray
-from raykv.clusters.bench import (
-    GiB,
-    KiB,
-    MiB,
+from raykv.clusters.bench.toolkit import (
+    BenchRun,
+    bars_and_panel,
+    gbps_text,
+    grouped_bars,
     human_bytes,
     machine_info,
     median_ci,
     ratio_text,
-    save,
+    right_table,
+    start_cluster,
     summarize,
+    write_figure,
 )
-from raykv.clusters.local import start_local
+from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
-from rich.table import Table
 
 DEFAULT_PAGE_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
-LAYER_PAGE_BYTES = 64 * KiB     # K + V of one layer of one 64-token page (sglang_bench)
+LAYER_PAGE_BYTES = 64 * KiB     # K + V of one layer of one 64-token page (sglang_runner)
 SEGMENT_BYTES = 3 * GiB
 TARGET_RATIO = 0.9
 TARGET_MIN_PAGE_BYTES = 1 * MiB
 OPS = ("write", "prefetch", "load")
 SGLANG_VENV_PYTHON = os.path.join(".venv-sglang", "bin", "python")
+RUNNER = "raykv.clusters.bench.sglang_runner"  # the SGLang side, run by SGLang's python
 
 
 def sglang_python(path: str | None = None) -> str:
@@ -96,8 +96,8 @@ def run_driver(python: str, spec: dict, niceness: int, timeout_s: float) -> dict
     increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
     try:
         proc = subprocess.run(
-            ["nice", "-n", str(increment), python, "-m", "raykv.integrations.sglang_bench",
-             f.name], capture_output=True, text=True, timeout=timeout_s, env=env)
+            ["nice", "-n", str(increment), python, "-m", RUNNER, f.name],
+            capture_output=True, text=True, timeout=timeout_s, env=env)
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -126,7 +126,7 @@ def size_row(raw: dict) -> dict:
 
 
 def judge(rows: list[dict]) -> dict[str, bool | None]:
-    """The issue's target on this run's medians (None: no page size >= 1 MiB)."""
+    """The target on this run's medians (None: no page size >= 1 MiB)."""
     big = [r for r in rows if r["page_bytes"] >= TARGET_MIN_PAGE_BYTES]
     met = (all(min(r["ratio_write"], r["ratio_prefetch"]) >= TARGET_RATIO for r in big)
            if big else None)
@@ -136,24 +136,21 @@ def judge(rows: list[dict]) -> dict[str, bool | None]:
 
 def render(result: dict, console: Console) -> None:
     cfg = result["config"]
-    table = Table(title=f"SGLang {result['sglang']} HiCache L3, GB/s median (best) and "
-                        f"pages/s, {cfg['iters']} iterations of {cfg['batch']} pages, "
-                        f"{cfg['mode']} mode",
-                  caption="ratio = RayKVStore / MooncakeStore: median of per-iteration "
-                          "ratios [90% bootstrap interval of that median]; prefetch = hit "
-                          "query + load")
-    for col in ("page", "backend", "write GB/s", "write pages/s", "prefetch GB/s",
-                "prefetch pages/s", "load GB/s"):
-        table.add_column(col, justify="right")
-    def cell(r: dict, key: str) -> str:
-        return f"{r[key]['median_gbps']:.2f} ({r[key]['best_gbps']:.2f})"
-
+    table = right_table(
+        f"SGLang {result['sglang']} HiCache L3, GB/s median (best) and pages/s, "
+        f"{cfg['iters']} iterations of {cfg['batch']} pages, {cfg['mode']} mode",
+        ("page", "backend", "write GB/s", "write pages/s", "prefetch GB/s",
+         "prefetch pages/s", "load GB/s"),
+        caption="ratio = RayKVStore / MooncakeStore: median of per-iteration ratios [90% "
+                "bootstrap interval of that median]; prefetch = hit query + load")
     for r in result["sizes"]:
         for b, label in (("raykv", "RayKVStore"), ("mooncake", "MooncakeStore")):
             table.add_row(human_bytes(r["page_bytes"]) if b == "raykv" else "", label,
-                          cell(r, f"{b}_write"), f"{r[f'{b}_write']['median_pages_s']:.0f}",
-                          cell(r, f"{b}_prefetch"),
-                          f"{r[f'{b}_prefetch']['median_pages_s']:.0f}", cell(r, f"{b}_load"))
+                          gbps_text(r[f"{b}_write"]),
+                          f"{r[f'{b}_write']['median_pages_s']:.0f}",
+                          gbps_text(r[f"{b}_prefetch"]),
+                          f"{r[f'{b}_prefetch']['median_pages_s']:.0f}",
+                          gbps_text(r[f"{b}_load"]))
         table.add_row("", "ratio", ratio_text(r, "ratio_write"), "",
                       ratio_text(r, "ratio_prefetch"), "", ratio_text(r, "ratio_load"),
                       end_section=True)
@@ -167,21 +164,12 @@ def render(result: dict, console: Console) -> None:
 def plot(result: dict, path: Path) -> None:
     """Grouped bars of median GB/s by page size (RayKVStore vs MooncakeStore, write and
     prefetch) and the paired ratios against the 0.9 target."""
-    from matplotlib.figure import Figure
-
     rows = result["sizes"]
-    series = (("raykv_write", "RayKVStore write", "#1f77b4"),
-              ("mooncake_write", "MooncakeStore write", "#aec7e8"),
-              ("raykv_prefetch", "RayKVStore prefetch", "#ff7f0e"),
-              ("mooncake_prefetch", "MooncakeStore prefetch", "#ffbb78"))
-    x = np.arange(len(rows))
-    width = 0.8 / len(series)
-    fig = Figure(figsize=(13, 4.8))
-    ax, rax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    for i, (key, label, color) in enumerate(series):
-        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width,
-                      [r[key]["median_gbps"] for r in rows], width, label=label, color=color)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    fig, ax, rax = bars_and_panel()
+    x = grouped_bars(ax, rows, (("raykv_write", "RayKVStore write", "#1f77b4"),
+                                ("mooncake_write", "MooncakeStore write", "#aec7e8"),
+                                ("raykv_prefetch", "RayKVStore prefetch", "#ff7f0e"),
+                                ("mooncake_prefetch", "MooncakeStore prefetch", "#ffbb78")))
     labels = [human_bytes(r["page_bytes"]) for r in rows]
     ax.set_xticks(x, labels)
     ax.set_xlabel(f"page size (K + V, all layers; {result['config']['batch']} pages per call)")
@@ -196,8 +184,7 @@ def plot(result: dict, path: Path) -> None:
     rax.set_ylabel("RayKVStore / MooncakeStore (median of paired ratios)")
     rax.set_title("ratio", fontsize=10)
     rax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path)
 
 
 def run_sglang_bench(
@@ -221,16 +208,12 @@ def run_sglang_bench(
     """
     check_sizes(page_sizes, batch, iters)
     python = sglang_python(python)
-    console = console or Console()
-    out = Path(out_dir or "raykv-out")
-    out.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
-    started = time.perf_counter()
-    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    run = BenchRun.begin(out_dir, console)
     pool_budget = 4 * batch * max(page_sizes) if standalone else None
-    with start_local(num_nodes=2, global_segment_size=[0, SEGMENT_BYTES],
-                     group_window_s=0.0, standalone=standalone,
-                     host_pool_bytes=pool_budget) as cluster:
+    cluster = start_cluster(run.console, 2, global_segment_size=[0, SEGMENT_BYTES],
+                            group_window_s=0.0, standalone=standalone,
+                            host_pool_bytes=pool_budget)
+    with cluster:
         head = cluster.node_ids[0]
         pid = ray.get(cluster.node_actors[head].health.remote())["pid"]
         niceness = os.getpriority(os.PRIO_PROCESS, pid)
@@ -241,13 +224,13 @@ def run_sglang_bench(
                              "local_hostname": "127.0.0.1", "protocol": "tcp",
                              "global_segment_size": 0, "check_server": False},
                 "page_sizes": list(page_sizes), "batch": batch, "iters": iters,
-                "run_id": run_id, "staging_pages": batch if standalone else None}
-        console.print(f"[dim]SGLang ({python}): {', '.join(map(human_bytes, page_sizes))} "
-                      "pages ...[/dim]")
+                "run_id": run.run_id, "staging_pages": batch if standalone else None}
+        run.console.print(f"[dim]SGLang ({python}): "
+                          f"{', '.join(map(human_bytes, page_sizes))} pages ...[/dim]")
         raw = run_driver(python, spec, niceness, timeout_s)
     rows = [size_row(r) for r in raw["sizes"]]
     result = {
-        "run_id": run_id,
+        "run_id": run.run_id,
         "machine": machine_info(),
         "sglang": raw["sglang"],
         "sglang_environment": raw["environment"],
@@ -261,9 +244,8 @@ def run_sglang_bench(
                                 "shm) shared by both backends"},
         "sizes": rows,
         "targets": judge(rows),
-        "elapsed_s": time.perf_counter() - started,
+        "elapsed_s": run.elapsed_s(),
     }
-    render(result, console)
-    return save(result, out, "bench_sglang_standalone" if standalone else "bench_sglang",
-                plot, console)
+    render(result, run.console)
+    return run.save(result, "bench_sglang_standalone" if standalone else "bench_sglang", plot)
 

@@ -1,0 +1,135 @@
+"""The record a node actor keeps of each pool it made, so a restarted actor re-adopts it.
+
+Each pool has a ``<prefix><name>.json`` record under ``SHM_DIR``: its name, its path and
+layout, and (for a pool of one engine process) the process it serves. Records are written
+atomically (a 0600 temporary file, fsync, rename). ``trusted`` trusts none of them
+blindly: a record that is not a regular file of this process's uid, or is group/world-
+writable, or does not parse, or names an invalid pool name, another name than its file's,
+an invalid layout or another path than the one this node gives that name, is logged and
+skipped (and, when it is this uid's, renamed aside to ``<file>.bad``); it never stops the
+actor from starting. Runs in the node actor, under ``NodePools``' lock (not thread-safe
+on its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import asdict
+
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.node.pool_memory import check_own_file
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
+from raykv.controllers.pool_layout import PoolLayout, check_pool_name
+
+log = logging.getLogger(__name__)
+
+RECORD_MAX_BYTES = 64 << 10
+"""A pool record larger than this is not read (a real one is well under 4 KiB)."""
+
+
+class PoolRecords:
+    """The records of the pools of the node actor with file prefix ``prefix``, in
+    ``mode`` (``"embedded"``: a recorded path must be this node's file for that name;
+    ``"standalone"``: the path is never mapped, so it is not checked). ``prefix`` is
+    also the prefix of the pools' own shared-memory files (embedded)."""
+
+    def __init__(self, prefix: str, mode: str) -> None:
+        self.prefix = prefix
+        self._mode = mode
+
+    def path(self, name: str) -> str:
+        """The record file of pool ``name``."""
+        return shm_path(self.prefix + name + ".json")
+
+    def write(self, pool: HostPool, owner: ProcessIdentity | None) -> None:
+        """The pool's record, atomically. ``owner`` is recorded so that a restarted actor
+        still reaps the pool with its process."""
+        path = self.path(pool.name)
+        tmp = f"{path}.{os.getpid()}.tmp"  # never matches trusted's "*.json"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        record = {"name": pool.name, "path": pool.handle.path,
+                  "layout": asdict(pool.handle.layout)}
+        if owner is not None:
+            record["owner"] = [owner.pid, owner.start_ticks]
+        data = json.dumps(record).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def remove(self, name: str) -> None:
+        """Delete pool ``name``'s record (none is fine)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(name))
+
+    def read(self, path: str) -> tuple[PoolHandle, ProcessIdentity | None]:
+        """The pool handle recorded in ``path`` and the process the pool serves (None: a
+        shared pool); ``ValueError`` naming what is wrong (see the module docstring for
+        what is refused), ``OSError`` if it cannot be opened."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            check_own_file(fd, "pool record")
+            data = os.read(fd, RECORD_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > RECORD_MAX_BYTES:
+            raise ValueError(f"larger than {RECORD_MAX_BYTES} bytes")
+        try:
+            raw = json.loads(data)
+            name, recorded, layout_raw = raw["name"], raw["path"], raw["layout"]
+            layout = PoolLayout(**layout_raw)
+            owner_raw = raw.get("owner")
+            owner = None if owner_raw is None else ProcessIdentity(*owner_raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a pool record: {type(e).__name__}: {e}") from None
+        check_pool_name(name)
+        if path != self.path(name):
+            raise ValueError(f"it names pool {name!r}, whose record is another file")
+        if json.loads(json.dumps(asdict(layout))) != layout_raw:
+            raise ValueError("its layout is not one this node writes")
+        if not isinstance(recorded, str):
+            raise ValueError(f"path {recorded!r} is not a string")
+        if self._mode == "embedded" and recorded != self.prefix + name:
+            raise ValueError(f"path {recorded!r} is not this node's file for pool {name!r}")
+        if owner is not None and not all(type(v) is int for v in (owner.pid,
+                                                                    owner.start_ticks)):
+            raise ValueError(f"owner {owner_raw!r} is not a process identity")
+        # standalone: the path is never mapped
+        return PoolHandle(name, recorded, layout), owner
+
+    def trusted(self) -> Iterator[tuple[PoolHandle, ProcessIdentity | None]]:
+        """Every record this node can trust, as ``read`` returns it, in name order; the
+        others are logged and set aside (never raises for one)."""
+        pattern = os.path.join(SHM_DIR, glob.escape(self.prefix) + "*.json")
+        for path in sorted(glob.glob(pattern)):
+            try:
+                yield self.read(path)
+            except (OSError, ValueError) as e:
+                log.error("pool record %s is ignored: %s", path, e)
+                _set_aside(path)
+
+
+def _set_aside(path: str) -> None:
+    """Rename a refused record of this uid to ``<file>.bad`` (left if not ours)."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            os.replace(path, path + ".bad")

@@ -1,0 +1,147 @@
+"""``RayKVConnector``: raykv as vLLM's ``KVConnectorBase_V1``, a thin class whose methods
+are grouped as vLLM's base class groups them and delegate to this process's side of the
+connector: ``RayKVConnectorScheduler`` (role ``SCHEDULER``, one per engine) or
+``RayKVConnectorWorker`` (role ``WORKER``, one per TP rank). See the package docstring
+for the keys and the configuration."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.options import ConnectorOptions
+from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
+from raykv.integrations.vllm.side import ConnectorSide
+from raykv.integrations.vllm.worker import RayKVConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
+
+__all__ = ["RayKVConnector", "RayKVConnectorMetadata"]
+
+
+class RayKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by raykv (see the package docstring).
+
+    ``connector_scheduler`` (scheduler role) or ``connector_worker`` (worker role) is
+    this process's side; the other is None. ``stats`` and ``tp_rank`` are that side's.
+    vLLM calls worker-side methods on the worker role only, scheduler-side methods on
+    the scheduler role only, ``shutdown`` on both."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        pc, mc = vllm_config.parallel_config, vllm_config.model_config
+        kv = self._kv_transfer_config
+        opts = ConnectorOptions.parse(kv.kv_connector_extra_config,
+                                      tp_size=pc.tensor_parallel_size,
+                                      pp_size=pc.pipeline_parallel_size,
+                                      served_model=mc.served_model_name or mc.model)
+        if mc.use_mla:
+            raise ValueError("RayKVConnector does not serve MLA models yet (their KV is "
+                             "replicated across TP ranks and laid out differently)")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("RayKVConnector serves models with one KV cache group; this model "
+                             f"has {len(kv_cache_config.kv_cache_groups)} (hybrid attention)")
+        block_size = vllm_config.cache_config.block_size
+        tp_rank = pp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+
+            tp_rank = get_tensor_model_parallel_rank()
+            pp_rank = get_pp_group().rank_in_group
+        log.info("RayKVConnector %s tp %d/%d: keys %s_%s_<block>_%d_kv, block_size %d",
+                 role.name, tp_rank, pc.tensor_parallel_size, opts.extra_backend_tag,
+                 opts.model_name.replace("/", "-"), tp_rank, block_size)
+        self.connector_scheduler: RayKVConnectorScheduler | None = None
+        self.connector_worker: RayKVConnectorWorker | None = None
+        if role == KVConnectorRole.WORKER:
+            self.connector_worker = RayKVConnectorWorker(
+                opts, kv_cache_config, block_size=block_size, tp_rank=tp_rank,
+                tp_size=pc.tensor_parallel_size, pp_rank=pp_rank,
+                pp_size=pc.pipeline_parallel_size)
+        else:
+            self.connector_scheduler = RayKVConnectorScheduler(
+                opts, do_load=kv.kv_role in ("kv_both", "kv_consumer"),
+                do_save=kv.kv_role in ("kv_both", "kv_producer"), block_size=block_size,
+                tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size)
+
+    @property
+    def _side(self) -> ConnectorSide:
+        return self.connector_worker or self.connector_scheduler
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This side's counters (``raykv.integrations.vllm.side.new_stats``)."""
+        return self._side.stats
+
+    @property
+    def tp_rank(self) -> int:
+        """This worker's TP rank (0 on the scheduler side)."""
+        return self._side.tp_rank
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.connector_worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        return  # every layer's blocks are saved together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.connector_worker.wait_for_save(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        self._side.shutdown()
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.connector_scheduler.request_finished(request, block_ids)

@@ -1,0 +1,143 @@
+"""The scheduler side of raykv's vLLM connector (one per engine, in vLLM's scheduler).
+
+``get_num_new_matched_tokens`` asks ONE raykv group query (``CacheClient.group_exists``)
+about every TP rank's objects of the request's full blocks beyond vLLM's local hit, and
+leaves at least one token to compute. The answer is the same for every rank, so ranks
+never load different prefixes. Each step's loads and saves are planned by
+``raykv.integrations.vllm.plan`` and sent to the workers as ``RayKVConnectorMetadata``.
+Every method runs on vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.options import ConnectorOptions
+from raykv.integrations.vllm.plan import (
+    RequestBlocks,
+    external_tokens,
+    first_invalid_block,
+    hash_hex,
+    max_loadable_blocks,
+    plan_load,
+    plan_save,
+)
+from raykv.integrations.vllm.side import ConnectorSide
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.host_pools import HostPool
+    from raykv.cache_actors.rank.client import CacheClient
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class RayKVConnectorScheduler(ConnectorSide):
+    """The connector's scheduler-side methods (vLLM's signatures and contracts);
+    ``do_load``/``do_save`` follow vLLM's ``kv_role``. Attaches to raykv at construction
+    when it loads."""
+
+    def __init__(self, opts: ConnectorOptions, *, do_load: bool, do_save: bool,
+                 block_size: int, tp_size: int, pp_size: int) -> None:
+        super().__init__(opts, block_size=block_size, tp_rank=0, tp_size=tp_size, pp_rank=0,
+                         pp_size=pp_size)
+        self.do_load, self.do_save = do_load, do_save
+        self._reqs: dict[str, RequestBlocks] = {}
+        if self.do_load:
+            self._attach_at_start()  # not in the first lookup: see _cache
+
+    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
+        # The scheduler only asks group queries: a one-page pool of the same kind
+        # names the deployment's pool spec; the ranks' pools hold the bytes.
+        return client.create_host_pool("vllm", page_size=self.block_size,
+                                       size=self.block_size, layer_num=1, head_num=1,
+                                       head_dim=1, name=name, per_process=True)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.do_load or num_computed_tokens % self.block_size:
+            return 0, False
+        local = num_computed_tokens // self.block_size
+        hashes = request.block_hashes[local:max_loadable_blocks(request.num_tokens,
+                                                                self.block_size)]
+        if not hashes:
+            return 0, False
+        try:
+            hit = self._cache().group_exists([hash_hex(h) for h in hashes]).kv_hit_pages
+        except Exception as e:  # raykv unreachable, restarting, or refused: a miss
+            self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
+                            "%s", e)
+            hit = 0
+        self.stats["queries"] += 1
+        self.stats["hit_blocks"] += hit
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = RequestBlocks(request)
+        st.local_hit_tokens = num_computed_tokens
+        return external_tokens(local + hit, num_computed_tokens, self.block_size), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = RequestBlocks(request)
+        st.request = request
+        if num_external_tokens > 0:
+            st.pending_load = plan_load(request.request_id, blocks.get_block_ids()[0],
+                                        request.block_hashes, st.local_hit_tokens,
+                                        num_external_tokens, self.block_size)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
+            RayKVConnectorMetadata:
+        meta = RayKVConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+
+        def step(st: RequestBlocks, rid: str, computed_before: int) -> None:
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+            if self.do_save:
+                # Draft tokens' KV may be rejected: only tokens known to be right count.
+                after = computed_before + scheduled.get(rid, 0) - len(spec.get(rid, ()))
+                save = plan_save(st, after, self.block_size)
+                if save is not None:
+                    meta.saves.append(save)
+
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            # Blocks vLLM had or loaded are not saved again.
+            st.saved_blocks = max(st.saved_blocks, new.num_computed_tokens // self.block_size)
+            step(st, new.req_id, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            step(st, rid, cached.num_computed_tokens[i])
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        # Blocks that failed to load are recomputed: save them (and what follows) again.
+        for st in self._reqs.values():
+            idx = first_invalid_block(st.block_ids, invalid)
+            if idx is not None:
+                st.saved_blocks = min(st.saved_blocks, idx)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None

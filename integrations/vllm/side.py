@@ -1,0 +1,136 @@
+"""What both sides of raykv's vLLM connector share (no vLLM import): the options, the
+engine geometry, the counters, and this process's raykv client with its registered
+host pool, attached at start-up or, when raykv was not reachable then, in the
+background so that no call of vLLM's step waits longer than one deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.controllers.contract import PoolName, StorageConfig
+from raykv.integrations.ray_join import join_ray
+from raykv.integrations.vllm.options import ConnectorOptions
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.host_pools import HostPool
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.engine_pools import StagedPool
+
+log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
+
+WARN_EVERY_S = 30.0
+"""A recurring failure (raykv unreachable, a failed load or save) is logged at most once
+per this many seconds per kind."""
+
+
+def new_stats() -> dict[str, int]:
+    """The connector's counters, all zero: ``queries`` and ``hit_blocks`` (scheduler
+    side: hit queries asked, blocks they found), ``loaded``, ``load_failed``, ``saved``,
+    ``save_failed`` (worker side: blocks)."""
+    return {"queries": 0, "hit_blocks": 0, "loaded": 0, "load_failed": 0, "saved": 0,
+            "save_failed": 0}
+
+
+class ConnectorSide(ABC):
+    """One side of the connector in one process: the scheduler side (one per engine) or
+    the worker side (one per TP rank). Subclasses say which pool they register
+    (``_create_pool``). Every method runs on the vLLM thread that calls the connector,
+    except ``_attach_in_background``, on the attach thread ``_cache`` starts."""
+
+    def __init__(self, opts: ConnectorOptions, *, block_size: int, tp_rank: int, tp_size: int,
+                 pp_rank: int, pp_size: int) -> None:
+        self.opts = opts
+        self.block_size = block_size  # tokens per vLLM block
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.stats = new_stats()
+        self._warn = ThrottledLog(log, WARN_EVERY_S)
+        self._client: CacheClient | None = None
+        self._pool: HostPool | None = None
+        self._attaching: threading.Thread | None = None
+        self._attach_error: Exception | None = None
+
+    @abstractmethod
+    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
+        """This side's host pool of kind ``vllm``, named ``name``, made by ``client``
+        (registered as the KV pool by ``_attach``)."""
+
+    def _served(self, pool: HostPool) -> HostPool | StagedPool:
+        """What ``_attach`` registers as the KV pool: ``pool`` itself, or vLLM's own
+        memory served through it (``StagedPool``: the worker side)."""
+        return pool
+
+    def _storage_config(self) -> StorageConfig:
+        return self.opts.storage_config(tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                        pp_rank=self.pp_rank, pp_size=self.pp_size)
+
+    def _attach(self) -> None:
+        """Make this process's ``CacheClient`` and its registered pool (raises what the
+        client raises). Its calls to the node actor are control calls (deadline
+        ``CONTROL_TIMEOUT_S``, 120 s), so this runs at start-up (the scheduler's
+        construction, ``register_kv_caches``) or on ``_cache``'s background thread,
+        never on vLLM's step."""
+        from raykv.cache_actors.rank.client import CacheClient
+
+        node_id = join_ray(self.opts.ray_address, self.opts.namespace)
+        client = CacheClient(self._storage_config(), node_id=node_id,
+                             namespace=self.opts.namespace)
+        try:
+            pool = self._create_pool(client, f"vllm-{uuid.uuid4().hex[:12]}")
+            client.register_mem_host_pool_v2(self._served(pool), PoolName.KV)
+        except BaseException:
+            client.close()
+            raise
+        self._pool = pool  # first: a caller that sees the client uses the pool
+        self._client = client
+
+    def _attach_at_start(self) -> None:
+        try:
+            self._attach()
+        except Exception as e:  # raykv may come up later: retried on first use
+            self._warn.warn("attach", "RayKVConnector: raykv not reachable yet (%s); "
+                            "lookups miss, loads fail and saves are skipped until it is", e)
+
+    def _attach_in_background(self) -> None:
+        try:
+            self._attach()
+        except Exception as e:
+            self._attach_error = e
+
+    def _cache(self) -> CacheClient:
+        """This process's ``CacheClient`` (callers turn what it raises into misses,
+        failed loads and skipped saves). If start-up did not attach, a background thread
+        attaches (one at a time) and this waits for it at most ``timeout_s``, then raises
+        ``NodeUnavailableError``: a hung node actor never holds vLLM's scheduler or a
+        forward longer than one deadline per call."""
+        if self._client is not None:
+            return self._client
+        if self._attaching is None or not self._attaching.is_alive():
+            self._attach_error = None
+            self._attaching = threading.Thread(target=self._attach_in_background,
+                                               name="raykv-attach", daemon=True)
+            self._attaching.start()
+        self._attaching.join(self.opts.timeout_s)
+        if self._client is None:
+            raise NodeUnavailableError(
+                f"raykv is not attached yet ({self._attach_error or 'still attaching'}); "
+                "attaching again in the background")
+        return self._client
+
+    def shutdown(self) -> None:
+        """Destroy this side's pool and close its client (never raises)."""
+        client, pool = self._client, self._pool
+        self._client = self._pool = None
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            client.destroy_host_pool(pool)
+        with contextlib.suppress(Exception):
+            client.close()

@@ -1,0 +1,219 @@
+"""The worker side of raykv's vLLM connector (one per TP rank, in vLLM's worker).
+
+vLLM's KV cache is served through a staging pool of kind ``vllm`` on the rank's node
+(page = one vLLM block of every layer, laid out as vLLM's CPU block layout, so a block
+of one layer is one contiguous copy; ``engine_pools.StagedPool``): the client copies a
+save's blocks into it and a load's blocks read in full out of it, and the node actor
+moves pages between that pool and Mooncake with no copy. Loads
+run before the forward (``start_load_kv``), saves of newly completed full blocks after
+it (``wait_for_save``); both synchronous, on vLLM's worker thread. Every block that did
+not load is reported by ``get_block_ids_with_load_errors`` (so
+``kv_load_failure_policy="recompute"`` recomputes it); an unavailable node actor or
+store never raises into vLLM and never counts as a loaded block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from raykv.cache_actors.rank.engine_pools import (
+    EngineMemory,
+    StagedPool,
+    dtype_of,
+    staging_layout,
+)
+from raykv.controllers.contract import PoolName, PoolTransfer
+from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.options import ConnectorOptions
+from raykv.integrations.vllm.plan import BlockTransfer
+from raykv.integrations.vllm.side import ConnectorSide
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.host_pools import HostPool
+    from raykv.cache_actors.rank.client import CacheClient
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
+
+
+class RayKVConnectorWorker(ConnectorSide):
+    """The connector's worker-side methods (vLLM's contracts; the connector passes in
+    the step's metadata). Attaches to raykv in ``register_kv_caches``, when the pool's
+    geometry is known."""
+
+    def __init__(self, opts: ConnectorOptions, kv_cache_config: KVCacheConfig | None, *,
+                 block_size: int, tp_rank: int, tp_size: int, pp_rank: int,
+                 pp_size: int) -> None:
+        super().__init__(opts, block_size=block_size, tp_rank=tp_rank, tp_size=tp_size,
+                         pp_rank=pp_rank, pp_size=pp_size)
+        self._kv_cache_config = kv_cache_config
+        self._layers: list[torch.Tensor] = []  # per layer: (num_blocks, *block) views
+        self._memory: EngineMemory | None = None  # the same, as a raykv pool
+        self._block_shape: tuple[int, ...] = ()
+        self._load_errors: set[int] = set()
+        self._bad_reqs: set[str] = set()  # requests whose load failed this step
+
+    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
+        """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
+        return client.create_host_pool(
+            staging_layout(self._memory.layout, self.opts.pool_blocks), name=name,
+            per_process=True)
+
+    def _served(self, pool: HostPool) -> StagedPool:
+        """vLLM's KV cache through ``pool``, ``pool_blocks`` blocks per round (one
+        window for loads and saves: both run on vLLM's worker thread)."""
+        return StagedPool(self._memory, pool, self.opts.pool_blocks, shared=True,
+                          stage=self._pages)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise ValueError("RayKVConnector: vLLM registered no KV cache tensors")
+        first = tensors[0]
+        for name, t in kv_caches.items():
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(f"RayKVConnector: layer {name} has KV {tuple(t.shape)} "
+                                 f"{t.dtype}, layer 0 {tuple(first.shape)} {first.dtype}; "
+                                 "all layers must match")
+        num_blocks = (self._kv_cache_config.num_blocks if self._kv_cache_config is not None
+                      else first.shape[0])
+        dims = [d for d, n in enumerate(first.shape) if n == num_blocks]
+        if not dims:
+            raise ValueError(f"RayKVConnector: no dimension of the KV tensor "
+                             f"{tuple(first.shape)} counts the {num_blocks} blocks")
+        # Per layer a (num_blocks, *block) view: vLLM's CPU layout is blocks-first already.
+        self._layers = [t.movedim(dims[0], 0) for t in tensors]
+        self._block_shape = tuple(self._layers[0].shape[1:])
+        if math.prod(self._block_shape) % self.block_size:
+            raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
+                             f"of block_size {self.block_size}")
+        heads, dim = self._pool_dims()
+        dtype, itemsize = dtype_of(first)
+        # vLLM's blocks as a raykv pool: page = block id, one view per layer.
+        self._memory = EngineMemory(PoolLayout.vllm(
+            page_size=self.block_size, size=num_blocks * self.block_size,
+            layer_num=len(tensors), head_num=heads, head_dim=dim, dtype=dtype,
+            itemsize=itemsize), self._layers)
+        log.info("RayKVConnector tp %d: %d layers of %d blocks %s %s", self.tp_rank,
+                 len(tensors), num_blocks, self._block_shape, first.dtype)
+        self._attach_at_start()
+
+    def _pool_dims(self) -> tuple[int, int]:
+        """``head_num, head_dim`` of the pool: vLLM's CPU block ``(heads, block_size,
+        2 * head_size)`` as it is; any other block shape as ``(1, elements / block_size)``
+        (same bytes per page, which is all the store sees)."""
+        shape = self._block_shape
+        if len(shape) == 3 and shape[1] == self.block_size:
+            return shape[0], shape[2]
+        return 1, math.prod(shape) // self.block_size
+
+    def _pages(self, pool: HostPool) -> list[torch.Tensor]:
+        """The staging pool's pages per layer, ``(pool_blocks, *block)`` views lining up
+        with ``self._layers`` (a page holds every layer's block, layer after layer)."""
+        buf = pool.kv_buffer
+        pages = buf.view(buf.shape[0], buf.shape[1], -1)
+        return [pages[:, layer].view(buf.shape[0], *self._block_shape)
+                for layer in range(buf.shape[1])]
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        """Host indices (token slots) of vLLM's blocks ``block_ids``."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Load the step's blocks (``meta.loads``) before the forward; the blocks that
+        did not load (on any TP rank) go to ``get_block_ids_with_load_errors``."""
+        if not isinstance(meta, RayKVConnectorMetadata) or not meta.loads:
+            return
+        firsts = [self._load(x) for x in meta.loads]  # first failed block per request
+        if self.tp_size > 1:
+            firsts = self._agree(firsts)
+        self._bad_reqs = set()
+        for x, first in zip(meta.loads, firsts, strict=True):
+            if first < len(x.block_ids):
+                self._load_errors.update(x.block_ids[first:])
+                self._bad_reqs.add(x.req_id)
+                self.stats["load_failed"] += len(x.block_ids) - first
+            self.stats["loaded"] += first
+
+    def _load(self, x: BlockTransfer) -> int:
+        """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
+        full out of the staging pool), ``pool_blocks`` at a time, up to the first chunk
+        with a block that did not load; the index of that block (``len`` if all did).
+        Never raises."""
+        done = 0
+        try:
+            self._cache()
+            n_pool = self.opts.pool_blocks
+            while done < len(x.block_ids):
+                n = min(n_pool, len(x.block_ids) - done)
+                hashes = x.hashes[done:done + n]
+                ok = self._client.batch_get_v2([PoolTransfer(
+                    PoolName.KV, hashes, self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
+                good = ok.index(False) if False in ok else n
+                if good and self.opts.debug_corrupt_loads:
+                    self._copy_in(x.block_ids[done:done + good])
+                done += good
+                if good < n:
+                    break
+        except Exception as e:  # node actor restarting, store down, bad state: not loaded
+            self._warn.warn("load", "RayKVConnector: load of %d blocks failed (%s); "
+                            "vLLM recomputes them", len(x.block_ids) - done, e)
+        return done
+
+    def _copy_in(self, block_ids: list[int]) -> None:
+        """Test only (``debug_corrupt_loads``): overwrite loaded blocks with random
+        values."""
+        device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for blocks in self._layers:
+            noise = torch.randn((len(block_ids), *self._block_shape)).to(blocks.dtype)
+            blocks.index_copy_(0, ids, noise.to(device))
+
+    def _agree(self, firsts: list[int]) -> list[int]:
+        """Every TP rank takes the smallest first-failed block of any rank, so all ranks
+        report the same blocks and none saves KV computed over another rank's bad load."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        t = torch.tensor(firsts, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                     group=get_tp_group().cpu_group)
+        return t.tolist()
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        """Save the step's newly full blocks (``meta.saves``) after the forward, except
+        those of requests whose load failed this step."""
+        if not isinstance(meta, RayKVConnectorMetadata):
+            return
+        bad = self._bad_reqs
+        for x in meta.saves:
+            if x.req_id in bad:  # computed over a failed load: never store it
+                continue
+            self._save(x)
+        self._bad_reqs = set()
+
+    def _save(self, x: BlockTransfer) -> None:
+        done = 0
+        try:
+            self._cache()
+            while done < len(x.block_ids):  # the client copies the blocks into staging
+                n = min(self.opts.pool_blocks, len(x.block_ids) - done)
+                ok = self._client.batch_set_v2([PoolTransfer(
+                    PoolName.KV, x.hashes[done:done + n],
+                    self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
+                self.stats["saved"] += sum(ok)
+                self.stats["save_failed"] += n - sum(ok)
+                done += n
+        except Exception as e:  # a lost save is a future miss, never an error for vLLM
+            self.stats["save_failed"] += len(x.block_ids) - done
+            self._warn.warn("save", "RayKVConnector: save of %d blocks failed (%s)",
+                            len(x.block_ids) - done, e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,209 @@
+"""CacheClient's routing against a fake node link (no Ray, no Mooncake): which data op
+each call makes, to which node, with which objects, and when it registers with the
+controller; pools are real shared memory made by the fake link."""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.rank import client as client_module
+from raykv.cache_actors.rank.client import CacheClient
+from raykv.cache_actors.shared_memory import unlink_shm_file
+from raykv.controllers.contract import (
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+    StorageConfig,
+)
+from raykv.controllers.deployments import PoolQuery, Registration
+from raykv.controllers.keys import KeyScheme
+
+NODE, HOME = "n" * 40, "h" * 40
+HIT = PoolTransferResult(kv_hit_pages=1, restorable_prefix_pages=[0, 1])
+
+
+class FakeLink:
+    """A ``NodeLink``: control calls make and find real shared-memory pools; data ops
+    are recorded and answered (every object exists, is stored, is read in full)."""
+
+    made: list[FakeLink] = []
+
+    def __init__(self, node_id: str, namespace: str, remap, timeout_s: float) -> None:
+        self.node_id, self.namespace, self.timeout_s = node_id, namespace, timeout_s
+        self.remap = remap
+        self.stale = False
+        self.controller_attached = False
+        self.calls: list[tuple] = []
+        self.data_ops: list[tuple] = []
+        self.registered: list[tuple] = []
+        self.handles: dict[str, PoolHandle] = {}
+        self.mode = "embedded"
+        FakeLink.made.append(self)
+
+    def call(self, method: str, *args):
+        self.calls.append((method, *args))
+        if method == "create_pool":
+            name, layout = args[:2]
+            handle = PoolHandle(name, f"raykv-test-{uuid.uuid4().hex[:12]}", layout)
+            HostPool.create(handle).close()
+            self.handles[name] = handle
+            return handle
+        if method == "get_pool":
+            return self.handles[args[0]]
+        if method == "health":
+            return {"mode": self.mode}
+        if method == "stats":
+            return {"counters": {}}
+        raise AssertionError(f"unexpected control call {method}")
+
+    ask = call
+
+    def data(self, op: DataOp, *args, node_id: str | None = None):
+        self.data_ops.append((op, node_id, *args))
+        if op == DataOp.EXISTS:
+            return [1] * len(args[0])
+        if op == DataOp.PUT:
+            return [0] * len(args[0])
+        if op == DataOp.GET:
+            return list(args[0].sizes)
+        return HIT
+
+    def ask_controller(self, method: str, *args):
+        assert method == "register_rank"
+        config, specs, node_id = args
+        self.registered.append((config, specs, node_id))
+        self.controller_attached = True
+        return Registration("org", KeyScheme.from_config(config), HOME, len(self.registered))
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            unlink_shm_file(handle.path)
+
+
+@pytest.fixture
+def make(monkeypatch):
+    monkeypatch.setattr(client_module, "NodeLink", FakeLink)
+    monkeypatch.setattr(client_module, "ray", SimpleNamespace(
+        is_initialized=lambda: True,
+        get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: NODE)))
+    clients: list[CacheClient] = []
+
+    def make(**config) -> tuple[CacheClient, FakeLink]:
+        c = CacheClient(StorageConfig(model_name="org/m", **config))
+        clients.append(c)
+        return c, FakeLink.made[-1]
+    yield make
+    for c in clients:
+        c.close()
+
+
+def kv_pool(client: CacheClient, mla: bool = False) -> HostPool:
+    shape = dict(layer_num=1, kv_cache_dim=8) if mla else dict(layer_num=1, head_num=1,
+                                                                head_dim=4)
+    pool = client.create_host_pool("mla" if mla else "mha", size=8, page_size=2,
+                                   dtype=torch.uint8, **shape)
+    client.register_mem_pool_host(pool)
+    return pool
+
+
+def test_the_link_is_made_for_the_rank_with_its_deadline(make):
+    client, link = make(extra_config={"timeout_s": 1.5})
+    assert link.node_id == NODE and link.namespace == "raykv" and link.timeout_s == 1.5
+    assert client.health() == {"mode": "embedded"} and client.stats() == {"counters": {}}
+    assert [c[0] for c in link.calls] == ["health", "stats"] and link.data_ops == []
+
+
+def test_a_mode_that_contradicts_the_node_actor_is_refused(make):
+    with pytest.raises(ValueError, match="runs in embedded mode"):
+        make(extra_config={"standalone_storage": True})
+
+
+def test_v2_puts_and_gets_are_one_data_op_each_on_this_node(make):
+    client, link = make()
+    pool = kv_pool(client)
+    assert client.batch_set_v2([PoolTransfer(PoolName.KV, ["a", "b"], list(range(4)))]) == {
+        PoolName.KV: [True, True]}
+    assert client.batch_get_v2([PoolTransfer(PoolName.KV, ["a"], [2, 3])]) == {
+        PoolName.KV: [True]}
+    (put, node, batch), (get, node2, read) = link.data_ops
+    assert (put, node, get, node2) == (DataOp.PUT, None, DataOp.GET, None)
+    assert batch.keys == ["org-m_a_0_k", "org-m_a_0_v", "org-m_b_0_k", "org-m_b_0_v"]
+    assert set(batch.pools) == {pool.name} and read.keys == ["org-m_a_0_k", "org-m_a_0_v"]
+
+
+def test_a_replicated_pool_is_written_by_tp_rank_0_only(make):
+    client, link = make(tp_rank=1, tp_size=2, is_mla_model=True)
+    kv_pool(client, mla=True)
+    assert client.batch_set_v1(["a"], [0, 1]) == [True]
+    assert link.data_ops == []  # nothing to send: TP rank 0 stores it
+    assert client.batch_get_v1(["a"], [0, 1]) == [True]
+    assert [op for op, *_ in link.data_ops] == [DataOp.GET]
+
+
+def test_a_rank_hit_is_one_exists_op_of_its_own_objects(make):
+    client, link = make()
+    kv_pool(client)
+    assert client.batch_exists(["a", "b"]) == 2
+    ((op, node, names),) = link.data_ops
+    assert (op, node) == (DataOp.EXISTS, None)
+    assert sorted(names) == sorted(f"org-m_{h}_0_{b}" for h in "ab" for b in "kv")
+
+
+def test_the_pointer_api_puts_and_gets_on_this_node(make):
+    client, link = make()
+    pool = kv_pool(client)
+    ptrs, sizes = pool.get_page_buffer_meta(list(range(2)))
+    assert client.batch_set(["x_k", "x_v"], ptrs, sizes) is True
+    assert client.batch_get(["x_k", "x_v"], ptrs, sizes) == 2
+    assert [(op, node) for op, node, _ in link.data_ops] == [(DataOp.PUT, None),
+                                                             (DataOp.GET, None)]
+    assert link.data_ops[0][2].keys == ["org-m_x_k", "org-m_x_v"]
+
+
+def test_a_group_query_registers_once_then_goes_to_the_home_node(make):
+    client, link = make(tp_rank=1, tp_size=2)
+    kv_pool(client)
+    assert client.group_exists(["a"]) == HIT
+    assert client.group_exists(["a", "b"]) == HIT
+    ((config, specs, node),) = link.registered  # registered before the first query only
+    assert config is client.config and node == NODE
+    assert [s.role for s in specs] == [PoolName.KV]
+    assert link.data_ops == [
+        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), ["a"], []),
+        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), ["a", "b"], [])]
+
+
+def test_a_group_query_registers_again_after_a_reattach_or_new_pools(make):
+    client, link = make()
+    kv_pool(client)
+    client.group_exists(["a"])
+    link.controller_attached = False  # the link re-attached: the group may have moved
+    client.group_exists(["a"])
+    assert len(link.registered) == 2
+    mamba = client.create_host_pool("mamba", size=4, temporal_shape=(2,), conv_shapes=[(2,)],
+                                    dtype=torch.uint8)
+    client.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    client.group_exists(["a"], [PoolTransfer(PoolName.MAMBA, ["a"],
+                                             hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert len(link.registered) == 3
+    assert [s.role for s in link.registered[-1][1]] == [PoolName.KV, PoolName.MAMBA]
+    assert link.data_ops[-1][1:] == (HOME, "org", 3, (0, 0), ["a"], [
+        PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 1)])
+
+
+def test_bad_input_never_reaches_the_link(make):
+    client, link = make()
+    kv_pool(client)
+    for call in (lambda: client.batch_set_v1(["a"], [1, 2]),  # not page-aligned
+                 lambda: client.batch_exists([]),
+                 lambda: client.group_exists(["a", "a"]),
+                 lambda: client.batch_set(["k"], [0], [8])):  # not inside a pool
+        with pytest.raises(ValueError):
+            call()
+    assert link.data_ops == [] and link.registered == []

@@ -1,0 +1,195 @@
+"""MooncakeBackend's code mapping against a fake ``MooncakeDistributedStore`` (no
+Mooncake): one code per object, never an exception for a store error, put-if-absent
+that reports stored only what the store then reports existing."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
+
+
+class FakeStore:
+    """Objects in ``objects`` exist; ``put_codes`` (key -> code) overrides what a put
+    answers; a key in ``vanishing`` is accepted (0) but never comes to exist; ``raises``
+    names the methods that raise."""
+
+    def __init__(self, objects=()) -> None:
+        self.objects = set(objects)
+        self.put_codes: dict[str, int] = {}
+        self.vanishing: set[str] = set()
+        self.raises: set[str] = set()
+        self.calls: list[tuple] = []
+
+    def _enter(self, method: str, *args) -> None:
+        self.calls.append((method, *args))
+        if method in self.raises:
+            raise RuntimeError(f"{method} failed")
+
+    def batch_is_exist(self, keys):
+        self._enter("batch_is_exist", list(keys))
+        return [1 if k in self.objects else 0 for k in keys]
+
+    def batch_put_from(self, keys, ptrs, sizes):
+        self._enter("batch_put_from", list(keys), list(ptrs), list(sizes))
+        out = []
+        for k in keys:
+            code = self.put_codes.get(k, 0)
+            if code == 0 and k not in self.vanishing:
+                self.objects.add(k)
+            out.append(code)
+        return out
+
+    def batch_get_into(self, keys, ptrs, sizes):
+        self._enter("batch_get_into", list(keys))
+        return [s if k in self.objects else -704 for k, s in zip(keys, sizes, strict=True)]
+
+    def batch_remove(self, keys, force):
+        self._enter("batch_remove", list(keys), force)
+        out = [0 if k in self.objects else -704 for k in keys]
+        self.objects.difference_update(keys)
+        return out
+
+    def alloc_from_mem_pool(self, nbytes):
+        self._enter("alloc_from_mem_pool", nbytes)
+        return 0 if nbytes > 100 else 0x1000
+
+    def register_buffer(self, ptr, nbytes):
+        self._enter("register_buffer", ptr, nbytes)
+        return -600 if nbytes > 100 else 0
+
+    def unregister_buffer(self, ptr):
+        self._enter("unregister_buffer", ptr)
+        return -1
+
+    def health_check(self):
+        return 0 if "health" not in self.raises else 1
+
+
+def test_put_skips_present_objects_and_confirms_the_sent_ones():
+    store = FakeStore({"old"})
+    backend = MooncakeBackend(store)
+    assert backend.put(["old", "new"], [1, 2], [10, 20]) == [ALREADY_PRESENT, 0]
+    assert store.calls == [("batch_is_exist", ["old", "new"]),
+                           ("batch_put_from", ["new"], [2], [20]),
+                           ("batch_is_exist", ["new"])]
+
+
+def test_a_put_of_only_present_objects_sends_nothing():
+    store = FakeStore({"a", "b"})
+    assert MooncakeBackend(store).put(["a", "b"], [1, 2], [1, 1]) == [ALREADY_PRESENT] * 2
+    assert [c[0] for c in store.calls] == ["batch_is_exist"]
+
+
+def test_an_accepted_object_the_store_does_not_report_is_not_confirmed():
+    store = FakeStore()
+    store.vanishing = {"racing"}  # another writer's put of it still in flight
+    assert MooncakeBackend(store).put(["racing", "fine"], [1, 2], [1, 1]) == [
+        NOT_CONFIRMED, 0]
+
+
+def test_put_errors_pass_through_and_are_not_confirmed():
+    store = FakeStore()
+    store.put_codes = {"full": -200}
+    assert MooncakeBackend(store).put(["full", "ok"], [1, 2], [1, 1]) == [-200, 0]
+    assert store.calls[-1] == ("batch_is_exist", ["ok"])  # only the 0s are confirmed
+
+
+def test_a_put_that_raises_fails_the_sent_objects_only():
+    store = FakeStore({"old"})
+    store.raises = {"batch_put_from"}
+    assert MooncakeBackend(store).put(["old", "a", "b"], [1, 2, 3], [1, 1, 1]) == [
+        ALREADY_PRESENT, CLIENT_ERROR, CLIENT_ERROR]
+
+
+def test_an_existence_call_that_raises_is_a_client_error_per_key():
+    store = FakeStore({"a"})
+    backend = MooncakeBackend(store)
+    assert backend.exists(["a", "b"]) == [1, 0]
+    store.raises = {"batch_is_exist"}
+    assert backend.exists(["a", "b"]) == [CLIENT_ERROR] * 2
+    # a put then cannot tell what exists, sends everything, and confirms nothing
+    assert backend.put(["a", "b"], [1, 2], [1, 1]) == [NOT_CONFIRMED] * 2
+
+
+def test_get_and_remove_codes():
+    store = FakeStore({"a"})
+    backend = MooncakeBackend(store)
+    assert backend.get(["a", "b"], [1, 2], [7, 7]) == [7, -704]
+    assert backend.remove(["a"]) == [0]
+    assert store.calls[-1] == ("batch_remove", ["a"], True)  # forced: leases ignored
+    store.raises = {"batch_get_into", "batch_remove"}
+    assert backend.get(["a", "b"], [1, 2], [7, 7]) == [CLIENT_ERROR] * 2
+    assert backend.remove(["a", "b"]) == [CLIENT_ERROR] * 2
+
+
+def test_memory_calls_raise_on_failure_except_unregistering():
+    store = FakeStore()
+    backend = MooncakeBackend(store)
+    assert backend.alloc(64) == 0x1000
+    with pytest.raises(RuntimeError, match="alloc_from_mem_pool"):
+        backend.alloc(4096)
+    backend.register(0x1000, 64)
+    with pytest.raises(RuntimeError, match="register_buffer.*-600"):
+        backend.register(0x1000, 4096)
+    backend.unregister(0x1000)  # logged, never raised: the pool is going anyway
+    assert backend.healthy()
+    store.raises = {"health"}
+    assert not backend.healthy()
+
+
+class FakeDistributedStore:
+    """``mooncake.store.MooncakeDistributedStore``: ``setup`` answers ``rc``; ``setup_dummy``
+    answers each of ``dummy_rcs`` in turn."""
+
+    rc = 0
+    dummy_rcs: list[int] = []
+    made: list[FakeDistributedStore] = []
+
+    def __init__(self) -> None:
+        self.args: tuple = ()
+        FakeDistributedStore.made.append(self)
+
+    def setup(self, *args) -> int:
+        self.args = args
+        return FakeDistributedStore.rc
+
+    def setup_dummy(self, *args) -> int:
+        self.args = args
+        return FakeDistributedStore.dummy_rcs.pop(0)
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.store",
+                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore))
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    FakeDistributedStore.made = []
+    return FakeDistributedStore
+
+
+def test_embedded_setup_failure_names_its_code(fake_mooncake):
+    fake_mooncake.rc = -1
+    with pytest.raises(RuntimeError, match="setup failed with code -1 .master m:1"):
+        MooncakeBackend.embedded(local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE",
+                                 master_server_addr="m:1", global_segment_size=1,
+                                 local_buffer_size=2)
+    fake_mooncake.rc = 0
+    MooncakeBackend.embedded(local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE",
+                             master_server_addr="m:1", global_segment_size=1,
+                             local_buffer_size=2)
+    assert fake_mooncake.made[-1].args == ("10.0.0.1", "P2PHANDSHAKE", 1, 2, "tcp", "", "m:1")
+
+
+def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
+    fake_mooncake.dummy_rcs = [-1, -1, 0]
+    MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,
+                          attempts=3)
+    assert fake_mooncake.made[-1].args == (8, 4, "h:1")
+    fake_mooncake.dummy_rcs = [-1, -1, -5]
+    with pytest.raises(RuntimeError, match="setup_dummy to h:1 failed with code -5"):
+        MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,
+                              attempts=3)
