@@ -4,9 +4,12 @@ Pure (no Ray, no Mooncake, no torch): a rank's client plans here, the node actor
 the bytes. Every check runs before any byte moves; bad input raises ``ValueError``
 naming the problem.
 
-- ``plan_transfers``: the objects of a ``batch_set_v2`` / ``batch_get_v2`` call as one
-  ``ObjectBatch`` (keys, pool, byte offset, byte size per object) and, from the node
-  actor's per-object codes, ``{PoolName: [bool per page]}`` (``TransferPlan``).
+- ``check_transfers``: every check of a ``batch_set_v2`` / ``batch_get_v2`` call, once
+  (sidecars resolved, page starts checked, object keys named: ``CheckedTransfers``).
+- ``plan_transfers``: those objects as one ``ObjectBatch`` (keys, pool, byte offset, byte
+  size per object) and, from the node actor's per-object codes, ``{PoolName: [bool per
+  page]}`` (``TransferPlan``); a call through staging pools lays out each round's
+  objects itself (``TransferPlan.add``, ``cache_actors.rank.engine_pools``).
 - ``check_hit_query`` and ``exists_families``: the keys, per-role queries and object
   families of a hit query (``group_search.search`` turns the codes into the hit).
 
@@ -82,24 +85,64 @@ class PlanPool:
         return PoolSpec(role, self.layout.kind, tuple(b.name for b in self.layout.buffers))
 
 
+@dataclass(frozen=True)
+class PoolPages:
+    """One role's pages in a call, checked: ``objects`` (the object keys, page by page,
+    ``per_page`` each, in key order) and ``starts`` (the first token slot of each page in
+    the memory the call's host indices name: ``pool.layout``)."""
+
+    role: PoolName
+    pool: PlanPool
+    objects: list[str]
+    per_page: int
+    starts: list[int]
+
+    def pages(self, lo: int, hi: int) -> PoolPages:
+        """Pages ``lo`` to ``hi - 1`` of this part."""
+        return PoolPages(self.role, self.pool, self.objects[lo * self.per_page:
+                                                            hi * self.per_page],
+                         self.per_page, self.starts[lo:hi])
+
+
+@dataclass
+class CheckedTransfers:
+    """A call's transfers after every check: ``parts`` (roles whose pages go to the
+    store) and ``fixed`` (per role, results decided without the store: a replicated
+    pool on a rank that does not write it, a disabled pool)."""
+
+    parts: list[PoolPages] = field(default_factory=list)
+    fixed: dict[PoolName, list[bool]] = field(default_factory=dict)
+
+
 @dataclass
 class TransferPlan:
-    """One call's objects, all in ``batch``: ``spans[pool] = (first object, objects per
-    page, pages)``; ``starts[pool]``: the first token slot of each page of a pool in
-    the batch; ``fixed[pool]``: results decided without the store (a replicated pool on
-    a rank that does not write it, a disabled pool)."""
+    """One data call's objects, all in ``batch``: ``spans[role] = (first object, objects
+    per page, pages)``; ``starts[role]``: the first token slot of each page of a role in
+    the batch (in the pool the batch names); ``fixed[role]``: results decided without
+    the store."""
 
     batch: ObjectBatch = field(default_factory=ObjectBatch)
     spans: dict[PoolName, tuple[int, int, int]] = field(default_factory=dict)
     starts: dict[PoolName, list[int]] = field(default_factory=dict)
     fixed: dict[PoolName, list[bool]] = field(default_factory=dict)
 
+    def add(self, part: PoolPages, pool_name: str, layout: PoolLayout,
+            starts: Sequence[int]) -> None:
+        """Lay out ``part``'s objects in ``batch``: its pages at ``starts`` (first slots)
+        of pool ``pool_name`` of ``layout`` (the role's own pool, or the staging pool its
+        pages go through)."""
+        starts = list(starts)
+        self.spans[part.role] = (len(self.batch), part.per_page, len(starts))
+        self.starts[part.role] = starts
+        self.batch.extend(part.objects, pool_name, layout.object_offsets(starts),
+                          layout.object_sizes * len(starts))
+
     def results(self, ok: Sequence[bool]) -> dict[PoolName, list[bool]]:
-        """Per pool, one bool per page: every object of the page ``ok`` (``ok`` holds
+        """Per role, one bool per page: every object of the page ``ok`` (``ok`` holds
         one bool per object of ``batch``)."""
         out = dict(self.fixed)
-        for name, (first, per_page, pages) in self.spans.items():
-            out[name] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
+        for role, (first, per_page, pages) in self.spans.items():
+            out[role] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
                          for p in range(pages)]
         return out
 
@@ -152,25 +195,25 @@ def _slots(indices: object) -> object:
     return indices.cpu().numpy() if callable(getattr(indices, "cpu", None)) else indices
 
 
-def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, PlanPool],
-                   keys: KeyScheme, *, write: bool, epoch: int,
-                   disabled: Collection[PoolName] = ()) -> TransferPlan:
-    """Validate ``transfers`` and lay out their objects in one batch.
+def check_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, PlanPool],
+                    keys: KeyScheme, *, write: bool,
+                    disabled: Collection[PoolName] = ()) -> CheckedTransfers:
+    """Validate ``transfers`` once: sidecars resolved to their source's host indices,
+    every page start checked against its pool's layout, object keys named.
 
     ``pools``: the registered pools by role; ``keys``: the rank's key scheme; ``write``:
     a put (replicated pools are then written by TP rank 0 only: other ranks get True
-    without writing); ``epoch``: that of the pool handles (``ObjectBatch.epoch``);
-    ``disabled``: pools whose pages fail without the store. ``ValueError`` for bad
-    input: not a list of transfers, a pool named twice or unknown or not registered,
-    bad keys or host indices, a sidecar without its source, an object named twice.
+    without writing); ``disabled``: pools whose pages fail without the store.
+    ``ValueError`` for bad input: not a list of transfers, a pool named twice or unknown
+    or not registered, bad keys or host indices, a sidecar without its source, an object
+    named twice.
     """
     by_role = _by_role(transfers)
-    plan = TransferPlan()
-    plan.batch.epoch = epoch
+    out = CheckedTransfers()
     for role, t in by_role.items():
         page_hashes, idx = _resolve(role, t, by_role)
         if role in disabled:
-            plan.fixed[role] = [False] * len(page_hashes)
+            out.fixed[role] = [False] * len(page_hashes)
             continue
         pool = registered(pools, role)
         layout = pool.layout
@@ -179,17 +222,28 @@ def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, P
         except ValueError as e:
             raise ValueError(f"pool {role.value!r}: {e}") from None
         if write and is_replicated(role, layout.kind) and not keys.writes_replicated:
-            plan.fixed[role] = [True] * len(page_hashes)
+            out.fixed[role] = [True] * len(page_hashes)
             continue
         suffixes = keys.suffixes(role, layout.kind, [b.name for b in layout.buffers])
-        first = len(plan.batch)
-        plan.batch.extend([keys.prefix + h + s for h in page_hashes for s in suffixes],
-                          pool.pool_name, layout.object_offsets(starts),
-                          layout.object_sizes * len(page_hashes))
-        plan.spans[role] = (first, len(suffixes), len(page_hashes))
-        plan.starts[role] = starts
-    if len(set(plan.batch.keys)) != len(plan.batch):
+        out.parts.append(PoolPages(role, pool, [keys.prefix + h + s for h in page_hashes
+                                                for s in suffixes], len(suffixes), starts))
+    objects = [k for part in out.parts for k in part.objects]
+    if len(set(objects)) != len(objects):
         raise ValueError("the transfers name the same object twice")
+    return out
+
+
+def plan_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, PlanPool],
+                   keys: KeyScheme, *, write: bool, epoch: int,
+                   disabled: Collection[PoolName] = ()) -> TransferPlan:
+    """Validate ``transfers`` (``check_transfers``) and lay out their objects in one
+    batch at their own pools' offsets; ``epoch``: that of the pool handles
+    (``ObjectBatch.epoch``)."""
+    checked = check_transfers(transfers, pools, keys, write=write, disabled=disabled)
+    plan = TransferPlan(fixed=dict(checked.fixed))
+    plan.batch.epoch = epoch
+    for part in checked.parts:
+        plan.add(part, part.pool.pool_name, part.pool.layout, part.starts)
     return plan
 
 

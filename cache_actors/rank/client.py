@@ -2,8 +2,9 @@
 
 A facade over the pieces that do the work: ``node_link`` (the route to the node's cache
 actor: local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools
-this rank mapped and registered, engine-owned draft staging), ``controllers.
-transfer_plan`` (pure: transfers to one object batch and codes back to pages),
+this rank mapped and registered), ``engine_pools`` (engine memory served through
+staging pools, in rounds), ``controllers.transfer_plan`` (pure: transfers to object
+batches and codes back to pages),
 ``group_registration`` (the controller and group hit queries) and ``pointer_api``
 (the legacy pointer calls). Pools are shared memory owned by the node actor and mapped
 here as torch tensors; calls carry keys and offsets, and the actor moves the bytes
@@ -24,6 +25,7 @@ import ray
 import torch
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.engine_pools import StagedPool, staged_call
 from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
@@ -36,6 +38,7 @@ from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
     TransferPlan,
     check_hit_query,
+    check_transfers,
     exists_families,
     plan_transfers,
     pool_role,
@@ -90,9 +93,9 @@ class CacheClient:
     # ----------------------------------------------------------------- pools
     def create_host_pool(
         self,
-        kind: str,
+        kind: str | PoolLayout,
         *,
-        size: int,
+        size: int | None = None,
         page_size: int | None = None,
         layer_num: int = 0,
         head_num: int = 0,
@@ -123,7 +126,14 @@ class CacheClient:
         engine's staging pool): the node removes it once this process exited; by default
         a pool outlives every rank. Raises ``ValueError`` for a bad shape, or a pool that
         does not fit in the node's budget or shared memory.
+
+        ``kind`` may also be a ``PoolLayout`` (then give no shape arguments, only ``name``
+        and ``per_process``): a pool of exactly that layout.
         """
+        if isinstance(kind, PoolLayout):
+            return self._pools.create(kind, name, per_process)
+        if size is None:
+            raise ValueError(f"a {kind} pool needs size")
         return self._pools.create(pool_layout(
             str(kind).lower(), size=size, page_size=page_size, layer_num=layer_num,
             head_num=head_num, head_dim=head_dim, kv_cache_dim=kv_cache_dim,
@@ -146,8 +156,10 @@ class CacheClient:
         """Remove a pool from this node for every rank; False if it did not exist."""
         return self._pools.destroy(pool)
 
-    def register_mem_pool_host(self, pool: HostPool) -> None:
-        """Make ``pool`` this rank's KV pool (v1 API and the v2 anchor).
+    def register_mem_pool_host(self, pool: HostPool | StagedPool) -> None:
+        """Make ``pool`` this rank's KV pool (v1 API and the v2 anchor): a pool of this
+        client, or engine memory served through a staging pool of this client
+        (``engine_pools.StagedPool``).
 
         Raises ``ValueError`` if the pool was not mapped by this client or its kind does
         not match ``config.is_mla_model``.
@@ -161,7 +173,8 @@ class CacheClient:
         contiguous ``kv_buffer`` tensor, MHA ``(2, size, layers, heads, dim)`` or MLA
         ``(size, layers, 1, dim)``, and ``page_size``): it is served through a shared
         staging pool and a copy. A draft pool that cannot be served disables draft
-        offload with one warning. Other pools must come from this client.
+        offload with one warning. Other pools must come from this client, or be engine
+        memory served through a staging pool of this client (``StagedPool``).
         """
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
@@ -172,21 +185,27 @@ class CacheClient:
         return plan_transfers(transfers, pools.plan_pools, self.key_scheme, write=write,
                               epoch=pools.epoch, disabled=pools.disabled)
 
+    def _transfer(self, transfers: Sequence[PoolTransfer],
+                  write: bool) -> dict[PoolName, list[bool]]:
+        """Check ``transfers`` once, then move their pages: one round trip, or one per
+        round of a staged pool smaller than the call (``engine_pools.staged_call``)."""
+        pools = self._pools
+        checked = check_transfers(transfers, pools.plan_pools, self.key_scheme, write=write,
+                                  disabled=pools.disabled)
+        op = DataOp.PUT if write else DataOp.GET
+        return staged_call(checked, pools.staged, write=write, epoch=pools.epoch,
+                           call=lambda batch: self._link.data(op, batch))
+
     def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
         """Store the pages of every pool in one round trip (existence check and put of
         the missing objects happen together in the node actor). Replicated pools are
         written by TP rank 0 only; other ranks get True without writing."""
-        plan = self._plan_transfers(transfers, write=True)
-        self._pools.stage_in(plan)
-        return plan.stored(self._link.data(DataOp.PUT, plan.batch) if len(plan.batch) else [])
+        return self._transfer(transfers, write=True)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
         """Read the pages of every pool in one round trip; a page is True only if every
         one of its objects was read in full."""
-        plan = self._plan_transfers(transfers, write=False)
-        out = plan.read(self._link.data(DataOp.GET, plan.batch) if len(plan.batch) else [])
-        self._pools.stage_out(plan, out)
-        return out
+        return self._transfer(transfers, write=False)
 
     def batch_exists_v2(self, keys: Sequence[str],
                         transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:

@@ -2,8 +2,9 @@
 
 Pools are shared memory owned by the node actor; the client maps them here as torch
 tensors (``HostPool``) and registers them by role (``PoolName``) for the batch calls.
-A draft pool the engine allocated itself is served through a shared *staging* pool of
-the same shape: its pages are copied into the staging pool before a put and out of it
+Engine memory raykv cannot map (a draft pool the engine allocated itself, an SGLang
+pool of another allocator, vLLM's KV cache) is registered as a ``StagedPool``
+(``engine_pools``): its pages are copied into a staging pool before a put and out of it
 after a get.
 
 Threads: pool management (create, attach, destroy, register, close) is expected from
@@ -19,16 +20,16 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.rank.engine_pools import StagedPool, describe_kv_buffer
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
 from raykv.controllers.keys import check_key_rule
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
-from raykv.controllers.transfer_plan import PlanPool, TransferPlan
+from raykv.controllers.transfer_plan import PlanPool
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +75,6 @@ def pool_layout(kind: str, *, size: int, page_size: int | None, layer_num: int,
                      "vllm")
 
 
-def _copy_pages(src: torch.Tensor, dst: torch.Tensor, starts: Sequence[int],
-                page_size: int) -> None:
-    """Copy whole pages (slot dim 1 for MHA ``(2, size, ...)``, 0 for MLA) src -> dst."""
-    if not starts:
-        return
-    slots = torch.as_tensor(np.add.outer(np.asarray(starts), np.arange(page_size)).ravel())
-    dim = 1 if src.dim() == 5 else 0
-    dst.index_copy_(dim, slots, src.index_select(dim, slots))
-
-
 def _draft_problem(buf: object, page_size: object) -> str | None:
     """Why an engine's draft pool cannot be served through a staging pool, or None."""
     if not isinstance(buf, torch.Tensor) or buf.dim() not in (4, 5):
@@ -104,18 +95,19 @@ class PoolLifecycle:
     ``epoch``: that of the node's pool memory the mappings belong to (``PoolHandle``);
     when a handle of a newer epoch arrives, every other mapping is marked for re-mapping
     (``link.stale``). ``plan_pools`` and ``specs``: the registered pools as transfer
-    planning and the controller see them; ``disabled``: pools whose pages fail without
-    the store (a draft pool that cannot be served).
+    planning and the controller see them (a staged pool: its staging pool's name, the
+    engine's layout); ``staged``: the registered ``StagedPool``s by role; ``disabled``:
+    pools whose pages fail without the store (a draft pool that cannot be served).
     """
 
     def __init__(self, link: NodeLink) -> None:
         self._link = link
         self._mapped: dict[str, HostPool] = {}
-        self._registered: dict[PoolName, HostPool] = {}
-        self._staged: dict[PoolName, torch.Tensor] = {}
+        self._registered: dict[PoolName, HostPool | StagedPool] = {}
         self._draft_problem: str | None = None
         self.epoch = 0
         self.plan_pools: dict[PoolName, PlanPool] = {}
+        self.staged: dict[PoolName, StagedPool] = {}
         self.specs: tuple[PoolSpec, ...] = ()
         self.disabled: frozenset[PoolName] = frozenset()
 
@@ -152,7 +144,7 @@ class PoolLifecycle:
         mapped = self._mapped.pop(name, None)
         if mapped is not None:
             self._set_registered({k: v for k, v in self._registered.items()
-                                  if v is not mapped})
+                                  if v is not mapped and getattr(v, "pool", None) is not mapped})
             mapped.close()
         return self._link.call("destroy_pool", name)
 
@@ -181,13 +173,15 @@ class PoolLifecycle:
         return list(self._mapped.values())
 
     # -------------------------------------------------------- registration
-    def _own(self, pool: object, what: str) -> HostPool:
-        if not isinstance(pool, HostPool) or self._mapped.get(pool.name) is not pool:
+    def _own(self, pool: object, what: str) -> HostPool | StagedPool:
+        """``pool`` if this client mapped it (a ``StagedPool``: its staging pool)."""
+        mapped = pool.pool if isinstance(pool, StagedPool) else pool
+        if not isinstance(mapped, HostPool) or self._mapped.get(mapped.name) is not mapped:
             raise ValueError(f"{what} needs a pool returned by this client's create_host_pool "
                              "or attach_host_pool")
         return pool
 
-    def register_kv(self, pool: HostPool, is_mla_model: bool) -> None:
+    def register_kv(self, pool: HostPool | StagedPool, is_mla_model: bool) -> None:
         """Register ``pool`` as KV (see ``CacheClient.register_mem_pool_host``)."""
         self._own(pool, "register_mem_pool_host")
         want = "mla" if is_mla_model else "mha"
@@ -198,7 +192,7 @@ class PoolLifecycle:
 
     def register(self, pool: object, name: PoolName, is_mla_model: bool) -> None:
         """Register ``pool`` as ``name`` (see ``CacheClient.register_mem_host_pool_v2``)."""
-        if name == PoolName.DRAFT and not isinstance(pool, HostPool):
+        if name == PoolName.DRAFT and not isinstance(pool, HostPool | StagedPool):
             self._register_engine_draft(pool)
             return
         pool = self._own(pool, "register_mem_host_pool_v2")
@@ -218,42 +212,16 @@ class PoolLifecycle:
             self._draft_problem = problem
             self.disabled = frozenset({PoolName.DRAFT})
             return
-        dtype, itemsize = _dtype_pair(buf.dtype)
-        if buf.dim() == 5:  # MHA (2, size, layers, heads, dim)
-            layout = PoolLayout.mha(page_size=page_size, size=buf.shape[1],
-                                    layer_num=buf.shape[2], head_num=buf.shape[3],
-                                    head_dim=buf.shape[4], dtype=dtype, itemsize=itemsize)
-        else:  # MLA (size, layers, 1, dim)
-            layout = PoolLayout.mla(page_size=page_size, size=buf.shape[0],
-                                    layer_num=buf.shape[1], kv_cache_dim=buf.shape[3],
-                                    dtype=dtype, itemsize=itemsize)
-        staging = self.create(layout, per_process=True)
-        self._set_registered({**self._registered, PoolName.DRAFT: staging})
-        self._staged[PoolName.DRAFT] = buf
+        memory = describe_kv_buffer(buf, page_size)
+        staging = self.create(memory.layout, per_process=True)
+        self._set_registered({**self._registered, PoolName.DRAFT: StagedPool(memory, staging)})
 
-    def _set_registered(self, pools: dict[PoolName, HostPool]) -> None:
+    def _set_registered(self, pools: dict[PoolName, HostPool | StagedPool]) -> None:
         self._registered = pools
-        self.plan_pools = {n: PlanPool(p.name, p.handle.layout) for n, p in pools.items()}
+        self.plan_pools = {n: PlanPool(p.name, p.layout) for n, p in pools.items()}
+        self.staged = {n: p for n, p in pools.items() if isinstance(p, StagedPool)}
         self.specs = tuple(sorted((pp.spec(n) for n, pp in self.plan_pools.items()),
                                   key=lambda s: s.role.value))
-
-    # ------------------------------------------------------------- staging
-    def stage_in(self, plan: TransferPlan) -> None:
-        """Before a put: copy the planned pages of engine-owned pools to their staging
-        pools."""
-        for name, buf in self._staged.items():
-            if name in plan.starts:
-                staging = self._registered[name]
-                _copy_pages(buf, staging.kv_buffer, plan.starts[name], staging.page_size)
-
-    def stage_out(self, plan: TransferPlan, results: dict[PoolName, list[bool]]) -> None:
-        """After a get: copy the pages read in full from staging to engine-owned pools."""
-        for name, buf in self._staged.items():
-            if name in plan.starts:
-                staging = self._registered[name]
-                read = [s for s, ok in zip(plan.starts[name], results[name], strict=True)
-                        if ok]
-                _copy_pages(staging.kv_buffer, buf, read, staging.page_size)
 
     def close(self) -> None:
         """Unmap every pool of this client and forget its registrations."""
@@ -261,4 +229,3 @@ class PoolLifecycle:
             pool.close()
         self._mapped.clear()
         self._set_registered({})
-        self._staged.clear()

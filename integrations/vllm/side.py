@@ -21,6 +21,7 @@ from raykv.integrations.vllm.options import ConnectorOptions
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.engine_pools import StagedPool
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
@@ -61,6 +62,11 @@ class ConnectorSide(ABC):
         """This side's host pool of kind ``vllm``, named ``name``, made by ``client``
         (registered as the KV pool by ``_attach``)."""
 
+    def _served(self, pool: HostPool) -> HostPool | StagedPool:
+        """What ``_attach`` registers as the KV pool: ``pool`` itself, or vLLM's own
+        memory served through it (``StagedPool``: the worker side)."""
+        return pool
+
     def _storage_config(self) -> StorageConfig:
         return self.opts.storage_config(tp_rank=self.tp_rank, tp_size=self.tp_size,
                                         pp_rank=self.pp_rank, pp_size=self.pp_size)
@@ -78,7 +84,7 @@ class ConnectorSide(ABC):
                              namespace=self.opts.namespace)
         try:
             pool = self._create_pool(client, f"vllm-{uuid.uuid4().hex[:12]}")
-            client.register_mem_host_pool_v2(pool, PoolName.KV)
+            client.register_mem_host_pool_v2(self._served(pool), PoolName.KV)
         except BaseException:
             client.close()
             raise

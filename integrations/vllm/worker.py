@@ -1,8 +1,10 @@
 """The worker side of raykv's vLLM connector (one per TP rank, in vLLM's worker).
 
-A shared host pool of kind ``vllm`` on the rank's node (page = one vLLM block of every
-layer, laid out as vLLM's CPU block layout, so a block of one layer is one contiguous
-copy); the node actor moves pages between that pool and Mooncake with no copy. Loads
+vLLM's KV cache is served through a staging pool of kind ``vllm`` on the rank's node
+(page = one vLLM block of every layer, laid out as vLLM's CPU block layout, so a block
+of one layer is one contiguous copy; ``engine_pools.StagedPool``): the client copies a
+save's blocks into it and a load's blocks read in full out of it, and the node actor
+moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
 it (``wait_for_save``); both synchronous, on vLLM's worker thread. Every block that did
 not load is reported by ``get_block_ids_with_load_errors`` (so
@@ -17,7 +19,14 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+from raykv.cache_actors.rank.engine_pools import (
+    EngineMemory,
+    StagedPool,
+    dtype_of,
+    staging_layout,
+)
 from raykv.controllers.contract import PoolName, PoolTransfer
+from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.plan import BlockTransfer
@@ -44,18 +53,22 @@ class RayKVConnectorWorker(ConnectorSide):
                          pp_rank=pp_rank, pp_size=pp_size)
         self._kv_cache_config = kv_cache_config
         self._layers: list[torch.Tensor] = []  # per layer: (num_blocks, *block) views
+        self._memory: EngineMemory | None = None  # the same, as a raykv pool
         self._block_shape: tuple[int, ...] = ()
         self._load_errors: set[int] = set()
         self._bad_reqs: set[str] = set()  # requests whose load failed this step
 
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
-        layers = len(self._layers)
-        heads, dim = self._pool_dims()
+        """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
         return client.create_host_pool(
-            "vllm", page_size=self.block_size,
-            size=self.opts.pool_blocks * self.block_size, layer_num=layers,
-            head_num=heads, head_dim=dim, dtype=self._layers[0].dtype, name=name,
+            staging_layout(self._memory.layout, self.opts.pool_blocks), name=name,
             per_process=True)
+
+    def _served(self, pool: HostPool) -> StagedPool:
+        """vLLM's KV cache through ``pool``, ``pool_blocks`` blocks per round (one
+        window for loads and saves: both run on vLLM's worker thread)."""
+        return StagedPool(self._memory, pool, self.opts.pool_blocks, shared=True,
+                          stage=self._pages)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
@@ -79,6 +92,13 @@ class RayKVConnectorWorker(ConnectorSide):
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
                              f"of block_size {self.block_size}")
+        heads, dim = self._pool_dims()
+        dtype, itemsize = dtype_of(first)
+        # vLLM's blocks as a raykv pool: page = block id, one view per layer.
+        self._memory = EngineMemory(PoolLayout.vllm(
+            page_size=self.block_size, size=num_blocks * self.block_size,
+            layer_num=len(tensors), head_num=heads, head_dim=dim, dtype=dtype,
+            itemsize=itemsize), self._layers)
         log.info("RayKVConnector tp %d: %d layers of %d blocks %s %s", self.tp_rank,
                  len(tensors), num_blocks, self._block_shape, first.dtype)
         self._attach_at_start()
@@ -92,10 +112,18 @@ class RayKVConnectorWorker(ConnectorSide):
             return shape[0], shape[2]
         return 1, math.prod(shape) // self.block_size
 
-    def _pages(self) -> torch.Tensor:
-        """The pool as ``(pool_blocks, layers, elements per block)``."""
-        buf = self._pool.kv_buffer
-        return buf.view(buf.shape[0], buf.shape[1], -1)
+    def _pages(self, pool: HostPool) -> list[torch.Tensor]:
+        """The staging pool's pages per layer, ``(pool_blocks, *block)`` views lining up
+        with ``self._layers`` (a page holds every layer's block, layer after layer)."""
+        buf = pool.kv_buffer
+        pages = buf.view(buf.shape[0], buf.shape[1], -1)
+        return [pages[:, layer].view(buf.shape[0], *self._block_shape)
+                for layer in range(buf.shape[1])]
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        """Host indices (token slots) of vLLM's blocks ``block_ids``."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Load the step's blocks (``meta.loads``) before the forward; the blocks that
@@ -114,8 +142,10 @@ class RayKVConnectorWorker(ConnectorSide):
             self.stats["loaded"] += first
 
     def _load(self, x: BlockTransfer) -> int:
-        """Load ``x``'s blocks into vLLM's KV cache; the index of the first block that did
-        not load (``len`` if all did). Never raises."""
+        """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
+        full out of the staging pool), ``pool_blocks`` at a time, up to the first chunk
+        with a block that did not load; the index of that block (``len`` if all did).
+        Never raises."""
         done = 0
         try:
             self._cache()
@@ -124,10 +154,10 @@ class RayKVConnectorWorker(ConnectorSide):
                 n = min(n_pool, len(x.block_ids) - done)
                 hashes = x.hashes[done:done + n]
                 ok = self._client.batch_get_v2([PoolTransfer(
-                    PoolName.KV, hashes, torch.arange(n * self.block_size))])[PoolName.KV]
+                    PoolName.KV, hashes, self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 good = ok.index(False) if False in ok else n
-                if good:
-                    self._copy_in(x.block_ids[done:done + good], good)
+                if good and self.opts.debug_corrupt_loads:
+                    self._copy_in(x.block_ids[done:done + good])
                 done += good
                 if good < n:
                     break
@@ -136,15 +166,14 @@ class RayKVConnectorWorker(ConnectorSide):
                             "vLLM recomputes them", len(x.block_ids) - done, e)
         return done
 
-    def _copy_in(self, block_ids: list[int], n: int) -> None:
-        pages = self._pages()[:n]
-        if self.opts.debug_corrupt_loads:
-            pages.copy_(torch.randn(pages.shape).to(pages.dtype))
+    def _copy_in(self, block_ids: list[int]) -> None:
+        """Test only (``debug_corrupt_loads``): overwrite loaded blocks with random
+        values."""
         device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for layer, blocks in enumerate(self._layers):
-            blocks.index_copy_(0, ids, pages[:, layer].reshape(n, *self._block_shape)
-                               .to(device))
+        for blocks in self._layers:
+            noise = torch.randn((len(block_ids), *self._block_shape)).to(blocks.dtype)
+            blocks.index_copy_(0, ids, noise.to(device))
 
     def _agree(self, firsts: list[int]) -> list[int]:
         """Every TP rank takes the smallest first-failed block of any rank, so all ranks
@@ -172,16 +201,11 @@ class RayKVConnectorWorker(ConnectorSide):
         done = 0
         try:
             self._cache()
-            pages = self._pages()
-            while done < len(x.block_ids):
+            while done < len(x.block_ids):  # the client copies the blocks into staging
                 n = min(self.opts.pool_blocks, len(x.block_ids) - done)
-                ids = torch.tensor(x.block_ids[done:done + n], dtype=torch.long,
-                                   device=self._layers[0].device)
-                for layer, blocks in enumerate(self._layers):
-                    pages[:n, layer].copy_(blocks.index_select(0, ids).reshape(n, -1))
                 ok = self._client.batch_set_v2([PoolTransfer(
                     PoolName.KV, x.hashes[done:done + n],
-                    torch.arange(n * self.block_size))])[PoolName.KV]
+                    self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 self.stats["saved"] += sum(ok)
                 self.stats["save_failed"] += n - sum(ok)
                 done += n

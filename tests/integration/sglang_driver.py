@@ -697,27 +697,29 @@ class Engine:
         backup of prompt ``seed`` (``n_pages``; SGLang's pages copied into staging before
         the put), or ``"out"``, a prefetch of it (backed up before; the pages read copied
         out of staging into SGLang's). Each page of that copy is slowed by ``copy_s``
-        seconds (test-only: ``raykv.integrations.sglang._runs`` patched for this step),
+        seconds (test-only: ``engine_pools.page_runs`` patched for this step),
         and ``close()`` runs once the copy has begun; the backup or prefetch runs on a
         thread of this step through SGLang's own threads.
 
         Returns ``result`` (what ``write`` / ``prefetch`` report: the acked tokens, or
         the pages SGLang's acks count loaded and whether their bytes are the writer's),
         ``close`` (start, end) and ``copy_started`` (seconds since the step began)."""
-        import raykv.integrations.sglang as raykv_sglang
+        from raykv.cache_actors.rank import engine_pools
+        from raykv.cache_actors.rank.engine_pools import StagedPool
 
-        runs = raykv_sglang._runs
-        copy = self.store._copy
+        runs = engine_pools.page_runs
+        method = "copy_in" if step["direction"] == "in" else "copy_out"
+        copy = getattr(StagedPool, method)
         slowed = threading.local()
         copying = threading.Event()
         backup = step["direction"] == "in"
         t0 = time.perf_counter()
         copy_started: list[float] = []
 
-        def slow_copy(ep, epages, spages, to_stage):
-            slowed.on = to_stage == backup
+        def slow_copy(staged, epages, spages):
+            slowed.on = True
             try:
-                return copy(ep, epages, spages, to_stage=to_stage)
+                return copy(staged, epages, spages)
             finally:
                 slowed.on = False
 
@@ -740,8 +742,8 @@ class Engine:
             except Exception as e:
                 done["error"] = repr(e)
 
-        self.store._copy = slow_copy
-        raykv_sglang._runs = slow_runs
+        setattr(StagedPool, method, slow_copy)
+        engine_pools.page_runs = slow_runs
         try:
             thread = threading.Thread(target=transfer, name="close-copy")
             thread.start()
@@ -752,8 +754,8 @@ class Engine:
             close["end"] = time.perf_counter() - t0
             thread.join(120)
         finally:
-            raykv_sglang._runs = runs
-            self.store.__dict__.pop("_copy", None)
+            engine_pools.page_runs = runs
+            setattr(StagedPool, method, copy)
         if "error" in done:
             raise RuntimeError(f"the {step['direction']} transfer failed: {done['error']}")
         return {"result": done.get("result"), "close": close,

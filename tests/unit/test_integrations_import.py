@@ -19,9 +19,21 @@ def test_sglang_benchmark_modules_import_without_sglang():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_sglang_package_imports_without_sglang():
+    """The backend's package and its pure modules (config, pools, transfers, serving)
+    never import SGLang; only ``RayKVStore`` (module ``store``) does, on first use."""
+    code = ("import sys, raykv.integrations.sglang as s, raykv.integrations.sglang.config, "
+            "raykv.integrations.sglang.pools, raykv.integrations.sglang.transfers, "
+            "raykv.integrations.sglang.serving; "
+            "assert 'sglang' not in sys.modules, 'the sglang package imported sglang'; "
+            "assert s.__all__ == ['RayKVStore']")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_sglang_backend_needs_sglang_only_when_imported():
     if importlib.util.find_spec("sglang") is not None:
         return  # this venv has SGLang: nothing to check here
-    r = subprocess.run([sys.executable, "-c", "import raykv.integrations.sglang"],
+    r = subprocess.run([sys.executable, "-c",
+                        "from raykv.integrations.sglang import RayKVStore"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "sglang" in r.stderr

@@ -1,0 +1,304 @@
+"""``RayKVStore``: SGLang's ``HiCacheStorage`` on raykv (the package docstring tells how
+SGLang loads it). The only module of the package that imports SGLang."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
+from raykv.cache_actors.rank.client import CacheClient
+from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.controllers.contract import PoolName
+from raykv.integrations.ray_join import join_ray
+from raykv.integrations.sglang.config import SUPPORTED_POOLS, BackendOptions, storage_config
+from raykv.integrations.sglang.serving import ServedPools
+from raykv.integrations.sglang.transfers import (
+    exists_queries,
+    failed,
+    results_for,
+    to_raykv,
+    value,
+)
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.hicache_storage import PoolName as SGPoolName
+from sglang.srt.mem_cache.hicache_storage import PoolTransfer as SGPoolTransfer
+from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as SGPoolTransferResult
+
+log = logging.getLogger("raykv.integrations.sglang")
+
+WARN_EVERY_S = 10.0
+"""At most one warning per failing call kind per this many seconds."""
+
+
+class RayKVStore(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` on raykv (see the package docstring).
+
+    Constructed by SGLang's factory as ``RayKVStore(storage_config, {})``. Extra-config
+    keys read here: ``ray_address``, ``ray_namespace``, ``ray_auth_mode``,
+    ``ray_node_id`` (serve through the cache actor of that node instead of the node Ray
+    placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
+    memfds), ``staging_pages`` (per pool and direction, default 256),
+    ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
+    deadline of each call to raykv, default 5 s: past it a lookup is a miss, a backup or
+    a load fails for its pages, and SGLang keeps serving).
+
+    Methods follow SGLang's ``HiCacheStorage``: registration, the v2 API, the v1 API,
+    the legacy abstract API, then ``clear``, ``get_stats``, ``close`` and
+    ``raykv_stats``. Every data method turns a failure into misses / failed pages with
+    a rate-limited warning, never a raise.
+    """
+
+    def __init__(self, storage_config_: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        opts = BackendOptions.from_extra(storage_config_.extra_config)
+        self.sglang_config = storage_config_
+        self.config = storage_config(storage_config_)
+        self._namespace = opts.namespace
+        joined = join_ray(opts.ray_address, opts.namespace, opts.auth_mode,
+                          default_address=None)
+        self._node_id = opts.node_id or joined
+        self.client = CacheClient(self.config, node_id=self._node_id,
+                                  namespace=self._namespace)
+        # The node's Mooncake mode decides what zero-copy is possible.
+        self._served = ServedPools(self.client, self.client.health()["mode"], opts,
+                                   self.config.is_mla_model)
+        self._pools = self._served.pools
+        self._warn_log = ThrottledLog(log, WARN_EVERY_S)
+        self._warned_legacy = False
+        self.counters: Counter[str] = Counter()
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                         "backup_bandwidth": []}
+        self.mem_pool_host = None
+        self.registered_pools = {}
+        if not opts.interface_v1:
+            log.warning("raykv: \"interface_v1\" is not set in "
+                        "--hicache-storage-backend-extra-config: SGLang will use its legacy "
+                        "value API, which raykv does not serve (no hits, no backups)")
+
+    # ----------------------------------------------------------- registration
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """The anchor (KV) host pool."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._served.register(PoolName.KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Any pool of the host pool group (KV again included). ``ValueError`` for a pool
+        raykv does not serve (SGLang then fails the attach with that message)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = SUPPORTED_POOLS.get(value(host_pool_name))
+        if name is None:
+            raise ValueError(f"raykv does not serve SGLang pool {value(host_pool_name)!r} "
+                             f"(served: {sorted(SUPPORTED_POOLS)})")
+        self._served.register(name, host_pool)
+
+    def on_host_pools_registered(self) -> None:
+        """Register the deployment with the controller now, so a conflict with the rest
+        of the group (TP size, MLA flag, pool kinds) fails the attach."""
+        if PoolName.KV not in self._pools:
+            raise ValueError("raykv: no KV host pool was registered")
+        self.client.register_deployment()
+
+    # ------------------------------------------------------------------ v2 API
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None):
+        """The longest prefix KV and every pool of ``pool_transfers`` can restore, for
+        the whole TP group (raykv's group query)."""
+        if not keys:
+            return SGPoolTransferResult(0, {}, [])
+        try:
+            self._ready()
+            hit = self.client.group_exists(list(keys), exists_queries(pool_transfers))
+            return SGPoolTransferResult(
+                hit.kv_hit_pages,
+                {SGPoolName(p.value): n for p, n in hit.extra_pool_hit_pages.items()},
+                list(hit.restorable_prefix_pages))
+        except Exception as e:
+            self._warn("batch_exists_v2", e)
+            return SGPoolTransferResult(0, {}, [])
+
+    def batch_get_v2(self, transfers: list, extra_info=None) -> dict:
+        return self._v2(transfers, False, "batch_get_v2")
+
+    def batch_set_v2(self, transfers: list, extra_info=None) -> dict:
+        """Never raises: a failure reports every page of the call as not stored."""
+        return self._v2(transfers, True, "batch_set_v2")
+
+    def _v2(self, transfers, write: bool, what: str) -> dict:
+        """Forward SGLang's ``transfers`` to the client one to one (staged pools go
+        through their staging pools in rounds, inside the client)."""
+        start = time.perf_counter()
+        try:
+            self._ready()
+            forwarded, empty = to_raykv(transfers)
+            out = ({} if not forwarded else self.client.batch_set_v2(forwarded) if write
+                   else self.client.batch_get_v2(forwarded))
+        except Exception as e:
+            self._warn(what, e)
+            return failed(transfers)
+        result = results_for(out, empty, SGPoolName)
+        pages = sum(sum(v) for v in out.values())
+        served = dict(self._pools)  # close() may clear it meanwhile
+        nbytes = sum(sum(v) * sum(served[n].layout.object_sizes)
+                     for n, v in out.items() if n in served)
+        self.counters[f"{'set' if write else 'get'}_pages"] += pages
+        if self.config.enable_storage_metrics:
+            kind = "backup" if write else "prefetch"
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(
+                nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+        return result
+
+    # ------------------------------------------------------------------ v1 API
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._kv_v1(keys, host_indices, write=False)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._kv_v1(keys, host_indices, write=True)
+
+    def _kv_v1(self, keys, host_indices, write: bool) -> list[bool]:
+        if not keys:
+            return []
+        t = SGPoolTransfer(name=SGPoolName.KV, host_indices=host_indices, keys=list(keys))
+        out = self._v2([t], write, "batch_set_v1" if write else "batch_get_v1")
+        return out.get(SGPoolName.KV, [False] * len(keys))
+
+    # --------------------------------------------------- legacy abstract API
+    # SGLang without "interface_v1" hands page *values* (tensors) to batch_set and
+    # batch_get. raykv moves bytes only between registered pools and the store, never
+    # through a call, so that path is refused: one warning, then False / misses, and
+    # SGLang recomputes. The pointer form (target_locations = ints) is served when every
+    # pointer lies inside one of SGLang's registered host pools (keys then carry their
+    # own suffixes, as in MooncakeStore's pointer API; the model tag is added once).
+    def get(self, key, target_location=None, target_sizes=None):
+        """One object into a pointer (see ``batch_get``): True, or None if not read."""
+        n = self.batch_get([key], None if target_location is None else [target_location],
+                           None if target_sizes is None else [target_sizes])
+        return True if n == 1 else None
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        """Legacy pointer API: the number of leading objects read in full (0 on any
+        failure); the value form returns ``[None] * len(keys)`` (see above)."""
+        ptrs = self._legacy("batch_get", None, target_locations)
+        if ptrs is None:
+            return [None] * len(keys)
+        try:
+            self._ready()
+            return self.client.batch_get(list(keys), ptrs, target_sizes)
+        except Exception as e:
+            self._warn("batch_get", e)
+            return 0
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        """One object from a pointer (see ``batch_set``)."""
+        return self.batch_set([key], None if value is None else [value],
+                              None if target_location is None else [target_location],
+                              None if target_sizes is None else [target_sizes])
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        """Legacy pointer API: True only if every object was stored; False for the value
+        form (see above) and on any failure."""
+        ptrs = self._legacy("batch_set", values, target_locations)
+        if ptrs is None:
+            return False
+        try:
+            self._ready()
+            return self.client.batch_set(list(keys), ptrs, target_sizes)
+        except Exception as e:
+            self._warn("batch_set", e)
+            return False
+
+    def exists(self, key) -> bool:
+        """Whether the KV objects of page ``key`` exist for this rank."""
+        try:
+            self._ready()
+            return self.client.batch_exists([key]) == 1
+        except Exception as e:
+            self._warn("exists", e)
+            return False
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading pages whose KV objects exist for every TP rank of the deployment."""
+        if not keys:
+            return 0
+        try:
+            self._ready()
+            return self.client.group_exists(list(keys)).kv_hit_pages
+        except Exception as e:
+            self._warn("batch_exists", e)
+            return 0
+
+    def _legacy(self, what: str, values, locations) -> list[int] | None:
+        """Pointers of the legacy call in raykv's mappings, or None (refused, warned)."""
+        if values is not None or locations is None or any(
+                not isinstance(p, int) for p in locations):
+            if not self._warned_legacy:
+                self._warned_legacy = True
+                log.warning("raykv: SGLang called the legacy %s with page values; raykv "
+                            "serves only the v1/v2 API: add \"interface_v1\": 1 to "
+                            "--hicache-storage-backend-extra-config", what)
+            return None
+        return [self._served.pointer(p) for p in locations]
+
+    # ----------------------------------------------------------------- misc
+    def clear(self) -> None:
+        """raykv never deletes shared objects on one engine's behalf (other engines and
+        nodes may be reading them); objects leave the store by Mooncake's eviction."""
+        log.info("raykv: clear() leaves the shared store as it is")
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` since the last call (with
+        ``enable_storage_metrics``), else None."""
+        if not self.config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        for k, v in self._metrics.items():
+            getattr(m, k).extend(v)
+            v.clear()
+        return m
+
+    def close(self) -> None:
+        """Drop this backend's pools from the node actor and close the client (from
+        any thread; a second call does nothing more). A staging pool goes only once the
+        staged transfer under way on it has ended, so close() may wait for one transfer
+        per pool (its rounds' store calls, each within ``timeout_s``). Calls after
+        close() fail their pages, never raise."""
+        self._served.close()
+
+    def raykv_stats(self) -> dict:
+        """This backend's counters and how each pool is served."""
+        counters = dict(self.counters)
+        staged = self._served.staged_bytes()
+        if staged:
+            counters["staged_bytes"] = staged
+        return {"counters": counters, "mode": self._served.mode,
+                "pools": self._served.stats()}
+
+    # ----------------------------------------------------------------- helpers
+    def _warn(self, what: str, e: BaseException) -> None:
+        """Count and (rate-limited) log a failed call. After an unavailable node actor
+        (a restart) the zero-copy pools are adopted again before the next call; not after
+        a deadline: the actor is slow or hung, not new, and adopting is a control call
+        that would hold SGLang's thread while it stays hung."""
+        self.counters[f"{what}_failures"] += 1
+        restarted = isinstance(e, NodeUnavailableError) and not isinstance(
+            e, DeadlineExceededError)
+        if restarted or "does not have" in str(e):
+            self._served.mark_readopt()
+        self._warn_log.warn(what, "raykv %s failed, reported as misses / failed pages: %s",
+                            what, e)
+
+    def _ready(self) -> None:
+        if self._served.readopt:
+            self._served.readopt_all()

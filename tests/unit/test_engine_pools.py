@@ -1,0 +1,148 @@
+"""``engine_pools`` without Ray: an engine buffer described as a raykv layout (the same
+bytes at the same offsets), the page-run copy and staged rounds on plain mappings."""
+
+import mmap
+
+import pytest
+import torch
+from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.rank.engine_pools import (
+    EngineMemory,
+    StagedPool,
+    describe_kv_buffer,
+    page_runs,
+    staged_call,
+    staging_layout,
+)
+from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
+from raykv.controllers.keys import KeyScheme
+from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.transfer_plan import PlanPool, check_transfers
+
+PAGE = 4
+
+
+def host_pool(layout: PoolLayout, name: str = "staging") -> HostPool:
+    return HostPool(PoolHandle(name, "seg", layout), mmap.mmap(-1, layout.nbytes), owner=False)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize(("shape", "order", "kind", "size"), [
+    ((2, 32, 3, 2, 8), "page_first", "mha", 32),
+    ((2, 8, 3, PAGE, 2, 8), "page_first_direct", "mha", 32),
+    ((32, 3, 1, 16), "page_first", "mla", 32),
+    ((8, 3, PAGE, 1, 16), "page_first_direct", "mla", 32),
+])
+def test_described_buffers_hold_each_page_object_at_the_layouts_offset(shape, order, kind,
+                                                                       size):
+    buf = torch.randn(shape).to(torch.bfloat16)
+    memory = describe_kv_buffer(buf, PAGE, order)
+    layout = memory.layout
+    assert (layout.kind, layout.size, layout.page_size) == (kind, size, PAGE)
+    assert layout.nbytes == buf.numel() * buf.element_size()
+    offsets = layout.object_offsets([2 * PAGE])
+    for obj, (off, n) in enumerate(zip(offsets, layout.object_sizes, strict=True)):
+        assert torch.equal(memory.pages[obj][2], raw(buf)[off:off + n])
+
+
+@pytest.mark.parametrize(("buf", "order", "match"), [
+    (torch.zeros(3, 32, 3, 2, 8), "page_first", "neither MHA nor MLA"),
+    (torch.zeros(32, 3, 1, 16), "page_first_direct", "neither MHA nor MLA"),
+    (torch.zeros(2, 32, 3, 4, 8)[:, :, :, :2], "page_first", "not contiguous"),
+])
+def test_describe_refuses_what_is_not_one_run_per_page(buf, order, match):
+    with pytest.raises(ValueError, match=match):
+        describe_kv_buffer(buf, PAGE, order)
+
+
+def test_page_runs_are_maximal_on_both_sides():
+    assert page_runs([4, 5, 9], [0, 1, 2]) == [(4, 0, 2), (9, 2, 1)]
+    assert page_runs([1, 2, 3], [5, 3, 4]) == [(1, 5, 1), (2, 3, 2)]
+    assert page_runs([], []) == []
+
+
+def test_staging_layout_keeps_the_page_geometry():
+    layout = describe_kv_buffer(torch.zeros(2, 32, 3, 2, 8), PAGE).layout
+    small = staging_layout(layout, 3)
+    assert small.size == 3 * PAGE and small.buffers == layout.buffers
+    assert small.object_sizes == layout.object_sizes
+
+
+class Store:
+    """A store of object bytes for ``staged_call``'s data calls on the given pools."""
+
+    def __init__(self, *pools: HostPool) -> None:
+        self.pools = {p.name: p for p in pools}
+        self.objects: dict[str, bytes] = {}
+        self.calls = 0
+
+    def __call__(self, write: bool):
+        def call(batch):
+            self.calls += 1
+            codes = []
+            for key, pool, off, size in zip(batch.keys, batch.pools, batch.offsets,
+                                            batch.sizes, strict=True):
+                view = self.pools[pool]._bytes[off:off + size]
+                if write:
+                    self.objects[key] = view.numpy().tobytes()
+                    codes.append(0)
+                elif key in self.objects:
+                    view.copy_(torch.frombuffer(bytearray(self.objects[key]),
+                                                dtype=torch.uint8))
+                    codes.append(size)
+                else:
+                    codes.append(-1)
+            return codes
+        return call
+
+
+def move(staged: StagedPool, keys, block_ids, write: bool, store: Store):
+    slots = (torch.tensor(block_ids)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    checked = check_transfers([PoolTransfer(PoolName.KV, keys, slots)],
+                              {PoolName.KV: PlanPool(staged.name, staged.layout)},
+                              KeyScheme.from_config(StorageConfig()), write=write)
+    return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=0,
+                       call=store(write))[PoolName.KV]
+
+
+def test_vllm_layers_staged_one_block_per_page_in_rounds():
+    """vLLM's per-layer block tensors staged into a ``vllm`` pool (a page: every layer's
+    block, layer after layer), one window shared by both directions."""
+    layers, blocks, block = 3, 10, (2, PAGE, 8)
+    kv = [torch.randn(blocks, *block).to(torch.bfloat16) for _ in range(layers)]
+    layout = PoolLayout.vllm(page_size=PAGE, size=blocks * PAGE, layer_num=layers,
+                             head_num=2, head_dim=8, dtype="bfloat16", itemsize=2)
+    pool = host_pool(staging_layout(layout, 2))
+
+    def per_layer(p: HostPool):
+        pages = p.kv_buffer.view(p.kv_buffer.shape[0], layers, -1)
+        return [pages[:, i].view(-1, *block) for i in range(layers)]
+
+    staged = StagedPool(EngineMemory(layout, kv), pool, 2, shared=True, stage=per_layer)
+    store = Store(pool)
+    ids, keys = [7, 1, 2, 5, 9], [f"b{i}" for i in range(5)]
+    assert move(staged, keys, ids, True, store) == [True] * 5 and store.calls == 3
+    (b0,) = [v for k, v in store.objects.items() if "b0" in k]  # block 7, layer by layer
+    assert b0 == torch.cat([raw(t[7]) for t in kv]).numpy().tobytes()
+    want = [t[ids].clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    assert move(staged, keys + ["missing"], [0, 3, 4, 6, 8, 2], False, store) == [True] * 5 + [
+        False]
+    for t, w in zip(kv, want, strict=True):
+        assert torch.equal(t[[0, 3, 4, 6, 8]], w)
+        assert torch.count_nonzero(t[[1, 2, 5, 7, 9]]) == 0
+
+
+def test_windowed_puts_and_gets_use_their_own_halves():
+    buf = torch.randn(2, 8 * PAGE, 1, 1, 4)
+    memory = describe_kv_buffer(buf, PAGE)
+    staged = StagedPool(memory, host_pool(staging_layout(memory.layout, 4)), 2)
+    assert staged.staging_pages([5, 6], write=True) == [0, 1]
+    assert staged.staging_pages([5, 6], write=False) == [2, 3]
+    assert (staged.rounds(5), staged.chunk(2, 5)) == (3, (4, 5))
+    mirror = StagedPool(memory, host_pool(memory.layout), None)
+    assert mirror.staging_pages([5, 6], write=False) == [5, 6] and mirror.rounds(99) == 1

@@ -1,0 +1,145 @@
+"""The SGLang backend's pure modules without SGLang: config translation, host pools
+described as raykv layouts, transfers mapped one to one. SGLang's objects are stood in
+for by namespaces with the same field names (and enums by their values)."""
+
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
+from raykv.integrations.sglang.config import BackendOptions, storage_config
+from raykv.integrations.sglang.pools import describe_pool
+from raykv.integrations.sglang.transfers import (
+    exists_queries,
+    failed,
+    results_for,
+    to_raykv,
+)
+
+PAGE = 4
+
+
+class SGPool(str, Enum):  # noqa: UP042 (SGLang's PoolName is a (str, Enum) with more members)
+    KV = "kv"
+    MAMBA = "mamba"
+    DRAFT = "draft"
+    INDEXER = "indexer"
+    DEEPSEEK_V4_C4 = "deepseek_v4_c4"
+
+
+def sg_config(**kw) -> SimpleNamespace:
+    base = dict(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                model_name="m", extra_config={"extra_backend_tag": "t", "timeout_s": 2,
+                                              "ray_address": "h:1", "interface_v1": 1})
+    return SimpleNamespace(**(base | kw))
+
+
+def sg_transfer(name, keys=None, host_indices=None, indices_from_pool=None,
+                hit_policy="all_pages") -> SimpleNamespace:
+    return SimpleNamespace(name=name, keys=keys, host_indices=host_indices,
+                           indices_from_pool=indices_from_pool, hit_policy=hit_policy)
+
+
+# ------------------------------------------------------------------ config
+def test_storage_config_keeps_ranks_and_only_raykv_extra_keys():
+    cfg = storage_config(sg_config())
+    assert (cfg.tp_rank, cfg.tp_size, cfg.model_name) == (1, 2, "m")
+    assert cfg.extra_config == {"extra_backend_tag": "t", "timeout_s": 2}
+
+
+@pytest.mark.parametrize(("kw", "match"), [({"dcp_size": 2}, "dcp_size=2"),
+                                           ({"should_split_heads": True}, "should_split_heads")])
+def test_storage_config_refuses_what_raykv_cannot_serve(kw, match):
+    with pytest.raises(ValueError, match=f"raykv cannot serve this SGLang HiCache.*{match}"):
+        storage_config(sg_config(**kw))
+
+
+def test_backend_options_defaults_and_overrides():
+    assert BackendOptions.from_extra(None) == BackendOptions()
+    opts = BackendOptions.from_extra({"ray_namespace": "ns", "ray_node_id": "n1",
+                                      "zero_copy": 0, "staging_pages": "8",
+                                      "interface_v1": 1, "allocator": "shm"})
+    assert (opts.namespace, opts.node_id, opts.zero_copy, opts.staging_pages,
+            opts.interface_v1, opts.allocator) == ("ns", "n1", False, 8, True, "shm")
+
+
+# ------------------------------------------------------------------- pools
+def test_mha_host_pool_is_described_with_the_same_bytes_per_page():
+    engine = SimpleNamespace(layout="page_first", page_size=PAGE,
+                             kv_buffer=torch.randn(2, 8 * PAGE, 2, 1, 8))
+    ep = describe_pool(PoolName.KV, engine)
+    assert ep.kind == "mha" and ep.layout.size == 8 * PAGE and ep.memfd is None
+    assert not ep.zero_copy and ep.engine is engine
+    assert [p.shape for p in ep.pages] == [(8, PAGE * 2 * 8 * 4)] * 2
+
+
+def test_indexer_and_mamba_pools():
+    indexer = SimpleNamespace(layout="page_first", page_size=PAGE,
+                              index_k_with_scale_buffer=torch.zeros(6, 3, 1, 132,
+                                                                    dtype=torch.uint8))
+    ep = describe_pool(PoolName.INDEXER, indexer)
+    assert ep.kind == "indexer" and ep.layout.object_sizes == [3 * 132]
+    mamba = SimpleNamespace(temporal_buffer=torch.zeros(5, 2, 3),
+                            conv_buffer=[torch.zeros(5, 2, 4, dtype=torch.bfloat16)])
+    ep = describe_pool(PoolName.MAMBA, mamba)
+    assert ep.kind == "mamba" and [b.name for b in ep.layout.buffers] == ["temporal", "conv_0"]
+    conv_only = SimpleNamespace(temporal_buffer=torch.zeros(5, 0), conv_buffer=[
+        torch.zeros(5, 2, 4)])
+    assert [b.name for b in describe_pool(PoolName.MAMBA, conv_only).layout.buffers] == [
+        "conv_0"]
+
+
+@pytest.mark.parametrize(("name", "engine", "match"), [
+    (PoolName.KV, SimpleNamespace(layout="layer_first"), "host layout 'layer_first'"),
+    (PoolName.KV, SimpleNamespace(page_size=PAGE), "has no kv_buffer tensor"),
+    (PoolName.KV, SimpleNamespace(page_size=PAGE, kv_buffer=torch.zeros(3, 8, 2, 1, 8)),
+     "pool 'kv': kv_buffer .* is neither MHA nor MLA"),
+    (PoolName.INDEXER, SimpleNamespace(page_size=PAGE, index_k_with_scale_buffer=torch.zeros(
+        6, 3, 1, 3, dtype=torch.uint8)), "do not split into"),
+    (PoolName.MAMBA, SimpleNamespace(temporal_buffer=torch.zeros(5, 2), conv_buffer=[
+        torch.zeros(5, 2)], slot_state_device_tensors=[1]), "slot side states"),
+])
+def test_unservable_pools_are_refused_by_name(name, engine, match):
+    with pytest.raises(ValueError, match=match):
+        describe_pool(name, engine)
+
+
+# --------------------------------------------------------------- transfers
+def test_transfers_are_forwarded_one_to_one():
+    idx = torch.arange(2 * PAGE)
+    out, empty = to_raykv([
+        sg_transfer(SGPool.KV, ["a", "b"], idx),
+        sg_transfer(SGPool.DRAFT, None, None, SGPool.KV),  # a sidecar: the client resolves
+        sg_transfer(SGPool.INDEXER, ["a", "b"], idx, SGPool.KV),  # indices filled in by SGLang
+        sg_transfer(SGPool.MAMBA, [], None),
+    ])
+    assert out == [PoolTransfer(PoolName.KV, ["a", "b"], idx),
+                   PoolTransfer(PoolName.DRAFT, None, None, indices_from_pool=PoolName.KV),
+                   PoolTransfer(PoolName.INDEXER, ["a", "b"], idx)]
+    assert out[0].host_indices is idx and empty == [SGPool.MAMBA]
+    with pytest.raises(ValueError, match="pool 'deepseek_v4_c4' is not registered"):
+        to_raykv([sg_transfer(SGPool.DEEPSEEK_V4_C4, ["a"], idx)])
+
+
+def test_results_carry_sglangs_names_and_failures_cover_every_page():
+    out = {PoolName.KV: [True, False], PoolName.DRAFT: [True, True]}
+    assert results_for(out, [SGPool.MAMBA], SGPool) == {
+        SGPool.KV: [True, False], SGPool.DRAFT: [True, True], SGPool.MAMBA: []}
+    assert failed([sg_transfer(SGPool.KV, ["a", "b", "c"]), sg_transfer(SGPool.DRAFT),
+                   sg_transfer(SGPool.MAMBA, [])]) == {
+        SGPool.KV: [False] * 3, SGPool.DRAFT: [False] * 3, SGPool.MAMBA: []}
+
+
+def test_exists_queries_skip_kv_and_refuse_block_groups():
+    queries = exists_queries([sg_transfer(SGPool.KV, ["a"]),
+                              sg_transfer(SGPool.MAMBA, ["a"], hit_policy="trailing_pages"),
+                              sg_transfer(SGPool.DRAFT)])
+    assert queries == [PoolTransfer(PoolName.MAMBA, ["a"], None, PoolHitPolicy.TRAILING_PAGES),
+                       PoolTransfer(PoolName.DRAFT, None, None, PoolHitPolicy.ALL_PAGES)]
+    assert exists_queries(None) == []
+    with pytest.raises(ValueError, match="hit policy block_groups not served"):
+        exists_queries([sg_transfer(SGPool.MAMBA, ["a"], hit_policy="block_groups")])
+    with pytest.raises(ValueError, match="pool 'deepseek_v4_c4'"):
+        exists_queries([sg_transfer(SGPool.DEEPSEEK_V4_C4, ["a"])])
