@@ -14,6 +14,7 @@ from raykv.cache_actors import channel_codec as codec
 from raykv.controllers import StorageConfig
 
 from tests.integration.ranks import indices, start_rank
+from tests.sockets import closed_by_peer
 
 N = 4
 ANSWER_S = 30.0  # "answers at all": a bound far above any healthy call, against hangs
@@ -26,18 +27,6 @@ def rss_bytes(pid: int) -> int:
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
 
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the node actor closed ``sock`` within ``ANSWER_S`` (bytes first skipped)."""
-    sock.settimeout(ANSWER_S)
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def group_connection(path: str) -> socket.socket:
@@ -93,7 +82,7 @@ def test_huge_frames_and_garbage_leave_the_node_actor_serving(cluster, uid):
     assert ray.get(rank.call.remote("batch_get_v1", keys, indices(N, N))) == [True] * N
     grown = rss_bytes(pid) - before
     assert grown < 100 << 20, f"the node actor's RSS grew {grown >> 20} MiB"
-    assert [closed_by_peer(s) for s in huge] == [True] * 8
-    assert closed_by_peer(group)
+    assert [closed_by_peer(s, ANSWER_S) for s in huge] == [True] * 8
+    assert closed_by_peer(group, ANSWER_S)
     for s in (*huge, group):
         s.close()

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 import pytest
 from raykv.cache_actors.node.node_pools import NodePools, PoolTable
@@ -17,6 +16,8 @@ from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.controllers.pool_layout import PoolLayout
+
+from tests.unit.fakes import Registrations, ShmStore
 
 LAYOUT = PoolLayout.mha(page_size=4, size=16, layer_num=2, head_num=1, head_dim=8,
                         dtype="bfloat16", itemsize=2)
@@ -30,25 +31,6 @@ sys.stdin.read()  # lives until its stdin closes
 """
 
 
-class Registrations:
-    def __init__(self) -> None:
-        self.live: set[int] = set()
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self.live.add(ptr)
-
-    def unregister(self, ptr: int) -> None:
-        self.live.remove(ptr)
-
-
-@dataclass
-class Store:
-    memory: ShmPoolMemory
-    backend: Registrations
-    mode: str = "embedded"
-
-    def before_call(self) -> int:
-        return 0
 
 
 @pytest.fixture
@@ -66,7 +48,7 @@ def engine():
 @pytest.fixture
 def pools():
     prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    store = Store(ShmPoolMemory(prefix, PoolBudget(0)), Registrations())
+    store = ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations())
     node = NodePools(prefix, store, lambda name, n: None)
     yield node, store
     node.close(remove=True)

@@ -41,6 +41,7 @@ from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.process_stop import stop_process
+from tests.sockets import closed_by_peer
 
 ANSWER_S = 10.0  # "answers at all": a generous bound, only there to turn a hang into a failure
 GONE_S = 30.0    # fds and threads of closed connections are released within this
@@ -102,19 +103,6 @@ def settle(what, limit_s: float = GONE_S) -> bool:
         time.sleep(0.05)
     return ok
 
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (EOF or reset), waiting ``ANSWER_S`` at most;
-    any bytes it sent first are skipped."""
-    sock.settimeout(ANSWER_S)
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 class RawPeer:
@@ -297,7 +285,7 @@ def test_a_huge_frame_header_allocates_nothing_and_drops_its_connection(server, 
         s.connect(server.path)
         s.sendall(struct.pack("!I", claim) + b"\x00" * 64)
         peers.append(s)
-    dropped = [closed_by_peer(s) for s in peers]
+    dropped = [closed_by_peer(s, ANSWER_S) for s in peers]
     grown = rss_bytes() - before
     for s in peers:
         s.close()
@@ -329,7 +317,7 @@ def test_a_bad_message_on_an_async_connection_closes_only_that_one(server, paylo
     peer.sock.sendall(codec.frame(payload))
     assert [other.call("later", i) for i in range(3, 6)] == [3, 4, 5]
     assert other.call("echo", 1, [], {}) == [1, [], {}]
-    assert closed_by_peer(peer.sock)
+    assert closed_by_peer(peer.sock, ANSWER_S)
     peer.close()
     other.close()
 
@@ -341,7 +329,7 @@ def test_a_second_request_before_the_reply_drops_the_connection(server):
     assert peer.call("later", 1) == (True, 1)
     deadline = time.monotonic() + ANSWER_S
     peer.sock.sendall(codec.request("later", deadline, [2]) + codec.request("later", deadline, [3]))
-    assert closed_by_peer(peer.sock)
+    assert closed_by_peer(peer.sock, ANSWER_S)
     peer.close()
 
 
@@ -518,7 +506,7 @@ def test_a_peer_of_another_version_gets_both_versions_named(server):
     peer = RawPeer(server.path, greet=False)
     peer.sock.sendall(codec.encode([codec.MAGIC, codec.PROTOCOL + 1, "9.9.9"]))
     assert codec.decode(peer.frame()) == [codec.MAGIC, codec.PROTOCOL, codec.RAYKV_VERSION]
-    assert closed_by_peer(peer.sock)
+    assert closed_by_peer(peer.sock, ANSWER_S)
     peer.close()
 
     fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -576,7 +564,7 @@ def test_a_peer_that_never_says_hello_is_closed(server, monkeypatch):
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.connect(server.path)
     peer = RawPeer(server.path)
-    assert closed_by_peer(silent)
+    assert closed_by_peer(silent, ANSWER_S)
     time.sleep(1.0)  # well past the hello timeout
     assert peer.call("echo", 1, [], {}) == (True, [1, [], {}])
     silent.close()
@@ -589,7 +577,7 @@ def test_connections_over_the_limit_are_closed_at_once(tmp_path):
     clients = [ChannelClient(srv.path) for _ in range(4)]
     extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     extra.connect(srv.path)
-    assert closed_by_peer(extra)
+    assert closed_by_peer(extra, ANSWER_S)
     extra.close()
     clients.pop().close()
     assert settle(lambda: _served(srv.path))

@@ -35,6 +35,7 @@ from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, Shm
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
+from tests.unit.fakes import Registrations, ServiceStore, ShmStore
 from tests.unit.test_engine_reaper import ENGINE
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
@@ -230,7 +231,7 @@ class MemfdAllocator(HeldBackend):
         return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
-class RealStore:
+class RealStore(ServiceStore):
     """The parts of ``NodeStore`` a ``NodeService`` uses, over real pool memory."""
 
     def __init__(self, mode: str, prefix: str) -> None:
@@ -241,19 +242,6 @@ class RealStore:
             self.backend = MemfdAllocator()
             self.memory = MemfdPoolMemory(self.backend, PoolBudget(1 << 30))
         self.mode = mode
-        self.process = None
-
-    def before_call(self) -> int:
-        return self.memory.epoch
-
-    def after_call(self, epoch: int, codes: list[int]) -> list[int]:
-        return codes
-
-    def supervise(self, reallocate) -> None:
-        self.reallocate = reallocate
-
-    def close(self) -> None:
-        pass
 
 
 class NoMetrics:
@@ -466,25 +454,6 @@ def test_reallocation_releases_old_pools_only_after_their_calls(pools):
 # Restart records: what a restarted actor re-adopts from /dev/shm.
 
 
-class Registrations:
-    def __init__(self) -> None:
-        self.live: set[int] = set()
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self.live.add(ptr)
-
-    def unregister(self, ptr: int) -> None:
-        self.live.discard(ptr)
-
-
-@dataclass
-class ShmStore:
-    memory: ShmPoolMemory
-    backend: Registrations
-    mode: str = "embedded"
-
-    def before_call(self) -> int:
-        return 0
 
 
 def shm_node(prefix: str) -> NodePools:

@@ -13,6 +13,7 @@ from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.controllers.object_batch import ObjectBatch
 
+from tests.unit.fakes import ServiceStore
 from tests.unit.test_node_pools import LAYOUT, FakeMemory
 
 
@@ -56,24 +57,11 @@ class FakeBackend:
         pass
 
 
-class FakeStore:
+class FakeStore(ServiceStore):
     def __init__(self) -> None:
         self.memory = FakeMemory()
         self.backend = FakeBackend()
         self.mode = "standalone"
-        self.process = None
-
-    def before_call(self) -> int:
-        return self.memory.epoch
-
-    def after_call(self, epoch: int, codes: list[int]) -> list[int]:
-        return codes
-
-    def supervise(self, reallocate) -> None:
-        self.reallocate = reallocate
-
-    def close(self) -> None:
-        pass
 
 
 class FakeMetrics:
