@@ -139,14 +139,14 @@ class RankWorker(_Worker):
                                f"{ok_get.count(False)} gets of {len(hashes)} pages failed")
         self.janitor.remove([k for h in hashes for k in self.client.key_scheme.kv_keys(h)])
 
-    def check(self, run_id: str) -> bool:
+    def verify(self, run_id: str) -> bool:
         """One round whose bytes read back are compared with the bytes written."""
         import torch
 
         flat = self.pool.kv_buffer.view(-1).view(torch.uint8)
         n = self.batch * self.page_bytes
         flat[n:2 * n].zero_()
-        self._round(f"check-{run_id}-{self.index}")
+        self._round(f"verify-{run_id}-{self.index}")
         return bool(torch.equal(flat[:n], flat[n:2 * n]))
 
     def release(self) -> None:
@@ -185,13 +185,13 @@ class RawWorker(_Worker):
                                f"{set(got)}")
         self.raw.remove(keys)
 
-    def check(self, run_id: str) -> bool:
+    def verify(self, run_id: str) -> bool:
         import torch
 
         n = self.batch * self.page_bytes
         buffer = self.raw.buffer
         buffer[n:].zero_()
-        self._round(f"check-{run_id}-{self.index}")
+        self._round(f"verify-{run_id}-{self.index}")
         return bool(torch.equal(buffer[:n], buffer[n:]))
 
     def release(self) -> None:
@@ -226,7 +226,7 @@ def bench_case(ranks: list, raws: list, node_pids: dict[int, str], n: int, page_
             for name, ws in sides.items()}
     for ws in sides.values():
         ray.get([w.prepare.remote(page_bytes, batch) for w in ws])
-        if not all(ray.get([w.check.remote(f"{run_id}-{n}-{page_bytes}") for w in ws])):
+        if not all(ray.get([w.verify.remote(f"{run_id}-{n}-{page_bytes}") for w in ws])):
             raise RuntimeError(f"{page_bytes}-byte pages, N={n}: bytes read back differ")
     runs: dict[str, list[dict]] = {"raykv": [], "raw": []}
     for r in range(rounds):
