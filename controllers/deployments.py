@@ -65,8 +65,12 @@ class Deployment:
 
     @classmethod
     def from_dict(cls, d: dict) -> Deployment:
-        pools = {PoolName(p["role"]): PoolSpec(**p) for p in d["pools"]}
-        return cls(**(d | {"pools": pools}))
+        """The deployment ``to_dict`` gave; a checkpoint of an older raykv names each
+        pool's role ``name`` and is read as well (a controller restarted after an
+        upgrade keeps its deployments)."""
+        specs = [PoolSpec(**{("role" if k == "name" else k): v for k, v in p.items()})
+                 for p in d["pools"]]
+        return cls(**(d | {"pools": {s.role: s for s in specs}}))
 
 
 @dataclass(frozen=True)

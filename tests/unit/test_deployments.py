@@ -101,3 +101,14 @@ def test_group_hits_intersect_ranks_and_pp():
     assert result.kv_hit_pages == 2
     assert result.restorable_prefix_pages == [0, 2]
     assert result.extra_pool_hit_pages == {PoolName.MAMBA: 1}
+
+
+def test_a_checkpoint_of_an_older_raykv_still_loads():
+    """Checkpoints written before pools' ``name`` became ``role`` keep their
+    deployments when a controller of this version restarts from them."""
+    reg = DeploymentRegistry()
+    dep = reg.register_rank(cfg(tp_size=2), [KV_MHA, MAMBA], "n1")
+    old = dep.to_dict()
+    old["pools"] = [{("name" if k == "role" else k): v for k, v in p.items()}
+                    for p in old["pools"]]
+    assert Deployment.from_dict(old) == dep
