@@ -158,7 +158,8 @@ def _require_figures(extra: str) -> None:
 @click.option("--engine", default="example", show_default=True,
               type=click.Choice(["example", "vllm"]),
               help="example: the example engine (nothing to install); vllm: real vLLM "
-              "engines (pip install 'raykv[vllm]') on a random-weight Llama made locally.")
+              "engines (pip install -e '.[vllm]' in raykv's clone) on a random-weight Llama made "
+              "locally.")
 @click.option("--variant", default=None,
               type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
                                  "hybrid-draft"]),
@@ -198,8 +199,8 @@ def demo(engine: str, **options) -> None:
         raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
                                "runs a Llama (--hidden, --layers, --head-dim)")
     if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException("--engine vllm needs vLLM: pip install 'raykv[vllm]' "
-                                   "(see the README, 'Use from vLLM')")
+        raise click.ClickException("--engine vllm needs vLLM: pip install -e '.[vllm]' in "
+                                   "raykv's clone (see docs/engines.md, 'Use from vLLM')")
     _progress("raykv demo: starting a 2-node embedded cluster and a vLLM engine per node "
               "...")
     from raykv.clusters.demo.vllm_demo import run_vllm_demo

@@ -7,7 +7,9 @@ them. Nothing else changes in the Serve app: routing, autoscaling and the OpenAI
 Ray Serve LLM's.
 
 On a Ray cluster with GPUs (Ray Serve LLM and vLLM's CUDA build, ``pip install
-'ray[serve,llm]'``, and raykv installed on every node, same Ray version)::
+'ray[serve,llm]'``; raykv installed on every node from a clone of its repository, where
+``pip install -e .`` adds it (it is not on the package index); the same Ray version
+everywhere; untested on GPUs so far)::
 
     raykv up --address auto                     # master, controller, a cache actor per node
     python examples/serve_llm_raykv.py --model Qwen/Qwen2.5-7B-Instruct --replicas 2
@@ -15,9 +17,9 @@ On a Ray cluster with GPUs (Ray Serve LLM and vLLM's CUDA build, ``pip install
 The script starts the app, sends a few requests that share a long prefix and prints, per
 request, the prompt tokens vLLM reported as cached (its own prefix cache plus the blocks
 raykv loaded; with ``--no-prefix-caching`` only raykv's). ``--cpu`` runs the replicas on
-CPUs with vLLM's CPU build (``pip install 'raykv[vllm]'``, then ``pip install
-'ray[serve]==<this Ray's version>' pyarrow``: ``ray[llm]`` would pull the CUDA build
-over it); see the README, "Ray Serve LLM".
+CPUs with vLLM's CPU build (``pip install -e '.[vllm]'`` in raykv's clone, then ``pip
+install 'ray[serve]==<this Ray's version>' pyarrow``: ``ray[llm]`` would pull the CUDA
+build over it); see docs/engines.md, "Ray Serve LLM".
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from tests.integration.vllm_control import ControlEngine
 def _vllm_installed():
     """These tests need a real vLLM: missing, they fail (never skip) with the fix."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: pip install 'raykv[vllm]' (see README, "
-                    "'Use from vLLM'; CI installs it)")
+        pytest.fail("vLLM is not installed: pip install -e '.[vllm]' (see "
+                    "docs/engines.md, 'Use from vLLM'; CI installs it)")
 
 BLOCK = 128
 
