@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
-WARN_EVERY_S = 30.0
-"""A recurring failure (raykv unreachable, a failed load or save) is logged at most once
-per this many seconds per kind."""
-
 
 def new_stats() -> dict[str, int]:
     """The connector's counters, all zero: ``queries`` and ``hit_blocks`` (scheduler
@@ -51,7 +47,7 @@ class ConnectorSide(ABC):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.stats = new_stats()
-        self._warn = ThrottledLog(log, WARN_EVERY_S)
+        self._warn = ThrottledLog(log)  # once per kind per WARN_EVERY_S (30 s)
         self._client: CacheClient | None = None
         self._pool: HostPool | None = None
         self._attaching: threading.Thread | None = None
