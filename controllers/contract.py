@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from raykv.controllers.tenancy import check_tenant
+
 
 class PoolName(StrEnum):
     """The host pools a deployment may register. ``kv`` is the anchor pool."""
@@ -46,7 +48,8 @@ class StorageConfig:
     """Fields of SGLang's ``HiCacheStorageConfig``.
 
     ``extra_config`` keys understood by raykv: ``extra_backend_tag`` (str, first part of
-    every key prefix); ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
+    every key prefix); ``tenant`` (str, see ``controllers.tenancy``; default none);
+    ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
     deadline of every data call this rank makes to a node actor (exists, put, get, group
     hit), see ``timeout_s``.
     """
@@ -78,10 +81,16 @@ class StorageConfig:
                 not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"extra_config['timeout_s'] must be a number of seconds in "
                              f"(0, {MAX_TIMEOUT_S}], got {timeout!r}")
+        check_tenant((self.extra_config or {}).get("tenant"))
 
     @property
     def extra_backend_tag(self) -> str | None:
         return (self.extra_config or {}).get("extra_backend_tag") or None
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant this rank serves (``controllers.tenancy``), None without one."""
+        return (self.extra_config or {}).get("tenant") or None
 
     @property
     def timeout_s(self) -> float:

@@ -1,0 +1,62 @@
+"""Tenants: who may compute a tenant's keys and claim its pools (pure: no Ray, no Mooncake).
+
+A *tenant* is a name (``StorageConfig.tenant``) plus a *tenant secret* that only that
+tenant's processes are given, in the environment variable ``RAYKV_TENANT_SECRET``. The
+secret never leaves the rank process: ranks send the node actor *keyed page hashes*
+(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and an *owner proof*
+(``owner_proof``: HMAC-SHA256 of a fixed label under the secret), never the secret. A
+process without the secret can neither name the tenant's objects nor prove it owns the
+tenant's pools. With no tenant, none of this applies and keys are as without tenancy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Mapping
+
+TENANT_SECRET_ENV = "RAYKV_TENANT_SECRET"
+"""The environment variable that holds the secret of the process's tenant."""
+MIN_SECRET_BYTES = 16
+"""Shortest accepted secret (UTF-8 bytes): 128 bits if drawn at random, e.g. ``openssl
+rand -hex 32``."""
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A tenant name: 1-64 characters, letters, digits, ``.``, ``_`` and ``-``, not starting
+with a symbol (it appears in metrics labels, quotas and ``raykv status``)."""
+_OWNER_LABEL = b"raykv/owner/v1"
+
+
+def check_tenant(tenant: object) -> str | None:
+    """``tenant`` if it is None or a valid tenant name, else ``ValueError``."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        raise ValueError(f"tenant must be 1-64 letters, digits, '.', '_' or '-' (starting "
+                         f"with a letter or digit), got {tenant!r}")
+    return tenant
+
+
+def tenant_secret(tenant: str, environ: Mapping[str, str] = os.environ) -> bytes:
+    """The secret of ``tenant`` from ``environ[RAYKV_TENANT_SECRET]``; ``ValueError``
+    naming the fix when it is missing or shorter than ``MIN_SECRET_BYTES``."""
+    secret = environ.get(TENANT_SECRET_ENV, "").encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"tenant {tenant!r} needs its secret in ${TENANT_SECRET_ENV} (at least "
+            f"{MIN_SECRET_BYTES} bytes, e.g. `openssl rand -hex 32`), given to this "
+            f"tenant's processes only; it is {'too short' if secret else 'not set'}")
+    return secret
+
+
+def keyed_page_hash(secret: bytes, page_hash: str) -> str:
+    """The page hash a tenant's keys are made of: HMAC-SHA256 of ``page_hash`` under
+    ``secret``, 64 hex digits (fixed length, so a key still parses unambiguously)."""
+    return hmac.new(secret, page_hash.encode(), hashlib.sha256).hexdigest()
+
+
+def owner_proof(secret: bytes) -> str:
+    """What a tenant's ranks show the node actor to claim the tenant's pools: HMAC-SHA256
+    of a fixed label under ``secret`` (64 hex digits; reveals nothing of the secret)."""
+    return hmac.new(secret, _OWNER_LABEL, hashlib.sha256).hexdigest()
