@@ -1,8 +1,10 @@
 """The vLLM tests' control engine: an engine actor that can load random bytes instead of
 the stored blocks (shows that loaded KV is really used), and that can record the bytes
 of the blocks its connector saves and loads (the loaded KV compared with the saved KV
-byte for byte, which no numerical effect can blur). In a module of its own so that Ray
-workers import it by name (``tests.integration.vllm_control``)."""
+byte for byte, which no numerical effect can blur), that reports its scheduler side's
+counters, key tag and vLLM's own block hash, and that can be re-keyed (a control for
+the key tag). In a module of its own so that Ray workers import it by name
+(``tests.integration.vllm_control``)."""
 
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def _rekey_worker(worker, tag: str) -> None:
 
 @ray.remote(num_cpus=0)
 class ControlEngine(VLLMEngine):
-    """``VLLMEngine`` plus ``corrupt_loads`` and the block recorder (in-process, TP=1)."""
+    """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the scheduler side's
+    view and ``rekey`` (in-process, TP=1)."""
 
     def corrupt_loads(self, on: bool) -> None:
         """Every worker connector loads random bytes (on) or the stored blocks (off)."""
