@@ -206,6 +206,14 @@ def _served(engine, p: list[int], **kw) -> tuple[dict, tuple[int, int]]:
     return got, (h1 - h0, l1 - l0)
 
 
+def computed_then_restored_salted(engine, p: list[int], salt: str) -> list[int]:
+    """``computed_then_restored`` under cache salt ``salt``."""
+    ray.get(engine.generate.remote(p, cache_salt=salt))
+    restored = ray.get(engine.generate.remote(p, cache_salt=salt))
+    assert restored["cached"] == 7 * BLOCK, restored
+    return restored["tokens"]
+
+
 def test_cache_salt_isolates_requests(engines):
     """A serves a prompt under cache salt "tenant-a". B asked for the same prompt under
     another salt, or none, finds no block and loads none (the salt is in every page
@@ -220,14 +228,6 @@ def test_cache_salt_isolates_requests(engines):
     got, (hit, loaded) = _served(b, p, cache_salt="tenant-a")
     assert (got["cached"], hit, loaded) == (7 * BLOCK, 7, 7), got
     assert got["tokens"] == want
-
-
-def computed_then_restored_salted(engine, p: list[int], salt: str) -> list[int]:
-    """``computed_then_restored`` under cache salt ``salt``."""
-    ray.get(engine.generate.remote(p, cache_salt=salt))
-    restored = ray.get(engine.generate.remote(p, cache_salt=salt))
-    assert restored["cached"] == 7 * BLOCK, restored
-    return restored["tokens"]
 
 
 def test_engines_of_other_hash_seeds_share_blocks(engines, other_engines):
