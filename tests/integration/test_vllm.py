@@ -288,6 +288,25 @@ def _example(name: str):
     return module
 
 
+def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch):
+    """The Serve example's tenant: the key in the connector's extra config, the secret in
+    the replicas' runtime_env (not in the config Serve shows); no secret, no app."""
+    example = _example("serve_llm_raykv")
+    monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)
+    config = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                      max_model_len=256, tenant="acme")
+    extra = config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"model_name": "src", "tenant": "acme"}
+    assert config.runtime_env["env_vars"]["RAYKV_TENANT_SECRET"] == "s" * 32
+    plain = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                     max_model_len=256)
+    assert "RAYKV_TENANT_SECRET" not in plain.runtime_env["env_vars"]  # control
+    monkeypatch.delenv("RAYKV_TENANT_SECRET")
+    with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET"):
+        example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                 max_model_len=256, tenant="acme")
+
+
 def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,
                                                              uid_module):
     """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node
