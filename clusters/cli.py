@@ -236,10 +236,19 @@ def _connected(call, *args, **kwargs):
 @click.option("--metadata-server", default=None, help="Metadata URL of that master.")
 @click.option("--segment-size", default="1GB", show_default=True, type=Size(),
               help="Memory each node contributes to the store (K/M/G suffixes).")
-@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]))
-@click.option("--mooncake-host", default=None, help="Address Mooncake binds and advertises "
-              "on every node (default: the node's IP; 127.0.0.1 when all nodes share one "
-              "machine).")
+@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
+              help="Mooncake's transport between nodes.")
+@click.option("--rdma-devices", default="", help="--protocol rdma: comma-separated RDMA "
+              "devices every node's Mooncake uses, e.g. mlx5_0,mlx5_1 (default: every "
+              "device Mooncake finds).")
+@click.option("--mooncake-host", "--local-hostname", "local_hostname", default=None,
+              help="Address Mooncake binds and advertises on every node, the master's too "
+              "(default: the node's IP; 127.0.0.1 when all nodes share one machine).")
+@click.option("--local-buffer-size", default="16M", show_default=True, type=Size(),
+              help="Each node's Mooncake client transfer buffer.")
+@click.option("--mooncake-log-level", default="ERROR", show_default=True,
+              type=click.Choice(["INFO", "WARNING", "ERROR"]),
+              help="MC_LOG_LEVEL of every node's Mooncake client.")
 @click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
               "mooncake_client process its cache actor supervises, so it survives a crash "
               "of the actor (default: embedded in the actor).")
@@ -250,19 +259,28 @@ def _connected(call, *args, **kwargs):
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
-       segment_size: int, protocol: str, mooncake_host: str | None, standalone: bool,
+       segment_size: int, protocol: str, rdma_devices: str, local_hostname: str | None,
+       local_buffer_size: int, mooncake_log_level: str, standalone: bool,
        host_pool_size: int | None, confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
+    from raykv.clusters.node_actors import NodeSettings
 
+    if rdma_devices and protocol != "rdma":
+        raise click.UsageError("--rdma-devices needs --protocol rdma")
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
+    try:
+        settings = NodeSettings(
+            global_segment_size=segment_size, local_buffer_size=local_buffer_size,
+            protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
+            mooncake_log_level=mooncake_log_level, standalone=standalone,
+            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):
-        info = _connected(deploy.up, address, namespace=namespace,
-                          master_address=master_address, metadata_server=metadata_server,
-                          global_segment_size=segment_size, protocol=protocol,
-                          mooncake_host=mooncake_host, standalone=standalone,
-                          host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+        info = _connected(deploy.up, address, settings, namespace=namespace,
+                          master_address=master_address, metadata_server=metadata_server)
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")
