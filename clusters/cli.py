@@ -328,7 +328,27 @@ def down(address: str, namespace: str) -> None:
     click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
 
 
-@main.command(epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
+BENCH_EPILOG = _epilog(
+    zero="done: targets met or not (the tables and JSON say); with --check, every target "
+         "met", one=("also with --check when a target is NOT met (each is named);",
+                     "targets this run had no case for are not judged, never missed"))
+CHECK = click.option("--check", is_flag=True, help="Exit 1 when a target is not met (for CI "
+                     "or a release gate); targets this run has no case for do not count.")
+
+
+def _check(results: list[dict], check: bool) -> None:
+    """With ``--check``: one line naming every target ``results`` (benchmark results,
+    each with its ``targets``) missed, and exit 1 (``ClickException``)."""
+    if not check:
+        return
+    from raykv.clusters.bench.verdict import check_message, missed_targets
+
+    missed = missed_targets(r["targets"] for r in results)
+    if missed:
+        raise click.ClickException(check_message(missed))
+
+
+@main.command(epilog=BENCH_EPILOG)
 @click.option("--engine", default="raykv", show_default=True,
               type=click.Choice(["raykv", "sglang"]),
               help="raykv: the data plane vs raw Mooncake and memcpy (bench_dataplane.*). "
@@ -351,8 +371,10 @@ def down(address: str, namespace: str) -> None:
               "[default: $RAYKV_SGLANG_PYTHON, else .venv-sglang/bin/python].")
 @click.option("--standalone", is_flag=True, help="--engine sglang: nodes in standalone "
               "Mooncake mode (RayKVStore then stages SGLang's pages; bench_sglang_standalone.*).")
+@CHECK
 def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: int,
-          out_dir: str, with_ranks: bool, sglang_python: str | None, standalone: bool) -> None:
+          out_dir: str, with_ranks: bool, sglang_python: str | None, standalone: bool,
+          check: bool) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run; or
     (--engine sglang) SGLang's HiCache L3 through raykv vs SGLang's MooncakeStore."""
     sizes = list(page_sizes) if page_sizes else None
@@ -369,28 +391,28 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
         from raykv.clusters.bench.sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
         try:
-            run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
-                             iters=iters, out_dir=out_dir, python=sglang_python,
-                             standalone=standalone)
+            results = [run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
+                                        iters=iters, out_dir=out_dir, python=sglang_python,
+                                        standalone=standalone)]
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     else:
         from raykv.clusters.bench.dataplane import DEFAULT_PAGE_SIZES, run_dataplane_bench
 
         try:  # its checks run before anything starts (e.g. batch x page size too big)
-            run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
-                                iters=iters, out_dir=out_dir)
+            results = [run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES,
+                                           batch=batch, iters=iters, out_dir=out_dir)]
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     if with_ranks:
         _progress("raykv bench: bench-ranks with its defaults ...")
         from raykv.clusters.bench.ranks import run_ranks_bench
 
-        run_ranks_bench(out_dir=out_dir)
+        results.append(run_ranks_bench(out_dir=out_dir))
+    _check(results, check)
 
 
-@main.command("bench-ranks",
-              epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
+@main.command("bench-ranks", epilog=BENCH_EPILOG)
 @click.option("--page-sizes", default="64K,256K,1M", show_default=True,
               type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
               help=f"Comma-separated page sizes (K/M suffixes, multiples of "
@@ -405,8 +427,9 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
               help="Phase pairs (raykv, raw) per case; ratios are medians over rounds.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_ranks.json and .png.")
+@CHECK
 def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
-                seconds: float, rounds: int, out_dir: str) -> None:
+                seconds: float, rounds: int, out_dir: str, check: bool) -> None:
     """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
     _require_figures("bench")
@@ -416,14 +439,14 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     from raykv.clusters.bench.ranks import run_ranks_bench
 
     try:
-        run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
-                        seconds=seconds, rounds=rounds, out_dir=out_dir)
+        result = run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
+                                 seconds=seconds, rounds=rounds, out_dir=out_dir)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    _check([result], check)
 
 
-@main.command("bench-group",
-              epilog=_epilog(zero="done, targets met or not (the table and JSON say)"))
+@main.command("bench-group", epilog=BENCH_EPILOG)
 @click.option("--tp-sizes", default="2,4", show_default=True, type=IntList(min=1),
               help="Comma-separated TP sizes: one group of that many ranks each, measured "
                    "one after the other.")
@@ -435,16 +458,18 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
               help="Per throughput run (4 per TP size: hits, misses, shared, raw).")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_group.json.")
+@CHECK
 def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds: float,
-                out_dir: str) -> None:
+                out_dir: str, check: bool) -> None:
     """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
     _progress(f"raykv bench-group: starting a 1-node embedded cluster, then per TP size "
               f"({', '.join(map(str, tp_sizes))}): latency runs and 4 throughput runs of "
               f"{seconds:g} s ...")
     from raykv.clusters.bench.group import run_group_bench
 
-    run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency, seconds=seconds,
-                    out_dir=out_dir)
+    result = run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency,
+                             seconds=seconds, out_dir=out_dir)
+    _check([result], check)
 
 
 if __name__ == "__main__":
