@@ -286,18 +286,44 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                f"{len(info['node_ids'])} node actor(s)")
 
 
-@main.command(epilog=_epilog(one=(
+@main.command(epilog=_epilog(zero="done; --watch: stopped with Ctrl-C (or after --count)",
+                             one=(
     "also when no Ray cluster answers at --address (checked within seconds),",
-    "or raykv does not run in the namespace")))
+    "or raykv does not run in the namespace (--watch: stops running)")))
 @ADDRESS
 @NAMESPACE_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-def status(address: str, namespace: str, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Live view, per node: L3 hits, misses and "
+              "their rates, bytes per second put and got since the last refresh, pool use. "
+              "Redrawn in place on a terminal; piped, one block of lines per refresh.")
+@click.option("--interval", default=None, type=SECONDS,
+              help="--watch: seconds between refreshes.  [default: 1]")
+@click.option("--count", default=None, type=POSITIVE,
+              help="--watch: stop after this many refreshes (default: at Ctrl-C).")
+def status(address: str, namespace: str, as_json: bool, watch: bool, interval: float | None,
+           count: int | None) -> None:
     """Per node: pools, bytes, pages, objects moved and hit rates per pool. A table where
-    it fits the terminal; narrower (and when piped), the same figures as lines."""
+    it fits the terminal; narrower (and when piped), the same figures as lines. With
+    --watch, a live view of rates until Ctrl-C."""
     import json
 
     from raykv.clusters import deploy
+
+    if not watch and (interval is not None or count is not None):
+        raise click.UsageError("--interval and --count need --watch")
+    if watch and as_json:
+        raise click.UsageError("--watch and --json exclude each other (for a log of "
+                               "frames, pipe --watch: it prints lines)")
+    if watch:
+        from raykv.clusters.status_watch import watch as watch_status
+        from rich.console import Console
+
+        with _spinner("connecting to the Ray cluster ..."):
+            _connected(deploy.connect, address, namespace)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view: exit 0
+            _connected(watch_status, lambda: deploy.status(address, namespace),
+                       1.0 if interval is None else interval, Console(), count)
+        return
     from raykv.clusters.status_view import render_status
 
     with _spinner("asking the controller and every node actor ..."):
