@@ -234,6 +234,11 @@ def _connected(call, *args, **kwargs):
 @click.option("--master-address", default=None, help="host:port of an existing Mooncake "
               "master (with --metadata-server); default: run one on the head node.")
 @click.option("--metadata-server", default=None, help="Metadata URL of that master.")
+@click.option("--master-port", default=0, type=click.IntRange(0, 65535),
+              help="RPC port of the master raykv runs on the head node (default: a free "
+              "port; fix it for a firewall).")
+@click.option("--metadata-port", default=0, type=click.IntRange(0, 65535),
+              help="HTTP metadata port of that master (default: a free port).")
 @click.option("--segment-size", default="1GB", show_default=True, type=Size(),
               help="Memory each node contributes to the store (K/M/G suffixes).")
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
@@ -259,15 +264,19 @@ def _connected(call, *args, **kwargs):
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
-       segment_size: int, protocol: str, rdma_devices: str, local_hostname: str | None,
-       local_buffer_size: int, mooncake_log_level: str, standalone: bool,
-       host_pool_size: int | None, confirm_ttl: float) -> None:
+       master_port: int, metadata_port: int, segment_size: int, protocol: str,
+       rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
+       mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
+       confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
     from raykv.clusters.node_actors import NodeSettings
 
     if rdma_devices and protocol != "rdma":
         raise click.UsageError("--rdma-devices needs --protocol rdma")
+    if master_address and (master_port or metadata_port):
+        raise click.UsageError("--master-port and --metadata-port are for the master raykv "
+                               "runs; --master-address names one that runs already")
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
     try:
@@ -280,7 +289,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
-                          master_address=master_address, metadata_server=metadata_server)
+                          master_address=master_address, metadata_server=metadata_server,
+                          master_ports=(master_port, metadata_port))
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")

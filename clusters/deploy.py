@@ -55,7 +55,7 @@ def controller(namespace: str = NAMESPACE):
 
 def up(address: str, settings: NodeSettings | None = None, *, namespace: str = NAMESPACE,
        master_address: str | None = None, metadata_server: str | None = None,
-       master_args: tuple[str, ...] = ()) -> dict:
+       master_args: tuple[str, ...] = (), master_ports: tuple[int, int] = (0, 0)) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
     ``settings`` (default ``NodeSettings()``) reach every node actor whole: transport
@@ -63,8 +63,10 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     budgets and windows; ``up`` fills in the master, the metadata server and a new
     cluster tag. ``local_hostname`` is also where the master raykv starts binds (None:
     the head node's IP; ``127.0.0.1`` for a cluster whose nodes all run on one
-    machine). ``confirm_ttl_s`` must be below the master's object lease (checked for
-    the master raykv starts; with ``master_address`` it is the caller's promise).
+    machine). ``master_ports``: the RPC and HTTP metadata ports of the master raykv
+    starts (0: a free port). ``confirm_ttl_s`` must be below the master's object lease
+    (checked for the master raykv starts; with ``master_address`` it is the caller's
+    promise).
 
     Raises ``ValueError`` if raykv already runs there or only one of ``master_address``
     / ``metadata_server`` is given.
@@ -85,7 +87,8 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
             name=SUPERVISOR_NAME, namespace=namespace, lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(head["NodeID"], soft=False),
-        ).remote(settings.local_hostname or head["NodeManagerAddress"], list(master_args))
+        ).remote(settings.local_hostname or head["NodeManagerAddress"], list(master_args),
+                 rpc_port=master_ports[0], http_port=master_ports[1])
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
     settings = replace(settings, master_address=master_address,

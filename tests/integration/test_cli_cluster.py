@@ -241,10 +241,16 @@ ZERO = {"hits/s": "0.0", "misses/s": "0.0", "put": "0 B/s", "get": "0 B/s"}
 
 
 def test_status_watch_in_a_terminal_until_ctrl_c(ray_head, uid):
-    raykv("up", f"--address={ray_head}", "--segment-size=128M", "--mooncake-host=127.0.0.1")
+    """Also: the master on the ports `up` is given (as a firewall needs them)."""
+    master_port, metadata_port = free_port(), free_port()
+    raykv("up", f"--address={ray_head}", "--segment-size=128M", "--mooncake-host=127.0.0.1",
+          f"--master-port={master_port}", f"--metadata-port={metadata_port}")
     view = None
     try:
         state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
+        assert state["master"]["master_address"] == f"127.0.0.1:{master_port}"
+        assert state["master"]["metadata_server"] == \
+            f"http://127.0.0.1:{metadata_port}/metadata"
         (node_id,) = state["nodes"]
         node = node_id[:8]
         view = WatchInTerminal(f"--address={ray_head}", "--interval=0.5")

@@ -139,12 +139,17 @@ def test_raykv_up_passes_its_transport_options_in_one_settings(monkeypatch):
         global_segment_size=4 << 30, local_buffer_size=32 << 20, protocol="rdma",
         rdma_devices="mlx5_0,mlx5_1", local_hostname="10.0.0.5",
         mooncake_log_level="WARNING")
-    mooncake_host = CliRunner().invoke(main, ["up", "--mooncake-host=127.0.0.1"])
+    assert seen["master_ports"] == (0, 0)  # free ports unless given
+    mooncake_host = CliRunner().invoke(main, ["up", "--mooncake-host=127.0.0.1",
+                                              "--master-port=50051", "--metadata-port=8080"])
     assert mooncake_host.exit_code == 0 and seen["settings"].local_hostname == "127.0.0.1"
+    assert seen["master_ports"] == (50051, 8080)
 
 
 @pytest.mark.parametrize("args", [["--rdma-devices=mlx5_0"],
-                                  ["--standalone", "--host-pool-size=0"]])
+                                  ["--standalone", "--host-pool-size=0"],
+                                  ["--master-address=m:1", "--metadata-server=u",
+                                   "--master-port=50051"]])
 def test_raykv_up_refuses_contradicting_options_as_usage_errors(monkeypatch, args):
     from raykv.clusters import deploy
 
