@@ -6,7 +6,7 @@
 #   scripts/setup.sh --no-engines         raykv only: no vLLM, Ray Serve or SGLang
 #   PYTHON=python3.12 scripts/setup.sh    the interpreter of the venvs (default: python3)
 #
-# Steps, each skipped when already done (re-running is safe and takes seconds):
+# Steps, each skipped when already done (re-running is safe and takes well under a minute):
 # 1. System packages, with apt-get (through sudo unless root): libibverbs1 and librdmacm1
 #    (Mooncake needs them, also over TCP); g++ and libssl-dev (SGLang compiles its page-
 #    hash extension; not with --no-engines); python3.X-venv when the system Python lacks

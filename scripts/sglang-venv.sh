@@ -6,8 +6,8 @@
 # is 0.29.1 with torch 2.14.1 (index builds, CUDA-enabled, they run on CPU). So: sglang
 # --no-deps plus exactly what its storage layer imports, plus raykv and raykv's runtime
 # deps with the same ray version as the main venv (the SGLang side joins the cluster over
-# Ray). Idempotent: a venv this script completed (same script, Ray version and Python)
-# only gets raykv reinstalled and the import check.
+# Ray). Idempotent: a venv this script completed and checked (same script, Ray version
+# and Python) only gets raykv reinstalled.
 # Usage: scripts/sglang-venv.sh [VENV_DIR] [RAY_VERSION]; PYTHON=... picks the interpreter
 # (default: python3).
 set -euo pipefail
@@ -38,6 +38,10 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
         "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
+if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
+    say "$VENV: already built and checked"
+    exit 0
+fi
 # Import check, and compile SGLang's hash extension now rather than in the first test.
 "$VENV/bin/python" -W ignore -c 'import sglang.srt.managers.cache_controller, raykv.integrations.sglang
 from sglang.srt.mem_cache.utils import get_storage_hash_str
