@@ -29,7 +29,7 @@ ENGINES=1
 for arg in "$@"; do
     case $arg in
         --no-engines) ENGINES=0 ;;
-        -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^set -euo/p' scripts/setup.sh | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $arg (see --help)" ;;
     esac
 done
