@@ -158,8 +158,8 @@ def _require_figures(extra: str) -> None:
 @click.option("--engine", default="example", show_default=True,
               type=click.Choice(["example", "vllm"]),
               help="example: the example engine (nothing to install); vllm: real vLLM "
-              "engines (pip install -e '.[vllm]' in raykv's clone) on a random-weight Llama made "
-              "locally.")
+              "engines (vLLM installed next to raykv: docs/engines.md) on a random-weight "
+              "Llama made locally.")
 @click.option("--variant", default=None,
               type=click.Choice(["mha", "mla", "hybrid", "mha-draft", "mla-draft",
                                  "hybrid-draft"]),
@@ -199,8 +199,9 @@ def demo(engine: str, **options) -> None:
         raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
                                "runs a Llama (--hidden, --layers, --head-dim)")
     if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException("--engine vllm needs vLLM: pip install -e '.[vllm]' in "
-                                   "raykv's clone (see docs/engines.md, 'Use from vLLM')")
+        from raykv.clusters.install_hints import vllm_install_hint
+
+        raise click.ClickException(f"--engine vllm needs vLLM: {vllm_install_hint()}")
     _progress("raykv demo: starting a 2-node embedded cluster and a vLLM engine per node "
               "...")
     from raykv.clusters.demo.vllm_demo import run_vllm_demo

@@ -10,17 +10,21 @@ in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answer
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor
 from raykv.clusters.mooncake_master import check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
+
+log = logging.getLogger(__name__)
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:
@@ -69,8 +73,12 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     promise).
 
     Raises ``ValueError`` if raykv already runs there or only one of ``master_address``
-    / ``metadata_server`` is given.
+    / ``metadata_server`` is given. Logs a warning when this environment has both
+    Mooncake wheels (``mooncake_wheels``; each node actor says the same for its own
+    node).
     """
+    if (warning := environment_warning()) is not None:
+        log.warning("raykv up: %s", warning)
     if (master_address is None) != (metadata_server is None):
         raise ValueError("give both --master-address and --metadata-server of an existing "
                          "master, or neither to run one on the head node")

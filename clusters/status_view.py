@@ -75,14 +75,18 @@ def _print_narrow(rows: list[tuple[str, ...]], console: Console) -> None:
 
 
 def render_status(state: dict, console: Console | None = None) -> None:
-    """Print the master, the deployments and one row per node and pool: a table where it
-    fits the console's width, else the same figures as lines (``_print_narrow``)."""
+    """Print the master, each node's warnings (its stats' ``warnings``), the deployments
+    and one row per node and pool: a table where it fits the console's width, else the
+    same figures as lines (``_print_narrow``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
                   f"(restarts: {master.get('restarts', 'not supervised')}), "
                   f"metadata {info['metadata_server']}, {len(state['nodes'])} node(s), "
                   f"{info.get('mode', 'embedded')} mode")
+    for node_id, s in state["nodes"].items():
+        for warning in s.get("warnings", ()):
+            console.print(Text(f"warning: node {node_id[:8]}: {warning}", style="yellow"))
     for dep_id, dep in state["deployments"].items():
         pools = ", ".join(f"{p['role']}:{p['kind']}" for p in dep["pools"])
         home = (dep.get("home_node") or "-")[:8]

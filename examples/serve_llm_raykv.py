@@ -6,10 +6,10 @@ loads those blocks from raykv (the node's cache actor, Mooncake) instead of comp
 them. Nothing else changes in the Serve app: routing, autoscaling and the OpenAI API are
 Ray Serve LLM's.
 
-On a Ray cluster with GPUs (Ray Serve LLM and vLLM's CUDA build, ``pip install
-'ray[serve,llm]'``; raykv installed on every node from a clone of its repository, where
-``pip install -e .`` adds it (it is not on the package index); the same Ray version
-everywhere; untested on GPUs so far)::
+On a Ray cluster with GPUs (untested on GPUs so far), install on every node, from a clone
+of raykv's repository (it is not on the package index), raykv with vLLM 0.32.0's CUDA
+build and Ray Serve for the cluster's Ray version (the same everywhere): ``pip install -e
+'.[gpu]' 'ray[serve]==<this Ray's version>' pyarrow``. Then::
 
     raykv up --address auto                     # master, controller, a cache actor per node
     python examples/serve_llm_raykv.py --model Qwen/Qwen2.5-7B-Instruct --replicas 2
@@ -17,9 +17,8 @@ everywhere; untested on GPUs so far)::
 The script starts the app, sends a few requests that share a long prefix and prints, per
 request, the prompt tokens vLLM reported as cached (its own prefix cache plus the blocks
 raykv loaded; with ``--no-prefix-caching`` only raykv's). ``--cpu`` runs the replicas on
-CPUs with vLLM's CPU build (``pip install -e '.[vllm]'`` in raykv's clone, then ``pip
-install 'ray[serve]==<this Ray's version>' pyarrow``: ``ray[llm]`` would pull the CUDA
-build over it); see docs/engines.md, "Ray Serve LLM".
+CPUs with vLLM's CPU build (``scripts/setup.sh`` installs it and Ray Serve; ``ray[llm]``
+would pull vLLM's CUDA build over it); see docs/engines.md, "Ray Serve LLM".
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import threading
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
+from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
@@ -27,6 +29,8 @@ from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
+
+log = logging.getLogger(__name__)
 
 
 class NodeCacheActor:
@@ -56,6 +60,10 @@ class NodeCacheActor:
         # machine) rather than inside the first pool's creation.
         threading.Thread(target=importlib.import_module, args=("torch",),
                          name="raykv-import-torch", daemon=True).start()
+        # Both Mooncake wheels in this node's environment: said at start and in stats.
+        self._warnings = [w for w in (environment_warning(),) if w]
+        for w in self._warnings:
+            log.warning("raykv node actor on %s: %s", node_id[:8], w)
         prefix = node_shm_prefix(cluster_tag, node_id)
         store = NodeStore.open(
             prefix, standalone=standalone,
@@ -162,7 +170,9 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="control")
     async def stats(self) -> dict:
-        return self._service.stats()
+        """``NodeService.stats``, plus ``warnings``: what is wrong with this node's
+        environment (both Mooncake wheels installed), said at start too."""
+        return self._service.stats() | {"warnings": self._warnings}
 
     @ray.method(concurrency_group="control")
     async def shutdown(self, remove_pools: bool = True) -> None:

@@ -5,7 +5,7 @@ SGLang's built-in ``MooncakeStore``, on the same store, in the same run.
 the SGLang process joins) contributes no store memory, so every object lands in the
 other node's segment and every byte crosses Mooncake's transport (TCP loopback here), for
 both backends. It then runs ``raykv.clusters.bench.sglang_runner`` in SGLang's environment
-(``sglang_python``: SGLang cannot share raykv's venv, see ``.ci/sglang-venv``), which
+(``sglang_python``: SGLang cannot share raykv's venv, see ``scripts/sglang-venv.sh``), which
 drives SGLang 0.5.23's ``HybridCacheController`` over one SGLang host pool with both
 backends: ``write_storage`` and ``prefetch`` of ``batch`` pages per call (see that
 module for what is timed). Here the seconds become pages/s and GB/s (1e9 bytes/s) of
@@ -66,7 +66,7 @@ def sglang_python(path: str | None = None) -> str:
     python = path or os.environ.get("RAYKV_SGLANG_PYTHON") or SGLANG_VENV_PYTHON
     if not os.path.exists(python):
         raise ValueError(f"no SGLang python at {python}: build the SGLang venv with "
-                         "`.ci/sglang-venv` (sglang 0.5.23 and raykv, the same ray as here) "
+                         "`scripts/sglang-venv.sh` (sglang 0.5.23 and raykv, the same ray as here) "
                          "or pass --sglang-python / set RAYKV_SGLANG_PYTHON")
     return python
 

@@ -12,6 +12,9 @@ multiprocess engine's worker every core it finds instead, and greedy tokens of v
 kernels depend on the thread count (2 threads instead of 1 changed 5 of 6 prompts'
 tokens here), so engines in different modes would not be comparable.
 
+On a node with GPUs an engine actor asks Ray for one GPU per rank it runs
+(``engine_gpus``); on a CPU node for none (vLLM's CPU build), as the tests run it.
+
 Imports vLLM only inside the actor.
 """
 
@@ -103,13 +106,35 @@ class VLLMEngine:
 Engine = ray.remote(num_cpus=0)(VLLMEngine)
 
 
+def engine_gpus(node_gpus: float, llm_kwargs: dict) -> int:
+    """GPUs an engine actor asks Ray for on a node with ``node_gpus`` GPUs: none on a
+    CPU node (vLLM's CPU build), else one per rank (TP x PP) that vLLM runs in the
+    actor's process tree (its default uniprocess / multiprocess executors), none with
+    ``distributed_executor_backend="ray"`` (the ranks are Ray actors asking for their
+    own GPUs)."""
+    if node_gpus <= 0 or llm_kwargs.get("distributed_executor_backend") == "ray":
+        return 0
+    return (int(llm_kwargs.get("tensor_parallel_size", 1))
+            * int(llm_kwargs.get("pipeline_parallel_size", 1)))
+
+
+def node_gpus(node_id: str) -> float:
+    """The GPUs Ray counts on the live node ``node_id`` (0 on a CPU node)."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node["Alive"]:
+            return node["Resources"].get("GPU", 0)
+    raise ValueError(f"no live Ray node {node_id}")
+
+
 def start_engine(node_id: str, model: str, connector: dict | None, *,
                  env: dict | None = None, actor_class=Engine, **kw):
     """An engine actor (``actor_class``: ``Engine`` or another ``ray.remote`` subclass of
-    ``VLLMEngine``) hard-pinned to ``node_id``, ``ENV | env`` in its environment; it is
-    starting when this returns (``ready`` waits for it)."""
+    ``VLLMEngine``) hard-pinned to ``node_id``, ``ENV | env`` in its environment, with
+    the GPUs its ranks need when the node has GPUs (``engine_gpus``); it is starting
+    when this returns (``ready`` waits for it)."""
     return actor_class.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        num_gpus=engine_gpus(node_gpus(node_id), kw),
         runtime_env={"env_vars": ENV | (env or {})}).remote(model, connector, **kw)
 
 

@@ -2,7 +2,7 @@
 venv) against a raykv cluster of this process; shared by the SGLang test modules.
 
 Without the SGLang venv the tests that use it fail (not skip): set RAYKV_SGLANG_PYTHON
-or run ``.ci/sglang-venv``.
+or run ``scripts/sglang-venv.sh``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def require_sglang() -> None:
     """Fail the test (never skip) when the SGLang venv's python is missing."""
     if not os.path.exists(SGLANG_PY):
         pytest.fail(f"the SGLang venv is missing ({SGLANG_PY}): build it with "
-                    "`.ci/sglang-venv` or point RAYKV_SGLANG_PYTHON at a python with "
+                    "`scripts/sglang-venv.sh` or point RAYKV_SGLANG_PYTHON at a python with "
                     "sglang==0.5.23 and raykv installed", pytrace=False)
 
 

@@ -24,8 +24,9 @@ SYSTEM, USER, REPLY, LONG = 256, 64, 8, 1024
 def _vllm_installed():
     """This test needs a real vLLM: missing, it fails (never skips) with the fix."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: pip install -e '.[vllm]' (see "
-                    "docs/engines.md, 'Use from vLLM'; CI installs it)")
+        from raykv.clusters.install_hints import vllm_install_hint
+
+        pytest.fail(f"vLLM is not installed: {vllm_install_hint()}")
 
 
 def test_vllm_demo_small(tmp_path: Path):

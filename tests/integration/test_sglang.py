@@ -1,7 +1,7 @@
 """raykv as SGLang's HiCache storage backend, driven by SGLang 0.5.23's own code.
 
 The cluster (``start_local(num_nodes=2)``, real ``mooncake_master``) runs in this
-process; SGLang lives in its own venv (``.ci/sglang-venv``), so each "SGLang server" is
+process; SGLang lives in its own venv (``scripts/sglang-venv.sh``), so each "SGLang server" is
 ``sglang_driver.py`` run by that venv's python: it joins this cluster's Ray with the GCS
 address and namespace, is pinned to one node's cache actor, builds SGLang's real CPU host
 pools and its ``HybridCacheController`` with ``storage_backend="dynamic"`` loading
@@ -19,7 +19,7 @@ injector around the backend. Interop with SGLang's built-in ``MooncakeStore`` on
 master, TP=1 and TP=2, both directions. Standalone Mooncake mode: ``test_standalone.py``.
 
 Without the SGLang venv these tests fail (not skip): set RAYKV_SGLANG_PYTHON or run
-``.ci/sglang-venv``.
+``scripts/sglang-venv.sh``.
 """
 
 from __future__ import annotations

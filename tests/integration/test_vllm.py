@@ -40,8 +40,9 @@ from tests.integration.vllm_control import ControlEngine
 def _vllm_installed():
     """These tests need a real vLLM: missing, they fail (never skip) with the fix."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: pip install -e '.[vllm]' (see "
-                    "docs/engines.md, 'Use from vLLM'; CI installs it)")
+        from raykv.clusters.install_hints import vllm_install_hint
+
+        pytest.fail(f"vLLM is not installed: {vllm_install_hint()}")
 
 BLOCK = 128
 

@@ -1,0 +1,41 @@
+# Shared by scripts/setup.sh and scripts/sglang-venv.sh (sourced, not run).
+
+# One line saying what the script does next, prefixed with the script's name.
+say() { printf '%s: %s\n' "${0##*/}" "$*"; }
+
+die() { printf '%s: error: %s\n' "${0##*/}" "$*" >&2; exit 1; }
+
+# Install the Debian/Ubuntu packages named (apt-get), through sudo unless root. Callers
+# pass only the packages they found missing; nothing is done when none is named.
+apt_install() {
+    [ "$#" -gt 0 ] || return 0
+    command -v apt-get >/dev/null ||
+        die "missing system packages: $*; this script installs them with apt-get (Debian/Ubuntu): install their equivalents and rerun"
+    local sudo=()
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || die "installing $* needs root: rerun as root or install sudo"
+        sudo=(sudo)
+    fi
+    say "installing system packages: $* (apt-get${sudo:+, with sudo})"
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+has_lib() { { ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q "$1"; }
+
+# The system packages of what is named (mooncake: the Mooncake wheels' RDMA libraries,
+# also for TCP; sglang: the compiler and OpenSSL headers SGLang's page-hash extension is
+# built with) that are missing, by what they provide, one per line.
+missing_packages() {
+    local what
+    for what in "$@"; do
+        case $what in
+            mooncake)
+                has_lib libibverbs.so.1 || echo libibverbs1
+                has_lib librdmacm.so.1 || echo librdmacm1 ;;
+            sglang)
+                command -v g++ >/dev/null || echo g++
+                [ -e /usr/include/openssl/sha.h ] || echo libssl-dev ;;
+        esac
+    done
+}
