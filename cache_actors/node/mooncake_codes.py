@@ -10,3 +10,8 @@ CLIENT_ERROR = -1
 NOT_CONFIRMED = -2
 """raykv's put code for an object Mooncake accepted but did not report existing right
 after (another client's put of the key still in flight): not known stored."""
+
+NOT_OWNED = -3
+"""raykv's code for an object refused before any byte moved: its pool is not the
+caller's owner's, or its key lies outside the caller's key prefix
+(``controllers.ownership``)."""

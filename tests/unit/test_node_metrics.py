@@ -32,6 +32,9 @@ class FakeMetric:
         self.calls.append(("set", value, dict(tags or {})))
 
 
+NO_OWNER = {"tenant": "(none)", "deployment": "(none)"}  # a pool this actor has no owner of
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     made: dict[str, FakeMetric] = {}
@@ -76,7 +79,7 @@ def test_export_hands_each_amount_to_ray_once(recorded):
     m.export()
     objects = {(c[2]["op"], c[2]["outcome"]): c[1] for c in made["raykv_objects"].calls}
     assert objects == {("put", "ok"): 6, ("get", "error_-704"): 1}
-    assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"})]
+    assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"} | NO_OWNER)]
     assert sorted((c[2]["op"], c[1]) for c in made["raykv_call_seconds"].calls) == [
         ("exists", 0.001), ("get", 0.5), ("put", 0.01), ("put", 0.01), ("put", 0.01)]
     assert made["raykv_group_queries"].calls == [("inc", 1, {"answer": "checked"})]
@@ -89,7 +92,7 @@ def test_close_exports_what_is_left(recorded):
     m, made = recorded
     m.record_move("put", batch(["kv"], [8]), [0], 0.01)
     m.close()
-    assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"})]
+    assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"} | NO_OWNER)]
 
 
 def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
