@@ -123,6 +123,30 @@ class IntList(click.ParamType):
         return tuple(numbers)
 
 
+class TenantQuota(click.ParamType):
+    """``NAME=SIZE``: a tenant name and its quota (a ``Size`` > 0); converts to
+    ``(name, bytes)``."""
+
+    name = "tenant=size"
+
+    def convert(self, value, param, ctx) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        tenant, sep, size = str(value).partition("=")
+        if not sep:
+            self.fail(f"{value!r} is not NAME=SIZE (e.g. team-a=4GB)", param, ctx)
+        from raykv.controllers.tenancy import check_tenant
+
+        try:
+            check_tenant(tenant.strip())
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        nbytes = Size().convert(size, param, ctx)
+        if nbytes <= 0:
+            self.fail(f"the quota of tenant {tenant.strip()!r} must be > 0", param, ctx)
+        return tenant.strip(), nbytes
+
+
 POSITIVE = click.IntRange(min=1)
 SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -249,11 +273,19 @@ def _connected(call, *args, **kwargs):
 @click.option("--confirm-ttl", default=2.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
+@click.option("--tenant-quota", "tenant_quotas", multiple=True, type=TenantQuota(),
+              help="NAME=SIZE: the host pool bytes tenant NAME's deployments may hold on "
+              "each node (repeat per tenant; default: no quota).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        segment_size: int, protocol: str, mooncake_host: str | None, standalone: bool,
-       host_pool_size: int | None, confirm_ttl: float) -> None:
+       host_pool_size: int | None, confirm_ttl: float,
+       tenant_quotas: tuple[tuple[str, int], ...]) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
+
+    quotas = dict(tenant_quotas)
+    if len(quotas) != len(tenant_quotas):
+        raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-quota'")
 
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
@@ -262,7 +294,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                           master_address=master_address, metadata_server=metadata_server,
                           global_segment_size=segment_size, protocol=protocol,
                           mooncake_host=mooncake_host, standalone=standalone,
-                          host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+                          host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl,
+                          tenant_quotas=quotas)
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")
@@ -275,8 +308,9 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
 @NAMESPACE_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(address: str, namespace: str, as_json: bool) -> None:
-    """Per node: pools, bytes, pages, objects moved and hit rates per pool. A table where
-    it fits the terminal; narrower (and when piped), the same figures as lines."""
+    """Per node: pools, bytes, pages, objects moved and hit rates per pool, and the pool
+    bytes of each tenant against its quota. A table where it fits the terminal; narrower
+    (and when piped), the same figures as lines."""
     import json
 
     from raykv.clusters import deploy

@@ -57,7 +57,8 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
        metadata_server: str | None = None, global_segment_size: int = 1 << 30,
        protocol: str = "tcp", mooncake_host: str | None = None,
        master_args: tuple[str, ...] = (), standalone: bool = False,
-       host_pool_bytes: int = 0, confirm_ttl_s: float = 2.0) -> dict:
+       host_pool_bytes: int = 0, confirm_ttl_s: float = 2.0,
+       tenant_quotas: dict[str, int] | None = None) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
     ``mooncake_host`` is the address every Mooncake process (master and clients) binds
@@ -68,6 +69,8 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
     ``confirm_ttl_s`` is how long group queries trust a page the store confirmed
     present; it must be below the master's object lease (checked for the master raykv
     starts; with ``master_address`` it is the caller's promise), 0 turns it off.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node.
 
     Raises ``ValueError`` if raykv already runs there, only one of ``master_address`` /
     ``metadata_server`` is given, or standalone mode has no ``host_pool_bytes``.
@@ -78,7 +81,8 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
     settings = NodeSettings("", "", uuid.uuid4().hex[:8], global_segment_size,
                             protocol=protocol, local_hostname=mooncake_host,
                             standalone=standalone, host_pool_bytes=host_pool_bytes,
-                            confirm_ttl_s=confirm_ttl_s)
+                            confirm_ttl_s=confirm_ttl_s,
+                            tenant_quotas=dict(tenant_quotas or {}))
     if master_address is None:
         check_confirm_ttl(confirm_ttl_s, master_args)
     connect(address, namespace)

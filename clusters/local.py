@@ -153,6 +153,7 @@ def start_local(
     standalone: bool = False,
     host_pool_bytes: int | None = None,
     log_to_driver: bool = True,
+    tenant_quotas: dict[str, int] | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -174,6 +175,8 @@ def start_local(
     node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
     is what the node requests from ``mooncake_client``). ``log_to_driver=False`` keeps
     the output of Ray workers (engines' logs) off this process's console.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -190,7 +193,7 @@ def start_local(
         host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
     settings = NodeSettings("", "", uuid.uuid4().hex[:8], sizes[0], local_buffer_size, "tcp",
                             LOOPBACK, mooncake_log_level, standalone, host_pool_bytes,
-                            group_window_s, confirm_ttl_s)
+                            group_window_s, confirm_ttl_s, dict(tenant_quotas or {}))
     check_confirm_ttl(confirm_ttl_s, master_args)
     master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
     settings = replace(settings, master_address=master.master_address,

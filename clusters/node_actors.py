@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.tenant_quotas import check_tenant_quotas
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class NodeSettings:
     answer is kept for the ranks of the group that have not asked yet. ``confirm_ttl_s``
     is how long group queries trust a page the store confirmed present; it must stay
     below the master's ``default_kv_lease_ttl`` (10 s by default), 0 turns it off.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node (``controllers.tenant_quotas``; none: only ``host_pool_bytes`` bounds them).
     """
 
     master_address: str
@@ -41,8 +44,10 @@ class NodeSettings:
     host_pool_bytes: int = 0
     group_window_s: float = 2.0
     confirm_ttl_s: float = 2.0
+    tenant_quotas: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
         if self.confirm_ttl_s < 0:
             raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:
@@ -77,7 +82,8 @@ def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
         node_id, settings.cluster_tag, settings.master_address, settings.metadata_server,
         settings.global_segment_size, settings.local_buffer_size, settings.protocol, "",
         settings.local_hostname, settings.standalone, settings.host_pool_bytes,
-        group_window_s=settings.group_window_s, confirm_ttl_s=settings.confirm_ttl_s)
+        group_window_s=settings.group_window_s, confirm_ttl_s=settings.confirm_ttl_s,
+        tenant_quotas=settings.tenant_quotas)
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:

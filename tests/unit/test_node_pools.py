@@ -248,6 +248,9 @@ class NoMetrics:
     def record_move(self, *args) -> None:
         pass
 
+    def record_exists(self, *args) -> None:
+        pass
+
     def pool_size(self, name: str, nbytes: int, owner=None) -> None:
         pass
 
