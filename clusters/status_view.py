@@ -74,8 +74,12 @@ def _print_narrow(rows: list[tuple[str, ...]], console: Console) -> None:
                 console.print(Text(line), soft_wrap=True)
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.1f} MiB"
+def _size(n: int) -> str:
+    """Bytes as MiB, KiB or B (one decimal), whichever is the largest under ``n``."""
+    for unit, scale in (("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
@@ -87,12 +91,12 @@ def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
         return []
     pairs = []
     for tenant, t in sorted(tenants.items()):
-        quota = (f" of {_mib(t['quota'])} quota" if t.get("quota") is not None
+        quota = (f" of {_size(t['quota'])} quota" if t.get("quota") is not None
                  else ", no quota")
-        pairs.append(f"{tenant} {_mib(t['pool_bytes'])}{quota} ({t['pools']} pools)")
+        pairs.append(f"{tenant} {_size(t['pool_bytes'])}{quota} ({t['pools']} pools)")
     rest = s.get("untenanted") or {}
     if rest.get("pools"):
-        pairs.append(f"no tenant {_mib(rest['pool_bytes'])} ({rest['pools']} pools)")
+        pairs.append(f"no tenant {_size(rest['pool_bytes'])} ({rest['pools']} pools)")
     return _packed(f"node {node_id[:8]} tenants:", pairs, width)
 
 
