@@ -270,7 +270,8 @@ class NodeService:
         moving = batch if refused is None else _allowed(batch, refused)
         if refused is not None:
             ptrs = [p for p, no in zip(ptrs, refused, strict=True) if not no]
-            used = tuple(p for p in used if p.name in set(moving.pools))
+            names = set(moving.pools)
+            used = tuple(p for p in used if p.name in names)
         pools.enter(table, used)
         try:
             t = time.perf_counter()
