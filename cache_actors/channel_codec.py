@@ -16,7 +16,8 @@ longer than ``MAX_MAP``, no string longer than ``MAX_STR``, no bin type at all.
 
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
 tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
-``PoolQuery``, ``PoolTransferResult``) as the list of their fields, in order. In a
+``PoolQuery``, ``PoolTransferResult``, ``OwnerClaim``) as the list of their fields, in
+order. In a
 request their places are known from the op's argument types (``Signature``); a reply
 value (the client has no schema) wraps the list in a msgpack extension type naming the
 class. Either way each field is checked against its annotation (a ``StrEnum`` field
@@ -30,6 +31,8 @@ both raykv versions. A request is ``[op, deadline, args]``: ``deadline`` in
 ``time.monotonic()`` seconds (``CLOCK_MONOTONIC``, one clock for every process of a
 node); a reply is ``[True, value]`` or ``[False, [error name, message]]``. Requests are
 checked against the op's argument types (``Signature``) before any handler sees them.
+A connection's first request may be ``BIND_OP`` with the rank's ``OwnerClaim``: the
+server then serves that connection as that owner (see ``local_channel``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import dataclasses
 import enum
 import reprlib
 import struct
+import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
@@ -53,11 +57,14 @@ from raykv.cache_actors.errors import (
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch
+from raykv.controllers.ownership import OwnerClaim
 
-PROTOCOL = 1
+PROTOCOL = 2
 """The wire's version: raise it on any change to frames, messages or ``_CLASSES``."""
 
 MAGIC = "raykv-channel"
+BIND_OP = "bind"
+"""The op of a connection's optional first request: ``[BIND_OP, deadline, [claim]]``."""
 try:
     RAYKV_VERSION = metadata.version("raykv")
 except metadata.PackageNotFoundError:  # run from a source tree that is not installed
@@ -258,12 +265,27 @@ def _fields_of(cls: type) -> Check:
 _SCALARS = (str, int, float, bool)
 
 
+def _union_of(options: tuple) -> Check:
+    checks = [checker(o) for o in options]
+
+    def check(v: object) -> object:
+        for c in checks:
+            try:
+                return c(v)
+            except WireError:
+                continue
+        _fail(v, " or ".join(map(str, options)))
+    return check
+
+
 def checker(hint: object) -> Check:
     """The check of values of type ``hint``: str, int, float, bool, None, ``list[T]``,
-    ``tuple[T, ...]``, ``tuple[A, B, ...]``, ``dict[K, V]``, a ``StrEnum``, or a class
-    of ``_CLASSES`` (sent as the list of its fields). ``TypeError`` for any other (a
-    programming error, found when the check is built)."""
+    ``tuple[T, ...]``, ``tuple[A, B, ...]``, ``dict[K, V]``, ``A | B``, a ``StrEnum``, or
+    a class of ``_CLASSES`` (sent as the list of its fields). ``TypeError`` for any other
+    (a programming error, found when the check is built)."""
     origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _union_of(params)
     if hint in _SCALARS:
         return _scalar(hint)
     if hint is None or hint is NoneType:
@@ -282,7 +304,7 @@ def checker(hint: object) -> Check:
 
 
 # --------------------------------------------------------- classes on the wire
-_CLASSES: tuple[type, ...] = (ObjectBatch, PoolQuery, PoolTransferResult)
+_CLASSES: tuple[type, ...] = (ObjectBatch, PoolQuery, PoolTransferResult, OwnerClaim)
 """The classes that travel: a request argument (its type known from the op's
 ``Signature``) as the plain list of its fields; a reply value (the client has no
 schema) as extension type ``1 + index here`` holding that list."""

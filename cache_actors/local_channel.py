@@ -27,6 +27,13 @@ before the reply to the first) closes that connection only, with one throttled l
 line. A reply the peer does not read for ``SEND_TIMEOUT_S``, or a hello not sent within
 ``HELLO_TIMEOUT_S`` of connecting, closes its connection.
 
+Owners. A server given ``bind`` serves each connection as the owner it claimed: a
+connection whose first request is ``BIND_OP`` with an ``OwnerClaim`` is bound to what
+``bind(claim)`` returns (the node actor checks the claim; a refused claim is answered
+with its error and the connection closed); a connection that sends no claim is served
+as a caller without one (None). Every handler is then given its connection's
+``caller=``. A second ``BIND_OP`` on a connection is a malformed request.
+
 Serving, two kinds of connection. A connection starts with its own thread, which reads
 each request and runs the handler itself: no thread switch lies between a request and
 its handler, and requests on different connections run in parallel (data ops: exists,
@@ -51,7 +58,8 @@ socket is closed and its thread ends when its peer goes or misbehaves. The accep
 thread survives every error (out of file descriptors, buffers or memory: it backs off
 from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
 
-Client. ``ChannelClient`` checks a connection out of a small free list for each call
+Client. ``ChannelClient`` (given ``bind``: its owner claim, sent as the first request
+of every connection it opens) checks a connection out of a small free list for each call
 and back in after it (one list per kind: data ops, async ops), so calls from
 concurrent threads run on separate connections, the caller's thread does all the I/O
 (no thread switch), and the connections open are at most the calls in flight plus
@@ -78,6 +86,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from raykv.cache_actors.channel_codec import (
+    BIND_OP,
     MAX_FRAME,
     ChannelVersionError,
     FrameReader,
@@ -96,6 +105,7 @@ from raykv.cache_actors.channel_codec import (
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
+from raykv.controllers.ownership import OwnerClaim
 
 __all__ = ["MAX_FRAME", "ChannelClient", "ChannelClosedError", "ChannelServer",
            "ChannelVersionError"]
@@ -156,6 +166,7 @@ class _Conn:
         self.send_lock = threading.Lock()
         self.busy = False
         self.dead = False
+        self.caller: object = None  # what the server's ``bind`` made of its claim
 
     def send(self, data: bytes) -> None:
         """Write one reply; on failure (peer gone or not reading) shut the connection,
@@ -187,7 +198,9 @@ class ChannelServer:
     ``reply(value, None)`` or ``reply(None, error)`` exactly once, now or later.
     ``arg_types[op]`` gives every op's argument types; a request that does not match
     them never reaches a handler. The handlers of ``deadline_ops`` are also given the
-    caller's deadline, ``deadline=`` (``time.monotonic()`` seconds). A handler's
+    caller's deadline, ``deadline=`` (``time.monotonic()`` seconds). With ``bind``
+    (``bind(claim) -> caller``, raising to refuse), connections may claim an owner and
+    every handler is given ``caller=`` (see the module docstring). A handler's
     exception of a ``passthrough`` type goes back to the caller as itself; any other is
     logged and reported as a ``RuntimeError``; the server keeps serving in every case."""
 
@@ -196,7 +209,8 @@ class ChannelServer:
                  passthrough: tuple[type[BaseException], ...] = (ValueError,),
                  async_handlers: Mapping[str, Callable[..., None]] | None = None,
                  deadline_ops: frozenset[str] = frozenset(),
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 bind: Callable[[OwnerClaim], object] | None = None) -> None:
         self.path = path
         self._handlers = dict(handlers)
         self._async = dict(async_handlers or {})
@@ -204,6 +218,9 @@ class ChannelServer:
         if missing:
             raise ValueError(f"no argument types for channel ops {sorted(missing)}")
         self._signatures = {op: arg_types[op] for op in {*self._handlers, *self._async}}
+        self._bind = bind
+        if bind is not None:
+            self._signatures[BIND_OP] = Signature((OwnerClaim,))
         self._passthrough = (*passthrough, DeadlineExceededError)
         self._deadline_ops = deadline_ops
         self._max_connections = max_connections
@@ -292,10 +309,18 @@ class ChannelServer:
             check_hello(decode(_recv_frame(conn.sock, conn.reader)), "rank")
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
             conn.send(hello())
-            first = True
+            first, claimable = True, True
             while not conn.dead:
                 op, deadline, args = parse_request(_recv_frame(conn.sock, conn.reader),
                                                    self._signatures)
+                if op == BIND_OP:
+                    if not claimable:
+                        raise WireError("an owner claim after the connection's first request")
+                    if not self._claim(conn, args[0]):
+                        return
+                    claimable = False
+                    continue
+                claimable = False
                 conn.busy = True
                 self._dispatch(conn, op, deadline, args)
                 if first and op in self._async:
@@ -315,6 +340,17 @@ class ChannelServer:
         finally:
             if not adopted:
                 self._drop(conn)
+
+    def _claim(self, conn: _Conn, claim: OwnerClaim) -> bool:
+        """Bind ``conn`` to ``claim`` and answer; False (answered with the error) if
+        ``bind`` refused it: the caller then closes the connection."""
+        try:
+            conn.caller = self._bind(claim)
+        except Exception as e:  # refused: the rank sees why, the connection ends
+            conn.send(self._encode(BIND_OP, None, e))
+            return False
+        conn.send(reply(None))
+        return True
 
     def _adopt(self, conn: _Conn) -> None:
         with self._adopt_lock:
@@ -397,6 +433,8 @@ class ChannelServer:
             if conn.busy:
                 raise WireError("a request sent before the reply to the previous one")
             op, deadline, args = parse_request(body, self._signatures)
+            if op == BIND_OP:  # only ever a connection's first request (its own thread)
+                raise WireError("an owner claim after the connection's first request")
             conn.busy = True
             if op in self._async:
                 self._dispatch(conn, op, deadline, args)
@@ -421,13 +459,14 @@ class ChannelServer:
                 f"{op} reached the node actor after its deadline; it was not run"))
             return
         start = self._async.get(op)
+        kw = {} if self._bind is None else {"caller": conn.caller}
         try:
             if start is not None:
-                start(respond, *args)
+                start(respond, *args, **kw)
             elif op in self._deadline_ops:
-                respond(self._handlers[op](*args, deadline=deadline))
+                respond(self._handlers[op](*args, deadline=deadline, **kw))
             else:
-                respond(self._handlers[op](*args))
+                respond(self._handlers[op](*args, **kw))
         except Exception as e:  # reported to the caller; the server keeps going
             respond(None, e)
 
@@ -478,9 +517,11 @@ class _Link:
     left (a Python socket timeout would cost two ``ioctl``s and a ``poll`` per send and
     per receive)."""
 
-    def __init__(self, path: str, timeout_s: float, deadline: float) -> None:
-        """Connect to ``path`` and exchange hellos by ``deadline``; raises as
-        ``exchange``, and ``ChannelVersionError``."""
+    def __init__(self, path: str, timeout_s: float, deadline: float,
+                 bind: OwnerClaim | None = None) -> None:
+        """Connect to ``path``, exchange hellos and send the owner claim ``bind`` (if
+        any) by ``deadline``; raises as ``exchange``, ``ChannelVersionError``, and the
+        node actor's error (``ValueError``) if it refused the claim."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.reader = FrameReader()
         self._full = timeout_s
@@ -492,6 +533,11 @@ class _Link:
             except BlockingIOError as e:
                 raise TimeoutError("the node actor's backlog stayed full") from e
             check_hello(decode(self.exchange(hello(), deadline)), "node actor")
+            if bind is not None:
+                ok, value = parse_reply(self.exchange(request(BIND_OP, deadline, [bind]),
+                                                      deadline))
+                if not ok:
+                    raise value
         except BaseException:
             self.sock.close()
             raise
@@ -536,14 +582,18 @@ class ChannelClient:
     """The rank's end: ``call(op, *args)`` blocks for the reply, ``timeout_s`` at most
     (then ``DeadlineExceededError``, retryable). Thread-safe: concurrent calls use
     separate connections from a free list; ops in ``async_ops`` use connections of
-    their own (see the module docstring). Raises ``ChannelClosedError`` when the actor
-    is unreachable, ``ChannelVersionError`` when it runs another wire."""
+    their own (see the module docstring). ``bind``: the owner claim every connection
+    starts with (None: none). Raises ``ChannelClosedError`` when the actor is
+    unreachable, ``ChannelVersionError`` when it runs another wire, ``ValueError`` when
+    it refused the claim."""
 
     def __init__(self, path: str, async_ops: frozenset[str] = frozenset(),
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_idle: int = MAX_IDLE) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_idle: int = MAX_IDLE,
+                 bind: OwnerClaim | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.path = path
+        self._bind = bind
         self.timeout_s = timeout_s
         self._async_ops = async_ops
         self._max_idle = max_idle
@@ -584,7 +634,7 @@ class ChannelClient:
 
     def _open(self, deadline: float) -> _Link:
         try:
-            return _Link(self.path, self.timeout_s, deadline)
+            return _Link(self.path, self.timeout_s, deadline, self._bind)
         except TimeoutError:
             raise DeadlineExceededError(f"the node actor at {self.path} did not accept a "
                                         f"connection within {self.timeout_s} s") from None

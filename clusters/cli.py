@@ -123,6 +123,30 @@ class IntList(click.ParamType):
         return tuple(numbers)
 
 
+class TenantQuota(click.ParamType):
+    """``NAME=SIZE``: a tenant name and its quota (a ``Size`` > 0); converts to
+    ``(name, bytes)``."""
+
+    name = "tenant=size"
+
+    def convert(self, value, param, ctx) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        tenant, sep, size = str(value).partition("=")
+        if not sep:
+            self.fail(f"{value!r} is not NAME=SIZE (e.g. team-a=4GB)", param, ctx)
+        from raykv.controllers.tenancy import check_tenant
+
+        try:
+            check_tenant(tenant.strip())
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        nbytes = Size().convert(size, param, ctx)
+        if nbytes <= 0:
+            self.fail(f"the quota of tenant {tenant.strip()!r} must be > 0", param, ctx)
+        return tenant.strip(), nbytes
+
+
 POSITIVE = click.IntRange(min=1)
 SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -264,11 +288,15 @@ def _connected(call, *args, **kwargs):
 @click.option("--confirm-ttl", default=2.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
+@click.option("--tenant-quota", "tenant_quotas", multiple=True, type=TenantQuota(),
+              help="NAME=SIZE: the host pool bytes tenant NAME's deployments may hold on "
+              "each node (repeat per tenant; default: no quota).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       confirm_ttl: float) -> None:
+       confirm_ttl: float,
+       tenant_quotas: tuple[tuple[str, int], ...]) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
     from raykv.clusters.node_actors import NodeSettings
@@ -278,6 +306,9 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
     if master_address and (master_port or metadata_port):
         raise click.UsageError("--master-port and --metadata-port are for the master raykv "
                                "runs; --master-address names one that runs already")
+    quotas = dict(tenant_quotas)
+    if len(quotas) != len(tenant_quotas):
+        raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-quota'")
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
     try:
@@ -285,7 +316,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             global_segment_size=segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
-            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):

@@ -64,8 +64,8 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
 
     ``settings`` (default ``NodeSettings()``) reach every node actor whole: transport
     (``protocol``, ``rdma_devices``, ``local_hostname``, ``local_buffer_size``), mode,
-    budgets and windows; ``up`` fills in the master, the metadata server and a new
-    cluster tag. ``local_hostname`` is also where the master raykv starts binds (None:
+    budgets (``host_pool_bytes``, ``tenant_quotas``) and windows; ``up`` fills in the
+    master, the metadata server and a new cluster tag. ``local_hostname`` is also where the master raykv starts binds (None:
     the head node's IP; ``127.0.0.1`` for a cluster whose nodes all run on one
     machine). ``master_ports``: the RPC and HTTP metadata ports of the master raykv
     starts (0: a free port). ``confirm_ttl_s`` must be below the master's object lease

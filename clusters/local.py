@@ -156,6 +156,7 @@ def start_local(
     protocol: str = "tcp",
     rdma_devices: str = "",
     local_hostname: str = LOOPBACK,
+    tenant_quotas: dict[str, int] | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -181,6 +182,8 @@ def start_local(
     node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
     is what the node requests from ``mooncake_client``). ``log_to_driver=False`` keeps
     the output of Ray workers (engines' logs) off this process's console.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -198,7 +201,8 @@ def start_local(
         local_buffer_size=local_buffer_size, protocol=protocol, rdma_devices=rdma_devices,
         local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
         standalone=standalone, host_pool_bytes=host_pool_bytes,
-        group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s)
+        group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
+        tenant_quotas=dict(tenant_quotas or {}))
     # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     check_confirm_ttl(confirm_ttl_s, master_args)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.tenant_quotas import check_tenant_quotas
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class NodeSettings:
     ``confirm_ttl_s`` is how long group queries trust a page the store confirmed
     present; it must stay below the master's ``default_kv_lease_ttl`` (10 s by default),
     0 turns it off.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node (``controllers.tenant_quotas``; none: only ``host_pool_bytes`` bounds them).
     """
 
     master_address: str = ""
@@ -59,8 +62,10 @@ class NodeSettings:
     host_pool_bytes: int = 0
     group_window_s: float = 2.0
     confirm_ttl_s: float = 2.0
+    tenant_quotas: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
         if self.confirm_ttl_s < 0:
             raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:

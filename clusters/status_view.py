@@ -74,10 +74,37 @@ def _print_narrow(rows: list[tuple[str, ...]], console: Console) -> None:
                 console.print(Text(line), soft_wrap=True)
 
 
+def _size(n: int) -> str:
+    """Bytes as MiB, KiB or B (one decimal), whichever is the largest under ``n``."""
+    for unit, scale in (("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
+    """The pool bytes of each tenant on a node against its quota, and of the pools
+    without a tenant (under no quota), as lines of at most ``width`` characters where
+    possible; none for a node without tenants (or whose stats failed)."""
+    tenants = s.get("tenants") or {}
+    if "error" in s or not tenants:
+        return []
+    pairs = []
+    for tenant, t in sorted(tenants.items()):
+        quota = (f" of {_size(t['quota'])} quota" if t.get("quota") is not None
+                 else ", no quota")
+        pairs.append(f"{tenant} {_size(t['pool_bytes'])}{quota} ({t['pools']} pools)")
+    rest = s.get("untenanted") or {}
+    if rest.get("pools"):
+        pairs.append(f"no tenant {_size(rest['pool_bytes'])} ({rest['pools']} pools)")
+    return _packed(f"node {node_id[:8]} tenants:", pairs, width)
+
+
 def render_status(state: dict, console: Console | None = None) -> None:
-    """Print the master, each node's warnings (its stats' ``warnings``), the deployments
-    and one row per node and pool: a table where it fits the console's width, else the
-    same figures as lines (``_print_narrow``)."""
+    """Print the master, each node's warnings (its stats' ``warnings``), the deployments,
+    one row per node and pool (a table where it fits the console's width, else the same
+    figures as lines: ``_print_narrow``) and the pool bytes per tenant and node against
+    each tenant's quota."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -105,6 +132,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
         console.print(table)
     else:
         _print_narrow(rows, console)
+    for node_id, s in state["nodes"].items():
+        for line in tenant_lines(node_id, s, console.width):
+            console.print(Text(line), soft_wrap=True)
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
         if g and (g["checked"] or g["recent"] or g["inflight"] or g.get("confirmed")):

@@ -28,6 +28,7 @@ from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,10 @@ log = logging.getLogger(__name__)
 class NodeCacheActor:
     """Serves the ranks of one node; each method is the ``NodeService`` method of the
     same name (the data ops are ``DataOp``), whose docstring states its contract
-    (``group_exists`` waits here for the service's reply). Runs only as
-    ``node_actor_class``."""
+    (``group_exists`` waits here for the service's reply). Pool calls and data calls
+    take the caller's ``OwnerClaim`` last (None: a caller without one). Runs only as
+    ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
+    deployments may hold on this node."""
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class NodeCacheActor:
         *,
         group_window_s: float = 2.0,
         confirm_ttl_s: float = 2.0,
+        tenant_quotas: dict[str, int] | None = None,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.
@@ -75,7 +79,7 @@ class NodeCacheActor:
         self._service = NodeService(
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
-            confirm_ttl_s=confirm_ttl_s)
+            confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -96,42 +100,45 @@ class NodeCacheActor:
     # ----------------------------------------------------------------- pools
     @ray.method(concurrency_group="control")
     async def create_pool(self, name: str, layout: PoolLayout,
-                          owner: ProcessIdentity | None = None) -> PoolHandle:
-        return self._service.create_pool(name, layout, owner)
+                          process: ProcessIdentity | None = None,
+                          owner: OwnerClaim | None = None) -> PoolHandle:
+        return self._service.create_pool(name, layout, process, owner)
 
     @ray.method(concurrency_group="control")
     async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                                inode: tuple[int, int]) -> PoolHandle:
-        return self._service.adopt_engine_pool(name, path, layout, inode)
+                                inode: tuple[int, int], owner: OwnerClaim | None = None
+                                ) -> PoolHandle:
+        return self._service.adopt_engine_pool(name, path, layout, inode, owner)
 
     @ray.method(concurrency_group="control")
-    async def get_pool(self, name: str) -> PoolHandle:
-        return self._service.get_pool(name)
+    async def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
+        return self._service.get_pool(name, owner)
 
     @ray.method(concurrency_group="control")
     async def list_pools(self) -> list[PoolHandle]:
         return self._service.list_pools()
 
     @ray.method(concurrency_group="control")
-    async def destroy_pool(self, name: str) -> bool:
-        return self._service.destroy_pool(name)
+    async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
+        return self._service.destroy_pool(name, owner)
 
     # ------------------------------------------------------------------ data
     @ray.method(concurrency_group="data")
-    async def exists(self, keys: list[str]) -> list[int]:
-        return await self._run(self._service.exists, keys)
+    async def exists(self, keys: list[str], owner: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.exists, keys, owner)
 
     @ray.method(concurrency_group="data")
-    async def put(self, batch: ObjectBatch) -> list[int]:
-        return await self._run(self._service.put, batch)
+    async def put(self, batch: ObjectBatch, owner: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.put, batch, None, owner)
 
     @ray.method(concurrency_group="data")
-    async def get(self, batch: ObjectBatch) -> list[int]:
-        return await self._run(self._service.get, batch)
+    async def get(self, batch: ObjectBatch, owner: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.get, batch, None, owner)
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
-                           keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
+                           keys: list[str], queries: list[PoolQuery],
+                           owner: OwnerClaim | None = None) -> PoolTransferResult:
         """Waits for the service's reply at most ``WAIT_S`` (then
         ``DeadlineExceededError``), on the event loop: no thread is held meanwhile."""
         loop = asyncio.get_running_loop()
@@ -147,7 +154,7 @@ class NodeCacheActor:
 
         def reply(result: PoolTransferResult | None, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(settle, result, error)
-        self._service.group_exists(reply, deployment_id, version, rank, keys, queries)
+        self._service.group_exists(reply, deployment_id, version, rank, keys, queries, owner)
         try:
             return await asyncio.wait_for(answer, WAIT_S)
         except TimeoutError:

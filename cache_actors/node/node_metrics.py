@@ -3,6 +3,15 @@ Ray metrics (tag ``node``). The only place a node actor counts: data calls, grou
 queries (``GroupQueries`` tells it how each was answered and what its store calls took)
 and merged transfers (``TransferMerger`` tells it each store call's batches).
 
+Per tenant and deployment. Per tier, L3 (the store: objects got = hits, failed gets =
+misses, lookups found or not, bytes moved) and L2 (the pools' bytes), the Ray metrics
+carry the ``tenant`` and ``deployment`` of the pool's owner (of the caller, for a
+lookup; ``(none)`` for none), beside ``pool``. Their label sets are bounded for the
+actor's life, whatever pools come and go: at most ``MAX_POOL_LABELS`` pool names,
+``MAX_DEPLOYMENT_LABELS`` deployments and ``MAX_TENANT_LABELS`` tenants get a label of
+their own, in the order they are first seen; the rest are counted together under
+``(other)`` (``LabelBound``). ``stats()`` keeps per-pool counts only of live pools.
+
 Data calls only count, under ``_lock``: the Ray metric objects are updated from the
 counts by an exporter thread every ``export_s`` seconds (``export``), not on the data
 path, where a Ray metric update cost ~10 us each, several per call (measured here: a
@@ -20,15 +29,45 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 
 from ray.util import metrics
 from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.ownership import Owner
 
 EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
 GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "checked", "store_calls")
 MERGED_CALL_COUNTS = ("calls", "batches", "largest")
+MAX_POOL_LABELS = 64
+MAX_DEPLOYMENT_LABELS = 32
+MAX_TENANT_LABELS = 32
+OTHER = "(other)"
+"""The label of every value past a tag's bound (no tenant name can be it)."""
+NONE = "(none)"
+"""The ``tenant`` / ``deployment`` label of a pool or caller without one."""
+Tags = tuple[str, str, str]
+"""``(pool, tenant, deployment)`` labels."""
+
+
+class LabelBound:
+    """The label of a tag's values: the value itself for the first ``limit`` distinct
+    values seen, ``OTHER`` for any later one, ``NONE`` for None. Not thread-safe (its
+    owner's lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        if value is None:
+            return NONE
+        if value not in self._seen:
+            if len(self._seen) >= self._limit:
+                return OTHER
+            self._seen.add(value)
+        return value
 
 
 def moved(op: str, code: int) -> bool:
@@ -44,25 +83,38 @@ class NodeMetrics:
 
     def __init__(self, node_id: str, export_s: float = EXPORT_S) -> None:
         tags = {"node": node_id[:12]}
+        owner_keys = ("tenant", "deployment")
         self._objects = metrics.Counter(
-            "raykv_objects", "Objects moved or refused, by op, pool and outcome",
-            tag_keys=("node", "op", "pool", "outcome"))
-        self._bytes = metrics.Counter("raykv_bytes", "Bytes moved, by op and pool",
-                                      tag_keys=("node", "op", "pool"))
+            "raykv_objects", "Objects moved or refused (L3 hits and misses of gets), by op, "
+            "pool, outcome and the pool owner's tenant and deployment",
+            tag_keys=("node", "op", "pool", "outcome", *owner_keys))
+        self._bytes = metrics.Counter(
+            "raykv_bytes", "Bytes moved, by op, pool and the pool owner's tenant and "
+            "deployment", tag_keys=("node", "op", "pool", *owner_keys))
+        self._lookups = metrics.Counter(
+            "raykv_lookups", "Keys looked up in the store (L3), found (hit) or not (miss), "
+            "by the caller's tenant and deployment",
+            tag_keys=("node", "answer", *owner_keys))
         self._latency = metrics.Histogram(
             "raykv_call_seconds", "Store call latency in the node actor, by op",
             boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0],
             tag_keys=("node", "op"))
-        self._pool_bytes = metrics.Gauge("raykv_pool_bytes", "Bytes of each shared host pool",
-                                         tag_keys=("node", "pool"))
+        self._pool_bytes = metrics.Gauge(
+            "raykv_pool_bytes", "Bytes of the shared host pools (L2), by pool and the "
+            "owner's tenant and deployment", tag_keys=("node", "pool", *owner_keys))
         self._group_queries = metrics.Counter(
             "raykv_group_queries", "Group existence queries answered here, by how: "
             "recent / inflight (shared by the ranks of a group), confirmed (from confirmed "
             "pages alone) or checked (own store check)",
             tag_keys=("node", "answer"))
-        for m in (self._objects, self._bytes, self._latency, self._pool_bytes,
-                  self._group_queries):
+        for m in (self._objects, self._bytes, self._lookups, self._latency,
+                  self._pool_bytes, self._group_queries):
             m.set_default_tags(tags)
+        self._pool_labels = LabelBound(MAX_POOL_LABELS)
+        self._deployment_labels = LabelBound(MAX_DEPLOYMENT_LABELS)
+        self._tenant_labels = LabelBound(MAX_TENANT_LABELS)
+        self._pools: dict[str, tuple[Tags, int]] = {}  # live pool -> its labels, bytes
+        self._gauges: Counter[Tags] = Counter()  # labels -> bytes of live pools
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._pool_counts: dict[str, Counter[str]] = {}
@@ -103,19 +155,43 @@ class NodeMetrics:
                 name = {"ok": f"{op}_objects", "present": f"{op}_present"}.get(
                     outcome, f"{op}_{outcome}")
                 self._counts[name] += n
-                self._pending[(self._objects,
-                               (("op", op), ("pool", pool), ("outcome", outcome)))] += n
+                p, tenant, dep = self._tags_of(pool)
+                self._pending[(self._objects, (("op", op), ("pool", p), ("outcome", outcome),
+                                               ("tenant", tenant), ("deployment", dep)))] += n
             self._counts[f"{op}_bytes"] += sum(nbytes.values())
             for pool, n in nbytes.items():
                 if n:
-                    self._pending[(self._bytes, (("op", op), ("pool", pool)))] += n
+                    p, tenant, dep = self._tags_of(pool)
+                    self._pending[(self._bytes, (("op", op), ("pool", p), ("tenant", tenant),
+                                                 ("deployment", dep)))] += n
             self._latencies.append((op, seconds))
 
-    def record_exists(self, seconds: float) -> None:
-        """One ``exists`` call (counted as ``exists_calls``)."""
+    def _tags_of(self, pool: str) -> Tags:
+        """With ``_lock`` held: the labels of pool ``pool`` (one no longer here: its
+        name's label and no owner)."""
+        known = self._pools.get(pool)
+        return known[0] if known is not None else (self._pool_labels(pool), NONE, NONE)
+
+    def _owner_tags(self, owner: Owner | None) -> tuple[str, str]:
+        """With ``_lock`` held: the ``tenant`` and ``deployment`` labels of ``owner``."""
+        if owner is None:
+            return NONE, NONE
+        return self._tenant_labels(owner.tenant), self._deployment_labels(owner.deployment_id)
+
+    def record_exists(self, seconds: float, codes: Sequence[int] = (),
+                      owner: Owner | None = None) -> None:
+        """One ``exists`` call of ``owner`` (None: a caller without one) that took
+        ``seconds`` and answered ``codes`` (1: found; counted as ``exists_calls``)."""
+        hits = codes.count(1)
+        misses = len(codes) - hits
         with self._lock:
             self._counts["exists_calls"] += 1
             self._latencies.append(("exists", seconds))
+            tenant, dep = self._owner_tags(owner)
+            for answer, n in (("hit", hits), ("miss", misses)):
+                if n:
+                    self._pending[(self._lookups, (("answer", answer), ("tenant", tenant),
+                                                   ("deployment", dep)))] += n
 
     def record_group_store_call(self, seconds: float) -> None:
         """One store call (lookup) of the group queries that took ``seconds``."""
@@ -139,9 +215,29 @@ class NodeMetrics:
             m["batches"] += batches
             m["largest"] = max(m["largest"], batches)
 
-    def pool_size(self, name: str, nbytes: int) -> None:
-        """Pool ``name`` now holds ``nbytes`` (0: gone); set at once (rare)."""
-        self._pool_bytes.set(nbytes, tags={"pool": name})
+    def pool_size(self, name: str, nbytes: int, owner: Owner | None = None) -> None:
+        """Pool ``name`` of ``owner`` now holds ``nbytes`` (0: gone, and its per-pool
+        counts are dropped); its gauge is set at once (rare). Pools past the label
+        bounds share their gauge, which holds their sum."""
+        with self._lock:
+            old = self._pools.pop(name, None)
+            changed = []
+            if old is not None:
+                self._gauges[old[0]] -= old[1]
+                changed.append(old[0])
+            if nbytes:
+                tags = (self._pool_labels(name), *self._owner_tags(owner))
+                self._pools[name] = (tags, nbytes)
+                self._gauges[tags] += nbytes
+                changed.append(tags)
+            else:
+                self._pool_counts.pop(name, None)
+            for tags in dict.fromkeys(changed):
+                value = self._gauges[tags]
+                if not value:
+                    del self._gauges[tags]
+                self._pool_bytes.set(value, tags=dict(zip(("pool", "tenant", "deployment"),
+                                                          tags, strict=True)))
 
     def export(self) -> None:
         """Hand what was recorded since the last call to the Ray metrics (the exporter

@@ -29,6 +29,17 @@ memory given back (zeros stored under real keys and reported stored).
 Restart: each pool has a record (``pool_records``) that a restarted actor re-adopts;
 a record it cannot trust is logged and skipped, never stopping the actor.
 In standalone mode the recorded path is never mapped (every pool gets fresh memory).
+
+Owners (``controllers.ownership``). Each pool has an owner (a deployment and its tenant;
+None: legacy), kept in the table beside the pool and in its record. Pool calls name
+their caller's owner (already verified: ``OwnerBindings.verify``) and are refused with a
+``ValueError`` naming the pool's owner unless it is theirs: a create of a name another
+owner holds, adoption, lookup (``handle``), destroy. The node itself (the engine reaper,
+``close``, re-allocation) acts as ``ANYONE``. A restarted actor binds the tenants' proof
+digests its records hold again (``OwnerBindings.bind``). Quotas
+(``controllers.tenant_quotas``): a tenant's pools here are summed from the table (no
+second count to drift) and a create or adoption that would put it over its quota is
+refused before anything is allocated.
 """
 
 from __future__ import annotations
@@ -47,13 +58,18 @@ from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.pool_records import PoolRecords
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.ownership import Owner, OwnerBindings, check_access
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.controllers.tenant_quotas import check_fits
 
 log = logging.getLogger(__name__)
 
 DRAIN_S = 30.0
 """Seconds a leaving pool waits for the data calls in flight on it before it is parked
 (kept mapped until they end) instead of released."""
+ANYONE = object()
+"""The caller of the node's own pool calls (engine reaper, shutdown): passes every owner
+check."""
 
 
 def _stale(old: int, new: int) -> StalePoolsError:
@@ -64,17 +80,29 @@ def _stale(old: int, new: int) -> StalePoolsError:
 
 @dataclass(frozen=True)
 class PoolTable:
-    """One generation of a node's pools (read-only; see the module docstring)."""
+    """One generation of a node's pools and their owners (None: legacy; read-only; see
+    the module docstring)."""
 
     epoch: int
     pools: Mapping[str, HostPool] = field(default_factory=lambda: MappingProxyType({}))
+    owners: Mapping[str, Owner | None] = field(default_factory=lambda: MappingProxyType({}))
 
-    def replaced(self, name: str, pool: HostPool | None) -> PoolTable:
-        """A table of the same epoch with ``pool`` as ``name`` (None: without ``name``)."""
+    def replaced(self, name: str, pool: HostPool | None,
+                 owner: Owner | None = None) -> PoolTable:
+        """A table of the same epoch with ``pool`` of ``owner`` as ``name`` (None:
+        without ``name``)."""
         pools = {n: p for n, p in self.pools.items() if n != name}
+        owners = {n: o for n, o in self.owners.items() if n != name}
         if pool is not None:
             pools[name] = pool
-        return PoolTable(self.epoch, MappingProxyType(pools))
+            owners[name] = owner
+        return PoolTable(self.epoch, MappingProxyType(pools), MappingProxyType(owners))
+
+    def use(self, tenant: str) -> int:
+        """Bytes of the pools of ``tenant`` in this table."""
+        owners = self.owners
+        return sum(p.nbytes for n, p in self.pools.items()
+                   if (o := owners.get(n)) is not None and o.tenant == tenant)
 
     def resolve(self, batch: ObjectBatch) -> tuple[list[int], tuple[HostPool, ...]]:
         """Pointers in this process for every object of ``batch`` and the pools they lie
@@ -108,7 +136,9 @@ class PoolTable:
 class NodePools:
     """Creates, re-adopts, re-allocates and removes the pools of one node, registers
     each with the node's Mooncake client, keeps a ``<prefix><name>.json`` record per pool
-    (what a restarted actor re-adopts) and tells ``sized(name, nbytes)`` each pool's size.
+    (what a restarted actor re-adopts) and tells ``sized(name, nbytes, owner)`` each
+    pool's size (0: gone). ``owners``: the owner bindings of this node actor;
+    ``quotas``: tenant -> bytes its pools here may hold (see the module docstring).
 
     Concurrency: ``table`` may be read by any thread without a lock (one snapshot per
     read). ``_lock`` serialises every change (create, destroy, reallocate, close) and
@@ -120,11 +150,14 @@ class NodePools:
     """
 
     def __init__(self, prefix: str, store: NodeStore,
-                 sized: Callable[[str, int], None], *, drain_s: float = DRAIN_S) -> None:
+                 sized: Callable[[str, int, Owner | None], None], *,
+                 drain_s: float = DRAIN_S, quotas: Mapping[str, int] | None = None) -> None:
         self._store = store
         self._records = PoolRecords(prefix, store.mode)
         self._sized = sized
         self._drain_s = drain_s
+        self.quotas = MappingProxyType(dict(quotas or {}))
+        self.owners = OwnerBindings(keep=self._owns_pools)
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
@@ -135,15 +168,48 @@ class NodePools:
         # id(pool) -> (pool, its release): out of the table, still used by a call
         self._parked: dict[int, tuple[HostPool, Callable[[HostPool], None]]] = {}
 
-    def _register(self, pool: HostPool) -> HostPool:
+    def _register(self, pool: HostPool, owner: Owner | None) -> HostPool:
         """Register ``pool`` with Mooncake; on failure give its memory back."""
         try:
             self._store.backend.register(pool.base_ptr, pool.nbytes)
         except Exception:
             self._store.memory.release(pool)
             raise
-        self._sized(pool.name, pool.nbytes)
+        self._sized(pool.name, pool.nbytes, owner)
         return pool
+
+    def _owns_pools(self, deployment: str) -> bool:
+        """Whether ``deployment`` owns a pool here now (read without the lock)."""
+        return any(o is not None and o.deployment_id == deployment
+                   for o in self.table.owners.values())
+
+    def _check_owner(self, name: str, caller: Owner | None | object, what: str) -> None:
+        """With ``_lock`` held: ``ValueError`` unless ``caller`` may ``what`` pool
+        ``name`` (which exists)."""
+        if caller is not ANYONE:
+            check_access(name, self.table.owners.get(name), caller, what)
+
+    def _check_quota(self, owner: Owner | None, name: str, nbytes: int) -> None:
+        """With ``_lock`` held: ``ValueError`` if a pool of ``nbytes`` puts ``owner``'s
+        tenant over its quota."""
+        if owner is not None and owner.tenant is not None:
+            check_fits(self.quotas, owner.tenant, name, nbytes, self.table.use(owner.tenant))
+
+    def tenants(self) -> dict[str, dict]:
+        """Per tenant with pools here or a quota: ``pool_bytes``, ``pools`` and
+        ``quota`` (bytes, None: none); pools without a tenant under the key ``None``
+        (counted under no quota)."""
+        table = self.settled()
+        out: dict = {t: {"pool_bytes": 0, "pools": 0, "quota": q}
+                     for t, q in self.quotas.items()}
+        for name, pool in table.pools.items():
+            owner = table.owners.get(name)
+            tenant = owner.tenant if owner is not None else None
+            entry = out.setdefault(tenant, {"pool_bytes": 0, "pools": 0,
+                                            "quota": self.quotas.get(tenant)})
+            entry["pool_bytes"] += pool.nbytes
+            entry["pools"] += 1
+        return out
 
     def settled(self) -> PoolTable:
         """The table once no change is under way (waits for one that is)."""
@@ -237,64 +303,74 @@ class NodePools:
         a record that cannot be trusted or used is logged and skipped (never raises for
         one: the actor must start)."""
         with self._lock:
-            for handle, owner in self._records.trusted():
+            for record in self._records.trusted():
+                handle = record.handle
                 try:
-                    pool = self._register(self._store.memory.readopt(handle))
+                    if record.owner is not None:  # its tenant's proof is bound again
+                        self.owners.bind(record.owner, record.proof_digest)
+                    pool = self._register(self._store.memory.readopt(handle), record.owner)
                 except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
                     log.warning("pool %s could not be re-adopted: %s", handle.name, e)
                     continue
-                self.table = self.table.replaced(pool.name, pool)
-                if owner is not None:  # the reaper removes it if its process is gone
-                    self._engines[pool.name] = owner
+                self.table = self.table.replaced(pool.name, pool, record.owner)
+                if record.process is not None:  # the reaper removes it once it is gone
+                    self._engines[pool.name] = record.process
 
     # ---------------------------------------------------------------- changes
-    def create(self, name: str, layout: PoolLayout,
-               owner: ProcessIdentity | None = None) -> PoolHandle:
-        """Pool ``name`` (made now unless it exists with the same layout). ``ValueError``
-        for another layout, a bad name, a pool over the budget or one the shared memory
-        cannot hold (nothing allocated), ``StoreUnavailableError`` while
-        ``mooncake_client`` is down (standalone). ``owner``: the one process the new pool
-        serves (an engine's staging pool); ``reap_engines`` removes the pool once that
-        process exited, if this machine shows it now (else it is kept: a process of
-        another pid namespace or machine cannot be watched). Pools without an owner (L2
-        shared by many ranks) outlive every rank."""
+    def create(self, name: str, layout: PoolLayout, process: ProcessIdentity | None = None,
+               owner: Owner | None = None) -> PoolHandle:
+        """Pool ``name`` of ``owner`` (made now unless it exists with the same layout
+        and owner: then it is attached). ``ValueError`` for a name another owner holds,
+        another layout, a bad name, a pool over the budget or its tenant's quota or one
+        the shared memory cannot hold (nothing allocated), ``StoreUnavailableError``
+        while ``mooncake_client`` is down (standalone). ``process``: the one process the
+        new pool serves (an engine's staging pool); ``reap_engines`` removes the pool
+        once that process exited, if this machine shows it now (else it is kept: a
+        process of another pid namespace or machine cannot be watched). Pools without a
+        process (L2 shared by many ranks) outlive every rank."""
         check_pool_name(name)
         with self._lock:
             self._release_parked()
             existing = self.table.pools.get(name)
             if existing is not None:
+                self._check_owner(name, owner, "create or attach")
                 if existing.handle.layout != layout:
                     raise ValueError(f"pool {name!r} exists on this node with another "
                                      f"layout: {existing.handle.layout} (asked for {layout})")
                 return existing.handle
+            self._check_quota(owner, name, layout.nbytes)
             self._store.before_call()
-            pool = self._register(self._store.memory.create(name, layout))
-            watched = owner if owner is not None and owner.alive() else None
+            pool = self._register(self._store.memory.create(name, layout), owner)
+            watched = process if process is not None and process.alive() else None
             try:
-                self._records.write(pool, watched)
+                self._records.write(pool, watched, owner,
+                                    self.owners.digest(owner.tenant if owner else None))
             except BaseException:
                 self._unregister_and_release()(pool)
-                self._sized(name, 0)
+                self._sized(name, 0, owner)
                 raise
-            self.table = self.table.replaced(name, pool)
+            self.table = self.table.replaced(name, pool, owner)
             if watched is not None:
                 self._engines[name] = watched
             return pool.handle
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
-                     inode: Sequence[int]) -> PoolHandle:
-        """An engine's own memfd ``path`` served as pool ``name`` with no copy
-        (``engine_memory.map_engine_pool`` checks it, ``inode`` = the engine's
+                     inode: Sequence[int], owner: Owner | None = None) -> PoolHandle:
+        """An engine's own memfd ``path`` served as pool ``name`` of ``owner`` with no
+        copy (``engine_memory.map_engine_pool`` checks it, ``inode`` = the engine's
         ``(st_dev, st_ino)`` of it); the same handle again if it is already served. No
         metadata file: a restarted actor does not re-adopt it (the engine registers it
-        again). ``ValueError`` for anything that is not such a memfd, a name taken by
-        another pool, or a pool over the budget."""
+        again). ``ValueError`` for anything that is not such a memfd, a name another
+        owner holds or taken by another pool, or a pool over the budget or its tenant's
+        quota."""
         with self._lock:
             known = self.table.pools.get(name)
             if known is not None:
+                self._check_owner(name, owner, "adopt engine memory as")
                 if known.handle == PoolHandle(name, path, layout):
                     return known.handle
                 raise ValueError(f"pool {name!r} exists on this node as another pool")
+            self._check_quota(owner, name, layout.nbytes)
             budget = self._store.memory.budget
             budget.reserve(name, layout.nbytes)  # released with the pool
             try:
@@ -303,8 +379,8 @@ class NodePools:
             except BaseException:
                 budget.release(layout.nbytes)
                 raise
-            pool = self._register(pool)
-            self.table = self.table.replaced(name, pool)
+            pool = self._register(pool, owner)
+            self.table = self.table.replaced(name, pool, owner)
             self._engines[name] = process
             return pool.handle
 
@@ -325,26 +401,35 @@ class NodePools:
         for name in due:
             log.warning("pool %s: the engine process it served exited; the pool is removed",
                         name)
-            self.destroy(name)
+            self.destroy(name, ANYONE)
         return due
 
-    def handle(self, name: str, node: str) -> PoolHandle:
-        """The handle of pool ``name``; ``ValueError`` naming ``node`` if there is none."""
-        pools = self.settled().pools
-        if name not in pools:
-            raise ValueError(f"no pool named {name!r} on node {node}; pools here: "
-                             f"{sorted(pools)}")
-        return pools[name].handle
+    def handle(self, name: str, node: str, owner: Owner | None | object = ANYONE
+               ) -> PoolHandle:
+        """The handle of pool ``name`` for ``owner``; ``ValueError`` naming ``node`` if
+        there is none, or naming its owner if it is not ``owner``'s."""
+        table = self.settled()
+        if name not in table.pools:
+            visible = sorted(n for n in table.pools
+                             if owner is ANYONE or table.owners.get(n) == owner)
+            raise ValueError(f"no pool named {name!r} on node {node}; pools of this owner "
+                             f"here: {visible}")
+        if owner is not ANYONE:
+            check_access(name, table.owners.get(name), owner, "attach")
+        return table.pools[name].handle
 
-    def destroy(self, name: str) -> bool:
+    def destroy(self, name: str, owner: Owner | None | object = ANYONE) -> bool:
         """Remove pool ``name`` from the table (later calls naming it fail), wait for the
         data calls in flight on it (at most ``drain_s``; parked after that), then
-        unregister and release it; False if there was none."""
+        unregister and release it; False if there was none. ``ValueError`` naming its
+        owner if it is not ``owner``'s (nothing removed)."""
         with self._lock:
             self._release_parked()
             pool = self.table.pools.get(name)
             if pool is None:
                 return False
+            self._check_owner(name, owner, "destroy")
+            pool_owner = self.table.owners.get(name)
             with self._flight:
                 self.table = self.table.replaced(name, None)
             self._engines.pop(name, None)
@@ -352,7 +437,7 @@ class NodePools:
             self._records.remove(name)  # engine pools have none
             self._drain([pool], self._unregister_and_release(),
                         time.monotonic() + self._drain_s)
-        self._sized(name, 0)
+        self._sized(name, 0, pool_owner)
         return True
 
     def reallocate(self) -> None:
@@ -373,11 +458,13 @@ class NodePools:
             fresh = {}
             for name, pool in old.pools.items():
                 try:
-                    fresh[name] = self._register(memory.create(name, pool.handle.layout))
+                    fresh[name] = self._register(memory.create(name, pool.handle.layout),
+                                                 old.owners.get(name))
                 except Exception:
                     log.exception("pool %s could not be allocated again; it is back when "
                                   "the actor restarts", name)
-            self.table = PoolTable(memory.epoch, MappingProxyType(fresh))
+            self.table = PoolTable(memory.epoch, MappingProxyType(fresh), MappingProxyType(
+                {n: o for n, o in old.owners.items() if n in fresh}))
 
     def close(self, remove: bool) -> None:
         """Unregister and unmap every pool (the actor stops for good), once the data calls

@@ -12,6 +12,16 @@ mappings are older than the node's pools (``StalePoolsError``, also for a call d
 which the pools were allocated anew: a put's objects stored by it are removed, since
 their bytes may have come from released memory).
 
+Owners (``controllers.ownership``). Every call names its caller's owner claim: pool
+calls and Ray-route data calls as their last argument, channel connections once, when
+they open (``verify`` checks a claim and binds a tenant's proof on first use). Pool calls
+on another owner's pool are refused with ``ValueError`` naming the owner; data calls
+fail the objects of pools not the caller's, and keys outside the caller's key prefix
+(where it is not empty), with ``NOT_OWNED`` each, after the batch passed every input
+check and before any byte moves; a group query of another deployment is refused. A
+caller without a claim (None) reaches only pools without an owner, and group queries of
+deployments no claim named on this node. Per-tenant quotas: ``NodePools``.
+
 It also answers the existence queries of every TP/PP group whose home node it is
 (``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
 at most ``group_window_s``), only the objects that can change the answer checked, pages
@@ -65,8 +75,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
@@ -78,6 +89,7 @@ from raykv.cache_actors.errors import (
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
+from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.transfer_merger import TransferMerger
@@ -86,6 +98,7 @@ from raykv.cache_actors.shared_memory import shm_path
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
+from raykv.controllers.ownership import Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -111,12 +124,14 @@ class NodeService:
 
     ``prefix``: of every shared file of this node; ``fetch_deployment(id)``: the
     controller's current copy of a deployment (``ValueError`` if it does not know it);
-    ``segment_size``: the bytes this node contributes to the store (reported only).
+    ``segment_size``: the bytes this node contributes to the store (reported only);
+    ``tenant_quotas``: tenant -> bytes its pools here may hold.
     """
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
-                 group_window_s: float, confirm_ttl_s: float) -> None:
+                 group_window_s: float, confirm_ttl_s: float,
+                 tenant_quotas: Mapping[str, int] | None = None) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -125,7 +140,7 @@ class NodeService:
         self._started = time.time()
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._deployments: dict[str, Deployment] = {}
-        self._pools = NodePools(prefix, store, metrics.pool_size)
+        self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas)
         self._pools.readopt()
         # concurrent ranks share store calls
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
@@ -141,7 +156,7 @@ class NodeService:
             {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: self.group_exists},
-            deadline_ops=frozenset({DataOp.PUT, DataOp.GET}))
+            deadline_ops=frozenset({DataOp.PUT, DataOp.GET}), bind=self.verify)
 
     # ----------------------------------------------------------------- pools
     def _reallocate(self) -> None:
@@ -156,80 +171,121 @@ class NodeService:
             except Exception:  # the reaper must outlive one bad look
                 log.exception("a look at the engine pools failed")
 
-    def create_pool(self, name: str, layout: PoolLayout,
-                    owner: ProcessIdentity | None = None) -> PoolHandle:
-        """Create pool ``name`` (or return it if it exists with the same layout); with
-        ``owner`` (one engine process's pool) it is removed once that process exited
-        (``NodePools.create``, the engine reaper).
+    def verify(self, claim: OwnerClaim | None) -> OwnerClaim | None:
+        """``claim`` once checked against this node's bindings (``OwnerBindings``; a
+        tenant's proof is bound on first use); ``ValueError`` naming the conflict."""
+        return self._pools.owners.verify(claim)
 
-        Raises ``ValueError`` if a pool of that name exists with another layout or the
-        pool does not fit in ``host_pool_bytes`` or in the shared memory (nothing is
+    def _owner(self, claim: OwnerClaim | None) -> Owner | None:
+        checked = self.verify(claim)
+        return None if checked is None else checked.owner
+
+    def create_pool(self, name: str, layout: PoolLayout,
+                    process: ProcessIdentity | None = None,
+                    owner: OwnerClaim | None = None) -> PoolHandle:
+        """Create pool ``name`` of ``owner`` (or attach it if it exists with the same
+        layout and owner); with ``process`` (one engine process's pool) it is removed
+        once that process exited (``NodePools.create``, the engine reaper).
+
+        Raises ``ValueError`` if the claim is refused, another owner holds the name, a
+        pool of that name exists with another layout or the pool does not fit in
+        ``host_pool_bytes``, its tenant's quota or the shared memory (nothing is
         allocated then), and ``StoreUnavailableError`` while ``mooncake_client`` is down
         (standalone).
         """
-        return self._pools.create(name, layout, owner)
+        return self._pools.create(name, layout, process, self._owner(owner))
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                          inode: Sequence[int]) -> PoolHandle:
+                          inode: Sequence[int], owner: OwnerClaim | None = None
+                          ) -> PoolHandle:
         """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``, ``inode`` its
-        ``(st_dev, st_ino)`` as the engine sees it) as pool ``name`` with no copy
-        (``NodePools.adopt_engine``)."""
-        return self._pools.adopt_engine(name, path, layout, inode)
+        ``(st_dev, st_ino)`` as the engine sees it) as pool ``name`` of ``owner`` with
+        no copy (``NodePools.adopt_engine``)."""
+        return self._pools.adopt_engine(name, path, layout, inode, self._owner(owner))
 
-    def get_pool(self, name: str) -> PoolHandle:
-        """The handle of pool ``name``; ``ValueError`` if this node has no such pool."""
-        return self._pools.handle(name, self.node_id[:12])
+    def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
+        """The handle of pool ``name`` of ``owner``; ``ValueError`` if this node has no
+        such pool or it is another owner's."""
+        return self._pools.handle(name, self.node_id[:12], self._owner(owner))
 
     def list_pools(self) -> list[PoolHandle]:
+        """Every pool's handle, whoever owns it (what ``stats`` shows too; mapping one
+        needs this node's shared memory)."""
         return [p.handle for p in self._pools.settled().pools.values()]
 
-    def destroy_pool(self, name: str) -> bool:
-        """Remove pool ``name``: later data calls naming it fail with ``ValueError``,
-        the calls in flight on it end first (``NodePools.destroy``), then it is
-        unregistered and released; False if there was none."""
-        return self._pools.destroy(name)
+    def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
+        """Remove pool ``name`` of ``owner``: later data calls naming it fail with
+        ``ValueError``, the calls in flight on it end first (``NodePools.destroy``),
+        then it is unregistered and released; False if there was none, ``ValueError``
+        if it is another owner's."""
+        return self._pools.destroy(name, self._owner(owner))
 
     # ------------------------------------------------------------------ data
-    def exists(self, keys: list[str]) -> list[int]:
-        """1 / 0 / negative error per key; ``ValueError`` for keys that are not a list of
-        non-empty strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
+    def exists(self, keys: list[str], caller: OwnerClaim | None = None) -> list[int]:
+        """1 / 0 / negative error per key (``NOT_OWNED`` for a key outside the
+        caller's key prefix); ``ValueError`` for keys that are not a list of non-empty
+        strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``) or a refused
+        claim. ``caller``: the owner claim (channel: already verified)."""
         keys = check_object_keys(keys)
+        caller = self.verify(caller)
+        outside = _outside(keys, caller)
         t = time.perf_counter()
-        codes = self._store_exists(keys)
-        self._metrics.record_exists(time.perf_counter() - t)
+        if outside is None:
+            codes = self._store_exists(keys)
+        else:
+            asked = [k for k, out in zip(keys, outside, strict=True) if not out]
+            found = iter(self._store_exists(asked) if asked else [])
+            codes = [NOT_OWNED if out else next(found) for out in outside]
+        self._metrics.record_exists(time.perf_counter() - t, codes,
+                                    None if caller is None else caller.owner)
         return codes
 
-    def put(self, batch: ObjectBatch, deadline: float | None = None) -> list[int]:
+    def put(self, batch: ObjectBatch, deadline: float | None = None,
+            caller: OwnerClaim | None = None) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
-        negative error. ``deadline`` (``time.monotonic()`` seconds, default ``WAIT_S``
-        from now): ``DeadlineExceededError`` if the batch still waits for the store then."""
-        return self._move("put", batch, deadline)
+        negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``deadline``
+        (``time.monotonic()`` seconds, default ``WAIT_S`` from now):
+        ``DeadlineExceededError`` if the batch still waits for the store then.
+        ``caller``: as for ``exists``."""
+        return self._move("put", batch, deadline, caller)
 
-    def get(self, batch: ObjectBatch, deadline: float | None = None) -> list[int]:
+    def get(self, batch: ObjectBatch, deadline: float | None = None,
+            caller: OwnerClaim | None = None) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
-        ``deadline`` as for ``put``."""
-        return self._move("get", batch, deadline)
+        ``deadline`` and ``caller`` as for ``put``."""
+        return self._move("get", batch, deadline, caller)
 
-    def _move(self, op: str, batch: ObjectBatch, deadline: float | None) -> list[int]:
-        """The backend's ``op`` on every object of ``batch``, once the store is up and
-        against one generation of the pools, counted in flight on the pools it uses for
-        the store call (a pool being removed waits for it: ``NodePools.enter``);
-        outcomes counted."""
+    def _move(self, op: str, batch: ObjectBatch, deadline: float | None,
+              caller: OwnerClaim | None) -> list[int]:
+        """The backend's ``op`` on every object of ``batch`` the caller may move (the
+        others: ``NOT_OWNED``), once the store is up and against one generation of the
+        pools, counted in flight on the pools it uses for the store call (a pool being
+        removed waits for it: ``NodePools.enter``); outcomes counted."""
         self._store.before_call()
         pools = self._pools
         table = pools.table
         ptrs, used = table.resolve(batch)
+        caller = self.verify(caller)
+        refused = _refused(batch, used, table, caller)
+        moving = batch if refused is None else _allowed(batch, refused)
+        if refused is not None:
+            ptrs = [p for p, no in zip(ptrs, refused, strict=True) if not no]
+            names = set(moving.pools)
+            used = tuple(p for p in used if p.name in names)
         pools.enter(table, used)
         try:
             t = time.perf_counter()
-            codes = self._merger.run(op, batch.keys, ptrs, batch.sizes,
+            codes = self._merger.run(op, moving.keys, ptrs, moving.sizes,
                                      deadline if deadline is not None
-                                     else time.monotonic() + WAIT_S)
+                                     else time.monotonic() + WAIT_S) if len(moving) else []
         finally:
             pools.leave(used)
         if pools.table.epoch != table.epoch:
-            self._replaced_during(op, batch, codes, table.epoch)
+            self._replaced_during(op, moving, codes, table.epoch)
         codes = self._store.after_call(table.epoch, codes)
+        if refused is not None:
+            moved = iter(codes)
+            codes = [NOT_OWNED if no else next(moved) for no in refused]
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
         return codes
 
@@ -287,7 +343,8 @@ class NodeService:
         return dep
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
-                     rank: tuple[int, int], keys: list[str], queries: list[PoolQuery]) -> None:
+                     rank: tuple[int, int], keys: list[str], queries: list[PoolQuery],
+                     caller: OwnerClaim | None = None) -> None:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
@@ -297,7 +354,17 @@ class NodeService:
         time); ``ValueError`` raised here for bad keys or a pool the deployment did not
         register. A deployment not known here at ``version`` is fetched from the
         controller on ``executor`` first. Both routes call it: the channel's I/O thread
-        and the Ray actor, which waits for the reply at most ``WAIT_S``."""
+        and the Ray actor, which waits for the reply at most ``WAIT_S``. ``caller``: the
+        owner claim; a caller of another deployment is refused (``ValueError``), so is a
+        caller without a claim once a claim of the deployment was bound here."""
+        caller = self.verify(caller)
+        if caller is None:
+            if self._pools.owners.claimed(deployment_id):
+                raise ValueError(f"a group query of deployment {deployment_id!r} needs its "
+                                 "owner claim (a caller without one is refused)")
+        elif caller.deployment_id != deployment_id:
+            raise ValueError(f"a rank of deployment {caller.deployment_id!r} may not query "
+                             f"the group of deployment {deployment_id!r}")
         dep = self._known(deployment_id, version)
         if dep is not None:
             self._groups.submit(dep, keys, queries, tuple(rank), reply)
@@ -340,7 +407,13 @@ class NodeService:
         ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
         each counted once), and in standalone mode the ``mooncake_client`` process (pid,
         port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
-        the ranks' batches they carried (``cache_actors.node.transfer_merger``)."""
+        the ranks' batches they carried (``cache_actors.node.transfer_merger``); per
+        pool its ``owner`` (deployment and tenant, None: legacy); ``tenants``: per
+        tenant with pools here or a quota, its ``pool_bytes``, ``pools`` and ``quota``
+        (bytes, None: none); ``untenanted``: the same of the pools without a tenant
+        (under no quota)."""
+        table = self._pools.settled()
+        tenants = self._pools.tenants()
         return {
             **self._store.stats(),
             "node_id": self.node_id,
@@ -348,8 +421,11 @@ class NodeService:
             "global_segment_size": self._segment_size,
             "pools": {n: {"kind": p.handle.layout.kind, "bytes": p.nbytes,
                           "pages": p.handle.layout.num_pages,
+                          "owner": _owner_dict(table.owners.get(n)),
                           "counters": self._metrics.pool_counters(n)}
-                      for n, p in self._pools.settled().pools.items()},
+                      for n, p in table.pools.items()},
+            "tenants": {t: use for t, use in tenants.items() if t is not None},
+            "untenanted": tenants.get(None, {"pool_bytes": 0, "pools": 0, "quota": None}),
             "counters": self._metrics.counters(),
             "group_queries": self._metrics.group_queries(),
             "confirmed_pages": len(self._groups.confirmed),
@@ -365,3 +441,42 @@ class NodeService:
         self._store.close()
         self._metrics.close()
         self.executor.shutdown(wait=False)
+
+
+def _owner_dict(owner: Owner | None) -> dict | None:
+    """A pool owner as ``stats`` shows it (never a proof)."""
+    if owner is None:
+        return None
+    return {"deployment": owner.deployment_id, "tenant": owner.tenant}
+
+
+def _outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
+    """Per key, whether it lies outside ``caller``'s key prefix; None if none does (or
+    the caller has no claim or an empty prefix: nothing to tell apart)."""
+    prefix = caller.key_prefix if caller is not None else ""
+    if not prefix or all(map(str.startswith, keys, repeat(prefix))):
+        return None
+    return [not k.startswith(prefix) for k in keys]
+
+
+def _refused(batch: ObjectBatch, used: tuple, table, caller: OwnerClaim | None
+             ) -> list[bool] | None:
+    """Per object of ``batch``, whether ``caller`` may not move it (not its owner's
+    pool, or a key outside its prefix); None if it may move every one."""
+    owner = None if caller is None else caller.owner
+    foreign = {p.name for p in used if table.owners.get(p.name) != owner}
+    outside = _outside(batch.keys, caller)
+    if not foreign and outside is None:
+        return None
+    return [pool in foreign or (outside is not None and outside[i])
+            for i, pool in enumerate(batch.pools)]
+
+
+def _allowed(batch: ObjectBatch, refused: list[bool]) -> ObjectBatch:
+    """The objects of ``batch`` not ``refused``, as a batch of the same epoch."""
+    out = ObjectBatch(epoch=batch.epoch)
+    for key, pool, off, size, no in zip(batch.keys, batch.pools, batch.offsets, batch.sizes,
+                                        refused, strict=True):
+        if not no:
+            out.add(key, pool, off, size)
+    return out

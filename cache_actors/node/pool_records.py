@@ -1,7 +1,10 @@
 """The record a node actor keeps of each pool it made, so a restarted actor re-adopts it.
 
 Each pool has a ``<prefix><name>.json`` record under ``SHM_DIR``: its name, its path and
-layout, and (for a pool of one engine process) the process it serves. Records are written
+layout, (for a pool of one engine process) the ``process`` it serves, and its ``owner``
+(``controllers.ownership``: deployment, tenant and the SHA-256 of the tenant's owner
+proof, never the proof; none: a legacy pool). Records of an older raykv name the process
+``owner`` (a list): they are read as such, and their pools have no owner. Records are written
 atomically (a 0600 temporary file, fsync, rename). ``trusted`` trusts none of them
 blindly: a record that is not a regular file of this process's uid, or is group/world-
 writable, or does not parse, or names an invalid pool name, another name than its file's,
@@ -20,18 +23,45 @@ import logging
 import os
 import stat
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.pool_memory import check_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
+from raykv.controllers.ownership import Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
+from raykv.controllers.tenancy import check_tenant
 
 log = logging.getLogger(__name__)
 
 RECORD_MAX_BYTES = 64 << 10
 """A pool record larger than this is not read (a real one is well under 4 KiB)."""
+
+
+@dataclass(frozen=True)
+class PoolRecord:
+    """What a record holds: the pool's handle, the process it serves (None: a shared
+    pool), its owner (None: legacy) and the digest of its tenant's proof (None without
+    a tenant)."""
+
+    handle: PoolHandle
+    process: ProcessIdentity | None = None
+    owner: Owner | None = None
+    proof_digest: str | None = None
+
+
+def _owner(raw: object) -> tuple[Owner | None, str | None]:
+    """The owner and proof digest of a record's ``owner`` field; ``ValueError``."""
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict) or set(raw) != {"deployment", "tenant", "proof_sha256"}:
+        raise ValueError(f"owner {str(raw)[:80]!r} is not an owner")
+    digest = raw["proof_sha256"]
+    tenant = check_tenant(raw["tenant"])
+    claim = OwnerClaim(raw["deployment"], tenant, digest)
+    claim.check()  # a digest has a proof's form: 64 hex digits
+    return claim.owner, digest
 
 
 class PoolRecords:
@@ -48,17 +78,22 @@ class PoolRecords:
         """The record file of pool ``name``."""
         return shm_path(self.prefix + name + ".json")
 
-    def write(self, pool: HostPool, owner: ProcessIdentity | None) -> None:
-        """The pool's record, atomically. ``owner`` is recorded so that a restarted actor
-        still reaps the pool with its process."""
+    def write(self, pool: HostPool, process: ProcessIdentity | None,
+              owner: Owner | None = None, proof_digest: str | None = None) -> None:
+        """The pool's record, atomically. ``process`` is recorded so that a restarted
+        actor still reaps the pool with its process; ``owner`` and its tenant's
+        ``proof_digest`` so that it still serves its owner alone."""
         path = self.path(pool.name)
         tmp = f"{path}.{os.getpid()}.tmp"  # never matches trusted's "*.json"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         record = {"name": pool.name, "path": pool.handle.path,
                   "layout": asdict(pool.handle.layout)}
+        if process is not None:
+            record["process"] = [process.pid, process.start_ticks]
         if owner is not None:
-            record["owner"] = [owner.pid, owner.start_ticks]
+            record["owner"] = {"deployment": owner.deployment_id, "tenant": owner.tenant,
+                               "proof_sha256": proof_digest}
         data = json.dumps(record).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -80,10 +115,9 @@ class PoolRecords:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(name))
 
-    def read(self, path: str) -> tuple[PoolHandle, ProcessIdentity | None]:
-        """The pool handle recorded in ``path`` and the process the pool serves (None: a
-        shared pool); ``ValueError`` naming what is wrong (see the module docstring for
-        what is refused), ``OSError`` if it cannot be opened."""
+    def read(self, path: str) -> PoolRecord:
+        """The record in ``path``; ``ValueError`` naming what is wrong (see the module
+        docstring for what is refused), ``OSError`` if it cannot be opened."""
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             check_own_file(fd, "pool record")
@@ -97,7 +131,12 @@ class PoolRecords:
             name, recorded, layout_raw = raw["name"], raw["path"], raw["layout"]
             layout = PoolLayout(**layout_raw)
             owner_raw = raw.get("owner")
-            owner = None if owner_raw is None else ProcessIdentity(*owner_raw)
+            if isinstance(owner_raw, list):  # an older raykv's name for the process
+                process_raw, owner_raw = owner_raw, None
+            else:
+                process_raw = raw.get("process")
+            process = None if process_raw is None else ProcessIdentity(*process_raw)
+            owner, digest = _owner(owner_raw)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"not a pool record: {type(e).__name__}: {e}") from None
         check_pool_name(name)
@@ -109,13 +148,13 @@ class PoolRecords:
             raise ValueError(f"path {recorded!r} is not a string")
         if self._mode == "embedded" and recorded != self.prefix + name:
             raise ValueError(f"path {recorded!r} is not this node's file for pool {name!r}")
-        if owner is not None and not all(type(v) is int for v in (owner.pid,
-                                                                    owner.start_ticks)):
-            raise ValueError(f"owner {owner_raw!r} is not a process identity")
+        if process is not None and not all(type(v) is int for v in (process.pid,
+                                                                      process.start_ticks)):
+            raise ValueError(f"process {process_raw!r} is not a process identity")
         # standalone: the path is never mapped
-        return PoolHandle(name, recorded, layout), owner
+        return PoolRecord(PoolHandle(name, recorded, layout), process, owner, digest)
 
-    def trusted(self) -> Iterator[tuple[PoolHandle, ProcessIdentity | None]]:
+    def trusted(self) -> Iterator[PoolRecord]:
         """Every record this node can trust, as ``read`` returns it, in name order; the
         others are logged and set aside (never raises for one)."""
         pattern = os.path.join(SHM_DIR, glob.escape(self.prefix) + "*.json")

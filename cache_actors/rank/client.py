@@ -34,6 +34,7 @@ from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResul
 from raykv.controllers.group_search import search
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
+from raykv.controllers.ownership import claim_of
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import (
     TransferPlan,
@@ -66,6 +67,11 @@ class CacheClient:
     whose memory the node actor replaced (standalone mode, after a restart): the
     ``HostPool`` objects stay the same, their tensors point to the new memory.
 
+    Owner: the client's pools belong to its deployment (``deployment_id(config)``) and
+    tenant (``config.tenant``, whose secret must be in ``RAYKV_TENANT_SECRET``, else
+    ``ValueError``); the node actor refuses its pool calls on another owner's pools, and
+    fails the objects of its data calls that are not its own (``controllers.ownership``).
+
     Threads: batch calls may come from several threads of the rank at once; pool
     management and registration from one thread, not during batch calls on those pools.
     """
@@ -82,9 +88,10 @@ class CacheClient:
                                "start raykv with raykv.start_local() first")
         self.config = config or StorageConfig()
         self.key_scheme = KeyScheme.from_config(self.config)
+        self.owner_claim = claim_of(self.config)
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
-                              timeout_s=self.config.timeout_s)
+                              timeout_s=self.config.timeout_s, owner=self.owner_claim)
         self._pools = PoolLifecycle(self._link)
         self._group = GroupRegistration(self._link, self.config)
         if "standalone_storage" in (self.config.extra_config or {}):
@@ -121,11 +128,13 @@ class CacheClient:
         e.g. ``(layers, heads, head_dim, state)``; dtypes default to ``dtype``; an empty
         ``temporal_shape`` means a conv-only model). ``size`` and ``page_size`` count
         token slots (Mamba: checkpoints, page_size 1). With ``name`` of a pool that exists
-        with the same shape, that pool is attached instead (how a restarted rank finds
-        its pool again). ``per_process``: the pool serves this process alone (an
-        engine's staging pool): the node removes it once this process exited; by default
-        a pool outlives every rank. Raises ``ValueError`` for a bad shape, or a pool that
-        does not fit in the node's budget or shared memory.
+        with the same shape and owner (this client's deployment and tenant), that pool is
+        attached instead (how a restarted rank finds its pool again); a name another
+        owner holds is refused (``ValueError`` naming that owner's deployment).
+        ``per_process``: the pool serves this process alone (an engine's staging pool):
+        the node removes it once this process exited; by default a pool outlives every
+        rank. Raises ``ValueError`` for a bad shape, or a pool that does not fit in the
+        node's budget, its tenant's quota or shared memory.
 
         ``kind`` may also be a ``PoolLayout`` (then give no shape arguments, only ``name``
         and ``per_process``): a pool of exactly that layout.
@@ -142,7 +151,8 @@ class CacheClient:
             order=order), name, per_process)
 
     def attach_host_pool(self, name: str) -> HostPool:
-        """Map the existing pool ``name`` of this node; ``ValueError`` if there is none."""
+        """Map the existing pool ``name`` of this node; ``ValueError`` if there is none
+        or it is another owner's."""
         return self._pools.attach(name)
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
@@ -153,7 +163,8 @@ class CacheClient:
         return self._pools.adopt_engine(name, path, layout, inode)
 
     def destroy_host_pool(self, pool: HostPool | str) -> bool:
-        """Remove a pool from this node for every rank; False if it did not exist."""
+        """Remove a pool of this client's owner from this node for every rank; False if
+        it did not exist, ``ValueError`` if it is another owner's."""
         return self._pools.destroy(pool)
 
     def register_mem_pool_host(self, pool: HostPool | StagedPool) -> None:

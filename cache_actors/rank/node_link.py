@@ -18,6 +18,11 @@ started runs on), a channel connection is closed so that a late reply is never t
 for the next call's. A deadline does not make the link stale: the actor may only be
 slow, and re-mapping would ask it a control call.
 
+Owner: the link carries its client's owner claim (``controllers.ownership``): every
+channel connection starts with it and every Ray data call ends with it (pool calls pass
+it themselves: ``PoolLifecycle``), so the node actor serves the client's own pools and
+keys only. A refused claim is a ``ValueError``.
+
 Threads: any thread of the rank may call; the channel gives each calling thread its
 own connection. Re-attaching is not locked: concurrent failures each re-attach.
 """
@@ -34,6 +39,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableErro
 from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.ownership import OwnerClaim
 
 CONTROL_TIMEOUT_S = 120.0
 """Deadline of a control call (pools, health, stats, registration), in seconds."""
@@ -43,13 +49,16 @@ class NodeLink:
     """The route of one client to the actor of ``node_id`` in ``namespace`` (and to any
     other node's actor and the controller). ``remap()`` is called before the first call
     after the link went stale (see the module docstring); it may use ``ask``.
-    ``timeout_s``: the deadline of each data op, in seconds.
-    ``NodeUnavailableError`` if that node has no cache actor."""
+    ``timeout_s``: the deadline of each data op, in seconds; ``owner``: the client's
+    owner claim (None: none). ``NodeUnavailableError`` if that node has no cache
+    actor."""
 
     def __init__(self, node_id: str, namespace: str, remap: Callable[[], None],
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, owner: OwnerClaim | None = None
+                 ) -> None:
         self.node_id = node_id
         self.timeout_s = timeout_s
+        self.owner = owner
         self._namespace = namespace
         self._remap = remap
         try:
@@ -64,15 +73,15 @@ class NodeLink:
         self.stale = False
 
     # ------------------------------------------------------------------ calls
-    def call(self, method: str, *args) -> Any:
+    def call(self, method: str, *args, **kwargs) -> Any:
         """Control ``method`` of this node's actor, through Ray (re-maps first if stale)."""
         self._refresh()
-        return self.ask(method, *args)
+        return self.ask(method, *args, **kwargs)
 
-    def ask(self, method: str, *args) -> Any:
+    def ask(self, method: str, *args, **kwargs) -> Any:
         """Control ``method`` of this node's actor, without re-mapping first (``remap``
         itself calls this)."""
-        return self._ray(self._actor, method, *args)
+        return self._ray(self._actor, method, *args, **kwargs)
 
     def data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
         """Data op ``op`` on the cache actor of ``node_id`` (default: this link's node):
@@ -80,13 +89,14 @@ class NodeLink:
         self._refresh()
         remote = node_id not in (None, self.node_id)
         if remote or not self._local:
+            owner = () if self.owner is None else (self.owner,)
             return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
-                             timeout_s=self.timeout_s)
+                             *owner, timeout_s=self.timeout_s)
         with self._retryable(op):
             if self._channel is None:  # its path is asked within the data op's deadline
                 path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)
                 self._channel = ChannelClient(path, async_ops=ASYNC_OPS,
-                                              timeout_s=self.timeout_s)
+                                              timeout_s=self.timeout_s, bind=self.owner)
             return self._channel.call(op.value, *args)
 
     def ask_controller(self, method: str, *args) -> Any:
@@ -127,10 +137,10 @@ class NodeLink:
             raise NodeUnavailableError(f"no raykv cache actor on node {node_id[:12]}; retry "
                                        "the call") from e
 
-    def _ray(self, actor: Any, method: str, *args,
-             timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+    def _ray(self, actor: Any, method: str, *args, timeout_s: float = CONTROL_TIMEOUT_S,
+             **kwargs) -> Any:
         with self._retryable(method):
-            ref = getattr(actor, method).remote(*args)
+            ref = getattr(actor, method).remote(*args, **kwargs)
             try:
                 return ray.get(ref, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:

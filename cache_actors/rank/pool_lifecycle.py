@@ -7,6 +7,9 @@ pool of another allocator, vLLM's KV cache) is registered as a ``StagedPool``
 (``engine_pools``): its pages are copied into a staging pool before a put and out of it
 after a get.
 
+Every pool call names the client's owner claim (``link.owner``): the node actor
+serves this client's own pools only (``controllers.ownership``).
+
 Threads: pool management (create, attach, destroy, register, close) is expected from
 one thread of the rank, not concurrently with batch calls on the same pools; the
 read-only views (``plan_pools``, ``specs``, ``disabled``) are replaced, never mutated,
@@ -117,25 +120,28 @@ class PoolLifecycle:
         """Create a pool of ``layout`` on the node (or attach the pool ``name`` if it
         exists with that layout) and map it; a generated name if ``name`` is None.
         ``per_process``: the pool serves this process alone, and the node removes it
-        once this process exited (``NodePools.create``'s ``owner``); otherwise it
+        once this process exited (``NodePools.create``'s ``process``); otherwise it
         outlives every rank (a restarted rank finds its L2 intact)."""
         name = check_pool_name(name or f"{layout.kind}-{uuid.uuid4().hex[:12]}")
-        owner = (ProcessIdentity.current(),) if per_process else ()
-        return self._map(self._link.call("create_pool", name, layout, *owner))
+        process = ProcessIdentity.current() if per_process else None
+        return self._map(self._link.call("create_pool", name, layout, process,
+                                         owner=self._link.owner))
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
                      inode: Sequence[int]) -> HostPool:
         """Have the node serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``,
         ``inode`` its ``(st_dev, st_ino)``) as pool ``name`` with no copy, then map that
         pool here (``NodeService.adopt_engine_pool``)."""
-        self._link.call("adopt_engine_pool", name, path, layout, tuple(inode))
+        self._link.call("adopt_engine_pool", name, path, layout, tuple(inode),
+                        owner=self._link.owner)
         return self.attach(name)
 
     def attach(self, name: str) -> HostPool:
         """Map the existing pool ``name``; ``ValueError`` if the node has none."""
         if name in self._mapped:
             return self._mapped[name]
-        return self._map(self._link.call("get_pool", check_pool_name(name)))
+        return self._map(self._link.call("get_pool", check_pool_name(name),
+                                         owner=self._link.owner))
 
     def destroy(self, pool: HostPool | str) -> bool:
         """Unmap and unregister ``pool`` here, remove it from the node; False if the
@@ -146,14 +152,14 @@ class PoolLifecycle:
             self._set_registered({k: v for k, v in self._registered.items()
                                   if v is not mapped and getattr(v, "pool", None) is not mapped})
             mapped.close()
-        return self._link.call("destroy_pool", name)
+        return self._link.call("destroy_pool", name, owner=self._link.owner)
 
     def remap(self) -> None:
         """Map again every pool whose handle the node actor changed (the link calls
         this after a re-attach); a pool destroyed meanwhile is left as it is."""
         for name in list(self._mapped):
             with contextlib.suppress(ValueError):
-                self._map(self._link.ask("get_pool", name))
+                self._map(self._link.ask("get_pool", name, owner=self._link.owner))
 
     def _map(self, handle: PoolHandle) -> HostPool:
         if handle.epoch != self.epoch:  # the node's pools were allocated anew

@@ -34,7 +34,8 @@ def test_destroy_during_puts_and_gets_never_stores_wrong_bytes(slow_cluster, uid
     cluster = slow_cluster
     head, other = cluster.node_ids
     before = node_pids(cluster)
-    owner = CacheClient(StorageConfig(model_name="teardown/owner"))
+    # the loopers' deployment (the pool's owner's: only it may attach the pool)
+    owner = CacheClient(StorageConfig(model_name="teardown/" + uid[:4]))
     assert owner.node_id == head
     owner.create_host_pool("mha", name=VICTIM, **POOL)
     victims = [looper(head, f"{uid}v{i}", VICTIM, attach=True, slot=i * 2 * PAGES * 4)

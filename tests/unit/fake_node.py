@@ -23,17 +23,19 @@ class FakeNode:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.pools: dict[str, PoolHandle] = {}
-        self.owners: dict[str, tuple] = {}
+        self.processes: dict[str, object] = {}
+        self.owners: dict[str, object] = {}
         self.epoch = 0
+        self.owner = None  # NodeLink.owner: the client's owner claim
         self.stale = False
         self.calls: list[str] = []
         self.store: dict[str, bytes] = {}
         self.data_calls = 0
 
     # ------------------------------------------------------------ NodeLink
-    def call(self, method: str, *args):
+    def call(self, method: str, *args, **kwargs):
         self.calls.append(method)
-        return getattr(self, method)(*args)
+        return getattr(self, method)(*args, **kwargs)
 
     ask = call
 
@@ -44,29 +46,31 @@ class FakeNode:
             f.truncate(layout.nbytes)
         return path
 
-    def create_pool(self, name: str, layout: PoolLayout, *owner) -> PoolHandle:
+    def create_pool(self, name: str, layout: PoolLayout, process=None,
+                    owner=None) -> PoolHandle:
         old = self.pools.get(name)
         if old is not None:
             if old.layout != layout:
                 raise ValueError(f"pool {name!r} exists with another layout")
             return old
         self.pools[name] = PoolHandle(name, self._file(name, layout), layout, self.epoch)
+        self.processes[name] = process
         self.owners[name] = owner
         return self.pools[name]
 
-    def get_pool(self, name: str) -> PoolHandle:
+    def get_pool(self, name: str, owner=None) -> PoolHandle:
         if name not in self.pools:
             raise ValueError(f"this node has no pool {name!r}")
         return self.pools[name]
 
-    def destroy_pool(self, name: str) -> bool:
+    def destroy_pool(self, name: str, owner=None) -> bool:
         handle = self.pools.pop(name, None)
         if handle is not None:
             os.unlink(handle.path)
         return handle is not None
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                          inode: Sequence[int]) -> None:
+                          inode: Sequence[int], owner=None) -> None:
         self.pools[name] = PoolHandle(name, path, layout, self.epoch)
 
     def reallocate(self) -> None:

@@ -83,6 +83,11 @@ def test_bad_option_values_are_usage_errors(args, words):
     (["bench-ranks", "--ranks", "0"], ["--ranks"]),
     (["bench-group", "--seconds", "0"], ["--seconds"]),
     (["up", "--segment-size", "lots"], ["--segment-size", "lots"]),
+    (["up", "--tenant-quota", "team-a"], ["--tenant-quota", "NAME=SIZE"]),
+    (["up", "--tenant-quota", "team a=1G"], ["--tenant-quota", "tenant must be"]),
+    (["up", "--tenant-quota", "team-a=0"], ["--tenant-quota", "> 0"]),
+    (["up", "--tenant-quota", "team-a=1G", "--tenant-quota", "team-a=2G"],
+     ["--tenant-quota", "named twice"]),
     (["demo", "--turns", "0"], ["--turns"]),
 ])
 def test_more_bad_option_values_in_process(args, words):
@@ -174,3 +179,25 @@ def test_status_is_a_table_where_it_fits():
     out = io.StringIO()
     render_status(STATE, Console(file=out, width=200))
     assert "get hit rate" in out.getvalue() and "┃" in out.getvalue()
+
+
+def test_tenant_quota_values_convert_to_bytes():
+    from raykv.clusters.cli import TenantQuota
+
+    assert TenantQuota().convert("team-a=4GB", None, None) == ("team-a", 4 << 30)
+    assert TenantQuota().convert(" t.1 = 512M", None, None) == ("t.1", 512 << 20)
+
+
+def test_status_shows_pool_bytes_per_tenant_against_its_quota():
+    from raykv.clusters.status_view import tenant_lines
+
+    node = {"tenants": {"team-a": {"pool_bytes": 48 << 20, "pools": 3, "quota": 64 << 20},
+                        "team-b": {"pool_bytes": 1 << 20, "pools": 1, "quota": None}},
+            "untenanted": {"pool_bytes": 2 << 20, "pools": 2, "quota": None}}
+    text = "\n".join(tenant_lines("3b7474c5ffff", node, 80))
+    for value in ("node 3b7474c5 tenants:", "team-a 48.0 MiB of 64.0 MiB quota (3 pools)",
+                  "team-b 1.0 MiB, no quota (1 pools)", "no tenant 2.0 MiB (2 pools)"):
+        assert value in text, (value, text)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert tenant_lines("n", {"tenants": {}, "untenanted": {"pools": 2}}, 80) == []
+    assert tenant_lines("n", {"error": "gone"}, 80) == []

@@ -34,8 +34,10 @@ class FakeLink:
 
     made: list[FakeLink] = []
 
-    def __init__(self, node_id: str, namespace: str, remap, timeout_s: float) -> None:
+    def __init__(self, node_id: str, namespace: str, remap, timeout_s: float,
+                 owner=None) -> None:
         self.node_id, self.namespace, self.timeout_s = node_id, namespace, timeout_s
+        self.owner = owner
         self.remap = remap
         self.stale = False
         self.controller_attached = False
@@ -46,7 +48,7 @@ class FakeLink:
         self.mode = "embedded"
         FakeLink.made.append(self)
 
-    def call(self, method: str, *args):
+    def call(self, method: str, *args, owner=None):
         self.calls.append((method, *args))
         if method == "create_pool":
             name, layout = args[:2]
@@ -115,6 +117,7 @@ def kv_pool(client: CacheClient, mla: bool = False) -> HostPool:
 def test_the_link_is_made_for_the_rank_with_its_deadline(make):
     client, link = make(extra_config={"timeout_s": 1.5})
     assert link.node_id == NODE and link.namespace == "raykv" and link.timeout_s == 1.5
+    assert link.owner == client.owner_claim and link.owner.key_prefix == client.key_scheme.prefix
     assert client.health() == {"mode": "embedded"} and client.stats() == {"counters": {}}
     assert [c[0] for c in link.calls] == ["health", "stats"] and link.data_ops == []
 

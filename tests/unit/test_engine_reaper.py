@@ -1,6 +1,6 @@
 """Engine-owned pools go away with their engine: a real memfd of a child process, served
 as a node pool (``NodePools.adopt_engine``), and a pool created for one process (an
-``owner``: SGLang staging and vLLM pools) are removed once that process exited and the
+``process``: SGLang staging and vLLM pools) are removed once that process exited and the
 grace period passed, never while it runs; shared pools are never removed (fake Mooncake
 registration only)."""
 
@@ -49,7 +49,7 @@ def engine():
 def pools():
     prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
     store = ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations())
-    node = NodePools(prefix, store, lambda name, n: None)
+    node = NodePools(prefix, store, lambda *_: None)
     yield node, store
     node.close(remove=True)
 
@@ -75,8 +75,8 @@ def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
 def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools):
     child, _, _ = engine
     node, store = pools
-    owner = ProcessIdentity.of(child.pid)
-    node.create("sglang-staging", LAYOUT, owner=owner)
+    process = ProcessIdentity.of(child.pid)
+    node.create("sglang-staging", LAYOUT, process=process)
     node.create("shared-kv", LAYOUT)  # L2 of many ranks: outlives every one of them
     assert node.reap_engines(grace_s=0.0) == []
 
@@ -91,17 +91,17 @@ def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools)
 
 
 def test_a_restarted_node_still_reaps_a_pool_with_its_process(engine, pools):
-    """The owner is kept in the pool's record: a node actor that restarts (a new
+    """The process is kept in the pool's record: a node actor that restarts (a new
     ``NodePools`` over the same prefix) re-adopts the pool and still removes it once its
-    process exited; a shared pool is re-adopted and kept. Control: without the owner in
-    the record the restarted node never reaps it."""
+    process exited; a shared pool is re-adopted and kept. Control: without the process
+    in the record the restarted node never reaps it."""
     child, _, _ = engine
     node, store = pools
-    node.create("sglang-staging", LAYOUT, owner=ProcessIdentity.of(child.pid))
+    node.create("sglang-staging", LAYOUT, process=ProcessIdentity.of(child.pid))
     node.create("shared-kv", LAYOUT)
     for pool in list(node.table.pools.values()):  # the old actor dies: nothing removed
         store.memory.release(pool, remove=False)
-    restarted = NodePools(node._records.prefix, store, lambda name, n: None)
+    restarted = NodePools(node._records.prefix, store, lambda *_: None)
     restarted.readopt()
     assert sorted(restarted.table.pools) == ["sglang-staging", "shared-kv"]
     child.stdin.close()
@@ -114,14 +114,14 @@ def test_a_restarted_node_still_reaps_a_pool_with_its_process(engine, pools):
     restarted.close(remove=True)
 
 
-def test_an_owner_this_machine_does_not_show_is_never_reaped(engine, pools):
-    """An owner whose pid names another process here (another pid namespace, a reused
+def test_a_process_this_machine_does_not_show_is_never_reaped(engine, pools):
+    """A process whose pid names another process here (another pid namespace, a reused
     pid) cannot be watched: its pool is kept rather than taken from a live engine."""
     child, _, _ = engine
     node, _ = pools
     me = ProcessIdentity.of(child.pid)
-    node.create("elsewhere", LAYOUT, owner=ProcessIdentity(me.pid, me.start_ticks + 1))
-    node.create("gone", LAYOUT, owner=ProcessIdentity(2**22 + 1, 1))
+    node.create("elsewhere", LAYOUT, process=ProcessIdentity(me.pid, me.start_ticks + 1))
+    node.create("gone", LAYOUT, process=ProcessIdentity(2**22 + 1, 1))
     time.sleep(0.05)
     assert node.reap_engines(grace_s=0.0) == []
     assert sorted(node.table.pools) == ["elsewhere", "gone"]

@@ -595,3 +595,43 @@ def _served(path: str) -> bool:
     ok = c.call("echo") == 1
     c.close()
     return ok
+
+
+def test_a_connection_is_served_as_the_owner_it_claimed(tmp_path):
+    """With ``bind``, every connection's first request may claim an owner: handlers and
+    async handlers are given that connection's caller. A refused claim is the caller's
+    ``ValueError`` and ends that connection; a claim after the first request drops it.
+    Control: a connection that claims nothing is served as a caller without one."""
+    from raykv.controllers.ownership import OwnerClaim
+
+    def bind(claim: OwnerClaim) -> OwnerClaim:
+        if claim.deployment_id == "intruder":
+            raise ValueError("claim refused: another proof")
+        return claim
+
+    def whoami(caller=None):
+        return None if caller is None else caller.deployment_id
+
+    def group(reply, caller=None):
+        reply(None if caller is None else caller.tenant, None)
+
+    srv = ChannelServer(str(tmp_path / "n.sock"), {"whoami": whoami},
+                        arg_types={"whoami": Signature(()), "group": Signature(())},
+                        async_handlers={"group": group}, bind=bind)
+    try:
+        claim = OwnerClaim("dep-a", "team-a", "0" * 64, "a_")
+        owned = ChannelClient(srv.path, async_ops=frozenset({"group"}), bind=claim)
+        assert owned.call("whoami") == "dep-a" and owned.call("group") == "team-a"
+        assert ChannelClient(srv.path).call("whoami") is None  # control: no claim
+        with pytest.raises(ValueError, match="claim refused"):
+            ChannelClient(srv.path, bind=OwnerClaim("intruder"))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(srv.path)
+        sock.sendall(codec.hello())
+        sock.sendall(codec.request("whoami", time.monotonic() + ANSWER_S, []))
+        sock.sendall(codec.request(codec.BIND_OP, time.monotonic() + ANSWER_S, [claim]))
+        assert closed_by_peer(sock, ANSWER_S)  # a claim after the first request
+        sock.close()
+        assert owned.call("whoami") == "dep-a"  # others are served on
+    finally:
+        srv.close()

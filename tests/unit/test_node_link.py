@@ -85,8 +85,10 @@ class FakeChannel:
 
     opened: list[FakeChannel] = []
 
-    def __init__(self, path: str, async_ops: frozenset, timeout_s: float) -> None:
+    def __init__(self, path: str, async_ops: frozenset, timeout_s: float,
+                 bind=None) -> None:
         self.path, self.async_ops, self.timeout_s = path, async_ops, timeout_s
+        self.bind = bind
         self.answers: dict = {}
         self.calls: list[tuple[str, tuple]] = []
         self.closed = False

@@ -32,6 +32,9 @@ class FakeMetric:
         self.calls.append(("set", value, dict(tags or {})))
 
 
+NO_OWNER = {"tenant": "(none)", "deployment": "(none)"}  # a pool this actor has no owner of
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     made: dict[str, FakeMetric] = {}
@@ -76,7 +79,7 @@ def test_export_hands_each_amount_to_ray_once(recorded):
     m.export()
     objects = {(c[2]["op"], c[2]["outcome"]): c[1] for c in made["raykv_objects"].calls}
     assert objects == {("put", "ok"): 6, ("get", "error_-704"): 1}
-    assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"})]
+    assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"} | NO_OWNER)]
     assert sorted((c[2]["op"], c[1]) for c in made["raykv_call_seconds"].calls) == [
         ("exists", 0.001), ("get", 0.5), ("put", 0.01), ("put", 0.01), ("put", 0.01)]
     assert made["raykv_group_queries"].calls == [("inc", 1, {"answer": "checked"})]
@@ -89,7 +92,7 @@ def test_close_exports_what_is_left(recorded):
     m, made = recorded
     m.record_move("put", batch(["kv"], [8]), [0], 0.01)
     m.close()
-    assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"})]
+    assert made["raykv_bytes"].calls == [("inc", 8, {"op": "put", "pool": "kv"} | NO_OWNER)]
 
 
 def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
@@ -113,3 +116,50 @@ def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
     assert answers == [("checked", 2), ("confirmed", 1), ("inflight", 1), ("recent", 1)]
     assert sorted(c[1] for c in made["raykv_call_seconds"].calls
                   if c[2]["op"] == "group_exists") == [0.25, 0.5]
+
+
+def test_tenant_and_deployment_labels_stay_bounded_as_pools_come_and_go(recorded):
+    """Pools of ever new deployments created, used and destroyed: each tag keeps at most
+    its bound of labels of its own (the rest under ``(other)``), every amount is still
+    exported, and the per-pool state of a destroyed pool is dropped. Control: within the
+    bound, every deployment and tenant is its own label."""
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    n = 10 * node_metrics.MAX_POOL_LABELS
+    for i in range(n):
+        pool, owner = f"p{i}", Owner(f"dep-{i}", f"tenant-{i % 100}")
+        m.pool_size(pool, 64, owner)
+        m.record_move("get", batch([pool], [8]), [8], 0.001)
+        m.record_exists(0.001, [1, 0], owner)
+        m.pool_size(pool, 0, owner)
+    m.export()
+    calls = [c for metric in made.values() for c in metric.calls]
+    labels = {key: {c[2][key] for c in calls if key in c[2]}
+              for key in ("pool", "tenant", "deployment")}
+    assert len(labels["pool"]) == node_metrics.MAX_POOL_LABELS + 1
+    assert len(labels["deployment"]) == node_metrics.MAX_DEPLOYMENT_LABELS + 1
+    assert len(labels["tenant"]) == node_metrics.MAX_TENANT_LABELS + 1
+    assert all(node_metrics.OTHER in v for v in labels.values())
+    assert {"dep-0", "tenant-0", "p0"} <= set().union(*labels.values())
+    got = sum(c[1] for c in made["raykv_bytes"].calls)
+    assert got == 8 * n  # nothing lost to the bound
+    hits = sum(c[1] for c in made["raykv_lookups"].calls if c[2]["answer"] == "hit")
+    assert hits == n
+    assert m._pools == {} and m._gauges == {} and m._pool_counts == {}
+    last = {}  # the gauge of every label set ends at 0: no destroyed pool's bytes linger
+    for _, value, tags in made["raykv_pool_bytes"].calls:
+        last[tuple(sorted(tags.items()))] = value
+    assert set(last.values()) == {0}
+
+
+def test_pool_bytes_past_the_bound_are_summed_under_other(recorded):
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    for i in range(node_metrics.MAX_POOL_LABELS + 2):
+        m.pool_size(f"p{i}", 10, Owner("d", "t"))
+    other = [c for c in made["raykv_pool_bytes"].calls if c[2]["pool"] == node_metrics.OTHER]
+    assert [c[1] for c in other] == [10, 20]  # two pools past the bound: their sum
+    assert made["raykv_pool_bytes"].calls[0] == ("set", 10, {"pool": "p0", "tenant": "t",
+                                                           "deployment": "d"})

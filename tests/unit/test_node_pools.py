@@ -103,7 +103,7 @@ class FakeStore:
 @pytest.fixture
 def pools():
     store = FakeStore(FakeMemory(), FakeBackend())
-    node = NodePools(f"raykv.test-{uuid.uuid4().hex[:8]}.", store, lambda name, n: None)
+    node = NodePools(f"raykv.test-{uuid.uuid4().hex[:8]}.", store, lambda *_: None)
     yield node, store.memory
     store.memory.gate.set()
     node.close(remove=True)
@@ -248,7 +248,10 @@ class NoMetrics:
     def record_move(self, *args) -> None:
         pass
 
-    def pool_size(self, name: str, nbytes: int) -> None:
+    def record_exists(self, *args) -> None:
+        pass
+
+    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
         pass
 
     def record_group_store_call(self, seconds: float) -> None:
@@ -460,7 +463,7 @@ def shm_node(prefix: str) -> NodePools:
     """A node's pools as a (re)started actor has them: a fresh ``NodePools`` over the
     same ``/dev/shm`` prefix, its records re-adopted."""
     node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations()),
-                     lambda name, n: None)
+                     lambda *_: None)
     node.readopt()
     return node
 
@@ -552,7 +555,7 @@ def test_planted_and_broken_records_are_skipped_and_never_mapped(shm_prefix, tmp
 ])
 def test_record_parsing_refuses_garbage(shm_prefix, raw):
     node = NodePools(shm_prefix, ShmStore(ShmPoolMemory(shm_prefix, PoolBudget(0)),
-                                          Registrations()), lambda name, n: None)
+                                          Registrations()), lambda *_: None)
     path = f"/dev/shm/{shm_prefix}kv.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     os.write(fd, raw)

@@ -71,7 +71,7 @@ class FakeMetrics:
     def record_move(self, op, batch, codes, seconds) -> None:
         self.moves.append(op)
 
-    def pool_size(self, name: str, nbytes: int) -> None:
+    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
         pass
 
     def record_group_store_call(self, seconds: float) -> None:

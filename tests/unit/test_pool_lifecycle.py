@@ -73,13 +73,13 @@ def test_create_maps_the_nodes_memory(node, pools):
     with open(node.pools["kv-a"].path, "rb") as f:
         raw = torch.frombuffer(bytearray(f.read()), dtype=torch.float16)
     assert raw.sum().item() == 2.0 * 16  # V of slot 5: layers * heads * dim values
-    assert pools.mapped() == [pool] and node.owners["kv-a"] == ()
+    assert pools.mapped() == [pool] and node.processes["kv-a"] is None
 
 
-def test_create_names_a_pool_and_per_process_names_its_owner(node, pools):
+def test_create_names_a_pool_and_per_process_names_its_process(node, pools):
     pool = pools.create(mha(), per_process=True)
     assert pool.name.startswith("mha-")
-    assert node.owners[pool.name] == (ProcessIdentity.current(),)
+    assert node.processes[pool.name] == ProcessIdentity.current()
     with pytest.raises(ValueError, match="pool name"):
         pools.create(mha(), "bad name")
 
@@ -136,7 +136,7 @@ def test_an_engine_draft_pool_is_staged_through_a_mirror_pool(node, pools):
     staged = pools.staged[DRAFT]
     assert isinstance(staged, StagedPool) and staged.window is None
     assert staged.layout == mha() and staged.pool.layout == mha()
-    assert node.owners[staged.pool.name] == (ProcessIdentity.current(),)
+    assert node.processes[staged.pool.name] == ProcessIdentity.current()
     assert pools.plan_pools[DRAFT].pool_name == staged.pool.name
     assert pools.disabled == frozenset()
 

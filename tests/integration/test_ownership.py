@@ -1,0 +1,218 @@
+"""Pool owners, tenant proofs and tenant quotas through a real node actor (real Ray, real
+mooncake_master): another deployment's create of a pool name, its attach, destroy,
+engine-memory adoption, data calls and group query are refused, a wrong tenant proof is
+refused, a tenant's pools stop at its quota while another tenant goes on, and `raykv
+status` shows the bytes per tenant. CONTROL for every refusal: the same call by the
+owner succeeds. The ranks are CacheClients of this process (one per deployment; a
+tenant's secret is in RAYKV_TENANT_SECRET while its client is made)."""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+
+import pytest
+import ray
+import torch
+from raykv.cache_actors import CacheClient
+from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
+from raykv.clusters import deploy, start_local
+from raykv.clusters.status_view import render_status
+from raykv.controllers import PoolName, StorageConfig
+from raykv.controllers.contract import PoolTransfer
+from raykv.controllers.naming import node_actor_name
+from raykv.controllers.tenancy import TENANT_SECRET_ENV
+from rich.console import Console
+
+from tests.integration.ranks import MHA, indices
+
+SECRET_Q, SECRET_R, FORGED = "q" * 32, "r" * 32, "f" * 32
+POOL_BYTES = 2 * 64 * 2 * 2 * 8 * 2  # K and V: 64 slots x 2 layers x 2 heads x 8 dims, fp16
+QUOTA = 3 * POOL_BYTES
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One node whose tenant ``team-q`` may hold three MHA pools."""
+    with start_local(num_nodes=1, global_segment_size=256 << 20,
+                     tenant_quotas={"team-q": QUOTA}) as c:
+        yield c
+
+
+def client(monkeypatch, model: str, tenant: str | None = None,
+           secret: str | None = None) -> CacheClient:
+    """A rank of deployment ``model`` (of ``tenant``, with ``secret`` in the env)."""
+    extra = {} if tenant is None else {"tenant": tenant}
+    if secret is not None:
+        monkeypatch.setenv(TENANT_SECRET_ENV, secret)
+    try:
+        return CacheClient(StorageConfig(model_name=model, extra_config=extra))
+    finally:
+        monkeypatch.delenv(TENANT_SECRET_ENV, raising=False)
+
+
+def round_trip(c: CacheClient, pool, uid: str) -> None:
+    """Pages out of ``pool`` into the store and back into other slots, exact."""
+    c.register_mem_pool_host(pool)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    keys = [f"{uid}-{i}" for i in range(2)]
+    assert c.batch_set_v1(keys, indices(0, 2)) == [True, True]
+    assert c.batch_get_v1(keys, indices(16, 2)) == [True, True]
+    assert torch.equal(pool.kv_buffer[:, 16:24], pool.kv_buffer[:, 0:8])
+
+
+def test_another_deployment_is_refused_the_owner_is_served(cluster, monkeypatch):
+    uid = uuid.uuid4().hex[:8]
+    a, b = client(monkeypatch, f"own/a{uid}"), client(monkeypatch, f"own/b{uid}")
+    name = f"shared-name-{uid}"
+    pool = a.create_host_pool("mha", name=name, **MHA)
+    owner = f"belongs to deployment 'own-a{uid}'"
+    with pytest.raises(ValueError, match=owner):  # today's silent attach: refused
+        b.create_host_pool("mha", name=name, **MHA)
+    with pytest.raises(ValueError, match=owner):
+        b.attach_host_pool(name)
+    with pytest.raises(ValueError, match=owner):
+        b.destroy_host_pool(name)
+    # CONTROL: the owner attaches by create (same layout) and by name, and its pages
+    # still round-trip through the pool nobody else could touch
+    assert a.create_host_pool("mha", name=name, **MHA).handle == pool.handle
+    again = client(monkeypatch, f"own/a{uid}")  # a restarted rank of the same deployment
+    assert again.attach_host_pool(name).handle == pool.handle
+    round_trip(a, pool, f"{uid}-a")
+
+    # Data calls naming the owner's pool from the other deployment: every object fails,
+    # on the channel and on the Ray route; the owner's same batch moves (CONTROL).
+    plan = a._plan_transfers([PoolTransfer(PoolName.KV, [f"{uid}-x"], indices(0, 1))],
+                             write=True)
+    assert b._link.data(DataOp.PUT, plan.batch) == [NOT_OWNED] * len(plan.batch)
+    actor = cluster.node_actors[a.node_id]
+    assert ray.get(actor.put.remote(plan.batch, b.owner_claim)) == [NOT_OWNED] * len(
+        plan.batch)
+    assert ray.get(actor.get.remote(plan.batch)) == [NOT_OWNED] * len(plan.batch)
+    assert a._link.data(DataOp.PUT, plan.batch) == [0] * len(plan.batch)
+    assert b._link.data(DataOp.GET, plan.batch) == [NOT_OWNED] * len(plan.batch)
+    assert ray.get(actor.get.remote(plan.batch, a.owner_claim)) == plan.batch.sizes
+    assert b._link.data(DataOp.EXISTS, plan.batch.keys) == [NOT_OWNED] * len(plan.batch)
+    assert a._link.data(DataOp.EXISTS, plan.batch.keys) == [1] * len(plan.batch)
+
+    assert a.destroy_host_pool(name)  # CONTROL: the owner destroys it
+    assert b.create_host_pool("mha", name=name, **MHA)  # the name is free again
+    assert b.destroy_host_pool(name)
+
+
+def test_engine_memory_adoption_of_another_owners_name_is_refused(cluster, monkeypatch):
+    uid = uuid.uuid4().hex[:8]
+    a, b = client(monkeypatch, f"adopt/a{uid}"), client(monkeypatch, f"adopt/b{uid}")
+    layout = a.create_host_pool("mha", name=f"layout-{uid}", **MHA).layout
+    fd = os.memfd_create("sglang_host_pool_test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, layout.nbytes)
+    st = os.fstat(fd)
+    path, inode = f"/proc/{os.getpid()}/fd/{fd}", (st.st_dev, st.st_ino)
+    try:
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+            b.adopt_engine_pool(f"layout-{uid}", path, layout, inode)
+        engine = a.adopt_engine_pool(f"engine-{uid}", path, layout, inode)  # CONTROL
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+            b.adopt_engine_pool(f"engine-{uid}", path, layout, inode)
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+            b.attach_host_pool(f"engine-{uid}")
+        assert a.adopt_engine_pool(f"engine-{uid}", path, layout, inode).handle == \
+            engine.handle  # CONTROL: the owner adopts it again
+        round_trip(a, engine, f"{uid}-e")
+        assert a.destroy_host_pool(f"engine-{uid}")
+    finally:
+        a.destroy_host_pool(f"layout-{uid}")
+        os.close(fd)
+
+
+def test_a_group_query_of_another_deployment_is_refused(cluster, monkeypatch):
+    uid = uuid.uuid4().hex[:8]
+    a, b = client(monkeypatch, f"grp/a{uid}"), client(monkeypatch, f"grp/b{uid}")
+    pool = a.create_host_pool("mha", **MHA)
+    round_trip(a, pool, f"{uid}-g")
+    keys = [f"{uid}-g-{i}" for i in range(2)]
+    dep = a.register_deployment()
+    assert a.group_exists(keys).kv_hit_pages == 2  # CONTROL: the owner's query
+    reg = a._group._current[0]
+    refused = f"may not query the group of deployment '{dep}'"
+    with pytest.raises(ValueError, match=refused):  # the channel (the home node is here)
+        b._link.data(DataOp.GROUP_EXISTS, dep, reg.version, (0, 0), keys, [],
+                     node_id=reg.home_node)
+    home = ray.get_actor(node_actor_name(reg.home_node), namespace=cluster.namespace)
+    with pytest.raises(ValueError, match=refused):  # the Ray route
+        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [], b.owner_claim))
+    with pytest.raises(ValueError, match="needs its owner claim"):  # no claim at all
+        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, []))
+    assert ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [],
+                                            a.owner_claim)).kv_hit_pages == 2  # CONTROL
+    assert a.group_exists(keys).kv_hit_pages == 2
+    a.destroy_host_pool(pool)
+
+
+def test_a_wrong_tenant_proof_is_refused(cluster, monkeypatch):
+    uid = uuid.uuid4().hex[:8]
+    first = client(monkeypatch, f"proof/{uid}", "team-r", SECRET_R)
+    pool = first.create_host_pool("mha", **MHA)  # team-r's proof is bound here now
+    forged = client(monkeypatch, f"proof/{uid}x", "team-r", FORGED)
+    with pytest.raises(ValueError, match="tenant 'team-r': the owner proof differs"):
+        forged.create_host_pool("mha", **MHA)
+    with pytest.raises(ValueError, match="owner proof differs"):  # its channel too
+        forged._link.data(DataOp.EXISTS, [f"{uid}-0"])
+    with pytest.raises(ValueError, match="owner proof differs"):  # and the Ray route
+        ray.get(cluster.node_actors[first.node_id].exists.remote(
+            [f"{uid}-0"], forged.owner_claim))
+    # CONTROL: another deployment of team-r with the right secret is served
+    second = client(monkeypatch, f"proof/{uid}y", "team-r", SECRET_R)
+    round_trip(second, second.create_host_pool("mha", **MHA), f"{uid}-r")
+    assert first.destroy_host_pool(pool)
+
+
+def test_a_tenant_stops_at_its_quota_and_status_shows_its_use(cluster, monkeypatch):
+    uid = uuid.uuid4().hex[:8]
+    q = client(monkeypatch, f"quota/q{uid}", "team-q", SECRET_Q)
+    r = client(monkeypatch, f"quota/r{uid}", "team-r", SECRET_R)
+    pools = [q.create_host_pool("mha", **MHA) for _ in range(3)]  # up to the quota
+    assert pools[0].nbytes == POOL_BYTES
+    with pytest.raises(ValueError, match=f"tenant 'team-q' is over its quota on this node: "
+                                         f"pool '.*' needs {POOL_BYTES} bytes, the tenant's "
+                                         f"pools here use {QUOTA} of its quota of {QUOTA} "
+                                         "bytes"):
+        q.create_host_pool("mha", **MHA)
+    others = [r.create_host_pool("mha", **MHA) for _ in range(4)]  # team-r: no quota
+    round_trip(q, pools[0], f"{uid}-q")  # the tenant's pools keep serving
+
+    state = deploy.status(cluster.address, cluster.namespace)
+    (node,) = state["nodes"].values()
+    assert node["tenants"]["team-q"] == {"pool_bytes": QUOTA, "pools": 3, "quota": QUOTA}
+    assert node["tenants"]["team-r"]["pool_bytes"] >= 4 * POOL_BYTES
+    assert node["tenants"]["team-r"]["quota"] is None
+    assert node["pools"][pools[0].name]["owner"] == {"deployment": f"quota-q{uid}",
+                                                      "tenant": "team-q"}
+    out = io.StringIO()
+    render_status(state, Console(file=out, width=100))
+    assert "team-q 24.0 KiB of 24.0 KiB quota (3 pools)" in out.getvalue(), out.getvalue()
+
+    assert q.destroy_host_pool(pools.pop())
+    pools.append(q.create_host_pool("mha", **MHA))  # CONTROL: room again
+    for p in pools:
+        q.destroy_host_pool(p)
+    for p in others:
+        r.destroy_host_pool(p)
+
+
+def test_pools_without_an_owner_answer_only_callers_without_one(cluster, monkeypatch):
+    """A pool made by a caller that sends no owner claim (an older raykv) has no owner:
+    a rank of any deployment is refused it, a caller without a claim is served."""
+    uid = uuid.uuid4().hex[:8]
+    a = client(monkeypatch, f"legacy/{uid}")
+    layout = a.create_host_pool("mha", name=f"probe-{uid}", **MHA).layout
+    actor = cluster.node_actors[a.node_id]
+    name = f"legacy-{uid}"
+    handle = ray.get(actor.create_pool.remote(name, layout))
+    with pytest.raises(ValueError, match="has no owner"):
+        a.attach_host_pool(name)
+    assert ray.get(actor.get_pool.remote(name)) == handle  # CONTROL: no claim: served
+    assert ray.get(actor.destroy_pool.remote(name))
+    a.destroy_host_pool(f"probe-{uid}")
