@@ -71,13 +71,15 @@ def test_kuberay_manifest():
 
 @pytest.mark.parametrize("name", ["ray-autoscaler.yaml", "kuberay-raycluster.yaml"])
 def test_commented_transport_examples_parse(name):
-    """The RDMA example in each config's comments is a `raykv up` the CLI accepts."""
+    """Every `raykv up` example in each config's comments (RDMA, tenant quotas) is one
+    the CLI accepts, and one of them picks RDMA devices."""
     lines = [line.lstrip("# ").strip() for line in (CONFIGS / name).read_text().splitlines()
              if line.lstrip().startswith("#") and "raykv up " in line]
-    (command,) = [c for line in lines for c in raykv_commands(line)]
-    check_raykv_up([command])
-    assert "--protocol=rdma" in command and any(w.startswith("--rdma-devices=")
-                                                for w in command)
+    commands = [c for line in lines for c in raykv_commands(line)]
+    for command in commands:
+        check_raykv_up([command])
+    assert any("--protocol=rdma" in c and any(w.startswith("--rdma-devices=") for w in c)
+               for c in commands)
 
 
 def test_sizes_in_configs_parse():
