@@ -21,8 +21,14 @@ MAMBA_STAGING_SLOTS = 16
 """Mamba slots staged per direction: they are large and move one per request (a call
 with more goes through in rounds)."""
 CONFIG_KEYS = ("ray_address", "ray_namespace", "ray_auth_mode", "ray_node_id", "zero_copy",
-               "staging_pages", "extra_backend_tag", "timeout_s")
+               "staging_pages", "extra_backend_tag", "timeout_s", "tenant", "model_revision")
 """extra_config keys this backend reads (SGLang's own keys pass through untouched)."""
+STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision")
+"""The keys of ``CONFIG_KEYS`` that ``storage_config`` hands to raykv's ``StorageConfig``.
+The KV dtype and page size are not among them: SGLang's host pools carry them, and the
+deployment registry refuses a rank whose pools' dtypes, page size or bytes per page
+differ from its deployment's (``controllers.deployments.PoolSpec``), so with or without
+a tenant a change of either is refused at attach, never read as the old bytes."""
 
 
 def storage_config(config: Any) -> StorageConfig:
@@ -30,7 +36,8 @@ def storage_config(config: Any) -> StorageConfig:
     ``ValueError`` naming what raykv cannot serve (decode context parallelism, heads
     split across ranks). Host layouts are checked per pool at registration (SGLang sets
     ``is_page_first_layout`` only for ``page_first``, not for the also servable
-    ``page_first_direct``)."""
+    ``page_first_direct``). The tenant's secret comes from ``$RAYKV_TENANT_SECRET`` of
+    the SGLang process, never from the config."""
     problems = []
     if getattr(config, "dcp_size", 1) > 1:
         problems.append(f"dcp_size={config.dcp_size} (decode context parallel keys are not "
@@ -46,7 +53,7 @@ def storage_config(config: Any) -> StorageConfig:
         attn_cp_size=config.attn_cp_size, is_mla_model=config.is_mla_model,
         enable_storage_metrics=config.enable_storage_metrics,
         is_page_first_layout=config.is_page_first_layout, model_name=config.model_name,
-        extra_config={k: extra[k] for k in ("extra_backend_tag", "timeout_s") if k in extra})
+        extra_config={k: extra[k] for k in STORAGE_KEYS if k in extra})
 
 
 @dataclass(frozen=True)
