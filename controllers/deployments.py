@@ -197,9 +197,11 @@ class DeploymentRegistry:
             if problem:
                 raise ValueError(f"deployment {dep_id!r}: pool {role.value!r} is {problem} "
                                  f"(rank tp={config.tp_rank} pp={config.pp_rank}); its "
-                                 f"objects would be read as the group's. Give one of them "
-                                 f"a tenant (extra_config['tenant']) or its own "
-                                 f"extra_config['extra_backend_tag']")
+                                 f"objects would be read as the group's. Bytes of another "
+                                 f"kind need their own key space: their own "
+                                 f"extra_config['extra_backend_tag'], or a tenant "
+                                 f"(extra_config['tenant']) with the 'kv_dtype' and "
+                                 f"'page_size' they hold")
         if dep.pools and any(role not in dep.pools for role in pools):
             dep.version += 1
         dep.pools.update({role: spec.group_spec for role, spec in pools.items()})
