@@ -137,8 +137,9 @@ class Registration:
 
 
 def deployment_id(config: StorageConfig) -> str:
-    """A deployment is named by its exact key prefix; ``"default"`` if that is empty
-    (``Identity.deployment_id``: no two prefixes give one id)."""
+    """A deployment is named by its exact key prefix (``Identity.deployment_id``:
+    ``"default"`` for the empty one, a tenant's without its final ``_``): no two
+    prefixes give one id, and no rank without a tenant gets a tenant's."""
     return Identity.from_config(config).deployment_id
 
 

@@ -109,8 +109,13 @@ class Identity:
 
     @property
     def deployment_id(self) -> str:
-        """The name of this identity's deployment: its key prefix, or ``"default"`` for
-        the empty one (a name no prefix can have: every other prefix ends in ``_``)."""
+        """The name of this identity's deployment, one per prefix: without a tenant its
+        key prefix, or ``"default"`` for the empty one; with a tenant its prefix less the
+        final ``_``. Every prefix without a tenant but the empty one ends in ``_``, so
+        the three kinds of names never meet: a rank without a tenant can never take a
+        tenant's deployment, even with a tag that makes its prefix the tenant's."""
+        if self.tenant is not None:
+            return self.prefix[:-1]
         return self.prefix or "default"
 
     def differences(self, other: Identity) -> list[str]:
@@ -149,13 +154,19 @@ def parse_prefix(prefix: str) -> Identity:
             pos = m.end()
         else:
             pos = m.end() + int(m[2])
-            fields.append(_unescape(prefix[m.end():pos]))
+            try:
+                fields.append(_unescape(prefix[m.end():pos]))
+            except UnicodeDecodeError:
+                raise ValueError(f"{prefix!r} is not a tenant key prefix (not UTF-8 at "
+                                 f"{m.end()})") from None
     if pos != len(prefix) - 1 or None in fields[6:]:
         raise ValueError(f"{prefix!r} is not a tenant key prefix")
-    text = fields[:5]
-    page_size = None if fields[5] is None else int(fields[5])
-    tp, pp, mla = (int(f) for f in fields[6:])
-    identity = Identity(*text, page_size, tp, pp, bool(mla))
+    try:
+        page_size = None if fields[5] is None else int(fields[5])
+        tp, pp, mla = (int(f) for f in fields[6:])
+    except ValueError:
+        raise ValueError(f"{prefix!r} is not a tenant key prefix (a size is no int)") from None
+    identity = Identity(*fields[:5], page_size, tp, pp, bool(mla))
     if identity.prefix != prefix:  # e.g. "01" for 1, "%41" for "A", mla "2"
         raise ValueError(f"{prefix!r} is not the tenant key prefix of any identity")
     return identity

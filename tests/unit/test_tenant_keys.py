@@ -122,6 +122,19 @@ def test_deployment_ids_are_injective():
     assert len(ids) == 5 and "default" in ids
 
 
+def test_a_rank_without_a_tenant_never_takes_a_tenants_deployment():
+    """Anyone can compute a tenant's prefix and make it theirs with a tag; the keys they
+    name are not the tenant's (no keyed hashes), and neither is their deployment."""
+    reg = DeploymentRegistry()
+    victim = base(model_name="org/m", tenant="acme")
+    prefix = Identity.from_config(victim).prefix
+    squatter = base(extra_backend_tag=prefix[:-1])
+    assert KeyScheme.from_config(squatter).prefix == prefix
+    first = reg.register_rank(squatter, [dataclasses.replace(KV, dtypes=("x", "x"))], "n")
+    dep = reg.register_rank(victim, [KV], "n")
+    assert dep is not first and dep.tenant == "acme"
+
+
 def test_identity_keys_are_validated():
     cfg = base(model_revision="abc", kv_dtype="fp8", page_size=16)
     assert (cfg.model_revision, cfg.kv_dtype, cfg.page_size) == ("abc", "fp8", 16)
@@ -136,7 +149,7 @@ def test_the_tenant_is_part_of_the_deployment_record_and_its_scheme():
     cfg = base(model_name="org/m", tenant="acme", model_revision="r1", tp_size=2, tp_rank=1)
     dep = reg.register_rank(cfg, [KV], "n1")
     assert (dep.tenant, dep.model_revision, dep.deployment_id) == (
-        "acme", "r1", Identity.from_config(cfg).prefix)
+        "acme", "r1", Identity.from_config(cfg).prefix[:-1])
     assert dep.key_scheme(1, 0) == KeyScheme.from_config(cfg)
     assert Deployment.from_dict(dep.to_dict()) == dep
 
