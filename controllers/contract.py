@@ -55,7 +55,8 @@ class StorageConfig:
     the KV cache's dtype, e.g. ``"bfloat16"``, ``"fp8_e4m3"``) and ``page_size`` (int:
     tokens per page), each optional: with them the *identity* of the bytes
     (``controllers.keys.Identity``) is part of a tenant's key prefix, and the deployment
-    registry refuses a rank whose identity differs from its deployment's;
+    registry refuses a rank whose identity differs from that of the deployment registered
+    under its key prefix;
     ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
     deadline of every data call this rank makes to a node actor (exists, put, get, group
     hit), see ``timeout_s``. ``ValueError`` for a value of the wrong type.
