@@ -234,12 +234,26 @@ def _connected(call, *args, **kwargs):
 @click.option("--master-address", default=None, help="host:port of an existing Mooncake "
               "master (with --metadata-server); default: run one on the head node.")
 @click.option("--metadata-server", default=None, help="Metadata URL of that master.")
+@click.option("--master-port", default=0, type=click.IntRange(0, 65535),
+              help="RPC port of the master raykv runs on the head node (default: a free "
+              "port; fix it for a firewall).")
+@click.option("--metadata-port", default=0, type=click.IntRange(0, 65535),
+              help="HTTP metadata port of that master (default: a free port).")
 @click.option("--segment-size", default="1GB", show_default=True, type=Size(),
               help="Memory each node contributes to the store (K/M/G suffixes).")
-@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]))
-@click.option("--mooncake-host", default=None, help="Address Mooncake binds and advertises "
-              "on every node (default: the node's IP; 127.0.0.1 when all nodes share one "
-              "machine).")
+@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
+              help="Mooncake's transport between nodes.")
+@click.option("--rdma-devices", default="", help="--protocol rdma: comma-separated RDMA "
+              "devices every node's Mooncake uses, e.g. mlx5_0,mlx5_1 (default: every "
+              "device Mooncake finds).")
+@click.option("--mooncake-host", "--local-hostname", "local_hostname", default=None,
+              help="Address Mooncake binds and advertises on every node, the master's too "
+              "(default: the node's IP; 127.0.0.1 when all nodes share one machine).")
+@click.option("--local-buffer-size", default="16M", show_default=True, type=Size(),
+              help="Each node's Mooncake client transfer buffer.")
+@click.option("--mooncake-log-level", default="ERROR", show_default=True,
+              type=click.Choice(["INFO", "WARNING", "ERROR"]),
+              help="MC_LOG_LEVEL of every node's Mooncake client.")
 @click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
               "mooncake_client process its cache actor supervises, so it survives a crash "
               "of the actor (default: embedded in the actor).")
@@ -250,36 +264,76 @@ def _connected(call, *args, **kwargs):
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
-       segment_size: int, protocol: str, mooncake_host: str | None, standalone: bool,
-       host_pool_size: int | None, confirm_ttl: float) -> None:
+       master_port: int, metadata_port: int, segment_size: int, protocol: str,
+       rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
+       mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
+       confirm_ttl: float) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
+    from raykv.clusters.node_actors import NodeSettings
 
+    if rdma_devices and protocol != "rdma":
+        raise click.UsageError("--rdma-devices needs --protocol rdma")
+    if master_address and (master_port or metadata_port):
+        raise click.UsageError("--master-port and --metadata-port are for the master raykv "
+                               "runs; --master-address names one that runs already")
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
+    try:
+        settings = NodeSettings(
+            global_segment_size=segment_size, local_buffer_size=local_buffer_size,
+            protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
+            mooncake_log_level=mooncake_log_level, standalone=standalone,
+            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):
-        info = _connected(deploy.up, address, namespace=namespace,
+        info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,
-                          global_segment_size=segment_size, protocol=protocol,
-                          mooncake_host=mooncake_host, standalone=standalone,
-                          host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl)
+                          master_ports=(master_port, metadata_port))
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")
 
 
-@main.command(epilog=_epilog(one=(
+@main.command(epilog=_epilog(zero="done; --watch: stopped with Ctrl-C (or after --count)",
+                             one=(
     "also when no Ray cluster answers at --address (checked within seconds),",
-    "or raykv does not run in the namespace")))
+    "or raykv does not run in the namespace (--watch: stops running)")))
 @ADDRESS
 @NAMESPACE_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-def status(address: str, namespace: str, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Live view, per node: L3 hits, misses and "
+              "their rates, bytes per second put and got since the last refresh, pool use. "
+              "Redrawn in place on a terminal; piped, one block of lines per refresh.")
+@click.option("--interval", default=None, type=SECONDS,
+              help="--watch: seconds between refreshes.  [default: 1]")
+@click.option("--count", default=None, type=POSITIVE,
+              help="--watch: stop after this many refreshes (default: at Ctrl-C).")
+def status(address: str, namespace: str, as_json: bool, watch: bool, interval: float | None,
+           count: int | None) -> None:
     """Per node: pools, bytes, pages, objects moved and hit rates per pool. A table where
-    it fits the terminal; narrower (and when piped), the same figures as lines."""
+    it fits the terminal; narrower (and when piped), the same figures as lines. With
+    --watch, a live view of rates until Ctrl-C."""
     import json
 
     from raykv.clusters import deploy
+
+    if not watch and (interval is not None or count is not None):
+        raise click.UsageError("--interval and --count need --watch")
+    if watch and as_json:
+        raise click.UsageError("--watch and --json exclude each other (for a log of "
+                               "frames, pipe --watch: it prints lines)")
+    if watch:
+        from raykv.clusters.status_watch import watch as watch_status
+        from rich.console import Console
+
+        with _spinner("connecting to the Ray cluster ..."):
+            _connected(deploy.connect, address, namespace)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view: exit 0
+            _connected(watch_status, lambda: deploy.status(address, namespace),
+                       1.0 if interval is None else interval, Console(), count)
+        return
     from raykv.clusters.status_view import render_status
 
     with _spinner("asking the controller and every node actor ..."):
@@ -310,7 +364,27 @@ def down(address: str, namespace: str) -> None:
     click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
 
 
-@main.command(epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
+BENCH_EPILOG = _epilog(
+    zero="done: targets met or not (the tables and JSON say); with --check, every target "
+         "met", one=("also with --check when a target is NOT met (each is named);",
+                     "targets this run had no case for are not judged, never missed"))
+CHECK = click.option("--check", is_flag=True, help="Exit 1 when a target is not met (for CI "
+                     "or a release gate); targets this run has no case for do not count.")
+
+
+def _check(results: list[dict], check: bool) -> None:
+    """With ``--check``: one line naming every target ``results`` (benchmark results,
+    each with its ``targets``) missed, and exit 1 (``ClickException``)."""
+    if not check:
+        return
+    from raykv.clusters.bench.verdict import check_message, missed_targets
+
+    missed = missed_targets(r["targets"] for r in results)
+    if missed:
+        raise click.ClickException(check_message(missed))
+
+
+@main.command(epilog=BENCH_EPILOG)
 @click.option("--engine", default="raykv", show_default=True,
               type=click.Choice(["raykv", "sglang"]),
               help="raykv: the data plane vs raw Mooncake and memcpy (bench_dataplane.*). "
@@ -333,8 +407,10 @@ def down(address: str, namespace: str) -> None:
               "[default: $RAYKV_SGLANG_PYTHON, else .venv-sglang/bin/python].")
 @click.option("--standalone", is_flag=True, help="--engine sglang: nodes in standalone "
               "Mooncake mode (RayKVStore then stages SGLang's pages; bench_sglang_standalone.*).")
+@CHECK
 def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: int,
-          out_dir: str, with_ranks: bool, sglang_python: str | None, standalone: bool) -> None:
+          out_dir: str, with_ranks: bool, sglang_python: str | None, standalone: bool,
+          check: bool) -> None:
     """Data-plane GB/s: raykv's whole path vs raw Mooncake vs memcpy, in one run; or
     (--engine sglang) SGLang's HiCache L3 through raykv vs SGLang's MooncakeStore."""
     sizes = list(page_sizes) if page_sizes else None
@@ -351,28 +427,28 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
         from raykv.clusters.bench.sglang import DEFAULT_PAGE_SIZES, run_sglang_bench
 
         try:
-            run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
-                             iters=iters, out_dir=out_dir, python=sglang_python,
-                             standalone=standalone)
+            results = [run_sglang_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
+                                        iters=iters, out_dir=out_dir, python=sglang_python,
+                                        standalone=standalone)]
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     else:
         from raykv.clusters.bench.dataplane import DEFAULT_PAGE_SIZES, run_dataplane_bench
 
         try:  # its checks run before anything starts (e.g. batch x page size too big)
-            run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES, batch=batch,
-                                iters=iters, out_dir=out_dir)
+            results = [run_dataplane_bench(page_sizes=sizes or DEFAULT_PAGE_SIZES,
+                                           batch=batch, iters=iters, out_dir=out_dir)]
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     if with_ranks:
         _progress("raykv bench: bench-ranks with its defaults ...")
         from raykv.clusters.bench.ranks import run_ranks_bench
 
-        run_ranks_bench(out_dir=out_dir)
+        results.append(run_ranks_bench(out_dir=out_dir))
+    _check(results, check)
 
 
-@main.command("bench-ranks",
-              epilog=_epilog(zero="done, targets met or not (the tables and JSON say)"))
+@main.command("bench-ranks", epilog=BENCH_EPILOG)
 @click.option("--page-sizes", default="64K,256K,1M", show_default=True,
               type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
               help=f"Comma-separated page sizes (K/M suffixes, multiples of "
@@ -387,8 +463,9 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
               help="Phase pairs (raykv, raw) per case; ratios are medians over rounds.")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_ranks.json and .png.")
+@CHECK
 def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
-                seconds: float, rounds: int, out_dir: str) -> None:
+                seconds: float, rounds: int, out_dir: str, check: bool) -> None:
     """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
     _require_figures("bench")
@@ -398,14 +475,14 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     from raykv.clusters.bench.ranks import run_ranks_bench
 
     try:
-        run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
-                        seconds=seconds, rounds=rounds, out_dir=out_dir)
+        result = run_ranks_bench(page_sizes=list(page_sizes), ranks=list(ranks), batch=batch,
+                                 seconds=seconds, rounds=rounds, out_dir=out_dir)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    _check([result], check)
 
 
-@main.command("bench-group",
-              epilog=_epilog(zero="done, targets met or not (the table and JSON say)"))
+@main.command("bench-group", epilog=BENCH_EPILOG)
 @click.option("--tp-sizes", default="2,4", show_default=True, type=IntList(min=1),
               help="Comma-separated TP sizes: one group of that many ranks each, measured "
                    "one after the other.")
@@ -417,16 +494,18 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
               help="Per throughput run (4 per TP size: hits, misses, shared, raw).")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for bench_group.json.")
+@CHECK
 def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds: float,
-                out_dir: str) -> None:
+                out_dir: str, check: bool) -> None:
     """Group-exists latency and throughput vs raw batch_is_exist, in one run."""
     _progress(f"raykv bench-group: starting a 1-node embedded cluster, then per TP size "
               f"({', '.join(map(str, tp_sizes))}): latency runs and 4 throughput runs of "
               f"{seconds:g} s ...")
     from raykv.clusters.bench.group import run_group_bench
 
-    run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency, seconds=seconds,
-                    out_dir=out_dir)
+    result = run_group_bench(list(tp_sizes), pages=pages, concurrency=concurrency,
+                             seconds=seconds, out_dir=out_dir)
+    _check([result], check)
 
 
 if __name__ == "__main__":

@@ -53,34 +53,30 @@ def controller(namespace: str = NAMESPACE):
         return None
 
 
-def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None = None,
-       metadata_server: str | None = None, global_segment_size: int = 1 << 30,
-       protocol: str = "tcp", mooncake_host: str | None = None,
-       master_args: tuple[str, ...] = (), standalone: bool = False,
-       host_pool_bytes: int = 0, confirm_ttl_s: float = 2.0) -> dict:
+def up(address: str, settings: NodeSettings | None = None, *, namespace: str = NAMESPACE,
+       master_address: str | None = None, metadata_server: str | None = None,
+       master_args: tuple[str, ...] = (), master_ports: tuple[int, int] = (0, 0)) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
-    ``mooncake_host`` is the address every Mooncake process (master and clients) binds
-    and advertises; None means each node's IP as Ray sees it. Pass ``127.0.0.1`` for a
-    cluster whose nodes all run on one machine. ``standalone`` gives every node a
-    supervised ``mooncake_client`` process holding its segment; ``host_pool_bytes`` is
-    each node's budget for host pools (required in standalone mode, 0: no limit).
-    ``confirm_ttl_s`` is how long group queries trust a page the store confirmed
-    present; it must be below the master's object lease (checked for the master raykv
-    starts; with ``master_address`` it is the caller's promise), 0 turns it off.
+    ``settings`` (default ``NodeSettings()``) reach every node actor whole: transport
+    (``protocol``, ``rdma_devices``, ``local_hostname``, ``local_buffer_size``), mode,
+    budgets and windows; ``up`` fills in the master, the metadata server and a new
+    cluster tag. ``local_hostname`` is also where the master raykv starts binds (None:
+    the head node's IP; ``127.0.0.1`` for a cluster whose nodes all run on one
+    machine). ``master_ports``: the RPC and HTTP metadata ports of the master raykv
+    starts (0: a free port). ``confirm_ttl_s`` must be below the master's object lease
+    (checked for the master raykv starts; with ``master_address`` it is the caller's
+    promise).
 
-    Raises ``ValueError`` if raykv already runs there, only one of ``master_address`` /
-    ``metadata_server`` is given, or standalone mode has no ``host_pool_bytes``.
+    Raises ``ValueError`` if raykv already runs there or only one of ``master_address``
+    / ``metadata_server`` is given.
     """
     if (master_address is None) != (metadata_server is None):
         raise ValueError("give both --master-address and --metadata-server of an existing "
                          "master, or neither to run one on the head node")
-    settings = NodeSettings("", "", uuid.uuid4().hex[:8], global_segment_size,
-                            protocol=protocol, local_hostname=mooncake_host,
-                            standalone=standalone, host_pool_bytes=host_pool_bytes,
-                            confirm_ttl_s=confirm_ttl_s)
+    settings = replace(settings or NodeSettings(), cluster_tag=uuid.uuid4().hex[:8])
     if master_address is None:
-        check_confirm_ttl(confirm_ttl_s, master_args)
+        check_confirm_ttl(settings.confirm_ttl_s, master_args)
     connect(address, namespace)
     if controller(namespace) is not None:
         raise ValueError(f"raykv is already up in namespace {namespace!r}: "
@@ -91,7 +87,8 @@ def up(address: str, *, namespace: str = NAMESPACE, master_address: str | None =
             name=SUPERVISOR_NAME, namespace=namespace, lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(head["NodeID"], soft=False),
-        ).remote(mooncake_host or head["NodeManagerAddress"], list(master_args))
+        ).remote(settings.local_hostname or head["NodeManagerAddress"], list(master_args),
+                 rpc_port=master_ports[0], http_port=master_ports[1])
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
     settings = replace(settings, master_address=master_address,

@@ -153,6 +153,9 @@ def start_local(
     standalone: bool = False,
     host_pool_bytes: int | None = None,
     log_to_driver: bool = True,
+    protocol: str = "tcp",
+    rdma_devices: str = "",
+    local_hostname: str = LOOPBACK,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -165,8 +168,12 @@ def start_local(
     kept for the ranks of the group that have not asked yet (0: only ranks asking at the
     same time share one). ``confirm_ttl_s``: how long group queries trust a page the
     store confirmed present (below the master's object lease; 0: always ask the store).
-    Mooncake binds to 127.0.0.1 (also clients made later in this
-    process: ``MC_TCP_BIND_ADDRESS`` is set unless already set); multi-node clusters
+    Transport (as ``NodeSettings``): ``protocol`` (``tcp`` or ``rdma``), ``rdma_devices``
+    (comma-separated RDMA device names; "" lets Mooncake use every device; needs
+    ``rdma``), ``local_hostname``: the address every node's Mooncake binds and
+    advertises, 127.0.0.1 by default (also clients made later in this process:
+    ``MC_TCP_BIND_ADDRESS`` is set to it unless already set; RDMA needs the address of
+    an RDMA interface). The master always listens on 127.0.0.1. Multi-node clusters
     detect a removed node within ~3 s. Ray must not be initialised already.
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
@@ -184,13 +191,16 @@ def start_local(
              else list(global_segment_size))
     if len(sizes) != num_nodes:
         raise ValueError(f"{len(sizes)} global_segment_size values for {num_nodes} nodes")
-    # Mooncake clients made in this process (benchmarks, tools) stay on loopback too.
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     if host_pool_bytes is None:
         host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
-    settings = NodeSettings("", "", uuid.uuid4().hex[:8], sizes[0], local_buffer_size, "tcp",
-                            LOOPBACK, mooncake_log_level, standalone, host_pool_bytes,
-                            group_window_s, confirm_ttl_s)
+    settings = NodeSettings(
+        cluster_tag=uuid.uuid4().hex[:8], global_segment_size=sizes[0],
+        local_buffer_size=local_buffer_size, protocol=protocol, rdma_devices=rdma_devices,
+        local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
+        standalone=standalone, host_pool_bytes=host_pool_bytes,
+        group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s)
+    # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     check_confirm_ttl(confirm_ttl_s, master_args)
     master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
     settings = replace(settings, master_address=master.master_address,

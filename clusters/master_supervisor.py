@@ -12,14 +12,15 @@ from raykv.clusters.mooncake_master import MooncakeMaster
 log = logging.getLogger(__name__)
 
 
-
 @ray.remote(num_cpus=0, max_restarts=-1)
 class MasterSupervisor:
-    """Owns one master process; checks it every ``period_s`` seconds."""
+    """Owns one master process (on ``rpc_port`` and ``http_port``, 0: free ones); checks
+    it every ``period_s`` seconds."""
 
     def __init__(self, host: str, extra_args: list[str] | None = None,
-                 period_s: float = 1.0) -> None:
-        self._master = MooncakeMaster(host, extra_args=extra_args).start()
+                 period_s: float = 1.0, rpc_port: int = 0, http_port: int = 0) -> None:
+        self._master = MooncakeMaster(host, extra_args=extra_args, rpc_port=rpc_port,
+                                      http_port=http_port).start()
         self.restarts = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(period_s,), daemon=True)

@@ -69,18 +69,21 @@ def check_confirm_ttl(confirm_ttl_s: float, master_args: Sequence[str]) -> None:
 
 
 class MooncakeMaster:
-    """One ``mooncake_master`` on ``host`` with free ports, in its own process group.
+    """One ``mooncake_master`` on ``host``, in its own process group.
 
     ``master_address`` is ``host:rpc_port``; ``metadata_server`` is the URL clients pass
-    to ``setup``. ``extra_args`` are passed through (e.g. ``["-default_kv_lease_ttl=500"]``).
+    to ``setup``. ``rpc_port`` and ``http_port`` (its HTTP metadata server) are the ports
+    it listens on, 0: a free one each (its metrics port is always a free one).
+    ``extra_args`` are passed through (e.g. ``["-default_kv_lease_ttl=500"]``).
     """
 
     def __init__(self, host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, rpc_port: int = 0, http_port: int = 0) -> None:
         self.host = host
         self.extra_args = list(extra_args or [])
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="raykv-master-")) / "master.log"
         self.proc: subprocess.Popen | None = None
+        self._ports = (rpc_port, http_port)
         self.rpc_port = self.http_port = 0
 
     @property
@@ -92,13 +95,17 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def start(self, timeout_s: float = 30.0, attempts: int = 3) -> MooncakeMaster:
-        """Start on free ports and wait until both accept; retries on a port taken
-        meanwhile."""
+        """Start and wait until both ports accept; free ports are picked again when one
+        was taken meanwhile (given ports are tried once)."""
+        if all(self._ports):
+            attempts = 1
         for _ in range(attempts):
-            self.rpc_port, self.http_port = free_port(self.host), free_port(self.host)
+            self.rpc_port, self.http_port = (port or free_port(self.host)
+                                             for port in self._ports)
             if self._launch(timeout_s):
                 return self
-        raise RuntimeError(f"mooncake_master did not start; see {self.log_path}")
+        raise RuntimeError(f"mooncake_master did not start on {self.host} ports "
+                           f"{self.rpc_port}, {self.http_port}; see {self.log_path}")
 
     def restart(self, timeout_s: float = 30.0) -> None:
         """Start again on the same ports (after the process died)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 import urllib.error
@@ -34,16 +35,20 @@ import urllib.request
 import ray
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
+from raykv.controllers.tenancy import TENANT_SECRET_ENV
 
 
 def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
                      prefix_caching: bool, max_model_len: int, model_name: str | None = None,
-                     **llm_config) -> LLMConfig:
+                     tenant: str | None = None, **llm_config) -> LLMConfig:
     """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector.
 
     ``model_name``: the model part of raykv's keys (default ``model_source``): engines
-    share blocks when it (and the TP size) match. ``llm_config``: any other ``LLMConfig``
-    field (e.g. ``placement_group_config``)."""
+    share blocks when it (and the TP size) match. ``tenant``: raykv's tenant of these
+    replicas (default none); its secret is taken from this process's
+    ``$RAYKV_TENANT_SECRET`` and handed to the replicas alone through their
+    ``runtime_env`` (never put into the config, which Serve shows and logs).
+    ``llm_config``: any other ``LLMConfig`` field (e.g. ``placement_group_config``)."""
     engine_kwargs = dict(
         max_model_len=max_model_len,
         enable_prefix_caching=prefix_caching,
@@ -53,17 +58,24 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
             kv_connector_module_path="raykv.integrations.vllm",
             kv_role="kv_both",                   # load and save
             kv_load_failure_policy="recompute",  # a block that did not load is recomputed
-            kv_connector_extra_config={"model_name": model_name or model_source},
+            kv_connector_extra_config={"model_name": model_name or model_source}
+            | ({"tenant": tenant} if tenant else {}),
         ),
     )
     env = {}
+    if tenant:
+        secret = os.environ.get(TENANT_SECRET_ENV)
+        if not secret:
+            raise ValueError(f"tenant {tenant!r}: set ${TENANT_SECRET_ENV} to its secret "
+                             "(e.g. `openssl rand -hex 32`) before starting the app")
+        env[TENANT_SECRET_ENV] = secret
     kw = dict(llm_config)
     if cpu:
         kw["accelerator_config"] = {"kind": "cpu"}
         engine_kwargs |= dict(dtype="bfloat16", enforce_eager=True,
                               kv_cache_memory_bytes=256 << 20)
         # nobind: else vLLM binds its worker to every core and OMP_NUM_THREADS=1 is lost
-        env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        env |= {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "HF_HUB_OFFLINE": "1"}
     return LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_source),
@@ -102,12 +114,14 @@ def main() -> None:
     p.add_argument("--address", default="auto", help="Ray cluster (raykv must be up there)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
+    p.add_argument("--tenant", help="raykv tenant of the replicas (secret: "
+                   f"${TENANT_SECRET_ENV} of this process)")
     args = p.parse_args()
 
     ray.init(address=args.address)
     config = raykv_llm_config(args.model_id, args.model, replicas=args.replicas, cpu=args.cpu,
                               prefix_caching=not args.no_prefix_caching,
-                              max_model_len=args.max_model_len)
+                              max_model_len=args.max_model_len, tenant=args.tenant)
     serve.start(http_options={"port": args.port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"

@@ -44,30 +44,28 @@ def inherited_ray_node() -> tuple[str, str] | None:
     return (node, gcs) if node and gcs else None
 
 
-def join_ray(address: str | None, namespace: str, auth_mode: str | None = None,
-             default_address: str | None = "auto") -> str | None:
+def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
+             ) -> str | None:
     """Connect this process to the raykv cluster unless it already is (a Ray worker, or
     a process that joined before); return the node whose cache actor it should use
     (None: the node Ray attached this process to).
 
     Address: ``address``, else ``$RAY_ADDRESS``, else the cluster of the Ray node this
-    process descends from (``inherited_ray_node``), else ``default_address``;
-    ``ValueError`` when that is None too. Authentication: ``auth_mode`` when given sets
-    ``RAY_AUTH_MODE``; else ``RAY_AUTH_MODE=token`` is set when unset and a token is at
-    hand (Ray >= 2.60 clusters started with token authentication refuse a process
-    without it). The node: Ray attaches a joining process to a raylet of its machine
-    (the head node's when a machine runs several, as tests do); a process that descends
-    from another alive node's worker uses that node instead.
+    process descends from (``inherited_ray_node``), else ``auto`` (the cluster ``ray
+    start`` made on this machine; Ray's ``ConnectionError`` if there is none).
+    Authentication: ``auth_mode`` when given sets ``RAY_AUTH_MODE``; else
+    ``RAY_AUTH_MODE=token`` is set when unset and a token is at hand (Ray >= 2.60
+    clusters started with token authentication refuse a process without it). The node:
+    Ray attaches a joining process to a raylet of its machine (the head node's when a
+    machine runs several, as tests do); a process that descends from another alive
+    node's worker uses that node instead.
     """
     import ray
 
     inherited = inherited_ray_node()
     if not ray.is_initialized():
         address = (address or os.environ.get("RAY_ADDRESS")
-                   or (inherited[1] if inherited else None) or default_address)
-        if not address:
-            raise ValueError("raykv: no Ray cluster to join: give the engine's raykv config "
-                             "\"ray_address\": \"<gcs host:port>\" or set RAY_ADDRESS")
+                   or (inherited[1] if inherited else None) or "auto")
         if auth_mode:
             os.environ["RAY_AUTH_MODE"] = str(auth_mode)
         elif "RAY_AUTH_MODE" not in os.environ and token_available():

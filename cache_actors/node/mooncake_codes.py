@@ -10,3 +10,6 @@ CLIENT_ERROR = -1
 NOT_CONFIRMED = -2
 """raykv's put code for an object Mooncake accepted but did not report existing right
 after (another client's put of the key still in flight): not known stored."""
+
+OBJECT_NOT_FOUND = -704
+"""Mooncake's code for a key the store does not hold: a get's miss."""

@@ -5,6 +5,7 @@ store in one run.
 
 ``toolkit`` holds what they share (statistics, the raw Mooncake client, the run's set-up,
 tables, plots, JSON/PNG files); ``dataplane``, ``group``, ``ranks`` and ``sglang`` are
-the benchmarks; ``sglang_runner`` is the SGLang side of ``sglang``. Importing this
-package imports none of them.
+the benchmarks; ``sglang_runner`` is the SGLang side of ``sglang``; ``verdict`` decides
+whether runs met their targets (``--check``). Importing this package imports none of
+them.
 """

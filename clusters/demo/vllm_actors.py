@@ -67,14 +67,19 @@ class VLLMEngine:
                 kv_connector_extra_config=connector)
         self.llm = LLM(model=model, **kw)
 
-    def generate(self, prompt: list[int], max_tokens: int = 24) -> dict:
-        """Greedy ``max_tokens`` tokens after ``prompt`` (token ids): ``tokens``,
-        ``cached`` (vLLM's ``num_cached_tokens``: its own prefix cache plus tokens a
-        connector loaded) and ``ttft_s`` (vLLM's ``first_token_latency``: from the
-        request's arrival to its first token; None with ``disable_log_stats``)."""
+    def generate(self, prompt: list[int], max_tokens: int = 24,
+                 cache_salt: str | None = None) -> dict:
+        """Greedy ``max_tokens`` tokens after ``prompt`` (token ids; ``cache_salt``:
+        vLLM's per-request cache salt, None for none): ``tokens``, ``cached`` (vLLM's
+        ``num_cached_tokens``: its own prefix cache plus tokens a connector loaded) and
+        ``ttft_s`` (vLLM's ``first_token_latency``: from the request's arrival to its
+        first token; None with ``disable_log_stats``)."""
         from vllm import SamplingParams
 
-        out = self.llm.generate({"prompt_token_ids": prompt},
+        inputs: dict = {"prompt_token_ids": prompt}
+        if cache_salt is not None:
+            inputs["cache_salt"] = cache_salt
+        out = self.llm.generate(inputs,
                                 SamplingParams(temperature=0, max_tokens=max_tokens,
                                                ignore_eos=True), use_tqdm=False)[0]
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,

@@ -20,15 +20,34 @@ STAGING_PAGES = 256
 MAMBA_STAGING_SLOTS = 16
 """Mamba slots staged per direction: they are large and move one per request (a call
 with more goes through in rounds)."""
-CONFIG_KEYS = ("ray_address", "ray_namespace", "ray_auth_mode", "ray_node_id", "zero_copy",
-               "staging_pages", "extra_backend_tag", "timeout_s", "tenant", "model_revision")
-"""extra_config keys this backend reads (SGLang's own keys pass through untouched)."""
+CONFIG_KEYS = ("ray_address", "namespace", "ray_namespace", "ray_auth_mode", "ray_node_id",
+               "zero_copy", "staging_pages", "extra_backend_tag", "timeout_s", "tenant",
+               "model_revision")
+"""extra_config keys this backend reads (``ray_namespace``: the older name of
+``namespace``, kept as its alias)."""
 STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision")
 """The keys of ``CONFIG_KEYS`` that ``storage_config`` hands to raykv's ``StorageConfig``.
 The KV dtype and page size are not among them: SGLang's host pools carry them, and the
 deployment registry refuses a rank whose pools' dtypes, page size or bytes per page
 differ from its deployment's (``controllers.deployments.PoolSpec``), so with or without
 a tenant a change of either is refused at attach, never read as the old bytes."""
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys", "tp_lcm_size")
+"""extra_config keys SGLang 0.5.23 reads itself for any dynamic backend (its storage
+backend factory, cache controller and host pools; the prefetch keys and
+``tp_lcm_size`` SGLang usually removes before the backend sees the config): they pass."""
+
+
+def check_keys(extra: dict) -> None:
+    """``ValueError`` naming every key of ``extra`` that neither this backend nor SGLang
+    reads (a typo, or another backend's key such as MooncakeStore's
+    ``master_server_address``), with the keys that are valid."""
+    unknown = sorted(set(extra) - set(CONFIG_KEYS) - set(SGLANG_KEYS))
+    if unknown:
+        raise ValueError(f"raykv: unknown --hicache-storage-backend-extra-config keys "
+                         f"{unknown}; raykv's: {sorted(CONFIG_KEYS)}; SGLang's own: "
+                         f"{sorted(SGLANG_KEYS)}")
 
 
 def storage_config(config: Any) -> StorageConfig:
@@ -71,9 +90,18 @@ class BackendOptions:
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> BackendOptions:
+        """The options of SGLang's extra config ``extra`` (None: all defaults).
+        ``ValueError`` on a key nobody reads (``check_keys``) or on ``namespace`` and
+        its alias ``ray_namespace`` naming different namespaces."""
         extra = dict(extra or {})
+        check_keys(extra)
+        names = {extra[k] for k in ("namespace", "ray_namespace") if extra.get(k)}
+        if len(names) > 1:
+            raise ValueError(f"raykv: \"namespace\" ({extra['namespace']!r}) and its alias "
+                             f"\"ray_namespace\" ({extra['ray_namespace']!r}) differ: give "
+                             "one")
         return cls(ray_address=extra.get("ray_address") or None,
-                   namespace=extra.get("ray_namespace") or NAMESPACE,
+                   namespace=names.pop() if names else NAMESPACE,
                    auth_mode=extra.get("ray_auth_mode") or None,
                    node_id=extra.get("ray_node_id") or None,
                    zero_copy=bool(extra.get("zero_copy", True)),

@@ -42,7 +42,10 @@ class RayKVStore(HiCacheStorage):
     """SGLang ``HiCacheStorage`` on raykv (see the package docstring).
 
     Constructed by SGLang's factory as ``RayKVStore(storage_config, {})``. Extra-config
-    keys read here: ``ray_address``, ``ray_namespace``, ``ray_auth_mode``,
+    keys read here (``config.CONFIG_KEYS``; any key neither raykv nor SGLang reads fails
+    the attach, naming the valid ones): ``ray_address`` (default ``$RAY_ADDRESS``, else
+    the cluster of the Ray node this process descends from, else ``auto``, as vLLM's
+    connector), ``namespace`` (``ray_namespace`` is its alias), ``ray_auth_mode``,
     ``ray_node_id`` (serve through the cache actor of that node instead of the node Ray
     placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
     memfds), ``staging_pages`` (per pool and direction, default 256),
@@ -64,8 +67,7 @@ class RayKVStore(HiCacheStorage):
         self.sglang_config = storage_config_
         self.config = storage_config(storage_config_)
         self._namespace = opts.namespace
-        joined = join_ray(opts.ray_address, opts.namespace, opts.auth_mode,
-                          default_address=None)
+        joined = join_ray(opts.ray_address, opts.namespace, opts.auth_mode)
         self._node_id = opts.node_id or joined
         self.client = CacheClient(self.config, node_id=self._node_id,
                                   namespace=self._namespace)

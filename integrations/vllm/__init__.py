@@ -8,9 +8,12 @@ only ``connector``, ``metadata``, ``scheduler`` and ``worker`` do)::
                      kv_connector_module_path="raykv.integrations.vllm",
                      kv_role="kv_both", kv_connector_extra_config={...})
 
-Keys: one Mooncake object per vLLM block per TP rank, ``P_{block hash}_{tp}_kv``, with
-``P`` = ``extra_backend_tag`` (default ``vllm-tp{TP}``) and the model name, as raykv's
-other keys. The block hash is vLLM's own chained block hash (``request.block_hashes``).
+Keys: one Mooncake object per vLLM block per TP rank, ``P_{page hash}_{tp}_kv``, with
+``P`` = ``extra_backend_tag`` (default ``options.default_backend_tag``: TP/PP sizes, KV
+dtype, block size, layout, model revision) and the model name, as raykv's other keys.
+The page hash is raykv's own chained SHA-256 over each block's tokens and vLLM's
+per-block extra keys (``page_hash``): the same in every process whatever its
+``PYTHONHASHSEED`` or vLLM's hash algorithm.
 
 Modules:
 
@@ -25,6 +28,7 @@ Modules:
 - ``side``: what both sides share: the raykv client, its pool, counters.
 - ``metadata``: what the scheduler side sends the workers each step.
 - ``plan``: the scheduler side's pure block bookkeeping.
+- ``page_hash``: the page hashes of a request's blocks (pure).
 - ``options``: ``kv_connector_extra_config`` (``ConnectorOptions``).
 """
 

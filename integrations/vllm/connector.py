@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-from raykv.integrations.vllm.options import ConnectorOptions
+from raykv.integrations.vllm.options import PAGE_LAYOUT, ConnectorOptions, KVIdentity
 from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
 from raykv.integrations.vllm.side import ConnectorSide
 from raykv.integrations.vllm.worker import RayKVConnectorWorker
@@ -32,7 +32,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
-__all__ = ["RayKVConnector", "RayKVConnectorMetadata"]
+__all__ = ["RayKVConnector", "RayKVConnectorMetadata", "kv_identity"]
+
+
+def kv_identity(vllm_config: VllmConfig) -> KVIdentity:
+    """The identity of this engine's KV bytes from vLLM's own config (the same in the
+    scheduler and in every worker): KV dtype (``cache_dtype``, ``auto`` resolved to the
+    model's dtype), block size, the device, the attention backend when one is chosen
+    explicitly (``attention_config.backend``), raykv's ``PAGE_LAYOUT``, the model
+    revision."""
+    from vllm.platforms import current_platform
+
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    kv_dtype = cc.cache_dtype
+    if kv_dtype == "auto":
+        kv_dtype = str(mc.dtype).removeprefix("torch.")
+    layout = [current_platform.device_type]
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    if backend is not None:
+        layout.append(backend.name.lower().replace("_", "-"))
+    return KVIdentity(kv_dtype=str(kv_dtype), page_size=cc.block_size,
+                      layout=".".join([*layout, PAGE_LAYOUT]),
+                      model_revision=mc.revision or None)
 
 
 class RayKVConnector(KVConnectorBase_V1):
@@ -51,7 +72,8 @@ class RayKVConnector(KVConnectorBase_V1):
         opts = ConnectorOptions.parse(kv.kv_connector_extra_config,
                                       tp_size=pc.tensor_parallel_size,
                                       pp_size=pc.pipeline_parallel_size,
-                                      served_model=mc.served_model_name or mc.model)
+                                      served_model=mc.served_model_name or mc.model,
+                                      identity=kv_identity(vllm_config))
         if mc.use_mla:
             raise ValueError("RayKVConnector does not serve MLA models yet (their KV is "
                              "replicated across TP ranks and laid out differently)")
@@ -71,6 +93,11 @@ class RayKVConnector(KVConnectorBase_V1):
         log.info("RayKVConnector %s tp %d/%d: keys %s_%s_<block>_%d_kv, block_size %d",
                  role.name, tp_rank, pc.tensor_parallel_size, opts.extra_backend_tag,
                  opts.model_name.replace("/", "-"), tp_rank, block_size)
+        if role == KVConnectorRole.SCHEDULER and kv.kv_load_failure_policy == "fail":
+            log.warning("RayKVConnector: kv_load_failure_policy is 'fail' (vLLM's default): "
+                        "a raykv load that fails (node actor restarting, object evicted, "
+                        "deadline) then fails the request. Set kv_load_failure_policy="
+                        "'recompute' in kv_transfer_config to recompute those blocks.")
         self.connector_scheduler: RayKVConnectorScheduler | None = None
         self.connector_worker: RayKVConnectorWorker | None = None
         if role == KVConnectorRole.WORKER:

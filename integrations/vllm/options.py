@@ -3,24 +3,69 @@ vLLM, no Ray; the connector passes in the few values of vLLM's config it needs).
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S, StorageConfig
 from raykv.controllers.naming import NAMESPACE
+from raykv.controllers.tenancy import check_tenant
 
 KNOWN_KEYS = frozenset({"model_name", "extra_backend_tag", "namespace", "ray_address",
-                        "pool_blocks", "timeout_s", "debug_corrupt_loads"})
+                        "pool_blocks", "timeout_s", "tenant", "debug_corrupt_loads"})
+
+PAGE_LAYOUT = "lm1"
+"""The page layout raykv stores for vLLM, versioned: one page per vLLM block holding
+that block of every layer, layer after layer, each in the attention backend's own block
+layout (``PoolLayout.vllm``). A change of layout changes this label, hence every key."""
+
+_TAG_PART = re.compile(r"[A-Za-z0-9.-]{1,40}")
 
 
-def default_backend_tag(tp_size: int, pp_size: int) -> str:
-    """``vllm-tp{TP}``, with ``-pp{PP}`` when PP > 1: blocks of another TP or PP size are
-    other bytes, so they get other keys."""
-    tag = f"vllm-tp{tp_size}"
+@dataclass(frozen=True)
+class KVIdentity:
+    """What, beyond the model name, TP/PP sizes and the page hash, decides which bytes a
+    vLLM block's page holds; read from vLLM's config by the connector.
+
+    - ``kv_dtype``: the KV cache dtype (vLLM's ``cache_dtype``, ``auto`` resolved to the
+      model's dtype, e.g. ``bfloat16``, ``fp8_e4m3``).
+    - ``page_size``: tokens per vLLM block (``block_size``).
+    - ``layout``: the device and attention backend whose block layout the page holds
+      (e.g. ``cpu``, ``cuda``, ``cuda.flash_attn`` when a backend is chosen explicitly),
+      and raykv's ``PAGE_LAYOUT``.
+    - ``model_revision``: vLLM's ``model_config.revision`` (None when unset).
+    """
+
+    kv_dtype: str
+    page_size: int
+    layout: str
+    model_revision: str | None = None
+
+
+def _tag_part(value: str) -> str:
+    """``value`` as one part of a key tag: itself when it is 1-40 letters, digits, ``.``
+    or ``-``, else ``h`` + 16 hex digits of its SHA-256 (two different values never give
+    the same part by rewriting characters)."""
+    if _TAG_PART.fullmatch(value):
+        return value
+    return "h" + hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def default_backend_tag(tp_size: int, pp_size: int, identity: KVIdentity) -> str:
+    """``vllm-tp{TP}[-pp{PP}]-{kv_dtype}-b{page_size}-{layout}[-rev.{revision}]`` (PP
+    only when > 1, revision only when set): blocks of another TP or PP size, KV dtype,
+    block size, layout or model revision are other bytes, so they get other keys (a
+    miss, never a load)."""
+    parts = [f"vllm-tp{tp_size}"]
     if pp_size > 1:
-        tag += f"-pp{pp_size}"
-    return tag
+        parts.append(f"pp{pp_size}")
+    parts += [_tag_part(identity.kv_dtype.replace("_", "-")), f"b{identity.page_size}",
+              _tag_part(identity.layout)]
+    if identity.model_revision:
+        parts.append("rev." + _tag_part(identity.model_revision))
+    return "-".join(parts)
 
 
 @dataclass(frozen=True)
@@ -29,8 +74,10 @@ class ConnectorOptions:
 
     - ``model_name``: the model part of the key prefix (default: vLLM's served model
       name). Engines that must share blocks need the same model name and tag.
-    - ``extra_backend_tag``: the first part of the key prefix (default ``vllm-tp{TP}``,
-      ``-pp{PP}`` added when PP > 1: blocks of another TP size are other bytes).
+    - ``extra_backend_tag``: the first part of the key prefix (default
+      ``default_backend_tag``: TP and PP sizes, KV dtype, block size, layout and model
+      revision, so that blocks of other bytes get other keys). A tag given here replaces
+      it entirely: engines that set the same tag must store the same bytes.
     - ``namespace``: the Ray namespace raykv runs in (default ``raykv``).
     - ``ray_address``: the Ray cluster to join from a process that is not a Ray worker
       (vLLM's multiprocess engine core and TP worker processes); default
@@ -42,25 +89,30 @@ class ConnectorOptions:
       ``DEFAULT_TIMEOUT_S``, 5): a hung or stopped node actor then costs a failed load
       (recomputed under ``kv_load_failure_policy="recompute"``) or a lost save, and the
       scheduler's hit query a miss, never a stalled engine.
+    - ``tenant``: the tenant this engine serves (``StorageConfig.tenant``; its secret
+      in ``RAYKV_TENANT_SECRET``); default none.
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
       values (shows that loaded KV is really used).
     """
 
     model_name: str
     extra_backend_tag: str
+    identity: KVIdentity
     namespace: str = NAMESPACE
     ray_address: str | None = None
     pool_blocks: int = 64
     timeout_s: float = DEFAULT_TIMEOUT_S
+    tenant: str | None = None
     debug_corrupt_loads: bool = False
 
     @classmethod
     def parse(cls, extra_config: Mapping[str, Any] | None, *, tp_size: int, pp_size: int,
-              served_model: str) -> ConnectorOptions:
+              served_model: str, identity: KVIdentity) -> ConnectorOptions:
         """The options of ``extra_config`` (vLLM's ``kv_connector_extra_config``; None:
         all defaults) for an engine of ``tp_size`` x ``pp_size`` ranks serving
-        ``served_model`` (vLLM's served model name, else its model). ``ValueError`` on an
-        unknown key, ``pool_blocks`` < 1 or a bad ``timeout_s``."""
+        ``served_model`` (vLLM's served model name, else its model) whose blocks are
+        ``identity``. ``ValueError`` on an unknown key, ``pool_blocks`` < 1, a bad
+        ``timeout_s`` or tenant name."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
         if unknown:
@@ -70,19 +122,27 @@ class ConnectorOptions:
         pool_blocks = int(extra.get("pool_blocks", 64))
         if pool_blocks < 1:
             raise ValueError(f"RayKVConnector: pool_blocks must be >= 1, got {pool_blocks}")
-        tag = default_backend_tag(tp_size, pp_size)
-        return cls(model_name=str(model),
-                   extra_backend_tag=str(extra.get("extra_backend_tag", tag)),
+        tag = extra["extra_backend_tag"] if "extra_backend_tag" in extra else \
+            default_backend_tag(tp_size, pp_size, identity)
+        return cls(model_name=str(model), extra_backend_tag=str(tag), identity=identity,
                    namespace=str(extra.get("namespace", NAMESPACE)),
                    ray_address=extra.get("ray_address"), pool_blocks=pool_blocks,
                    timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
+                   tenant=check_tenant(extra.get("tenant") or None),
                    debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))
 
     def storage_config(self, *, tp_rank: int, tp_size: int, pp_rank: int,
                        pp_size: int) -> StorageConfig:
         """The ``StorageConfig`` of one rank's (or, rank 0, the scheduler's) raykv
-        client: these options' model, key tag and deadline."""
+        client: these options' model, key tag, deadline, tenant (when set) and the
+        blocks' identity (``kv_dtype``, ``page_size``, ``model_revision`` when set)."""
+        extra: dict[str, Any] = {"extra_backend_tag": self.extra_backend_tag,
+                                 "timeout_s": self.timeout_s,
+                                 "kv_dtype": self.identity.kv_dtype,
+                                 "page_size": self.identity.page_size}
+        if self.identity.model_revision:
+            extra["model_revision"] = self.identity.model_revision
+        if self.tenant:
+            extra["tenant"] = self.tenant
         return StorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                             pp_size=pp_size, model_name=self.model_name,
-                             extra_config={"extra_backend_tag": self.extra_backend_tag,
-                                           "timeout_s": self.timeout_s})
+                             pp_size=pp_size, model_name=self.model_name, extra_config=extra)

@@ -1,7 +1,8 @@
 """Scheduler-side bookkeeping of raykv's vLLM connector (pure: no vLLM, no Ray).
 
 Which blocks each worker loads before a step and saves after it, decided from what the
-scheduler knows: the request's block hashes, its block ids, its computed tokens. The
+scheduler knows: the request's page hashes (``page_hash.PageHashChain``), its block ids,
+its computed tokens. The
 connector's scheduler side (``raykv.integrations.vllm.scheduler``) feeds vLLM's objects in;
 this module only sees ints, lists and strings, so it is unit-tested without vLLM.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from raykv.integrations.vllm.page_hash import PageHashChain
+
 
 def hash_hex(block_hash) -> str:
-    """vLLM's ``BlockHash`` (bytes) as the page hash in raykv keys."""
+    """A page hash (bytes) as it appears in raykv keys (hex)."""
     return block_hash.hex() if isinstance(block_hash, bytes | bytearray) else str(block_hash)
 
 
@@ -40,9 +43,11 @@ class BlockTransfer:
 
 @dataclass
 class RequestBlocks:
-    """What the scheduler side tracks per running request."""
+    """What the scheduler side tracks per running request: ``chain`` holds its page
+    hashes, which the scheduler side extends (from vLLM's request) before planning."""
 
-    request: object  # vLLM's Request (live object: block_hashes grows with decoding)
+    request: object  # vLLM's Request (live object: its tokens grow with decoding)
+    chain: PageHashChain
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks known stored (loaded, saved or planned)
     local_hit_tokens: int = 0  # vLLM's own hit, from get_num_new_matched_tokens
@@ -68,8 +73,9 @@ def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit
 def plan_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
         BlockTransfer | None:
     """Newly completed full blocks of a request (their KV exists once this step's
-    forward ran), beyond those already stored; advances ``state.saved_blocks``."""
-    hashes = state.request.block_hashes
+    forward ran), beyond those already stored; advances ``state.saved_blocks``. Blocks
+    past ``state.chain``'s hashes wait until the chain is extended."""
+    hashes = state.chain.hashes
     full = min(computed_after_step // block_size, len(hashes), len(state.block_ids))
     if full <= state.saved_blocks:
         return None

@@ -2,18 +2,23 @@
 
 ``get_num_new_matched_tokens`` asks ONE raykv group query (``CacheClient.group_exists``)
 about every TP rank's objects of the request's full blocks beyond vLLM's local hit, and
-leaves at least one token to compute. The answer is the same for every rank, so ranks
-never load different prefixes. Each step's loads and saves are planned by
-``raykv.integrations.vllm.plan`` and sent to the workers as ``RayKVConnectorMetadata``.
-Every method runs on vLLM's scheduler thread.
+leaves at least one token to compute. Blocks are named by raykv's own page hashes
+(``raykv.integrations.vllm.page_hash``, with vLLM's per-block extra keys: cache salt,
+LoRA, multimodal inputs, prompt embeddings), computed here incrementally per request,
+never by vLLM's ``request.block_hashes`` (whose root depends on ``PYTHONHASHSEED``).
+The answer is the same for every rank, so ranks never load different prefixes. Each
+step's loads and saves are planned by ``raykv.integrations.vllm.plan`` and sent to the
+workers as ``RayKVConnectorMetadata``. Every method runs on vLLM's scheduler thread.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
+from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.plan import (
     RequestBlocks,
     external_tokens,
@@ -24,6 +29,7 @@ from raykv.integrations.vllm.plan import (
     plan_save,
 )
 from raykv.integrations.vllm.side import ConnectorSide
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
@@ -55,13 +61,31 @@ class RayKVConnectorScheduler(ConnectorSide):
                                        size=self.block_size, layer_num=1, head_num=1,
                                        head_dim=1, name=name, per_process=True)
 
+    def _state(self, request: Request) -> RequestBlocks:
+        """The tracked state of ``request`` (made on first sight), bound to this
+        ``request`` object."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = RequestBlocks(
+                request, PageHashChain(self.block_size))
+        st.request = request
+        return st
+
+    def _page_hashes(self, st: RequestBlocks) -> list[bytes]:
+        """The page hashes of every full block of the request so far (hashing only the
+        blocks completed since the last call)."""
+        req = st.request
+        return st.chain.extend(req.all_token_ids, req.num_tokens,
+                               partial(generate_block_hash_extra_keys, req))
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.do_load or num_computed_tokens % self.block_size:
             return 0, False
         local = num_computed_tokens // self.block_size
-        hashes = request.block_hashes[local:max_loadable_blocks(request.num_tokens,
-                                                                self.block_size)]
+        st = self._state(request)
+        hashes = self._page_hashes(st)[local:max_loadable_blocks(request.num_tokens,
+                                                                   self.block_size)]
         if not hashes:
             return 0, False
         try:
@@ -72,21 +96,15 @@ class RayKVConnectorScheduler(ConnectorSide):
             hit = 0
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = RequestBlocks(request)
         st.local_hit_tokens = num_computed_tokens
         return external_tokens(local + hit, num_computed_tokens, self.block_size), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = RequestBlocks(request)
-        st.request = request
+        st = self._state(request)
         if num_external_tokens > 0:
             st.pending_load = plan_load(request.request_id, blocks.get_block_ids()[0],
-                                        request.block_hashes, st.local_hit_tokens,
+                                        self._page_hashes(st), st.local_hit_tokens,
                                         num_external_tokens, self.block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
@@ -102,6 +120,7 @@ class RayKVConnectorScheduler(ConnectorSide):
             if self.do_save:
                 # Draft tokens' KV may be rejected: only tokens known to be right count.
                 after = computed_before + scheduled.get(rid, 0) - len(spec.get(rid, ()))
+                self._page_hashes(st)
                 save = plan_save(st, after, self.block_size)
                 if save is not None:
                     meta.saves.append(save)

@@ -1,13 +1,20 @@
 """`raykv up | status | down` against a real `ray start --head` cluster, as a user runs
 them; a rank uses the cache in between; the supervised master is restarted if killed;
-`up --standalone` runs a mooncake_client per node that `down` stops."""
+`up --standalone` runs a mooncake_client per node that `down` stops; `status --watch`
+in a terminal shows the node's counters move when a rank writes, and Ctrl-C ends it."""
 
+import fcntl
 import json
 import os
+import pty
+import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -159,3 +166,120 @@ def test_down_with_nothing_running_says_so(ray_head, uid):
             out.stderr
     assert f"nothing to stop: raykv is not running in namespace 'typo-{uid}'" in down.stderr
     assert f"raykv is not running in namespace 'typo-{uid}'" in status.stderr
+
+
+class WatchInTerminal:
+    """`raykv status --watch` in a pseudo-terminal of 50 x 200; a thread keeps reading
+    everything it draws. ``frames()``: every frame drawn so far, each the text between
+    two headers, escape sequences removed."""
+
+    HEADER = "raykv status --watch:"
+    ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-Za-z])")
+
+    def __init__(self, *args: str) -> None:
+        self._out, terminal = pty.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "raykv.clusters.cli", "status", "--watch", *args],
+            stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
+            env=ENV | {"TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50",
+                       "PYTHONIOENCODING": "utf-8"})
+        os.close(terminal)
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._out, 65536)
+            except OSError:  # the terminal's other end closed: the process is gone
+                return
+            if not chunk:
+                return
+            self._chunks.append(chunk)
+
+    def text(self) -> str:
+        return self.ESCAPES.sub("", b"".join(self._chunks).decode(errors="replace"))
+
+    def frames(self) -> list[str]:
+        return [self.HEADER + part for part in self.text().split(self.HEADER)[1:]]
+
+    def wait_for(self, ok, timeout_s: float = 90.0) -> list[str]:
+        """Frames drawn until ``ok(frames)`` holds; fails after ``timeout_s`` (a guard
+        against a hang, not a timing check) or if the process ended."""
+        deadline = time.monotonic() + timeout_s
+        while not ok(self.frames()):
+            assert self.proc.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.1)
+        return self.frames()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(5)
+        os.close(self._out)
+
+
+def node_row(frame: str, node: str) -> dict[str, str]:
+    """The table row of ``node`` (first 8 characters of its id) in ``frame``, by
+    column."""
+    from raykv.clusters.status_watch import COLUMNS
+
+    for line in frame.splitlines():
+        cells = [c.strip() for c in line.split("\u2502")[1:-1]]
+        if cells and cells[0] == node:
+            assert len(cells) == len(COLUMNS), line
+            return dict(zip(COLUMNS, cells, strict=True))
+    raise AssertionError(f"no row for node {node} in:\n{frame}")
+
+
+RATES = ("hits/s", "misses/s", "put", "get")
+ZERO = {"hits/s": "0.0", "misses/s": "0.0", "put": "0 B/s", "get": "0 B/s"}
+
+
+def test_status_watch_in_a_terminal_until_ctrl_c(ray_head, uid):
+    """Also: the master on the ports `up` is given (as a firewall needs them)."""
+    master_port, metadata_port = free_port(), free_port()
+    raykv("up", f"--address={ray_head}", "--segment-size=128M", "--mooncake-host=127.0.0.1",
+          f"--master-port={master_port}", f"--metadata-port={metadata_port}")
+    view = None
+    try:
+        state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
+        assert state["master"]["master_address"] == f"127.0.0.1:{master_port}"
+        assert state["master"]["metadata_server"] == \
+            f"http://127.0.0.1:{metadata_port}/metadata"
+        (node_id,) = state["nodes"]
+        node = node_id[:8]
+        view = WatchInTerminal(f"--address={ray_head}", "--interval=0.5")
+
+        # Control: frames with rates while nothing moves show every rate at zero.
+        quiet = view.wait_for(lambda fs: len(fs) >= 4)
+        rows = [node_row(f, node) for f in quiet]
+        assert all(rows[0][r] == "-" for r in RATES), rows[0]  # no interval yet
+        for row in rows[1:]:
+            assert {r: row[r] for r in RATES} == ZERO, row
+            assert (row["L3 hits"], row["misses"], row["pools"]) == ("0", "0", "0"), row
+        seen = len(quiet)
+
+        rank(ray_head, uid, "embedded")  # 6 objects put, 6 read back (MHA: K and V)
+
+        frames = view.wait_for(lambda fs: node_row(fs[-1], node)["L3 hits"] == "6")
+        moving = [node_row(f, node) for f in frames[seen:]]
+        assert any(row["hits/s"] != "0.0" for row in moving), moving
+        assert any(row["put"] != "0 B/s" for row in moving), moving
+        assert any(row["get"] != "0 B/s" for row in moving), moving
+        assert moving[-1]["pools"] == "1" and moving[-1]["hit rate"] == "100%", moving[-1]
+        # And still again once the rank is done: the last frames' rates are zero.
+        settled = view.wait_for(lambda fs: len(fs) >= len(frames) + 2)
+        assert {r: node_row(settled[-1], node)[r] for r in RATES} == ZERO
+
+        os.kill(view.proc.pid, signal.SIGINT)
+        assert view.proc.wait(30) == 0, view.text()[-3000:]
+        assert "Traceback" not in view.text()
+    finally:
+        if view is not None:
+            view.close()
+        raykv("down", f"--address={ray_head}")

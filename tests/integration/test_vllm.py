@@ -175,6 +175,109 @@ def test_corrupted_loads_change_the_output(engines):
     assert got["tokens"] != want
 
 
+@pytest.fixture(scope="module")
+def other_engines(vcluster, model, uid_module):
+    """Engine C on node 2: B's configuration in a process whose ``PYTHONHASHSEED`` is
+    12345 (A's is unset). Engine D on node 1: A's configuration but a float16 model,
+    hence a float16 KV cache (A's is bfloat16), same block size and page bytes."""
+    n1, n2 = vcluster.node_ids
+    conf = {"model_name": f"tiny-{uid_module}"}
+    c = start_engine(n2, model, conf, env={"PYTHONHASHSEED": "12345"},
+                     actor_class=ControlEngine)
+    d = start_engine(n1, model, conf, dtype="float16", actor_class=ControlEngine)
+    ready(c, d)
+    yield c, d
+    for e in (c, d):
+        ray.kill(e)
+
+
+def _counts(engine) -> tuple[int, int]:
+    """``engine``'s blocks found by its hit queries and blocks loaded, so far."""
+    hits = ray.get(engine.scheduler_stats.remote())["hit_blocks"]
+    (worker,) = ray.get(engine.worker_stats.remote())
+    return hits, worker["loaded"]
+
+
+def _served(engine, p: list[int], **kw) -> tuple[dict, tuple[int, int]]:
+    """``engine``'s answer to ``p`` and its blocks found and loaded for it."""
+    h0, l0 = _counts(engine)
+    got = ray.get(engine.generate.remote(p, **kw))
+    h1, l1 = _counts(engine)
+    return got, (h1 - h0, l1 - l0)
+
+
+def computed_then_restored_salted(engine, p: list[int], salt: str) -> list[int]:
+    """``computed_then_restored`` under cache salt ``salt``."""
+    ray.get(engine.generate.remote(p, cache_salt=salt))
+    restored = ray.get(engine.generate.remote(p, cache_salt=salt))
+    assert restored["cached"] == 7 * BLOCK, restored
+    return restored["tokens"]
+
+
+def test_cache_salt_isolates_requests(engines):
+    """A serves a prompt under cache salt "tenant-a". B asked for the same prompt under
+    another salt, or none, finds no block and loads none (the salt is in every page
+    hash, through the first block's). Control: under the same salt B finds and loads all
+    7 blocks and gives A's tokens."""
+    a, b, base = engines
+    p = prompt(41)
+    want = computed_then_restored_salted(a, p, "tenant-a")
+    for salt in ("tenant-b", None):
+        got, (hit, loaded) = _served(b, p, cache_salt=salt)
+        assert (got["cached"], hit, loaded) == (0, 0, 0), (salt, got)
+    got, (hit, loaded) = _served(b, p, cache_salt="tenant-a")
+    assert (got["cached"], hit, loaded) == (7 * BLOCK, 7, 7), got
+    assert got["tokens"] == want
+
+
+def test_engines_of_other_hash_seeds_share_blocks(engines, other_engines):
+    """C (``PYTHONHASHSEED=12345``) loads the 7 blocks A (no ``PYTHONHASHSEED``) saved
+    and gives A's tokens: raykv's page hashes do not depend on the seed. Control:
+    vLLM's own hash of the prompt's first block (``request.block_hashes[0]``, the key of
+    a connector keyed by vLLM's block hashes) differs between A and C, so such keys
+    would have missed."""
+    a, b, base = engines
+    c, d = other_engines
+    q = prompt(42)
+    seed_a, vllm_a = ray.get(a.vllm_block_hash.remote(q, BLOCK))
+    seed_c, vllm_c = ray.get(c.vllm_block_hash.remote(q, BLOCK))
+    assert (seed_a, seed_c) == (None, "12345")
+    assert vllm_a != vllm_c
+    want = computed_then_restored(a, q)
+    got, (hit, loaded) = _served(c, q)
+    assert (got["cached"], hit, loaded) == (7 * BLOCK, 7, 7), got
+    assert got["tokens"] == want
+
+
+def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
+    """D (float16 KV) asks for a prompt whose bfloat16 blocks A saved: its key tag names
+    its KV dtype, so its hit query finds nothing and it loads nothing. Re-keyed with A's
+    tag, D's hit query is refused by raykv's deployment registry (one key prefix, two KV
+    dtypes): still a miss. Control: D re-keyed with A's tag and claiming A's identity
+    (the page hashes are the same, only the key space told them apart) finds and loads
+    A's 7 bfloat16 blocks into its float16 cache: what a key space without the dtype
+    would have done."""
+    a, b, base = engines
+    c, d = other_engines
+    r = prompt(43)
+    ray.get(a.generate.remote(r))
+    tag_a, tag_d = ray.get([a.key_tag.remote(), d.key_tag.remote()])
+    assert (tag_a, tag_d) == ("vllm-tp1-bfloat16-b128-cpu.lm1",
+                              "vllm-tp1-float16-b128-cpu.lm1")
+    got, (hit, loaded) = _served(d, r)
+    assert (got["cached"], hit, loaded) == (0, 0, 0), got
+    id_a, id_d = ray.get([a.key_identity.remote(), d.key_identity.remote()])
+    ray.get(d.rekey.remote(tag_a))
+    try:
+        refused, (hit_refused, loaded_refused) = _served(d, r)
+        ray.get(d.rekey.remote(tag_a, id_a))
+        got, (hit, loaded) = _served(d, r)
+    finally:
+        ray.get(d.rekey.remote(tag_d, id_d))
+    assert (refused["cached"], hit_refused, loaded_refused) == (0, 0, 0), refused
+    assert (got["cached"], hit, loaded) == (7 * BLOCK, 7, 7), got
+
+
 def _gets(vcluster) -> dict[str, int]:
     """Objects each node's cache actor has read from Mooncake so far."""
     return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
@@ -189,6 +292,25 @@ def _example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch):
+    """The Serve example's tenant: the key in the connector's extra config, the secret in
+    the replicas' runtime_env (not in the config Serve shows); no secret, no app."""
+    example = _example("serve_llm_raykv")
+    monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)
+    config = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                      max_model_len=256, tenant="acme")
+    extra = config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"model_name": "src", "tenant": "acme"}
+    assert config.runtime_env["env_vars"]["RAYKV_TENANT_SECRET"] == "s" * 32
+    plain = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                     max_model_len=256)
+    assert "RAYKV_TENANT_SECRET" not in plain.runtime_env["env_vars"]  # control
+    monkeypatch.delenv("RAYKV_TENANT_SECRET")
+    with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET"):
+        example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
+                                 max_model_len=256, tenant="acme")
 
 
 def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,

@@ -1,12 +1,16 @@
 """The vLLM tests' control engine: an engine actor that can load random bytes instead of
 the stored blocks (shows that loaded KV is really used), and that can record the bytes
 of the blocks its connector saves and loads (the loaded KV compared with the saved KV
-byte for byte, which no numerical effect can blur). In a module of its own so that Ray
-workers import it by name (``tests.integration.vllm_control``)."""
+byte for byte, which no numerical effect can blur), that reports its scheduler side's
+counters, key tag and vLLM's own block hash, and that can be re-keyed (a control for
+the key tag). In a module of its own so that Ray workers import it by name
+(``tests.integration.vllm_control``)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+from dataclasses import replace
 
 import ray
 import torch
@@ -20,8 +24,6 @@ def _connector():
 
 
 def _corrupt_loads(worker, on: bool) -> None:
-    from dataclasses import replace
-
     w = _connector().connector_worker
     w.opts = replace(w.opts, debug_corrupt_loads=on)
 
@@ -68,9 +70,23 @@ def _recorded(worker) -> dict:
     return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
 
 
+def _rekey(side, tag: str, identity=None) -> None:
+    """Re-attach one side of the connector with key tag ``tag`` (a new client and pool),
+    and claiming ``identity`` (a ``KVIdentity``) if given."""
+    side.shutdown()
+    side.opts = replace(side.opts, extra_backend_tag=tag,
+                        identity=identity if identity is not None else side.opts.identity)
+    side._attach()
+
+
+def _rekey_worker(worker, tag: str, identity=None) -> None:
+    _rekey(_connector().connector_worker, tag, identity)
+
+
 @ray.remote(num_cpus=0)
 class ControlEngine(VLLMEngine):
-    """``VLLMEngine`` plus ``corrupt_loads`` and the block recorder (in-process, TP=1)."""
+    """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the scheduler side's
+    view and ``rekey`` (in-process, TP=1)."""
 
     def corrupt_loads(self, on: bool) -> None:
         """Every worker connector loads random bytes (on) or the stored blocks (off)."""
@@ -87,3 +103,36 @@ class ControlEngine(VLLMEngine):
         save of that hash), a loaded block's bytes right after its load."""
         (rec,) = self.llm.collective_rpc(_recorded)
         return rec
+
+    def _scheduler_connector(self):
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+    def scheduler_stats(self) -> dict[str, int]:
+        """The scheduler side's counters (``queries``, ``hit_blocks``)."""
+        return dict(self._scheduler_connector().stats)
+
+    def key_tag(self) -> str:
+        """The key tag (``extra_backend_tag``) the connector uses."""
+        return self._scheduler_connector().connector_scheduler.opts.extra_backend_tag
+
+    def key_identity(self):
+        """The blocks' identity (``KVIdentity``) the connector hands raykv."""
+        return self._scheduler_connector().connector_scheduler.opts.identity
+
+    def rekey(self, tag: str, identity=None) -> None:
+        """Control only: both sides of the connector re-attach with key tag ``tag`` (as
+        if this engine had been configured with ``extra_backend_tag=tag``), claiming
+        ``identity`` if given (else its own)."""
+        _rekey(self._scheduler_connector().connector_scheduler, tag, identity)
+        self.llm.collective_rpc(_rekey_worker, args=(tag, identity))
+
+    def vllm_block_hash(self, prompt: list[int], block_size: int) -> tuple[str | None, str]:
+        """This process's ``PYTHONHASHSEED`` and vLLM's own block hash of ``prompt``'s
+        first block here (what ``request.block_hashes[0]`` is for it): the key an
+        engine keyed by vLLM's block hashes would use."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        algo = self.llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo
+        h = hash_block_tokens(get_hash_fn_by_name(algo), None, prompt[:block_size], None)
+        return os.environ.get("PYTHONHASHSEED"), bytes(h).hex()

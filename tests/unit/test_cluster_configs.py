@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import click
+import pytest
 import yaml
 from raykv.clusters.cli import main as raykv_cli
 from raykv.controllers import NAMESPACE
@@ -66,6 +67,17 @@ def test_kuberay_manifest():
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
         assert "raykv" not in " ".join(g["template"]["spec"]["containers"][0]["args"]).replace(
             "raykv[cpu]", "")
+
+
+@pytest.mark.parametrize("name", ["ray-autoscaler.yaml", "kuberay-raycluster.yaml"])
+def test_commented_transport_examples_parse(name):
+    """The RDMA example in each config's comments is a `raykv up` the CLI accepts."""
+    lines = [line.lstrip("# ").strip() for line in (CONFIGS / name).read_text().splitlines()
+             if line.lstrip().startswith("#") and "raykv up " in line]
+    (command,) = [c for line in lines for c in raykv_commands(line)]
+    check_raykv_up([command])
+    assert "--protocol=rdma" in command and any(w.startswith("--rdma-devices=")
+                                                for w in command)
 
 
 def test_sizes_in_configs_parse():

@@ -2,6 +2,7 @@
 described as raykv layouts, transfers mapped one to one. SGLang's objects are stood in
 for by namespaces with the same field names (and enums by their values)."""
 
+import sys
 from enum import Enum
 from types import SimpleNamespace
 
@@ -73,6 +74,68 @@ def test_backend_options_defaults_and_overrides():
                                       "interface_v1": 1, "allocator": "shm"})
     assert (opts.namespace, opts.node_id, opts.zero_copy, opts.staging_pages,
             opts.interface_v1, opts.allocator) == ("ns", "n1", False, 8, True, "shm")
+
+
+# The launch line of docs/engines.md, whole: SGLang's own keys and raykv's.
+LAUNCH_EXTRA = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
+                "class_name": "RayKVStore", "interface_v1": 1, "allocator": "shm",
+                "ray_address": "10.0.0.1:6379"}
+
+
+def test_namespace_is_vllms_word_and_ray_namespace_its_alias():
+    assert BackendOptions.from_extra({"namespace": "ns"}).namespace == "ns"
+    assert BackendOptions.from_extra({"ray_namespace": "ns"}).namespace == "ns"
+    assert BackendOptions.from_extra({"namespace": "ns", "ray_namespace": "ns"}
+                                     ).namespace == "ns"
+    assert BackendOptions.from_extra({}).namespace == "raykv"
+    with pytest.raises(ValueError, match="\"namespace\" \\('a'\\) and its alias "
+                                         "\"ray_namespace\" \\('b'\\) differ"):
+        BackendOptions.from_extra({"namespace": "a", "ray_namespace": "b"})
+
+
+@pytest.mark.parametrize("key", ["master_server_address", "namespce", "protocol"])
+def test_unknown_keys_are_refused_with_the_valid_ones(key):
+    with pytest.raises(ValueError) as e:
+        BackendOptions.from_extra(LAUNCH_EXTRA | {key: "x"})
+    message = str(e.value)
+    assert f"unknown --hicache-storage-backend-extra-config keys ['{key}']" in message
+    for valid in ("'namespace'", "'ray_namespace'", "'zero_copy'", "'timeout_s'",
+                  "'tenant'", "'model_revision'", "'interface_v1'", "'backend_name'"):
+        assert valid in message, (valid, message)
+
+
+def test_sglangs_own_and_every_raykv_key_pass():
+    """Control for the refusal above: the same config without the unknown key, and
+    every key either side reads."""
+    from raykv.integrations.sglang.config import CONFIG_KEYS, SGLANG_KEYS
+
+    assert BackendOptions.from_extra(LAUNCH_EXTRA).ray_address == "10.0.0.1:6379"
+    every = dict.fromkeys(CONFIG_KEYS + SGLANG_KEYS, "1") | {"namespace": "n",
+                                                            "ray_namespace": "n"}
+    assert BackendOptions.from_extra(every).namespace == "n"
+    assert {"tenant", "model_revision"} <= set(CONFIG_KEYS)
+
+
+def test_sglang_joins_ray_as_vllm_does_without_an_address(monkeypatch):
+    """No ``ray_address`` and no ``$RAY_ADDRESS``: the backend joins ``auto`` (before,
+    it refused to start), the fallback vLLM's connector has (both call ``join_ray``
+    with the parsed address and namespace)."""
+    from raykv.integrations import ray_join
+
+    calls = []
+    fake_ray = SimpleNamespace(
+        is_initialized=lambda: False, init=lambda **kw: calls.append(kw),
+        get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "n"))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    opts = BackendOptions.from_extra({k: v for k, v in LAUNCH_EXTRA.items()
+                                      if k != "ray_address"} | {"namespace": "ns"})
+    assert ray_join.join_ray(opts.ray_address, opts.namespace, opts.auth_mode) is None
+    assert (calls[0]["address"], calls[0]["namespace"]) == ("auto", "ns")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    ray_join.join_ray(opts.ray_address, opts.namespace, opts.auth_mode)
+    assert calls[1]["address"] == "10.0.0.2:6379"
 
 
 # ------------------------------------------------------------------- pools

@@ -7,32 +7,68 @@ import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import NAMESPACE
-from raykv.integrations.vllm.options import ConnectorOptions, default_backend_tag
+from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity, default_backend_tag
 from raykv.integrations.vllm.side import ConnectorSide, new_stats
 
+IDENT = KVIdentity(kv_dtype="bfloat16", page_size=128, layout="cpu.lm1")
 
-def parse(extra=None, tp=1, pp=1, model="org/m"):
-    return ConnectorOptions.parse(extra, tp_size=tp, pp_size=pp, served_model=model)
+
+def parse(extra=None, tp=1, pp=1, model="org/m", identity=IDENT):
+    return ConnectorOptions.parse(extra, tp_size=tp, pp_size=pp, served_model=model,
+                                  identity=identity)
 
 
 def test_defaults():
     o = parse()
-    assert o == ConnectorOptions(model_name="org/m", extra_backend_tag="vllm-tp1",
-                                 namespace=NAMESPACE, ray_address=None, pool_blocks=64,
-                                 timeout_s=DEFAULT_TIMEOUT_S, debug_corrupt_loads=False)
+    assert o == ConnectorOptions(model_name="org/m",
+                                 extra_backend_tag="vllm-tp1-bfloat16-b128-cpu.lm1",
+                                 identity=IDENT, namespace=NAMESPACE, ray_address=None,
+                                 pool_blocks=64, timeout_s=DEFAULT_TIMEOUT_S, tenant=None,
+                                 debug_corrupt_loads=False)
 
 
 def test_backend_tag_names_tp_and_pp():
-    assert default_backend_tag(2, 1) == "vllm-tp2"
-    assert default_backend_tag(2, 3) == "vllm-tp2-pp3"
-    assert parse(tp=4, pp=2).extra_backend_tag == "vllm-tp4-pp2"
+    assert default_backend_tag(2, 1, IDENT) == "vllm-tp2-bfloat16-b128-cpu.lm1"
+    assert default_backend_tag(2, 3, IDENT) == "vllm-tp2-pp3-bfloat16-b128-cpu.lm1"
+    assert parse(tp=4, pp=2).extra_backend_tag == "vllm-tp4-pp2-bfloat16-b128-cpu.lm1"
     assert parse({"extra_backend_tag": "mine"}, tp=4).extra_backend_tag == "mine"
+    assert parse({"extra_backend_tag": ""}).extra_backend_tag == ""  # explicitly none
+
+
+def test_backend_tag_covers_the_bytes_identity():
+    """Every part of the identity changes the default tag (blocks of other bytes are
+    misses); control: the same identity gives the same tag."""
+    from dataclasses import replace
+
+    base = default_backend_tag(1, 1, IDENT)
+    assert default_backend_tag(1, 1, KVIdentity("bfloat16", 128, "cpu.lm1")) == base
+    others = [replace(IDENT, kv_dtype="float16"), replace(IDENT, kv_dtype="fp8_e4m3"),
+              replace(IDENT, page_size=64), replace(IDENT, layout="cuda.lm1"),
+              replace(IDENT, model_revision="v2"), replace(IDENT, model_revision="v3")]
+    tags = [default_backend_tag(1, 1, i) for i in others]
+    assert len(set(tags + [base])) == len(others) + 1, tags
+    assert tags[1] == "vllm-tp1-fp8-e4m3-b128-cpu.lm1"
+    assert tags[4] == "vllm-tp1-bfloat16-b128-cpu.lm1-rev.v2"
+
+
+def test_odd_revisions_become_hashed_tag_parts():
+    """A revision with characters keys do not use (or a long one) becomes a hash: no
+    '_' or '/' enters the key prefix, and two revisions never share a part."""
+    a = default_backend_tag(1, 1, KVIdentity("bfloat16", 128, "cpu.lm1", "refs/pr/1"))
+    b = default_backend_tag(1, 1, KVIdentity("bfloat16", 128, "cpu.lm1", "refs-pr-1"))
+    assert a != b and b.endswith("-rev.refs-pr-1")
+    assert "/" not in a and "_" not in a and a.startswith("vllm-tp1-bfloat16-b128-cpu.lm1-rev.h")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert default_backend_tag(1, 1, KVIdentity("bfloat16", 128, "cpu.lm1", sha)) \
+        .endswith(f"-rev.{sha}")
 
 
 def test_every_key():
     o = parse({"model_name": "shared", "namespace": "ns", "ray_address": "h:1",
-               "pool_blocks": "8", "timeout_s": 1.5, "debug_corrupt_loads": 1})
+               "pool_blocks": "8", "timeout_s": 1.5, "tenant": "team-a",
+               "debug_corrupt_loads": 1})
     assert (o.model_name, o.namespace, o.ray_address) == ("shared", "ns", "h:1")
+    assert o.tenant == "team-a"
     assert (o.pool_blocks, o.timeout_s, o.debug_corrupt_loads) == (8, 1.5, True)
     assert parse({"model_name": ""}).model_name == "org/m"  # empty: the served model
 
@@ -44,14 +80,26 @@ def test_refuses_bad_config():
         parse({"pool_blocks": 0})
     with pytest.raises(ValueError, match="timeout_s"):
         parse({"timeout_s": -1})
+    with pytest.raises(ValueError, match="tenant must be"):
+        parse({"tenant": "a b"})
 
 
 def test_storage_config_carries_key_prefix_and_deadline():
     sc = parse({"timeout_s": 2}, tp=2).storage_config(tp_rank=1, tp_size=2, pp_rank=0,
                                                        pp_size=1)
     assert (sc.tp_rank, sc.tp_size, sc.model_name) == (1, 2, "org/m")
-    assert sc.extra_config == {"extra_backend_tag": "vllm-tp2", "timeout_s": 2.0}
-    assert sc.timeout_s == 2.0
+    assert sc.extra_config == {"extra_backend_tag": "vllm-tp2-bfloat16-b128-cpu.lm1",
+                               "timeout_s": 2.0, "kv_dtype": "bfloat16", "page_size": 128}
+    assert sc.timeout_s == 2.0 and sc.tenant is None
+
+
+def test_storage_config_carries_tenant_and_revision():
+    sc = parse({"tenant": "team-a"}, identity=KVIdentity("float16", 64, "cpu.lm1", "v2")) \
+        .storage_config(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    assert sc.tenant == "team-a"
+    assert sc.extra_config == {"extra_backend_tag": "vllm-tp1-float16-b64-cpu.lm1-rev.v2",
+                               "timeout_s": DEFAULT_TIMEOUT_S, "kv_dtype": "float16",
+                               "page_size": 64, "model_revision": "v2", "tenant": "team-a"}
 
 
 class FakeClient:

@@ -1,8 +1,9 @@
 """Scheduler-side bookkeeping of the vLLM connector (pure: no vLLM needed)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
+from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.plan import (
     RequestBlocks,
     external_tokens,
@@ -17,7 +18,6 @@ from raykv.integrations.vllm.plan import (
 @dataclass
 class Req:  # the attributes of vLLM's Request the plan reads
     request_id: str
-    block_hashes: list = field(default_factory=list)
 
 
 def test_one_token_is_always_left_to_compute():
@@ -50,13 +50,14 @@ def test_plan_load_skips_local_hit_blocks():
 
 
 def test_plan_save_only_newly_full_blocks():
-    req = Req("r", [b"a", b"b"])
-    st = RequestBlocks(req, block_ids=[5, 6, 7], saved_blocks=0)
+    chain = PageHashChain(16)
+    chain.hashes += [b"a", b"b"]  # as if extended over two full blocks
+    st = RequestBlocks(Req("r"), chain, block_ids=[5, 6, 7], saved_blocks=0)
     assert plan_save(st, 15, 16) is None  # block 0 not full yet
     x = plan_save(st, 40, 16)  # blocks 0 and 1 full (2 hashes known)
     assert x.block_ids == [5, 6] and x.hashes == ["61", "62"] and st.saved_blocks == 2
     assert plan_save(st, 47, 16) is None  # block 2 has no hash yet
-    req.block_hashes.append(b"c")
+    chain.hashes.append(b"c")
     x = plan_save(st, 48, 16)
     assert x.block_ids == [7] and st.saved_blocks == 3
 
@@ -72,7 +73,8 @@ def test_import_raykv_never_imports_vllm():
 
     code = ("import sys, raykv, raykv.integrations, raykv.integrations.vllm, "
             "raykv.integrations.vllm.plan, raykv.integrations.vllm.options, "
-            "raykv.integrations.vllm.side; print('vllm' in sys.modules)")
+            "raykv.integrations.vllm.side, raykv.integrations.vllm.page_hash; "
+            "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"

@@ -1,0 +1,158 @@
+"""One ``NodeSettings`` reaches every node's Mooncake client whole: each field is an
+argument of the node actor, and the transport (protocol, RDMA devices, local hostname,
+buffer size) arrives at Mooncake's ``setup`` call (embedded mode) or at
+``mooncake_client``'s flags (standalone). ``raykv up`` builds the settings from its
+options; the cluster configs' commands parse. Mooncake and Ray are faked or not
+needed: the path from settings to the setup call is followed up to the store."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import fields, replace
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+from raykv.cache_actors.node import node_actor
+from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
+from raykv.cache_actors.node.node_actor import NodeCacheActor
+from raykv.cache_actors.node.node_store import NodeStore
+from raykv.clusters.cli import main
+from raykv.clusters.node_actors import PROCESS_ONLY, NodeSettings
+
+RDMA = NodeSettings(master_address="10.0.0.9:50051",
+                    metadata_server="http://10.0.0.9:8080/metadata", cluster_tag="c0ffee00",
+                    global_segment_size=4 << 30, local_buffer_size=32 << 20, protocol="rdma",
+                    rdma_devices="mlx5_0,mlx5_1", local_hostname="10.0.0.5")
+
+
+class Reached(Exception):
+    """Raised where the path under test hands its arguments on; carries them."""
+
+    def __init__(self, what) -> None:
+        super().__init__()
+        self.what = what
+
+
+class FakeDistributedStore:
+    """``mooncake.store.MooncakeDistributedStore`` whose ``setup`` records its arguments."""
+
+    made: list[FakeDistributedStore] = []
+
+    def __init__(self) -> None:
+        self.args: tuple = ()
+        FakeDistributedStore.made.append(self)
+
+    def setup(self, *args) -> int:
+        self.args = args
+        return 0
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.store",
+                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore))
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    FakeDistributedStore.made = []
+    return FakeDistributedStore
+
+
+def store_open_args(monkeypatch, settings: NodeSettings) -> tuple[tuple, dict]:
+    """What ``NodeCacheActor`` built from ``settings.actor_kwargs()`` passes to
+    ``NodeStore.open`` (the actor stops there)."""
+    def stop(*args, **kwargs):
+        raise Reached((args, kwargs))
+
+    monkeypatch.setattr(node_actor, "NodeStore", SimpleNamespace(open=stop))
+    with pytest.raises(Reached) as reached:
+        NodeCacheActor("node-1", **settings.actor_kwargs())
+    return reached.value.what
+
+
+def test_every_field_is_an_argument_of_the_node_actor():
+    kwargs = RDMA.actor_kwargs()
+    inspect.signature(NodeCacheActor.__init__).bind(None, "node-1", **kwargs)
+    assert set(kwargs) == {f.name for f in fields(NodeSettings)} - PROCESS_ONLY
+    assert RDMA.env == {"MC_LOG_LEVEL": "ERROR"}
+
+
+def test_settings_without_the_store_addresses_are_refused():
+    with pytest.raises(ValueError, match="without master_address, metadata_server"):
+        NodeSettings(cluster_tag="t").actor_kwargs()
+    with pytest.raises(ValueError, match="needs protocol 'rdma'"):
+        NodeSettings(rdma_devices="mlx5_0")
+
+
+@pytest.mark.parametrize(("settings", "transport"), [
+    (RDMA, ("10.0.0.5", 32 << 20, "rdma", "mlx5_0,mlx5_1")),
+    # Control: the defaults give TCP and no devices, so the figures above are the
+    # settings' own, not what the path would pass anyway.
+    (NodeSettings(master_address="m:1", metadata_server="http://m:2/metadata",
+                  cluster_tag="t", local_hostname="127.0.0.1"),
+     ("127.0.0.1", 16 << 20, "tcp", "")),
+])
+def test_embedded_transport_reaches_the_mooncake_setup_call(monkeypatch, fake_mooncake,
+                                                            settings, transport):
+    args, kwargs = store_open_args(monkeypatch, settings)
+    NodeStore.open(*args, **kwargs)
+    host, buffer, protocol, devices = transport
+    assert fake_mooncake.made[-1].args == (
+        host, settings.metadata_server, settings.global_segment_size, buffer, protocol,
+        devices, settings.master_address)
+
+
+def test_standalone_transport_reaches_mooncake_client_flags(monkeypatch):
+    args, kwargs = store_open_args(monkeypatch, replace(RDMA, standalone=True,
+                                                        host_pool_bytes=1 << 30))
+
+    def stop(self, timeout_s: float = 30.0):
+        raise Reached(self)
+
+    monkeypatch.setattr(MooncakeClientProcess, "start_or_adopt", stop)
+    with pytest.raises(Reached) as reached:
+        NodeStore.open(*args, **kwargs)
+    flags = reached.value.what._args
+    for flag in ("-host=10.0.0.5", "-protocol=rdma", "-device_names=mlx5_0,mlx5_1",
+                 "-master_server_address=10.0.0.9:50051", f"-global_segment_size={4 << 30}"):
+        assert flag in flags, (flag, flags)
+
+
+def test_raykv_up_passes_its_transport_options_in_one_settings(monkeypatch):
+    from raykv.clusters import deploy
+
+    seen = {}
+
+    def up(address, settings, **kwargs):
+        seen.update(address=address, settings=settings, **kwargs)
+        return {"mode": settings.mode, "master_address": "m:1", "metadata_server": "u",
+                "node_ids": ["n"]}
+
+    monkeypatch.setattr(deploy, "up", up)
+    out = CliRunner().invoke(main, [
+        "up", "--address=h:6379", "--protocol=rdma", "--rdma-devices=mlx5_0,mlx5_1",
+        "--local-hostname=10.0.0.5", "--local-buffer-size=32M", "--segment-size=4GB",
+        "--mooncake-log-level=WARNING"])
+    assert out.exit_code == 0, out.output
+    assert seen["address"] == "h:6379" and seen["namespace"] == "raykv"
+    assert seen["settings"] == NodeSettings(
+        global_segment_size=4 << 30, local_buffer_size=32 << 20, protocol="rdma",
+        rdma_devices="mlx5_0,mlx5_1", local_hostname="10.0.0.5",
+        mooncake_log_level="WARNING")
+    assert seen["master_ports"] == (0, 0)  # free ports unless given
+    mooncake_host = CliRunner().invoke(main, ["up", "--mooncake-host=127.0.0.1",
+                                              "--master-port=50051", "--metadata-port=8080"])
+    assert mooncake_host.exit_code == 0 and seen["settings"].local_hostname == "127.0.0.1"
+    assert seen["master_ports"] == (50051, 8080)
+
+
+@pytest.mark.parametrize("args", [["--rdma-devices=mlx5_0"],
+                                  ["--standalone", "--host-pool-size=0"],
+                                  ["--master-address=m:1", "--metadata-server=u",
+                                   "--master-port=50051"]])
+def test_raykv_up_refuses_contradicting_options_as_usage_errors(monkeypatch, args):
+    from raykv.clusters import deploy
+
+    monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
+    out = CliRunner().invoke(main, ["up", *args])
+    assert out.exit_code == 2, out.output
