@@ -41,6 +41,8 @@ batch of up to a few hundred MiB over TCP); Mooncake itself gives up on a dead p
 trips it, and short enough that an engine waiting on a hung node actor (vLLM's scheduler
 calls synchronously) stalls for one visible hiccup, not for good."""
 MAX_TIMEOUT_S = 600.0
+IDENTITY_KEYS: dict[str, type] = {"model_revision": str, "kv_dtype": str, "page_size": int}
+"""The ``extra_config`` keys that describe the bytes a rank stores, and their types."""
 
 
 @dataclass
@@ -49,9 +51,15 @@ class StorageConfig:
 
     ``extra_config`` keys understood by raykv: ``extra_backend_tag`` (str, first part of
     every key prefix); ``tenant`` (str, see ``controllers.tenancy``; default none);
+    ``model_revision`` (str: the weights' revision, e.g. a commit), ``kv_dtype`` (str:
+    the KV cache's dtype, e.g. ``"bfloat16"``, ``"fp8_e4m3"``) and ``page_size`` (int:
+    tokens per page), each optional: with them the *identity* of the bytes
+    (``controllers.keys.Identity``) is part of a tenant's key prefix, and the deployment
+    registry refuses a rank whose identity differs from that of the deployment registered
+    under its key prefix;
     ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
     deadline of every data call this rank makes to a node actor (exists, put, get, group
-    hit), see ``timeout_s``.
+    hit), see ``timeout_s``. ``ValueError`` for a value of the wrong type.
     """
 
     tp_rank: int = 0
@@ -81,7 +89,14 @@ class StorageConfig:
                 not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"extra_config['timeout_s'] must be a number of seconds in "
                              f"(0, {MAX_TIMEOUT_S}], got {timeout!r}")
-        check_tenant((self.extra_config or {}).get("tenant"))
+        extra = self.extra_config or {}
+        check_tenant(extra.get("tenant"))
+        for key, kind in IDENTITY_KEYS.items():
+            value = extra.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)
+                                      or (kind is int and value < 1)):
+                want = "a positive int" if kind is int else "a string"
+                raise ValueError(f"extra_config[{key!r}] must be {want}, got {value!r}")
 
     @property
     def extra_backend_tag(self) -> str | None:
@@ -91,6 +106,21 @@ class StorageConfig:
     def tenant(self) -> str | None:
         """The tenant this rank serves (``controllers.tenancy``), None without one."""
         return (self.extra_config or {}).get("tenant") or None
+
+    @property
+    def model_revision(self) -> str | None:
+        """The revision of the model's weights, None if not given."""
+        return (self.extra_config or {}).get("model_revision") or None
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The KV cache's dtype name, None if not given."""
+        return (self.extra_config or {}).get("kv_dtype") or None
+
+    @property
+    def page_size(self) -> int | None:
+        """Tokens per page, None if not given."""
+        return (self.extra_config or {}).get("page_size")
 
     @property
     def timeout_s(self) -> float:

@@ -1,9 +1,29 @@
 """The object key scheme, compatible with SGLang's Mooncake backend.
 
-Every object key is ``P_`` + page hash + a suffix naming the rank scope and the buffer.
-``P`` is ``extra_backend_tag`` then ``model_name`` (``/`` -> ``-``), joined by ``_``; with
-neither set there is no prefix. A ``KeyScheme`` is the only place that tags, and it tags
-each key exactly once: callers hand it raw page hashes, never keys it returned.
+Every object key is ``P`` + page hash + a suffix naming the rank scope and the buffer
+(``_{scope}_{buffer}``). A ``KeyScheme`` is the only place that tags, and it tags each
+key exactly once: callers hand it raw page hashes, never keys it returned.
+
+The prefix ``P`` is made from the rank's *identity* (``Identity``: what decides which
+bytes an object holds):
+
+- Without a tenant, as SGLang's MooncakeStore names objects (byte for byte, so both
+  share objects): ``extra_backend_tag`` then ``model_name`` (``/`` -> ``-``), joined
+  by ``_``, and a final ``_``; with neither set there is no prefix. This prefix is not
+  injective (models ``org/m`` and ``org-m`` share it, so do tag ``a_b`` + model ``c``
+  and tag ``a`` + model ``b_c``) and leaves out the revision, KV dtype, page size and
+  parallel sizes, so the deployment registry refuses a rank whose identity differs from
+  the deployment already registered under its prefix (``controllers.deployments``).
+- With a tenant: ``t1``, then for each field of the identity, in the order ``tenant,
+  extra_backend_tag, model_name, model_revision, kv_dtype, page_size, tp_size, pp_size,
+  is_mla_model``, a ``.`` and the field, then a final ``_``. A field is ``~`` when
+  absent, else ``<n>=<text>``: its text (ints in decimal, the MLA flag ``0``/``1``)
+  with every UTF-8 byte outside ``A-Z a-z 0-9 . -`` written ``%XX``, and ``n`` the
+  length of that escaped text. Every field is self-delimiting, so a prefix names one
+  identity (``parse_prefix`` recovers it) and two identities never share a prefix; no
+  ``_`` appears before the final one. The page hashes under it are *keyed page hashes*
+  (``controllers.tenancy.keyed_page_hash``), keyed by the rank (``CacheClient``) before
+  they reach a ``KeyScheme``: a scheme holds no secret.
 
 Rank scopes: ``mha`` = ``"{tp}"`` or ``"{tp}_{pp}"`` when ``pp_size > 1`` (data sharded by
 TP rank); ``mla`` = ``""`` or ``"{pp}"`` (data replicated across TP ranks).
@@ -11,7 +31,9 @@ TP rank); ``mla`` = ``""`` or ``"{pp}"`` (data replicated across TP ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,9 +65,111 @@ def is_replicated(pool: PoolName, kind: str) -> bool:
 
 
 def key_prefix(model_name: str | None, extra_backend_tag: str | None) -> str:
-    """The tag prepended to every object key: ``""`` or ``"P_"``."""
+    """The prefix of every object key without a tenant (SGLang's): ``""`` or ``"P_"``."""
     parts = [p for p in (extra_backend_tag, (model_name or "").replace("/", "-")) if p]
     return "_".join(parts) + "_" if parts else ""
+
+
+TENANT_PREFIX_VERSION = "t1"
+"""First characters of every tenant key prefix (the version of its encoding)."""
+_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+_FIELD = re.compile(r"\.(?:(~)|([0-9]+)=)")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What decides the bytes a rank stores under a page hash, and whom they are for:
+    the fields of a tenant's key prefix (module docstring), in their order. ``None``:
+    not given. ``page_size`` counts tokens."""
+
+    tenant: str | None
+    extra_backend_tag: str | None
+    model_name: str | None
+    model_revision: str | None
+    kv_dtype: str | None
+    page_size: int | None
+    tp_size: int
+    pp_size: int
+    is_mla_model: bool
+
+    @classmethod
+    def from_config(cls, config: StorageConfig) -> Identity:
+        return cls(config.tenant, config.extra_backend_tag, config.model_name,
+                   config.model_revision, config.kv_dtype, config.page_size,
+                   config.tp_size, config.pp_size, config.is_mla_model)
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix: SGLang's (``key_prefix``) without a tenant, else the tenant
+        encoding of every field (module docstring)."""
+        if self.tenant is None:
+            return key_prefix(self.model_name, self.extra_backend_tag)
+        return TENANT_PREFIX_VERSION + "".join(
+            "." + _field(v) for v in dataclasses.astuple(self)) + "_"
+
+    @property
+    def deployment_id(self) -> str:
+        """The name of this identity's deployment, one per prefix: without a tenant its
+        key prefix, or ``"default"`` for the empty one; with a tenant its prefix less the
+        final ``_``. Every prefix without a tenant but the empty one ends in ``_``, so
+        the three kinds of names never meet: a rank without a tenant can never take a
+        tenant's deployment, even with a tag that makes its prefix the tenant's."""
+        if self.tenant is not None:
+            return self.prefix[:-1]
+        return self.prefix or "default"
+
+    def differences(self, other: Identity) -> list[str]:
+        """``"field=mine (theirs: other's)"`` for every field that differs."""
+        return [f"{f.name}={getattr(self, f.name)!r} (theirs: {getattr(other, f.name)!r})"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def _field(value: str | int | bool | None) -> str:
+    if value is None:
+        return "~"
+    text = str(int(value)) if isinstance(value, int) else value
+    escaped = "".join(chr(b) if b in _PLAIN else f"%{b:02X}" for b in text.encode())
+    return f"{len(escaped)}={escaped}"
+
+
+def _unescape(escaped: str) -> str:
+    return re.sub(rb"%([0-9A-F]{2})", lambda m: bytes([int(m[1], 16)]),
+                  escaped.encode()).decode()
+
+
+def parse_prefix(prefix: str) -> Identity:
+    """The identity whose tenant key prefix is ``prefix``; ``ValueError`` if ``prefix``
+    is not one (an SGLang prefix has no tenant and cannot be parsed back)."""
+    if not prefix.startswith(TENANT_PREFIX_VERSION) or not prefix.endswith("_"):
+        raise ValueError(f"{prefix!r} is not a tenant key prefix")
+    fields: list[str | None] = []
+    pos = len(TENANT_PREFIX_VERSION)
+    for _ in dataclasses.fields(Identity):
+        m = _FIELD.match(prefix, pos)
+        if m is None:
+            raise ValueError(f"{prefix!r} is not a tenant key prefix (at {pos})")
+        if m[1]:
+            fields.append(None)
+            pos = m.end()
+        else:
+            pos = m.end() + int(m[2])
+            try:
+                fields.append(_unescape(prefix[m.end():pos]))
+            except UnicodeDecodeError:
+                raise ValueError(f"{prefix!r} is not a tenant key prefix (not UTF-8 at "
+                                 f"{m.end()})") from None
+    if pos != len(prefix) - 1 or None in fields[6:]:
+        raise ValueError(f"{prefix!r} is not a tenant key prefix")
+    try:
+        page_size = None if fields[5] is None else int(fields[5])
+        tp, pp, mla = (int(f) for f in fields[6:])
+    except ValueError:
+        raise ValueError(f"{prefix!r} is not a tenant key prefix (a size is no int)") from None
+    identity = Identity(*fields[:5], page_size, tp, pp, bool(mla))
+    if identity.prefix != prefix:  # e.g. "01" for 1, "%41" for "A", mla "2"
+        raise ValueError(f"{prefix!r} is not the tenant key prefix of any identity")
+    return identity
 
 
 def mha_suffix(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -74,16 +198,22 @@ class KeyScheme:
 
     @classmethod
     def from_config(cls, config: StorageConfig) -> KeyScheme:
+        return cls.for_rank(Identity.from_config(config), config.tp_rank, config.pp_rank)
+
+    @classmethod
+    def for_rank(cls, identity: Identity, tp_rank: int, pp_rank: int) -> KeyScheme:
+        """The scheme of rank (``tp_rank``, ``pp_rank``) of ``identity``'s deployment."""
         return cls(
-            prefix=key_prefix(config.model_name, config.extra_backend_tag),
-            mha=mha_suffix(config.tp_rank, config.pp_rank, config.pp_size),
-            mla=mla_suffix(config.pp_rank, config.pp_size),
-            is_mla_model=config.is_mla_model,
-            tp_rank=config.tp_rank,
+            prefix=identity.prefix,
+            mha=mha_suffix(tp_rank, pp_rank, identity.pp_size),
+            mla=mla_suffix(pp_rank, identity.pp_size),
+            is_mla_model=identity.is_mla_model,
+            tp_rank=tp_rank,
         )
 
     def tag(self, key: str) -> str:
-        """``P_`` + ``key``: for keys that carry their own suffix (legacy pointer API)."""
+        """``P`` + ``key``: for keys that carry their own suffix (legacy pointer API; with
+        a tenant, ``key`` is the keyed hash of the whole pointer key)."""
         return self.prefix + key
 
     def _sharded(self, page_hash: str, *names: str) -> list[str]:

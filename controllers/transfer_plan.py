@@ -81,8 +81,12 @@ class PlanPool:
     layout: PoolLayout
 
     def spec(self, role: PoolName) -> PoolSpec:
-        """What the key rules need of this pool registered as ``role``."""
-        return PoolSpec(role, self.layout.kind, tuple(b.name for b in self.layout.buffers))
+        """What the key rules need of this pool registered as ``role``, and what its
+        bytes are (dtypes, page size, order, bytes per page object)."""
+        layout = self.layout
+        return PoolSpec(role, layout.kind, tuple(b.name for b in layout.buffers),
+                        tuple(b.dtype for b in layout.buffers), layout.page_size,
+                        layout.order, tuple(layout.object_sizes))
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ batches and codes back to pages),
 ``group_registration`` (the controller and group hit queries) and ``pointer_api``
 (the legacy pointer calls). Pools are shared memory owned by the node actor and mapped
 here as torch tensors; calls carry keys and offsets, and the actor moves the bytes
-between the pools and Mooncake. Every input is validated here, before any byte moves,
-and bad input raises ``ValueError`` naming the problem.
+between the pools and Mooncake. With a tenant, every page hash (and pointer-API key) is
+replaced by its keyed page hash (``controllers.keyed_hashes``) once, where it enters a
+public method, before any object key is made of it. Every input is validated here,
+before any byte moves, and bad input raises ``ValueError`` naming the problem.
 
 Return conventions (SGLang HiCache): ``batch_exists`` -> leading pages whose objects all
 exist; ``batch_set_v1`` / ``batch_get_v1`` -> one bool per page, True only if every
@@ -32,10 +34,12 @@ from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointe
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
+from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.ownership import claim_of
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
     TransferPlan,
     check_hit_query,
@@ -60,7 +64,11 @@ class CacheClient:
     """A rank's handle on the raykv cache of its node.
 
     ``config`` carries the rank's place in its deployment (TP/PP rank, MLA, model name,
-    ``extra_config["extra_backend_tag"]``), which decides the object keys (``key_scheme``).
+    ``extra_config["extra_backend_tag"]``; with ``extra_config["tenant"]`` also the
+    tenant and the identity of its bytes, ``controllers.keys``), which decides the object
+    keys (``key_scheme``). A rank with a tenant reads the tenant secret from
+    ``$RAYKV_TENANT_SECRET`` here (``ValueError`` if it is missing or short) and keys
+    every page hash with it; the secret never leaves this process.
     If ``extra_config["standalone_storage"]`` is set it must match the node actor's mode,
     else ``ValueError``. ``NodeUnavailableError`` (retryable) while the node's actor or
     store is down; after one, the next call first re-maps every pool of this client
@@ -87,6 +95,8 @@ class CacheClient:
             raise RuntimeError("CacheClient needs a connected Ray: call ray.init(...) or "
                                "start raykv with raykv.start_local() first")
         self.config = config or StorageConfig()
+        tenant = self.config.tenant
+        self._hashes = KeyedHashes(tenant_secret(tenant) if tenant is not None else None)
         self.key_scheme = KeyScheme.from_config(self.config)
         self.owner_claim = claim_of(self.config)
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -193,16 +203,17 @@ class CacheClient:
     def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> TransferPlan:
         """Validate ``transfers`` and lay out their objects in one batch."""
         pools = self._pools
-        return plan_transfers(transfers, pools.plan_pools, self.key_scheme, write=write,
-                              epoch=pools.epoch, disabled=pools.disabled)
+        return plan_transfers(self._hashes.transfers(transfers), pools.plan_pools,
+                              self.key_scheme, write=write, epoch=pools.epoch,
+                              disabled=pools.disabled)
 
     def _transfer(self, transfers: Sequence[PoolTransfer],
                   write: bool) -> dict[PoolName, list[bool]]:
         """Check ``transfers`` once, then move their pages: one round trip, or one per
         round of a staged pool smaller than the call (``engine_pools.staged_call``)."""
         pools = self._pools
-        checked = check_transfers(transfers, pools.plan_pools, self.key_scheme, write=write,
-                                  disabled=pools.disabled)
+        checked = check_transfers(self._hashes.transfers(transfers), pools.plan_pools,
+                                  self.key_scheme, write=write, disabled=pools.disabled)
         op = DataOp.PUT if write else DataOp.GET
         return staged_call(checked, pools.staged, write=write, epoch=pools.epoch,
                            call=lambda batch: self._link.data(op, batch))
@@ -226,7 +237,8 @@ class CacheClient:
         A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
         """
         pools = self._pools
-        keys, queries = check_hit_query(keys, transfers, pools.plan_pools, pools.disabled)
+        keys, queries = check_hit_query(self._hashes.keys(keys), transfers, pools.plan_pools,
+                                        pools.disabled)
         families = exists_families(queries, pools.plan_pools, self.key_scheme,
                                    (self.config.tp_rank, self.config.pp_rank))
         return search(families, keys, lambda names: self._link.data(DataOp.EXISTS, names))
@@ -248,7 +260,8 @@ class CacheClient:
         of the group asking about the same keys and pools gets the identical answer (a
         rank asking again gets a fresh one), so no all-reduce among ranks is needed."""
         pools = self._pools
-        keys, queries = check_hit_query(keys, transfers, pools.plan_pools, pools.disabled)
+        keys, queries = check_hit_query(self._hashes.keys(keys), transfers, pools.plan_pools,
+                                        pools.disabled)
         if self._group.outdated(pools.specs):
             self.register_deployment()
         return self._group.exists(keys, queries)
@@ -273,15 +286,16 @@ class CacheClient:
     # ---------------------------------------------------- legacy pointer API
     def batch_set(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> bool:
         """Store each ``target_sizes[i]`` bytes at pointer ``target_locations[i]`` under
-        ``keys[i]`` (tagged with the model prefix). True if every object was stored."""
-        batch = pointer_batch(keys, target_locations, target_sizes, self._pools.mapped(),
-                              self.key_scheme, self._pools.epoch)
+        ``keys[i]`` (tagged with the model prefix; with a tenant, each whole key is keyed
+        first). True if every object was stored."""
+        batch = pointer_batch(self._hashes.keys(keys), target_locations, target_sizes,
+                              self._pools.mapped(), self.key_scheme, self._pools.epoch)
         return all_stored(batch, self._link.data(DataOp.PUT, batch))
 
     def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> int:
         """Read objects into the given pointers; the number of leading objects read in full."""
-        batch = pointer_batch(keys, target_locations, target_sizes, self._pools.mapped(),
-                              self.key_scheme, self._pools.epoch)
+        batch = pointer_batch(self._hashes.keys(keys), target_locations, target_sizes,
+                              self._pools.mapped(), self.key_scheme, self._pools.epoch)
         return leading_read(batch, self._link.data(DataOp.GET, batch))
 
     # --------------------------------------------------------------- control

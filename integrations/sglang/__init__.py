@@ -28,7 +28,8 @@ and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
 
 Hit queries (``batch_exists``, ``batch_exists_v2``) go through raykv's group query: every
 TP rank of the deployment gets the same answer, so SGLang's MIN all-reduce never shrinks
-it. Keys are those of SGLang's built-in ``MooncakeStore`` (tag once, same suffixes).
+it. Keys are those of SGLang's built-in ``MooncakeStore`` (tag once, same suffixes), unless
+the extra config names a ``tenant``: then they are that tenant's (``controllers.keys``).
 
 Failures never crash SGLang: a node actor restart or a store outage turns into misses /
 failed pages with a warning (rate-limited), never success, and the backend re-attaches

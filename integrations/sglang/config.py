@@ -25,6 +25,12 @@ CONFIG_KEYS = ("ray_address", "namespace", "ray_namespace", "ray_auth_mode", "ra
                "model_revision")
 """extra_config keys this backend reads (``ray_namespace``: the older name of
 ``namespace``, kept as its alias)."""
+STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision")
+"""The keys of ``CONFIG_KEYS`` that ``storage_config`` hands to raykv's ``StorageConfig``.
+The KV dtype and page size are not among them: SGLang's host pools carry them, and the
+deployment registry refuses a rank whose pools' dtypes, page size or bytes per page
+differ from its deployment's (``controllers.deployments.PoolSpec``), so with or without
+a tenant a change of either is refused at attach, never read as the old bytes."""
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator",
                "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                "hicache_storage_pass_prefix_keys", "tp_lcm_size")
@@ -49,7 +55,8 @@ def storage_config(config: Any) -> StorageConfig:
     ``ValueError`` naming what raykv cannot serve (decode context parallelism, heads
     split across ranks). Host layouts are checked per pool at registration (SGLang sets
     ``is_page_first_layout`` only for ``page_first``, not for the also servable
-    ``page_first_direct``)."""
+    ``page_first_direct``). The tenant's secret comes from ``$RAYKV_TENANT_SECRET`` of
+    the SGLang process, never from the config."""
     problems = []
     if getattr(config, "dcp_size", 1) > 1:
         problems.append(f"dcp_size={config.dcp_size} (decode context parallel keys are not "
@@ -65,7 +72,7 @@ def storage_config(config: Any) -> StorageConfig:
         attn_cp_size=config.attn_cp_size, is_mla_model=config.is_mla_model,
         enable_storage_metrics=config.enable_storage_metrics,
         is_page_first_layout=config.is_page_first_layout, model_name=config.model_name,
-        extra_config={k: extra[k] for k in ("extra_backend_tag", "timeout_s") if k in extra})
+        extra_config={k: extra[k] for k in STORAGE_KEYS if k in extra})
 
 
 @dataclass(frozen=True)

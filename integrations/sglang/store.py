@@ -51,7 +51,10 @@ class RayKVStore(HiCacheStorage):
     memfds), ``staging_pages`` (per pool and direction, default 256),
     ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
     deadline of each call to raykv, default 5 s: past it a lookup is a miss, a backup or
-    a load fails for its pages, and SGLang keeps serving).
+    a load fails for its pages, and SGLang keeps serving), ``tenant`` (its secret from
+    ``$RAYKV_TENANT_SECRET`` of this process: keys no other tenant can find) and
+    ``model_revision`` (part of a tenant's key prefix); the KV dtype and page size are
+    checked through the registered pools (``config.STORAGE_KEYS``).
 
     Methods follow SGLang's ``HiCacheStorage``: registration, the v2 API, the v1 API,
     the legacy abstract API, then ``clear``, ``get_stats``, ``close`` and

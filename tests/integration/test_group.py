@@ -93,7 +93,7 @@ def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
         store(rank, keys, [0, 1, 2, 3], [0, 1, 2, 3])
     ask = [PoolTransfer(MAMBA, keys[-1:], None, TRAIL)]
     assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
-    dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}"]
+    dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}_"]  # its key prefix
     home = ray.get_actor(node_actor_name(dep["home_node"]), namespace=NAMESPACE)
     before = ray.get(home.stats.remote())["group_queries"]
     # The same rank asks again: a fresh answer, from the pages the store just leased.

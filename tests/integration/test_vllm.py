@@ -252,10 +252,12 @@ def test_engines_of_other_hash_seeds_share_blocks(engines, other_engines):
 
 def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
     """D (float16 KV) asks for a prompt whose bfloat16 blocks A saved: its key tag names
-    its KV dtype, so its hit query finds nothing and it loads nothing. Control: D
-    re-keyed with A's tag (the page hashes are the same, only the tag told them apart)
-    finds and loads A's 7 bfloat16 blocks into its float16 cache: what a tag without
-    the dtype would have done."""
+    its KV dtype, so its hit query finds nothing and it loads nothing. Re-keyed with A's
+    tag, D's hit query is refused by raykv's deployment registry (one key prefix, two KV
+    dtypes): still a miss. Control: D re-keyed with A's tag and claiming A's identity
+    (the page hashes are the same, only the key space told them apart) finds and loads
+    A's 7 bfloat16 blocks into its float16 cache: what a key space without the dtype
+    would have done."""
     a, b, base = engines
     c, d = other_engines
     r = prompt(43)
@@ -265,11 +267,15 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
                               "vllm-tp1-float16-b128-cpu.lm1")
     got, (hit, loaded) = _served(d, r)
     assert (got["cached"], hit, loaded) == (0, 0, 0), got
+    id_a, id_d = ray.get([a.key_identity.remote(), d.key_identity.remote()])
     ray.get(d.rekey.remote(tag_a))
     try:
+        refused, (hit_refused, loaded_refused) = _served(d, r)
+        ray.get(d.rekey.remote(tag_a, id_a))
         got, (hit, loaded) = _served(d, r)
     finally:
-        ray.get(d.rekey.remote(tag_d))
+        ray.get(d.rekey.remote(tag_d, id_d))
+    assert (refused["cached"], hit_refused, loaded_refused) == (0, 0, 0), refused
     assert (got["cached"], hit, loaded) == (7 * BLOCK, 7, 7), got
 
 

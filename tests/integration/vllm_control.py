@@ -70,15 +70,17 @@ def _recorded(worker) -> dict:
     return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
 
 
-def _rekey(side, tag: str) -> None:
-    """Re-attach one side of the connector with key tag ``tag`` (a new client and pool)."""
+def _rekey(side, tag: str, identity=None) -> None:
+    """Re-attach one side of the connector with key tag ``tag`` (a new client and pool),
+    and claiming ``identity`` (a ``KVIdentity``) if given."""
     side.shutdown()
-    side.opts = replace(side.opts, extra_backend_tag=tag)
+    side.opts = replace(side.opts, extra_backend_tag=tag,
+                        identity=identity if identity is not None else side.opts.identity)
     side._attach()
 
 
-def _rekey_worker(worker, tag: str) -> None:
-    _rekey(_connector().connector_worker, tag)
+def _rekey_worker(worker, tag: str, identity=None) -> None:
+    _rekey(_connector().connector_worker, tag, identity)
 
 
 @ray.remote(num_cpus=0)
@@ -113,11 +115,16 @@ class ControlEngine(VLLMEngine):
         """The key tag (``extra_backend_tag``) the connector uses."""
         return self._scheduler_connector().connector_scheduler.opts.extra_backend_tag
 
-    def rekey(self, tag: str) -> None:
+    def key_identity(self):
+        """The blocks' identity (``KVIdentity``) the connector hands raykv."""
+        return self._scheduler_connector().connector_scheduler.opts.identity
+
+    def rekey(self, tag: str, identity=None) -> None:
         """Control only: both sides of the connector re-attach with key tag ``tag`` (as
-        if this engine had been configured with ``extra_backend_tag=tag``)."""
-        _rekey(self._scheduler_connector().connector_scheduler, tag)
-        self.llm.collective_rpc(_rekey_worker, args=(tag,))
+        if this engine had been configured with ``extra_backend_tag=tag``), claiming
+        ``identity`` if given (else its own)."""
+        _rekey(self._scheduler_connector().connector_scheduler, tag, identity)
+        self.llm.collective_rpc(_rekey_worker, args=(tag, identity))
 
     def vllm_block_hash(self, prompt: list[int], block_size: int) -> tuple[str | None, str]:
         """This process's ``PYTHONHASHSEED`` and vLLM's own block hash of ``prompt``'s

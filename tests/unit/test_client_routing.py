@@ -210,3 +210,59 @@ def test_bad_input_never_reaches_the_link(make):
         with pytest.raises(ValueError):
             call()
     assert link.data_ops == [] and link.registered == []
+
+
+# ------------------------------------------------------------------ tenants
+def test_a_tenant_rank_needs_its_secret(make, monkeypatch):
+    monkeypatch.delenv("RAYKV_TENANT_SECRET", raising=False)
+    with pytest.raises(ValueError, match="tenant 'acme' needs its secret in "
+                                         "\\$RAYKV_TENANT_SECRET.*not set"):
+        make(extra_config={"tenant": "acme"})
+    monkeypatch.setenv("RAYKV_TENANT_SECRET", "short")
+    with pytest.raises(ValueError, match="too short"):
+        make(extra_config={"tenant": "acme"})
+
+
+def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatch):
+    """v1 and v2 puts, gets and hits, a sidecar, the group query and the pointer API all
+    send keyed hashes under the tenant prefix, each keyed exactly once; the controller is
+    sent the config (no secret) and hands back the same scheme."""
+    import pickle
+
+    from raykv.controllers.tenancy import keyed_page_hash
+
+    secret = "x" * 32
+    monkeypatch.setenv("RAYKV_TENANT_SECRET", secret)
+    client, link = make(extra_config={"tenant": "acme"})
+    pool = kv_pool(client)
+    idx = client.create_host_pool("indexer", size=8, page_size=2, layer_num=1,
+                                  index_head_dim=4, dtype=torch.uint8)
+    client.register_mem_host_pool_v2(idx, PoolName.INDEXER)
+    p = client.key_scheme.prefix
+    assert p.startswith("t1.4=acme.") and "org" in p
+
+    def k(h: str) -> str:
+        return p + keyed_page_hash(secret.encode(), h)
+
+    client.batch_set_v2([PoolTransfer(PoolName.KV, ["a"], [0, 1]),
+                         PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)])
+    assert link.data_ops[-1][2].keys == [k("a") + "_0_k", k("a") + "_0_v", k("a") + "__indexer"]
+    client.batch_get_v1(["b"], [2, 3])
+    assert link.data_ops[-1][2].keys == [k("b") + "_0_k", k("b") + "_0_v"]
+    client.batch_set_v1(["b"], [2, 3])
+    assert link.data_ops[-1][2].keys == [k("b") + "_0_k", k("b") + "_0_v"]
+    client.batch_exists(["c"])
+    assert sorted(link.data_ops[-1][2]) == [k("c") + "_0_k", k("c") + "_0_v"]
+    ptrs, sizes = pool.get_page_buffer_meta([0, 1])
+    client.batch_set(["x_k", "x_v"], ptrs, sizes)
+    assert link.data_ops[-1][2].keys == [k("x_k"), k("x_v")]
+    client.batch_get(["x_k"], ptrs[:1], sizes[:1])
+    assert link.data_ops[-1][2].keys == [k("x_k")]
+    client.group_exists(["d", "e"])
+    assert link.data_ops[-1][5] == [k(h)[len(p):] for h in "de"]
+    ((config, specs, _),) = link.registered
+    assert secret.encode() not in pickle.dumps((config, specs))
+    assert client.key_scheme.prefix == p
+    assert "x" * 16 not in repr(client.__dict__)
+    with pytest.raises(ValueError, match="'d' appears at positions 0 and 1"):
+        client.group_exists(["d", "d"])

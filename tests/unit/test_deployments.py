@@ -23,9 +23,11 @@ def cfg(**kw) -> StorageConfig:
 
 
 def test_deployment_id():
-    assert deployment_id(cfg()) == "org-m"
+    """The exact key prefix (every non-empty one ends in ``_``), ``default`` for none."""
+    assert deployment_id(cfg()) == "org-m_"
     assert deployment_id(StorageConfig()) == "default"
-    assert deployment_id(cfg(extra_config={"extra_backend_tag": "t"})) == "t_org-m"
+    assert deployment_id(StorageConfig(model_name="default")) == "default_"
+    assert deployment_id(cfg(extra_config={"extra_backend_tag": "t"})) == "t_org-m_"
 
 
 def test_register_and_conflicts():

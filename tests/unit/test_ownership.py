@@ -100,7 +100,9 @@ def test_a_ranks_claim_carries_its_tenant_proof_and_key_prefix():
     config = StorageConfig(model_name="org/m", extra_config={"tenant": "team-a"})
     claim = claim_of(config, {"RAYKV_TENANT_SECRET": SECRET_A.decode()})
     assert claim.tenant == "team-a" and claim.proof == owner_proof(SECRET_A)
-    assert claim.key_prefix == "org-m_" and claim.check() is claim
+    # A tenant's key prefix encodes its identity, tenant first (controllers.keys).
+    assert claim.key_prefix.startswith("t1.6=team-a.") and claim.check() is claim
+    assert claim.deployment_id == claim.key_prefix.removesuffix("_")
     with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET"):
         claim_of(config, {})
     plain = claim_of(StorageConfig(), {})

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
-from raykv.integrations.sglang.config import BackendOptions, storage_config
+from raykv.integrations.sglang.config import CONFIG_KEYS, BackendOptions, storage_config
 from raykv.integrations.sglang.pools import describe_pool
 from raykv.integrations.sglang.transfers import (
     exists_queries,
@@ -48,6 +48,16 @@ def test_storage_config_keeps_ranks_and_only_raykv_extra_keys():
     cfg = storage_config(sg_config())
     assert (cfg.tp_rank, cfg.tp_size, cfg.model_name) == (1, 2, "m")
     assert cfg.extra_config == {"extra_backend_tag": "t", "timeout_s": 2}
+
+
+def test_storage_config_passes_tenant_and_model_revision():
+    extra = {"extra_backend_tag": "t", "tenant": "acme", "model_revision": "r1",
+             "ray_address": "h:1"}
+    cfg = storage_config(sg_config(extra_config=extra))
+    assert (cfg.tenant, cfg.model_revision, cfg.extra_backend_tag) == ("acme", "r1", "t")
+    assert {"tenant", "model_revision"} <= set(CONFIG_KEYS)
+    with pytest.raises(ValueError, match="tenant must be"):
+        storage_config(sg_config(extra_config={"tenant": "bad name"}))
 
 
 @pytest.mark.parametrize(("kw", "match"), [({"dcp_size": 2}, "dcp_size=2"),

@@ -1,0 +1,189 @@
+"""Tenants on a real two-node cluster (Ray + mooncake_master): each tenant finds, reads
+and writes only its own objects; a process without the tenant secret can neither find
+them nor plant objects the tenant would load; another model revision or KV dtype is a
+miss, never a load. Every scenario has its control without a tenant, where the same
+calls do cross-hit (so these tests can fail).
+
+Clients run in this test process (``CacheClient`` reads ``$RAYKV_TENANT_SECRET`` when it
+is made, so each is made under its own secret through ``monkeypatch``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from raykv.cache_actors import CacheClient
+from raykv.controllers import StorageConfig
+from raykv.controllers.tenancy import TENANT_SECRET_ENV
+
+from tests.integration.ranks import MHA, indices
+
+N = 4          # pages per scenario
+READ_AT = 32   # first slot pages are read into (written from slot 0)
+SECRET_A, SECRET_B, SECRET_C = ("a" * 32, "b" * 32, "c" * 32)
+
+
+@pytest.fixture
+def make(cluster, monkeypatch):
+    """``make(secret, seed, dtype=..., model_name=..., **extra_config)``: a client in
+    this process made under ``secret`` (None: unset), with an MHA KV pool filled from
+    ``seed``; its pools are destroyed and it is closed after the test."""
+    made: list[tuple[CacheClient, object]] = []
+
+    def make(secret: str | None, seed: int, *, model_name: str,
+             dtype: torch.dtype = torch.float16, **extra) -> tuple[CacheClient, object]:
+        if secret is None:
+            monkeypatch.delenv(TENANT_SECRET_ENV, raising=False)
+        else:
+            monkeypatch.setenv(TENANT_SECRET_ENV, secret)
+        client = CacheClient(StorageConfig(model_name=model_name, extra_config=extra))
+        pool = client.create_host_pool("mha", **(MHA | {"dtype": dtype}))
+        client.register_mem_pool_host(pool)
+        g = torch.Generator().manual_seed(seed)
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(dtype))
+        made.append((client, pool))
+        return client, pool
+
+    yield make
+    for client, pool in made:
+        client.destroy_host_pool(pool)
+        client.close()
+
+
+def pages(pool, start: int) -> torch.Tensor:
+    """The bytes of ``N`` pages from slot ``start``, both buffers."""
+    return pool.kv_buffer[:, start:start + N * MHA["page_size"]].contiguous().view(torch.uint8)
+
+
+def write(client, keys) -> None:
+    assert client.batch_set_v1(keys, indices(0, N)) == [True] * N
+
+
+def read(client, keys) -> list[bool]:
+    return client.batch_get_v1(keys, indices(READ_AT, N))
+
+
+def miss(client, pool, keys) -> None:
+    """``client`` finds none of ``keys`` and loads no byte of them into ``pool``."""
+    before = pages(pool, READ_AT).clone()
+    assert client.batch_exists(keys) == 0
+    assert read(client, keys) == [False] * N
+    assert torch.equal(pages(pool, READ_AT), before)
+
+
+def test_two_tenants_write_the_same_hashes_and_each_reads_its_own(make, uid):
+    model = f"org/{uid}"
+    keys = [f"{uid}-{i}" for i in range(N)]
+    a, pool_a = make(SECRET_A, 1, model_name=model, tenant="a")
+    b, pool_b = make(SECRET_B, 2, model_name=model, tenant="b")
+    write(a, keys)
+    write(b, keys)
+    assert read(a, keys) == [True] * N and read(b, keys) == [True] * N
+    assert torch.equal(pages(pool_a, READ_AT), pages(pool_a, 0))
+    assert torch.equal(pages(pool_b, READ_AT), pages(pool_b, 0))
+    assert not torch.equal(pages(pool_a, 0), pages(pool_b, 0))
+    for other, other_pool in (make(SECRET_C, 3, model_name=model, tenant="c"),
+                              make(None, 4, model_name=model)):
+        miss(other, other_pool, keys)
+        assert other.group_exists(keys).kv_hit_pages == 0
+    assert a.group_exists(keys).kv_hit_pages == N  # control: the owner's group finds them
+
+
+def test_control_without_tenants_the_second_writer_reads_the_first_ones_bytes(make, uid):
+    model = f"org/{uid}"
+    keys = [f"{uid}-{i}" for i in range(N)]
+    a, pool_a = make(None, 1, model_name=model)
+    b, pool_b = make(None, 2, model_name=model)
+    write(a, keys)
+    write(b, keys)  # put-if-absent: a's objects stay
+    assert read(b, keys) == [True] * N
+    assert torch.equal(pages(pool_b, READ_AT), pages(pool_a, 0))  # the cross hit
+    third, _ = make(None, 3, model_name=model)
+    assert third.batch_exists(keys) == N
+
+
+def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, uid):
+    model = f"org/{uid}"
+    keys = [f"{uid}-{i}" for i in range(N)]
+    owner, pool = make(SECRET_A, 1, model_name=model, tenant="a")
+    write(owner, keys)
+    impostor, impostor_pool = make(SECRET_B, 2, model_name=model, tenant="a")
+    miss(impostor, impostor_pool, keys)
+    assert impostor.group_exists(keys).kv_hit_pages == 0
+    # Control: the same tenant with the right secret, in another client, finds them all.
+    twin, twin_pool = make(SECRET_A, 3, model_name=model, tenant="a")
+    assert twin.batch_exists(keys) == N and read(twin, keys) == [True] * N
+    assert torch.equal(pages(twin_pool, READ_AT), pages(pool, 0))
+
+
+def test_pre_poisoned_objects_are_never_loaded(make, uid):
+    """A process without the secret writes poison first: under the keys the victim
+    would use without a tenant, and under the victim's own tenant prefix (which anyone
+    can compute: an ``extra_backend_tag`` equal to it) with the raw page hashes."""
+    model = f"org/{uid}"
+    keys = [f"{uid}-{i}" for i in range(N)]
+    legacy, poison = make(None, 666, model_name=model)
+    write(legacy, keys)
+    victim, pool = make(SECRET_A, 1, model_name=model, tenant="a")
+    squatter, _ = make(None, 667, model_name=None,
+                       extra_backend_tag=victim.key_scheme.prefix[:-1])
+    assert squatter.key_scheme.prefix == victim.key_scheme.prefix
+    write(squatter, keys)
+    miss(victim, pool, keys)
+    write(victim, keys)  # then the victim's own objects work
+    assert read(victim, keys) == [True] * N
+    assert torch.equal(pages(pool, READ_AT), pages(pool, 0))
+    # Control: without a tenant the victim loads the poison.
+    plain, plain_pool = make(None, 2, model_name=model)
+    assert read(plain, keys) == [True] * N
+    assert torch.equal(pages(plain_pool, READ_AT), pages(poison, 0))
+
+
+@pytest.mark.parametrize("change", ["model_revision", "kv_dtype"])
+def test_another_revision_or_kv_dtype_is_a_miss_never_a_load(make, uid, change):
+    """Writer and reader differ in the revision of the weights or in the KV dtype
+    (float16 vs bfloat16: the same page size in bytes, so a load would "work")."""
+    model = f"org/{uid}"
+    keys = [f"{uid}-{i}" for i in range(N)]
+    writer_kw = {"model_revision": "r1", "kv_dtype": "float16"}
+    reader_kw = writer_kw | ({"model_revision": "r2"} if change == "model_revision"
+                             else {"kv_dtype": "bfloat16", "dtype": torch.bfloat16})
+    writer, _ = make(SECRET_A, 1, model_name=model, tenant="a", **writer_kw)
+    write(writer, keys)
+    reader, rpool = make(SECRET_A, 2, model_name=model, tenant="a", **reader_kw)
+    miss(reader, rpool, keys)
+    assert reader.group_exists(keys).kv_hit_pages == 0  # its own deployment
+    assert writer.batch_exists(keys) == N  # control: the writer's objects are there
+    # Control: without a tenant the reader loads the writer's bytes; only registering
+    # (as a group query does) tells it apart, and refuses it.
+    plain_model = f"plain/{uid}"
+    plain_writer, wpool = make(None, 3, model_name=plain_model, **writer_kw)
+    write(plain_writer, keys)
+    assert plain_writer.group_exists(keys).kv_hit_pages == N
+    plain_reader, ppool = make(None, 4, model_name=plain_model, **reader_kw)
+    assert read(plain_reader, keys) == [True] * N
+    assert torch.equal(pages(ppool, READ_AT), pages(wpool, 0))  # the writer's bytes
+    with pytest.raises(ValueError, match=f"{change}=.*tenant.*extra_backend_tag"):
+        plain_reader.group_exists(keys)
+
+
+def test_models_sharing_sglang_keys_are_refused_without_a_tenant(make, uid):
+    keys = [f"{uid}-0"]
+    first, _ = make(None, 1, model_name=f"org/{uid}")
+    assert first.group_exists(keys).kv_hit_pages == 0
+    second, _ = make(None, 2, model_name=f"org-{uid}")
+    assert second.key_scheme.prefix == first.key_scheme.prefix  # SGLang's keys, kept
+    with pytest.raises(ValueError, match=f"model_name='org-{uid}' \\(theirs: 'org/{uid}'\\)"
+                                         ".*tenant.*extra_backend_tag"):
+        second.group_exists(keys)
+    # With a tenant the two models are two deployments.
+    for i, name in enumerate((f"org/{uid}", f"org-{uid}")):
+        c, _ = make(SECRET_A, 3 + i, model_name=name, tenant="a")
+        assert c.group_exists(keys).kv_hit_pages == 0
+
+
+def test_a_tenant_without_its_secret_is_refused_at_construction(monkeypatch):
+    monkeypatch.delenv(TENANT_SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="tenant 'a' needs its secret in "
+                                         f"\\${TENANT_SECRET_ENV}"):
+        CacheClient(StorageConfig(model_name="org/m", extra_config={"tenant": "a"}))
