@@ -10,7 +10,10 @@ then measures, for each page size:
 - **raw Mooncake**: a plain ``MooncakeDistributedStore`` in the driver process,
   ``batch_put_from`` / ``batch_get_into`` of ``batch`` objects of the same size from a
   registered buffer, against the same store;
-- **memcpy**: ``torch`` ``dst.copy_(src)`` of the same number of bytes.
+- **memcpy**: ``torch`` ``dst.copy_(src)`` of the same number of bytes;
+- **tenant**: the whole path again for a rank of a tenant (keyed page hashes, owner
+  claims, a tenant's key prefix), paired with the whole path without one in every
+  iteration, so what tenancy costs is read off one run.
 
 and the per-call latency of 1-page batches on both paths, and (``clusters.bench.group``)
 group-exists latency and throughput against a raw ``batch_is_exist`` of the same
@@ -21,6 +24,7 @@ seconds, latencies in ms, throughput in queries/s.
 from __future__ import annotations
 
 import os
+import secrets
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,13 +55,17 @@ from raykv.clusters.bench.toolkit import (
     write_figure,
 )
 from raykv.controllers.contract import StorageConfig
+from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.pool_layout import GiB, KiB, MiB
+from raykv.controllers.tenancy import TENANT_SECRET_ENV, tenant_secret
 from rich.console import Console
 
 DEFAULT_PAGE_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 # Store memory on node 2. Objects are removed after every iteration, so one iteration
-# (whole path + raw, batch x page bytes each) must fit: 2 x 128 x 4 MiB = 1 GiB by default.
+# (whole path, tenant, raw: batch x page bytes each) must fit: 3 x 128 x 4 MiB = 1.5 GiB
+# by default.
 SEGMENT_BYTES = 3 * GiB
+BENCH_TENANT = "raykv-bench"
 LATENCY_PAGE_BYTES = 64 * KiB
 LATENCY_CALLS = 200
 TARGET_RATIO = 0.9
@@ -130,54 +138,66 @@ def raw_round(raw: RawStore, pages: Pages, keys: list[str]) -> tuple[float, floa
     return t_put, t_get
 
 
-def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, iters: int,
-               run_id: str) -> dict:
-    """Whole-path and raw put/get of ``batch`` pages of ``page_bytes`` bytes: ``iters``
-    timed iterations after one untimed warm-up that also checks the bytes read back.
-    The two paths take turns going first, so neither always runs on a warmer store.
+def bench_size(client: CacheClient, tenant: CacheClient, raw: RawStore, page_bytes: int,
+               batch: int, iters: int, run_id: str) -> dict:
+    """Whole-path, tenant whole-path and raw put/get of ``batch`` pages of ``page_bytes``
+    bytes: ``iters`` timed iterations after one untimed warm-up that also checks the
+    bytes read back. The paths take turns going first, so none always runs on a warmer
+    store.
 
     ``ratio_put`` / ``ratio_get``: median over iterations of whole-path GB/s over raw GB/s
     of the same iteration; ``ratio_*_best``: best whole-path GB/s over best raw GB/s.
+    ``tenant_ratio_put`` / ``tenant_ratio_get``: the same median of the tenant's GB/s
+    over the whole path's without a tenant.
     """
     pages = make_pages(client, page_bytes, batch)
+    tpages = make_pages(tenant, page_bytes, batch)
     raw.resize(2 * batch * page_bytes)
     pages.half(raw.buffer, 0).copy_(pages.half(pages.pool_bytes, 0))
-    times: dict[str, list[float]] = {k: [] for k in ("whole_put", "whole_get", "raw_put",
-                                                     "raw_get")}
+    tpages.half(tpages.pool_bytes, 0).copy_(pages.half(pages.pool_bytes, 0))
+    keyed = KeyedHashes(tenant_secret(BENCH_TENANT))
+    times: dict[str, list[float]] = {k: [] for k in ("whole_put", "whole_get", "tenant_put",
+                                                     "tenant_get", "raw_put", "raw_get")}
     try:
         for it in range(iters + 1):
             hashes = [f"bench-{run_id}-{page_bytes}-{it}-{i}" for i in range(batch)]
             raw_keys = [f"raw-{h}" for h in hashes]
             if it == 0:
-                pages.half(pages.pool_bytes, 1).zero_()
-                pages.half(raw.buffer, 1).zero_()
-            if it % 2:
-                raw_t = raw_round(raw, pages, raw_keys)
-                whole_t = whole_round(client, pages, hashes)
-            else:
-                whole_t = whole_round(client, pages, hashes)
-                raw_t = raw_round(raw, pages, raw_keys)
+                for data in (pages.pool_bytes, tpages.pool_bytes, raw.buffer):
+                    pages.half(data, 1).zero_()
+            rounds = {"whole": (whole_round, client, pages, hashes),
+                      "tenant": (whole_round, tenant, tpages, hashes),
+                      "raw": (raw_round, raw, pages, raw_keys)}
+            order = list(rounds)[it % 3:] + list(rounds)[:it % 3]
+            took = {name: rounds[name][0](*rounds[name][1:]) for name in order}
             if it == 0:
-                for name, data in (("whole path", pages.pool_bytes), ("raw", raw.buffer)):
+                for name, data in (("whole path", pages.pool_bytes),
+                                   ("tenant", tpages.pool_bytes), ("raw", raw.buffer)):
                     if not torch.equal(pages.half(data, 0), pages.half(data, 1)):
                         raise RuntimeError(f"{name}, {page_bytes}-byte pages: the bytes read "
                                            "back differ from the bytes written")
             else:
-                for name, t in zip(times, (*whole_t, *raw_t), strict=True):
-                    times[name].append(t)
-            raw.remove([k for h in hashes for k in client.key_scheme.kv_keys(h)] + raw_keys)
+                for name in rounds:
+                    times[f"{name}_put"].append(took[name][0])
+                    times[f"{name}_get"].append(took[name][1])
+            raw.remove([k for h in hashes for k in client.key_scheme.kv_keys(h)]
+                       + [k for h in keyed.keys(hashes) for k in tenant.key_scheme.kv_keys(h)]
+                       + raw_keys)
     finally:
         client.destroy_host_pool(pages.pool)
+        tenant.destroy_host_pool(tpages.pool)
     nbytes = batch * page_bytes
     out = {"page_bytes": page_bytes, "batch": batch, "batch_bytes": nbytes}
     out |= {name: summarize(nbytes, t) for name, t in times.items()}
     out["memcpy"] = bench_memcpy(nbytes, iters)
     for op in ("put", "get"):
-        # Paired: both paths ran back to back in each iteration, so load that comes and
+        # Paired: the paths ran back to back in each iteration, so load that comes and
         # goes on the machine cancels out of each iteration's ratio.
         pairs = zip(times[f"raw_{op}"], times[f"whole_{op}"], strict=True)
         out[f"ratio_{op}"] = statistics.median(raw_t / whole_t for raw_t, whole_t in pairs)
         out[f"ratio_{op}_best"] = out[f"whole_{op}"]["best_gbps"] / out[f"raw_{op}"]["best_gbps"]
+        pairs = zip(times[f"whole_{op}"], times[f"tenant_{op}"], strict=True)
+        out[f"tenant_ratio_{op}"] = statistics.median(w / t for w, t in pairs)
     return out
 
 
@@ -247,6 +267,17 @@ def render(result: dict, console: Console) -> None:
                       f"{s['ratio_get']:.2f} ({s['ratio_get_best']:.2f})",
                       gbps_text(s["memcpy"]))
     console.print(table)
+    ttable = right_table(
+        "a tenant's rank (keyed page hashes, owner claims) vs a rank without one, GB/s "
+        "median (best)", ("page", "put", "tenant put", "ratio", "get", "tenant get",
+                          "ratio"),
+        caption="ratio = tenant / no tenant: median of per-iteration ratios")
+    for s in result["sizes"]:
+        ttable.add_row(human_bytes(s["page_bytes"]), gbps_text(s["whole_put"]),
+                       gbps_text(s["tenant_put"]), f"{s['tenant_ratio_put']:.2f}",
+                       gbps_text(s["whole_get"]), gbps_text(s["tenant_get"]),
+                       f"{s['tenant_ratio_get']:.2f}")
+    console.print(ttable)
     lat = result["latency"]
     ltable = right_table(f"per-call latency, 1 page of {human_bytes(lat['page_bytes'])}, "
                          f"{lat['whole_set']['calls']} calls, ms",
@@ -355,8 +386,8 @@ def run_dataplane_bench(
         raise ValueError("page_sizes is empty")
     for size in page_sizes:
         layer_num_for(size)
-    if 2 * batch * max(page_sizes) > SEGMENT_BYTES:
-        raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on both paths do "
+    if 3 * batch * max(page_sizes) > SEGMENT_BYTES:
+        raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on three paths do "
                          f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
     run = BenchRun.begin(out_dir, console)
     console = run.console
@@ -364,6 +395,10 @@ def run_dataplane_bench(
                             group_window_s=0.0)
     with cluster:
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench"))
+        # The tenant's secret: this process's own if it has one, else a fresh one.
+        os.environ.setdefault(TENANT_SECRET_ENV, secrets.token_hex(32))
+        tenant = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench",
+                                           extra_config={"tenant": BENCH_TENANT}))
         # Match the raw client's priority to the node actors' (Ray workers run niced).
         niceness = os.getpriority(os.PRIO_PROCESS, client.health()["pid"])
         raw = RawStore(cluster.metadata_server, cluster.master_address, niceness)
@@ -371,7 +406,8 @@ def run_dataplane_bench(
             results = []
             for size in page_sizes:
                 console.print(f"[dim]{human_bytes(size)} pages ...[/dim]")
-                results.append(bench_size(client, raw, size, batch, iters, run.run_id))
+                results.append(bench_size(client, tenant, raw, size, batch, iters,
+                                          run.run_id))
             console.print("[dim]1-page latency ...[/dim]")
             latency = bench_latency(client, raw, run.run_id)
             console.print("[dim]group exists ...[/dim]")
@@ -380,6 +416,7 @@ def run_dataplane_bench(
                                seconds=group_seconds) if group_tp_sizes else []
         finally:
             raw.close()
+            tenant.close()
             client.close()
     result = {
         "run_id": run.run_id,

@@ -22,6 +22,7 @@ from raykv.clusters import deploy, start_local
 from raykv.clusters.status_view import render_status
 from raykv.controllers import PoolName, StorageConfig
 from raykv.controllers.contract import PoolTransfer
+from raykv.controllers.deployments import deployment_id
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 from rich.console import Console
@@ -68,7 +69,7 @@ def test_another_deployment_is_refused_the_owner_is_served(cluster, monkeypatch)
     a, b = client(monkeypatch, f"own/a{uid}"), client(monkeypatch, f"own/b{uid}")
     name = f"shared-name-{uid}"
     pool = a.create_host_pool("mha", name=name, **MHA)
-    owner = f"belongs to deployment 'own-a{uid}'"
+    owner = f"belongs to deployment 'own-a{uid}_'"
     with pytest.raises(ValueError, match=owner):  # today's silent attach: refused
         b.create_host_pool("mha", name=name, **MHA)
     with pytest.raises(ValueError, match=owner):
@@ -111,12 +112,12 @@ def test_engine_memory_adoption_of_another_owners_name_is_refused(cluster, monke
     st = os.fstat(fd)
     path, inode = f"/proc/{os.getpid()}/fd/{fd}", (st.st_dev, st.st_ino)
     try:
-        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}_'"):
             b.adopt_engine_pool(f"layout-{uid}", path, layout, inode)
         engine = a.adopt_engine_pool(f"engine-{uid}", path, layout, inode)  # CONTROL
-        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}_'"):
             b.adopt_engine_pool(f"engine-{uid}", path, layout, inode)
-        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}'"):
+        with pytest.raises(ValueError, match=f"belongs to deployment 'adopt-a{uid}_'"):
             b.attach_host_pool(f"engine-{uid}")
         assert a.adopt_engine_pool(f"engine-{uid}", path, layout, inode).handle == \
             engine.handle  # CONTROL: the owner adopts it again
@@ -188,7 +189,7 @@ def test_a_tenant_stops_at_its_quota_and_status_shows_its_use(cluster, monkeypat
     assert node["tenants"]["team-q"] == {"pool_bytes": QUOTA, "pools": 3, "quota": QUOTA}
     assert node["tenants"]["team-r"]["pool_bytes"] >= 4 * POOL_BYTES
     assert node["tenants"]["team-r"]["quota"] is None
-    assert node["pools"][pools[0].name]["owner"] == {"deployment": f"quota-q{uid}",
+    assert node["pools"][pools[0].name]["owner"] == {"deployment": deployment_id(q.config),
                                                       "tenant": "team-q"}
     out = io.StringIO()
     render_status(state, Console(file=out, width=100))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mooncake.store import MooncakeDistributedStore
 from raykv.cache_actors import CacheClient
 from raykv.controllers import StorageConfig
-from raykv.controllers.tenancy import TENANT_SECRET_ENV
+from raykv.controllers.tenancy import TENANT_SECRET_ENV, keyed_page_hash
 
 from tests.integration.ranks import MHA, indices
 
@@ -37,8 +38,12 @@ def make(cluster, monkeypatch):
         else:
             monkeypatch.setenv(TENANT_SECRET_ENV, secret)
         client = CacheClient(StorageConfig(model_name=model_name, extra_config=extra))
-        pool = client.create_host_pool("mha", **(MHA | {"dtype": dtype}))
-        client.register_mem_pool_host(pool)
+        try:
+            pool = client.create_host_pool("mha", **(MHA | {"dtype": dtype}))
+            client.register_mem_pool_host(pool)
+        except BaseException:
+            client.close()
+            raise
         g = torch.Generator().manual_seed(seed)
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(dtype))
         made.append((client, pool))
@@ -102,15 +107,34 @@ def test_control_without_tenants_the_second_writer_reads_the_first_ones_bytes(ma
     assert third.batch_exists(keys) == N
 
 
-def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, uid):
+def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
+    """An impostor claims tenant "a" with another secret. The node actor, which bound
+    "a"'s owner proof at the owner's first pool, refuses its pool; and the store itself
+    (a plain Mooncake client, which any process that reaches the master can be) holds
+    nothing under the keys the impostor can compute, though the tenant's prefix is
+    public. Controls: under the owner's secret the same computation names every object,
+    and a client with the right secret reads them."""
     model = f"org/{uid}"
     keys = [f"{uid}-{i}" for i in range(N)]
     owner, pool = make(SECRET_A, 1, model_name=model, tenant="a")
     write(owner, keys)
-    impostor, impostor_pool = make(SECRET_B, 2, model_name=model, tenant="a")
-    miss(impostor, impostor_pool, keys)
-    assert impostor.group_exists(keys).kv_hit_pages == 0
-    # Control: the same tenant with the right secret, in another client, finds them all.
+    with pytest.raises(ValueError, match="owner proof differs"):
+        make(SECRET_B, 2, model_name=model, tenant="a")
+
+    def objects(secret: str) -> list[str]:
+        return [k for h in keys for k in owner.key_scheme.kv_keys(
+            keyed_page_hash(secret.encode(), h))]
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
+                       cluster.master_address) == 0
+    try:
+        assert store.batch_is_exist(objects(SECRET_B)) == [0] * (2 * N)
+        assert store.batch_is_exist([k for h in keys for k in owner.key_scheme.kv_keys(h)]) \
+            == [0] * (2 * N)  # nor under the raw page hashes
+        assert store.batch_is_exist(objects(SECRET_A)) == [1] * (2 * N)  # control
+    finally:
+        store.close()
     twin, twin_pool = make(SECRET_A, 3, model_name=model, tenant="a")
     assert twin.batch_exists(keys) == N and read(twin, keys) == [True] * N
     assert torch.equal(pages(twin_pool, READ_AT), pages(pool, 0))
