@@ -147,6 +147,28 @@ class TenantQuota(click.ParamType):
         return tenant.strip(), nbytes
 
 
+class TenantDigest(click.ParamType):
+    """``NAME=DIGEST``: a tenant name and the digest of its owner proof (what ``raykv
+    tenant-digest`` prints); converts to ``(name, digest)``."""
+
+    name = "tenant=digest"
+
+    def convert(self, value, param, ctx) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        from raykv.controllers.ownership import check_tenant_digests
+
+        tenant, sep, digest = str(value).strip().partition("=")
+        if not sep:
+            self.fail(f"{value!r} is not NAME=DIGEST (`raykv tenant-digest NAME` prints "
+                      "it)", param, ctx)
+        try:
+            check_tenant_digests({tenant: digest})
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return tenant, digest
+
+
 POSITIVE = click.IntRange(min=1)
 SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -291,12 +313,16 @@ def _connected(call, *args, **kwargs):
 @click.option("--tenant-quota", "tenant_quotas", multiple=True, type=TenantQuota(),
               help="NAME=SIZE: the host pool bytes tenant NAME's deployments may hold on "
               "each node (repeat per tenant; default: no quota).")
+@click.option("--tenant-digest", "tenant_digests", multiple=True, type=TenantDigest(),
+              help="NAME=DIGEST: bind tenant NAME to its secret on every node from the start "
+              "(DIGEST from `raykv tenant-digest NAME`), so no process can claim the name "
+              "first (repeat per tenant; default: bound on first use).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       confirm_ttl: float,
-       tenant_quotas: tuple[tuple[str, int], ...]) -> None:
+       confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
+       tenant_digests: tuple[tuple[str, str], ...]) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
     from raykv.clusters.node_actors import NodeSettings
@@ -306,9 +332,11 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
     if master_address and (master_port or metadata_port):
         raise click.UsageError("--master-port and --metadata-port are for the master raykv "
                                "runs; --master-address names one that runs already")
-    quotas = dict(tenant_quotas)
+    quotas, digests = dict(tenant_quotas), dict(tenant_digests)
     if len(quotas) != len(tenant_quotas):
         raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-quota'")
+    if len(digests) != len(tenant_digests):
+        raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-digest'")
     if host_pool_size is None:
         host_pool_size = (1 << 30) if standalone else 0
     try:
@@ -316,7 +344,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             global_segment_size=segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
-            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas)
+            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas,
+            tenant_digests=digests)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):
@@ -394,6 +423,21 @@ def down(address: str, namespace: str) -> None:
                                    f"{namespace!r}")
     actors = len([name for name in stopped if name != "checkpoint"])
     click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
+
+
+@main.command("tenant-digest", epilog=_epilog(
+    zero="printed NAME=DIGEST", one=("also when $RAYKV_TENANT_SECRET is missing or short",)))
+@click.argument("tenant")
+def tenant_digest(tenant: str) -> None:
+    """Print TENANT=DIGEST for `raykv up --tenant-digest`: the digest of the owner proof of
+    TENANT's secret in $RAYKV_TENANT_SECRET (run it where the secret is; the digest
+    reveals neither the secret nor the proof)."""
+    from raykv.controllers.ownership import tenant_digest as digest_of
+
+    try:
+        click.echo(f"{tenant}={digest_of(tenant)}")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 BENCH_EPILOG = _epilog(

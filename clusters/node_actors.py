@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.ownership import check_tenant_digests
 from raykv.controllers.tenant_quotas import check_tenant_quotas
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class NodeSettings:
     0 turns it off.
     ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
     node (``controllers.tenant_quotas``; none: only ``host_pool_bytes`` bounds them).
+    ``tenant_digests``: tenant -> the digest of its owner proof (``raykv tenant-digest``),
+    bound on every node from the start instead of on first use
+    (``controllers.ownership``).
     """
 
     master_address: str = ""
@@ -63,9 +67,11 @@ class NodeSettings:
     group_window_s: float = 2.0
     confirm_ttl_s: float = 2.0
     tenant_quotas: dict[str, int] = field(default_factory=dict)
+    tenant_digests: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
+        object.__setattr__(self, "tenant_digests", check_tenant_digests(self.tenant_digests))
         if self.confirm_ttl_s < 0:
             raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:

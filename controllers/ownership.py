@@ -8,9 +8,11 @@ tenant's owner proof, the deployment's key prefix). The node actor checks the cl
 (``OwnerBindings.verify``) and then serves only the claimant's own pools and keys:
 
 - A tenant's owner proof (``controllers.tenancy.owner_proof``) is bound per node actor
-  on the first claim of that tenant name (trust on first use); a later claim of the
-  tenant with another proof is refused. So is a claim of a deployment under another
-  tenant than its first claim named. Only the SHA-256 of a proof is kept (a proof is a
+  on the first claim of that tenant name (trust on first use), unless the cluster's
+  settings bound it in advance (``NodeSettings.tenant_digests``: the digest
+  ``tenant_digest`` prints, so a process that claims the name first cannot take it); a
+  later claim of the tenant with another proof is refused. So is a claim of a deployment
+  under another tenant than its first claim named. Only the SHA-256 of a proof is kept (a proof is a
   bearer token; its digest is what pool records hold, so the binding outlives a restart
   of the actor for as long as a record of the tenant does).
 - A pool answers only calls whose claim names its owner (same deployment id and tenant);
@@ -118,6 +120,27 @@ def proof_digest(proof: str) -> str:
     return hashlib.sha256(proof.encode()).hexdigest()
 
 
+def tenant_digest(tenant: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The digest a node binds for ``tenant`` whose secret is in ``environ`` (what
+    ``raykv tenant-digest`` prints for ``raykv up --tenant-digest``); ``ValueError``
+    naming the fix if the secret is missing. Reveals nothing of the secret or the proof."""
+    return proof_digest(owner_proof(tenant_secret(check_tenant(tenant), environ)))
+
+
+def check_tenant_digests(digests: object) -> dict[str, str]:
+    """``digests`` as a dict of tenant name -> proof digest (64 lowercase hex digits),
+    else ``ValueError`` naming the bad entry."""
+    if not isinstance(digests, Mapping):
+        raise ValueError(f"tenant digests must be a mapping of tenant -> digest, got "
+                         f"{type(digests).__name__}")
+    for tenant, digest in digests.items():
+        check_tenant(tenant)
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise ValueError(f"the digest of tenant {tenant!r} must be 64 hex digits (what "
+                             f"`raykv tenant-digest` prints), got {digest!r}")
+    return dict(digests)
+
+
 def check_access(name: str, owner: Owner | None, caller: Owner | None, what: str) -> None:
     """``ValueError`` unless ``caller`` (None: a caller without a claim) may ``what``
     ("attach", "destroy", ...) pool ``name`` of ``owner`` (None: legacy)."""
@@ -139,13 +162,15 @@ class OwnerBindings:
     forgotten when the deployment table is full)."""
 
     def __init__(self, keep: Callable[[str], bool] = lambda d: True, *,
-                 max_tenants: int = MAX_TENANTS,
+                 digests: Mapping[str, str] | None = None, max_tenants: int = MAX_TENANTS,
                  max_deployments: int = MAX_DEPLOYMENTS) -> None:
+        """``digests``: tenant -> the digest of its proof (``proof_digest``), bound from
+        the start (checked by ``check_tenant_digests``); other tenants bind on first use."""
         self._keep = keep
         self._max_tenants = max_tenants
         self._max_deployments = max_deployments
         self._lock = threading.Lock()
-        self._proofs: dict[str, str] = {}  # tenant -> proof digest
+        self._proofs: dict[str, str] = check_tenant_digests(digests or {})  # tenant -> digest
         self._tenants: dict[str, str | None] = {}  # deployment id -> its tenant
 
     def verify(self, claim: OwnerClaim | None) -> OwnerClaim | None:

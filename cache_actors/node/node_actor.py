@@ -40,7 +40,8 @@ class NodeCacheActor:
     (``group_exists`` waits here for the service's reply). Pool calls and data calls
     take the caller's ``OwnerClaim`` last (None: a caller without one). Runs only as
     ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
-    deployments may hold on this node."""
+    deployments may hold on this node; ``tenant_digests``: tenant -> its owner proof's
+    digest, bound from the start."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class NodeCacheActor:
         group_window_s: float = 2.0,
         confirm_ttl_s: float = 2.0,
         tenant_quotas: dict[str, int] | None = None,
+        tenant_digests: dict[str, str] | None = None,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.
@@ -79,7 +81,8 @@ class NodeCacheActor:
         self._service = NodeService(
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
-            confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas)
+            confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas,
+            tenant_digests=tenant_digests)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;

@@ -151,13 +151,14 @@ class NodePools:
 
     def __init__(self, prefix: str, store: NodeStore,
                  sized: Callable[[str, int, Owner | None], None], *,
-                 drain_s: float = DRAIN_S, quotas: Mapping[str, int] | None = None) -> None:
+                 drain_s: float = DRAIN_S, quotas: Mapping[str, int] | None = None,
+                 digests: Mapping[str, str] | None = None) -> None:
         self._store = store
         self._records = PoolRecords(prefix, store.mode)
         self._sized = sized
         self._drain_s = drain_s
         self.quotas = MappingProxyType(dict(quotas or {}))
-        self.owners = OwnerBindings(keep=self._owns_pools)
+        self.owners = OwnerBindings(keep=self._owns_pools, digests=digests)
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process

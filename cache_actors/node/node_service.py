@@ -125,13 +125,15 @@ class NodeService:
     ``prefix``: of every shared file of this node; ``fetch_deployment(id)``: the
     controller's current copy of a deployment (``ValueError`` if it does not know it);
     ``segment_size``: the bytes this node contributes to the store (reported only);
-    ``tenant_quotas``: tenant -> bytes its pools here may hold.
+    ``tenant_quotas``: tenant -> bytes its pools here may hold; ``tenant_digests``:
+    tenant -> its owner proof's digest, bound from the start (``OwnerBindings``).
     """
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
                  group_window_s: float, confirm_ttl_s: float,
-                 tenant_quotas: Mapping[str, int] | None = None) -> None:
+                 tenant_quotas: Mapping[str, int] | None = None,
+                 tenant_digests: Mapping[str, str] | None = None) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -140,7 +142,8 @@ class NodeService:
         self._started = time.time()
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._deployments: dict[str, Deployment] = {}
-        self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas)
+        self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
+                                digests=tenant_digests)
         self._pools.readopt()
         # concurrent ranks share store calls
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)

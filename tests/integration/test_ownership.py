@@ -24,21 +24,24 @@ from raykv.controllers import PoolName, StorageConfig
 from raykv.controllers.contract import PoolTransfer
 from raykv.controllers.deployments import deployment_id
 from raykv.controllers.naming import node_actor_name
+from raykv.controllers.ownership import tenant_digest
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 from rich.console import Console
 
 from tests.integration.ranks import MHA, indices
 
-SECRET_Q, SECRET_R, FORGED = "q" * 32, "r" * 32, "f" * 32
+SECRET_Q, SECRET_R, SECRET_D, FORGED = "q" * 32, "r" * 32, "d" * 32, "f" * 32
 POOL_BYTES = 2 * 64 * 2 * 2 * 8 * 2  # K and V: 64 slots x 2 layers x 2 heads x 8 dims, fp16
 QUOTA = 3 * POOL_BYTES
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One node whose tenant ``team-q`` may hold three MHA pools."""
+    """One node whose tenant ``team-q`` may hold three MHA pools, and to which tenant
+    ``team-d`` is bound in advance (its digest in the cluster's settings)."""
+    digest = tenant_digest("team-d", {TENANT_SECRET_ENV: SECRET_D})
     with start_local(num_nodes=1, global_segment_size=256 << 20,
-                     tenant_quotas={"team-q": QUOTA}) as c:
+                     tenant_quotas={"team-q": QUOTA}, tenant_digests={"team-d": digest}) as c:
         yield c
 
 
@@ -168,6 +171,22 @@ def test_a_wrong_tenant_proof_is_refused(cluster, monkeypatch):
     second = client(monkeypatch, f"proof/{uid}y", "team-r", SECRET_R)
     round_trip(second, second.create_host_pool("mha", **MHA), f"{uid}-r")
     assert first.destroy_host_pool(pool)
+
+
+def test_a_tenant_bound_in_advance_is_never_claimed_by_another_secret(cluster,
+                                                                      monkeypatch):
+    """``team-d``'s digest came with the cluster's settings: a process with another secret
+    that claims the name first on the node is refused all the same (with first-use
+    binding it would have taken the name: see the unit test's control)."""
+    uid = uuid.uuid4().hex[:8]
+    squatter = client(monkeypatch, f"bound/{uid}x", "team-d", FORGED)
+    with pytest.raises(ValueError, match="tenant 'team-d': the owner proof differs"):
+        squatter.create_host_pool("mha", **MHA)
+    # CONTROL: the tenant's own secret is served
+    owner = client(monkeypatch, f"bound/{uid}", "team-d", SECRET_D)
+    pool = owner.create_host_pool("mha", **MHA)
+    round_trip(owner, pool, f"{uid}-d")
+    assert owner.destroy_host_pool(pool)
 
 
 def test_a_tenant_stops_at_its_quota_and_status_shows_its_use(cluster, monkeypatch):

@@ -99,6 +99,23 @@ def test_more_bad_option_values_in_process(args, words):
     assert "Invalid value" in out.output and all(w in out.output for w in words), out.output
 
 
+def test_tenant_digest_prints_what_up_binds_and_needs_the_secret():
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+    from raykv.controllers.ownership import proof_digest
+    from raykv.controllers.tenancy import owner_proof
+
+    secret = "s" * 32
+    out = CliRunner().invoke(main, ["tenant-digest", "acme"],
+                             env={"RAYKV_TENANT_SECRET": secret})
+    assert out.exit_code == 0, out.output
+    assert out.output.strip() == f"acme={proof_digest(owner_proof(secret.encode()))}"
+    assert secret not in out.output
+    missing = CliRunner().invoke(main, ["tenant-digest", "acme"],
+                                 env={"RAYKV_TENANT_SECRET": ""})
+    assert missing.exit_code == 1 and "RAYKV_TENANT_SECRET" in missing.output
+
+
 def test_version_is_the_package_metadata():
     from importlib.metadata import version
 

@@ -144,6 +144,15 @@ def test_raykv_up_passes_its_transport_options_in_one_settings(monkeypatch):
                                               "--master-port=50051", "--metadata-port=8080"])
     assert mooncake_host.exit_code == 0 and seen["settings"].local_hostname == "127.0.0.1"
     assert seen["master_ports"] == (50051, 8080)
+    digest = "ab" * 32
+    bound = CliRunner().invoke(main, ["up", f"--tenant-digest=team-a={digest}",
+                                      "--tenant-quota=team-a=1GB"])
+    assert bound.exit_code == 0, bound.output
+    assert seen["settings"].tenant_digests == {"team-a": digest}
+    assert seen["settings"].tenant_quotas == {"team-a": 1 << 30}
+    for bad in ("team-a", "team-a=xyz", f"team a={digest}"):
+        out = CliRunner().invoke(main, ["up", f"--tenant-digest={bad}"])
+        assert out.exit_code == 2 and "--tenant-digest" in out.output, out.output
 
 
 @pytest.mark.parametrize("args", [["--rdma-devices=mlx5_0"],

@@ -24,7 +24,10 @@ from raykv.controllers.ownership import (
     OwnerBindings,
     OwnerClaim,
     check_access,
+    check_tenant_digests,
     claim_of,
+    proof_digest,
+    tenant_digest,
 )
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.tenancy import owner_proof
@@ -51,6 +54,30 @@ def test_a_tenant_proof_is_bound_on_first_use_and_another_is_refused():
         bindings.verify(forged)
     assert bindings.verify(B) is B  # another tenant: its own first use
     assert bindings.verify(None) is None  # a caller without a claim stays one
+
+
+def test_a_tenant_bound_in_advance_refuses_even_the_first_claim_of_another_secret():
+    digest = tenant_digest("team-a", {"RAYKV_TENANT_SECRET": SECRET_A.decode()})
+    assert digest == proof_digest(owner_proof(SECRET_A))
+    bindings = OwnerBindings(digests={"team-a": digest})
+    forged = OwnerClaim("dep-x", "team-a", owner_proof(SECRET_B), "x_")
+    with pytest.raises(ValueError, match="tenant 'team-a': the owner proof differs"):
+        bindings.verify(forged)  # first claim on this node, yet refused
+    assert bindings.verify(A) is A  # the tenant's own secret
+    # Control: without the advance binding, the forger's first claim takes the name.
+    squatted = OwnerBindings()
+    assert squatted.verify(forged) is forged
+    with pytest.raises(ValueError, match="the owner proof differs"):
+        squatted.verify(A)
+
+
+@pytest.mark.parametrize("digests", [{"team a": "0" * 64}, {"t": "0" * 63}, {"t": "Z" * 64},
+                                     {"t": 7}, ["t"]])
+def test_bad_tenant_digests_are_refused(digests):
+    with pytest.raises(ValueError):
+        check_tenant_digests(digests)
+    with pytest.raises(ValueError):
+        OwnerBindings(digests=digests)
 
 
 def test_a_deployment_stays_with_its_first_tenant():
