@@ -111,7 +111,7 @@ def test_up_status_down(ray_head, uid):
     (node,) = state["nodes"].values()
     counters = node["pools"][f"p{uid}"]["counters"]
     assert counters["put_ok"] == 6 and counters["get_ok"] == 6
-    assert f"cli-{uid}" in state["deployments"]
+    assert f"cli-{uid}_" in state["deployments"]  # the key prefix of model cli/{uid}
     assert state["master"]["restarts"] == 0
     table = raykv("status", f"--address={ray_head}").stdout
     assert "nodes and pools" in table and f"cli-{uid}" in table

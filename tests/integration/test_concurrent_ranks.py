@@ -1,7 +1,9 @@
 """Many ranks of one node moving pages at the same time through its cache actor, whose
 store calls merge the ranks' concurrent batches (``cache_actors.node.transfer_merger``):
 each rank still gets its own per-page results and bytes, put-if-absent has exactly one
-first writer per object, and a bad batch fails only the rank that sent it."""
+first writer per object, and a bad batch fails only the rank that sent it. Raw data ops
+name objects by their whole keys, in the key space (key prefix) of the rank's
+deployment: the node actor refuses any other (``NOT_OWNED``)."""
 
 import pytest
 import ray
@@ -25,6 +27,15 @@ def ranks(cluster):
     """``RANKS`` MLA ranks on node 1, each with its own pool and model name (own keys)."""
     node1 = cluster.node_ids[0]
     return [start_rank(node1, mla(f"own{i}"), kind="mla", pool_name=f"conc{i}")
+            for i in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def one_deployment(cluster):
+    """``RANKS`` MLA ranks on node 1 of one deployment (one key space), each with its
+    own pool."""
+    node1 = cluster.node_ids[0]
+    return [start_rank(node1, mla("same"), kind="mla", pool_name=f"same{i}")
             for i in range(RANKS)]
 
 
@@ -65,18 +76,21 @@ def object_batch(rank, start: int, keys: list[str], pool: str) -> ObjectBatch:
     return batch
 
 
-def test_concurrent_puts_of_the_same_objects_have_one_first_writer(cluster, ranks, uid):
-    """Every rank puts the same objects at once: per object exactly one rank stores it
-    (code 0), every other sees it already present; the bytes read are that rank's."""
+def test_concurrent_puts_of_the_same_objects_have_one_first_writer(cluster, one_deployment,
+                                                                    uid):
+    """Every rank of one deployment puts the same objects at once: per object exactly one
+    rank stores it (code 0), every other sees it already present; the bytes read are
+    that rank's."""
+    ranks = one_deployment
     ray.get([r.fill.remote(100 + seed) for seed, r in enumerate(ranks)])
-    keys = [f"{uid}-same-{i}" for i in range(PAGES)]
-    codes = ray.get([r.data.remote("put", object_batch(r, 0, keys, f"conc{i}"))
+    keys = [f"same_{uid}-same-{i}" for i in range(PAGES)]
+    codes = ray.get([r.data.remote("put", object_batch(r, 0, keys, f"same{i}"))
                      for i, r in enumerate(ranks)])
     for k in range(PAGES):
         column = [c[k] for c in codes]
         assert sorted(column) == [0] + [ALREADY_PRESENT] * (RANKS - 1), column
     reader = ranks[0]
-    got = ray.get(reader.data.remote("get", object_batch(reader, 32, keys, "conc0")))
+    got = ray.get(reader.data.remote("get", object_batch(reader, 32, keys, "same0")))
     assert all(c > 0 for c in got)
     read = ray.get(reader.pages.remote(32, PAGES)).view(torch.uint8)
     for k in range(PAGES):
@@ -87,7 +101,7 @@ def test_concurrent_puts_of_the_same_objects_have_one_first_writer(cluster, rank
 
 def test_bad_offset_in_one_rank_fails_only_that_rank(cluster, ranks, uid):
     ray.get([r.fill.remote(200 + seed) for seed, r in enumerate(ranks)])
-    keys = {i: [f"{uid}-bad-{i}-{p}" for p in range(PAGES)] for i in range(RANKS)}
+    keys = {i: [f"own{i}_{uid}-bad-{i}-{p}" for p in range(PAGES)] for i in range(RANKS)}
     batches = {i: object_batch(r, 0, keys[i], f"conc{i}") for i, r in enumerate(ranks)}
     batches[2].offsets[3] = 1 << 40  # far outside the pool
     refs = {i: r.data.remote("put", batches[i]) for i, r in enumerate(ranks)}
