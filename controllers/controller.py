@@ -26,6 +26,7 @@ from raykv.controllers.deployments import (
     Registration,
 )
 from raykv.controllers.naming import node_actor_name
+from raykv.controllers.ownership import bind_tenant_proof, check_tenant_digests
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +39,23 @@ def checkpoint_key(namespace: str) -> str:
 class CacheController:
     """Registry of store addresses, node actors and deployments."""
 
-    def __init__(self, info: dict, namespace: str) -> None:
+    def __init__(self, info: dict, namespace: str,
+                 tenant_digests: dict[str, str] | None = None) -> None:
+        """``tenant_digests``: tenant -> its owner proof's digest, bound from the start
+        (``NodeSettings.tenant_digests``); other tenants bind at their first
+        registration, and the bindings are checkpointed with the deployments."""
         self._info = dict(info)
         self._namespace = namespace
         self._nodes: dict[str, str] = {}
         self._registry = DeploymentRegistry()
+        self._digests = check_tenant_digests(tenant_digests or {})  # tenant -> digest
         self._restore()
 
     # ------------------------------------------------------------ checkpoint
     def _save(self) -> None:
         state = {"info": self._info, "nodes": self._nodes,
-                 "deployments": [d.to_dict() for d in self._registry.deployments.values()]}
+                 "deployments": [d.to_dict() for d in self._registry.deployments.values()],
+                 "tenant_digests": self._digests}
         internal_kv._internal_kv_put(checkpoint_key(self._namespace), json.dumps(state),
                                      overwrite=True)
 
@@ -59,6 +66,7 @@ class CacheController:
             return
         state = json.loads(raw)
         self._nodes = state["nodes"]
+        self._digests = state.get("tenant_digests", {}) | self._digests
         for d in state["deployments"]:
             dep = Deployment.from_dict(d)
             self._registry.deployments[dep.deployment_id] = dep
@@ -89,11 +97,17 @@ class CacheController:
 
     # ----------------------------------------------------------- deployments
     def register_rank(self, config: StorageConfig, pools: Sequence[PoolSpec],
-                      node_id: str) -> Registration:
+                      node_id: str, proof: str | None = None) -> Registration:
         """Record a rank of a deployment; returns its key scheme and its group's home.
 
-        ``ValueError`` naming the conflict if the rank contradicts its group.
+        ``proof``: the owner proof of the rank's tenant (``controllers.tenancy``), required
+        with a tenant: the controller binds each tenant's proof as node actors do (first
+        registration, or the cluster's tenant digests) and refuses a registration with
+        another, so a process without the secret cannot register a tenant's deployment
+        first. ``ValueError`` naming the conflict if the rank contradicts its group.
         """
+        if config.tenant is not None:
+            bind_tenant_proof(self._digests, config.tenant, proof, binder="the controller")
         dep = self._registry.register_rank(config, pools, node_id)
         self._save()
         return Registration(dep.deployment_id, dep.key_scheme(config.tp_rank, config.pp_rank),

@@ -127,6 +127,23 @@ def tenant_digest(tenant: str, environ: Mapping[str, str] = os.environ) -> str:
     return proof_digest(owner_proof(tenant_secret(check_tenant(tenant), environ)))
 
 
+def bind_tenant_proof(digests: dict[str, str], tenant: str, proof: object, *,
+                      binder: str, max_tenants: int = MAX_TENANTS) -> None:
+    """Bind ``tenant`` to the digest of ``proof`` in ``digests`` (tenant -> digest, what
+    ``binder``, e.g. "the controller", has bound: in advance or at first use), or check
+    it against the bound one. ``ValueError`` without a proof, with another proof, or
+    when ``max_tenants`` are bound already. Not thread-safe (the caller serialises)."""
+    if not isinstance(proof, str) or not _HEX64.fullmatch(proof):
+        raise ValueError(f"tenant {tenant!r}: {binder} needs the tenant's owner proof")
+    digest = proof_digest(proof)
+    if tenant not in digests and len(digests) >= max_tenants:
+        raise ValueError(f"{binder} has bound {max_tenants} tenants; tenant {tenant!r} is "
+                         "refused")
+    if digests.setdefault(tenant, digest) != digest:
+        raise ValueError(f"tenant {tenant!r}: the owner proof differs from the one {binder} "
+                         "bound for that tenant (another tenant secret)")
+
+
 def check_tenant_digests(digests: object) -> dict[str, str]:
     """``digests`` as a dict of tenant name -> proof digest (64 lowercase hex digits),
     else ``ValueError`` naming the bad entry."""

@@ -103,7 +103,7 @@ class CacheClient:
         self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
                               timeout_s=self.config.timeout_s, owner=self.owner_claim)
         self._pools = PoolLifecycle(self._link)
-        self._group = GroupRegistration(self._link, self.config)
+        self._group = GroupRegistration(self._link, self.config, self.owner_claim.proof)
         if "standalone_storage" in (self.config.extra_config or {}):
             check_mode(self.config.extra_config, self._link.call("health")["mode"])
 

@@ -11,13 +11,15 @@ is made, so each is made under its own secret through ``monkeypatch``).
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.tenancy import TENANT_SECRET_ENV, keyed_page_hash
 
-from tests.integration.ranks import MHA, indices
+from tests.integration.ranks import MHA, Rank, indices
 
 N = 4          # pages per scenario
 READ_AT = 32   # first slot pages are read into (written from slot 0)
@@ -211,3 +213,27 @@ def test_a_tenant_without_its_secret_is_refused_at_construction(monkeypatch):
     with pytest.raises(ValueError, match="tenant 'a' needs its secret in "
                                          f"\\${TENANT_SECRET_ENV}"):
         CacheClient(StorageConfig(model_name="org/m", extra_config={"tenant": "a"}))
+
+
+def test_an_impostor_on_another_node_cannot_register_the_tenants_deployment(make, cluster,
+                                                                            uid):
+    """The tenant registers from this node; an impostor with another secret on the other
+    node (where the tenant never ran, so that node actor binds the impostor's proof and
+    lets it make a pool) is refused by the controller, which bound the tenant's proof at
+    its first registration: it cannot register conflicting pools under the tenant's
+    deployment and so block the tenant's next ranks. The tenant's own ranks keep
+    registering (control)."""
+    tenant, model = f"reg-{uid}", f"org/{uid}"
+    owner, _ = make(SECRET_A, 1, model_name=model, tenant=tenant)
+    dep = owner.register_deployment()
+    other = next(n for n in cluster.node_ids if n != owner.node_id)
+    config = StorageConfig(model_name=model, extra_config={"tenant": tenant})
+    impostor = Rank.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(other, soft=False),
+        runtime_env={"env_vars": {TENANT_SECRET_ENV: SECRET_B}}).remote(config)
+    with pytest.raises(ray.exceptions.RayTaskError,
+                       match="differs from the one the controller bound"):
+        ray.get(impostor.call.remote("register_deployment"))
+    ray.kill(impostor)
+    twin, _ = make(SECRET_A, 2, model_name=model, tenant=tenant)
+    assert twin.register_deployment() == dep  # CONTROL: the tenant's secret registers

@@ -44,6 +44,7 @@ class FakeLink:
         self.calls: list[tuple] = []
         self.data_ops: list[tuple] = []
         self.registered: list[tuple] = []
+        self.proofs: list[str | None] = []  # the owner proof sent with each registration
         self.handles: dict[str, PoolHandle] = {}
         self.mode = "embedded"
         FakeLink.made.append(self)
@@ -78,8 +79,9 @@ class FakeLink:
 
     def ask_controller(self, method: str, *args):
         assert method == "register_rank"
-        config, specs, node_id = args
+        config, specs, node_id, proof = args
         self.registered.append((config, specs, node_id))
+        self.proofs.append(proof)
         self.controller_attached = True
         return Registration("org", KeyScheme.from_config(config), HOME, len(self.registered))
 
@@ -229,7 +231,7 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     sent the config (no secret) and hands back the same scheme."""
     import pickle
 
-    from raykv.controllers.tenancy import keyed_page_hash
+    from raykv.controllers.tenancy import keyed_page_hash, owner_proof
 
     secret = "x" * 32
     monkeypatch.setenv("RAYKV_TENANT_SECRET", secret)
@@ -261,7 +263,8 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     client.group_exists(["d", "e"])
     assert link.data_ops[-1][5] == [k(h)[len(p):] for h in "de"]
     ((config, specs, _),) = link.registered
-    assert secret.encode() not in pickle.dumps((config, specs))
+    assert secret.encode() not in pickle.dumps((config, specs, link.proofs))
+    assert link.proofs == [owner_proof(secret.encode())]  # the proof, never the secret
     assert client.key_scheme.prefix == p
     assert "x" * 16 not in repr(client.__dict__)
     with pytest.raises(ValueError, match="'d' appears at positions 0 and 1"):

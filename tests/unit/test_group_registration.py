@@ -39,7 +39,7 @@ def test_register_sends_the_rank_its_pools_and_its_node():
     link = FakeLink()
     group = GroupRegistration(link, CONFIG)
     reg = group.register((KV, MAMBA))
-    assert link.asked == [("register_rank", CONFIG, [KV, MAMBA], "self-node")]
+    assert link.asked == [("register_rank", CONFIG, [KV, MAMBA], "self-node", None)]
     assert reg.deployment_id == "dep" and reg.home_node == "home-node"
 
 

@@ -23,6 +23,7 @@ from raykv.controllers.ownership import (
     Owner,
     OwnerBindings,
     OwnerClaim,
+    bind_tenant_proof,
     check_access,
     check_tenant_digests,
     claim_of,
@@ -69,6 +70,23 @@ def test_a_tenant_bound_in_advance_refuses_even_the_first_claim_of_another_secre
     assert squatted.verify(forged) is forged
     with pytest.raises(ValueError, match="the owner proof differs"):
         squatted.verify(A)
+
+
+def test_the_controller_binds_a_tenant_proof_at_first_registration_or_in_advance():
+    digests: dict[str, str] = {}
+    bind_tenant_proof(digests, "team-a", owner_proof(SECRET_A), binder="the controller")
+    bind_tenant_proof(digests, "team-a", owner_proof(SECRET_A), binder="the controller")
+    with pytest.raises(ValueError, match="differs from the one the controller bound"):
+        bind_tenant_proof(digests, "team-a", owner_proof(SECRET_B), binder="the controller")
+    with pytest.raises(ValueError, match="needs the tenant's owner proof"):
+        bind_tenant_proof(digests, "team-b", None, binder="the controller")
+    assert digests == {"team-a": proof_digest(owner_proof(SECRET_A))}  # nothing else bound
+    advance = {"team-b": proof_digest(owner_proof(SECRET_B))}
+    with pytest.raises(ValueError, match="differs"):  # the first claim, yet refused
+        bind_tenant_proof(advance, "team-b", owner_proof(SECRET_A), binder="the controller")
+    with pytest.raises(ValueError, match="has bound 1 tenants"):
+        bind_tenant_proof(advance, "team-c", owner_proof(SECRET_A), binder="the controller",
+                          max_tenants=1)
 
 
 @pytest.mark.parametrize("digests", [{"team a": "0" * 64}, {"t": "0" * 63}, {"t": "Z" * 64},
