@@ -368,6 +368,9 @@ def test_accepting_survives_running_out_of_fds(server, caplog):
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     base_fds, base_threads = fds(), threads()
     flood(server.path)
+    # The flood's connections first close on the server's side: one closing while the fd
+    # table is full would free the fd the accept needs, and no accept would fail.
+    assert settle(lambda: fds() <= base_fds), f"fds {fds()} (were {base_fds})"
     waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fillers: list[int] = []
