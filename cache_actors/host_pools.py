@@ -192,6 +192,11 @@ class HostPool:
         made by raykv are allocated whole and never shrink: nothing to check; an
         engine's memfd can (``engine_memory.EngineHostPool``)."""
 
+    @property
+    def pinned(self) -> bool:
+        """Whether ``pin`` page-locked the mapping (False without CUDA or if it failed)."""
+        return self._pinned
+
     def pin(self) -> None:
         """Page-lock the mapping for DMA-speed device copies (no-op without CUDA)."""
         import torch

@@ -558,6 +558,31 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     _check([result], check)
 
 
+@main.command("bench-gpu", epilog=BENCH_EPILOG)
+@click.option("--page-sizes", default="256K,1M,4M", show_default=True,
+              type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
+              help=f"Comma-separated page sizes (K/M suffixes, multiples of "
+                   f"{_short(BENCH_PAGE_QUANTUM)}).")
+@click.option("--batch", default=64, show_default=True, type=POSITIVE,
+              help="Pages per batch call.")
+@click.option("--iters", default=5, show_default=True, type=POSITIVE,
+              help="Timed iterations per page size.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_gpu.json.")
+def bench_gpu(page_sizes: tuple[int, ...], batch: int, iters: int, out_dir: str) -> None:
+    """KV pages from a CUDA GPU through raykv and back (needs a GPU): device <-> host
+    pool copies vs torch's pinned and pageable buffers, the whole path vs raw Mooncake,
+    vLLM's CUDA KV layout through a staging pool; bytes compared on the device."""
+    _progress(f"raykv bench-gpu: starting a 2-node embedded cluster, then {iters} timed "
+              f"iterations per page size ...")
+    from raykv.clusters.bench.gpu import run_gpu_bench
+
+    try:
+        run_gpu_bench(page_sizes=list(page_sizes), batch=batch, iters=iters, out_dir=out_dir)
+    except (ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("bench-group", epilog=BENCH_EPILOG)
 @click.option("--tp-sizes", default="2,4", show_default=True, type=IntList(min=1),
               help="Comma-separated TP sizes: one group of that many ranks each, measured "
