@@ -89,6 +89,7 @@ def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, 
     pageable = torch.empty(n, dtype=torch.uint8)
     pageable.zero_()
     raw.resize(2 * n)
+    pinned_pool = pages.pool.pinned
     times: dict[str, list[float]] = {k: [] for k in (
         "pool_d2h", "pool_h2d", "pinned_d2h", "pinned_h2d", "pageable_d2h", "pageable_h2d",
         "whole_put", "whole_get", "raw_put", "raw_get", "round_trip")}
@@ -131,7 +132,7 @@ def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, 
         client.destroy_host_pool(pages.pool)
         raw.release()
     out = {"page_bytes": page_bytes, "batch": batch, "batch_bytes": n,
-           "pool_pinned": pages.pool.pinned}
+           "pool_pinned": pinned_pool}
     out |= {k: summarize(n, t) for k, t in times.items()}
     for d in ("d2h", "h2d"):
         out[f"ratio_pool_{d}"] = (out[f"pool_{d}"]["median_gbps"]
@@ -176,6 +177,7 @@ def bench_vllm_layout(run_id: str, device: str = "cuda") -> dict:
         staged = StagedPool(EngineMemory(layout, views), pool, VLLM_WINDOW, shared=True,
                             stage=stage)
         client.register_mem_host_pool_v2(staged, PoolName.KV)
+        staging_pinned = pool.pinned
         half = VLLM_BLOCKS // 2
         hashes = [f"gpu-vllm-{run_id}-{i}" for i in range(half)]
 
@@ -194,7 +196,7 @@ def bench_vllm_layout(run_id: str, device: str = "cuda") -> dict:
                 "bytes": nbytes, "saved": sum(ok_save[PoolName.KV]),
                 "loaded": sum(ok_load[PoolName.KV]), "equal": equal,
                 "save_gbps": nbytes / t_save / 1e9, "load_gbps": nbytes / t_load / 1e9,
-                "staging_pinned": pool.pinned}
+                "staging_pinned": staging_pinned}
     finally:
         client.destroy_host_pool(pool)
         client.close()
