@@ -218,3 +218,13 @@ def test_status_shows_pool_bytes_per_tenant_against_its_quota():
     assert all(len(line) <= 80 for line in text.splitlines())
     assert tenant_lines("n", {"tenants": {}, "untenanted": {"pools": 2}}, 80) == []
     assert tenant_lines("n", {"error": "gone"}, 80) == []
+
+
+def test_bench_gpu_refuses_without_cuda(monkeypatch):
+    import torch
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(main, ["bench-gpu"])
+    assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
