@@ -193,7 +193,7 @@ def group_rows(cluster, tp_sizes: Sequence[int] = (2, 4), pages: int = 128, call
 
 
 def judge_group(rows: list[dict]) -> dict[str, bool | None]:
-    """Issue #4's targets on ``rows``, each case judged on its own (None: no rows)."""
+    """The group-query targets on ``rows``, each case judged on its own (None: no rows)."""
     if not rows:
         return {}
     out = {}
