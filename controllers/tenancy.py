@@ -3,10 +3,12 @@
 A *tenant* is a name (``StorageConfig.tenant``) plus a *tenant secret* that only that
 tenant's processes are given, in the environment variable ``RAYKV_TENANT_SECRET``. The
 secret never leaves the rank process: ranks send the node actor *keyed page hashes*
-(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and an *owner proof*
-(``owner_proof``: HMAC-SHA256 of a fixed label under the secret), never the secret. A
-process without the secret can neither name the tenant's objects nor prove it owns the
-tenant's pools. With no tenant, none of this applies and keys are as without tenancy.
+(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and prove they own
+the tenant's pools by signing fresh challenges with the tenant's *owner key*, derived
+from the secret (``controllers.owner_keys``), never by showing the secret or anything
+that could be shown again. A process without the secret can neither name the tenant's
+objects nor prove it owns the tenant's pools. With no tenant, none of this applies and
+keys are as without tenancy.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ rand -hex 32``."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A tenant name: 1-64 characters, letters, digits, ``.``, ``_`` and ``-``, not starting
 with a symbol (it appears in metrics labels, quotas and ``raykv status``)."""
-_OWNER_LABEL = b"raykv/owner/v1"
 
 
 def check_tenant(tenant: object) -> str | None:
@@ -55,8 +56,3 @@ def keyed_page_hash(secret: bytes, page_hash: str) -> str:
     ``secret``, 64 hex digits (fixed length, so a key still parses unambiguously)."""
     return hmac.new(secret, page_hash.encode(), hashlib.sha256).hexdigest()
 
-
-def owner_proof(secret: bytes) -> str:
-    """What a tenant's ranks show the node actor to claim the tenant's pools: HMAC-SHA256
-    of a fixed label under ``secret`` (64 hex digits; reveals nothing of the secret)."""
-    return hmac.new(secret, _OWNER_LABEL, hashlib.sha256).hexdigest()

@@ -14,13 +14,15 @@ their bytes may have come from released memory).
 
 Owners (``controllers.ownership``). Every call names its caller's owner claim: pool
 calls and Ray-route data calls as their last argument, channel connections once, when
-they open (``verify`` checks a claim and binds a tenant's proof on first use). Pool calls
+they open (``verify`` checks a claim: a tenant's carries a call proof of an owner session
+the rank opened with ``challenge`` and ``open_session``, good once). Pool calls
 on another owner's pool are refused with ``ValueError`` naming the owner; data calls
-fail the objects of pools not the caller's, and keys outside the caller's key prefix
-(where it is not empty), with ``NOT_OWNED`` each, after the batch passed every input
-check and before any byte moves; a group query of another deployment is refused. A
-caller without a claim (None) reaches only pools without an owner, and group queries of
-deployments no claim named on this node. Per-tenant quotas: ``NodePools``.
+fail the objects of pools not the caller's, keys outside the caller's key prefix, and
+tenants' keys for a caller without a key prefix, with ``NOT_OWNED`` each, after the
+batch passed every input check and before any byte moves; a group query of another
+deployment is refused. A caller without a claim (None) reaches only pools without an
+owner, and group queries of deployments no claim named on this node.
+Per-tenant quotas: ``NodePools``.
 
 It also answers the existence queries of every TP/PP group whose home node it is
 (``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
@@ -98,7 +100,9 @@ from raykv.cache_actors.shared_memory import shm_path
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
-from raykv.controllers.ownership import Owner, OwnerClaim
+from raykv.controllers.owner_keys import Challenge, SessionRequest
+from raykv.controllers.owner_sessions import UnknownSessionError
+from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -126,14 +130,16 @@ class NodeService:
     controller's current copy of a deployment (``ValueError`` if it does not know it);
     ``segment_size``: the bytes this node contributes to the store (reported only);
     ``tenant_quotas``: tenant -> bytes its pools here may hold; ``tenant_digests``:
-    tenant -> its owner proof's digest, bound from the start (``OwnerBindings``).
+    tenant -> its tenant digest (public owner key), bound from the start;
+    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``).
     """
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
                  group_window_s: float, confirm_ttl_s: float,
                  tenant_quotas: Mapping[str, int] | None = None,
-                 tenant_digests: Mapping[str, str] | None = None) -> None:
+                 tenant_digests: Mapping[str, str] | None = None,
+                 bound_tenants_only: bool = False) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -143,7 +149,7 @@ class NodeService:
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._deployments: dict[str, Deployment] = {}
         self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
-                                digests=tenant_digests)
+                                digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
         # concurrent ranks share store calls
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
@@ -174,10 +180,24 @@ class NodeService:
             except Exception:  # the reaper must outlive one bad look
                 log.exception("a look at the engine pools failed")
 
+    def challenge(self) -> Challenge:
+        """A fresh challenge for ``open_session`` (``OwnerBindings.challenge``)."""
+        return self._pools.owners.challenge()
+
+    def open_session(self, claim: OwnerClaim, request: SessionRequest) -> str:
+        """Open an owner session of a tenant's ``claim`` answering a challenge; its id
+        (``OwnerBindings.open_session``; ``ValueError`` if refused)."""
+        return self._pools.owners.open_session(claim, request)
+
     def verify(self, claim: OwnerClaim | None) -> OwnerClaim | None:
         """``claim`` once checked against this node's bindings (``OwnerBindings``; a
-        tenant's proof is bound on first use); ``ValueError`` naming the conflict."""
-        return self._pools.owners.verify(claim)
+        tenant's call proof is accepted once); ``ValueError`` naming the conflict,
+        ``NodeUnavailableError`` (retryable: the rank opens a new session) if its owner
+        session is not open here (this actor restarted or closed it)."""
+        try:
+            return self._pools.owners.verify(claim)
+        except UnknownSessionError as e:
+            raise NodeUnavailableError(str(e)) from None
 
     def _owner(self, claim: OwnerClaim | None) -> Owner | None:
         checked = self.verify(claim)
@@ -454,10 +474,15 @@ def _owner_dict(owner: Owner | None) -> dict | None:
 
 
 def _outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
-    """Per key, whether it lies outside ``caller``'s key prefix; None if none does (or
-    the caller has no claim or an empty prefix: nothing to tell apart)."""
+    """Per key, whether it lies outside ``caller``'s key prefix (a caller without one,
+    the default deployment's or one without a claim: whether it is a tenant's key);
+    None if none does."""
     prefix = caller.key_prefix if caller is not None else ""
-    if not prefix or all(map(str.startswith, keys, repeat(prefix))):
+    if not prefix:
+        if not any(map(str.startswith, keys, repeat(TENANT_KEYS))):
+            return None
+        return [k.startswith(TENANT_KEYS) for k in keys]
+    if all(map(str.startswith, keys, repeat(prefix))):
         return None
     return [not k.startswith(prefix) for k in keys]
 

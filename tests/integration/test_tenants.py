@@ -111,7 +111,7 @@ def test_control_without_tenants_the_second_writer_reads_the_first_ones_bytes(ma
 
 def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
     """An impostor claims tenant "a" with another secret. The node actor, which bound
-    "a"'s owner proof at the owner's first pool, refuses its pool; and the store itself
+    "a"'s owner key at the owner's first pool, refuses its owner session; and the store itself
     (a plain Mooncake client, which any process that reaches the master can be) holds
     nothing under the keys the impostor can compute, though the tenant's prefix is
     public. Controls: under the owner's secret the same computation names every object,
@@ -120,7 +120,7 @@ def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
     keys = [f"{uid}-{i}" for i in range(N)]
     owner, pool = make(SECRET_A, 1, model_name=model, tenant="a")
     write(owner, keys)
-    with pytest.raises(ValueError, match="owner proof differs"):
+    with pytest.raises(ValueError, match="owner key differs"):
         make(SECRET_B, 2, model_name=model, tenant="a")
 
     def objects(secret: str) -> list[str]:
@@ -218,9 +218,9 @@ def test_a_tenant_without_its_secret_is_refused_at_construction(monkeypatch):
 def test_an_impostor_on_another_node_cannot_register_the_tenants_deployment(make, cluster,
                                                                             uid):
     """The tenant registers from this node; an impostor with another secret on the other
-    node (where the tenant never ran, so that node actor binds the impostor's proof and
-    lets it make a pool) is refused by the controller, which bound the tenant's proof at
-    its first registration: it cannot register conflicting pools under the tenant's
+    node (where the tenant never ran, so that node actor binds the impostor's owner key
+    and lets it make a pool) is refused by the controller, which bound the tenant's key
+    at its first registration: it cannot register conflicting pools under the tenant's
     deployment and so block the tenant's next ranks. The tenant's own ranks keep
     registering (control)."""
     tenant, model = f"reg-{uid}", f"org/{uid}"
