@@ -79,6 +79,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -162,9 +163,11 @@ class NodeService:
                          daemon=True).start()
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
-            {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
+            {DataOp.EXISTS: partial(self.exists, verified=True),
+             DataOp.PUT: partial(self.put, verified=True),
+             DataOp.GET: partial(self.get, verified=True)},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={DataOp.GROUP_EXISTS: self.group_exists},
+            async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
             deadline_ops=frozenset({DataOp.PUT, DataOp.GET}), bind=self.verify)
 
     # ----------------------------------------------------------------- pools
@@ -244,13 +247,15 @@ class NodeService:
         return self._pools.destroy(name, self._owner(owner))
 
     # ------------------------------------------------------------------ data
-    def exists(self, keys: list[str], caller: OwnerClaim | None = None) -> list[int]:
+    def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
+               verified: bool = False) -> list[int]:
         """1 / 0 / negative error per key (``NOT_OWNED`` for a key outside the
         caller's key prefix); ``ValueError`` for keys that are not a list of non-empty
         strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``) or a refused
-        claim. ``caller``: the owner claim (channel: already verified)."""
+        claim. ``caller``: the owner claim, checked here (a tenant's call proof is good
+        once) unless ``verified`` (the channel: checked when its connection opened)."""
         keys = check_object_keys(keys)
-        caller = self.verify(caller)
+        caller = caller if verified else self.verify(caller)
         outside = _outside(keys, caller)
         t = time.perf_counter()
         if outside is None:
@@ -264,22 +269,22 @@ class NodeService:
         return codes
 
     def put(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None) -> list[int]:
+            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
         negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``deadline``
         (``time.monotonic()`` seconds, default ``WAIT_S`` from now):
         ``DeadlineExceededError`` if the batch still waits for the store then.
-        ``caller``: as for ``exists``."""
-        return self._move("put", batch, deadline, caller)
+        ``caller``, ``verified``: as for ``exists``."""
+        return self._move("put", batch, deadline, caller, verified)
 
     def get(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None) -> list[int]:
+            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
-        ``deadline`` and ``caller`` as for ``put``."""
-        return self._move("get", batch, deadline, caller)
+        ``deadline``, ``caller`` and ``verified`` as for ``put``."""
+        return self._move("get", batch, deadline, caller, verified)
 
     def _move(self, op: str, batch: ObjectBatch, deadline: float | None,
-              caller: OwnerClaim | None) -> list[int]:
+              caller: OwnerClaim | None, verified: bool) -> list[int]:
         """The backend's ``op`` on every object of ``batch`` the caller may move (the
         others: ``NOT_OWNED``), once the store is up and against one generation of the
         pools, counted in flight on the pools it uses for the store call (a pool being
@@ -288,7 +293,7 @@ class NodeService:
         pools = self._pools
         table = pools.table
         ptrs, used = table.resolve(batch)
-        caller = self.verify(caller)
+        caller = caller if verified else self.verify(caller)
         refused = _refused(batch, used, table, caller)
         moving = batch if refused is None else _allowed(batch, refused)
         if refused is not None:
@@ -367,7 +372,7 @@ class NodeService:
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
                      rank: tuple[int, int], keys: list[str], queries: list[PoolQuery],
-                     caller: OwnerClaim | None = None) -> None:
+                     caller: OwnerClaim | None = None, *, verified: bool = False) -> None:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
@@ -379,8 +384,9 @@ class NodeService:
         controller on ``executor`` first. Both routes call it: the channel's I/O thread
         and the Ray actor, which waits for the reply at most ``WAIT_S``. ``caller``: the
         owner claim; a caller of another deployment is refused (``ValueError``), so is a
-        caller without a claim once a claim of the deployment was bound here."""
-        caller = self.verify(caller)
+        caller without a claim once a claim of the deployment was bound here;
+        ``verified`` as for ``exists``."""
+        caller = caller if verified else self.verify(caller)
         if caller is None:
             if self._pools.owners.claimed(deployment_id):
                 raise ValueError(f"a group query of deployment {deployment_id!r} needs its "
