@@ -159,6 +159,12 @@ def test_the_controller_takes_a_registration_proof_once():
     for bad in (None, old_static_proof(SECRET_A)):
         with pytest.raises(ValueError, match="needs a registration proof"):
             verify_registration(challenges, keys, CLAIM, bad)
+    other = claim_of(StorageConfig(model_name="m", extra_config={"tenant": "team-b"}))
+    proof = prove_registration(OwnerKey.of_secret(SECRET_B), challenges.issue().nonce,
+                               other.deployment_id, "team-b", other.key_prefix)
+    with pytest.raises(ValueError, match="binds no tenant on first use"):
+        verify_registration(challenges, keys, other, proof, bound_only=True)
+    assert "team-b" not in keys  # --bound-tenants-only: the table stays as bound
 
 
 def test_owner_keys_are_deterministic_and_the_digest_is_the_public_key():
