@@ -185,3 +185,25 @@ def test_what_holds_a_secret_is_never_pickled(holder):
     with pytest.raises(TypeError, match="never pickled"):
         copy.deepcopy(holder())
     assert pickle.loads(pickle.dumps(CLAIM)) == CLAIM  # control: a claim travels
+
+
+def test_a_secret_file_is_read_when_the_variable_is_unset(tmp_path):
+    """What a Ray Serve replica is handed instead of the secret itself (Ray shows every
+    job a runtime environment's variables, never a file's contents)."""
+    from raykv.controllers.tenancy import tenant_secret
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET_A + b"\n")
+    path.chmod(0o400)
+    env = {"RAYKV_TENANT_SECRET_FILE": str(path)}
+    assert tenant_secret("team-a", env) == SECRET_A  # its bytes, less the newline
+    assert tenant_secret("team-a", env | ENV) == SECRET_A  # the variable first
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="every user can read"):
+        tenant_secret("team-a", env)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    for bad in (str(link), str(tmp_path), str(tmp_path / "none")):
+        with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET_FILE"):
+            tenant_secret("team-a", {"RAYKV_TENANT_SECRET_FILE": bad})
+    with pytest.raises(ValueError, match="is not set"):
+        tenant_secret("team-a", {})
