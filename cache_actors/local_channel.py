@@ -58,10 +58,11 @@ socket is closed and its thread ends when its peer goes or misbehaves. The accep
 thread survives every error (out of file descriptors, buffers or memory: it backs off
 from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
 
-Client. ``ChannelClient`` (given ``bind``: its owner claim, sent as the first request
-of every connection it opens) checks a connection out of a small free list for each call
-and back in after it (one list per kind: data ops, async ops), so calls from
-concurrent threads run on separate connections, the caller's thread does all the I/O
+Client. ``ChannelClient`` (given ``bind``: its owner claim, or a callable that makes a
+fresh one for each connection, sent as the first request of every connection it opens)
+checks a connection out of a small free list for each call and back in after it (one
+list per kind: data ops, async ops), so calls from concurrent threads run on separate
+connections, the caller's thread does all the I/O
 (no thread switch), and the connections open are at most the calls in flight plus
 ``MAX_IDLE`` idle ones per kind, whatever threads come and go (a connection per thread
 would hold a socket, and a server thread, for every thread that ever called, until a
@@ -583,13 +584,14 @@ class ChannelClient:
     (then ``DeadlineExceededError``, retryable). Thread-safe: concurrent calls use
     separate connections from a free list; ops in ``async_ops`` use connections of
     their own (see the module docstring). ``bind``: the owner claim every connection
-    starts with (None: none). Raises ``ChannelClosedError`` when the actor is
+    starts with (None: none), or a callable that makes one per connection (a tenant's
+    call proof is good for one connection). Raises ``ChannelClosedError`` when the actor is
     unreachable, ``ChannelVersionError`` when it runs another wire, ``ValueError`` when
     it refused the claim."""
 
     def __init__(self, path: str, async_ops: frozenset[str] = frozenset(),
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_idle: int = MAX_IDLE,
-                 bind: OwnerClaim | None = None) -> None:
+                 bind: OwnerClaim | Callable[[], OwnerClaim | None] | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.path = path
@@ -634,7 +636,8 @@ class ChannelClient:
 
     def _open(self, deadline: float) -> _Link:
         try:
-            return _Link(self.path, self.timeout_s, deadline, self._bind)
+            bind = self._bind() if callable(self._bind) else self._bind
+            return _Link(self.path, self.timeout_s, deadline, bind)
         except TimeoutError:
             raise DeadlineExceededError(f"the node actor at {self.path} did not accept a "
                                         f"connection within {self.timeout_s} s") from None

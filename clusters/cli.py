@@ -317,12 +317,15 @@ def _connected(call, *args, **kwargs):
               help="NAME=DIGEST: bind tenant NAME to its secret on every node from the start "
               "(DIGEST from `raykv tenant-digest NAME`), so no process can claim the name "
               "first (repeat per tenant; default: bound on first use).")
+@click.option("--bound-tenants-only", is_flag=True, help="Serve only the tenants bound "
+              "with --tenant-digest: nodes and the controller bind no tenant on first use, "
+              "so nobody can fill their tenant tables.")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
        confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
-       tenant_digests: tuple[tuple[str, str], ...]) -> None:
+       tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
     from raykv.clusters.node_actors import NodeSettings
@@ -345,7 +348,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
             host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas,
-            tenant_digests=digests)
+            tenant_digests=digests, bound_tenants_only=bound_tenants_only)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):
@@ -429,9 +432,9 @@ def down(address: str, namespace: str) -> None:
     zero="printed NAME=DIGEST", one=("also when $RAYKV_TENANT_SECRET is missing or short",)))
 @click.argument("tenant")
 def tenant_digest(tenant: str) -> None:
-    """Print TENANT=DIGEST for `raykv up --tenant-digest`: the digest of the owner proof of
+    """Print TENANT=DIGEST for `raykv up --tenant-digest`: the public owner key of
     TENANT's secret in $RAYKV_TENANT_SECRET (run it where the secret is; the digest
-    reveals neither the secret nor the proof)."""
+    reveals nothing of the secret)."""
     from raykv.controllers.ownership import tenant_digest as digest_of
 
     try:

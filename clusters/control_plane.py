@@ -32,7 +32,7 @@ def start_control_plane(settings: NodeSettings, namespace: str, *,
             "mode": settings.mode, "host_pool_bytes": settings.host_pool_bytes}
     controller = CacheController.options(
         name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-    ).remote(info, namespace, settings.tenant_digests)
+    ).remote(info, namespace, settings.tenant_digests, settings.bound_tenants_only)
     ray.get(controller.info.remote())
     reconciler = NodeReconciler.options(
         name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,

@@ -158,6 +158,7 @@ def start_local(
     local_hostname: str = LOOPBACK,
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
+    bound_tenants_only: bool = False,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -185,8 +186,9 @@ def start_local(
     the output of Ray workers (engines' logs) off this process's console.
     ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
-    ``tenant_digests``: tenant -> its owner proof's digest, bound on every node from the
-    start (``NodeSettings.tenant_digests``).
+    ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
+    node from the start; ``bound_tenants_only``: no other tenant is bound
+    (``NodeSettings``).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -205,7 +207,8 @@ def start_local(
         local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
         standalone=standalone, host_pool_bytes=host_pool_bytes,
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
-        tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}))
+        tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
+        bound_tenants_only=bound_tenants_only)
     # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     check_confirm_ttl(confirm_ttl_s, master_args)

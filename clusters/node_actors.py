@@ -48,9 +48,10 @@ class NodeSettings:
     0 turns it off.
     ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
     node (``controllers.tenant_quotas``; none: only ``host_pool_bytes`` bounds them).
-    ``tenant_digests``: tenant -> the digest of its owner proof (``raykv tenant-digest``),
-    bound on every node from the start instead of on first use
-    (``controllers.ownership``).
+    ``tenant_digests``: tenant -> its tenant digest, the public owner key (``raykv
+    tenant-digest``), bound on every node and the controller from the start instead of
+    on first use; ``bound_tenants_only``: bind no other tenant, so nobody can fill the
+    tenant tables (``controllers.ownership``).
     """
 
     master_address: str = ""
@@ -68,6 +69,7 @@ class NodeSettings:
     confirm_ttl_s: float = 2.0
     tenant_quotas: dict[str, int] = field(default_factory=dict)
     tenant_digests: dict[str, str] = field(default_factory=dict)
+    bound_tenants_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))

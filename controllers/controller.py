@@ -26,7 +26,13 @@ from raykv.controllers.deployments import (
     Registration,
 )
 from raykv.controllers.naming import node_actor_name
-from raykv.controllers.ownership import bind_tenant_proof, check_tenant_digests
+from raykv.controllers.owner_keys import Challenge
+from raykv.controllers.owner_sessions import Challenges
+from raykv.controllers.ownership import (
+    check_tenant_digests,
+    claim_of,
+    verify_registration,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +46,28 @@ class CacheController:
     """Registry of store addresses, node actors and deployments."""
 
     def __init__(self, info: dict, namespace: str,
-                 tenant_digests: dict[str, str] | None = None) -> None:
-        """``tenant_digests``: tenant -> its owner proof's digest, bound from the start
-        (``NodeSettings.tenant_digests``); other tenants bind at their first
-        registration, and the bindings are checkpointed with the deployments."""
+                 tenant_digests: dict[str, str] | None = None,
+                 bound_tenants_only: bool = False) -> None:
+        """``tenant_digests``: tenant -> its tenant digest (public owner key), bound from
+        the start (``NodeSettings.tenant_digests``); other tenants bind at their first
+        registration, unless ``bound_tenants_only``, and those bindings are
+        checkpointed with the deployments (dropped at restore with
+        ``bound_tenants_only``)."""
         self._info = dict(info)
         self._namespace = namespace
         self._nodes: dict[str, str] = {}
         self._registry = DeploymentRegistry()
-        self._digests = check_tenant_digests(tenant_digests or {})  # tenant -> digest
+        self._bound = check_tenant_digests(tenant_digests or {})  # tenant -> key
+        self._bound_only = bound_tenants_only
+        self._keys = dict(self._bound)  # tenant -> public owner key, bound or first used
+        self._challenges = Challenges()
         self._restore()
 
     # ------------------------------------------------------------ checkpoint
     def _save(self) -> None:
         state = {"info": self._info, "nodes": self._nodes,
                  "deployments": [d.to_dict() for d in self._registry.deployments.values()],
-                 "tenant_digests": self._digests}
+                 "tenant_keys": self._keys}
         internal_kv._internal_kv_put(checkpoint_key(self._namespace), json.dumps(state),
                                      overwrite=True)
 
@@ -66,7 +78,8 @@ class CacheController:
             return
         state = json.loads(raw)
         self._nodes = state["nodes"]
-        self._digests = state.get("tenant_digests", {}) | self._digests
+        if not self._bound_only:
+            self._keys = check_tenant_digests(state.get("tenant_keys", {})) | self._bound
         for d in state["deployments"]:
             dep = Deployment.from_dict(d)
             self._registry.deployments[dep.deployment_id] = dep
@@ -96,18 +109,25 @@ class CacheController:
         return dict(self._nodes)
 
     # ----------------------------------------------------------- deployments
+    def challenge(self) -> Challenge:
+        """A fresh challenge for a tenant's registration (good once, for 60 s)."""
+        return self._challenges.issue()
+
     def register_rank(self, config: StorageConfig, pools: Sequence[PoolSpec],
-                      node_id: str, proof: str | None = None) -> Registration:
+                      node_id: str, proof: object = None) -> Registration:
         """Record a rank of a deployment; returns its key scheme and its group's home.
 
-        ``proof``: the owner proof of the rank's tenant (``controllers.tenancy``), required
-        with a tenant: the controller binds each tenant's proof as node actors do (first
-        registration, or the cluster's tenant digests) and refuses a registration with
-        another, so a process without the secret cannot register a tenant's deployment
-        first. ``ValueError`` naming the conflict if the rank contradicts its group.
+        ``proof``: with a tenant, a ``RegistrationProof`` over a challenge of this
+        controller signed by the tenant's owner key (``controllers.owner_keys``): the
+        controller binds each tenant's key as node actors do (first registration, or
+        the cluster's tenant digests; with ``bound_tenants_only`` the latter only) and
+        refuses another, so a process without the secret cannot register a tenant's
+        deployment, and a proof seen once cannot be shown again. ``ValueError`` naming
+        the conflict if the rank contradicts its group.
         """
         if config.tenant is not None:
-            bind_tenant_proof(self._digests, config.tenant, proof, binder="the controller")
+            verify_registration(self._challenges, self._keys, claim_of(config), proof,
+                                bound_only=self._bound_only)
         dep = self._registry.register_rank(config, pools, node_id)
         self._save()
         return Registration(dep.deployment_id, dep.key_scheme(config.tp_rank, config.pp_rank),

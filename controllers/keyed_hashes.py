@@ -22,7 +22,7 @@ class KeyedHashes:
     made of: keyed under ``secret``, or unchanged when ``secret`` is None (no tenant).
 
     Stateless after construction: any thread may call it. Its ``repr`` never shows the
-    secret.
+    secret, and it is never pickled (``TypeError``): the secret stays in its process.
     """
 
     def __init__(self, secret: bytes | None) -> None:
@@ -30,6 +30,10 @@ class KeyedHashes:
 
     def __repr__(self) -> str:
         return f"KeyedHashes(keyed={self._secret is not None})"
+
+    def __reduce__(self):
+        raise TypeError("KeyedHashes are never pickled (they hold the tenant secret): make "
+                        "them in each process from $RAYKV_TENANT_SECRET")
 
     @property
     def keyed(self) -> bool:

@@ -1,12 +1,16 @@
 """Tenants: who may compute a tenant's keys and claim its pools (pure: no Ray, no Mooncake).
 
 A *tenant* is a name (``StorageConfig.tenant``) plus a *tenant secret* that only that
-tenant's processes are given, in the environment variable ``RAYKV_TENANT_SECRET``. The
+tenant's processes are given, in the environment variable ``RAYKV_TENANT_SECRET`` or in
+the file that ``RAYKV_TENANT_SECRET_FILE`` names (what to hand Ray Serve replicas: Ray
+shows every job a runtime environment's variables, but not a file's contents). The
 secret never leaves the rank process: ranks send the node actor *keyed page hashes*
-(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and an *owner proof*
-(``owner_proof``: HMAC-SHA256 of a fixed label under the secret), never the secret. A
-process without the secret can neither name the tenant's objects nor prove it owns the
-tenant's pools. With no tenant, none of this applies and keys are as without tenancy.
+(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and prove they own
+the tenant's pools by signing fresh challenges with the tenant's *owner key*, derived
+from the secret (``controllers.owner_keys``), never by showing the secret or anything
+that could be shown again. A process without the secret can neither name the tenant's
+objects nor prove it owns the tenant's pools. With no tenant, none of this applies and
+keys are as without tenancy.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ import hashlib
 import hmac
 import os
 import re
+import stat
 from collections.abc import Mapping
 
 TENANT_SECRET_ENV = "RAYKV_TENANT_SECRET"
 """The environment variable that holds the secret of the process's tenant."""
+TENANT_SECRET_FILE_ENV = "RAYKV_TENANT_SECRET_FILE"
+"""The environment variable naming a file that holds it (used when the other is unset)."""
+MAX_SECRET_FILE_BYTES = 4096
+"""Largest secret file read."""
 MIN_SECRET_BYTES = 16
 """Shortest accepted secret (UTF-8 bytes): 128 bits if drawn at random, e.g. ``openssl
 rand -hex 32``."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A tenant name: 1-64 characters, letters, digits, ``.``, ``_`` and ``-``, not starting
 with a symbol (it appears in metrics labels, quotas and ``raykv status``)."""
-_OWNER_LABEL = b"raykv/owner/v1"
 
 
 def check_tenant(tenant: object) -> str | None:
@@ -39,15 +47,42 @@ def check_tenant(tenant: object) -> str | None:
 
 
 def tenant_secret(tenant: str, environ: Mapping[str, str] = os.environ) -> bytes:
-    """The secret of ``tenant`` from ``environ[RAYKV_TENANT_SECRET]``; ``ValueError``
-    naming the fix when it is missing or shorter than ``MIN_SECRET_BYTES``."""
+    """The secret of ``tenant`` from ``environ[RAYKV_TENANT_SECRET]``, or else from the
+    file ``environ[RAYKV_TENANT_SECRET_FILE]`` names (its bytes less trailing
+    whitespace; a regular file of at most ``MAX_SECRET_FILE_BYTES`` that other users
+    cannot read); ``ValueError`` naming the fix when it is missing, unfit or shorter
+    than ``MIN_SECRET_BYTES``."""
     secret = environ.get(TENANT_SECRET_ENV, "").encode()
+    where = f"${TENANT_SECRET_ENV}"
+    if not secret and environ.get(TENANT_SECRET_FILE_ENV):
+        where = f"the file ${TENANT_SECRET_FILE_ENV} names"
+        secret = _secret_file(tenant, environ[TENANT_SECRET_FILE_ENV])
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(
-            f"tenant {tenant!r} needs its secret in ${TENANT_SECRET_ENV} (at least "
-            f"{MIN_SECRET_BYTES} bytes, e.g. `openssl rand -hex 32`), given to this "
-            f"tenant's processes only; it is {'too short' if secret else 'not set'}")
+            f"tenant {tenant!r} needs its secret in {where} (at least {MIN_SECRET_BYTES} "
+            f"bytes, e.g. `openssl rand -hex 32`), given to this tenant's processes only; "
+            f"it is {'too short' if secret else 'not set'}")
     return secret
+
+
+def _secret_file(tenant: str, path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"tenant {tenant!r}: cannot open ${TENANT_SECRET_FILE_ENV} "
+                         f"({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_BYTES:
+            raise ValueError(f"tenant {tenant!r}: ${TENANT_SECRET_FILE_ENV} must name a "
+                             f"regular file of at most {MAX_SECRET_FILE_BYTES} bytes")
+        if st.st_mode & stat.S_IROTH:
+            raise ValueError(f"tenant {tenant!r}: ${TENANT_SECRET_FILE_ENV} names a file "
+                             "every user can read: make it readable by its owner (and "
+                             "group) only, e.g. `chmod 0400`")
+        return os.read(fd, MAX_SECRET_FILE_BYTES + 1).rstrip()
+    finally:
+        os.close(fd)
 
 
 def keyed_page_hash(secret: bytes, page_hash: str) -> str:
@@ -55,8 +90,3 @@ def keyed_page_hash(secret: bytes, page_hash: str) -> str:
     ``secret``, 64 hex digits (fixed length, so a key still parses unambiguously)."""
     return hmac.new(secret, page_hash.encode(), hashlib.sha256).hexdigest()
 
-
-def owner_proof(secret: bytes) -> str:
-    """What a tenant's ranks show the node actor to claim the tenant's pools: HMAC-SHA256
-    of a fixed label under ``secret`` (64 hex digits; reveals nothing of the secret)."""
-    return hmac.new(secret, _OWNER_LABEL, hashlib.sha256).hexdigest()

@@ -34,7 +34,7 @@ import urllib.request
 import ray
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
-from raykv.controllers.tenancy import TENANT_SECRET_ENV
+from raykv.controllers.tenancy import TENANT_SECRET_FILE_ENV
 
 
 def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
@@ -44,9 +44,11 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
 
     ``model_name``: the model part of raykv's keys (default ``model_source``): engines
     share blocks when it (and the TP size) match. ``tenant``: raykv's tenant of these
-    replicas (default none); its secret is taken from this process's
-    ``$RAYKV_TENANT_SECRET`` and handed to the replicas alone through their
-    ``runtime_env`` (never put into the config, which Serve shows and logs).
+    replicas (default none); the path of its secret file, from this process's
+    ``$RAYKV_TENANT_SECRET_FILE``, is handed to the replicas through their
+    ``runtime_env``, never the secret (Ray shows a runtime environment's variables to
+    every job of the cluster): the file must be on every node the replicas run on,
+    readable by their user only (docs/deploy.md, "Tenants and quotas").
     ``llm_config``: any other ``LLMConfig`` field (e.g. ``placement_group_config``)."""
     engine_kwargs = dict(
         max_model_len=max_model_len,
@@ -63,11 +65,12 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
     )
     env = {}
     if tenant:
-        secret = os.environ.get(TENANT_SECRET_ENV)
-        if not secret:
-            raise ValueError(f"tenant {tenant!r}: set ${TENANT_SECRET_ENV} to its secret "
-                             "(e.g. `openssl rand -hex 32`) before starting the app")
-        env[TENANT_SECRET_ENV] = secret
+        path = os.environ.get(TENANT_SECRET_FILE_ENV)
+        if not path:
+            raise ValueError(f"tenant {tenant!r}: set ${TENANT_SECRET_FILE_ENV} to the path "
+                             "of its secret file on the replicas' nodes before starting "
+                             "the app")
+        env[TENANT_SECRET_FILE_ENV] = path
     kw = dict(llm_config)
     if cpu:
         kw["accelerator_config"] = {"kind": "cpu"}
@@ -113,8 +116,8 @@ def main() -> None:
     p.add_argument("--address", default="auto", help="Ray cluster (raykv must be up there)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
-    p.add_argument("--tenant", help="raykv tenant of the replicas (secret: "
-                   f"${TENANT_SECRET_ENV} of this process)")
+    p.add_argument("--tenant", help="raykv tenant of the replicas (its secret file: "
+                   f"${TENANT_SECRET_FILE_ENV} of this process)")
     args = p.parse_args()
 
     ray.init(address=args.address)

@@ -28,6 +28,7 @@ from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -40,8 +41,11 @@ class NodeCacheActor:
     (``group_exists`` waits here for the service's reply). Pool calls and data calls
     take the caller's ``OwnerClaim`` last (None: a caller without one). Runs only as
     ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
-    deployments may hold on this node; ``tenant_digests``: tenant -> its owner proof's
-    digest, bound from the start."""
+    deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
+    (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
+    is bound. ``challenge`` and ``open_session`` (a tenant's owner session,
+    ``controllers.owner_keys``) run in the ``data`` group: a pool call under way never
+    holds them up."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class NodeCacheActor:
         confirm_ttl_s: float = 2.0,
         tenant_quotas: dict[str, int] | None = None,
         tenant_digests: dict[str, str] | None = None,
+        bound_tenants_only: bool = False,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.
@@ -82,7 +87,7 @@ class NodeCacheActor:
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
             confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas,
-            tenant_digests=tenant_digests)
+            tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -124,6 +129,15 @@ class NodeCacheActor:
     @ray.method(concurrency_group="control")
     async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
         return self._service.destroy_pool(name, owner)
+
+    # ---------------------------------------------------------------- owners
+    @ray.method(concurrency_group="data")
+    async def challenge(self) -> Challenge:
+        return self._service.challenge()
+
+    @ray.method(concurrency_group="data")
+    async def open_session(self, claim: OwnerClaim, request: SessionRequest) -> str:
+        return self._service.open_session(claim, request)
 
     # ------------------------------------------------------------------ data
     @ray.method(concurrency_group="data")

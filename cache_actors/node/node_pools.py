@@ -35,8 +35,8 @@ None: legacy), kept in the table beside the pool and in its record. Pool calls n
 their caller's owner (already verified: ``OwnerBindings.verify``) and are refused with a
 ``ValueError`` naming the pool's owner unless it is theirs: a create of a name another
 owner holds, adoption, lookup (``handle``), destroy. The node itself (the engine reaper,
-``close``, re-allocation) acts as ``ANYONE``. A restarted actor binds the tenants' proof
-digests its records hold again (``OwnerBindings.bind``). Quotas
+``close``, re-allocation) acts as ``ANYONE``. A restarted actor binds the tenants' owner
+keys its records hold again (``OwnerBindings.bind``). Quotas
 (``controllers.tenant_quotas``): a tenant's pools here are summed from the table (no
 second count to drift) and a create or adoption that would put it over its quota is
 refused before anything is allocated.
@@ -152,13 +152,15 @@ class NodePools:
     def __init__(self, prefix: str, store: NodeStore,
                  sized: Callable[[str, int, Owner | None], None], *,
                  drain_s: float = DRAIN_S, quotas: Mapping[str, int] | None = None,
-                 digests: Mapping[str, str] | None = None) -> None:
+                 digests: Mapping[str, str] | None = None, bound_only: bool = False
+                 ) -> None:
         self._store = store
         self._records = PoolRecords(prefix, store.mode)
         self._sized = sized
         self._drain_s = drain_s
         self.quotas = MappingProxyType(dict(quotas or {}))
-        self.owners = OwnerBindings(keep=self._owns_pools, digests=digests)
+        self.owners = OwnerBindings(keep=self._owns_pools, digests=digests,
+                                    bound_only=bound_only)
         self._lock = threading.Lock()
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
@@ -307,8 +309,8 @@ class NodePools:
             for record in self._records.trusted():
                 handle = record.handle
                 try:
-                    if record.owner is not None:  # its tenant's proof is bound again
-                        self.owners.bind(record.owner, record.proof_digest)
+                    if record.owner is not None:  # its tenant's key is bound again
+                        self.owners.bind(record.owner, record.owner_key)
                     pool = self._register(self._store.memory.readopt(handle), record.owner)
                 except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
                     log.warning("pool %s could not be re-adopted: %s", handle.name, e)

@@ -14,13 +14,15 @@ their bytes may have come from released memory).
 
 Owners (``controllers.ownership``). Every call names its caller's owner claim: pool
 calls and Ray-route data calls as their last argument, channel connections once, when
-they open (``verify`` checks a claim and binds a tenant's proof on first use). Pool calls
+they open (``verify`` checks a claim: a tenant's carries a call proof of an owner session
+the rank opened with ``challenge`` and ``open_session``, good once). Pool calls
 on another owner's pool are refused with ``ValueError`` naming the owner; data calls
-fail the objects of pools not the caller's, and keys outside the caller's key prefix
-(where it is not empty), with ``NOT_OWNED`` each, after the batch passed every input
-check and before any byte moves; a group query of another deployment is refused. A
-caller without a claim (None) reaches only pools without an owner, and group queries of
-deployments no claim named on this node. Per-tenant quotas: ``NodePools``.
+fail the objects of pools not the caller's, keys outside the caller's key prefix, and
+tenants' keys for a caller without a key prefix, with ``NOT_OWNED`` each, after the
+batch passed every input check and before any byte moves; a group query of another
+deployment is refused. A caller without a claim (None) reaches only pools without an
+owner, and group queries of deployments no claim named on this node.
+Per-tenant quotas: ``NodePools``.
 
 It also answers the existence queries of every TP/PP group whose home node it is
 (``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
@@ -77,6 +79,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -98,7 +101,9 @@ from raykv.cache_actors.shared_memory import shm_path
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
-from raykv.controllers.ownership import Owner, OwnerClaim
+from raykv.controllers.owner_keys import Challenge, SessionRequest
+from raykv.controllers.owner_sessions import UnknownSessionError
+from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -126,14 +131,16 @@ class NodeService:
     controller's current copy of a deployment (``ValueError`` if it does not know it);
     ``segment_size``: the bytes this node contributes to the store (reported only);
     ``tenant_quotas``: tenant -> bytes its pools here may hold; ``tenant_digests``:
-    tenant -> its owner proof's digest, bound from the start (``OwnerBindings``).
+    tenant -> its tenant digest (public owner key), bound from the start;
+    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``).
     """
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
                  group_window_s: float, confirm_ttl_s: float,
                  tenant_quotas: Mapping[str, int] | None = None,
-                 tenant_digests: Mapping[str, str] | None = None) -> None:
+                 tenant_digests: Mapping[str, str] | None = None,
+                 bound_tenants_only: bool = False) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -143,7 +150,7 @@ class NodeService:
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
         self._deployments: dict[str, Deployment] = {}
         self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
-                                digests=tenant_digests)
+                                digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
         # concurrent ranks share store calls
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
@@ -156,9 +163,11 @@ class NodeService:
                          daemon=True).start()
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
-            {DataOp.EXISTS: self.exists, DataOp.PUT: self.put, DataOp.GET: self.get},
+            {DataOp.EXISTS: partial(self.exists, verified=True),
+             DataOp.PUT: partial(self.put, verified=True),
+             DataOp.GET: partial(self.get, verified=True)},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
-            async_handlers={DataOp.GROUP_EXISTS: self.group_exists},
+            async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
             deadline_ops=frozenset({DataOp.PUT, DataOp.GET}), bind=self.verify)
 
     # ----------------------------------------------------------------- pools
@@ -174,10 +183,24 @@ class NodeService:
             except Exception:  # the reaper must outlive one bad look
                 log.exception("a look at the engine pools failed")
 
+    def challenge(self) -> Challenge:
+        """A fresh challenge for ``open_session`` (``OwnerBindings.challenge``)."""
+        return self._pools.owners.challenge()
+
+    def open_session(self, claim: OwnerClaim, request: SessionRequest) -> str:
+        """Open an owner session of a tenant's ``claim`` answering a challenge; its id
+        (``OwnerBindings.open_session``; ``ValueError`` if refused)."""
+        return self._pools.owners.open_session(claim, request)
+
     def verify(self, claim: OwnerClaim | None) -> OwnerClaim | None:
         """``claim`` once checked against this node's bindings (``OwnerBindings``; a
-        tenant's proof is bound on first use); ``ValueError`` naming the conflict."""
-        return self._pools.owners.verify(claim)
+        tenant's call proof is accepted once); ``ValueError`` naming the conflict,
+        ``NodeUnavailableError`` (retryable: the rank opens a new session) if its owner
+        session is not open here (this actor restarted or closed it)."""
+        try:
+            return self._pools.owners.verify(claim)
+        except UnknownSessionError as e:
+            raise NodeUnavailableError(str(e)) from None
 
     def _owner(self, claim: OwnerClaim | None) -> Owner | None:
         checked = self.verify(claim)
@@ -224,13 +247,15 @@ class NodeService:
         return self._pools.destroy(name, self._owner(owner))
 
     # ------------------------------------------------------------------ data
-    def exists(self, keys: list[str], caller: OwnerClaim | None = None) -> list[int]:
+    def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
+               verified: bool = False) -> list[int]:
         """1 / 0 / negative error per key (``NOT_OWNED`` for a key outside the
         caller's key prefix); ``ValueError`` for keys that are not a list of non-empty
         strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``) or a refused
-        claim. ``caller``: the owner claim (channel: already verified)."""
+        claim. ``caller``: the owner claim, checked here (a tenant's call proof is good
+        once) unless ``verified`` (the channel: checked when its connection opened)."""
         keys = check_object_keys(keys)
-        caller = self.verify(caller)
+        caller = caller if verified else self.verify(caller)
         outside = _outside(keys, caller)
         t = time.perf_counter()
         if outside is None:
@@ -244,22 +269,22 @@ class NodeService:
         return codes
 
     def put(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None) -> list[int]:
+            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
         negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``deadline``
         (``time.monotonic()`` seconds, default ``WAIT_S`` from now):
         ``DeadlineExceededError`` if the batch still waits for the store then.
-        ``caller``: as for ``exists``."""
-        return self._move("put", batch, deadline, caller)
+        ``caller``, ``verified``: as for ``exists``."""
+        return self._move("put", batch, deadline, caller, verified)
 
     def get(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None) -> list[int]:
+            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
-        ``deadline`` and ``caller`` as for ``put``."""
-        return self._move("get", batch, deadline, caller)
+        ``deadline``, ``caller`` and ``verified`` as for ``put``."""
+        return self._move("get", batch, deadline, caller, verified)
 
     def _move(self, op: str, batch: ObjectBatch, deadline: float | None,
-              caller: OwnerClaim | None) -> list[int]:
+              caller: OwnerClaim | None, verified: bool) -> list[int]:
         """The backend's ``op`` on every object of ``batch`` the caller may move (the
         others: ``NOT_OWNED``), once the store is up and against one generation of the
         pools, counted in flight on the pools it uses for the store call (a pool being
@@ -268,7 +293,7 @@ class NodeService:
         pools = self._pools
         table = pools.table
         ptrs, used = table.resolve(batch)
-        caller = self.verify(caller)
+        caller = caller if verified else self.verify(caller)
         refused = _refused(batch, used, table, caller)
         moving = batch if refused is None else _allowed(batch, refused)
         if refused is not None:
@@ -304,9 +329,9 @@ class NodeService:
         if op == "put" and stored:
             failed = [k for k, c in zip(stored, self._store.backend.remove(stored),
                                         strict=True) if c != 0]
-            if failed:
+            if failed:  # never the keys: a tenant's name its objects (docs/deploy.md)
                 log.warning("%d objects put while the pools were replaced could not be "
-                            "removed (first: %s)", len(failed), failed[0])
+                            "removed", len(failed))
         raise StalePoolsError(
             f"this node's pools were allocated anew during the {op} (epoch {epoch} -> "
             f"{self._pools.table.epoch}); its objects were not kept: re-map and retry")
@@ -347,7 +372,7 @@ class NodeService:
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
                      rank: tuple[int, int], keys: list[str], queries: list[PoolQuery],
-                     caller: OwnerClaim | None = None) -> None:
+                     caller: OwnerClaim | None = None, *, verified: bool = False) -> None:
         """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
         is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
         about the same keys and pools gets the identical answer (see
@@ -359,8 +384,9 @@ class NodeService:
         controller on ``executor`` first. Both routes call it: the channel's I/O thread
         and the Ray actor, which waits for the reply at most ``WAIT_S``. ``caller``: the
         owner claim; a caller of another deployment is refused (``ValueError``), so is a
-        caller without a claim once a claim of the deployment was bound here."""
-        caller = self.verify(caller)
+        caller without a claim once a claim of the deployment was bound here;
+        ``verified`` as for ``exists``."""
+        caller = caller if verified else self.verify(caller)
         if caller is None:
             if self._pools.owners.claimed(deployment_id):
                 raise ValueError(f"a group query of deployment {deployment_id!r} needs its "
@@ -454,10 +480,15 @@ def _owner_dict(owner: Owner | None) -> dict | None:
 
 
 def _outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
-    """Per key, whether it lies outside ``caller``'s key prefix; None if none does (or
-    the caller has no claim or an empty prefix: nothing to tell apart)."""
+    """Per key, whether it lies outside ``caller``'s key prefix (a caller without one,
+    the default deployment's or one without a claim: whether it is a tenant's key);
+    None if none does."""
     prefix = caller.key_prefix if caller is not None else ""
-    if not prefix or all(map(str.startswith, keys, repeat(prefix))):
+    if not prefix:
+        if not any(map(str.startswith, keys, repeat(TENANT_KEYS))):
+            return None
+        return [k.startswith(TENANT_KEYS) for k in keys]
+    if all(map(str.startswith, keys, repeat(prefix))):
         return None
     return [not k.startswith(prefix) for k in keys]
 

@@ -2,8 +2,8 @@
 
 Each pool has a ``<prefix><name>.json`` record under ``SHM_DIR``: its name, its path and
 layout, (for a pool of one engine process) the ``process`` it serves, and its ``owner``
-(``controllers.ownership``: deployment, tenant and the SHA-256 of the tenant's owner
-proof, never the proof; none: a legacy pool). Records of an older raykv name the process
+(``controllers.ownership``: deployment, tenant and the tenant's public owner key, the
+tenant digest; none: a legacy pool). Records of an older raykv name the process
 ``owner`` (a list): they are read as such, and their pools have no owner. Records are written
 atomically (a 0600 temporary file, fsync, rename). ``trusted`` trusts none of them
 blindly: a record that is not a regular file of this process's uid, or is group/world-
@@ -29,7 +29,8 @@ from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.pool_memory import check_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
-from raykv.controllers.ownership import Owner, OwnerClaim
+from raykv.controllers.owner_keys import HEX64
+from raykv.controllers.ownership import MAX_ID_CHARS, Owner
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
 from raykv.controllers.tenancy import check_tenant
 
@@ -42,26 +43,30 @@ RECORD_MAX_BYTES = 64 << 10
 @dataclass(frozen=True)
 class PoolRecord:
     """What a record holds: the pool's handle, the process it serves (None: a shared
-    pool), its owner (None: legacy) and the digest of its tenant's proof (None without
-    a tenant)."""
+    pool), its owner (None: legacy) and its tenant's public owner key (None without a
+    tenant)."""
 
     handle: PoolHandle
     process: ProcessIdentity | None = None
     owner: Owner | None = None
-    proof_digest: str | None = None
+    owner_key: str | None = None
 
 
 def _owner(raw: object) -> tuple[Owner | None, str | None]:
-    """The owner and proof digest of a record's ``owner`` field; ``ValueError``."""
+    """The owner and owner key of a record's ``owner`` field; ``ValueError``."""
     if raw is None:
         return None, None
-    if not isinstance(raw, dict) or set(raw) != {"deployment", "tenant", "proof_sha256"}:
+    if not isinstance(raw, dict) or set(raw) != {"deployment", "tenant", "owner_key"}:
         raise ValueError(f"owner {str(raw)[:80]!r} is not an owner")
-    digest = raw["proof_sha256"]
+    dep, key = raw["deployment"], raw["owner_key"]
     tenant = check_tenant(raw["tenant"])
-    claim = OwnerClaim(raw["deployment"], tenant, digest)
-    claim.check()  # a digest has a proof's form: 64 hex digits
-    return claim.owner, digest
+    if type(dep) is not str or not 0 < len(dep) <= MAX_ID_CHARS:
+        raise ValueError(f"deployment {str(dep)[:80]!r} is not a deployment id")
+    if (key is None) != (tenant is None) or (key is not None and not (
+            type(key) is str and HEX64.fullmatch(key))):
+        raise ValueError("its owner key is not a tenant digest (64 hex digits, with a "
+                         "tenant only)")
+    return Owner(dep, tenant), key
 
 
 class PoolRecords:
@@ -79,10 +84,10 @@ class PoolRecords:
         return shm_path(self.prefix + name + ".json")
 
     def write(self, pool: HostPool, process: ProcessIdentity | None,
-              owner: Owner | None = None, proof_digest: str | None = None) -> None:
+              owner: Owner | None = None, owner_key: str | None = None) -> None:
         """The pool's record, atomically. ``process`` is recorded so that a restarted
         actor still reaps the pool with its process; ``owner`` and its tenant's
-        ``proof_digest`` so that it still serves its owner alone."""
+        ``owner_key`` so that it still serves its owner alone."""
         path = self.path(pool.name)
         tmp = f"{path}.{os.getpid()}.tmp"  # never matches trusted's "*.json"
         with contextlib.suppress(FileNotFoundError):
@@ -93,7 +98,7 @@ class PoolRecords:
             record["process"] = [process.pid, process.start_ticks]
         if owner is not None:
             record["owner"] = {"deployment": owner.deployment_id, "tenant": owner.tenant,
-                               "proof_sha256": proof_digest}
+                               "owner_key": owner_key}
         data = json.dumps(record).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:

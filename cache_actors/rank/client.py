@@ -32,12 +32,14 @@ from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
+from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
-from raykv.controllers.ownership import claim_of
+from raykv.controllers.owner_keys import OwnerKey
+from raykv.controllers.ownership import OwnerClaim, claim_of
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
@@ -80,6 +82,10 @@ class CacheClient:
     ``ValueError``); the node actor refuses its pool calls on another owner's pools, and
     fails the objects of its data calls that are not its own (``controllers.ownership``).
 
+    Secrets: a client is never pickled (``pickle``, Ray's serialisation, ``copy``:
+    ``TypeError``), so its tenant secret and owner key never reach Ray's object store or
+    another process; make a client in each process, from its own environment.
+
     Threads: batch calls may come from several threads of the rank at once; pool
     management and registration from one thread, not during batch calls on those pools.
     """
@@ -96,16 +102,30 @@ class CacheClient:
                                "start raykv with raykv.start_local() first")
         self.config = config or StorageConfig()
         tenant = self.config.tenant
-        self._hashes = KeyedHashes(tenant_secret(tenant) if tenant is not None else None)
+        secret = tenant_secret(tenant) if tenant is not None else None
+        self._hashes = KeyedHashes(secret)
         self.key_scheme = KeyScheme.from_config(self.config)
-        self.owner_claim = claim_of(self.config)
+        owner = RankOwner(claim_of(self.config),
+                          None if secret is None else OwnerKey.of_secret(secret))
+        del secret
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
-                              timeout_s=self.config.timeout_s, owner=self.owner_claim)
+                              timeout_s=self.config.timeout_s, owner=owner)
         self._pools = PoolLifecycle(self._link)
-        self._group = GroupRegistration(self._link, self.config, self.owner_claim.proof)
+        self._group = GroupRegistration(self._link, self.config)
         if "standalone_storage" in (self.config.extra_config or {}):
             check_mode(self.config.extra_config, self._link.call("health")["mode"])
+
+    def __reduce__(self):
+        raise TypeError("a CacheClient is never pickled (it holds the tenant secret and "
+                        "mapped pools): make one in each process")
+
+    def owner_claim(self, node_id: str | None = None) -> OwnerClaim | None:
+        """The owner claim for one call of this client's to the cache actor of
+        ``node_id`` (default: its own node), as ``NodeLink.claim`` makes it: a tenant's
+        carries a fresh call proof, good once. Tools and tests that call a node actor
+        directly pass it as the call's owner."""
+        return self._link.claim(node_id)
 
     # ----------------------------------------------------------------- pools
     def create_host_pool(

@@ -18,20 +18,20 @@ from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
 class GroupRegistration:
     """The registration of one rank (``config``, on ``link``'s node)."""
 
-    def __init__(self, link: NodeLink, config: StorageConfig,
-                 proof: str | None = None) -> None:
-        """``proof``: the owner proof of the rank's tenant (None without one)."""
+    def __init__(self, link: NodeLink, config: StorageConfig) -> None:
         self._link = link
         self._config = config
-        self._proof = proof
         self._current: tuple[Registration, tuple[PoolSpec, ...]] | None = None
 
     def register(self, specs: tuple[PoolSpec, ...]) -> Registration:
         """Register this rank with pools ``specs``; ``ValueError`` if the rank
         contradicts what its group registered (parallel sizes, MLA flag, pool kinds), or
-        its tenant's proof is not the one the controller bound."""
+        its tenant's owner key is not the one the controller bound. A tenant's rank
+        signs the controller's fresh challenge first (``RankOwner.registration_proof``)."""
+        owner = self._link.owner
+        proof = None if owner is None else owner.registration_proof(self._link.ask_controller)
         reg = self._link.ask_controller("register_rank", self._config, list(specs),
-                                        self._link.node_id, self._proof)
+                                        self._link.node_id, proof)
         self._current = (reg, specs)
         return reg
 

@@ -18,10 +18,13 @@ started runs on), a channel connection is closed so that a late reply is never t
 for the next call's. A deadline does not make the link stale: the actor may only be
 slow, and re-mapping would ask it a control call.
 
-Owner: the link carries its client's owner claim (``controllers.ownership``): every
-channel connection starts with it and every Ray data call ends with it (pool calls pass
-it themselves: ``PoolLifecycle``), so the node actor serves the client's own pools and
-keys only. A refused claim is a ``ValueError``.
+Owner: the link carries its client's owner (``RankOwner``): every channel connection
+starts with its claim and every Ray data call ends with one (pool calls pass it
+themselves: ``claim``, ``PoolLifecycle``), so the node actor serves the client's own
+pools and keys only; a tenant's claim carries a fresh call proof of its owner session
+with that actor (opened at the first call, within the data op's deadline). A refused
+claim is a ``ValueError``; a session the actor no longer holds, a retryable
+``NodeUnavailableError`` (re-attaching forgets the sessions).
 
 Threads: any thread of the rank may call; the channel gives each calling thread its
 own connection. Re-attaching is not locked: concurrent failures each re-attach.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
@@ -40,6 +43,9 @@ from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.ownership import OwnerClaim
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.rank.rank_owner import RankOwner
 
 CONTROL_TIMEOUT_S = 120.0
 """Deadline of a control call (pools, health, stats, registration), in seconds."""
@@ -50,11 +56,11 @@ class NodeLink:
     other node's actor and the controller). ``remap()`` is called before the first call
     after the link went stale (see the module docstring); it may use ``ask``.
     ``timeout_s``: the deadline of each data op, in seconds; ``owner``: the client's
-    owner claim (None: none). ``NodeUnavailableError`` if that node has no cache
+    owner (None: it sends no claim). ``NodeUnavailableError`` if that node has no cache
     actor."""
 
     def __init__(self, node_id: str, namespace: str, remap: Callable[[], None],
-                 timeout_s: float = DEFAULT_TIMEOUT_S, owner: OwnerClaim | None = None
+                 timeout_s: float = DEFAULT_TIMEOUT_S, owner: RankOwner | None = None
                  ) -> None:
         self.node_id = node_id
         self.timeout_s = timeout_s
@@ -89,15 +95,28 @@ class NodeLink:
         self._refresh()
         remote = node_id not in (None, self.node_id)
         if remote or not self._local:
-            owner = () if self.owner is None else (self.owner,)
+            claim = self.claim(node_id if remote else None)
+            owner = () if claim is None else (claim,)
             return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
                              *owner, timeout_s=self.timeout_s)
         with self._retryable(op):
             if self._channel is None:  # its path is asked within the data op's deadline
                 path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)
                 self._channel = ChannelClient(path, async_ops=ASYNC_OPS,
-                                              timeout_s=self.timeout_s, bind=self.owner)
+                                              timeout_s=self.timeout_s,
+                                              bind=None if self.owner is None else self.claim)
             return self._channel.call(op.value, *args)
+
+    def claim(self, node_id: str | None = None) -> OwnerClaim | None:
+        """The owner claim for one call to the actor of ``node_id`` (default: this
+        link's node); None without an owner. A tenant's session with that actor is
+        opened first if there is none (two Ray calls within ``timeout_s``)."""
+        if self.owner is None:
+            return None
+        node = node_id or self.node_id
+        actor = self._actor if node == self.node_id else self._actor_of(node)
+        return self.owner.claim(node, lambda method, *args: self._ray(
+            actor, method, *args, timeout_s=self.timeout_s))
 
     def ask_controller(self, method: str, *args) -> Any:
         """``method`` of the controller (looked up by name once, and again after a
@@ -176,5 +195,7 @@ class NodeLink:
         with contextlib.suppress(ValueError):
             self._actor = ray.get_actor(node_actor_name(self.node_id), namespace=self._namespace)
         self._controller = None
+        if self.owner is not None:
+            self.owner.forget()
         self.close()
         self.stale = True

@@ -1,10 +1,13 @@
-"""Pool owners, tenant proofs and tenant quotas through a real node actor (real Ray, real
-mooncake_master): another deployment's create of a pool name, its attach, destroy,
-engine-memory adoption, data calls and group query are refused, a wrong tenant proof is
-refused, a tenant's pools stop at its quota while another tenant goes on, and `raykv
-status` shows the bytes per tenant. CONTROL for every refusal: the same call by the
-owner succeeds. The ranks are CacheClients of this process (one per deployment; a
-tenant's secret is in RAYKV_TENANT_SECRET while its client is made)."""
+"""Pool owners, owner sessions and tenant quotas through a real node actor (real Ray,
+real mooncake_master): another deployment's create of a pool name, its attach, destroy,
+engine-memory adoption, data calls and group query are refused, a wrong tenant secret is
+refused, a call proof or a signed session answer seen once and sent again by another
+process is refused, an impostor's claim on a tenant's deployment id and a claim with an
+emptied key prefix are refused while the tenant is served, a tenant's pools stop at its
+quota while another tenant goes on, and `raykv status` shows the bytes per tenant.
+CONTROL for every refusal: the same call by the owner succeeds. The ranks are
+CacheClients of this process (one per deployment; a tenant's secret is in
+RAYKV_TENANT_SECRET while its client is made)."""
 
 from __future__ import annotations
 
@@ -92,12 +95,12 @@ def test_another_deployment_is_refused_the_owner_is_served(cluster, monkeypatch)
                              write=True)
     assert b._link.data(DataOp.PUT, plan.batch) == [NOT_OWNED] * len(plan.batch)
     actor = cluster.node_actors[a.node_id]
-    assert ray.get(actor.put.remote(plan.batch, b.owner_claim)) == [NOT_OWNED] * len(
+    assert ray.get(actor.put.remote(plan.batch, b.owner_claim())) == [NOT_OWNED] * len(
         plan.batch)
     assert ray.get(actor.get.remote(plan.batch)) == [NOT_OWNED] * len(plan.batch)
     assert a._link.data(DataOp.PUT, plan.batch) == [0] * len(plan.batch)
     assert b._link.data(DataOp.GET, plan.batch) == [NOT_OWNED] * len(plan.batch)
-    assert ray.get(actor.get.remote(plan.batch, a.owner_claim)) == plan.batch.sizes
+    assert ray.get(actor.get.remote(plan.batch, a.owner_claim())) == plan.batch.sizes
     assert b._link.data(DataOp.EXISTS, plan.batch.keys) == [NOT_OWNED] * len(plan.batch)
     assert a._link.data(DataOp.EXISTS, plan.batch.keys) == [1] * len(plan.batch)
 
@@ -146,27 +149,26 @@ def test_a_group_query_of_another_deployment_is_refused(cluster, monkeypatch):
                      node_id=reg.home_node)
     home = ray.get_actor(node_actor_name(reg.home_node), namespace=cluster.namespace)
     with pytest.raises(ValueError, match=refused):  # the Ray route
-        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [], b.owner_claim))
+        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [], b.owner_claim()))
     with pytest.raises(ValueError, match="needs its owner claim"):  # no claim at all
         ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, []))
     assert ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [],
-                                            a.owner_claim)).kv_hit_pages == 2  # CONTROL
+                                            a.owner_claim())).kv_hit_pages == 2  # CONTROL
     assert a.group_exists(keys).kv_hit_pages == 2
     a.destroy_host_pool(pool)
 
 
-def test_a_wrong_tenant_proof_is_refused(cluster, monkeypatch):
+def test_a_wrong_tenant_secret_is_refused(cluster, monkeypatch):
     uid = uuid.uuid4().hex[:8]
     first = client(monkeypatch, f"proof/{uid}", "team-r", SECRET_R)
-    pool = first.create_host_pool("mha", **MHA)  # team-r's proof is bound here now
+    pool = first.create_host_pool("mha", **MHA)  # team-r's owner key is bound here now
     forged = client(monkeypatch, f"proof/{uid}x", "team-r", FORGED)
-    with pytest.raises(ValueError, match="tenant 'team-r': the owner proof differs"):
+    with pytest.raises(ValueError, match="tenant 'team-r': the owner key differs"):
         forged.create_host_pool("mha", **MHA)
-    with pytest.raises(ValueError, match="owner proof differs"):  # its channel too
+    with pytest.raises(ValueError, match="owner key differs"):  # its channel too
         forged._link.data(DataOp.EXISTS, [f"{uid}-0"])
-    with pytest.raises(ValueError, match="owner proof differs"):  # and the Ray route
-        ray.get(cluster.node_actors[first.node_id].exists.remote(
-            [f"{uid}-0"], forged.owner_claim))
+    with pytest.raises(ValueError, match="owner key differs"):  # and the Ray route
+        forged.owner_claim()  # its session is refused: no call proof to send
     # CONTROL: another deployment of team-r with the right secret is served
     second = client(monkeypatch, f"proof/{uid}y", "team-r", SECRET_R)
     round_trip(second, second.create_host_pool("mha", **MHA), f"{uid}-r")
@@ -180,7 +182,7 @@ def test_a_tenant_bound_in_advance_is_never_claimed_by_another_secret(cluster,
     binding it would have taken the name: see the unit test's control)."""
     uid = uuid.uuid4().hex[:8]
     squatter = client(monkeypatch, f"bound/{uid}x", "team-d", FORGED)
-    with pytest.raises(ValueError, match="tenant 'team-d': the owner proof differs"):
+    with pytest.raises(ValueError, match="tenant 'team-d': the owner key differs"):
         squatter.create_host_pool("mha", **MHA)
     # CONTROL: the tenant's own secret is served
     owner = client(monkeypatch, f"bound/{uid}", "team-d", SECRET_D)
@@ -236,3 +238,126 @@ def test_pools_without_an_owner_answer_only_callers_without_one(cluster, monkeyp
     assert ray.get(actor.get_pool.remote(name)) == handle  # CONTROL: no claim: served
     assert ray.get(actor.destroy_pool.remote(name))
     a.destroy_host_pool(f"probe-{uid}")
+
+
+@ray.remote(num_cpus=0)
+def another_process(actor, method: str, *args):
+    """``method`` of ``actor`` called from a Ray worker, a process without the tenant
+    secret (what any process that saw a message on the wire can do); the error's type
+    and text, or ``("ok", result)``."""
+    try:
+        return "ok", ray.get(getattr(actor, method).remote(*args))
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+@ray.remote(num_cpus=0)
+def bind_from_another_process(path: str, claim) -> tuple[str, str]:
+    """Open the node actor's channel with ``claim`` from a Ray worker."""
+    from raykv.cache_actors.local_channel import ChannelClient
+    try:
+        ChannelClient(path, bind=claim).close()
+        return "ok", ""
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_a_proof_seen_once_is_refused_when_another_process_sends_it_again(cluster,
+                                                                          monkeypatch):
+    """A tenant's call proof, channel bind and signed session answer, each used once by
+    the rank (CONTROL: served), then sent again by another process: refused every time.
+    The old static owner proof replays for ever (test_owner_sessions.py's control)."""
+    uid = uuid.uuid4().hex[:8]
+    rank = client(monkeypatch, f"replay/{uid}", "team-r", SECRET_R)
+    pool = rank.create_host_pool("mha", **MHA)
+    round_trip(rank, pool, f"{uid}-r")
+    key = rank.key_scheme.prefix + "k"
+    actor = cluster.node_actors[rank.node_id]
+
+    seen = rank.owner_claim()  # a Ray call's claim, as it crosses the wire
+    assert ray.get(actor.exists.remote([key], seen)) == [0]  # CONTROL: its one use
+    kind, text = ray.get(another_process.remote(actor, "exists", [key], seen))
+    assert kind == "ValueError" or "ValueError" in kind, (kind, text)
+    assert "shown before" in text
+
+    path = ray.get(actor.channel_path.remote())
+    bind = rank.owner_claim()  # a channel connection's bind
+    assert ray.get(bind_from_another_process.remote(path, bind)) == ("ok", "")  # CONTROL
+    kind, text = ray.get(bind_from_another_process.remote(path, bind))
+    assert kind == "ValueError" and "shown before" in text, (kind, text)
+
+    from raykv.controllers.owner_keys import answer_challenge
+    from raykv.controllers.ownership import owner_key
+    owner = owner_key("team-r", {TENANT_SECRET_ENV: SECRET_R})
+    base = rank._link.owner.base
+    request, _ = answer_challenge(owner, ray.get(actor.challenge.remote()),
+                                  base.deployment_id, "team-r", base.key_prefix)
+    assert ray.get(actor.open_session.remote(base, request))  # CONTROL: answered once
+    kind, text = ray.get(another_process.remote(actor, "open_session", base, request))
+    assert "challenge is unknown, answered already" in text, (kind, text)
+    round_trip(rank, pool, f"{uid}-s")  # the rank goes on
+    assert rank.destroy_host_pool(pool)
+
+
+def test_an_impostors_claim_on_a_tenants_deployment_is_refused_and_the_tenant_served(
+        cluster, monkeypatch):
+    """A process without the secret claims the tenant's deployment id (derivable from
+    public fields) first, without a tenant or with the tenant's name and a made-up call
+    proof, and with an emptied key prefix: every claim is refused, nothing is bound,
+    and the tenant's rank then makes its pool and moves its pages (on the old design the
+    first claim bound the id to no tenant and the tenant was refused on this node)."""
+    uid = uuid.uuid4().hex[:8]
+    config = StorageConfig(model_name=f"imp/{uid}", extra_config={"tenant": "team-r"})
+    from raykv.controllers.ownership import OwnerClaim, claim_of
+    theirs = claim_of(config)  # public: model, tenant name, layout
+    actor = next(iter(cluster.node_actors.values()))
+    layout = client(monkeypatch, f"imp/probe{uid}").create_host_pool(
+        "mha", name=f"probe-{uid}", **MHA).layout
+    for claim, why in (
+            (OwnerClaim(theirs.deployment_id, None, None, theirs.key_prefix),
+             "another key prefix than its own"),
+            (OwnerClaim(theirs.deployment_id, None, None, ""), "cannot empty its key prefix"),
+            (OwnerClaim(theirs.deployment_id, "team-r", f"{'0' * 32}.1.{'0' * 32}",
+                        theirs.key_prefix), "no such owner session")):
+        kind, text = ray.get(another_process.remote(actor, "create_pool", f"imp-{uid}",
+                                                    layout, None, claim))
+        assert kind != "ok" and why in text, (kind, text)
+    rank = client(monkeypatch, f"imp/{uid}", "team-r", SECRET_R)
+    assert rank._link.owner.base == theirs
+    pool = rank.create_host_pool("mha", name=f"imp-{uid}", **MHA)  # CONTROL: served
+    round_trip(rank, pool, f"{uid}-i")
+    assert rank.destroy_host_pool(pool)
+
+
+def test_an_empty_key_prefix_claim_is_refused_and_tenant_keys_stay_out_of_reach(
+        cluster, monkeypatch):
+    """A deployment with a key prefix cannot claim an empty one (which turned the per-key
+    check off); the default deployment (no model, tag or tenant: no prefix) and callers
+    without a claim are refused every tenant's keys. CONTROL: the tenant sees its key."""
+    uid = uuid.uuid4().hex[:8]
+    from raykv.controllers.ownership import OwnerClaim
+    tenant = client(monkeypatch, f"empty/{uid}", "team-r", SECRET_R)
+    pool = tenant.create_host_pool("mha", **MHA)
+    round_trip(tenant, pool, f"{uid}-e")
+    keys = tenant._plan_transfers([PoolTransfer(PoolName.KV, [f"{uid}-e-0"], indices(0, 1))],
+                                  write=True).batch.keys
+    actor = cluster.node_actors[tenant.node_id]
+    plain = client(monkeypatch, f"empty/p{uid}")
+    emptied = OwnerClaim(plain._link.owner.base.deployment_id, None, None, "")
+    kind, text = ray.get(another_process.remote(actor, "exists", keys, emptied))
+    assert "cannot empty its key prefix" in text, (kind, text)
+    default = CacheClient(StorageConfig())  # the one deployment without a prefix
+    assert ray.get(actor.exists.remote(keys, default.owner_claim())) == [NOT_OWNED] * len(keys)
+    assert ray.get(actor.exists.remote(keys)) == [NOT_OWNED] * len(keys)  # no claim
+    assert ray.get(actor.exists.remote(keys, tenant.owner_claim())) == [1] * len(keys)
+    assert ray.get(actor.exists.remote(keys, plain.owner_claim())) == [NOT_OWNED] * len(keys)
+    assert tenant.destroy_host_pool(pool)
+
+
+def test_a_client_never_carries_its_secret_into_rays_object_store(cluster, monkeypatch):
+    rank = client(monkeypatch, f"pickle/{uuid.uuid4().hex[:8]}", "team-r", SECRET_R)
+    with pytest.raises(TypeError, match="never pickled"):
+        ray.put(rank)
+    with pytest.raises(TypeError, match="never pickled"):
+        another_process.remote(rank, "health")
+    assert ray.get(ray.put(rank.config)) == rank.config  # CONTROL: its config travels

@@ -106,7 +106,7 @@ def test_an_engine_truncating_its_memfd_never_kills_the_node_actor(cluster, uid,
     st = os.fstat(fd)
     ray.get(actor.adopt_engine_pool.remote(name, f"/proc/{os.getpid()}/fd/{fd}",
                                            ENGINE_LAYOUT, (st.st_dev, st.st_ino),
-                                           client.owner_claim))
+                                           client.owner_claim()))
     try:
         pool = client.attach_host_pool(name)  # the engine's own memory, mapped again
         client.register_mem_pool_host(pool)
@@ -174,4 +174,4 @@ def test_pools_of_one_engine_process_go_with_it(cluster, uid):
                  timeout_s=ENGINE_GRACE_S + 4 * ENGINE_REAP_S + 60)
         assert shared in pools()
     finally:
-        ray.get(actor.destroy_pool.remote(shared, CacheClient().owner_claim))  # its owner
+        ray.get(actor.destroy_pool.remote(shared, CacheClient().owner_claim()))  # its owner

@@ -111,7 +111,7 @@ def test_control_without_tenants_the_second_writer_reads_the_first_ones_bytes(ma
 
 def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
     """An impostor claims tenant "a" with another secret. The node actor, which bound
-    "a"'s owner proof at the owner's first pool, refuses its pool; and the store itself
+    "a"'s owner key at the owner's first pool, refuses its owner session; and the store itself
     (a plain Mooncake client, which any process that reaches the master can be) holds
     nothing under the keys the impostor can compute, though the tenant's prefix is
     public. Controls: under the owner's secret the same computation names every object,
@@ -120,7 +120,7 @@ def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
     keys = [f"{uid}-{i}" for i in range(N)]
     owner, pool = make(SECRET_A, 1, model_name=model, tenant="a")
     write(owner, keys)
-    with pytest.raises(ValueError, match="owner proof differs"):
+    with pytest.raises(ValueError, match="owner key differs"):
         make(SECRET_B, 2, model_name=model, tenant="a")
 
     def objects(secret: str) -> list[str]:
@@ -142,19 +142,30 @@ def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
     assert torch.equal(pages(twin_pool, READ_AT), pages(pool, 0))
 
 
-def test_pre_poisoned_objects_are_never_loaded(make, uid):
+def test_pre_poisoned_objects_are_never_loaded(make, cluster, uid):
     """A process without the secret writes poison first: under the keys the victim
     would use without a tenant, and under the victim's own tenant prefix (which anyone
-    can compute: an ``extra_backend_tag`` equal to it) with the raw page hashes."""
+    can compute) with the raw page hashes. A rank whose ``extra_backend_tag`` makes its
+    prefix the tenant's is refused by the node actor (a tenant's keys are out of reach
+    of any claim but the tenant's), so the poison goes in through a plain Mooncake
+    client, as any process that reaches the master can."""
     model = f"org/{uid}"
     keys = [f"{uid}-{i}" for i in range(N)]
     legacy, poison = make(None, 666, model_name=model)
     write(legacy, keys)
     victim, pool = make(SECRET_A, 1, model_name=model, tenant="a")
-    squatter, _ = make(None, 667, model_name=None,
-                       extra_backend_tag=victim.key_scheme.prefix[:-1])
-    assert squatter.key_scheme.prefix == victim.key_scheme.prefix
-    write(squatter, keys)
+    with pytest.raises(ValueError, match="or a tenant's"):
+        make(None, 667, model_name=None, extra_backend_tag=victim.key_scheme.prefix[:-1])
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", cluster.metadata_server, 16 << 20, 16 << 20, "tcp", "",
+                       cluster.master_address) == 0
+    try:
+        planted = [k for h in keys for k in victim.key_scheme.kv_keys(h)]
+        size = pages(poison, 0).numel() // (2 * N)
+        assert [store.put(k, b"\x66" * size) for k in planted] == [0] * len(planted)
+        assert store.batch_is_exist(planted) == [1] * len(planted)
+    finally:
+        store.close()
     miss(victim, pool, keys)
     write(victim, keys)  # then the victim's own objects work
     assert read(victim, keys) == [True] * N
@@ -218,9 +229,9 @@ def test_a_tenant_without_its_secret_is_refused_at_construction(monkeypatch):
 def test_an_impostor_on_another_node_cannot_register_the_tenants_deployment(make, cluster,
                                                                             uid):
     """The tenant registers from this node; an impostor with another secret on the other
-    node (where the tenant never ran, so that node actor binds the impostor's proof and
-    lets it make a pool) is refused by the controller, which bound the tenant's proof at
-    its first registration: it cannot register conflicting pools under the tenant's
+    node (where the tenant never ran, so that node actor binds the impostor's owner key
+    and lets it make a pool) is refused by the controller, which bound the tenant's key
+    at its first registration: it cannot register conflicting pools under the tenant's
     deployment and so block the tenant's next ranks. The tenant's own ranks keep
     registering (control)."""
     tenant, model = f"reg-{uid}", f"org/{uid}"

@@ -296,20 +296,23 @@ def _example(name: str):
 
 
 def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch):
-    """The Serve example's tenant: the key in the connector's extra config, the secret in
-    the replicas' runtime_env (not in the config Serve shows); no secret, no app."""
+    """The Serve example's tenant: the key in the connector's extra config, the path of
+    the secret file in the replicas' runtime_env, never the secret (Ray shows a runtime
+    env's variables to every job); no secret file, no app."""
     example = _example("serve_llm_raykv")
-    monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)
+    monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)  # never handed on
+    monkeypatch.setenv("RAYKV_TENANT_SECRET_FILE", "/run/secrets/acme")
     config = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
                                       max_model_len=256, tenant="acme")
     extra = config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra == {"model_name": "src", "tenant": "acme"}
-    assert config.runtime_env["env_vars"]["RAYKV_TENANT_SECRET"] == "s" * 32
+    assert config.runtime_env["env_vars"]["RAYKV_TENANT_SECRET_FILE"] == "/run/secrets/acme"
+    assert "s" * 32 not in repr(config.model_dump())
     plain = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
                                      max_model_len=256)
-    assert "RAYKV_TENANT_SECRET" not in plain.runtime_env["env_vars"]  # control
-    monkeypatch.delenv("RAYKV_TENANT_SECRET")
-    with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET"):
+    assert "RAYKV_TENANT_SECRET_FILE" not in plain.runtime_env["env_vars"]  # control
+    monkeypatch.delenv("RAYKV_TENANT_SECRET_FILE")
+    with pytest.raises(ValueError, match="RAYKV_TENANT_SECRET_FILE"):
         example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
                                  max_model_len=256, tenant="acme")
 

@@ -26,7 +26,7 @@ class FakeNode:
         self.processes: dict[str, object] = {}
         self.owners: dict[str, object] = {}
         self.epoch = 0
-        self.owner = None  # NodeLink.owner: the client's owner claim
+        self.owner = None  # NodeLink.owner: the client's owner (none here)
         self.stale = False
         self.calls: list[str] = []
         self.store: dict[str, bytes] = {}
@@ -38,6 +38,10 @@ class FakeNode:
         return getattr(self, method)(*args, **kwargs)
 
     ask = call
+
+    def claim(self, node_id: str | None = None) -> None:
+        """NodeLink.claim: no owner, no claim."""
+        return None
 
     # ----------------------------------------------------- node pool calls
     def _file(self, name: str, layout: PoolLayout) -> str:

@@ -102,14 +102,13 @@ def test_more_bad_option_values_in_process(args, words):
 def test_tenant_digest_prints_what_up_binds_and_needs_the_secret():
     from click.testing import CliRunner
     from raykv.clusters.cli import main
-    from raykv.controllers.ownership import proof_digest
-    from raykv.controllers.tenancy import owner_proof
+    from raykv.controllers.owner_keys import OwnerKey
 
     secret = "s" * 32
     out = CliRunner().invoke(main, ["tenant-digest", "acme"],
                              env={"RAYKV_TENANT_SECRET": secret})
     assert out.exit_code == 0, out.output
-    assert out.output.strip() == f"acme={proof_digest(owner_proof(secret.encode()))}"
+    assert out.output.strip() == f"acme={OwnerKey.of_secret(secret.encode()).public}"
     assert secret not in out.output
     missing = CliRunner().invoke(main, ["tenant-digest", "acme"],
                                  env={"RAYKV_TENANT_SECRET": ""})

@@ -23,6 +23,8 @@ from raykv.controllers.contract import (
 )
 from raykv.controllers.deployments import PoolQuery, Registration
 from raykv.controllers.keys import KeyScheme
+from raykv.controllers.owner_sessions import Challenges
+from raykv.controllers.ownership import claim_of, tenant_digest
 
 NODE, HOME = "n" * 40, "h" * 40
 HIT = PoolTransferResult(kv_hit_pages=1, restorable_prefix_pages=[0, 1])
@@ -44,7 +46,8 @@ class FakeLink:
         self.calls: list[tuple] = []
         self.data_ops: list[tuple] = []
         self.registered: list[tuple] = []
-        self.proofs: list[str | None] = []  # the owner proof sent with each registration
+        self.proofs: list[object] = []  # the proof sent with each registration
+        self.challenges = Challenges()  # the controller's
         self.handles: dict[str, PoolHandle] = {}
         self.mode = "embedded"
         FakeLink.made.append(self)
@@ -67,6 +70,9 @@ class FakeLink:
 
     ask = call
 
+    def claim(self, node_id: str | None = None):
+        return None if self.owner is None else self.owner.base
+
     def data(self, op: DataOp, *args, node_id: str | None = None):
         self.data_ops.append((op, node_id, *args))
         if op == DataOp.EXISTS:
@@ -78,6 +84,8 @@ class FakeLink:
         return HIT
 
     def ask_controller(self, method: str, *args):
+        if method == "challenge":
+            return self.challenges.issue()
         assert method == "register_rank"
         config, specs, node_id, proof = args
         self.registered.append((config, specs, node_id))
@@ -119,7 +127,8 @@ def kv_pool(client: CacheClient, mla: bool = False) -> HostPool:
 def test_the_link_is_made_for_the_rank_with_its_deadline(make):
     client, link = make(extra_config={"timeout_s": 1.5})
     assert link.node_id == NODE and link.namespace == "raykv" and link.timeout_s == 1.5
-    assert link.owner == client.owner_claim and link.owner.key_prefix == client.key_scheme.prefix
+    assert link.owner.base == claim_of(client.config) == client.owner_claim()
+    assert link.owner.base.key_prefix == client.key_scheme.prefix
     assert client.health() == {"mode": "embedded"} and client.stats() == {"counters": {}}
     assert [c[0] for c in link.calls] == ["health", "stats"] and link.data_ops == []
 
@@ -231,7 +240,8 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     sent the config (no secret) and hands back the same scheme."""
     import pickle
 
-    from raykv.controllers.tenancy import keyed_page_hash, owner_proof
+    from raykv.controllers.ownership import verify_registration
+    from raykv.controllers.tenancy import keyed_page_hash
 
     secret = "x" * 32
     monkeypatch.setenv("RAYKV_TENANT_SECRET", secret)
@@ -264,7 +274,14 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     assert link.data_ops[-1][5] == [k(h)[len(p):] for h in "de"]
     ((config, specs, _),) = link.registered
     assert secret.encode() not in pickle.dumps((config, specs, link.proofs))
-    assert link.proofs == [owner_proof(secret.encode())]  # the proof, never the secret
+    # a proof signed over the controller's challenge, never the secret; good once
+    keys: dict[str, str] = {}
+    verify_registration(link.challenges, keys, claim_of(config), link.proofs[0])
+    assert keys == {"acme": tenant_digest("acme")}
+    with pytest.raises(ValueError, match="answered already"):
+        verify_registration(link.challenges, keys, claim_of(config), link.proofs[0])
+    with pytest.raises(TypeError, match="never pickled"):
+        pickle.dumps(client)
     assert client.key_scheme.prefix == p
     assert "x" * 16 not in repr(client.__dict__)
     with pytest.raises(ValueError, match="'d' appears at positions 0 and 1"):

@@ -17,6 +17,7 @@ CONFIG = StorageConfig(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, model_name="m
 
 class FakeLink:
     node_id = "self-node"
+    owner = None  # NodeLink.owner: none (a rank without a tenant)
 
     def __init__(self) -> None:
         self.controller_attached = False

@@ -262,3 +262,35 @@ def test_a_group_home_node_without_an_actor_drops_the_controller(fake):
 def test_no_controller_is_unavailable(fake):
     with pytest.raises(NodeUnavailableError, match="no raykv controller"):
         make_link().ask_controller("info")
+
+
+def test_a_tenants_link_opens_a_session_within_the_deadline_and_a_fresh_proof_per_bind(
+        fake):
+    """The channel's bind makes a fresh call proof for each connection (a proof is good
+    once), the session is opened through Ray within the data op's deadline, and a
+    re-attach forgets it (the actor may have restarted): the next bind opens another."""
+    from raykv.cache_actors.rank.rank_owner import RankOwner
+    from raykv.controllers.contract import StorageConfig
+    from raykv.controllers.ownership import OwnerBindings
+
+    bindings = OwnerBindings()
+    actor = fake.actors[node_actor_name(HERE)]
+    actor.answers["challenge"] = bindings.challenge
+    actor.answers["open_session"] = bindings.open_session
+    owner = RankOwner.of_config(StorageConfig(model_name="m", extra_config={"tenant": "t"}),
+                                {"RAYKV_TENANT_SECRET": "s" * 32})
+    link = NodeLink(HERE, "ns", remap=lambda: None, timeout_s=2.5, owner=owner)
+    link.data(DataOp.EXISTS, ["k"])
+    (channel,) = FakeChannel.opened
+    first, second = channel.bind(), channel.bind()  # two connections' binds
+    assert first.proof != second.proof
+    assert bindings.verify(first) is first and bindings.verify(second) is second
+    with pytest.raises(ValueError, match="shown before"):
+        bindings.verify(first)  # CONTROL: a bind is good once
+    assert ("challenge", 2.5) in fake.timeouts and ("open_session", 2.5) in fake.timeouts
+    channel.answers["exists"] = ChannelClosedError("the node actor closed the channel")
+    with pytest.raises(NodeUnavailableError):
+        link.data(DataOp.EXISTS, ["k"])  # the link re-attaches: sessions forgotten
+    assert [c[0] for c in actor.calls].count("open_session") == 1
+    link.claim()
+    assert [c[0] for c in actor.calls].count("open_session") == 2

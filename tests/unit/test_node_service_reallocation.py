@@ -4,6 +4,7 @@ released, zero-filled memory, so a put's stored objects are removed and the call
 the retryable ``StalePoolsError`` (fake store and memory; the real race with a killed
 ``mooncake_client`` is in tests/integration/test_standalone.py)."""
 
+import logging
 import threading
 import uuid
 
@@ -147,3 +148,17 @@ def test_control_without_a_reallocation_the_same_calls_succeed(node):
     with pytest.raises(StalePoolsError):
         service.put(batch)
     assert store.backend.removed == []
+
+
+def test_objects_that_could_not_be_removed_are_logged_without_their_keys(node, caplog):
+    """A tenant's keys name its objects: the warning counts them, never names one
+    (CONTROL: the warning is there)."""
+    service, store, _, batch = node
+    keyed = ObjectBatch(epoch=batch.epoch)
+    keyed.extend(["m_keyed-hash-1", "m_keyed-hash-2"], "kv", [0, 8], [8, 8])
+    store.backend.during = store.backend.reallocate_now
+    store.backend.remove = lambda keys: [-1] * len(keys)
+    with caplog.at_level(logging.WARNING), pytest.raises(StalePoolsError):
+        service.put(keyed)
+    assert "2 objects put while the pools were replaced could not be removed" in caplog.text
+    assert "keyed-hash" not in caplog.text

@@ -150,6 +150,14 @@ def test_raykv_up_passes_its_transport_options_in_one_settings(monkeypatch):
     assert bound.exit_code == 0, bound.output
     assert seen["settings"].tenant_digests == {"team-a": digest}
     assert seen["settings"].tenant_quotas == {"team-a": 1 << 30}
+    assert not seen["settings"].bound_tenants_only  # first use, unless asked
+    only = CliRunner().invoke(main, ["up", f"--tenant-digest=team-a={digest}",
+                                     "--bound-tenants-only"])
+    assert only.exit_code == 0, only.output
+    assert seen["settings"].bound_tenants_only
+    filled = replace(seen["settings"], master_address="m:1", metadata_server="u",
+                     cluster_tag="t")
+    assert filled.actor_kwargs()["bound_tenants_only"] is True  # to every node actor
     for bad in ("team-a", "team-a=xyz", f"team a={digest}"):
         out = CliRunner().invoke(main, ["up", f"--tenant-digest={bad}"])
         assert out.exit_code == 2 and "--tenant-digest" in out.output, out.output
