@@ -114,3 +114,9 @@ def test_late_outcomes_of_calls_admitted_before_it_opened():
 def test_bad_settings_are_refused(settings):
     with pytest.raises(ValueError, match="bad breaker settings"):
         BreakerSettings(**settings)
+
+
+def test_the_defaults_are_the_documented_ones():
+    """docs/architecture.md, failure model: two deadlines in a row, a 1 s hold doubled
+    up to 30 s."""
+    assert BreakerSettings() == BreakerSettings(failures=2, hold_s=1.0, max_hold_s=30.0)
