@@ -1,12 +1,15 @@
 """A rank's circuit breaker on one node actor (pure: no Ray, no I/O, any clock).
 
 A node actor that is stopped, hung or gone costs every data call that waits on it a
-whole deadline. After ``BreakerSettings.failures`` such calls in a row the breaker
+whole deadline. Once calls in a row have run into their deadlines after being granted
+one deadline in total (``failed``'s ``granted_s`` adding up to its ``limit_s``: one
+call with its full ``timeout_s``, or several that a budget had shortened) the breaker
 *opens*: data calls fail at once, without reaching the node actor, and a probe (the
 caller's background thread, ``probe_answered`` / ``probe_wanted``) asks the actor a
 cheap question now and then. The states:
 
-- ``closed``: every call is admitted; a failure counts, a success clears the count.
+- ``closed``: every call is admitted; a failure adds what it was granted, a success
+  clears the sum.
 - ``open``: no call is admitted (each one is counted as ``rejected``). The *hold*
   (``hold_s`` at first) starts when it opens; once it has passed, an answer of the probe
   moves it to ``trial``.
@@ -41,24 +44,23 @@ class BreakerState(StrEnum):
 
 @dataclass(frozen=True)
 class BreakerSettings:
-    """``failures``: failed calls in a row that open the breaker; ``hold_s``: how long it
-    stays open at least after it opened (also how often the probe asks, in seconds);
-    ``max_hold_s``: the longest hold, reached by doubling after each failed trial."""
+    """``hold_s``: how long the breaker stays open at least after it opened (also how
+    often the probe asks), in seconds; ``max_hold_s``: the longest hold, reached by
+    doubling after each failed trial."""
 
-    failures: int = 2
     hold_s: float = 1.0
     max_hold_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.failures < 1 or not 0 < self.hold_s <= self.max_hold_s:
-            raise ValueError(f"bad breaker settings {self}: need failures >= 1 and "
-                             "0 < hold_s <= max_hold_s")
+        if not 0 < self.hold_s <= self.max_hold_s:
+            raise ValueError(f"bad breaker settings {self}: need 0 < hold_s <= max_hold_s")
 
 
 class CircuitBreaker:
     """See the module docstring. Counters (``counts()``): ``admitted``, ``rejected``,
     ``failed`` and ``succeeded`` calls, times ``opened``, ``trials`` started, probe
-    ``answers`` received."""
+    ``answers`` received; and now: ``state``, the failures ``in_a_row`` while closed and
+    the seconds they were granted (``granted_in_a_row_s``)."""
 
     def __init__(self, settings: BreakerSettings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -67,6 +69,7 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
         self._in_a_row = 0  # failures since the last success
+        self._granted = 0.0  # the seconds they were granted, together
         self._hold = self.settings.hold_s
         self._until = 0.0  # end of the current hold (clock seconds)
         self._trial_out = False  # a trial call is in flight
@@ -80,7 +83,8 @@ class CircuitBreaker:
     def counts(self) -> dict[str, int | str]:
         """A copy of the counters, with ``state`` and the ``in_a_row`` failures."""
         with self._lock:
-            return {**self._counts, "state": self._state.value, "in_a_row": self._in_a_row}
+            return {**self._counts, "state": self._state.value, "in_a_row": self._in_a_row,
+                    "granted_in_a_row_s": self._granted}
 
     # ------------------------------------------------------------- the calls
     def admit(self) -> bool:
@@ -102,12 +106,13 @@ class CircuitBreaker:
         with self._lock:
             self._counts["succeeded"] += 1
             self._state = BreakerState.CLOSED
-            self._in_a_row = 0
+            self._in_a_row, self._granted = 0, 0.0
             self._hold = self.settings.hold_s
             self._trial_out = False
 
-    def failed(self) -> None:
-        """An admitted call ran into its deadline or found the actor unreachable."""
+    def failed(self, granted_s: float, limit_s: float) -> None:
+        """An admitted call ran into its deadline after it was granted ``granted_s``
+        seconds; ``limit_s``: a whole deadline of the caller (``timeout_s``)."""
         with self._lock:
             self._counts["failed"] += 1
             if self._state is BreakerState.TRIAL:
@@ -115,7 +120,8 @@ class CircuitBreaker:
                 self._open()
             elif self._state is BreakerState.CLOSED:
                 self._in_a_row += 1
-                if self._in_a_row >= self.settings.failures:
+                self._granted += granted_s
+                if self._granted >= limit_s:
                     self._open()
 
     def released(self) -> None:
@@ -125,6 +131,7 @@ class CircuitBreaker:
 
     def _open(self) -> None:
         self._state = BreakerState.OPEN
+        self._in_a_row, self._granted = 0, 0.0
         self._trial_out = False
         self._until = self._clock() + self._hold
         self._counts["opened"] += 1

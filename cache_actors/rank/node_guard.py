@@ -43,19 +43,20 @@ class NodeGuard:
         self._probing = False
 
     @contextlib.contextmanager
-    def call(self, what: str) -> Iterator[None]:
-        """Run data call ``what`` if the breaker admits it, and report how it ended;
+    def call(self, what: str, granted_s: float, timeout_s: float) -> Iterator[None]:
+        """Run data call ``what`` (granted ``granted_s`` seconds; a whole deadline of
+        the caller is ``timeout_s``) if the breaker admits it, and report how it ended;
         ``CircuitOpenError`` at once if it does not."""
         breaker = self.breaker
         if not breaker.admit():
             raise CircuitOpenError(
                 f"raykv {what} (node {self.node_id[:12]}) failed at once: the node actor "
-                f"missed {breaker.settings.failures} deadlines in a row and has not "
-                "answered a probe since; retry later")
+                "ran calls into their deadlines and has not answered a probe since; "
+                "retry later")
         try:
             yield
         except DeadlineExceededError:
-            breaker.failed()
+            breaker.failed(granted_s, timeout_s)
             self._start_probe()
             raise
         except BaseException:

@@ -21,8 +21,9 @@ that a late reply is never taken for the next call's. A deadline does not make t
 stale: the actor may only be slow, and re-mapping would ask it a control call.
 
 Circuit breaker: every data op runs through this process's guard on the actor it goes
-to (``node_guard``): after deadlines in a row, data ops fail at once
-(``CircuitOpenError``) until a probe finds the actor answering again.
+to (``node_guard``): once data ops in a row ran into deadlines that add up to one
+``timeout_s``, data ops fail at once (``CircuitOpenError``) until a probe finds the
+actor answering again.
 
 Retry: a channel call whose request certainly never reached the actor (the connection
 broke before the request was written whole: the actor that owned it died, and was
@@ -91,7 +92,8 @@ class NodeLink:
         self._local = node_id == ray.get_runtime_context().get_node_id()
         self._channel: ChannelClient | None = None
         self._controller: Any = None
-        self._calls = threading.local()  # .deadline: of the call in progress on a thread
+        # .deadline, .granted: of the call in progress on a thread (``bounded``)
+        self._calls = threading.local()
         self.stale = False
 
     retry_unsent = True
@@ -115,7 +117,9 @@ class NodeLink:
         over the local channel when that actor runs on this node, else through Ray;
         ``CircuitOpenError`` at once while that actor's breaker is open."""
         target = self.node_id if node_id is None else node_id
-        with self.bounded(self.timeout_s, op), guard_of(self._namespace, target).call(op):
+        guard = guard_of(self._namespace, target)
+        with self.bounded(self.timeout_s, op) as granted, guard.call(op, granted,
+                                                                     self.timeout_s):
             self._refresh()
             if target != self.node_id or not self._local:
                 owner = () if self.owner is None else (self.owner,)
@@ -132,11 +136,13 @@ class NodeLink:
                 return self._over_channel(op, args)
 
     @contextlib.contextmanager
-    def bounded(self, limit_s: float, what: str) -> Iterator[None]:
+    def bounded(self, limit_s: float, what: str) -> Iterator[float]:
         """Run the calls of the block within ``limit_s`` seconds, less where a budget
         entered on this thread (``controllers.call_budget``) or the call around this one
-        (a data op) ends sooner, and spend the time it takes from those budgets.
-        ``DeadlineExceededError`` at once when less than ``MIN_CALL_S`` is left."""
+        (a data op) ends sooner, and spend the time it takes from those budgets; yields
+        the seconds granted to the caller's call (the outermost one on this thread: a
+        group query's, for the data op it ends with). ``DeadlineExceededError`` at once
+        when less than ``MIN_CALL_S`` is left."""
         outer = getattr(self._calls, "deadline", None)
         now = time.monotonic()
         seconds = time_left(limit_s) if outer is None else min(limit_s, outer - now)
@@ -145,12 +151,12 @@ class NodeLink:
                 f"raykv {what} (node {self.node_id[:12]}) not sent: the time this thread "
                 "may wait on raykv (its budget, or the call it is part of) is spent")
         if outer is not None:  # the call around this one sets the deadline and spends
-            yield
+            yield self._calls.granted
             return
-        self._calls.deadline = now + seconds
+        self._calls.deadline, self._calls.granted = now + seconds, seconds
         try:
             with spending():
-                yield
+                yield seconds
         finally:
             self._calls.deadline = None
 

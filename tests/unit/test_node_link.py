@@ -260,7 +260,8 @@ def test_a_deadline_cancels_and_neither_reattaches_nor_remaps(fake):
     assert link.call("stats") == {"ok": 1} and remaps == []
 
 
-def test_a_deadline_on_the_channel_keeps_the_link(fake):
+def test_a_deadline_on_the_channel_keeps_the_link(fake, monkeypatch):
+    guard = fast_guard(monkeypatch)
     remaps: list = []
     link = make_link(remaps)
     link.data(DataOp.PUT, "batch")
@@ -269,6 +270,7 @@ def test_a_deadline_on_the_channel_keeps_the_link(fake):
         link.data(DataOp.PUT, "batch")
     assert not link.stale and not FakeChannel.opened[0].closed
     FakeChannel.opened[0].answers["put"] = [0]
+    assert poll(lambda: guard.breaker.state is BreakerState.TRIAL)  # the probe answered
     assert link.data(DataOp.PUT, "batch") == [0] and remaps == []
 
 
@@ -293,8 +295,7 @@ WAIT_S = 10.0  # bound of a poll for the probe thread: only turns a hang into a 
 
 def fast_guard(monkeypatch, node_id: str = HERE) -> NodeGuard:
     """This process's guard on ``node_id``'s actor, with a short hold (10 ms)."""
-    guard = NodeGuard(node_id, "ns", BreakerSettings(failures=2, hold_s=0.01,
-                                                     max_hold_s=0.01))
+    guard = NodeGuard(node_id, "ns", BreakerSettings(hold_s=0.01, max_hold_s=0.01))
     monkeypatch.setitem(node_guard._guards, ("ns", node_id), guard)
     return guard
 
@@ -306,7 +307,7 @@ def poll(condition) -> bool:
     return condition()
 
 
-def test_deadlines_in_a_row_open_the_breaker_then_calls_fail_without_being_sent(
+def test_a_whole_deadline_missed_opens_the_breaker_then_calls_fail_without_being_sent(
         fake, monkeypatch):
     guard = fast_guard(monkeypatch)
     actor = fake.actors[node_actor_name(HERE)]
@@ -315,9 +316,8 @@ def test_deadlines_in_a_row_open_the_breaker_then_calls_fail_without_being_sent(
     assert link.data(DataOp.EXISTS, ["k"]) == [1]
     channel = FakeChannel.opened[0]
     channel.answers["exists"] = DeadlineExceededError("late")
-    for _ in range(2):
-        with pytest.raises(DeadlineExceededError):
-            link.data(DataOp.EXISTS, ["k"])
+    with pytest.raises(DeadlineExceededError):  # granted its whole deadline: opens
+        link.data(DataOp.EXISTS, ["k"])
     assert guard.breaker.state is BreakerState.OPEN
     sent = len(channel.calls)
     for _ in range(5):
@@ -345,9 +345,8 @@ def test_a_breaker_is_per_node_actor_and_shared_by_the_links_of_a_process(fake, 
     link, other_link = make_link(), make_link()
     link.data(DataOp.EXISTS, ["k"])
     FakeChannel.opened[0].answers["exists"] = DeadlineExceededError("late")
-    for _ in range(2):
-        with pytest.raises(DeadlineExceededError):
-            link.data(DataOp.EXISTS, ["k"])
+    with pytest.raises(DeadlineExceededError):  # granted its whole deadline: opens
+        link.data(DataOp.EXISTS, ["k"])
     with pytest.raises(CircuitOpenError):  # another client of this process, same actor
         other_link.data(DataOp.EXISTS, ["k"])
     # the actor of another node (a group's home node) is not affected
@@ -391,6 +390,9 @@ def test_a_budget_bounds_the_calls_inside_it_and_a_spent_one_sends_nothing(fake,
     with spent, pytest.raises(DeadlineExceededError):
         link.data(DataOp.EXISTS, ["k"])
     assert spent.left() < 1.0  # a call spends what it took
+    # granted 1 s of its 2.5 s: counted, not yet a whole deadline, so still closed
+    counts = guard.breaker.counts()
+    assert counts["state"] == "closed" and counts["granted_in_a_row_s"] == pytest.approx(1.0)
 
 
 def test_control_calls_inside_a_budget_wait_no_longer_than_it(fake):
@@ -446,3 +448,20 @@ def test_a_request_is_sent_again_once_at_most(fake):
     with pytest.raises(NodeUnavailableError, match="Broken pipe"):
         link.data(DataOp.PUT, "batch")
     assert [c.calls for c in FakeChannel.opened] == [[("put", ("batch",))]] * 2
+
+
+def test_a_group_query_that_ran_out_counts_its_whole_deadline(fake, monkeypatch):
+    """The registration before a group query takes part of the query's deadline; the
+    data op that then runs out was granted less, but its caller waited the whole
+    deadline in vain, which is what opens the breaker."""
+    guard = fast_guard(monkeypatch, OTHER)
+    fake.actors[node_actor_name(OTHER)] = FakeActor("other", {"group_exists": HANG,
+                                                              "health": HANG})
+    link = make_link(timeout_s=2.5)
+    with pytest.raises(DeadlineExceededError), link.bounded(2.5, "group_exists"):
+        time.sleep(0.05)  # the registration
+        link.data(DataOp.GROUP_EXISTS, "dep", node_id=OTHER)
+    assert fake.timeouts[-1][1] < 2.5  # the data op itself had less
+    assert guard.breaker.state is BreakerState.OPEN
+    fake.actors[node_actor_name(OTHER)].answers["health"] = {"pid": 1}
+    assert poll(lambda: not guard._probing)
