@@ -19,3 +19,9 @@ class DeadlineExceededError(NodeUnavailableError):
     """A call to the node actor did not finish within its deadline (the actor is hung,
     stopped or overloaded, or a store call is stuck). Retryable: nothing was reported
     stored or read by that call."""
+
+
+class CircuitOpenError(NodeUnavailableError):
+    """The rank's circuit breaker on this node actor is open: its last data calls ran
+    into their deadlines, so this one failed at once without reaching it (no wait). A
+    probe watches the actor and lets calls through again once it answers. Retryable."""

@@ -109,7 +109,7 @@ from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.ownership import OwnerClaim
 
 __all__ = ["MAX_FRAME", "ChannelClient", "ChannelClosedError", "ChannelServer",
-           "ChannelVersionError"]
+           "ChannelVersionError", "RequestNotSentError"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,12 @@ _TIMEVAL = struct.Struct("ll")
 
 class ChannelClosedError(ConnectionError):
     """The actor's end of the channel is gone (actor dead or restarting)."""
+
+
+class RequestNotSentError(ChannelClosedError):
+    """The channel broke before a request was written whole (or before a connection
+    for it was made): the actor never saw that request, so sending it again on a new
+    connection cannot run it twice."""
 
 
 def _timeval(seconds: float) -> bytes:
@@ -558,13 +564,19 @@ class _Link:
 
     def exchange(self, data: bytes, deadline: float) -> bytes:
         """Send ``data``, return the next frame's body. ``TimeoutError`` when
-        ``deadline`` (monotonic seconds) passes, ``ChannelClosedError`` at EOF, other
-        ``OSError``s and ``WireError`` as they come."""
+        ``deadline`` (monotonic seconds) passes, ``RequestNotSentError`` when the
+        connection broke before ``data`` was written whole, ``ChannelClosedError`` at
+        EOF, other ``OSError``s and ``WireError`` as they come."""
         sock, reader = self.sock, self.reader
         try:
             if len(data) > _SMALL:
                 self._limit(socket.SO_SNDTIMEO, deadline)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except (BlockingIOError, TimeoutError):
+                raise
+            except OSError as e:  # EPIPE, ECONNRESET: the peer was gone before it read it
+                raise RequestNotSentError(f"the request was not sent: {e}") from e
             while (body := reader.next()) is None:
                 self._limit(socket.SO_RCVTIMEO, deadline)
                 chunk = sock.recv(reader.want())
@@ -586,12 +598,15 @@ class ChannelClient:
     their own (see the module docstring). ``bind``: the owner claim every connection
     starts with (None: none), or a callable that makes one per connection (a tenant's
     call proof is good for one connection). Raises ``ChannelClosedError`` when the actor is
-    unreachable, ``ChannelVersionError`` when it runs another wire, ``ValueError`` when
-    it refused the claim."""
+    unreachable (``RequestNotSentError`` when it is certain that it never saw the
+    request), ``ChannelVersionError`` when it runs another wire, ``ValueError`` when it
+    refused the claim. The first connection is opened here, by ``deadline`` (monotonic
+    seconds; default ``timeout_s`` from now)."""
 
     def __init__(self, path: str, async_ops: frozenset[str] = frozenset(),
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_idle: int = MAX_IDLE,
-                 bind: OwnerClaim | Callable[[], OwnerClaim | None] | None = None) -> None:
+                 bind: OwnerClaim | Callable[[], OwnerClaim | None] | None = None,
+                 deadline: float | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.path = path
@@ -603,12 +618,16 @@ class ChannelClient:
         self._lock = threading.Lock()
         self._generation = 0  # close() starts a new one; links of older ones are closed
         # fail now, not at the first data call, if nobody (or another wire) listens
-        self._release(False, self._open(time.monotonic() + timeout_s), 0)
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
+        self._release(False, self._open(deadline), 0)
 
-    def call(self, op: str, *args):
-        """``op``'s reply value, or the error the node actor raised. ``TypeError`` for
-        an argument the channel cannot carry (nothing is sent)."""
-        deadline = time.monotonic() + self.timeout_s
+    def call(self, op: str, *args, timeout_s: float | None = None):
+        """``op``'s reply value, or the error the node actor raised, within
+        ``timeout_s`` (default: the client's). ``TypeError`` for an argument the channel
+        cannot carry (nothing is sent)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         data = request(op, deadline, args)
         kind = op in self._async_ops
         with self._lock:
@@ -623,10 +642,12 @@ class ChannelClient:
         except TimeoutError:
             link.close()  # a late reply must never reach a later call
             raise DeadlineExceededError(
-                f"the node actor did not answer {op} within {self.timeout_s} s "
+                f"the node actor did not answer {op} within {timeout_s:.3g} s "
                 f"(channel {self.path}): retry the call") from None
         except (OSError, WireError) as e:
             link.close()
+            if isinstance(e, RequestNotSentError):
+                raise
             raise ChannelClosedError(f"channel to the node actor broke during {op}: "
                                      f"{e}") from e
         self._release(kind, link, generation)
@@ -640,10 +661,10 @@ class ChannelClient:
             return _Link(self.path, self.timeout_s, deadline, bind)
         except TimeoutError:
             raise DeadlineExceededError(f"the node actor at {self.path} did not accept a "
-                                        f"connection within {self.timeout_s} s") from None
-        except (OSError, WireError) as e:
-            raise ChannelClosedError(f"cannot reach the node actor at {self.path}: "
-                                     f"{e}") from e
+                                        "connection by the call's deadline") from None
+        except (OSError, WireError) as e:  # before any request: none was sent
+            raise RequestNotSentError(f"cannot reach the node actor at {self.path}: "
+                                      f"{e}") from e
 
     def _release(self, kind: bool, link: _Link, generation: int) -> None:
         if not link.reader.pending:  # else bytes nobody asked for: do not reuse

@@ -29,10 +29,12 @@ from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
 from raykv.cache_actors.rank.engine_pools import StagedPool, staged_call
 from raykv.cache_actors.rank.group_registration import GroupRegistration
+from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.cache_actors.rank.rank_owner import RankOwner
+from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
 from raykv.controllers.keyed_hashes import KeyedHashes
@@ -109,6 +111,7 @@ class CacheClient:
                           None if secret is None else OwnerKey.of_secret(secret))
         del secret
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
+        self._namespace = namespace
         self._link = NodeLink(self.node_id, namespace, remap=lambda: self._pools.remap(),
                               timeout_s=self.config.timeout_s, owner=owner)
         self._pools = PoolLifecycle(self._link)
@@ -282,9 +285,11 @@ class CacheClient:
         pools = self._pools
         keys, queries = check_hit_query(self._hashes.keys(keys), transfers, pools.plan_pools,
                                         pools.disabled)
-        if self._group.outdated(pools.specs):
-            self.register_deployment()
-        return self._group.exists(keys, queries)
+        # a registration first (a control call) shares the query's deadline
+        with self._link.bounded(self.config.timeout_s, "group_exists"):
+            if self._group.outdated(pools.specs):
+                self.register_deployment()
+            return self._group.exists(keys, queries)
 
     # ------------------------------------------------------------ v1 (pages)
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -317,6 +322,22 @@ class CacheClient:
         batch = pointer_batch(self._hashes.keys(keys), target_locations, target_sizes,
                               self._pools.mapped(), self.key_scheme, self._pools.epoch)
         return leading_read(batch, self._link.data(DataOp.GET, batch))
+
+    # ------------------------------------------------------ budget, breaker
+    def budget(self, seconds: float | None = None) -> Budget:
+        """A budget of ``seconds`` (default: ``timeout_s``) for an engine's step: every
+        call this client (or any other) makes on a thread while it is entered (``with
+        budget: ...``, as often as needed) waits at most what is left of it, and spends
+        it; with nothing left, a call fails at once (``DeadlineExceededError``, nothing
+        sent). See ``controllers.call_budget``."""
+        return Budget(self.config.timeout_s if seconds is None else seconds)
+
+    def breaker_counts(self) -> dict:
+        """This process's circuit breaker on this client's node actor
+        (``node_guard``): ``state`` (closed, open, trial), ``in_a_row`` deadlines
+        missed, and counters of calls ``admitted``, ``rejected`` (failed at once),
+        ``failed``, ``succeeded``, times ``opened``, ``trials``, probe ``answers``."""
+        return guard_of(self._namespace, self.node_id).breaker.counts()
 
     # --------------------------------------------------------------- control
     def health(self) -> dict:

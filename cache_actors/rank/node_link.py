@@ -9,14 +9,26 @@ that the retry reaches their replacements; the link is then *stale*, and its nex
 first re-maps the client's pools (``remap``), whose memory the replacement may have
 allocated anew.
 
-Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``; a data op that
-first opens the channel asks the actor for its path within it too), every control
-call ``CONTROL_TIMEOUT_S`` (creating a pool reserves its memory, seconds per GiB on a
-slow host). A call that runs past its deadline raises ``DeadlineExceededError`` (a
-``NodeUnavailableError``): a Ray call is cancelled (best effort: a call the actor already
-started runs on), a channel connection is closed so that a late reply is never taken
-for the next call's. A deadline does not make the link stale: the actor may only be
-slow, and re-mapping would ask it a control call.
+Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), and whatever it
+does first (re-map after a re-attach, ask the actor for its channel's path) happens
+within that deadline too; every control call has ``CONTROL_TIMEOUT_S`` (creating a pool
+reserves its memory, seconds per GiB on a slow host). A budget entered on the calling
+thread (``controllers.call_budget``) shortens both to what it has left and is spent by
+them; with nothing left a call fails at once. A call that runs past its deadline raises
+``DeadlineExceededError`` (a ``NodeUnavailableError``): a Ray call is cancelled (best
+effort: a call the actor already started runs on), a channel connection is closed so
+that a late reply is never taken for the next call's. A deadline does not make the link
+stale: the actor may only be slow, and re-mapping would ask it a control call.
+
+Circuit breaker: every data op runs through this process's guard on the actor it goes
+to (``node_guard``): once data ops in a row ran into deadlines that add up to one
+``timeout_s``, data ops fail at once (``CircuitOpenError``) until a probe finds the
+actor answering again.
+
+Retry: a channel call whose request certainly never reached the actor (the connection
+broke before the request was written whole: the actor that owned it died, and was
+restarted) re-attaches, re-maps and is sent once more on a new connection, within the
+same deadline; any other failure is the caller's to retry (the actor may have run it).
 
 Owner: the link carries its client's owner (``RankOwner``): every channel connection
 starts with its claim and every Ray data call ends with one (pool calls pass it
@@ -33,13 +45,21 @@ own connection. Re-attaching is not locked: concurrent failures each re-attach.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import ray
 from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
-from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
+from raykv.cache_actors.local_channel import (
+    ChannelClient,
+    ChannelClosedError,
+    RequestNotSentError,
+)
+from raykv.cache_actors.rank.node_guard import guard_of
+from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.ownership import OwnerClaim
@@ -49,6 +69,8 @@ if TYPE_CHECKING:
 
 CONTROL_TIMEOUT_S = 120.0
 """Deadline of a control call (pools, health, stats, registration), in seconds."""
+MIN_CALL_S = 0.001
+"""A call with less time than this left (budget spent) fails without being sent."""
 
 
 class NodeLink:
@@ -76,7 +98,13 @@ class NodeLink:
         self._local = node_id == ray.get_runtime_context().get_node_id()
         self._channel: ChannelClient | None = None
         self._controller: Any = None
+        # .deadline, .granted: of the call in progress on a thread (``bounded``)
+        self._calls = threading.local()
         self.stale = False
+
+    retry_unsent = True
+    """Send a channel call once more when its request never reached the actor (see the
+    module docstring); tests turn it off to show what a rank sees without."""
 
     # ------------------------------------------------------------------ calls
     def call(self, method: str, *args, **kwargs) -> Any:
@@ -86,26 +114,59 @@ class NodeLink:
 
     def ask(self, method: str, *args, **kwargs) -> Any:
         """Control ``method`` of this node's actor, without re-mapping first (``remap``
-        itself calls this)."""
-        return self._ray(self._actor, method, *args, **kwargs)
+        itself calls this; inside a data op, within that op's deadline)."""
+        with self.bounded(CONTROL_TIMEOUT_S, method):
+            return self._ray(self._actor, method, *args, **kwargs)
 
     def data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
         """Data op ``op`` on the cache actor of ``node_id`` (default: this link's node):
-        over the local channel when that actor runs on this node, else through Ray."""
-        self._refresh()
-        remote = node_id not in (None, self.node_id)
-        if remote or not self._local:
-            claim = self.claim(node_id if remote else None)
-            owner = () if claim is None else (claim,)
-            return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
-                             *owner, timeout_s=self.timeout_s)
-        with self._retryable(op):
-            if self._channel is None:  # its path is asked within the data op's deadline
-                path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)
-                self._channel = ChannelClient(path, async_ops=ASYNC_OPS,
-                                              timeout_s=self.timeout_s,
-                                              bind=None if self.owner is None else self.claim)
-            return self._channel.call(op.value, *args)
+        over the local channel when that actor runs on this node, else through Ray;
+        ``CircuitOpenError`` at once while that actor's breaker is open."""
+        target = self.node_id if node_id is None else node_id
+        guard = guard_of(self._namespace, target)
+        with self.bounded(self.timeout_s, op) as granted, guard.call(op, granted,
+                                                                     self.timeout_s):
+            self._refresh()
+            if target != self.node_id or not self._local:
+                remote = target != self.node_id
+                claim = self.claim(target if remote else None)
+                owner = () if claim is None else (claim,)
+                actor = self._actor_of(target) if remote else self._actor
+                return self._ray(actor, op, *args, *owner)
+            try:
+                with self._retryable(op):
+                    return self._over_channel(op, args)
+            except NodeUnavailableError as e:
+                if not (self.retry_unsent and isinstance(e.__cause__, RequestNotSentError)):
+                    raise
+            self._refresh()  # re-attached: the replacement's pools
+            with self._retryable(op):
+                return self._over_channel(op, args)
+
+    @contextlib.contextmanager
+    def bounded(self, limit_s: float, what: str) -> Iterator[float]:
+        """Run the calls of the block within ``limit_s`` seconds, less where a budget
+        entered on this thread (``controllers.call_budget``) or the call around this one
+        (a data op) ends sooner, and spend the time it takes from those budgets; yields
+        the seconds granted to the caller's call (the outermost one on this thread: a
+        group query's, for the data op it ends with). ``DeadlineExceededError`` at once
+        when less than ``MIN_CALL_S`` is left."""
+        outer = getattr(self._calls, "deadline", None)
+        now = time.monotonic()
+        seconds = time_left(limit_s) if outer is None else min(limit_s, outer - now)
+        if seconds < MIN_CALL_S:
+            raise DeadlineExceededError(
+                f"raykv {what} (node {self.node_id[:12]}) not sent: the time this thread "
+                "may wait on raykv (its budget, or the call it is part of) is spent")
+        if outer is not None:  # the call around this one sets the deadline and spends
+            yield self._calls.granted
+            return
+        self._calls.deadline, self._calls.granted = now + seconds, seconds
+        try:
+            with spending():
+                yield seconds
+        finally:
+            self._calls.deadline = None
 
     def claim(self, node_id: str | None = None) -> OwnerClaim | None:
         """The owner claim for one call to the actor of ``node_id`` (default: this
@@ -115,8 +176,9 @@ class NodeLink:
             return None
         node = node_id or self.node_id
         actor = self._actor if node == self.node_id else self._actor_of(node)
-        return self.owner.claim(node, lambda method, *args: self._ray(
-            actor, method, *args, timeout_s=self.timeout_s))
+        with self.bounded(self.timeout_s, "owner session"):
+            return self.owner.claim(node, lambda method, *args: self._ray(actor, method,
+                                                                          *args))
 
     def ask_controller(self, method: str, *args) -> Any:
         """``method`` of the controller (looked up by name once, and again after a
@@ -127,7 +189,8 @@ class NodeLink:
             except ValueError as e:
                 raise NodeUnavailableError("no raykv controller in namespace "
                                            f"{self._namespace!r}; is raykv running?") from e
-        return self._ray(self._controller, method, *args)
+        with self.bounded(CONTROL_TIMEOUT_S, method):
+            return self._ray(self._controller, method, *args)
 
     @property
     def controller_attached(self) -> bool:
@@ -156,10 +219,25 @@ class NodeLink:
             raise NodeUnavailableError(f"no raykv cache actor on node {node_id[:12]}; retry "
                                        "the call") from e
 
-    def _ray(self, actor: Any, method: str, *args, timeout_s: float = CONTROL_TIMEOUT_S,
-             **kwargs) -> Any:
+    def _over_channel(self, op: DataOp, args: tuple) -> Any:
+        """``op`` over the local channel, opened first if it is not (its path asked of
+        the actor through Ray), all within the call's deadline."""
+        if self._channel is None:
+            path = self._ray(self._actor, "channel_path")
+            self._channel = ChannelClient(path, async_ops=ASYNC_OPS, timeout_s=self.timeout_s,
+                                          bind=None if self.owner is None else self.claim,
+                                          deadline=self._calls.deadline)
+        return self._channel.call(op.value, *args, timeout_s=self._left())
+
+    def _left(self) -> float:
+        """Seconds left to the call in progress on this thread (``bounded``)."""
+        return self._calls.deadline - time.monotonic()
+
+    def _ray(self, actor: Any, method: str, *args, **kwargs) -> Any:
+        """``method`` of ``actor`` through Ray, within the call's deadline."""
         with self._retryable(method):
             ref = getattr(actor, method).remote(*args, **kwargs)
+            timeout_s = max(0.0, self._left())
             try:
                 return ray.get(ref, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
@@ -167,7 +245,7 @@ class NodeLink:
                     ray.cancel(ref)
                 raise DeadlineExceededError(
                     f"raykv actor call {method} (node {self.node_id[:12]}) did not finish "
-                    f"within {timeout_s:g} s; the actor may be hung or overloaded: retry "
+                    f"within {timeout_s:.3g} s; the actor may be hung or overloaded: retry "
                     "later") from None
 
     @contextlib.contextmanager

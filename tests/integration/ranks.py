@@ -51,6 +51,12 @@ class Rank:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.client, method)(*args, **kwargs)
 
+    def retry_unsent(self, on: bool) -> None:
+        """Test switch: whether this client's link sends a request again after a
+        restart broke its connection before the request was written
+        (``NodeLink.retry_unsent``)."""
+        self.client._link.retry_unsent = on
+
     def data(self, op: str, *args):
         """A raw data op (``DataOp``: exists / put / get) over this client's route to
         its node actor (the local channel), per-object codes back."""

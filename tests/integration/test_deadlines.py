@@ -10,6 +10,7 @@ fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -56,6 +57,18 @@ def unavailable(outcome: tuple[float, object]) -> bool:
     return isinstance(value, NodeUnavailableError) and seconds < HANG_S
 
 
+def settle(ok, wait_s: float = 60.0) -> None:
+    """Call ``ok()`` until it is true (a retryable error counts as not yet), at most
+    ``wait_s`` seconds."""
+    end = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(NodeUnavailableError):
+            if ok():
+                return
+        assert time.monotonic() < end, "no hit after the actor was continued"
+        time.sleep(0.2)
+
+
 def home_node(cluster) -> str:
     """The node whose actor answers the group queries of the deployment of ``cfg``."""
     controller = ray.get_actor(CONTROLLER_NAME, namespace=cluster.namespace)
@@ -80,23 +93,26 @@ def test_a_stopped_node_actor_fails_calls_at_their_deadline_then_serves_again(cl
 
     actor = ray.get_actor(node_actor_name(node), namespace=cluster.namespace)
     pid = ray.get(actor.health.remote())["pid"]
-    stop_process(pid)
-    try:
-        outcomes = {
-            "channel batch_get_v1": timed(lambda: ray.get(home.call.remote(
-                "batch_get_v1", keys, indices(32, N)))),
-            "channel batch_set_v2": timed(lambda: ray.get(home.call.remote(
-                "batch_set_v2", [PoolTransfer(PoolName.KV, [f"{uid}-new"],
-                                              indices(16, 1))]))),
-            "channel batch_exists": timed(lambda: ray.get(home.call.remote(
-                "batch_exists", asked))),
-            "channel group_exists": timed(lambda: ray.get(home.call.remote(
-                "group_exists", asked))),
-            "Ray group_exists": timed(lambda: ray.get(other.call.remote(
-                "group_exists", asked))),
-        }
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    calls = {
+        "channel batch_get_v1": lambda: ray.get(home.call.remote(
+            "batch_get_v1", keys, indices(32, N))),
+        "channel batch_set_v2": lambda: ray.get(home.call.remote(
+            "batch_set_v2", [PoolTransfer(PoolName.KV, [f"{uid}-new"], indices(16, 1))])),
+        "channel batch_exists": lambda: ray.get(home.call.remote("batch_exists", asked)),
+        "channel group_exists": lambda: ray.get(home.call.remote("group_exists", asked)),
+        "Ray group_exists": lambda: ray.get(other.call.remote("group_exists", asked)),
+    }
+    outcomes = {}
+    for what, call in calls.items():  # each one the first call on the stopped actor
+        stop_process(pid)
+        try:
+            outcomes[what] = timed(call)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the deadline opened the rank's circuit breaker: wait until its probe found the
+        # actor again (a hit closes it), so the next call waits on the actor once more
+        settle(lambda: ray.get(home.call.remote("batch_exists", keys)) == N)
+        settle(lambda: ray.get(other.call.remote("group_exists", keys)).kv_hit_pages == N)
     for what, outcome in outcomes.items():
         assert unavailable(outcome), f"{what}: {outcome}"
         assert isinstance(outcome[1], DeadlineExceededError), f"{what}: {outcome}"

@@ -76,6 +76,16 @@ def until_loaded(engine, p: list[int], want: list[int]) -> None:
         time.sleep(1)
 
 
+def until_probed(engine) -> None:
+    """Wait (bounded) until the engine's circuit breaker, opened by a deadline, let a
+    trial through after its probe found the continued actor (until then its saves are
+    skipped at once)."""
+    deadline = time.monotonic() + 60
+    while ray.get(engine.breaker.remote()) == "open":
+        assert time.monotonic() < deadline, "the probe never found the node actor again"
+        time.sleep(0.1)
+
+
 def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
     node = cluster.node_ids[1]
     e = start_engine(node, model, {"model_name": f"tiny-deadline-{uid}",
@@ -93,6 +103,7 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
         lookup = last_lookup(e)
         assert lookup["tokens"] == 0 and TIMEOUT_S * 0.9 <= lookup["seconds"] < HANG_S, \
             lookup
+        until_probed(e)
 
         p = prompt(41)
         cold = bounded(e.generate.remote(p), "cold run")

@@ -15,14 +15,15 @@ from tests.integration.process_stop import stop_process
 
 @ray.remote(num_cpus=0)
 class DeadlineEngine(VLLMEngine):
-    """``VLLMEngine`` (in-process: the scheduler runs in this actor) plus ``lookups``
-    and ``stop_after_lookup``."""
+    """``VLLMEngine`` (in-process: the scheduler runs in this actor) plus ``lookups``,
+    ``stop_after_lookup`` and ``breaker``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._lookups: list[dict] = []
         self._stop_pid: int | None = None
         connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        self._scheduler_side = connector.connector_scheduler
         lookup = connector.get_num_new_matched_tokens
 
         def timed(request, num_computed_tokens):
@@ -38,6 +39,11 @@ class DeadlineEngine(VLLMEngine):
     def lookups(self) -> list[dict]:
         """Every lookup so far: its ``seconds`` and the external ``tokens`` it answered."""
         return list(self._lookups)
+
+    def breaker(self) -> str:
+        """The state of this process's circuit breaker on its node actor (shared by the
+        scheduler's and the worker's clients): closed, open or trial."""
+        return self._scheduler_side._client.breaker_counts()["state"]
 
     def stop_after_lookup(self, pid: int) -> None:
         """SIGSTOP ``pid`` as soon as a lookup answers a hit (once)."""

@@ -4,6 +4,7 @@ controller; pools are real shared memory made by the fake link."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from types import SimpleNamespace
 
@@ -48,6 +49,9 @@ class FakeLink:
         self.registered: list[tuple] = []
         self.proofs: list[object] = []  # the proof sent with each registration
         self.challenges = Challenges()  # the controller's
+        self.bounds: list[tuple[str, float]] = []  # (call, seconds) of each bounded()
+        self.depth = 0  # bounded() blocks open now
+        self.register_depths: list[int] = []  # depth at each registration
         self.handles: dict[str, PoolHandle] = {}
         self.mode = "embedded"
         FakeLink.made.append(self)
@@ -73,6 +77,16 @@ class FakeLink:
     def claim(self, node_id: str | None = None):
         return None if self.owner is None else self.owner.base
 
+    @contextlib.contextmanager
+    def bounded(self, limit_s: float, what: str):
+        """Records which calls ran under one deadline (``NodeLink.bounded``)."""
+        self.bounds.append((what, limit_s))
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
     def data(self, op: DataOp, *args, node_id: str | None = None):
         self.data_ops.append((op, node_id, *args))
         if op == DataOp.EXISTS:
@@ -89,6 +103,7 @@ class FakeLink:
         assert method == "register_rank"
         config, specs, node_id, proof = args
         self.registered.append((config, specs, node_id))
+        self.register_depths.append(self.depth)
         self.proofs.append(proof)
         self.controller_attached = True
         return Registration("org", KeyScheme.from_config(config), HOME, len(self.registered))
@@ -200,6 +215,10 @@ def test_a_group_query_registers_again_after_a_reattach_or_new_pools(make):
     link.controller_attached = False  # the link re-attached: the group may have moved
     client.group_exists(["a"])
     assert len(link.registered) == 2
+    # a registration on a group query runs within the query's deadline (never a
+    # control call's 120 s on an engine's step)
+    assert link.register_depths == [1, 1]
+    assert link.bounds == [("group_exists", client.config.timeout_s)] * 2
     mamba = client.create_host_pool("mamba", size=4, temporal_shape=(2,), conv_shapes=[(2,)],
                                     dtype=torch.uint8)
     client.register_mem_host_pool_v2(mamba, PoolName.MAMBA)

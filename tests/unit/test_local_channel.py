@@ -35,6 +35,7 @@ from raykv.cache_actors.local_channel import (
     ChannelClient,
     ChannelClosedError,
     ChannelServer,
+    RequestNotSentError,
 )
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 from raykv.controllers.deployments import PoolQuery
@@ -194,13 +195,47 @@ def test_a_data_op_on_an_async_connection_is_still_served(server):
 
 
 def test_a_closed_server_is_a_clear_connection_error(server):
+    """The request to a server that is gone is known never to have reached it (its
+    connection broke before the request was written; no connection could be made), so
+    a rank may send it again on a new connection."""
     client = ChannelClient(server.path)
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     server.close()
-    with pytest.raises(ChannelClosedError):
+    with pytest.raises(RequestNotSentError, match="Broken pipe"):
         client.call("echo", 2, [], {})
-    with pytest.raises(ChannelClosedError, match="cannot reach the node actor"):
+    with pytest.raises(RequestNotSentError, match="cannot reach the node actor"):
         ChannelClient(server.path)
+
+
+DYING = textwrap.dedent("""
+    import os, sys
+    from raykv.cache_actors.channel_codec import Signature
+    from raykv.cache_actors.local_channel import ChannelServer
+    srv = ChannelServer(sys.argv[1], {"die": lambda: os._exit(3), "ping": lambda: 1},
+                        arg_types={"die": Signature(()), "ping": Signature(())})
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_server_that_dies_after_reading_the_request_is_not_unsent(tmp_path):
+    """Control for the test above: a server that took the request and died before its
+    reply may have run it, so its caller sees ``ChannelClosedError`` but never
+    ``RequestNotSentError`` (a rank must not send that one again)."""
+    path = str(tmp_path / "n.sock")
+    proc = subprocess.Popen([sys.executable, "-c", DYING, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        client = ChannelClient(path, timeout_s=ANSWER_S)
+        assert client.call("ping") == 1
+        with pytest.raises(ChannelClosedError) as caught:
+            client.call("die")
+        assert not isinstance(caught.value, RequestNotSentError)
+        assert proc.wait(ANSWER_S) == 3
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_path):

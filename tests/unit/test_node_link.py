@@ -4,15 +4,23 @@ into, and that only an unreachable actor makes the link re-attach and re-map."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 import ray.exceptions
 from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
-from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
-from raykv.cache_actors.local_channel import ChannelClosedError
-from raykv.cache_actors.rank import node_link
+from raykv.cache_actors.errors import (
+    CircuitOpenError,
+    DeadlineExceededError,
+    NodeUnavailableError,
+)
+from raykv.cache_actors.local_channel import ChannelClosedError, RequestNotSentError
+from raykv.cache_actors.rank import node_guard, node_link
+from raykv.cache_actors.rank.node_guard import NodeGuard
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
+from raykv.controllers.call_budget import Budget
+from raykv.controllers.circuit_breaker import BreakerSettings, BreakerState
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 HERE, OTHER = "a" * 40, "b" * 40
@@ -67,8 +75,9 @@ class FakeRay:
     def get_runtime_context(self):
         return SimpleNamespace(get_node_id=lambda: self._node_id)
 
-    def get(self, ref: Ref, timeout: float):
-        self.timeouts.append((ref.method, timeout))
+    def get(self, ref: Ref, timeout: float | None = None):
+        # the time left when the call was made (a few us less than its deadline)
+        self.timeouts.append((ref.method, None if timeout is None else round(timeout, 2)))
         answer = ref.actor.answers.get(ref.method)
         if answer is HANG:
             raise ray.exceptions.GetTimeoutError("timed out")
@@ -79,23 +88,34 @@ class FakeRay:
     def cancel(self, ref: Ref) -> None:
         self.cancelled.append(ref)
 
+    def wait(self, refs: list[Ref], timeout: float) -> tuple[list[Ref], list[Ref]]:
+        """Ready unless the answer (looked up now: a question answered later) hangs."""
+        if all(r.actor.answers.get(r.method) is not HANG for r in refs):
+            return refs, []
+        time.sleep(timeout)
+        return [], refs
+
 
 class FakeChannel:
-    """A ``ChannelClient``: answers ``op`` with ``answers[op]`` (a value or an exception)."""
+    """A ``ChannelClient``: answers ``op`` with ``answers[op]`` (a value or an exception;
+    a new channel starts with ``preset``)."""
 
     opened: list[FakeChannel] = []
+    preset: dict = {}
 
     def __init__(self, path: str, async_ops: frozenset, timeout_s: float,
-                 bind=None) -> None:
+                 bind=None, deadline: float | None = None) -> None:
         self.path, self.async_ops, self.timeout_s = path, async_ops, timeout_s
-        self.bind = bind
-        self.answers: dict = {}
+        self.bind, self.deadline = bind, deadline
+        self.answers: dict = dict(FakeChannel.preset)
         self.calls: list[tuple[str, tuple]] = []
+        self.timeouts: list[float] = []  # what each call was given (rounded)
         self.closed = False
         FakeChannel.opened.append(self)
 
-    def call(self, op: str, *args):
+    def call(self, op: str, *args, timeout_s: float | None = None):
         self.calls.append((op, args))
+        self.timeouts.append(round(timeout_s, 2))
         answer = self.answers.get(op, [1])
         if isinstance(answer, BaseException):
             raise answer
@@ -111,7 +131,10 @@ def fake(monkeypatch):
     fake_ray.actors[node_actor_name(HERE)] = FakeActor("here", {"channel_path": "/sock"})
     monkeypatch.setattr(node_link, "ray", fake_ray)
     monkeypatch.setattr(node_link, "ChannelClient", FakeChannel)
+    monkeypatch.setattr(node_guard, "ray", fake_ray)
+    monkeypatch.setattr(node_guard, "_guards", {})  # every test its own breakers
     FakeChannel.opened = []
+    FakeChannel.preset = {}
     return fake_ray
 
 
@@ -237,7 +260,8 @@ def test_a_deadline_cancels_and_neither_reattaches_nor_remaps(fake):
     assert link.call("stats") == {"ok": 1} and remaps == []
 
 
-def test_a_deadline_on_the_channel_keeps_the_link(fake):
+def test_a_deadline_on_the_channel_keeps_the_link(fake, monkeypatch):
+    guard = fast_guard(monkeypatch)
     remaps: list = []
     link = make_link(remaps)
     link.data(DataOp.PUT, "batch")
@@ -246,6 +270,7 @@ def test_a_deadline_on_the_channel_keeps_the_link(fake):
         link.data(DataOp.PUT, "batch")
     assert not link.stale and not FakeChannel.opened[0].closed
     FakeChannel.opened[0].answers["put"] = [0]
+    assert poll(lambda: guard.breaker.state is BreakerState.TRIAL)  # the probe answered
     assert link.data(DataOp.PUT, "batch") == [0] and remaps == []
 
 
@@ -294,3 +319,184 @@ def test_a_tenants_link_opens_a_session_within_the_deadline_and_a_fresh_proof_pe
     assert [c[0] for c in actor.calls].count("open_session") == 1
     link.claim()
     assert [c[0] for c in actor.calls].count("open_session") == 2
+
+
+# ------------------------------------------------------ circuit breaker and probe
+WAIT_S = 10.0  # bound of a poll for the probe thread: only turns a hang into a failure
+
+
+def fast_guard(monkeypatch, node_id: str = HERE) -> NodeGuard:
+    """This process's guard on ``node_id``'s actor, with a short hold (10 ms)."""
+    guard = NodeGuard(node_id, "ns", BreakerSettings(hold_s=0.01, max_hold_s=0.01))
+    monkeypatch.setitem(node_guard._guards, ("ns", node_id), guard)
+    return guard
+
+
+def poll(condition) -> bool:
+    end = time.monotonic() + WAIT_S
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_a_whole_deadline_missed_opens_the_breaker_then_calls_fail_without_being_sent(
+        fake, monkeypatch):
+    guard = fast_guard(monkeypatch)
+    actor = fake.actors[node_actor_name(HERE)]
+    actor.answers["health"] = HANG  # stopped: the probe's question stays unanswered
+    link = make_link()
+    assert link.data(DataOp.EXISTS, ["k"]) == [1]
+    channel = FakeChannel.opened[0]
+    channel.answers["exists"] = DeadlineExceededError("late")
+    with pytest.raises(DeadlineExceededError):  # granted its whole deadline: opens
+        link.data(DataOp.EXISTS, ["k"])
+    assert guard.breaker.state is BreakerState.OPEN
+    sent = len(channel.calls)
+    for _ in range(5):
+        with pytest.raises(CircuitOpenError, match="failed at once"):
+            link.data(DataOp.EXISTS, ["k"])
+    assert len(channel.calls) == sent  # none reached the channel
+    assert guard.breaker.counts()["rejected"] == 5
+    time.sleep(0.1)  # the probe asks and waits: still no answer, still open
+    assert guard.breaker.state is BreakerState.OPEN
+    assert [m for m, _ in actor.calls].count("health") == 1  # one question, not piled up
+
+    actor.answers["health"] = {"pid": 1}  # continued: the question is answered
+    channel.answers["exists"] = [1]
+    assert poll(lambda: guard.breaker.state is BreakerState.TRIAL)
+    assert link.data(DataOp.EXISTS, ["k"]) == [1]  # the trial
+    assert guard.breaker.state is BreakerState.CLOSED
+    assert link.data(DataOp.EXISTS, ["k"]) == [1]
+    assert poll(lambda: not guard._probing)
+
+
+def test_a_breaker_is_per_node_actor_and_shared_by_the_links_of_a_process(fake, monkeypatch):
+    guard = fast_guard(monkeypatch)
+    fake.actors[node_actor_name(HERE)].answers["health"] = HANG
+    fake.actors[node_actor_name(OTHER)] = FakeActor("other", {"group_exists": "hit"})
+    link, other_link = make_link(), make_link()
+    link.data(DataOp.EXISTS, ["k"])
+    FakeChannel.opened[0].answers["exists"] = DeadlineExceededError("late")
+    with pytest.raises(DeadlineExceededError):  # granted its whole deadline: opens
+        link.data(DataOp.EXISTS, ["k"])
+    with pytest.raises(CircuitOpenError):  # another client of this process, same actor
+        other_link.data(DataOp.EXISTS, ["k"])
+    # the actor of another node (a group's home node) is not affected
+    assert link.data(DataOp.GROUP_EXISTS, "dep", node_id=OTHER) == "hit"
+    assert guard.breaker.state is BreakerState.OPEN
+    fake.actors[node_actor_name(HERE)].answers["health"] = {"pid": 1}
+    assert poll(lambda: not guard._probing)  # answered: the probe thread ended
+
+
+def test_errors_that_come_back_at_once_do_not_open_the_breaker(fake, monkeypatch):
+    """Control: a dead actor, a broken channel or a restarting store cost a caller no
+    wait, so they never make calls fail without being sent."""
+    guard = fast_guard(monkeypatch)
+    err = NodeUnavailableError("mooncake_client is down")
+    link = make_link()
+    for answer in (err, ChannelClosedError("peer closed"), err, err, ValueError("bad")):
+        FakeChannel.preset = {"exists": answer}  # a channel opened anew answers so too
+        if FakeChannel.opened:
+            FakeChannel.opened[-1].answers["exists"] = answer
+        with pytest.raises((NodeUnavailableError, ValueError)):
+            link.data(DataOp.EXISTS, ["k"])
+    assert guard.breaker.state is BreakerState.CLOSED
+    assert guard.breaker.counts()["rejected"] == 0
+
+
+# ------------------------------------------------------------------ budgets
+def test_a_budget_bounds_the_calls_inside_it_and_a_spent_one_sends_nothing(fake, monkeypatch):
+    guard = fast_guard(monkeypatch)
+    link = make_link(timeout_s=2.5)
+    link.data(DataOp.EXISTS, ["k"])
+    channel = FakeChannel.opened[0]
+    with Budget(1.0):
+        link.data(DataOp.EXISTS, ["k"])
+    assert channel.timeouts == [2.5, 1.0]
+    with Budget(0.0), pytest.raises(DeadlineExceededError, match="budget"):
+        link.data(DataOp.EXISTS, ["k"])
+    assert len(channel.calls) == 2  # not sent
+    assert guard.breaker.counts()["in_a_row"] == 0  # and not the actor's failure
+    spent = Budget(1.0)
+    channel.answers["exists"] = DeadlineExceededError("late")
+    with spent, pytest.raises(DeadlineExceededError):
+        link.data(DataOp.EXISTS, ["k"])
+    assert spent.left() < 1.0  # a call spends what it took
+    # granted 1 s of its 2.5 s: counted, not yet a whole deadline, so still closed
+    counts = guard.breaker.counts()
+    assert counts["state"] == "closed" and counts["granted_in_a_row_s"] == pytest.approx(1.0)
+
+
+def test_control_calls_inside_a_budget_wait_no_longer_than_it(fake):
+    link = make_link()
+    fake.actors[CONTROLLER_NAME] = FakeActor("controller", {"register_rank": "reg"})
+    with Budget(0.5):
+        link.ask_controller("register_rank")
+        link.call("stats")
+    # the second call is granted what the first left of the budget (at most 0.5 s)
+    assert [m for m, _ in fake.timeouts] == ["register_rank", "stats"]
+    assert fake.timeouts[0][1] == pytest.approx(0.5, abs=0.02)
+    assert 0 < fake.timeouts[1][1] <= fake.timeouts[0][1]
+
+
+# --------------------------------------------------- re-attach and retry on a step
+def test_a_remap_before_a_data_op_runs_within_its_deadline(fake):
+    fake.actors[node_actor_name(HERE)].answers["get_pool"] = HANG
+    link = NodeLink(HERE, "ns", remap=lambda: link.ask("get_pool", "p"), timeout_s=2.5)
+    link.stale = True
+    with pytest.raises(DeadlineExceededError):
+        link.data(DataOp.EXISTS, ["k"])
+    assert fake.timeouts == [("get_pool", 2.5)] and link.stale
+    # control: the same re-map before a control call has a control call's deadline
+    with pytest.raises(DeadlineExceededError):
+        link.call("stats")
+    assert fake.timeouts[-1] == ("get_pool", CONTROL_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_request_never_sent_is_sent_once_more_on_a_new_connection(fake, monkeypatch,
+                                                                    retry):
+    """After a restart, the old connection is broken before the request is written:
+    re-attach, re-map and send it on a new connection, within the same call (control:
+    with the retry off, the caller sees the error)."""
+    monkeypatch.setattr(NodeLink, "retry_unsent", retry)
+    remaps: list = []
+    link = make_link(remaps)
+    link.data(DataOp.PUT, "batch")
+    old = FakeChannel.opened[0]
+    old.answers["put"] = RequestNotSentError("the request was not sent: Broken pipe")
+    if retry:
+        assert link.data(DataOp.PUT, "batch") == [1]
+        assert remaps == [1] and not link.stale
+        (new,) = FakeChannel.opened[1:]
+        assert new.calls == [("put", ("batch",))]
+    else:
+        with pytest.raises(NodeUnavailableError, match="Broken pipe"):
+            link.data(DataOp.PUT, "batch")
+        assert link.stale and len(FakeChannel.opened) == 1
+    assert old.closed and old.calls == [("put", ("batch",))] * 2
+
+
+def test_a_request_is_sent_again_once_at_most(fake):
+    link = make_link()
+    FakeChannel.preset = {"put": RequestNotSentError("not sent: Broken pipe")}
+    with pytest.raises(NodeUnavailableError, match="Broken pipe"):
+        link.data(DataOp.PUT, "batch")
+    assert [c.calls for c in FakeChannel.opened] == [[("put", ("batch",))]] * 2
+
+
+def test_a_group_query_that_ran_out_counts_its_whole_deadline(fake, monkeypatch):
+    """The registration before a group query takes part of the query's deadline; the
+    data op that then runs out was granted less, but its caller waited the whole
+    deadline in vain, which is what opens the breaker."""
+    guard = fast_guard(monkeypatch, OTHER)
+    fake.actors[node_actor_name(OTHER)] = FakeActor("other", {"group_exists": HANG,
+                                                              "health": HANG})
+    link = make_link(timeout_s=2.5)
+    with pytest.raises(DeadlineExceededError), link.bounded(2.5, "group_exists"):
+        time.sleep(0.05)  # the registration
+        link.data(DataOp.GROUP_EXISTS, "dep", node_id=OTHER)
+    assert fake.timeouts[-1][1] < 2.5  # the data op itself had less
+    assert guard.breaker.state is BreakerState.OPEN
+    fake.actors[node_actor_name(OTHER)].answers["health"] = {"pid": 1}
+    assert poll(lambda: not guard._probing)
