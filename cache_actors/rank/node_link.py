@@ -30,13 +30,15 @@ own connection. Re-attaching is not locked: concurrent failures each re-attach.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
-from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
+from raykv.cache_actors.data_ops import ASYNC_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError
+from raykv.cache_actors.tickets import process_book
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.ownership import OwnerClaim
@@ -85,13 +87,25 @@ class NodeLink:
 
     def data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
         """Data op ``op`` on the cache actor of ``node_id`` (default: this link's node):
-        over the local channel when that actor runs on this node, else through Ray."""
+        over the local channel when that actor runs on this node, else through Ray. A
+        put or get is final when it returns: it carries a ticket, settled if the call
+        fails (``cache_actors.tickets``: it may wait for a store call of it to end)."""
         self._refresh()
+        if op in TICKETED_OPS:
+            with process_book().held() as ticket:
+                return self._data(op, *args, ticket, node_id=node_id)
+        return self._data(op, *args, node_id=node_id)
+
+    def _data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
         remote = node_id not in (None, self.node_id)
         if remote or not self._local:
             owner = () if self.owner is None else (self.owner,)
+            kw = {}
+            if op in TICKETED_OPS:  # the batch, then its ticket: both named on Ray
+                *args, ticket = args
+                kw = {"deadline": time.monotonic() + self.timeout_s, "ticket": ticket}
             return self._ray(self._actor_of(node_id) if remote else self._actor, op, *args,
-                             *owner, timeout_s=self.timeout_s)
+                             *owner, timeout_s=self.timeout_s, **kw)
         with self._retryable(op):
             if self._channel is None:  # its path is asked within the data op's deadline
                 path = self._ray(self._actor, "channel_path", timeout_s=self.timeout_s)

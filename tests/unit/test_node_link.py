@@ -4,6 +4,7 @@ into, and that only an unreachable actor makes the link re-attach and re-map."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableErro
 from raykv.cache_actors.local_channel import ChannelClosedError
 from raykv.cache_actors.rank import node_link
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
+from raykv.cache_actors.tickets import TicketRef, process_book
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
 HERE, OTHER = "a" * 40, "b" * 40
@@ -20,8 +22,8 @@ HANG = object()  # a fake call that never ends: ``ray.get`` times out
 
 
 class Ref:
-    def __init__(self, actor: FakeActor, method: str, args: tuple) -> None:
-        self.actor, self.method, self.args = actor, method, args
+    def __init__(self, actor: FakeActor, method: str, args: tuple, kwargs: dict) -> None:
+        self.actor, self.method, self.args, self.kwargs = actor, method, args, kwargs
 
 
 class FakeActor:
@@ -33,14 +35,16 @@ class FakeActor:
         self.name = name
         self.answers = dict(answers or {})
         self.calls: list[tuple[str, tuple]] = []
+        self.kwargs: list[dict] = []  # of each call, in order
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
             raise AttributeError(method)
 
-        def remote(*args):
+        def remote(*args, **kwargs):
             self.calls.append((method, args))
-            return Ref(self, method, args)
+            self.kwargs.append(kwargs)
+            return Ref(self, method, args, kwargs)
         return SimpleNamespace(remote=remote)
 
 
@@ -144,7 +148,9 @@ def test_local_data_ops_take_the_channel_opened_within_the_deadline(fake):
     (channel,) = FakeChannel.opened  # one channel, its path asked once, within 2.5 s
     assert channel.path == "/sock" and channel.timeout_s == 2.5
     assert channel.async_ops == ASYNC_OPS
-    assert channel.calls == [("exists", (["k"],)), ("get", ("batch",))]
+    (exists, (get, (batch, ticket))) = channel.calls  # a get carries its ticket
+    assert exists == ("exists", (["k"],)) and (get, batch) == ("get", "batch")
+    assert isinstance(ticket, TicketRef) and ticket.book == process_book().name
     assert actor.calls == [("channel_path", ())]
     assert fake.timeouts == [("channel_path", 2.5)]
 
@@ -162,8 +168,14 @@ def test_a_client_off_its_actors_node_uses_ray_for_data(fake):
     fake._node_id = OTHER  # this process runs on another node than the link's actor
     fake.actors[node_actor_name(HERE)].answers["put"] = [0, 0]
     link = make_link(timeout_s=1.0)
+    sent = time.monotonic()
     assert link.data(DataOp.PUT, "batch") == [0, 0]
     assert fake.timeouts == [("put", 1.0)] and FakeChannel.opened == []
+    actor = fake.actors[node_actor_name(HERE)]
+    assert actor.calls == [("put", ("batch",))]  # the batch; its ticket and deadline named
+    (kw,) = actor.kwargs
+    assert isinstance(kw["ticket"], TicketRef)
+    assert sent + 1.0 <= kw["deadline"] <= time.monotonic() + 1.0
 
 
 def test_a_dead_actor_is_retryable_and_the_retry_reaches_its_replacement(fake):
