@@ -19,14 +19,20 @@ overwritten, so each test can fail. The old code (no tickets) failed both the sa
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
+import ray
 import torch
 from raykv.cache_actors import CacheClient
+from raykv.cache_actors.channel_codec import parse_reply, request
+from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.local_channel import _Link
 from raykv.cache_actors.tickets import TicketBook
 from raykv.controllers import StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.conftest import MODES, slow_two_nodes
 
@@ -119,3 +125,29 @@ def test_a_late_get_never_overwrites_the_page_reused_after_it_failed(
         assert got == {X}, got  # CONTROL: the late get overwrote the reused page
     writer.close()
     reader.close()
+
+
+@pytest.mark.parametrize("deadline", [math.inf, math.nan, 1e300, "far"],
+                         ids=["inf", "nan", "1e300", "now+1e6"])
+def test_a_deadline_not_finite_or_too_far_is_refused_on_both_routes(slow_cluster, uid,
+                                                                   deadline):
+    """Before any byte moves and before the batch is queued (an infinite wait in the node
+    actor was the old outcome: ``Condition.wait`` overflowed with the request queued)."""
+    client, pool = rank(uid, "channel")
+    bad = time.monotonic() + 1e6 if deadline == "far" else deadline
+    key = client.owner_claim.key_prefix + f"{uid}-d"  # its own key space
+    batch = ObjectBatch([key], [pool.name], [0], [64], pool.handle.epoch)
+    actor = slow_cluster.node_actors[client.node_id]
+    channel = _Link(ray.get(actor.channel_path.remote()), 30.0, time.monotonic() + 30,
+                    client.owner_claim)
+    ok, error = parse_reply(channel.exchange(request(DataOp.PUT, bad, [batch, None]),
+                                             time.monotonic() + 30))
+    channel.close()
+    assert not ok and isinstance(error, ValueError) and "deadline" in str(error), error
+    with pytest.raises(ValueError, match="deadline"):
+        ray.get(actor.get.remote(batch, client.owner_claim, bad))
+    # CONTROL: the same batch with the caller's own deadline moves, on both routes
+    assert client._link.data(DataOp.PUT, batch) == [0]
+    assert ray.get(actor.get.remote(batch, client.owner_claim,
+                                    time.monotonic() + 30)) == [64]
+    client.close()
