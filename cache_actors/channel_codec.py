@@ -59,7 +59,7 @@ from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch
 from raykv.controllers.ownership import OwnerClaim
 
-PROTOCOL = 2
+PROTOCOL = 3
 """The wire's version: raise it on any change to frames, messages or ``_CLASSES``."""
 
 MAGIC = "raykv-channel"

@@ -28,11 +28,14 @@ class DataOp(StrEnum):
 
 # Ops the channel answers asynchronously (a group query joins a batch of queries).
 ASYNC_OPS = frozenset({DataOp.GROUP_EXISTS})
+# Ops that touch pages: they carry a ticket and the caller's deadline on both routes.
+TICKETED_OPS = frozenset({DataOp.PUT, DataOp.GET})
 
 DATA_OP_ARGS: dict[str, Signature] = {
     DataOp.EXISTS: Signature((list[str],)),
-    DataOp.PUT: Signature((ObjectBatch,)),
-    DataOp.GET: Signature((ObjectBatch,)),
+    # the batch, its ticket (book, slot, serial: cache_actors.tickets) or None
+    DataOp.PUT: Signature((ObjectBatch, tuple[str, int, int] | None)),
+    DataOp.GET: Signature((ObjectBatch, tuple[str, int, int] | None)),
     # deployment id, its version, the asking rank (tp, pp), page keys, extra pools
     DataOp.GROUP_EXISTS: Signature((str, int, tuple[int, int], list[str], list[PoolQuery])),
 }

@@ -24,6 +24,7 @@ from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
@@ -145,12 +146,18 @@ class NodeCacheActor:
         return await self._run(self._service.exists, keys, owner)
 
     @ray.method(concurrency_group="data")
-    async def put(self, batch: ObjectBatch, owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.put, batch, None, owner)
+    async def put(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
+                  deadline: float | None = None, ticket: TicketRef | None = None
+                  ) -> list[int]:
+        """``deadline``: the rank's (``time.monotonic()`` seconds of this host, which the
+        rank shares: its pools are this node's shared memory)."""
+        return await self._run(self._service.put, batch, ticket, deadline, owner)
 
     @ray.method(concurrency_group="data")
-    async def get(self, batch: ObjectBatch, owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.get, batch, None, owner)
+    async def get(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
+                  deadline: float | None = None, ticket: TicketRef | None = None
+                  ) -> list[int]:
+        return await self._run(self._service.get, batch, ticket, deadline, owner)
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],

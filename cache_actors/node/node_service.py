@@ -95,9 +95,11 @@ from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.ticket_desk import TicketDesk
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
+from raykv.cache_actors.tickets import TicketRef, check_deadline
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
@@ -154,6 +156,7 @@ class NodeService:
         self._pools.readopt()
         # concurrent ranks share store calls
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
+        self._tickets = TicketDesk(outlived_by_store=store.process is not None)
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,
                                     on_store_call=metrics.record_group_store_call,
                                     on_query=metrics.record_group_query)
@@ -268,27 +271,38 @@ class NodeService:
                                     None if caller is None else caller.owner)
         return codes
 
-    def put(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
+    def put(self, batch: ObjectBatch, ticket: TicketRef | None = None,
+            deadline: float | None = None, caller: OwnerClaim | None = None, *,
+            verified: bool = False) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
-        negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``deadline``
-        (``time.monotonic()`` seconds, default ``WAIT_S`` from now):
-        ``DeadlineExceededError`` if the batch still waits for the store then.
+        negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``ticket``:
+        the rank's (``cache_actors.tickets``; None: none), the store call touches the
+        pages only while it holds it. ``deadline`` (``time.monotonic()`` seconds, default
+        ``WAIT_S`` from now; ``ValueError`` unless ``check_deadline`` accepts it):
+        ``DeadlineExceededError`` if the call reached this actor after it, still waits
+        for the store then, or its ticket does not start (the rank gave up on it).
         ``caller``, ``verified``: as for ``exists``."""
-        return self._move("put", batch, deadline, caller, verified)
+        return self._move("put", batch, ticket, deadline, caller, verified)
 
-    def get(self, batch: ObjectBatch, deadline: float | None = None,
-            caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
+    def get(self, batch: ObjectBatch, ticket: TicketRef | None = None,
+            deadline: float | None = None, caller: OwnerClaim | None = None, *,
+            verified: bool = False) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
-        ``deadline``, ``caller`` and ``verified`` as for ``put``."""
-        return self._move("get", batch, deadline, caller, verified)
+        ``ticket``, ``deadline``, ``caller`` and ``verified`` as for ``put``."""
+        return self._move("get", batch, ticket, deadline, caller, verified)
 
-    def _move(self, op: str, batch: ObjectBatch, deadline: float | None,
-              caller: OwnerClaim | None, verified: bool) -> list[int]:
+    def _move(self, op: str, batch: ObjectBatch, ticket: TicketRef | None,
+              deadline: float | None, caller: OwnerClaim | None,
+              verified: bool) -> list[int]:
         """The backend's ``op`` on every object of ``batch`` the caller may move (the
         others: ``NOT_OWNED``), once the store is up and against one generation of the
         pools, counted in flight on the pools it uses for the store call (a pool being
-        removed waits for it: ``NodePools.enter``); outcomes counted."""
+        removed waits for it: ``NodePools.enter``), under its ticket; outcomes counted."""
+        deadline = time.monotonic() + WAIT_S if deadline is None else check_deadline(deadline)
+        held = None if ticket is None else self._tickets.ticket(ticket, deadline)
+        if time.monotonic() >= deadline:
+            raise DeadlineExceededError(f"{op} reached the node actor after its deadline; "
+                                        "it was not run")
         self._store.before_call()
         pools = self._pools
         table = pools.table
@@ -303,9 +317,8 @@ class NodeService:
         pools.enter(table, used)
         try:
             t = time.perf_counter()
-            codes = self._merger.run(op, moving.keys, ptrs, moving.sizes,
-                                     deadline if deadline is not None
-                                     else time.monotonic() + WAIT_S) if len(moving) else []
+            codes = self._merger.run(op, moving.keys, ptrs, moving.sizes, deadline,
+                                     held) if len(moving) else []
         finally:
             pools.leave(used)
         if pools.table.epoch != table.epoch:
@@ -467,6 +480,7 @@ class NodeService:
         self._stop.set()
         self._channel.close()
         self._pools.close(remove_pools)
+        self._tickets.close()
         self._store.close()
         self._metrics.close()
         self.executor.shutdown(wait=False)

@@ -23,6 +23,13 @@ good. A batch already in a store call is waited for whatever the deadline: the c
 pointers into the caller's pool, and the caller's return is what lets that pool be
 released (``NodePools``).
 
+A caller may give its batch's ``ticket`` (``cache_actors.node.ticket_desk.Ticket``): the
+thread that makes a store call starts the ticket of every batch it carries right before
+the call (a batch whose ticket does not start, because its rank abandoned it or its
+deadline is too close, is left out of the call and gets ``DeadlineExceededError``), and
+ends them right after it, before any caller is woken: a rank's pages are touched only
+while its ticket is held (``cache_actors.tickets``).
+
 Callers hand in batches already validated (every pointer inside a registered pool), so a
 bad batch fails its own caller before it is queued. The backend's per-object codes
 (put-if-absent ``ALREADY_PRESENT`` included) come back unchanged, each caller getting
@@ -37,9 +44,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.node.ticket_desk import Ticket
 
 OPS = ("put", "get")
 MAX_INFLIGHT = int(os.environ.get("RAYKV_MERGE_MAX_INFLIGHT", "1"))
@@ -49,10 +60,12 @@ MAX_OBJECTS = int(os.environ.get("RAYKV_MERGE_MAX_OBJECTS", "2048"))
 
 
 class _Request:
-    __slots__ = ("op", "keys", "ptrs", "sizes", "codes", "error", "done")
+    __slots__ = ("op", "keys", "ptrs", "sizes", "ticket", "codes", "error", "done")
 
-    def __init__(self, op: str, keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
+    def __init__(self, op: str, keys: list[str], ptrs: list[int], sizes: list[int],
+                 ticket: Ticket | None = None) -> None:
         self.op, self.keys, self.ptrs, self.sizes = op, keys, ptrs, sizes
+        self.ticket = ticket
         self.codes: list[int] = []
         self.error: BaseException | None = None
         self.done = False
@@ -81,20 +94,25 @@ class TransferMerger:
         self._on_call = on_call
 
     def run(self, op: str, keys: Sequence[str], ptrs: Sequence[int],
-            sizes: Sequence[int], deadline: float | None = None) -> list[int]:
+            sizes: Sequence[int], deadline: float | None = None,
+            ticket: Ticket | None = None) -> list[int]:
         """The backend's ``op`` codes for exactly these objects (keys distinct);
         ``DeadlineExceededError`` if the batch is still queued at ``deadline``
-        (``time.monotonic()`` seconds; None: wait for ever)."""
+        (``time.monotonic()`` seconds; None: wait for ever) or its ``ticket`` does not
+        start (see the module docstring)."""
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
-        req = _Request(op, list(keys), list(ptrs), list(sizes))
+        req = _Request(op, list(keys), list(ptrs), list(sizes), ticket)
         if not len(req.keys) == len(req.ptrs) == len(req.sizes):
             raise ValueError(f"{len(req.keys)} keys, {len(req.ptrs)} pointers, "
                              f"{len(req.sizes)} sizes: lengths must match")
         if not req.keys:
             return []
         if not self._max_inflight:  # merging off: every caller calls the store itself
-            return list(getattr(self._backend, op)(req.keys, req.ptrs, req.sizes))
+            self._call([req])
+            if req.error is not None:
+                raise req.error
+            return req.codes
         with self._cond:
             self._queue.append(req)
             while not req.done:
@@ -146,8 +164,33 @@ class TransferMerger:
         return group
 
     def _call(self, group: list[_Request]) -> None:
-        """One store call for ``group``; every request ends done, with codes or error."""
+        """One store call for the requests of ``group`` whose tickets start; every
+        request ends done, with codes or error, its ticket ended first."""
+        started: list[_Request] = []
         try:
+            for r in group:
+                try:
+                    if r.ticket is None or r.ticket.start():
+                        started.append(r)
+                        continue
+                    r.error = DeadlineExceededError(
+                        f"{r.op} of {len(r.keys)} objects was not started: its deadline "
+                        "was too close or its rank gave up on it")
+                except Exception as e:  # its ticket's book broke: that caller's error
+                    r.error = e
+            self._store_call(started)
+        finally:
+            for r in started:
+                if r.ticket is not None:
+                    r.ticket.end()
+            for r in group:
+                r.done = True
+
+    def _store_call(self, group: list[_Request]) -> None:
+        """One store call for ``group`` (may be empty); codes or the error to each."""
+        try:
+            if not group:
+                return
             if len(group) == 1:
                 r = group[0]
                 parts = [list(getattr(self._backend, r.op)(r.keys, r.ptrs, r.sizes))]
@@ -162,6 +205,3 @@ class TransferMerger:
         except BaseException as e:  # noqa: BLE001 - handed to every caller of the call
             for r in group:
                 r.error = e
-        finally:
-            for r in group:
-                r.done = True

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import ray
-from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
+from raykv.cache_actors.data_ops import ASYNC_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.local_channel import (
     ChannelClient,
@@ -59,6 +59,7 @@ from raykv.cache_actors.local_channel import (
     RequestNotSentError,
 )
 from raykv.cache_actors.rank.node_guard import guard_of
+from raykv.cache_actors.tickets import process_book
 from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
@@ -121,27 +122,40 @@ class NodeLink:
     def data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
         """Data op ``op`` on the cache actor of ``node_id`` (default: this link's node):
         over the local channel when that actor runs on this node, else through Ray;
-        ``CircuitOpenError`` at once while that actor's breaker is open."""
+        ``CircuitOpenError`` at once while that actor's breaker is open. A put or get is
+        final when it returns: it carries a ticket, settled if the call fails
+        (``cache_actors.tickets``: it may wait for a store call of it to end)."""
         target = self.node_id if node_id is None else node_id
         guard = guard_of(self._namespace, target)
         with self.bounded(self.timeout_s, op) as granted, guard.call(op, granted,
                                                                      self.timeout_s):
             self._refresh()
-            if target != self.node_id or not self._local:
-                remote = target != self.node_id
-                claim = self.claim(target if remote else None)
-                owner = () if claim is None else (claim,)
-                actor = self._actor_of(target) if remote else self._actor
-                return self._ray(actor, op, *args, *owner)
-            try:
-                with self._retryable(op):
-                    return self._over_channel(op, args)
-            except NodeUnavailableError as e:
-                if not (self.retry_unsent and isinstance(e.__cause__, RequestNotSentError)):
-                    raise
-            self._refresh()  # re-attached: the replacement's pools
+            if op in TICKETED_OPS:
+                with process_book().held() as ticket:
+                    return self._data(op, target, (*args, ticket))
+            return self._data(op, target, args)
+
+    def _data(self, op: DataOp, target: str, args: tuple) -> Any:
+        """``data``'s call itself, inside its deadline (``bounded``) and guard."""
+        if target != self.node_id or not self._local:
+            remote = target != self.node_id
+            claim = self.claim(target if remote else None)
+            owner = () if claim is None else (claim,)
+            actor = self._actor_of(target) if remote else self._actor
+            kw = {}
+            if op in TICKETED_OPS:  # the batch, then its ticket: both named on Ray
+                *args, ticket = args
+                kw = {"deadline": self._calls.deadline, "ticket": ticket}
+            return self._ray(actor, op, *args, *owner, **kw)
+        try:
             with self._retryable(op):
                 return self._over_channel(op, args)
+        except NodeUnavailableError as e:
+            if not (self.retry_unsent and isinstance(e.__cause__, RequestNotSentError)):
+                raise
+        self._refresh()  # re-attached: the replacement's pools
+        with self._retryable(op):
+            return self._over_channel(op, args)
 
     @contextlib.contextmanager
     def bounded(self, limit_s: float, what: str) -> Iterator[float]:

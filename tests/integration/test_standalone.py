@@ -181,7 +181,8 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
         batch.extend([f"{uid}-{name}-{j}" for j in range(64)], name,
                      [64 * j for j in range(64)], [64] * 64)
     channel = ChannelClient(ray.get(actor.channel_path.remote()))
-    calls = [lambda: channel.call(DataOp.PUT, batch), lambda: channel.call(DataOp.GET, batch),
+    calls = [lambda: channel.call(DataOp.PUT, batch, None),
+             lambda: channel.call(DataOp.GET, batch, None),
              lambda: ray.get(actor.put.remote(batch)),
              lambda: ray.get(actor.get.remote(batch))]
     stop = threading.Event()

@@ -244,12 +244,13 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     of ``deadline_ops`` gets the caller's deadline."""
     seen, deadlines = [], []
 
-    def put(batch, deadline):
+    def put(batch, ticket, deadline):
         seen.append(batch)
+        seen.append(ticket)
         deadlines.append(deadline)
         return [0] * len(batch)
 
-    def get(batch):
+    def get(batch, ticket):
         raise StalePoolsError("re-map")
 
     def group(reply, dep, version, rank, keys, queries):
@@ -264,17 +265,18 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     client = ChannelClient(srv.path, async_ops=frozenset({DataOp.GROUP_EXISTS}), timeout_s=60)
     batch = ObjectBatch(["a", "b"], [PoolName.KV, PoolName.KV], [0, 4096], [4096, 4096], 7)
     sent = time.monotonic()
-    assert client.call(DataOp.PUT, batch) == [0, 0]
+    assert client.call(DataOp.PUT, batch, ("book", 3, 9)) == [0, 0]
     assert sent + 60 <= deadlines[0] <= time.monotonic() + 60  # the caller's, to the handler
     assert seen[0] == batch and isinstance(seen[0], ObjectBatch)
+    assert seen[1] == ("book", 3, 9)  # its ticket
     with pytest.raises(StalePoolsError, match="re-map"):
-        client.call(DataOp.GET, batch)
+        client.call(DataOp.GET, batch, None)
     assert client.call(DataOp.EXISTS, ["a", "b", "c"]) == [1, 1, 1]
     query = PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 2)
     got = client.call(DataOp.GROUP_EXISTS, "dep", 3, (0, 1), ["a"], [query])
     assert got == PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2])
     assert type(next(iter(got.extra_pool_hit_pages))) is PoolName
-    assert seen[1] == ("dep", 3, (0, 1), ["a"], [query])
+    assert seen[2] == ("dep", 3, (0, 1), ["a"], [query])
     client.close()
     srv.close()
 
@@ -286,9 +288,10 @@ BAD_REQUESTS = {
     "bytes": ("exists", [[b"k"]]),
     "mixed": ("exists", [["k", 1]]),
     "long-mixed": ("exists", [["k"] * 2000 + [1]]),
-    "float-offset": ("put", [[["k"], ["kv"], [0.5], [1], 0]]),
-    "bool-epoch": ("put", [[["k"], ["kv"], [0], [1], True]]),
-    "four-fields": ("put", [[["k"], ["kv"], [0], [1]]]),
+    "float-offset": ("put", [[["k"], ["kv"], [0.5], [1], 0], None]),
+    "bool-epoch": ("put", [[["k"], ["kv"], [0], [1], True], None]),
+    "four-fields": ("put", [[["k"], ["kv"], [0], [1]], None]),
+    "ticket": ("put", [[["k"], ["kv"], [0], [1], 0], ["book", 1]]),
     "rank": ("group_exists", ["d", 1, [0], ["k"], []]),
     "pool-name": ("group_exists", ["d", 1, [0, 0], ["k"], [["no-such-pool", "all_pages", 1]]]),
     "deadline": ("exists", [["k"]], "soon"),

@@ -19,6 +19,7 @@ from raykv.cache_actors.local_channel import ChannelClosedError, RequestNotSentE
 from raykv.cache_actors.rank import node_guard, node_link
 from raykv.cache_actors.rank.node_guard import NodeGuard
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
+from raykv.cache_actors.tickets import TicketRef, process_book
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.circuit_breaker import BreakerSettings, BreakerState
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
@@ -28,8 +29,8 @@ HANG = object()  # a fake call that never ends: ``ray.get`` times out
 
 
 class Ref:
-    def __init__(self, actor: FakeActor, method: str, args: tuple) -> None:
-        self.actor, self.method, self.args = actor, method, args
+    def __init__(self, actor: FakeActor, method: str, args: tuple, kwargs: dict) -> None:
+        self.actor, self.method, self.args, self.kwargs = actor, method, args, kwargs
 
 
 class FakeActor:
@@ -41,14 +42,16 @@ class FakeActor:
         self.name = name
         self.answers = dict(answers or {})
         self.calls: list[tuple[str, tuple]] = []
+        self.kwargs: list[dict] = []  # of each call, in order
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
             raise AttributeError(method)
 
-        def remote(*args):
+        def remote(*args, **kwargs):
             self.calls.append((method, args))
-            return Ref(self, method, args)
+            self.kwargs.append(kwargs)
+            return Ref(self, method, args, kwargs)
         return SimpleNamespace(remote=remote)
 
 
@@ -167,7 +170,9 @@ def test_local_data_ops_take_the_channel_opened_within_the_deadline(fake):
     (channel,) = FakeChannel.opened  # one channel, its path asked once, within 2.5 s
     assert channel.path == "/sock" and channel.timeout_s == 2.5
     assert channel.async_ops == ASYNC_OPS
-    assert channel.calls == [("exists", (["k"],)), ("get", ("batch",))]
+    (exists, (get, (batch, ticket))) = channel.calls  # a get carries its ticket
+    assert exists == ("exists", (["k"],)) and (get, batch) == ("get", "batch")
+    assert isinstance(ticket, TicketRef) and ticket.book == process_book().name
     assert actor.calls == [("channel_path", ())]
     assert fake.timeouts == [("channel_path", 2.5)]
 
@@ -185,8 +190,14 @@ def test_a_client_off_its_actors_node_uses_ray_for_data(fake):
     fake._node_id = OTHER  # this process runs on another node than the link's actor
     fake.actors[node_actor_name(HERE)].answers["put"] = [0, 0]
     link = make_link(timeout_s=1.0)
+    sent = time.monotonic()
     assert link.data(DataOp.PUT, "batch") == [0, 0]
     assert fake.timeouts == [("put", 1.0)] and FakeChannel.opened == []
+    actor = fake.actors[node_actor_name(HERE)]
+    assert actor.calls == [("put", ("batch",))]  # the batch; its ticket and deadline named
+    (kw,) = actor.kwargs
+    assert isinstance(kw["ticket"], TicketRef)
+    assert sent + 1.0 <= kw["deadline"] <= time.monotonic() + 1.0
 
 
 def test_a_dead_actor_is_retryable_and_the_retry_reaches_its_replacement(fake):
@@ -453,6 +464,11 @@ def test_a_remap_before_a_data_op_runs_within_its_deadline(fake):
     assert fake.timeouts[-1] == ("get_pool", CONTROL_TIMEOUT_S)
 
 
+def batches(calls: list[tuple]) -> list[tuple]:
+    """``(op, batch)`` of each channel call (a put's or get's ticket left out)."""
+    return [(op, args[0]) for op, args in calls]
+
+
 @pytest.mark.parametrize("retry", [True, False])
 def test_a_request_never_sent_is_sent_once_more_on_a_new_connection(fake, monkeypatch,
                                                                     retry):
@@ -469,12 +485,12 @@ def test_a_request_never_sent_is_sent_once_more_on_a_new_connection(fake, monkey
         assert link.data(DataOp.PUT, "batch") == [1]
         assert remaps == [1] and not link.stale
         (new,) = FakeChannel.opened[1:]
-        assert new.calls == [("put", ("batch",))]
+        assert batches(new.calls) == [("put", "batch")]
     else:
         with pytest.raises(NodeUnavailableError, match="Broken pipe"):
             link.data(DataOp.PUT, "batch")
         assert link.stale and len(FakeChannel.opened) == 1
-    assert old.closed and old.calls == [("put", ("batch",))] * 2
+    assert old.closed and batches(old.calls) == [("put", "batch")] * 2
 
 
 def test_a_request_is_sent_again_once_at_most(fake):
@@ -482,7 +498,7 @@ def test_a_request_is_sent_again_once_at_most(fake):
     FakeChannel.preset = {"put": RequestNotSentError("not sent: Broken pipe")}
     with pytest.raises(NodeUnavailableError, match="Broken pipe"):
         link.data(DataOp.PUT, "batch")
-    assert [c.calls for c in FakeChannel.opened] == [[("put", ("batch",))]] * 2
+    assert [batches(c.calls) for c in FakeChannel.opened] == [[("put", "batch")]] * 2
 
 
 def test_a_group_query_that_ran_out_counts_its_whole_deadline(fake, monkeypatch):

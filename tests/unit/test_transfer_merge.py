@@ -312,3 +312,69 @@ def test_a_queued_batch_leaves_at_its_deadline_while_a_store_call_is_stuck():
     control.join(5)
     assert waiting == [[0]]
     assert merger.run("put", ["b"], [2], [1], deadline=time.monotonic() + 5) == [0]
+
+
+class FakeTicket:
+    """A batch's ticket: ``start`` answers ``starts``; records what happened when."""
+
+    def __init__(self, store: FakeStore, starts: bool = True) -> None:
+        self.store, self.starts = store, starts
+        self.log: list[str] = []
+
+    def start(self) -> bool:
+        self.log.append(f"start@{len(self.store.calls)}")
+        return self.starts
+
+    def end(self) -> None:
+        self.log.append(f"end@{len(self.store.calls)}")
+
+
+@pytest.mark.parametrize("inflight", [1, 0])
+def test_a_merged_call_carries_only_batches_whose_ticket_started(inflight):
+    """Tickets start right before the store call and end right after it, before any
+    caller returns; a batch whose ticket does not start (its rank gave up) is left out of
+    the call and fails with ``DeadlineExceededError``, the others move."""
+    from raykv.cache_actors.errors import DeadlineExceededError
+
+    store = FakeStore()
+    merger = TransferMerger(store, max_inflight=inflight)
+    if inflight:
+        store.hold.clear()  # queue both behind a first call: they share the next one
+        first = threading.Thread(target=merger.run, args=("get", ["x"], [1], [1]))
+        first.start()
+        time.sleep(0.05)
+    go, gone = FakeTicket(store), FakeTicket(store, starts=False)
+    ended_before_return = []
+
+    def call(keys, ticket):
+        codes = merger.run("put", keys, [1] * len(keys), [1] * len(keys), ticket=ticket)
+        ended_before_return.append(ticket.log[-1].startswith("end"))
+        return codes
+    if inflight:
+        out: list = [None, None]
+        errors: list = [None, None]
+
+        def run(i, keys, ticket):
+            try:
+                out[i] = call(keys, ticket)
+            except DeadlineExceededError as e:
+                errors[i] = e
+        threads = [threading.Thread(target=run, args=(0, ["a", "b"], go)),
+                   threading.Thread(target=run, args=(1, ["c"], gone))]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        store.hold.set()
+        for t in [first, *threads]:
+            t.join(5)
+        assert out[0] == [0, 0] and isinstance(errors[1], DeadlineExceededError)
+    else:
+        assert call(["a", "b"], go) == [0, 0]
+        with pytest.raises(DeadlineExceededError, match="not started"):
+            merger.run("put", ["c"], [1], [1], ticket=gone)
+    assert ["c"] not in [keys for _, keys in store.calls] and "c" not in store.objects
+    assert sorted(k for k in store.objects if k != "x") == ["a", "b"]
+    calls_before = int(go.log[0].split("@")[1])
+    assert go.log == [f"start@{calls_before}", f"end@{calls_before + 1}"]  # around one call
+    assert gone.log[0].startswith("start") and len(gone.log) == 1  # never ended: not held
+    assert ended_before_return == [True]

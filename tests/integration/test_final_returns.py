@@ -1,0 +1,153 @@
+"""A put or get that returned to its rank never touches the rank's pages afterwards (real
+Ray, real mooncake_master, embedded and standalone, the local channel and the Ray route).
+
+The node actors hold every store call ``DELAY_S`` s (``RAYKV_TEST_STORE_DELAY_S``, inside
+the store call, after the pointers were resolved) and the writing rank's deadline is
+``TIMEOUT_S`` < ``DELAY_S``: its call fails at its deadline while the store call that
+carries it is still running. The rank then reuses the page at once, as an engine does.
+
+- late put: page 0 holds A, the put of K1 fails, the rank writes B into page 0; K1 must
+  read back as A or miss, never as B (a store call that read the page after the rank was
+  told it failed would store B, under a key every reader then trusts);
+- late get: the get of K2 into page 20 fails, the rank writes E into page 20; the page
+  must keep E (a late get would overwrite memory the engine gave to another request).
+
+CONTROL (``fixed=False``): the rank's settling of a failed call's ticket replaced by the
+old behaviour (return at the deadline, whatever runs) shows B read back and E
+overwritten, so each test can fail. The old code (no tickets) failed both the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import ray
+import torch
+from raykv.cache_actors import CacheClient
+from raykv.cache_actors.channel_codec import parse_reply, request
+from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.local_channel import _Link
+from raykv.cache_actors.tickets import TicketBook
+from raykv.controllers import StorageConfig
+from raykv.controllers.object_batch import ObjectBatch
+
+from tests.integration.conftest import MODES, slow_two_nodes
+
+DELAY_S = 2.0
+TIMEOUT_S = 1.0
+POOL = dict(page_size=4, size=128, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
+A, B, E, X = 1.0, 2.0, 5.0, 7.0
+ROUTES = ("channel", "ray")
+
+
+@pytest.fixture(scope="module", params=MODES)
+def slow_cluster(request):
+    with slow_two_nodes(request.param, DELAY_S) as cluster:
+        yield cluster
+
+
+def page(pool, n: int) -> torch.Tensor:
+    """Page ``n``'s token slots in every buffer (a view)."""
+    buf, lo = pool.kv_buffer, n * pool.page_size
+    return buf[:, lo:lo + pool.page_size] if buf.dim() == 5 else buf[lo:lo + pool.page_size]
+
+
+def slots(n: int) -> torch.Tensor:
+    return torch.arange(n * 4, n * 4 + 4)
+
+
+def rank(uid: str, route: str, timeout_s: float | None = None) -> tuple[CacheClient, object]:
+    """A client of this process (on the head node) with a KV pool; ``route``: how its
+    puts and gets reach the node actor."""
+    extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+    client = CacheClient(StorageConfig(model_name=f"final/{uid}", extra_config=extra))
+    if route == "ray":
+        client._link._local = False  # as a rank whose actor is not on its node
+    pool = client.create_host_pool("mha", **POOL)
+    client.register_mem_pool_host(pool)
+    return client, pool
+
+
+def old_settle(book: TicketBook, ticket) -> None:
+    """CONTROL: what a rank did before tickets: return at the deadline (the ticket is
+    only abandoned if no store call holds it)."""
+    book.free(ticket)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "CONTROL-old"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_late_put_never_stores_the_bytes_written_after_it_failed(
+        slow_cluster, uid, route, fixed, monkeypatch):
+    if not fixed:
+        monkeypatch.setattr(TicketBook, "settle", old_settle)
+    writer, wpool = rank(uid, route, TIMEOUT_S)
+    reader, rpool = rank(uid, "channel")
+    key = f"{uid}-k1"
+    page(wpool, 0).fill_(A)
+    with pytest.raises(DeadlineExceededError):
+        writer.batch_set_v1([key], slots(0))
+    page(wpool, 0).fill_(B)  # the engine reuses the page at once
+    time.sleep(DELAY_S + 0.5)  # any store call of the put has ended by now
+    page(rpool, 3).fill_(0)
+    (found,) = reader.batch_get_v1([key], slots(3))
+    got = set(page(rpool, 3).flatten().tolist())
+    if fixed:
+        assert not found or got == {A}, (found, got)  # A or a miss, never B
+    else:
+        assert found and got == {B}, (found, got)  # CONTROL: the late put stored B
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "CONTROL-old"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_late_get_never_overwrites_the_page_reused_after_it_failed(
+        slow_cluster, uid, route, fixed, monkeypatch):
+    if not fixed:
+        monkeypatch.setattr(TicketBook, "settle", old_settle)
+    writer, wpool = rank(uid, route, TIMEOUT_S)
+    reader, rpool = rank(uid, "channel")
+    key = f"{uid}-k2"
+    page(rpool, 1).fill_(X)
+    assert reader.batch_set_v1([key], slots(1)) == [True]
+    page(wpool, 20).fill_(0)
+    with pytest.raises(DeadlineExceededError):
+        writer.batch_get_v1([key], slots(20))
+    page(wpool, 20).fill_(E)  # the engine gives the page to another request
+    time.sleep(DELAY_S + 0.5)  # any store call of the get has ended by now
+    got = set(page(wpool, 20).flatten().tolist())
+    if fixed:
+        assert got == {E}, got
+    else:
+        assert got == {X}, got  # CONTROL: the late get overwrote the reused page
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("deadline", [math.inf, math.nan, 1e300, "far"],
+                         ids=["inf", "nan", "1e300", "now+1e6"])
+def test_a_deadline_not_finite_or_too_far_is_refused_on_both_routes(slow_cluster, uid,
+                                                                   deadline):
+    """Before any byte moves and before the batch is queued (an infinite wait in the node
+    actor was the old outcome: ``Condition.wait`` overflowed with the request queued)."""
+    client, pool = rank(uid, "channel")
+    bad = time.monotonic() + 1e6 if deadline == "far" else deadline
+    key = client.owner_claim.key_prefix + f"{uid}-d"  # its own key space
+    batch = ObjectBatch([key], [pool.name], [0], [64], pool.handle.epoch)
+    actor = slow_cluster.node_actors[client.node_id]
+    channel = _Link(ray.get(actor.channel_path.remote()), 30.0, time.monotonic() + 30,
+                    client.owner_claim)
+    ok, error = parse_reply(channel.exchange(request(DataOp.PUT, bad, [batch, None]),
+                                             time.monotonic() + 30))
+    channel.close()
+    assert not ok and isinstance(error, ValueError) and "deadline" in str(error), error
+    with pytest.raises(ValueError, match="deadline"):
+        ray.get(actor.get.remote(batch, client.owner_claim, bad))
+    # CONTROL: the same batch with the caller's own deadline moves, on both routes
+    assert client._link.data(DataOp.PUT, batch) == [0]
+    assert ray.get(actor.get.remote(batch, client.owner_claim,
+                                    time.monotonic() + 30)) == [64]
+    client.close()
