@@ -3,7 +3,8 @@
 Every method returns one code per object and never raises for a store error:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
 get -> bytes read / negative error; exists -> 1 / 0 / negative error; remove -> 0 /
-negative error.
+negative error. The clearing calls (``remove_matching``, ``remove_unleased``,
+``put_bytes``) return one code for the call.
 Exceptions from the client are turned into ``CLIENT_ERROR`` for each object of the call.
 
 Put-if-absent reports "stored" only for bytes known to be in the store. Mooncake's
@@ -158,6 +159,34 @@ class MooncakeBackend:
         except Exception:
             log.exception("batch_remove raised")
             return [CLIENT_ERROR] * len(keys)
+
+    def remove_matching(self, pattern: str) -> int:
+        """Non-forced ``remove_by_regex``: the number of objects whose key ``pattern``
+        matches that were removed; leased objects (Mooncake leases what a lookup or a
+        read reported) and objects still being written stay. Negative: an error (-600
+        a pattern the master cannot read)."""
+        try:
+            return int(self._store.remove_by_regex(pattern, False))
+        except Exception:
+            log.exception("remove_by_regex raised")
+            return CLIENT_ERROR
+
+    def remove_unleased(self, key: str) -> int:
+        """Non-forced ``remove`` of one object: 0 removed, ``OBJECT_HAS_LEASE`` while a
+        lease holds it, else negative."""
+        try:
+            return int(self._store.remove(key, False))
+        except Exception:
+            log.exception("remove raised")
+            return CLIENT_ERROR
+
+    def put_bytes(self, key: str, data: bytes) -> int:
+        """Put a small object from this client's own buffer: 0 or negative."""
+        try:
+            return int(self._store.put(key, data))
+        except Exception:
+            log.exception("put raised")
+            return CLIENT_ERROR
 
     def healthy(self) -> bool:
         return self._store.health_check() == 0

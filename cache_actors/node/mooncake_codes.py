@@ -14,6 +14,9 @@ after (another client's put of the key still in flight): not known stored."""
 OBJECT_NOT_FOUND = -704
 """Mooncake's code for a key the store does not hold: a get's miss."""
 
+OBJECT_HAS_LEASE = -706
+"""Mooncake's code for a non-forced remove of an object a lease still holds."""
+
 NOT_OWNED = -3
 """raykv's code for an object refused before any byte moved: its pool is not the
 caller's owner's, or its key lies outside the caller's key prefix

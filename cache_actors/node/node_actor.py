@@ -188,6 +188,11 @@ class NodeCacheActor:
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
+    async def clear_objects(self, owner: OwnerClaim | None = None) -> int:
+        """Off the event loop: it waits out the store's leases (seconds)."""
+        return await asyncio.to_thread(self._service.clear_objects, owner)
+
+    @ray.method(concurrency_group="control")
     async def forget_confirmations(self) -> None:
         self._service.forget_confirmations()
 

@@ -36,7 +36,8 @@ Concurrency contract. Threads that call in:
 
 - Ray ``control`` group (the actor's control event loop): pool management, ``health``,
   ``stats``, ``forget_confirmations``, ``channel_path``, ``shutdown``, run inline; they
-  may wait on the pool lock (for the few ms of a re-allocation).
+  may wait on the pool lock (for the few ms of a re-allocation). ``clear_objects`` runs
+  on a thread of that loop's default executor (it waits out the store's leases).
 - Ray ``data`` group: ``exists``, ``put``, ``get`` run on ``executor``
   (``DATA_THREADS`` threads); ``group_exists`` starts on the group's event loop (it
   never blocks) and is answered through its ``reply``. The executor also fetches
@@ -91,6 +92,7 @@ from raykv.cache_actors.errors import (
 )
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
+from raykv.cache_actors.node.deployment_clear import DeploymentClear
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
@@ -160,6 +162,8 @@ class NodeService:
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,
                                     on_store_call=metrics.record_group_store_call,
                                     on_query=metrics.record_group_query)
+        # clear_objects(caller) -> objects removed: cache_actors.node.deployment_clear
+        self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
         self._stop = threading.Event()
         threading.Thread(target=self._reap_engines, name="raykv-engine-reaper",

@@ -16,7 +16,8 @@ before any byte moves, and bad input raises ``ValueError`` naming the problem.
 Return conventions (SGLang HiCache): ``batch_exists`` -> leading pages whose objects all
 exist; ``batch_set_v1`` / ``batch_get_v1`` -> one bool per page, True only if every
 object of the page was stored / read in full; ``batch_set`` -> True if every object was
-stored; ``batch_get`` -> number of leading objects read in full.
+stored; ``batch_get`` -> number of leading objects read in full (SGLang's backend
+turns it into pages); ``objects_exist`` -> one bool per object.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
     TransferPlan,
     check_hit_query,
+    check_keys,
     check_transfers,
     exists_families,
     plan_transfers,
@@ -339,7 +341,23 @@ class CacheClient:
         ``failed``, ``succeeded``, times ``opened``, ``trials``, probe ``answers``."""
         return guard_of(self._namespace, self.node_id).breaker.counts()
 
+    def objects_exist(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each object ``keys[i]``, named as ``batch_set`` names it (tagged with
+        the model prefix; with a tenant, keyed first), is in the store."""
+        names = [self.key_scheme.tag(k) for k in self._hashes.keys(check_keys(keys))]
+        return [c == 1 for c in self._link.data(DataOp.EXISTS, names)]
+
     # --------------------------------------------------------------- control
+    def clear_objects(self) -> int:
+        """Remove this client's deployment's objects from the store (every rank's; never
+        another deployment's or tenant's), waiting out the store's leases on them (about
+        one lease, 10 s by default); the number removed. Objects a reader looks up or
+        reads again meanwhile, or written meanwhile, may stay. ``ValueError`` if the
+        deployment has no key prefix (no tenant, model name or tag), ``DeadlineExceededError``
+        or ``RuntimeError`` if the node actor could not finish
+        (``cache_actors.node.deployment_clear``)."""
+        return self._link.call("clear_objects", self.owner_claim())
+
     def health(self) -> dict:
         return self._link.call("health")
 

@@ -77,6 +77,15 @@ class ServedPools:
                    "store's buffers belong to mooncake_client, which cannot map SGLang's "
                    "memory")
             hint = "zero-copy needs raykv in embedded Mooncake mode"
+        elif ep.memfd is None and self.opts.allocator == "shm":  # the flag is set
+            order = getattr(ep.engine, "layout", "page_first")
+            if order != "page_first":
+                why = (f"host layout {order}: raykv maps SGLang's memfds only in the "
+                       "page_first layout")
+                hint = "for zero-copy use --hicache-mem-layout page_first"
+            else:
+                why = "SGLang's memfd does not hold this host pool from its first byte"
+                hint = "zero-copy is not possible for this pool"
         elif ep.memfd is None:
             why = (f"allocator {self.opts.allocator or 'default'}: its host pool is not a "
                    "memfd of this process")
@@ -85,7 +94,8 @@ class ServedPools:
                 self._adopt(ep)
                 return
             except Exception as e:  # refused, or an actor without the hook
-                why = str(e)
+                why = f"the node's cache actor did not map SGLang's memfd: {e}"
+                hint = "pages are copied instead"
         if ep.kind != "mamba" and not self._warned_staging:
             self._warned_staging = True
             log.warning("raykv: host pools are served through a staging copy (%s); %s",
@@ -125,12 +135,20 @@ class ServedPools:
     def pointer(self, p: int) -> int:
         """Pointer ``p`` into one of SGLang's zero-copy pools as the same byte in raykv's
         mapping of it; any other pointer as it is (the client refuses it unless it lies
-        in a raykv pool)."""
+        in a raykv pool). ``ValueError`` for a pointer into a staged pool: the store
+        moves only the bytes of its staging pool, which the legacy pointer API does not
+        copy."""
         for ep in self.pools.values():
-            base = ep.pages[0].data_ptr()
-            end = base + sum(b.numel() for b in ep.pages)
-            if ep.zero_copy and base <= p < end:
-                return ep.pool.base_ptr + (p - base)
+            if not any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in ep.pages):
+                continue
+            if not ep.zero_copy:
+                raise ValueError(
+                    f"pointer {p:#x} lies in SGLang's {ep.role.value} host pool, which "
+                    "raykv serves through a staging copy: the legacy pointer API needs a "
+                    "zero-copy pool (\"allocator\": \"shm\", page_first, embedded "
+                    "Mooncake mode)")
+            # one memfd from the pool's first byte: offsets in it are offsets in raykv's
+            return ep.pool.base_ptr + (p - ep.pages[0].data_ptr())
         return p
 
     def staged_bytes(self) -> int:

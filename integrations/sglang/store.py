@@ -180,30 +180,48 @@ class RayKVStore(HiCacheStorage):
     # SGLang without "interface_v1" hands page *values* (tensors) to batch_set and
     # batch_get. raykv moves bytes only between registered pools and the store, never
     # through a call, so that path is refused: one warning, then False / misses, and
-    # SGLang recomputes. The pointer form (target_locations = ints) is served when every
-    # pointer lies inside one of SGLang's registered host pools (keys then carry their
-    # own suffixes, as in MooncakeStore's pointer API; the model tag is added once).
+    # SGLang recomputes. The pointer form (target_locations = ints, one object each, as
+    # MooncakeStore's) is served when every pointer lies inside one of SGLang's host
+    # pools that raykv serves zero-copy (its own memory registered with the store); a
+    # pointer into a staged pool is refused (a warning naming why): the store reads and
+    # writes only raykv's copy of that pool. Keys carry their own suffixes, as in
+    # MooncakeStore's pointer API; the model tag is added once (with a tenant, each
+    # whole key is keyed first). set, get and exists name one object by the same key.
     def get(self, key, target_location=None, target_sizes=None):
-        """One object into a pointer (see ``batch_get``): True, or None if not read."""
-        n = self.batch_get([key], None if target_location is None else [target_location],
-                           None if target_sizes is None else [target_sizes])
-        return True if n == 1 else None
+        """One object into a pointer: True if read in full, else False; None for the
+        value form (see above)."""
+        if self._value_form("get", None, None if target_location is None
+                            else [target_location]):
+            return None
+        return self._read([key], [target_location], [target_sizes]) == 1
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        """Legacy pointer API: the number of leading objects read in full (0 on any
-        failure); the value form returns ``[None] * len(keys)`` (see above)."""
-        ptrs = self._legacy("batch_get", None, target_locations)
-        if ptrs is None:
+        """Legacy pointer API: the number of leading *pages* read in full, as
+        MooncakeStore counts them (a KV page is ``kv_objects`` objects: K and V, or one
+        for MLA; 0 on any failure); the value form returns ``[None] * len(keys)`` (see
+        above)."""
+        if self._value_form("batch_get", None, target_locations):
             return [None] * len(keys)
+        return self._read(keys, target_locations, target_sizes) // self.kv_objects
+
+    @property
+    def kv_objects(self) -> int:
+        """Objects per KV page (``batch_get`` counts pages of this many objects)."""
+        return len(self.client.key_scheme.kv_keys(""))
+
+    def _read(self, keys, target_locations, target_sizes) -> int:
+        """Leading objects read in full into the pointers (0 on any failure)."""
         try:
             self._ready()
+            ptrs = [self._served.pointer(p) for p in target_locations]
             return self.client.batch_get(list(keys), ptrs, target_sizes)
         except Exception as e:
             self._warn("batch_get", e)
             return 0
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
-        """One object from a pointer (see ``batch_set``)."""
+        """One object from a pointer (see ``batch_set``): True if it is in the store
+        (put-if-absent: an existing object is left as it is)."""
         return self.batch_set([key], None if value is None else [value],
                               None if target_location is None else [target_location],
                               None if target_sizes is None else [target_sizes])
@@ -211,21 +229,22 @@ class RayKVStore(HiCacheStorage):
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         """Legacy pointer API: True only if every object was stored; False for the value
         form (see above) and on any failure."""
-        ptrs = self._legacy("batch_set", values, target_locations)
-        if ptrs is None:
+        if self._value_form("batch_set", values, target_locations):
             return False
         try:
             self._ready()
+            ptrs = [self._served.pointer(p) for p in target_locations]
             return self.client.batch_set(list(keys), ptrs, target_sizes)
         except Exception as e:
             self._warn("batch_set", e)
             return False
 
     def exists(self, key) -> bool:
-        """Whether the KV objects of page ``key`` exist for this rank."""
+        """Whether the object ``set(key, ...)`` stores is in the store (as MooncakeStore:
+        one object, the key carrying its own suffix; a page's hit is ``batch_exists``)."""
         try:
             self._ready()
-            return self.client.batch_exists([key]) == 1
+            return self.client.objects_exist([key])[0]
         except Exception as e:
             self._warn("exists", e)
             return False
@@ -242,23 +261,36 @@ class RayKVStore(HiCacheStorage):
             self._warn("batch_exists", e)
             return 0
 
-    def _legacy(self, what: str, values, locations) -> list[int] | None:
-        """Pointers of the legacy call in raykv's mappings, or None (refused, warned)."""
-        if values is not None or locations is None or any(
-                not isinstance(p, int) for p in locations):
-            if not self._warned_legacy:
-                self._warned_legacy = True
-                log.warning("raykv: SGLang called the legacy %s with page values; raykv "
-                            "serves only the v1/v2 API: add \"interface_v1\": 1 to "
-                            "--hicache-storage-backend-extra-config", what)
-            return None
-        return [self._served.pointer(p) for p in locations]
+    def _value_form(self, what: str, values, locations) -> bool:
+        """Whether a legacy call is the value form (refused; warned once)."""
+        if values is None and locations is not None and all(
+                isinstance(p, int) for p in locations):
+            return False
+        if not self._warned_legacy:
+            self._warned_legacy = True
+            log.warning("raykv: SGLang called the legacy %s with page values; raykv "
+                        "serves only the v1/v2 API: add \"interface_v1\": 1 to "
+                        "--hicache-storage-backend-extra-config", what)
+        return True
 
     # ----------------------------------------------------------------- misc
     def clear(self) -> None:
-        """raykv never deletes shared objects on one engine's behalf (other engines and
-        nodes may be reading them); objects leave the store by Mooncake's eviction."""
-        log.info("raykv: clear() leaves the shared store as it is")
+        """Remove this deployment's objects from the store, as SGLang's operator asks
+        (``/hicache/storage-backend/clear``): every rank's, never another deployment's
+        or tenant's (``CacheClient.clear_objects``); takes about one store lease (10 s
+        by default) to wait out the leases on them. Raises if it could not (SGLang then
+        logs the failure and keeps its own record of what the store holds): a
+        deployment without a key prefix (no tenant, model name or tag), an unreachable
+        node actor, a store error or the deadline."""
+        try:
+            self._ready()
+            removed = self.client.clear_objects()
+        except Exception as e:
+            self.counters["clear_failures"] += 1
+            log.warning("raykv: clear() failed, nothing more was removed: %s", e)
+            raise
+        self.counters["cleared_objects"] += removed
+        log.info("raykv: clear() removed %d objects of this deployment", removed)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` since the last call (with

@@ -33,6 +33,11 @@ call), ``close_during_copy`` (closed while the backend copies pages through its 
 pool) and ``read_back`` (every object of a prompt that exists, read by a fresh backend
 and compared byte for byte).
 
+Contract steps (``test_sglang_contract.py``): ``trio`` (``set`` / ``exists`` / ``get``
+of one object), ``legacy_batch_get`` (the pointer API's page count), ``clear`` (SGLang's
+own ``clear_storage_backend``) and ``peer_tests`` (SGLang's ``test_mooncake_store``
+functions against ``RayKVStore``, ``sglang_peer``).
+
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
 gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
@@ -165,6 +170,29 @@ def summary(out):
     return out
 
 
+def mha_device_pool(layers: int, page: int):
+    """SGLang's MHA device pool of the tests (bfloat16, 2 heads of 64, on CPU)."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=SIZE, page_size=page, dtype=torch.bfloat16, head_num=2,
+                            head_dim=64, layer_num=layers, device="cpu",
+                            enable_memory_saver=False)
+
+
+def mha_host_pool(device_pool, page: int, alloc_type: str, layout: str = "page_first",
+                  capacity=None):
+    """SGLang's MHA host pool of ``device_pool`` (twice its size unless ``capacity``)."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                allocator_type=alloc_type,
+                                device_capacity_tokens=device_pool.size, start_layer=0,
+                                end_layer=device_pool.layer_num - 1,
+                                host_token_capacity=capacity)
+
+
 class Engine:
     """One SGLang cache controller over SGLang's real host pools."""
 
@@ -176,9 +204,7 @@ class Engine:
             HybridCacheController,
         )
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         self.torch = torch
         self.sc = sc
@@ -190,17 +216,10 @@ class Engine:
         mapping = {i: i for i in range(LAYERS)}
 
         def mha_pool(layers: int):
-            return MHATokenToKVPool(size=SIZE, page_size=page, dtype=dtype, head_num=2,
-                                    head_dim=64, layer_num=layers, device="cpu",
-                                    enable_memory_saver=False)
+            return mha_device_pool(layers, page)
 
         def mha_host(device_pool, layout="page_first", capacity=None):
-            info = device_pool.get_device_pool_infos()[0].buffer_info
-            return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False,
-                                        device="cpu", allocator_type=alloc_type,
-                                        device_capacity_tokens=device_pool.size,
-                                        start_layer=0, end_layer=device_pool.layer_num - 1,
-                                        host_token_capacity=capacity)
+            return mha_host_pool(device_pool, page, alloc_type, layout, capacity)
 
         if model in ("mla", "dsa"):
             from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
@@ -270,6 +289,7 @@ class Engine:
                      "class_name": "RayKVStore", "interface_v1": 1, "allocator": alloc_type,
                      "ray_address": spec["ray_address"], "ray_namespace": spec["namespace"],
                      "ray_node_id": node, **sc.get("extra", {})}
+        self.extra = extra
         t = time.time()
         env = sc.get("env", {})
         os.environ.update(env)  # SGLang reads its test switches while it builds the backend
@@ -285,9 +305,7 @@ class Engine:
         if model == "draft":
             # A draft model's KV arrives after attach, as a sidecar of the target KV's
             # indices (SGLang's build_full_draft_pools + register_host_pool_entry).
-            draft_kv = MHATokenToKVPool(size=SIZE, page_size=page, dtype=dtype, head_num=2,
-                                        head_dim=64, layer_num=1, device="cpu",
-                                        enable_memory_saver=False)
+            draft_kv = mha_pool(1)
             self.side = mha_host(draft_kv, capacity=host.size)
             self.side_name = PoolName.DRAFT
             self.cc.register_host_pool_entry(build_pool_entry(
@@ -556,6 +574,102 @@ class Engine:
             st["sglang_fds"][name] = [[os.getpid(), fd, os.readlink(f"/proc/self/fd/{fd}"),
                                        os.fstat(fd).st_size] for fd in fds]
         return st
+
+    # ------------------------------------ single-key calls, legacy pointers, clear
+    def trio(self, step) -> dict:
+        """SGLang's single-key calls on one object, the K object of a page of SGLang's
+        host pool (pointer and size from its own ``get_page_buffer_meta``), under key
+        ``{seed}-obj``: ``exists`` before and after ``set``, of another key (control),
+        the page hit of that key (``batch_exists``: a page's objects, not this one),
+        ``get`` into a page filled with noise first (``bytes_equal``) and of a missing
+        key; ``old_exists``: what the backend's ``exists`` answered before this fix
+        (the page's KV objects of this rank), the control of ``exists``; ``value_*``:
+        the value form of ``set``, ``get`` and ``batch_get`` (a tensor, no pointer)."""
+        import numpy as np
+
+        P, store = self.page, self.store
+        key = f"{step['seed']}-obj"
+        src, dst = self.group.alloc(P), self.group.alloc(P)
+        self.fill(self.host, "", step["seed"], [key], src)
+        self.poison(self.host, dst)
+        ptrs, sizes = self.host.get_page_buffer_meta(np.asarray(src))
+        dptrs, _ = self.host.get_page_buffer_meta(np.asarray(dst))
+        out = {"exists_before": store.exists(key),
+               "set": store.set(key, target_location=ptrs[0], target_sizes=sizes[0])}
+        out.update(exists=store.exists(key), exists_other=store.exists(key + "-other"),
+                   page_hit=store.batch_exists([key]),
+                   old_exists=store.client.batch_exists([key]) == 1,
+                   get=store.get(key, target_location=dptrs[0], target_sizes=sizes[0]),
+                   get_missing=store.get(key + "-other", target_location=dptrs[0],
+                                         target_sizes=sizes[0]))
+        # The value form (SGLang without interface_v1): refused, never stored.
+        out.update(value_set=store.set(key + "-value", value=self.torch.zeros(4)),
+                   value_get=store.get(key + "-value"),
+                   value_batch_get=store.batch_get([key + "-value"]))
+        views = [self.page_view(self.host, self.starts(x)[0]) for x in (src, dst)]
+        if self.host.kv_buffer.dim() == 5:  # MHA: the K object is the first of the page
+            views = [v[0] for v in views]
+        out["bytes_equal"] = bool(self.torch.equal(*views))
+        return out
+
+    def legacy_batch_get(self, step) -> dict:
+        """SGLang's legacy pointer calls on ``n_pages`` pages of its host pool (its own
+        ``get_page_buffer_meta``; keys ``{hash}_{tp}_k`` / ``_v`` as MooncakeStore's
+        pointer API names them): ``batch_set`` of the first ``objects`` objects (default
+        all), then ``batch_get`` of all of them into pages filled with noise.
+        Returns ``set``, ``pages`` (what ``batch_get`` answered), ``objects`` (the
+        leading objects a client ``batch_get`` reads: the count before this fix),
+        ``per_page`` and ``match`` (bytes of the pages reported read)."""
+        import numpy as np
+
+        P, store, n = self.page, self.store, step["n_pages"]
+        _, hashes = self.tokens(step["seed"], n)
+        src, dst = self.group.alloc(n * P), self.group.alloc(n * P)
+        self.fill(self.host, "", step["seed"], hashes, src)
+        self.poison(self.host, dst)
+        ptrs, sizes = self.host.get_page_buffer_meta(np.asarray(src))
+        dptrs, dsizes = self.host.get_page_buffer_meta(np.asarray(dst))
+        per = len(ptrs) // n
+        names = ["k", "v"][:per]
+        keys = [f"{h}_{self.rank}_{b}" for h in hashes for b in names]
+        stored = step.get("objects", len(keys))
+        out = {"per_page": per, "set": store.batch_set(
+            keys[:stored], target_locations=ptrs[:stored], target_sizes=sizes[:stored])}
+        out["pages"] = store.batch_get(keys, target_locations=dptrs, target_sizes=dsizes)
+        out["match"] = self.matches(self.host, "", step["seed"], hashes[:out["pages"]], dst)
+        out["objects"] = store.client.batch_get(
+            keys, [store._served.pointer(p) for p in dptrs], dsizes)
+        return out
+
+    def clear(self, step) -> dict:
+        """SGLang's own ``HybridCacheController.clear_storage_backend()`` (what its
+        ``/hicache/storage-backend/clear`` runs on every rank): ``ok`` (what SGLang
+        returned), or ``raised``; ``seconds`` it took; the backend's counters."""
+        t = time.perf_counter()
+        out: dict = {}
+        try:
+            out["ok"] = self.cc.clear_storage_backend()
+        except Exception as e:
+            out.update(ok=False, raised=f"{type(e).__name__}: {e}")
+        out.update(seconds=round(time.perf_counter() - t, 2),
+                   counters=dict(self.store.counters))
+        return out
+
+    def peer_tests(self, step) -> dict:
+        """SGLang's own ``test_mooncake_store`` functions ``tests`` run against
+        ``RayKVStore`` (``sglang_peer``: this scenario's extra config, a tag of their
+        own, SGLang's MHA host pool with the shm allocator). ``old_exists``: control,
+        every store's ``exists`` is the one before this fix (the page's KV objects)."""
+        import sglang_peer  # this script's folder
+
+        def old_exists(store):
+            store.exists = lambda key: store.client.batch_exists([key]) == 1
+
+        extra = {**self.extra, "extra_backend_tag": f"peer-{os.urandom(4).hex()}"}
+        return sglang_peer.run(
+            step["tests"], extra,
+            lambda: mha_host_pool(mha_device_pool(LAYERS, PAGE), PAGE, "shm"),
+            patch_store=old_exists if step.get("old_exists") else None)
 
     # ------------------------------------------------------- deadline steps
     def stop_node_actor(self, step) -> dict:

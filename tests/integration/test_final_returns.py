@@ -135,19 +135,19 @@ def test_a_deadline_not_finite_or_too_far_is_refused_on_both_routes(slow_cluster
     actor was the old outcome: ``Condition.wait`` overflowed with the request queued)."""
     client, pool = rank(uid, "channel")
     bad = time.monotonic() + 1e6 if deadline == "far" else deadline
-    key = client.owner_claim.key_prefix + f"{uid}-d"  # its own key space
+    key = client.owner_claim().key_prefix + f"{uid}-d"  # its own key space
     batch = ObjectBatch([key], [pool.name], [0], [64], pool.handle.epoch)
     actor = slow_cluster.node_actors[client.node_id]
     channel = _Link(ray.get(actor.channel_path.remote()), 30.0, time.monotonic() + 30,
-                    client.owner_claim)
+                    client.owner_claim())
     ok, error = parse_reply(channel.exchange(request(DataOp.PUT, bad, [batch, None]),
                                              time.monotonic() + 30))
     channel.close()
     assert not ok and isinstance(error, ValueError) and "deadline" in str(error), error
     with pytest.raises(ValueError, match="deadline"):
-        ray.get(actor.get.remote(batch, client.owner_claim, bad))
+        ray.get(actor.get.remote(batch, client.owner_claim(), bad))
     # CONTROL: the same batch with the caller's own deadline moves, on both routes
     assert client._link.data(DataOp.PUT, batch) == [0]
-    assert ray.get(actor.get.remote(batch, client.owner_claim,
+    assert ray.get(actor.get.remote(batch, client.owner_claim(),
                                     time.monotonic() + 30)) == [64]
     client.close()
