@@ -13,7 +13,7 @@ import ray
 from raykv.cache_actors import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.ownership import OwnerClaim
-from raykv.controllers.tenancy import TENANT_SECRET_ENV, owner_proof
+from raykv.controllers.tenancy import TENANT_SECRET_ENV
 
 from tests.integration.ranks import MHA, indices
 
@@ -47,10 +47,11 @@ def test_a_clear_removes_its_deployments_objects_only(cluster, uid, monkeypatch)
     try:
         assert [c.batch_exists(HASHES) for c in clients] == [N] * 3  # control; and leased
         actor = cluster.node_actors[mine.node_id]
-        t = tenant.owner_claim
-        forged = [OwnerClaim(t.deployment_id, t.tenant, owner_proof(b"x" * 32), t.key_prefix),
+        t = tenant.owner_claim()
+        forged_proof = "a call proof made without the secret"
+        forged = [OwnerClaim(t.deployment_id, t.tenant, forged_proof, t.key_prefix),
                   OwnerClaim(t.deployment_id.replace("acme", "evil"), f"evil-{uid}",
-                             owner_proof(b"x" * 32), t.key_prefix),
+                             forged_proof, t.key_prefix),
                   OwnerClaim(t.key_prefix, None, None, t.key_prefix)]
         for claim in forged:
             with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):

@@ -8,7 +8,6 @@ import pytest
 from raykv.controllers import KeyScheme, StorageConfig
 from raykv.controllers.clear_scope import clear_pattern, regex_literal
 from raykv.controllers.ownership import OwnerClaim, claim_of
-from raykv.controllers.tenancy import owner_proof
 
 H = "5d85718ec594b982c252d0279e5966ffca33a5eaf2a455038d3ab331fde70cea"  # SGLang's shape
 SECRET = "s" * 32
@@ -19,7 +18,7 @@ def matches(pattern: str, key: str) -> bool:
 
 
 def claim(**kw) -> OwnerClaim:
-    return claim_of(StorageConfig(**kw), {"RAYKV_TENANT_SECRET": SECRET})
+    return claim_of(StorageConfig(**kw))  # a claim names no secret: sessions prove it
 
 
 def every_key(config: StorageConfig, page_hash: str) -> list[str]:
@@ -95,7 +94,7 @@ def test_with_a_tenant_every_key_under_its_prefix_matches_and_nothing_else():
 def test_a_prefix_the_claim_does_not_own_is_refused():
     config = StorageConfig(model_name="org/m", extra_config={"tenant": "acme"})
     real = claim(**config.__dict__)
-    proof = owner_proof(b"x" * 32)
+    proof = "a call proof made without the secret"
     # A tenant claiming another tenant's prefix (its own proof, their prefix).
     with pytest.raises(ValueError, match="not the one"):
         clear_pattern(OwnerClaim(real.deployment_id.replace("acme", "evil"), "evil", proof,
