@@ -34,11 +34,18 @@ def external_tokens(hit_blocks: int, num_computed_tokens: int, block_size: int) 
 @dataclass
 class BlockTransfer:
     """Blocks of one request that a worker moves in one direction: vLLM block ids and
-    the page hashes (hex) of the same blocks, in order."""
+    the page hashes (hex) of the same blocks, in order. A save also names ``context``:
+    the request's blocks before these, whose KV the saved blocks' KV was computed over
+    (the worker refuses a save over a block whose load failed)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
+    context: list[int] = field(default_factory=list)
+
+    def computed_over(self, blocks: set[int]) -> bool:
+        """Whether any of ``blocks`` is one of these blocks or their ``context``."""
+        return not blocks.isdisjoint(self.context) or not blocks.isdisjoint(self.block_ids)
 
 
 @dataclass
@@ -73,16 +80,17 @@ def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit
 def plan_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
         BlockTransfer | None:
     """Newly completed full blocks of a request (their KV exists once this step's
-    forward ran), beyond those already stored; advances ``state.saved_blocks``. Blocks
-    past ``state.chain``'s hashes wait until the chain is extended."""
+    forward ran), beyond those already stored, with the request's earlier blocks as
+    their ``context``; advances ``state.saved_blocks``. Blocks past ``state.chain``'s
+    hashes wait until the chain is extended."""
     hashes = state.chain.hashes
     full = min(computed_after_step // block_size, len(hashes), len(state.block_ids))
     if full <= state.saved_blocks:
         return None
-    idx = range(state.saved_blocks, full)
-    state.saved_blocks = full
-    return BlockTransfer(state.request.request_id, [state.block_ids[j] for j in idx],
-                         [hash_hex(hashes[j]) for j in idx])
+    first, state.saved_blocks = state.saved_blocks, full
+    return BlockTransfer(state.request.request_id, state.block_ids[first:full],
+                         [hash_hex(h) for h in hashes[first:full]],
+                         context=state.block_ids[:first])
 
 
 def first_invalid_block(block_ids: Sequence[int], invalid: set[int]) -> int | None:

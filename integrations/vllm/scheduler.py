@@ -51,6 +51,7 @@ class RayKVConnectorScheduler(ConnectorSide):
                          pp_size=pp_size)
         self.do_load, self.do_save = do_load, do_save
         self._reqs: dict[str, RequestBlocks] = {}
+        self._failures_seen: set[int] = set()  # failed blocks not yet told to the workers
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -109,7 +110,8 @@ class RayKVConnectorScheduler(ConnectorSide):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
             RayKVConnectorMetadata:
-        meta = RayKVConnectorMetadata()
+        meta = RayKVConnectorMetadata(failures_seen=self._failures_seen)
+        self._failures_seen = set()
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
 
@@ -150,7 +152,11 @@ class RayKVConnectorScheduler(ConnectorSide):
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
-        # Blocks that failed to load are recomputed: save them (and what follows) again.
+        # vLLM has rescheduled every request holding one of these blocks: the workers may
+        # save what is computed over them from the next step's metadata on.
+        self._failures_seen |= invalid
+        # Blocks that failed to load are recomputed, and the workers refused the saves
+        # computed over them: save them (and what follows) again.
         for st in self._reqs.values():
             idx = first_invalid_block(st.block_ids, invalid)
             if idx is not None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import pytest
 from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.plan import (
+    BlockTransfer,
     RequestBlocks,
     external_tokens,
     first_invalid_block,
@@ -56,10 +57,24 @@ def test_plan_save_only_newly_full_blocks():
     assert plan_save(st, 15, 16) is None  # block 0 not full yet
     x = plan_save(st, 40, 16)  # blocks 0 and 1 full (2 hashes known)
     assert x.block_ids == [5, 6] and x.hashes == ["61", "62"] and st.saved_blocks == 2
+    assert x.context == []
     assert plan_save(st, 47, 16) is None  # block 2 has no hash yet
     chain.hashes.append(b"c")
     x = plan_save(st, 48, 16)
     assert x.block_ids == [7] and st.saved_blocks == 3
+    assert x.context == [5, 6]  # the blocks its KV was computed over
+
+
+def test_a_save_is_computed_over_its_blocks_and_context():
+    """A save over a failed block is one whose blocks or earlier blocks hold it (a block
+    shared through vLLM's prefix cache is in the context of every request holding it);
+    blocks after the saved ones are not read by them."""
+    x = BlockTransfer("r2", [50, 51, 52], ["a", "b", "c"], context=[0, 1, 49])
+    assert x.computed_over({49})
+    assert x.computed_over({51, 700})
+    assert not x.computed_over({53, 98})
+    assert not x.computed_over(set())
+    assert not BlockTransfer("r1", [98], ["d"]).computed_over({49})
 
 
 def test_first_invalid_block():
