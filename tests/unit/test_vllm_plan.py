@@ -10,9 +10,11 @@ from raykv.integrations.vllm.plan import (
     external_tokens,
     first_invalid_block,
     hash_hex,
+    mark_failed,
     max_loadable_blocks,
     plan_load,
     plan_save,
+    restart,
 )
 
 
@@ -93,3 +95,49 @@ def test_import_raykv_never_imports_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def _state(block_ids, own_start, saved):
+    chain = PageHashChain(16)
+    chain.hashes += [bytes([i]) for i in range(len(block_ids))]
+    return RequestBlocks(Req("r"), chain, block_ids=list(block_ids), saved_blocks=saved,
+                         own_start=own_start)
+
+
+def test_a_request_sharing_a_failed_block_saves_again_once_restarted():
+    """vLLM's shared-blocks recovery: request 2 holds shared block 49 (index 49, before
+    its own blocks from 50) which failed to load; vLLM restarts it at its block 50, so
+    it rewrites every block it computed over the failure and saves them anew from 50
+    (block 49 is saved by the request that recomputes it). Blocks without a failed one
+    are left alone."""
+    r2 = _state(range(100, 160), own_start=50, saved=53)
+    mark_failed(r2, {149})
+    assert r2.dirty_from == 50
+    assert plan_save(r2, 55 * 16, 16) is None  # dirty: nothing saved
+    restart(r2, 50 * 16, 16)
+    assert (r2.dirty_from, r2.own_start, r2.saved_blocks) == (None, 50, 50)
+    assert plan_save(r2, 53 * 16, 16).block_ids == [150, 151, 152]
+    other = _state(range(300, 310), own_start=0, saved=5)
+    mark_failed(other, {149})
+    assert other.dirty_from is None
+
+
+def test_a_request_whose_own_load_failed_recomputes_from_the_failed_block():
+    r1 = _state(range(0, 100), own_start=99, saved=100)
+    mark_failed(r1, set(range(49, 99)))
+    assert r1.dirty_from == 99
+    restart(r1, 49 * 16, 16)  # vLLM truncates it to its first failed block
+    assert (r1.dirty_from, r1.own_start, r1.saved_blocks) == (None, 49, 49)
+
+
+def test_a_request_vllm_keeps_computing_past_the_failure_never_saves_again():
+    """vLLM's recovery under async scheduling counts the next step's tokens, computed
+    over the failed block, as computed: restarted past its first dirty block, the
+    request stays dirty and saves nothing (control: restarted at it, it saves)."""
+    r2 = _state(range(100, 160), own_start=50, saved=56)
+    mark_failed(r2, {149})
+    restart(r2, 50 * 16 + 63, 16)
+    assert r2.dirty_from == 50
+    assert plan_save(r2, 58 * 16, 16) is None
+    restart(r2, 50 * 16, 16)
+    assert plan_save(r2, 58 * 16, 16).block_ids == list(range(150, 158))
