@@ -112,6 +112,15 @@ class RayKVConnector(KVConnectorBase_V1):
                 tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size)
 
     @property
+    def requires_kv_delivery(self) -> bool:
+        """False, as vLLM's best-effort caches answer: raykv hands nothing off to another
+        engine that waits for it, and a save lost when vLLM preempts a request is a
+        future miss, so vLLM delivers a preempted request's output in flight (its
+        lossless path) instead of dropping it and recomputing the request (what it does
+        for connectors that hand KV off, the default of ``kv_both``)."""
+        return False
+
+    @property
     def _side(self) -> ConnectorSide:
         return self.connector_worker or self.connector_scheduler
 

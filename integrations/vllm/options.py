@@ -3,7 +3,9 @@ vLLM, no Ray; the connector passes in the few values of vLLM's config it needs).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,12 @@ that block of every layer, layer after layer, each in the attention backend's ow
 layout (``PoolLayout.vllm``). A change of layout changes this label, hence every key."""
 
 _TAG_PART = re.compile(r"[A-Za-z0-9.-]{1,40}")
+
+TYPO_CUTOFF = 0.8
+"""An unknown key at least this similar (``difflib`` ratio) to one of ``KNOWN_KEYS`` is
+refused as a misspelling of it; any other unknown key is ignored."""
+
+log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,18 @@ def _tag_part(value: str) -> str:
     if _TAG_PART.fullmatch(value):
         return value
     return "h" + hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def misspelt_keys(keys: list[str]) -> dict[str, str]:
+    """Which of ``keys`` (not in ``KNOWN_KEYS``) look like a misspelling of a known key:
+    ``{key: known key}`` for those at least ``TYPO_CUTOFF`` similar to one (``pool_block``,
+    ``tennant``, ``timeout``)."""
+    typos = {}
+    for key in keys:
+        close = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            typos[key] = close[0]
+    return typos
 
 
 def default_backend_tag(tp_size: int, pp_size: int, identity: KVIdentity) -> str:
@@ -93,6 +113,12 @@ class ConnectorOptions:
       in ``RAYKV_TENANT_SECRET``); default none.
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
       values (shows that loaded KV is really used).
+
+    Any other key is ignored (vLLM's convention: a wrapper connector, such as a recording
+    connector around this one, shares its ``kv_connector_extra_config`` and passes its
+    own keys through) and logged once, unless it looks like a misspelt key of this
+    list (``misspelt_keys``), which is refused: a typo of ``tenant`` or
+    ``extra_backend_tag`` would otherwise put this engine's blocks in another key space.
     """
 
     model_name: str
@@ -111,13 +137,19 @@ class ConnectorOptions:
         """The options of ``extra_config`` (vLLM's ``kv_connector_extra_config``; None:
         all defaults) for an engine of ``tp_size`` x ``pp_size`` ranks serving
         ``served_model`` (vLLM's served model name, else its model) whose blocks are
-        ``identity``. ``ValueError`` on an unknown key, ``pool_blocks`` < 1, a bad
-        ``timeout_s`` or tenant name."""
+        ``identity``. ``ValueError`` on a misspelt key (``misspelt_keys``),
+        ``pool_blocks`` < 1, a bad ``timeout_s`` or tenant name; other unknown keys are
+        ignored (logged)."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
+        typos = misspelt_keys(unknown)
+        if typos:
+            raise ValueError(f"RayKVConnector: kv_connector_extra_config keys {typos} look "
+                             f"misspelt; raykv's keys: {sorted(KNOWN_KEYS)}")
         if unknown:
-            raise ValueError(f"RayKVConnector: unknown kv_connector_extra_config keys "
-                             f"{unknown}; known: {sorted(KNOWN_KEYS)}")
+            log.warning("RayKVConnector: ignoring kv_connector_extra_config keys %s (not "
+                        "raykv's: %s)", unknown, sorted(KNOWN_KEYS))
+        extra = {k: v for k, v in extra.items() if k in KNOWN_KEYS}
         model = extra.get("model_name") or served_model
         pool_blocks = int(extra.get("pool_blocks", 64))
         if pool_blocks < 1:

@@ -34,11 +34,18 @@ def external_tokens(hit_blocks: int, num_computed_tokens: int, block_size: int) 
 @dataclass
 class BlockTransfer:
     """Blocks of one request that a worker moves in one direction: vLLM block ids and
-    the page hashes (hex) of the same blocks, in order."""
+    the page hashes (hex) of the same blocks, in order. A save also names ``context``:
+    the request's blocks before these, whose KV the saved blocks' KV was computed over
+    (the worker refuses a save over a block whose load failed)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
+    context: list[int] = field(default_factory=list)
+
+    def computed_over(self, blocks: set[int]) -> bool:
+        """Whether any of ``blocks`` is one of these blocks or their ``context``."""
+        return not blocks.isdisjoint(self.context) or not blocks.isdisjoint(self.block_ids)
 
 
 @dataclass
@@ -52,6 +59,33 @@ class RequestBlocks:
     saved_blocks: int = 0  # leading blocks known stored (loaded, saved or planned)
     local_hit_tokens: int = 0  # vLLM's own hit, from get_num_new_matched_tokens
     pending_load: BlockTransfer | None = None
+    own_start: int = 0  # first block it computed itself (before: prefix cache or loaded)
+    dirty_from: int | None = None  # its blocks from here on may be computed over a failure
+
+
+def mark_failed(state: RequestBlocks, invalid: set[int]) -> None:
+    """``invalid`` blocks did not load: if ``state``'s request holds one, the blocks it
+    computed itself from the first such block on may hold KV computed over it (dirty
+    from there; a block before ``own_start`` is recomputed by the request vLLM makes
+    recompute it, which holds it from its own ``own_start`` on or truncates to it)."""
+    first = first_invalid_block(state.block_ids, invalid)
+    if first is None:
+        return
+    dirty = max(first, state.own_start)
+    state.dirty_from = dirty if state.dirty_from is None else min(state.dirty_from, dirty)
+
+
+def restart(state: RequestBlocks, computed_before: int, block_size: int) -> None:
+    """The request is scheduled with ``computed_before`` tokens computed: a dirty request
+    that vLLM restarted at or before its first dirty block rewrites every block computed
+    over the failure, so it is clean again and saves its blocks anew from the restart
+    (it computes them itself). A dirty request that vLLM kept computing past that block
+    (vLLM counts as computed KV that read a failed block) stays dirty: it never saves
+    again."""
+    if state.dirty_from is not None and computed_before <= state.dirty_from * block_size:
+        state.dirty_from = None
+        state.own_start = computed_before // block_size
+        state.saved_blocks = min(state.saved_blocks, state.own_start)
 
 
 def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit_tokens: int,
@@ -73,16 +107,19 @@ def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit
 def plan_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
         BlockTransfer | None:
     """Newly completed full blocks of a request (their KV exists once this step's
-    forward ran), beyond those already stored; advances ``state.saved_blocks``. Blocks
-    past ``state.chain``'s hashes wait until the chain is extended."""
+    forward ran), beyond those already stored, with the request's earlier blocks as
+    their ``context``; advances ``state.saved_blocks``. Blocks past ``state.chain``'s
+    hashes wait until the chain is extended; a dirty request saves nothing."""
+    if state.dirty_from is not None:
+        return None
     hashes = state.chain.hashes
     full = min(computed_after_step // block_size, len(hashes), len(state.block_ids))
     if full <= state.saved_blocks:
         return None
-    idx = range(state.saved_blocks, full)
-    state.saved_blocks = full
-    return BlockTransfer(state.request.request_id, [state.block_ids[j] for j in idx],
-                         [hash_hex(hashes[j]) for j in idx])
+    first, state.saved_blocks = state.saved_blocks, full
+    return BlockTransfer(state.request.request_id, state.block_ids[first:full],
+                         [hash_hex(h) for h in hashes[first:full]],
+                         context=state.block_ids[:first])
 
 
 def first_invalid_block(block_ids: Sequence[int], invalid: set[int]) -> int | None:

@@ -22,11 +22,12 @@ from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.plan import (
     RequestBlocks,
     external_tokens,
-    first_invalid_block,
     hash_hex,
+    mark_failed,
     max_loadable_blocks,
     plan_load,
     plan_save,
+    restart,
 )
 from raykv.integrations.vllm.side import ConnectorSide
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -51,6 +52,7 @@ class RayKVConnectorScheduler(ConnectorSide):
                          pp_size=pp_size)
         self.do_load, self.do_save = do_load, do_save
         self._reqs: dict[str, RequestBlocks] = {}
+        self._failures_seen: set[int] = set()  # failed blocks not yet told to the workers
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -109,7 +111,8 @@ class RayKVConnectorScheduler(ConnectorSide):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
             RayKVConnectorMetadata:
-        meta = RayKVConnectorMetadata()
+        meta = RayKVConnectorMetadata(failures_seen=self._failures_seen)
+        self._failures_seen = set()
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
 
@@ -117,6 +120,7 @@ class RayKVConnectorScheduler(ConnectorSide):
             if st.pending_load is not None:
                 meta.loads.append(st.pending_load)
                 st.pending_load = None
+            restart(st, computed_before, self.block_size)
             if self.do_save:
                 # Draft tokens' KV may be rejected: only tokens known to be right count.
                 after = computed_before + scheduled.get(rid, 0) - len(spec.get(rid, ()))
@@ -131,7 +135,8 @@ class RayKVConnectorScheduler(ConnectorSide):
                 continue
             st.block_ids = list(new.block_ids[0])
             # Blocks vLLM had or loaded are not saved again.
-            st.saved_blocks = max(st.saved_blocks, new.num_computed_tokens // self.block_size)
+            st.own_start = new.num_computed_tokens // self.block_size
+            st.saved_blocks = max(st.saved_blocks, st.own_start)
             step(st, new.req_id, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -141,6 +146,8 @@ class RayKVConnectorScheduler(ConnectorSide):
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                if st.dirty_from is None:
+                    st.own_start = cached.num_computed_tokens[i] // self.block_size
             elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
             step(st, rid, cached.num_computed_tokens[i])
@@ -150,11 +157,12 @@ class RayKVConnectorScheduler(ConnectorSide):
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
-        # Blocks that failed to load are recomputed: save them (and what follows) again.
+        # The workers refused every save computed over these blocks until now; from the
+        # next step on, the requests holding them save nothing until vLLM has them
+        # recompute what they computed over them (``restart``).
+        self._failures_seen |= invalid
         for st in self._reqs.values():
-            idx = first_invalid_block(st.block_ids, invalid)
-            if idx is not None:
-                st.saved_blocks = min(st.saved_blocks, idx)
+            mark_failed(st, invalid)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

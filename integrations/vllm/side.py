@@ -29,9 +29,10 @@ log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log line
 def new_stats() -> dict[str, int]:
     """The connector's counters, all zero: ``queries`` and ``hit_blocks`` (scheduler
     side: hit queries asked, blocks they found), ``loaded``, ``load_failed``, ``saved``,
-    ``save_failed`` (worker side: blocks)."""
+    ``save_failed``, ``save_refused`` (worker side: blocks; refused: computed over a
+    block whose load failed, never stored)."""
     return {"queries": 0, "hit_blocks": 0, "loaded": 0, "load_failed": 0, "saved": 0,
-            "save_failed": 0}
+            "save_failed": 0, "save_refused": 0}
 
 
 class ConnectorSide(ABC):

@@ -10,6 +10,13 @@ it (``wait_for_save``); both synchronous, on vLLM's worker thread. Every block t
 not load is reported by ``get_block_ids_with_load_errors`` (so
 ``kv_load_failure_policy="recompute"`` recomputes it); an unavailable node actor or
 store never raises into vLLM and never counts as a loaded block.
+
+Nothing computed over a block that did not load is stored: from its failed load until
+the scheduler side tells the workers it has seen the failure (``failures_seen``: vLLM has
+then rescheduled every request holding the block, from that block on), such a block is
+*unsettled*, and a save whose blocks or ``context`` hold an unsettled block is refused,
+whichever request's load failed (vLLM's prefix cache shares blocks between requests).
+The scheduler side plans those blocks again, to be saved once recomputed.
 """
 
 from __future__ import annotations
@@ -55,8 +62,8 @@ class RayKVConnectorWorker(ConnectorSide):
         self._layers: list[torch.Tensor] = []  # per layer: (num_blocks, *block) views
         self._memory: EngineMemory | None = None  # the same, as a raykv pool
         self._block_shape: tuple[int, ...] = ()
-        self._load_errors: set[int] = set()
-        self._bad_reqs: set[str] = set()  # requests whose load failed this step
+        self._load_errors: set[int] = set()  # failed blocks not yet reported to vLLM
+        self._unsettled: set[int] = set()  # failed blocks the scheduler has not seen yet
 
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
         """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
@@ -126,18 +133,23 @@ class RayKVConnectorWorker(ConnectorSide):
         return (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
-        """Load the step's blocks (``meta.loads``) before the forward; the blocks that
-        did not load (on any TP rank) go to ``get_block_ids_with_load_errors``."""
-        if not isinstance(meta, RayKVConnectorMetadata) or not meta.loads:
+        """Settle the failures the scheduler side has seen (``meta.failures_seen``), then
+        load the step's blocks (``meta.loads``) before the forward; the blocks that did
+        not load (on any TP rank) go to ``get_block_ids_with_load_errors`` and stay
+        unsettled until the scheduler side has seen them. vLLM calls this every step
+        before ``wait_for_save`` (before the forward in a step with loads)."""
+        if not isinstance(meta, RayKVConnectorMetadata):
+            return
+        self._unsettled -= meta.failures_seen
+        if not meta.loads:
             return
         firsts = [self._load(x) for x in meta.loads]  # first failed block per request
         if self.tp_size > 1:
             firsts = self._agree(firsts)
-        self._bad_reqs = set()
         for x, first in zip(meta.loads, firsts, strict=True):
             if first < len(x.block_ids):
                 self._load_errors.update(x.block_ids[first:])
-                self._bad_reqs.add(x.req_id)
+                self._unsettled.update(x.block_ids[first:])
                 self.stats["load_failed"] += len(x.block_ids) - first
             self.stats["loaded"] += first
 
@@ -187,15 +199,21 @@ class RayKVConnectorWorker(ConnectorSide):
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Save the step's newly full blocks (``meta.saves``) after the forward, except
-        those of requests whose load failed this step."""
+        those computed over an unsettled block (``refuses``), whichever request's load
+        failed: those are counted in ``save_refused`` and never stored."""
         if not isinstance(meta, RayKVConnectorMetadata):
             return
-        bad = self._bad_reqs
         for x in meta.saves:
-            if x.req_id in bad:  # computed over a failed load: never store it
+            if self.refuses(x):
+                self.stats["save_refused"] += len(x.block_ids)
                 continue
             self._save(x)
-        self._bad_reqs = set()
+
+    def refuses(self, x: BlockTransfer) -> bool:
+        """Whether the save ``x`` was computed over a block whose load failed and that
+        vLLM may not have recomputed yet (an unsettled block among its blocks or
+        their context)."""
+        return bool(self._unsettled) and x.computed_over(self._unsettled)
 
     def _save(self, x: BlockTransfer) -> None:
         done = 0

@@ -2,8 +2,10 @@
 the stored blocks (shows that loaded KV is really used), and that can record the bytes
 of the blocks its connector saves and loads (the loaded KV compared with the saved KV
 byte for byte, which no numerical effect can blur), that reports its scheduler side's
-counters, key tag and vLLM's own block hash, and that can be re-keyed (a control for
-the key tag). In a module of its own so that Ray workers import it by name
+counters, key tag and vLLM's own block hash, that can be re-keyed (a control for the
+key tag), that can fail one block of its next load and restore the old rule of which
+saves to refuse after a failed load (a control), and that answers with logprobs. In a
+module of its own so that Ray workers import it by name
 (``tests.integration.vllm_control``)."""
 
 from __future__ import annotations
@@ -83,10 +85,74 @@ def _rekey_worker(worker, tag: str, identity=None) -> None:
     _rekey(_connector().connector_worker, tag, identity)
 
 
+def _fail_next_load(worker, index: int) -> None:
+    """The worker connector's next raykv read of at least ``index + 1`` blocks fails for
+    its block ``index``, which then holds random values (as after a read that did not
+    complete); later reads are left alone."""
+    w = _connector().connector_worker
+    client = w._client
+    get = client.batch_get_v2
+
+    def batch_get_v2(transfers):
+        result = get(transfers)
+        for t in transfers:
+            if len(t.keys) > index:
+                del client.batch_get_v2  # once
+                result[t.name][index] = False
+                block = int(t.host_indices[index * w.block_size]) // w.block_size
+                for layer in w._layers:
+                    layer[block] = torch.randn(layer[block].shape).to(layer.dtype)
+        return result
+
+    client.batch_get_v2 = batch_get_v2
+
+
+def _old_save_rule(worker, on: bool) -> None:
+    """Control: the worker refuses only the saves of a request whose own load failed in
+    this step (the rule before shared blocks were considered); off: its own rule."""
+    c = _connector()
+    w = c.connector_worker
+    if not on:
+        w.__dict__.pop("refuses", None)
+        return
+
+    def refuses(x) -> bool:
+        meta = c._get_connector_metadata()
+        return x.req_id in {ld.req_id for ld in meta.loads
+                            if not w._unsettled.isdisjoint(ld.block_ids)}
+
+    w.refuses = refuses
+
+
 @ray.remote(num_cpus=0)
 class ControlEngine(VLLMEngine):
     """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the scheduler side's
     view and ``rekey`` (in-process, TP=1)."""
+
+    def fail_next_load(self, index: int) -> None:
+        """The next load of more than ``index`` blocks fails at its block ``index``
+        (``_fail_next_load``)."""
+        self.llm.collective_rpc(_fail_next_load, args=(index,))
+
+    def old_save_rule(self, on: bool) -> None:
+        """Control: the old rule of which saves to refuse (``_old_save_rule``)."""
+        self.llm.collective_rpc(_old_save_rule, args=(on,))
+
+    def generate_logprobs(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
+        """Greedy ``max_tokens`` tokens after each of ``prompts``, submitted together (one
+        scheduler step sees them all): per prompt ``tokens``, ``logprobs`` (of each
+        token) and ``cached`` (vLLM's ``num_cached_tokens``)."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True, logprobs=1),
+                                 use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                 "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                              o.outputs[0].logprobs,
+                                                              strict=True)]}
+                for o in outs]
 
     def corrupt_loads(self, on: bool) -> None:
         """Every worker connector loads random bytes (on) or the stored blocks (off)."""

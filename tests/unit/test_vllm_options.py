@@ -7,7 +7,12 @@ import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import NAMESPACE
-from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity, default_backend_tag
+from raykv.integrations.vllm.options import (
+    ConnectorOptions,
+    KVIdentity,
+    default_backend_tag,
+    misspelt_keys,
+)
 from raykv.integrations.vllm.side import ConnectorSide, new_stats
 
 IDENT = KVIdentity(kv_dtype="bfloat16", page_size=128, layout="cpu.lm1")
@@ -73,9 +78,28 @@ def test_every_key():
     assert parse({"model_name": ""}).model_name == "org/m"  # empty: the served model
 
 
+def test_ignores_a_wrapper_connectors_keys(caplog):
+    """A wrapper connector's own keys (vLLM's recording connector passes ``name`` through
+    the extra config it shares with the connector it wraps) are ignored and logged; the
+    options are those without them. Control: a misspelt raykv key is refused."""
+    with caplog.at_level("WARNING", logger="vllm.raykv.integrations.vllm.options"):
+        o = parse({"name": "recorder", "connectors": [], "pool_blocks": 8})
+    assert o == parse({"pool_blocks": 8})
+    assert "ignoring kv_connector_extra_config keys ['connectors', 'name']" in caplog.text
+    with pytest.raises(ValueError, match=r"\{'pool_block': 'pool_blocks'\} look misspelt"):
+        parse({"pool_block": 8, "name": "recorder"})
+
+
+@pytest.mark.parametrize(("key", "meant"), [("tennant", "tenant"), ("timeout", "timeout_s"),
+                                            ("extra_backend_tags", "extra_backend_tag"),
+                                            ("ray_namespace", "namespace")])
+def test_refuses_misspelt_keys(key, meant):
+    assert misspelt_keys([key]) == {key: meant}
+    with pytest.raises(ValueError, match="look misspelt"):
+        parse({key: "x"})
+
+
 def test_refuses_bad_config():
-    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['pool'\]"):
-        parse({"pool": 1})
     with pytest.raises(ValueError, match="pool_blocks must be >= 1"):
         parse({"pool_blocks": 0})
     with pytest.raises(ValueError, match="timeout_s"):
