@@ -99,6 +99,10 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                  rpc_port=master_ports[0], http_port=master_ports[1])
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
+        for door in found["exposed"]:
+            log.warning("raykv up: %s listens beyond the address it was given (%s): "
+                        "firewall that port (docs/deploy.md, Ports)", door,
+                        master_address.rpartition(":")[0])
     settings = replace(settings, master_address=master_address,
                        metadata_server=metadata_server)
     ctl, _ = start_control_plane(settings, namespace)
