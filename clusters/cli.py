@@ -285,7 +285,8 @@ def _connected(call, *args, **kwargs):
               help="RPC port of the master raykv runs on the head node (default: a free "
               "port; fix it for a firewall).")
 @click.option("--metadata-port", default=0, type=click.IntRange(0, 65535),
-              help="HTTP metadata port of that master (default: a free port).")
+              help="Port of the HTTP metadata server raykv runs beside that master "
+              "(default: a free port).")
 @click.option("--segment-size", default="1GB", show_default=True, type=Size(),
               help="Memory each node contributes to the store (K/M/G suffixes).")
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
@@ -294,8 +295,10 @@ def _connected(call, *args, **kwargs):
               "devices every node's Mooncake uses, e.g. mlx5_0,mlx5_1 (default: every "
               "device Mooncake finds).")
 @click.option("--mooncake-host", "--local-hostname", "local_hostname", default=None,
-              help="Address Mooncake binds and advertises on every node, the master's too "
-              "(default: the node's IP; 127.0.0.1 when all nodes share one machine).")
+              help="Address Mooncake binds and advertises on every node; the master raykv "
+              "runs and its metadata server bind it too, its metrics only 127.0.0.1 "
+              "(default: each node's IP, the head's for the master; 127.0.0.1 when all "
+              "nodes share one machine).")
 @click.option("--local-buffer-size", default="16M", show_default=True, type=Size(),
               help="Each node's Mooncake client transfer buffer.")
 @click.option("--mooncake-log-level", default="ERROR", show_default=True,

@@ -66,11 +66,12 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     (``protocol``, ``rdma_devices``, ``local_hostname``, ``local_buffer_size``), mode,
     budgets (``host_pool_bytes``, ``tenant_quotas``) and windows; ``up`` fills in the
     master, the metadata server and a new cluster tag. ``local_hostname`` is also where
-    the master raykv starts binds (None: the head node's IP; ``127.0.0.1`` for a cluster
-    whose nodes all run on one machine). ``master_ports``: the RPC and HTTP metadata
-    ports of the master raykv starts (0: a free port). ``confirm_ttl_s`` must be below
-    the master's object lease (checked for the master raykv starts; with
-    ``master_address`` it is the caller's promise).
+    the master raykv starts and its metadata server listen (None: the head node's IP;
+    ``127.0.0.1`` for a cluster whose nodes all run on one machine), its metrics on
+    127.0.0.1 alone; any of their sockets bound wider is logged as a warning.
+    ``master_ports``: the RPC and HTTP metadata ports of the master raykv starts (0: a
+    free port). ``confirm_ttl_s`` must be below the master's object lease (checked for
+    the master raykv starts; with ``master_address`` it is the caller's promise).
 
     Raises ``ValueError`` if raykv already runs there or only one of ``master_address``
     / ``metadata_server`` is given. Logs a warning when this environment has both
@@ -99,6 +100,10 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                  rpc_port=master_ports[0], http_port=master_ports[1])
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
+        for door in found["exposed"]:
+            log.warning("raykv up: %s listens beyond the address it was given (%s): "
+                        "firewall that port (docs/deploy.md, Ports)", door,
+                        master_address.rpartition(":")[0])
     settings = replace(settings, master_address=master_address,
                        metadata_server=metadata_server)
     ctl, _ = start_control_plane(settings, namespace)

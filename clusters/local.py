@@ -1,8 +1,9 @@
 """The embedded default: a whole raykv cluster on this machine, started by one call.
 
 ``start_local`` starts a local Ray (several raylets through ``ray.cluster_utils.Cluster``
-when ``num_nodes > 1``), a real ``mooncake_master`` with its HTTP metadata server on
-free loopback ports, the controller, and the reconciler, which gives every node exactly
+when ``num_nodes > 1``), a real ``mooncake_master`` and its HTTP metadata server on
+free loopback ports (``MooncakeMaster``: nothing of theirs listens beyond loopback, checked
+at start), the controller, and the reconciler, which gives every node exactly
 one cache actor (also nodes added later with ``add_node``). Leaving the ``with`` block
 (or ``shutdown()``) stops all of it and removes every shared-memory file it made.
 """
@@ -176,7 +177,8 @@ def start_local(
     ``rdma``), ``local_hostname``: the address every node's Mooncake binds and
     advertises, 127.0.0.1 by default (also clients made later in this process:
     ``MC_TCP_BIND_ADDRESS`` is set to it unless already set; RDMA needs the address of
-    an RDMA interface). The master always listens on 127.0.0.1. Multi-node clusters
+    an RDMA interface). The master and its metadata server always listen on 127.0.0.1
+(Mooncake's transfer engines listen on every interface: docs/deploy.md). Multi-node clusters
     detect a removed node within ~3 s. Ray must not be initialised already.
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its

@@ -1,5 +1,6 @@
-"""``MasterSupervisor``: runs ``mooncake_master`` on the head node and restarts it if it
-dies, on the same ports, so clients' addresses stay valid."""
+"""``MasterSupervisor``: runs ``mooncake_master`` and its metadata server on the head node
+(``MooncakeMaster``) and restarts either if it dies, on the same ports, so clients'
+addresses stay valid."""
 
 from __future__ import annotations
 
@@ -29,16 +30,23 @@ class MasterSupervisor:
     def _watch(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
             if not self._master.alive():
-                log.warning("mooncake_master exited; restarting on the same ports")
+                log.warning("mooncake_master or its metadata server exited; restarting it "
+                            "on the same ports")
                 self._master.restart()
                 self.restarts += 1
 
     def addresses(self) -> dict:
-        """``master_address``, ``metadata_server``, the master's pid and restart count."""
-        return {"master_address": self._master.master_address,
-                "metadata_server": self._master.metadata_server,
-                "pid": self._master.proc.pid if self._master.proc else None,
-                "restarts": self.restarts}
+        """``master_address``, ``metadata_server``, the pids of the master and of the
+        metadata server, the restart count and ``exposed``: each listening socket of
+        theirs bound beyond where it should be (``MooncakeMaster.check_doors``), as
+        ``"process address:port"``, at the last start."""
+        master = self._master
+        return {"master_address": master.master_address,
+                "metadata_server": master.metadata_server,
+                "pid": master.proc.pid if master.proc else None,
+                "metadata_pid": master.metadata_proc.pid if master.metadata_proc else None,
+                "restarts": self.restarts,
+                "exposed": [f"{name} {x}" for name, x in master.exposed]}
 
     def stop(self) -> None:
         self._stop.set()

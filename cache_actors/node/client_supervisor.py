@@ -5,9 +5,11 @@ the node actor, so it survives a crash of the actor. The actor starts the proces
 own session and not as its child (through a shell that exits at once: Ray kills a
 worker's children when it kills the worker, ``ray.kill`` included), records ``pid``, ``port`` and
 the kernel's start time (JSON) in the 0600 file ``/dev/shm/<node prefix>@mooncake_client``
-and restarts it on the same port whenever it exits. A restarted actor reads the record and
+(written atomically, never through what lies there) and restarts it on the same port
+whenever it exits. A restarted actor reads the record only if it is its own
+(``read_record``: a FIFO, a link or another user's file there is ignored at once) and
 adopts the running process when ``/proc/<pid>`` is still that process (same start time,
-``mooncake_client`` on the recorded port); otherwise it starts a new one. The process is
+``mooncake_client`` on the recorded port, this uid's); otherwise it starts a new one. The process is
 stopped only when the actor is stopped for good (``stop``) or the cluster that made it is
 torn down (``stop_recorded``).
 """
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raykv.cache_actors.local_ports import free_port, listening
+from raykv.cache_actors.node.own_files import read_own_file, write_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.naming import CLIENT_RECORD
@@ -35,6 +38,8 @@ from raykv.controllers.naming import CLIENT_RECORD
 log = logging.getLogger(__name__)
 
 BINARY = "mooncake_client"
+RECORD_MAX_BYTES = 4096
+"""A ``mooncake_client`` record larger than this is not read (a real one has ~60 bytes)."""
 MODES = ("embedded", "standalone")
 
 
@@ -57,6 +62,13 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _own_process(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class ClientRecord:
     """What identifies a running ``mooncake_client``: pid, port, kernel start time."""
@@ -71,8 +83,9 @@ class ClientRecord:
         return ProcessIdentity(self.pid, self.start_ticks).alive()
 
     def running(self) -> bool:
-        """True if ``pid`` is this very process and runs ``mooncake_client`` on ``port``."""
-        if not self.exists():
+        """True if ``pid`` is this very process, runs ``mooncake_client`` on ``port`` and
+        belongs to this process's uid."""
+        if not self.exists() or not _own_process(self.pid):
             return False
         args = _cmdline(self.pid)
         return bool(args) and Path(args[0]).name == BINARY and f"-port={self.port}" in args
@@ -89,10 +102,24 @@ def record_path(node_prefix: str) -> str:
 
 
 def read_record(path: str) -> ClientRecord | None:
+    """The record in ``path``, or None if there is none or it is not to be trusted: not
+    this uid's own regular file (``own_files.read_own_file``: a FIFO or a link is never
+    opened to read), larger than ``RECORD_MAX_BYTES``, or not exactly a pid, port and
+    start time (positive ints, the port below 65536). A refused record is logged."""
     try:
-        with open(path) as f:
-            return ClientRecord(**json.load(f))
-    except (FileNotFoundError, ValueError, TypeError):
+        data = read_own_file(path, "mooncake_client record", RECORD_MAX_BYTES)
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or set(raw) != {"pid", "port", "start_ticks"}:
+            raise ValueError(f"fields {sorted(raw) if isinstance(raw, dict) else raw!r}")
+        record = ClientRecord(**raw)
+        if not all(type(v) is int and v > 0 for v in asdict(record).values()) \
+                or record.port > 65535:
+            raise ValueError(f"values {asdict(record)}")
+        return record
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.error("mooncake_client record %s is ignored: %s", path, e)
         return None
 
 
@@ -162,9 +189,7 @@ class MooncakeClientProcess:
         me = ProcessIdentity.of(pid)
         self.record = ClientRecord(pid, port, me.start_ticks if me else -1)
         self.adopted = False
-        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self.record), f)
+        write_own_file(self._path, json.dumps(asdict(self.record)).encode())
         deadline = time.monotonic() + timeout_s
         while not listening(self.host, port):
             # exists(), not running(): the launching shell may not have exec'd yet

@@ -17,6 +17,15 @@ reported existing is complete), sends the others, and confirms the ones that cam
 with one more ``batch_is_exist``: an object not reported existing then gets
 ``NOT_CONFIRMED`` (a failure: the caller may put it again later), never a success.
 
+A put that Mooncake placed on a dead client's segment fails with ``TRANSFER_FAIL``
+(-800): the master keeps listing a segment until that client's heartbeats have been
+missing for its ``-client_ttl`` (10 s), so after a node actor is killed about half the
+objects put meanwhile failed (measured: 1 node, its killed actor's segment and its new
+one). Those objects are put once more at once, steered to this client's own segment
+(``ReplicateConfig.preferred_segment``: an embedded client with a segment; a client
+without one retries on a fresh placement), so puts succeed as soon as a restarted actor
+answers. A retry that fails again keeps its code.
+
 Test-only: the environment variable ``RAYKV_TEST_STORE_DELAY_S`` (seconds, read once at
 import; unset or 0 in production, where it costs one falsy test per call) makes every
 put and get wait that long inside the store call, after the node actor resolved its
@@ -29,7 +38,12 @@ import logging
 import os
 import time
 
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
+from raykv.cache_actors.node.mooncake_codes import (
+    ALREADY_PRESENT,
+    CLIENT_ERROR,
+    NOT_CONFIRMED,
+    TRANSFER_FAIL,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +54,12 @@ class MooncakeBackend:
     """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
     dummy client of a ``mooncake_client`` process (standalone mode)."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, steer=None) -> None:
+        """``store``: a set-up ``MooncakeDistributedStore``; ``steer``: the
+        ``ReplicateConfig`` a put retried after ``TRANSFER_FAIL`` uses (None: a fresh
+        placement)."""
         self._store = store
+        self._steer = steer
 
     @classmethod
     def embedded(
@@ -70,7 +88,13 @@ class MooncakeBackend:
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
                                f"{master_server_addr}, metadata {metadata_server})")
-        return cls(store)
+        steer = None
+        if global_segment_size > 0:  # its segment is named by its hostname
+            from mooncake.store import ReplicateConfig
+
+            steer = ReplicateConfig()
+            steer.preferred_segment = store.get_hostname()
+        return cls(store, steer)
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
@@ -125,12 +149,12 @@ class MooncakeBackend:
         todo = [i for i, e in enumerate(present) if e != 1]
         if not todo:
             return codes
-        try:
-            results = self._store.batch_put_from(
-                [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
-        except Exception:
-            log.exception("batch_put_from raised")
-            results = [CLIENT_ERROR] * len(todo)
+        results = self._put_from(todo, keys, ptrs, sizes)
+        retry = [j for j, rc in enumerate(results) if rc == TRANSFER_FAIL]
+        if retry:  # placed on a dead segment: once more, steered off it
+            again = self._put_from([todo[j] for j in retry], keys, ptrs, sizes, self._steer)
+            for j, rc in zip(retry, again, strict=True):
+                results[j] = rc
         sent = []
         for i, rc in zip(todo, results, strict=True):
             codes[i] = int(rc)
@@ -142,6 +166,19 @@ class MooncakeBackend:
                 if e != 1:
                     codes[i] = NOT_CONFIRMED
         return codes
+
+    def _put_from(self, which: list[int], keys: list[str], ptrs: list[int],
+                  sizes: list[int], config=None) -> list[int]:
+        """``batch_put_from`` of the objects ``which`` (``config``: a ``ReplicateConfig``,
+        None: Mooncake's default); ``CLIENT_ERROR`` each if it raised."""
+        args = ([keys[i] for i in which], [ptrs[i] for i in which], [sizes[i] for i in which])
+        try:
+            codes = (self._store.batch_put_from(*args) if config is None
+                     else self._store.batch_put_from(*args, config))
+            return [int(rc) for rc in codes]
+        except Exception:
+            log.exception("batch_put_from raised")
+            return [CLIENT_ERROR] * len(which)
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         if _TEST_DELAY_S:

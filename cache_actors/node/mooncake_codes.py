@@ -21,3 +21,7 @@ NOT_OWNED = -3
 """raykv's code for an object refused before any byte moved: its pool is not the
 caller's owner's, or its key lies outside the caller's key prefix
 (``controllers.ownership``)."""
+
+TRANSFER_FAIL = -800
+"""Mooncake's code for an object whose bytes could not be moved: e.g. a put placed on the
+segment of a client that died (``mooncake_backend`` retries those once)."""

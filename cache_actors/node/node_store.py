@@ -17,11 +17,13 @@ allocated anew and a call with the old mappings gets ``StalePoolsError``
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from raykv.cache_actors.errors import StoreUnavailableError
+from raykv.cache_actors.listeners import Listener, addresses_of, exposed, listeners
 from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
@@ -29,6 +31,20 @@ from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, Shm
 log = logging.getLogger(__name__)
 
 PROBE_KEY = "raykv-store-probe"
+
+
+def _check_doors(found: Iterable[Listener], host: str) -> list[Listener]:
+    """The sockets of ``found`` (the Mooncake client's) bound beyond ``host`` and
+    loopback, each named in one warning: Mooncake 0.3.13's transfer engine binds its
+    handshake and TCP data ports to every interface whatever ``MC_TCP_BIND_ADDRESS``
+    says, and whoever reaches them can read and write the segment's bytes."""
+    wide = sorted(exposed(found, addresses_of(host) | {"127.0.0.1"}))
+    if wide:
+        log.warning("Mooncake's transfer engine listens on %s, beyond %s: whoever reaches "
+                    "this machine on those ports can read and write this node's store "
+                    "segment; let only the cluster's nodes reach them (docs/deploy.md, Ports)",
+                    ", ".join(map(str, wide)), host)
+    return wide
 
 
 @dataclass
@@ -39,6 +55,8 @@ class NodeStore:
     backend: MooncakeBackend
     memory: ShmPoolMemory | MemfdPoolMemory
     process: MooncakeClientProcess | None = None
+    exposed: list[Listener] = field(default_factory=list)
+    """The Mooncake client's listening sockets bound beyond its host (``_check_doors``)."""
 
     @classmethod
     def open(cls, node_prefix: str, *, standalone: bool, host: str, master_address: str,
@@ -49,12 +67,15 @@ class NodeStore:
         ``RuntimeError`` if Mooncake cannot be reached."""
         budget = PoolBudget(host_pool_bytes)
         if not standalone:
+            before = set(listeners(os.getpid()))  # Ray's own
             backend = MooncakeBackend.embedded(
                 local_hostname=host, metadata_server=metadata_server,
                 master_server_addr=master_address, global_segment_size=segment_size,
                 local_buffer_size=local_buffer_size, protocol=protocol,
                 rdma_devices=rdma_devices)
-            return cls(backend, ShmPoolMemory(node_prefix, budget))
+            store = cls(backend, ShmPoolMemory(node_prefix, budget))
+            store.exposed = _check_doors(set(listeners(os.getpid())) - before, host)
+            return store
         if not budget.limit:
             raise ValueError("standalone mode needs host_pool_bytes > 0: the bytes of host "
                              "pools requested from mooncake_client")
@@ -65,7 +86,9 @@ class NodeStore:
         backend = MooncakeBackend.dummy(server_address=process.address,
                                         mem_pool_size=host_pool_bytes,
                                         local_buffer_size=local_buffer_size)
-        return cls(backend, MemfdPoolMemory(backend, budget), process)
+        store = cls(backend, MemfdPoolMemory(backend, budget), process)
+        store.exposed = _check_doors(listeners(process.record.pid), host)
+        return store
 
     @property
     def mode(self) -> str:
@@ -120,7 +143,8 @@ class NodeStore:
     def stats(self) -> dict:
         """Mode, host pool budget and bytes in use, and the ``mooncake_client`` process."""
         out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
-               "host_pool_used": self.memory.budget.used}
+               "host_pool_used": self.memory.budget.used,
+               "exposed_ports": [str(x) for x in self.exposed]}
         if self.process is not None:
             out["mooncake_client"] = self.process.info()
         return out

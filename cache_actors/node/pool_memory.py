@@ -21,11 +21,11 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import stat
 import time
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
+from raykv.cache_actors.node.own_files import check_own_file
 from raykv.cache_actors.shared_memory import reserve, shm_path
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -33,21 +33,6 @@ log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-
-
-def check_own_file(file: int | str, what: str) -> None:
-    """``ValueError`` unless ``file`` (an open fd, or a path: not followed if a link) is
-    a regular file of this process's uid that neither its group nor others may write:
-    what a node actor re-adopts after a restart must be its own."""
-    st = os.fstat(file) if isinstance(file, int) else os.lstat(file)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{what} is not a regular file")
-    if st.st_uid != os.getuid():
-        raise ValueError(f"{what} belongs to uid {st.st_uid}, not to this node actor's uid "
-                         f"{os.getuid()}")
-    if st.st_mode & 0o022:
-        raise ValueError(f"{what} is writable by group or others (mode "
-                         f"{stat.S_IMODE(st.st_mode):o})")
 
 
 class PoolBudget:

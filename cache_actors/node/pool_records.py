@@ -5,13 +5,15 @@ layout, (for a pool of one engine process) the ``process`` it serves, and its ``
 (``controllers.ownership``: deployment, tenant and the tenant's public owner key, the
 tenant digest; none: a legacy pool). Records of an older raykv name the process
 ``owner`` (a list): they are read as such, and their pools have no owner. Records are written
-atomically (a 0600 temporary file, fsync, rename). ``trusted`` trusts none of them
-blindly: a record that is not a regular file of this process's uid, or is group/world-
-writable, or does not parse, or names an invalid pool name, another name than its file's,
-an invalid layout or another path than the one this node gives that name, is logged and
-skipped (and, when it is this uid's, renamed aside to ``<file>.bad``); it never stops the
-actor from starting. Runs in the node actor, under ``NodePools``' lock (not thread-safe
-on its own).
+atomically (``own_files.write_own_file``). ``trusted`` trusts none of them blindly and
+never blocks on one: a record is opened without following a link and without blocking
+(``own_files.read_own_file``: a FIFO planted under a record's name is never read); one
+that is not a regular file of this process's uid, or is group/world-writable, or larger
+than ``RECORD_MAX_BYTES``, or does not parse, or names an invalid pool name, another
+name than its file's, an invalid layout or another path than the one this node gives
+that name, is logged and skipped (and, when it is this uid's regular file, renamed
+aside to ``<file>.bad``); it never stops the actor from starting. Runs in the node
+actor, under ``NodePools``' lock (not thread-safe on its own).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.node.pool_memory import check_own_file
+from raykv.cache_actors.node.own_files import read_own_file, write_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.owner_keys import HEX64
@@ -88,10 +90,6 @@ class PoolRecords:
         """The pool's record, atomically. ``process`` is recorded so that a restarted
         actor still reaps the pool with its process; ``owner`` and its tenant's
         ``owner_key`` so that it still serves its owner alone."""
-        path = self.path(pool.name)
-        tmp = f"{path}.{os.getpid()}.tmp"  # never matches trusted's "*.json"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
         record = {"name": pool.name, "path": pool.handle.path,
                   "layout": asdict(pool.handle.layout)}
         if process is not None:
@@ -99,21 +97,7 @@ class PoolRecords:
         if owner is not None:
             record["owner"] = {"deployment": owner.deployment_id, "tenant": owner.tenant,
                                "owner_key": owner_key}
-        data = json.dumps(record).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_own_file(self.path(pool.name), json.dumps(record).encode())
 
     def remove(self, name: str) -> None:
         """Delete pool ``name``'s record (none is fine)."""
@@ -123,14 +107,7 @@ class PoolRecords:
     def read(self, path: str) -> PoolRecord:
         """The record in ``path``; ``ValueError`` naming what is wrong (see the module
         docstring for what is refused), ``OSError`` if it cannot be opened."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            check_own_file(fd, "pool record")
-            data = os.read(fd, RECORD_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
-        if len(data) > RECORD_MAX_BYTES:
-            raise ValueError(f"larger than {RECORD_MAX_BYTES} bytes")
+        data = read_own_file(path, "pool record", RECORD_MAX_BYTES)
         try:
             raw = json.loads(data)
             name, recorded, layout_raw = raw["name"], raw["path"], raw["layout"]

@@ -9,7 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, CLIENT_ERROR, NOT_CONFIRMED
+from raykv.cache_actors.node.mooncake_codes import (
+    ALREADY_PRESENT,
+    CLIENT_ERROR,
+    NOT_CONFIRMED,
+    TRANSFER_FAIL,
+)
 
 
 class FakeStore:
@@ -21,6 +26,7 @@ class FakeStore:
         self.objects = set(objects)
         self.put_codes: dict[str, int] = {}
         self.vanishing: set[str] = set()
+        self.steerable: set[str] = set()  # TRANSFER_FAIL keys that a steered put stores
         self.raises: set[str] = set()
         self.calls: list[tuple] = []
 
@@ -33,11 +39,14 @@ class FakeStore:
         self._enter("batch_is_exist", list(keys))
         return [1 if k in self.objects else 0 for k in keys]
 
-    def batch_put_from(self, keys, ptrs, sizes):
-        self._enter("batch_put_from", list(keys), list(ptrs), list(sizes))
+    def batch_put_from(self, keys, ptrs, sizes, config=None):
+        self._enter("batch_put_from", list(keys), list(ptrs), list(sizes),
+                    *(() if config is None else (config,)))
         out = []
         for k in keys:
             code = self.put_codes.get(k, 0)
+            if code == TRANSFER_FAIL and config is not None and k in self.steerable:
+                code = 0  # steered to a live segment
             if code == 0 and k not in self.vanishing:
                 self.objects.add(k)
             out.append(code)
@@ -161,11 +170,19 @@ class FakeDistributedStore:
         self.args = args
         return FakeDistributedStore.dummy_rcs.pop(0)
 
+    def get_hostname(self) -> str:
+        return f"{self.args[0]}:12345"
+
+
+class FakeReplicateConfig:
+    preferred_segment = ""
+
 
 @pytest.fixture
 def fake_mooncake(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store",
-                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore))
+                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore,
+                                        ReplicateConfig=FakeReplicateConfig))
     monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
     FakeDistributedStore.made = []
     return FakeDistributedStore
@@ -178,10 +195,16 @@ def test_embedded_setup_failure_names_its_code(fake_mooncake):
                                  master_server_addr="m:1", global_segment_size=1,
                                  local_buffer_size=2)
     fake_mooncake.rc = 0
-    MooncakeBackend.embedded(local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE",
-                             master_server_addr="m:1", global_segment_size=1,
-                             local_buffer_size=2)
+    backend = MooncakeBackend.embedded(
+        local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
+        global_segment_size=1, local_buffer_size=2)
     assert fake_mooncake.made[-1].args == ("10.0.0.1", "P2PHANDSHAKE", 1, 2, "tcp", "", "m:1")
+    # a put retried after TRANSFER_FAIL prefers this client's own segment
+    assert backend._steer.preferred_segment == "10.0.0.1:12345"
+    consumer = MooncakeBackend.embedded(
+        local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
+        global_segment_size=0, local_buffer_size=2)
+    assert consumer._steer is None  # no segment of its own: a fresh placement
 
 
 def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
@@ -193,3 +216,20 @@ def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
     with pytest.raises(RuntimeError, match="setup_dummy to h:1 failed with code -5"):
         MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,
                               attempts=3)
+
+
+def test_puts_placed_on_a_dead_segment_are_retried_once_steered_off_it():
+    """A ``TRANSFER_FAIL`` (a put placed on a dead client's segment) is put once more
+    with the backend's steering config; a second failure keeps its code; other errors
+    are never retried. (tests/integration/test_restart_puts.py: a real killed actor.)"""
+    store = FakeStore()
+    steer = object()
+    backend = MooncakeBackend(store, steer)
+    store.put_codes = {"dead": TRANSFER_FAIL, "stuck": TRANSFER_FAIL, "full": -200}
+    store.steerable = {"dead"}
+    assert backend.put(["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4) == \
+        [0, 0, TRANSFER_FAIL, -200]
+    puts = [c for c in store.calls if c[0] == "batch_put_from"]
+    assert puts == [("batch_put_from", ["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4),
+                    ("batch_put_from", ["dead", "stuck"], [2, 3], [8, 8], steer)]
+    assert "dead" in store.objects and "stuck" not in store.objects

@@ -48,11 +48,19 @@ class FakeDistributedStore:
         self.args = args
         return 0
 
+    def get_hostname(self) -> str:
+        return f"{self.args[0]}:12345"
+
+
+class FakeReplicateConfig:
+    preferred_segment = ""
+
 
 @pytest.fixture
 def fake_mooncake(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store",
-                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore))
+                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore,
+                                        ReplicateConfig=FakeReplicateConfig))
     monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
     FakeDistributedStore.made = []
     return FakeDistributedStore
