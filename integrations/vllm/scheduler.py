@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from raykv.controllers.call_budget import Budget
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.page_hash import PageHashChain
@@ -53,6 +54,9 @@ class RayKVConnectorScheduler(ConnectorSide):
         self.do_load, self.do_save = do_load, do_save
         self._reqs: dict[str, RequestBlocks] = {}
         self._failures_seen: set[int] = set()  # failed blocks not yet told to the workers
+        # Every lookup of one scheduling step waits on raykv at most one timeout_s in all
+        # (made at the step's first lookup, dropped in build_connector_meta).
+        self._step_budget: Budget | None = None
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -90,8 +94,11 @@ class RayKVConnectorScheduler(ConnectorSide):
                                                                    self.block_size)]
         if not hashes:
             return 0, False
+        if self._step_budget is None:  # the first lookup of this scheduling step
+            self._step_budget = Budget(self.opts.timeout_s)
         try:
-            hit = self._cache().group_exists([hash_hex(h) for h in hashes]).kv_hit_pages
+            with self._step_budget:
+                hit = self._cache().group_exists([hash_hex(h) for h in hashes]).kv_hit_pages
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
@@ -111,6 +118,7 @@ class RayKVConnectorScheduler(ConnectorSide):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
             RayKVConnectorMetadata:
+        self._step_budget = None  # the next step's lookups get a budget of their own
         meta = RayKVConnectorMetadata(failures_seen=self._failures_seen)
         self._failures_seen = set()
         scheduled = scheduler_output.num_scheduled_tokens

@@ -32,6 +32,7 @@ from raykv.cache_actors.rank.engine_pools import (
     dtype_of,
     staging_layout,
 )
+from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
@@ -64,6 +65,9 @@ class RayKVConnectorWorker(ConnectorSide):
         self._block_shape: tuple[int, ...] = ()
         self._load_errors: set[int] = set()  # failed blocks not yet reported to vLLM
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not seen yet
+        # A step's loads and saves wait on raykv at most one timeout_s in all (made in
+        # start_load_kv, which vLLM calls every step before wait_for_save).
+        self._step_budget = Budget(opts.timeout_s)
 
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
         """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
@@ -140,10 +144,12 @@ class RayKVConnectorWorker(ConnectorSide):
         before ``wait_for_save`` (before the forward in a step with loads)."""
         if not isinstance(meta, RayKVConnectorMetadata):
             return
+        self._step_budget = Budget(self.opts.timeout_s)  # this step's loads and saves
         self._unsettled -= meta.failures_seen
         if not meta.loads:
             return
-        firsts = [self._load(x) for x in meta.loads]  # first failed block per request
+        with self._step_budget:
+            firsts = [self._load(x) for x in meta.loads]  # first failed block per request
         if self.tp_size > 1:
             firsts = self._agree(firsts)
         for x, first in zip(meta.loads, firsts, strict=True):
@@ -203,11 +209,12 @@ class RayKVConnectorWorker(ConnectorSide):
         failed: those are counted in ``save_refused`` and never stored."""
         if not isinstance(meta, RayKVConnectorMetadata):
             return
-        for x in meta.saves:
-            if self.refuses(x):
-                self.stats["save_refused"] += len(x.block_ids)
-                continue
-            self._save(x)
+        with self._step_budget:
+            for x in meta.saves:
+                if self.refuses(x):
+                    self.stats["save_refused"] += len(x.block_ids)
+                    continue
+                self._save(x)
 
     def refuses(self, x: BlockTransfer) -> bool:
         """Whether the save ``x`` was computed over a block whose load failed and that
