@@ -281,11 +281,6 @@ class KeyScheme:
         key is ``prefix + page_hash + suffix`` (worked out once per scheme and pool)."""
         return list(_suffixes(self, pool, kind, tuple(buffer_names)))
 
-    @property
-    def writes_replicated(self) -> bool:
-        """Whether this rank stores TP-replicated pools (only TP rank 0 does)."""
-        return self.tp_rank == 0
-
 
 @functools.lru_cache(maxsize=256)
 def _suffixes(scheme: KeyScheme, pool: PoolName, kind: str,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransfer
 from raykv.controllers.deployments import PoolQuery, PoolSpec
 from raykv.controllers.families import GroupFamilies, rank_families
-from raykv.controllers.keys import KeyScheme, is_replicated
+from raykv.controllers.keys import KeyScheme
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -206,8 +206,9 @@ def check_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, 
     every page start checked against its pool's layout, object keys named.
 
     ``pools``: the registered pools by role; ``keys``: the rank's key scheme; ``write``:
-    a put (replicated pools are then written by TP rank 0 only: other ranks get True
-    without writing); ``disabled``: pools whose pages fail without the store.
+    a put (every rank puts its replicated pools' objects too: put-if-absent stores them
+    once, and a rank reports stored only what the store holds); ``disabled``: pools
+    whose pages fail without the store.
     ``ValueError`` for bad input: not a list of transfers, a pool named twice or unknown
     or not registered, bad keys or host indices, a sidecar without its source, an object
     named twice.
@@ -225,9 +226,6 @@ def check_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, 
             starts = layout.page_starts(_slots(idx), len(page_hashes))
         except ValueError as e:
             raise ValueError(f"pool {role.value!r}: {e}") from None
-        if write and is_replicated(role, layout.kind) and not keys.writes_replicated:
-            out.fixed[role] = [True] * len(page_hashes)
-            continue
         suffixes = keys.suffixes(role, layout.kind, [b.name for b in layout.buffers])
         out.parts.append(PoolPages(role, pool, [keys.prefix + h + s for h in page_hashes
                                                 for s in suffixes], len(suffixes), starts))

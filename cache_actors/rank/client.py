@@ -245,8 +245,9 @@ class CacheClient:
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
         """Store the pages of every pool in one round trip (existence check and put of
-        the missing objects happen together in the node actor). Replicated pools are
-        written by TP rank 0 only; other ranks get True without writing."""
+        the missing objects happen together in the node actor). Every TP rank puts its
+        replicated pools' objects too (put-if-absent: the group's first put stores them,
+        the others find them present), so a page is True only if the store holds it."""
         return self._transfer(transfers, write=True)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
@@ -301,8 +302,8 @@ class CacheClient:
     def batch_set_v1(self, keys: Sequence[str], host_indices) -> list[bool]:
         """Store the KV pages at ``host_indices`` under ``keys`` (put-if-absent).
 
-        On an MLA model only TP rank 0 writes; other ranks validate and report success,
-        as their pages are identical.
+        On an MLA model every TP rank puts the one copy (put-if-absent, as SGLang's
+        MooncakeStore does): a page is True only if the store holds it.
         """
         return self.batch_set_v2([PoolTransfer(PoolName.KV, keys, host_indices)])[PoolName.KV]
 

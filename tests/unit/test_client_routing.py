@@ -166,13 +166,17 @@ def test_v2_puts_and_gets_are_one_data_op_each_on_this_node(make):
     assert set(batch.pools) == {pool.name} and read.keys == ["org-m_a_0_k", "org-m_a_0_v"]
 
 
-def test_a_replicated_pool_is_written_by_tp_rank_0_only(make):
+def test_every_rank_puts_a_replicated_pool_and_reports_what_the_store_holds(make):
+    """TP rank 1 of an MLA model puts the group's one copy too (put-if-absent): its page
+    is True only from the store's code, never without sending (SGLang's MooncakeStore
+    does the same; a rank alone must find what it stored)."""
     client, link = make(tp_rank=1, tp_size=2, is_mla_model=True)
     kv_pool(client, mla=True)
     assert client.batch_set_v1(["a"], [0, 1]) == [True]
-    assert link.data_ops == []  # nothing to send: TP rank 0 stores it
+    ((op, _, batch),) = link.data_ops
+    assert op == DataOp.PUT and batch.keys == ["org-m_a__k"]
     assert client.batch_get_v1(["a"], [0, 1]) == [True]
-    assert [op for op, *_ in link.data_ops] == [DataOp.GET]
+    assert [op for op, *_ in link.data_ops] == [DataOp.PUT, DataOp.GET]
 
 
 def test_a_rank_hit_is_one_exists_op_of_its_own_objects(make):

@@ -77,11 +77,6 @@ def test_tagged_exactly_once_with_tag_and_model():
     assert p.tag("h_0_k") == "t_org-toy_h_0_k"
 
 
-def test_writes_replicated_only_rank0():
-    assert scheme(tp_rank=0, tp_size=2).writes_replicated
-    assert not scheme(tp_rank=1, tp_size=2).writes_replicated
-
-
 @pytest.mark.parametrize("kw", [{"tp_rank": 2, "tp_size": 2}, {"pp_size": 0},
                                 {"attn_cp_rank": -1}])
 def test_config_rejects_bad_ranks(kw):

@@ -70,8 +70,9 @@ def test_mha_kv_batch_and_results():
 
 
 def test_hybrid_with_sidecar_and_replicas():
-    """MLA model, TP rank 1: KV and indexer are replicated (TP rank 0 writes them); the
-    indexer takes KV's indices; Mamba is TP-sharded and always moves."""
+    """MLA model, TP rank 1: KV and indexer are replicated (one copy per group, which
+    every rank puts: put-if-absent keeps one, and a rank reports stored only what the
+    store holds); the indexer takes KV's indices; Mamba is TP-sharded."""
     pools = {PoolName.KV: PlanPool("kv", mla()), PoolName.INDEXER: PlanPool("ix", indexer()),
              PoolName.MAMBA: PlanPool("mb", mamba())}
     transfers = [PoolTransfer(PoolName.KV, ["a", "b"], np.array(slots(0, 2))),
@@ -79,11 +80,14 @@ def test_hybrid_with_sidecar_and_replicas():
                  PoolTransfer(PoolName.MAMBA, ["b"], [5])]
     keys = keys_of(is_mla_model=True, tp_rank=1, tp_size=2)
     put = plan_transfers(transfers, pools, keys, write=True, epoch=0)
-    assert put.fixed == {PoolName.KV: [True, True], PoolName.INDEXER: [True, True]}
-    assert put.batch.keys == ["org-toy_b_1_temporal", "org-toy_b_1_conv_0"]
-    assert put.batch.offsets == mamba().object_offsets([5])
-    assert put.stored([0, 0]) == {PoolName.KV: [True, True], PoolName.INDEXER: [True, True],
-                                  PoolName.MAMBA: [True]}
+    assert put.fixed == {}
+    assert put.batch.keys == ["org-toy_a__k", "org-toy_b__k", "org-toy_a__indexer",
+                              "org-toy_b__indexer", "org-toy_b_1_temporal",
+                              "org-toy_b_1_conv_0"]
+    assert put.batch.offsets[4:] == mamba().object_offsets([5])
+    # CONTROL: an object the store does not hold is a failed page on this rank too
+    assert put.stored([0, 1, 0, -200, 0, 0]) == {
+        PoolName.KV: [True, True], PoolName.INDEXER: [True, False], PoolName.MAMBA: [True]}
     get = plan_transfers(transfers, pools, keys, write=False, epoch=0)
     assert get.batch.keys == ["org-toy_a__k", "org-toy_b__k", "org-toy_a__indexer",
                               "org-toy_b__indexer", "org-toy_b_1_temporal",
