@@ -144,11 +144,15 @@ def sglang_package() -> Path:
     out = subprocess.run(
         [py, "-c", "import importlib.metadata as m, importlib.util as u, os; "
          "print(m.version('sglang')); "
-         "print(os.path.dirname(u.find_spec('sglang').origin))"],
+         "print(os.path.dirname(u.find_spec('sglang').origin)); "
+         "print(u.find_spec('pytest') is not None)"],
         capture_output=True, text=True, timeout=120)
     lines = out.stdout.split()
-    if out.returncode != 0 or len(lines) != 2:
+    if out.returncode != 0 or len(lines) != 3:
         raise PeerSourceError(f"{py} has no sglang package: {out.stderr[-1000:]}")
     if lines[0] != SGLANG_VERSION:
         raise PeerSourceError(f"{py} has sglang {lines[0]}, not {SGLANG_VERSION}")
+    if lines[2] != "True":
+        raise PeerSourceError(f"{py} has no pytest (SGLang's tests run in its venv): rerun "
+                              "scripts/setup.sh, or `-m pip install pytest` there")
     return Path(lines[1])

@@ -19,7 +19,7 @@ from raykv.clusters import start_local
 from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.peers import sources
-from tests.peers.runs import assert_all_passed, run_pytest
+from tests.peers.runs import assert_all_passed, outcomes_of, run_pytest
 
 UNIT = "tests/v1/kv_connector/unit/"
 CORE = "tests/v1/core/"
@@ -46,27 +46,52 @@ SELECTED = [
 TIMEOUT_S = 900
 
 
+# The control's test: raykv's loads give random bytes, so each case must fail.
+CONTROL = UNIT + "test_kv_load_failure_recovery.py::test_sync_load_failure"
+
+
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    """vLLM's selected tests, run once against a fresh cluster: (outcomes, output tail)."""
+def peer_env(tmp_path_factory):
+    """vLLM's unpacked tests, and the environment of a vLLM peer run on a fresh one-node
+    cluster (kept for the module)."""
     try:
         root = sources.vllm_tests()
     except sources.PeerSourceError as e:
         pytest.fail(str(e), pytrace=False)
-    tmp = tmp_path_factory.mktemp("vllm-peers")
     model = make_llama(str(tmp_path_factory.mktemp("vllm-peers-model") / "tiny-llama"))
     with start_local(num_nodes=1, global_segment_size=256 << 20) as cluster:
         import ray
 
-        env = {"RAYKV_PEER_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-               "RAYKV_PEER_NAMESPACE": cluster.namespace, "RAYKV_PEER_MODEL": model,
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false",
-               "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-        yield run_pytest(sys.executable, root, SELECTED, "vllm_plugin", env, tmp, TIMEOUT_S)
+        yield root, {"RAYKV_PEER_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+                     "RAYKV_PEER_NAMESPACE": cluster.namespace, "RAYKV_PEER_MODEL": model,
+                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                     "TOKENIZERS_PARALLELISM": "false",
+                     "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+
+
+@pytest.fixture(scope="module")
+def vllm_run(peer_env, tmp_path_factory):
+    """vLLM's selected tests, run once: (outcomes, output tail)."""
+    root, env = peer_env
+    return run_pytest(sys.executable, root, SELECTED, "vllm_plugin", env,
+                      tmp_path_factory.mktemp("vllm-peers"), TIMEOUT_S)
 
 
 @pytest.mark.parametrize("selector", SELECTED, ids=lambda s: s.split("/")[-1])
 def test_vllm_own_test(vllm_run, selector):
     outcomes, tail = vllm_run
     assert_all_passed(outcomes, selector, tail)
+
+
+def test_control_corrupt_loads_fail(peer_env, tmp_path):
+    """Control: with raykv's loads overwritten by random bytes (the connector's
+    ``debug_corrupt_loads``), every case of a test that passes above fails, on the
+    worker loop's check of loaded blocks (vLLM's own assertions cannot see bytes)."""
+    root, env = peer_env
+    outcomes, tail = run_pytest(sys.executable, root, [CONTROL], "vllm_plugin",
+                                env | {"RAYKV_PEER_CORRUPT_LOADS": "1"}, tmp_path, TIMEOUT_S)
+    cases = outcomes_of(outcomes, CONTROL)
+    assert cases, tail
+    for c in cases:
+        assert c.status == "failed" and "loaded from raykv holds the wrong KV" in c.message, c

@@ -8,8 +8,10 @@ What it swaps, at run time only (vLLM's test files are not changed):
   ``use_kv_connector=True``), and the ``ExampleConnector`` that the tests'
   ``TestExampleConnector`` wraps, become ``PeerConnector``: ``RayKVConnector`` with the
   test's extra config replaced by the peer cluster's (``RAYKV_PEER_RAY_ADDRESS``,
-  ``RAYKV_PEER_NAMESPACE``, a model name of its own per test) and ``kv_role`` ``kv_both``
-  (raykv is a cache: an engine loads and saves);
+  ``RAYKV_PEER_NAMESPACE``, a model name of its own per test);
+- the default ``kv_role`` of the KV-connector tests' ``create_vllm_config``:
+  ``kv_consumer`` (a disaggregated decode instance, which only loads) becomes ``kv_both``
+  (raykv is a cache: an engine loads and saves); a role a test passes stays;
 - the mock connector of the load-failure tests (``create_mock_connector``): a mock that
   wraps the scheduler's ``PeerConnector``, so every call vLLM's scheduler makes reaches
   raykv; where the test scripts an answer, raykv is made to hold what the script says
@@ -82,11 +84,12 @@ def _peer_connector_class():
 
         def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
             kv = vllm_config.kv_transfer_config
-            kv.kv_role = "kv_both"
             kv.kv_connector_extra_config = {
                 "ray_address": os.environ["RAYKV_PEER_RAY_ADDRESS"],
                 "namespace": os.environ["RAYKV_PEER_NAMESPACE"],
-                "model_name": f"peer-{_uid}"}
+                "model_name": f"peer-{_uid}",
+                # control (test_vllm_peers.py): raykv's loads give random bytes
+                "debug_corrupt_loads": os.environ.get("RAYKV_PEER_CORRUPT_LOADS") == "1"}
             if role == KVConnectorRole.WORKER:
                 _init_distributed()
             super().__init__(vllm_config, role, kv_cache_config)
@@ -156,6 +159,12 @@ def _swap() -> None:
         return InTheLoop(wraps=real, name="connector")
 
     unit_utils.create_mock_connector = create_mock_connector
+    create_vllm_config = unit_utils.create_vllm_config
+
+    def create_vllm_config_kv_both(*args, kv_role: str = "kv_both", **kwargs):
+        return create_vllm_config(*args, kv_role=kv_role, **kwargs)
+
+    unit_utils.create_vllm_config = create_vllm_config_kv_both
 
     original = Scheduler.update_from_output
 
