@@ -11,6 +11,7 @@ vLLM's that do not apply to raykv, and why: ``docs/status.md``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -44,6 +45,8 @@ SELECTED = [
     CORE + "test_async_scheduler.py::test_kv_pressure_preempt_mid_handoff[kv_consumer-True]",
 ]
 TIMEOUT_S = 900
+# The models vLLM's tests name, served by a tiny random Llama made here (no download).
+REDIRECTED_MODELS = ("facebook/opt-125m",)
 
 
 # The control's test: raykv's loads give random bytes, so each case must fail.
@@ -58,12 +61,16 @@ def peer_env(tmp_path_factory):
         root = sources.vllm_tests()
     except sources.PeerSourceError as e:
         pytest.fail(str(e), pytrace=False)
-    model = make_llama(str(tmp_path_factory.mktemp("vllm-peers-model") / "tiny-llama"))
+    tmp = tmp_path_factory.mktemp("vllm-peers-model")
+    redirect = tmp / "redirect.json"  # vLLM's own model redirect: name -> folder
+    redirect.write_text(json.dumps(dict.fromkeys(REDIRECTED_MODELS,
+                                                 make_llama(str(tmp / "tiny-llama")))))
     with start_local(num_nodes=1, global_segment_size=256 << 20) as cluster:
         import ray
 
         yield root, {"RAYKV_PEER_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-                     "RAYKV_PEER_NAMESPACE": cluster.namespace, "RAYKV_PEER_MODEL": model,
+                     "RAYKV_PEER_NAMESPACE": cluster.namespace,
+                     "VLLM_MODEL_REDIRECT_PATH": str(redirect),
                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                      "TOKENIZERS_PARALLELISM": "false",

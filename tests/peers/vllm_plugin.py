@@ -17,8 +17,8 @@ What it swaps, at run time only (vLLM's test files are not changed):
   raykv; where the test scripts an answer, raykv is made to hold what the script says
   (``WorkerLoop.seed``) and must give that answer itself;
 - the model: ``facebook/opt-125m``, which the tests' configs name, is redirected by
-  vLLM's own ``VLLM_MODEL_REDIRECT_PATH`` to the tiny offline Llama in
-  ``RAYKV_PEER_MODEL`` (the scheduler reads its config only).
+  vLLM's own ``VLLM_MODEL_REDIRECT_PATH`` (set by ``test_vllm_peers.py``) to a tiny
+  Llama made offline (the scheduler reads its config only).
 
 And it adds raykv's worker to every scheduler step (``vllm_worker_loop.WorkerLoop``): a
 test passes only if vLLM's own assertions hold and raykv loaded right bytes, reported
@@ -28,29 +28,18 @@ every failed load, and stores no wrong block after the test.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import socket
-import tempfile
 import uuid
 from unittest.mock import DEFAULT, Mock
 
 import pytest
 
-REDIRECTED_MODELS = ("facebook/opt-125m",)
 SWAPPED_CONNECTORS = ("NixlConnector", "ExampleConnector")
 
 _uid = uuid.uuid4().hex[:8]  # the current test's model-name suffix
 _loops: dict[int, object] = {}  # id(scheduler-role PeerConnector) -> its WorkerLoop
 _connectors: list = []  # every PeerConnector of the current test
-
-
-def _redirect_models() -> None:
-    model = os.environ["RAYKV_PEER_MODEL"]
-    path = os.path.join(tempfile.mkdtemp(prefix="raykv-peer-"), "redirect.json")
-    with open(path, "w") as f:
-        json.dump(dict.fromkeys(REDIRECTED_MODELS, model), f)
-    os.environ["VLLM_MODEL_REDIRECT_PATH"] = path
 
 
 def _init_distributed() -> None:
@@ -180,7 +169,7 @@ def _swap() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _redirect_models()
+    assert os.environ.get("VLLM_MODEL_REDIRECT_PATH"), "run by test_vllm_peers.py"
     _swap()
 
 
