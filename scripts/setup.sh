@@ -20,7 +20,8 @@
 #    builds of torchvision, torchaudio, torchcodec and triton it pulls in are removed
 #    (they break `import transformers` on CPU); Ray Serve for this Ray version and pyarrow
 #    (the Ray Serve LLM test); the SGLang venv .venv-sglang (scripts/sglang-venv.sh),
-#    built in the background meanwhile, its log in sglang-venv.log.
+#    built in the background meanwhile, its log in sglang-venv.log, and pytest in it
+#    (SGLang's own storage tests run there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -146,6 +147,11 @@ if [ "$ENGINES" = 1 ]; then
     fi
     sglang_pid=
     tail -1 sglang-venv.log
+    # SGLang's own storage tests (shipped in its wheel) run in its venv: pytest there.
+    if ! .venv-sglang/bin/python -c 'import pytest' 2>/dev/null; then
+        say "pytest in .venv-sglang (SGLang's own tests run there)"
+        .venv-sglang/bin/python -m pip install -q "pytest==$(.venv/bin/python -c 'import pytest; print(pytest.__version__)')"
+    fi
     [ "$(dist_version torch)" = "$TORCH+cpu" ] ||
         die "torch is $(dist_version torch) after the engines' installs, not $TORCH+cpu"
 fi
