@@ -35,7 +35,7 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
         msgspec pydantic pyzmq tqdm dill transformers==5.19.0 tokenizers==0.23.2 \
         apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf ipython \
         requests aiohttp "python-dateutil<3" \
-        "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib
+        "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib cryptography
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
