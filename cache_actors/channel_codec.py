@@ -283,7 +283,11 @@ def _fields_of(cls: type) -> Check:
     def check(v: object) -> object:
         if type(v) is not list or len(v) != len(checks):
             _fail(v, f"the {len(checks)} fields of {cls.__name__}")
-        return cls(*[c(x) for c, x in zip(checks, v, strict=False)])  # length checked
+        fields = [c(x) for c, x in zip(checks, v, strict=False)]  # length checked
+        try:
+            return cls(*fields)
+        except (TypeError, ValueError) as e:  # the class's own checks refused them
+            raise WireError(f"not a valid {cls.__name__}: {e}") from None
     return check
 
 
