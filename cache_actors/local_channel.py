@@ -19,13 +19,18 @@ ops carry (``ObjectBatch``, ``PoolQuery``, ``PoolTransferResult``) can be decode
 every request is checked against its op's argument types (``Signature``) first.
 
 Trust. The socket file is mode 0600 in ``/dev/shm`` and the server accepts only peers
-of its own uid (``SO_PEERCRED``): processes that could map the pools anyway. Even so,
-nothing a peer sends can hurt other connections: a header over ``MAX_FRAME`` closes
-the connection before anything is allocated for it; bytes are buffered only as they
-arrive; a malformed message (not msgpack, wrong shape, unknown op, a second request
-before the reply to the first) closes that connection only, with one throttled log
-line. A reply the peer does not read for ``SEND_TIMEOUT_S``, or a hello not sent within
-``HELLO_TIMEOUT_S`` of connecting, closes its connection.
+of its own uid (``SO_PEERCRED``): processes that could map the pools anyway; a client
+likewise refuses a socket served by another uid (keys and owner claims go to no other
+user's process). Even so, nothing a peer sends can hurt other connections: a header
+over ``MAX_FRAME`` closes the connection before anything is allocated for it; bytes are
+buffered only as they arrive; decoding a frame builds at most ``MAX_DECODED`` values
+(``channel_codec``). A whole frame that is no valid request (not msgpack, wrong shape
+or types, unknown op, over the decoding budget) is answered with a ``ValueError`` on
+the same connection, which serves on (one throttled log line). A second request before
+the reply to the first was written whole closes that connection. Replies are written
+without waiting (``channel_io``): a peer that does not read stalls no thread that
+serves others; a reply it does not read for ``SEND_TIMEOUT_S``, or a hello not sent
+within ``HELLO_TIMEOUT_S`` of connecting, closes its connection.
 
 Owners. A server given ``bind`` serves each connection as the owner it claimed: a
 connection whose first request is ``BIND_OP`` with an ``OwnerClaim`` is bound to what
@@ -52,8 +57,9 @@ sends its replies); a data op sent on such a connection runs on one of
 when it passes.
 
 Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
-new one over it is closed at once. Threads: one accept thread, one I/O thread, one per
-data connection (so at most ``max_connections``), ``POOL_THREADS``. Every connection's
+new one over it is closed at once. Threads: one accept thread, one I/O thread
+(``channel_io.ChannelIO``), one per data connection (so at most ``max_connections``),
+``POOL_THREADS``. Every connection's
 socket is closed and its thread ends when its peer goes or misbehaves. The accept
 thread survives every error (out of file descriptors, buffers or memory: it backs off
 from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
