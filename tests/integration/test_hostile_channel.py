@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -162,13 +163,14 @@ def test_a_64_mib_frame_of_tiny_values_costs_the_node_actor_under_200_mb(cluster
 
 
 def test_peers_that_never_read_stall_no_rank_s_group_queries(cluster, uid):
-    """Eight peers on group connections each send 2,000 group queries at once and never
-    read a reply; the node actor answers each of them from its I/O thread (refused: no
-    owner claim), until its socket buffer is full (then it is dropped: its next request
-    came before the reply was written). An honest rank's group queries and data calls
-    are answered meanwhile, within their 5 s deadline. Before, the I/O thread
-    waited ``SEND_TIMEOUT_S`` (2 s) in ``sendall`` for each such peer in turn, 16 s in
-    all, and the rank's group queries ran past their deadline."""
+    """Eight peers on group connections each send 2,000 group queries at once, side by
+    side, and never read a reply; the node actor answers each of them from its I/O
+    thread (refused: no owner claim) until that peer's socket buffer is full (then it is
+    dropped: its next request came before the reply was written). An honest rank's
+    group queries and data calls, made meanwhile, are answered within their 5 s
+    deadline. Before, the I/O thread waited ``SEND_TIMEOUT_S`` (2 s) in ``sendall`` for
+    each such peer in turn, 16 s in all, and the rank's group queries ran past their
+    deadline."""
     node = cluster.node_ids[0]
     actor = cluster.node_actors[node]
     config = StorageConfig(model_name=f"never-reads/{uid}")
@@ -178,18 +180,25 @@ def test_peers_that_never_read_stall_no_rank_s_group_queries(cluster, uid):
     assert ray.get(rank.call.remote("batch_set_v1", keys, indices(0, N))) == [True] * N
     assert ray.get(rank.call.remote("group_exists", keys)).kv_hit_pages == N  # claimed
     path = ray.get(actor.channel_path.remote())
-    dep = deployment_id(config)
-    query = codec.request("group_exists", time.monotonic() + 600, [dep, 1, (0, 0), keys, []])
-    hostile = []
-    for _ in range(8):
-        peer = group_connection(path)
+    query = codec.request("group_exists", time.monotonic() + 600,
+                          [deployment_id(config), 1, (0, 0), keys, []])
+    hostile = [group_connection(path) for _ in range(8)]
+    ready = threading.Barrier(len(hostile) + 1)
+
+    def flood(peer: Peer) -> None:
+        ready.wait()
         # dropped during the send: it sent requests while its replies waited unread
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             peer.sock.sendall(query * 2000)
-        hostile.append(peer)
+    floods = [threading.Thread(target=flood, args=(p,)) for p in hostile]
+    for t in floods:
+        t.start()
+    ready.wait()
     for _ in range(5):
         assert ray.get(rank.call.remote("group_exists", keys)).kv_hit_pages == N
         assert ray.get(rank.call.remote("batch_exists", keys)) == N
+    for t in floods:
+        t.join(ANSWER_S)
     for peer in hostile:
         peer.sock.close()
 
