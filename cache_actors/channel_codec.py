@@ -22,7 +22,9 @@ it stops at the first container past the budget, having built at most ``MAX_DECO
 values and one array more. Every value costs at most ~72 bytes beside its own bytes (an
 empty map; 1 byte on the wire), so one message decodes to at most ~30 MB beside its
 frame, whatever the frame holds (64 MiB of empty maps decoded whole took ~4.6 GB). A
-frame's body is handed to the decoder without a copy when it is the only one buffered
+body of at most ``MAX_DECODED`` bytes cannot hold more values than that and is decoded
+without the count (every request of a few hundred objects: the hooks would cost ~5 us).
+A frame's body is handed to the decoder without a copy when it is the only one buffered
 (``FrameReader``).
 
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
@@ -371,23 +373,35 @@ def _no_ext(code: int, data: bytes) -> object:
     raise WireError(f"extension type {code} where none may be")
 
 
+def _ext(code: int, data: bytes) -> object:
+    check = _BY_CODE.get(code)
+    if check is None:
+        raise WireError(f"unknown extension type {code}")
+    return check(msgpack.unpackb(data, ext_hook=_no_ext, **_LIMITS))
+
+
 def _unpack(body: bytes | memoryview, tagged: bool) -> object:
     """``body`` decoded within ``MAX_DECODED`` values (the extension types' contents
-    counted too), with the extension types of ``_CLASSES`` if ``tagged``."""
+    counted too), with the extension types of ``_CLASSES`` if ``tagged``. A body of at
+    most ``MAX_DECODED`` bytes is decoded as it is: every value takes a byte at least,
+    so it cannot hold more (the usual request costs nothing for the count)."""
+    if len(body) <= MAX_DECODED:
+        return msgpack.unpackb(body, ext_hook=_ext if tagged else _no_ext, **_LIMITS)
     left = MAX_DECODED
 
-    def count(container: list | dict, n: int) -> list | dict:
+    def on_list(v: list) -> list:
         nonlocal left
-        left -= n
+        left -= 1 + len(v)
         if left < 0:
             raise WireError(f"a message of more than MAX_DECODED={MAX_DECODED} values")
-        return container
-
-    def on_list(v: list) -> list:
-        return count(v, 1 + len(v))
+        return v
 
     def on_map(v: dict) -> dict:
-        return count(v, 1 + 2 * len(v))
+        nonlocal left
+        left -= 1 + 2 * len(v)
+        if left < 0:
+            raise WireError(f"a message of more than MAX_DECODED={MAX_DECODED} values")
+        return v
 
     def on_ext(code: int, data: bytes) -> object:
         check = _BY_CODE.get(code)
