@@ -23,8 +23,12 @@ after a re-allocation) before any byte moves, then waits up to ``drain_s`` secon
 the calls in flight on it, and only then is unregistered and unmapped (embedded) or has
 its pages given back (standalone). A pool whose calls outlive the wait (a stuck store
 call) is *parked*: it stays mapped and registered, an error is logged, and it is released
-when its last call leaves. So a store call never reads unmapped memory (a crash) or
-memory given back (zeros stored under real keys and reported stored).
+when its last call leaves (``pool_flights``). So a store call never reads unmapped
+memory (a crash) or memory given back (zeros stored under real keys and reported stored).
+
+Changes hold no lock while they work (``pool_changes``): a pool is allocated,
+registered, drained and released with its change marked begun, not under the pool lock,
+so ``health``, the data path and changes of other pools never wait for it.
 
 Restart: each pool has a record (``pool_records``) that a restarted actor re-adopts;
 a record it cannot trust is logged and skipped, never stopping the actor.
@@ -221,7 +225,7 @@ class NodePools:
             if process is not None:
                 self._engines[name] = process
 
-    def tenants(self) -> dict[str, dict]:
+    def tenants(self) -> dict[str | None, dict]:
         """``PoolTable.tenants`` of the settled table."""
         return self.settled().tenants(self.quotas)
 
