@@ -59,10 +59,10 @@ when it passes.
 Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
 new one over it is closed at once. Threads: one accept thread, one I/O thread
 (``channel_io.ChannelIO``), one per data connection (so at most ``max_connections``),
-``POOL_THREADS``. Every connection's
-socket is closed and its thread ends when its peer goes or misbehaves. The accept
-thread survives every error (out of file descriptors, buffers or memory: it backs off
-from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
+``POOL_THREADS``. Every connection's socket is closed and its thread ends when its peer
+goes or misbehaves. The accept thread survives every error (out of file descriptors,
+buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes
+on); only ``close`` ends it.
 
 Client. ``ChannelClient`` (given ``bind``: its owner claim, sent as the first request
 of every connection it opens) checks a connection out of a small free list for each call
