@@ -10,9 +10,22 @@ largest batch (``MAX_BATCH_OBJECTS`` = 65,536 objects; keys up to ~200 character
 assumed): per object a key (2 + 200 bytes), a pool name (2 + up to 64), an offset
 (<= 9) and a size (<= 5), ~282 bytes, so 18.5 MB for the batch (measured: 18,481,173
 bytes); a group query carries one key per page (13.2 MB for 65,536 pages); a reply at
-most 9 bytes per object (0.6 MB). 64 MiB leaves 3.6 times the largest. Decoding is
-bounded too: no array longer than ``MAX_ITEMS`` (16 x ``MAX_BATCH_OBJECTS``), no map
-longer than ``MAX_MAP``, no string longer than ``MAX_STR``, no bin type at all.
+most 9 bytes per object (0.6 MB). 64 MiB leaves 3.6 times the largest.
+
+Decoding never amplifies a frame much: no array longer than ``MAX_ITEMS``
+(``MAX_BATCH_OBJECTS``: no message needs more), no map longer than ``MAX_MAP``, no string
+longer than ``MAX_STR``, no bin type at all, and no message of more than ``MAX_DECODED``
+values (the items of every array and map, and the containers themselves: the largest
+real message, a put of ``MAX_BATCH_OBJECTS`` objects, has four lists of that many). The
+count is kept while decoding (a hook per container, so free for scalars): a message over
+it stops at the first container past the budget, having built at most ``MAX_DECODED``
+values and one array more. Every value costs at most ~72 bytes beside its own bytes (an
+empty map; 1 byte on the wire), so one message decodes to at most ~30 MB beside its
+frame, whatever the frame holds (64 MiB of empty maps decoded whole took ~4.6 GB). A
+body of at most ``MAX_DECODED`` bytes cannot hold more values than that and is decoded
+without the count (every request of a few hundred objects: the hooks would cost ~5 us).
+A frame's body is handed to the decoder without a copy when it is the only one buffered
+(``FrameReader``).
 
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
 tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
@@ -72,9 +85,15 @@ except metadata.PackageNotFoundError:  # run from a source tree that is not inst
 
 MAX_FRAME = 64 << 20
 """Bytes of one message, at most (see the module docstring for the sum)."""
-MAX_ITEMS = 16 * MAX_BATCH_OBJECTS
+MAX_ITEMS = MAX_BATCH_OBJECTS
+"""Items of one array, at most."""
 MAX_MAP = 1024
+"""Entries of one map, at most."""
 MAX_STR = 1 << 20
+"""Bytes of one string, at most."""
+MAX_DECODED = 4 * MAX_BATCH_OBJECTS + 4096
+"""Values one message may decode to: every array's and map's items (a map entry counts
+two) and the containers themselves (see the module docstring)."""
 
 _LEN = struct.Struct("!I")
 HEADER = _LEN.size
@@ -117,19 +136,27 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
-    def next(self) -> bytes | None:
+    def next(self) -> bytes | memoryview | None:
         """The next whole frame's body, removed from the buffer; None until one is
-        complete. ``WireError`` for a header over ``MAX_FRAME`` (then drop the peer)."""
+        complete. ``WireError`` for a header over ``MAX_FRAME`` (then drop the peer).
+        When the frame is all that is buffered (the usual case: one request at a time)
+        the body is a view of the buffer, which the reader then gives up, so a big frame
+        is never copied."""
         buf = self._buf
         if len(buf) < HEADER:
             return None
         (n,) = _LEN.unpack_from(buf)
         if n > MAX_FRAME:
             raise WireError(f"a frame of {n} bytes announced, over the limit of {MAX_FRAME}")
-        if len(buf) < HEADER + n:
+        end = HEADER + n
+        if len(buf) < end:
             return None
-        body = bytes(buf[HEADER:HEADER + n])
-        del buf[:HEADER + n]
+        if len(buf) == end:
+            self._buf = bytearray()
+            return memoryview(buf)[HEADER:]
+        with memoryview(buf) as view:
+            body = bytes(view[HEADER:end])
+        del buf[:end]
         return body
 
     @property
@@ -258,7 +285,11 @@ def _fields_of(cls: type) -> Check:
     def check(v: object) -> object:
         if type(v) is not list or len(v) != len(checks):
             _fail(v, f"the {len(checks)} fields of {cls.__name__}")
-        return cls(*[c(x) for c, x in zip(checks, v, strict=False)])  # length checked
+        fields = [c(x) for c, x in zip(checks, v, strict=False)]  # length checked
+        try:
+            return cls(*fields)
+        except (TypeError, ValueError) as e:  # the class's own checks refused them
+            raise WireError(f"not a valid {cls.__name__}: {e}") from None
     return check
 
 
@@ -349,20 +380,59 @@ def _ext(code: int, data: bytes) -> object:
     return check(msgpack.unpackb(data, ext_hook=_no_ext, **_LIMITS))
 
 
+def _unpack(body: bytes | memoryview, tagged: bool) -> object:
+    """``body`` decoded within ``MAX_DECODED`` values (the extension types' contents
+    counted too), with the extension types of ``_CLASSES`` if ``tagged``. A body of at
+    most ``MAX_DECODED`` bytes is decoded as it is: every value takes a byte at least,
+    so it cannot hold more (the usual request costs nothing for the count)."""
+    if len(body) <= MAX_DECODED:
+        return msgpack.unpackb(body, ext_hook=_ext if tagged else _no_ext, **_LIMITS)
+    left = MAX_DECODED
+
+    def on_list(v: list) -> list:
+        nonlocal left
+        left -= 1 + len(v)
+        if left < 0:
+            raise WireError(f"a message of more than MAX_DECODED={MAX_DECODED} values")
+        return v
+
+    def on_map(v: dict) -> dict:
+        nonlocal left
+        left -= 1 + 2 * len(v)
+        if left < 0:
+            raise WireError(f"a message of more than MAX_DECODED={MAX_DECODED} values")
+        return v
+
+    def on_ext(code: int, data: bytes) -> object:
+        check = _BY_CODE.get(code)
+        if check is None:
+            raise WireError(f"unknown extension type {code}")
+        return check(msgpack.unpackb(data, ext_hook=_no_ext, list_hook=on_list,
+                                     object_hook=on_map, **_LIMITS))
+
+    return msgpack.unpackb(body, ext_hook=on_ext if tagged else _no_ext, list_hook=on_list,
+                           object_hook=on_map, **_LIMITS)
+
+
 def encode(obj: object) -> bytes:
     """One framed message of plain msgpack values (and ``_tagged``'s extension types);
     ``TypeError`` for a value the channel cannot carry."""
     return frame(msgpack.packb(obj))
 
 
-def decode(body: bytes, tagged: bool = False) -> object:
+def decode(body: bytes | memoryview, tagged: bool = False) -> object:
     """One message body: plain msgpack values, and with ``tagged`` the extension types
-    of ``_CLASSES``. ``WireError`` for anything else, or over the limits."""
+    of ``_CLASSES``. ``WireError`` for anything else, or over the limits (see the module
+    docstring: what it builds is bounded before it is built)."""
     try:
-        return msgpack.unpackb(body, ext_hook=_ext if tagged else _no_ext, **_LIMITS)
+        return _unpack(body, tagged)
     except WireError:
         raise
     except Exception as e:  # msgpack's own errors, a bad field, bad UTF-8, ...
+        if "max_array_len" in str(e):
+            raise WireError(f"a list of more than MAX_BATCH_OBJECTS={MAX_BATCH_OBJECTS} "
+                            "items in one channel message: send fewer objects per call "
+                            f"({e})") from None
         raise WireError(f"undecodable message ({type(e).__name__}: {e})") from None
 
 
@@ -402,7 +472,7 @@ def request(op: str, deadline: float, args: Sequence[object]) -> bytes:
     return encode([op, deadline, [_fields(a) for a in args]])
 
 
-def parse_request(body: bytes,
+def parse_request(body: bytes | memoryview,
                   signatures: Mapping[str, Signature]) -> tuple[str, float, list]:
     """``(op, deadline, args)`` of a request body whose op is in ``signatures`` and whose
     arguments have that op's arity and types; ``WireError`` otherwise."""
@@ -445,7 +515,7 @@ def error_reply(name: str, message: str) -> bytes:
     return encode([False, [name, message]])
 
 
-def parse_reply(body: bytes) -> tuple[bool, object]:
+def parse_reply(body: bytes | memoryview) -> tuple[bool, object]:
     """``(True, value)`` or ``(False, exception)`` of a reply body; ``WireError`` if it
     is none."""
     message = decode(body, tagged=True)

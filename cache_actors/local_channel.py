@@ -19,13 +19,18 @@ ops carry (``ObjectBatch``, ``PoolQuery``, ``PoolTransferResult``) can be decode
 every request is checked against its op's argument types (``Signature``) first.
 
 Trust. The socket file is mode 0600 in ``/dev/shm`` and the server accepts only peers
-of its own uid (``SO_PEERCRED``): processes that could map the pools anyway. Even so,
-nothing a peer sends can hurt other connections: a header over ``MAX_FRAME`` closes
-the connection before anything is allocated for it; bytes are buffered only as they
-arrive; a malformed message (not msgpack, wrong shape, unknown op, a second request
-before the reply to the first) closes that connection only, with one throttled log
-line. A reply the peer does not read for ``SEND_TIMEOUT_S``, or a hello not sent within
-``HELLO_TIMEOUT_S`` of connecting, closes its connection.
+of its own uid (``SO_PEERCRED``): processes that could map the pools anyway; a client
+likewise refuses a socket served by another uid (keys and owner claims go to no other
+user's process). Even so, nothing a peer sends can hurt other connections: a header
+over ``MAX_FRAME`` closes the connection before anything is allocated for it; bytes are
+buffered only as they arrive; decoding a frame builds at most ``MAX_DECODED`` values
+(``channel_codec``). A whole frame that is no valid request (not msgpack, wrong shape
+or types, unknown op, over the decoding budget) is answered with a ``ValueError`` on
+the same connection, which serves on (one throttled log line). A second request before
+the reply to the first was written whole closes that connection. Replies are written
+without waiting (``channel_io``): a peer that does not read stalls no thread that
+serves others; a reply it does not read for ``SEND_TIMEOUT_S``, or a hello not sent
+within ``HELLO_TIMEOUT_S`` of connecting, closes its connection.
 
 Owners. A server given ``bind`` serves each connection as the owner it claimed: a
 connection whose first request is ``BIND_OP`` with an ``OwnerClaim`` is bound to what
@@ -52,11 +57,12 @@ sends its replies); a data op sent on such a connection runs on one of
 when it passes.
 
 Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
-new one over it is closed at once. Threads: one accept thread, one I/O thread, one per
-data connection (so at most ``max_connections``), ``POOL_THREADS``. Every connection's
-socket is closed and its thread ends when its peer goes or misbehaves. The accept
-thread survives every error (out of file descriptors, buffers or memory: it backs off
-from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
+new one over it is closed at once. Threads: one accept thread, one I/O thread
+(``channel_io.ChannelIO``), one per data connection (so at most ``max_connections``),
+``POOL_THREADS``. Every connection's socket is closed and its thread ends when its peer
+goes or misbehaves. The accept thread survives every error (out of file descriptors,
+buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes
+on); only ``close`` ends it.
 
 Client. ``ChannelClient`` (given ``bind``: its owner claim, or a callable that makes a
 fresh one for each connection, sent as the first request of every connection it opens)
@@ -78,7 +84,6 @@ import contextlib
 import errno
 import logging
 import os
-import selectors
 import socket
 import struct
 import threading
@@ -103,6 +108,7 @@ from raykv.cache_actors.channel_codec import (
     reply,
     request,
 )
+from raykv.cache_actors.channel_io import ChannelIO, Conn
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
@@ -151,7 +157,18 @@ def _peer_uid(sock: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
-def _recv_frame(sock: socket.socket, reader: FrameReader) -> bytes:
+def _check_server(sock: socket.socket, path: str) -> None:
+    """``ConnectionRefusedError`` unless the process serving ``sock`` (a connected Unix
+    socket) runs as this process's uid: keys and owner claims go to no other user's
+    socket, whoever created the file at ``path``."""
+    uid, mine = _peer_uid(sock), os.getuid()
+    if uid != mine:
+        raise ConnectionRefusedError(f"the socket {path} is served by uid {uid}, not by "
+                                     f"this process's uid {mine}: not a node actor of "
+                                     "this user; refused")
+
+
+def _recv_frame(sock: socket.socket, reader: FrameReader) -> bytes | memoryview:
     """The next frame's body from a blocking ``sock``; ``ChannelClosedError`` at EOF,
     ``WireError`` for a header over ``MAX_FRAME``."""
     while (body := reader.next()) is None:
@@ -160,42 +177,6 @@ def _recv_frame(sock: socket.socket, reader: FrameReader) -> bytes:
             raise ChannelClosedError("the peer closed the channel")
         reader.feed(data)
     return body
-
-
-class _Conn:
-    """One accepted connection: its bytes not yet parsed (read by one thread at a
-    time: its own, then the I/O thread), whether a request awaits its reply, and the
-    lock that keeps replies from different threads whole."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader = FrameReader()
-        self.send_lock = threading.Lock()
-        self.busy = False
-        self.dead = False
-        self.caller: object = None  # what the server's ``bind`` made of its claim
-
-    def send(self, data: bytes) -> None:
-        """Write one reply; on failure (peer gone or not reading) shut the connection,
-        which its reader then drops."""
-        with self.send_lock:
-            if self.dead:
-                return
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                self.shutdown()
-
-    def shutdown(self) -> None:
-        """Wake whatever thread reads or writes it; its reader drops it."""
-        self.dead = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.shutdown()
-        with self.send_lock:
-            self.sock.close()
 
 
 class ChannelServer:
@@ -243,17 +224,12 @@ class ChannelServer:
             os.umask(old)
         self._sock.listen(socket.SOMAXCONN)
         self._stop = threading.Event()
-        self._conns: set[_Conn] = set()
+        self._conns: set[Conn] = set()
         self._conns_lock = threading.Lock()
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._adopted: list[_Conn] = []  # handed over, not yet registered by the loop
-        self._adopt_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # data ops sent on an async conn
+        self._io = ChannelIO(path, self._process, self._drop, self._warn,
+                             send_timeout_s=SEND_TIMEOUT_S)
         threading.Thread(target=self._accept, name="raykv-channel", daemon=True).start()
-        threading.Thread(target=self._loop, name="raykv-channel-io", daemon=True).start()
 
     # ------------------------------------------------------------- accepting
     def _accept(self) -> None:
@@ -288,7 +264,7 @@ class ChannelServer:
                             self.path, uid, self._uid)
             sock.close()
             return
-        conn = _Conn(sock)
+        conn = Conn(sock)
         with self._conns_lock:
             full = len(self._conns) >= self._max_connections
             if not full:
@@ -308,7 +284,7 @@ class ChannelServer:
             raise
 
     # ------------------------------------------------------ connection threads
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Conn) -> None:
         """A connection's own thread: the hello, then requests until the connection
         closes or its first request is async (then the I/O thread reads it)."""
         adopted = False
@@ -318,8 +294,10 @@ class ChannelServer:
             conn.send(hello())
             first, claimable = True, True
             while not conn.dead:
-                op, deadline, args = parse_request(_recv_frame(conn.sock, conn.reader),
-                                                   self._signatures)
+                parsed = self._parse(conn, _recv_frame(conn.sock, conn.reader))
+                if parsed is None:
+                    continue
+                op, deadline, args = parsed
                 if op == BIND_OP:
                     if not claimable:
                         raise WireError("an owner claim after the connection's first request")
@@ -329,11 +307,13 @@ class ChannelServer:
                     continue
                 claimable = False
                 conn.busy = True
-                self._dispatch(conn, op, deadline, args)
                 if first and op in self._async:
-                    self._adopt(conn)
+                    conn.io = self._io  # its reply may come once the I/O thread reads it
+                    self._dispatch(conn, op, deadline, args)
+                    self._io.adopt(conn)
                     adopted = True
                     return
+                self._dispatch(conn, op, deadline, args)
                 first = False
         except ChannelVersionError as e:
             conn.send(hello())  # the rank then names both versions too
@@ -348,7 +328,7 @@ class ChannelServer:
             if not adopted:
                 self._drop(conn)
 
-    def _claim(self, conn: _Conn, claim: OwnerClaim) -> bool:
+    def _claim(self, conn: Conn, claim: OwnerClaim) -> bool:
         """Bind ``conn`` to ``claim`` and answer; False (answered with the error) if
         ``bind`` refused it: the caller then closes the connection."""
         try:
@@ -359,87 +339,23 @@ class ChannelServer:
         conn.send(reply(None))
         return True
 
-    def _adopt(self, conn: _Conn) -> None:
-        with self._adopt_lock:
-            self._adopted.append(conn)
-        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
-            self._wake_w.send(b"a")
-
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Conn) -> None:
         with self._conns_lock:
             self._conns.discard(conn)
         conn.close()
 
     # ------------------------------------------------------------ I/O thread
-    def _loop(self) -> None:
-        """The I/O thread: read every adopted connection, start async ops here. A
-        connection's failure drops that connection only."""
-        while not self._stop.is_set():
-            try:
-                events = self._selector.select()
-            except OSError as e:  # not expected; never spin on it
-                log.error("channel %s: select failed: %s", self.path, e)
-                self._stop.wait(ACCEPT_PAUSE_S)
-                continue
-            for key, _ in events:
-                if key.fileobj is self._wake_r:
-                    self._register_adopted()
-                    continue
-                conn = key.data
-                try:
-                    self._read(conn)
-                except WireError as e:
-                    self._warn.warn("bad", "channel %s: dropped a connection: %s", self.path, e)
-                    self._unregister(conn)
-                except Exception:
-                    log.exception("channel %s: connection failed", self.path)
-                    self._unregister(conn)
-        for key in list(self._selector.get_map().values()):
-            if key.data is not None:
-                self._drop(key.data)
-        with self._adopt_lock:
-            for conn in self._adopted:
-                self._drop(conn)
-        self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _register_adopted(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_r.recv(4096)
-        with self._adopt_lock:
-            adopted, self._adopted = self._adopted, []
-        for conn in adopted:
-            try:
-                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-                self._process(conn)  # requests already buffered
-            except (OSError, ValueError, KeyError, WireError) as e:
-                self._warn.warn("bad", "channel %s: dropped a connection: %s", self.path, e)
-                self._unregister(conn)
-
-    def _unregister(self, conn: _Conn) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
-        self._drop(conn)
-
-    def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(conn.reader.want())
-        except OSError:
-            data = b""
-        if not data:  # the rank closed its end (or died), or we shut it
-            self._unregister(conn)
-            return
-        conn.reader.feed(data)
-        self._process(conn)
-
-    def _process(self, conn: _Conn) -> None:
-        """Start every whole request buffered on ``conn``; ``WireError`` if one is
-        malformed or comes before the reply to the previous one."""
+    def _process(self, conn: Conn) -> None:
+        """The I/O thread's: start every whole request buffered on ``conn``;
+        ``WireError`` (the connection is dropped) if one comes before the reply to the
+        previous one was written whole."""
         while (body := conn.reader.next()) is not None:
-            if conn.busy:
+            if conn.busy or conn.sending:
                 raise WireError("a request sent before the reply to the previous one")
-            op, deadline, args = parse_request(body, self._signatures)
+            parsed = self._parse(conn, body)
+            if parsed is None:
+                continue
+            op, deadline, args = parsed
             if op == BIND_OP:  # only ever a connection's first request (its own thread)
                 raise WireError("an owner claim after the connection's first request")
             conn.busy = True
@@ -452,7 +368,19 @@ class ChannelServer:
             self._pool.submit(self._dispatch, conn, op, deadline, args)
 
     # -------------------------------------------------------------- requests
-    def _dispatch(self, conn: _Conn, op: str, deadline: float, args: tuple) -> None:
+    def _parse(self, conn: Conn, body: bytes | memoryview) -> tuple[str, float, list] | None:
+        """The request in ``body``; None if it is malformed (not msgpack, ill-typed, an
+        unknown op): that is answered with a ``ValueError`` on ``conn``, which serves on
+        (the frame was whole, so the next one is found)."""
+        try:
+            return parse_request(body, self._signatures)
+        except WireError as e:
+            self._warn.warn("malformed", "channel %s: answered a malformed request: %s",
+                            self.path, e)
+            conn.send(error_reply("ValueError", f"a malformed channel request: {e}"))
+            return None
+
+    def _dispatch(self, conn: Conn, op: str, deadline: float, args: tuple) -> None:
         done = threading.Lock()  # a reply is sent once
 
         def respond(value: object, error: BaseException | None = None) -> None:
@@ -496,8 +424,7 @@ class ChannelServer:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
         self._sock.close()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        self._io.close()
         with self._conns_lock:
             conns = list(self._conns)
         for conn in conns:
@@ -539,6 +466,7 @@ class _Link:
                 self.sock.connect(path)
             except BlockingIOError as e:
                 raise TimeoutError("the node actor's backlog stayed full") from e
+            _check_server(self.sock, path)
             check_hello(decode(self.exchange(hello(), deadline)), "node actor")
             if bind is not None:
                 ok, value = parse_reply(self.exchange(request(BIND_OP, deadline, [bind]),

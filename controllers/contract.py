@@ -41,6 +41,11 @@ batch of up to a few hundred MiB over TCP); Mooncake itself gives up on a dead p
 trips it, and short enough that an engine waiting on a hung node actor (vLLM's scheduler
 calls synchronously) stalls for one visible hiccup, not for good."""
 MAX_TIMEOUT_S = 600.0
+MAX_GROUP_RANKS = 1024
+"""Ranks of one TP x PP group, at most (so each of ``tp_size``, ``pp_size`` and
+``attn_cp_size`` too): 16 times the largest groups served today (TP 8 x PP 8). A group's
+home node lists every rank of it for each hit query, so the size of that list is bounded
+before a registration or a group query may ask for one."""
 IDENTITY_KEYS: dict[str, type] = {"model_revision": str, "kv_dtype": str, "page_size": int}
 """The ``extra_config`` keys that describe the bytes a rank stores, and their types."""
 
@@ -75,15 +80,7 @@ class StorageConfig:
     extra_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for rank, size, what in (
-            (self.tp_rank, self.tp_size, "tp"),
-            (self.pp_rank, self.pp_size, "pp"),
-            (self.attn_cp_rank, self.attn_cp_size, "attn_cp"),
-        ):
-            if size < 1:
-                raise ValueError(f"{what}_size must be >= 1, got {size}")
-            if not 0 <= rank < size:
-                raise ValueError(f"{what}_rank {rank} is out of range for {what}_size {size}")
+        check_parallel(self)
         timeout = (self.extra_config or {}).get("timeout_s", DEFAULT_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
                 not 0 < timeout <= MAX_TIMEOUT_S:
@@ -158,3 +155,27 @@ class PoolTransferResult:
     kv_hit_pages: int = 0
     extra_pool_hit_pages: dict[PoolName, int] = field(default_factory=dict)
     restorable_prefix_pages: list[int] = field(default_factory=list)
+
+
+def check_parallel(config: StorageConfig) -> None:
+    """``ValueError`` unless ``config``'s sizes are ints in ``[1, MAX_GROUP_RANKS]``,
+    ``tp_size * pp_size`` is at most ``MAX_GROUP_RANKS``, and each rank an int in
+    ``[0, size)``. Run when a ``StorageConfig`` is made and again where one arrives from
+    another process (the controller's registration: an object unpickled by Ray was never
+    checked)."""
+    for rank, size, what in (
+        (config.tp_rank, config.tp_size, "tp"),
+        (config.pp_rank, config.pp_size, "pp"),
+        (config.attn_cp_rank, config.attn_cp_size, "attn_cp"),
+    ):
+        for name, value in ((f"{what}_size", size), (f"{what}_rank", rank)):
+            if type(value) is not int:
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if not 1 <= size <= MAX_GROUP_RANKS:
+            raise ValueError(f"{what}_size must be in [1, {MAX_GROUP_RANKS}] "
+                             f"(MAX_GROUP_RANKS), got {size}")
+        if not 0 <= rank < size:
+            raise ValueError(f"{what}_rank {rank} is out of range for {what}_size {size}")
+    if config.tp_size * config.pp_size > MAX_GROUP_RANKS:
+        raise ValueError(f"tp_size {config.tp_size} x pp_size {config.pp_size} is over "
+                         f"MAX_GROUP_RANKS={MAX_GROUP_RANKS} ranks in one group")

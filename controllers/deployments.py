@@ -19,8 +19,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
+from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig, check_parallel
 from raykv.controllers.keys import Identity, KeyScheme, check_key_rule
+from raykv.controllers.object_batch import MAX_BATCH_OBJECTS
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,17 @@ class Deployment:
                         self.model_revision, self.kv_dtype, self.page_size, self.tp_size,
                         self.pp_size, self.is_mla_model)
 
+    def check_rank(self, rank: object) -> tuple[int, int]:
+        """``rank`` as ``(tp, pp)`` if it is a pair of ints naming a rank of this group;
+        else ``ValueError``."""
+        if (not isinstance(rank, tuple | list) or len(rank) != 2
+                or any(type(r) is not int for r in rank)
+                or not (0 <= rank[0] < self.tp_size and 0 <= rank[1] < self.pp_size)):
+            raise ValueError(f"rank {rank!r} is no (tp, pp) of deployment "
+                             f"{self.deployment_id!r} (tp_size {self.tp_size}, pp_size "
+                             f"{self.pp_size})")
+        return (rank[0], rank[1])
+
     def key_scheme(self, tp_rank: int, pp_rank: int) -> KeyScheme:
         """The key scheme of rank (``tp_rank``, ``pp_rank``)."""
         return KeyScheme.for_rank(self.identity, tp_rank, pp_rank)
@@ -163,7 +175,12 @@ class DeploymentRegistry:
         contradicts what its deployment registered: parallel sizes, MLA flag, another
         identity under the same key prefix (only possible without a tenant), a pool's
         kind, buffers, dtypes, page size or order, or (against the same rank's earlier
-        registration) its bytes per page object."""
+        registration) its bytes per page object; a config that is no ``StorageConfig``
+        or whose parallel sizes are out of range (``check_parallel``: it came through
+        Ray, unchecked) before anything is recorded."""
+        if not isinstance(config, StorageConfig):
+            raise ValueError(f"a rank registers a StorageConfig, not a {type(config).__name__}")
+        check_parallel(config)
         dep_id = deployment_id(config)
         identity = Identity.from_config(config)
         rank = f"{config.tp_rank},{config.pp_rank}"
@@ -239,3 +256,21 @@ class PoolQuery:
     policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
     window: int = 1
 
+
+def check_group_query(dep: Deployment, rank: object, queries: object
+                      ) -> tuple[tuple[int, int], list[PoolQuery]]:
+    """The asking ``rank`` (``Deployment.check_rank``) and the extra pools' ``queries``
+    of a group query of ``dep``, checked: a list of ``PoolQuery``, one per role at most,
+    each window an int in ``[1, MAX_BATCH_OBJECTS]``; else ``ValueError``. (Whether
+    ``dep`` registered each pool: ``families.group_families``.)"""
+    rank = dep.check_rank(rank)
+    if not isinstance(queries, list | tuple) or len(queries) > len(PoolName):
+        raise ValueError(f"a group query names at most {len(PoolName)} extra pools, as a "
+                         f"list of PoolQuery; got {type(queries).__name__}")
+    for q in queries:
+        if (type(q) is not PoolQuery or not isinstance(q.role, PoolName)
+                or not isinstance(q.policy, PoolHitPolicy) or type(q.window) is not int
+                or not 1 <= q.window <= MAX_BATCH_OBJECTS):
+            raise ValueError(f"{q!r} is no PoolQuery with a window of 1 to "
+                             f"MAX_BATCH_OBJECTS={MAX_BATCH_OBJECTS} pages")
+    return rank, list(queries)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from raykv.controllers.confirmed_pages import ConfirmedPages
 from raykv.controllers.contract import PoolTransferResult
-from raykv.controllers.deployments import Deployment, PoolQuery
+from raykv.controllers.deployments import Deployment, PoolQuery, check_group_query
 from raykv.controllers.families import GroupFamilies, group_families
 from raykv.controllers.group_search import GroupSearch
 from raykv.controllers.object_batch import check_object_keys
@@ -135,9 +135,11 @@ class GroupQueries:
         is called once it is answered (a store failure: for every query of that lookup),
         in this thread if the answer is known at once. ``ValueError`` (raised here,
         ``done`` never called) if ``queries`` names a pool the deployment did not
-        register, or ``keys`` that are not a list of non-empty str of at most
-        ``MAX_BATCH_OBJECTS`` (``check_object_keys``)."""
+        register, ``keys`` that are not a list of non-empty str of at most
+        ``MAX_BATCH_OBJECTS`` (``check_object_keys``), or a ``rank`` not of the group or
+        ill-formed ``queries`` (``check_group_query``)."""
         keys = check_object_keys(keys, "the group query's keys")
+        rank, queries = check_group_query(dep, rank, queries)
         key = (dep.deployment_id, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
         search = None

@@ -2,9 +2,12 @@
 
 One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace, created
 only through ``node_actor_class``, which sets every Ray option it runs under. It is async
-with two concurrency groups: ``control`` (health, stats, pool management) keeps
-answering while ``data`` calls (exists, put, get, group hits) run on the service's
-executor, never on the event loop. Everything else (what each call does, which threads
+with three concurrency groups, each its own event loop, none of which ever blocks:
+``control`` (health, channel_path, forget_confirmations) answers at once whatever the
+others do; ``pools`` (pool management, stats, shutdown) runs each call on a thread of its
+own executor (``POOL_THREADS``: creating a pool reserves its memory, destroying one
+drains its calls, up to 30 s); ``data`` calls (exists, put, get, group hits) run on the
+service's executor. Everything else (what each call does, which threads
 run what, which lock guards which state) is ``cache_actors.node.node_service``.
 """
 
@@ -14,6 +17,7 @@ import asyncio
 import importlib
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -34,6 +38,10 @@ from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
+
+POOL_THREADS = 8
+"""Pool calls (and stats) running at once; more wait in Ray's queue of the ``pools``
+group, never in front of ``health``."""
 
 
 class NodeCacheActor:
@@ -84,6 +92,7 @@ class NodeCacheActor:
             segment_size=global_segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes)
         self._namespace = ray.get_runtime_context().namespace
+        self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
         self._service = NodeService(
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
@@ -106,30 +115,35 @@ class NodeCacheActor:
         return await asyncio.get_running_loop().run_in_executor(self._service.executor, fn,
                                                                 *args)
 
+    async def _pooled(self, fn, *args):
+        """``fn(*args)`` on a thread of the ``pools`` group's executor."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool_calls, fn, *args)
+
     # ----------------------------------------------------------------- pools
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def create_pool(self, name: str, layout: PoolLayout,
                           process: ProcessIdentity | None = None,
                           owner: OwnerClaim | None = None) -> PoolHandle:
-        return self._service.create_pool(name, layout, process, owner)
+        return await self._pooled(self._service.create_pool, name, layout, process, owner)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
                                 inode: tuple[int, int], owner: OwnerClaim | None = None
                                 ) -> PoolHandle:
-        return self._service.adopt_engine_pool(name, path, layout, inode, owner)
+        return await self._pooled(self._service.adopt_engine_pool, name, path, layout,
+                                  inode, owner)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
-        return self._service.get_pool(name, owner)
+        return await self._pooled(self._service.get_pool, name, owner)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def list_pools(self) -> list[PoolHandle]:
-        return self._service.list_pools()
+        return await self._pooled(self._service.list_pools)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
-        return self._service.destroy_pool(name, owner)
+        return await self._pooled(self._service.destroy_pool, name, owner)
 
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")
@@ -204,15 +218,15 @@ class NodeCacheActor:
     async def health(self) -> dict:
         return self._service.health()
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
         """``NodeService.stats``, plus ``warnings``: what is wrong with this node's
         environment (both Mooncake wheels installed), said at start too."""
-        return self._service.stats() | {"warnings": self._warnings}
+        return await self._pooled(self._service.stats) | {"warnings": self._warnings}
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
-        self._service.shutdown(remove_pools)
+        await self._pooled(self._service.shutdown, remove_pools)
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):
@@ -221,7 +235,7 @@ def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):
     restarted by Ray whenever it dies, ``.remote(...)`` returning the existing actor if
     it is already there; ``env``: its environment variables."""
     return ray.remote(
-        concurrency_groups={"control": 2, "data": DATA_THREADS},
+        concurrency_groups={"control": 2, "pools": POOL_THREADS, "data": DATA_THREADS},
         name=node_actor_name(node_id), namespace=namespace, lifetime="detached",
         get_if_exists=True, max_restarts=-1, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),

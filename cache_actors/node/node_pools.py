@@ -23,8 +23,12 @@ after a re-allocation) before any byte moves, then waits up to ``drain_s`` secon
 the calls in flight on it, and only then is unregistered and unmapped (embedded) or has
 its pages given back (standalone). A pool whose calls outlive the wait (a stuck store
 call) is *parked*: it stays mapped and registered, an error is logged, and it is released
-when its last call leaves. So a store call never reads unmapped memory (a crash) or
-memory given back (zeros stored under real keys and reported stored).
+when its last call leaves (``pool_flights``). So a store call never reads unmapped
+memory (a crash) or memory given back (zeros stored under real keys and reported stored).
+
+Changes hold no lock while they work (``pool_changes``): a pool is allocated,
+registered, drained and released with its change marked begun, not under the pool lock,
+so ``health``, the data path and changes of other pools never wait for it.
 
 Restart: each pool has a record (``pool_records``) that a restarted actor re-adopts;
 a record it cannot trust is logged and skipped, never stopping the actor.
@@ -55,6 +59,8 @@ from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.engine_memory import map_engine_pool
 from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.pool_changes import PoolChanges
+from raykv.cache_actors.node.pool_flights import PoolFlights
 from raykv.cache_actors.node.pool_records import PoolRecords
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.object_batch import ObjectBatch
@@ -67,6 +73,9 @@ log = logging.getLogger(__name__)
 DRAIN_S = 30.0
 """Seconds a leaving pool waits for the data calls in flight on it before it is parked
 (kept mapped until they end) instead of released."""
+CHANGE_S = 90.0
+"""Seconds beyond ``drain_s`` a change of a pool waits for another change of the same
+pool (or of every pool) to end: a drain, then an allocation and registration."""
 ANYONE = object()
 """The caller of the node's own pool calls (engine reaper, shutdown): passes every owner
 check."""
@@ -103,6 +112,20 @@ class PoolTable:
         owners = self.owners
         return sum(p.nbytes for n, p in self.pools.items()
                    if (o := owners.get(n)) is not None and o.tenant == tenant)
+
+    def tenants(self, quotas: Mapping[str, int]) -> dict[str | None, dict]:
+        """Per tenant with pools here or a quota in ``quotas``: ``pool_bytes``, ``pools``
+        and ``quota`` (bytes, None: none); pools without a tenant under the key ``None``
+        (counted under no quota)."""
+        out: dict = {t: {"pool_bytes": 0, "pools": 0, "quota": q} for t, q in quotas.items()}
+        for name, pool in self.pools.items():
+            owner = self.owners.get(name)
+            tenant = owner.tenant if owner is not None else None
+            entry = out.setdefault(tenant, {"pool_bytes": 0, "pools": 0,
+                                            "quota": quotas.get(tenant)})
+            entry["pool_bytes"] += pool.nbytes
+            entry["pools"] += 1
+        return out
 
     def resolve(self, batch: ObjectBatch) -> tuple[list[int], tuple[HostPool, ...]]:
         """Pointers in this process for every object of ``batch`` and the pools they lie
@@ -141,13 +164,12 @@ class NodePools:
     ``quotas``: tenant -> bytes its pools here may hold (see the module docstring).
 
     Concurrency: ``table`` may be read by any thread without a lock (one snapshot per
-    read). ``_lock`` serialises every change (create, destroy, reallocate, close) and
-    ``settled``, so control reads never see the empty table of a re-allocation under way.
-    ``_flight`` (a condition, never held across a store call) guards the count of data
-    calls in flight per pool and the parked pools; lock order: ``_lock`` then
-    ``_flight``. ``drain_s``: how long a leaving pool waits for its calls (see the
-    module docstring).
-    """
+    read). ``_lock`` guards the table's replacement, the engine processes and the
+    changes under way (``PoolChanges``), never held across an allocation, a Mooncake
+    (un)registration or a drain (they run with their change marked begun), so changes
+    of different pools run side by side. ``_flights`` (``PoolFlights``): data calls in
+    flight, drains; lock order ``_lock`` then ``_flights.lock``. ``drain_s``: how long
+    a leaving pool waits for its calls (see the module docstring)."""
 
     def __init__(self, prefix: str, store: NodeStore,
                  sized: Callable[[str, int, Owner | None], None], *,
@@ -162,14 +184,11 @@ class NodePools:
         self.owners = OwnerBindings(keep=self._owns_pools, digests=digests,
                                     bound_only=bound_only)
         self._lock = threading.Lock()
+        self._changes = PoolChanges(self._lock, drain_s + CHANGE_S)
         self.table = PoolTable(store.memory.epoch)
         self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
         self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
-        self._flight_lock = threading.Lock()  # the data path takes it bare (cheaper)
-        self._flight = threading.Condition(self._flight_lock)
-        self._inflight: dict[int, int] = {}  # id(pool) -> data calls using it now
-        # id(pool) -> (pool, its release): out of the table, still used by a call
-        self._parked: dict[int, tuple[HostPool, Callable[[HostPool], None]]] = {}
+        self._flights = PoolFlights()
 
     def _register(self, pool: HostPool, owner: Owner | None) -> HostPool:
         """Register ``pool`` with Mooncake; on failure give its memory back."""
@@ -192,31 +211,31 @@ class NodePools:
         if caller is not ANYONE:
             check_access(name, self.table.owners.get(name), caller, what)
 
-    def _check_quota(self, owner: Owner | None, name: str, nbytes: int) -> None:
-        """With ``_lock`` held: ``ValueError`` if a pool of ``nbytes`` puts ``owner``'s
-        tenant over its quota."""
+    def _begin_new(self, name: str, owner: Owner | None, nbytes: int) -> None:
+        """With ``_lock`` held and the change of ``name`` begun, ``name`` not in the
+        table: ``ValueError`` if a pool of ``nbytes`` puts ``owner``'s tenant over its
+        quota (counting the pools being made), else count it as being made."""
         if owner is not None and owner.tenant is not None:
-            check_fits(self.quotas, owner.tenant, name, nbytes, self.table.use(owner.tenant))
+            check_fits(self.quotas, owner.tenant, name, nbytes,
+                       self.table.use(owner.tenant) + self._changes.pending(owner.tenant))
+        self._changes.reserve(name, owner, nbytes)
 
-    def tenants(self) -> dict[str, dict]:
-        """Per tenant with pools here or a quota: ``pool_bytes``, ``pools`` and
-        ``quota`` (bytes, None: none); pools without a tenant under the key ``None``
-        (counted under no quota)."""
-        table = self.settled()
-        out: dict = {t: {"pool_bytes": 0, "pools": 0, "quota": q}
-                     for t, q in self.quotas.items()}
-        for name, pool in table.pools.items():
-            owner = table.owners.get(name)
-            tenant = owner.tenant if owner is not None else None
-            entry = out.setdefault(tenant, {"pool_bytes": 0, "pools": 0,
-                                            "quota": self.quotas.get(tenant)})
-            entry["pool_bytes"] += pool.nbytes
-            entry["pools"] += 1
-        return out
+    def _publish(self, name: str, pool: HostPool, owner: Owner | None,
+                 process: ProcessIdentity | None) -> None:
+        with self._lock:
+            self.table = self.table.replaced(name, pool, owner)
+            if process is not None:
+                self._engines[name] = process
+
+    def tenants(self) -> dict[str | None, dict]:
+        """``PoolTable.tenants`` of the settled table."""
+        return self.settled().tenants(self.quotas)
 
     def settled(self) -> PoolTable:
-        """The table once no change is under way (waits for one that is)."""
+        """The table once no re-allocation is under way (waits, without the lock, for
+        one that is)."""
         with self._lock:
+            self._changes.wait_whole()
             return self.table
 
     # ------------------------------------------------------ data calls in flight
@@ -225,7 +244,7 @@ class NodePools:
         its store call; ``leave(pools)`` after it, always. Raises (nothing counted) if
         one of them left the table since: ``StalePoolsError`` after a re-allocation,
         ``ValueError`` after a destroy."""
-        with self._flight_lock:
+        with self._flights.lock:
             current = self.table
             if current is not table:
                 if current.epoch != table.epoch:
@@ -234,66 +253,12 @@ class NodePools:
                     if current.pools.get(pool.name) is not pool:
                         raise ValueError(f"pool {pool.name!r} was destroyed on this node "
                                          "while the call was being prepared")
-            inflight = self._inflight
-            for pool in pools:
-                inflight[id(pool)] = inflight.get(id(pool), 0) + 1
+            self._flights.count_in(pools)
 
     def leave(self, pools: tuple[HostPool, ...]) -> None:
         """Count a data call out of ``pools`` (see ``enter``); a parked pool whose last
-        call this was is released now, or by the next change if one is under way."""
-        idle = False
-        with self._flight_lock:
-            inflight = self._inflight
-            for pool in pools:
-                n = inflight[id(pool)] - 1
-                if n:
-                    inflight[id(pool)] = n
-                else:
-                    del inflight[id(pool)]
-                    idle = True
-            if idle:
-                self._flight.notify_all()
-                idle = bool(self._parked)
-        if idle and self._lock.acquire(blocking=False):
-            try:
-                self._release_parked()
-            finally:
-                self._lock.release()
-
-    def _drain(self, pools: list[HostPool], release: Callable[[HostPool], None],
-               deadline: float) -> None:
-        """With ``_lock`` held, ``pools`` already out of the table: wait until no data
-        call uses them (until ``deadline``, ``time.monotonic()``), then ``release`` each;
-        one still in use is parked, released by its last call (never freed under a live
-        pointer)."""
-        inflight = self._inflight
-        with self._flight:
-            self._flight.wait_for(lambda: not any(id(p) in inflight for p in pools),
-                                  timeout=max(0.0, deadline - time.monotonic()))
-            busy = [(p, inflight[id(p)]) for p in pools if id(p) in inflight]
-            for pool, _ in busy:
-                self._parked[id(pool)] = (pool, release)
-        for pool, calls in busy:
-            log.error("pool %s: %d data calls still use it after %.0f s; it stays mapped "
-                      "and registered until they end (a store call is stuck)", pool.name,
-                      calls, self._drain_s)
-        parked = {id(p) for p, _ in busy}
-        for pool in pools:
-            if id(pool) not in parked:
-                release(pool)
-
-    def _release_parked(self) -> None:
-        """With ``_lock`` held: release the parked pools no call uses any more."""
-        with self._flight:
-            idle = [v for k, v in self._parked.items() if k not in self._inflight]
-            for pool, _ in idle:
-                del self._parked[id(pool)]
-        for pool, release in idle:
-            log.warning("pool %s: its last data call ended; released now", pool.name)
-            try:
-                release(pool)
-            except Exception:  # a data thread must not fail for it
-                log.exception("pool %s could not be released", pool.name)
+        call this was is released now."""
+        self._flights.count_out(pools)
 
     def _unregister_and_release(self, remove: bool = True) -> Callable[[HostPool], None]:
         def release(pool: HostPool) -> None:
@@ -305,19 +270,17 @@ class NodePools:
         """At start: map and register again the pools this node had before a restart;
         a record that cannot be trusted or used is logged and skipped (never raises for
         one: the actor must start)."""
-        with self._lock:
-            for record in self._records.trusted():
-                handle = record.handle
-                try:
-                    if record.owner is not None:  # its tenant's key is bound again
-                        self.owners.bind(record.owner, record.owner_key)
-                    pool = self._register(self._store.memory.readopt(handle), record.owner)
-                except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
-                    log.warning("pool %s could not be re-adopted: %s", handle.name, e)
-                    continue
-                self.table = self.table.replaced(pool.name, pool, record.owner)
-                if record.process is not None:  # the reaper removes it once it is gone
-                    self._engines[pool.name] = record.process
+        for record in self._records.trusted():
+            handle = record.handle
+            try:
+                if record.owner is not None:  # its tenant's key is bound again
+                    self.owners.bind(record.owner, record.owner_key)
+                pool = self._register(self._store.memory.readopt(handle), record.owner)
+            except Exception as e:  # noqa: BLE001 - one pool must not stop the actor
+                log.warning("pool %s could not be re-adopted: %s", handle.name, e)
+                continue
+            # the reaper removes it once its engine process is gone
+            self._publish(pool.name, pool, record.owner, record.process)
 
     # ---------------------------------------------------------------- changes
     def create(self, name: str, layout: PoolLayout, process: ProcessIdentity | None = None,
@@ -330,18 +293,21 @@ class NodePools:
         new pool serves (an engine's staging pool); ``reap_engines`` removes the pool
         once that process exited, if this machine shows it now (else it is kept: a
         process of another pid namespace or machine cannot be watched). Pools without a
-        process (L2 shared by many ranks) outlive every rank."""
+        process (L2 shared by many ranks) outlive every rank. A create of a pool being
+        made waits for that one (then attaches it); the memory is reserved and
+        registered with no lock held."""
         check_pool_name(name)
-        with self._lock:
-            self._release_parked()
-            existing = self.table.pools.get(name)
-            if existing is not None:
-                self._check_owner(name, owner, "create or attach")
-                if existing.handle.layout != layout:
-                    raise ValueError(f"pool {name!r} exists on this node with another "
-                                     f"layout: {existing.handle.layout} (asked for {layout})")
-                return existing.handle
-            self._check_quota(owner, name, layout.nbytes)
+        with self._changes.of(name):
+            with self._lock:
+                existing = self.table.pools.get(name)
+                if existing is not None:
+                    self._check_owner(name, owner, "create or attach")
+                    if existing.handle.layout != layout:
+                        raise ValueError(f"pool {name!r} exists on this node with another "
+                                         f"layout: {existing.handle.layout} (asked for "
+                                         f"{layout})")
+                    return existing.handle
+                self._begin_new(name, owner, layout.nbytes)
             self._store.before_call()
             pool = self._register(self._store.memory.create(name, layout), owner)
             watched = process if process is not None and process.alive() else None
@@ -352,9 +318,7 @@ class NodePools:
                 self._unregister_and_release()(pool)
                 self._sized(name, 0, owner)
                 raise
-            self.table = self.table.replaced(name, pool, owner)
-            if watched is not None:
-                self._engines[name] = watched
+            self._publish(name, pool, owner, watched)
             return pool.handle
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
@@ -365,15 +329,16 @@ class NodePools:
         metadata file: a restarted actor does not re-adopt it (the engine registers it
         again). ``ValueError`` for anything that is not such a memfd, a name another
         owner holds or taken by another pool, or a pool over the budget or its tenant's
-        quota."""
-        with self._lock:
-            known = self.table.pools.get(name)
-            if known is not None:
-                self._check_owner(name, owner, "adopt engine memory as")
-                if known.handle == PoolHandle(name, path, layout):
+        quota. Mapped and registered with no lock held."""
+        with self._changes.of(name):
+            with self._lock:
+                known = self.table.pools.get(name)
+                if known is not None:
+                    self._check_owner(name, owner, "adopt engine memory as")
+                    if known.handle != PoolHandle(name, path, layout):
+                        raise ValueError(f"pool {name!r} exists on this node as another pool")
                     return known.handle
-                raise ValueError(f"pool {name!r} exists on this node as another pool")
-            self._check_quota(owner, name, layout.nbytes)
+                self._begin_new(name, owner, layout.nbytes)
             budget = self._store.memory.budget
             budget.reserve(name, layout.nbytes)  # released with the pool
             try:
@@ -383,8 +348,7 @@ class NodePools:
                 budget.release(layout.nbytes)
                 raise
             pool = self._register(pool, owner)
-            self.table = self.table.replaced(name, pool, owner)
-            self._engines[name] = process
+            self._publish(name, pool, owner, process)
             return pool.handle
 
     def reap_engines(self, grace_s: float) -> list[str]:
@@ -393,14 +357,14 @@ class NodePools:
         least ``grace_s`` seconds ago (seen gone by an earlier call that long before);
         ``destroy`` then also waits for the store calls still moving its pages. An engine
         that dies without closing its backend would otherwise keep its host pools alive
-        in this node. Returns the names. Also releases parked pools whose calls ended."""
+        in this node. Returns the names."""
         now = time.monotonic()
         with self._lock:
-            self._release_parked()
-            for name, process in self._engines.items():
-                if not process.alive():
-                    self._exited.setdefault(name, now)
-            due = [n for n, t in self._exited.items() if now - t >= grace_s]
+            engines = list(self._engines.items())
+        for name, process in engines:
+            if not process.alive():
+                self._exited.setdefault(name, now)
+        due = [n for n, t in list(self._exited.items()) if now - t >= grace_s]
         for name in due:
             log.warning("pool %s: the engine process it served exited; the pool is removed",
                         name)
@@ -425,21 +389,21 @@ class NodePools:
         """Remove pool ``name`` from the table (later calls naming it fail), wait for the
         data calls in flight on it (at most ``drain_s``; parked after that), then
         unregister and release it; False if there was none. ``ValueError`` naming its
-        owner if it is not ``owner``'s (nothing removed)."""
-        with self._lock:
-            self._release_parked()
-            pool = self.table.pools.get(name)
-            if pool is None:
-                return False
-            self._check_owner(name, owner, "destroy")
-            pool_owner = self.table.owners.get(name)
-            with self._flight:
-                self.table = self.table.replaced(name, None)
-            self._engines.pop(name, None)
-            self._exited.pop(name, None)
+        owner if it is not ``owner``'s (nothing removed). The drain holds no lock: only
+        another change of ``name`` waits for it."""
+        with self._changes.of(name):
+            with self._lock:
+                pool = self.table.pools.get(name)
+                if pool is None:
+                    return False
+                self._check_owner(name, owner, "destroy")
+                pool_owner = self.table.owners.get(name)
+                with self._flights.lock:
+                    self.table = self.table.replaced(name, None)
+                self._engines.pop(name, None)
+                self._exited.pop(name, None)
             self._records.remove(name)  # engine pools have none
-            self._drain([pool], self._unregister_and_release(),
-                        time.monotonic() + self._drain_s)
+            self._flights.drain([pool], self._unregister_and_release(), self._drain_s)
         self._sized(name, 0, pool_owner)
         return True
 
@@ -448,16 +412,16 @@ class NodePools:
         layouts, in a new epoch (the new process does not know the old buffers). The old
         pools are released once the calls in flight on them ended (``drain_s``). A pool
         that cannot be allocated again is logged and comes back when the actor
-        restarts."""
+        restarts. Control reads (``settled``) wait for it; no lock is held meanwhile."""
+        memory = self._store.memory
         with self._lock:
-            self._release_parked()
+            self._changes.begin_whole()
             old = self.table
-            memory = self._store.memory
             memory.renew()
-            with self._flight:
+            with self._flights.lock:
                 self.table = PoolTable(memory.epoch)  # every old handle is stale from here
-            self._drain(list(old.pools.values()), memory.release,
-                        time.monotonic() + self._drain_s)
+        try:
+            self._flights.drain(list(old.pools.values()), memory.release, self._drain_s)
             fresh = {}
             for name, pool in old.pools.items():
                 try:
@@ -466,21 +430,30 @@ class NodePools:
                 except Exception:
                     log.exception("pool %s could not be allocated again; it is back when "
                                   "the actor restarts", name)
-            self.table = PoolTable(memory.epoch, MappingProxyType(fresh), MappingProxyType(
-                {n: o for n, o in old.owners.items() if n in fresh}))
+            with self._lock:
+                self.table = PoolTable(memory.epoch, MappingProxyType(fresh),
+                                       MappingProxyType({n: o for n, o in old.owners.items()
+                                                         if n in fresh}))
+        finally:
+            with self._lock:
+                self._changes.end_whole()
 
     def close(self, remove: bool) -> None:
         """Unregister and unmap every pool (the actor stops for good), once the data calls
         in flight on them ended (at most ``drain_s``); with ``remove`` also delete their
         shared-memory and metadata files."""
         with self._lock:
-            self._release_parked()
-            with self._flight:
+            self._changes.begin_whole()
+            with self._flights.lock:
                 old, self.table = self.table, PoolTable(self.table.epoch)
             self._engines.clear()
             self._exited.clear()
+        try:
             if remove:
                 for name in old.pools:
                     self._records.remove(name)
-            self._drain(list(old.pools.values()), self._unregister_and_release(remove),
-                        time.monotonic() + self._drain_s)
+            self._flights.drain(list(old.pools.values()),
+                                self._unregister_and_release(remove), self._drain_s)
+        finally:
+            with self._lock:
+                self._changes.end_whole()

@@ -34,10 +34,13 @@ and when told (``forget_confirmations``: a node left).
 
 Concurrency contract. Threads that call in:
 
-- Ray ``control`` group (the actor's control event loop): pool management, ``health``,
-  ``stats``, ``forget_confirmations``, ``channel_path``, ``shutdown``, run inline; they
-  may wait on the pool lock (for the few ms of a re-allocation). ``clear_objects`` runs
-  on a thread of that loop's default executor (it waits out the store's leases).
+- Ray ``control`` group (the actor's control event loop): ``health``,
+  ``forget_confirmations``, ``channel_path``, run inline; they never wait on a pool
+  change. Ray ``pools`` group: pool management, ``stats``, ``shutdown``, each on a
+  thread of the actor's pool executor; no lock is held while a pool is allocated,
+  registered or drained (``NodePools``), and ``stats`` waits only for a re-allocation.
+  ``clear_objects`` runs on a thread of the control loop's default executor (it waits
+  out the store's leases).
 - Ray ``data`` group: ``exists``, ``put``, ``get`` run on ``executor``
   (``DATA_THREADS`` threads); ``group_exists`` starts on the group's event loop (it
   never blocks) and is answered through its ``reply``. The executor also fetches
@@ -53,7 +56,7 @@ Concurrency contract. Threads that call in:
 - The engine reaper thread: every ``ENGINE_REAP_S`` it removes the pools of one engine
   process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
   pools) whose process exited more than ``ENGINE_GRACE_S`` ago
-  (``NodePools.reap_engines``, under the pool lock).
+  (``NodePools.reap_engines``: a destroy each, drained like any).
 
 State and what guards it:
 

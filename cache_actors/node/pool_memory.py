@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
 import time
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
@@ -36,27 +37,32 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 class PoolBudget:
-    """Bytes of host pools a node may hold: ``limit`` (0: no limit), ``used``."""
+    """Bytes of host pools a node may hold: ``limit`` (0: no limit), ``used``.
+    Thread-safe: pools of different names are made and released side by side."""
 
     def __init__(self, limit: int) -> None:
         if limit < 0:
             raise ValueError(f"host_pool_bytes must be >= 0, got {limit}")
         self.limit = limit
         self.used = 0
+        self._lock = threading.Lock()
 
     def reserve(self, name: str, nbytes: int) -> None:
         """Count ``nbytes`` for pool ``name``; ``ValueError`` naming the numbers if they
         do not fit (nothing is counted then)."""
-        if self.limit and self.used + nbytes > self.limit:
-            raise ValueError(
-                f"pool {name!r} needs {nbytes} bytes but this node's host pools already use "
-                f"{self.used} of host_pool_bytes={self.limit} ({self.limit - self.used} left); "
-                "raise host_pool_bytes (start_local / `raykv up --host-pool-size`) or make "
-                "the pool smaller")
-        self.used += nbytes
+        with self._lock:
+            used = self.used
+            if self.limit and used + nbytes > self.limit:
+                raise ValueError(
+                    f"pool {name!r} needs {nbytes} bytes but this node's host pools already "
+                    f"use {used} of host_pool_bytes={self.limit} ({self.limit - used} "
+                    "left); raise host_pool_bytes (start_local / `raykv up "
+                    "--host-pool-size`) or make the pool smaller")
+            self.used = used + nbytes
 
     def release(self, nbytes: int) -> None:
-        self.used -= nbytes
+        with self._lock:
+            self.used -= nbytes
 
 
 class ShmPoolMemory:

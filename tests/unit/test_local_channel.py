@@ -336,26 +336,38 @@ def test_a_huge_frame_header_allocates_nothing_and_drops_its_connection(server, 
 UNKNOWN_CLASS_PICKLE = b"craykv.no_such_module\nThing\n)\x81."  # protocol 0: Thing()
 
 
-@pytest.mark.parametrize("payload", [
-    b"\xc1garbage that is no msgpack \x00\xff",
-    msgpack.packb(["later"]),                       # a 1-tuple
-    msgpack.packb(["no_such_op", 1e12, [1]]),       # an unknown op
-    UNKNOWN_CLASS_PICKLE,                           # a class missing here (pickle)
-    msgpack.packb(["later", 1e12, ["one", "two"]]),  # wrong arity and type
-    msgpack.packb([["later"], 1e12, [1]]),          # an unhashable op
-], ids=["garbage", "1-tuple", "unknown-op", "unknown-class", "wrong-shape", "unhashable-op"])
-def test_a_bad_message_on_an_async_connection_closes_only_that_one(server, payload):
-    """Another client's async connection is open and answered before; after one peer's
-    bad message on its own async connection (read by the same I/O thread), that peer
-    is dropped and the other client's async calls still answer."""
+BAD_PAYLOADS = {
+    "garbage": b"\xc1garbage that is no msgpack \x00\xff",
+    "1-tuple": msgpack.packb(["later"]),
+    "unknown-op": msgpack.packb(["no_such_op", 1e12, [1]]),
+    "unknown-class": UNKNOWN_CLASS_PICKLE,  # a class missing here (pickle)
+    "wrong-shape": msgpack.packb(["later", 1e12, ["one", "two"]]),  # arity and type
+    "unhashable-op": msgpack.packb([["later"], 1e12, [1]]),
+    "too-many-values": msgpack.packb(["later", 1e12, [[[]] * 60_000] * 6]),
+}
+
+
+@pytest.mark.parametrize("payload", BAD_PAYLOADS.values(), ids=BAD_PAYLOADS.keys())
+@pytest.mark.parametrize("kind", ["async", "thread"])
+def test_a_malformed_request_is_answered_with_value_error_on_the_same_connection(
+        server, payload, kind):
+    """A whole frame whose body is no valid request (not msgpack, ill-typed, an unknown
+    op, over the decoding budget) is answered with a ``ValueError`` naming the problem on
+    the same connection, which then serves the next request; both on a connection read
+    by the I/O thread (``async``, beside another client's) and on one served by its own
+    thread. (Before, the connection was closed: the first ``frame()`` below failed.)"""
     other = ChannelClient(server.path, async_ops=frozenset({"later"}), timeout_s=ANSWER_S)
     assert other.call("later", 1) == 1
     peer = RawPeer(server.path)
-    assert peer.call("later", 2) == (True, 2)  # its connection is now the I/O thread's
+    if kind == "async":
+        assert peer.call("later", 2) == (True, 2)  # its connection is now the I/O thread's
     peer.sock.sendall(codec.frame(payload))
-    assert [other.call("later", i) for i in range(3, 6)] == [3, 4, 5]
-    assert other.call("echo", 1, [], {}) == [1, [], {}]
-    assert closed_by_peer(peer.sock, ANSWER_S)
+    ok, error = codec.parse_reply(peer.frame())
+    assert not ok and type(error) is ValueError, error
+    assert "malformed channel request" in str(error)
+    assert peer.call("later", 3) == (True, 3)
+    assert peer.call("echo", 4, [], {}) == (True, [4, [], {}])
+    assert [other.call("later", i) for i in range(5, 8)] == [5, 6, 7]
     peer.close()
     other.close()
 
