@@ -101,17 +101,24 @@ def test_put_if_absent_keeps_first_writer(cluster, uid):
     assert torch.equal(ray.get(second.pages.remote(40, 2)), ray.get(first.pages.remote(0, 2)))
 
 
-def test_mla_only_tp_rank0_writes(cluster, uid):
+def test_mla_every_tp_rank_puts_the_one_copy(cluster, uid):
+    """A TP rank > 0 of an MLA model stores the group's one copy itself (put-if-absent):
+    what it reports stored is in the store (it was reported stored without being written
+    when only TP rank 0 wrote); a later rank 0 finds it present and keeps it."""
     node1, node2 = cluster.node_ids
     rank1 = start_rank(node1, cfg(is_mla_model=True, tp_rank=1, tp_size=2), kind="mla")
+    ray.get(rank1.fill.remote(3))
     keys = [f"{uid}-{i}" for i in range(2)]
+    assert ray.get(rank1.call.remote("batch_exists", keys)) == 0  # CONTROL: not yet
     assert ray.get(rank1.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
-    assert ray.get(rank1.call.remote("batch_exists", keys)) == 0
+    assert ray.get(rank1.call.remote("batch_exists", keys)) == 2
     rank0 = start_rank(node2, cfg(is_mla_model=True, tp_rank=0, tp_size=2), kind="mla")
     ray.get(rank0.fill.remote(5))
+    assert ray.get(rank0.call.remote("batch_exists", keys)) == 2  # the same objects
     assert ray.get(rank0.call.remote("batch_set_v1", keys, indices(0, 2))) == [True, True]
-    assert ray.get(rank1.call.remote("batch_get_v1", keys, indices(8, 2))) == [True, True]
-    assert torch.equal(ray.get(rank1.pages.remote(8, 2)), ray.get(rank0.pages.remote(0, 2)))
+    assert ray.get(rank0.call.remote("batch_get_v1", keys, indices(8, 2))) == [True, True]
+    # the first writer's bytes stay: rank 0's put found them present
+    assert torch.equal(ray.get(rank0.pages.remote(8, 2)), ray.get(rank1.pages.remote(0, 2)))
 
 
 def test_killed_rank_pool_survives_for_replacement(cluster, uid):
