@@ -57,12 +57,15 @@ def test_ranks_disagree_alone_but_agree_as_a_group(cluster, uid):
     assert group[0].extra_pool_hit_pages == {MAMBA: 1}
 
 
-def test_mla_replica_read_by_every_rank(cluster, uid):
+def test_mla_replica_stored_by_any_rank_serves_the_group(cluster, uid):
+    """The group's one copy of an MLA page, put by TP rank 1, is the group's hit; rank 0's
+    put of it later finds it present."""
     pools = {"kv": ("mla", dict(page_size=4, size=64, layer_num=2, kv_cache_dim=16))}
     r0, r1 = tp2_ranks(cluster, pools, is_mla_model=True, model_name=f"mla/{uid}")
     keys = [f"{uid}-{i}" for i in range(3)]
+    assert ray.get(r0.call.remote("batch_exists", keys)) == 0  # CONTROL: nothing yet
     assert ray.get(r1.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
-    assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 0  # rank 1 skips
+    assert ray.get(r0.call.remote("group_exists", keys)).kv_hit_pages == 3
     assert ray.get(r0.call.remote("batch_set_v1", keys, indices(0, 3))) == [True] * 3
     assert ray.get(r1.call.remote("group_exists", keys)).kv_hit_pages == 3
 
