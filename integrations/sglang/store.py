@@ -9,9 +9,14 @@ from collections import Counter
 from typing import Any
 
 import torch
-from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
+from raykv.cache_actors.errors import (
+    CircuitOpenError,
+    DeadlineExceededError,
+    NodeUnavailableError,
+)
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.sglang.config import SUPPORTED_POOLS, BackendOptions, storage_config
@@ -326,16 +331,19 @@ class RayKVStore(HiCacheStorage):
     def _warn(self, what: str, e: BaseException) -> None:
         """Count and (rate-limited) log a failed call. After an unavailable node actor
         (a restart) the zero-copy pools are adopted again before the next call; not after
-        a deadline: the actor is slow or hung, not new, and adopting is a control call
-        that would hold SGLang's thread while it stays hung."""
+        a deadline or while the rank's breaker is open (it opened on deadlines): the
+        actor is slow or hung, not new, and adopting is a control call."""
         self.counters[f"{what}_failures"] += 1
         restarted = isinstance(e, NodeUnavailableError) and not isinstance(
-            e, DeadlineExceededError)
+            e, (DeadlineExceededError, CircuitOpenError))
         if restarted or "does not have" in str(e):
             self._served.mark_readopt()
         self._warn_log.warn(what, "raykv %s failed, reported as misses / failed pages: %s",
                             what, e)
 
     def _ready(self) -> None:
+        """Adopt the zero-copy pools again if the node actor restarted, within one
+        ``timeout_s`` (a budget: the control calls never hold SGLang's thread longer)."""
         if self._served.readopt:
-            self._served.readopt_all()
+            with Budget(self.client.config.timeout_s):
+                self._served.readopt_all()
