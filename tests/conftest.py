@@ -17,6 +17,17 @@ import pytest
 _exit_status = 0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_by_another_module():
+    """Every test module starts with no Ray initialised in this process: a pytest-xdist
+    worker runs modules one after another, in no fixed order, and one that left Ray
+    initialised would make the next one's ``start_local`` refuse to start."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    yield
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
     _exit_status = int(exitstatus)
