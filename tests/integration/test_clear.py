@@ -1,8 +1,9 @@
-"""``CacheClient.clear_objects`` on a real two-node cluster, in both Mooncake modes: a
-deployment's objects leave the store (also those just looked up, whose lease the clear
-waits out), while a deployment whose key prefix extends its own and a tenant of the same
-model keep theirs; claims the node actor must refuse (another tenant's proof, another
-tenant's prefix) remove nothing. SGLang's ``clear()`` on top: ``test_sglang_contract.py``."""
+"""``CacheClient.clear_objects`` on a real two-node embedded cluster (the clear is the
+node actor's own code in either mode): a deployment's objects leave the store (also those
+just looked up, whose lease the clear waits out), while a deployment whose key prefix
+extends its own and a tenant of the same model keep theirs; claims the node actor must
+refuse (another tenant's proof, another tenant's prefix) remove nothing. SGLang's
+``clear()`` on top: ``test_sglang_contract.py``."""
 
 from __future__ import annotations
 
@@ -23,9 +24,6 @@ HASHES = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(N)]
 """Page hashes of SGLang's shape (64 hex digits: what a clear without a tenant removes)."""
 
 
-@pytest.fixture(scope="module")
-def cluster(any_mode_cluster):
-    return any_mode_cluster
 
 
 def client_of(monkeypatch, model: str, **extra) -> CacheClient:
