@@ -19,9 +19,9 @@ _exit_status = 0
 
 @pytest.fixture(autouse=True, scope="module")
 def _no_ray_left_by_another_module():
-    """Every test module starts with no Ray initialised in this process: a pytest-xdist
-    worker runs modules one after another, in no fixed order, and one that left Ray
-    initialised would make the next one's ``start_local`` refuse to start."""
+    """Every test module starts with no Ray initialised in this process: a module that
+    left Ray initialised (a failed teardown, a test run alone in another order) would
+    make the next one's ``start_local`` refuse to start."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
