@@ -15,6 +15,9 @@ the actor ``health`` (a control call: no pool, no store) and waits for that answ
 steps of ``hold_s``, never asking a second question while one is unanswered (a stopped
 actor does not pile them up); an answer moves the breaker to its trial, and the thread
 ends. An actor that died is looked up by name again, so its replacement is found.
+The probe ends too once this process is no longer connected to Ray (``ray.shutdown``):
+a Ray call from it would start a new local Ray instance in the engine's process (Ray's
+auto-init); the breaker stays open and the next failed call starts a new probe.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class NodeGuard:
         try:
             while True:
                 with self._lock:
-                    if not breaker.probe_wanted():
+                    if not breaker.probe_wanted() or not ray.is_initialized():
                         self._probing = False
                         return
                 if question is None:
@@ -103,7 +106,10 @@ class NodeGuard:
             raise
 
     def _ask(self) -> Any:
-        """A ``health`` question to the actor, looked up by name (None: there is none)."""
+        """A ``health`` question to the actor, looked up by name (None: there is none,
+        or this process is no longer connected to Ray)."""
+        if not ray.is_initialized():
+            return None
         try:
             actor = ray.get_actor(node_actor_name(self.node_id), namespace=self._namespace)
         except ValueError:

@@ -30,8 +30,10 @@ from raykv.cache_actors.channel_codec import parse_reply, request
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.local_channel import _Link
+from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.tickets import TicketBook
 from raykv.controllers import StorageConfig
+from raykv.controllers.circuit_breaker import BreakerState
 from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.conftest import MODES, slow_two_nodes
@@ -71,6 +73,17 @@ def rank(uid: str, route: str, timeout_s: float | None = None) -> tuple[CacheCli
     return client, pool
 
 
+def breaker_admits(client: CacheClient, timeout_s: float = 60.0) -> None:
+    """Wait until this process's breaker on ``client``'s node actor lets calls through
+    again: the failed call opened it (it waited a whole deadline), and the probe moves it
+    to its trial once the actor answers ``health`` (later on a loaded machine)."""
+    guard = guard_of(client._link._namespace, client._link.node_id)
+    end = time.monotonic() + timeout_s
+    while guard.breaker.state is BreakerState.OPEN and time.monotonic() < end:
+        time.sleep(0.05)
+    assert guard.breaker.state is not BreakerState.OPEN
+
+
 def old_settle(book: TicketBook, ticket) -> None:
     """CONTROL: what a rank did before tickets: return at the deadline (the ticket is
     only abandoned if no store call holds it)."""
@@ -91,6 +104,7 @@ def test_a_late_put_never_stores_the_bytes_written_after_it_failed(
         writer.batch_set_v1([key], slots(0))
     page(wpool, 0).fill_(B)  # the engine reuses the page at once
     time.sleep(DELAY_S + 0.5)  # any store call of the put has ended by now
+    breaker_admits(reader)
     page(rpool, 3).fill_(0)
     (found,) = reader.batch_get_v1([key], slots(3))
     got = set(page(rpool, 3).flatten().tolist())
@@ -118,6 +132,7 @@ def test_a_late_get_never_overwrites_the_page_reused_after_it_failed(
         writer.batch_get_v1([key], slots(20))
     page(wpool, 20).fill_(E)  # the engine gives the page to another request
     time.sleep(DELAY_S + 0.5)  # any store call of the get has ended by now
+    breaker_admits(reader)  # the next test's calls are let through
     got = set(page(wpool, 20).flatten().tolist())
     if fixed:
         assert got == {E}, got

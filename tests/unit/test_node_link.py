@@ -67,6 +67,10 @@ class FakeRay:
         self.timeouts: list[tuple[str, float]] = []
         self.cancelled: list[Ref] = []
         self._node_id = node_id
+        self.connected = True  # False: as after ray.shutdown()
+
+    def is_initialized(self) -> bool:
+        return self.connected
 
     def get_actor(self, name: str, namespace: str) -> FakeActor:
         assert namespace == "ns"
@@ -400,6 +404,28 @@ def test_a_breaker_is_per_node_actor_and_shared_by_the_links_of_a_process(fake, 
     assert guard.breaker.state is BreakerState.OPEN
     fake.actors[node_actor_name(HERE)].answers["health"] = {"pid": 1}
     assert poll(lambda: not guard._probing)  # answered: the probe thread ended
+
+
+@pytest.mark.parametrize("connected", [False, True])
+def test_the_probe_never_calls_ray_once_the_process_left_ray(fake, monkeypatch, connected):
+    """After ``ray.shutdown()`` the probe ends without a Ray call (one would start a new
+    local Ray in the engine's process); control: while connected it keeps asking."""
+    guard = fast_guard(monkeypatch)
+    actor = fake.actors[node_actor_name(HERE)]
+    actor.answers["health"] = HANG
+    link = make_link()
+    link.data(DataOp.EXISTS, ["k"])
+    FakeChannel.opened[0].answers["exists"] = DeadlineExceededError("late")
+    fake.connected = connected
+    lookups = len(fake.lookups)
+    with pytest.raises(DeadlineExceededError):  # opens the breaker, starts the probe
+        link.data(DataOp.EXISTS, ["k"])
+    if connected:
+        assert poll(lambda: len(fake.lookups) > lookups)  # the probe looked the actor up
+        fake.connected = False  # let the thread end
+    assert poll(lambda: not guard._probing)
+    if not connected:
+        assert len(fake.lookups) == lookups and guard.breaker.state is BreakerState.OPEN
 
 
 def test_errors_that_come_back_at_once_do_not_open_the_breaker(fake, monkeypatch):
