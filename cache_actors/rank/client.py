@@ -46,12 +46,10 @@ from raykv.controllers.ownership import OwnerClaim, claim_of
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
-    TransferPlan,
     check_hit_query,
     check_keys,
     check_transfers,
     exists_families,
-    plan_transfers,
     pool_role,
 )
 
@@ -225,13 +223,6 @@ class CacheClient:
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
     # -------------------------------------------------------- batches of pages
-    def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> TransferPlan:
-        """Validate ``transfers`` and lay out their objects in one batch."""
-        pools = self._pools
-        return plan_transfers(self._hashes.transfers(transfers), pools.plan_pools,
-                              self.key_scheme, write=write, epoch=pools.epoch,
-                              disabled=pools.disabled)
-
     def _transfer(self, transfers: Sequence[PoolTransfer],
                   write: bool) -> dict[PoolName, list[bool]]:
         """Check ``transfers`` once, then move their pages: one round trip, or one per

@@ -136,3 +136,14 @@ def start_hybrid(node_id: str, config: StorageConfig, pools: dict | None = None)
     rank = HybridRank.options(scheduling_strategy=strategy).remote(config, pools)
     assert ray.get(rank.node_id.remote()) == node_id
     return rank
+
+
+def planned(client: CacheClient, transfers, write: bool):
+    """The ``TransferPlan`` of ``transfers`` as ``client`` lays them out (keyed hashes,
+    its key scheme, its pools): the object batch a test sends a node actor itself."""
+    from raykv.controllers.transfer_plan import plan_transfers
+
+    pools = client._pools
+    return plan_transfers(client._hashes.transfers(transfers), pools.plan_pools,
+                          client.key_scheme, write=write, epoch=pools.epoch,
+                          disabled=pools.disabled)

@@ -11,7 +11,7 @@ import torch
 from mooncake.store import MooncakeDistributedStore
 from raykv.controllers import StorageConfig
 
-from tests.integration.ranks import MHA, indices, start_rank
+from tests.integration.ranks import MHA, indices, planned, start_rank
 
 N = 5
 
@@ -170,8 +170,8 @@ def test_control_group_answers_while_data_calls_run(cluster, uid):
     client.register_mem_pool_host(pool)
     keys = [f"{uid}-{i}" for i in range(64)]
     assert client.batch_set_v1(keys, torch.arange(16 * 64)) == [True] * 64
-    plan = client._plan_transfers([PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
-                                  write=False)
+    plan = planned(client, [PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
+                   write=False)
     actor = cluster.node_actors[client.node_id]
     busy = [actor.get.remote(plan.batch, client.owner_claim())  # 12 x 64 MiB of reads
             for _ in range(12)]

@@ -216,3 +216,25 @@ def test_exists_queries_skip_kv_and_refuse_block_groups():
         exists_queries([sg_transfer(SGPool.MAMBA, ["a"], hit_policy="block_groups")])
     with pytest.raises(ValueError, match="pool 'deepseek_v4_c4'"):
         exists_queries([sg_transfer(SGPool.DEEPSEEK_V4_C4, ["a"])])
+
+
+def test_meters_count_pages_and_hand_storage_metrics_over_once():
+    from raykv.integrations.sglang.meters import BackendMeters
+
+    pool = SimpleNamespace(layout=SimpleNamespace(object_sizes=[1000, 1000]))
+    meters = BackendMeters(storage_metrics=True)
+    meters.record(True, {PoolName.KV: [True, True, False]}, {PoolName.KV: pool}, 1e-6)
+    meters.record(False, {PoolName.KV: [True], PoolName.MAMBA: [True]}, {PoolName.KV: pool},
+                  1e-6)  # a role no longer served: its pages count, its bytes do not
+    assert meters.counters == {"set_pages": 2, "get_pages": 2}
+    lists = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
+    m = meters.drain_into(SimpleNamespace(**{k: [] for k in lists}))
+    assert m.backup_pgs == [2] and m.prefetch_pgs == [2]
+    assert m.backup_bandwidth == [pytest.approx(4.0)]  # 4,000 bytes in 1 us: 4 GB/s
+    assert m.prefetch_bandwidth == [pytest.approx(2.0)]
+    again = meters.drain_into(SimpleNamespace(**{k: [] for k in lists}))
+    assert all(getattr(again, k) == [] for k in lists)  # handed over once
+    off = BackendMeters(storage_metrics=False)
+    off.record(True, {PoolName.KV: [True]}, {PoolName.KV: pool}, 1.0)
+    assert off.counters == {"set_pages": 1}
+    assert off.drain_into(SimpleNamespace(**{k: [] for k in lists})).backup_pgs == []
