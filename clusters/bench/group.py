@@ -33,19 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, MiB, PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.clusters.bench.toolkit import BenchRun, RawStore, right_table, start_cluster
-from raykv.controllers import (
-    NAMESPACE,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-    StorageConfig,
-    node_actor_name,
-)
+from raykv.controllers import NAMESPACE, node_actor_name
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.families import group_families
-from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 
 TRAIL = PoolHitPolicy.TRAILING_PAGES

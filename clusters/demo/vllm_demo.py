@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 
 import ray
+from raykv import MiB
 from raykv.clusters.bench.toolkit import right_table, save
 from raykv.clusters.demo.chat import (
     demo_console,
@@ -45,7 +46,6 @@ from raykv.clusters.demo.chat import (
 )
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import VOCAB, LlamaDims, make_llama
-from raykv.controllers.pool_layout import MiB
 from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 

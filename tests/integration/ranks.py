@@ -9,7 +9,7 @@ from __future__ import annotations
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import PoolName, StorageConfig
 
 MHA = dict(page_size=4, size=64, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)

@@ -5,7 +5,7 @@ import time
 
 import ray
 import torch
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.node_actors import named_node_actors
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.pool_layout import MiB

@@ -160,7 +160,7 @@ def test_legacy_pointer_api(cluster, uid):
 
 def test_control_group_answers_while_data_calls_run(cluster, uid):
     """health/stats (control group) are served while the data group is saturated."""
-    from raykv.cache_actors import CacheClient
+    from raykv import CacheClient
     from raykv.controllers import PoolName
     from raykv.controllers.contract import PoolTransfer
 

@@ -18,10 +18,10 @@ import uuid
 import pytest
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, start_local
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
-from raykv.clusters import deploy, start_local
+from raykv.clusters import deploy
 from raykv.clusters.status_view import render_status
 from raykv.controllers import PoolName, StorageConfig
 from raykv.controllers.contract import PoolTransfer
