@@ -9,13 +9,10 @@ import logging
 
 import ray
 from ray.experimental import internal_kv
-from raykv.clusters.node_actors import (
-    NodeReconciler,
-    NodeSettings,
-    named_node_actors,
-)
+from raykv.clusters.node_actors import NodeReconciler, named_node_actors
 from raykv.controllers.controller import CacheController, checkpoint_key
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
+from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor
 from raykv.clusters.mooncake_master import check_confirm_ttl
-from raykv.clusters.node_actors import NodeSettings
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
+from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,12 @@ from raykv.cache_actors.node.client_supervisor import stop_recorded
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
-from raykv.clusters.node_actors import NodeSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
+from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
 from raykv.controllers.pool_layout import MiB
 
 log = logging.getLogger(__name__)
 
-STANDALONE_POOL_BYTES = 1 << 30
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
@@ -143,23 +142,23 @@ def start_local(
     *,
     cpus_per_node: int = 2,
     global_segment_size: int | Sequence[int] = 512 * MiB,
-    local_buffer_size: int = 16 * MiB,
+    local_buffer_size: int = DEFAULTS.local_buffer_size,
     object_store_memory: int = 256 * MiB,
     namespace: str = NAMESPACE,
     master_args: Sequence[str] = (),
-    mooncake_log_level: str = "ERROR",
-    group_window_s: float = 2.0,
-    confirm_ttl_s: float = 2.0,
+    mooncake_log_level: str = DEFAULTS.mooncake_log_level,
+    group_window_s: float = DEFAULTS.group_window_s,
+    confirm_ttl_s: float = DEFAULTS.confirm_ttl_s,
     reconcile_period_s: float = 1.0,
-    standalone: bool = False,
+    standalone: bool = DEFAULTS.standalone,
     host_pool_bytes: int | None = None,
     log_to_driver: bool = True,
-    protocol: str = "tcp",
-    rdma_devices: str = "",
+    protocol: str = DEFAULTS.protocol,
+    rdma_devices: str = DEFAULTS.rdma_devices,
     local_hostname: str = LOOPBACK,
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
-    bound_tenants_only: bool = False,
+    bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -183,9 +182,12 @@ def start_local(
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
     cache actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
-    node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
-    is what the node requests from ``mooncake_client``). ``log_to_driver=False`` keeps
-    the output of Ray workers (engines' logs) off this process's console.
+    node's budget for host pools (default: no limit embedded, ``STANDALONE_POOL_BYTES``
+    (1 GiB) standalone, where it is what the node requests from ``mooncake_client``).
+    ``log_to_driver=False`` keeps the output of Ray workers (engines' logs) off this
+    process's console. The node defaults are ``controllers.node_settings.DEFAULTS``'
+    (``global_segment_size`` and ``local_hostname`` are smaller / local here: one
+    machine).
     ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
@@ -201,13 +203,11 @@ def start_local(
              else list(global_segment_size))
     if len(sizes) != num_nodes:
         raise ValueError(f"{len(sizes)} global_segment_size values for {num_nodes} nodes")
-    if host_pool_bytes is None:
-        host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
     settings = NodeSettings(
         cluster_tag=uuid.uuid4().hex[:8], global_segment_size=sizes[0],
         local_buffer_size=local_buffer_size, protocol=protocol, rdma_devices=rdma_devices,
         local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
-        standalone=standalone, host_pool_bytes=host_pool_bytes,
+        standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only)
