@@ -32,47 +32,9 @@ reports present; ``controllers.confirmed_pages``), concurrent queries batched in
 ``batch_is_exist``. Confirmations are dropped when the store restarts or fails a check,
 and when told (``forget_confirmations``: a node left).
 
-Concurrency contract. Threads that call in:
-
-- Ray ``control`` group (the actor's control event loop): ``health``,
-  ``forget_confirmations``, ``channel_path``, run inline; they never wait on a pool
-  change. Ray ``pools`` group: pool management, ``stats``, ``shutdown``, each on a
-  thread of the actor's pool executor; no lock is held while a pool is allocated,
-  registered or drained (``NodePools``), and ``stats`` waits only for a re-allocation.
-  ``clear_objects`` runs on a thread of the control loop's default executor (it waits
-  out the store's leases).
-- Ray ``data`` group: ``exists``, ``put``, ``get`` run on ``executor``
-  (``DATA_THREADS`` threads); ``group_exists`` starts on the group's event loop (it
-  never blocks) and is answered through its ``reply``. The executor also fetches
-  deployments for group queries.
-- The local channel: one thread per data connection (``exists``, ``put``, ``get``), a
-  few pool threads for data ops sent on a group connection, and one I/O thread that
-  starts group queries (``group_exists``).
-- Group-query lookup threads (``GroupQueries``): the store lookup, then the replies.
-- Standalone: the ``mooncake_client`` watcher thread, which restarts the process and
-  then calls ``_reallocate``.
-- The metrics exporter thread (``NodeMetrics``): every second it hands the counts
-  recorded since to the Ray metrics.
-- The engine reaper thread: every ``ENGINE_REAP_S`` it removes the pools of one engine
-  process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
-  pools) whose process exited more than ``ENGINE_GRACE_S`` ago
-  (``NodePools.reap_engines``: a destroy each, drained like any).
-
-State and what guards it:
-
-- The pool table: ``NodePools.table`` is an immutable ``PoolTable`` (epoch + pools)
-  replaced whole under ``NodePools._lock``; a data call reads it once, without a lock,
-  and resolves its whole batch against that one generation (see ``node_pools``).
-- Data calls in flight per pool: ``NodePools._flight`` (a data call counts itself in
-  after resolving its pointers and out after its store call; a pool leaving the table,
-  by any path, is released only once its count is 0, waiting at most ``DRAIN_S``).
-- Counters (data calls, group queries, merged transfers): ``NodeMetrics._lock``, taken
-  last. Group-query state: ``GroupQueries``' own lock.
-- Store state: ``NodeStore`` (the watcher sets and clears ``process.down``; the pool
-  memory's epoch changes only under the pool lock). The Mooncake client is called from
-  any thread (it is thread-safe).
-- Copies of deployments: ``DeploymentCopies`` (single dict operations, atomic under
-  the GIL; a missing or older copy only costs a fetch from the controller).
+Threads and locks: which thread calls which method, and which lock guards which state,
+is ``docs/architecture.md``, *Threads of a node actor and what each lock guards* (the
+one copy of that contract).
 """
 
 from __future__ import annotations

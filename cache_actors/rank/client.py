@@ -55,7 +55,7 @@ from raykv.controllers.transfer_plan import (
 
 
 def check_mode(extra_config: dict | None, mode: str) -> None:
-    """``ValueError`` if ``extra_config["standalone_storage"]`` (SGLang's switch) is set
+    """``ValueError`` if ``extra_config["standalone_storage"]`` (``MooncakeStore``'s key) is set
     and contradicts ``mode``, the mode of the node actor serving the rank."""
     want = (extra_config or {}).get("standalone_storage")
     if want is not None and bool(want) != (mode == "standalone"):

@@ -1,11 +1,8 @@
 """raykv as an SGLang HiCache storage backend (SGLang 0.5.23).
 
-Stock SGLang loads it with::
-
-    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-      '{"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
-        "class_name": "RayKVStore", "interface_v1": 1, "allocator": "shm",
-        "ray_address": "<gcs host:port>"}'
+Stock SGLang loads it as a ``dynamic`` storage backend by module path: the launch line
+is the README's (*Production: three steps*), every key of the extra config
+``docs/engines.md``.
 
 ``RayKVStore`` (module ``store``, the only one that imports SGLang; exported here
 lazily, so importing this package or its other modules never needs SGLang) joins the

@@ -2,8 +2,10 @@
 described as raykv layouts, transfers mapped one to one. SGLang's objects are stood in
 for by namespaces with the same field names (and enums by their values)."""
 
+import json
 import sys
 from enum import Enum
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -76,10 +78,22 @@ def test_backend_options_defaults_and_overrides():
             opts.interface_v1, opts.allocator) == ("ns", "n1", False, 8, True, "shm")
 
 
-# The launch line of docs/engines.md, whole: SGLang's own keys and raykv's.
-LAUNCH_EXTRA = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
-                "class_name": "RayKVStore", "interface_v1": 1, "allocator": "shm",
-                "ray_address": "10.0.0.1:6379"}
+def launch_extra() -> dict:
+    """The extra config of the README's SGLang launch line (the one copy), whole:
+    SGLang's own keys and raykv's."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = readme.split("python -m sglang.launch_server", 1)[1].split("```", 1)[0]
+    return json.loads(line.split("--hicache-storage-backend-extra-config '", 1)[1]
+                      .split("'", 1)[0])
+
+
+LAUNCH_EXTRA = launch_extra() | {"ray_address": "10.0.0.1:6379"}  # the head's address
+
+
+def test_the_readme_launch_line_is_accepted_whole():
+    opts = BackendOptions.from_extra(LAUNCH_EXTRA)
+    assert opts.interface_v1 and opts.allocator == "shm"
+    assert {"backend_name", "module_path", "class_name", "ray_address"} <= set(LAUNCH_EXTRA)
 
 
 def test_namespace_is_vllms_word_and_ray_namespace_its_alias():
@@ -93,7 +107,9 @@ def test_namespace_is_vllms_word_and_ray_namespace_its_alias():
         BackendOptions.from_extra({"namespace": "a", "ray_namespace": "b"})
 
 
-@pytest.mark.parametrize("key", ["master_server_address", "namespce", "protocol"])
+# standalone_storage: MooncakeStore's switch, which docs/deploy.md says this backend refuses
+@pytest.mark.parametrize("key", ["master_server_address", "namespce", "protocol",
+                                 "standalone_storage"])
 def test_unknown_keys_are_refused_with_the_valid_ones(key):
     with pytest.raises(ValueError) as e:
         BackendOptions.from_extra(LAUNCH_EXTRA | {key: "x"})
