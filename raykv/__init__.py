@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool as HostPool
     from raykv.cache_actors.host_pools import PoolHandle as PoolHandle
     from raykv.cache_actors.rank.client import CacheClient as CacheClient
-    from raykv.cache_actors.rank.engine_pools import EngineMemory as EngineMemory
-    from raykv.cache_actors.rank.engine_pools import StagedPool as StagedPool
-    from raykv.cache_actors.rank.engine_pools import describe_kv_buffer as describe_kv_buffer
-    from raykv.cache_actors.rank.engine_pools import staging_layout as staging_layout
+    from raykv.cache_actors.rank.staging_pools import EngineMemory as EngineMemory
+    from raykv.cache_actors.rank.staging_pools import StagedPool as StagedPool
+    from raykv.cache_actors.rank.staging_pools import describe_kv_buffer as describe_kv_buffer
+    from raykv.cache_actors.rank.staging_pools import staging_layout as staging_layout
     from raykv.clusters.local import LocalCluster as LocalCluster
     from raykv.clusters.local import start_local as start_local
     from raykv.controllers.contract import PoolHitPolicy as PoolHitPolicy
@@ -56,7 +56,7 @@ _EXPORTS = {
     "CacheClient": "raykv.cache_actors.rank.client",
     "CircuitOpenError": "raykv.cache_actors.errors",
     "DeadlineExceededError": "raykv.cache_actors.errors",
-    "EngineMemory": "raykv.cache_actors.rank.engine_pools",
+    "EngineMemory": "raykv.cache_actors.rank.staging_pools",
     "GiB": "raykv.controllers.pool_layout",
     "HostPool": "raykv.cache_actors.host_pools",
     "KiB": "raykv.controllers.pool_layout",
@@ -69,12 +69,12 @@ _EXPORTS = {
     "PoolName": "raykv.controllers.contract",
     "PoolTransfer": "raykv.controllers.contract",
     "PoolTransferResult": "raykv.controllers.contract",
-    "StagedPool": "raykv.cache_actors.rank.engine_pools",
+    "StagedPool": "raykv.cache_actors.rank.staging_pools",
     "StalePoolsError": "raykv.cache_actors.errors",
     "StorageConfig": "raykv.controllers.contract",
     "StoreUnavailableError": "raykv.cache_actors.errors",
-    "describe_kv_buffer": "raykv.cache_actors.rank.engine_pools",
-    "staging_layout": "raykv.cache_actors.rank.engine_pools",
+    "describe_kv_buffer": "raykv.cache_actors.rank.staging_pools",
+    "staging_layout": "raykv.cache_actors.rank.staging_pools",
     "start_local": "raykv.clusters.local",
 }
 

@@ -2,7 +2,7 @@
 
 A facade over the pieces that do the work: ``node_link`` (the route to the node's cache
 actor: local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools
-this rank mapped and registered), ``engine_pools`` (engine memory served through
+this rank mapped and registered), ``staging_pools`` (engine memory served through
 staging pools, in rounds), ``controllers.transfer_plan`` (pure: transfers to object
 batches and codes back to pages),
 ``group_registration`` (the controller and group hit queries) and ``pointer_api``
@@ -28,13 +28,13 @@ import ray
 import torch
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.rank.engine_pools import StagedPool, staged_call
 from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.cache_actors.rank.rank_owner import RankOwner
+from raykv.cache_actors.rank.staging_pools import StagedPool, staged_call
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
@@ -203,7 +203,7 @@ class CacheClient:
     def register_mem_pool_host(self, pool: HostPool | StagedPool) -> None:
         """Make ``pool`` this rank's KV pool (v1 API and the v2 anchor): a pool of this
         client, or engine memory served through a staging pool of this client
-        (``engine_pools.StagedPool``).
+        (``staging_pools.StagedPool``).
 
         Raises ``ValueError`` if the pool was not mapped by this client or its kind does
         not match ``config.is_mla_model``.
@@ -226,7 +226,7 @@ class CacheClient:
     def _transfer(self, transfers: Sequence[PoolTransfer],
                   write: bool) -> dict[PoolName, list[bool]]:
         """Check ``transfers`` once, then move their pages: one round trip, or one per
-        round of a staged pool smaller than the call (``engine_pools.staged_call``)."""
+        round of a staged pool smaller than the call (``staging_pools.staged_call``)."""
         pools = self._pools
         checked = check_transfers(self._hashes.transfers(transfers), pools.plan_pools,
                                   self.key_scheme, write=write, disabled=pools.disabled)

@@ -15,7 +15,7 @@ and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
   them with its Mooncake client (``cache_actors.node.engine_memory``), and pages move
   straight between SGLang's tensors and the store.
 - **Staging** (any other allocator, Mamba pools, standalone mode): a raykv host pool of
-  the same page geometry per SGLang pool (``cache_actors.rank.engine_pools.StagedPool``);
+  the same page geometry per SGLang pool (``cache_actors.rank.staging_pools.StagedPool``);
   pages are copied into it before a put and out of it after a get (one warning names the
   reason and what would make it zero-copy). In standalone mode the store's buffers are
   ``mooncake_client``'s shared memory, which only ``mooncake_client`` can register and

@@ -2,7 +2,7 @@
 
 vLLM's KV cache is served through a staging pool of kind ``vllm`` on the rank's node
 (page = one vLLM block of every layer, laid out as vLLM's CPU block layout, so a block
-of one layer is one contiguous copy; ``engine_pools.StagedPool``): the client copies a
+of one layer is one contiguous copy; ``staging_pools.StagedPool``): the client copies a
 save's blocks into it and a load's blocks read in full out of it, and the node actor
 moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
@@ -26,7 +26,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from raykv.cache_actors.rank.engine_pools import (
+from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     dtype_of,

@@ -46,4 +46,4 @@ def test_the_docs_name_no_internal_path():
     assert INTERNAL.findall(API) == []
     # CONTROL: the pattern catches the paths the docs used before
     assert INTERNAL.findall("a `PoolLayout` (`controllers.pool_layout`) and "
-                            "`cache_actors.rank.engine_pools.StagedPool`")
+                            "`cache_actors.rank.staging_pools.StagedPool`")
