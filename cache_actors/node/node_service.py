@@ -26,10 +26,10 @@ Per-tenant quotas: ``NodePools``.
 
 It also answers the existence queries of every TP/PP group whose home node it is
 (``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
-at most ``group_window_s``), only the objects that can change the answer checked, pages
+at most ``group_window_s``), only the objects that can change the answer looked up, pages
 the store confirmed within ``confirm_ttl_s`` not asked again (Mooncake leases what it
 reports present; ``controllers.confirmed_pages``), concurrent queries batched into one
-``batch_is_exist``. Confirmations are dropped when the store restarts or fails a check,
+``batch_is_exist``. Confirmations are dropped when the store restarts or fails a lookup,
 and when told (``forget_confirmations``: a node left).
 
 Threads and locks: which thread calls which method, and which lock guards which state,

@@ -27,7 +27,7 @@ def node_stats(table: PoolTable, quotas: Mapping[str, int], store: dict,
     ``counters``: objects and bytes put/got, errors by Mooncake code
     (``NodeMetrics.counters``); ``group_queries``: the group queries answered here
     (``recent``, ``inflight``: shared; ``confirmed``: from confirmations alone;
-    ``checked``: own lookups; ``store_calls``, ``store_seconds``:
+    ``looked_up``: own lookups; ``store_calls``, ``store_seconds``:
     ``NodeMetrics.group_queries``); ``confirmed_pages`` held; ``merged_calls``: put/get
     store calls made and the ranks' batches they carried
     (``cache_actors.node.transfer_merger``)."""

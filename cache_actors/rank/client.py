@@ -235,7 +235,7 @@ class CacheClient:
                            call=lambda batch: self._link.data(op, batch))
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
-        """Store the pages of every pool in one round trip (existence check and put of
+        """Store the pages of every pool in one round trip (lookup and put of
         the missing objects happen together in the node actor). Every TP rank puts its
         replicated pools' objects too (put-if-absent: the group's first put stores them,
         the others find them present), so a page is True only if the store holds it."""
@@ -249,7 +249,7 @@ class CacheClient:
     def batch_exists_v2(self, keys: Sequence[str],
                         transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
         """The longest prefix of ``keys`` that KV and every pool in ``transfers`` can
-        restore together, for this rank, from one existence check of all their objects.
+        restore together, for this rank, from one lookup of all their objects.
 
         A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
         """
@@ -272,7 +272,7 @@ class CacheClient:
     def group_exists(self, keys: Sequence[str],
                      transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
         """The hit of this rank's whole TP/PP group: the intersection of restorable
-        prefixes over every rank and pool, from one existence check by the cache actor
+        prefixes over every rank and pool, from one lookup by the node actor
         of the group's home node (the controller names it at registration). Every rank
         of the group asking about the same keys and pools gets the identical answer (a
         rank asking again gets a fresh one), so no all-reduce among ranks is needed."""

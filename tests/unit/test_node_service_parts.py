@@ -136,7 +136,7 @@ class Metrics:
         return {"put": 1}
 
     def group_queries(self):
-        return {"checked": 0}
+        return {"looked_up": 0}
 
     def merged_calls(self):
         return {"calls": 0}
