@@ -1,5 +1,5 @@
-"""The cache actors and the ranks' route to them. ``rank/`` runs in engine (rank)
-processes, ``node/`` in each node's cache actor; the modules here run in both: the
+"""The node actors and the ranks' route to them. ``rank/`` runs in engine (rank)
+processes, ``node/`` in each node actor; the modules here run in both: the
 local channel and its wire, the data-op names, errors, shared memory, host pools.
 
 Internal: users import the public names from ``raykv`` (``CacheClient``, ``HostPool``,

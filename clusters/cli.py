@@ -314,7 +314,7 @@ def _connected(call, *args, **kwargs):
               type=click.Choice(["INFO", "WARNING", "ERROR"]),
               help="MC_LOG_LEVEL of every node's Mooncake client.")
 @click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
-              "mooncake_client process its cache actor supervises, so it survives a crash "
+              "mooncake_client process its node actor supervises, so it survives a crash "
               "of the actor (default: embedded in the actor).")
 @click.option("--host-pool-size", default=None, type=Size(), help="Per node budget for host "
               f"pools (default: no limit; {_short(STANDALONE_POOL_BYTES)} with --standalone, "
@@ -362,7 +362,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             bound_tenants_only=bound_tenants_only)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    with _spinner("starting raykv: master, controller, a cache actor per node ..."):
+    with _spinner("starting raykv: master, controller, an actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,
                           master_ports=(master_port, metadata_port))
@@ -556,7 +556,7 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
 @CHECK
 def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
                 seconds: float, rounds: int, out_dir: str, check: bool) -> None:
-    """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
+    """N ranks on a node through its one node actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
     _require_figures("bench")
     timed = len(page_sizes) * len(ranks) * rounds * 2 * seconds

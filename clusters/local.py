@@ -4,7 +4,7 @@
 when ``num_nodes > 1``), a real ``mooncake_master`` and its HTTP metadata server on
 free loopback ports (``MooncakeMaster``: nothing of theirs listens beyond loopback, checked
 at start), the controller, and the reconciler, which gives every node exactly
-one cache actor (also nodes added later with ``add_node``). Leaving the ``with`` block
+one node actor (also nodes added later with ``add_node``). Leaving the ``with`` block
 (or ``shutdown()``) stops all of it and removes every shared-memory file it made.
 """
 
@@ -70,12 +70,12 @@ class LocalCluster:
 
     @property
     def node_actors(self) -> dict[str, ray.actor.ActorHandle]:
-        """Node id -> cache actor, for every node the controller knows now."""
+        """Node id -> node actor, for every node the controller knows now."""
         return {n: ray.get_actor(node_actor_name(n), namespace=self.namespace)
                 for n in ray.get(self.controller.nodes.remote())}
 
     def add_node(self, timeout_s: float = 60.0, **node_args) -> str:
-        """Add a Ray node (multi-node clusters only); returns its id once its cache actor
+        """Add a Ray node (multi-node clusters only); returns its id once its node actor
         answers. ``node_args`` go to ``Cluster.add_node`` (default: same CPUs as the rest)."""
         if self._ray_cluster is None:
             raise RuntimeError("add_node needs a cluster started with num_nodes > 1")
@@ -88,14 +88,14 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while node_id not in ray.get(self.controller.nodes.remote()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no cache actor on new node {node_id[:12]}")
+                raise TimeoutError(f"no node actor on new node {node_id[:12]}")
             time.sleep(0.2)
         ray.get(self.node_actors[node_id].health.remote())
         return node_id
 
     def remove_node(self, node_id: str, timeout_s: float = 60.0) -> None:
         """Stop a node that ``add_node`` added (as the autoscaler would); returns once the
-        controller no longer lists it (its cache actor retired), so ``node_actors`` never
+        controller no longer lists it (its node actor retired), so ``node_actors`` never
         names an actor that is gone. ``TimeoutError`` after ``timeout_s``."""
         self._ray_cluster.remove_node(self._ray_nodes.pop(node_id))
         self.node_ids.remove(node_id)
@@ -165,8 +165,8 @@ def start_local(
     ``global_segment_size`` (bytes) is what each node's Mooncake client contributes to
     the store; a sequence gives one size per initial node (0 makes a node a pure
     consumer); nodes added later get the first size. ``cpus_per_node`` is the logical
-    CPU count each Ray node advertises for ranks (cache actors take none).
-    ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the cache actors (``INFO``,
+    CPU count each Ray node advertises for ranks (node actors take none).
+    ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the node actors (``INFO``,
     ``WARNING``, ``ERROR``). ``group_window_s`` bounds how long a group hit answer is
     kept for the ranks of the group that have not asked yet (0: only ranks asking at the
     same time share one). ``confirm_ttl_s``: how long group queries trust a page the
@@ -181,7 +181,7 @@ def start_local(
     detect a removed node within ~3 s. Ray must not be initialised already.
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
-    cache actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
+    node actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
     node's budget for host pools (default: no limit embedded, ``STANDALONE_POOL_BYTES``
     (1 GiB) standalone, where it is what the node requests from ``mooncake_client``).
     ``log_to_driver=False`` keeps the output of Ray workers (engines' logs) off this

@@ -1,4 +1,4 @@
-"""Creating, finding and retiring the per-node cache actors, and the reconciler that
+"""Creating, finding and retiring the node actors, and the reconciler that
 keeps exactly one per alive Ray node as the autoscaler adds and removes nodes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from raykv.controllers.node_settings import NodeSettings
 log = logging.getLogger(__name__)
 
 def named_node_actors(namespace: str) -> list[str]:
-    """Names of every cache actor in ``namespace``, whether or not its node is alive."""
+    """Names of every node actor in ``namespace``, whether or not its node is alive."""
     prefix = node_actor_name("")
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == namespace and a["name"].startswith(prefix))
@@ -27,21 +27,21 @@ def alive_node_ids() -> set[str]:
 
 
 def start_node_actor(node_id: str, settings: NodeSettings, namespace: str):
-    """The cache actor of ``node_id`` (see ``node_actor_class``); the existing one if it
+    """The node actor of ``node_id`` (see ``node_actor_class``); the existing one if it
     is already there."""
     return node_actor_class(node_id, namespace, settings.env).remote(
         node_id, **settings.actor_kwargs())
 
 
 def retire_node_actor(node_id: str, namespace: str) -> None:
-    """Kill the cache actor of a node that left (it cannot be rescheduled anyway)."""
+    """Kill the node actor of a node that left (it cannot be rescheduled anyway)."""
     with contextlib.suppress(ValueError):  # already gone
         ray.kill(ray.get_actor(node_actor_name(node_id), namespace=namespace), no_restart=True)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class NodeReconciler:
-    """Polls the alive Ray nodes every ``period_s`` seconds; starts a cache actor on each
+    """Polls the alive Ray nodes every ``period_s`` seconds; starts a node actor on each
     new node and retires the actors of nodes that left, telling the controller."""
 
     def __init__(self, settings: NodeSettings, namespace: str, period_s: float = 1.0,
@@ -79,11 +79,11 @@ class NodeReconciler:
             start_node_actor(node_id, replace(self._settings, global_segment_size=size),
                              self._namespace)
             await self._controller.register_node.remote(node_id)
-            log.info("node %s joined: cache actor started", node_id[:12])
+            log.info("node %s joined: node actor started", node_id[:12])
         for node_id in retired:
             retire_node_actor(node_id, self._namespace)
             await self._controller.retire_node.remote(node_id)
-            log.info("node %s left: cache actor retired", node_id[:12])
+            log.info("node %s left: node actor retired", node_id[:12])
         if retired:  # its segment's objects leave the store, leases or not
             for node_id in alive & known:
                 with contextlib.suppress(ValueError):

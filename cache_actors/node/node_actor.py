@@ -1,4 +1,4 @@
-"""The per-node cache actor: the Ray shell of a ``NodeService``.
+"""The node actor: the Ray shell of a ``NodeService``.
 
 One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace, created
 only through ``node_actor_class``, which sets every Ray option it runs under. It is async

@@ -1,6 +1,6 @@
 """``CacheClient``: what an inference rank (driver or any Ray actor) calls.
 
-A facade over the pieces that do the work: ``node_link`` (the route to the node's cache
+A facade over the pieces that do the work: ``node_link`` (the route to the node
 actor: local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools
 this rank mapped and registered), ``staging_pools`` (engine memory served through
 staging pools, in rounds), ``controllers.transfer_plan`` (pure: transfers to object
@@ -60,7 +60,7 @@ def check_mode(extra_config: dict | None, mode: str) -> None:
     want = (extra_config or {}).get("standalone_storage")
     if want is not None and bool(want) != (mode == "standalone"):
         raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
-                         f"cache actor runs in {mode} mode; the mode is a cluster setting: "
+                         f"actor runs in {mode} mode; the mode is a cluster setting: "
                          "start_local(standalone=...) / `raykv up --standalone`")
 
 
@@ -124,7 +124,7 @@ class CacheClient:
                         "mapped pools): make one in each process")
 
     def owner_claim(self, node_id: str | None = None) -> OwnerClaim | None:
-        """The owner claim for one call of this client's to the cache actor of
+        """The owner claim for one call of this client's to the node actor of
         ``node_id`` (default: its own node), as ``NodeLink.claim`` makes it: a tenant's
         carries a fresh call proof, good once. Tools and tests that call a node actor
         directly pass it as the call's owner."""

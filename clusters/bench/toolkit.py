@@ -295,7 +295,7 @@ def start_cluster(console: Console, num_nodes: int, **kw) -> LocalCluster:
     from raykv import start_local
 
     nodes = f"{num_nodes} node{'s' if num_nodes > 1 else ''}"
-    with console.status(f"starting Ray ({nodes}), mooncake_master and the cache actors"):
+    with console.status(f"starting Ray ({nodes}), mooncake_master and the node actors"):
         return start_local(num_nodes=num_nodes, **kw)
 
 

@@ -6,7 +6,7 @@ is the README's (*Production: three steps*), every key of the extra config
 
 ``RayKVStore`` (module ``store``, the only one that imports SGLang; exported here
 lazily, so importing this package or its other modules never needs SGLang) joins the
-raykv cluster over Ray, talks to the cache actor of its node through a ``CacheClient``
+raykv cluster over Ray, talks to the node actor of its node through a ``CacheClient``
 and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
 
 - **Zero-copy** (``"allocator": "shm"``, embedded Mooncake mode): SGLang's KV-like host

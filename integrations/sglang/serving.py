@@ -73,7 +73,7 @@ class ServedPools:
         elif ep.kind == "mamba":
             why = "Mamba pools are staged"
         elif self.mode != "embedded":
-            why = (f"the node's cache actor runs in {self.mode} Mooncake mode, where the "
+            why = (f"the node actor runs in {self.mode} Mooncake mode, where the "
                    "store's buffers belong to mooncake_client, which cannot map SGLang's "
                    "memory")
             hint = "zero-copy needs raykv in embedded Mooncake mode"
@@ -94,7 +94,7 @@ class ServedPools:
                 self._adopt(ep)
                 return
             except Exception as e:  # refused, or an actor without the hook
-                why = f"the node's cache actor did not map SGLang's memfd: {e}"
+                why = f"the node actor did not map SGLang's memfd: {e}"
                 hint = "pages are copied instead"
         if ep.kind != "mamba" and not self._warned_staging:
             self._warned_staging = True

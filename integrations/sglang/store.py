@@ -51,7 +51,7 @@ class RayKVStore(HiCacheStorage):
     the attach, naming the valid ones): ``ray_address`` (default ``$RAY_ADDRESS``, else
     the cluster of the Ray node this process descends from, else ``auto``, as vLLM's
     connector), ``namespace`` (``ray_namespace`` is its alias), ``ray_auth_mode``,
-    ``ray_node_id`` (serve through the cache actor of that node instead of the node Ray
+    ``ray_node_id`` (serve through the node actor of that node instead of the node Ray
     placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
     memfds), ``staging_pages`` (per pool and direction, default 256),
     ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the

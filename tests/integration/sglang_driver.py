@@ -41,7 +41,7 @@ functions against ``RayKVStore``, ``sglang_peer``).
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
 gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
-steps`` and optionally ``node`` (serve through that node's cache actor), ``backend``
+steps`` and optionally ``node`` (serve through that node's actor), ``backend``
 (``mooncake``) with ``mooncake`` (its config), ``extra`` (extra-config keys), ``layout``
 and ``env`` (environment set while SGLang builds the backend, e.g.
 ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE``).
@@ -542,7 +542,7 @@ class Engine:
         return {}
 
     def wait_healthy(self, step) -> dict:
-        """Wait until this node's cache actor answers again (Ray restarts it)."""
+        """Wait until this node's actor answers again (Ray restarts it)."""
         t = time.time()
         while time.time() - t < step.get("s", 120):
             try:

@@ -1,4 +1,4 @@
-"""Node actors follow the Ray nodes: a node that joins gets a cache actor its ranks can
+"""Node actors follow the Ray nodes: a node that joins gets a node actor its ranks can
 use; a node that leaves has its actor retired and its objects turn into misses."""
 
 import time

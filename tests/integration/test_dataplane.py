@@ -2,7 +2,7 @@
 both Mooncake modes (embedded; standalone with a real mooncake_client per node).
 
 Ranks run as Ray actors pinned to a node; each reaches Mooncake only through its own
-node's cache actor, so a read on node 2 of what node 1 wrote crosses nodes.
+node's actor, so a read on node 2 of what node 1 wrote crosses nodes.
 """
 
 import pytest

@@ -294,6 +294,6 @@ def test_mode_switch_must_match_the_node():
     check_mode(None, "embedded")
     check_mode({"standalone_storage": True}, "standalone")
     check_mode({"standalone_storage": False}, "embedded")
-    with pytest.raises(ValueError, match="is True but this node's cache actor runs in "
+    with pytest.raises(ValueError, match="is True but this node's actor runs in "
                                          "embedded mode"):
         check_mode({"standalone_storage": True}, "embedded")
