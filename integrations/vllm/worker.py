@@ -16,7 +16,7 @@ the scheduler side tells the workers it has seen the failure (``failures_seen``:
 then rescheduled every request holding the block, from that block on), such a block is
 *unsettled*, and a save whose blocks or ``context`` hold an unsettled block is refused,
 whichever request's load failed (vLLM's prefix cache shares blocks between requests).
-The scheduler side plans those blocks again, to be saved once recomputed.
+The scheduler side marks those blocks for a save again, once recomputed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
-from raykv.integrations.vllm.plan import BlockTransfer
+from raykv.integrations.vllm.request_blocks import BlockTransfer
 from raykv.integrations.vllm.side import ConnectorSide
 
 if TYPE_CHECKING:
