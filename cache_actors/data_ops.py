@@ -1,6 +1,6 @@
 """The node actor's data operations, one name each for both routes a rank has to it.
 
-A rank reaches its node's cache actor through the actor's local channel (same node) or
+A rank reaches its node's actor through the actor's local channel (same node) or
 through a Ray call (another node, or no channel); a ``DataOp``'s value is the name of
 the actor's Ray method, the op name its channel serves *and* the ``NodeService`` method
 both call, so the two routes can never disagree on what an operation is called.

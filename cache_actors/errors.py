@@ -2,7 +2,7 @@
 
 
 class NodeUnavailableError(RuntimeError):
-    """The node's cache actor is down or restarting. Retryable: call again later."""
+    """The node actor is down or restarting. Retryable: call again later."""
 
 
 class StoreUnavailableError(NodeUnavailableError):

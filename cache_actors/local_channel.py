@@ -1,7 +1,7 @@
 """A same-node request channel between ranks and their node actor (a Unix socket).
 
 A Ray actor call costs ~1 ms on these machines, more than a small Mooncake batch. Ranks
-on the node of their cache actor therefore send data calls (exists, put, get, group
+on the node of their node actor therefore send data calls (exists, put, get, group
 hits) over a Unix stream socket that the actor serves from its own threads; Ray still
 creates, finds, supervises and restarts the actor, and remote callers still use Ray.
 Like a Ray call, a request carries keys, offsets and results only, never page bytes.

@@ -14,6 +14,12 @@ import sys
 from collections.abc import Iterator
 
 import click
+from raykv.controllers.node_settings import (
+    DEFAULTS,
+    STANDALONE_POOL_BYTES,
+    NodeSettings,
+    pool_budget,
+)
 from raykv.controllers.pool_layout import KiB
 
 # The benchmarks' page quanta (a test keeps them equal to the benchmarks' own): raykv's
@@ -287,30 +293,34 @@ def _connected(call, *args, **kwargs):
 @click.option("--metadata-port", default=0, type=click.IntRange(0, 65535),
               help="Port of the HTTP metadata server raykv runs beside that master "
               "(default: a free port).")
-@click.option("--segment-size", default="1GB", show_default=True, type=Size(),
+@click.option("--segment-size", default=_short(DEFAULTS.global_segment_size),
+              show_default=True, type=Size(),
               help="Memory each node contributes to the store (K/M/G suffixes).")
-@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
+@click.option("--protocol", default=DEFAULTS.protocol, show_default=True,
+              type=click.Choice(["tcp", "rdma"]),
               help="Mooncake's transport between nodes.")
-@click.option("--rdma-devices", default="", help="--protocol rdma: comma-separated RDMA "
-              "devices every node's Mooncake uses, e.g. mlx5_0,mlx5_1 (default: every "
-              "device Mooncake finds).")
+@click.option("--rdma-devices", default=DEFAULTS.rdma_devices,
+              help="--protocol rdma: comma-separated RDMA devices every node's Mooncake "
+              "uses, e.g. mlx5_0,mlx5_1 (default: every device Mooncake finds).")
 @click.option("--mooncake-host", "--local-hostname", "local_hostname", default=None,
               help="Address Mooncake binds and advertises on every node; the master raykv "
               "runs and its metadata server bind it too, its metrics only 127.0.0.1 "
               "(default: each node's IP, the head's for the master; 127.0.0.1 when all "
               "nodes share one machine).")
-@click.option("--local-buffer-size", default="16M", show_default=True, type=Size(),
+@click.option("--local-buffer-size", default=_short(DEFAULTS.local_buffer_size),
+              show_default=True, type=Size(),
               help="Each node's Mooncake client transfer buffer.")
-@click.option("--mooncake-log-level", default="ERROR", show_default=True,
+@click.option("--mooncake-log-level", default=DEFAULTS.mooncake_log_level, show_default=True,
               type=click.Choice(["INFO", "WARNING", "ERROR"]),
               help="MC_LOG_LEVEL of every node's Mooncake client.")
 @click.option("--standalone", is_flag=True, help="Each node's segment lives in a "
-              "mooncake_client process its cache actor supervises, so it survives a crash "
+              "mooncake_client process its node actor supervises, so it survives a crash "
               "of the actor (default: embedded in the actor).")
 @click.option("--host-pool-size", default=None, type=Size(), help="Per node budget for host "
-              "pools (default: no limit; 1GB with --standalone, where it is requested from "
-              "mooncake_client).")
-@click.option("--confirm-ttl", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              f"pools (default: no limit; {_short(STANDALONE_POOL_BYTES)} with --standalone, "
+              "where it is requested from mooncake_client).")
+@click.option("--confirm-ttl", default=DEFAULTS.confirm_ttl_s, show_default=True,
+              type=click.FloatRange(min=0),
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
 @click.option("--tenant-quota", "tenant_quotas", multiple=True, type=TenantQuota(),
@@ -331,7 +341,6 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
-    from raykv.clusters.node_actors import NodeSettings
 
     if rdma_devices and protocol != "rdma":
         raise click.UsageError("--rdma-devices needs --protocol rdma")
@@ -343,18 +352,17 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
         raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-quota'")
     if len(digests) != len(tenant_digests):
         raise click.BadParameter("a tenant is named twice", param_hint="'--tenant-digest'")
-    if host_pool_size is None:
-        host_pool_size = (1 << 30) if standalone else 0
     try:
         settings = NodeSettings(
             global_segment_size=segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
-            host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas,
-            tenant_digests=digests, bound_tenants_only=bound_tenants_only)
+            host_pool_bytes=pool_budget(host_pool_size, standalone),
+            confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
+            bound_tenants_only=bound_tenants_only)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    with _spinner("starting raykv: master, controller, a cache actor per node ..."):
+    with _spinner("starting raykv: master, controller, an actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,
                           master_ports=(master_port, metadata_port))
@@ -548,7 +556,7 @@ def bench(engine: str, page_sizes: tuple[int, ...] | None, batch: int, iters: in
 @CHECK
 def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
                 seconds: float, rounds: int, out_dir: str, check: bool) -> None:
-    """N ranks on a node through its one cache actor vs N raw Mooncake clients: aggregate
+    """N ranks on a node through its one node actor vs N raw Mooncake clients: aggregate
     GB/s and CPU-s per GB, in one run."""
     _require_figures("bench")
     timed = len(page_sizes) * len(ranks) * rounds * 2 * seconds

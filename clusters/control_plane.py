@@ -1,5 +1,5 @@
 """Starting and stopping raykv's actors on a running Ray cluster: the controller, the
-reconciler (and through it one cache actor per node) and, when raykv runs its own
+reconciler (and through it one actor per node) and, when raykv runs its own
 master, the master supervisor. Used by ``start_local`` and by ``raykv up``/``down``."""
 
 from __future__ import annotations
@@ -9,13 +9,10 @@ import logging
 
 import ray
 from ray.experimental import internal_kv
-from raykv.clusters.node_actors import (
-    NodeReconciler,
-    NodeSettings,
-    named_node_actors,
-)
+from raykv.clusters.node_actors import NodeReconciler, named_node_actors
 from raykv.controllers.controller import CacheController, checkpoint_key
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
+from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``up`` starts, in the ``raykv`` namespace, a supervised ``mooncake_master`` on the head
 node (unless ``master_address`` and ``metadata_server`` of an existing one are given),
-the controller and the reconciler, which gives every alive node a cache actor and
+the controller and the reconciler, which gives every alive node a node actor and
 follows the autoscaler from then on. Everything is detached: it outlives the ``up``
 command. ``down`` stops it all. Each joins the cluster through ``connect``, which fails
 in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answers.
@@ -20,9 +20,9 @@ from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor
 from raykv.clusters.mooncake_master import check_confirm_ttl
-from raykv.clusters.node_actors import NodeSettings
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
+from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 when ``num_nodes > 1``), a real ``mooncake_master`` and its HTTP metadata server on
 free loopback ports (``MooncakeMaster``: nothing of theirs listens beyond loopback, checked
 at start), the controller, and the reconciler, which gives every node exactly
-one cache actor (also nodes added later with ``add_node``). Leaving the ``with`` block
+one node actor (also nodes added later with ``add_node``). Leaving the ``with`` block
 (or ``shutdown()``) stops all of it and removes every shared-memory file it made.
 """
 
@@ -22,13 +22,12 @@ from raykv.cache_actors.node.client_supervisor import stop_recorded
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
-from raykv.clusters.node_actors import NodeSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
+from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
 from raykv.controllers.pool_layout import MiB
 
 log = logging.getLogger(__name__)
 
-STANDALONE_POOL_BYTES = 1 << 30
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
@@ -71,12 +70,12 @@ class LocalCluster:
 
     @property
     def node_actors(self) -> dict[str, ray.actor.ActorHandle]:
-        """Node id -> cache actor, for every node the controller knows now."""
+        """Node id -> node actor, for every node the controller knows now."""
         return {n: ray.get_actor(node_actor_name(n), namespace=self.namespace)
                 for n in ray.get(self.controller.nodes.remote())}
 
     def add_node(self, timeout_s: float = 60.0, **node_args) -> str:
-        """Add a Ray node (multi-node clusters only); returns its id once its cache actor
+        """Add a Ray node (multi-node clusters only); returns its id once its node actor
         answers. ``node_args`` go to ``Cluster.add_node`` (default: same CPUs as the rest)."""
         if self._ray_cluster is None:
             raise RuntimeError("add_node needs a cluster started with num_nodes > 1")
@@ -89,14 +88,14 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while node_id not in ray.get(self.controller.nodes.remote()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no cache actor on new node {node_id[:12]}")
+                raise TimeoutError(f"no node actor on new node {node_id[:12]}")
             time.sleep(0.2)
         ray.get(self.node_actors[node_id].health.remote())
         return node_id
 
     def remove_node(self, node_id: str, timeout_s: float = 60.0) -> None:
         """Stop a node that ``add_node`` added (as the autoscaler would); returns once the
-        controller no longer lists it (its cache actor retired), so ``node_actors`` never
+        controller no longer lists it (its node actor retired), so ``node_actors`` never
         names an actor that is gone. ``TimeoutError`` after ``timeout_s``."""
         self._ray_cluster.remove_node(self._ray_nodes.pop(node_id))
         self.node_ids.remove(node_id)
@@ -143,31 +142,31 @@ def start_local(
     *,
     cpus_per_node: int = 2,
     global_segment_size: int | Sequence[int] = 512 * MiB,
-    local_buffer_size: int = 16 * MiB,
+    local_buffer_size: int = DEFAULTS.local_buffer_size,
     object_store_memory: int = 256 * MiB,
     namespace: str = NAMESPACE,
     master_args: Sequence[str] = (),
-    mooncake_log_level: str = "ERROR",
-    group_window_s: float = 2.0,
-    confirm_ttl_s: float = 2.0,
+    mooncake_log_level: str = DEFAULTS.mooncake_log_level,
+    group_window_s: float = DEFAULTS.group_window_s,
+    confirm_ttl_s: float = DEFAULTS.confirm_ttl_s,
     reconcile_period_s: float = 1.0,
-    standalone: bool = False,
+    standalone: bool = DEFAULTS.standalone,
     host_pool_bytes: int | None = None,
     log_to_driver: bool = True,
-    protocol: str = "tcp",
-    rdma_devices: str = "",
+    protocol: str = DEFAULTS.protocol,
+    rdma_devices: str = DEFAULTS.rdma_devices,
     local_hostname: str = LOOPBACK,
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
-    bound_tenants_only: bool = False,
+    bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
     ``global_segment_size`` (bytes) is what each node's Mooncake client contributes to
     the store; a sequence gives one size per initial node (0 makes a node a pure
     consumer); nodes added later get the first size. ``cpus_per_node`` is the logical
-    CPU count each Ray node advertises for ranks (cache actors take none).
-    ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the cache actors (``INFO``,
+    CPU count each Ray node advertises for ranks (node actors take none).
+    ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the node actors (``INFO``,
     ``WARNING``, ``ERROR``). ``group_window_s`` bounds how long a group hit answer is
     kept for the ranks of the group that have not asked yet (0: only ranks asking at the
     same time share one). ``confirm_ttl_s``: how long group queries trust a page the
@@ -182,10 +181,13 @@ def start_local(
     detect a removed node within ~3 s. Ray must not be initialised already.
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
-    cache actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
-    node's budget for host pools (default: no limit embedded, 1 GiB standalone, where it
-    is what the node requests from ``mooncake_client``). ``log_to_driver=False`` keeps
-    the output of Ray workers (engines' logs) off this process's console.
+    node actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
+    node's budget for host pools (default: no limit embedded, ``STANDALONE_POOL_BYTES``
+    (1 GiB) standalone, where it is what the node requests from ``mooncake_client``).
+    ``log_to_driver=False`` keeps the output of Ray workers (engines' logs) off this
+    process's console. The node defaults are ``controllers.node_settings.DEFAULTS``'
+    (``global_segment_size`` and ``local_hostname`` are smaller / local here: one
+    machine).
     ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
@@ -201,13 +203,11 @@ def start_local(
              else list(global_segment_size))
     if len(sizes) != num_nodes:
         raise ValueError(f"{len(sizes)} global_segment_size values for {num_nodes} nodes")
-    if host_pool_bytes is None:
-        host_pool_bytes = STANDALONE_POOL_BYTES if standalone else 0
     settings = NodeSettings(
         cluster_tag=uuid.uuid4().hex[:8], global_segment_size=sizes[0],
         local_buffer_size=local_buffer_size, protocol=protocol, rdma_devices=rdma_devices,
         local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
-        standalone=standalone, host_pool_bytes=host_pool_bytes,
+        standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only)

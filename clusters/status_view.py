@@ -137,9 +137,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
             console.print(Text(line), soft_wrap=True)
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
-        if g and (g["checked"] or g["recent"] or g["inflight"] or g.get("confirmed")):
+        if g and (g["looked_up"] or g["recent"] or g["inflight"] or g.get("confirmed")):
             shared = g["recent"] + g["inflight"]
             confirmed = g.get("confirmed", 0)
-            console.print(f"node {node_id[:8]}: {g['checked'] + confirmed + shared} group "
+            console.print(f"node {node_id[:8]}: {g['looked_up'] + confirmed + shared} group "
                           f"queries, {shared} shared by ranks of a group, {confirmed} "
-                          f"answered from confirmed pages, {g['store_calls']} store checks")
+                          f"answered from confirmed pages, {g['store_calls']} store lookups")

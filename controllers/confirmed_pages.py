@@ -91,7 +91,7 @@ class ConfirmedPages:
 
     def confirm(self, key: FamilyKey, hashes: Sequence[str], since: float) -> None:
         """Record that every object of ``key`` for ``hashes`` was reported present by a
-        store check that started at ``since`` (the lease began no earlier)."""
+        store lookup that started at ``since`` (the lease began no earlier)."""
         self.record(key, hashes, [since + self.ttl_s] * len(hashes))
 
     def record(self, key: FamilyKey, hashes: Sequence[str], until: Sequence[float]) -> None:

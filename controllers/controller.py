@@ -3,7 +3,7 @@
 It is off the byte path and off the query path. It records where the store is and
 which node actors serve which Ray nodes, keeps the deployments (their TP/PP groups and
 pools), hands each rank its key scheme and names the *home* node of each group: that
-node's cache actor answers the group's existence queries (one ``batch_is_exist`` over
+node's actor answers the group's existence queries (one ``batch_is_exist`` over
 every rank's and pool's objects, shared by every rank that asks within a window), so
 ranks never need an all-reduce and can never disagree, and query load spreads over the
 nodes instead of meeting in one actor. Its registry is checkpointed to the GCS internal
@@ -92,7 +92,7 @@ class CacheController:
         return self._info | {"node_ids": sorted(self._nodes)}
 
     def register_node(self, node_id: str) -> str:
-        """Record that ``node_id`` has a cache actor; returns that actor's name."""
+        """Record that ``node_id`` has a node actor; returns that actor's name."""
         self._nodes[node_id] = node_actor_name(node_id)
         self._save()
         return self._nodes[node_id]
@@ -105,7 +105,7 @@ class CacheController:
         return gone
 
     def nodes(self) -> dict[str, str]:
-        """Node id -> name of its cache actor."""
+        """Node id -> name of its node actor."""
         return dict(self._nodes)
 
     # ----------------------------------------------------------- deployments

@@ -75,7 +75,7 @@ class Deployment:
     The identity fields (``identity``) are those of every rank. ``pools``: per role, the
     group's ``PoolSpec`` (``group_spec``); ``page_bytes``: per rank (``"tp,pp"``) and
     role value, the bytes of each buffer's object of one page, kept after the rank left.
-    ``home_node`` is the node whose cache actor answers the group's existence queries
+    ``home_node`` is the node whose node actor answers the group's existence queries
     (the node of the first rank that registered; moved when that node leaves), so every
     rank's query meets the same window of shared answers. ``version`` grows whenever
     the pools change, so cached copies can tell they are stale.

@@ -13,7 +13,7 @@ CLIENT_RECORD = "@mooncake_client"  # "@" never occurs in a pool name, so never 
 
 
 def node_actor_name(node_id: str) -> str:
-    """Name of the cache actor of the Ray node ``node_id`` (hex) in ``NAMESPACE``."""
+    """Name of the node actor of the Ray node ``node_id`` (hex) in ``NAMESPACE``."""
     return f"raykv-node-{node_id}"
 
 

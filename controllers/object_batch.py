@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 MAX_BATCH_OBJECTS = 65_536
-"""Objects (or keys of an existence check) one data call may name: 2048 pages of the
+"""Objects (or keys of a lookup) one data call may name: 2048 pages of the
 largest hybrid layouts; a caller with more splits its call."""
 
 

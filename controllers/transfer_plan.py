@@ -9,7 +9,7 @@ naming the problem.
 - ``plan_transfers``: those objects as one ``ObjectBatch`` (keys, pool, byte offset, byte
   size per object) and, from the node actor's per-object codes, ``{PoolName: [bool per
   page]}`` (``TransferPlan``); a call through staging pools lays out each round's
-  objects itself (``TransferPlan.add``, ``cache_actors.rank.engine_pools``).
+  objects itself (``TransferPlan.add``, ``cache_actors.rank.staging_pools``).
 - ``check_hit_query`` and ``exists_families``: the keys, per-role queries and object
   families of a hit query (``group_search.search`` turns the codes into the hit).
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.controllers import PoolTransferResult
+from raykv import PoolTransferResult
 from raykv.example_engine.host_index import HostIndex
 from raykv.example_engine.model import ModelConfig
 from raykv.example_engine.page_hashes import page_hashes

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from raykv.cache_actors import HostPool
+from raykv import HostPool
 from raykv.example_engine.model import ShardedModel
 
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
-from raykv.cache_actors import CacheClient, HostPool
-from raykv.controllers import (
+from raykv import (
+    CacheClient,
+    HostPool,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,

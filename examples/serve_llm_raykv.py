@@ -2,7 +2,7 @@
 
 Every replica's vLLM engine loads ``RayKVConnector`` (``engine_kwargs`` ->
 ``kv_transfer_config``); a prompt whose prefix any replica on any node served before
-loads those blocks from raykv (the node's cache actor, Mooncake) instead of computing
+loads those blocks from raykv (the node actor, Mooncake) instead of computing
 them. Nothing else changes in the Serve app: routing, autoscaling and the OpenAI API are
 Ray Serve LLM's.
 
@@ -11,7 +11,7 @@ of raykv's repository (it is not on the package index), raykv with vLLM 0.32.0's
 build and Ray Serve for the cluster's Ray version (the same everywhere): ``pip install -e
 '.[gpu]' 'ray[serve]==<this Ray's version>' pyarrow``. Then::
 
-    raykv up --address auto                     # master, controller, a cache actor per node
+    raykv up --address auto                     # master, controller, an actor per node
     python examples/serve_llm_raykv.py --model Qwen/Qwen2.5-7B-Instruct --replicas 2
 
 The script starts the app, sends a few requests that share a long prefix and prints, per

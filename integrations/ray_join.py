@@ -47,7 +47,7 @@ def inherited_ray_node() -> tuple[str, str] | None:
 def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
              ) -> str | None:
     """Connect this process to the raykv cluster unless it already is (a Ray worker, or
-    a process that joined before); return the node whose cache actor it should use
+    a process that joined before); return the node whose node actor it should use
     (None: the node Ray attached this process to).
 
     Address: ``address``, else ``$RAY_ADDRESS``, else the cluster of the Ray node this

@@ -86,7 +86,7 @@ class GroupQueries:
     ``on_query(how)`` how each query was answered, under this object's lock, before the
     answer is handed over: ``"recent"`` (another rank's recent answer), ``"inflight"``
     (joined a lookup in flight), ``"confirmed"`` (from confirmations alone, no store
-    call) or ``"checked"`` (lookups of its own)."""
+    call) or ``"looked_up"`` (lookups of its own)."""
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
                  confirm_ttl_s: float = 0.0,
@@ -175,7 +175,7 @@ class GroupQueries:
                         break
                     self._inflight[key] = q
                     self._pending.append(q)
-                    how = "checked"
+                    how = "looked_up"
                     self._on_query(how)
                     self._wake()
                     q = None  # answered by a lookup thread

@@ -1,4 +1,4 @@
-"""The node's Mooncake client: zero-copy batch puts, gets, existence checks and removals.
+"""The node's Mooncake client: zero-copy batch puts, gets, lookups and removals.
 
 Every method returns one code per object and never raises for a store error:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;

@@ -1,4 +1,4 @@
-"""The per-node cache actor: the Ray shell of a ``NodeService``.
+"""The node actor: the Ray shell of a ``NodeService``.
 
 One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace, created
 only through ``node_actor_class``, which sets every Ray option it runs under. It is async
@@ -54,27 +54,30 @@ class NodeCacheActor:
     (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
     is bound. ``challenge`` and ``open_session`` (a tenant's owner session,
     ``controllers.owner_keys``) run in the ``data`` group: a pool call under way never
-    holds them up."""
+    holds them up.
+
+    Its arguments are ``NodeSettings.actor_kwargs()``, every one given: the defaults live
+    in ``controllers.node_settings`` alone."""
 
     def __init__(
         self,
         node_id: str,
+        *,
         cluster_tag: str,
         master_address: str,
         metadata_server: str,
         global_segment_size: int,
-        local_buffer_size: int = 16 << 20,
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        local_hostname: str | None = None,
-        standalone: bool = False,
-        host_pool_bytes: int = 0,
-        *,
-        group_window_s: float = 2.0,
-        confirm_ttl_s: float = 2.0,
-        tenant_quotas: dict[str, int] | None = None,
-        tenant_digests: dict[str, str] | None = None,
-        bound_tenants_only: bool = False,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        local_hostname: str | None,
+        standalone: bool,
+        host_pool_bytes: int,
+        group_window_s: float,
+        confirm_ttl_s: float,
+        tenant_quotas: dict[str, int],
+        tenant_digests: dict[str, str],
+        bound_tenants_only: bool,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.

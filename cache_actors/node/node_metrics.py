@@ -38,7 +38,7 @@ from raykv.controllers.ownership import Owner
 
 EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
-GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "checked", "store_calls")
+GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "looked_up", "store_calls")
 MERGED_CALL_COUNTS = ("calls", "batches", "largest")
 MAX_POOL_LABELS = 64
 MAX_DEPLOYMENT_LABELS = 32
@@ -105,7 +105,7 @@ class NodeMetrics:
         self._group_queries = metrics.Counter(
             "raykv_group_queries", "Group existence queries answered here, by how: "
             "recent / inflight (shared by the ranks of a group), confirmed (from confirmed "
-            "pages alone) or checked (own store check)",
+            "pages alone) or looked_up (lookups of its own)",
             tag_keys=("node", "answer"))
         for m in (self._objects, self._bytes, self._lookups, self._latency,
                   self._pool_bytes, self._group_queries):
@@ -202,7 +202,7 @@ class NodeMetrics:
 
     def record_group_query(self, how: str) -> None:
         """One group query answered ``how``: ``"recent"``, ``"inflight"``,
-        ``"confirmed"`` or ``"checked"`` (see ``GroupQueries``)."""
+        ``"confirmed"`` or ``"looked_up"`` (see ``GroupQueries``)."""
         with self._lock:
             self._group[how] += 1
             self._pending[(self._group_queries, (("answer", how),))] += 1
@@ -273,7 +273,7 @@ class NodeMetrics:
     def group_queries(self) -> dict[str, float]:
         """Group queries answered here: from a recent answer (another rank's:
         ``recent``), by joining a lookup in flight (``inflight``), from confirmations
-        alone (``confirmed``), with lookups of their own (``checked``); the store calls
+        alone (``confirmed``), with lookups of their own (``looked_up``); the store calls
         of their lookups (``store_calls``) and the seconds they took
         (``store_seconds``)."""
         with self._lock:

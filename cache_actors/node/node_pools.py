@@ -54,10 +54,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NoReturn
 
 from raykv.cache_actors.errors import StalePoolsError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.engine_memory import map_engine_pool
+from raykv.cache_actors.node.engine_watch import EngineWatch
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.pool_changes import PoolChanges
 from raykv.cache_actors.node.pool_flights import PoolFlights
@@ -127,6 +129,19 @@ class PoolTable:
             entry["pools"] += 1
         return out
 
+    def check_current(self, current: PoolTable, pools: tuple[HostPool, ...]) -> None:
+        """Raise unless every pool of ``pools`` (resolved from this table) is still
+        published in ``current``: ``StalePoolsError`` if ``current`` is of another epoch,
+        ``ValueError`` if one was destroyed."""
+        if current is self:
+            return
+        if current.epoch != self.epoch:
+            raise _stale(self.epoch, current.epoch)
+        for pool in pools:
+            if current.pools.get(pool.name) is not pool:
+                raise ValueError(f"pool {pool.name!r} was destroyed on this node while the "
+                                 "call was being prepared")
+
     def resolve(self, batch: ObjectBatch) -> tuple[list[int], tuple[HostPool, ...]]:
         """Pointers in this process for every object of ``batch`` and the pools they lie
         in. ``StalePoolsError`` if the batch's offsets were taken from another
@@ -154,6 +169,26 @@ class PoolTable:
                                  f"inside pool {name!r} of {nbytes} bytes")
             ptrs.append(base + off)
         return ptrs, tuple(used)
+
+
+def replaced_during(op: str, batch: ObjectBatch, codes: list[int], epoch: int, now: int,
+                    remove: Callable[[list[str]], list[int]]) -> NoReturn:
+    """A data call ``op`` of ``epoch`` ended in epoch ``now``: the pools were allocated
+    anew while it ran (standalone: ``mooncake_client`` restarted), so its bytes may have
+    moved from or into released, zero-filled memory. A put's objects stored by this
+    call (code 0) are removed (``remove``: the store's), so that no zeros stay under
+    real keys; then ``StalePoolsError`` (retryable) for the whole call, never a
+    success. Re-allocation starts a new epoch before it releases any memory, so a call
+    that ends still in its epoch read valid memory."""
+    stored = [k for k, c in zip(batch.keys, codes, strict=True) if c == 0]
+    if op == "put" and stored:
+        failed = [k for k, c in zip(stored, remove(stored), strict=True) if c != 0]
+        if failed:  # never the keys: a tenant's name its objects (docs/deploy.md)
+            log.warning("%d objects put while the pools were replaced could not be "
+                        "removed", len(failed))
+    raise StalePoolsError(
+        f"this node's pools were allocated anew during the {op} (epoch {epoch} -> {now}); "
+        "its objects were not kept: re-map and retry")
 
 
 class NodePools:
@@ -186,8 +221,7 @@ class NodePools:
         self._lock = threading.Lock()
         self._changes = PoolChanges(self._lock, drain_s + CHANGE_S)
         self.table = PoolTable(store.memory.epoch)
-        self._engines: dict[str, ProcessIdentity] = {}  # pools of one engine process
-        self._exited: dict[str, float] = {}  # engine pool -> when its process was seen gone
+        self._engines = EngineWatch()  # pools of one engine process (under _lock)
         self._flights = PoolFlights()
 
     def _register(self, pool: HostPool, owner: Owner | None) -> HostPool:
@@ -225,7 +259,7 @@ class NodePools:
         with self._lock:
             self.table = self.table.replaced(name, pool, owner)
             if process is not None:
-                self._engines[name] = process
+                self._engines.watch(name, process)
 
     def tenants(self) -> dict[str | None, dict]:
         """``PoolTable.tenants`` of the settled table."""
@@ -245,14 +279,7 @@ class NodePools:
         one of them left the table since: ``StalePoolsError`` after a re-allocation,
         ``ValueError`` after a destroy."""
         with self._flights.lock:
-            current = self.table
-            if current is not table:
-                if current.epoch != table.epoch:
-                    raise _stale(table.epoch, current.epoch)
-                for pool in pools:
-                    if current.pools.get(pool.name) is not pool:
-                        raise ValueError(f"pool {pool.name!r} was destroyed on this node "
-                                         "while the call was being prepared")
+            table.check_current(self.table, pools)
             self._flights.count_in(pools)
 
     def leave(self, pools: tuple[HostPool, ...]) -> None:
@@ -358,13 +385,9 @@ class NodePools:
         ``destroy`` then also waits for the store calls still moving its pages. An engine
         that dies without closing its backend would otherwise keep its host pools alive
         in this node. Returns the names."""
-        now = time.monotonic()
         with self._lock:
-            engines = list(self._engines.items())
-        for name, process in engines:
-            if not process.alive():
-                self._exited.setdefault(name, now)
-        due = [n for n, t in list(self._exited.items()) if now - t >= grace_s]
+            watched = self._engines.watched()
+        due = self._engines.due(watched, time.monotonic(), grace_s)
         for name in due:
             log.warning("pool %s: the engine process it served exited; the pool is removed",
                         name)
@@ -400,8 +423,7 @@ class NodePools:
                 pool_owner = self.table.owners.get(name)
                 with self._flights.lock:
                     self.table = self.table.replaced(name, None)
-                self._engines.pop(name, None)
-                self._exited.pop(name, None)
+                self._engines.forget(name)
             self._records.remove(name)  # engine pools have none
             self._flights.drain([pool], self._unregister_and_release(), self._drain_s)
         self._sized(name, 0, pool_owner)
@@ -447,7 +469,6 @@ class NodePools:
             with self._flights.lock:
                 old, self.table = self.table, PoolTable(self.table.epoch)
             self._engines.clear()
-            self._exited.clear()
         try:
             if remove:
                 for name in old.pools:

@@ -26,53 +26,15 @@ Per-tenant quotas: ``NodePools``.
 
 It also answers the existence queries of every TP/PP group whose home node it is
 (``cache_actors.node.group_queries``): one answer shared by the ranks that ask the same (for
-at most ``group_window_s``), only the objects that can change the answer checked, pages
+at most ``group_window_s``), only the objects that can change the answer looked up, pages
 the store confirmed within ``confirm_ttl_s`` not asked again (Mooncake leases what it
 reports present; ``controllers.confirmed_pages``), concurrent queries batched into one
-``batch_is_exist``. Confirmations are dropped when the store restarts or fails a check,
+``batch_is_exist``. Confirmations are dropped when the store restarts or fails a lookup,
 and when told (``forget_confirmations``: a node left).
 
-Concurrency contract. Threads that call in:
-
-- Ray ``control`` group (the actor's control event loop): ``health``,
-  ``forget_confirmations``, ``channel_path``, run inline; they never wait on a pool
-  change. Ray ``pools`` group: pool management, ``stats``, ``shutdown``, each on a
-  thread of the actor's pool executor; no lock is held while a pool is allocated,
-  registered or drained (``NodePools``), and ``stats`` waits only for a re-allocation.
-  ``clear_objects`` runs on a thread of the control loop's default executor (it waits
-  out the store's leases).
-- Ray ``data`` group: ``exists``, ``put``, ``get`` run on ``executor``
-  (``DATA_THREADS`` threads); ``group_exists`` starts on the group's event loop (it
-  never blocks) and is answered through its ``reply``. The executor also fetches
-  deployments for group queries.
-- The local channel: one thread per data connection (``exists``, ``put``, ``get``), a
-  few pool threads for data ops sent on a group connection, and one I/O thread that
-  starts group queries (``group_exists``).
-- Group-query lookup threads (``GroupQueries``): the store lookup, then the replies.
-- Standalone: the ``mooncake_client`` watcher thread, which restarts the process and
-  then calls ``_reallocate``.
-- The metrics exporter thread (``NodeMetrics``): every second it hands the counts
-  recorded since to the Ray metrics.
-- The engine reaper thread: every ``ENGINE_REAP_S`` it removes the pools of one engine
-  process (``adopt_engine_pool``; ``create_pool`` with an ``owner``: staging and vLLM
-  pools) whose process exited more than ``ENGINE_GRACE_S`` ago
-  (``NodePools.reap_engines``: a destroy each, drained like any).
-
-State and what guards it:
-
-- The pool table: ``NodePools.table`` is an immutable ``PoolTable`` (epoch + pools)
-  replaced whole under ``NodePools._lock``; a data call reads it once, without a lock,
-  and resolves its whole batch against that one generation (see ``node_pools``).
-- Data calls in flight per pool: ``NodePools._flight`` (a data call counts itself in
-  after resolving its pointers and out after its store call; a pool leaving the table,
-  by any path, is released only once its count is 0, waiting at most ``DRAIN_S``).
-- Counters (data calls, group queries, merged transfers): ``NodeMetrics._lock``, taken
-  last. Group-query state: ``GroupQueries``' own lock.
-- Store state: ``NodeStore`` (the watcher sets and clears ``process.down``; the pool
-  memory's epoch changes only under the pool lock). The Mooncake client is called from
-  any thread (it is thread-safe).
-- ``_deployments`` (copies of deployments): single-key reads and writes of a dict,
-  atomic under the GIL; a missing or older copy only costs a fetch from the controller.
+Threads and locks: which thread calls which method, and which lock guards which state,
+is ``docs/architecture.md``, *Threads of a node actor and what each lock guards* (the
+one copy of that contract).
 """
 
 from __future__ import annotations
@@ -84,22 +46,30 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
 from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
-    StalePoolsError,
 )
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node.deployment_clear import DeploymentClear
+from raykv.cache_actors.node.deployment_copies import DeploymentCopies
+from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
-from raykv.cache_actors.node.node_pools import NodePools
+from raykv.cache_actors.node.node_pools import NodePools, replaced_during
+from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.owner_masks import (
+    allowed,
+    check_group_caller,
+    merged,
+    outside,
+    refused,
+)
 from raykv.cache_actors.node.ticket_desk import TicketDesk
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
@@ -110,7 +80,7 @@ from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.owner_sessions import UnknownSessionError
-from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
+from raykv.controllers.ownership import Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -151,11 +121,10 @@ class NodeService:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
-        self._fetch_deployment = fetch_deployment
         self._segment_size = segment_size
         self._started = time.time()
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
-        self._deployments: dict[str, Deployment] = {}
+        self._deployments = DeploymentCopies(fetch_deployment)
         self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
                                 digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
@@ -169,8 +138,8 @@ class NodeService:
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
         self._stop = threading.Event()
-        threading.Thread(target=self._reap_engines, name="raykv-engine-reaper",
-                         daemon=True).start()
+        reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
+                   self._stop)
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: partial(self.exists, verified=True),
@@ -185,13 +154,6 @@ class NodeService:
         """The watcher's call after ``mooncake_client`` restarted (standalone)."""
         self._groups.forget()
         self._pools.reallocate()
-
-    def _reap_engines(self) -> None:
-        while not self._stop.wait(ENGINE_REAP_S):
-            try:
-                self._pools.reap_engines(ENGINE_GRACE_S)
-            except Exception:  # the reaper must outlive one bad look
-                log.exception("a look at the engine pools failed")
 
     def challenge(self) -> Challenge:
         """A fresh challenge for ``open_session`` (``OwnerBindings.challenge``)."""
@@ -266,14 +228,13 @@ class NodeService:
         once) unless ``verified`` (the channel: checked when its connection opened)."""
         keys = check_object_keys(keys)
         caller = caller if verified else self.verify(caller)
-        outside = _outside(keys, caller)
+        out = outside(keys, caller)
         t = time.perf_counter()
-        if outside is None:
+        if out is None:
             codes = self._store_exists(keys)
         else:
-            asked = [k for k, out in zip(keys, outside, strict=True) if not out]
-            found = iter(self._store_exists(asked) if asked else [])
-            codes = [NOT_OWNED if out else next(found) for out in outside]
+            asked = [k for k, no in zip(keys, out, strict=True) if not no]
+            codes = merged(self._store_exists(asked) if asked else [], out, NOT_OWNED)
         self._metrics.record_exists(time.perf_counter() - t, codes,
                                     None if caller is None else caller.owner)
         return codes
@@ -315,10 +276,10 @@ class NodeService:
         table = pools.table
         ptrs, used = table.resolve(batch)
         caller = caller if verified else self.verify(caller)
-        refused = _refused(batch, used, table, caller)
-        moving = batch if refused is None else _allowed(batch, refused)
-        if refused is not None:
-            ptrs = [p for p, no in zip(ptrs, refused, strict=True) if not no]
+        masked = refused(batch, used, table, caller)
+        moving = batch if masked is None else allowed(batch, masked)
+        if masked is not None:
+            ptrs = [p for p, no in zip(ptrs, masked, strict=True) if not no]
             names = set(moving.pools)
             used = tuple(p for p in used if p.name in names)
         pools.enter(table, used)
@@ -329,32 +290,13 @@ class NodeService:
         finally:
             pools.leave(used)
         if pools.table.epoch != table.epoch:
-            self._replaced_during(op, moving, codes, table.epoch)
+            replaced_during(op, moving, codes, table.epoch, pools.table.epoch,
+                            self._store.backend.remove)
         codes = self._store.after_call(table.epoch, codes)
-        if refused is not None:
-            moved = iter(codes)
-            codes = [NOT_OWNED if no else next(moved) for no in refused]
+        if masked is not None:
+            codes = merged(codes, masked, NOT_OWNED)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
         return codes
-
-    def _replaced_during(self, op: str, batch: ObjectBatch, codes: list[int],
-                         epoch: int) -> None:
-        """The pools were allocated anew while ``op`` ran (standalone: ``mooncake_client``
-        restarted): its bytes may have moved from or into released, zero-filled memory.
-        A put's objects stored by this call (code 0) are removed, so that no zeros stay
-        under real keys; then ``StalePoolsError`` (retryable) for the whole call, never a
-        success. Re-allocation starts a new epoch before it releases any memory, so a
-        call that ends still in its epoch read valid memory."""
-        stored = [k for k, c in zip(batch.keys, codes, strict=True) if c == 0]
-        if op == "put" and stored:
-            failed = [k for k, c in zip(stored, self._store.backend.remove(stored),
-                                        strict=True) if c != 0]
-            if failed:  # never the keys: a tenant's name its objects (docs/deploy.md)
-                log.warning("%d objects put while the pools were replaced could not be "
-                            "removed", len(failed))
-        raise StalePoolsError(
-            f"this node's pools were allocated anew during the {op} (epoch {epoch} -> "
-            f"{self._pools.table.epoch}); its objects were not kept: re-map and retry")
 
     def _store_exists(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""
@@ -369,26 +311,6 @@ class NodeService:
         except NodeUnavailableError:
             self._groups.forget()
             raise
-
-    def _known(self, deployment_id: str, version: int) -> Deployment | None:
-        """The copy here of the deployment, if it is at ``version`` or later."""
-        dep = self._deployments.get(deployment_id)
-        return dep if dep is not None and dep.version >= version else None
-
-    def _deployment(self, deployment_id: str, version: int) -> Deployment:
-        """The deployment at ``version`` or later, from the controller when the copy here
-        is missing or older; ``ValueError`` if the controller does not know it,
-        ``DeadlineExceededError`` if it does not answer in time."""
-        dep = self._known(deployment_id, version)
-        if dep is None:
-            try:
-                dep = self._fetch_deployment(deployment_id)
-            except TimeoutError:
-                raise DeadlineExceededError(
-                    f"the controller did not hand over deployment {deployment_id!r} in "
-                    "time") from None
-            self._deployments[deployment_id] = dep
-        return dep
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
                      rank: tuple[int, int], keys: list[str], queries: list[PoolQuery],
@@ -407,21 +329,15 @@ class NodeService:
         caller without a claim once a claim of the deployment was bound here;
         ``verified`` as for ``exists``."""
         caller = caller if verified else self.verify(caller)
-        if caller is None:
-            if self._pools.owners.claimed(deployment_id):
-                raise ValueError(f"a group query of deployment {deployment_id!r} needs its "
-                                 "owner claim (a caller without one is refused)")
-        elif caller.deployment_id != deployment_id:
-            raise ValueError(f"a rank of deployment {caller.deployment_id!r} may not query "
-                             f"the group of deployment {deployment_id!r}")
-        dep = self._known(deployment_id, version)
+        check_group_caller(caller, deployment_id, self._pools.owners.claimed)
+        dep = self._deployments.known(deployment_id, version)
         if dep is not None:
             self._groups.submit(dep, keys, queries, tuple(rank), reply)
             return
 
         def fetch_then_submit() -> None:
             try:
-                dep = self._deployment(deployment_id, version)
+                dep = self._deployments.get(deployment_id, version)
                 self._groups.submit(dep, keys, queries, tuple(rank), reply)
             except Exception as e:  # unknown deployment or pool: the caller's error
                 reply(None, e)
@@ -447,39 +363,13 @@ class NodeService:
                 "pid": os.getpid()}
 
     def stats(self) -> dict:
-        """Counters since start: objects and bytes put/got, errors by Mooncake code
-        (``NodeMetrics.counters``); per pool its kind, bytes, pages and object counters
-        (``NodeMetrics.pool_counters``); group queries answered here (``recent``,
-        ``inflight``: shared; ``confirmed``: from confirmations alone; ``checked``: own
-        lookups; ``store_calls``, ``store_seconds``: ``NodeMetrics.group_queries``) and
-        ``confirmed_pages`` held; the mode,
-        ``host_pool_bytes`` (budget, 0: none) and ``host_pool_used`` (bytes of live pools,
-        each counted once), and in standalone mode the ``mooncake_client`` process (pid,
-        port, adopted, restarts, alive); ``merged_calls``: put/get store calls made and
-        the ranks' batches they carried (``cache_actors.node.transfer_merger``); per
-        pool its ``owner`` (deployment and tenant, None: legacy); ``tenants``: per
-        tenant with pools here or a quota, its ``pool_bytes``, ``pools`` and ``quota``
-        (bytes, None: none); ``untenanted``: the same of the pools without a tenant
-        (under no quota)."""
-        table = self._pools.settled()
-        tenants = self._pools.tenants()
-        return {
-            **self._store.stats(),
-            "node_id": self.node_id,
-            "uptime_s": time.time() - self._started,
-            "global_segment_size": self._segment_size,
-            "pools": {n: {"kind": p.handle.layout.kind, "bytes": p.nbytes,
-                          "pages": p.handle.layout.num_pages,
-                          "owner": _owner_dict(table.owners.get(n)),
-                          "counters": self._metrics.pool_counters(n)}
-                      for n, p in table.pools.items()},
-            "tenants": {t: use for t, use in tenants.items() if t is not None},
-            "untenanted": tenants.get(None, {"pool_bytes": 0, "pools": 0, "quota": None}),
-            "counters": self._metrics.counters(),
-            "group_queries": self._metrics.group_queries(),
-            "confirmed_pages": len(self._groups.confirmed),
-            "merged_calls": self._metrics.merged_calls(),
-        }
+        """Counters since start, per pool and per tenant, group queries, the store's
+        state (``cache_actors.node.node_stats`` says what each entry holds)."""
+        return node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
+                          self._metrics, node_id=self.node_id,
+                          uptime_s=time.time() - self._started,
+                          segment_size=self._segment_size,
+                          confirmed_pages=len(self._groups.confirmed))
 
     def shutdown(self, remove_pools: bool = True) -> None:
         """Stop for good: close the channel and the Mooncake client (standalone: stop
@@ -492,46 +382,3 @@ class NodeService:
         self._metrics.close()
         self.executor.shutdown(wait=False)
 
-
-def _owner_dict(owner: Owner | None) -> dict | None:
-    """A pool owner as ``stats`` shows it (never a proof)."""
-    if owner is None:
-        return None
-    return {"deployment": owner.deployment_id, "tenant": owner.tenant}
-
-
-def _outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
-    """Per key, whether it lies outside ``caller``'s key prefix (a caller without one,
-    the default deployment's or one without a claim: whether it is a tenant's key);
-    None if none does."""
-    prefix = caller.key_prefix if caller is not None else ""
-    if not prefix:
-        if not any(map(str.startswith, keys, repeat(TENANT_KEYS))):
-            return None
-        return [k.startswith(TENANT_KEYS) for k in keys]
-    if all(map(str.startswith, keys, repeat(prefix))):
-        return None
-    return [not k.startswith(prefix) for k in keys]
-
-
-def _refused(batch: ObjectBatch, used: tuple, table, caller: OwnerClaim | None
-             ) -> list[bool] | None:
-    """Per object of ``batch``, whether ``caller`` may not move it (not its owner's
-    pool, or a key outside its prefix); None if it may move every one."""
-    owner = None if caller is None else caller.owner
-    foreign = {p.name for p in used if table.owners.get(p.name) != owner}
-    outside = _outside(batch.keys, caller)
-    if not foreign and outside is None:
-        return None
-    return [pool in foreign or (outside is not None and outside[i])
-            for i, pool in enumerate(batch.pools)]
-
-
-def _allowed(batch: ObjectBatch, refused: list[bool]) -> ObjectBatch:
-    """The objects of ``batch`` not ``refused``, as a batch of the same epoch."""
-    out = ObjectBatch(epoch=batch.epoch)
-    for key, pool, off, size, no in zip(batch.keys, batch.pools, batch.offsets, batch.sizes,
-                                        refused, strict=True):
-        if not no:
-            out.add(key, pool, off, size)
-    return out

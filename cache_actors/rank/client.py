@@ -1,8 +1,8 @@
 """``CacheClient``: what an inference rank (driver or any Ray actor) calls.
 
-A facade over the pieces that do the work: ``node_link`` (the route to the node's cache
+A facade over the pieces that do the work: ``node_link`` (the route to the node
 actor: local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools
-this rank mapped and registered), ``engine_pools`` (engine memory served through
+this rank mapped and registered), ``staging_pools`` (engine memory served through
 staging pools, in rounds), ``controllers.transfer_plan`` (pure: transfers to object
 batches and codes back to pages),
 ``group_registration`` (the controller and group hit queries) and ``pointer_api``
@@ -28,13 +28,13 @@ import ray
 import torch
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.rank.engine_pools import StagedPool, staged_call
 from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.cache_actors.rank.rank_owner import RankOwner
+from raykv.cache_actors.rank.staging_pools import StagedPool, staged_call
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
@@ -46,23 +46,21 @@ from raykv.controllers.ownership import OwnerClaim, claim_of
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
-    TransferPlan,
     check_hit_query,
     check_keys,
     check_transfers,
     exists_families,
-    plan_transfers,
     pool_role,
 )
 
 
 def check_mode(extra_config: dict | None, mode: str) -> None:
-    """``ValueError`` if ``extra_config["standalone_storage"]`` (SGLang's switch) is set
+    """``ValueError`` if ``extra_config["standalone_storage"]`` (``MooncakeStore``'s key) is set
     and contradicts ``mode``, the mode of the node actor serving the rank."""
     want = (extra_config or {}).get("standalone_storage")
     if want is not None and bool(want) != (mode == "standalone"):
         raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
-                         f"cache actor runs in {mode} mode; the mode is a cluster setting: "
+                         f"actor runs in {mode} mode; the mode is a cluster setting: "
                          "start_local(standalone=...) / `raykv up --standalone`")
 
 
@@ -126,7 +124,7 @@ class CacheClient:
                         "mapped pools): make one in each process")
 
     def owner_claim(self, node_id: str | None = None) -> OwnerClaim | None:
-        """The owner claim for one call of this client's to the cache actor of
+        """The owner claim for one call of this client's to the node actor of
         ``node_id`` (default: its own node), as ``NodeLink.claim`` makes it: a tenant's
         carries a fresh call proof, good once. Tools and tests that call a node actor
         directly pass it as the call's owner."""
@@ -205,7 +203,7 @@ class CacheClient:
     def register_mem_pool_host(self, pool: HostPool | StagedPool) -> None:
         """Make ``pool`` this rank's KV pool (v1 API and the v2 anchor): a pool of this
         client, or engine memory served through a staging pool of this client
-        (``engine_pools.StagedPool``).
+        (``staging_pools.StagedPool``).
 
         Raises ``ValueError`` if the pool was not mapped by this client or its kind does
         not match ``config.is_mla_model``.
@@ -225,17 +223,10 @@ class CacheClient:
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
     # -------------------------------------------------------- batches of pages
-    def _plan_transfers(self, transfers: Sequence[PoolTransfer], write: bool) -> TransferPlan:
-        """Validate ``transfers`` and lay out their objects in one batch."""
-        pools = self._pools
-        return plan_transfers(self._hashes.transfers(transfers), pools.plan_pools,
-                              self.key_scheme, write=write, epoch=pools.epoch,
-                              disabled=pools.disabled)
-
     def _transfer(self, transfers: Sequence[PoolTransfer],
                   write: bool) -> dict[PoolName, list[bool]]:
         """Check ``transfers`` once, then move their pages: one round trip, or one per
-        round of a staged pool smaller than the call (``engine_pools.staged_call``)."""
+        round of a staged pool smaller than the call (``staging_pools.staged_call``)."""
         pools = self._pools
         checked = check_transfers(self._hashes.transfers(transfers), pools.plan_pools,
                                   self.key_scheme, write=write, disabled=pools.disabled)
@@ -244,7 +235,7 @@ class CacheClient:
                            call=lambda batch: self._link.data(op, batch))
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[PoolName, list[bool]]:
-        """Store the pages of every pool in one round trip (existence check and put of
+        """Store the pages of every pool in one round trip (lookup and put of
         the missing objects happen together in the node actor). Every TP rank puts its
         replicated pools' objects too (put-if-absent: the group's first put stores them,
         the others find them present), so a page is True only if the store holds it."""
@@ -258,7 +249,7 @@ class CacheClient:
     def batch_exists_v2(self, keys: Sequence[str],
                         transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
         """The longest prefix of ``keys`` that KV and every pool in ``transfers`` can
-        restore together, for this rank, from one existence check of all their objects.
+        restore together, for this rank, from one lookup of all their objects.
 
         A ``trailing_pages`` transfer's window is the number of its keys (1 if none).
         """
@@ -281,7 +272,7 @@ class CacheClient:
     def group_exists(self, keys: Sequence[str],
                      transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:
         """The hit of this rank's whole TP/PP group: the intersection of restorable
-        prefixes over every rank and pool, from one existence check by the cache actor
+        prefixes over every rank and pool, from one lookup by the node actor
         of the group's home node (the controller names it at registration). Every rank
         of the group asking about the same keys and pools gets the identical answer (a
         rank asking again gets a fresh one), so no all-reduce among ranks is needed."""

@@ -1,7 +1,7 @@
 """A rank's registration with the controller, and the group hit query it enables.
 
 The controller keeps every deployment's ranks and pools; registering hands the rank
-its key scheme and names the group's *home node*, whose cache actor answers the group's
+its key scheme and names the group's *home node*, whose node actor answers the group's
 existence queries (``cache_actors.node.group_queries``). A rank registers again whenever its
 registered pools changed or the link re-attached (the controller or the home node may
 have moved).
@@ -43,7 +43,7 @@ class GroupRegistration:
 
     def exists(self, keys: list[str], queries: list[PoolQuery]) -> PoolTransferResult:
         """The group's hit for page ``keys`` and extra pools ``queries``, answered by the
-        home node's cache actor (call after ``register``; see ``outdated``)."""
+        home node's actor (call after ``register``; see ``outdated``)."""
         assert self._current is not None, "register before a group query"
         reg = self._current[0]
         return self._link.data(DataOp.GROUP_EXISTS, reg.deployment_id, reg.version,

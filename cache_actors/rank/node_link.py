@@ -1,4 +1,4 @@
-"""A rank's route to the raykv actors: its node's cache actor and the controller.
+"""A rank's route to the raykv actors: its node's actor and the controller.
 
 Data ops (``DataOp``) go over the node actor's local channel when the client runs on
 that actor's node (~0.1 ms), else through a Ray call (~1 ms); control calls (pools,
@@ -79,7 +79,7 @@ class NodeLink:
     other node's actor and the controller). ``remap()`` is called before the first call
     after the link went stale (see the module docstring); it may use ``ask``.
     ``timeout_s``: the deadline of each data op, in seconds; ``owner``: the client's
-    owner (None: it sends no claim). ``NodeUnavailableError`` if that node has no cache
+    owner (None: it sends no claim). ``NodeUnavailableError`` if that node has no node
     actor."""
 
     def __init__(self, node_id: str, namespace: str, remap: Callable[[], None],
@@ -94,7 +94,7 @@ class NodeLink:
             self._actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
         except ValueError as e:
             raise NodeUnavailableError(
-                f"no raykv cache actor on node {node_id[:12]} (namespace {namespace!r}); "
+                f"no raykv node actor on node {node_id[:12]} (namespace {namespace!r}); "
                 "is raykv running on this cluster?") from e
         self._local = node_id == ray.get_runtime_context().get_node_id()
         self._channel: ChannelClient | None = None
@@ -120,7 +120,7 @@ class NodeLink:
             return self._ray(self._actor, method, *args, **kwargs)
 
     def data(self, op: DataOp, *args, node_id: str | None = None) -> Any:
-        """Data op ``op`` on the cache actor of ``node_id`` (default: this link's node):
+        """Data op ``op`` on the node actor of ``node_id`` (default: this link's node):
         over the local channel when that actor runs on this node, else through Ray;
         ``CircuitOpenError`` at once while that actor's breaker is open. A put or get is
         final when it returns: it carries a ticket, settled if the call fails
@@ -230,7 +230,7 @@ class NodeLink:
             return ray.get_actor(node_actor_name(node_id), namespace=self._namespace)
         except ValueError as e:
             self._controller = None  # ask the controller again: the group may have moved
-            raise NodeUnavailableError(f"no raykv cache actor on node {node_id[:12]}; retry "
+            raise NodeUnavailableError(f"no raykv node actor on node {node_id[:12]}; retry "
                                        "the call") from e
 
     def _over_channel(self, op: DataOp, args: tuple) -> Any:

@@ -4,7 +4,7 @@ Pools are shared memory owned by the node actor; the client maps them here as to
 tensors (``HostPool``) and registers them by role (``PoolName``) for the batch calls.
 Engine memory raykv cannot map (a draft pool the engine allocated itself, an SGLang
 pool of another allocator, vLLM's KV cache) is registered as a ``StagedPool``
-(``engine_pools``): its pages are copied into a staging pool before a put and out of it
+(``staging_pools``): its pages are copied into a staging pool before a put and out of it
 after a get.
 
 Every pool call names the client's owner claim (``link.claim()``): the node actor
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from raykv.cache_actors.processes import ProcessIdentity
-from raykv.cache_actors.rank.engine_pools import StagedPool, describe_kv_buffer
 from raykv.cache_actors.rank.node_link import NodeLink
+from raykv.cache_actors.rank.staging_pools import StagedPool, describe_kv_buffer
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
 from raykv.controllers.keys import check_key_rule

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.rank.client import CacheClient
+from raykv import CacheClient, GiB, HostPool, KiB, MiB, StorageConfig
 from raykv.clusters.bench.group import group_rows, judge_group, render_group, render_targets
 from raykv.clusters.bench.toolkit import (
     KV_CACHE_DIM,
@@ -54,9 +53,7 @@ from raykv.clusters.bench.toolkit import (
     timed,
     write_figure,
 )
-from raykv.controllers.contract import StorageConfig
 from raykv.controllers.keyed_hashes import KeyedHashes
-from raykv.controllers.pool_layout import GiB, KiB, MiB
 from raykv.controllers.tenancy import TENANT_SECRET_ENV, tenant_secret
 from rich.console import Console
 

@@ -27,8 +27,19 @@ import time
 from collections.abc import Sequence
 
 import torch
-from raykv.cache_actors.rank.client import CacheClient
-from raykv.cache_actors.rank.engine_pools import EngineMemory, StagedPool, staging_layout
+from raykv import (
+    CacheClient,
+    EngineMemory,
+    GiB,
+    KiB,
+    MiB,
+    PoolLayout,
+    PoolName,
+    PoolTransfer,
+    StagedPool,
+    StorageConfig,
+    staging_layout,
+)
 from raykv.clusters.bench.dataplane import Pages, make_pages
 from raykv.clusters.bench.toolkit import (
     BenchRun,
@@ -43,8 +54,6 @@ from raykv.clusters.bench.toolkit import (
     start_cluster,
     summarize,
 )
-from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
-from raykv.controllers.pool_layout import GiB, KiB, MiB, PoolLayout
 from rich.console import Console
 
 DEFAULT_PAGE_SIZES = (256 * KiB, 1 * MiB, 4 * MiB)

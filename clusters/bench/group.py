@@ -5,12 +5,12 @@ For each TP size a deployment with KV (MHA, k+v) and Mamba (temporal + 2 conv) p
 registered; 64 prompts of ``pages`` pages are stored for every rank, every page with
 its Mamba state (tiny objects: the check does not read bytes). Measured:
 - **latency, cold**: ``CacheClient.group_exists`` (rank -> local channel -> the home
-  node actor -> store checks -> intersection) right after the home node forgot
-  every confirmation, so every object is checked at the store, vs the raw
+  node actor -> store lookups -> intersection) right after the home node forgot
+  every confirmation, so every object is looked up in the store, vs the raw
   ``batch_is_exist`` of the identical object list from the driver; p50/p99 in ms,
   *added* = group p50 - raw p50. The answer window is 0: no answer is shared.
 - **latency, warm**: the same rank asking again about prompts the store confirmed
-  less than ``confirm_ttl_s`` ago (Mooncake leases them), against the same raw check.
+  less than ``confirm_ttl_s`` ago (Mooncake leases them), against the same raw lookup.
 - **throughput**: group queries/s from ``concurrency`` caller threads, each a rank of
   the group with its own ``CacheClient``: distinct queries about stored prompts (hits,
   confirmations renewed as they expire), distinct queries about prompts never stored
@@ -19,7 +19,7 @@ its Mamba state (tiny objects: the check does not read bytes). Measured:
   by all ``tp`` ranks (as a TP group does); as the store's ceiling, raw
   ``batch_is_exist`` calls/s of the full object lists from as many driver threads.
 - **answered**: how the home node answered the run's queries (shared, from
-  confirmations, with store checks) and its store calls.
+  confirmations, with store lookups) and its store calls.
 """
 
 from __future__ import annotations
@@ -33,19 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, MiB, PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.clusters.bench.toolkit import BenchRun, RawStore, right_table, start_cluster
-from raykv.controllers import (
-    NAMESPACE,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-    StorageConfig,
-    node_actor_name,
-)
+from raykv.controllers import NAMESPACE, node_actor_name
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.families import group_families
-from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 
 TRAIL = PoolHitPolicy.TRAILING_PAGES
@@ -106,7 +98,7 @@ def _raw_throughput(raw: RawStore, deployment: Deployment, prompts: list[list[st
 
 def _latency(client: CacheClient, raw: RawStore, deployment: Deployment, prompts, queries, transfer,
              calls: int, before=lambda: None) -> tuple[list[float], list[float]]:
-    """``calls`` sequential group queries and raw checks of the same objects, taking
+    """``calls`` sequential group queries and raw lookups of the same objects, taking
     turns; ``before()`` runs untimed ahead of each pair. Which of the two goes first
     alternates: the first store call after a pause is slower on these machines (~0.4 ms
     measured), and neither side should always pay it."""
@@ -162,7 +154,7 @@ def _bench_tp(cluster, raw: RawStore, tp: int, pages: int, calls: int, concurren
     for c in clients:
         c.close()
     answered = {k: after[k] - before[k] for k in ("recent", "inflight", "confirmed",
-                                                   "checked", "store_calls")}
+                                                   "looked_up", "store_calls")}
     row = {"tp": tp, "pages": pages,
            "objects": len(group_families(deployment, queries).objects(stored[0])),
            "answered": answered, **qps}
@@ -223,14 +215,14 @@ def render_group(rows: list[dict], concurrency: int, console: Console) -> None:
         table.add_row(str(r["tp"]), str(r["objects"]), *cells)
     console.print(table)
     table = right_table(f"group queries/s, {concurrency} callers",
-                        ("TP", "hits", "misses", "TP group", "raw checks/s", "shared",
-                         "confirmed", "checked", "store calls"))
+                        ("TP", "hits", "misses", "TP group", "raw lookups/s", "shared",
+                         "confirmed", "looked up", "store calls"))
     for r in rows:
         a = r["answered"]
         table.add_row(str(r["tp"]), f"{r['qps_hits']:.0f}", f"{r['qps_misses']:.0f}",
                       f"{r['qps_group_shared']:.0f}", f"{r['qps_raw']:.0f}",
                       str(a["recent"] + a["inflight"]), str(a["confirmed"]),
-                      str(a["checked"]), str(a["store_calls"]))
+                      str(a["looked_up"]), str(a["store_calls"]))
     console.print(table)
 
 

@@ -50,9 +50,9 @@ def rate(engine, window_s: float, rnd: random.Random) -> dict:
 
 
 def run(window_s: float, out: Path) -> dict:
+    from raykv import start_local
     from raykv.clusters.demo.vllm_actors import ready, start_engine
     from raykv.clusters.demo.vllm_model import make_llama
-    from raykv.clusters.local import start_local
 
     rnd = random.Random(0)
     with (tempfile.TemporaryDirectory() as tmp,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from raykv import GiB, KiB, MiB
 from raykv.clusters.bench.toolkit import (
     GB,
     KV_CACHE_DIM,
@@ -47,7 +48,6 @@ from raykv.clusters.bench.toolkit import (
     start_cluster,
     write_figure,
 )
-from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
 from rich.table import Table
 
@@ -103,8 +103,7 @@ class RankWorker(_Worker):
 
     def __init__(self, index: int, metadata_server: str, master_address: str) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        from raykv.cache_actors.rank.client import CacheClient
-        from raykv.controllers.contract import StorageConfig
+        from raykv import CacheClient, StorageConfig
 
         self.index = index
         self.client = CacheClient(StorageConfig(is_mla_model=True,

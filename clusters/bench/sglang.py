@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ray
+from raykv import GiB, KiB, MiB
 from raykv.clusters.bench.toolkit import (
     BenchRun,
     bars_and_panel,
@@ -47,7 +48,6 @@ from raykv.clusters.bench.toolkit import (
     summarize,
     write_figure,
 )
-from raykv.controllers.pool_layout import GiB, KiB, MiB
 from rich.console import Console
 
 DEFAULT_PAGE_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)

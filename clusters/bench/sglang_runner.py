@@ -12,7 +12,7 @@ of one page are 64 KiB and a page of ``n`` x 64 KiB has ``n`` layers; each page 
 objects, K and V). The host pool holds ``2 * batch`` pages: the first half is what
 backups read, the second what prefetches fill. Two ``HybridCacheController`` run over
 that one host pool group, ``storage_backend="dynamic"`` (``RayKVStore``, through the
-cache actor of ``spec["node_id"]``) and ``"mooncake"`` (``MooncakeStore``, a Mooncake
+node actor of ``spec["node_id"]``) and ``"mooncake"`` (``MooncakeStore``, a Mooncake
 client in this process that contributes no segment), so both move the same bytes from
 and to the same memory into the same store. Per iteration and backend, on a fresh prompt
 of ``batch`` pages:

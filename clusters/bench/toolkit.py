@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from raykv.controllers.pool_layout import GiB, KiB, MiB
+from raykv import GiB, KiB, MiB
 from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    from raykv.clusters.local import LocalCluster
+    from raykv import LocalCluster
 
 GB = 1e9
 # MLA page geometry of the data-plane and ranks benchmarks: PAGE_TOKENS tokens of
@@ -292,10 +292,10 @@ class BenchRun:
 def start_cluster(console: Console, num_nodes: int, **kw) -> LocalCluster:
     """``start_local(num_nodes=num_nodes, **kw)`` under a status line on ``console``; the
     caller stops it (``with cluster:``). Ray must not be initialised."""
-    from raykv.clusters.local import start_local
+    from raykv import start_local
 
     nodes = f"{num_nodes} node{'s' if num_nodes > 1 else ''}"
-    with console.status(f"starting Ray ({nodes}), mooncake_master and the cache actors"):
+    with console.status(f"starting Ray ({nodes}), mooncake_master and the node actors"):
         return start_local(num_nodes=num_nodes, **kw)
 
 

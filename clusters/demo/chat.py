@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import ray
 import torch
+from raykv import MiB
 from raykv.clusters.bench.toolkit import start_cluster, write_figure
-from raykv.controllers.pool_layout import MiB
 from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
-    from raykv.clusters.local import LocalCluster
+    from raykv import LocalCluster
 
 T = TypeVar("T")
 L3_COUNTERS = ("put_bytes", "get_bytes", "put_objects", "get_objects")

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from raykv import MiB
 from raykv.clusters.bench.toolkit import right_table, save
 from raykv.clusters.demo.chat import (
     demo_console,
@@ -29,7 +30,6 @@ from raykv.clusters.demo.chat import (
     run_steps,
     start_demo_cluster,
 )
-from raykv.controllers.pool_layout import MiB
 from raykv.example_engine import Engine, Generation
 from raykv.example_engine.presets import build
 from raykv.example_engine.workload import ChatWorkload

@@ -1,13 +1,13 @@
 """``raykv demo --engine vllm``: the multi-turn chat of ``raykv demo`` on real vLLM.
 
 An embedded 2-node cluster (``start_local(num_nodes=2)``: two Ray nodes, a real
-``mooncake_master``, one cache actor per node) runs two vLLM engines per node, each in a
+``mooncake_master``, one actor per node) runs two vLLM engines per node, each in a
 Ray actor (in-process engine core, eager, one OMP thread: ``clusters.demo.vllm_actors``),
 on a random-weight Llama made locally (``clusters.demo.vllm_model``): one with raykv's
 ``RayKVConnector``, one without (stock vLLM). Both keep vLLM's own prefix cache on (its
 default), so "without raykv" is vLLM as deployed: it reuses what its own engine
 computed; with raykv an engine also loads the blocks any engine on any node computed
-(from Mooncake, through its node's cache actor).
+(from Mooncake, through its node's actor).
 
 The chat is ``ChatWorkload``'s (sessions share a system prompt; turn ``t`` of session
 ``s`` runs on node ``(s + t) % 2``); every request runs on its node's raykv engine, then
@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 
 import ray
+from raykv import MiB
 from raykv.clusters.bench.toolkit import right_table, save
 from raykv.clusters.demo.chat import (
     demo_console,
@@ -45,7 +46,6 @@ from raykv.clusters.demo.chat import (
 )
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import VOCAB, LlamaDims, make_llama
-from raykv.controllers.pool_layout import MiB
 from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 

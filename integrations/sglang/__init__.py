@@ -1,15 +1,12 @@
 """raykv as an SGLang HiCache storage backend (SGLang 0.5.23).
 
-Stock SGLang loads it with::
-
-    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-      '{"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
-        "class_name": "RayKVStore", "interface_v1": 1, "allocator": "shm",
-        "ray_address": "<gcs host:port>"}'
+Stock SGLang loads it as a ``dynamic`` storage backend by module path: the launch line
+is the README's (*Production: three steps*), every key of the extra config
+``docs/engines.md``.
 
 ``RayKVStore`` (module ``store``, the only one that imports SGLang; exported here
 lazily, so importing this package or its other modules never needs SGLang) joins the
-raykv cluster over Ray, talks to the cache actor of its node through a ``CacheClient``
+raykv cluster over Ray, talks to the node actor of its node through a ``CacheClient``
 and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
 
 - **Zero-copy** (``"allocator": "shm"``, embedded Mooncake mode): SGLang's KV-like host
@@ -18,7 +15,7 @@ and speaks SGLang's v1 and v2 storage API on SGLang's own host pools:
   them with its Mooncake client (``cache_actors.node.engine_memory``), and pages move
   straight between SGLang's tensors and the store.
 - **Staging** (any other allocator, Mamba pools, standalone mode): a raykv host pool of
-  the same page geometry per SGLang pool (``cache_actors.rank.engine_pools.StagedPool``);
+  the same page geometry per SGLang pool (``cache_actors.rank.staging_pools.StagedPool``);
   pages are copied into it before a put and out of it after a get (one warning names the
   reason and what would make it zero-copy). In standalone mode the store's buffers are
   ``mooncake_client``'s shared memory, which only ``mooncake_client`` can register and

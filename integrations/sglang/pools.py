@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.rank.engine_pools import (
+from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     describe_kv_buffer,

@@ -3,7 +3,7 @@ memfd adopted by the node actor (zero-copy), or a staging pool (no SGLang import
 
 Threads: registration, re-adoption and ``close`` hold ``lock``; SGLang's storage threads
 call the client's batch calls, which take each staged pool's direction lock for their
-whole run (``engine_pools.staged_call``).
+whole run (``staging_pools.staged_call``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import uuid
 
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.cache_actors.rank.engine_pools import StagedPool, staging_layout
+from raykv.cache_actors.rank.staging_pools import StagedPool, staging_layout
 from raykv.controllers.contract import PoolName
 from raykv.integrations.sglang.config import MAMBA_STAGING_SLOTS, BackendOptions
 from raykv.integrations.sglang.pools import EnginePool, describe_pool
@@ -73,7 +73,7 @@ class ServedPools:
         elif ep.kind == "mamba":
             why = "Mamba pools are staged"
         elif self.mode != "embedded":
-            why = (f"the node's cache actor runs in {self.mode} Mooncake mode, where the "
+            why = (f"the node actor runs in {self.mode} Mooncake mode, where the "
                    "store's buffers belong to mooncake_client, which cannot map SGLang's "
                    "memory")
             hint = "zero-copy needs raykv in embedded Mooncake mode"
@@ -94,7 +94,7 @@ class ServedPools:
                 self._adopt(ep)
                 return
             except Exception as e:  # refused, or an actor without the hook
-                why = f"the node's cache actor did not map SGLang's memfd: {e}"
+                why = f"the node actor did not map SGLang's memfd: {e}"
                 hint = "pages are copied instead"
         if ep.kind != "mamba" and not self._warned_staging:
             self._warned_staging = True

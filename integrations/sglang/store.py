@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.sglang.config import SUPPORTED_POOLS, BackendOptions, storage_config
+from raykv.integrations.sglang.meters import BackendMeters
 from raykv.integrations.sglang.serving import ServedPools
 from raykv.integrations.sglang.transfers import (
     exists_queries,
@@ -51,7 +51,7 @@ class RayKVStore(HiCacheStorage):
     the attach, naming the valid ones): ``ray_address`` (default ``$RAY_ADDRESS``, else
     the cluster of the Ray node this process descends from, else ``auto``, as vLLM's
     connector), ``namespace`` (``ray_namespace`` is its alias), ``ray_auth_mode``,
-    ``ray_node_id`` (serve through the cache actor of that node instead of the node Ray
+    ``ray_node_id`` (serve through the node actor of that node instead of the node Ray
     placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
     memfds), ``staging_pages`` (per pool and direction, default 256),
     ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
@@ -82,9 +82,8 @@ class RayKVStore(HiCacheStorage):
         self._pools = self._served.pools
         self._warn_log = ThrottledLog(log, WARN_EVERY_S)
         self._warned_legacy = False
-        self.counters: Counter[str] = Counter()
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                         "backup_bandwidth": []}
+        self._meters = BackendMeters(self.config.enable_storage_metrics)
+        self.counters = self._meters.counters
         self.mem_pool_host = None
         self.registered_pools = {}
         if not opts.interface_v1:
@@ -153,16 +152,8 @@ class RayKVStore(HiCacheStorage):
             self._warn(what, e)
             return failed(transfers)
         result = results_for(out, empty, SGPoolName)
-        pages = sum(sum(v) for v in out.values())
-        served = dict(self._pools)  # close() may clear it meanwhile
-        nbytes = sum(sum(v) * sum(served[n].layout.object_sizes)
-                     for n, v in out.items() if n in served)
-        self.counters[f"{'set' if write else 'get'}_pages"] += pages
-        if self.config.enable_storage_metrics:
-            kind = "backup" if write else "prefetch"
-            self._metrics[f"{kind}_pgs"].append(pages)
-            self._metrics[f"{kind}_bandwidth"].append(
-                nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+        # a copy of the served pools: close() may clear them meanwhile
+        self._meters.record(write, out, dict(self._pools), time.perf_counter() - start)
         return result
 
     # ------------------------------------------------------------------ v1 API
@@ -304,11 +295,7 @@ class RayKVStore(HiCacheStorage):
             return None
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        m = StorageMetrics()
-        for k, v in self._metrics.items():
-            getattr(m, k).extend(v)
-            v.clear()
-        return m
+        return self._meters.drain_into(StorageMetrics())
 
     def close(self) -> None:
         """Drop this backend's pools from the node actor and close the client (from

@@ -1,7 +1,7 @@
 """raykv as a vLLM KV connector: ``RayKVConnector`` (a ``KVConnectorBase_V1``).
 
 Loaded by stock vLLM, which imports this package and takes ``RayKVConnector`` from it
-(exported lazily: importing this package, ``plan`` or ``options`` never imports vLLM;
+(exported lazily: importing this package, ``request_blocks`` or ``options`` never imports vLLM;
 only ``connector``, ``metadata``, ``scheduler`` and ``worker`` do)::
 
     KVTransferConfig(kv_connector="RayKVConnector",
@@ -20,14 +20,14 @@ Modules:
 - ``connector``: ``RayKVConnector``, the thin ``KVConnectorBase_V1`` that vLLM calls;
   it delegates to one of the two sides below.
 - ``scheduler``: the scheduler side (one per engine): ONE raykv group query per lookup
-  about every TP rank's objects, so ranks never load different prefixes; plans each
+  about every TP rank's objects, so ranks never load different prefixes; decides each
   step's loads and saves.
 - ``worker``: the worker side (one per TP rank): moves blocks between vLLM's KV cache
   and the rank's shared host pool, and that pool to and from the store; a failed load
   is reported, never raised, and recomputed by vLLM.
 - ``side``: what both sides share: the raykv client, its pool, counters.
 - ``metadata``: what the scheduler side sends the workers each step.
-- ``plan``: the scheduler side's pure block bookkeeping.
+- ``request_blocks``: the scheduler side's pure block bookkeeping.
 - ``page_hash``: the page hashes of a request's blocks (pure).
 - ``options``: ``kv_connector_extra_config`` (``ConnectorOptions``).
 """

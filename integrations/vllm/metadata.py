@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raykv.integrations.vllm.plan import BlockTransfer
+from raykv.integrations.vllm.request_blocks import BlockTransfer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 

@@ -7,7 +7,7 @@ leaves at least one token to compute. Blocks are named by raykv's own page hashe
 LoRA, multimodal inputs, prompt embeddings), computed here incrementally per request,
 never by vLLM's ``request.block_hashes`` (whose root depends on ``PYTHONHASHSEED``).
 The answer is the same for every rank, so ranks never load different prefixes. Each
-step's loads and saves are planned by ``raykv.integrations.vllm.plan`` and sent to the
+step's loads and saves are decided by ``raykv.integrations.vllm.request_blocks`` and sent to the
 workers as ``RayKVConnectorMetadata``. Every method runs on vLLM's scheduler thread.
 """
 
@@ -20,14 +20,14 @@ from raykv.controllers.call_budget import Budget
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.page_hash import PageHashChain
-from raykv.integrations.vllm.plan import (
+from raykv.integrations.vllm.request_blocks import (
     RequestBlocks,
+    blocks_to_load,
+    blocks_to_save,
     external_tokens,
     hash_hex,
     mark_failed,
     max_loadable_blocks,
-    plan_load,
-    plan_save,
     restart,
 )
 from raykv.integrations.vllm.side import ConnectorSide
@@ -112,7 +112,7 @@ class RayKVConnectorScheduler(ConnectorSide):
                                  num_external_tokens: int) -> None:
         st = self._state(request)
         if num_external_tokens > 0:
-            st.pending_load = plan_load(request.request_id, blocks.get_block_ids()[0],
+            st.pending_load = blocks_to_load(request.request_id, blocks.get_block_ids()[0],
                                         self._page_hashes(st), st.local_hit_tokens,
                                         num_external_tokens, self.block_size)
 
@@ -133,7 +133,7 @@ class RayKVConnectorScheduler(ConnectorSide):
                 # Draft tokens' KV may be rejected: only tokens known to be right count.
                 after = computed_before + scheduled.get(rid, 0) - len(spec.get(rid, ()))
                 self._page_hashes(st)
-                save = plan_save(st, after, self.block_size)
+                save = blocks_to_save(st, after, self.block_size)
                 if save is not None:
                     meta.saves.append(save)
 

@@ -21,7 +21,7 @@ from raykv.integrations.vllm.options import ConnectorOptions
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv.cache_actors.rank.engine_pools import StagedPool
+    from raykv.cache_actors.rank.staging_pools import StagedPool
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 

@@ -2,7 +2,7 @@
 
 vLLM's KV cache is served through a staging pool of kind ``vllm`` on the rank's node
 (page = one vLLM block of every layer, laid out as vLLM's CPU block layout, so a block
-of one layer is one contiguous copy; ``engine_pools.StagedPool``): the client copies a
+of one layer is one contiguous copy; ``staging_pools.StagedPool``): the client copies a
 save's blocks into it and a load's blocks read in full out of it, and the node actor
 moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
@@ -16,7 +16,7 @@ the scheduler side tells the workers it has seen the failure (``failures_seen``:
 then rescheduled every request holding the block, from that block on), such a block is
 *unsettled*, and a save whose blocks or ``context`` hold an unsettled block is refused,
 whichever request's load failed (vLLM's prefix cache shares blocks between requests).
-The scheduler side plans those blocks again, to be saved once recomputed.
+The scheduler side marks those blocks for a save again, once recomputed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from raykv.cache_actors.rank.engine_pools import (
+from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     dtype_of,
@@ -37,7 +37,7 @@ from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
-from raykv.integrations.vllm.plan import BlockTransfer
+from raykv.integrations.vllm.request_blocks import BlockTransfer
 from raykv.integrations.vllm.side import ConnectorSide
 
 if TYPE_CHECKING:

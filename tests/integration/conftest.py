@@ -13,7 +13,7 @@ MODES = ("embedded", "standalone")
 def two_nodes(mode: str):
     """A real two-node raykv cluster (Ray + mooncake_master; standalone: a supervised
     mooncake_client per node) in Mooncake ``mode``."""
-    from raykv.clusters import start_local
+    from raykv import start_local
 
     return start_local(num_nodes=2, global_segment_size=256 << 20,
                        standalone=mode == "standalone")

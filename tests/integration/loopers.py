@@ -9,7 +9,7 @@ import zlib
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import StorageConfig
 
 from tests.integration.ranks import MHA, indices

@@ -4,7 +4,7 @@ import os
 import time
 
 import ray
-from raykv.cache_actors import NodeUnavailableError
+from raykv import NodeUnavailableError
 
 
 def running_clients(cluster) -> set[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import PoolName, StorageConfig
 
 MHA = dict(page_size=4, size=64, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
@@ -136,3 +136,14 @@ def start_hybrid(node_id: str, config: StorageConfig, pools: dict | None = None)
     rank = HybridRank.options(scheduling_strategy=strategy).remote(config, pools)
     assert ray.get(rank.node_id.remote()) == node_id
     return rank
+
+
+def planned(client: CacheClient, transfers, write: bool):
+    """The ``TransferPlan`` of ``transfers`` as ``client`` lays them out (keyed hashes,
+    its key scheme, its pools): the object batch a test sends a node actor itself."""
+    from raykv.controllers.transfer_plan import plan_transfers
+
+    pools = client._pools
+    return plan_transfers(client._hashes.transfers(transfers), pools.plan_pools,
+                          client.key_scheme, write=write, epoch=pools.epoch,
+                          disabled=pools.disabled)

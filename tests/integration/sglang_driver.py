@@ -41,7 +41,7 @@ functions against ``RayKVStore``, ``sglang_peer``).
 Usage: ``python sglang_driver.py SPEC.json`` -> one JSON object on the last stdout line.
 Spec: ``ray_address, namespace, node_ids, node (default node index), tp_rank, tp_size,
 gloo_port, scenarios`` where each scenario has ``name, model, allocator, model_name,
-steps`` and optionally ``node`` (serve through that node's cache actor), ``backend``
+steps`` and optionally ``node`` (serve through that node's actor), ``backend``
 (``mooncake``) with ``mooncake`` (its config), ``extra`` (extra-config keys), ``layout``
 and ``env`` (environment set while SGLang builds the backend, e.g.
 ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE``).
@@ -542,7 +542,7 @@ class Engine:
         return {}
 
     def wait_healthy(self, step) -> dict:
-        """Wait until this node's cache actor answers again (Ray restarts it)."""
+        """Wait until this node's actor answers again (Ray restarts it)."""
         t = time.time()
         while time.time() - t < step.get("s", 120):
             try:
@@ -811,17 +811,17 @@ class Engine:
         backup of prompt ``seed`` (``n_pages``; SGLang's pages copied into staging before
         the put), or ``"out"``, a prefetch of it (backed up before; the pages read copied
         out of staging into SGLang's). Each page of that copy is slowed by ``copy_s``
-        seconds (test-only: ``engine_pools.page_runs`` patched for this step),
+        seconds (test-only: ``staging_pools.page_runs`` patched for this step),
         and ``close()`` runs once the copy has begun; the backup or prefetch runs on a
         thread of this step through SGLang's own threads.
 
         Returns ``result`` (what ``write`` / ``prefetch`` report: the acked tokens, or
         the pages SGLang's acks count loaded and whether their bytes are the writer's),
         ``close`` (start, end) and ``copy_started`` (seconds since the step began)."""
-        from raykv.cache_actors.rank import engine_pools
-        from raykv.cache_actors.rank.engine_pools import StagedPool
+        from raykv.cache_actors.rank import staging_pools
+        from raykv.cache_actors.rank.staging_pools import StagedPool
 
-        runs = engine_pools.page_runs
+        runs = staging_pools.page_runs
         method = "copy_in" if step["direction"] == "in" else "copy_out"
         copy = getattr(StagedPool, method)
         slowed = threading.local()
@@ -857,7 +857,7 @@ class Engine:
                 done["error"] = repr(e)
 
         setattr(StagedPool, method, slow_copy)
-        engine_pools.page_runs = slow_runs
+        staging_pools.page_runs = slow_runs
         try:
             thread = threading.Thread(target=transfer, name="close-copy")
             thread.start()
@@ -868,7 +868,7 @@ class Engine:
             close["end"] = time.perf_counter() - t0
             thread.join(120)
         finally:
-            engine_pools.page_runs = runs
+            staging_pools.page_runs = runs
             setattr(StagedPool, method, copy)
         if "error" in done:
             raise RuntimeError(f"the {step['direction']} transfer failed: {done['error']}")

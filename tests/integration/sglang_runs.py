@@ -33,7 +33,7 @@ def require_sglang() -> None:
 
 def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 0,
                tp_size: int = 1, gloo_port: int = 0, timeout: int = 420) -> dict:
-    """Run one SGLang driver process whose scenarios use node ``node``'s cache actor
+    """Run one SGLang driver process whose scenarios use node ``node``'s node actor
     (unless a scenario names its own ``node``); its JSON result."""
     import ray
 

@@ -1,11 +1,11 @@
-"""Node actors follow the Ray nodes: a node that joins gets a cache actor its ranks can
+"""Node actors follow the Ray nodes: a node that joins gets a node actor its ranks can
 use; a node that leaves has its actor retired and its objects turn into misses."""
 
 import time
 
 import ray
 import torch
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.node_actors import named_node_actors
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.pool_layout import MiB

@@ -4,7 +4,7 @@ actor keeps serving. Runs against the real embedded cluster."""
 import pytest
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
 

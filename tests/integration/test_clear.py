@@ -11,7 +11,7 @@ import hashlib
 
 import pytest
 import ray
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.tenancy import TENANT_SECRET_ENV

@@ -1,4 +1,4 @@
-"""Many ranks of one node moving pages at the same time through its cache actor, whose
+"""Many ranks of one node moving pages at the same time through its node actor, whose
 store calls merge the ranks' concurrent batches (``cache_actors.node.transfer_merger``):
 each rank still gets its own per-page results and bytes, put-if-absent has exactly one
 first writer per object, and a bad batch fails only the rank that sent it. Raw data ops

@@ -2,7 +2,7 @@
 both Mooncake modes (embedded; standalone with a real mooncake_client per node).
 
 Ranks run as Ray actors pinned to a node; each reaches Mooncake only through its own
-node's cache actor, so a read on node 2 of what node 1 wrote crosses nodes.
+node's actor, so a read on node 2 of what node 1 wrote crosses nodes.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 from mooncake.store import MooncakeDistributedStore
 from raykv.controllers import StorageConfig
 
-from tests.integration.ranks import MHA, indices, start_rank
+from tests.integration.ranks import MHA, indices, planned, start_rank
 
 N = 5
 
@@ -160,7 +160,7 @@ def test_legacy_pointer_api(cluster, uid):
 
 def test_control_group_answers_while_data_calls_run(cluster, uid):
     """health/stats (control group) are served while the data group is saturated."""
-    from raykv.cache_actors import CacheClient
+    from raykv import CacheClient
     from raykv.controllers import PoolName
     from raykv.controllers.contract import PoolTransfer
 
@@ -170,8 +170,8 @@ def test_control_group_answers_while_data_calls_run(cluster, uid):
     client.register_mem_pool_host(pool)
     keys = [f"{uid}-{i}" for i in range(64)]
     assert client.batch_set_v1(keys, torch.arange(16 * 64)) == [True] * 64
-    plan = client._plan_transfers([PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
-                                  write=False)
+    plan = planned(client, [PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
+                   write=False)
     actor = cluster.node_actors[client.node_id]
     busy = [actor.get.remote(plan.batch, client.owner_claim())  # 12 x 64 MiB of reads
             for _ in range(12)]

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 import ray
+from raykv import start_local
 from raykv.cache_actors.listeners import Listener, listeners
 from raykv.cache_actors.local_ports import free_port
-from raykv.clusters import start_local
 from raykv.clusters.mooncake_master import MooncakeMaster
 from raykv.controllers.pool_layout import MiB
 

@@ -30,7 +30,7 @@ def cluster():
     """A two-node cluster of its own (default settings). The engine asks about the same
     keys again right after another node stored them: group answers are shared by the
     ranks of one request only, so the second request sees the new pages."""
-    from raykv.clusters import start_local
+    from raykv import start_local
 
     with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
         yield c

@@ -25,7 +25,7 @@ import time
 import pytest
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.cache_actors.channel_codec import parse_reply, request
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import DeadlineExceededError

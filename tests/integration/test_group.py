@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
-from raykv.cache_actors import CacheClient, NodeUnavailableError
+from raykv import CacheClient, NodeUnavailableError
 from raykv.controllers import (
     CONTROLLER_NAME,
     NAMESPACE,

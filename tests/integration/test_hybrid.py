@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 
 from tests.integration.ranks import HYBRID, MHA, indices, start_hybrid

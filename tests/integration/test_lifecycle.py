@@ -8,10 +8,9 @@ import stat
 
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, start_local
 from raykv.cache_actors.node.client_supervisor import record_path
 from raykv.cache_actors.shared_memory import SHM_DIR
-from raykv.clusters import start_local
 from raykv.controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.naming import node_shm_prefix
 from raykv.controllers.pool_layout import MiB

@@ -18,10 +18,10 @@ import uuid
 import pytest
 import ray
 import torch
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, start_local
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
-from raykv.clusters import deploy, start_local
+from raykv.clusters import deploy
 from raykv.clusters.status_view import render_status
 from raykv.controllers import PoolName, StorageConfig
 from raykv.controllers.contract import PoolTransfer
@@ -31,7 +31,7 @@ from raykv.controllers.ownership import tenant_digest
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 from rich.console import Console
 
-from tests.integration.ranks import MHA, indices
+from tests.integration.ranks import MHA, indices, planned
 
 SECRET_Q, SECRET_R, SECRET_D, FORGED = "q" * 32, "r" * 32, "d" * 32, "f" * 32
 POOL_BYTES = 2 * 64 * 2 * 2 * 8 * 2  # K and V: 64 slots x 2 layers x 2 heads x 8 dims, fp16
@@ -91,8 +91,8 @@ def test_another_deployment_is_refused_the_owner_is_served(cluster, monkeypatch)
 
     # Data calls naming the owner's pool from the other deployment: every object fails,
     # on the channel and on the Ray route; the owner's same batch moves (CONTROL).
-    plan = a._plan_transfers([PoolTransfer(PoolName.KV, [f"{uid}-x"], indices(0, 1))],
-                             write=True)
+    plan = planned(a, [PoolTransfer(PoolName.KV, [f"{uid}-x"], indices(0, 1))],
+                   write=True)
     assert b._link.data(DataOp.PUT, plan.batch) == [NOT_OWNED] * len(plan.batch)
     actor = cluster.node_actors[a.node_id]
     assert ray.get(actor.put.remote(plan.batch, b.owner_claim())) == [NOT_OWNED] * len(
@@ -339,8 +339,8 @@ def test_an_empty_key_prefix_claim_is_refused_and_tenant_keys_stay_out_of_reach(
     tenant = client(monkeypatch, f"empty/{uid}", "team-r", SECRET_R)
     pool = tenant.create_host_pool("mha", **MHA)
     round_trip(tenant, pool, f"{uid}-e")
-    keys = tenant._plan_transfers([PoolTransfer(PoolName.KV, [f"{uid}-e-0"], indices(0, 1))],
-                                  write=True).batch.keys
+    keys = planned(tenant, [PoolTransfer(PoolName.KV, [f"{uid}-e-0"], indices(0, 1))],
+                   write=True).batch.keys
     actor = cluster.node_actors[tenant.node_id]
     plain = client(monkeypatch, f"empty/p{uid}")
     emptied = OwnerClaim(plain._link.owner.base.deployment_id, None, None, "")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import ray
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import StorageConfig
 
 from tests.integration.conftest import MODES, node_pids, slow_two_nodes

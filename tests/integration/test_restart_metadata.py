@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import pytest
 import ray
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers import StorageConfig
 from raykv.controllers.naming import node_shm_prefix

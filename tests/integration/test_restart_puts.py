@@ -16,10 +16,9 @@ import time
 
 import pytest
 import ray
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.node.mooncake_codes import TRANSFER_FAIL
-from raykv.clusters import start_local
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
 

@@ -3,7 +3,7 @@
 The cluster (``start_local(num_nodes=2)``, real ``mooncake_master``) runs in this
 process; SGLang lives in its own venv (``scripts/sglang-venv.sh``), so each "SGLang server" is
 ``sglang_driver.py`` run by that venv's python: it joins this cluster's Ray with the GCS
-address and namespace, is pinned to one node's cache actor, builds SGLang's real CPU host
+address and namespace, is pinned to one node actor, builds SGLang's real CPU host
 pools and its ``HybridCacheController`` with ``storage_backend="dynamic"`` loading
 ``raykv.integrations.sglang.RayKVStore``, and drives backups and prefetches through
 SGLang's own threads. Page bytes are a function of (seed, page hash, pool, TP rank), so
@@ -400,7 +400,7 @@ def test_tp2_interop_with_sglang_mooncake_store(tp2):
 
 
 def test_node_actor_killed_mid_traffic(cluster, tmp_path):
-    """Kill node 1's cache actor under SGLang: its threads live on, nothing wrong is
+    """Kill node 1's node actor under SGLang: its threads live on, nothing wrong is
     loaded, failures are warnings, and requests hit again once Ray restarted it."""
     uid = os.urandom(4).hex()
     out = run_driver(tmp_path, cluster, 1, [scenario("fault", "hybrid", "shm", [

@@ -23,7 +23,7 @@ import pytest
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.cache_actors.node.node_service import ENGINE_GRACE_S, ENGINE_REAP_S
 from raykv.controllers import StorageConfig
 from raykv.controllers.naming import node_actor_name
@@ -36,7 +36,7 @@ SMALL_SHM_NODE = textwrap.dedent("""
     import json
     import torch
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv.clusters import start_local
+    from raykv import start_local
 
     def mha(mib):  # an MHA pool of `mib` MiB: 4096 bytes per token slot
         return dict(page_size=16, size=mib * 256, layer_num=4, head_num=4, head_dim=64,

@@ -14,13 +14,12 @@ from collections import Counter
 import pytest
 import ray
 import torch
-from raykv.cache_actors import NodeUnavailableError
+from raykv import NodeUnavailableError, start_local
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.local_channel import ChannelClient
 from raykv.cache_actors.node.client_supervisor import ClientRecord
 from raykv.cache_actors.node.pool_memory import PoolBudget
 from raykv.cache_actors.rank.client import check_mode
-from raykv.clusters import start_local
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
@@ -295,6 +294,6 @@ def test_mode_switch_must_match_the_node():
     check_mode(None, "embedded")
     check_mode({"standalone_storage": True}, "standalone")
     check_mode({"standalone_storage": False}, "embedded")
-    with pytest.raises(ValueError, match="is True but this node's cache actor runs in "
+    with pytest.raises(ValueError, match="is True but this node's actor runs in "
                                          "embedded mode"):
         check_mode({"standalone_storage": True}, "embedded")

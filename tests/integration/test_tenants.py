@@ -15,7 +15,7 @@ import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from raykv.cache_actors import CacheClient
+from raykv import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.tenancy import TENANT_SECRET_ENV, keyed_page_hash
 

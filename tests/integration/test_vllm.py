@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 
@@ -280,7 +280,7 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
 
 
 def _gets(vcluster) -> dict[str, int]:
-    """Objects each node's cache actor has read from Mooncake so far."""
+    """Objects each node actor has read from Mooncake so far."""
     return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
             for n, actor in vcluster.node_actors.items()}
 
@@ -322,7 +322,7 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
     """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node
     added for it, not the head: its replica runs vLLM's default multiprocess engine, whose
     engine core and worker are processes of their own, not Ray workers. Their connectors
-    join Ray themselves and use that node's cache actor (the node of the replica that
+    join Ray themselves and use that node's actor (the node of the replica that
     started them, not the head node Ray attaches them to). The replica loads the 7 blocks
     that the in-process engine A on node 1 saved, through its node's actor, and gives the
     tokens of A restoring them from its own prefix cache. The replica's worker runs one

@@ -25,7 +25,7 @@ import random
 import uuid
 
 import pytest
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.integration.vllm_steps import StepEngine, expected_kv

@@ -23,7 +23,7 @@ import random
 
 import pytest
 import ray
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 

@@ -250,7 +250,7 @@ class StepEngine:
         an idle engine kept for reading), None where raykv holds no such object."""
         from raykv.controllers.contract import PoolName, PoolTransfer
         from raykv.integrations.vllm.page_hash import PageHashChain
-        from raykv.integrations.vllm.plan import hash_hex
+        from raykv.integrations.vllm.request_blocks import hash_hex
         from vllm import SamplingParams
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
         from vllm.v1.request import Request

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from raykv.clusters import start_local
+from raykv import start_local
 
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, run_pytest

@@ -16,7 +16,7 @@ import os
 import sys
 
 import pytest
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.peers import sources

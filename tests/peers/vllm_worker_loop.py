@@ -51,7 +51,7 @@ def expected_kv(tokens: list[int]) -> list[int]:
 def page_hashes(request, block_size: int) -> list[str]:
     """raykv's keys (page hashes, hex) of every full block of ``request`` so far."""
     from raykv.integrations.vllm.page_hash import PageHashChain
-    from raykv.integrations.vllm.plan import hash_hex
+    from raykv.integrations.vllm.request_blocks import hash_hex
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
     chain = PageHashChain(block_size)
@@ -124,7 +124,7 @@ class WorkerLoop:
         """Make raykv hold blocks ``first .. first + n - 1`` of ``request``, with the
         KV its tokens give."""
         from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-        from raykv.integrations.vllm.plan import BlockTransfer
+        from raykv.integrations.vllm.request_blocks import BlockTransfer
 
         self.requests[request.request_id] = request
         bs = self.block_size
@@ -233,7 +233,7 @@ class WorkerLoop:
         """Every object raykv holds for a request this loop saw holds the KV of that
         request's tokens (read back one block per transfer through the seeder)."""
         from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-        from raykv.integrations.vllm.plan import BlockTransfer
+        from raykv.integrations.vllm.request_blocks import BlockTransfer
 
         bs, bad = self.block_size, []
         for rid, req in self.requests.items():

@@ -10,11 +10,11 @@ class Counts:
     """Counts what ``GroupQueries`` and ``TransferMerger`` report, as ``NodeMetrics``
     does (``record_group_query``, ``record_group_store_call``, ``record_merged_call``),
     without Ray: group queries by how they were answered (``recent``, ``inflight``,
-    ``confirmed``, ``checked``) and their ``store_calls``; merged ``calls``, the
+    ``confirmed``, ``looked_up``) and their ``store_calls``; merged ``calls``, the
     ``batches`` they carried and the ``largest`` call."""
 
     def __init__(self) -> None:
-        self.recent = self.inflight = self.confirmed = self.checked = 0
+        self.recent = self.inflight = self.confirmed = self.looked_up = 0
         self.store_calls = 0
         self.calls = self.batches = self.largest = 0
 

@@ -44,7 +44,7 @@ def test_autoscaler_yaml():
     workers = cfg["worker_start_ray_commands"]
     assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in workers)
     assert not any("raykv" in c for c in workers), \
-        "workers get their cache actor from the reconciler, not from a command"
+        "workers get their node actor from the reconciler, not from a command"
     assert cfg["head_node_type"] in cfg["available_node_types"]
 
 

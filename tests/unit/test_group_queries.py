@@ -71,11 +71,11 @@ def test_answer_is_shared_by_the_group_then_fresh():
     assert answer(groups, DEP, ["a", "b", "c"], [], rank=(1, 0)) is first  # the other rank
     # Two store calls: the probe of page 0 (both ranks), then the rest.
     assert first.kv_hit_pages == 2 and len(store.calls) == 2
-    # Both ranks had it: the answer is gone, the next request is checked afresh.
+    # Both ranks had it: the answer is gone, the next request is looked up afresh.
     assert answer(groups, DEP, ["a", "b", "c"], [], rank=(1, 0)).kv_hit_pages == 3
     assert len(store.calls) == 4
-    assert counts.recent == 1 and counts.checked == 2
-    assert told == ["checked", "recent", "checked"]
+    assert counts.recent == 1 and counts.looked_up == 2
+    assert told == ["looked_up", "recent", "looked_up"]
 
 
 def test_a_rank_asking_again_gets_a_fresh_answer_the_other_rank_the_newest():

@@ -21,6 +21,6 @@ def test_public_names_still_import_and_bring_torch_with_the_client():
     run("import sys, raykv; from raykv import StorageConfig, PoolName, start_local; "
         "assert 'torch' not in sys.modules; "
         "from raykv import CacheClient, HostPool; assert 'torch' in sys.modules; "
-        "from raykv.cache_actors import PoolHandle; "
+        "from raykv import PoolHandle, PoolLayout, StagedPool; "
         "assert sorted(dir(raykv)) == sorted(raykv.__all__); "
         "import pytest; pytest.raises(AttributeError, lambda: raykv.nothing_here)")

@@ -152,7 +152,7 @@ def make_link(remaps: list | None = None, node_id: str = HERE,
 
 
 def test_no_actor_on_the_node_is_unavailable(fake):
-    with pytest.raises(NodeUnavailableError, match="no raykv cache actor on node"):
+    with pytest.raises(NodeUnavailableError, match="no raykv node actor on node"):
         make_link(node_id=OTHER)
 
 

@@ -75,14 +75,14 @@ def test_export_hands_each_amount_to_ray_once(recorded):
         m.record_move("put", batch(["kv"] * 2, [8, 8]), [0, 0], 0.01)
     m.record_move("get", batch(["kv"], [8]), [-704], 0.5)
     m.record_exists(0.001)
-    m.record_group_query("checked")
+    m.record_group_query("looked_up")
     m.export()
     objects = {(c[2]["op"], c[2]["outcome"]): c[1] for c in made["raykv_objects"].calls}
     assert objects == {("put", "ok"): 6, ("get", "error_-704"): 1}
     assert made["raykv_bytes"].calls == [("inc", 48, {"op": "put", "pool": "kv"} | NO_OWNER)]
     assert sorted((c[2]["op"], c[1]) for c in made["raykv_call_seconds"].calls) == [
         ("exists", 0.001), ("get", 0.5), ("put", 0.01), ("put", 0.01), ("put", 0.01)]
-    assert made["raykv_group_queries"].calls == [("inc", 1, {"answer": "checked"})]
+    assert made["raykv_group_queries"].calls == [("inc", 1, {"answer": "looked_up"})]
     before = {name: len(metric.calls) for name, metric in made.items()}
     m.export()  # nothing new recorded: nothing exported again
     assert {name: len(metric.calls) for name, metric in made.items()} == before
@@ -99,21 +99,21 @@ def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
     """``GroupQueries`` and ``TransferMerger`` only report: the counts ``stats()`` shows
     are these, and the Ray metrics are exported from the same records."""
     m, made = recorded
-    assert m.group_queries() == {"recent": 0, "inflight": 0, "confirmed": 0, "checked": 0,
+    assert m.group_queries() == {"recent": 0, "inflight": 0, "confirmed": 0, "looked_up": 0,
                                  "store_calls": 0, "store_seconds": 0.0}
     assert m.merged_calls() == {"calls": 0, "batches": 0, "largest": 0}
-    for how in ("checked", "recent", "inflight", "checked", "confirmed"):
+    for how in ("looked_up", "recent", "inflight", "looked_up", "confirmed"):
         m.record_group_query(how)
     m.record_group_store_call(0.25)
     m.record_group_store_call(0.5)
     for batches in (1, 3, 2):
         m.record_merged_call(batches)
-    assert m.group_queries() == {"recent": 1, "inflight": 1, "confirmed": 1, "checked": 2,
+    assert m.group_queries() == {"recent": 1, "inflight": 1, "confirmed": 1, "looked_up": 2,
                                  "store_calls": 2, "store_seconds": 0.75}
     assert m.merged_calls() == {"calls": 3, "batches": 6, "largest": 3}
     m.export()
     answers = sorted((c[2]["answer"], c[1]) for c in made["raykv_group_queries"].calls)
-    assert answers == [("checked", 2), ("confirmed", 1), ("inflight", 1), ("recent", 1)]
+    assert answers == [("confirmed", 1), ("inflight", 1), ("looked_up", 2), ("recent", 1)]
     assert sorted(c[1] for c in made["raykv_call_seconds"].calls
                   if c[2]["op"] == "group_exists") == [0.25, 0.5]
 

@@ -19,7 +19,7 @@ from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
 from raykv.cache_actors.node.node_actor import NodeCacheActor
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.clusters.cli import main
-from raykv.clusters.node_actors import PROCESS_ONLY, NodeSettings
+from raykv.controllers.node_settings import PROCESS_ONLY, NodeSettings
 
 RDMA = NodeSettings(master_address="10.0.0.9:50051",
                     metadata_server="http://10.0.0.9:8080/metadata", cluster_tag="c0ffee00",
@@ -181,3 +181,46 @@ def test_raykv_up_refuses_contradicting_options_as_usage_errors(monkeypatch, arg
     monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
     out = CliRunner().invoke(main, ["up", *args])
     assert out.exit_code == 2, out.output
+
+
+def drifted(fn_defaults: dict[str, object]) -> dict[str, tuple[object, object]]:
+    """Per ``NodeSettings`` field among ``fn_defaults``, a default that is not
+    ``DEFAULTS``': ``{name: (given, DEFAULTS')}``. None and an empty tuple mean "none
+    given" (the settings' default, or one by mode: ``pool_budget``)."""
+    from raykv.controllers.node_settings import DEFAULTS
+
+    return {name: (value, getattr(DEFAULTS, name)) for name, value in fn_defaults.items()
+            if name in {f.name for f in fields(NodeSettings)} and value not in (None, ())
+            and value != getattr(DEFAULTS, name)}
+
+
+def test_node_defaults_are_written_once():
+    from raykv.clusters.local import start_local
+
+    local = {name: p.default for name, p in inspect.signature(start_local).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+    # one machine: a smaller segment, and Mooncake bound to the loopback
+    assert set(drifted(local)) == {"global_segment_size", "local_hostname"}
+    cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s"}
+    up = next(c for name, c in main.commands.items() if name == "up")
+    cli = {cli_fields.get(p.name, p.name): p.type_cast_value(None, p.default)
+           for p in up.params if isinstance(p.default, int | float | str)}  # flags: unset
+    assert drifted(cli) == {}
+    assert {"global_segment_size", "local_buffer_size", "protocol", "confirm_ttl_s",
+            "mooncake_log_level"} <= set(cli)
+    actor = inspect.signature(NodeCacheActor.__init__).parameters.values()
+    assert [p.name for p in actor if p.default is not inspect.Parameter.empty] == []
+    # CONTROL: a default written again by hand, and off by one, is caught
+    assert drifted({"local_buffer_size": (16 << 20) + 1, "protocol": "tcp"}) == {
+        "local_buffer_size": ((16 << 20) + 1, 16 << 20)}
+
+
+def test_the_host_pool_budget_defaults_by_mode():
+    from raykv.controllers.node_settings import STANDALONE_POOL_BYTES, pool_budget
+
+    assert pool_budget(None, standalone=False) == 0
+    assert pool_budget(None, standalone=True) == STANDALONE_POOL_BYTES
+    assert pool_budget(5, standalone=True) == 5
+    out = CliRunner().invoke(main, ["up", "--help"])
+    text = " ".join(out.output.split())
+    assert "1G with --standalone" in text and "[default: 1G]" in text

@@ -6,7 +6,8 @@ import logging
 import pytest
 import torch
 from raykv.cache_actors.processes import ProcessIdentity
-from raykv.cache_actors.rank.engine_pools import (
+from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle
+from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     describe_kv_buffer,
@@ -14,7 +15,6 @@ from raykv.cache_actors.rank.engine_pools import (
     staged_call,
     staging_layout,
 )
-from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle
 from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.pool_layout import PoolLayout

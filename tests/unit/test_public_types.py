@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAZY_PACKAGES = ("raykv/__init__.py", "cache_actors/__init__.py", "clusters/__init__.py",
-                 "integrations/vllm/__init__.py")
+LAZY_PACKAGES = ("raykv/__init__.py", "integrations/vllm/__init__.py")
 
 GOOD = textwrap.dedent('''
     from raykv import (CacheClient, HostPool, LocalCluster, NodeUnavailableError,
                        PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult,
                        StalePoolsError, StorageConfig, StoreUnavailableError, __version__,
                        start_local)
-    from raykv.cache_actors import PoolHandle
+    from raykv import PoolHandle, PoolLayout, StagedPool
     from raykv.integrations.vllm import ConnectorOptions
 
     version: str = __version__
@@ -33,7 +32,10 @@ GOOD = textwrap.dedent('''
 
     def use(client: CacheClient, pool: HostPool, handle: PoolHandle,
             cluster: LocalCluster, result: PoolTransferResult,
-            transfer: PoolTransfer, options: ConnectorOptions) -> int:
+            transfer: PoolTransfer, options: ConnectorOptions, staged: StagedPool,
+            layout: PoolLayout) -> int:
+        client.register_mem_pool_host(staged)
+        client.create_host_pool(layout, name="p")
         return client.batch_exists(["k"])
 
     with start_local() as running:

@@ -2,8 +2,10 @@
 described as raykv layouts, transfers mapped one to one. SGLang's objects are stood in
 for by namespaces with the same field names (and enums by their values)."""
 
+import json
 import sys
 from enum import Enum
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -76,10 +78,22 @@ def test_backend_options_defaults_and_overrides():
             opts.interface_v1, opts.allocator) == ("ns", "n1", False, 8, True, "shm")
 
 
-# The launch line of docs/engines.md, whole: SGLang's own keys and raykv's.
-LAUNCH_EXTRA = {"backend_name": "raykv", "module_path": "raykv.integrations.sglang",
-                "class_name": "RayKVStore", "interface_v1": 1, "allocator": "shm",
-                "ray_address": "10.0.0.1:6379"}
+def launch_extra() -> dict:
+    """The extra config of the README's SGLang launch line (the one copy), whole:
+    SGLang's own keys and raykv's."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = readme.split("python -m sglang.launch_server", 1)[1].split("```", 1)[0]
+    return json.loads(line.split("--hicache-storage-backend-extra-config '", 1)[1]
+                      .split("'", 1)[0])
+
+
+LAUNCH_EXTRA = launch_extra() | {"ray_address": "10.0.0.1:6379"}  # the head's address
+
+
+def test_the_readme_launch_line_is_accepted_whole():
+    opts = BackendOptions.from_extra(LAUNCH_EXTRA)
+    assert opts.interface_v1 and opts.allocator == "shm"
+    assert {"backend_name", "module_path", "class_name", "ray_address"} <= set(LAUNCH_EXTRA)
 
 
 def test_namespace_is_vllms_word_and_ray_namespace_its_alias():
@@ -93,7 +107,9 @@ def test_namespace_is_vllms_word_and_ray_namespace_its_alias():
         BackendOptions.from_extra({"namespace": "a", "ray_namespace": "b"})
 
 
-@pytest.mark.parametrize("key", ["master_server_address", "namespce", "protocol"])
+# standalone_storage: MooncakeStore's switch, which docs/deploy.md says this backend refuses
+@pytest.mark.parametrize("key", ["master_server_address", "namespce", "protocol",
+                                 "standalone_storage"])
 def test_unknown_keys_are_refused_with_the_valid_ones(key):
     with pytest.raises(ValueError) as e:
         BackendOptions.from_extra(LAUNCH_EXTRA | {key: "x"})
@@ -216,3 +232,25 @@ def test_exists_queries_skip_kv_and_refuse_block_groups():
         exists_queries([sg_transfer(SGPool.MAMBA, ["a"], hit_policy="block_groups")])
     with pytest.raises(ValueError, match="pool 'deepseek_v4_c4'"):
         exists_queries([sg_transfer(SGPool.DEEPSEEK_V4_C4, ["a"])])
+
+
+def test_meters_count_pages_and_hand_storage_metrics_over_once():
+    from raykv.integrations.sglang.meters import BackendMeters
+
+    pool = SimpleNamespace(layout=SimpleNamespace(object_sizes=[1000, 1000]))
+    meters = BackendMeters(storage_metrics=True)
+    meters.record(True, {PoolName.KV: [True, True, False]}, {PoolName.KV: pool}, 1e-6)
+    meters.record(False, {PoolName.KV: [True], PoolName.MAMBA: [True]}, {PoolName.KV: pool},
+                  1e-6)  # a role no longer served: its pages count, its bytes do not
+    assert meters.counters == {"set_pages": 2, "get_pages": 2}
+    lists = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
+    m = meters.drain_into(SimpleNamespace(**{k: [] for k in lists}))
+    assert m.backup_pgs == [2] and m.prefetch_pgs == [2]
+    assert m.backup_bandwidth == [pytest.approx(4.0)]  # 4,000 bytes in 1 us: 4 GB/s
+    assert m.prefetch_bandwidth == [pytest.approx(2.0)]
+    again = meters.drain_into(SimpleNamespace(**{k: [] for k in lists}))
+    assert all(getattr(again, k) == [] for k in lists)  # handed over once
+    off = BackendMeters(storage_metrics=False)
+    off.record(True, {PoolName.KV: [True]}, {PoolName.KV: pool}, 1.0)
+    assert off.counters == {"set_pages": 1}
+    assert off.drain_into(SimpleNamespace(**{k: [] for k in lists})).backup_pgs == []

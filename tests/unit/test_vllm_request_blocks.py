@@ -4,22 +4,22 @@ from dataclasses import dataclass
 
 import pytest
 from raykv.integrations.vllm.page_hash import PageHashChain
-from raykv.integrations.vllm.plan import (
+from raykv.integrations.vllm.request_blocks import (
     BlockTransfer,
     RequestBlocks,
+    blocks_to_load,
+    blocks_to_save,
     external_tokens,
     first_invalid_block,
     hash_hex,
     mark_failed,
     max_loadable_blocks,
-    plan_load,
-    plan_save,
     restart,
 )
 
 
 @dataclass
-class Req:  # the attributes of vLLM's Request the plan reads
+class Req:  # the attributes of vLLM's Request the bookkeeping reads
     request_id: str
 
 
@@ -44,25 +44,25 @@ def test_hash_hex():
 
 def test_plan_load_skips_local_hit_blocks():
     hashes = [bytes([i]) for i in range(6)]
-    x = plan_load("r", [10, 11, 12, 13, 14, 15], hashes, local_hit_tokens=2 * 16,
+    x = blocks_to_load("r", [10, 11, 12, 13, 14, 15], hashes, local_hit_tokens=2 * 16,
                   num_external_tokens=3 * 16, block_size=16)
     assert x.block_ids == [12, 13, 14] and x.hashes == ["02", "03", "04"]
-    assert plan_load("r", [1], hashes, 0, 0, 16) is None
+    assert blocks_to_load("r", [1], hashes, 0, 0, 16) is None
     with pytest.raises(ValueError, match="3 blocks to load"):
-        plan_load("r", [1, 2], hashes, 0, 3 * 16, 16)
+        blocks_to_load("r", [1, 2], hashes, 0, 3 * 16, 16)
 
 
 def test_plan_save_only_newly_full_blocks():
     chain = PageHashChain(16)
     chain.hashes += [b"a", b"b"]  # as if extended over two full blocks
     st = RequestBlocks(Req("r"), chain, block_ids=[5, 6, 7], saved_blocks=0)
-    assert plan_save(st, 15, 16) is None  # block 0 not full yet
-    x = plan_save(st, 40, 16)  # blocks 0 and 1 full (2 hashes known)
+    assert blocks_to_save(st, 15, 16) is None  # block 0 not full yet
+    x = blocks_to_save(st, 40, 16)  # blocks 0 and 1 full (2 hashes known)
     assert x.block_ids == [5, 6] and x.hashes == ["61", "62"] and st.saved_blocks == 2
     assert x.context == []
-    assert plan_save(st, 47, 16) is None  # block 2 has no hash yet
+    assert blocks_to_save(st, 47, 16) is None  # block 2 has no hash yet
     chain.hashes.append(b"c")
-    x = plan_save(st, 48, 16)
+    x = blocks_to_save(st, 48, 16)
     assert x.block_ids == [7] and st.saved_blocks == 3
     assert x.context == [5, 6]  # the blocks its KV was computed over
 
@@ -89,7 +89,7 @@ def test_import_raykv_never_imports_vllm():
     import sys
 
     code = ("import sys, raykv, raykv.integrations, raykv.integrations.vllm, "
-            "raykv.integrations.vllm.plan, raykv.integrations.vllm.options, "
+            "raykv.integrations.vllm.request_blocks, raykv.integrations.vllm.options, "
             "raykv.integrations.vllm.side, raykv.integrations.vllm.page_hash; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -113,10 +113,10 @@ def test_a_request_sharing_a_failed_block_saves_again_once_restarted():
     r2 = _state(range(100, 160), own_start=50, saved=53)
     mark_failed(r2, {149})
     assert r2.dirty_from == 50
-    assert plan_save(r2, 55 * 16, 16) is None  # dirty: nothing saved
+    assert blocks_to_save(r2, 55 * 16, 16) is None  # dirty: nothing saved
     restart(r2, 50 * 16, 16)
     assert (r2.dirty_from, r2.own_start, r2.saved_blocks) == (None, 50, 50)
-    assert plan_save(r2, 53 * 16, 16).block_ids == [150, 151, 152]
+    assert blocks_to_save(r2, 53 * 16, 16).block_ids == [150, 151, 152]
     other = _state(range(300, 310), own_start=0, saved=5)
     mark_failed(other, {149})
     assert other.dirty_from is None
@@ -138,6 +138,6 @@ def test_a_request_vllm_keeps_computing_past_the_failure_never_saves_again():
     mark_failed(r2, {149})
     restart(r2, 50 * 16 + 63, 16)
     assert r2.dirty_from == 50
-    assert plan_save(r2, 58 * 16, 16) is None
+    assert blocks_to_save(r2, 58 * 16, 16) is None
     restart(r2, 50 * 16, 16)
-    assert plan_save(r2, 58 * 16, 16).block_ids == list(range(150, 158))
+    assert blocks_to_save(r2, 58 * 16, 16).block_ids == list(range(150, 158))

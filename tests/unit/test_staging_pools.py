@@ -1,4 +1,4 @@
-"""``engine_pools`` without Ray: an engine buffer described as a raykv layout (the same
+"""``staging_pools`` without Ray: an engine buffer described as a raykv layout (the same
 bytes at the same offsets), the page-run copy and staged rounds on plain mappings."""
 
 import mmap
@@ -6,7 +6,7 @@ import mmap
 import pytest
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.rank.engine_pools import (
+from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     describe_kv_buffer,

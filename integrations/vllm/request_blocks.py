@@ -51,12 +51,12 @@ class BlockTransfer:
 @dataclass
 class RequestBlocks:
     """What the scheduler side tracks per running request: ``chain`` holds its page
-    hashes, which the scheduler side extends (from vLLM's request) before planning."""
+    hashes, which the scheduler side extends (from vLLM's request) before each decision."""
 
     request: object  # vLLM's Request (live object: its tokens grow with decoding)
     chain: PageHashChain
     block_ids: list[int] = field(default_factory=list)
-    saved_blocks: int = 0  # leading blocks known stored (loaded, saved or planned)
+    saved_blocks: int = 0  # leading blocks known stored (loaded, saved or to be saved)
     local_hit_tokens: int = 0  # vLLM's own hit, from get_num_new_matched_tokens
     pending_load: BlockTransfer | None = None
     own_start: int = 0  # first block it computed itself (before: prefix cache or loaded)
@@ -88,7 +88,7 @@ def restart(state: RequestBlocks, computed_before: int, block_size: int) -> None
         state.saved_blocks = min(state.saved_blocks, state.own_start)
 
 
-def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit_tokens: int,
+def blocks_to_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit_tokens: int,
               num_external_tokens: int, block_size: int) -> BlockTransfer | None:
     """The blocks to load for ``num_external_tokens`` beyond the local hit: ``block_ids``
     are all of the request's blocks (local-hit blocks first)."""
@@ -104,7 +104,7 @@ def plan_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit
     return BlockTransfer(req_id, ids, keys)
 
 
-def plan_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
+def blocks_to_save(state: RequestBlocks, computed_after_step: int, block_size: int) -> \
         BlockTransfer | None:
     """Newly completed full blocks of a request (their KV exists once this step's
     forward ran), beyond those already stored, with the request's earlier blocks as

@@ -1,0 +1,119 @@
+"""How every node actor of a cluster joins the store, and the defaults of it all, in one
+place (pure: no Ray, no Mooncake). ``raykv up`` (``clusters.cli``), ``start_local``
+(``clusters.local``), ``clusters.deploy`` and the reconciler (``clusters.node_actors``)
+build one ``NodeSettings`` and hand it whole to every node actor
+(``cache_actors.node.node_actor``, one argument per field); their own defaults are read
+from ``DEFAULTS`` here, never written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from raykv.controllers.ownership import check_tenant_digests
+from raykv.controllers.tenant_quotas import check_tenant_quotas
+
+STANDALONE_POOL_BYTES = 1 << 30
+"""Each node's host pool budget in standalone mode when none is given (what the node
+requests from ``mooncake_client``), in bytes."""
+
+
+
+def pool_budget(host_pool_bytes: int | None, standalone: bool) -> int:
+    """``host_pool_bytes``, or when None its default by mode: no limit embedded (0),
+    ``STANDALONE_POOL_BYTES`` standalone."""
+    if host_pool_bytes is not None:
+        return host_pool_bytes
+    return STANDALONE_POOL_BYTES if standalone else 0
+
+
+PROCESS_ONLY = frozenset({"mooncake_log_level"})
+"""``NodeSettings`` fields that set the node actor's process environment (``env``)
+rather than an argument of ``NodeCacheActor``."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """How every node actor of a cluster joins the store, passed whole from ``raykv up``
+    and ``start_local`` to each node's Mooncake client. Sizes in bytes.
+
+    ``master_address``, ``metadata_server`` and ``cluster_tag`` are filled in by whoever
+    starts the cluster (``raykv up``, ``start_local``); ``actor_kwargs`` refuses settings
+    without them.
+
+    Transport, in Mooncake's words (embedded mode: the node actor's ``setup`` call;
+    standalone: ``mooncake_client``'s flags): ``protocol`` ``tcp`` or ``rdma``;
+    ``rdma_devices`` the comma-separated RDMA devices to use (Mooncake's
+    ``device_name``; "" lets Mooncake use every device it finds; needs ``rdma``);
+    ``local_hostname`` the address the node's Mooncake binds and advertises (None: the
+    node's IP as Ray sees it); ``local_buffer_size`` the client's own transfer buffer;
+    ``mooncake_log_level`` Mooncake's ``MC_LOG_LEVEL`` in every client process.
+
+    ``standalone`` runs each node's segment in a supervised ``mooncake_client`` process
+    (see ``cache_actors.node.node_store``); ``host_pool_bytes`` is each node's budget for
+    host pools (0: no limit, embedded mode only). ``group_window_s`` bounds how long a
+    group hit answer is kept for the ranks of the group that have not asked yet.
+    ``confirm_ttl_s`` is how long group queries trust a page the store confirmed
+    present; it must stay below the master's ``default_kv_lease_ttl`` (10 s by default),
+    0 turns it off.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
+    node (``controllers.tenant_quotas``; none: only ``host_pool_bytes`` bounds them).
+    ``tenant_digests``: tenant -> its tenant digest, the public owner key (``raykv
+    tenant-digest``), bound on every node and the controller from the start instead of
+    on first use; ``bound_tenants_only``: bind no other tenant, so nobody can fill the
+    tenant tables (``controllers.ownership``).
+    """
+
+    master_address: str = ""
+    metadata_server: str = ""
+    cluster_tag: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 16 << 20
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    local_hostname: str | None = None
+    mooncake_log_level: str = "ERROR"
+    standalone: bool = False
+    host_pool_bytes: int = 0
+    group_window_s: float = 2.0
+    confirm_ttl_s: float = 2.0
+    tenant_quotas: dict[str, int] = field(default_factory=dict)
+    tenant_digests: dict[str, str] = field(default_factory=dict)
+    bound_tenants_only: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
+        object.__setattr__(self, "tenant_digests", check_tenant_digests(self.tenant_digests))
+        if self.confirm_ttl_s < 0:
+            raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
+        if self.standalone and self.host_pool_bytes <= 0:
+            raise ValueError(f"standalone mode needs host_pool_bytes > 0, got "
+                             f"{self.host_pool_bytes}")
+        if self.rdma_devices and self.protocol != "rdma":
+            raise ValueError(f"rdma_devices={self.rdma_devices!r} needs protocol 'rdma', "
+                             f"got {self.protocol!r}")
+
+    @property
+    def mode(self) -> str:
+        return "standalone" if self.standalone else "embedded"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment of every Mooncake client process of the cluster."""
+        return {"MC_LOG_LEVEL": self.mooncake_log_level}
+
+    def actor_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``NodeCacheActor`` after the node id: every field,
+        whole, except ``mooncake_log_level`` (it reaches the actor as ``env``).
+        ``ValueError`` if the master, metadata server or cluster tag is not filled in."""
+        missing = [name for name in ("master_address", "metadata_server", "cluster_tag")
+                   if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"node settings without {', '.join(missing)}")
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in PROCESS_ONLY}
+
+
+DEFAULTS = NodeSettings()
+"""The default of every setting (``raykv up``'s options, ``start_local``'s arguments)."""
