@@ -34,6 +34,12 @@ triple ``(book, slot, serial)`` (``TicketRef``) a put or get carries on either r
   the pages any more (the transfers ran in that process); in standalone mode
   ``mooncake_client`` may still finish the transfer, so the rank waits until the slot's
   ``touch_until``.
+- Staged pools (``deferring``): a call that names only the rank's own staging pages
+  need not wait for its store call. Inside ``deferring`` a failed call ``try_settle``s
+  its ticket instead (never blocks) and, if a store call still holds it, hands the
+  ticket to the caller, which keeps those staging pages out of use until
+  ``try_settle`` says True (``cache_actors.rank.quarantine``): the call returns at its
+  deadline even when the node actor was stopped in the middle of the store call.
 - A reply from the node actor always comes after the ticket ended (or was never
   started), so a call that got its reply frees its slot without a lock.
 
