@@ -13,17 +13,17 @@ the node actor of the engine's node is stopped with SIGSTOP (pid from ``health()
 - After SIGCONT a later request loads ``p``'s 7 blocks from raykv again.
 
 Store calls slower than the deadline (the node actors hold every put and get
-``DELAY_S`` > ``timeout_s`` inside the store call: ``set_store_delay``): the engine's
-output equals a run raykv cannot serve (the same prompt under another cache salt), and
+``DELAY_S`` > ``timeout_s`` inside the store call: ``set_store_delay``), two prompts
+submitted together (their saves follow each other in one worker step): the engine's
+output equals a run raykv cannot serve (the same prompts under another cache salt), and
 no object holding wrong bytes lands in the store: every block the store holds afterwards
-is read back by the engine's next load and its bytes equal those vLLM's KV cache held
-when the connector saved it (SHA-256 per layer); the run after it, which loads all 7
-blocks, gives the reference's tokens. The engine stages its blocks through 2 staging
-pages (``pool_blocks``), so a save of 7 blocks is 4 puts: the first one's store call
-outlives the deadline and the next put would copy blocks 2-3 into the same staging
-pages. CONTROL (``old_return``): the ranks return from the failed put at the deadline
+is read back by the engine's next loads and its bytes equal those vLLM's KV cache held
+when the connector saved it (SHA-256 per layer). The engine stages its blocks through 2
+staging pages (``pool_blocks``): the first save's first put outlives the deadline, and
+the next save would copy its blocks into the same staging pages (quarantined: it fails
+at once). CONTROL (``old_return``): the ranks return from the failed put at the deadline
 and reuse the staging pages (no ticket wait, no quarantine): the late store call stores
-blocks 2-3's bytes under blocks 0-1's keys, and the next load reads them.
+the other prompt's blocks under the first one's keys, and the next load reads them.
 
 Every ``generate`` is waited for at most ``HANG_S``; one still running then (an engine
 held by a call without deadline) fails the test. One engine serves the module.
@@ -174,40 +174,40 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, engine):
 def test_store_calls_past_the_deadline_never_change_what_vllm_computes(cluster, engine, uid,
                                                                        fixed):
     e = engine
-    p = prompt(50 if fixed else 51)
-    # A run raykv cannot serve (another cache salt: other keys): computed whole.
-    ref = bounded(e.generate.remote(p, cache_salt=f"ref-{uid}"), "reference run")
-    assert ref["cached"] == 0, ref
+    prompts = [prompt(50), prompt(51)] if fixed else [prompt(52), prompt(53)]
+    # Runs raykv cannot serve (another cache salt: other keys): computed whole.
+    refs = bounded(e.generate_many.remote(prompts, f"ref-{uid}"), "reference run")
+    assert [r["cached"] for r in refs] == [0, 0], refs
     saves0 = ray.get(e.worker_stats.remote())[0]
     ray.get(e.record_blocks.remote(True))
     ray.get(e.old_return.remote(not fixed))
     try:
         set_store_delay(cluster, DELAY_S)
         try:
-            slow = bounded(e.generate.remote(p), "run with slow store calls")
+            slow = bounded(e.generate_many.remote(prompts), "run with slow store calls")
         finally:
             set_store_delay(cluster, 0)
         time.sleep(DELAY_S)  # every late store call has ended
         saved = ray.get(e.recorded_blocks.remote())["saved"]
-        hashes = list(saved)  # p's 7 blocks, in order
-        stored = ray.get(e.stored.remote(hashes))
+        hashes = list(saved)  # both prompts' 7 blocks
+        stored = dict(zip(hashes, ray.get(e.stored.remote(hashes)), strict=True))
         saves = ray.get(e.worker_stats.remote())[0]
-        assert len(hashes) == 7 and saves["save_failed"] > saves0["save_failed"], saves
-        assert slow["cached"] == 0 and slow["tokens"] == ref["tokens"], slow
+        assert len(hashes) == 14 and saves["save_failed"] > saves0["save_failed"], saves
+        assert [s["tokens"] for s in slow] == [r["tokens"] for r in refs], slow
+        assert [s["cached"] for s in slow] == [0, 0], slow
         until_probed(e)
-        # Every block the store holds is read back by the next load (they are a
-        # leading run: the saves after the first failed put failed without a store call).
+        # Every block the store holds is read back by the next loads (per prompt a
+        # leading run: the saves after a failed put failed without a store call).
         ray.get(e.record_blocks.remote(True))
-        bounded(e.generate.remote(p), "read back")
+        for p in prompts:
+            bounded(e.generate.remote(p), "read back")
         loaded = ray.get(e.recorded_blocks.remote())["loaded"]
     finally:
         ray.get([e.old_return.remote(False), e.record_blocks.remote(False)])
-    assert any(stored) and set(loaded) == {h for h, s in zip(hashes, stored, strict=True)
-                                           if s}, (stored, list(loaded))
+    assert any(stored.values()) and set(loaded) == {h for h, s in stored.items() if s}, \
+        (stored, list(loaded))
     wrong = sorted(hashes.index(h) for h in loaded if loaded[h] != saved[h])
     if not fixed:
         assert wrong, "CONTROL: the late put stored the bytes it was meant to"
         return
     assert wrong == [], f"blocks {wrong} hold other bytes than vLLM saved"
-    warm = bounded(e.generate.remote(p), "warm run")  # all 7 blocks from raykv
-    assert warm["cached"] == FULL and warm["tokens"] == ref["tokens"], warm

@@ -55,6 +55,20 @@ class DeadlineEngine(VLLMEngine):
         scheduler's and the worker's clients): closed, open or trial."""
         return self._scheduler_side._client.breaker_counts()["state"]
 
+    def generate_many(self, prompts: list[list[int]], cache_salt: str | None = None,
+                      max_tokens: int = 24) -> list[dict]:
+        """Greedy ``max_tokens`` tokens after each of ``prompts``, submitted together (one
+        scheduler step sees them all, so their saves follow each other in one worker
+        step): per prompt ``tokens`` and ``cached``."""
+        from vllm import SamplingParams
+
+        inputs = [{"prompt_token_ids": p} | ({} if cache_salt is None else
+                                             {"cache_salt": cache_salt}) for p in prompts]
+        outs = self.llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                        ignore_eos=True), use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                for o in outs]
+
     def record_blocks(self, on: bool) -> None:
         """Start recording (anew) or stop recording the bytes of the blocks the
         connector saves and loads (``vllm_control._record_blocks``)."""
