@@ -25,3 +25,10 @@ class CircuitOpenError(NodeUnavailableError):
     """The rank's circuit breaker on this node actor is open: its last data calls ran
     into their deadlines, so this one failed at once without reaching it (no wait). A
     probe watches the actor and lets calls through again once it answers. Retryable."""
+
+
+class QuarantinedPagesError(NodeUnavailableError):
+    """The staging pages this call needs are still named by an earlier put or get of
+    this rank that returned at its deadline while its store call ran on (the node actor
+    holds its ticket): the call failed at once, before any byte moved. Retryable once
+    that store call ended (``cache_actors.rank.quarantine``)."""

@@ -34,6 +34,12 @@ triple ``(book, slot, serial)`` (``TicketRef``) a put or get carries on either r
   the pages any more (the transfers ran in that process); in standalone mode
   ``mooncake_client`` may still finish the transfer, so the rank waits until the slot's
   ``touch_until``.
+- Staged pools (``deferring``): a call that names only the rank's own staging pages
+  need not wait for its store call. Inside ``deferring`` a failed call ``try_settle``s
+  its ticket instead (never blocks) and, if a store call still holds it, hands the
+  ticket to the caller, which keeps those staging pages out of use until
+  ``try_settle`` says True (``cache_actors.rank.quarantine``): the call returns at its
+  deadline even when the node actor was stopped in the middle of the store call.
 - A reply from the node actor always comes after the ticket ended (or was never
   started), so a call that got its reply frees its slot without a lock.
 
@@ -209,6 +215,24 @@ class TicketBook:
             time.sleep(max(0.0, until - time.monotonic()))
         self.free(ticket)
 
+    def try_settle(self, ticket: TicketRef) -> bool:
+        """``settle`` without waiting: True if no process will touch ``ticket``'s pages
+        any more (it is then freed), False while a store call of it runs (or, standalone,
+        a dead node actor's ``mooncake_client`` may still finish one): the caller keeps
+        the pages out of use and asks again later."""
+        if not lock_slot(self._fd, ticket.slot):  # a store call of it holds the lock
+            return False
+        try:
+            serial, state, until = read_slot(self._mem, ticket.slot)
+            if serial == ticket.serial and state == PENDING:
+                write_slot(self._mem, ticket.slot, serial, ABANDONED)
+        finally:
+            unlock_slot(self._fd, ticket.slot)
+        if serial == ticket.serial and state == STARTED and until > time.monotonic():
+            return False
+        self.free(ticket)
+        return True
+
     def free(self, ticket: TicketRef) -> None:
         """Give ``ticket``'s slot back (the call got its reply: the node ended it)."""
         with self._lock:
@@ -216,12 +240,18 @@ class TicketBook:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[TicketRef]:
-        """A ticket for one call: freed when the call returns, settled when it raises."""
+        """A ticket for one call: freed when the call returns, settled when it raises;
+        inside ``deferring`` on this thread, a failed call's ticket that a store call
+        still holds is handed to the deferral instead of waited for."""
         ticket = self.issue()
         try:
             yield ticket
         except BaseException:
-            self.settle(ticket)
+            deferred = getattr(_deferral, "tickets", None)
+            if deferred is None:
+                self.settle(ticket)
+            elif not self.try_settle(ticket):
+                deferred.append(ticket)
             raise
         self.free(ticket)
 
@@ -237,6 +267,24 @@ def _remove(path: str, fd: int, mem: mmap.mmap) -> None:
         mem.close()
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+_deferral = threading.local()
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[list[TicketRef]]:
+    """Within the block, a put or get of this thread that fails while a store call of it
+    still runs returns at once instead of waiting for that call's end; its ticket is
+    appended to the list yielded, and the caller must keep every page the call named
+    out of use until ``try_settle`` of that ticket says True (only for pages of the
+    rank's own: a staging pool, never an engine's memory). Not reentrant."""
+    tickets: list[TicketRef] = []
+    _deferral.tickets = tickets
+    try:
+        yield tickets
+    finally:
+        _deferral.tickets = None
 
 
 _books: dict[int, TicketBook] = {}

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.quarantine import Quarantine
+from raykv.cache_actors.tickets import deferring
 from raykv.controllers.contract import PoolName
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
@@ -136,6 +138,8 @@ class StagedPool:
     Threads: a windowed transfer holds its direction's lock (``lock``) for its whole
     run, copies and store calls; ``closed``, set under both locks by whoever destroys
     ``pool``, makes later transfers fail (its mapping is gone: a copy would fault).
+    ``quarantine``: staging pages a call that failed at its deadline left to a store
+    call still running (``rank.quarantine``); a transfer that needs them fails at once.
     """
 
     def __init__(self, memory: EngineMemory, pool: HostPool, window: int | None = None, *,
@@ -150,6 +154,7 @@ class StagedPool:
         self._locks = (put, put if shared else threading.Lock())
         self.closed = False
         self.copied_bytes = 0
+        self.quarantine = Quarantine()
 
     @property
     def layout(self) -> PoolLayout:
@@ -228,8 +233,11 @@ def staged_call(checked: CheckedTransfers, staged: Mapping[PoolName, StagedPool]
     ``window`` pages (one ``call`` per round; the other pools go in the first): a put
     copies each round's pages in before its call, a get copies the pages read in full
     out after it. ``epoch``: that of the pool handles. ``ValueError`` if a staged pool
-    was closed. What ``call`` raises propagates (pages of earlier rounds are then
-    stored or copied out, but reported by none)."""
+    was closed; ``QuarantinedPagesError`` (before any copy of that round) if a round's
+    staging pages are quarantined. A round that names staging pages only does not wait
+    for a late store call of its own when it fails: its staging pages are quarantined
+    instead (``rank.quarantine``). What ``call`` raises propagates (pages of earlier
+    rounds are then stored or copied out, but reported by none)."""
     results = dict(checked.fixed)
     direct = [p for p in checked.parts if p.role not in staged]
     moved = [(p, staged[p.role]) for p in checked.parts if p.role in staged]
@@ -252,9 +260,10 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
     """Round ``r`` of ``staged_call``: its pages appended to ``results``."""
     plan = TransferPlan()
     plan.batch.epoch = epoch
+    direct = list(direct)
     for part in direct:
         plan.add(part, part.pool.pool_name, part.pool.layout, part.starts)
-    copies = []
+    rounds = []
     for part, sp in moved:
         lo, hi = sp.chunk(r, len(part.starts))
         if lo >= hi:
@@ -262,14 +271,19 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
         page = sp.layout.page_size
         engine_pages = [s // page for s in part.starts[lo:hi]]
         staging_pages = sp.staging_pages(engine_pages, write)
+        sp.quarantine.check(staging_pages, sp.name)
+        rounds.append((part, sp, lo, hi, engine_pages, staging_pages))
+    copies = []
+    for part, sp, lo, hi, engine_pages, staging_pages in rounds:
         if write:
             sp.copy_in(engine_pages, staging_pages)
+        page = sp.layout.page_size
         plan.add(part.pages(lo, hi), sp.name, sp.pool.layout,
                  [p * page for p in staging_pages])
         copies.append((part.role, sp, engine_pages, staging_pages))
     if not plan.spans:
         return
-    codes = call(plan.batch) if len(plan.batch) else []
+    codes = _call(plan.batch, call, [] if direct else copies) if len(plan.batch) else []
     out = plan.stored(codes) if write else plan.read(codes)
     for role, sp, engine_pages, staging_pages in copies:
         if not write:
@@ -277,3 +291,20 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
             sp.copy_out([engine_pages[i] for i in read], [staging_pages[i] for i in read])
     for role, ok in out.items():
         results[role].extend(ok)
+
+
+def _call(batch: ObjectBatch, call: Callable[[ObjectBatch], Sequence[int]],
+          staged: Sequence[tuple[PoolName, StagedPool, list[int], list[int]]]
+          ) -> Sequence[int]:
+    """``call(batch)``; with ``staged`` (the round names staging pages only: ``(role,
+    pool, engine pages, staging pages)`` each), a failure whose store call runs on
+    quarantines those staging pages instead of waiting for it (``tickets.deferring``)."""
+    if not staged:
+        return call(batch)
+    with deferring() as late:
+        try:
+            return call(batch)
+        except BaseException:
+            for _, sp, _, staging_pages in staged:
+                sp.quarantine.add(late, staging_pages)
+            raise

@@ -30,6 +30,22 @@ def slow_two_nodes(mode: str, delay_s: float):
         del os.environ["RAYKV_TEST_STORE_DELAY_S"]
 
 
+def set_store_delay(cluster, seconds: float) -> None:
+    """From now on every put and get of ``cluster``'s node actors waits ``seconds`` inside
+    its store call (``RAYKV_TEST_STORE_DELAY_S``'s hook, changed in the running actors
+    through Ray's ``__ray_call__``; 0: off), so a module's running cluster and engines
+    serve a test of slow store calls without a cluster of their own."""
+    import ray
+
+    def set_delay(actor, s: float) -> None:  # runs in the node actor's process
+        from raykv.cache_actors.node import mooncake_backend
+
+        mooncake_backend._TEST_DELAY_S = s
+
+    ray.get([a.__ray_call__.remote(set_delay, seconds) for a in cluster.node_actors.values()],
+            timeout=60)
+
+
 def node_pids(cluster) -> dict:
     """The pid of every node actor of ``cluster``, by node id (a crash changes one)."""
     import ray

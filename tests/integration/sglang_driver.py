@@ -27,11 +27,13 @@ Models (``model``), each SGLang's own classes on ``device="cpu"``:
 Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node_actor``
 (SIGSTOP / SIGCONT this backend's node actor), ``logged`` (another step with every
 backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
-query and its load) and ``until_hit``. Close steps (``test_sglang_close.py``):
-``close_during_backup`` (the backend closed while SGLang's backup thread is in a store
-call), ``close_during_copy`` (closed while the backend copies pages through its staging
-pool) and ``read_back`` (every object of a prompt that exists, read by a fresh backend
-and compared byte for byte).
+query and its load), ``until_hit``, ``store_delay`` (slow store calls),
+``until_breaker_admits``, ``reuse`` (the last write's or load's host pages given to
+other bytes) and ``old_return`` (a control: failed calls return whatever runs).
+Close steps (``test_sglang_close.py``): ``close_during_backup`` (the backend closed
+while SGLang's backup thread is in a store call), ``close_during_copy`` (closed while the
+backend copies pages through its staging pool) and ``read_back`` (every object of a
+prompt that exists, read by a fresh backend and compared byte for byte).
 
 Contract steps (``test_sglang_contract.py``): ``trio`` (``set`` / ``exists`` / ``get``
 of one object), ``legacy_batch_get`` (the pointer API's page count), ``clear`` (SGLang's
@@ -209,6 +211,8 @@ class Engine:
         self.torch = torch
         self.sc = sc
         self.rank = spec["tp_rank"]
+        self.node_ids = spec["node_ids"]
+        self.last_hidx = None  # host slots of the last write run or prefetch load
         alloc_type = sc.get("allocator", "shm")
         model = sc["model"]
         self.page = page = DSA_PAGE if model == "dsa" else PAGE
@@ -409,7 +413,7 @@ class Engine:
             runs.append(run)
         completed, pool_results = [], []
         for run in runs:
-            hidx = self.group.alloc(len(run) * P)
+            hidx = self.last_hidx = self.group.alloc(len(run) * P)
             sel = [hashes[p] for p in run]
             self.fill(self.host, "", seed, sel, hidx)
             extra = None
@@ -474,7 +478,7 @@ class Engine:
         if hit_tokens == 0:
             res.update(loaded_pages=0, kv_match=[], mamba_match=None)
             return res
-        op.host_indices = self.group.alloc(hit_tokens)
+        op.host_indices = self.last_hidx = self.group.alloc(hit_tokens)
         self.poison(self.host, op.host_indices)
         if self.side is not None:
             self.poison(self.side, op.host_indices)
@@ -729,6 +733,57 @@ class Engine:
             if full or time.time() - t > step.get("s", 60):
                 return {"tries": tries, "hit": full, "last": res}
             time.sleep(0.5)
+
+    # ------------------------------------------------- slow store calls
+    def store_delay(self, step) -> dict:
+        """From now on every node actor of the cluster holds each put and get ``s``
+        seconds inside its store call (the ``RAYKV_TEST_STORE_DELAY_S`` hook, set in the
+        running actors through Ray's ``__ray_call__``; 0: off)."""
+        import ray
+        from raykv.controllers.naming import node_actor_name
+
+        def set_delay(actor, s: float) -> None:  # runs in the node actor's process
+            from raykv.cache_actors.node import mooncake_backend
+
+            mooncake_backend._TEST_DELAY_S = s
+
+        actors = [ray.get_actor(node_actor_name(n), namespace=self.store._namespace)
+                  for n in self.node_ids]
+        ray.get([a.__ray_call__.remote(set_delay, step["s"]) for a in actors], timeout=60)
+        return {"s": step["s"]}
+
+    def old_return(self, step) -> dict:
+        """CONTROL, for the rest of this process: a failed put's or get's ticket is freed
+        at once, whatever store call of it still runs (a rank's return before tickets)."""
+        from raykv.cache_actors.tickets import TicketBook
+
+        def free(book, ticket) -> bool:
+            book.free(ticket)
+            return True
+
+        TicketBook.settle = TicketBook.try_settle = free
+        return {}
+
+    def until_breaker_admits(self, step) -> dict:
+        """Wait (at most 30 s) until this backend's circuit breaker lets a data call
+        through again (its probe found the node actor answering)."""
+        t = time.time()
+        while self.store.client.breaker_counts()["state"] == "open":
+            if time.time() - t > 30:
+                raise TimeoutError("the breaker never let a call through again")
+            time.sleep(0.05)
+        return {"waited_s": round(time.time() - t, 3)}
+
+    def reuse(self, step) -> dict:
+        """The host pages of the last ``write`` or ``prefetch`` given to other data at
+        once, as SGLang reuses host pages it freed (after a failed prefetch) or evicted
+        (after a backup): filled with seed ``seed``'s bytes; ``wait_s`` later, whether
+        each page still holds them (``kept``)."""
+        hidx = self.last_hidx
+        _, hashes = self.tokens(step["seed"], len(self.starts(hidx)))
+        self.fill(self.host, "", step["seed"], hashes, hidx)
+        time.sleep(step.get("wait_s", 0))
+        return {"kept": self.matches(self.host, "", step["seed"], hashes, hidx)}
 
     # ------------------------------------------------ close under a backup
     def close_during_backup(self, step) -> dict:

@@ -15,11 +15,24 @@ carries it is still running. The rank then reuses the page at once, as an engine
 CONTROL (``fixed=False``): the rank's settling of a failed call's ticket replaced by the
 old behaviour (return at the deadline, whatever runs) shows B read back and E
 overwritten, so each test can fail. The old code (no tickets) failed both the same way.
+
+Staged pools (the engine's memory served through the rank's own staging pages, as vLLM's
+KV cache and SGLang's non-shm pools are): the node actor is stopped with SIGSTOP while
+the store call of a put or get runs. The call returns at its deadline while the actor is
+still stopped (its staging pages quarantined, ``cache_actors.rank.quarantine``), a later
+call through those pages fails at once, the engine reuses its page, and after SIGCONT
+the key reads back as the bytes of before the return (or misses) and the engine's page
+keeps what the engine wrote. CONTROL: the rank settling that ticket by waiting (the
+rule for every pool before quarantine) is still held when the actor has been stopped
+for ``STOP_S``.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -28,21 +41,23 @@ import torch
 from raykv import CacheClient
 from raykv.cache_actors.channel_codec import parse_reply, request
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.errors import DeadlineExceededError, QuarantinedPagesError
 from raykv.cache_actors.local_channel import _Link
-from raykv.cache_actors.rank.node_guard import guard_of
-from raykv.cache_actors.tickets import TicketBook
+from raykv.cache_actors.rank.staging_pools import StagedPool, describe_kv_buffer, staging_layout
+from raykv.cache_actors.tickets import SLOTS, STARTED, TicketBook, process_book, read_slot
 from raykv.controllers import StorageConfig
-from raykv.controllers.circuit_breaker import BreakerState
+from raykv.controllers.contract import PoolName
 from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.conftest import MODES, slow_two_nodes
+from tests.integration.process_stop import stop_process
 
 DELAY_S = 2.0
 TIMEOUT_S = 1.0
 POOL = dict(page_size=4, size=128, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
 A, B, E, X = 1.0, 2.0, 5.0, 7.0
 ROUTES = ("channel", "ray")
+STOP_S = 2.0  # the node actor stays stopped this long past the staged call's deadline
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -73,17 +88,6 @@ def rank(uid: str, route: str, timeout_s: float | None = None) -> tuple[CacheCli
     return client, pool
 
 
-def breaker_admits(client: CacheClient, timeout_s: float = 60.0) -> None:
-    """Wait until this process's breaker on ``client``'s node actor lets calls through
-    again: the failed call opened it (it waited a whole deadline), and the probe moves it
-    to its trial once the actor answers ``health`` (later on a loaded machine)."""
-    guard = guard_of(client._link._namespace, client._link.node_id)
-    end = time.monotonic() + timeout_s
-    while guard.breaker.state is BreakerState.OPEN and time.monotonic() < end:
-        time.sleep(0.05)
-    assert guard.breaker.state is not BreakerState.OPEN
-
-
 def old_settle(book: TicketBook, ticket) -> None:
     """CONTROL: what a rank did before tickets: return at the deadline (the ticket is
     only abandoned if no store call holds it)."""
@@ -104,7 +108,7 @@ def test_a_late_put_never_stores_the_bytes_written_after_it_failed(
         writer.batch_set_v1([key], slots(0))
     page(wpool, 0).fill_(B)  # the engine reuses the page at once
     time.sleep(DELAY_S + 0.5)  # any store call of the put has ended by now
-    breaker_admits(reader)
+    until_closed(reader)
     page(rpool, 3).fill_(0)
     (found,) = reader.batch_get_v1([key], slots(3))
     got = set(page(rpool, 3).flatten().tolist())
@@ -132,7 +136,7 @@ def test_a_late_get_never_overwrites_the_page_reused_after_it_failed(
         writer.batch_get_v1([key], slots(20))
     page(wpool, 20).fill_(E)  # the engine gives the page to another request
     time.sleep(DELAY_S + 0.5)  # any store call of the get has ended by now
-    breaker_admits(reader)  # the next test's calls are let through
+    until_closed(reader)  # the next test's calls are let through
     got = set(page(wpool, 20).flatten().tolist())
     if fixed:
         assert got == {E}, got
@@ -166,3 +170,109 @@ def test_a_deadline_not_finite_or_too_far_is_refused_on_both_routes(slow_cluster
     assert ray.get(actor.get.remote(batch, client.owner_claim(),
                                     time.monotonic() + 30)) == [64]
     client.close()
+
+
+def staged_rank(uid: str, route: str) -> tuple[CacheClient, torch.Tensor]:
+    """A client with ``TIMEOUT_S`` whose KV pool is engine memory (a private tensor of
+    ``POOL``'s geometry) served through a staging pool of 2 + 2 pages; the tensor."""
+    client = CacheClient(StorageConfig(model_name=f"final/{uid}",
+                                       extra_config={"timeout_s": TIMEOUT_S}))
+    if route == "ray":
+        client._link._local = False
+    engine = torch.zeros(2, POOL["size"], POOL["layer_num"], POOL["head_num"],
+                         POOL["head_dim"], dtype=POOL["dtype"])
+    memory = describe_kv_buffer(engine, POOL["page_size"])
+    staging = client.create_host_pool(staging_layout(memory.layout, 4), per_process=True)
+    client.register_mem_pool_host(StagedPool(memory, staging, 2))
+    return client, engine
+
+
+def waiting_try_settle(book: TicketBook, ticket) -> bool:
+    """CONTROL: settle a deferred ticket by waiting for its store call (no quarantine)."""
+    book.settle(ticket)
+    return True
+
+
+def until_started() -> None:
+    """Wait (bounded) until a store call of one of this process's tickets has started."""
+    book = process_book()
+    deadline = time.monotonic() + 30
+    while not any(read_slot(book._mem, slot)[1] == STARTED for slot in range(SLOTS)):
+        assert time.monotonic() < deadline, "no store call started"
+        time.sleep(0.01)
+
+
+def until_closed(client: CacheClient) -> None:
+    """Wait (bounded) until this process's breaker on ``client``'s node actor lets a call
+    through again (the stop made it open)."""
+    deadline = time.monotonic() + 60
+    while client.breaker_counts()["state"] == "open":
+        assert time.monotonic() < deadline, "the breaker never let a call through again"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("op", "route", "fixed"), [
+    ("put", "channel", True), ("put", "ray", True), ("get", "channel", True),
+    ("put", "channel", False)],
+    ids=["put-channel", "put-ray", "get-channel", "CONTROL-put-waits"])
+def test_a_staged_call_returns_at_its_deadline_while_the_node_actor_is_stopped(
+        slow_cluster, uid, op, route, fixed, monkeypatch):
+    if not fixed:
+        monkeypatch.setattr(TicketBook, "try_settle", waiting_try_settle)
+    writer, engine = staged_rank(uid, route)
+    reader, rpool = rank(uid, "channel")
+    until_closed(reader)  # an earlier test's deadline may have opened it
+    pid = ray.get(slow_cluster.node_actors[writer.node_id].health.remote())["pid"]
+    key, n = f"{uid}-k3", 20
+    engine_page = engine[:, n * 4:n * 4 + 4]
+    if op == "put":
+        engine_page.fill_(A)
+        call = lambda: writer.batch_set_v1([key], slots(n))  # noqa: E731
+    else:
+        page(rpool, 1).fill_(X)
+        assert reader.batch_set_v1([key], slots(1)) == [True]
+        call = lambda: writer.batch_get_v1([key], slots(n))  # noqa: E731
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = call()
+        except Exception as e:  # noqa: BLE001 - checked below
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    until_started()  # its store call runs (it lasts DELAY_S)
+    stop_process(pid)
+    try:
+        thread.join(TIMEOUT_S + STOP_S)
+        returned_while_stopped = not thread.is_alive()
+        if returned_while_stopped:
+            engine_page.fill_(E if op == "get" else B)  # the engine reuses its page
+            # the call's staging pages are quarantined: a call that needs them fails at
+            # once (nothing copied into them, nothing sent)
+            with pytest.raises(QuarantinedPagesError):
+                (writer.batch_set_v1([f"{key}-2"], slots(n)) if op == "put"
+                 else writer.batch_get_v1([key], slots(n)))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(60)
+    if not fixed:
+        assert not returned_while_stopped, out  # CONTROL: held until SIGCONT
+        assert isinstance(out.get("error"), DeadlineExceededError), out
+        until_closed(writer)  # no probe left running into the cluster's teardown
+        return
+    assert returned_while_stopped and isinstance(out.get("error"), DeadlineExceededError), out
+    time.sleep(DELAY_S)  # the late store call has ended by now
+    until_closed(writer)
+    staged = writer._pools.staged[PoolName.KV]
+    assert staged.quarantine.held() == set()  # released once the node ended the ticket
+    if op == "get":
+        assert set(engine_page.flatten().tolist()) == {E}  # the late get wrote staging only
+    else:
+        page(rpool, 3).fill_(0)
+        (found,) = reader.batch_get_v1([key], slots(3))
+        got = set(page(rpool, 3).flatten().tolist())
+        assert not found or got == {A}, (found, got)  # A or a miss, never B
+    writer.close()
+    reader.close()

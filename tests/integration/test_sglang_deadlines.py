@@ -15,15 +15,31 @@ Mamba pool: ``batch_exists_v2``, ``batch_set_v2``).
 Hang detection: the driver's waits on SGLang's queues end after 60 s (an inner step
 then reports ``inner_error``) and each logged call must have returned within
 ``HANG_S``; a call hung for good (the rank side before deadlines) fails the test.
+
+Store calls slower than the deadline (MHA, zero-copy: SGLang's own host memory is what
+the node actor reads and writes): every node actor holds each put and get ``DELAY_S`` >
+``timeout_s`` inside its store call (``store_delay``). SGLang's prefetch of a stored
+prompt G and its backup of a prompt A fail (no page reported loaded or stored that was
+not, nothing raised into SGLang), and right after each the driver gives the host pages
+to other bytes, as SGLang does with pages it freed or evicted. Those pages keep the new
+bytes, every object of A the store holds afterwards reads back as A's bytes (``read_back``),
+and G and A then load byte-identical: what SGLang sees equals a run where raykv missed.
+CONTROL (``old_return``): the ranks return from the failed calls at the deadline whatever
+store call runs: the late get overwrites the reused pages and the late put stores the
+reused pages' bytes under A's keys.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
+from tests.integration.conftest import set_store_delay
 from tests.integration.sglang_runs import run_driver, scenario, steps
 
 TIMEOUT_S = 1.0
+DELAY_S = 3.0  # a slow store call (a control's late call lands DELAY_S - TIMEOUT_S later)
 HANG_S = 15.0  # a backend call still running after this long is taken as hung
 N = 4
 
@@ -70,16 +86,58 @@ def check_calls(step: dict, what: str) -> list[dict]:
     return step["calls"]
 
 
-def run(tmp_path, cluster, name: str, model: str, mamba: list | None = None) -> dict:
+def slow_scenario(name: str, uid: str, control: bool) -> tuple[dict, list[str]]:
+    """Slow store calls under SGLang's prefetch and backup (see the module docstring)."""
+    g, a = f"g-{name}-{uid}", f"a-{name}-{uid}"
+
+    def logged(inner: dict) -> dict:
+        return {"op": "logged", "inner": inner, "settle_s": 0}
+
+    labeled = [
+        ("write G", {"op": "write", "seed": g, "n_pages": N}),
+        *([("old return", {"op": "old_return"})] if control else []),
+        ("slow store", {"op": "store_delay", "s": DELAY_S}),
+        ("slow load", logged({"op": "prefetch", "seed": g, "n_pages": N, "rid": "slow"})),
+        ("reuse loaded pages", {"op": "reuse", "seed": f"r1-{name}", "wait_s": DELAY_S}),
+        ("breaker admits", {"op": "until_breaker_admits"}),
+        ("slow backup", logged({"op": "write", "seed": a, "n_pages": N})),
+        ("reuse backed-up pages", {"op": "reuse", "seed": f"r2-{name}", "wait_s": DELAY_S}),
+        ("store fast again", {"op": "store_delay", "s": 0}),
+        ("breaker admits again", {"op": "until_breaker_admits"}),
+        ("read back A", {"op": "read_back", "seed": a, "n_pages": N}),
+        ("hits on G", {"op": "until_hit", "seed": g, "n_pages": N}),
+        ("prefetch A", {"op": "prefetch", "seed": a, "n_pages": N}),
+    ]
+    return scenario(name, "mha", "shm", [step for _, step in labeled],
+                    model_name=f"org/slow-{name}-{uid}",
+                    extra={"timeout_s": TIMEOUT_S}), [label for label, _ in labeled]
+
+
+def run(tmp_path, cluster, name: str, model: str, mamba: list | None = None,
+        slow: bool = False) -> dict:
+    """The stopped scenario ``name``; with ``slow``, the slow-store scenarios ``slow``
+    and (last: its switch stays on in the driver) ``slow-control`` in the same driver
+    process. The scenarios by name."""
     uid = os.urandom(4).hex()
-    spec, labels = stopped_scenario(name, model, uid, mamba)
-    sc = run_driver(tmp_path, cluster, 0, [spec], timeout=900)["scenarios"][name]
-    assert "attach_error" not in sc, sc
-    # The first step that raised, or whose SGLang queue wait ran out (a call hung).
-    for label, s in zip(labels, sc["steps"], strict=True):
-        assert "error" not in s and "inner_error" not in s, f"{label}: {s}"
-    assert all(sc["threads"].values()), sc["threads"]
-    return sc
+    specs = [stopped_scenario(name, model, uid, mamba)]
+    if slow:
+        specs += [slow_scenario("slow", uid, False), slow_scenario("slow-control", uid, True)]
+    try:
+        out = run_driver(tmp_path, cluster, 0, [spec for spec, _ in specs],
+                         timeout=900)["scenarios"]
+    finally:
+        set_store_delay(cluster, 0)  # whatever step failed
+    for spec, labels in specs:
+        sc = out[spec["name"]]
+        assert "attach_error" not in sc, sc
+        sc["labels"] = labels
+        if spec["name"] == "slow-control":
+            continue
+        # The first step that raised, or whose SGLang queue wait ran out (a call hung).
+        for label, s in zip(labels, sc["steps"], strict=True):
+            assert "error" not in s and "inner_error" not in s, f"{label}: {s}"
+        assert all(sc["threads"].values()), sc["threads"]
+    return out
 
 
 def check_common(sc: dict, lookup: str, backup: set[str], load: str) -> None:
@@ -131,17 +189,55 @@ def _zero(done) -> bool:
     return (done[0] if isinstance(done, list) else done) == 0
 
 
-def test_mha_v1_calls_on_a_stopped_node_actor(cluster, tmp_path):
-    sc = run(tmp_path, cluster, "mha", "mha")
+@pytest.fixture(scope="module")
+def mha_runs(cluster, tmp_path_factory) -> dict:
+    """One driver process: the MHA stopped scenario, then the slow-store scenarios."""
+    return run(tmp_path_factory.mktemp("mha"), cluster, "mha", "mha", slow=True)
+
+
+def test_mha_v1_calls_on_a_stopped_node_actor(mha_runs):
+    sc = mha_runs["mha"]
     check_common(sc, "batch_exists", {"batch_set_v1"}, "batch_get_v1")
     assert steps(sc)[-1]["result"]["kv_match"] == [True] * N
+
+
+def labeled_steps(sc: dict) -> dict[str, dict]:
+    return dict(zip(sc["labels"], sc["steps"], strict=True))
+
+
+def test_slow_store_calls_never_change_what_sglang_sees(mha_runs):
+    st = labeled_steps(mha_runs["slow"])
+    load = st["slow load"]
+    check_calls(load, "slow load")
+    assert load["result"]["hit_pages"] == N, load  # the hit query is not slowed
+    assert all(load["result"]["kv_match"]), load  # pages reported loaded are G's
+    assert all(st["reuse loaded pages"]["kept"]), st["reuse loaded pages"]
+    backup = st["slow backup"]
+    check_calls(backup, "slow backup")
+    assert all(st["reuse backed-up pages"]["kept"]), st["reuse backed-up pages"]
+    objects = st["read back A"]["objects"]
+    assert all(o is not False for page in objects for o in page), objects  # A's or absent
+    assert st["hits on G"]["hit"], st["hits on G"]
+    after = st["prefetch A"]
+    assert after["kv_match"] == [True] * after["loaded_pages"], after
+    print("slow store:", {k: st[k] for k in ("slow load", "slow backup", "read back A")},
+          "scenario seconds:", {k: v.get("elapsed_s") for k, v in mha_runs.items()})
+
+
+def test_slow_store_calls_control_old_return_shows_wrong_bytes(mha_runs):
+    """CONTROL of the test above: the old return lets the late get overwrite the reused
+    pages and the late put store the reused pages' bytes under A's keys."""
+    st = labeled_steps(mha_runs["slow-control"])
+    assert not all(st["reuse loaded pages"]["kept"]), st["reuse loaded pages"]
+    objects = st["read back A"]["objects"]
+    assert any(o is False for page in objects for o in page), objects
 
 
 def test_hybrid_v2_calls_on_a_stopped_node_actor(cluster, tmp_path):
     """Hybrid (MHA KV zero-copy + a staged Mamba pool): SGLang asks ``batch_exists_v2``
     and backs the Mamba state up with ``batch_set_v2``; after SIGCONT the Mamba state
     loads again, byte-identical."""
-    sc = run(tmp_path, cluster, "hybrid", "hybrid", mamba=[N])
+    sc = run(tmp_path, cluster, "hybrid", "hybrid", mamba=[N])["hybrid"]
     check_common(sc, "batch_exists_v2", {"batch_set_v1", "batch_set_v2"}, "batch_get_v1")
     after = sc["steps"][11]["result"]
     assert after["mamba_match"] is True, after

@@ -12,8 +12,21 @@ the node actor of the engine's node is stopped with SIGSTOP (pid from ``health()
   vLLM recomputes, the tokens are the cold run's.
 - After SIGCONT a later request loads ``p``'s 7 blocks from raykv again.
 
+Store calls slower than the deadline (the node actors hold every put and get
+``DELAY_S`` > ``timeout_s`` inside the store call: ``set_store_delay``), two prompts
+submitted together (their saves follow each other in one worker step): the engine's
+output equals a run raykv cannot serve (the same prompts under another cache salt), and
+no object holding wrong bytes lands in the store: every block the store holds afterwards
+is read back by the engine's next loads and its bytes equal those vLLM's KV cache held
+when the connector saved it (SHA-256 per layer). The engine stages its blocks through 2
+staging pages (``pool_blocks``): the first save's first put outlives the deadline, and
+the next save would copy its blocks into the same staging pages (quarantined: it fails
+at once). CONTROL (``old_return``): the ranks return from the failed put at the deadline
+and reuse the staging pages (no ticket wait, no quarantine): the late store call stores
+the other prompt's blocks under the first one's keys, and the next load reads them.
+
 Every ``generate`` is waited for at most ``HANG_S``; one still running then (an engine
-held by a call without deadline) fails the test.
+held by a call without deadline) fails the test. One engine serves the module.
 """
 
 from __future__ import annotations
@@ -28,11 +41,13 @@ import ray
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 
+from tests.integration.conftest import set_store_delay
 from tests.integration.process_stop import stop_process
 from tests.integration.test_vllm import BLOCK, prompt
 from tests.integration.vllm_deadline_engine import DeadlineEngine
 
 TIMEOUT_S = 1.0
+DELAY_S = 2.0  # a slow store call: the node actors hold each put and get this long
 HANG_S = 60.0  # a generate still running after this long is taken as hung
 FULL = 7 * BLOCK  # p's blocks raykv may serve (1000 tokens, the last one computed)
 
@@ -86,13 +101,24 @@ def until_probed(engine) -> None:
         time.sleep(0.1)
 
 
-def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
+@pytest.fixture(scope="module")
+def engine(cluster, model):
+    """The module's engine, on node 2: ``timeout_s`` = ``TIMEOUT_S``, 2 staging pages."""
+    e = start_engine(cluster.node_ids[1], model, {
+        "model_name": f"tiny-deadline-{os.urandom(4).hex()}", "timeout_s": TIMEOUT_S,
+        "pool_blocks": 2}, actor_class=DeadlineEngine)
+    ready(e)
+    yield e
+    with contextlib.suppress(Exception):
+        ray.get(e.close.remote(), timeout=60)
+    ray.kill(e)
+
+
+def test_a_stopped_node_actor_never_stalls_vllm(cluster, engine):
     node = cluster.node_ids[1]
-    e = start_engine(node, model, {"model_name": f"tiny-deadline-{uid}",
-                                   "timeout_s": TIMEOUT_S}, actor_class=DeadlineEngine)
+    e = engine
     pid = ray.get(cluster.node_actors[node].health.remote())["pid"]
     try:
-        ready(e)
         # Before the first request: the lookup misses at the deadline.
         stop_process(pid)
         try:
@@ -142,6 +168,46 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, model, uid):
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGCONT)
-        with contextlib.suppress(Exception):
-            ray.get(e.close.remote(), timeout=60)
-        ray.kill(e)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "CONTROL-old-return"])
+def test_store_calls_past_the_deadline_never_change_what_vllm_computes(cluster, engine, uid,
+                                                                       fixed):
+    e = engine
+    prompts = [prompt(50), prompt(51)] if fixed else [prompt(52), prompt(53)]
+    # Runs raykv cannot serve (another cache salt: other keys): computed whole.
+    refs = bounded(e.generate_many.remote(prompts, f"ref-{uid}"), "reference run")
+    assert [r["cached"] for r in refs] == [0, 0], refs
+    saves0 = ray.get(e.worker_stats.remote())[0]
+    ray.get(e.record_blocks.remote(True))
+    ray.get(e.old_return.remote(not fixed))
+    try:
+        set_store_delay(cluster, DELAY_S)
+        try:
+            slow = bounded(e.generate_many.remote(prompts), "run with slow store calls")
+        finally:
+            set_store_delay(cluster, 0)
+        time.sleep(DELAY_S)  # every late store call has ended
+        saved = ray.get(e.recorded_blocks.remote())["saved"]
+        hashes = list(saved)  # both prompts' 7 blocks
+        stored = dict(zip(hashes, ray.get(e.stored.remote(hashes)), strict=True))
+        saves = ray.get(e.worker_stats.remote())[0]
+        assert len(hashes) == 14 and saves["save_failed"] > saves0["save_failed"], saves
+        assert [s["tokens"] for s in slow] == [r["tokens"] for r in refs], slow
+        assert [s["cached"] for s in slow] == [0, 0], slow
+        until_probed(e)
+        # Every block the store holds is read back by the next loads (per prompt a
+        # leading run: the saves after a failed put failed without a store call).
+        ray.get(e.record_blocks.remote(True))
+        for p in prompts:
+            bounded(e.generate.remote(p), "read back")
+        loaded = ray.get(e.recorded_blocks.remote())["loaded"]
+    finally:
+        ray.get([e.old_return.remote(False), e.record_blocks.remote(False)])
+    assert any(stored.values()) and set(loaded) == {h for h, s in stored.items() if s}, \
+        (stored, list(loaded))
+    wrong = sorted(hashes.index(h) for h in loaded if loaded[h] != saved[h])
+    if not fixed:
+        assert wrong, "CONTROL: the late put stored the bytes it was meant to"
+        return
+    assert wrong == [], f"blocks {wrong} hold other bytes than vLLM saved"

@@ -1,6 +1,9 @@
 """The vLLM deadline tests' engine: an engine actor whose scheduler-side lookups
 (``get_num_new_matched_tokens``) are timed, and which can SIGSTOP a process right after
-a lookup that hit (so the worker's load meets a node actor stopped after it answered).
+a lookup that hit (so the worker's load meets a node actor stopped after it answered),
+record the bytes of the blocks its connector saves and loads, tell which blocks the
+store holds, and (a control) return from a failed put or get at its deadline whatever
+store call of it still runs, as ranks did before tickets.
 In a module of its own so that Ray workers import it by name."""
 
 from __future__ import annotations
@@ -11,6 +14,13 @@ import ray
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 from tests.integration.process_stop import stop_process
+from tests.integration.vllm_control import _record_blocks, _recorded
+
+
+def _old_return(book, ticket) -> bool:
+    """CONTROL: a failed call's ticket freed at once, whatever store call of it runs."""
+    book.free(ticket)
+    return True
 
 
 @ray.remote(num_cpus=0)
@@ -44,6 +54,48 @@ class DeadlineEngine(VLLMEngine):
         """The state of this process's circuit breaker on its node actor (shared by the
         scheduler's and the worker's clients): closed, open or trial."""
         return self._scheduler_side._client.breaker_counts()["state"]
+
+    def generate_many(self, prompts: list[list[int]], cache_salt: str | None = None,
+                      max_tokens: int = 24) -> list[dict]:
+        """Greedy ``max_tokens`` tokens after each of ``prompts``, submitted together (one
+        scheduler step sees them all, so their saves follow each other in one worker
+        step): per prompt ``tokens`` and ``cached``."""
+        from vllm import SamplingParams
+
+        inputs = [{"prompt_token_ids": p} | ({} if cache_salt is None else
+                                             {"cache_salt": cache_salt}) for p in prompts]
+        outs = self.llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                        ignore_eos=True), use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                for o in outs]
+
+    def record_blocks(self, on: bool) -> None:
+        """Start recording (anew) or stop recording the bytes of the blocks the
+        connector saves and loads (``vllm_control._record_blocks``)."""
+        self.llm.collective_rpc(_record_blocks, args=(on,))
+
+    def recorded_blocks(self) -> dict[str, dict[str, list[str]]]:
+        """``{"saved": {page hash: [sha256 per layer]}, "loaded": {...}}``."""
+        (rec,) = self.llm.collective_rpc(_recorded)
+        return rec
+
+    def stored(self, hashes: list[str]) -> list[bool]:
+        """Whether the store holds each block ``hashes[i]`` (a hit query per block)."""
+        client = self._scheduler_side._cache()
+        return [client.batch_exists([h]) == 1 for h in hashes]
+
+    def old_return(self, on: bool) -> None:
+        """CONTROL (on): this process's ranks (scheduler and worker: one process) free a
+        failed put's or get's ticket at once, neither waiting for its store call nor
+        quarantining its staging pages; off: the tickets' own rules."""
+        from raykv.cache_actors.tickets import TicketBook
+
+        if not hasattr(self, "_ticket_rules"):
+            self._ticket_rules = (TicketBook.settle, TicketBook.try_settle)
+        if on:
+            TicketBook.settle = TicketBook.try_settle = _old_return
+        else:
+            TicketBook.settle, TicketBook.try_settle = self._ticket_rules
 
     def stop_after_lookup(self, pid: int) -> None:
         """SIGSTOP ``pid`` as soon as a lookup answers a hit (once)."""

@@ -2,10 +2,14 @@
 bytes at the same offsets), the page-run copy and staged rounds on plain mappings."""
 
 import mmap
+import time
 
 import pytest
 import torch
+from raykv.cache_actors.errors import DeadlineExceededError, QuarantinedPagesError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.node.ticket_desk import TicketDesk
+from raykv.cache_actors.rank.quarantine import Quarantine
 from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
@@ -14,6 +18,7 @@ from raykv.cache_actors.rank.staging_pools import (
     staged_call,
     staging_layout,
 )
+from raykv.cache_actors.tickets import process_book
 from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.pool_layout import PoolLayout
@@ -100,12 +105,7 @@ class Store:
 
 
 def move(staged: StagedPool, keys, block_ids, write: bool, store: Store):
-    slots = (torch.tensor(block_ids)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
-    checked = check_transfers([PoolTransfer(PoolName.KV, keys, slots)],
-                              {PoolName.KV: PlanPool(staged.name, staged.layout)},
-                              KeyScheme.from_config(StorageConfig()), write=write)
-    return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=0,
-                       call=store(write))[PoolName.KV]
+    return move_with(staged, keys, block_ids, write, store(write))
 
 
 def test_vllm_layers_staged_one_block_per_page_in_rounds():
@@ -146,3 +146,59 @@ def test_windowed_puts_and_gets_use_their_own_halves():
     assert (staged.rounds(5), staged.chunk(2, 5)) == (3, (4, 5))
     mirror = StagedPool(memory, host_pool(memory.layout), None)
     assert mirror.staging_pages([5, 6], write=False) == [5, 6] and mirror.rounds(99) == 1
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "CONTROL-no-quarantine"])
+def test_a_staged_call_failing_under_a_running_store_call_quarantines_its_pages(
+        fixed, monkeypatch):
+    """The call's ticket is held by a store call (a node actor's desk here) when the call
+    fails: ``staged_call`` returns at once, and the next put through those staging pages
+    fails before copying anything, until the store call ended. CONTROL: with nothing
+    quarantined, the next put copies other bytes into the page the store call reads."""
+    if not fixed:
+        monkeypatch.setattr(Quarantine, "add", lambda self, tickets, pages: None)
+    buf = torch.randn(2, 8 * PAGE, 1, 1, 4)
+    memory = describe_kv_buffer(buf, PAGE)
+    staged = StagedPool(memory, host_pool(staging_layout(memory.layout, 4)), 2)
+    desk = TicketDesk(outlived_by_store=False)
+    started = []
+
+    def late(batch):  # the node starts the ticket, then the rank's deadline passes
+        (ticket,) = started_tickets
+        started.append(desk.ticket(ticket, time.monotonic() + 30))
+        assert started[-1].start()
+        raise DeadlineExceededError("deadline")
+
+    book = process_book()
+    started_tickets: list = []
+
+    def call(batch):
+        with book.held() as ticket:
+            started_tickets[:] = [ticket]
+            return late(batch)
+
+    with pytest.raises(DeadlineExceededError):
+        move_with(staged, ["a"], [5], True, call)
+    before = staged.pool._bytes.clone()
+    buf.add_(1)
+    if not fixed:
+        move_with(staged, ["b"], [6], True, Store(staged.pool)(True))
+        assert not torch.equal(staged.pool._bytes, before)  # the late call reads these
+        started[-1].end()
+        return
+    assert staged.quarantine.held() == {0}
+    with pytest.raises(QuarantinedPagesError):
+        move_with(staged, ["b"], [6], True, Store(staged.pool)(True))
+    assert torch.equal(staged.pool._bytes, before)  # nothing copied into page 0
+    started[-1].end()  # the store call ended: the page is the rank's again
+    store = Store(staged.pool)
+    assert move_with(staged, ["b"], [6], True, store(True)) == [True]
+
+
+def move_with(staged: StagedPool, keys, block_ids, write: bool, call):
+    slots = (torch.tensor(block_ids)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    checked = check_transfers([PoolTransfer(PoolName.KV, keys, slots)],
+                              {PoolName.KV: PlanPool(staged.name, staged.layout)},
+                              KeyScheme.from_config(StorageConfig()), write=write)
+    return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=0,
+                       call=call)[PoolName.KV]

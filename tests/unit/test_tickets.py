@@ -9,8 +9,10 @@ import threading
 import time
 
 import pytest
+from raykv.cache_actors.errors import QuarantinedPagesError
 from raykv.cache_actors.node import ticket_desk
 from raykv.cache_actors.node.ticket_desk import TicketDesk
+from raykv.cache_actors.rank.quarantine import Quarantine
 from raykv.cache_actors.tickets import (
     ABANDONED,
     BOOK_BYTES,
@@ -21,6 +23,7 @@ from raykv.cache_actors.tickets import (
     TicketBook,
     TicketRef,
     check_deadline,
+    deferring,
     read_slot,
     sweep_books,
 )
@@ -160,3 +163,59 @@ def test_deadlines_in_range_pass():
     assert check_deadline(int(now) + 5) == int(now) + 5
     with pytest.raises(ValueError, match="ahead"):
         check_deadline(now + MAX_AHEAD_S + 5)
+
+
+def test_try_settle_never_waits_for_a_started_store_call(book, tmp_path):
+    ticket = book.issue()
+    held = desk(tmp_path).ticket(ticket, later())
+    assert held.start()
+    t = time.monotonic()
+    assert not book.try_settle(ticket)  # the store call still holds the pages
+    assert time.monotonic() - t < 0.1
+    held.end()
+    assert book.try_settle(ticket)  # ended: the pages are the rank's again
+    pending = book.issue()
+    assert book.try_settle(pending)  # never started: abandoned at once
+    assert state(book, pending) == (pending.serial, ABANDONED)
+
+
+def test_a_failed_call_inside_deferring_hands_its_ticket_over(book, tmp_path):
+    """Inside ``deferring`` a call that fails while its store call runs returns at once
+    with its ticket deferred; CONTROL: outside it, the same failure waits for the end."""
+    d = desk(tmp_path)
+    with deferring() as late, pytest.raises(TimeoutError), book.held() as ticket:
+        held = d.ticket(ticket, later())
+        assert held.start()
+        raise TimeoutError  # the rank's deadline, while the store call runs
+    assert late == [ticket] and state(book, ticket) == (ticket.serial, STARTED)
+    held.end()
+    assert book.try_settle(ticket)
+
+    def fail_while_started() -> None:
+        with pytest.raises(TimeoutError), book.held() as t:
+            started.append(d.ticket(t, later()))
+            assert started[0].start()
+            raise TimeoutError
+
+    started: list = []
+    thread = threading.Thread(target=fail_while_started)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # CONTROL: settle waits for the store call
+    started[0].end()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_quarantined_pages_stay_out_of_use_until_the_store_call_ended(book, tmp_path):
+    quarantine = Quarantine(lambda: book)
+    ticket = book.issue()
+    held = desk(tmp_path).ticket(ticket, later())
+    assert held.start()
+    quarantine.add([ticket], [0, 1])
+    quarantine.check([2, 3], "pool")  # other pages are free
+    with pytest.raises(QuarantinedPagesError, match="staging pages"):
+        quarantine.check([1], "pool")
+    held.end()
+    quarantine.check([0, 1], "pool")  # released by the node
+    assert quarantine.held() == set()
