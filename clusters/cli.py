@@ -630,6 +630,42 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     _check([result], check)
 
 
+@main.command("bench-hosts", epilog=_epilog(one=("also without root",)))
+@click.option("--links", default="1gbit,10gbit,25gbit", show_default=True,
+              help="Comma-separated link rates, as tc writes them; one cluster, the link "
+                   "re-shaped between rates.")
+@click.option("--page-sizes", default="1M,4M", show_default=True,
+              type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
+              help="Comma-separated page sizes (K/M suffixes).")
+@click.option("--batch", default=32, show_default=True, type=POSITIVE,
+              help="Pages per batch call.")
+@click.option("--iters", default=3, show_default=True, type=POSITIVE,
+              help="Timed iterations per link and size.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_hosts.json.")
+def bench_hosts(links: str, page_sizes: tuple[int, ...], batch: int, iters: int,
+                out_dir: str) -> None:
+    """Cross-host L3 puts and gets on two emulated hosts (root only), raykv vs raw
+    Mooncake on the same shaped link, in one run: GB/s and the fraction of the link."""
+    from raykv.clusters.host_plan import parse_rate
+
+    rates = [x.strip() for x in links.split(",") if x.strip()]
+    try:
+        for rate in rates:
+            parse_rate(rate)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--links'") from None
+    _progress(f"raykv bench-hosts: starting 2 emulated hosts, then {len(rates)} link "
+              f"rate(s) x {len(page_sizes)} page size(s) ...")
+    from raykv.clusters.bench.hosts import run_hosts_bench
+
+    try:
+        run_hosts_bench(links=rates, page_sizes=list(page_sizes), batch=batch, iters=iters,
+                        out_dir=out_dir)
+    except (PermissionError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("bench-gpu", epilog=BENCH_EPILOG)
 @click.option("--page-sizes", default="256K,1M,4M", show_default=True,
               type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
