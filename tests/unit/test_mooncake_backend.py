@@ -217,7 +217,7 @@ def test_embedded_binds_its_host_over_an_inherited_loopback(fake_mooncake, monke
         local_hostname="10.213.0.2", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
         global_segment_size=1, local_buffer_size=2)
     assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.213.0.2"
-    assert backend.endpoint() == "10.0.0.1:12345"  # what the (fake) client advertises
+    assert backend.endpoint() == "10.213.0.2:12345"  # what the (fake) client advertises
 
 
 def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
