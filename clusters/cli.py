@@ -458,14 +458,14 @@ def _emulated(hosts: int, link: str | None, **options) -> None:
 
     from raykv.clusters import start_local
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
+    try:  # Ctrl-C while it starts: start_local removes what it made
         with _spinner(f"starting {hosts} emulated hosts ..."):
             cluster = start_local(hosts=hosts, link=link, log_to_driver=False, **options)
     except (PermissionError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+        signal.signal(sig, lambda *_: stop.set())
     with cluster:
         net = cluster.hosts
         click.echo(f"raykv is up on {hosts} emulated hosts (links: {link or 'not shaped'}): "
@@ -475,7 +475,8 @@ def _emulated(hosts: int, link: str | None, **options) -> None:
             where = net.plan.netns(h) or "this machine's namespace (head)"
             click.echo(f"  host {h}: {net.address(h)}  {where}  node {net.node_ids[h][:12]}")
         click.echo("Ctrl-C stops it and removes every host", err=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            pass
     click.echo("raykv stopped: emulated hosts removed")
 
 
