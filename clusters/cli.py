@@ -333,14 +333,34 @@ def _connected(call, *args, **kwargs):
 @click.option("--bound-tenants-only", is_flag=True, help="Serve only the tenants bound "
               "with --tenant-digest: nodes and the controller bind no tenant on first use, "
               "so nobody can fill their tenant tables.")
+@click.option("--emulate-hosts", default=0, type=click.IntRange(0, 32),
+              help="Instead of joining a Ray cluster: start one of N emulated hosts on this "
+              "machine (root only: a network namespace and address per host, a Ray node "
+              "in each) and run in the foreground until Ctrl-C or SIGTERM, then remove it "
+              "all (after a kill: `raykv clean-hosts`).")
+@click.option("--link", default=None, help="--emulate-hosts: each host's link rate, as tc "
+              "writes it (100mbit, 10gbit; default: not shaped).")
 def up(address: str, namespace: str, master_address: str | None, metadata_server: str | None,
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
        confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
-       tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool) -> None:
+       tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
+       emulate_hosts: int, link: str | None) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
+
+    if link is not None and not emulate_hosts:
+        raise click.UsageError("--link shapes emulated hosts: give --emulate-hosts")
+    if emulate_hosts:
+        if master_address or local_hostname or address != "auto":
+            raise click.UsageError("--emulate-hosts starts its own Ray, master and "
+                                   "addresses: no --address, --master-address or "
+                                   "--mooncake-host")
+        _emulated(emulate_hosts, link, namespace=namespace, global_segment_size=segment_size,
+                  standalone=standalone, host_pool_bytes=host_pool_size,
+                  confirm_ttl_s=confirm_ttl, mooncake_log_level=mooncake_log_level)
+        return
 
     if rdma_devices and protocol != "rdma":
         raise click.UsageError("--rdma-devices needs --protocol rdma")
@@ -437,6 +457,53 @@ def down(address: str, namespace: str) -> None:
                                    f"{namespace!r}")
     actors = len([name for name in stopped if name != "checkpoint"])
     click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
+
+
+def _emulated(hosts: int, link: str | None, **options) -> None:
+    """``raykv up --emulate-hosts``: the cluster in the foreground until a signal."""
+    import signal
+    import threading
+
+    from raykv.clusters import start_local
+
+    try:  # Ctrl-C while it starts: start_local removes what it made
+        with _spinner(f"starting {hosts} emulated hosts ..."):
+            cluster = start_local(hosts=hosts, link=link, log_to_driver=False, **options)
+    except (PermissionError, FileNotFoundError, ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+        signal.signal(sig, lambda *_: stop.set())
+    with cluster:
+        net = cluster.hosts
+        click.echo(f"raykv is up on {hosts} emulated hosts (links: {link or 'not shaped'}): "
+                   f"Ray {net.gcs_address}, namespace {cluster.namespace!r}, master "
+                   f"{cluster.master_address}, metadata {cluster.metadata_server}")
+        for h in range(hosts):
+            where = net.plan.netns(h) or "this machine's namespace (head)"
+            click.echo(f"  host {h}: {net.address(h)}  {where}  node {net.node_ids[h][:12]}")
+        click.echo("Ctrl-C stops it and removes every host", err=True)
+        while not stop.wait(1.0):
+            pass
+    click.echo("raykv stopped: emulated hosts removed")
+
+
+@main.command("clean-hosts", epilog=_epilog(zero="cleaned (or nothing to clean)", one=(
+    "also without root",)))
+@click.option("--force", is_flag=True, help="Also remove emulated clusters whose driver "
+              "still runs.")
+def clean_hosts(force: bool) -> None:
+    """Remove what emulated hosts left behind after their driver was killed: processes,
+    network namespaces, links, bridges, shared memory, their folder."""
+    from raykv.clusters.hosts import clean
+
+    try:
+        removed = clean(force=force)
+    except (PermissionError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    for line in removed:
+        click.echo(f"removed {line}")
+    click.echo(f"clean: {len(removed)} thing(s) removed")
 
 
 @main.command("tenant-digest", epilog=_epilog(
@@ -570,6 +637,42 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     _check([result], check)
+
+
+@main.command("bench-hosts", epilog=_epilog(one=("also without root",)))
+@click.option("--links", default="1gbit,10gbit,25gbit", show_default=True,
+              help="Comma-separated link rates, as tc writes them; one cluster, the link "
+                   "re-shaped between rates.")
+@click.option("--page-sizes", default="1M,4M", show_default=True,
+              type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
+              help="Comma-separated page sizes (K/M suffixes).")
+@click.option("--batch", default=32, show_default=True, type=POSITIVE,
+              help="Pages per batch call.")
+@click.option("--iters", default=3, show_default=True, type=POSITIVE,
+              help="Timed iterations per link and size.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_hosts.json.")
+def bench_hosts(links: str, page_sizes: tuple[int, ...], batch: int, iters: int,
+                out_dir: str) -> None:
+    """Cross-host L3 puts and gets on two emulated hosts (root only), raykv vs raw
+    Mooncake on the same shaped link, in one run: GB/s and the fraction of the link."""
+    from raykv.clusters.host_plan import parse_rate
+
+    rates = [x.strip() for x in links.split(",") if x.strip()]
+    try:
+        for rate in rates:
+            parse_rate(rate)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--links'") from None
+    _progress(f"raykv bench-hosts: starting 2 emulated hosts, then {len(rates)} link "
+              f"rate(s) x {len(page_sizes)} page size(s) ...")
+    from raykv.clusters.bench.hosts import run_hosts_bench
+
+    try:
+        run_hosts_bench(links=rates, page_sizes=list(page_sizes), batch=batch, iters=iters,
+                        out_dir=out_dir)
+    except (PermissionError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command("bench-gpu", epilog=BENCH_EPILOG)

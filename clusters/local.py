@@ -21,6 +21,7 @@ import ray
 from raykv.cache_actors.node.client_supervisor import stop_recorded
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
+from raykv.clusters.hosts import EmulatedHosts
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
 from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
@@ -37,8 +38,11 @@ class LocalCluster:
     """A running embedded raykv cluster. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, master: MooncakeMaster, settings: NodeSettings, namespace: str,
-                 ray_cluster=None, node_args: dict | None = None) -> None:
+                 ray_cluster=None, node_args: dict | None = None,
+                 hosts: EmulatedHosts | None = None) -> None:
         self.master = master
+        self.hosts = hosts
+        """The emulated hosts (``start_local(hosts=N)``): addresses, links, faults."""
         self.settings = settings
         self.namespace = namespace
         self._ray_cluster = ray_cluster
@@ -77,8 +81,9 @@ class LocalCluster:
     def add_node(self, timeout_s: float = 60.0, **node_args) -> str:
         """Add a Ray node (multi-node clusters only); returns its id once its node actor
         answers. ``node_args`` go to ``Cluster.add_node`` (default: same CPUs as the rest)."""
-        if self._ray_cluster is None:
-            raise RuntimeError("add_node needs a cluster started with num_nodes > 1")
+        if self._ray_cluster is None or self.hosts is not None:
+            raise RuntimeError("add_node needs a cluster started with num_nodes > 1 "
+                               "(and no emulated hosts)")
         before = {n["NodeID"] for n in ray.nodes()}
         node = self._ray_cluster.add_node(**(self._node_args | node_args))
         self._ray_cluster.wait_for_nodes()
@@ -112,6 +117,8 @@ class LocalCluster:
         prefix = cluster_shm_prefix(self.cluster_tag)
         steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
                  lambda: stop_recorded(prefix), lambda: remove_shm_files(prefix)]
+        if self.hosts is not None:  # its Ray processes, namespaces, links, bridge
+            steps.append(self.hosts.shutdown)
         if self.controller is not None and ray.is_initialized():
             steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None
@@ -155,10 +162,12 @@ def start_local(
     log_to_driver: bool = True,
     protocol: str = DEFAULTS.protocol,
     rdma_devices: str = DEFAULTS.rdma_devices,
-    local_hostname: str = LOOPBACK,
+    local_hostname: str | None = None,
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
     bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
+    hosts: int = 0,
+    link: str | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -176,9 +185,19 @@ def start_local(
     ``rdma``), ``local_hostname``: the address every node's Mooncake binds and
     advertises, 127.0.0.1 by default (also clients made later in this process:
     ``MC_TCP_BIND_ADDRESS`` is set to it unless already set; RDMA needs the address of
-    an RDMA interface). The master and its metadata server always listen on 127.0.0.1
+    an RDMA interface). The master and its metadata server listen on 127.0.0.1
 (Mooncake's transfer engines listen on every interface: docs/deploy.md). Multi-node clusters
     detect a removed node within ~3 s. Ray must not be initialised already.
+
+    ``hosts`` > 0: an emulated multi-host cluster instead (``clusters.hosts``, root
+    only): ``hosts`` Ray nodes, each in a network namespace of its own with its own
+    address (host 0, the head, in this machine's namespace, with the master, its
+    metadata server and this driver), every node's Mooncake bound to its host's address
+    (``local_hostname`` must stay None), each host's link shaped to ``link``
+    (``10gbit``; None: not shaped); ``num_nodes`` is then ``hosts``. Ray declares a
+    host dead after ~30 s unanswered. ``cluster.hosts`` takes links down and up and
+    changes their rates; ``shutdown`` removes every process, namespace, link and bridge
+    (after a crash of this process: ``raykv clean-hosts``).
 
     ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
     node actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
@@ -197,6 +216,15 @@ def start_local(
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
                            "its own Ray (call ray.shutdown() first)")
+    if hosts:
+        if num_nodes not in (1, hosts) or local_hostname is not None:
+            raise ValueError("with hosts, num_nodes is the number of hosts and every node's "
+                             "Mooncake binds its host's address (local_hostname None)")
+        num_nodes = hosts
+    elif link is not None:
+        raise ValueError("link shapes emulated hosts: give hosts too")
+    else:
+        local_hostname = local_hostname or LOOPBACK
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     sizes = ([global_segment_size] * num_nodes if isinstance(global_segment_size, int)
@@ -211,16 +239,30 @@ def start_local(
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only)
-    # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     check_confirm_ttl(confirm_ttl_s, master_args)
-    master = MooncakeMaster(LOOPBACK, extra_args=list(master_args)).start()
+    network = EmulatedHosts.create(hosts, link) if hosts else None
+    if network is None:
+        # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+    try:
+        master = MooncakeMaster(network.address(0) if network else LOOPBACK,
+                                extra_args=list(master_args)).start()
+    except BaseException:
+        if network is not None:
+            network.shutdown()
+        raise
     settings = replace(settings, master_address=master.master_address,
                        metadata_server=master.metadata_server)
     ray_cluster = None
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
     try:
-        if num_nodes == 1:
+        if network is not None:
+            network.set_cluster_tag(settings.cluster_tag)
+            address = network.start_ray(cpus_per_node, object_store_memory)
+            network.join_auth_mode()
+            ray.init(address=address, _node_ip_address=network.address(0),
+                     namespace=namespace, log_to_driver=log_to_driver)
+        elif num_nodes == 1:
             ray.init(address="local", namespace=namespace, include_dashboard=False,
                      log_to_driver=log_to_driver, **node_args)
         else:
@@ -233,15 +275,18 @@ def start_local(
             ray_cluster.wait_for_nodes()
             ray.init(address=ray_cluster.address, namespace=namespace,
                      log_to_driver=log_to_driver)
-        cluster = LocalCluster(master, settings, namespace, ray_cluster, node_args)
+        cluster = LocalCluster(master, settings, namespace, ray_cluster, node_args, network)
         head = ray.get_runtime_context().get_node_id()
         others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
-        cluster.node_ids = [head, *others]
+        cluster.node_ids = (network.map_nodes(ray.nodes()) if network is not None
+                            else [head, *others])
     except BaseException:
         master.stop()
         if ray_cluster is not None:
             ray_cluster.shutdown()
         ray.shutdown()
+        if network is not None:
+            network.shutdown()
         raise
     try:
         cluster.controller, cluster.reconciler = start_control_plane(

@@ -180,7 +180,7 @@ class MooncakeClientProcess:
 
     def _launch(self, port: int, timeout_s: float) -> None:
         env = dict(os.environ, RAYKV_CLIENT_LOG=str(self._log))
-        env.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+        env["MC_TCP_BIND_ADDRESS"] = self.host  # never one inherited (a driver's loopback)
         shell = subprocess.run(
             ["/bin/sh", "-c", '"$0" "$@" </dev/null >>"$RAYKV_CLIENT_LOG" 2>&1 & echo $!',
              client_binary(), f"-port={port}", *self._args],

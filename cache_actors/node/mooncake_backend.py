@@ -75,11 +75,13 @@ class MooncakeBackend:
     ) -> MooncakeBackend:
         """A real client contributing ``global_segment_size`` bytes to the store.
 
-        Its transport binds to ``local_hostname`` (``MC_TCP_BIND_ADDRESS``, unless the
-        process already sets it), the address peers are told to use. Raises
+        Its transport binds to ``local_hostname``, the address peers are told to use
+        (``MC_TCP_BIND_ADDRESS`` is set to it, also over one the process inherited: a
+        driver's ``127.0.0.1`` would bind a node of another host where no peer reaches
+        it). Raises
         ``RuntimeError`` when ``setup`` fails (master unreachable, bad address).
         """
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+        os.environ["MC_TCP_BIND_ADDRESS"] = local_hostname
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
@@ -227,6 +229,14 @@ class MooncakeBackend:
 
     def healthy(self) -> bool:
         return self._store.health_check() == 0
+
+    def endpoint(self) -> str:
+        """``host:port`` this client's transfer engine tells its peers (Mooncake's
+        ``get_hostname``); "" where the client has none (a dummy's may not say)."""
+        try:
+            return str(self._store.get_hostname())
+        except Exception:
+            return ""
 
     def close(self) -> None:
         self._store.close()

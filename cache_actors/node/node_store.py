@@ -141,10 +141,13 @@ class NodeStore:
         return self.backend.healthy()
 
     def stats(self) -> dict:
-        """Mode, host pool budget and bytes in use, and the ``mooncake_client`` process."""
+        """Mode, host pool budget and bytes in use, the client's ``mooncake_endpoint``
+        (``host:port`` its peers are told: the node's address), and the
+        ``mooncake_client`` process."""
         out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
                "host_pool_used": self.memory.budget.used,
-               "exposed_ports": [str(x) for x in self.exposed]}
+               "exposed_ports": [str(x) for x in self.exposed],
+               "mooncake_endpoint": self.backend.endpoint()}
         if self.process is not None:
             out["mooncake_client"] = self.process.info()
         return out

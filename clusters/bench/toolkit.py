@@ -138,12 +138,13 @@ def lower_thread_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
-def raw_client(metadata_server: str, master_address: str):
-    """A plain ``MooncakeDistributedStore`` on loopback that contributes no segment."""
+def raw_client(metadata_server: str, master_address: str, host: str = "127.0.0.1"):
+    """A plain ``MooncakeDistributedStore`` on ``host`` (this machine's address its
+    peers reach it at) that contributes no segment."""
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", metadata_server, 0, 16 * MiB, "tcp", "", master_address)
+    rc = store.setup(host, metadata_server, 0, 16 * MiB, "tcp", "", master_address)
     if rc != 0:
         raise RuntimeError(f"raw Mooncake client setup failed with code {rc}")
     return store
@@ -164,11 +165,11 @@ class RawStore:
     """
 
     def __init__(self, metadata_server: str, master_address: str,
-                 niceness: int | None = None) -> None:
+                 niceness: int | None = None, host: str = "127.0.0.1") -> None:
         self._thread = None if niceness is None else ThreadPoolExecutor(
             1, thread_name_prefix="raw-mooncake", initializer=lower_thread_priority,
             initargs=(niceness,))
-        self.store = self.call(raw_client, metadata_server, master_address)
+        self.store = self.call(raw_client, metadata_server, master_address, host)
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def call(self, fn: Callable[..., object], *args):

@@ -227,3 +227,30 @@ def test_bench_gpu_refuses_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = CliRunner().invoke(main, ["bench-gpu"])
     assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["up", "--link", "10gbit"], ["--link", "--emulate-hosts"]),
+    (["up", "--emulate-hosts", "2", "--address", "10.0.0.1:6379"], ["--emulate-hosts"]),
+    (["bench-hosts", "--links", "fast"], ["--links", "fast"]),
+])
+def test_emulated_hosts_usage_errors(args, words):
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2, out.output
+    assert all(w in out.output for w in words), out.output
+
+
+def test_emulated_hosts_refuse_without_root(monkeypatch):
+    """Nothing is built without root, and the message says why (control: as root the
+    same check passes)."""
+    from raykv.clusters import hosts
+
+    monkeypatch.setattr(hosts.os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="need root"):
+        hosts.EmulatedHosts.create(2, "1gbit")
+    monkeypatch.setattr(hosts.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(hosts.shutil, "which", lambda tool: f"/sbin/{tool}")
+    hosts.check_root()

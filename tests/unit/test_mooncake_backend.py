@@ -207,6 +207,19 @@ def test_embedded_setup_failure_names_its_code(fake_mooncake):
     assert consumer._steer is None  # no segment of its own: a fresh placement
 
 
+def test_embedded_binds_its_host_over_an_inherited_loopback(fake_mooncake, monkeypatch):
+    """A node of another host whose process inherited a driver's 127.0.0.1 binds its own
+    address (control: the environment did say loopback before the client was made)."""
+    import os
+
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    backend = MooncakeBackend.embedded(
+        local_hostname="10.213.0.2", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
+        global_segment_size=1, local_buffer_size=2)
+    assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.213.0.2"
+    assert backend.endpoint() == "10.213.0.2:12345"  # what the (fake) client advertises
+
+
 def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
     fake_mooncake.dummy_rcs = [-1, -1, 0]
     MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,

@@ -27,6 +27,9 @@ class FakeBackend:
     def healthy(self) -> bool:
         return self.health == 0
 
+    def endpoint(self) -> str:
+        return "10.213.0.2:12345"
+
     def close(self) -> None:
         self.closed = True
 
@@ -68,7 +71,8 @@ def test_embedded_calls_always_start_and_keep_their_codes():
     assert store.after_call(7, [0, -800, -900]) == [0, -800, -900]  # per-object errors
     assert store.after_call(6, [-1]) == [-1]  # embedded pool memory never changes epoch
     assert store.stats() == {"mode": "embedded", "host_pool_bytes": 1 << 20,
-                             "host_pool_used": 4096, "exposed_ports": []}
+                             "host_pool_used": 4096, "exposed_ports": [],
+                             "mooncake_endpoint": "10.213.0.2:12345"}
 
 
 def test_no_call_starts_while_mooncake_client_is_down():
