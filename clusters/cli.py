@@ -310,6 +310,9 @@ def _connected(call, *args, **kwargs):
 @click.option("--host-pool-size", default=None, type=Size(), help="Per node budget for host "
               "pools (default: no limit; 1GB with --standalone, where it is requested from "
               "mooncake_client).")
+@click.option("--l2-size", default="1GB", show_default=True, type=Size(),
+              help="Per node: the most bytes vLLM engines' node-local cache (L2) holds, "
+              "counted in --host-pool-size and the tenants' quotas (0: no L2).")
 @click.option("--confirm-ttl", default=2.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds group queries trust a page the store confirmed present (below "
               "the master's object lease, -default_kv_lease_ttl; 0: always ask the store).")
@@ -327,7 +330,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
+       l2_size: int, confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
     from raykv.clusters import deploy
@@ -351,7 +354,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
             host_pool_bytes=host_pool_size, confirm_ttl_s=confirm_ttl, tenant_quotas=quotas,
-            tenant_digests=digests, bound_tenants_only=bound_tenants_only)
+            tenant_digests=digests, bound_tenants_only=bound_tenants_only, l2_bytes=l2_size)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, a cache actor per node ..."):

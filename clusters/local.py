@@ -24,7 +24,7 @@ from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_con
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.clusters.node_actors import NodeSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
-from raykv.controllers.pool_layout import MiB
+from raykv.controllers.pool_layout import GiB, MiB
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ def start_local(
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
     bound_tenants_only: bool = False,
+    l2_bytes: int = GiB,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -190,7 +191,8 @@ def start_local(
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
     node from the start; ``bound_tenants_only``: no other tenant is bound
-    (``NodeSettings``).
+    (``NodeSettings``). ``l2_bytes``: the most bytes of each node's L2 pools (vLLM's
+    node-local cache; 0: none).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -210,7 +212,7 @@ def start_local(
         standalone=standalone, host_pool_bytes=host_pool_bytes,
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
-        bound_tenants_only=bound_tenants_only)
+        bound_tenants_only=bound_tenants_only, l2_bytes=l2_bytes)
     # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     check_confirm_ttl(confirm_ttl_s, master_args)

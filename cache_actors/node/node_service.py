@@ -97,6 +97,7 @@ from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.local_channel import ChannelServer
 from raykv.cache_actors.node.deployment_clear import DeploymentClear
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
+from raykv.cache_actors.node.l2_pools import L2Pools
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_store import NodeStore
@@ -147,7 +148,7 @@ class NodeService:
                  group_window_s: float, confirm_ttl_s: float,
                  tenant_quotas: Mapping[str, int] | None = None,
                  tenant_digests: Mapping[str, str] | None = None,
-                 bound_tenants_only: bool = False) -> None:
+                 bound_tenants_only: bool = False, l2_bytes: int = 0) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -168,6 +169,13 @@ class NodeService:
         # clear_objects(caller) -> objects removed: cache_actors.node.deployment_clear
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
+        # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
+        self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
+                                                                        owner),
+                          self._pools.destroy, lambda: list(self._pools.table.pools),
+                          lambda op, batch, deadline, caller: self._move(
+                              op, batch, None, deadline, caller, True),
+                          self.verify, l2_bytes=l2_bytes)
         self._stop = threading.Event()
         threading.Thread(target=self._reap_engines, name="raykv-engine-reaper",
                          daemon=True).start()
@@ -175,10 +183,15 @@ class NodeService:
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: partial(self.exists, verified=True),
              DataOp.PUT: partial(self.put, verified=True),
-             DataOp.GET: partial(self.get, verified=True)},
+             DataOp.GET: partial(self.get, verified=True),
+             DataOp.L2_LOOKUP: partial(self.l2.lookup, verified=True),
+             DataOp.L2_ACQUIRE: partial(self.l2.acquire, verified=True),
+             DataOp.L2_RESERVE: partial(self.l2.reserve, verified=True),
+             DataOp.L2_COMMIT: partial(self.l2.commit, verified=True)},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
-            deadline_ops=frozenset({DataOp.PUT, DataOp.GET}), bind=self.verify)
+            deadline_ops=frozenset({DataOp.PUT, DataOp.GET, DataOp.L2_ACQUIRE}),
+            bind=self.verify)
 
     # ----------------------------------------------------------------- pools
     def _reallocate(self) -> None:
@@ -254,7 +267,14 @@ class NodeService:
         ``ValueError``, the calls in flight on it end first (``NodePools.destroy``),
         then it is unregistered and released; False if there was none, ``ValueError``
         if it is another owner's."""
-        return self._pools.destroy(name, self._owner(owner))
+        removed = self._pools.destroy(name, self._owner(owner))
+        self.l2.forget(name)
+        return removed
+
+    def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
+                owner: OwnerClaim | None = None) -> PoolHandle | None:
+        """The L2 pool of the caller's deployment and ``rank`` here (``L2Pools.open``)."""
+        return self.l2.open(rank, layout, pages, owner)
 
     # ------------------------------------------------------------------ data
     def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
@@ -460,7 +480,7 @@ class NodeService:
         pool its ``owner`` (deployment and tenant, None: legacy); ``tenants``: per
         tenant with pools here or a quota, its ``pool_bytes``, ``pools`` and ``quota``
         (bytes, None: none); ``untenanted``: the same of the pools without a tenant
-        (under no quota)."""
+        (under no quota); ``l2``: the L2 cache (``L2Pools.stats``)."""
         table = self._pools.settled()
         tenants = self._pools.tenants()
         return {
@@ -479,6 +499,7 @@ class NodeService:
             "group_queries": self._metrics.group_queries(),
             "confirmed_pages": len(self._groups.confirmed),
             "merged_calls": self._metrics.merged_calls(),
+            "l2": self.l2.stats(),
         }
 
     def shutdown(self, remove_pools: bool = True) -> None:
@@ -486,6 +507,7 @@ class NodeService:
         ``mooncake_client`` too); with ``remove_pools`` also remove every pool."""
         self._stop.set()
         self._channel.close()
+        self.l2.close()
         self._pools.close(remove_pools)
         self._tickets.close()
         self._store.close()

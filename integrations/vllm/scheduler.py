@@ -96,15 +96,23 @@ class RayKVConnectorScheduler(ConnectorSide):
             return 0, False
         if self._step_budget is None:  # the first lookup of this scheduling step
             self._step_budget = Budget(self.opts.timeout_s)
+        l2 = 0
         try:
             with self._step_budget:
-                hit = self._cache().group_exists([hash_hex(h) for h in hashes]).kv_hit_pages
+                client = self._cache()
+                keys = [hash_hex(h) for h in hashes]
+                if self.opts.l2_blocks:  # the node's L2 first: its blocks need no L3 call
+                    l2 = client.l2().lookup(keys, self.tp_size)
+                hit = l2
+                if l2 < len(keys):
+                    hit += client.group_exists(keys[l2:]).kv_hit_pages
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
-            hit = 0
+            hit = l2
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
+        self.stats["l2_hit_blocks"] += l2
         st.local_hit_tokens = num_computed_tokens
         return external_tokens(local + hit, num_computed_tokens, self.block_size), False
 
