@@ -25,7 +25,8 @@ Rules (the failure model's, for L2):
   page in L2 (right bytes) and is counted (``l3_put_failed``).
 - A restarted node actor starts with every L2 pool empty: its pools get a name of this
   incarnation, and ``open`` removes the caller's pools of earlier incarnations (ranks
-  that still map one keep their mapping; nobody is given its pages again).
+  that still map one keep their mapping; nobody is given its pages again). The same
+  when the node's pool memory is allocated anew (``reset``).
 
 Threads: the data ops run on the caller's thread (channel connection, Ray data group);
 ``open`` on a pool thread; the write-behind on ``raykv-l2-flush``. ``_lock`` guards the
@@ -70,11 +71,21 @@ caller already verified), one code per object."""
 
 @dataclass
 class _L2Pool:
-    name: str
+    handle: PoolHandle
     owner: Owner | None
-    layout: PoolLayout
-    epoch: int
     index: L2Index
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.handle.layout
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
 
     def offsets(self, pages: Sequence[int]) -> list[int]:
         return self.layout.object_offsets([p * self.layout.page_size for p in pages])
@@ -131,7 +142,7 @@ class L2Pools:
                 if pool.layout.object_sizes != layout.object_sizes:
                     raise ValueError(f"L2 pool {name} holds pages of {pool.layout.object_sizes}"
                                      f" bytes, not {layout.object_sizes}")
-                return PoolHandle(name=name, layout=pool.layout, epoch=pool.epoch)
+                return pool.handle
             for old in self._pool_names():  # an earlier incarnation's: never served again
                 if old.startswith(family) and old != name:
                     self._destroy(old, caller.owner)
@@ -145,10 +156,19 @@ class L2Pools:
                                layout.buffers, layout.order)
             handle = self._create(name, sized, caller.owner)
             with self._lock:
-                self._pools[name] = _L2Pool(name, caller.owner, handle.layout, handle.epoch,
+                self._pools[name] = _L2Pool(handle, caller.owner,
                                             L2Index(fits, self._lease_s, self._clock))
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
             return handle
+
+    def reset(self) -> None:
+        """The node's pool memory is about to be allocated anew (standalone: its
+        ``mooncake_client`` restarted): every L2 pool is forgotten and the next ones get
+        names of a new incarnation, so no rank is ever given a page of memory it does
+        not map (ops naming the old pools fail; their engines open L2 again)."""
+        with self._lock:
+            self._pools.clear()
+            self._incarnation = uuid.uuid4().hex[:8]
 
     def forget(self, name: str) -> None:
         """Pool ``name`` left the node: it is no L2 pool any more."""

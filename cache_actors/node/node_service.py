@@ -197,6 +197,7 @@ class NodeService:
     def _reallocate(self) -> None:
         """The watcher's call after ``mooncake_client`` restarted (standalone)."""
         self._groups.forget()
+        self.l2.reset()
         self._pools.reallocate()
 
     def _reap_engines(self) -> None:

@@ -185,11 +185,9 @@ class RayKVConnectorWorker(ConnectorSide):
         try:
             self._cache()
             if self._l2 is not None and self._l2.usable:
-                done = self._l2.load(x.block_ids, x.hashes)
-                self.stats["l2_loaded"] += done
-                if done and self.opts.debug_corrupt_loads:
-                    self._copy_in(x.block_ids[:done])
-                return done
+                loaded = self._load_l2(x)
+                if loaded is not None:
+                    return loaded
             n_pool = self.opts.pool_blocks
             while done < len(x.block_ids):
                 n = min(n_pool, len(x.block_ids) - done)
@@ -205,6 +203,22 @@ class RayKVConnectorWorker(ConnectorSide):
         except Exception as e:  # node actor restarting, store down, bad state: not loaded
             self._warn.warn("load", "RayKVConnector: load of %d blocks failed (%s); "
                             "vLLM recomputes them", len(x.block_ids) - done, e)
+        return done
+
+    def _load_l2(self, x: BlockTransfer) -> int | None:
+        """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
+        L2, or from L3 into L2 first); how many. None if an L2 op failed (the node
+        actor restarted and its L2 is new, or it is unreachable): warned about, and the
+        caller loads through the staging pool."""
+        try:
+            done = self._l2.load(x.block_ids, x.hashes)
+        except Exception as e:
+            self._warn.warn("l2 load", "RayKVConnector: L2 load failed (%s); loading "
+                            "through the store", e)
+            return None
+        self.stats["l2_loaded"] += done
+        if done and self.opts.debug_corrupt_loads:
+            self._copy_in(x.block_ids[:done])
         return done
 
     def _copy_in(self, block_ids: list[int]) -> None:
@@ -250,7 +264,11 @@ class RayKVConnectorWorker(ConnectorSide):
         try:
             self._cache()
             if self._l2 is not None and self._l2.usable:
-                x = self._save_l2(x)
+                try:
+                    x = self._save_l2(x)
+                except Exception as e:  # the store takes the whole save then
+                    self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
+                                    "through the store", e)
                 if x is None:
                     return
             while done < len(x.block_ids):  # the client copies the blocks into staging
@@ -276,6 +294,8 @@ class RayKVConnectorWorker(ConnectorSide):
         self.stats["save_failed"] += len(x.block_ids) - saved - len(full)
         if not full:
             return None
+        self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
+                        "blocks; saving them through the store", len(full))
         return BlockTransfer(x.req_id, [x.block_ids[i] for i in full],
                              [x.hashes[i] for i in full], x.context)
 
