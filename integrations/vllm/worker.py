@@ -35,6 +35,7 @@ from raykv.cache_actors.rank.engine_pools import (
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.kv_views import block_views
 from raykv.integrations.vllm.l2_blocks import L2Blocks
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -110,12 +111,8 @@ class RayKVConnectorWorker(ConnectorSide):
                                  "all layers must match")
         num_blocks = (self._kv_cache_config.num_blocks if self._kv_cache_config is not None
                       else first.shape[0])
-        dims = [d for d, n in enumerate(first.shape) if n == num_blocks]
-        if not dims:
-            raise ValueError(f"RayKVConnector: no dimension of the KV tensor "
-                             f"{tuple(first.shape)} counts the {num_blocks} blocks")
-        # Per layer a (num_blocks, *block) view: vLLM's CPU layout is blocks-first already.
-        self._layers = [t.movedim(dims[0], 0) for t in tensors]
+        # Per layer a (num_blocks, *block) view, the block axis by vLLM's contract.
+        self._layers = block_views(tensors, num_blocks, self.block_size)
         self._block_shape = tuple(self._layers[0].shape[1:])
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "

@@ -41,8 +41,8 @@ def _record_blocks(worker, on: bool) -> None:
     """Wrap this worker's connector (instance attributes over the class's methods, which
     is what vLLM calls): ``wait_for_save`` first records the bytes of the blocks it is
     about to save, as vLLM's KV cache holds them then; ``start_load_kv`` records the
-    bytes of the blocks it loaded, right after the load. Off: the class's methods
-    again."""
+    bytes of the blocks it loaded, right after the load (not those whose load failed:
+    vLLM recomputes them). Off: the class's methods again."""
     c = _connector()
     c._recorded = {"saved": {}, "loaded": {}}
     if not on:
@@ -61,9 +61,11 @@ def _record_blocks(worker, on: bool) -> None:
     def start_load_kv(forward_context, **kwargs) -> None:
         cls.start_load_kv(c, forward_context, **kwargs)
         meta = c._get_connector_metadata()
+        failed = c.connector_worker._load_errors  # not yet handed to vLLM
         for x in getattr(meta, "loads", ()):
-            for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
-                c._recorded["loaded"][h] = d
+            for h, b, d in zip(x.hashes, x.block_ids, _digests(c, x.block_ids), strict=True):
+                if b not in failed:
+                    c._recorded["loaded"][h] = d
 
     c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
 
