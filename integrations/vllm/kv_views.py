@@ -39,3 +39,23 @@ def block_views(tensors: Sequence[torch.Tensor], num_blocks: int,
     (``(num_blocks, split, H, N, C)``). ``ValueError`` as ``kernel_split``."""
     split = kernel_split(tuple(tensors[0].shape), num_blocks, block_size)
     return [t if split == 1 else t.unflatten(0, (num_blocks, split)) for t in tensors]
+
+
+def block_geometry(spec: object, layers: int) -> dict:
+    """The ``PoolLayout.vllm`` arguments (all but ``size``) of one block of ``layers``
+    layers of vLLM's KV cache spec ``spec`` (an ``AttentionSpec``: ``block_size``,
+    ``num_kv_heads``, ``page_size_bytes`` per block and layer, ``dtype``): what the
+    scheduler side registers, so that the deployment's bytes per page are the workers'
+    real ones. ``head_dim`` is the content per head and token (K and V together);
+    ``ValueError`` if the block's bytes are no whole number of those."""
+    itemsize = spec.dtype.itemsize
+    heads = int(getattr(spec, "num_heads", None) or spec.num_kv_heads)
+    per_layer = int(spec.page_size_bytes)
+    slots = spec.block_size * heads * itemsize
+    if per_layer % slots:
+        raise ValueError(f"RayKVConnector: a block of {per_layer} bytes per layer is no "
+                         f"whole number of {spec.block_size} tokens x {heads} heads of "
+                         f"{itemsize}-byte values")
+    return {"page_size": spec.block_size, "layer_num": layers, "head_num": heads,
+            "head_dim": per_layer // slots, "dtype": str(spec.dtype).removeprefix("torch."),
+            "itemsize": itemsize}

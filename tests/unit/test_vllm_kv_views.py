@@ -39,3 +39,26 @@ def test_control_a_size_match_takes_the_wrong_axis():
     shape = (2, 2, 8, 4)  # [B=2, H=2, N=8, C=4] by the contract
     assert [d for d, n in enumerate(shape) if n == 2] == [0, 1]  # ambiguous by size
     assert kernel_split(shape, 2, 8) == 1
+
+
+def test_block_geometry_gives_the_workers_bytes_per_page():
+    """vLLM's CPU spec of the tests' tiny model: 2 KV heads of 64, K and V of 128
+    tokens, bf16: 64 KiB per block and layer, four layers: the page of the workers' pool
+    (``(heads, block_size, 2 * head_size)`` per layer)."""
+    from types import SimpleNamespace
+
+    from raykv.controllers.pool_layout import PoolLayout
+    from raykv.integrations.vllm.kv_views import block_geometry
+
+    spec = SimpleNamespace(block_size=128, num_kv_heads=2, page_size_bytes=64 << 10,
+                           dtype=torch.bfloat16)
+    geometry = block_geometry(spec, 4)
+    assert geometry == {"page_size": 128, "layer_num": 4, "head_num": 2, "head_dim": 128,
+                        "dtype": "bfloat16", "itemsize": 2}
+    scheduler = PoolLayout.vllm(size=128, **geometry)
+    worker = PoolLayout.vllm(page_size=128, size=128, layer_num=4, head_num=2, head_dim=128,
+                             dtype="bfloat16", itemsize=2)
+    assert scheduler.object_sizes == worker.object_sizes == [256 << 10]
+    with pytest.raises(ValueError, match="no whole number"):
+        block_geometry(SimpleNamespace(block_size=128, num_kv_heads=3, page_size_bytes=1000,
+                                       dtype=torch.bfloat16), 4)
