@@ -114,7 +114,8 @@ class L2Pools:
         self._pools: dict[str, _L2Pool] = {}
         self._fills = 0  # serial of the node's own fill holders
         self._flush: queue.SimpleQueue = queue.SimpleQueue()
-        self.counts = {"filled": 0, "fill_failed": 0, "l3_put": 0, "l3_put_failed": 0}
+        self.counts = {"filled": 0, "fill_failed": 0, "l3_put": 0,  # under _lock
+                       "l3_put_failed": 0}
         self._closed = threading.Event()
         threading.Thread(target=self._flush_loop, name="raykv-l2-flush", daemon=True).start()
 
@@ -253,7 +254,8 @@ class L2Pools:
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **self.counts}
+            counts = dict(self.counts)
+        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
 
     def close(self) -> None:
         self._closed.set()
@@ -309,9 +311,9 @@ class L2Pools:
                 log.debug("L2 fill of %d objects failed: %s", run, e)
         with self._lock:
             made = entry.index.commit(filler, pages, ok, dirty=False, reader=reader)
+            self.counts["filled"] += len(made)
+            self.counts["fill_failed"] += run - len(made)
         good = next((i for i, x in enumerate(ok) if not x), run)
-        self.counts["filled"] += len(made)
-        self.counts["fill_failed"] += run - len(made)
         return pages[:good]
 
     def _reap(self, index: L2Index) -> bool:

@@ -6,9 +6,9 @@ A save reserves a page per block, copies the block of every layer into it and co
 it; the node actor puts it to L3 afterwards (write-behind), so no Mooncake call runs on
 vLLM's step for a block that lands in L2. A load asks for the pages of its blocks (the
 node reads from L3 into L2 first those L2 does not hold) and copies them into vLLM's
-blocks. Pages are this process's from the node's answer until its next L2 op, so a copy
-never races another engine's writes; a page whose commit did not reach the node is
-never read by anyone.
+blocks. Pages are this process's from the node's answer until its next L2 op (a load
+ends with an empty one, so an idle engine holds none), so a copy never races another
+engine's writes; a page whose commit did not reach the node is never read by anyone.
 
 When the node actor restarted (its L2 pools are new and empty), the first op finds the
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
@@ -19,6 +19,7 @@ Threads: ``load`` and ``save`` run on vLLM's worker thread; ``_reopen`` on its o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -74,13 +75,16 @@ class L2Blocks:
         ``block_ids``, ``CHUNK`` at a time, up to the first that has no page; how many
         leading blocks were loaded. Raises what the client raises."""
         done = 0
+        name = self.pool.name
         while done < len(block_ids):
             n = min(CHUNK, len(block_ids) - done)
-            pages = self._op(self._link.acquire, self.pool.name, hashes[done:done + n], True)
+            pages = self._op(self._link.acquire, name, hashes[done:done + n], True)
             self._copy(pages, block_ids[done:done + len(pages)], to_pool=False)
             done += len(pages)
             if len(pages) < n:
                 break
+        with contextlib.suppress(Exception):  # held until the next op otherwise
+            self._link.acquire(name, [], False)  # copied: the pages go back to the cache
         return done
 
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
