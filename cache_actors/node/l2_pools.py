@@ -28,6 +28,9 @@ Rules (the failure model's, for L2):
   that still map one keep their mapping; nobody is given its pages again). The same
   when the node's pool memory is allocated anew (``reset``).
 
+Holders are what ranks say they are (their ``(pid, start ticks)``): a rank may only
+name pools of its own owner, so a rank that lies harms its own deployment alone.
+
 Threads: the data ops run on the caller's thread (channel connection, Ray data group);
 ``open`` on a pool thread; the write-behind on ``raykv-l2-flush``. ``_lock`` guards the
 indexes and the pool table of L2; store calls run outside it.
@@ -140,9 +143,10 @@ class L2Pools:
             with self._lock:
                 pool = self._pools.get(name)
             if pool is not None:
-                if pool.layout.object_sizes != layout.object_sizes:
-                    raise ValueError(f"L2 pool {name} holds pages of {pool.layout.object_sizes}"
-                                     f" bytes, not {layout.object_sizes}")
+                if pool.layout.buffers != layout.buffers or \
+                        pool.layout.page_size != layout.page_size:
+                    raise ValueError(f"L2 pool {name} holds pages of {pool.layout.buffers}, "
+                                     f"not {layout.buffers}")
                 return pool.handle
             for old in self._pool_names():  # an earlier incarnation's: never served again
                 if old.startswith(family) and old != name:

@@ -172,3 +172,14 @@ def test_pages_of_a_holder_whose_process_is_gone_are_released_when_short():
     assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # GONE's write abandoned
     with pytest.raises(ValueError, match="do not hold"):
         pools.commit(GONE, h.name, ["m_a"], [p], [True], A)
+
+
+def test_another_geometry_of_the_same_bytes_is_refused():
+    node = FakeNode()
+    pools = l2(node)
+    pools.open((0, 0), layout(), 4, A)
+    other = PoolLayout.vllm(page_size=4, size=16, layer_num=2, head_num=1, head_dim=4,
+                            dtype="bfloat16", itemsize=2)  # 64 bytes a page too
+    assert other.object_sizes == layout().object_sizes
+    with pytest.raises(ValueError, match="holds pages of"):
+        pools.open((0, 0), other, 4, A)
