@@ -255,9 +255,10 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
     its KV dtype, so its hit query finds nothing and it loads nothing. Re-keyed with A's
     tag, D's hit query is refused by raykv's deployment registry (one key prefix, two KV
     dtypes): still a miss. Control: D re-keyed with A's tag and claiming A's identity
-    (the page hashes are the same, only the key space told them apart) finds and loads
-    A's 7 bfloat16 blocks into its float16 cache: what a key space without the dtype
-    would have done."""
+    (and registering its blocks as bfloat16 ones: the registry also sees the dtype of
+    the blocks' geometry) finds and loads A's 7 bfloat16 blocks into its float16 cache
+    (the page hashes are the same, only the key space told them apart): what a key
+    space without the dtype would have done."""
     a, b, base = engines
     c, d = other_engines
     r = prompt(43)

@@ -74,12 +74,23 @@ def _recorded(worker) -> dict:
     return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
 
 
-def _rekey(side, tag: str, identity=None) -> None:
+def _as_dtype(kv_cache_config, dtype: str):
+    """``kv_cache_config`` with its KV cache spec's dtype ``dtype`` (a torch name)."""
+    groups = [replace(g, kv_cache_spec=replace(g.kv_cache_spec, dtype=getattr(torch, dtype)))
+              for g in kv_cache_config.kv_cache_groups]
+    return replace(kv_cache_config, kv_cache_groups=groups)
+
+
+def _rekey(side, tag: str, identity=None, scheduler: bool = False) -> None:
     """Re-attach one side of the connector with key tag ``tag`` (a new client and pool),
-    and claiming ``identity`` (a ``KVIdentity``) if given."""
+    and claiming ``identity`` (a ``KVIdentity``) if given: the ``scheduler`` side then
+    also registers its blocks as of that identity's dtype (the geometry it registers
+    is read from vLLM's KV cache spec)."""
     side.shutdown()
     side.opts = replace(side.opts, extra_backend_tag=tag,
                         identity=identity if identity is not None else side.opts.identity)
+    if scheduler and identity is not None and side._kv_cache_config is not None:
+        side._kv_cache_config = _as_dtype(side._kv_cache_config, identity.kv_dtype)
     side._attach()
 
 
@@ -191,7 +202,8 @@ class ControlEngine(VLLMEngine):
         """Control only: both sides of the connector re-attach with key tag ``tag`` (as
         if this engine had been configured with ``extra_backend_tag=tag``), claiming
         ``identity`` if given (else its own)."""
-        _rekey(self._scheduler_connector().connector_scheduler, tag, identity)
+        _rekey(self._scheduler_connector().connector_scheduler, tag, identity,
+               scheduler=True)
         self.llm.collective_rpc(_rekey_worker, args=(tag, identity))
 
     def vllm_block_hash(self, prompt: list[int], block_size: int) -> tuple[str | None, str]:
