@@ -24,6 +24,10 @@ class DataOp(StrEnum):
     PUT = "put"
     GET = "get"
     GROUP_EXISTS = "group_exists"
+    L2_LOOKUP = "l2_lookup"
+    L2_ACQUIRE = "l2_acquire"
+    L2_RESERVE = "l2_reserve"
+    L2_COMMIT = "l2_commit"
 
 
 # Ops the channel answers asynchronously (a group query joins a batch of queries).
@@ -38,5 +42,11 @@ DATA_OP_ARGS: dict[str, Signature] = {
     DataOp.GET: Signature((ObjectBatch, tuple[str, int, int] | None)),
     # deployment id, its version, the asking rank (tp, pp), page keys, extra pools
     DataOp.GROUP_EXISTS: Signature((str, int, tuple[int, int], list[str], list[PoolQuery])),
+    # L2 (cache_actors.node.l2_pools): keys and keys per page; then the holder (pid,
+    # start ticks), the L2 pool's name, keys, and fill / pages and outcomes
+    DataOp.L2_LOOKUP: Signature((list[str], int)),
+    DataOp.L2_ACQUIRE: Signature((tuple[int, int], str, list[str], bool)),
+    DataOp.L2_RESERVE: Signature((tuple[int, int], str, list[str])),
+    DataOp.L2_COMMIT: Signature((tuple[int, int], str, list[str], list[int], list[bool])),
 }
 """Argument types of each data op on the channel (``NodeService``'s handlers)."""

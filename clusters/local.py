@@ -168,6 +168,7 @@ def start_local(
     bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
     hosts: int = 0,
     link: str | None = None,
+    l2_bytes: int = DEFAULTS.l2_bytes,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -211,7 +212,8 @@ def start_local(
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
     node from the start; ``bound_tenants_only``: no other tenant is bound
-    (``NodeSettings``).
+    (``NodeSettings``). ``l2_bytes``: the most bytes of each node's L2 pools (vLLM's
+    node-local cache; 0: none).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -238,7 +240,7 @@ def start_local(
         standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
-        bound_tenants_only=bound_tenants_only)
+        bound_tenants_only=bound_tenants_only, l2_bytes=l2_bytes)
     check_confirm_ttl(confirm_ttl_s, master_args)
     network = EmulatedHosts.create(hosts, link) if hosts else None
     if network is None:

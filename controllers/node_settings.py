@@ -63,6 +63,8 @@ class NodeSettings:
     tenant-digest``), bound on every node and the controller from the start instead of
     on first use; ``bound_tenants_only``: bind no other tenant, so nobody can fill the
     tenant tables (``controllers.ownership``).
+    ``l2_bytes``: the most bytes each node's L2 pools (vLLM's node-local cache) hold
+    together, within ``host_pool_bytes`` and the tenants' quotas (0: no L2).
     """
 
     master_address: str = ""
@@ -81,10 +83,13 @@ class NodeSettings:
     tenant_quotas: dict[str, int] = field(default_factory=dict)
     tenant_digests: dict[str, str] = field(default_factory=dict)
     bound_tenants_only: bool = False
+    l2_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
         object.__setattr__(self, "tenant_digests", check_tenant_digests(self.tenant_digests))
+        if type(self.l2_bytes) is not int or self.l2_bytes < 0:
+            raise ValueError(f"l2_bytes must be an int >= 0, got {self.l2_bytes!r}")
         if self.confirm_ttl_s < 0:
             raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:

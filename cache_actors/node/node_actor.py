@@ -52,9 +52,10 @@ class NodeCacheActor:
     ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
     deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
     (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
-    is bound. ``challenge`` and ``open_session`` (a tenant's owner session,
-    ``controllers.owner_keys``) run in the ``data`` group: a pool call under way never
-    holds them up.
+    is bound; ``l2_bytes``: the most bytes of this node's L2 pools together
+    (``cache_actors.node.l2_pools``; 0: no L2). ``challenge`` and ``open_session`` (a
+    tenant's owner session, ``controllers.owner_keys``) run in the ``data`` group: a pool
+    call under way never holds them up.
 
     Its arguments are ``NodeSettings.actor_kwargs()``, every one given: the defaults live
     in ``controllers.node_settings`` alone."""
@@ -78,6 +79,7 @@ class NodeCacheActor:
         tenant_quotas: dict[str, int],
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
+        l2_bytes: int,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.
@@ -100,7 +102,8 @@ class NodeCacheActor:
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
             confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas,
-            tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only)
+            tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
+            l2_bytes=l2_bytes)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -148,6 +151,11 @@ class NodeCacheActor:
     async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
         return await self._pooled(self._service.destroy_pool, name, owner)
 
+    @ray.method(concurrency_group="pools")
+    async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
+                      owner: OwnerClaim | None = None) -> PoolHandle | None:
+        return await self._pooled(self._service.l2_open, rank, layout, pages, owner)
+
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")
     async def challenge(self) -> Challenge:
@@ -175,6 +183,27 @@ class NodeCacheActor:
                   deadline: float | None = None, ticket: TicketRef | None = None
                   ) -> list[int]:
         return await self._run(self._service.get, batch, ticket, deadline, owner)
+
+    @ray.method(concurrency_group="data")
+    async def l2_lookup(self, keys: list[str], per_page: int,
+                        owner: OwnerClaim | None = None) -> int:
+        return await self._run(self._service.l2.lookup, keys, per_page, owner)
+
+    @ray.method(concurrency_group="data")
+    async def l2_acquire(self, holder: tuple[int, int], pool: str, keys: list[str],
+                         fill: bool, owner: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.l2.acquire, holder, pool, keys, fill, owner)
+
+    @ray.method(concurrency_group="data")
+    async def l2_reserve(self, holder: tuple[int, int], pool: str, keys: list[str],
+                         owner: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.l2.reserve, holder, pool, keys, owner)
+
+    @ray.method(concurrency_group="data")
+    async def l2_commit(self, holder: tuple[int, int], pool: str, keys: list[str],
+                        pages: list[int], ok: list[bool],
+                        owner: OwnerClaim | None = None) -> int:
+        return await self._run(self._service.l2.commit, holder, pool, keys, pages, ok, owner)
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],

@@ -59,6 +59,7 @@ from raykv.cache_actors.node.deployment_clear import DeploymentClear
 from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
+from raykv.cache_actors.node.l2_pools import L2Pools
 from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools, replaced_during
 from raykv.cache_actors.node.node_stats import node_stats
@@ -117,7 +118,7 @@ class NodeService:
                  group_window_s: float, confirm_ttl_s: float,
                  tenant_quotas: Mapping[str, int] | None = None,
                  tenant_digests: Mapping[str, str] | None = None,
-                 bound_tenants_only: bool = False) -> None:
+                 bound_tenants_only: bool = False, l2_bytes: int = 0) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -137,6 +138,13 @@ class NodeService:
         # clear_objects(caller) -> objects removed: cache_actors.node.deployment_clear
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
+        # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
+        self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
+                                                                        owner),
+                          self._pools.destroy, lambda: list(self._pools.table.pools),
+                          lambda op, batch, deadline, caller: self._move(
+                              op, batch, None, deadline, caller, True),
+                          self.verify, l2_bytes=l2_bytes)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
                    self._stop)
@@ -144,15 +152,21 @@ class NodeService:
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: partial(self.exists, verified=True),
              DataOp.PUT: partial(self.put, verified=True),
-             DataOp.GET: partial(self.get, verified=True)},
+             DataOp.GET: partial(self.get, verified=True),
+             DataOp.L2_LOOKUP: partial(self.l2.lookup, verified=True),
+             DataOp.L2_ACQUIRE: partial(self.l2.acquire, verified=True),
+             DataOp.L2_RESERVE: partial(self.l2.reserve, verified=True),
+             DataOp.L2_COMMIT: partial(self.l2.commit, verified=True)},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
-            deadline_ops=frozenset({DataOp.PUT, DataOp.GET}), bind=self.verify)
+            deadline_ops=frozenset({DataOp.PUT, DataOp.GET, DataOp.L2_ACQUIRE}),
+            bind=self.verify)
 
     # ----------------------------------------------------------------- pools
     def _reallocate(self) -> None:
         """The watcher's call after ``mooncake_client`` restarted (standalone)."""
         self._groups.forget()
+        self.l2.reset()
         self._pools.reallocate()
 
     def challenge(self) -> Challenge:
@@ -216,7 +230,14 @@ class NodeService:
         ``ValueError``, the calls in flight on it end first (``NodePools.destroy``),
         then it is unregistered and released; False if there was none, ``ValueError``
         if it is another owner's."""
-        return self._pools.destroy(name, self._owner(owner))
+        removed = self._pools.destroy(name, self._owner(owner))
+        self.l2.forget(name)
+        return removed
+
+    def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
+                owner: OwnerClaim | None = None) -> PoolHandle | None:
+        """The L2 pool of the caller's deployment and ``rank`` here (``L2Pools.open``)."""
+        return self.l2.open(rank, layout, pages, owner)
 
     # ------------------------------------------------------------------ data
     def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
@@ -364,18 +385,21 @@ class NodeService:
 
     def stats(self) -> dict:
         """Counters since start, per pool and per tenant, group queries, the store's
-        state (``cache_actors.node.node_stats`` says what each entry holds)."""
-        return node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
-                          self._metrics, node_id=self.node_id,
-                          uptime_s=time.time() - self._started,
-                          segment_size=self._segment_size,
-                          confirmed_pages=len(self._groups.confirmed))
+        state (``cache_actors.node.node_stats`` says what each entry holds); ``l2``: the
+        L2 cache (``L2Pools.stats``)."""
+        stats = node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
+                           self._metrics, node_id=self.node_id,
+                           uptime_s=time.time() - self._started,
+                           segment_size=self._segment_size,
+                           confirmed_pages=len(self._groups.confirmed))
+        return stats | {"l2": self.l2.stats()}
 
     def shutdown(self, remove_pools: bool = True) -> None:
         """Stop for good: close the channel and the Mooncake client (standalone: stop
         ``mooncake_client`` too); with ``remove_pools`` also remove every pool."""
         self._stop.set()
         self._channel.close()
+        self.l2.close()
         self._pools.close(remove_pools)
         self._tickets.close()
         self._store.close()

@@ -29,6 +29,7 @@ import torch
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
 from raykv.cache_actors.rank.group_registration import GroupRegistration
+from raykv.cache_actors.rank.l2_link import L2Link
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_link import NodeLink
 from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
@@ -221,6 +222,10 @@ class CacheClient:
         memory served through a staging pool of this client (``StagedPool``).
         """
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
+
+    def l2(self) -> L2Link:
+        """This rank's route to its node's L2 cache (``cache_actors.rank.l2_link``)."""
+        return L2Link(self, self._link, self._hashes)
 
     # -------------------------------------------------------- batches of pages
     def _transfer(self, transfers: Sequence[PoolTransfer],

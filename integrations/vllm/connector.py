@@ -109,7 +109,8 @@ class RayKVConnector(KVConnectorBase_V1):
             self.connector_scheduler = RayKVConnectorScheduler(
                 opts, do_load=kv.kv_role in ("kv_both", "kv_consumer"),
                 do_save=kv.kv_role in ("kv_both", "kv_producer"), block_size=block_size,
-                tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size)
+                tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
+                kv_cache_config=kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:

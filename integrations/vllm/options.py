@@ -16,7 +16,8 @@ from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.tenancy import check_tenant
 
 KNOWN_KEYS = frozenset({"model_name", "extra_backend_tag", "namespace", "ray_address",
-                        "pool_blocks", "timeout_s", "tenant", "debug_corrupt_loads"})
+                        "pool_blocks", "l2_blocks", "timeout_s", "tenant",
+                        "debug_corrupt_loads"})
 
 PAGE_LAYOUT = "lm1"
 """The page layout raykv stores for vLLM, versioned: one page per vLLM block holding
@@ -105,6 +106,12 @@ class ConnectorOptions:
       ``auto`` (see ``raykv.integrations.ray_join.join_ray``).
     - ``pool_blocks``: blocks in each TP rank's shared staging pool (default 64); larger
       loads and saves go through it in chunks of this many blocks.
+    - ``l2_blocks``: blocks of each TP rank in its node's L2 cache (default 0: none),
+      a pool every engine of this deployment on the node shares (the first one makes
+      it, as large as the node's ``l2_bytes`` leaves room for; counted in the tenant's
+      quota). With it, saves copy blocks into L2 and the node actor puts them to L3
+      afterwards, loads copy from L2 (read from L3 into L2 first where needed), and
+      the scheduler's lookup counts blocks in L2 before asking L3.
     - ``timeout_s``: the deadline of each call to raykv, in seconds (default
       ``DEFAULT_TIMEOUT_S``, 5): a hung or stopped node actor then costs a failed load
       (recomputed under ``kv_load_failure_policy="recompute"``) or a lost save, and the
@@ -127,6 +134,7 @@ class ConnectorOptions:
     namespace: str = NAMESPACE
     ray_address: str | None = None
     pool_blocks: int = 64
+    l2_blocks: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
     tenant: str | None = None
     debug_corrupt_loads: bool = False
@@ -138,8 +146,8 @@ class ConnectorOptions:
         all defaults) for an engine of ``tp_size`` x ``pp_size`` ranks serving
         ``served_model`` (vLLM's served model name, else its model) whose blocks are
         ``identity``. ``ValueError`` on a misspelt key (``misspelt_keys``),
-        ``pool_blocks`` < 1, a bad ``timeout_s`` or tenant name; other unknown keys are
-        ignored (logged)."""
+        ``pool_blocks`` < 1, ``l2_blocks`` < 0, a bad ``timeout_s`` or tenant name;
+        other unknown keys are ignored (logged)."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
         typos = misspelt_keys(unknown)
@@ -154,11 +162,15 @@ class ConnectorOptions:
         pool_blocks = int(extra.get("pool_blocks", 64))
         if pool_blocks < 1:
             raise ValueError(f"RayKVConnector: pool_blocks must be >= 1, got {pool_blocks}")
+        l2_blocks = int(extra.get("l2_blocks", 0))
+        if l2_blocks < 0:
+            raise ValueError(f"RayKVConnector: l2_blocks must be >= 0, got {l2_blocks}")
         tag = extra["extra_backend_tag"] if "extra_backend_tag" in extra else \
             default_backend_tag(tp_size, pp_size, identity)
         return cls(model_name=str(model), extra_backend_tag=str(tag), identity=identity,
                    namespace=str(extra.get("namespace", NAMESPACE)),
                    ray_address=extra.get("ray_address"), pool_blocks=pool_blocks,
+                   l2_blocks=l2_blocks,
                    timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
                    tenant=check_tenant(extra.get("tenant") or None),
                    debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))

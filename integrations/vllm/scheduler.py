@@ -17,6 +17,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from raykv.controllers.call_budget import Budget
+from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.kv_views import block_geometry
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.page_hash import PageHashChain
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from raykv.cache_actors.rank.client import CacheClient
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -48,9 +51,11 @@ class RayKVConnectorScheduler(ConnectorSide):
     when it loads."""
 
     def __init__(self, opts: ConnectorOptions, *, do_load: bool, do_save: bool,
-                 block_size: int, tp_size: int, pp_size: int) -> None:
+                 block_size: int, tp_size: int, pp_size: int,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(opts, block_size=block_size, tp_rank=0, tp_size=tp_size, pp_rank=0,
                          pp_size=pp_size)
+        self._kv_cache_config = kv_cache_config
         self.do_load, self.do_save = do_load, do_save
         self._reqs: dict[str, RequestBlocks] = {}
         self._failures_seen: set[int] = set()  # failed blocks not yet told to the workers
@@ -61,11 +66,20 @@ class RayKVConnectorScheduler(ConnectorSide):
             self._attach_at_start()  # not in the first lookup: see _cache
 
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
-        # The scheduler only asks group queries: a one-page pool of the same kind
-        # names the deployment's pool spec; the ranks' pools hold the bytes.
-        return client.create_host_pool("vllm", page_size=self.block_size,
-                                       size=self.block_size, layer_num=1, head_num=1,
-                                       head_dim=1, name=name, per_process=True)
+        """A one-page pool of the ranks' block geometry (vLLM's KV cache spec): the
+        scheduler only asks group queries, and this pool names the deployment's pool
+        spec, with the bytes per page of the workers' real blocks (the controller
+        refuses another geometry under the same key prefix). Without a spec, a
+        placeholder of one value per token."""
+        geometry = {"page_size": self.block_size, "layer_num": 1, "head_num": 1,
+                    "head_dim": 1, "dtype": "bfloat16", "itemsize": 2}
+        if self._kv_cache_config is not None:
+            group = self._kv_cache_config.kv_cache_groups[0]
+            spec = group.kv_cache_spec
+            spec = getattr(spec, "kv_cache_specs", {}).get(group.layer_names[0], spec)
+            geometry = block_geometry(spec, len(group.layer_names))
+        return client.create_host_pool(PoolLayout.vllm(size=self.block_size, **geometry),
+                                       name=name, per_process=True)
 
     def _state(self, request: Request) -> RequestBlocks:
         """The tracked state of ``request`` (made on first sight), bound to this
@@ -96,15 +110,23 @@ class RayKVConnectorScheduler(ConnectorSide):
             return 0, False
         if self._step_budget is None:  # the first lookup of this scheduling step
             self._step_budget = Budget(self.opts.timeout_s)
+        l2 = 0
         try:
             with self._step_budget:
-                hit = self._cache().group_exists([hash_hex(h) for h in hashes]).kv_hit_pages
+                client = self._cache()
+                keys = [hash_hex(h) for h in hashes]
+                if self.opts.l2_blocks:  # the node's L2 first: its blocks need no L3 call
+                    l2 = client.l2().lookup(keys, self.tp_size)
+                hit = l2
+                if l2 < len(keys):
+                    hit += client.group_exists(keys[l2:]).kv_hit_pages
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
-            hit = 0
+            hit = l2
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
+        self.stats["l2_hit_blocks"] += l2
         st.local_hit_tokens = num_computed_tokens
         return external_tokens(local + hit, num_computed_tokens, self.block_size), False
 

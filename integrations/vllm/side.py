@@ -27,12 +27,15 @@ log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log line
 
 
 def new_stats() -> dict[str, int]:
-    """The connector's counters, all zero: ``queries`` and ``hit_blocks`` (scheduler
-    side: hit queries asked, blocks they found), ``loaded``, ``load_failed``, ``saved``,
-    ``save_failed``, ``save_refused`` (worker side: blocks; refused: computed over a
-    block whose load failed, never stored)."""
-    return {"queries": 0, "hit_blocks": 0, "loaded": 0, "load_failed": 0, "saved": 0,
-            "save_failed": 0, "save_refused": 0}
+    """The connector's counters, all zero: ``queries``, ``hit_blocks`` and
+    ``l2_hit_blocks`` (scheduler side: hit queries asked, blocks they found, of those
+    in the node's L2), ``loaded``, ``load_failed``, ``saved``, ``save_failed``,
+    ``save_refused`` (worker side: blocks; refused: computed over a block whose load
+    failed, never stored), ``l2_loaded``, ``l2_saved`` (blocks loaded through and saved
+    into the node's L2)."""
+    return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
+            "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
+            "l2_loaded": 0, "l2_saved": 0}
 
 
 class ConnectorSide(ABC):

@@ -35,6 +35,8 @@ from raykv.cache_actors.rank.staging_pools import (
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.kv_views import block_views
+from raykv.integrations.vllm.l2_blocks import L2Blocks
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.request_blocks import BlockTransfer
@@ -68,6 +70,22 @@ class RayKVConnectorWorker(ConnectorSide):
         # A step's loads and saves wait on raykv at most one timeout_s in all (made in
         # start_load_kv, which vLLM calls every step before wait_for_save).
         self._step_budget = Budget(opts.timeout_s)
+        self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
+
+    def _attach(self) -> None:
+        """``ConnectorSide._attach``, then this rank's L2 on its node when
+        ``l2_blocks`` asks for one (without it if the node has none or refuses)."""
+        super()._attach()
+        if self.opts.l2_blocks:
+            try:
+                self._l2 = L2Blocks.open(self._client, self._layers, self._pages,
+                                         staging_layout(self._memory.layout, 1),
+                                         self.opts.l2_blocks)
+            except Exception as e:  # the staging pool serves every block then
+                self._warn.warn("l2", "RayKVConnector: no L2 on this node (%s)", e)
+            if self._l2 is None:
+                log.warning("RayKVConnector tp %d: the node has no L2 room; blocks go "
+                            "through the store", self.tp_rank)
 
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
         """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
@@ -93,12 +111,8 @@ class RayKVConnectorWorker(ConnectorSide):
                                  "all layers must match")
         num_blocks = (self._kv_cache_config.num_blocks if self._kv_cache_config is not None
                       else first.shape[0])
-        dims = [d for d, n in enumerate(first.shape) if n == num_blocks]
-        if not dims:
-            raise ValueError(f"RayKVConnector: no dimension of the KV tensor "
-                             f"{tuple(first.shape)} counts the {num_blocks} blocks")
-        # Per layer a (num_blocks, *block) view: vLLM's CPU layout is blocks-first already.
-        self._layers = [t.movedim(dims[0], 0) for t in tensors]
+        # Per layer a (num_blocks, *block) view, the block axis by vLLM's contract.
+        self._layers = block_views(tensors, num_blocks, self.block_size)
         self._block_shape = tuple(self._layers[0].shape[1:])
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
@@ -167,6 +181,10 @@ class RayKVConnectorWorker(ConnectorSide):
         done = 0
         try:
             self._cache()
+            if self._l2 is not None and self._l2.usable:
+                loaded = self._load_l2(x)
+                if loaded is not None:
+                    return loaded
             n_pool = self.opts.pool_blocks
             while done < len(x.block_ids):
                 n = min(n_pool, len(x.block_ids) - done)
@@ -182,6 +200,22 @@ class RayKVConnectorWorker(ConnectorSide):
         except Exception as e:  # node actor restarting, store down, bad state: not loaded
             self._warn.warn("load", "RayKVConnector: load of %d blocks failed (%s); "
                             "vLLM recomputes them", len(x.block_ids) - done, e)
+        return done
+
+    def _load_l2(self, x: BlockTransfer) -> int | None:
+        """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
+        L2, or from L3 into L2 first); how many. None if an L2 op failed (the node
+        actor restarted and its L2 is new, or it is unreachable): warned about, and the
+        caller loads through the staging pool."""
+        try:
+            done = self._l2.load(x.block_ids, x.hashes)
+        except Exception as e:
+            self._warn.warn("l2 load", "RayKVConnector: L2 load failed (%s); loading "
+                            "through the store", e)
+            return None
+        self.stats["l2_loaded"] += done
+        if done and self.opts.debug_corrupt_loads:
+            self._copy_in(x.block_ids[:done])
         return done
 
     def _copy_in(self, block_ids: list[int]) -> None:
@@ -226,6 +260,14 @@ class RayKVConnectorWorker(ConnectorSide):
         done = 0
         try:
             self._cache()
+            if self._l2 is not None and self._l2.usable:
+                try:
+                    x = self._save_l2(x)
+                except Exception as e:  # the store takes the whole save then
+                    self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
+                                    "through the store", e)
+                if x is None:
+                    return
             while done < len(x.block_ids):  # the client copies the blocks into staging
                 n = min(self.opts.pool_blocks, len(x.block_ids) - done)
                 ok = self._client.batch_set_v2([PoolTransfer(
@@ -238,6 +280,21 @@ class RayKVConnectorWorker(ConnectorSide):
             self.stats["save_failed"] += len(x.block_ids) - done
             self._warn.warn("save", "RayKVConnector: save of %d blocks failed (%s)",
                             len(x.block_ids) - done, e)
+
+    def _save_l2(self, x: BlockTransfer) -> BlockTransfer | None:
+        """Save ``x`` into the node's L2 (the node puts it to L3 behind); the blocks L2
+        had no page for, to save through the store (None: none). What the client
+        raises propagates: ``_save`` counts the blocks not saved."""
+        saved, full = self._l2.save(x.block_ids, x.hashes)
+        self.stats["saved"] += saved
+        self.stats["l2_saved"] += saved
+        self.stats["save_failed"] += len(x.block_ids) - saved - len(full)
+        if not full:
+            return None
+        self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
+                        "blocks; saving them through the store", len(full))
+        return BlockTransfer(x.req_id, [x.block_ids[i] for i in full],
+                             [x.hashes[i] for i in full], x.context)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -5,6 +5,8 @@ Ranks run as Ray actors pinned to a node; each reaches Mooncake only through its
 node's actor, so a read on node 2 of what node 1 wrote crosses nodes.
 """
 
+import time
+
 import pytest
 import ray
 import torch
@@ -180,3 +182,57 @@ def test_control_group_answers_while_data_calls_run(cluster, uid):
     assert health["store_healthy"] and pending, "health waited for the data calls"
     assert all(c == 1 << 20 for codes in ray.get(busy) for c in codes)
     client.destroy_host_pool(pool)
+
+
+def l2_pages(pool, pages: list[int]) -> torch.Tensor:
+    """The bytes of ``pages`` of an L2 pool (one vLLM block per page)."""
+    buf = pool.kv_buffer.view(torch.uint8).view(pool.layout.num_pages, -1)
+    return buf[pages].clone()
+
+
+def test_l2_write_behind_then_a_node_without_it_fills_from_l3(cluster, uid):
+    """Node 1's L2: three blocks reserved, written and committed land in L3 behind the
+    writer (write-behind in the node actor, no put by the rank); a lookup leases them.
+    Node 2's L2 (Ray route: the driver is on node 1) reads them from L3 into its own
+    pages (3 gets), byte for byte; asked again it serves them from L2 with no get.
+    Control: a block never written is not found on either node."""
+    from raykv.cache_actors.node.l2_index import PRESENT
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.controllers.pool_layout import PoolLayout
+
+    node1, node2 = cluster.node_ids
+    conf = StorageConfig(model_name=f"org/l2-{uid}")
+    layout = PoolLayout.vllm(page_size=4, size=4, layer_num=2, head_num=1, head_dim=16,
+                             dtype="bfloat16", itemsize=2)
+    a, b = CacheClient(conf, node_id=node1), CacheClient(conf, node_id=node2)
+    try:
+        la, lb = a.l2(), b.l2()
+        pa, pb = la.open(layout, 8), lb.open(layout, 8)
+        assert pa.layout.num_pages == 8 and pb.layout.num_pages == 8
+        hashes = [f"{uid}{i}" for i in range(3)]
+        pages = la.reserve(pa.name, hashes)
+        assert all(p >= 0 for p in pages)
+        buf = pa.kv_buffer.view(torch.uint8).view(8, -1)
+        buf[pages] = torch.randint(0, 255, (3, buf.shape[1]), dtype=torch.uint8)
+        wrote = l2_pages(pa, pages)
+        assert la.commit(pa.name, hashes, pages, [True] * 3) == 3
+        assert la.reserve(pa.name, hashes[:1]) == [PRESENT]
+        assert la.lookup(hashes + [f"{uid}x"], 1) == 3
+        for _ in range(100):  # the write-behind put runs in node 1's actor
+            if a.stats()["l2"]["l3_put"] >= 3:
+                break
+            time.sleep(0.05)
+        assert a.stats()["l2"]["l3_put"] == 3
+        assert lb.lookup(hashes, 1) == 0  # node 2's L2 is its own
+        gets = b.stats()["counters"].get("get_objects", 0)
+        got = lb.acquire(pb.name, hashes + [f"{uid}x"], True)
+        assert len(got) == 3
+        assert torch.equal(l2_pages(pb, got), wrote)
+        assert b.stats()["counters"]["get_objects"] == gets + 3
+        assert lb.acquire(pb.name, hashes, True) == got
+        stats = b.stats()
+        assert stats["counters"]["get_objects"] == gets + 3  # from L2: no store get
+        assert stats["l2"]["filled"] == 3 and stats["l2"]["fill_failed"] == 1  # x
+    finally:
+        a.close()
+        b.close()

@@ -255,9 +255,10 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
     its KV dtype, so its hit query finds nothing and it loads nothing. Re-keyed with A's
     tag, D's hit query is refused by raykv's deployment registry (one key prefix, two KV
     dtypes): still a miss. Control: D re-keyed with A's tag and claiming A's identity
-    (the page hashes are the same, only the key space told them apart) finds and loads
-    A's 7 bfloat16 blocks into its float16 cache: what a key space without the dtype
-    would have done."""
+    (and registering its blocks as bfloat16 ones: the registry also sees the dtype of
+    the blocks' geometry) finds and loads A's 7 bfloat16 blocks into its float16 cache
+    (the page hashes are the same, only the key space told them apart): what a key
+    space without the dtype would have done."""
     a, b, base = engines
     c, d = other_engines
     r = prompt(43)
@@ -363,6 +364,174 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
         with contextlib.suppress(Exception):
             serve.shutdown()
         vcluster.remove_node(node)
+
+
+L2_BLOCKS = 12
+"""Pages of the L2 engines' L2 pool: a prompt's 7 blocks fit, three prompts' do not."""
+
+
+@pytest.fixture(scope="module")
+def l2_engines(vcluster, model, uid_module):
+    """Two engines on node 2 with a node-local L2 of ``L2_BLOCKS`` pages, in A's and B's
+    deployment (same model name and tag: what either saves, the others find): E
+    (vLLM's prefix cache on: the reference restores from it) and F (prefix cache off, so
+    every cached token of F came through raykv)."""
+    n2 = vcluster.node_ids[1]
+    conf = {"model_name": f"tiny-{uid_module}", "l2_blocks": L2_BLOCKS}
+    e = start_engine(n2, model, conf, enable_prefix_caching=True, actor_class=ControlEngine)
+    f = start_engine(n2, model, conf, actor_class=ControlEngine)
+    ready(e, f)
+    yield e, f
+    for x in (e, f):
+        ray.kill(x)
+
+
+def _l2_stats(vcluster, node: str) -> dict:
+    """The node's L2 counters summed over its L2 pools, and its store gets."""
+    stats = ray.get(vcluster.node_actors[node].stats.remote())
+    out = {"gets": stats["counters"].get("get_objects", 0), **{
+        k: stats["l2"][k] for k in ("filled", "fill_failed", "l3_put", "l3_put_failed")}}
+    for pool in stats["l2"]["pools"].values():
+        for k, v in pool.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _flushed(vcluster, node: str) -> dict:
+    """The node's L2 counters once its write-behind has no dirty page left (10 s at
+    most)."""
+    deadline = time.monotonic() + 10
+    while (s := _l2_stats(vcluster, node))["dirty"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s["dirty"] == 0, s
+    return s
+
+
+def test_l2_same_node_reuse_without_mooncake(engines, l2_engines, vcluster):
+    """E computes a prompt: its 7 blocks land in node 2's L2 and reach L3 behind (the
+    node actor's write-behind). A fresh engine F on the same node finds all 7 in L2 and
+    loads them with no Mooncake get on its node (node counter), byte for byte what E
+    saved (SHA-256 per block and layer), and gives E's tokens restoring the prompt from
+    its own prefix cache. Control: engine A on node 1 (no L2) loads the same blocks from
+    L3 (7 Mooncake gets on node 1): they were in L3, and the counter sees gets."""
+    a, b, base = engines
+    e, f = l2_engines
+    n1, n2 = vcluster.node_ids
+    p = prompt(51)
+    ray.get([e.record_blocks.remote(True), f.record_blocks.remote(True)])
+    try:
+        want = computed_then_restored(e, p)
+        before = _flushed(vcluster, n2)
+        assert before["l3_put"] >= 7, before
+        sched0 = ray.get(f.scheduler_stats.remote())
+        got = ray.get(f.generate.remote(p))
+        sched1 = ray.get(f.scheduler_stats.remote())
+        after = _l2_stats(vcluster, n2)
+        saved = ray.get(e.recorded_blocks.remote())["saved"]
+        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+    finally:
+        ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
+    assert got["cached"] == 7 * BLOCK, got
+    assert got["tokens"] == want
+    assert sched1["l2_hit_blocks"] - sched0["l2_hit_blocks"] == 7
+    assert after["gets"] == before["gets"], (before, after)  # no Mooncake get
+    assert after["hits"] - before["hits"] == 7
+    assert len(loaded) == 7 and {h: saved[h] for h in loaded} == loaded
+    gets = _gets(vcluster)[n1]
+    got_a = ray.get(a.generate.remote(p))
+    assert got_a["cached"] == 7 * BLOCK, got_a
+    assert _gets(vcluster)[n1] - gets == 7
+
+
+def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
+    """Four prompts (28 blocks) through an L2 of 12 pages, both engines saving and
+    loading: pages are evicted, and every block F loads (from L2, or from L3 through L2
+    once evicted) is byte for byte what E, or F itself, saved under its key (F saves the
+    blocks it recomputed where a load found no page: another prefill split, so other
+    bf16 bytes of the same tokens); F's tokens are E's when it loaded all 7 blocks.
+    Control: with random bytes loaded (``corrupt_loads``), the recorded digests differ
+    (the check sees wrong bytes)."""
+    e, f = l2_engines
+    n2 = vcluster.node_ids[1]
+    prompts = [prompt(70 + i) for i in range(4)]
+    ray.get([e.record_blocks.remote(True), f.record_blocks.remote(True)])
+    try:
+        wants = [computed_then_restored(e, q) for q in prompts]
+        s0 = _flushed(vcluster, n2)
+        outs = [ray.get(f.generate.remote(q)) for q in prompts]
+        saved = ray.get(e.recorded_blocks.remote())["saved"]
+        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+        saved_f = ray.get(f.recorded_blocks.remote())["saved"]
+        s1 = _flushed(vcluster, n2)
+        ray.get(f.record_blocks.remote(True))
+        ray.get(f.corrupt_loads.remote(True))
+        try:
+            ray.get(f.generate.remote(prompts[0]))
+        finally:
+            ray.get(f.corrupt_loads.remote(False))
+        corrupt = ray.get(f.recorded_blocks.remote())["loaded"]
+    finally:
+        ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
+    print("L2 before", s0, "after", s1)
+    assert s1["evicted"] > 0 and s1["pages"] == L2_BLOCKS, s1
+    assert s1["filled"] - s0["filled"] > 0, (s0, s1)  # evicted blocks came from L3
+    assert loaded and all(d in (saved[h], saved_f.get(h)) for h, d in loaded.items())
+    for got, want in zip(outs, wants, strict=True):
+        if got["cached"] == 7 * BLOCK:
+            assert got["tokens"] == want
+    assert sum(o["cached"] == 7 * BLOCK for o in outs) >= 1, outs
+    assert corrupt and not any(d in (saved[h], saved_f.get(h)) for h, d in corrupt.items())
+
+
+def test_l2_node_actor_killed_engines_serve_l2_comes_back_empty(engines, l2_engines,
+                                                              vcluster):
+    """Node 2's actor killed after E saved a prompt into its L2: once it is back its L2
+    pools hold nothing; F serves the prompt (loading what L3 still has, or recomputing)
+    with E's tokens when it loaded every block and a cold run's when it loaded none,
+    every loaded block byte for byte E's; then E and F reopen the L2 and F loads a new
+    prompt of E's from L2 again with no Mooncake get."""
+    a, b, base = engines
+    e, f = l2_engines
+    n2 = vcluster.node_ids[1]
+    p = prompt(80)
+    cold = ray.get(base.generate.remote(p))["tokens"]
+    ray.get([e.record_blocks.remote(True), f.record_blocks.remote(True)])
+    try:
+        restored = computed_then_restored(e, p)
+        _flushed(vcluster, n2)
+        actor = vcluster.node_actors[n2]
+        pid = ray.get(actor.health.remote())["pid"]
+        ray.kill(actor, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:  # until the restarted actor answers
+            with contextlib.suppress(Exception):
+                if ray.get(actor.health.remote(), timeout=5)["pid"] != pid:
+                    break
+            assert time.monotonic() < deadline, "node actor did not restart"
+            time.sleep(0.5)
+        emptied = _l2_stats(vcluster, n2)
+        (w0,) = ray.get(f.worker_stats.remote())
+        got = ray.get(f.generate.remote(p))
+        (w1,) = ray.get(f.worker_stats.remote())
+        saved = ray.get(e.recorded_blocks.remote())["saved"]
+        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+    finally:
+        ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
+    assert emptied.get("ready", 0) == 0 and emptied.get("hits", 0) == 0, emptied
+    _check_b(got, w1["loaded"] - w0["loaded"], cold, restored, "after the kill")
+    assert all(saved[h] == d for h, d in loaded.items())
+    deadline = time.monotonic() + 90
+    for attempt in itertools.count():  # until the L2 is reopened and puts land again
+        q = prompt(90 + attempt)
+        want = computed_then_restored(e, q)
+        s0 = _flushed(vcluster, n2)
+        got = ray.get(f.generate.remote(q))
+        s1 = _l2_stats(vcluster, n2)
+        if got["cached"] == 7 * BLOCK and s1["hits"] - s0["hits"] == 7:
+            assert s1["gets"] == s0["gets"] and got["tokens"] == want
+            break
+        assert time.monotonic() < deadline, (got, s1)
+        time.sleep(1)
 
 
 def _check_b(got: dict, loaded: int, cold: list[int], restored: list[int], what: str) -> None:

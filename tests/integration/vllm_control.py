@@ -41,8 +41,8 @@ def _record_blocks(worker, on: bool) -> None:
     """Wrap this worker's connector (instance attributes over the class's methods, which
     is what vLLM calls): ``wait_for_save`` first records the bytes of the blocks it is
     about to save, as vLLM's KV cache holds them then; ``start_load_kv`` records the
-    bytes of the blocks it loaded, right after the load. Off: the class's methods
-    again."""
+    bytes of the blocks it loaded, right after the load (not those whose load failed:
+    vLLM recomputes them). Off: the class's methods again."""
     c = _connector()
     c._recorded = {"saved": {}, "loaded": {}}
     if not on:
@@ -61,9 +61,11 @@ def _record_blocks(worker, on: bool) -> None:
     def start_load_kv(forward_context, **kwargs) -> None:
         cls.start_load_kv(c, forward_context, **kwargs)
         meta = c._get_connector_metadata()
+        failed = c.connector_worker._load_errors  # not yet handed to vLLM
         for x in getattr(meta, "loads", ()):
-            for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
-                c._recorded["loaded"][h] = d
+            for h, b, d in zip(x.hashes, x.block_ids, _digests(c, x.block_ids), strict=True):
+                if b not in failed:
+                    c._recorded["loaded"][h] = d
 
     c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
 
@@ -72,12 +74,23 @@ def _recorded(worker) -> dict:
     return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
 
 
-def _rekey(side, tag: str, identity=None) -> None:
+def _as_dtype(kv_cache_config, dtype: str):
+    """``kv_cache_config`` with its KV cache spec's dtype ``dtype`` (a torch name)."""
+    groups = [replace(g, kv_cache_spec=replace(g.kv_cache_spec, dtype=getattr(torch, dtype)))
+              for g in kv_cache_config.kv_cache_groups]
+    return replace(kv_cache_config, kv_cache_groups=groups)
+
+
+def _rekey(side, tag: str, identity=None, scheduler: bool = False) -> None:
     """Re-attach one side of the connector with key tag ``tag`` (a new client and pool),
-    and claiming ``identity`` (a ``KVIdentity``) if given."""
+    and claiming ``identity`` (a ``KVIdentity``) if given: the ``scheduler`` side then
+    also registers its blocks as of that identity's dtype (the geometry it registers
+    is read from vLLM's KV cache spec)."""
     side.shutdown()
     side.opts = replace(side.opts, extra_backend_tag=tag,
                         identity=identity if identity is not None else side.opts.identity)
+    if scheduler and identity is not None and side._kv_cache_config is not None:
+        side._kv_cache_config = _as_dtype(side._kv_cache_config, identity.kv_dtype)
     side._attach()
 
 
@@ -189,7 +202,8 @@ class ControlEngine(VLLMEngine):
         """Control only: both sides of the connector re-attach with key tag ``tag`` (as
         if this engine had been configured with ``extra_backend_tag=tag``), claiming
         ``identity`` if given (else its own)."""
-        _rekey(self._scheduler_connector().connector_scheduler, tag, identity)
+        _rekey(self._scheduler_connector().connector_scheduler, tag, identity,
+               scheduler=True)
         self.llm.collective_rpc(_rekey_worker, args=(tag, identity))
 
     def vllm_block_hash(self, prompt: list[int], block_size: int) -> tuple[str | None, str]:

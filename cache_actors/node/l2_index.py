@@ -1,0 +1,240 @@
+"""The index of one L2 pool: which object each page holds, and who may touch it (pure:
+no Ray, no Mooncake, no torch; the clock is passed in).
+
+An L2 pool is a node's shared host pool used as a cache of objects (one vLLM block of one
+TP rank per page). ``L2Index`` maps each object key to the page that holds it and keeps
+the rules that make a page's bytes right for whoever reads them:
+
+- A page is *free*, *writing* (reserved by one holder, which copies the object in) or
+  *ready* (holds the object of its key). Only ``commit`` makes a page ready, and only the
+  holder that reserved it; ``release`` of a holder turns its writing pages back to free,
+  never ready, so a write that did not end (the holder gave up, its commit failed) is
+  never read.
+- A *holder* is one rank process (``(pid, start ticks)``), doing one transfer at a time:
+  ``acquire`` gives it ready pages to read and ``reserve`` free pages to write; both are
+  *held* until the holder's next ``release`` (the node releases a holder's pages before
+  its next transfer, and those of holders whose process is gone). A held page is never
+  evicted or handed to another writer, whatever time passes: a holder that was told
+  a page is its own may copy as long as it takes, and holds at most one transfer's pages.
+- A *lease* (``lookup``) keeps a ready page from eviction for ``lease_s`` seconds: from a
+  scheduler's lookup until the worker's ``acquire``. A lease that ran out only makes the
+  page evictable: the later ``acquire`` finds the key gone (a miss), or finds it still
+  there; never another object's bytes, since ``acquire`` checks the key itself.
+- A *dirty* page holds an object not yet in L3 (its write-behind put has not ended); it
+  is not evicted until ``flushed``.
+- Eviction takes the least recently used ready page that is neither held, leased nor
+  dirty; ``reserve`` never evicts anything else, so when every page is held, leased or
+  dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
+
+Every method runs under the caller's lock (``L2Pools``); none blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+Holder = tuple[int, int]
+"""One rank process: ``(pid, start ticks)`` (``ProcessIdentity``)."""
+
+PRESENT = -1
+"""``reserve``'s answer for a key L2 holds already (ready, or being written)."""
+FULL = -2
+"""``reserve``'s answer for a key no page could be found for."""
+
+
+@dataclass
+class _Page:
+    key: str | None = None
+    writer: Holder | None = None  # set while writing
+    readers: set[Holder] = field(default_factory=set)
+    lease_until: float = 0.0
+    dirty: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.key is not None and self.writer is None
+
+
+class L2Index:
+    """The pages of one L2 pool of ``pages`` pages (see the module docstring).
+    ``lease_s``: how long a ``lookup`` keeps a page from eviction; ``clock``: seconds
+    (``time.monotonic`` in the node actor). Counters in ``counts``."""
+
+    def __init__(self, pages: int, lease_s: float, clock: Callable[[], float]) -> None:
+        if pages < 1:
+            raise ValueError(f"an L2 pool needs at least one page, got {pages}")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.lease_s = lease_s
+        self._clock = clock
+        self._pages = [_Page() for _ in range(pages)]
+        self._free = list(range(pages - 1, -1, -1))  # popped from the end: page 0 first
+        self._keys: dict[str, int] = {}  # key -> page, writing or ready
+        self._lru: OrderedDict[int, None] = OrderedDict()  # ready pages, oldest first
+        self._held: dict[Holder, set[int]] = {}
+        self.counts = {"hits": 0, "misses": 0, "written": 0, "evicted": 0, "full": 0,
+                       "flushed": 0, "aborted": 0}
+
+    @property
+    def pages(self) -> int:
+        return len(self._pages)
+
+    def page_of(self, key: str) -> int | None:
+        """The page holding ``key``, ready; None if it is not ready here."""
+        p = self._keys.get(key)
+        return p if p is not None and self._pages[p].ready else None
+
+    def key_of(self, page: int) -> str | None:
+        """The key page ``page`` holds or is being written with (None: free)."""
+        return self._pages[page].key
+
+    def lease(self, key: str) -> bool:
+        """Whether ``key`` is ready here; if so its page is leased for ``lease_s`` from
+        now (kept from eviction) and made the most recently used."""
+        p = self.page_of(key)
+        if p is None:
+            return False
+        page = self._pages[p]
+        page.lease_until = max(page.lease_until, self._clock() + self.lease_s)
+        self._lru.move_to_end(p)
+        return True
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are ready (each leased, as ``lease``)."""
+        n = 0
+        while n < len(keys) and self.lease(keys[n]):
+            n += 1
+        return n
+
+    def acquire(self, holder: Holder, keys: Sequence[str]) -> list[int]:
+        """The pages of the leading ready ``keys`` (up to the first that is not), held
+        by ``holder`` for reading until its ``release``; counted as hits (the rest of
+        ``keys`` as misses)."""
+        out: list[int] = []
+        for k in keys:
+            p = self.page_of(k)
+            if p is None:
+                break
+            self._pages[p].readers.add(holder)
+            self._held.setdefault(holder, set()).add(p)
+            self._lru.move_to_end(p)
+            out.append(p)
+        self.counts["hits"] += len(out)
+        self.counts["misses"] += len(keys) - len(out)
+        return out
+
+    def reserve(self, holder: Holder, keys: Sequence[str]) -> list[int]:
+        """Per key: a page reserved for ``holder`` to write it (held until its
+        ``commit`` or ``release``), ``PRESENT`` if L2 holds the key or another write of
+        it is under way, ``FULL`` if no page is free or evictable. ``ValueError`` for a
+        key given twice."""
+        if len(set(keys)) != len(keys):
+            raise ValueError("an L2 reservation names a key twice")
+        out = []
+        for k in keys:
+            if k in self._keys:
+                out.append(PRESENT)
+                continue
+            p = self._take()
+            if p is None:
+                self.counts["full"] += 1
+                out.append(FULL)
+                continue
+            page = self._pages[p]
+            page.key, page.writer = k, holder
+            self._keys[k] = p
+            self._held.setdefault(holder, set()).add(p)
+            out.append(p)
+        return out
+
+    def commit(self, holder: Holder, pages: Sequence[int], ok: Sequence[bool], *,
+               dirty: bool, reader: Holder | None = None) -> list[int]:
+        """End ``holder``'s writes of ``pages``: those ``ok`` become ready (``dirty``:
+        not yet in L3), the others free; with ``reader`` the ready ones are held by
+        ``reader`` for reading (until its ``release``). Pages not being written by
+        ``holder`` (released meanwhile) are skipped. Returns the pages made ready, in
+        order."""
+        made = []
+        for p, good in zip(pages, ok, strict=True):
+            page = self._pages[p] if 0 <= p < len(self._pages) else None
+            if page is None or page.writer != holder:
+                continue
+            if not good:
+                self._drop_writer(p)
+                self.counts["aborted"] += 1
+                continue
+            page.writer, page.dirty = None, dirty
+            self._lru[p] = None
+            self._unhold(holder, p)
+            if reader is not None:
+                page.readers.add(reader)
+                self._held.setdefault(reader, set()).add(p)
+            self.counts["written"] += 1
+            made.append(p)
+        return made
+
+    def flushed(self, pages: Sequence[int], keys: Sequence[str]) -> None:
+        """The write-behind of ``pages`` (holding ``keys``) ended: they may be evicted."""
+        for p, k in zip(pages, keys, strict=True):
+            page = self._pages[p]
+            if page.key == k and page.dirty:
+                page.dirty = False
+                self.counts["flushed"] += 1
+
+    def release(self, holder: Holder) -> None:
+        """Drop every page ``holder`` holds: its reads end, its unfinished writes are
+        abandoned (free again, never ready)."""
+        for p in self._held.pop(holder, ()):
+            page = self._pages[p]
+            page.readers.discard(holder)
+            if page.writer == holder:
+                self._drop_writer(p, unhold=False)
+                self.counts["aborted"] += 1
+
+    def holders(self) -> list[Holder]:
+        """Every holder holding a page now."""
+        return list(self._held)
+
+    def stats(self) -> dict[str, int]:
+        """``pages``, ``ready``, ``dirty``, ``held``, ``leased`` now, and ``counts``."""
+        now = self._clock()
+        ready = [p for p in self._pages if p.ready]
+        return {"pages": len(self._pages), "ready": len(ready),
+                "dirty": sum(p.dirty for p in ready),
+                "held": sum(bool(p.readers or p.writer) for p in self._pages),
+                "leased": sum(p.lease_until > now for p in ready), **self.counts}
+
+    # ---------------------------------------------------------------- helpers
+    def _take(self) -> int | None:
+        """A free page, else the least recently used evictable ready one (evicted)."""
+        if self._free:
+            return self._free.pop()
+        now = self._clock()
+        for p in self._lru:
+            page = self._pages[p]
+            if not page.readers and not page.dirty and page.lease_until <= now:
+                del self._lru[p]
+                del self._keys[page.key]
+                page.key, page.lease_until = None, 0.0
+                self.counts["evicted"] += 1
+                return p
+        return None
+
+    def _drop_writer(self, p: int, unhold: bool = True) -> None:
+        page = self._pages[p]
+        holder = page.writer
+        del self._keys[page.key]
+        page.key, page.writer, page.dirty = None, None, False
+        page.readers.clear()
+        self._free.append(p)
+        if unhold and holder is not None:
+            self._unhold(holder, p)
+
+    def _unhold(self, holder: Holder, p: int) -> None:
+        held = self._held.get(holder)
+        if held is not None:
+            held.discard(p)
+            if not held:
+                del self._held[holder]

@@ -1,0 +1,364 @@
+"""A node's L2 cache: shared host pools the node actor keeps as a cache of objects, one
+per deployment and rank (one vLLM block of that TP rank per page), shared by every
+engine of the deployment on the node.
+
+``L2Pools`` is the node actor's side: it makes the pools (``open``, within the node's
+``l2_bytes`` and, as any pool, the tenant's quota and ``host_pool_bytes``), keeps one
+``L2Index`` per pool (``cache_actors.node.l2_index``: keys, LRU, holds, leases, dirty
+pages) under one lock, answers the four L2 data ops (``lookup``, ``acquire``,
+``reserve``, ``commit``: ``DataOp``), reads objects from L3 into pages (``acquire``
+with ``fill``) and puts committed pages to L3 behind the writer's back (write-behind, on
+one thread of its own). The ranks copy between their engine's memory and the pages they
+were given; the node never copies a byte, and Mooncake moves pages with no copy.
+
+Rules (the failure model's, for L2):
+
+- A page a rank was given is its own until the rank's next L2 op on that pool (or its
+  process exits): ``release`` first, on every ``acquire`` and ``reserve``. A rank that
+  gave up on a call (deadline) never touches the pages it named; a page being written
+  becomes ready only by its writer's ``commit``, so bytes a writer may not have written
+  in full are never read.
+- An L3 read into L2 (fill) writes pages reserved by the node itself, never by the rank
+  that asked: a rank that gave up on it frees nothing the store call still writes.
+- Failures are per object: a key without a page (L2 full of held, leased or dirty pages)
+  is ``FULL``; a key L3 does not hold is not filled; a failed write-behind put leaves the
+  page in L2 (right bytes) and is counted (``l3_put_failed``).
+- A restarted node actor starts with every L2 pool empty: its pools get a name of this
+  incarnation, and ``open`` removes the caller's pools of earlier incarnations (ranks
+  that still map one keep their mapping; nobody is given its pages again). The same
+  when the node's pool memory is allocated anew (``reset``).
+
+Holders are what ranks say they are (their ``(pid, start ticks)``): a rank may only
+name pools of its own owner, so a rank that lies harms its own deployment alone.
+
+Threads: the data ops run on the caller's thread (channel connection, Ray data group);
+``open`` on a pool thread; the write-behind on ``raykv-l2-flush``. ``_lock`` guards the
+indexes and the pool table of L2; store calls run outside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from raykv.cache_actors.host_pools import PoolHandle
+from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.object_batch import ObjectBatch, check_object_keys
+from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
+from raykv.controllers.pool_layout import PoolLayout
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 10.0
+"""How long a scheduler's ``lookup`` keeps the pages it found from eviction, in seconds:
+longer than a request usually waits between its lookup and its load (the same or the
+next scheduler step), short enough that pages of requests never loaded come back soon.
+Every lookup of a waiting request renews it; one that ran out costs a miss (L3 or
+recompute), never wrong bytes."""
+FLUSH_BATCH = 64
+"""Pages per write-behind put."""
+FLUSH_WAIT_S = 30.0
+"""Deadline of one write-behind put, in seconds."""
+
+Move = Callable[[str, ObjectBatch, float, OwnerClaim | None], list[int]]
+"""``move(op, batch, deadline, caller)``: the node's ``put`` or ``get`` of a batch (the
+caller already verified), one code per object."""
+
+
+@dataclass
+class _L2Pool:
+    handle: PoolHandle
+    owner: Owner | None
+    index: L2Index
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.handle.layout
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
+
+    def offsets(self, pages: Sequence[int]) -> list[int]:
+        return self.layout.object_offsets([p * self.layout.page_size for p in pages])
+
+
+class L2Pools:
+    """The L2 pools of one node (see the module docstring). ``create(name, layout,
+    owner) -> PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as
+    ``NodePools`` does (quotas, budget); ``move``: the store's put and get
+    (``Move``); ``verify``: a caller's claim checked (``NodeService.verify``);
+    ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2)."""
+
+    def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
+                 destroy: Callable[[str, Owner | None], bool],
+                 pool_names: Callable[[], Sequence[str]], move: Move,
+                 verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
+                 l2_bytes: int, lease_s: float = LEASE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._create, self._destroy, self._pool_names = create, destroy, pool_names
+        self._move, self._verify = move, verify
+        self.l2_bytes = l2_bytes
+        self._lease_s, self._clock = lease_s, clock
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._lock = threading.Lock()
+        self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
+        self._pools: dict[str, _L2Pool] = {}
+        self._fills = 0  # serial of the node's own fill holders
+        self._flush: queue.SimpleQueue = queue.SimpleQueue()
+        self.counts = {"filled": 0, "fill_failed": 0, "l3_put": 0,  # under _lock
+                       "l3_put_failed": 0}
+        self._closed = threading.Event()
+        threading.Thread(target=self._flush_loop, name="raykv-l2-flush", daemon=True).start()
+
+    # ---------------------------------------------------------------- control
+    def open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
+             caller: OwnerClaim | None) -> PoolHandle | None:
+        """The L2 pool of ``caller``'s deployment and ``rank`` (tp, pp) on this node, of
+        ``layout``'s page geometry: the existing one (another engine made it), else a
+        new one of at most ``pages`` pages, as many as fit in what is left of
+        ``l2_bytes``; None if not one page fits. ``ValueError`` for a caller without an
+        owner claim, a layout with more than one object per page, another layout than
+        the existing pool's, or what pool creation refuses (tenant quota, budget)."""
+        caller = self._verify(caller)
+        if caller is None:
+            raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
+        if layout.objects_per_page != 1 or pages < 1:
+            raise ValueError(f"an L2 pool holds one object per page and at least one page "
+                             f"(got {layout.objects_per_page} objects, {pages} pages)")
+        family = l2_family(caller.deployment_id, rank)
+        name = f"{family}{self._incarnation}"
+        with self._open_lock:
+            with self._lock:
+                pool = self._pools.get(name)
+            if pool is not None:
+                if pool.layout.buffers != layout.buffers or \
+                        pool.layout.page_size != layout.page_size:
+                    raise ValueError(f"L2 pool {name} holds pages of {pool.layout.buffers}, "
+                                     f"not {layout.buffers}")
+                return pool.handle
+            for old in self._pool_names():  # an earlier incarnation's: never served again
+                if old.startswith(family) and old != name:
+                    self._destroy(old, caller.owner)
+            page_bytes = layout.object_bytes
+            with self._lock:
+                used = sum(p.layout.nbytes for p in self._pools.values())
+            fits = min(pages, (self.l2_bytes - used) // page_bytes)
+            if fits < 1:
+                return None
+            sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
+                               layout.buffers, layout.order)
+            handle = self._create(name, sized, caller.owner)
+            with self._lock:
+                self._pools[name] = _L2Pool(handle, caller.owner,
+                                            L2Index(fits, self._lease_s, self._clock))
+            log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
+            return handle
+
+    def reset(self) -> None:
+        """The node's pool memory is about to be allocated anew (standalone: its
+        ``mooncake_client`` restarted): every L2 pool is forgotten and the next ones get
+        names of a new incarnation, so no rank is ever given a page of memory it does
+        not map (ops naming the old pools fail; their engines open L2 again)."""
+        with self._lock:
+            self._pools.clear()
+            self._incarnation = uuid.uuid4().hex[:8]
+
+    def forget(self, name: str) -> None:
+        """Pool ``name`` left the node: it is no L2 pool any more."""
+        with self._lock:
+            self._pools.pop(name, None)
+
+    # ------------------------------------------------------------------- data
+    def lookup(self, keys: list[str], per_page: int, caller: OwnerClaim | None = None, *,
+               verified: bool = False) -> int:
+        """How many leading pages of ``keys`` (``per_page`` consecutive keys each: one
+        per TP rank) every key is ready in an L2 pool of the caller's owner; their
+        pages are leased for ``LEASE_S``. ``ValueError`` for bad keys or keys outside
+        the caller's key prefix."""
+        owner = self._checked(keys, caller, verified)
+        if per_page < 1 or len(keys) % per_page:
+            raise ValueError(f"{len(keys)} keys are no whole number of pages of {per_page}")
+        with self._lock:
+            indexes = [p.index for p in self._pools.values() if p.owner == owner]
+            n = 0
+            for i in range(0, len(keys), per_page):
+                if not all(any(x.lease(k) for x in indexes) for k in keys[i:i + per_page]):
+                    break
+                n += 1
+        return n
+
+    def acquire(self, holder: Holder, pool: str, keys: list[str], fill: bool,
+                caller: OwnerClaim | None = None, *, deadline: float | None = None,
+                verified: bool = False) -> list[int]:
+        """Pages of the leading ``keys`` for ``holder`` to read, held until its next op
+        on ``pool`` (its earlier pages released first); with ``fill``, keys L2 does not
+        hold after the leading ready ones are read from L3 into pages first (within
+        ``deadline``, ``time.monotonic()`` seconds). Stops at the first key it has no
+        page for."""
+        entry = self._entry(pool, keys, caller, verified)
+        with self._lock:
+            entry.index.release(holder)
+            pages = entry.index.acquire(holder, keys)
+        if not fill or len(pages) == len(keys):
+            return pages
+        return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)
+
+    def reserve(self, holder: Holder, pool: str, keys: list[str],
+                caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
+        """Per key a page for ``holder`` to write (its earlier pages released first),
+        ``PRESENT`` or ``FULL`` (``L2Index.reserve``); holders whose process is gone are
+        released when pages run short."""
+        entry = self._entry(pool, keys, caller, verified)
+        with self._lock:
+            entry.index.release(holder)
+            pages = entry.index.reserve(holder, keys)
+            if FULL in pages and self._reap(entry.index):
+                short = [k for k, p in zip(keys, pages, strict=True) if p == FULL]
+                again = iter(entry.index.reserve(holder, short))
+                pages = [next(again) if p == FULL else p for p in pages]
+        return pages
+
+    def commit(self, holder: Holder, pool: str, keys: list[str], pages: list[int],
+               ok: list[bool], caller: OwnerClaim | None = None, *,
+               verified: bool = False) -> int:
+        """``holder`` wrote ``keys`` into ``pages`` (``ok``: in full): those become
+        ready and are queued for the write-behind put to L3; the others free. Returns
+        how many became ready."""
+        entry = self._entry(pool, keys, caller, verified)
+        if len(pages) != len(keys) or len(ok) != len(keys):
+            raise ValueError(f"a commit of {len(keys)} keys names {len(pages)} pages and "
+                             f"{len(ok)} outcomes")
+        with self._lock:
+            owned = [p for p, k in zip(pages, keys, strict=True)
+                     if 0 <= p < entry.index.pages and entry.index.key_of(p) == k]
+            if len(owned) != len(pages):
+                raise ValueError("a commit names pages that do not hold its keys")
+            made = entry.index.commit(holder, pages, ok, dirty=True)
+        if made:
+            by_page = dict(zip(pages, keys, strict=True))
+            self._flush.put((entry, [by_page[p] for p in made], made, caller))
+        return len(made)
+
+    # ----------------------------------------------------------------- status
+    def stats(self) -> dict:
+        """Per L2 pool its ``L2Index.stats``; the node's fills and write-behind puts;
+        ``l2_bytes`` and ``used``."""
+        with self._lock:
+            pools = {n: p.index.stats() for n, p in self._pools.items()}
+            used = sum(p.layout.nbytes for p in self._pools.values())
+            counts = dict(self.counts)
+        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flush.put(None)
+
+    # ---------------------------------------------------------------- helpers
+    def _checked(self, keys: list[str], caller: OwnerClaim | None,
+                 verified: bool) -> Owner | None:
+        keys = check_object_keys(keys)
+        caller = caller if verified else self._verify(caller)
+        prefix = caller.key_prefix if caller is not None else ""
+        if prefix and not all(k.startswith(prefix) for k in keys):
+            raise ValueError("L2 keys outside the caller's key prefix")
+        if not prefix and any(k.startswith(TENANT_KEYS) for k in keys):
+            raise ValueError("a tenant's L2 keys need the tenant's claim")
+        return None if caller is None else caller.owner
+
+    def _entry(self, pool: str, keys: list[str], caller: OwnerClaim | None,
+               verified: bool) -> _L2Pool:
+        owner = self._checked(keys, caller, verified)
+        with self._lock:
+            entry = self._pools.get(pool)
+        if entry is None or entry.owner != owner:
+            raise ValueError(f"{pool!r} is no L2 pool of the caller's on this node (the "
+                             "node actor may have restarted: open L2 again)")
+        return entry
+
+    def _fill(self, entry: _L2Pool, reader: Holder, keys: list[str],
+              caller: OwnerClaim | None, deadline: float | None) -> list[int]:
+        """Read the leading ``keys`` from L3 into pages the node reserves under a
+        holder of its own; those read in full become ready (clean) and held by
+        ``reader``. The pages of the leading run read."""
+        with self._lock:
+            self._fills += 1
+            filler = (-1, self._fills)
+            pages = entry.index.reserve(filler, keys)
+        run = next((i for i, p in enumerate(pages) if p < 0), len(pages))
+        if run < len(pages):  # only a leading run is any use to the reader
+            with self._lock:
+                entry.index.commit(filler, pages[run:], [False] * (len(pages) - run),
+                                   dirty=False)
+        pages, keys = pages[:run], keys[:run]
+        ok = [False] * run
+        if run:
+            batch = ObjectBatch(epoch=entry.epoch)
+            size = entry.layout.object_bytes
+            batch.extend(keys, entry.name, entry.offsets(pages), [size] * run)
+            try:
+                codes = self._move("get", batch, deadline or time.monotonic() + FLUSH_WAIT_S,
+                                   caller)
+                ok = [c == size for c in codes]
+            except Exception as e:  # a miss for the reader, the pages free again
+                log.debug("L2 fill of %d objects failed: %s", run, e)
+        with self._lock:
+            made = entry.index.commit(filler, pages, ok, dirty=False, reader=reader)
+            self.counts["filled"] += len(made)
+            self.counts["fill_failed"] += run - len(made)
+        good = next((i for i, x in enumerate(ok) if not x), run)
+        return pages[:good]
+
+    def _reap(self, index: L2Index) -> bool:
+        """Release the holders of ``index`` whose process is gone (under ``_lock``);
+        whether any was."""
+        gone = [h for h in index.holders()
+                if h[0] >= 0 and not ProcessIdentity(*h).alive()]
+        for h in gone:
+            index.release(h)
+        return bool(gone)
+
+    def _flush_loop(self) -> None:
+        """The write-behind: put committed pages to L3, then let them be evicted."""
+        while not self._closed.is_set():
+            item = self._flush.get()
+            if item is None:
+                return
+            entry, keys, pages, caller = item
+            for i in range(0, len(keys), FLUSH_BATCH):
+                self._flush_one(entry, keys[i:i + FLUSH_BATCH], pages[i:i + FLUSH_BATCH],
+                                caller)
+
+    def _flush_one(self, entry: _L2Pool, keys: list[str], pages: list[int],
+                   caller: OwnerClaim | None) -> None:
+        size = entry.layout.object_bytes
+        batch = ObjectBatch(epoch=entry.epoch)
+        batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
+        try:
+            codes = self._move("put", batch, time.monotonic() + FLUSH_WAIT_S, caller)
+        except Exception as e:  # the pages stay in L2 with the right bytes
+            log.warning("L2 write-behind of %d objects failed: %s", len(keys), e)
+            codes = [-1] * len(keys)
+        stored = sum(c in (0, 1) for c in codes)
+        with self._lock:
+            self.counts["l3_put"] += stored
+            self.counts["l3_put_failed"] += len(keys) - stored
+            entry.index.flushed(pages, keys)
+
+
+def l2_family(deployment_id: str, rank: tuple[int, int]) -> str:
+    """The start of the names of a deployment's L2 pools of ``rank`` (tp, pp) on a node
+    (the node actor's incarnation follows)."""
+    digest = hashlib.sha256(deployment_id.encode()).hexdigest()[:16]
+    return f"l2-{digest}-{int(rank[0])}-{int(rank[1])}-"

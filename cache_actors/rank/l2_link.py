@@ -1,0 +1,89 @@
+"""A rank's route to its node's L2 cache (``cache_actors.node.l2_pools``): the L2 pool of
+its deployment and rank, and the four L2 data ops, by page hash.
+
+The rank names pages by page hash, as in every other call; this module keys them as
+the client keys them (a tenant's keyed page hashes, the client's key scheme), so an
+L2 object has the key of the same object in L3. The data ops go over the link as any
+data op (deadline, budget, breaker: ``NodeLink.data``); ``open`` is a control call
+(pool creation), made at start-up or on a background thread, never on an engine's step.
+
+Holder: this process (``ProcessIdentity``); a process moves one L2 transfer at a time
+per pool (the node releases its earlier pages at its next op).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.contract import PoolName
+from raykv.controllers.keys import mha_suffix
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.host_pools import HostPool
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.node_link import NodeLink
+    from raykv.controllers.keyed_hashes import KeyedHashes
+    from raykv.controllers.pool_layout import PoolLayout
+
+
+class L2Link:
+    """The L2 ops of ``client`` (``CacheClient.l2``) on its node, for its KV pool kind
+    ``vllm`` (one object per page)."""
+
+    def __init__(self, client: CacheClient, link: NodeLink, hashes: KeyedHashes) -> None:
+        self._client, self._link, self._hashes = client, link, hashes
+
+    @functools.cached_property
+    def holder(self) -> tuple[int, int]:
+        """This process, as the node's L2 names who holds a page."""
+        return tuple(dataclasses.astuple(ProcessIdentity.current()))
+
+    def _keys(self, page_hashes: Sequence[str], tp_rank: int | None = None) -> list[str]:
+        """Object keys of ``page_hashes`` for TP rank ``tp_rank`` (default: the
+        client's own)."""
+        scheme = self._client.key_scheme
+        cfg = self._client.config
+        if tp_rank is not None and tp_rank != scheme.tp_rank:
+            scheme = dataclasses.replace(scheme, tp_rank=tp_rank,
+                                         mha=mha_suffix(tp_rank, cfg.pp_rank, cfg.pp_size))
+        (suffix,) = scheme.suffixes(PoolName.KV, "vllm", ["kv"])
+        return [scheme.prefix + h + suffix for h in self._hashes.keys(list(page_hashes))]
+
+    def open(self, layout: PoolLayout, pages: int) -> HostPool | None:
+        """Map the L2 pool of this rank's deployment and rank on its node (made by the
+        first engine there, of at most ``pages`` pages of ``layout``'s geometry); None if
+        the node has no L2 room. A control call."""
+        cfg = self._client.config
+        handle = self._link.call("l2_open", (cfg.tp_rank, cfg.pp_rank), layout, pages,
+                                 owner=self._link.claim())
+        return None if handle is None else self._client.attach_host_pool(handle.name)
+
+    def lookup(self, page_hashes: Sequence[str], tp_size: int) -> int:
+        """Leading pages whose objects of every TP rank (0 .. ``tp_size`` - 1) are in
+        L2 on this node, leased until the ranks load them."""
+        per_rank = [self._keys(page_hashes, r) for r in range(tp_size)]
+        keys = [k for page in zip(*per_rank, strict=True) for k in page]
+        return self._link.data(DataOp.L2_LOOKUP, keys, tp_size) if keys else 0
+
+    def acquire(self, pool: str, page_hashes: Sequence[str], fill: bool) -> list[int]:
+        """L2 pages holding the leading ``page_hashes`` (with ``fill``: read from L3
+        first where L2 does not hold them), this process's until its next L2 op."""
+        return self._link.data(DataOp.L2_ACQUIRE, self.holder, pool,
+                               self._keys(page_hashes), fill)
+
+    def reserve(self, pool: str, page_hashes: Sequence[str]) -> list[int]:
+        """Per page hash: an L2 page to write it into, ``PRESENT`` or ``FULL``
+        (``cache_actors.node.l2_index``)."""
+        return self._link.data(DataOp.L2_RESERVE, self.holder, pool, self._keys(page_hashes))
+
+    def commit(self, pool: str, page_hashes: Sequence[str], pages: Sequence[int],
+               ok: Sequence[bool]) -> int:
+        """The pages reserved for ``page_hashes`` were written (``ok``: in full); the
+        node puts them to L3 behind. How many are now in L2."""
+        return self._link.data(DataOp.L2_COMMIT, self.holder, pool, self._keys(page_hashes),
+                               list(pages), list(ok))

@@ -1,0 +1,61 @@
+"""vLLM's per-layer KV cache views as raykv reads them (pure: torch only, no vLLM).
+
+vLLM 0.32 hands a connector's ``register_kv_caches`` one logical ``[B, H, N, C]`` view
+per layer (``vllm.v1.kv_cache_interface.create_kv_cache_views``): B kernel blocks of N
+tokens, H KV head slots, C bytes-worth of content per head and token, strided over its
+own physical layout (``CacheConfig.kv_cache_layout``). The block axis is therefore
+the first, by that contract, whatever the physical layout; a block of vLLM's block
+manager is ``B / num_blocks`` consecutive kernel blocks (vLLM splits a block when its
+attention kernels want smaller ones). raykv copies each block as that logical view, so
+the bytes of a page are the same for every physical layout of the same logical block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def kernel_split(shape: Sequence[int], num_blocks: int, block_size: int) -> int:
+    """How many kernel blocks of ``shape`` (a layer's ``[B, H, N, C]`` view) make one
+    of the ``num_blocks`` blocks of ``block_size`` tokens; ``ValueError`` naming the
+    problem for a shape that is not such a view."""
+    if len(shape) != 4:
+        raise ValueError(f"RayKVConnector: a layer's KV cache view {tuple(shape)} is not "
+                         "vLLM's [blocks, heads, tokens, content]")
+    b, _, n, _ = shape
+    if num_blocks < 1 or b % num_blocks or (b // num_blocks) * n != block_size:
+        raise ValueError(f"RayKVConnector: a layer's KV cache view {tuple(shape)} does not "
+                         f"hold {num_blocks} blocks of {block_size} tokens as "
+                         "[blocks, heads, tokens, content]")
+    return b // num_blocks
+
+
+def block_views(tensors: Sequence[torch.Tensor], num_blocks: int,
+                block_size: int) -> list[torch.Tensor]:
+    """Per layer a view whose first axis counts vLLM's ``num_blocks`` blocks: the
+    layer's view itself, or with its kernel blocks grouped per block
+    (``(num_blocks, split, H, N, C)``). ``ValueError`` as ``kernel_split``."""
+    split = kernel_split(tuple(tensors[0].shape), num_blocks, block_size)
+    return [t if split == 1 else t.unflatten(0, (num_blocks, split)) for t in tensors]
+
+
+def block_geometry(spec: object, layers: int) -> dict:
+    """The ``PoolLayout.vllm`` arguments (all but ``size``) of one block of ``layers``
+    layers of vLLM's KV cache spec ``spec`` (an ``AttentionSpec``: ``block_size``,
+    ``num_kv_heads``, ``page_size_bytes`` per block and layer, ``dtype``): what the
+    scheduler side registers, so that the deployment's bytes per page are the workers'
+    real ones. ``head_dim`` is the content per head and token (K and V together);
+    ``ValueError`` if the block's bytes are no whole number of those."""
+    itemsize = spec.dtype.itemsize
+    heads = int(getattr(spec, "num_heads", None) or spec.num_kv_heads)
+    per_layer = int(spec.page_size_bytes)
+    slots = spec.block_size * heads * itemsize
+    if per_layer % slots:
+        raise ValueError(f"RayKVConnector: a block of {per_layer} bytes per layer is no "
+                         f"whole number of {spec.block_size} tokens x {heads} heads of "
+                         f"{itemsize}-byte values")
+    return {"page_size": spec.block_size, "layer_num": layers, "head_num": heads,
+            "head_dim": per_layer // slots, "dtype": str(spec.dtype).removeprefix("torch."),
+            "itemsize": itemsize}

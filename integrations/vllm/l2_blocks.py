@@ -1,0 +1,139 @@
+"""A worker's side of its node's L2 cache (no vLLM import): vLLM blocks copied into and
+out of pages of the L2 pool that every engine of the deployment on the node shares
+(``cache_actors.node.l2_pools``).
+
+A save reserves a page per block, copies the block of every layer into it and commits
+it; the node actor puts it to L3 afterwards (write-behind), so no Mooncake call runs on
+vLLM's step for a block that lands in L2. A load asks for the pages of its blocks (the
+node reads from L3 into L2 first those L2 does not hold) and copies them into vLLM's
+blocks. Pages are this process's from the node's answer until its next L2 op (a load
+ends with an empty one, so an idle engine holds none), so a copy never races another
+engine's writes; a page whose commit did not reach the node is never read by anyone.
+
+When the node actor restarted (its L2 pools are new and empty), the first op finds the
+pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
+background thread opens the new L2 pool (a control call, never on vLLM's step).
+
+Threads: ``load`` and ``save`` run on vLLM's worker thread; ``_reopen`` on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.rank.staging_pools import page_runs
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.host_pools import HostPool
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.l2_link import L2Link
+    from raykv.controllers.pool_layout import PoolLayout
+
+log = logging.getLogger("vllm." + __name__)
+
+CHUNK = 64
+"""Blocks per L2 op: a load holds at most this many pages at once."""
+
+
+class L2Blocks:
+    """vLLM's ``layers`` (per layer a ``(num_blocks, *block)`` tensor) moved through the
+    L2 pool ``pool``; ``views(pool)``: the pool's pages as tensors lining up with
+    ``layers``. Made by ``open``."""
+
+    def __init__(self, link: L2Link, pool: HostPool, layers: list[torch.Tensor],
+                 views: Callable[[HostPool], list[torch.Tensor]], layout: PoolLayout,
+                 pages: int) -> None:
+        self._link, self.pool = link, pool
+        self._layers, self._views = layers, views
+        self._layout, self._pages = layout, pages
+        self._reopening: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, client: CacheClient, layers: list[torch.Tensor],
+             views: Callable[[HostPool], list[torch.Tensor]], layout: PoolLayout,
+             pages: int) -> L2Blocks | None:
+        """The L2 of ``client``'s rank on its node, of at most ``pages`` pages of
+        ``layout``'s geometry; None if the node has no L2 room (a control call: raises
+        what the client raises)."""
+        link = client.l2()
+        pool = link.open(layout, pages)
+        return None if pool is None else cls(link, pool, layers, views, layout, pages)
+
+    @property
+    def usable(self) -> bool:
+        """False while the L2 is lost (the node actor restarted) and not reopened."""
+        return self.pool is not None
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> int:
+        """Copy the blocks ``hashes`` (from L2, or L3 through L2) into vLLM's
+        ``block_ids``, ``CHUNK`` at a time, up to the first that has no page; how many
+        leading blocks were loaded. Raises what the client raises."""
+        done = 0
+        name = self.pool.name
+        while done < len(block_ids):
+            n = min(CHUNK, len(block_ids) - done)
+            pages = self._op(self._link.acquire, name, hashes[done:done + n], True)
+            self._copy(pages, block_ids[done:done + len(pages)], to_pool=False)
+            done += len(pages)
+            if len(pages) < n:
+                break
+        with contextlib.suppress(Exception):  # held until the next op otherwise
+            self._link.acquire(name, [], False)  # copied: the pages go back to the cache
+        return done
+
+    def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
+        """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
+        to L3 behind): ``(blocks now in L2, indices of the blocks L2 had no page for)``.
+        Raises what the client raises (blocks of earlier chunks stay saved)."""
+        saved, full = 0, []
+        for lo in range(0, len(block_ids), CHUNK):
+            ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
+            pages = self._op(self._link.reserve, self.pool.name, hs)
+            mine = [i for i, p in enumerate(pages) if p >= 0]
+            saved += sum(p == PRESENT for p in pages)
+            full += [lo + i for i, p in enumerate(pages) if p == FULL]
+            if not mine:
+                continue
+            self._copy([pages[i] for i in mine], [ids[i] for i in mine], to_pool=True)
+            saved += self._op(self._link.commit, self.pool.name, [hs[i] for i in mine],
+                              [pages[i] for i in mine], [True] * len(mine))
+        return saved, full
+
+    def _op(self, op: Callable, *args):
+        """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
+        (it restarted) loses the L2 and starts reopening it."""
+        try:
+            return op(*args)
+        except ValueError as e:
+            if "no L2 pool" in str(e):
+                self._lose()
+            raise
+
+    def _copy(self, pages: Sequence[int], block_ids: Sequence[int], *, to_pool: bool) -> None:
+        staged = self._views(self.pool)
+        for b0, p0, n in page_runs(list(block_ids), list(pages)):
+            for blocks, stage in zip(self._layers, staged, strict=True):
+                if to_pool:
+                    stage[p0:p0 + n].copy_(blocks[b0:b0 + n])
+                else:
+                    blocks[b0:b0 + n].copy_(stage[p0:p0 + n])
+
+    def _lose(self) -> None:
+        self.pool = None
+        if self._reopening is None or not self._reopening.is_alive():
+            self._reopening = threading.Thread(target=self._reopen, name="raykv-l2-reopen",
+                                               daemon=True)
+            self._reopening.start()
+
+    def _reopen(self) -> None:
+        try:
+            self.pool = self._link.open(self._layout, self._pages)
+        except Exception as e:  # next loss tries again; the staging pool serves meanwhile
+            log.warning("RayKVConnector: L2 not reopened (%s); saves and loads go through "
+                        "the store", e)

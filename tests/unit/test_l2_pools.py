@@ -1,0 +1,185 @@
+"""L2Pools, the node actor's L2 cache, against fakes of the pool table and the store:
+capacity, owners, fills held for the reader, write-behind, a reset."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from raykv.cache_actors.host_pools import PoolHandle
+from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.ownership import OwnerClaim
+from raykv.controllers.pool_layout import PoolLayout
+
+ME = tuple(dataclasses.astuple(ProcessIdentity.current()))  # a live holder: never reaped
+GONE = (1, 1)  # pid 1 with another start: a holder whose process is gone
+A = OwnerClaim("m_", key_prefix="m_")
+B = OwnerClaim("n_", key_prefix="n_")
+
+
+def layout(pages: int = 64) -> PoolLayout:
+    return PoolLayout.vllm(page_size=4, size=4 * pages, layer_num=1, head_num=1,
+                           head_dim=8, dtype="bfloat16", itemsize=2)
+
+
+class FakeNode:
+    """The pool table and the store: ``stored`` holds the L3 objects (key -> the page
+    offset they were put from)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, PoolHandle] = {}
+        self.stored: dict[str, int] = {}
+        self.calls: list[tuple[str, list[str]]] = []
+        self.fail_puts = False
+
+    def create(self, name, lay, owner) -> PoolHandle:
+        self.pools[name] = PoolHandle(name, "/dev/shm/" + name, lay)
+        return self.pools[name]
+
+    def destroy(self, name, owner) -> bool:
+        return self.pools.pop(name, None) is not None
+
+    def move(self, op, batch, deadline, caller) -> list[int]:
+        self.calls.append((op, list(batch.keys)))
+        if op == "put":
+            if self.fail_puts:
+                return [-800] * len(batch)
+            self.stored.update(zip(batch.keys, batch.offsets, strict=True))
+            return [0] * len(batch)
+        return [s if k in self.stored else -704 for k, s in zip(batch.keys, batch.sizes,
+                                                                strict=True)]
+
+
+def l2(node: FakeNode, l2_bytes: int = 1 << 20) -> L2Pools:
+    return L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
+                   lambda claim: claim, l2_bytes=l2_bytes)
+
+
+def flushed(pools: L2Pools, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while pools.counts["l3_put"] + pools.counts["l3_put_failed"] < n:
+        assert time.monotonic() < deadline, pools.counts
+        time.sleep(0.01)
+
+
+def test_open_sizes_the_pool_to_what_is_left_and_shares_it():
+    node = FakeNode()
+    pools = l2(node, l2_bytes=10 * 64)  # a page is 4 slots x 8 x 2 bytes = 64 bytes
+    h = pools.open((0, 0), layout(), 6, A)
+    assert h.layout.num_pages == 6 and h.name.startswith(l2_family("m_", (0, 0)))
+    assert pools.open((0, 0), layout(), 50, A) == h  # another engine: the same pool
+    assert pools.open((1, 0), layout(), 50, A).layout.num_pages == 4  # what is left
+    assert pools.open((2, 0), layout(), 50, A) is None  # no room
+    with pytest.raises(ValueError, match="owner claim"):
+        pools.open((0, 0), layout(), 6, None)
+
+
+def test_ops_need_the_pools_owner_and_keys_of_its_prefix():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 8, A)
+    with pytest.raises(ValueError, match="no L2 pool"):
+        pools.reserve(ME, h.name, ["n_x"], B)
+    with pytest.raises(ValueError, match="prefix"):
+        pools.reserve(ME, h.name, ["n_x"], A)
+    with pytest.raises(ValueError, match="no L2 pool"):
+        pools.acquire(ME, "l2-other", ["m_x"], False, A)
+    assert pools.lookup(["n_x"], 1, B) == 0
+
+
+def test_save_write_behind_then_lookup_and_read():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 8, A)
+    pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
+    assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
+    assert pools.lookup(["m_a", "m_b"], 1, A) == 0  # not committed: not readable
+    assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
+    flushed(pools, 2)
+    assert set(node.stored) == {"m_a", "m_b"}
+    assert pools.lookup(["m_a", "m_b", "m_c"], 1, A) == 2
+    assert pools.lookup(["m_a", "m_b"], 2, A) == 1  # two keys per page (TP 2)
+    assert pools.acquire(ME, h.name, ["m_a", "m_b"], True, A) == pages
+    assert [op for op, _ in node.calls] == ["put"]  # from L2: no get
+
+
+def test_a_commit_of_pages_that_hold_other_keys_is_refused():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 8, A)
+    pages = pools.reserve(ME, h.name, ["m_a"], A)
+    with pytest.raises(ValueError, match="do not hold"):
+        pools.commit(ME, h.name, ["m_z"], pages, [True], A)
+
+
+def test_fill_reads_l3_into_pages_held_for_the_reader():
+    node = FakeNode()
+    node.stored = {"m_a": 0, "m_b": 0}
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 2, A)
+    got = pools.acquire(ME, h.name, ["m_a", "m_b", "m_c"], True, A)
+    assert len(got) == 2 and pools.counts["filled"] == 2
+    assert pools.counts["fill_failed"] == 0  # m_c: no page left to read it into
+    assert pools.reserve(GONE, h.name, ["m_z"], A) == [FULL]  # both held by ME, alive
+    got_again = pools.acquire(ME, h.name, ["m_a", "m_b"], False, A)  # releases, re-holds
+    assert got_again == got
+    assert [op for op, _ in node.calls] == ["get"]
+
+
+def test_a_failed_fill_is_a_miss_and_frees_its_pages():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 2, A)
+    assert pools.acquire(ME, h.name, ["m_a"], True, A) == []
+    assert pools.counts["fill_failed"] == 1
+    assert all(p >= 0 for p in pools.reserve(GONE, h.name, ["m_y", "m_z"], A))
+
+
+def test_a_failed_write_behind_keeps_the_page_and_counts_it():
+    node = FakeNode()
+    node.fail_puts = True
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 1, A)
+    pages = pools.reserve(ME, h.name, ["m_a"], A)
+    pools.commit(ME, h.name, ["m_a"], pages, [True], A)
+    flushed(pools, 1)
+    assert pools.counts["l3_put_failed"] == 1
+    assert pools.lookup(["m_a"], 1, A) == 1  # still right in L2
+
+
+def test_reset_forgets_every_pool_and_open_makes_a_new_one():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 4, A)
+    pages = pools.reserve(ME, h.name, ["m_a"], A)
+    pools.commit(ME, h.name, ["m_a"], pages, [True], A)
+    pools.reset()
+    assert pools.lookup(["m_a"], 1, A) == 0
+    with pytest.raises(ValueError, match="no L2 pool"):
+        pools.acquire(ME, h.name, ["m_a"], False, A)
+    h2 = pools.open((0, 0), layout(), 4, A)
+    assert h2.name != h.name and h.name not in node.pools  # the old one removed
+
+
+def test_pages_of_a_holder_whose_process_is_gone_are_released_when_short():
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 1, A)
+    (p,) = pools.reserve(GONE, h.name, ["m_a"], A)
+    assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # GONE's write abandoned
+    with pytest.raises(ValueError, match="do not hold"):
+        pools.commit(GONE, h.name, ["m_a"], [p], [True], A)
+
+
+def test_another_geometry_of_the_same_bytes_is_refused():
+    node = FakeNode()
+    pools = l2(node)
+    pools.open((0, 0), layout(), 4, A)
+    other = PoolLayout.vllm(page_size=4, size=16, layer_num=2, head_num=1, head_dim=4,
+                            dtype="bfloat16", itemsize=2)  # 64 bytes a page too
+    assert other.object_sizes == layout().object_sizes
+    with pytest.raises(ValueError, match="holds pages of"):
+        pools.open((0, 0), other, 4, A)
