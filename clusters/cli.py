@@ -467,7 +467,7 @@ def _emulated(hosts: int, link: str | None, **options) -> None:
     import signal
     import threading
 
-    from raykv.clusters import start_local
+    from raykv.clusters.local import start_local
 
     try:  # Ctrl-C while it starts: start_local removes what it made
         with _spinner(f"starting {hosts} emulated hosts ..."):

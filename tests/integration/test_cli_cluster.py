@@ -284,7 +284,7 @@ def test_status_watch_in_a_terminal_until_ctrl_c(ray_head, uid):
         assert {r: node_row(settled[-1], node)[r] for r in RATES} == ZERO
 
         os.kill(view.proc.pid, signal.SIGINT)
-        assert view.proc.wait(30) == 0, view.text()[-3000:]
+        assert view.proc.wait(90) == 0, view.text()[-3000:]
         assert "Traceback" not in view.text()
     finally:
         if view is not None:

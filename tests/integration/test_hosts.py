@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from raykv.clusters import start_local
+from raykv import start_local
 from raykv.clusters.host_plan import HostPlan
 from raykv.clusters.hosts import WORKDIR, cluster_pids, leftovers
 from raykv.clusters.mooncake_master import MooncakeMaster
@@ -142,7 +142,7 @@ def test_a_normal_exit_leaves_nothing_behind(hosts):
 
 DRIVER = textwrap.dedent("""
     import sys, time
-    from raykv.clusters import start_local
+    from raykv.clusters.local import start_local
     c = start_local(hosts=2, global_segment_size=32 << 20, cpus_per_node=1,
                     log_to_driver=False)
     print(c.hosts.plan.index, c.cluster_tag, flush=True)
