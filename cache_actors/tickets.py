@@ -205,12 +205,7 @@ class TicketBook:
         """After a call of ``ticket`` ended without the node actor's reply: return once
         no process will touch its pages (see the module docstring), then free it."""
         lock_slot(self._fd, ticket.slot, wait=True)  # a store call of it: its end
-        try:
-            serial, state, until = read_slot(self._mem, ticket.slot)
-            if serial == ticket.serial and state == PENDING:
-                write_slot(self._mem, ticket.slot, serial, ABANDONED)
-        finally:
-            unlock_slot(self._fd, ticket.slot)
+        serial, state, until = self._abandon_locked(ticket)
         if serial == ticket.serial and state == STARTED:  # its node actor died in the call
             time.sleep(max(0.0, until - time.monotonic()))
         self.free(ticket)
@@ -222,16 +217,22 @@ class TicketBook:
         the pages out of use and asks again later."""
         if not lock_slot(self._fd, ticket.slot):  # a store call of it holds the lock
             return False
+        serial, state, until = self._abandon_locked(ticket)
+        if serial == ticket.serial and state == STARTED and until > time.monotonic():
+            return False
+        self.free(ticket)
+        return True
+
+    def _abandon_locked(self, ticket: TicketRef) -> tuple[int, int, float]:
+        """With ``ticket``'s slot locked by the caller: mark it abandoned if no store call
+        started it, unlock, and return the slot's (serial, state, until) as read."""
         try:
             serial, state, until = read_slot(self._mem, ticket.slot)
             if serial == ticket.serial and state == PENDING:
                 write_slot(self._mem, ticket.slot, serial, ABANDONED)
         finally:
             unlock_slot(self._fd, ticket.slot)
-        if serial == ticket.serial and state == STARTED and until > time.monotonic():
-            return False
-        self.free(ticket)
-        return True
+        return serial, state, until
 
     def free(self, ticket: TicketRef) -> None:
         """Give ``ticket``'s slot back (the call got its reply: the node ended it)."""
