@@ -154,7 +154,7 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
                       owner: OwnerClaim | None = None) -> PoolHandle | None:
-        return await self._pooled(self._service.l2_open, rank, layout, pages, owner)
+        return await self._pooled(self._service.l2.open, rank, layout, pages, owner)
 
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")

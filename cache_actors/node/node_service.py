@@ -234,11 +234,6 @@ class NodeService:
         self.l2.forget(name)
         return removed
 
-    def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
-                owner: OwnerClaim | None = None) -> PoolHandle | None:
-        """The L2 pool of the caller's deployment and ``rank`` here (``L2Pools.open``)."""
-        return self.l2.open(rank, layout, pages, owner)
-
     # ------------------------------------------------------------------ data
     def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
                verified: bool = False) -> list[int]:
@@ -385,14 +380,13 @@ class NodeService:
 
     def stats(self) -> dict:
         """Counters since start, per pool and per tenant, group queries, the store's
-        state (``cache_actors.node.node_stats`` says what each entry holds); ``l2``: the
-        L2 cache (``L2Pools.stats``)."""
-        stats = node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
-                           self._metrics, node_id=self.node_id,
-                           uptime_s=time.time() - self._started,
-                           segment_size=self._segment_size,
-                           confirmed_pages=len(self._groups.confirmed))
-        return stats | {"l2": self.l2.stats()}
+        state, the L2 cache (``cache_actors.node.node_stats`` says what each entry
+        holds)."""
+        return node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
+                          self._metrics, node_id=self.node_id,
+                          uptime_s=time.time() - self._started,
+                          segment_size=self._segment_size,
+                          confirmed_pages=len(self._groups.confirmed), l2=self.l2.stats())
 
     def shutdown(self, remove_pools: bool = True) -> None:
         """Stop for good: close the channel and the Mooncake client (standalone: stop

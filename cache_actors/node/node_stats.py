@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def node_stats(table: PoolTable, quotas: Mapping[str, int], store: dict,
                metrics: NodeMetrics, *, node_id: str, uptime_s: float, segment_size: int,
-               confirmed_pages: int) -> dict:
+               confirmed_pages: int, l2: dict) -> dict:
     """``store``'s stats (``NodeStore.stats``: the mode, ``host_pool_bytes`` budget (0:
     none) and ``host_pool_used`` (bytes of live pools, each counted once), in standalone
     mode the ``mooncake_client`` process: pid, port, adopted, restarts, alive), then:
@@ -30,7 +30,7 @@ def node_stats(table: PoolTable, quotas: Mapping[str, int], store: dict,
     ``looked_up``: own lookups; ``store_calls``, ``store_seconds``:
     ``NodeMetrics.group_queries``); ``confirmed_pages`` held; ``merged_calls``: put/get
     store calls made and the ranks' batches they carried
-    (``cache_actors.node.transfer_merger``)."""
+    (``cache_actors.node.transfer_merger``); ``l2``: the L2 cache (``L2Pools.stats``)."""
     tenants = table.tenants(quotas)
     return {
         **store,
@@ -44,6 +44,7 @@ def node_stats(table: PoolTable, quotas: Mapping[str, int], store: dict,
         "group_queries": metrics.group_queries(),
         "confirmed_pages": confirmed_pages,
         "merged_calls": metrics.merged_calls(),
+        "l2": l2,
     }
 
 

@@ -145,7 +145,8 @@ class Metrics:
 def test_stats_show_pools_owners_and_tenants():
     table = table_of({"p": Owner("d", "t"), "legacy": None})
     stats = node_stats(table, {"t": 1000, "u": 5}, {"mode": "embedded"}, Metrics(),
-                       node_id="n", uptime_s=1.0, segment_size=7, confirmed_pages=3)
+                       node_id="n", uptime_s=1.0, segment_size=7, confirmed_pages=3,
+                       l2={"pools": 0})
     assert stats["mode"] == "embedded" and stats["global_segment_size"] == 7
     assert stats["pools"]["p"] == {"kind": "mla", "bytes": 64, "pages": 4,
                                    "owner": {"deployment": "d", "tenant": "t"},
@@ -154,5 +155,5 @@ def test_stats_show_pools_owners_and_tenants():
     assert stats["tenants"] == {"t": {"pool_bytes": 64, "pools": 1, "quota": 1000},
                                 "u": {"pool_bytes": 0, "pools": 0, "quota": 5}}
     assert stats["untenanted"] == {"pool_bytes": 64, "pools": 1, "quota": None}
-    assert stats["confirmed_pages"] == 3
+    assert stats["confirmed_pages"] == 3 and stats["l2"] == {"pools": 0}
     assert owner_dict(None) is None
