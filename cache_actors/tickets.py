@@ -41,7 +41,11 @@ triple ``(book, slot, serial)`` (``TicketRef``) a put or get carries on either r
   ``try_settle`` says True (``cache_actors.rank.quarantine``): the call returns at its
   deadline even when the node actor was stopped in the middle of the store call.
 - A reply from the node actor always comes after the ticket ended (or was never
-  started), so a call that got its reply frees its slot without a lock.
+  started), so a call that got its reply frees its slot without a lock, and that slot
+  is issued again without one: no process will lock it for its old serial (the node
+  actor saw the call's one request, and answered it). A slot freed by a settle is
+  locked when it is issued again (a late request of its old ticket may be checking it
+  in a node actor at that moment).
 
 Pure of Ray and Mooncake; the rank side (``TicketBook``) is here, the node side in
 ``cache_actors.node.ticket_desk``. ``check_deadline`` is the one check of a deadline that
@@ -181,19 +185,27 @@ class TicketBook:
             raise
         self._fd = fd
         self._lock = threading.Lock()
-        self._free = list(range(SLOTS - 1, -1, -1))
+        self._free = list(range(SLOTS - 1, -1, -1))  # settled: lock before reuse
+        self._answered: list[int] = []  # freed after a reply: nobody else touches them
         self._serial = 0
         self._close = weakref.finalize(self, _remove, path, fd, self._mem)
 
     def issue(self) -> TicketRef:
         """A new ``PENDING`` ticket on a free slot."""
         with self._lock:
-            if not self._free:
+            answered = bool(self._answered)
+            if answered:
+                slot = self._answered.pop()
+            elif self._free:
+                slot = self._free.pop()
+            else:
                 raise RuntimeError(f"{SLOTS} puts and gets of this process are in flight; "
                                    "no ticket is free")
-            slot = self._free.pop()
             self._serial += 1
             serial = self._serial
+        if answered:
+            write_slot(self._mem, slot, serial, PENDING)
+            return TicketRef(self.name, slot, serial)
         lock_slot(self._fd, slot, wait=True)  # a late node call of its last ticket may hold it
         try:
             write_slot(self._mem, slot, serial, PENDING)
@@ -208,7 +220,7 @@ class TicketBook:
         serial, state, until = self._abandon_locked(ticket)
         if serial == ticket.serial and state == STARTED:  # its node actor died in the call
             time.sleep(max(0.0, until - time.monotonic()))
-        self.free(ticket)
+        self.free(ticket, answered=False)
 
     def try_settle(self, ticket: TicketRef) -> bool:
         """``settle`` without waiting: True if no process will touch ``ticket``'s pages
@@ -220,7 +232,7 @@ class TicketBook:
         serial, state, until = self._abandon_locked(ticket)
         if serial == ticket.serial and state == STARTED and until > time.monotonic():
             return False
-        self.free(ticket)
+        self.free(ticket, answered=False)
         return True
 
     def _abandon_locked(self, ticket: TicketRef) -> tuple[int, int, float]:
@@ -234,10 +246,12 @@ class TicketBook:
             unlock_slot(self._fd, ticket.slot)
         return serial, state, until
 
-    def free(self, ticket: TicketRef) -> None:
-        """Give ``ticket``'s slot back (the call got its reply: the node ended it)."""
+    def free(self, ticket: TicketRef, answered: bool = True) -> None:
+        """Give ``ticket``'s slot back. ``answered``: the call got its reply (the node
+        actor ended the ticket, or never started it, and will not look at it again), so
+        the slot is issued again without a lock; else it is locked when issued again."""
         with self._lock:
-            self._free.append(ticket.slot)
+            (self._answered if answered else self._free).append(ticket.slot)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[TicketRef]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import click
 from raykv.controllers.node_settings import (
     DEFAULTS,
+    PLACEMENTS,
     STANDALONE_POOL_BYTES,
     NodeSettings,
     pool_budget,
@@ -322,6 +323,10 @@ def _connected(call, *args, **kwargs):
 @click.option("--l2-size", default=_short(DEFAULTS.l2_bytes), show_default=True, type=Size(),
               help="Per node: the most bytes vLLM engines' node-local cache (L2) holds, "
               "counted in --host-pool-size and the tenants' quotas (0: no L2).")
+@click.option("--placement", default=DEFAULTS.placement, show_default=True,
+              type=click.Choice(PLACEMENTS),
+              help="Where each node's puts go: own (the node's own segment while it has "
+              "room, then any other; embedded mode) or any (Mooncake's random choice).")
 @click.option("--confirm-ttl", default=DEFAULTS.confirm_ttl_s, show_default=True,
               type=click.FloatRange(min=0),
               help="Seconds group queries trust a page the store confirmed present (below "
@@ -347,7 +352,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       l2_size: int, confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
+       l2_size: int, placement: str, confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
        emulate_hosts: int, link: str | None) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
@@ -382,7 +387,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             mooncake_log_level=mooncake_log_level, standalone=standalone,
             host_pool_bytes=pool_budget(host_pool_size, standalone),
             confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
-            bound_tenants_only=bound_tenants_only, l2_bytes=l2_size)
+            bound_tenants_only=bound_tenants_only, l2_bytes=l2_size, placement=placement)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     with _spinner("starting raykv: master, controller, an actor per node ..."):

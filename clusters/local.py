@@ -169,6 +169,7 @@ def start_local(
     hosts: int = 0,
     link: str | None = None,
     l2_bytes: int = DEFAULTS.l2_bytes,
+    placement: str = DEFAULTS.placement,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -213,7 +214,8 @@ def start_local(
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
     node from the start; ``bound_tenants_only``: no other tenant is bound
     (``NodeSettings``). ``l2_bytes``: the most bytes of each node's L2 pools (vLLM's
-    node-local cache; 0: none).
+    node-local cache; 0: none). ``placement``: ``own`` (puts prefer the writing node's
+    segment) or ``any`` (Mooncake's random choice).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -240,7 +242,7 @@ def start_local(
         standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
-        bound_tenants_only=bound_tenants_only, l2_bytes=l2_bytes)
+        bound_tenants_only=bound_tenants_only, l2_bytes=l2_bytes, placement=placement)
     check_confirm_ttl(confirm_ttl_s, master_args)
     network = EmulatedHosts.create(hosts, link) if hosts else None
     if network is None:

@@ -28,6 +28,9 @@ def pool_budget(host_pool_bytes: int | None, standalone: bool) -> int:
     return STANDALONE_POOL_BYTES if standalone else 0
 
 
+PLACEMENTS = ("own", "any")
+"""Where a node's puts place objects (``NodeSettings.placement``)."""
+
 PROCESS_ONLY = frozenset({"mooncake_log_level"})
 """``NodeSettings`` fields that set the node actor's process environment (``env``)
 rather than an argument of ``NodeCacheActor``."""
@@ -65,6 +68,9 @@ class NodeSettings:
     tenant tables (``controllers.ownership``).
     ``l2_bytes``: the most bytes each node's L2 pools (vLLM's node-local cache) hold
     together, within ``host_pool_bytes`` and the tenants' quotas (0: no L2).
+    ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
+    segment while it has room and anywhere else after (embedded mode; standalone puts
+    keep Mooncake's placement); ``any``, Mooncake's own choice, a random segment.
     """
 
     master_address: str = ""
@@ -84,12 +90,15 @@ class NodeSettings:
     tenant_digests: dict[str, str] = field(default_factory=dict)
     bound_tenants_only: bool = False
     l2_bytes: int = 1 << 30
+    placement: str = "own"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
         object.__setattr__(self, "tenant_digests", check_tenant_digests(self.tenant_digests))
         if type(self.l2_bytes) is not int or self.l2_bytes < 0:
             raise ValueError(f"l2_bytes must be an int >= 0, got {self.l2_bytes!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.confirm_ttl_s < 0:
             raise ValueError(f"confirm_ttl_s must be >= 0, got {self.confirm_ttl_s}")
         if self.standalone and self.host_pool_bytes <= 0:

@@ -211,8 +211,10 @@ class PoolLayout:
         """Validate ``host_indices`` for ``num_keys`` pages; return each page's first slot.
 
         Raises ``ValueError`` naming the problem when the count does not match, a page
-        is not page-aligned or not contiguous, or an index lies outside the pool. Each
-        check is one whole-array test; which page fails is worked out only on failure.
+        is not contiguous, an index lies outside the pool, or a page is not page-aligned.
+        Contiguity is one whole-array test, the rest is checked on the page starts
+        (which bound every index of contiguous pages); which page fails is worked out
+        only on failure.
         """
         idx = np.asarray(host_indices)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
@@ -224,23 +226,23 @@ class PoolLayout:
                 f"{num_keys * self.page_size} ({self.page_size} per page)")
         if idx.size == 0:
             return []
-        lo, hi = int(idx.min()), int(idx.max())
+        pages = idx.reshape(num_keys, self.page_size)
+        out = pages[:, 0].tolist()
+        if self.page_size > 1 and not (pages - pages[:, :1] == self._page_run).all():
+            ragged = (pages - pages[:, :1] != self._page_run).any(axis=1)
+            bad = int(np.flatnonzero(ragged)[0])
+            raise ValueError(f"page {bad} does not cover {self.page_size} contiguous "
+                             f"slots from {out[bad]}")
+        # every page is a run from its start now: the starts bound every index
+        lo, hi = min(out), max(out) + self.page_size - 1
         if lo < 0 or hi >= self.size:
             raise ValueError(f"host_indices span [{lo}, {hi}] but the pool holds slots "
                              f"[0, {self.size - 1}]")
-        pages = idx.reshape(num_keys, self.page_size)
-        starts = pages[:, 0]
-        offset = starts % self.page_size
-        if offset.any():
-            bad = int(np.flatnonzero(offset)[0])
-            raise ValueError(f"page {bad} starts at slot {int(starts[bad])}, which is not "
+        if self.page_size > 1 and any(s % self.page_size for s in out):
+            bad = next(i for i, s in enumerate(out) if s % self.page_size)
+            raise ValueError(f"page {bad} starts at slot {out[bad]}, which is not "
                              f"aligned to page_size {self.page_size}")
-        ragged = pages - starts[:, None] != self._page_run
-        if ragged.any():
-            bad = int(np.flatnonzero(ragged.any(axis=1))[0])
-            raise ValueError(f"page {bad} does not cover {self.page_size} contiguous "
-                             f"slots from {int(starts[bad])}")
-        return starts.tolist()
+        return out
 
     def object_offsets(self, page_starts: Sequence[int]) -> list[int]:
         """Byte offsets of every object of every page, page by page in key order."""

@@ -146,8 +146,9 @@ class TransferPlan:
         one bool per object of ``batch``)."""
         out = dict(self.fixed)
         for role, (first, per_page, pages) in self.spans.items():
-            out[role] = [all(ok[first + p * per_page:first + (p + 1) * per_page])
-                         for p in range(pages)]
+            objects = ok[first:first + pages * per_page]
+            out[role] = (list(objects) if per_page == 1 else  # one object per page
+                         [all(objects[p * per_page:(p + 1) * per_page]) for p in range(pages)])
         return out
 
     def stored(self, codes: Sequence[int]) -> dict[PoolName, list[bool]]:
@@ -195,7 +196,10 @@ def _resolve(role: PoolName, t: PoolTransfer,
 
 def _slots(indices: object) -> object:
     """Host indices as ``PoolLayout.page_starts`` takes them (a tensor, on any device,
-    is brought to host memory through its own ``cpu()``/``numpy()``)."""
+    is brought to host memory through its own ``cpu()``/``numpy()``; one in host memory
+    is viewed without a copy)."""
+    if getattr(indices, "is_cpu", False):
+        return indices.numpy()
     return indices.cpu().numpy() if callable(getattr(indices, "cpu", None)) else indices
 
 

@@ -17,6 +17,16 @@ reported existing is complete), sends the others, and confirms the ones that cam
 with one more ``batch_is_exist``: an object not reported existing then gets
 ``NOT_CONFIRMED`` (a failure: the caller may put it again later), never a success.
 
+Placement: an embedded client with a segment (``prefer_own_segment``) asks for its own
+segment on every put (``ReplicateConfig.preferred_segment``, the segment named by the
+client's ``get_hostname``); Mooncake's master puts an object there while the segment has
+room and on another segment otherwise (measured on 0.3.13: a 64 MiB segment took the
+first 16 of 40 4 MiB objects, the other 24 went to another client's segment, all
+stored). A rank's pages then stay on its own node, where the node's puts and gets are a
+memory copy instead of a transfer over the network (32 x 256 KiB, two clients on one
+machine over TCP: 1.7-2.0 ms against 4-9 ms for a random segment). Without it (or for a
+dummy client) Mooncake picks a random segment.
+
 A put that Mooncake placed on a dead client's segment fails with ``TRANSFER_FAIL``
 (-800): the master keeps listing a segment until that client's heartbeats have been
 missing for its ``-client_ttl`` (10 s), so after a node actor is killed about half the
@@ -54,12 +64,14 @@ class MooncakeBackend:
     """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
     dummy client of a ``mooncake_client`` process (standalone mode)."""
 
-    def __init__(self, store, steer=None) -> None:
+    def __init__(self, store, steer=None, prefer_own_segment: bool = False) -> None:
         """``store``: a set-up ``MooncakeDistributedStore``; ``steer``: the
-        ``ReplicateConfig`` a put retried after ``TRANSFER_FAIL`` uses (None: a fresh
-        placement)."""
+        ``ReplicateConfig`` naming this client's own segment, which a put retried after
+        ``TRANSFER_FAIL`` uses (None: a fresh placement), and every put when
+        ``prefer_own_segment``."""
         self._store = store
         self._steer = steer
+        self._placement = steer if prefer_own_segment else None
 
     @classmethod
     def embedded(
@@ -72,8 +84,10 @@ class MooncakeBackend:
         local_buffer_size: int,
         protocol: str = "tcp",
         rdma_devices: str = "",
+        prefer_own_segment: bool = True,
     ) -> MooncakeBackend:
-        """A real client contributing ``global_segment_size`` bytes to the store.
+        """A real client contributing ``global_segment_size`` bytes to the store; its puts
+        prefer that segment when ``prefer_own_segment`` (and it has one).
 
         Its transport binds to ``local_hostname``, the address peers are told to use
         (``MC_TCP_BIND_ADDRESS`` is set to it, also over one the process inherited: a
@@ -96,7 +110,7 @@ class MooncakeBackend:
 
             steer = ReplicateConfig()
             steer.preferred_segment = store.get_hostname()
-        return cls(store, steer)
+        return cls(store, steer, prefer_own_segment)
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
@@ -151,7 +165,7 @@ class MooncakeBackend:
         todo = [i for i, e in enumerate(present) if e != 1]
         if not todo:
             return codes
-        results = self._put_from(todo, keys, ptrs, sizes)
+        results = self._put_from(todo, keys, ptrs, sizes, self._placement)
         retry = [j for j, rc in enumerate(results) if rc == TRANSFER_FAIL]
         if retry:  # placed on a dead segment: once more, steered off it
             again = self._put_from([todo[j] for j in retry], keys, ptrs, sizes, self._steer)

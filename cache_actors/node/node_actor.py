@@ -53,7 +53,8 @@ class NodeCacheActor:
     deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
     (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
     is bound; ``l2_bytes``: the most bytes of this node's L2 pools together
-    (``cache_actors.node.l2_pools``; 0: no L2). ``challenge`` and ``open_session`` (a
+    (``cache_actors.node.l2_pools``; 0: no L2); ``placement``: ``own`` puts prefer this
+    node's segment, ``any`` leaves the choice to Mooncake. ``challenge`` and ``open_session`` (a
     tenant's owner session, ``controllers.owner_keys``) run in the ``data`` group: a pool
     call under way never holds them up.
 
@@ -80,6 +81,7 @@ class NodeCacheActor:
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
         l2_bytes: int,
+        placement: str,
     ) -> None:
         # Pools are torch tensors; torch loads beside the start (seconds on a small
         # machine) rather than inside the first pool's creation.
@@ -95,7 +97,8 @@ class NodeCacheActor:
             host=local_hostname or ray.util.get_node_ip_address(),
             master_address=master_address, metadata_server=metadata_server,
             segment_size=global_segment_size, local_buffer_size=local_buffer_size,
-            protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes)
+            protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes,
+            placement=placement)
         self._namespace = ray.get_runtime_context().namespace
         self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
         self._service = NodeService(

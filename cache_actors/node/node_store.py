@@ -61,9 +61,11 @@ class NodeStore:
     @classmethod
     def open(cls, node_prefix: str, *, standalone: bool, host: str, master_address: str,
              metadata_server: str, segment_size: int, local_buffer_size: int,
-             protocol: str, rdma_devices: str, host_pool_bytes: int) -> NodeStore:
+             protocol: str, rdma_devices: str, host_pool_bytes: int,
+             placement: str = "own") -> NodeStore:
         """Join the store in the chosen mode (standalone: adopt the node's running
-        ``mooncake_client`` or start one). ``ValueError`` for a bad budget,
+        ``mooncake_client`` or start one); ``placement`` as ``NodeSettings`` says
+        (embedded mode only). ``ValueError`` for a bad budget,
         ``RuntimeError`` if Mooncake cannot be reached."""
         budget = PoolBudget(host_pool_bytes)
         if not standalone:
@@ -72,7 +74,7 @@ class NodeStore:
                 local_hostname=host, metadata_server=metadata_server,
                 master_server_addr=master_address, global_segment_size=segment_size,
                 local_buffer_size=local_buffer_size, protocol=protocol,
-                rdma_devices=rdma_devices)
+                rdma_devices=rdma_devices, prefer_own_segment=placement == "own")
             store = cls(backend, ShmPoolMemory(node_prefix, budget))
             store.exposed = _check_doors(set(listeners(os.getpid())) - before, host)
             return store

@@ -758,7 +758,7 @@ class Engine:
         from raykv.cache_actors.tickets import TicketBook
 
         def free(book, ticket) -> bool:
-            book.free(ticket)
+            book.free(ticket, answered=False)
             return True
 
         TicketBook.settle = TicketBook.try_settle = free

@@ -91,7 +91,7 @@ def rank(uid: str, route: str, timeout_s: float | None = None) -> tuple[CacheCli
 def old_settle(book: TicketBook, ticket) -> None:
     """CONTROL: what a rank did before tickets: return at the deadline (the ticket is
     only abandoned if no store call holds it)."""
-    book.free(ticket)
+    book.free(ticket, answered=False)
 
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "CONTROL-old"])

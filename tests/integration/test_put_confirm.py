@@ -1,5 +1,6 @@
-"""Put-if-absent across clients (real mooncake_master, three real Mooncake clients): a put
-of a key whose put by another client is still in flight is not reported stored.
+"""Puts across clients (real mooncake_master, real Mooncake clients): a put of a key
+whose put by another client is still in flight is not reported stored, and a node's puts
+land on its own segment while it has room.
 
 Mooncake's ``batch_put_from`` returns 0 for such a key (and ``batch_is_exist`` says 0
 until the first put ends), so without the confirmation the second writer was told
@@ -89,6 +90,58 @@ def test_a_put_behind_another_writers_put_in_flight_is_not_reported_stored(maste
         assert second.put([key], [ptr], [SMALL]) == [ALREADY_PRESENT]  # it ended: there
         assert second.put(["confirm-alone"], [ptr], [SMALL]) == [0]  # a plain put: 0
         second.close()
+    finally:
+        stop.set()
+        provider.join(60)
+
+
+def _marked_provider(master, ready, stop) -> None:
+    """A segment of another process holding one object, ``provider-marker``, on itself."""
+    backend = _client(master, 1 << 30)
+    _mm, ptr = _buffer(backend, SMALL, 1)
+    assert backend.put(["provider-marker"], [ptr], [SMALL]) == [0]
+    ready.set()
+    stop.wait(300)
+    backend.close()
+
+
+def _endpoints(backend: MooncakeBackend, keys: list[str]) -> list[str]:
+    """The transfer endpoint of the segment holding each key's replica."""
+    found = backend._store.batch_get_replica_desc(keys)
+    return [found[k][0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for k in keys]
+
+
+def test_puts_land_on_the_writers_own_segment_while_it_has_room(master):
+    """``placement="own"``: 16 MiB of puts all land on the writer's 32 MiB segment, and
+    48 MiB more are all stored, the overflow on the other segment. Control, the same
+    client with Mooncake's default placement: its puts land on the other segment too."""
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    provider = ctx.Process(target=_marked_provider, args=(master, ready, stop))
+    provider.start()
+    try:
+        assert ready.wait(120)
+        address, metadata = master
+        writer = MooncakeBackend.embedded(
+            local_hostname="127.0.0.1", metadata_server=metadata, master_server_addr=address,
+            global_segment_size=32 << 20, local_buffer_size=16 << 20)
+        page = 1 << 20
+        _mm, ptr = _buffer(writer, 64 * page, 5)
+        (elsewhere,) = _endpoints(writer, ["provider-marker"])
+
+        def put(backend: MooncakeBackend, keys: list[str], first_page: int) -> list[str]:
+            ptrs = [ptr + (first_page + i) * page for i in range(len(keys))]
+            assert backend.put(keys, ptrs, [page] * len(keys)) == [0] * len(keys)
+            return _endpoints(writer, keys)
+
+        control = [f"any-{i}" for i in range(16)]
+        assert elsewhere in put(MooncakeBackend(writer._store, writer._steer), control, 0)
+        writer.remove(control)
+        placed = put(writer, [f"own-{i}" for i in range(16)], 0)
+        assert elsewhere not in placed and len(set(placed)) == 1
+        assert elsewhere in put(writer, [f"more-{i}" for i in range(48)], 16)  # full
+        writer.close()
     finally:
         stop.set()
         provider.join(60)

@@ -19,7 +19,7 @@ from tests.integration.vllm_control import _record_blocks, _recorded
 
 def _old_return(book, ticket) -> bool:
     """CONTROL: a failed call's ticket freed at once, whatever store call of it runs."""
-    book.free(ticket)
+    book.free(ticket, answered=False)
     return True
 
 

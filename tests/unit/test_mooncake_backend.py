@@ -246,3 +246,24 @@ def test_puts_placed_on_a_dead_segment_are_retried_once_steered_off_it():
     assert puts == [("batch_put_from", ["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4),
                     ("batch_put_from", ["dead", "stuck"], [2, 3], [8, 8], steer)]
     assert "dead" in store.objects and "stuck" not in store.objects
+
+
+def test_puts_name_the_own_segment_only_when_placement_prefers_it():
+    """``prefer_own_segment``: every put carries the config naming this client's segment
+    (Mooncake falls back to another segment when it is full); without it (the control)
+    Mooncake's default placement. (tests/integration/test_put_confirm.py: where a real
+    master puts the objects.)"""
+    steer = object()
+    for prefer, expected in ((True, (steer,)), (False, ())):
+        store = FakeStore()
+        assert MooncakeBackend(store, steer, prefer_own_segment=prefer).put(
+            ["a"], [1], [8]) == [0]
+        assert [c for c in store.calls if c[0] == "batch_put_from"] == [
+            ("batch_put_from", ["a"], [1], [8], *expected)]
+
+
+def test_a_client_without_a_segment_keeps_the_default_placement(fake_mooncake):
+    consumer = MooncakeBackend.embedded(
+        local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
+        global_segment_size=0, local_buffer_size=2, prefer_own_segment=True)
+    assert consumer._placement is None

@@ -219,3 +219,26 @@ def test_quarantined_pages_stay_out_of_use_until_the_store_call_ended(book, tmp_
     held.end()
     quarantine.check([0, 1], "pool")  # released by the node
     assert quarantine.held() == set()
+
+
+def test_an_answered_slot_is_reissued_without_a_lock_a_settled_one_with_it(book, tmp_path):
+    """A slot freed after a reply is written at once when issued again; a slot freed
+    without one waits for whoever holds its lock (a late request of its old ticket
+    checking it in a node actor). Control: the same wait does not happen for an
+    answered slot."""
+    first = book.issue()
+    held = desk(tmp_path).ticket(first, later())
+    assert held.start()  # a node actor holds the slot (a store call of ``first``)
+    book.free(first, answered=False)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(book.issue()))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and not result  # waits for the node's lock
+    held.end()
+    thread.join(30)
+    second = result[0]
+    assert second.slot == first.slot and state(book, second) == (second.serial, PENDING)
+    book.free(second)  # answered: no lock taken when it is issued again
+    third = book.issue()
+    assert third.slot == second.slot and state(book, third) == (third.serial, PENDING)
