@@ -176,7 +176,7 @@ def _gets(actor) -> int:
     return ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
 
 
-def _wait_written(actor, puts: int) -> None:
+def wait_written(actor, puts: int) -> None:
     """Wait until the node actor's L2 put ``puts`` pages to L3 behind the writer
     (``RuntimeError`` after ``FLUSH_WAIT_S``)."""
     deadline = time.monotonic() + FLUSH_WAIT_S
@@ -187,7 +187,7 @@ def _wait_written(actor, puts: int) -> None:
         time.sleep(0.05)
 
 
-class _Prefix:
+class Prefix:
     """One page size's prefix: its deployment, hashes and ranks (writer and L2/L3
     reader on host A, L3 reader on host B)."""
 
@@ -212,7 +212,7 @@ class _Prefix:
             ray.kill(r)
 
 
-def bench_prefix(prefix: _Prefix, link: str, iters: int) -> dict:
+def bench_prefix(prefix: Prefix, link: str, iters: int) -> dict:
     """One row: ``iters`` timed loads of the prefix from each source (after a warm-up),
     sources in turn; ``RuntimeError`` if any load is short or has wrong bytes."""
     times: dict[str, list[float]] = {s: [] for s in SOURCES}
@@ -274,10 +274,10 @@ def run_locality_bench(links: Sequence[str] = DEFAULT_LINKS,
         try:
             with console.status("writing the prefixes into host A's L2 (and L3 behind)"):
                 for seed, size in enumerate(page_sizes, 1):
-                    prefixes.append(_Prefix(cluster, node_a, node_b, size, pages, run_id,
+                    prefixes.append(Prefix(cluster, node_a, node_b, size, pages, run_id,
                                             seed))
                     ray.get(prefixes[-1].writer.write.remote(prefixes[-1].hashes))
-                    _wait_written(cluster.node_actors[node_a], len(prefixes) * pages)
+                    wait_written(cluster.node_actors[node_a], len(prefixes) * pages)
             shaped = first is not None
             for link in links:
                 if link != UNSHAPED:
