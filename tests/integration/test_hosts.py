@@ -8,8 +8,9 @@ host's node actor (control: a master started with the wide flags answers
 ``/get_all_keys`` there); the cluster leaves nothing behind, after a normal exit and
 after ``kill -9`` of its driver and ``raykv clean-hosts`` (control: before the clean-up
 the namespaces are still there); a prefix written through host 0's L2 loads from that
-L2 with no store get and from L3 on both hosts byte for byte (control: a rank expecting
-other bytes finds them different). Traffic goes only to loopback and to the emulated
+L2 with no store get and from L3 on both hosts byte for byte (control: L2 pages
+scribbled over are found different), also with host 1's link slowed to 100 Mbit/s
+mid-run and unshaped. Traffic goes only to loopback and to the emulated
 hosts' addresses.
 
 Root only (namespaces, links): skipped otherwise. ``RAYKV_SLOW_HOST_TESTS=1`` also runs
@@ -146,16 +147,18 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
     """One round of ``raykv bench-hosts --locality`` on a small prefix: written through
     host A's L2 (and put to L3 behind), loaded from A's L2 with no store get, from L3
     on A and on host B with one get per page, every load compared byte for byte.
-    Controls: a rank expecting another prefix's bytes finds them different, a prefix
-    never written loads nothing. Then the link is unshaped (no ``tbf`` left on either
-    end; control: there was one) and shaped again."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    Controls: once the L2's pages are scribbled over, the L2 load finds other bytes; a
+    prefix never written loads nothing. Then host B's link is slowed to 100 Mbit/s
+    mid-run and then unshaped (no ``tbf`` left on either end; control: there was one),
+    and B's loads stay exact."""
+    from raykv.cache_actors.rank.client import CacheClient
     from raykv.clusters.bench.host_locality import (
-        LocalityRank,
         Prefix,
         bench_prefix,
+        geometry,
         wait_written,
     )
+    from raykv.controllers.pool_layout import PoolLayout
 
     a, b = sorted(hosts.node_ids, key=hosts.hosts.host_of)
     node_a = hosts.node_actors[a]
@@ -167,23 +170,32 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
         row = bench_prefix(prefix, "10gbit", iters=1)
         assert row["verified_loads"] == 6
         assert [row[s]["gets_per_load"] for s in ("l2", "l3_own", "l3_cross")] == [0, 4, 4]
-        other = LocalityRank.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            b, soft=False)).remote(f"raykv-bench-locality-{uid}-{64 * 1024}", 64 * 1024, 4, 2)
+        # control: the L2's pages scribbled over from this process, A's L2 load differs
+        model = f"raykv-bench-locality-{uid}-{64 * 1024}"
+        client = CacheClient(StorageConfig(model_name=model), node_id=a)
         try:
-            assert ray.get(other.read.remote("l3_cross", prefix.hashes)) | {"s": 0} == \
+            pool = client.l2().open(PoolLayout.vllm(size=16, **geometry(64 * 1024)), 4)
+            pool.kv_buffer.view(torch.uint8).fill_(0x5A)
+            assert ray.get(prefix.reader_a.read.remote("l2", prefix.hashes)) | {"s": 0} == \
                 {"s": 0, "loaded": 4, "same": False}
-            missing = [f"{h}-never" for h in prefix.hashes]
-            assert ray.get(other.read.remote("l3_cross", missing))["loaded"] == 0
         finally:
-            ray.get(other.close.remote())
-            ray.kill(other)
+            client.close()
+        missing = [f"{h}-never" for h in prefix.hashes]
+        assert ray.get(prefix.reader_b.read.remote("l3_cross", missing))["loaded"] == 0
+        try:  # host B's link slowed to 100 Mbit/s mid-run, then unshaped
+            hosts.hosts.set_rate(1, "100mbit")
+            assert qdiscs(hosts, 1).count("rate 100Mbit") == 2
+            slow = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
+            assert (slow["loaded"], slow["same"]) == (4, True)
+            hosts.hosts.set_rate(1, None)
+            assert "tbf" not in qdiscs(hosts, 1)
+            fast = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
+            assert (fast["loaded"], fast["same"]) == (4, True)
+        finally:
+            hosts.hosts.set_rate(1, "10gbit")
+        assert qdiscs(hosts, 1).count("tbf") == 2
     finally:
         prefix.close()
-    assert "tbf" in qdiscs(hosts, 1)
-    hosts.hosts.set_rate(1, None)
-    assert "tbf" not in qdiscs(hosts, 1)
-    hosts.hosts.set_rate(1, "10gbit")
-    assert qdiscs(hosts, 1).count("tbf") == 2
 
 
 def test_a_normal_exit_leaves_nothing_behind(hosts):
