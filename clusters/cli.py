@@ -648,37 +648,58 @@ def bench_ranks(page_sizes: tuple[int, ...], ranks: tuple[int, ...], batch: int,
 
 
 @main.command("bench-hosts", epilog=_epilog(one=("also without root",)))
-@click.option("--links", default="1gbit,10gbit,25gbit", show_default=True,
-              help="Comma-separated link rates, as tc writes them; one cluster, the link "
-                   "re-shaped between rates.")
-@click.option("--page-sizes", default="1M,4M", show_default=True,
+@click.option("--locality", is_flag=True,
+              help="What locality is worth instead: a prefix written on host A loaded "
+                   "from A's L2, from L3 on A's own segment and from L3 on host B across "
+                   "the link (defaults then: --links 1gbit,10gbit,25gbit,unshaped "
+                   "--page-sizes 256K,2M --batch 64).")
+@click.option("--links", default=None,
+              help="Comma-separated link rates, as tc writes them (--locality: also "
+                   "'unshaped'); one cluster, the link re-shaped between rates. "
+                   "[default: 1gbit,10gbit,25gbit]")
+@click.option("--page-sizes", default=None,
               type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
-              help="Comma-separated page sizes (K/M suffixes).")
-@click.option("--batch", default=32, show_default=True, type=POSITIVE,
-              help="Pages per batch call.")
+              help="Comma-separated page sizes (K/M suffixes). [default: 1M,4M]")
+@click.option("--batch", default=None, type=POSITIVE,
+              help="Pages per batch call (--locality: pages per prefix). [default: 32]")
 @click.option("--iters", default=3, show_default=True, type=POSITIVE,
-              help="Timed iterations per link and size.")
+              help="Timed iterations per link and size (--locality: loads per source).")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
-              help="Folder for bench_hosts.json.")
-def bench_hosts(links: str, page_sizes: tuple[int, ...], batch: int, iters: int,
-                out_dir: str) -> None:
+              help="Folder for bench_hosts.json (--locality: bench_hosts_locality.json).")
+def bench_hosts(locality: bool, links: str | None, page_sizes: tuple[int, ...] | None,
+                batch: int | None, iters: int, out_dir: str) -> None:
     """Cross-host L3 puts and gets on two emulated hosts (root only), raykv vs raw
-    Mooncake on the same shaped link, in one run: GB/s and the fraction of the link."""
+    Mooncake on the same shaped link, in one run: GB/s and the fraction of the link.
+    With --locality: a same-host L2 hit against L3 reads of the same prefix, on the
+    host's own segment and across the link, at each link rate."""
+    from raykv.clusters.bench import host_locality, hosts
     from raykv.clusters.host_plan import parse_rate
 
-    rates = [x.strip() for x in links.split(",") if x.strip()]
+    mode = host_locality if locality else hosts
+    rates = ([x.strip() for x in links.split(",") if x.strip()] if links
+             else list(mode.DEFAULT_LINKS))
+    sizes = list(page_sizes or mode.DEFAULT_PAGE_SIZES)
     try:
         for rate in rates:
-            parse_rate(rate)
+            if not (locality and rate == host_locality.UNSHAPED):
+                parse_rate(rate)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--links'") from None
-    _progress(f"raykv bench-hosts: starting 2 emulated hosts, then {len(rates)} link "
-              f"rate(s) x {len(page_sizes)} page size(s) ...")
-    from raykv.clusters.bench.hosts import run_hosts_bench
-
     try:
-        run_hosts_bench(links=rates, page_sizes=list(page_sizes), batch=batch, iters=iters,
-                        out_dir=out_dir)
+        for size in sizes if locality else ():
+            host_locality.geometry(size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--page-sizes'") from None
+    _progress(f"raykv bench-hosts: starting 2 emulated hosts, then {len(rates)} link "
+              f"rate(s) x {len(sizes)} page size(s) ...")
+    try:
+        if locality:
+            host_locality.run_locality_bench(links=rates, page_sizes=sizes,
+                                             pages=batch or host_locality.DEFAULT_PAGES,
+                                             iters=iters, out_dir=out_dir)
+        else:
+            hosts.run_hosts_bench(links=rates, page_sizes=sizes, batch=batch or 32,
+                                  iters=iters, out_dir=out_dir)
     except (PermissionError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -160,6 +160,14 @@ class HostPlan:
                 ["ip", "netns", "exec", self.netns(host), "tc", "qdisc", "replace", "dev",
                  far, *tbf]]
 
+    def unshape_commands(self, host: int) -> list[list[str]]:
+        """Remove host ``host``'s shaping (both ends): the link runs at what the machine
+        moves through a veth pair. Fails (``tc``: no such qdisc) on a link not shaped."""
+        near, far = self.veth(host)
+        return [["tc", "qdisc", "del", "dev", near, "root"],
+                ["ip", "netns", "exec", self.netns(host), "tc", "qdisc", "del", "dev", far,
+                 "root"]]
+
     def link_commands(self, host: int, up: bool) -> list[list[str]]:
         """Take host ``host``'s link down (both ends: nothing passes either way) or up."""
         near, far = self.veth(host)

@@ -138,9 +138,12 @@ class EmulatedHosts:
         for cmd in self.plan.link_commands(host, up=True):
             _run(cmd)
 
-    def set_rate(self, host: int, link: str) -> None:
-        """Shape host ``host``'s link to ``link`` (``100mbit``) from now on."""
-        for cmd in self.plan.shape_commands(host, parse_rate(link)):
+    def set_rate(self, host: int, link: str | None) -> None:
+        """Shape host ``host``'s link to ``link`` (``100mbit``) from now on; None: not
+        shaped from now on (``RuntimeError`` if it was not shaped)."""
+        cmds = (self.plan.unshape_commands(host) if link is None
+                else self.plan.shape_commands(host, parse_rate(link)))
+        for cmd in cmds:
             _run(cmd)
 
     # ------------------------------------------------------------------ Ray

@@ -2,10 +2,14 @@
 engine on the node computed, restored from the node's L2, from L3 (Mooncake), and by
 the engine that computed it from vLLM's own prefix cache.
 
-Run: ``python -m raykv.clusters.bench.l2_reuse [--prompts 3] [--tokens 4096] [--out
-DIR]`` (a one-node embedded cluster of its own; Ray must not be running in this
-process). Engines (vLLM CPU build, in-process, eager, one OMP thread, an 8-layer
-width-512 random Llama, 128-token blocks), all on the one node and in one deployment:
+Run: ``python -m raykv.clusters.bench.l2_reuse [--prompts 3] [--tokens 4096] [--link
+RATE] [--out DIR]`` (a one-node embedded cluster of its own; Ray must not be running in
+this process). With ``--link`` (root only): two emulated hosts instead
+(``start_local(hosts=2)``), E, F and G on host A, which holds the whole segment, and a
+fourth engine H on host B (as G) that serves each prompt from L3 across B's link shaped
+to ``RATE`` (``unshaped``: no shaping) (``l3_cross``). Engines (vLLM CPU build,
+in-process, eager, one OMP thread, an 8-layer width-512 random Llama, 128-token
+blocks), all on the one node (host A) and in one deployment:
 E (raykv with L2, vLLM's prefix cache on) computes each prompt, then serves it again
 from its own prefix cache (``own_prefix_cache``); F (raykv with L2, prefix cache off)
 serves it from L2 (``l2``); G (raykv without L2, prefix cache off) serves it from L3
@@ -26,29 +30,38 @@ import tempfile
 from pathlib import Path
 
 import ray
+from raykv.clusters.bench.host_locality import UNSHAPED
+from raykv.clusters.host_plan import parse_rate
 
 OUTPUT = 8
 ENGINE = dict(max_model_len=8192, kv_cache_memory_bytes=256 << 20, max_num_seqs=1)
 
 
-def run(prompts: int, tokens: int, out: Path) -> dict:
+def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
     from raykv.clusters.demo.vllm_actors import ready, start_engine
     from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
     from raykv.clusters.local import start_local
 
     rnd = random.Random(0)
     blocks = tokens // 128 + 1
+    hosts = {} if link is None else {
+        "hosts": 2, "link": None if link == UNSHAPED else link,
+        "global_segment_size": [1 << 30, 0]}
     with (tempfile.TemporaryDirectory() as tmp,
-          start_local(num_nodes=1, global_segment_size=1 << 30) as cluster):
+          start_local(**{"num_nodes": 1, "global_segment_size": 1 << 30} | hosts)
+          as cluster):
         dims = LlamaDims.of(512, 8)
         model = make_llama(os.path.join(tmp, "llama"), dims)
-        (node,) = cluster.node_ids
+        node, *other = (sorted(cluster.node_ids, key=cluster.hosts.host_of) if link
+                        else cluster.node_ids)
         l2 = {"model_name": "bench-l2", "l2_blocks": prompts * blocks}
         e = start_engine(node, model, l2, enable_prefix_caching=True, **ENGINE)
         f = start_engine(node, model, l2, **ENGINE)
         g = start_engine(node, model, {"model_name": "bench-l2"}, **ENGINE)
-        ready(e, f, g)
-        for engine in (e, f, g):  # warm-up, a prompt of its own each
+        cross = ({"l3_cross": start_engine(other[0], model, {"model_name": "bench-l2"},
+                                           **ENGINE)} if other else {})  # H, on host B
+        ready(e, f, g, *cross.values())
+        for engine in (e, f, g, *cross.values()):  # warm-up, a prompt of its own each
             ray.get(engine.generate.remote([rnd.randrange(3, 2000) for _ in range(256)],
                                            OUTPUT))
         actor = cluster.node_actors[node]
@@ -62,12 +75,14 @@ def run(prompts: int, tokens: int, out: Path) -> dict:
             f_gets = ray.get(actor.stats.remote())["counters"].get("get_objects", 0) - gets
             from_l3 = ray.get(g.generate.remote(p, OUTPUT))
             rows.append({"cold": cold, "own_prefix_cache": own, "l2": from_l2,
-                         "l3": from_l3, "l2_mooncake_gets": f_gets})
+                         "l3": from_l3, "l2_mooncake_gets": f_gets}
+                        | {k: ray.get(x.generate.remote(p, OUTPUT)) for k, x in cross.items()})
         result: dict = {"prompts": prompts, "tokens": tokens, "output_tokens": OUTPUT,
+                        "link": link,
                         "model": {"hidden": dims.hidden, "layers": dims.layers,
                                   "kv_bytes_per_token": dims.kv_bytes_per_token},
                         "l2_stats": ray.get(actor.stats.remote())["l2"]}
-        for k in ("cold", "own_prefix_cache", "l2", "l3"):
+        for k in ("cold", "own_prefix_cache", "l2", "l3", *cross):
             result[k] = {"ttft_ms_median": 1000 * statistics.median(
                 r[k]["ttft_s"] for r in rows),
                 "ttft_ms": [1000 * r[k]["ttft_s"] for r in rows],
@@ -75,8 +90,9 @@ def run(prompts: int, tokens: int, out: Path) -> dict:
         result["l2_mooncake_gets"] = [r["l2_mooncake_gets"] for r in rows]
         result["same_tokens_l2_vs_own"] = [r["l2"]["tokens"] == r["own_prefix_cache"]["tokens"]
                                            for r in rows]
-        result["same_tokens_l3_vs_own"] = [r["l3"]["tokens"] == r["own_prefix_cache"]["tokens"]
-                                           for r in rows]
+        for k in ("l3", *cross):
+            result[f"same_tokens_{k}_vs_own"] = [
+                r[k]["tokens"] == r["own_prefix_cache"]["tokens"] for r in rows]
     out.mkdir(parents=True, exist_ok=True)
     (out / "l2_reuse.json").write_text(json.dumps(result, indent=2))
     return result
@@ -86,9 +102,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=3, help="fresh prompts measured")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per prompt")
+    parser.add_argument("--link", default=None,
+                        help="two emulated hosts, host B's link at this rate (1gbit; "
+                             "unshaped), a fourth engine reading L3 there (root only)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the json")
     args = parser.parse_args()
-    result = run(args.prompts, args.tokens, args.out)
+    if args.link not in (None, UNSHAPED):
+        parse_rate(args.link)
+    result = run(args.prompts, args.tokens, args.out, args.link)
     print(json.dumps({k: v for k, v in result.items() if k != "l2_stats"}, indent=2))
 
 

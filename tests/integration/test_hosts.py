@@ -7,7 +7,10 @@ nothing of the master's that lists or removes keys answers while its RPC serves 
 host's node actor (control: a master started with the wide flags answers
 ``/get_all_keys`` there); the cluster leaves nothing behind, after a normal exit and
 after ``kill -9`` of its driver and ``raykv clean-hosts`` (control: before the clean-up
-the namespaces are still there). Traffic goes only to loopback and to the emulated
+the namespaces are still there); a prefix written through host 0's L2 loads from that
+L2 with no store get and from L3 on both hosts byte for byte (control: L2 pages
+scribbled over are found different), also with host 1's link slowed to 100 Mbit/s
+mid-run and unshaped. Traffic goes only to loopback and to the emulated
 hosts' addresses.
 
 Root only (namespaces, links): skipped otherwise. ``RAYKV_SLOW_HOST_TESTS=1`` also runs
@@ -130,6 +133,69 @@ def test_from_another_host_the_master_lists_and_removes_nothing(hosts):
                        ).startswith("HTTP 200")
     finally:
         wide.stop()
+
+
+def qdiscs(c, host: int) -> str:
+    """``tc qdisc show`` of both ends of host ``host``'s link."""
+    near, far = c.hosts.plan.veth(host)
+    return "".join(subprocess.run([*pre, "tc", "qdisc", "show", "dev", dev],
+                                  capture_output=True, text=True, check=True).stdout
+                   for pre, dev in (([], near), (c.hosts.plan.exec_prefix(host), far)))
+
+
+def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(hosts, uid):
+    """One round of ``raykv bench-hosts --locality`` on a small prefix: written through
+    host A's L2 (and put to L3 behind), loaded from A's L2 with no store get, from L3
+    on A and on host B with one get per page, every load compared byte for byte.
+    Controls: once the L2's pages are scribbled over, the L2 load finds other bytes; a
+    prefix never written loads nothing. Then host B's link is slowed to 100 Mbit/s
+    mid-run and then unshaped (no ``tbf`` left on either end; control: there was one),
+    and B's loads stay exact."""
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.clusters.bench.host_locality import (
+        Prefix,
+        bench_prefix,
+        geometry,
+        wait_written,
+    )
+    from raykv.controllers.pool_layout import PoolLayout
+
+    a, b = sorted(hosts.node_ids, key=hosts.hosts.host_of)
+    node_a = hosts.node_actors[a]
+    puts = ray.get(node_a.stats.remote())["l2"]["l3_put"]
+    prefix = Prefix(hosts, a, b, 64 * 1024, 4, uid, seed=1)
+    try:
+        assert ray.get(prefix.writer.write.remote(prefix.hashes)) == 4
+        wait_written(node_a, puts + 4)
+        row = bench_prefix(prefix, "10gbit", iters=1)
+        assert row["verified_loads"] == 6
+        assert [row[s]["gets_per_load"] for s in ("l2", "l3_own", "l3_cross")] == [0, 4, 4]
+        # control: the L2's pages scribbled over from this process, A's L2 load differs
+        model = f"raykv-bench-locality-{uid}-{64 * 1024}"
+        client = CacheClient(StorageConfig(model_name=model), node_id=a)
+        try:
+            pool = client.l2().open(PoolLayout.vllm(size=16, **geometry(64 * 1024)), 4)
+            pool.kv_buffer.view(torch.uint8).fill_(0x5A)
+            assert ray.get(prefix.reader_a.read.remote("l2", prefix.hashes)) | {"s": 0} == \
+                {"s": 0, "loaded": 4, "same": False}
+        finally:
+            client.close()
+        missing = [f"{h}-never" for h in prefix.hashes]
+        assert ray.get(prefix.reader_b.read.remote("l3_cross", missing))["loaded"] == 0
+        try:  # host B's link slowed to 100 Mbit/s mid-run, then unshaped
+            hosts.hosts.set_rate(1, "100mbit")
+            assert qdiscs(hosts, 1).count("rate 100Mbit") == 2
+            slow = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
+            assert (slow["loaded"], slow["same"]) == (4, True)
+            hosts.hosts.set_rate(1, None)
+            assert "tbf" not in qdiscs(hosts, 1)
+            fast = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
+            assert (fast["loaded"], fast["same"]) == (4, True)
+        finally:
+            hosts.hosts.set_rate(1, "10gbit")
+        assert qdiscs(hosts, 1).count("tbf") == 2
+    finally:
+        prefix.close()
 
 
 def test_a_normal_exit_leaves_nothing_behind(hosts):

@@ -233,6 +233,8 @@ def test_bench_gpu_refuses_without_cuda(monkeypatch):
     (["up", "--link", "10gbit"], ["--link", "--emulate-hosts"]),
     (["up", "--emulate-hosts", "2", "--address", "10.0.0.1:6379"], ["--emulate-hosts"]),
     (["bench-hosts", "--links", "fast"], ["--links", "fast"]),
+    (["bench-hosts", "--links", "unshaped"], ["--links", "unshaped"]),
+    (["bench-hosts", "--locality", "--page-sizes", "96K"], ["--page-sizes", "64 KiB"]),
 ])
 def test_emulated_hosts_usage_errors(args, words):
     from click.testing import CliRunner

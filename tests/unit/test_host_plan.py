@@ -62,6 +62,10 @@ def test_every_command_names_only_this_clusters_devices_and_addresses():
 def test_unshaped_links_and_link_state():
     plan = HostPlan(0, 2)
     assert not any("tbf" in c for c in plan.setup_commands())
+    unshape = plan.unshape_commands(1)
+    assert [c[c.index("dev") + 1] for c in unshape] == list(plan.veth(1))
+    assert all(c[c.index("qdisc") + 1] == "del" for c in unshape)
+    assert unshape[1][:4] == ["ip", "netns", "exec", plan.netns(1)]
     down = plan.link_commands(1, up=False)
     assert [c[-1] for c in down] == ["down", "down"]
     assert {c[-2] for c in down} == set(plan.veth(1))
