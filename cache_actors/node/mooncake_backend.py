@@ -1,6 +1,6 @@
 """The node's Mooncake client: zero-copy batch puts, gets, lookups and removals.
 
-Every method returns one code per object and never raises for a store error:
+Every method returns one code per object (``controllers.result_codes``), never raising:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
 get -> bytes read / negative error; exists -> 1 / 0 / negative error; remove -> 0 /
 negative error. The clearing calls (``remove_matching``, ``remove_unleased``,
@@ -38,9 +38,10 @@ import logging
 import os
 import time
 
-from raykv.cache_actors.node.mooncake_codes import (
+from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
+    EXISTS,
     NOT_CONFIRMED,
     TRANSFER_FAIL,
 )
@@ -147,8 +148,8 @@ class MooncakeBackend:
         if _TEST_DELAY_S:
             time.sleep(_TEST_DELAY_S)
         present = self.exists(keys)
-        codes = [ALREADY_PRESENT if e == 1 else 0 for e in present]
-        todo = [i for i, e in enumerate(present) if e != 1]
+        codes = [ALREADY_PRESENT if e == EXISTS else 0 for e in present]
+        todo = [i for i, e in enumerate(present) if e != EXISTS]
         if not todo:
             return codes
         results = self._put_from(todo, keys, ptrs, sizes)

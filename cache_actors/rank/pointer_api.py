@@ -17,6 +17,7 @@ from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.result_codes import EXISTS
 from raykv.controllers.transfer_plan import check_keys
 
 
@@ -85,4 +86,4 @@ class PointerCalls:
     def exist(self, keys: Sequence[str], scheme: KeyScheme) -> list[bool]:
         """Whether each object, named as ``set`` names it, is in the store."""
         names = [scheme.tag(k) for k in self._hashes.keys(check_keys(keys))]
-        return [c == 1 for c in self._link.data(DataOp.EXISTS, names)]
+        return [c == EXISTS for c in self._link.data(DataOp.EXISTS, names)]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.node.mooncake_codes import (
+from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
     NOT_CONFIRMED,

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 from raykv.cache_actors.errors import StalePoolsError
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.result_codes import ALREADY_PRESENT
 
 from tests.unit.fakes import ServiceStore
 from tests.unit.test_node_pools import LAYOUT, FakeMemory

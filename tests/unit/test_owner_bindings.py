@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
-from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
@@ -35,6 +34,7 @@ from raykv.controllers.ownership import (
     tenant_digest,
 )
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas
 
 from tests.unit.fakes import Registrations, ShmStore
