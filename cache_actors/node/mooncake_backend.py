@@ -25,11 +25,6 @@ one). Those objects are put once more at once, steered to this client's own segm
 (``ReplicateConfig.preferred_segment``: an embedded client with a segment; a client
 without one retries on a fresh placement), so puts succeed as soon as a restarted actor
 answers. A retry that fails again keeps its code.
-
-Test-only: the environment variable ``RAYKV_TEST_STORE_DELAY_S`` (seconds, read once at
-import; unset or 0 in production, where it costs one falsy test per call) makes every
-put and get wait that long inside the store call, after the node actor resolved its
-pointers: integration tests use it to tear pools down under transfers in flight.
 """
 
 from __future__ import annotations
@@ -47,8 +42,6 @@ from raykv.controllers.result_codes import (
 )
 
 log = logging.getLogger(__name__)
-
-_TEST_DELAY_S = float(os.environ.get("RAYKV_TEST_STORE_DELAY_S") or 0)
 
 
 class MooncakeBackend:
@@ -145,8 +138,6 @@ class MooncakeBackend:
         """Put-if-absent: objects that already exist are not sent and count as stored
         (``ALREADY_PRESENT``); a sent object is 0 only once the store reports it
         existing, else ``NOT_CONFIRMED`` (see the module docstring)."""
-        if _TEST_DELAY_S:
-            time.sleep(_TEST_DELAY_S)
         present = self.exists(keys)
         codes = [ALREADY_PRESENT if e == EXISTS else 0 for e in present]
         todo = [i for i, e in enumerate(present) if e != EXISTS]
@@ -184,8 +175,6 @@ class MooncakeBackend:
             return [CLIENT_ERROR] * len(which)
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        if _TEST_DELAY_S:
-            time.sleep(_TEST_DELAY_S)
         try:
             return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
         except Exception:

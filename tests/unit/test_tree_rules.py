@@ -1,9 +1,11 @@
 """Rules of the tree: no product class over 300 lines (the developer guide's limit),
 counted from its ``class`` line to its last line, decorators aside; the per-object
 result codes defined once (``controllers.result_codes``), every other module imports
-them."""
+them; no product module reads a ``RAYKV_TEST_*`` switch (tests inject their hooks,
+docs/architecture.md "Test hooks")."""
 
 import ast
+import re
 
 from tests.unit.test_docs_once import ROOT, modules
 
@@ -45,3 +47,16 @@ def test_result_codes_are_defined_once():
     assert len(code_definitions((ROOT / CODES).read_text(), CODES)) >= 8
     # CONTROL: a module that defines a code of its own is caught
     assert code_definitions("NOT_OWNED = -3\n", "x.py") == ["x.py:NOT_OWNED"]
+
+
+def switch_names(source: str) -> list[str]:
+    """The ``RAYKV_TEST_*`` names ``source`` mentions."""
+    return re.findall(r"RAYKV_TEST_\w*", source)
+
+
+def test_no_product_module_reads_a_test_switch():
+    found = {f: switch_names((ROOT / f).read_text()) for f in modules()}
+    assert {f: h for f, h in found.items() if h} == {}
+    # CONTROL: the hook the store backend read before is caught
+    assert switch_names('os.environ.get("RAYKV_TEST_STORE_DELAY_S")') == [
+        "RAYKV_TEST_STORE_DELAY_S"]
