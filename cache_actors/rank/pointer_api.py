@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
-from raykv.cache_actors.rank.node_link import NodeLink
+from raykv.cache_actors.rank.node_route import NodeRoute
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import KeyScheme
@@ -63,7 +63,7 @@ class PointerCalls:
     its mapped pools (where pointers must lie) and its route to the node actor. The key
     scheme is passed per call: a registration may replace the client's."""
 
-    def __init__(self, hashes: KeyedHashes, pools: PoolLifecycle, link: NodeLink) -> None:
+    def __init__(self, hashes: KeyedHashes, pools: PoolLifecycle, link: NodeRoute) -> None:
         self._hashes, self._pools, self._link = hashes, pools, link
 
     def _batch(self, keys: Sequence[str], target_locations: Sequence[int] | None,

@@ -37,7 +37,7 @@ from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas
 
-from tests.unit.fakes import Registrations, ShmStore
+from tests.unit.fakes import FakeBackend, ShmStore
 from tests.unit.test_node_pools import NoMetrics, RealStore
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
@@ -276,7 +276,7 @@ def prefix():
 
 def node_pools(prefix: str, quotas: dict | None = None) -> NodePools:
     """A node's pools as a (re)started actor has them, its records re-adopted."""
-    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations()),
+    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), FakeBackend()),
                      lambda *_: None, quotas=quotas)
     node.readopt()
     return node
@@ -352,7 +352,7 @@ def test_an_older_record_names_its_process_and_its_pool_has_no_owner(prefix):
     with open(path, "w") as f:
         json.dump(raw, f)
     record = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)),
-                                        Registrations()), lambda *_: None)._records.read(path)
+                                        FakeBackend()), lambda *_: None)._records.read(path)
     assert record.owner is None and record.process.pid == os.getpid()
 
 
