@@ -307,3 +307,57 @@ class ServiceStore:
 
     def close(self) -> None:
         pass
+
+
+class NoMetrics:
+    """``NodeMetrics`` as a ``NodeService`` calls it, recording nothing."""
+
+    def record_move(self, *args) -> None:
+        pass
+
+    def record_exists(self, *args) -> None:
+        pass
+
+    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
+        pass
+
+    def record_group_store_call(self, seconds: float) -> None:
+        pass
+
+    def record_group_query(self, how: str) -> None:
+        pass
+
+    def record_merged_call(self, batches: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeDistributedStore:
+    """``mooncake.store.MooncakeDistributedStore`` (the ``fake_mooncake`` fixture puts it
+    in place): ``setup`` records its arguments and answers ``rc``; ``setup_dummy``
+    answers each of ``dummy_rcs`` in turn."""
+
+    rc = 0
+    dummy_rcs: list[int] = []
+    made: list[FakeDistributedStore] = []
+
+    def __init__(self) -> None:
+        self.args: tuple = ()
+        FakeDistributedStore.made.append(self)
+
+    def setup(self, *args) -> int:
+        self.args = args
+        return FakeDistributedStore.rc
+
+    def setup_dummy(self, *args) -> int:
+        self.args = args
+        return FakeDistributedStore.dummy_rcs.pop(0)
+
+    def get_hostname(self) -> str:
+        return f"{self.args[0]}:12345"
+
+
+class FakeReplicateConfig:
+    preferred_segment = ""

@@ -33,7 +33,7 @@ from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, Shm
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
-from tests.unit.fakes import FakeBackend, FakeMemory, ServiceStore, ShmStore
+from tests.unit.fakes import FakeBackend, FakeMemory, NoMetrics, ServiceStore, ShmStore
 from tests.unit.test_engine_reaper import ENGINE
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
@@ -163,29 +163,6 @@ class RealStore(ServiceStore):
         else:
             self.memory = MemfdPoolMemory(self.backend, PoolBudget(1 << 30))
         self.mode = mode
-
-
-class NoMetrics:
-    def record_move(self, *args) -> None:
-        pass
-
-    def record_exists(self, *args) -> None:
-        pass
-
-    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
-        pass
-
-    def record_group_store_call(self, seconds: float) -> None:
-        pass
-
-    def record_group_query(self, how: str) -> None:
-        pass
-
-    def record_merged_call(self, batches: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 POOL = PoolLayout.mla(page_size=1, size=64, layer_num=2, kv_cache_dim=256, dtype="uint8",

@@ -14,7 +14,7 @@ from raykv.cache_actors.node.node_service import NodeService
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.result_codes import ALREADY_PRESENT
 
-from tests.unit.fakes import FakeBackend, FakeMemory, ServiceStore
+from tests.unit.fakes import FakeBackend, FakeMemory, NoMetrics, ServiceStore
 from tests.unit.test_node_pools import LAYOUT
 
 
@@ -25,27 +25,14 @@ class FakeStore(ServiceStore):
         self.mode = "standalone"
 
 
-class FakeMetrics:
+class FakeMetrics(NoMetrics):
+    """Records the moves a ``NodeService`` counts."""
+
     def __init__(self) -> None:
         self.moves: list[str] = []
 
     def record_move(self, op, batch, codes, seconds) -> None:
         self.moves.append(op)
-
-    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
-        pass
-
-    def record_group_store_call(self, seconds: float) -> None:
-        pass
-
-    def record_group_query(self, how: str) -> None:
-        pass
-
-    def record_merged_call(self, batches: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture

@@ -37,8 +37,8 @@ from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas
 
-from tests.unit.fakes import FakeBackend, ShmStore
-from tests.unit.test_node_pools import NoMetrics, RealStore
+from tests.unit.fakes import FakeBackend, NoMetrics, ShmStore
+from tests.unit.test_node_pools import RealStore
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
                         itemsize=1)  # 32 bytes
