@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import sys
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -22,3 +25,13 @@ def fake_mooncake(monkeypatch):
     FakeDistributedStore.made, FakeDistributedStore.rc = [], 0
     FakeDistributedStore.dummy_rcs = []
     return FakeDistributedStore
+
+
+@pytest.fixture
+def shm_prefix():
+    """A fresh ``/dev/shm`` name prefix of a node's pools; every file under it is removed
+    after the test."""
+    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
+    yield prefix
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
+        os.unlink(path)

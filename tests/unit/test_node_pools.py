@@ -366,14 +366,6 @@ def shm_node(prefix: str) -> NodePools:
     return node
 
 
-@pytest.fixture
-def shm_prefix():
-    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    yield prefix
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
-        os.unlink(path)
-
-
 def record(prefix: str, stem: str, **fields) -> str:
     """Write a pool record ``<prefix><stem>.json`` like a valid one of pool ``kv``,
     with ``fields`` replaced; returns its path."""

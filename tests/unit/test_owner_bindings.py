@@ -8,7 +8,6 @@ tests/integration/test_ownership.py: the same through real Ray and Mooncake."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import uuid
@@ -267,11 +266,8 @@ def test_quota_options_are_checked_and_a_pool_over_it_names_tenant_quota_and_use
 
 # ---------------------------------------------------------------- a node's pools
 @pytest.fixture
-def prefix():
-    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    yield prefix
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
-        os.unlink(path)
+def prefix(shm_prefix):
+    return shm_prefix
 
 
 def node_pools(prefix: str, quotas: dict | None = None) -> NodePools:
