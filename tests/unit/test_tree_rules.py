@@ -5,48 +5,57 @@ them; no product module reads a ``RAYKV_TEST_*`` switch (tests inject their hook
 docs/architecture.md "Test hooks")."""
 
 import ast
+import functools
 import re
+
+from raykv.controllers import result_codes
 
 from tests.unit.test_docs_once import ROOT, modules
 
 LIMIT = 300
 CODES = "controllers/result_codes.py"
+CODE_NAMES = frozenset(n for n in vars(result_codes) if n.isupper())
 
 
-def oversized(source: str, name: str) -> list[str]:
-    """``"file:Class (N lines)"`` for each class in ``source`` longer than ``LIMIT``."""
+@functools.cache
+def parsed(name: str) -> ast.Module:
+    """The syntax tree of the package file ``name`` (parsed once for every rule)."""
+    return ast.parse((ROOT / name).read_text())
+
+
+def oversized(tree: ast.Module, name: str) -> list[str]:
+    """``"file:Class (N lines)"`` for each class in ``tree`` longer than ``LIMIT``."""
     return [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for node in ast.walk(ast.parse(source))
+            for node in ast.walk(tree)
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LIMIT]
 
 
 def test_no_product_class_exceeds_300_lines():
     files = modules()
     assert len(files) > 100
-    assert [o for f in files for o in oversized((ROOT / f).read_text(), f)] == []
+    assert [o for f in files for o in oversized(parsed(f), f)] == []
     # CONTROL: a class one line over the limit is caught, one at the limit is not
     body = "\n".join(f"    x{i} = {i}" for i in range(LIMIT - 1))
-    assert oversized(f"class Big:\n{body}\n    y = 0\n", "big.py") == ["big.py:Big (301 lines)"]
-    assert oversized(f"class Fits:\n{body}\n", "fits.py") == []
+    big = ast.parse(f"class Big:\n{body}\n    y = 0\n")
+    assert oversized(big, "big.py") == ["big.py:Big (301 lines)"]
+    assert oversized(ast.parse(f"class Fits:\n{body}\n"), "fits.py") == []
 
 
-def code_definitions(source: str, name: str) -> list[str]:
-    """``"file:NAME"`` for each module-level assignment in ``source`` of a name that
+def code_definitions(tree: ast.Module, name: str) -> list[str]:
+    """``"file:NAME"`` for each module-level assignment in ``tree`` of a name that
     ``controllers.result_codes`` defines."""
-    from raykv.controllers import result_codes
-    codes = {n for n in vars(result_codes) if n.isupper()}
-    return [f"{name}:{t.id}" for node in ast.parse(source).body
+    return [f"{name}:{t.id}" for node in tree.body
             if isinstance(node, ast.Assign | ast.AnnAssign)
             for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            if isinstance(t, ast.Name) and t.id in codes]
+            if isinstance(t, ast.Name) and t.id in CODE_NAMES]
 
 
 def test_result_codes_are_defined_once():
     files = [f for f in modules() if f != CODES]
-    assert [d for f in files for d in code_definitions((ROOT / f).read_text(), f)] == []
-    assert len(code_definitions((ROOT / CODES).read_text(), CODES)) >= 8
+    assert [d for f in files for d in code_definitions(parsed(f), f)] == []
+    assert len(code_definitions(parsed(CODES), CODES)) >= 8
     # CONTROL: a module that defines a code of its own is caught
-    assert code_definitions("NOT_OWNED = -3\n", "x.py") == ["x.py:NOT_OWNED"]
+    assert code_definitions(ast.parse("NOT_OWNED = -3\n"), "x.py") == ["x.py:NOT_OWNED"]
 
 
 def switch_names(source: str) -> list[str]:
