@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raykv.cache_actors.node.mooncake_codes import OBJECT_NOT_FOUND
+from raykv.controllers.result_codes import OBJECT_NOT_FOUND
 
 GB = 1e9
 """Bytes per GB in the rates (as the benchmarks')."""

@@ -40,6 +40,7 @@ from raykv.controllers.confirmed_pages import ConfirmedPages
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.families import GroupFamilies
 from raykv.controllers.hit_resolution import trailing_ends
+from raykv.controllers.result_codes import EXISTS
 
 
 def search(group: GroupFamilies, hashes: Sequence[str],
@@ -198,19 +199,19 @@ class GroupSearch:
         if self._since is None:
             self._since = since
         until = self._since + self._confirmed.ttl_s
-        hits = found.count(1)
+        hits = found.count(EXISTS)
         i = 0
         for s, missing in self._asked:
             m, per = len(missing), len(self.group.families[s].suffixes)
             chunk, i = found[i:i + m * per], i + m * per
             if not hits:
                 continue
-            if chunk.count(1) == len(chunk):
+            if chunk.count(EXISTS) == len(chunk):
                 pages = missing
             else:  # a page counts when every object of it (one per suffix) exists
                 parts = [chunk[j * m:(j + 1) * m] for j in range(per)]
                 pages = [p for p, *c in zip(missing, *parts, strict=True)
-                         if c.count(1) == per]
+                         if c.count(EXISTS) == per]
             row, fresh, times = self._present[s], self._fresh[s], self._until[s]
             if isinstance(pages, range):
                 row[:m] = fresh[:m] = b"\x01" * m

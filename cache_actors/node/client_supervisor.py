@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 BINARY = "mooncake_client"
 RECORD_MAX_BYTES = 4096
 """A ``mooncake_client`` record larger than this is not read (a real one has ~60 bytes)."""
-MODES = ("embedded", "standalone")
 
 
 def client_binary() -> str:

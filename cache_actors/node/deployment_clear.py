@@ -38,10 +38,10 @@ import uuid
 from collections.abc import Callable
 
 from raykv.cache_actors.errors import DeadlineExceededError
-from raykv.cache_actors.node.mooncake_codes import OBJECT_HAS_LEASE
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.controllers.clear_scope import clear_pattern
 from raykv.controllers.ownership import OwnerClaim
+from raykv.controllers.result_codes import OBJECT_HAS_LEASE
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The node's Mooncake client: zero-copy batch puts, gets, lookups and removals.
 
-Every method returns one code per object and never raises for a store error:
+Every method returns one code per object (``controllers.result_codes``), never raising:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
 get -> bytes read / negative error; exists -> 1 / 0 / negative error; remove -> 0 /
 negative error. The clearing calls (``remove_matching``, ``remove_unleased``,
@@ -35,11 +35,6 @@ one). Those objects are put once more at once, steered to this client's own segm
 (``ReplicateConfig.preferred_segment``: an embedded client with a segment; a client
 without one retries on a fresh placement), so puts succeed as soon as a restarted actor
 answers. A retry that fails again keeps its code.
-
-Test-only: the environment variable ``RAYKV_TEST_STORE_DELAY_S`` (seconds, read once at
-import; unset or 0 in production, where it costs one falsy test per call) makes every
-put and get wait that long inside the store call, after the node actor resolved its
-pointers: integration tests use it to tear pools down under transfers in flight.
 """
 
 from __future__ import annotations
@@ -48,16 +43,15 @@ import logging
 import os
 import time
 
-from raykv.cache_actors.node.mooncake_codes import (
+from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
+    EXISTS,
     NOT_CONFIRMED,
     TRANSFER_FAIL,
 )
 
 log = logging.getLogger(__name__)
-
-_TEST_DELAY_S = float(os.environ.get("RAYKV_TEST_STORE_DELAY_S") or 0)
 
 
 class MooncakeBackend:
@@ -158,11 +152,9 @@ class MooncakeBackend:
         """Put-if-absent: objects that already exist are not sent and count as stored
         (``ALREADY_PRESENT``); a sent object is 0 only once the store reports it
         existing, else ``NOT_CONFIRMED`` (see the module docstring)."""
-        if _TEST_DELAY_S:
-            time.sleep(_TEST_DELAY_S)
         present = self.exists(keys)
-        codes = [ALREADY_PRESENT if e == 1 else 0 for e in present]
-        todo = [i for i, e in enumerate(present) if e != 1]
+        codes = [ALREADY_PRESENT if e == EXISTS else 0 for e in present]
+        todo = [i for i, e in enumerate(present) if e != EXISTS]
         if not todo:
             return codes
         results = self._put_from(todo, keys, ptrs, sizes, self._placement)
@@ -197,8 +189,6 @@ class MooncakeBackend:
             return [CLIENT_ERROR] * len(which)
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        if _TEST_DELAY_S:
-            time.sleep(_TEST_DELAY_S)
         try:
             return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
         except Exception:

@@ -32,9 +32,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ray.util import metrics
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import Owner
+from raykv.controllers.result_codes import ALREADY_PRESENT, EXISTS
 
 EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
@@ -182,7 +182,7 @@ class NodeMetrics:
                       owner: Owner | None = None) -> None:
         """One ``exists`` call of ``owner`` (None: a caller without one) that took
         ``seconds`` and answered ``codes`` (1: found; counted as ``exists_calls``)."""
-        hits = codes.count(1)
+        hits = codes.count(EXISTS)
         misses = len(codes) - hits
         with self._lock:
             self._counts["exists_calls"] += 1

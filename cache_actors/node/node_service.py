@@ -60,7 +60,6 @@ from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.l2_pools import L2Pools
-from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools, replaced_during
 from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
@@ -83,6 +82,7 @@ from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.owner_sessions import UnknownSessionError
 from raykv.controllers.ownership import Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import NOT_OWNED
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node.node_metrics import NodeMetrics

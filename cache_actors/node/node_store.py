@@ -26,7 +26,13 @@ from raykv.cache_actors.errors import StoreUnavailableError
 from raykv.cache_actors.listeners import Listener, addresses_of, exposed, listeners
 from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, ShmPoolMemory
+from raykv.cache_actors.node.pool_memory import (
+    MemfdPoolMemory,
+    PoolBudget,
+    PoolMemory,
+    ShmPoolMemory,
+)
+from raykv.cache_actors.node.store_backend import StoreBackend
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +58,8 @@ class NodeStore:
     """What one node actor stores through: ``backend``, pool ``memory``, and in standalone
     mode the supervised ``process``."""
 
-    backend: MooncakeBackend
-    memory: ShmPoolMemory | MemfdPoolMemory
+    backend: StoreBackend
+    memory: PoolMemory
     process: MooncakeClientProcess | None = None
     exposed: list[Listener] = field(default_factory=list)
     """The Mooncake client's listening sockets bound beyond its host (``_check_doors``)."""

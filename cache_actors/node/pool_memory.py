@@ -9,10 +9,11 @@
   and a restarted ``mooncake_client`` no longer knows it, so after either restart every
   pool is allocated anew under a new epoch (L2 contents are lost; L3 is not).
 
-``PoolBudget`` accounts every pool's bytes once (a pool is one allocation holding all its
-buffers: K and V, Mamba temporal and every conv buffer; views and sidecar pools allocate
-nothing) against ``host_pool_bytes`` and refuses a pool that would not fit, before any
-allocation.
+``PoolMemory`` is the contract both keep (and the shared fake of the unit tests, which a
+unit test keeps in step with it). ``PoolBudget`` accounts every pool's bytes once (a
+pool is one allocation holding all its buffers: K and V, Mamba temporal and every conv
+buffer; views and sidecar pools allocate nothing) against ``host_pool_bytes`` and
+refuses a pool that would not fit, before any allocation.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import logging
 import os
 import threading
 import time
+from typing import Protocol
 
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
-from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.node.own_files import check_own_file
+from raykv.cache_actors.node.store_backend import StoreBackend
 from raykv.cache_actors.shared_memory import reserve, shm_path
 from raykv.controllers.pool_layout import PoolLayout
 
@@ -63,6 +65,39 @@ class PoolBudget:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes
+
+
+class PoolMemory(Protocol):
+    """Where a node's pools get their memory. ``mode``: ``"embedded"`` or
+    ``"standalone"``; ``epoch``: the generation of the memory (``PoolHandle.epoch`` of
+    every pool made now); ``budget``: the bytes every live pool counts against. Called
+    by ``NodePools`` (under its pool-change rules: one change per name at a time)."""
+
+    mode: str
+    epoch: int
+    budget: PoolBudget
+
+    def create(self, name: str, layout: PoolLayout) -> HostPool:
+        """A new pool ``name`` of ``layout``, mapped here and counted in ``budget``;
+        ``ValueError`` (nothing counted, nothing left allocated) if it does not fit."""
+        ...
+
+    def readopt(self, handle: PoolHandle) -> HostPool:
+        """The pool a previous actor process recorded as ``handle``, counted in
+        ``budget``: its bytes (embedded) or fresh memory (standalone); ``ValueError``
+        for a record this node would not have written."""
+        ...
+
+    def release(self, pool: HostPool, remove: bool = True) -> None:
+        """Unmap ``pool`` and stop counting it; ``remove``: its memory goes too (a pool
+        kept for the next actor process passes False)."""
+        ...
+
+    def renew(self) -> None:
+        """Start a new ``epoch``: pools made from now on replace every earlier one
+        (standalone, after ``mooncake_client`` restarted). Embedded memory is never
+        allocated anew: ``RuntimeError``."""
+        ...
 
 
 class ShmPoolMemory:
@@ -104,6 +139,10 @@ class ShmPoolMemory:
         pool.close(unlink=remove and not pool.handle.path.startswith("/"))
         self.budget.release(pool.nbytes)
 
+    def renew(self) -> None:
+        """Never: the files outlive every restart with their bytes (one epoch)."""
+        raise RuntimeError("embedded pool memory is never allocated anew")
+
 
 def _memfd_of(address: int) -> int:
     """The fd of this process that holds the memfd mapped at ``address``."""
@@ -142,7 +181,7 @@ class MemfdPoolMemory:
 
     mode = "standalone"
 
-    def __init__(self, backend: MooncakeBackend, budget: PoolBudget) -> None:
+    def __init__(self, backend: StoreBackend, budget: PoolBudget) -> None:
         self._backend = backend
         self.budget = budget
         self.epoch = time.time_ns()

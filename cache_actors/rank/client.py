@@ -1,17 +1,17 @@
 """``CacheClient``: what an inference rank (driver or any Ray actor) calls.
 
-A facade over the pieces that do the work: ``node_link`` (the route to the node
-actor: local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools
-this rank mapped and registered), ``staging_pools`` (engine memory served through
-staging pools, in rounds), ``controllers.transfer_plan`` (pure: transfers to object
-batches and codes back to pages),
-``group_registration`` (the controller and group hit queries) and ``pointer_api``
-(the legacy pointer calls). Pools are shared memory owned by the node actor and mapped
-here as torch tensors; calls carry keys and offsets, and the actor moves the bytes
-between the pools and Mooncake. With a tenant, every page hash (and pointer-API key) is
-replaced by its keyed page hash (``controllers.keyed_hashes``) once, where it enters a
-public method, before any object key is made of it. Every input is validated here,
-before any byte moves, and bad input raises ``ValueError`` naming the problem.
+A facade over the pieces that do the work: ``node_link`` (the route to the node actor:
+local channel or Ray, retry, re-attach, re-map), ``pool_lifecycle`` (the pools this rank
+mapped and registered), ``staging_pools`` (engine memory served through staging pools,
+in rounds), ``controllers.transfer_plan`` (pure: transfers to object batches and codes
+back to pages), ``group_registration`` (the controller and group hit queries) and
+``pointer_api`` (the legacy pointer calls, ``PointerCalls``). Pools are shared memory
+owned by the node actor and mapped here as torch tensors; calls carry keys and offsets,
+and the actor moves the bytes between the pools and Mooncake. With a tenant, every page
+hash (and pointer-API key) is replaced by its keyed page hash
+(``controllers.keyed_hashes``) once, where it enters a public method, before any object
+key is made of it. Every input is validated here, before any byte moves, and bad input
+raises ``ValueError`` naming the problem.
 
 Return conventions (SGLang HiCache): ``batch_exists`` -> leading pages whose objects all
 exist; ``batch_set_v1`` / ``batch_get_v1`` -> one bool per page, True only if every
@@ -32,7 +32,7 @@ from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.l2_link import L2Link
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_link import NodeLink
-from raykv.cache_actors.rank.pointer_api import all_stored, leading_read, pointer_batch
+from raykv.cache_actors.rank.pointer_api import PointerCalls
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.cache_actors.rank.staging_pools import StagedPool, staged_call
@@ -48,7 +48,6 @@ from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.tenancy import tenant_secret
 from raykv.controllers.transfer_plan import (
     check_hit_query,
-    check_keys,
     check_transfers,
     exists_families,
     pool_role,
@@ -81,9 +80,8 @@ class CacheClient:
     ``HostPool`` objects stay the same, their tensors point to the new memory.
 
     Owner: the client's pools belong to its deployment (``deployment_id(config)``) and
-    tenant (``config.tenant``, whose secret must be in ``RAYKV_TENANT_SECRET``, else
-    ``ValueError``); the node actor refuses its pool calls on another owner's pools, and
-    fails the objects of its data calls that are not its own (``controllers.ownership``).
+    tenant; the node actor refuses its pool calls on another owner's pools, and fails
+    the objects of its data calls that are not its own (``controllers.ownership``).
 
     Secrets: a client is never pickled (``pickle``, Ray's serialisation, ``copy``:
     ``TypeError``), so its tenant secret and owner key never reach Ray's object store or
@@ -117,6 +115,7 @@ class CacheClient:
                               timeout_s=self.config.timeout_s, owner=owner)
         self._pools = PoolLifecycle(self._link)
         self._group = GroupRegistration(self._link, self.config)
+        self._pointers = PointerCalls(self._hashes, self._pools, self._link)
         if "standalone_storage" in (self.config.extra_config or {}):
             check_mode(self.config.extra_config, self._link.call("health")["mode"])
 
@@ -312,15 +311,11 @@ class CacheClient:
         """Store each ``target_sizes[i]`` bytes at pointer ``target_locations[i]`` under
         ``keys[i]`` (tagged with the model prefix; with a tenant, each whole key is keyed
         first). True if every object was stored."""
-        batch = pointer_batch(self._hashes.keys(keys), target_locations, target_sizes,
-                              self._pools.mapped(), self.key_scheme, self._pools.epoch)
-        return all_stored(batch, self._link.data(DataOp.PUT, batch))
+        return self._pointers.set(keys, target_locations, target_sizes, self.key_scheme)
 
     def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> int:
         """Read objects into the given pointers; the number of leading objects read in full."""
-        batch = pointer_batch(self._hashes.keys(keys), target_locations, target_sizes,
-                              self._pools.mapped(), self.key_scheme, self._pools.epoch)
-        return leading_read(batch, self._link.data(DataOp.GET, batch))
+        return self._pointers.get(keys, target_locations, target_sizes, self.key_scheme)
 
     # ------------------------------------------------------ budget, breaker
     def budget(self, seconds: float | None = None) -> Budget:
@@ -341,8 +336,7 @@ class CacheClient:
     def objects_exist(self, keys: Sequence[str]) -> list[bool]:
         """Whether each object ``keys[i]``, named as ``batch_set`` names it (tagged with
         the model prefix; with a tenant, keyed first), is in the store."""
-        names = [self.key_scheme.tag(k) for k in self._hashes.keys(check_keys(keys))]
-        return [c == 1 for c in self._link.data(DataOp.EXISTS, names)]
+        return self._pointers.exist(keys, self.key_scheme)
 
     # --------------------------------------------------------------- control
     def clear_objects(self) -> int:

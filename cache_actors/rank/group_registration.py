@@ -10,7 +10,7 @@ have moved).
 from __future__ import annotations
 
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.rank.node_link import NodeLink
+from raykv.cache_actors.rank.node_route import NodeRoute
 from raykv.controllers.contract import PoolTransferResult, StorageConfig
 from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
 
@@ -18,7 +18,7 @@ from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
 class GroupRegistration:
     """The registration of one rank (``config``, on ``link``'s node)."""
 
-    def __init__(self, link: NodeLink, config: StorageConfig) -> None:
+    def __init__(self, link: NodeRoute, config: StorageConfig) -> None:
         self._link = link
         self._config = config
         self._current: tuple[Registration, tuple[PoolSpec, ...]] | None = None

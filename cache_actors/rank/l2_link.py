@@ -26,7 +26,7 @@ from raykv.controllers.keys import mha_suffix
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv.cache_actors.rank.node_link import NodeLink
+    from raykv.cache_actors.rank.node_route import NodeRoute
     from raykv.controllers.keyed_hashes import KeyedHashes
     from raykv.controllers.pool_layout import PoolLayout
 
@@ -35,7 +35,7 @@ class L2Link:
     """The L2 ops of ``client`` (``CacheClient.l2``) on its node, for its KV pool kind
     ``vllm`` (one object per page)."""
 
-    def __init__(self, client: CacheClient, link: NodeLink, hashes: KeyedHashes) -> None:
+    def __init__(self, client: CacheClient, link: NodeRoute, hashes: KeyedHashes) -> None:
         self._client, self._link, self._hashes = client, link, hashes
 
     @functools.cached_property

@@ -74,6 +74,13 @@ MIN_CALL_S = 0.001
 """A call with less time than this left (budget spent) fails without being sent."""
 
 
+def sent_again(error: NodeUnavailableError) -> bool:
+    """Whether a channel call that failed with ``error`` is sent once more (re-attached,
+    on a new connection, within its deadline): only if its request certainly never
+    reached the actor (see the module docstring)."""
+    return isinstance(error.__cause__, RequestNotSentError)
+
+
 class NodeLink:
     """The route of one client to the actor of ``node_id`` in ``namespace`` (and to any
     other node's actor and the controller). ``remap()`` is called before the first call
@@ -102,10 +109,6 @@ class NodeLink:
         # .deadline, .granted: of the call in progress on a thread (``bounded``)
         self._calls = threading.local()
         self.stale = False
-
-    retry_unsent = True
-    """Send a channel call once more when its request never reached the actor (see the
-    module docstring); tests turn it off to show what a rank sees without."""
 
     # ------------------------------------------------------------------ calls
     def call(self, method: str, *args, **kwargs) -> Any:
@@ -151,7 +154,7 @@ class NodeLink:
             with self._retryable(op):
                 return self._over_channel(op, args)
         except NodeUnavailableError as e:
-            if not (self.retry_unsent and isinstance(e.__cause__, RequestNotSentError)):
+            if not sent_again(e):
                 raise
         self._refresh()  # re-attached: the replacement's pools
         with self._retryable(op):

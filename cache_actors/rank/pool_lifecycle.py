@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from raykv.cache_actors.host_pools import HostPool, PoolHandle, dtype_name, torch_dtype
 from raykv.cache_actors.processes import ProcessIdentity
-from raykv.cache_actors.rank.node_link import NodeLink
+from raykv.cache_actors.rank.node_route import NodeRoute
 from raykv.cache_actors.rank.staging_pools import StagedPool, describe_kv_buffer
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import PoolSpec
@@ -103,7 +103,7 @@ class PoolLifecycle:
     pools whose pages fail without the store (a draft pool that cannot be served).
     """
 
-    def __init__(self, link: NodeLink) -> None:
+    def __init__(self, link: NodeRoute) -> None:
         self._link = link
         self._mapped: dict[str, HostPool] = {}
         self._registered: dict[PoolName, HostPool | StagedPool] = {}

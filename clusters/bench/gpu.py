@@ -23,7 +23,6 @@ Units: bytes, GB/s (1e9 bytes per second), seconds.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +52,7 @@ from raykv.clusters.bench.toolkit import (
     save,
     start_cluster,
     summarize,
+    timed,
 )
 from rich.console import Console
 
@@ -68,13 +68,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _cuda_timed(fn, *args) -> tuple[float, object]:
-    """``fn(*args)`` between two device synchronisations; (seconds, result)."""
-    _sync()
-    t0 = time.perf_counter()
+def _synced(fn, *args) -> object:
+    """``fn(*args)``, then wait for the device work it queued."""
     out = fn(*args)
     _sync()
-    return time.perf_counter() - t0, out
+    return out
+
+
+def _cuda_timed(fn, *args) -> tuple[float, object]:
+    """``timed(fn, *args)`` from a synchronised device until the work ``fn`` queued is
+    done; (seconds, result)."""
+    _sync()
+    return timed(_synced, fn, *args)
 
 
 def _copies(dev: torch.Tensor, host: torch.Tensor) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 import os
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,31 +20,23 @@ def two_nodes(mode: str):
                        standalone=mode == "standalone")
 
 
+@contextmanager
 def slow_two_nodes(mode: str, delay_s: float):
     """``two_nodes(mode)`` whose node actors hold every put and get ``delay_s`` s inside
-    the store call (``RAYKV_TEST_STORE_DELAY_S``, read by the node actors as they start):
-    tests tear pools down under transfers in flight."""
-    os.environ["RAYKV_TEST_STORE_DELAY_S"] = str(delay_s)
-    try:
-        return two_nodes(mode)
-    finally:
-        del os.environ["RAYKV_TEST_STORE_DELAY_S"]
+    the store call (``set_store_delay``, from the start): tests tear pools down under
+    transfers in flight."""
+    with two_nodes(mode) as cluster:
+        set_store_delay(cluster, delay_s)
+        yield cluster
 
 
 def set_store_delay(cluster, seconds: float) -> None:
     """From now on every put and get of ``cluster``'s node actors waits ``seconds`` inside
-    its store call (``RAYKV_TEST_STORE_DELAY_S``'s hook, changed in the running actors
-    through Ray's ``__ray_call__``; 0: off), so a module's running cluster and engines
-    serve a test of slow store calls without a cluster of their own."""
-    import ray
+    its store call (``store_delay.delay_store_calls``; 0: off), so a module's running
+    cluster and engines serve a test of slow store calls without a cluster of their own."""
+    from tests.integration.store_delay import delay_store_calls
 
-    def set_delay(actor, s: float) -> None:  # runs in the node actor's process
-        from raykv.cache_actors.node import mooncake_backend
-
-        mooncake_backend._TEST_DELAY_S = s
-
-    ray.get([a.__ray_call__.remote(set_delay, seconds) for a in cluster.node_actors.values()],
-            timeout=60)
+    delay_store_calls(list(cluster.node_actors.values()), seconds)
 
 
 def node_pids(cluster) -> dict:

@@ -52,10 +52,14 @@ class Rank:
         return getattr(self.client, method)(*args, **kwargs)
 
     def retry_unsent(self, on: bool) -> None:
-        """Test switch: whether this client's link sends a request again after a
-        restart broke its connection before the request was written
-        (``NodeLink.retry_unsent``)."""
-        self.client._link.retry_unsent = on
+        """Whether this process's links send a request again after a restart broke its
+        connection before the request was written (``node_link.sent_again``; off: the
+        control, no call is sent again)."""
+        from raykv.cache_actors.rank import node_link
+
+        plain = getattr(self, "_sent_again", None) or node_link.sent_again
+        self._sent_again = plain
+        node_link.sent_again = plain if on else (lambda error: False)
 
     def data(self, op: str, *args):
         """A raw data op (``DataOp``: exists / put / get) over this client's route to

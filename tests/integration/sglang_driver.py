@@ -737,19 +737,14 @@ class Engine:
     # ------------------------------------------------- slow store calls
     def store_delay(self, step) -> dict:
         """From now on every node actor of the cluster holds each put and get ``s``
-        seconds inside its store call (the ``RAYKV_TEST_STORE_DELAY_S`` hook, set in the
-        running actors through Ray's ``__ray_call__``; 0: off)."""
+        seconds inside its store call (``store_delay.delay_store_calls``; 0: off)."""
         import ray
+        import store_delay  # this script's folder
         from raykv.controllers.naming import node_actor_name
-
-        def set_delay(actor, s: float) -> None:  # runs in the node actor's process
-            from raykv.cache_actors.node import mooncake_backend
-
-            mooncake_backend._TEST_DELAY_S = s
 
         actors = [ray.get_actor(node_actor_name(n), namespace=self.store._namespace)
                   for n in self.node_ids]
-        ray.get([a.__ray_call__.remote(set_delay, step["s"]) for a in actors], timeout=60)
+        store_delay.delay_store_calls(actors, step["s"])
         return {"s": step["s"]}
 
     def old_return(self, step) -> dict:
@@ -792,7 +787,7 @@ class Engine:
         turn, one ``batch_set_v1`` each), with the backend's ``close()`` called from this
         thread while one of those calls is in the node actor's store call: once
         ``after_calls`` calls have started and the latest has run ``into_s`` seconds (the
-        node actor holds each store call ``RAYKV_TEST_STORE_DELAY_S`` seconds). One more
+        node actors are slowed, ``store_delay``). One more
         operation (the prompt's last ``run_pages`` pages) is queued after ``close()``
         returned: SGLang's backup thread then calls the closed backend.
 

@@ -8,9 +8,9 @@ deployment: the node actor refuses any other (``NOT_OWNED``)."""
 import pytest
 import ray
 import torch
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.controllers import StorageConfig
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.result_codes import ALREADY_PRESENT
 
 from tests.integration.ranks import MLA, indices, start_rank
 

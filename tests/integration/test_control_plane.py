@@ -1,6 +1,6 @@
 """The control plane never waits on data (real Ray, real mooncake_master): a node actor's
 ``health`` and ``channel_path`` answer while it reserves and registers a large pool, and
-while it drains a pool behind a store call held open (``RAYKV_TEST_STORE_DELAY_S``).
+while it drains a pool behind a store call held open (``store_delay``).
 
 Each test shows the order, not a speed: a ``health`` reply came back, and only after it
 the pool call was seen still running (``ray.wait``), so the reply did not wait for it.

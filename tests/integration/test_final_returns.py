@@ -1,7 +1,7 @@
 """A put or get that returned to its rank never touches the rank's pages afterwards (real
 Ray, real mooncake_master, embedded and standalone, the local channel and the Ray route).
 
-The node actors hold every store call ``DELAY_S`` s (``RAYKV_TEST_STORE_DELAY_S``, inside
+The node actors hold every store call ``DELAY_S`` s (``store_delay``, inside
 the store call, after the pointers were resolved) and the writing rank's deadline is
 ``TIMEOUT_S`` < ``DELAY_S``: its call fails at its deadline while the store call that
 carries it is still running. The rank then reuses the page at once, as an engine does.

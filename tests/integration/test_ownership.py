@@ -20,7 +20,6 @@ import ray
 import torch
 from raykv import CacheClient, start_local
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.clusters import deploy
 from raykv.clusters.status_view import render_status
 from raykv.controllers import PoolName, StorageConfig
@@ -28,6 +27,7 @@ from raykv.controllers.contract import PoolTransfer
 from raykv.controllers.deployments import deployment_id
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.ownership import tenant_digest
+from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 from rich.console import Console
 

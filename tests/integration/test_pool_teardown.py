@@ -2,7 +2,7 @@
 mooncake_master, embedded and standalone): the node actor never crashes and no key ever
 reads back bytes other than what its writer wrote.
 
-The node actors run with ``RAYKV_TEST_STORE_DELAY_S`` (``cache_actors.node.mooncake_backend``):
+The node actors run with slow store calls (``store_delay``, injected into them):
 each store call waits inside itself, after the pointers were resolved, so the destroy
 lands while calls are in flight on the pool. Before the fix, the pool was unmapped
 (embedded: the store call read unmapped memory) or had its pages given back (standalone:

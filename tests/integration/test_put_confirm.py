@@ -14,8 +14,8 @@ import time
 
 import pytest
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT, NOT_CONFIRMED
 from raykv.clusters.mooncake_master import MooncakeMaster
+from raykv.controllers.result_codes import ALREADY_PRESENT, NOT_CONFIRMED
 
 BIG = 512 << 20  # a put that takes a while over TCP loopback
 SMALL = 64 << 10

@@ -18,9 +18,9 @@ import pytest
 import ray
 from raykv import CacheClient, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
-from raykv.cache_actors.node.mooncake_codes import TRANSFER_FAIL
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
+from raykv.controllers.result_codes import TRANSFER_FAIL
 
 from tests.integration.ranks import MHA, indices
 

@@ -6,7 +6,7 @@ count no page stored (or loaded) that does not hold the bytes SGLang wrote, and 
 ever reads back other bytes (a fresh backend reads every object that exists:
 ``read_back``).
 
-The node actors run with ``RAYKV_TEST_STORE_DELAY_S`` (``cache_actors.node.mooncake_backend``):
+The node actors run with slow store calls (``store_delay``, injected into them):
 each put and get waits inside the store call, after the node actor resolved its
 pointers. Paths:
 

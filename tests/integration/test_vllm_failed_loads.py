@@ -28,7 +28,8 @@ import pytest
 from raykv import start_local
 from raykv.clusters.demo.vllm_model import make_llama
 
-from tests.integration.vllm_steps import StepEngine, expected_kv
+from tests.integration.vllm_steps import StepEngine
+from tests.peers.vllm_world import expected_kv
 
 BS = 16
 SHARED = 50  # blocks request 2 shares with request 1

@@ -10,7 +10,7 @@ values per token), and ``forward``, which writes each scheduled token's KV as a 
 function of its token and of the KV of every earlier token of its request, read from
 the KV cache through the request's block table, as attention reads it. So a token
 computed over a block that holds the wrong KV gets the wrong KV, and so does every
-later token; ``expected_kv`` is the right KV of every token of a prompt. A block's
+later token; ``vllm_world.expected_kv`` is the right KV of every token of a prompt. A block's
 KV is right when it equals ``expected_kv`` there, wherever it came from.
 
 Each engine is in this process (vLLM's distributed state: one rank, gloo, made once);
@@ -21,45 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-MOD = 65521  # KV values stay below 2**16, exact in float32
+from tests.peers.vllm_world import MOD, failing_reads, init_one_rank_world, kv_of
+
 SAMPLED = 5  # the token the stand-in model always samples
-
-
-def expected_kv(tokens: list[int]) -> list[int]:
-    """The KV value of every position of ``tokens`` when every earlier position's KV is
-    right (what ``StepEngine.forward`` writes then)."""
-    out, total = [], 0
-    for tok in tokens:
-        v = (31 * total + tok + 7) % MOD
-        out.append(v)
-        total += v
-    return out
-
-
-def _init_vllm_distributed(vllm_config) -> None:
-    """vLLM's world of one rank in this process (the worker connector asks for its TP
-    and PP rank), once."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-        model_parallel_is_initialized,
-    )
-
-    if model_parallel_is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ensure_model_parallel_initialized(1, 1)
 
 
 class StepEngine:
@@ -120,7 +88,7 @@ class StepEngine:
         self.scheduler = cls(vllm_config=config, kv_cache_config=kv_config, log_stats=True,
                              structured_output_manager=StructuredOutputManager(config),
                              block_size=block_size)
-        _init_vllm_distributed(config)
+        init_one_rank_world(config)
         self.connector = RayKVConnector(config, KVConnectorRole.WORKER, kv_config)
         self.kv = torch.zeros(num_blocks, 1, block_size, 2)
         self.connector.register_kv_caches({"layer.0": self.kv})
@@ -194,29 +162,10 @@ class StepEngine:
             sampled_token_ids=[sampled.get(r, []) for r in ids],
             kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
 
-    @contextlib.contextmanager
-    def _failing(self, keys: set[str]) -> Iterator[None]:
+    def _failing(self, keys: set[str]) -> contextlib.AbstractContextManager[None]:
         """Within: the worker's raykv reads of ``keys`` fail, and their blocks hold
         stale KV (a value no forward writes), as after a read that did not complete."""
-        client = self.worker._client
-        get = client.batch_get_v2
-
-        def batch_get_v2(transfers):
-            result = get(transfers)
-            for t in transfers:
-                ok = result[t.name]
-                for i, key in enumerate(t.keys):
-                    if key in keys:
-                        ok[i] = False
-                        block = int(t.host_indices[i * self.block_size]) // self.block_size
-                        self.kv[block] = MOD + 1
-            return result
-
-        client.batch_get_v2 = batch_get_v2  # over the class's method
-        try:
-            yield
-        finally:
-            del client.batch_get_v2
+        return failing_reads(self.worker._client, keys, self.block_size, self.kv, MOD + 1)
 
     def forward(self, out) -> dict[str, list[int]]:
         """The stand-in forward: each scheduled request's tokens in scheduling order, each
@@ -237,7 +186,7 @@ class StepEngine:
                 + before % self.block_size
             total = int(self.kv.view(-1, 2)[slots, 0].double().sum())
             for p in range(start, end):
-                v = (31 * total + tokens[p] + 7) % MOD
+                v = kv_of(total, tokens[p])
                 self.kv[table[p // self.block_size], 0, p % self.block_size] = v
                 total += v
             if end >= req.num_prompt_tokens:

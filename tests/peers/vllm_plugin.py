@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import uuid
 from unittest.mock import DEFAULT, Mock
 
@@ -40,27 +39,6 @@ SWAPPED_CONNECTORS = ("NixlConnector", "ExampleConnector")
 _uid = uuid.uuid4().hex[:8]  # the current test's model-name suffix
 _loops: dict[int, object] = {}  # id(scheduler-role PeerConnector) -> its WorkerLoop
 _connectors: list = []  # every PeerConnector of the current test
-
-
-def _init_distributed() -> None:
-    """vLLM's world of one rank in this process (worker-role connectors ask their
-    rank), once."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-        model_parallel_is_initialized,
-    )
-
-    if model_parallel_is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ensure_model_parallel_initialized(1, 1)
 
 
 def _peer_connector_class():
@@ -80,7 +58,9 @@ def _peer_connector_class():
                 # control (test_vllm_peers.py): raykv's loads give random bytes
                 "debug_corrupt_loads": os.environ.get("RAYKV_PEER_CORRUPT_LOADS") == "1"}
             if role == KVConnectorRole.WORKER:
-                _init_distributed()
+                from vllm_world import init_one_rank_world  # this plugin's folder
+
+                init_one_rank_world()
             super().__init__(vllm_config, role, kv_cache_config)
             _connectors.append(self)
 

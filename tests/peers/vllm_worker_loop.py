@@ -32,20 +32,10 @@ import contextlib
 from functools import partial
 
 import torch
+from vllm_world import MOD, expected_kv, kv_of  # this file's folder
 
-MOD = 65521  # KV values stay below 2**16: exact in float32
 STALE = float(MOD + 1)  # what a block whose load failed holds (no forward writes it)
 SEEDER_BLOCKS = 128
-
-
-def expected_kv(tokens: list[int]) -> list[int]:
-    """The KV value of each position of ``tokens`` when every earlier one is right."""
-    out, total = [], 0
-    for tok in tokens:
-        v = (31 * total + tok + 7) % MOD
-        out.append(v)
-        total += v
-    return out
 
 
 def page_hashes(request, block_size: int) -> list[str]:
@@ -200,33 +190,17 @@ class WorkerLoop:
             slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
             total = int(kv.view(-1, 2)[slots, 0].double().sum())
             for p in range(start, end):
-                v = (31 * total + tokens[p] + 7) % MOD
+                v = kv_of(total, tokens[p])
                 kv[table[p // bs], 0, p % bs, 0] = v
                 total += v
 
-    @contextlib.contextmanager
-    def _failing(self, keys: set[str]):
+    def _failing(self, keys: set[str]) -> contextlib.AbstractContextManager[None]:
         """Within: the worker's raykv reads of ``keys`` fail and leave their blocks
         holding ``STALE``, as a read that did not complete."""
+        from vllm_world import failing_reads  # this file's folder
+
         client = self.worker.connector.connector_worker._cache()
-        get = client.batch_get_v2
-        bs, kv = self.block_size, self.worker.kv
-
-        def batch_get_v2(transfers):
-            result = get(transfers)
-            for t in transfers:
-                ok = result[t.name]
-                for i, key in enumerate(t.keys):
-                    if key in keys:
-                        ok[i] = False
-                        kv[int(t.host_indices[i * bs]) // bs] = STALE
-            return result
-
-        client.batch_get_v2 = batch_get_v2  # over the class's method, for this step
-        try:
-            yield
-        finally:
-            del client.batch_get_v2
+        return failing_reads(client, keys, self.block_size, self.worker.kv, STALE)
 
     # -- after the test -----------------------------------------------------------
     def check_store(self) -> None:

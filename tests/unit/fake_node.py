@@ -1,6 +1,6 @@
-"""A fake node for rank-side tests without Ray: the node actor's pool calls over files in
-a temporary folder (what ``NodeLink.call`` / ``ask`` reach) and a store of object bytes
-for data calls (what ``NodeLink.data`` reaches)."""
+"""A fake node for rank-side tests without Ray: the shared ``FakeRoute`` whose pool calls
+run over files in a temporary folder (what ``NodeLink.call`` / ``ask`` reach), with a
+store of object bytes that ``move`` puts and gets through the rank's own mappings."""
 
 from __future__ import annotations
 
@@ -13,21 +13,22 @@ from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 
+from tests.unit.fakes import FakeRoute
 
-class FakeNode:
-    """``NodeLink`` as ``PoolLifecycle`` uses it (``call``, ``ask``, ``stale``), plus
+
+class FakeNode(FakeRoute):
+    """``FakeRoute`` whose pool calls (``call``, ``ask``) make files under ``root``, plus
     ``reallocate`` (the node allocates every pool anew, a new epoch: standalone mode
-    after a restart) and a store (``put`` / ``get`` of an ``ObjectBatch`` on the pools
-    a ``PoolLifecycle`` mapped)."""
+    after a restart) and a store (``move``: a put or get of an ``ObjectBatch`` on the
+    pools a ``PoolLifecycle`` mapped)."""
 
     def __init__(self, root: Path) -> None:
+        super().__init__()
         self.root = root
         self.pools: dict[str, PoolHandle] = {}
         self.processes: dict[str, object] = {}
         self.owners: dict[str, object] = {}
         self.epoch = 0
-        self.owner = None  # NodeLink.owner: the client's owner (none here)
-        self.stale = False
         self.calls: list[str] = []
         self.store: dict[str, bytes] = {}
         self.data_calls = 0
@@ -38,10 +39,6 @@ class FakeNode:
         return getattr(self, method)(*args, **kwargs)
 
     ask = call
-
-    def claim(self, node_id: str | None = None) -> None:
-        """NodeLink.claim: no owner, no claim."""
-        return None
 
     # ----------------------------------------------------- node pool calls
     def _file(self, name: str, layout: PoolLayout) -> str:
@@ -86,7 +83,7 @@ class FakeNode:
                                           handle.layout, self.epoch)
 
     # --------------------------------------------------------------- store
-    def data(self, pools: Sequence[HostPool], write: bool, batch: ObjectBatch) -> list[int]:
+    def move(self, pools: Sequence[HostPool], write: bool, batch: ObjectBatch) -> list[int]:
         """A put (``write``) or get of ``batch`` on ``pools`` (the rank's mappings):
         put codes 0, get codes the bytes read (-1 for a missing object)."""
         self.data_calls += 1

@@ -1,130 +1,43 @@
-"""CacheClient's routing against a fake node link (no Ray, no Mooncake): which data op
-each call makes, to which node, with which objects, and when it registers with the
-controller; pools are real shared memory made by the fake link."""
+"""CacheClient's routing against the shared fake node route (``FakeRoute``: no Ray, no
+Mooncake): which data op each call makes, to which node, with which objects, and when it
+registers with the controller; pools are real shared memory made by the fake route."""
 
 from __future__ import annotations
 
-import contextlib
-import uuid
 from types import SimpleNamespace
 
 import pytest
 import torch
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.host_pools import HostPool, PoolHandle
+from raykv.cache_actors.host_pools import HostPool
 from raykv.cache_actors.rank import client as client_module
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.cache_actors.shared_memory import unlink_shm_file
 from raykv.controllers.contract import (
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
-    PoolTransferResult,
     StorageConfig,
 )
-from raykv.controllers.deployments import PoolQuery, Registration
-from raykv.controllers.keys import KeyScheme
-from raykv.controllers.owner_sessions import Challenges
+from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.ownership import claim_of, tenant_digest
 
-NODE, HOME = "n" * 40, "h" * 40
-HIT = PoolTransferResult(kv_hit_pages=1, restorable_prefix_pages=[0, 1])
+from tests.unit.fakes import FakeRoute
 
-
-class FakeLink:
-    """A ``NodeLink``: control calls make and find real shared-memory pools; data ops
-    are recorded and answered (every object exists, is stored, is read in full)."""
-
-    made: list[FakeLink] = []
-
-    def __init__(self, node_id: str, namespace: str, remap, timeout_s: float,
-                 owner=None) -> None:
-        self.node_id, self.namespace, self.timeout_s = node_id, namespace, timeout_s
-        self.owner = owner
-        self.remap = remap
-        self.stale = False
-        self.controller_attached = False
-        self.calls: list[tuple] = []
-        self.data_ops: list[tuple] = []
-        self.registered: list[tuple] = []
-        self.proofs: list[object] = []  # the proof sent with each registration
-        self.challenges = Challenges()  # the controller's
-        self.bounds: list[tuple[str, float]] = []  # (call, seconds) of each bounded()
-        self.depth = 0  # bounded() blocks open now
-        self.register_depths: list[int] = []  # depth at each registration
-        self.handles: dict[str, PoolHandle] = {}
-        self.mode = "embedded"
-        FakeLink.made.append(self)
-
-    def call(self, method: str, *args, owner=None):
-        self.calls.append((method, *args))
-        if method == "create_pool":
-            name, layout = args[:2]
-            handle = PoolHandle(name, f"raykv-test-{uuid.uuid4().hex[:12]}", layout)
-            HostPool.create(handle).close()
-            self.handles[name] = handle
-            return handle
-        if method == "get_pool":
-            return self.handles[args[0]]
-        if method == "health":
-            return {"mode": self.mode}
-        if method == "stats":
-            return {"counters": {}}
-        raise AssertionError(f"unexpected control call {method}")
-
-    ask = call
-
-    def claim(self, node_id: str | None = None):
-        return None if self.owner is None else self.owner.base
-
-    @contextlib.contextmanager
-    def bounded(self, limit_s: float, what: str):
-        """Records which calls ran under one deadline (``NodeLink.bounded``)."""
-        self.bounds.append((what, limit_s))
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
-    def data(self, op: DataOp, *args, node_id: str | None = None):
-        self.data_ops.append((op, node_id, *args))
-        if op == DataOp.EXISTS:
-            return [1] * len(args[0])
-        if op == DataOp.PUT:
-            return [0] * len(args[0])
-        if op == DataOp.GET:
-            return list(args[0].sizes)
-        return HIT
-
-    def ask_controller(self, method: str, *args):
-        if method == "challenge":
-            return self.challenges.issue()
-        assert method == "register_rank"
-        config, specs, node_id, proof = args
-        self.registered.append((config, specs, node_id))
-        self.register_depths.append(self.depth)
-        self.proofs.append(proof)
-        self.controller_attached = True
-        return Registration("org", KeyScheme.from_config(config), HOME, len(self.registered))
-
-    def close(self) -> None:
-        for handle in self.handles.values():
-            unlink_shm_file(handle.path)
+NODE, HOME, HIT = "n" * 40, FakeRoute.HOME, FakeRoute.HIT
 
 
 @pytest.fixture
 def make(monkeypatch):
-    monkeypatch.setattr(client_module, "NodeLink", FakeLink)
+    monkeypatch.setattr(client_module, "NodeLink", FakeRoute)
     monkeypatch.setattr(client_module, "ray", SimpleNamespace(
         is_initialized=lambda: True,
         get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: NODE)))
     clients: list[CacheClient] = []
 
-    def make(**config) -> tuple[CacheClient, FakeLink]:
+    def make(**config) -> tuple[CacheClient, FakeRoute]:
         c = CacheClient(StorageConfig(model_name="org/m", **config))
         clients.append(c)
-        return c, FakeLink.made[-1]
+        return c, FakeRoute.made[-1]
     yield make
     for c in clients:
         c.close()

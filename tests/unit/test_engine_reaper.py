@@ -17,7 +17,7 @@ from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.controllers.pool_layout import PoolLayout
 
-from tests.unit.fakes import Registrations, ShmStore
+from tests.unit.fakes import FakeBackend, ShmStore
 
 LAYOUT = PoolLayout.mha(page_size=4, size=16, layer_num=2, head_num=1, head_dim=8,
                         dtype="bfloat16", itemsize=2)
@@ -48,7 +48,7 @@ def engine():
 @pytest.fixture
 def pools():
     prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    store = ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations())
+    store = ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), FakeBackend())
     node = NodePools(prefix, store, lambda *_: None)
     yield node, store
     node.close(remove=True)
@@ -59,7 +59,7 @@ def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
     node, store = pools
     node.adopt_engine("sglang-kv", path, LAYOUT, inode)
     assert node.reap_engines(grace_s=0.0) == []  # the engine runs: kept
-    assert "sglang-kv" in node.table.pools and store.backend.live
+    assert "sglang-kv" in node.table.pools and store.backend.registered
 
     child.stdin.close()  # the engine exits without unregistering anything
     child.wait(10)
@@ -68,7 +68,7 @@ def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
     time.sleep(0.05)
     assert node.reap_engines(grace_s=0.01) == ["sglang-kv"]
     assert "sglang-kv" not in node.table.pools
-    assert not store.backend.live and store.memory.budget.used == 0
+    assert not store.backend.registered and store.memory.budget.used == 0
     assert node.reap_engines(grace_s=0.0) == []
 
 
@@ -86,7 +86,7 @@ def test_a_pool_created_for_one_process_is_removed_after_it_exits(engine, pools)
     time.sleep(0.05)
     assert node.reap_engines(grace_s=0.01) == ["sglang-staging"]
     assert sorted(node.table.pools) == ["shared-kv"]
-    assert store.memory.budget.used == LAYOUT.nbytes and len(store.backend.live) == 1
+    assert store.memory.budget.used == LAYOUT.nbytes and len(store.backend.registered) == 1
     assert not os.path.exists(os.path.join(SHM_DIR, node._records.prefix + "sglang-staging"))
 
 

@@ -10,11 +10,10 @@ def run(code: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_control_plane_and_cli_do_not_import_torch():
-    run("import sys, raykv, raykv.clusters.cli, raykv.clusters.control_plane, "
-        "raykv.controllers.controller, raykv.clusters.master_supervisor, "
-        "raykv.cache_actors.node.node_actor; "
-        "assert 'torch' not in sys.modules, 'torch was imported'")
+def test_control_plane_and_cli_do_not_import_torch(fresh_imports):
+    assert "torch" not in fresh_imports["control plane"], "torch was imported"
+    # CONTROL: the check sees an import (the demo's engine imports torch)
+    assert "torch" in fresh_imports["drawing commands"]
 
 
 def test_public_names_still_import_and_bring_torch_with_the_client():

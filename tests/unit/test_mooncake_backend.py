@@ -4,12 +4,9 @@ that reports stored only what the store then reports existing."""
 
 from __future__ import annotations
 
-import sys
-from types import SimpleNamespace
-
 import pytest
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
-from raykv.cache_actors.node.mooncake_codes import (
+from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
     NOT_CONFIRMED,
@@ -148,44 +145,6 @@ def test_memory_calls_raise_on_failure_except_unregistering():
     assert backend.healthy()
     store.raises = {"health"}
     assert not backend.healthy()
-
-
-class FakeDistributedStore:
-    """``mooncake.store.MooncakeDistributedStore``: ``setup`` answers ``rc``; ``setup_dummy``
-    answers each of ``dummy_rcs`` in turn."""
-
-    rc = 0
-    dummy_rcs: list[int] = []
-    made: list[FakeDistributedStore] = []
-
-    def __init__(self) -> None:
-        self.args: tuple = ()
-        FakeDistributedStore.made.append(self)
-
-    def setup(self, *args) -> int:
-        self.args = args
-        return FakeDistributedStore.rc
-
-    def setup_dummy(self, *args) -> int:
-        self.args = args
-        return FakeDistributedStore.dummy_rcs.pop(0)
-
-    def get_hostname(self) -> str:
-        return f"{self.args[0]}:12345"
-
-
-class FakeReplicateConfig:
-    preferred_segment = ""
-
-
-@pytest.fixture
-def fake_mooncake(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mooncake.store",
-                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore,
-                                        ReplicateConfig=FakeReplicateConfig))
-    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
-    FakeDistributedStore.made = []
-    return FakeDistributedStore
 
 
 def test_embedded_setup_failure_names_its_code(fake_mooncake):

@@ -504,7 +504,8 @@ def test_a_request_never_sent_is_sent_once_more_on_a_new_connection(fake, monkey
     """After a restart, the old connection is broken before the request is written:
     re-attach, re-map and send it on a new connection, within the same call (control:
     with the retry off, the caller sees the error)."""
-    monkeypatch.setattr(NodeLink, "retry_unsent", retry)
+    if not retry:  # CONTROL: no call is sent again
+        monkeypatch.setattr(node_link, "sent_again", lambda error: False)
     remaps: list = []
     link = make_link(remaps)
     link.data(DataOp.PUT, "batch")

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 from raykv.cache_actors.node import node_metrics
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.result_codes import ALREADY_PRESENT
 
 
 class FakeMetric:

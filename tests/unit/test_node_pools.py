@@ -14,7 +14,6 @@
 import ctypes
 import glob
 import json
-import mmap
 import os
 import stat
 import subprocess
@@ -23,7 +22,6 @@ import threading
 import uuid
 import zlib
 from dataclasses import asdict, dataclass
-from itertools import count
 
 import pytest
 import torch
@@ -35,59 +33,11 @@ from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget, Shm
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch, check_object_keys
 from raykv.controllers.pool_layout import PoolLayout
 
-from tests.unit.fakes import Registrations, ServiceStore, ShmStore
+from tests.unit.fakes import FakeBackend, FakeMemory, NoMetrics, ServiceStore, ShmStore
 from tests.unit.test_engine_reaper import ENGINE
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
                         itemsize=1)
-
-
-@dataclass
-class FakePool:
-    handle: PoolHandle
-    base_ptr: int
-
-    @property
-    def name(self) -> str:
-        return self.handle.name
-
-    @property
-    def nbytes(self) -> int:
-        return self.handle.layout.nbytes
-
-    def check(self) -> None:
-        """Fake memory never shrinks."""
-
-
-class FakeMemory:
-    """Standalone-like: a new epoch per ``renew``; ``create`` may be held at ``gate``."""
-
-    def __init__(self) -> None:
-        self.epoch = 1
-        self.gate = threading.Event()
-        self.gate.set()
-        self.creating = threading.Event()
-        self._addresses = count(1 << 20, 1 << 12)
-
-    def renew(self) -> None:
-        self.epoch += 1
-
-    def create(self, name: str, layout: PoolLayout) -> FakePool:
-        self.creating.set()
-        self.gate.wait()
-        return FakePool(PoolHandle(name, f"fake-{name}", layout, self.epoch),
-                        next(self._addresses))
-
-    def release(self, pool: FakePool, remove: bool = True) -> None:
-        pass
-
-
-class FakeBackend:
-    def register(self, ptr: int, nbytes: int) -> None:
-        pass
-
-    def unregister(self, ptr: int) -> None:
-        pass
 
 
 @dataclass
@@ -176,25 +126,19 @@ def page(key: str, nbytes: int) -> bytes:
     return bytes((seed + i) % 255 + 1 for i in range(nbytes))
 
 
-class HeldBackend:
-    """A store whose ``put`` reads every object's bytes like Mooncake does, but first
-    waits inside the call until ``release`` is set (or ``hold_s`` passed): the window in
-    which the test tears the pool down. Reading an unmapped pointer would crash the
-    test process, so it records ``"unmapped"`` instead."""
+class HeldBackend(FakeBackend):
+    """The shared fake backend whose ``put`` reads every object's bytes like Mooncake
+    does, but first waits inside the call until ``release`` is set (or ``hold_s``
+    passed): the window in which the test tears the pool down. Reading an unmapped
+    pointer would crash the test process, so it records ``"unmapped"`` instead. Its
+    ``alloc`` serves standalone mode's pool memory."""
 
     def __init__(self, hold_s: float = 2.0) -> None:
+        super().__init__()
         self.hold_s = hold_s
         self.entered = threading.Event()
         self.release = threading.Event()
         self.stored: dict[str, bytes | str] = {}
-        self.registered: set[int] = set()
-        self.saw_release_before_read = None
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self.registered.add(ptr)
-
-    def unregister(self, ptr: int) -> None:
-        self.registered.discard(ptr)
 
     def put(self, keys, ptrs, sizes):
         self.entered.set()
@@ -203,68 +147,22 @@ class HeldBackend:
             self.stored[k] = ctypes.string_at(p, s) if mapped(p, s) else "unmapped"
         return [0] * len(keys)
 
-    def get(self, keys, ptrs, sizes):
-        return [-704] * len(keys)
-
     def remove(self, keys):
         for k in keys:
             self.stored.pop(k, None)
         return [0] * len(keys)
-
-    def close(self) -> None:
-        pass
-
-
-class MemfdAllocator(HeldBackend):
-    """``HeldBackend`` that also hands out memfd mappings like the dummy client's
-    ``alloc_from_mem_pool`` (standalone mode's pool memory)."""
-
-    def __init__(self, hold_s: float = 2.0) -> None:
-        super().__init__(hold_s)
-        self._maps: list[tuple[int, mmap.mmap]] = []
-
-    def alloc(self, nbytes: int) -> int:
-        fd = os.memfd_create("raykv-test-pool")
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes)
-        self._maps.append((fd, mm))  # kept open and mapped, as the dummy client does
-        return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
 class RealStore(ServiceStore):
     """The parts of ``NodeStore`` a ``NodeService`` uses, over real pool memory."""
 
     def __init__(self, mode: str, prefix: str) -> None:
+        self.backend = HeldBackend()
         if mode == "embedded":
-            self.backend = HeldBackend()
             self.memory = ShmPoolMemory(prefix, PoolBudget(0))
         else:
-            self.backend = MemfdAllocator()
             self.memory = MemfdPoolMemory(self.backend, PoolBudget(1 << 30))
         self.mode = mode
-
-
-class NoMetrics:
-    def record_move(self, *args) -> None:
-        pass
-
-    def record_exists(self, *args) -> None:
-        pass
-
-    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
-        pass
-
-    def record_group_store_call(self, seconds: float) -> None:
-        pass
-
-    def record_group_query(self, how: str) -> None:
-        pass
-
-    def record_merged_call(self, batches: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 POOL = PoolLayout.mla(page_size=1, size=64, layer_num=2, kv_cache_dim=256, dtype="uint8",
@@ -462,18 +360,10 @@ def test_reallocation_releases_old_pools_only_after_their_calls(pools):
 def shm_node(prefix: str) -> NodePools:
     """A node's pools as a (re)started actor has them: a fresh ``NodePools`` over the
     same ``/dev/shm`` prefix, its records re-adopted."""
-    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations()),
+    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), FakeBackend()),
                      lambda *_: None)
     node.readopt()
     return node
-
-
-@pytest.fixture
-def shm_prefix():
-    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    yield prefix
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
-        os.unlink(path)
 
 
 def record(prefix: str, stem: str, **fields) -> str:
@@ -555,7 +445,7 @@ def test_planted_and_broken_records_are_skipped_and_never_mapped(shm_prefix, tmp
 ])
 def test_record_parsing_refuses_garbage(shm_prefix, raw):
     node = NodePools(shm_prefix, ShmStore(ShmPoolMemory(shm_prefix, PoolBudget(0)),
-                                          Registrations()), lambda *_: None)
+                                          FakeBackend()), lambda *_: None)
     path = f"/dev/shm/{shm_prefix}kv.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     os.write(fd, raw)
@@ -567,7 +457,7 @@ def test_record_parsing_refuses_garbage(shm_prefix, raw):
 
 
 def test_standalone_readopt_never_maps_the_recorded_path(tmp_path):
-    memory = MemfdPoolMemory(MemfdAllocator(), PoolBudget(1 << 30))
+    memory = MemfdPoolMemory(FakeBackend(), PoolBudget(1 << 30))
     target = tmp_path / "target"
     target.write_bytes(b"\x01" * POOL.nbytes)
     pool = memory.readopt(PoolHandle("kv", str(target), POOL))

@@ -10,82 +10,29 @@ import uuid
 
 import pytest
 from raykv.cache_actors.errors import StalePoolsError
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.controllers.object_batch import ObjectBatch
+from raykv.controllers.result_codes import ALREADY_PRESENT
 
-from tests.unit.fakes import ServiceStore
-from tests.unit.test_node_pools import LAYOUT, FakeMemory
-
-
-class FakeBackend:
-    """put-if-absent over a dict; ``during`` runs inside the next call (the re-allocation
-    that races it); removals are recorded."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, int] = {"present": 1}
-        self.removed: list[str] = []
-        self.during = None
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        pass
-
-    def unregister(self, ptr: int) -> None:
-        pass
-
-    def _race(self) -> None:
-        if self.during is not None:
-            self.during, during = None, self.during
-            during()
-
-    def put(self, keys, ptrs, sizes):
-        self._race()
-        codes = [ALREADY_PRESENT if k in self.objects else 0 for k in keys]
-        self.objects.update({k: p for k, p in zip(keys, ptrs, strict=True)})
-        return codes
-
-    def get(self, keys, ptrs, sizes):
-        self._race()
-        return [s if k in self.objects else -704 for k, s in zip(keys, sizes, strict=True)]
-
-    def remove(self, keys):
-        self.removed += keys
-        for k in keys:
-            del self.objects[k]
-        return [0] * len(keys)
-
-    def close(self) -> None:
-        pass
+from tests.unit.fakes import FakeBackend, FakeMemory, NoMetrics, ServiceStore
+from tests.unit.test_node_pools import LAYOUT
 
 
 class FakeStore(ServiceStore):
     def __init__(self) -> None:
         self.memory = FakeMemory()
-        self.backend = FakeBackend()
+        self.backend = FakeBackend({"present": 1})
         self.mode = "standalone"
 
 
-class FakeMetrics:
+class FakeMetrics(NoMetrics):
+    """Records the moves a ``NodeService`` counts."""
+
     def __init__(self) -> None:
         self.moves: list[str] = []
 
     def record_move(self, op, batch, codes, seconds) -> None:
         self.moves.append(op)
-
-    def pool_size(self, name: str, nbytes: int, owner=None) -> None:
-        pass
-
-    def record_group_store_call(self, seconds: float) -> None:
-        pass
-
-    def record_group_query(self, how: str) -> None:
-        pass
-
-    def record_merged_call(self, batches: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ needed: the path from settings to the setup call is followed up to the store."""
 from __future__ import annotations
 
 import inspect
-import sys
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
@@ -33,37 +32,6 @@ class Reached(Exception):
     def __init__(self, what) -> None:
         super().__init__()
         self.what = what
-
-
-class FakeDistributedStore:
-    """``mooncake.store.MooncakeDistributedStore`` whose ``setup`` records its arguments."""
-
-    made: list[FakeDistributedStore] = []
-
-    def __init__(self) -> None:
-        self.args: tuple = ()
-        FakeDistributedStore.made.append(self)
-
-    def setup(self, *args) -> int:
-        self.args = args
-        return 0
-
-    def get_hostname(self) -> str:
-        return f"{self.args[0]}:12345"
-
-
-class FakeReplicateConfig:
-    preferred_segment = ""
-
-
-@pytest.fixture
-def fake_mooncake(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mooncake.store",
-                        SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore,
-                                        ReplicateConfig=FakeReplicateConfig))
-    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
-    FakeDistributedStore.made = []
-    return FakeDistributedStore
 
 
 def store_open_args(monkeypatch, settings: NodeSettings) -> tuple[tuple, dict]:

@@ -1,6 +1,7 @@
-"""NodeStore against fakes of its backend, pool memory and ``mooncake_client`` process
-(no Mooncake): when a data call may start, when its codes mean "the store went down"
-rather than per-object errors, health, stats, and the supervision hand-over."""
+"""NodeStore against the shared fakes of its backend and pool memory and a fake
+``mooncake_client`` process (no Mooncake): when a data call may start, when its codes
+mean "the store went down" rather than per-object errors, health, stats, and the
+supervision hand-over."""
 
 from __future__ import annotations
 
@@ -11,27 +12,9 @@ import pytest
 from raykv.cache_actors.errors import NodeUnavailableError, StoreUnavailableError
 from raykv.cache_actors.node import node_store
 from raykv.cache_actors.node.node_store import PROBE_KEY, NodeStore
+from raykv.cache_actors.node.pool_memory import PoolBudget
 
-
-class FakeBackend:
-    def __init__(self, exists_codes=()) -> None:
-        self.exists_codes = list(exists_codes)  # answers to successive probes
-        self.probes: list[list[str]] = []
-        self.health = 0
-        self.closed = False
-
-    def exists(self, keys: list[str]) -> list[int]:
-        self.probes.append(keys)
-        return [self.exists_codes.pop(0) if self.exists_codes else 1]
-
-    def healthy(self) -> bool:
-        return self.health == 0
-
-    def endpoint(self) -> str:
-        return "10.213.0.2:12345"
-
-    def close(self) -> None:
-        self.closed = True
+from tests.unit.fakes import FakeBackend, FakeMemory
 
 
 class FakeProcess:
@@ -55,9 +38,12 @@ class FakeProcess:
         self.stopped = True
 
 
-def memory(epoch: int = 3, mode: str = "standalone"):
-    return SimpleNamespace(epoch=epoch, mode=mode,
-                           budget=SimpleNamespace(limit=1 << 20, used=4096))
+def memory(epoch: int = 3, mode: str = "standalone") -> FakeMemory:
+    """The shared fake pool memory at ``epoch`` in ``mode``, 4 KiB of 1 MiB used."""
+    out = FakeMemory()
+    out.epoch, out.mode, out.budget = epoch, mode, PoolBudget(1 << 20)
+    out.budget.used = 4096
+    return out
 
 
 def standalone() -> tuple[NodeStore, FakeProcess]:

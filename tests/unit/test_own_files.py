@@ -11,7 +11,6 @@ import glob
 import json
 import os
 import threading
-import uuid
 
 import pytest
 from raykv.cache_actors.node.client_supervisor import (
@@ -27,11 +26,8 @@ DEADLINE_S = 10.0  # generous: a non-blocking open returns in microseconds
 
 
 @pytest.fixture
-def prefix():
-    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    yield prefix
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
-        os.unlink(path)
+def prefix(shm_prefix):
+    return shm_prefix
 
 
 def release(fifo: str) -> None:

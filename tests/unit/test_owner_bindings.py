@@ -8,7 +8,6 @@ tests/integration/test_ownership.py: the same through real Ray and Mooncake."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import uuid
@@ -16,7 +15,6 @@ from dataclasses import replace
 
 import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
-from raykv.cache_actors.node.mooncake_codes import NOT_OWNED
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
@@ -35,10 +33,11 @@ from raykv.controllers.ownership import (
     tenant_digest,
 )
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas
 
-from tests.unit.fakes import Registrations, ShmStore
-from tests.unit.test_node_pools import NoMetrics, RealStore
+from tests.unit.fakes import FakeBackend, NoMetrics, ShmStore
+from tests.unit.test_node_pools import RealStore
 
 LAYOUT = PoolLayout.mla(page_size=1, size=4, layer_num=1, kv_cache_dim=8, dtype="uint8",
                         itemsize=1)  # 32 bytes
@@ -267,16 +266,13 @@ def test_quota_options_are_checked_and_a_pool_over_it_names_tenant_quota_and_use
 
 # ---------------------------------------------------------------- a node's pools
 @pytest.fixture
-def prefix():
-    prefix = f"raykv.test-{uuid.uuid4().hex[:8]}."
-    yield prefix
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
-        os.unlink(path)
+def prefix(shm_prefix):
+    return shm_prefix
 
 
 def node_pools(prefix: str, quotas: dict | None = None) -> NodePools:
     """A node's pools as a (re)started actor has them, its records re-adopted."""
-    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), Registrations()),
+    node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), FakeBackend()),
                      lambda *_: None, quotas=quotas)
     node.readopt()
     return node
@@ -352,7 +348,7 @@ def test_an_older_record_names_its_process_and_its_pool_has_no_owner(prefix):
     with open(path, "w") as f:
         json.dump(raw, f)
     record = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)),
-                                        Registrations()), lambda *_: None)._records.read(path)
+                                        FakeBackend()), lambda *_: None)._records.read(path)
     assert record.owner is None and record.process.pid == os.getpid()
 
 

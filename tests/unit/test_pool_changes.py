@@ -17,14 +17,8 @@ from raykv.cache_actors.node.node_pools import NodePools
 from raykv.controllers.ownership import Owner
 from raykv.controllers.pool_layout import PoolLayout
 
-from tests.unit.test_node_pools import (
-    LAYOUT,
-    FakeBackend,
-    FakeMemory,
-    FakePool,
-    FakeStore,
-    batch_of,
-)
+from tests.unit.fakes import FakeBackend, FakeMemory, FakePool
+from tests.unit.test_node_pools import LAYOUT, FakeStore, batch_of
 
 ANSWER_S = 10.0  # "returns at all": far above any healthy call, only against hangs
 
@@ -41,6 +35,7 @@ class GatedMemory(FakeMemory):
     def create(self, name: str, layout: PoolLayout) -> FakePool:
         if name in self.held:
             return super().create(name, layout)
+        self.budget.reserve(name, layout.nbytes)
         return FakePool(PoolHandle(name, f"fake-{name}", layout, self.epoch),
                         next(self._addresses))
 
@@ -49,6 +44,7 @@ class GatedBackend(FakeBackend):
     """``register`` of a pool of ``nbytes`` waits at ``gate``."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.gate = threading.Event()
         self.registering = threading.Event()
         self.held_nbytes = -1
@@ -57,6 +53,7 @@ class GatedBackend(FakeBackend):
         if nbytes == self.held_nbytes:
             self.registering.set()
             self.gate.wait()
+        super().register(ptr, nbytes)
 
 
 def start(fn, *args) -> tuple[threading.Thread, list]:

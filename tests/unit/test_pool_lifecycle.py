@@ -62,7 +62,7 @@ def transfer(node, pools, transfers, write: bool, scheme: KeyScheme | None = Non
     checked = check_transfers(transfers, pools.plan_pools, scheme, write=write,
                               disabled=pools.disabled)
     return staged_call(checked, pools.staged, write=write, epoch=pools.epoch,
-                       call=lambda batch: node.data(pools.mapped(), write, batch))
+                       call=lambda batch: node.move(pools.mapped(), write, batch))
 
 
 # ------------------------------------------------------------------ mapping

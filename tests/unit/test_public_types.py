@@ -111,24 +111,33 @@ def source_tree(tmp_path: Path) -> Path:
     return top
 
 
-def mypy(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def mypy_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """mypy, run once as a user's project would run it, over ``good.py`` (``GOOD``) and
+    ``bad.py`` (``BAD``): each file's errors are the lines naming it."""
     pytest.importorskip("mypy", reason="mypy is in the test extra: pip install -e '.[test]'")
+    tmp_path = tmp_path_factory.mktemp("mypy")
     (tmp_path / "mypy.ini").write_text(MYPY_INI)
-    (tmp_path / "user.py").write_text(code)
+    (tmp_path / "good.py").write_text(GOOD)
+    (tmp_path / "bad.py").write_text(BAD)
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--no-site-packages",
-         "--cache-dir", str(tmp_path / "cache"), "user.py"],
+         "--cache-dir", str(tmp_path / "cache"), "good.py", "bad.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={"MYPYPATH": str(source_tree(tmp_path)), "PATH": "/usr/bin:/bin"})
 
 
-def test_mypy_accepts_the_public_api(tmp_path):
-    out = mypy(tmp_path, GOOD)
-    assert out.returncode == 0, out.stdout + out.stderr
+def errors_of(out: subprocess.CompletedProcess, name: str) -> list[str]:
+    return [line for line in out.stdout.splitlines() if line.startswith(f"{name}:")]
 
 
-def test_mypy_rejects_what_raykv_does_not_export(tmp_path):
-    out = mypy(tmp_path, BAD)
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert 'Module "raykv" has no attribute "NotAnExport"' in out.stdout, out.stdout
-    assert 'expression has type "StorageConfig", variable has type "int"' in out.stdout
+def test_mypy_accepts_the_public_api(mypy_run):
+    assert errors_of(mypy_run, "good.py") == [], mypy_run.stdout + mypy_run.stderr
+    assert not mypy_run.stderr, mypy_run.stderr
+
+
+def test_mypy_rejects_what_raykv_does_not_export(mypy_run):
+    bad = "\n".join(errors_of(mypy_run, "bad.py"))
+    assert mypy_run.returncode == 1, mypy_run.stdout + mypy_run.stderr
+    assert 'Module "raykv" has no attribute "NotAnExport"' in bad, mypy_run.stdout
+    assert 'expression has type "StorageConfig", variable has type "int"' in bad

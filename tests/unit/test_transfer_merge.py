@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from raykv.cache_actors.node.mooncake_codes import ALREADY_PRESENT
 from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
 from raykv.cache_actors.node.transfer_merger import TransferMerger
+from raykv.controllers.result_codes import ALREADY_PRESENT
 
 from tests.unit.fakes import Counts
 

@@ -1,0 +1,45 @@
+"""Per-object result codes: what every data op of the node actor answers, one code per
+object, to the ranks, the integrations, the benches and the CLI. The one definition;
+pure (no Mooncake import), so every process reads them.
+
+Conventions (put, get, exists, remove, as Mooncake Store answers them; raykv's own
+codes beside Mooncake's):
+
+- put: 0 stored, ``ALREADY_PRESENT`` (1) existed already and was left as it was, negative
+  an error; an object counts as stored if its code is >= 0 (``ObjectBatch.stored``).
+- get: the object's size in bytes when read in full (``ObjectBatch.read_in_full``),
+  negative an error (``OBJECT_NOT_FOUND`` a miss).
+- exists: ``EXISTS`` (1) present, 0 absent, negative an error.
+- remove: 0 removed, negative an error (``OBJECT_HAS_LEASE`` while a lease holds it).
+
+Negative codes are Mooncake's errors (e.g. -704 object not found, -800 transfer failed,
+-900 rpc failed) or raykv's own (-1 to -3, below).
+"""
+
+EXISTS = 1
+"""An exists code: the store holds the object."""
+
+ALREADY_PRESENT = 1
+"""raykv's put code for an object that existed already and was left as it was."""
+
+CLIENT_ERROR = -1
+"""raykv's own code for an object whose call raised inside the Mooncake client."""
+
+NOT_CONFIRMED = -2
+"""raykv's put code for an object Mooncake accepted but did not report existing right
+after (another client's put of the key still in flight): not known stored."""
+
+NOT_OWNED = -3
+"""raykv's code for an object refused before any byte moved: its pool is not the
+caller's owner's, or its key lies outside the caller's key prefix
+(``controllers.ownership``)."""
+
+OBJECT_NOT_FOUND = -704
+"""Mooncake's code for a key the store does not hold: a get's miss."""
+
+OBJECT_HAS_LEASE = -706
+"""Mooncake's code for a non-forced remove of an object a lease still holds."""
+
+TRANSFER_FAIL = -800
+"""Mooncake's code for an object whose bytes could not be moved: e.g. a put placed on the
+segment of a client that died (``mooncake_backend`` retries those once)."""

@@ -1,0 +1,71 @@
+"""Rules of the tree: no product class over 300 lines (the developer guide's limit),
+counted from its ``class`` line to its last line, decorators aside; the per-object
+result codes defined once (``controllers.result_codes``), every other module imports
+them; no product module reads a ``RAYKV_TEST_*`` switch (tests inject their hooks,
+docs/architecture.md "Test hooks")."""
+
+import ast
+import functools
+import re
+
+from raykv.controllers import result_codes
+
+from tests.unit.test_docs_once import ROOT, modules
+
+LIMIT = 300
+CODES = "controllers/result_codes.py"
+CODE_NAMES = frozenset(n for n in vars(result_codes) if n.isupper())
+
+
+@functools.cache
+def parsed(name: str) -> ast.Module:
+    """The syntax tree of the package file ``name`` (parsed once for every rule)."""
+    return ast.parse((ROOT / name).read_text())
+
+
+def oversized(tree: ast.Module, name: str) -> list[str]:
+    """``"file:Class (N lines)"`` for each class in ``tree`` longer than ``LIMIT``."""
+    return [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LIMIT]
+
+
+def test_no_product_class_exceeds_300_lines():
+    files = modules()
+    assert len(files) > 100
+    assert [o for f in files for o in oversized(parsed(f), f)] == []
+    # CONTROL: a class one line over the limit is caught, one at the limit is not
+    body = "\n".join(f"    x{i} = {i}" for i in range(LIMIT - 1))
+    big = ast.parse(f"class Big:\n{body}\n    y = 0\n")
+    assert oversized(big, "big.py") == ["big.py:Big (301 lines)"]
+    assert oversized(ast.parse(f"class Fits:\n{body}\n"), "fits.py") == []
+
+
+def code_definitions(tree: ast.Module, name: str) -> list[str]:
+    """``"file:NAME"`` for each module-level assignment in ``tree`` of a name that
+    ``controllers.result_codes`` defines."""
+    return [f"{name}:{t.id}" for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name) and t.id in CODE_NAMES]
+
+
+def test_result_codes_are_defined_once():
+    files = [f for f in modules() if f != CODES]
+    assert [d for f in files for d in code_definitions(parsed(f), f)] == []
+    assert len(code_definitions(parsed(CODES), CODES)) >= 8
+    # CONTROL: a module that defines a code of its own is caught
+    assert code_definitions(ast.parse("NOT_OWNED = -3\n"), "x.py") == ["x.py:NOT_OWNED"]
+
+
+def switch_names(source: str) -> list[str]:
+    """The ``RAYKV_TEST_*`` names ``source`` mentions."""
+    return re.findall(r"RAYKV_TEST_\w*", source)
+
+
+def test_no_product_module_reads_a_test_switch():
+    found = {f: switch_names((ROOT / f).read_text()) for f in modules()}
+    assert {f: h for f, h in found.items() if h} == {}
+    # CONTROL: the hook the store backend read before is caught
+    assert switch_names('os.environ.get("RAYKV_TEST_STORE_DELAY_S")') == [
+        "RAYKV_TEST_STORE_DELAY_S"]
