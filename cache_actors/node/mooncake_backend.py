@@ -21,10 +21,19 @@ A put that Mooncake placed on a dead client's segment fails with ``TRANSFER_FAIL
 (-800): the master keeps listing a segment until that client's heartbeats have been
 missing for its ``-client_ttl`` (10 s), so after a node actor is killed about half the
 objects put meanwhile failed (measured: 1 node, its killed actor's segment and its new
-one). Those objects are put once more at once, steered to this client's own segment
-(``ReplicateConfig.preferred_segment``: an embedded client with a segment; a client
-without one retries on a fresh placement), so puts succeed as soon as a restarted actor
-answers. A retry that fails again keeps its code.
+one). Those objects are put once more at once (a fresh placement), so puts succeed as soon as a
+restarted actor answers. A retry that fails again keeps its code.
+
+Placement: every put prefers the node's *own segment* (``own_segment``: the segment its
+Mooncake client contributes, named by that client's ``host:port``), through
+``ReplicateConfig.preferred_segment``; Mooncake places an object elsewhere when that
+segment has no room (measured on 0.3.13: 48 objects of 1 MiB preferring a full 16 MiB
+segment all stored, 16 on it and 32 on the other). An embedded client with a segment
+knows its name (``get_hostname``). A dummy client (standalone mode) places at random
+and cannot ``locate``: Mooncake 0.3.13's ``mooncake_client`` does not serve
+``batch_get_replica_desc`` to its dummies ("the rpc function not registered", measured),
+so a standalone node cannot find out which segment is its own either. ``locate`` says
+on which segments an object's replicas live (``batch_get_replica_desc``).
 
 Test-only: the environment variable ``RAYKV_TEST_STORE_DELAY_S`` (seconds, read once at
 import; unset or 0 in production, where it costs one falsy test per call) makes every
@@ -54,12 +63,23 @@ class MooncakeBackend:
     """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
     dummy client of a ``mooncake_client`` process (standalone mode)."""
 
-    def __init__(self, store, steer=None) -> None:
-        """``store``: a set-up ``MooncakeDistributedStore``; ``steer``: the
-        ``ReplicateConfig`` a put retried after ``TRANSFER_FAIL`` uses (None: a fresh
-        placement)."""
+    def __init__(self, store, own_segment: str | None = None) -> None:
+        """``store``: a set-up ``MooncakeDistributedStore``; ``own_segment``: the name
+        of the segment puts prefer (None: none, Mooncake places at random)."""
         self._store = store
-        self._steer = steer
+        self._steer = None
+        self.own_segment: str | None = None
+        self.can_locate = True  # a dummy client cannot (see the module docstring)
+        if own_segment:
+            self.prefer(own_segment)
+
+    def prefer(self, segment: str) -> None:
+        """Make every later put prefer ``segment`` (this node's own)."""
+        from mooncake.store import ReplicateConfig
+
+        steer = ReplicateConfig()
+        steer.preferred_segment = segment
+        self._steer, self.own_segment = steer, segment
 
     @classmethod
     def embedded(
@@ -90,13 +110,8 @@ class MooncakeBackend:
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
                                f"{master_server_addr}, metadata {metadata_server})")
-        steer = None
-        if global_segment_size > 0:  # its segment is named by its hostname
-            from mooncake.store import ReplicateConfig
-
-            steer = ReplicateConfig()
-            steer.preferred_segment = store.get_hostname()
-        return cls(store, steer)
+        # its segment (if any) is named by its hostname
+        return cls(store, store.get_hostname() if global_segment_size > 0 else None)
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
@@ -111,7 +126,9 @@ class MooncakeBackend:
         for _ in range(attempts):
             rc = store.setup_dummy(mem_pool_size, local_buffer_size, server_address)
             if rc == 0:
-                return cls(store)
+                backend = cls(store)
+                backend.can_locate = False
+                return backend
             time.sleep(0.1)
         raise RuntimeError(f"Mooncake setup_dummy to {server_address} failed with code {rc}")
 
@@ -151,9 +168,9 @@ class MooncakeBackend:
         todo = [i for i, e in enumerate(present) if e != 1]
         if not todo:
             return codes
-        results = self._put_from(todo, keys, ptrs, sizes)
+        results = self._put_from(todo, keys, ptrs, sizes, self._steer)
         retry = [j for j, rc in enumerate(results) if rc == TRANSFER_FAIL]
-        if retry:  # placed on a dead segment: once more, steered off it
+        if retry:  # placed on a dead segment (own one full): once more, placed afresh
             again = self._put_from([todo[j] for j in retry], keys, ptrs, sizes, self._steer)
             for j, rc in zip(retry, again, strict=True):
                 results[j] = rc
@@ -190,6 +207,24 @@ class MooncakeBackend:
         except Exception:
             log.exception("batch_get_into raised")
             return [CLIENT_ERROR] * len(keys)
+
+    def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
+        """Per key, the segments holding a complete in-memory replica of it (empty: the
+        store has none); None if the lookup raised (logged) or this client cannot
+        locate (``can_locate``)."""
+        if not self.can_locate:
+            return None
+        from mooncake.store import ReplicaStatus
+
+        try:
+            found = self._store.batch_get_replica_desc(keys)
+        except Exception:
+            log.exception("batch_get_replica_desc raised")
+            return None
+        done = ReplicaStatus.COMPLETE
+        return [tuple(r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                      for r in found.get(k, ()) if r.is_memory_replica() and r.status == done)
+                for k in keys]
 
     def remove(self, keys: list[str]) -> list[int]:
         """Forced ``batch_remove`` (leases ignored): 0 / negative error per key."""
