@@ -146,3 +146,4 @@ def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
     assert router.counts["routed"] == before["routed"]
     assert set(nodes_of(handles["raykv"], prompts)) == {cluster.node_ids[0]}
     assert router.counts["routed"] == before["routed"] + len(prompts)
+
