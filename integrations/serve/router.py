@@ -18,13 +18,15 @@ Configure it in ``LLMConfig.deployment_config``::
 
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
 residency, ``fallback`` (power of two), ``failed`` (an error, logged at most once a
-minute), and ``overhead_s`` (seconds spent choosing, in all).
+minute), and ``overhead_s`` (seconds spent choosing, in all); ``recent_s``: the
+seconds each of the last ``RECENT`` requests spent choosing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -36,6 +38,8 @@ from raykv.integrations.serve.ranking import Weights, rank
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 
 log = logging.getLogger(__name__)
+
+RECENT = 1024
 
 
 class RayKVRouter(PowerOfTwoChoicesRequestRouter):
@@ -52,6 +56,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._weights = Weights(o.weight_l2, o.weight_segment, o.weight_l3, o.weight_load)
         self._warn = ThrottledLog(log)
         self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
+        self.recent_s: deque[float] = deque(maxlen=RECENT)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -64,7 +69,9 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             self._warn.warn("route", "RayKVRouter: routing by residency failed, power of "
                             "two choices instead: %s", e)
             ranked = None
-        self.counts["overhead_s"] += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.counts["overhead_s"] += took
+        self.recent_s.append(took)
         if ranked is None:
             self.counts["fallback"] += 1
             return await super().choose_replicas(candidate_replicas, pending_request)
