@@ -43,7 +43,9 @@ class RouteOptions:
       no attention backend chosen). They must match the engines' or every answer is a
       miss (routing then degrades to power of two choices, never to a wrong load).
     - ``namespace``: raykv's Ray namespace.
-    - ``deadline_ms``: how long a request's routing waits for the node actors (10).
+    - ``deadline_ms``: how long a request's routing waits for the node actors (20; a
+      residency call took 3.5 ms at the median as a Ray call on a loaded 2-core
+      machine, ``docs/benchmarks.md``).
     - ``tokenizer``: the model (name or path) whose tokenizer and chat template turn a
       request's text into token ids (None: only requests that carry token ids are
       routed by residency).
@@ -62,7 +64,7 @@ class RouteOptions:
     extra_backend_tag: str | None = None
     tenant: str | None = None
     namespace: str = NAMESPACE
-    deadline_ms: float = 10.0
+    deadline_ms: float = 20.0
     tokenizer: str | None = None
     weight_l2: float = 1.0
     weight_segment: float = 0.8
