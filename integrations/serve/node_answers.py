@@ -76,6 +76,13 @@ class NodeAnswers:
             else self._owner.base
         return await actor.residency.remote(keys, per_page, claim, deadline_s)
 
+    def warm(self, node_ids: Iterable[str]) -> None:
+        """Start looking up the actors of ``node_ids`` not known yet (on the running
+        event loop), so a request's first call to a node need not wait for it."""
+        for node in set(node_ids) - set(self._actors) - set(self._opening):
+            task = asyncio.ensure_future(self._open(node))
+            task.add_done_callback(_quiet)
+
     async def _open(self, node: str) -> ray.actor.ActorHandle:
         """The node's actor, looked up (and a tenant's owner session with it opened)
         on a thread, one at a time per node: concurrent requests share it."""
@@ -97,6 +104,12 @@ class NodeAnswers:
         if self._tenant:
             self._owner.claim(name, ask)  # opens the session
         return actor
+
+
+def _quiet(task: asyncio.Task) -> None:
+    """A warming look-up that failed is tried again by the next request."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("looking up a node actor failed: %s", task.exception())
 
 
 def _no_session(method: str, *args):

@@ -24,6 +24,7 @@ seconds each of the last ``RECENT`` requests spent choosing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -57,6 +58,16 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._warn = ThrottledLog(log)
         self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
         self.recent_s: deque[float] = deque(maxlen=RECENT)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's, then the node actors of the replicas' nodes are looked up ahead of
+        the first request (when called on the router's event loop)."""
+        super().update_replicas(replicas)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._nodes.warm(r.node_id for r in replicas)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

@@ -132,7 +132,7 @@ def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
     handles, opts = apps
     shared = tokens(2)
     hold_on_node(cluster, opts, shared)
-    prompts = [shared + tokens(300 + i, 8) for i in range(4)]
+    prompts = [shared + tokens(300 + i, 8) for i in range(2)]
     router = router_of(handles["raykv"])
     pid = ray.get(cluster.node_actors[cluster.node_ids[0]].health.remote())["pid"]
     before = dict(router.counts)
