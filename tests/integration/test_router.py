@@ -10,7 +10,7 @@ are the same requests through Serve's default power-of-two router, a prompt no n
 holds, and node 1's actor SIGSTOPped (both fall back to power of two within the
 deadline, and every request is answered). Not verified here: vLLM replicas (Ray Serve
 LLM's start takes 24-51 s a replica on this machine); ``RAYKV_SLOW_ROUTER_TESTS=1``
-runs ``test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix`` for that.
+runs ``test_router_llm.py`` for that.
 """
 
 from __future__ import annotations
