@@ -291,6 +291,7 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
         await self._pooled(self._service.shutdown, remove_pools)
+        self._route.shutdown(wait=False)
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):
