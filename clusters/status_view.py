@@ -103,8 +103,9 @@ def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
 def render_status(state: dict, console: Console | None = None) -> None:
     """Print the master, each node's warnings (its stats' ``warnings``), the deployments,
     one row per node and pool (a table where it fits the console's width, else the same
-    figures as lines: ``_print_narrow``) and the pool bytes per tenant and node against
-    each tenant's quota."""
+    figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
+    each tenant's quota, and each node's own segment (where its puts go first) and the
+    routers' residency queries it answered."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -135,6 +136,12 @@ def render_status(state: dict, console: Console | None = None) -> None:
     for node_id, s in state["nodes"].items():
         for line in tenant_lines(node_id, s, console.width):
             console.print(Text(line), soft_wrap=True)
+    for node_id, s in state["nodes"].items():
+        if "own_segment" in s:
+            r = s.get("residency") or {}
+            console.print(f"node {node_id[:8]}: puts prefer segment "
+                          f"{s['own_segment'] or '(none known: placed at random)'}; "
+                          f"{r.get('queries', 0)} residency queries from routers")
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
         if g and (g["looked_up"] or g["recent"] or g["inflight"] or g.get("confirmed")):

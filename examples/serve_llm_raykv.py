@@ -36,10 +36,29 @@ from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from raykv.controllers.tenancy import TENANT_SECRET_FILE_ENV
 
+ROUTER = "raykv.integrations.serve.router:RayKVRouter"
+ROUTED_TAG = "vllm-routed"
+"""The key tag of routed replicas: set in both the connector's and the router's
+config, so both key blocks alike whatever the engine's dtype or attention backend."""
+
+
+def raykv_router_config(model_name: str, *, block_size: int, tp_size: int = 1,
+                        tokenizer: str | None = None, tenant: str | None = None) -> dict:
+    """The ``request_router_config`` of ``LLMConfig.deployment_config`` that routes by
+    raykv's residency (``RayKVRouter``): the engines' model name, block size, TP size,
+    tenant and key tag (``ROUTED_TAG``), and the tokenizer that turns text requests
+    into token ids (the model source)."""
+    kwargs = {"model_name": model_name, "block_size": block_size, "tp_size": tp_size,
+              "extra_backend_tag": ROUTED_TAG, "tokenizer": tokenizer}
+    if tenant:
+        kwargs["tenant"] = tenant
+    return {"request_router_class": ROUTER, "request_router_kwargs": kwargs}
+
 
 def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
                      prefix_caching: bool, max_model_len: int, model_name: str | None = None,
-                     tenant: str | None = None, **llm_config) -> LLMConfig:
+                     tenant: str | None = None, router_block_size: int | None = None,
+                     **llm_config) -> LLMConfig:
     """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector.
 
     ``model_name``: the model part of raykv's keys (default ``model_source``): engines
@@ -49,6 +68,8 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
     ``runtime_env``, never the secret (Ray shows a runtime environment's variables to
     every job of the cluster): the file must be on every node the replicas run on,
     readable by their user only (docs/deploy.md, "Tenants and quotas").
+    ``router_block_size``: route requests with ``RayKVRouter`` (``raykv_router_config``)
+    and run the engines with this vLLM block size (None: Serve's own router).
     ``llm_config``: any other ``LLMConfig`` field (e.g. ``placement_group_config``)."""
     engine_kwargs = dict(
         max_model_len=max_model_len,
@@ -71,6 +92,14 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
                              "of its secret file on the replicas' nodes before starting "
                              "the app")
         env[TENANT_SECRET_FILE_ENV] = path
+    deployment = dict(autoscaling_config=dict(min_replicas=replicas, max_replicas=replicas))
+    if router_block_size:
+        engine_kwargs["block_size"] = router_block_size
+        engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"][
+            "extra_backend_tag"] = ROUTED_TAG
+        deployment["request_router_config"] = raykv_router_config(
+            model_name or model_source, block_size=router_block_size, tokenizer=model_source,
+            tenant=tenant)
     kw = dict(llm_config)
     if cpu:
         kw["accelerator_config"] = {"kind": "cpu"}
@@ -81,8 +110,7 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
                "HF_HUB_OFFLINE": "1"}
     return LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_source),
-        deployment_config=dict(autoscaling_config=dict(min_replicas=replicas,
-                                                       max_replicas=replicas)),
+        deployment_config=deployment,
         engine_kwargs=engine_kwargs,
         runtime_env={"env_vars": env},
         **kw,
@@ -116,6 +144,8 @@ def main() -> None:
     p.add_argument("--address", default="auto", help="Ray cluster (raykv must be up there)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
+    p.add_argument("--raykv-router", type=int, metavar="BLOCK_SIZE",
+                   help="route by raykv's residency (RayKVRouter), vLLM blocks of this size")
     p.add_argument("--tenant", help="raykv tenant of the replicas (its secret file: "
                    f"${TENANT_SECRET_FILE_ENV} of this process)")
     args = p.parse_args()
@@ -123,7 +153,8 @@ def main() -> None:
     ray.init(address=args.address)
     config = raykv_llm_config(args.model_id, args.model, replicas=args.replicas, cpu=args.cpu,
                               prefix_caching=not args.no_prefix_caching,
-                              max_model_len=args.max_model_len, tenant=args.tenant)
+                              max_model_len=args.max_model_len, tenant=args.tenant,
+                              router_block_size=args.raykv_router)
     serve.start(http_options={"port": args.port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"

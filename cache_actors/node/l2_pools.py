@@ -199,6 +199,14 @@ class L2Pools:
                 n += 1
         return n
 
+    def resident(self, keys: Sequence[str], owner: Owner | None) -> list[bool]:
+        """Per key, whether it is ready in an L2 pool of ``owner``; nothing leased or
+        touched (a router's look: ``cache_actors.node.residency_query``; the caller
+        checked the keys against its claim)."""
+        with self._lock:
+            indexes = [p.index for p in self._pools.values() if p.owner == owner]
+            return [any(x.page_of(k) is not None for x in indexes) for k in keys]
+
     def acquire(self, holder: Holder, pool: str, keys: list[str], fill: bool,
                 caller: OwnerClaim | None = None, *, deadline: float | None = None,
                 verified: bool = False) -> list[int]:

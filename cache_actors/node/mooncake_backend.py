@@ -17,24 +17,27 @@ reported existing is complete), sends the others, and confirms the ones that cam
 with one more ``batch_is_exist``: an object not reported existing then gets
 ``NOT_CONFIRMED`` (a failure: the caller may put it again later), never a success.
 
-Placement: an embedded client with a segment (``prefer_own_segment``) asks for its own
-segment on every put (``ReplicateConfig.preferred_segment``, the segment named by the
-client's ``get_hostname``); Mooncake's master puts an object there while the segment has
-room and on another segment otherwise (measured on 0.3.13: a 64 MiB segment took the
-first 16 of 40 4 MiB objects, the other 24 went to another client's segment, all
-stored). A rank's pages then stay on its own node, where the node's puts and gets are a
-memory copy instead of a transfer over the network (32 x 256 KiB, two clients on one
-machine over TCP: 1.7-2.0 ms against 4-9 ms for a random segment). Without it (or for a
-dummy client) Mooncake picks a random segment.
-
 A put that Mooncake placed on a dead client's segment fails with ``TRANSFER_FAIL``
 (-800): the master keeps listing a segment until that client's heartbeats have been
 missing for its ``-client_ttl`` (10 s), so after a node actor is killed about half the
 objects put meanwhile failed (measured: 1 node, its killed actor's segment and its new
-one). Those objects are put once more at once, steered to this client's own segment
-(``ReplicateConfig.preferred_segment``: an embedded client with a segment; a client
-without one retries on a fresh placement), so puts succeed as soon as a restarted actor
-answers. A retry that fails again keeps its code.
+one). Those objects are put once more at once, with the same placement (the own
+segment, or a fresh random one), so puts succeed as soon as a restarted actor answers. A
+retry that fails again keeps its code.
+
+Placement (``NodeSettings.placement``): with ``prefer_own_segment`` every put prefers
+the node's *own segment* (``own_segment``: the segment its Mooncake client contributes,
+named by that client's ``host:port``), through ``ReplicateConfig.preferred_segment``;
+Mooncake places an object elsewhere when that segment has no room (measured on 0.3.13:
+48 objects of 1 MiB preferring a full 16 MiB segment all stored, 16 on it and 32 on the
+other). A rank's pages then stay on its own node, where the node's puts and gets are a
+memory copy instead of a transfer (32 x 256 KiB, two clients on one machine over TCP:
+1.7-2.0 ms against 4-9 ms for a random segment). An embedded client with a segment
+knows its name (``get_hostname``). A dummy client (standalone mode) places at random
+and cannot ``locate``: Mooncake 0.3.13's ``mooncake_client`` does not serve
+``batch_get_replica_desc`` to its dummies ("the rpc function not registered", measured),
+so a standalone node cannot find out which segment is its own either. ``locate`` says
+on which segments an object's replicas live (``batch_get_replica_desc``).
 """
 
 from __future__ import annotations
@@ -58,14 +61,28 @@ class MooncakeBackend:
     """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
     dummy client of a ``mooncake_client`` process (standalone mode)."""
 
-    def __init__(self, store, steer=None, prefer_own_segment: bool = False) -> None:
-        """``store``: a set-up ``MooncakeDistributedStore``; ``steer``: the
-        ``ReplicateConfig`` naming this client's own segment, which a put retried after
-        ``TRANSFER_FAIL`` uses (None: a fresh placement), and every put when
-        ``prefer_own_segment``."""
+    def __init__(self, store, own_segment: str | None = None,
+                 prefer_own_segment: bool = True) -> None:
+        """``store``: a set-up ``MooncakeDistributedStore``; ``own_segment``: the name
+        of this client's segment (None: it has none, or cannot tell); puts prefer it
+        when ``prefer_own_segment``, else Mooncake places them at random."""
         self._store = store
-        self._steer = steer
-        self._placement = steer if prefer_own_segment else None
+        self._steer = None
+        self._prefer_own = prefer_own_segment
+        self.own_segment: str | None = None
+        self.can_locate = True  # a dummy client cannot (see the module docstring)
+        if own_segment:
+            self.prefer(own_segment)
+
+    def prefer(self, segment: str) -> None:
+        """Name ``segment`` this node's own: every later put prefers it (when
+        ``prefer_own_segment``)."""
+        from mooncake.store import ReplicateConfig
+
+        steer = ReplicateConfig()
+        steer.preferred_segment = segment
+        self.own_segment = segment
+        self._steer = steer if self._prefer_own else None
 
     @classmethod
     def embedded(
@@ -98,13 +115,9 @@ class MooncakeBackend:
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
                                f"{master_server_addr}, metadata {metadata_server})")
-        steer = None
-        if global_segment_size > 0:  # its segment is named by its hostname
-            from mooncake.store import ReplicateConfig
-
-            steer = ReplicateConfig()
-            steer.preferred_segment = store.get_hostname()
-        return cls(store, steer, prefer_own_segment)
+        # its segment (if any) is named by its hostname
+        return cls(store, store.get_hostname() if global_segment_size > 0 else None,
+                   prefer_own_segment)
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
@@ -119,7 +132,9 @@ class MooncakeBackend:
         for _ in range(attempts):
             rc = store.setup_dummy(mem_pool_size, local_buffer_size, server_address)
             if rc == 0:
-                return cls(store)
+                backend = cls(store)
+                backend.can_locate = False
+                return backend
             time.sleep(0.1)
         raise RuntimeError(f"Mooncake setup_dummy to {server_address} failed with code {rc}")
 
@@ -157,9 +172,9 @@ class MooncakeBackend:
         todo = [i for i, e in enumerate(present) if e != EXISTS]
         if not todo:
             return codes
-        results = self._put_from(todo, keys, ptrs, sizes, self._placement)
+        results = self._put_from(todo, keys, ptrs, sizes, self._steer)
         retry = [j for j, rc in enumerate(results) if rc == TRANSFER_FAIL]
-        if retry:  # placed on a dead segment: once more, steered off it
+        if retry:  # placed on a dead segment (own one full): once more, placed afresh
             again = self._put_from([todo[j] for j in retry], keys, ptrs, sizes, self._steer)
             for j, rc in zip(retry, again, strict=True):
                 results[j] = rc
@@ -194,6 +209,24 @@ class MooncakeBackend:
         except Exception:
             log.exception("batch_get_into raised")
             return [CLIENT_ERROR] * len(keys)
+
+    def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
+        """Per key, the segments holding a complete in-memory replica of it (empty: the
+        store has none); None if the lookup raised (logged) or this client cannot
+        locate (``can_locate``)."""
+        if not self.can_locate:
+            return None
+        from mooncake.store import ReplicaStatus
+
+        try:
+            found = self._store.batch_get_replica_desc(keys)
+        except Exception:
+            log.exception("batch_get_replica_desc raised")
+            return None
+        done = ReplicaStatus.COMPLETE
+        return [tuple(r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                      for r in found.get(k, ()) if r.is_memory_replica() and r.status == done)
+                for k in keys]
 
     def remove(self, keys: list[str]) -> list[int]:
         """Forced ``batch_remove`` (leases ignored): 0 / negative error per key."""

@@ -2,12 +2,14 @@
 
 One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace, created
 only through ``node_actor_class``, which sets every Ray option it runs under. It is async
-with three concurrency groups, each its own event loop, none of which ever blocks:
+with four concurrency groups, each its own event loop, none of which ever blocks:
 ``control`` (health, channel_path, forget_confirmations) answers at once whatever the
 others do; ``pools`` (pool management, stats, shutdown) runs each call on a thread of its
 own executor (``POOL_THREADS``: creating a pool reserves its memory, destroying one
 drains its calls, up to 30 s); ``data`` calls (exists, put, get, group hits) run on the
-service's executor. Everything else (what each call does, which threads
+service's executor; ``route`` calls (residency, locate: what routers ask,
+``cache_actors.node.residency_query``) on ``ROUTE_THREADS`` threads of their own, never
+queued behind a transfer. Everything else (what each call does, which threads
 run what, which lock guards which state) is ``cache_actors.node.node_service``.
 """
 
@@ -17,6 +19,7 @@ import asyncio
 import importlib
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -27,6 +30,7 @@ from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
+from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.contract import PoolTransferResult
@@ -36,12 +40,18 @@ from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.residency import Residency
 
 log = logging.getLogger(__name__)
 
 POOL_THREADS = 8
 """Pool calls (and stats) running at once; more wait in Ray's queue of the ``pools``
 group, never in front of ``health``."""
+ROUTE_THREADS = 2
+"""Residency and locate queries running at once."""
+ROUTE_WAIT_S = 0.05
+"""Default of how long a residency query may wait for a thread, in seconds: a router
+waits a few ms, an answer later than this is never used."""
 
 
 class NodeCacheActor:
@@ -107,6 +117,9 @@ class NodeCacheActor:
             confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas,
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
             l2_bytes=l2_bytes)
+        self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
+        self._residency = ResidencyQuery(node_id, store, self._service.l2,
+                                         self._service.verify)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -235,6 +248,23 @@ class NodeCacheActor:
                 f"the group query was not answered within {WAIT_S:g} s (the store lookup "
                 "in flight did not end)") from None
 
+    # ---------------------------------------------------------------- routing
+    @ray.method(concurrency_group="route")
+    async def residency(self, keys: list[str], per_page: int,
+                        owner: OwnerClaim | None = None,
+                        within_s: float = ROUTE_WAIT_S) -> Residency:
+        """``ResidencyQuery.residency``, not run if no thread took it within
+        ``within_s`` seconds of its arrival here."""
+        deadline = time.monotonic() + min(max(float(within_s), 0.0), WAIT_S)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._route, self._residency.residency, keys, per_page, owner, deadline)
+
+    @ray.method(concurrency_group="route")
+    async def locate(self, keys: list[str], owner: OwnerClaim | None = None
+                     ) -> list[list[str]]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._route, self._residency.locate, keys, owner)
+
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
     async def clear_objects(self, owner: OwnerClaim | None = None) -> int:
@@ -256,12 +286,15 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
         """``NodeService.stats``, plus ``warnings``: what is wrong with this node's
-        environment (both Mooncake wheels installed), said at start too."""
-        return await self._pooled(self._service.stats) | {"warnings": self._warnings}
+        environment (both Mooncake wheels installed), said at start too, and
+        ``residency``: the routers' queries (``ResidencyQuery.stats``)."""
+        return await self._pooled(self._service.stats) | {
+            "warnings": self._warnings, "residency": self._residency.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
         await self._pooled(self._service.shutdown, remove_pools)
+        self._route.shutdown(wait=False)
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):
@@ -270,7 +303,8 @@ def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):
     restarted by Ray whenever it dies, ``.remote(...)`` returning the existing actor if
     it is already there; ``env``: its environment variables."""
     return ray.remote(
-        concurrency_groups={"control": 2, "pools": POOL_THREADS, "data": DATA_THREADS},
+        concurrency_groups={"control": 2, "pools": POOL_THREADS, "data": DATA_THREADS,
+                            "route": ROUTE_THREADS},
         name=node_actor_name(node_id), namespace=namespace, lifetime="detached",
         get_if_exists=True, max_restarts=-1, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),

@@ -150,12 +150,14 @@ class NodeStore:
 
     def stats(self) -> dict:
         """Mode, host pool budget and bytes in use, the client's ``mooncake_endpoint``
-        (``host:port`` its peers are told: the node's address), and the
+        (``host:port`` its peers are told: the node's address), ``own_segment`` (the
+        name of the segment this node's puts prefer; None: none known), and the
         ``mooncake_client`` process."""
         out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
                "host_pool_used": self.memory.budget.used,
                "exposed_ports": [str(x) for x in self.exposed],
-               "mooncake_endpoint": self.backend.endpoint()}
+               "mooncake_endpoint": self.backend.endpoint(),
+               "own_segment": self.backend.own_segment}
         if self.process is not None:
             out["mooncake_client"] = self.process.info()
         return out

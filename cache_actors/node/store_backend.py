@@ -16,7 +16,13 @@ from typing import Protocol
 
 class StoreBackend(Protocol):
     """The node's client of the L3 store (Mooncake: embedded, or a dummy client of a
-    ``mooncake_client`` process in standalone mode)."""
+    ``mooncake_client`` process in standalone mode).
+
+    ``own_segment``: the name of this node's segment, which puts prefer (None: none
+    known); ``can_locate``: whether ``locate`` can answer."""
+
+    own_segment: str | None
+    can_locate: bool
 
     def exists(self, keys: list[str]) -> list[int]:
         """A lookup: ``EXISTS`` (1) / 0 / negative error per key."""
@@ -71,6 +77,11 @@ class StoreBackend(Protocol):
 
     def endpoint(self) -> str:
         """``host:port`` the client's transfer engine tells its peers ("" if none)."""
+        ...
+
+    def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
+        """Per key, the segments holding a complete replica of it; None if the lookup
+        failed or cannot be made (``can_locate``)."""
         ...
 
     def close(self) -> None:

@@ -236,3 +236,70 @@ def test_l2_write_behind_then_a_node_without_it_fills_from_l3(cluster, uid):
     finally:
         a.close()
         b.close()
+
+
+def test_residency_names_the_node_that_holds_a_chain(cluster, uid):
+    """Node 1's L2 writes 16 blocks behind to L3: embedded, they land on node 1's own
+    segment (puts prefer it; control: random placement would put all 16 there with
+    chance 2^-16), so node 1 answers L2, own segment and L3 for the 16 leading pages and
+    node 2 answers L3 alone; ``locate`` names node 1's segment for each; a chain with a
+    gap counts up to the gap. Standalone (a dummy client cannot locate): L2 and L3, no
+    segment. Owner rules: a caller without the deployment's claim sees no L2, keys of
+    another deployment or a tenant's are refused; a query past its deadline is not
+    run."""
+    from raykv.cache_actors.errors import DeadlineExceededError
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.controllers.pool_layout import PoolLayout
+
+    node1, node2 = cluster.node_ids
+    conf = StorageConfig(model_name=f"org/where-{uid}")
+    layout = PoolLayout.vllm(page_size=4, size=16, layer_num=2, head_num=1, head_dim=16,
+                             dtype="bfloat16", itemsize=2)
+    a, b = CacheClient(conf, node_id=node1), CacheClient(conf, node_id=node2)
+    n1, n2 = cluster.node_actors[node1], cluster.node_actors[node2]
+    try:
+        la = a.l2()
+        pa = la.open(layout, 16)
+        hashes = [f"{uid}{i:02d}" for i in range(16)]
+        pages = la.reserve(pa.name, hashes)
+        assert la.commit(pa.name, hashes, pages, [True] * 16) == 16
+        for _ in range(100):  # the write-behind put runs in node 1's actor
+            if a.stats()["l2"]["l3_put"] >= 16:
+                break
+            time.sleep(0.05)
+        keys = la._keys(hashes + [f"{uid}x"])
+        embedded = ray.get(n1.health.remote())["mode"] == "embedded"
+        seg1 = ray.get(n1.stats.remote())["own_segment"]
+        seg2 = ray.get(n2.stats.remote())["own_segment"]
+        on1 = 16 if embedded else 0
+        assert (seg1 and seg2 and seg1 != seg2) if embedded else seg1 is seg2 is None
+        r1 = ray.get(n1.residency.remote(keys, 1, a.owner_claim(node1)))
+        r2 = ray.get(n2.residency.remote(keys, 1, b.owner_claim(node2)))
+        assert (r1.node_id, r1.pages, r1.best(), r1.own_segment) == (node1, 17, (16, on1, 16),
+                                                                      seg1)
+        assert (r2.node_id, r2.best(), r2.own_segment) == (node2, (0, 0, 16), seg2)
+        if embedded:
+            assert ray.get(n2.locate.remote(keys, b.owner_claim(node2))) == \
+                [[seg1]] * 16 + [[]]
+        gap = keys[:3] + keys[-1:] + keys[4:8]
+        assert ray.get(n1.residency.remote(gap, 1, a.owner_claim(node1))).best() == \
+            (3, 3 if embedded else 0, 3)
+        two = ray.get(n1.residency.remote(keys[:16], 2, a.owner_claim(node1)))  # 2 keys a page
+        assert (two.pages, two.l3) == (8, 8)
+        # no claim: no L2
+        assert ray.get(n1.residency.remote(keys, 1)).best() == (0, on1, 16)
+        other = CacheClient(StorageConfig(model_name=f"org/other-{uid}"), node_id=node1)
+        try:
+            with pytest.raises(ValueError, match="outside the caller's key prefix"):
+                ray.get(n1.residency.remote(keys, 1, other.owner_claim(node1)))
+        finally:
+            other.close()
+        with pytest.raises(ValueError, match="tenant's claim"):
+            ray.get(n1.residency.remote(["t1.x_" + keys[0]], 1))
+        with pytest.raises(DeadlineExceededError):
+            ray.get(n1.residency.remote(keys, 1, a.owner_claim(node1), 0.0))
+        stats = ray.get(n1.stats.remote())["residency"]
+        assert stats["queries"] >= 7 and stats["refused"] >= 2 and stats["late"] >= 1
+    finally:
+        a.close()
+        b.close()

@@ -10,6 +10,8 @@ is made, so each is made under its own secret through ``monkeypatch``).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -248,3 +250,53 @@ def test_an_impostor_on_another_node_cannot_register_the_tenants_deployment(make
     ray.kill(impostor)
     twin, _ = make(SECRET_A, 2, model_name=model, tenant=tenant)
     assert twin.register_deployment() == dep  # CONTROL: the tenant's secret registers
+
+
+def test_a_tenants_router_finds_its_prefix_and_learns_nothing_of_others(cluster,
+                                                                        monkeypatch, uid):
+    """``RayKVRouter``'s look-up (``NodeAnswers``) for a tenant: with the tenant's
+    secret it opens owner sessions with both node actors and finds the tenant's pages
+    in node 1's L2, on its segment and in L3 (node 2: L3); another tenant's router,
+    asking about the same prompt, finds nothing (its keys are its own); a router
+    claiming the tenant with another secret gets no answer at all (its session is
+    refused), so it would route by power of two."""
+    import asyncio
+
+    from raykv.cache_actors.rank.rank_owner import RankOwner
+    from raykv.controllers.naming import NAMESPACE
+    from raykv.controllers.pool_layout import PoolLayout
+    from raykv.integrations.serve.node_answers import NodeAnswers
+    from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+
+    node1, node2 = cluster.node_ids
+    prompt = list(range(3, 3 + 4 * 6 + 1))  # 6 loadable blocks of 4 tokens
+
+    def router(tenant: str, secret: str) -> tuple[RouteKeys, NodeAnswers]:
+        monkeypatch.setenv(TENANT_SECRET_ENV, secret)
+        keys = RouteKeys(RouteOptions.parse({"model_name": f"org/rt-{uid}", "block_size": 4,
+                                             "tenant": tenant}))
+        return keys, NodeAnswers(NAMESPACE, RankOwner.of_config(keys.config))
+
+    def ask(keys: RouteKeys, nodes: NodeAnswers) -> dict:
+        got = asyncio.run(nodes.ask(cluster.node_ids, keys.keys(prompt), 1, 10.0))
+        return {n: r.best() for n, r in got.items()}
+
+    keys, nodes = router(f"ra{uid}", SECRET_A)
+    client = CacheClient(keys.config, node_id=node1)
+    try:
+        link = client.l2()
+        hashes = keys.page_hashes(prompt)
+        pool = link.open(PoolLayout.vllm(page_size=4, size=24, layer_num=1, head_num=1,
+                                         head_dim=8, dtype="bfloat16", itemsize=2), 6)
+        pages = link.reserve(pool.name, hashes)
+        assert link.commit(pool.name, hashes, pages, [True] * 6) == 6
+        for _ in range(200):
+            if client.stats()["l2"]["l3_put"] >= 6:
+                break
+            time.sleep(0.05)
+        assert ask(keys, nodes) == {node1: (6, 6, 6), node2: (0, 0, 6)}
+        assert ask(*router(f"rb{uid}", SECRET_B)) == {node1: (0, 0, 0), node2: (0, 0, 0)}
+        impostor_keys, impostor = router(f"ra{uid}", SECRET_C)
+        assert ask(impostor_keys, impostor) == {} and impostor.counts["failed"] == 2
+    finally:
+        client.close()

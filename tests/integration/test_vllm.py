@@ -318,6 +318,38 @@ def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch)
                                  max_model_len=256, tenant="acme")
 
 
+def test_the_examples_router_config_keys_blocks_as_its_engines_connector():
+    """``examples/serve_llm_raykv.py`` with the router: the router's kwargs and the
+    engines' connector config give the same key prefix and owner claim, whatever the
+    engine's KV dtype or attention backend (control: without the shared tag, a
+    connector on another attention backend keys blocks under another prefix, and the
+    router would only ever see misses)."""
+    from raykv.controllers.keys import KeyScheme
+    from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+
+    example = _example("serve_llm_raykv")
+    config = example.raykv_llm_config("m", "org/src", replicas=2, cpu=True,
+                                      prefix_caching=True, max_model_len=256,
+                                      router_block_size=32)
+    routing = config.deployment_config["request_router_config"]
+    assert routing["request_router_class"] == example.ROUTER
+    assert config.engine_kwargs["block_size"] == 32
+    extra = config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    router = RouteKeys(RouteOptions.parse(routing["request_router_kwargs"]))
+
+    def prefix(extra: dict, identity: KVIdentity) -> str:
+        conn = ConnectorOptions.parse(extra, tp_size=1, pp_size=1, served_model="m",
+                                      identity=identity)
+        cfg = conn.storage_config(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        return KeyScheme.from_config(cfg).prefix
+
+    flash = KVIdentity("float16", 32, "cuda.flash-attn.lm1")
+    assert prefix(extra, flash) == KeyScheme.from_config(router.config).prefix
+    plain = {k: v for k, v in extra.items() if k != "extra_backend_tag"}
+    assert prefix(plain, flash) != KeyScheme.from_config(router.config).prefix
+
+
 def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,
                                                              uid_module):
     """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node

@@ -22,7 +22,8 @@ def fake_mooncake(monkeypatch):
     fake store class (``made``: every store made)."""
     monkeypatch.setitem(sys.modules, "mooncake.store",
                         SimpleNamespace(MooncakeDistributedStore=FakeDistributedStore,
-                                        ReplicateConfig=FakeReplicateConfig))
+                                        ReplicateConfig=FakeReplicateConfig,
+                                        ReplicaStatus=SimpleNamespace(COMPLETE="done")))
     monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
     FakeDistributedStore.made, FakeDistributedStore.rc = [], 0
     FakeDistributedStore.dummy_rcs = []

@@ -69,6 +69,8 @@ class FakeBackend:
         self.during = None
         self.health = 0
         self.closed = False
+        self.own_segment: str | None = "10.213.0.2:12345"
+        self.can_locate = True
         self._maps: list[tuple[int, mmap.mmap]] = []
 
     def _race(self) -> None:
@@ -127,6 +129,10 @@ class FakeBackend:
 
     def endpoint(self) -> str:
         return "10.213.0.2:12345"
+
+    def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
+        """Every object present lies on this node's own segment."""
+        return [(self.own_segment,) if k in self.objects else () for k in keys]
 
     def close(self) -> None:
         self.closed = True

@@ -174,7 +174,11 @@ STATE = {
                                        "counters": {"put_ok": 1638400, "put_present": 12,
                                                     "get_ok": 1638406, "get_error_miss": 3}}}},
         "ffff74c5b7c6aa69e31103d0": {"error": "ActorDiedError: the actor died"},
-        "eeee74c5b7c6aa69e31103d0": {"global_segment_size": 0, "pools": {}},
+        "eeee74c5b7c6aa69e31103d0": {"global_segment_size": 0, "pools": {},
+                                     "own_segment": None},
+        "dddd74c5b7c6aa69e31103d0": {"global_segment_size": 1 << 30, "pools": {},
+                                     "own_segment": "10.1.2.4:15123",
+                                     "residency": {"queries": 7}},
     },
 }
 
@@ -189,6 +193,14 @@ def test_status_shows_whole_values_when_narrow(width):
     for value in ("3b7474c5", "16384", "p1a2b3c4d-kv", "156.3", "163840", "1638400",
                   "1638406", "100%", "ActorDiedError", "ffff74c5", "eeee74c5"):
         assert value in text, (value, text)
+
+
+def test_status_names_each_nodes_own_segment():
+    out = io.StringIO()
+    render_status(STATE, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "node dddd74c5: puts prefer segment 10.1.2.4:15123; 7 residency queries" in text
+    assert "node eeee74c5: puts prefer segment (none known: placed at random)" in text
 
 
 def test_status_is_a_table_where_it_fits():

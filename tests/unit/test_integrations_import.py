@@ -33,3 +33,16 @@ def test_sglang_backend_needs_sglang_only_when_imported():
                         "from raykv.integrations.sglang import RayKVStore"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "sglang" in r.stderr
+
+
+def test_serve_routing_modules_import_without_ray_serve_or_vllm():
+    """``import raykv`` and the router's pure parts never import Ray Serve or vLLM; only
+    ``raykv.integrations.serve.router`` imports Ray Serve (control: it does)."""
+    code = ("import sys, raykv, raykv.integrations.serve.route_keys, "
+            "raykv.integrations.serve.ranking, raykv.integrations.serve.prompt_tokens, "
+            "raykv.integrations.serve.node_answers; "
+            "assert not any(m.startswith('ray.serve') for m in sys.modules), 'Ray Serve'; "
+            "assert 'vllm' not in sys.modules, 'vLLM'; "
+            "import raykv.integrations.serve.router; "
+            "assert 'ray.serve' in sys.modules and 'vllm' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -4,6 +4,8 @@ that reports stored only what the store then reports existing."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.controllers.result_codes import (
@@ -23,7 +25,7 @@ class FakeStore:
         self.objects = set(objects)
         self.put_codes: dict[str, int] = {}
         self.vanishing: set[str] = set()
-        self.steerable: set[str] = set()  # TRANSFER_FAIL keys that a steered put stores
+        self.steerable: set[str] = set()  # TRANSFER_FAIL keys that a second put stores
         self.raises: set[str] = set()
         self.calls: list[tuple] = []
 
@@ -42,8 +44,8 @@ class FakeStore:
         out = []
         for k in keys:
             code = self.put_codes.get(k, 0)
-            if code == TRANSFER_FAIL and config is not None and k in self.steerable:
-                code = 0  # steered to a live segment
+            if code == TRANSFER_FAIL and k in self.steerable:
+                self.put_codes[k] = 0  # placed on a live segment next time
             if code == 0 and k not in self.vanishing:
                 self.objects.add(k)
             out.append(code)
@@ -158,12 +160,13 @@ def test_embedded_setup_failure_names_its_code(fake_mooncake):
         local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
         global_segment_size=1, local_buffer_size=2)
     assert fake_mooncake.made[-1].args == ("10.0.0.1", "P2PHANDSHAKE", 1, 2, "tcp", "", "m:1")
-    # a put retried after TRANSFER_FAIL prefers this client's own segment
+    # every put prefers this client's own segment
     assert backend._steer.preferred_segment == "10.0.0.1:12345"
+    assert backend.own_segment == "10.0.0.1:12345"
     consumer = MooncakeBackend.embedded(
         local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
         global_segment_size=0, local_buffer_size=2)
-    assert consumer._steer is None  # no segment of its own: a fresh placement
+    assert consumer._steer is None and consumer.own_segment is None  # placed at random
 
 
 def test_embedded_binds_its_host_over_an_inherited_loopback(fake_mooncake, monkeypatch):
@@ -190,39 +193,67 @@ def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
                               attempts=3)
 
 
-def test_puts_placed_on_a_dead_segment_are_retried_once_steered_off_it():
-    """A ``TRANSFER_FAIL`` (a put placed on a dead client's segment) is put once more
-    with the backend's steering config; a second failure keeps its code; other errors
-    are never retried. (tests/integration/test_restart_puts.py: a real killed actor.)"""
+def test_puts_prefer_the_own_segment_and_a_dead_placement_is_retried_once(fake_mooncake):
+    """Every put prefers the node's own segment (first puts too, not only retries); a
+    ``TRANSFER_FAIL`` (a put placed on a dead client's segment) is put once more; a
+    second failure keeps its code; other errors are never retried.
+    (tests/integration/test_restart_puts.py: a real killed actor;
+    tests/integration/test_residency.py: real placement.)"""
     store = FakeStore()
-    steer = object()
-    backend = MooncakeBackend(store, steer)
+    backend = MooncakeBackend(store, "10.0.0.1:7")
+    steer = backend._steer
+    assert steer.preferred_segment == "10.0.0.1:7"
     store.put_codes = {"dead": TRANSFER_FAIL, "stuck": TRANSFER_FAIL, "full": -200}
     store.steerable = {"dead"}
     assert backend.put(["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4) == \
         [0, 0, TRANSFER_FAIL, -200]
     puts = [c for c in store.calls if c[0] == "batch_put_from"]
-    assert puts == [("batch_put_from", ["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4),
+    assert puts == [("batch_put_from", ["ok", "dead", "stuck", "full"], [1, 2, 3, 4], [8] * 4,
+                     steer),
                     ("batch_put_from", ["dead", "stuck"], [2, 3], [8, 8], steer)]
     assert "dead" in store.objects and "stuck" not in store.objects
 
 
-def test_puts_name_the_own_segment_only_when_placement_prefers_it():
-    """``prefer_own_segment``: every put carries the config naming this client's segment
-    (Mooncake falls back to another segment when it is full); without it (the control)
-    Mooncake's default placement. (tests/integration/test_put_confirm.py: where a real
-    master puts the objects.)"""
-    steer = object()
-    for prefer, expected in ((True, (steer,)), (False, ())):
-        store = FakeStore()
-        assert MooncakeBackend(store, steer, prefer_own_segment=prefer).put(
-            ["a"], [1], [8]) == [0]
-        assert [c for c in store.calls if c[0] == "batch_put_from"] == [
-            ("batch_put_from", ["a"], [1], [8], *expected)]
+def test_placement_any_leaves_every_put_to_mooncake(fake_mooncake):
+    """``prefer_own_segment=False`` (``placement="any"``): the own segment is known
+    (``locate``, stats) but no put names it, retries neither (the test above is this
+    one's control). (tests/integration/test_put_confirm.py: a real master's placement.)"""
+    store = FakeStore()
+    store.put_codes = {"dead": TRANSFER_FAIL}
+    backend = MooncakeBackend(store, "a:1", prefer_own_segment=False)
+    assert backend.put(["a", "dead"], [1, 2], [8, 8]) == [0, TRANSFER_FAIL]
+    assert backend.own_segment == "a:1"
+    assert [len(c) for c in store.calls if c[0] == "batch_put_from"] == [4, 4]
 
 
-def test_a_client_without_a_segment_keeps_the_default_placement(fake_mooncake):
-    consumer = MooncakeBackend.embedded(
-        local_hostname="10.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr="m:1",
-        global_segment_size=0, local_buffer_size=2, prefer_own_segment=True)
-    assert consumer._placement is None
+def _replica(segment: str, status: str = "done", memory: bool = True):
+    desc = SimpleNamespace(buffer_descriptor=SimpleNamespace(transport_endpoint=segment))
+    return SimpleNamespace(status=status, is_memory_replica=lambda: memory,
+                           get_memory_descriptor=lambda: desc)
+
+
+class PlacingStore(FakeStore):
+    """``batch_get_replica_desc`` answers where each object of ``where`` lies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: dict[str, list] = {}
+
+    def batch_get_replica_desc(self, keys):
+        self._enter("batch_get_replica_desc", list(keys))
+        return {k: self.where[k] for k in keys if k in self.where}
+
+
+def test_locate_names_the_segments_of_complete_memory_replicas(fake_mooncake):
+    store = PlacingStore()
+    store.where = {"x": [_replica("a:1"), _replica("b:2")],
+                   "writing": [_replica("a:1", status="processing")],
+                   "disk": [_replica("a:1", memory=False)]}
+    backend = MooncakeBackend(store)
+    assert backend.locate(["x", "missing", "writing", "disk"]) == [("a:1", "b:2"), (), (), ()]
+    store.raises.add("batch_get_replica_desc")
+    assert backend.locate(["x"]) is None  # logged, never raised
+    store.raises.clear()
+    backend.can_locate = False  # a dummy client: never asks (its process cannot answer)
+    asked = len(store.calls)
+    assert backend.locate(["x"]) is None and len(store.calls) == asked

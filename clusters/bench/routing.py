@@ -1,0 +1,155 @@
+"""What routing by residency costs: the node actor's residency query and a router's
+whole look-up, for one request's chain of pages.
+
+Run: ``python -m raykv.clusters.bench.routing [--pages 64] [--iters 500] [--out DIR]``
+(a two-node embedded cluster of its own; Ray must not be running in this process).
+Node 1's L2 holds ``pages`` pages of one deployment (written back to its own segment);
+then, per iteration: the query inside node 1's actor (``in_actor``: ``ResidencyQuery``
+alone, no Ray call), the same query as a Ray call from the driver (``ray_call``), and a
+router's look-up as ``RayKVRouter`` makes it (``router``: the page hashes and keys of a
+prompt of ``pages`` full blocks of 16 tokens, plus one residency call to each of the two
+node actors at once, under a 1 s deadline, on an event loop). Then Ray Serve: an app
+of two replicas, one per node, routed by ``RayKVRouter`` (``deadline_ms`` 50): the
+router's own time per request (``serve_router``, from its ``recent_s``) and where
+``requests`` requests whose prompt extends the held prefix landed (``on_holder``:
+the share on node 1's replica), against an app on Serve's own router
+(``pow2_on_holder``). Percentiles in milliseconds. Writes ``routing.json`` to
+``--out``. Numbers only: nothing asserts a speed. All nodes share one host here: Ray
+calls never cross a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+BLOCK = 16
+
+
+def _ms(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"p50_ms": statistics.median(s) * 1e3, "p99_ms": s[int(0.99 * (len(s) - 1))] * 1e3,
+            "n": len(s)}
+
+
+def _in_actor(actor, keys: list[str], claim, iters: int) -> list[float]:
+    def measure(self, keys, claim, iters):  # runs in the node actor's process
+        out = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            self._residency.residency(keys, 1, claim, time.monotonic() + 1.0)
+            out.append(time.perf_counter() - t)
+        return out
+    return ray.get(actor.__ray_call__.remote(measure, keys, claim, iters))
+
+
+class Where:
+    """A Serve replica that answers its node id."""
+
+    def __call__(self, request) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def _serve(holder: str, prompt: list[int], requests: int) -> dict:
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    opts = {"model_name": "bench/routing", "block_size": BLOCK, "deadline_ms": 50.0}
+    app = serve.deployment(Where, num_replicas=2, max_replicas_per_node=1,
+                           ray_actor_options={"num_cpus": 0})
+    serve.start(proxy_location="Disabled")
+    try:
+        routed = serve.run(app.options(request_router_config={
+            "request_router_class": "raykv.integrations.serve.router:RayKVRouter",
+            "request_router_kwargs": opts}).bind(), name="raykv", route_prefix=None)
+        plain = serve.run(app.bind(), name="pow2", route_prefix=None)
+        rnd = random.Random(1)
+        asks = [SimpleNamespace(prompt=prompt + [rnd.randrange(3, 30000) for _ in range(8)])
+                for _ in range(requests)]
+        on = [routed.remote(a).result(timeout_s=60) for a in asks]
+        on_pow2 = [plain.remote(a).result(timeout_s=60) for a in asks]
+        router = routed._router._asyncio_router.request_router
+        return {"serve_router": _ms(list(router.recent_s)), "requests": requests,
+                "on_holder": on.count(holder) / requests,
+                "pow2_on_holder": on_pow2.count(holder) / requests,
+                "router_counts": dict(router.counts)}
+    finally:
+        serve.shutdown()
+
+
+def run(pages: int, iters: int, out: Path, requests: int = 200) -> dict:
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.rank_owner import RankOwner
+    from raykv.clusters.local import start_local
+    from raykv.controllers.pool_layout import PoolLayout
+    from raykv.integrations.serve.node_answers import NodeAnswers
+    from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+
+    opts = RouteOptions.parse({"model_name": "bench/routing", "block_size": BLOCK})
+    keys = RouteKeys(opts)
+    rnd = random.Random(0)
+    prompt = [rnd.randrange(3, 30000) for _ in range(pages * BLOCK + 1)]
+    hashes = keys.page_hashes(prompt)
+    with start_local(num_nodes=2, global_segment_size=256 << 20) as cluster:
+        node1 = cluster.node_ids[0]
+        client = CacheClient(keys.config, node_id=node1)
+        link = client.l2()
+        pool = link.open(PoolLayout.vllm(page_size=BLOCK, size=BLOCK * pages, layer_num=2,
+                                         head_num=2, head_dim=64, dtype="bfloat16",
+                                         itemsize=2), pages)
+        slots = link.reserve(pool.name, hashes)
+        link.commit(pool.name, hashes, slots, [True] * pages)
+        while client.stats()["l2"]["l3_put"] < pages:
+            time.sleep(0.05)
+        chain = keys.keys(prompt)
+        claim = client.owner_claim(node1)
+        actor = cluster.node_actors[node1]
+        answer = ray.get(actor.residency.remote(chain, 1, claim))
+        in_actor = _in_actor(actor, chain, claim, iters)
+        calls = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            ray.get(actor.residency.remote(chain, 1, claim))
+            calls.append(time.perf_counter() - t)
+        nodes = NodeAnswers(opts.namespace, RankOwner.of_config(keys.config))
+
+        async def routes() -> list[float]:
+            out = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                got = await nodes.ask(cluster.node_ids, keys.keys(prompt), 1, 1.0)
+                out.append(time.perf_counter() - t)
+                assert len(got) == 2
+            return out
+        router = asyncio.run(routes())
+        client.close()
+        serve_result = _serve(node1, prompt, requests)
+    result = {"pages": pages, "iters": iters, "answer": [answer.l2, answer.segment, answer.l3],
+              "in_actor": _ms(in_actor), "ray_call": _ms(calls), "router": _ms(router),
+              **serve_result}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "raykv-bench")
+    args = p.parse_args()
+    print(json.dumps(run(args.pages, args.iters, args.out, args.requests), indent=2))
+
+
+if __name__ == "__main__":
+    main()

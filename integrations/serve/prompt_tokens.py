@@ -1,0 +1,75 @@
+"""A request's prompt as token ids, for routing (no Ray Serve, no vLLM import).
+
+Ray Serve LLM hands a router the request's arguments: under direct streaming the
+token ids themselves (keyword ``request_token_ids``), else an OpenAI-style request
+object with ``prompt`` (text or token ids) or ``messages`` (chat). Text is tokenized
+with the model's Hugging Face tokenizer as vLLM does it (a completion: ``encode`` with
+special tokens; a chat: its chat template with the generation prompt), loaded on a
+thread of its own at start: until it is loaded, text requests have no token ids (the
+router then routes as without raykv). A prompt the tokenizer does not reproduce
+exactly as the engine sees it costs hits, never a wrong load: loads are decided by the
+engine's own connector.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TOKEN_IDS_KWARG = "request_token_ids"
+"""The keyword Ray Serve LLM's direct-streaming ingress passes token ids under."""
+
+
+class PromptTokens:
+    """Token ids of requests; ``tokenizer``: the model whose tokenizer reads text (None:
+    token ids only)."""
+
+    def __init__(self, tokenizer: str | None) -> None:
+        self._tokenizer = None
+        self.failed: str | None = None
+        if tokenizer:
+            threading.Thread(target=self._load, args=(tokenizer,), daemon=True,
+                             name="raykv-router-tokenizer").start()
+
+    def _load(self, name: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as e:  # routed without text from now on, said once
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("RayKVRouter: tokenizer %s did not load (%s); only requests that "
+                        "carry token ids are routed by residency", name, self.failed)
+
+    @property
+    def ready(self) -> bool:
+        return self._tokenizer is not None
+
+    def of(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids, or None if the request has none this can read."""
+        ids = kwargs.get(TOKEN_IDS_KWARG)
+        if ids:
+            return [int(t) for t in ids]
+        for arg in args:
+            prompt = getattr(arg, "prompt", None)
+            if _is_token_ids(prompt):
+                return [int(t) for t in prompt]
+            tok = self._tokenizer
+            if isinstance(prompt, str) and tok is not None:
+                return list(tok.encode(prompt))
+            messages = getattr(arg, "messages", None)
+            if messages and tok is not None:
+                chat = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+                        for m in messages]
+                return list(tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                    tokenize=True))
+        return None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list | tuple) and bool(value) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in value)

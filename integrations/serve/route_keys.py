@@ -1,0 +1,132 @@
+"""The object keys a router asks about: a request's pages, keyed exactly as raykv's vLLM
+connector keys them (no Ray Serve, no vLLM import).
+
+``RouteOptions`` holds the router's settings (``request_router_kwargs``); ``RouteKeys``
+turns token ids into the keys of every TP rank's object of each full block the engine
+could load (``max_loadable_blocks``), page after page, TP rank order within a page:
+the page hashes of ``integrations.vllm.page_hash`` (no extra keys: requests without a
+cache salt, LoRA or multimodal input), keyed for a tenant (``KeyedHashes``), under the
+key scheme of the connector's ``StorageConfig`` (``ConnectorOptions.storage_config``).
+A router of a tenant needs the tenant secret (``RAYKV_TENANT_SECRET``), as its engines do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.controllers.contract import PoolName, StorageConfig
+from raykv.controllers.keyed_hashes import KeyedHashes
+from raykv.controllers.keys import KeyScheme
+from raykv.controllers.naming import NAMESPACE
+from raykv.controllers.tenancy import check_tenant, tenant_secret
+from raykv.integrations.vllm.options import (
+    PAGE_LAYOUT,
+    ConnectorOptions,
+    KVIdentity,
+    default_backend_tag,
+)
+from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
+from raykv.integrations.vllm.request_blocks import hash_hex, max_loadable_blocks
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    """``request_router_kwargs`` of ``RayKVRouter``.
+
+    - ``model_name``, ``block_size`` (required), ``tp_size``, ``pp_size``, ``kv_dtype``,
+      ``device``, ``model_revision``, ``extra_backend_tag``, ``tenant``: what the
+      engines' connector keys blocks by (``ConnectorOptions``; ``extra_backend_tag``
+      default: ``default_backend_tag`` of the others, as the connector's default with
+      no attention backend chosen). They must match the engines' or every answer is a
+      miss (routing then degrades to power of two choices, never to a wrong load).
+    - ``namespace``: raykv's Ray namespace.
+    - ``deadline_ms``: how long a request's routing waits for the node actors (20; a
+      residency call took 3.5 ms at the median as a Ray call on a loaded 2-core
+      machine, ``docs/benchmarks.md``).
+    - ``tokenizer``: the model (name or path) whose tokenizer and chat template turn a
+      request's text into token ids (None: only requests that carry token ids are
+      routed by residency).
+    - ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page held in each tier
+      is worth (1.0, 0.8, 0.5); ``weight_load``: what one queued request costs, in
+      the same unit (share of the request's pages; 0.05).
+    """
+
+    model_name: str
+    block_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    kv_dtype: str = "bfloat16"
+    device: str = "cpu"
+    model_revision: str | None = None
+    extra_backend_tag: str | None = None
+    tenant: str | None = None
+    namespace: str = NAMESPACE
+    deadline_ms: float = 20.0
+    tokenizer: str | None = None
+    weight_l2: float = 1.0
+    weight_segment: float = 0.8
+    weight_l3: float = 0.5
+    weight_load: float = 0.05
+
+    @classmethod
+    def parse(cls, kwargs: Mapping[str, Any]) -> RouteOptions:
+        """The options of ``kwargs``; ``ValueError`` naming an unknown key, a missing
+        ``model_name`` or ``block_size``, or a value out of range."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"RayKVRouter: unknown request_router_kwargs {unknown}; "
+                             f"known: {sorted(names)}")
+        if not kwargs.get("model_name") or "block_size" not in kwargs:
+            raise ValueError("RayKVRouter: request_router_kwargs need model_name and "
+                             "block_size (those of the engines' RayKVConnector)")
+        opts = cls(**kwargs)
+        if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or opts.deadline_ms <= 0:
+            raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1 and "
+                             "deadline_ms > 0")
+        check_tenant(opts.tenant)
+        return opts
+
+    def connector_options(self) -> ConnectorOptions:
+        """The engines' connector options these stand for."""
+        identity = KVIdentity(self.kv_dtype, self.block_size, f"{self.device}.{PAGE_LAYOUT}",
+                              self.model_revision)
+        tag = self.extra_backend_tag or default_backend_tag(self.tp_size, self.pp_size,
+                                                            identity)
+        return ConnectorOptions(model_name=self.model_name, extra_backend_tag=tag,
+                                identity=identity, namespace=self.namespace,
+                                tenant=self.tenant)
+
+
+class RouteKeys:
+    """Keys of a request's pages for ``opts`` (see the module docstring). Holds the
+    tenant's keyed hashes: never pickled."""
+
+    def __init__(self, opts: RouteOptions) -> None:
+        conn = opts.connector_options()
+        self.block_size, self.per_page = opts.block_size, opts.tp_size
+        self.configs = [conn.storage_config(tp_rank=r, tp_size=opts.tp_size, pp_rank=0,
+                                            pp_size=opts.pp_size)
+                        for r in range(opts.tp_size)]
+        self.config: StorageConfig = self.configs[0]
+        self._hashes = KeyedHashes(tenant_secret(opts.tenant) if opts.tenant else None)
+        schemes = [KeyScheme.from_config(c) for c in self.configs]
+        self._parts = [(s.prefix, s.suffixes(PoolName.KV, "vllm", ["kv"])[0])
+                       for s in schemes]
+
+    def __reduce__(self):
+        raise TypeError("RouteKeys hold a tenant's keyed hashes: make them in each process")
+
+    def page_hashes(self, token_ids: Sequence[int]) -> list[str]:
+        """Hex page hashes of the blocks of ``token_ids`` an engine could load."""
+        chain = PageHashChain(self.block_size)
+        n = max_loadable_blocks(len(token_ids), self.block_size) * self.block_size
+        return [hash_hex(h) for h in chain.extend(token_ids, n, no_extra_keys)]
+
+    def keys(self, token_ids: Sequence[int]) -> list[str]:
+        """The object keys of those pages, ``per_page`` (one per TP rank) a page."""
+        keyed = self._hashes.keys(self.page_hashes(token_ids))
+        return [prefix + h + suffix for h in keyed for prefix, suffix in self._parts]

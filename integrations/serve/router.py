@@ -1,0 +1,104 @@
+"""``RayKVRouter``: a Ray Serve ``RequestRouter`` that sends a request to the replica
+whose node holds the most of its prefix in the nearest tier (imports Ray Serve).
+
+Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's token ids
+(``prompt_tokens``), the object keys of its loadable blocks as the engines' connector
+keys them (``route_keys``), one ``residency`` call to the node actor of every
+candidate replica's node, all at once under ``deadline_ms`` (``node_answers``), and
+ranked groups of replicas by tier held against queue length (``ranking``). Any error,
+no token ids, no key, a timeout, or answers that tell no replica apart: Ray Serve's
+power of two choices, as if raykv were not there. The router never decides a load:
+each engine's connector does, so a wrong or stale answer costs a hit, never bytes.
+
+Configure it in ``LLMConfig.deployment_config``::
+
+    "request_router_config": RequestRouterConfig(
+        request_router_class="raykv.integrations.serve.router:RayKVRouter",
+        request_router_kwargs={"model_name": ..., "block_size": ..., ...})
+
+with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
+residency, ``fallback`` (power of two), ``failed`` (an error, logged at most once a
+minute), and ``overhead_s`` (seconds spent choosing, in all); ``recent_s``: the
+seconds each of the last ``RECENT`` requests spent choosing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
+from raykv.cache_actors.rank.rank_owner import RankOwner
+from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.integrations.serve.node_answers import NodeAnswers
+from raykv.integrations.serve.prompt_tokens import PromptTokens
+from raykv.integrations.serve.ranking import Weights, rank
+from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+
+log = logging.getLogger(__name__)
+
+RECENT = 1024
+
+
+class RayKVRouter(PowerOfTwoChoicesRequestRouter):
+    """See the module docstring. ``initialize_state`` takes ``request_router_kwargs``
+    (``RouteOptions``: ``ValueError`` for bad ones, at deployment)."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.options = RouteOptions.parse(kwargs)
+        self._keys = RouteKeys(self.options)
+        self._nodes = NodeAnswers(self.options.namespace,
+                                  RankOwner.of_config(self._keys.config))
+        self._tokens = PromptTokens(self.options.tokenizer)
+        o = self.options
+        self._weights = Weights(o.weight_l2, o.weight_segment, o.weight_l3, o.weight_load)
+        self._warn = ThrottledLog(log)
+        self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
+        self.recent_s: deque[float] = deque(maxlen=RECENT)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's, then the node actors of the replicas' nodes are looked up ahead of
+        the first request (when called on the router's event loop)."""
+        super().update_replicas(replicas)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._nodes.warm(r.node_id for r in replicas)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        t = time.perf_counter()
+        try:
+            ranked = await self._by_residency(candidate_replicas, pending_request)
+        except Exception as e:
+            self.counts["failed"] += 1
+            self._warn.warn("route", "RayKVRouter: routing by residency failed, power of "
+                            "two choices instead: %s", e)
+            ranked = None
+        took = time.perf_counter() - t
+        self.counts["overhead_s"] += took
+        self.recent_s.append(took)
+        if ranked is None:
+            self.counts["fallback"] += 1
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        self.counts["routed"] += 1
+        return ranked
+
+    async def _by_residency(self, candidates: list[RunningReplica],
+                            request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+        if request is None or len(candidates) < 2:
+            return None
+        tokens = self._tokens.of(request.args, request.kwargs)
+        keys = self._keys.keys(tokens) if tokens else []
+        if not keys:
+            return None
+        answers = await self._nodes.ask([c.node_id for c in candidates], keys,
+                                        self._keys.per_page, self.options.deadline_ms / 1e3)
+        cache = self.replica_queue_len_cache
+        return rank(candidates, lambda c: c.node_id, answers,
+                    lambda c: cache.get(c.replica_id), self._weights)

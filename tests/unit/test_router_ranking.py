@@ -1,0 +1,90 @@
+"""Ranking replicas by residency (pure), a request's token ids, and the router's keys
+against the connector's key scheme."""
+
+from types import SimpleNamespace
+
+import pytest
+from raykv.controllers.contract import PoolName
+from raykv.controllers.keys import KeyScheme
+from raykv.controllers.residency import Residency
+from raykv.integrations.serve.prompt_tokens import PromptTokens
+from raykv.integrations.serve.ranking import Weights, held, rank
+from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
+
+W = Weights()
+
+
+def answer(node: str, l2: int = 0, seg: int = 0, l3: int = 0, pages: int = 10) -> Residency:
+    return Residency(node, pages, l2, seg, l3)
+
+
+def ranked(answers, queues=None, nodes=("a", "b", "c")):
+    queues = queues or {}
+    return rank(list(nodes), lambda r: r, {a.node_id: a for a in answers},
+                lambda r: queues.get(r), W)
+
+
+def test_the_nearest_tier_wins_then_the_rest_by_value():
+    got = ranked([answer("a", l3=10), answer("b", seg=10, l3=10), answer("c", l2=10, l3=10)])
+    assert got == [["c"], ["b", "a"]]
+    assert held(answer("x", l2=5, seg=10, l3=10), W) == pytest.approx(0.8)  # best tier
+
+
+def test_a_long_queue_outweighs_a_small_gain():
+    answers = [answer("a", l2=1, l3=1), answer("b"), answer("c")]
+    assert ranked(answers)[0] == ["a"]
+    first, rest = ranked(answers, {"a": 3})  # 3 queued cost 0.15, a's page is worth 0.1
+    assert set(first) == {"b", "c"} and rest == ["a"]
+
+
+def test_no_difference_or_a_missing_answer_means_power_of_two():
+    assert ranked([answer("a", l3=10), answer("b", l3=10), answer("c", l3=10)]) is None
+    assert ranked([answer("a", l2=10), answer("b")]) is None  # c did not answer
+    assert ranked([], nodes=()) is None
+
+
+def test_router_keys_are_the_connectors():
+    opts = RouteOptions.parse({"model_name": "org/m", "block_size": 4, "tp_size": 2})
+    keys = RouteKeys(opts)
+    toks = list(range(3, 20))  # 17 tokens: 4 loadable blocks
+    chain = PageHashChain(4).extend(toks, 16, no_extra_keys)
+    want = []
+    for h in chain:
+        for r in range(2):
+            scheme = KeyScheme.from_config(keys.configs[r])
+            want += scheme.pool_keys(PoolName.KV, "vllm", ["kv"], h.hex())
+    assert keys.keys(toks) == want and keys.per_page == 2
+    assert want[0].startswith("vllm-tp2-bfloat16-b4-cpu.lm1_org-m_")
+    assert keys.keys(toks[:4]) == []  # no block an engine could load
+
+
+def test_router_options_refuse_what_they_do_not_know():
+    with pytest.raises(ValueError, match="unknown request_router_kwargs"):
+        RouteOptions.parse({"model_name": "m", "block_size": 4, "blok_size": 4})
+    with pytest.raises(ValueError, match="need model_name and block_size"):
+        RouteOptions.parse({"model_name": "m"})
+    with pytest.raises(ValueError, match="must be >= 1"):
+        RouteOptions.parse({"model_name": "m", "block_size": 0})
+
+
+class FakeTokenizer:
+    def encode(self, text):
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, chat, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize
+        return [99] + [len(m["content"]) for m in chat]
+
+
+def test_prompt_tokens_of_each_request_shape():
+    t = PromptTokens(None)
+    assert t.of([], {"request_token_ids": [5, 6]}) == [5, 6]  # direct streaming
+    assert t.of([SimpleNamespace(prompt=[1, 2, 3])], {}) == [1, 2, 3]
+    assert t.of([SimpleNamespace(prompt="hello there")], {}) is None  # no tokenizer yet
+    t._tokenizer = FakeTokenizer()
+    assert t.of([SimpleNamespace(prompt="hello there")], {}) == [5, 5]
+    msgs = [SimpleNamespace(model_dump=lambda exclude_none: {"role": "user",
+                                                             "content": "abc"})]
+    assert t.of([SimpleNamespace(prompt=None, messages=msgs)], {}) == [99, 3]
+    assert t.of([SimpleNamespace(prompt=[True, 2])], {}) is None  # not token ids
