@@ -238,7 +238,7 @@ class PoolLayout:
         if lo < 0 or hi >= self.size:
             raise ValueError(f"host_indices span [{lo}, {hi}] but the pool holds slots "
                              f"[0, {self.size - 1}]")
-        if self.page_size > 1 and any(s % self.page_size for s in out):
+        if self.page_size > 1 and (pages[:, 0] % self.page_size).any():
             bad = next(i for i, s in enumerate(out) if s % self.page_size)
             raise ValueError(f"page {bad} starts at slot {out[bad]}, which is not "
                              f"aligned to page_size {self.page_size}")

@@ -243,6 +243,9 @@ def staged_call(checked: CheckedTransfers, staged: Mapping[PoolName, StagedPool]
     moved = [(p, staged[p.role]) for p in checked.parts if p.role in staged]
     for part in checked.parts:
         results[part.role] = []
+    if not moved:  # the engine's own memory only: one call, nothing to lock or copy
+        _round(0, direct, (), write, epoch, call, results)
+        return results
     with contextlib.ExitStack() as stack:
         for sp in sorted({id(sp): sp for _, sp in moved}.values(), key=id):
             stack.enter_context(sp.lock(write))
