@@ -20,7 +20,10 @@ step (``LLMEngine.step``) and each token's arrival time is taken when a step ret
 it. ITL: the gaps between a request's consecutive tokens, over every request (p50,
 p90, p99, mean); also the steps' wall time, the worker connector's counters, the
 blocks that reached L3 (a group query over every full block of every request, 2 s
-after the run at most) and the node actor's CPU seconds. Modes alternate over
+after the run at most), the node actor's CPU seconds, and (L2 modes) what a
+synchronous load of 8 blocks from L2 costs (``l2_load_8_blocks_ms``: a hit all in L2
+is loaded on the step; loading it asynchronously would cost the request at least one
+more step). Modes alternate over
 ``rounds``. Writes ``vllm_itl.json`` to ``--out``. Numbers only: nothing asserts a
 speed.
 """
@@ -91,6 +94,31 @@ class ITLEngine(VLLMEngine):
             full += len(hashes)
             found += client.group_exists(hashes).kv_hit_pages
         return [found, full]
+
+    def l2_load_ms(self, prompt: list[int], blocks: int, repeats: int = 5) -> float:
+        """Median milliseconds of one synchronous load of ``prompt``'s first ``blocks``
+        blocks from the node's L2 into vLLM's blocks ``0 .. blocks - 1`` (what a hit all
+        in L2 costs the step: the node's acquire, the copy, the release); call with no
+        request running (it overwrites those blocks)."""
+        from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
+        from raykv.integrations.vllm.request_blocks import hash_hex
+
+        hashes = [hash_hex(h) for h in PageHashChain(BLOCK).extend(prompt, len(prompt),
+                                                                   no_extra_keys)][:blocks]
+
+        def load(worker) -> list[float]:
+            from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+            l2 = get_kv_transfer_group().connector_worker._l2
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                n = l2.load(list(range(len(hashes))), hashes)
+                times.append((time.perf_counter() - t0) * 1000 if n == len(hashes) else -1.0)
+            return times
+
+        (times,) = self.llm.collective_rpc(load)
+        return statistics.median(times)
 
     def worker_counters(self) -> dict:
         """The worker connector's counters (none without a connector)."""
@@ -178,6 +206,9 @@ def run(requests: int, prompt: int, output: int, rounds: int, modes: list[str],
                                 break
                             time.sleep(0.1)
                         row["l3_blocks"], row["full_blocks"] = found, full
+                    if mode in ("l2", "async"):
+                        row["l2_load_8_blocks_ms"] = ray.get(eng.l2_load_ms.remote(
+                            prompts[0], 8))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 finally:
