@@ -9,6 +9,12 @@ never by vLLM's ``request.block_hashes`` (whose root depends on ``PYTHONHASHSEED
 The answer is the same for every rank, so ranks never load different prefixes. Each
 step's loads and saves are decided by ``raykv.integrations.vllm.request_blocks`` and sent to the
 workers as ``RayKVConnectorMetadata``. Every method runs on vLLM's scheduler thread.
+
+With ``async_transfers`` the lookup runs on the lookup thread (``lookups.Lookups``:
+waited for at most ``STEP_WAIT_S`` per step, else "ask again later", its answer cached
+per request), and a hit that needs L3 answers ``(n, True)``: vLLM parks the request
+and its load goes to the workers with the next metadata (``async_loads``), although
+the request is not scheduled; a hit all in the node's L2 is loaded on the step.
 """
 
 from __future__ import annotations

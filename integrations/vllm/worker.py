@@ -6,7 +6,11 @@ of one layer is one contiguous copy; ``staging_pools.StagedPool``): the client c
 save's blocks into it and a load's blocks read in full out of it, and the node actor
 moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
-it (``wait_for_save``); both synchronous, on vLLM's worker thread. Every block that did
+it (``wait_for_save``); both synchronous, on vLLM's worker thread, unless
+``async_transfers``: then a step's saves are one batch into the node's L2 pages (the
+node puts them to L3 behind; a block L2 has no page for is dropped and counted), and
+loads the scheduler side sends as ``async_loads`` run on the load thread
+(``async_loads.AsyncLoads``), reported by ``get_finished``. Every block that did
 not load is reported by ``get_block_ids_with_load_errors`` (so
 ``kv_load_failure_policy="recompute"`` recomputes it); an unavailable node actor or
 store never raises into vLLM and never counts as a loaded block.
