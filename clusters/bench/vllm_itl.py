@@ -19,7 +19,8 @@ together, ``output`` greedy tokens each (``ignore_eos``); the engine is driven s
 step (``LLMEngine.step``) and each token's arrival time is taken when a step returns
 it. ITL: the gaps between a request's consecutive tokens, over every request (p50,
 p90, p99, mean); also the steps' wall time, the worker connector's counters, the
-blocks that reached L3 (a group query over every full block of every request, 2 s
+time ``wait_for_save`` took per step (wall and its thread's CPU, from the connector's
+counters), the blocks that reached L3 (a group query over every full block of every request, 2 s
 after the run at most), the node actor's CPU seconds, and (L2 modes) what a
 synchronous load of 8 blocks from L2 costs (``l2_load_8_blocks_ms``: a hit all in L2
 is loaded on the step; loading it asynchronously would cost the request at least one
@@ -195,9 +196,13 @@ def run(requests: int, prompt: int, output: int, rounds: int, modes: list[str],
                     cpu0 = _node_cpu_s(actor)
                     res = ray.get(eng.itl.remote(prompts, output))
                     cpu1 = _node_cpu_s(actor)
+                    counters = ray.get(eng.worker_counters.remote())
                     row = {"mode": mode, "round": r, **_summary(res),
-                           "node_cpu_s": cpu1 - cpu0,
-                           "connector": ray.get(eng.worker_counters.remote())}
+                           "node_cpu_s": cpu1 - cpu0, "connector": counters}
+                    if counters:  # wait_for_save's cost per step (warm-up included)
+                        row["save_ms_per_step"] = counters["save_us"] / 1000 / len(res["steps"])
+                        row["save_cpu_ms_per_step"] = (counters["save_cpu_us"] / 1000
+                                                       / len(res["steps"]))
                     if mode != "stock":
                         deadline = time.monotonic() + 2.0
                         while True:  # every full block in L3 within 2 s of the run

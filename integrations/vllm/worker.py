@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -258,9 +259,12 @@ class RayKVConnectorWorker(ConnectorSide):
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Save the step's newly full blocks (``meta.saves``) after the forward, except
         those computed over an unsettled block (``refuses``), whichever request's load
-        failed: those are counted in ``save_refused`` and never stored."""
-        if not isinstance(meta, RayKVConnectorMetadata):
+        failed: those are counted in ``save_refused`` and never stored. The time spent
+        in steps that save is counted in ``save_us`` (wall) and ``save_cpu_us`` (this
+        thread's CPU)."""
+        if not isinstance(meta, RayKVConnectorMetadata) or not meta.saves:
             return
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._step_budget:
             saves = []
             for x in meta.saves:
@@ -272,6 +276,8 @@ class RayKVConnectorWorker(ConnectorSide):
                 saves = self._save_batch(saves)
             for x in saves:
                 self._save(x)
+        self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
 
     def _save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
         """``async_transfers``: every block of ``saves`` copied into L2 pages in one
