@@ -483,6 +483,18 @@ def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
     assert corrupt and not any(d in (saved[h], saved_f.get(h)) for h, d in corrupt.items())
 
 
+def _l2_room(vcluster, node: str, n: int) -> None:
+    """Wait (12 s at most) until the node's L2 has ``n`` pages a fill or a save may take:
+    neither held, nor leased by an earlier test's lookups (10 s), nor dirty."""
+    deadline = time.monotonic() + 12
+    while True:
+        s = _l2_stats(vcluster, node)
+        if s["pages"] - s["held"] - s["leased"] - s["dirty"] >= n:
+            return
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _async_on(*engines):
     """``async_transfers`` on in ``engines`` (L2 engines) for the block's duration."""
@@ -509,6 +521,7 @@ def test_async_transfers_load_l3_off_the_step_and_save_every_block(engines, l2_e
     n2 = vcluster.node_ids[1]
     p = prompt(60)
     want = computed_then_restored(a, p)
+    _l2_room(vcluster, n2, 8)  # an async load reads through L2 pages: room for all 7
     with _async_on(e, f):
         s0 = ray.get(f.scheduler_stats.remote())
         (w0,) = ray.get(f.worker_stats.remote())
@@ -534,7 +547,7 @@ def test_async_transfers_load_l3_off_the_step_and_save_every_block(engines, l2_e
 
 
 @pytest.mark.parametrize("report", [True, False], ids=["reported", "control-passed-off"])
-def test_async_load_failure_is_recomputed(engines, l2_engines, report):
+def test_async_load_failure_is_recomputed(engines, l2_engines, vcluster, report):
     """F's async load of a prompt's 7 blocks (from L3: A computed them) fails at block 3:
     vLLM hears of it (``get_block_ids_with_load_errors`` with the request's
     ``finished_recving``) and recomputes blocks 3-6 (F saves those 4 again), giving the
@@ -554,6 +567,7 @@ def test_async_load_failure_is_recomputed(engines, l2_engines, report):
         assert want["cached"] == 3 * BLOCK, want
     else:
         want = {"tokens": computed_then_restored(a, p)}
+    _l2_room(vcluster, vcluster.node_ids[1], 7)
     with _async_on(f):
         (w0,) = ray.get(f.worker_stats.remote())
         ray.get(f.fail_next_async_load.remote(3, report))
