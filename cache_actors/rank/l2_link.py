@@ -7,14 +7,17 @@ L2 object has the key of the same object in L3. The data ops go over the link as
 data op (deadline, budget, breaker: ``NodeLink.data``); ``open`` is a control call
 (pool creation), made at start-up or on a background thread, never on an engine's step.
 
-Holder: this process (``ProcessIdentity``); a process moves one L2 transfer at a time
-per pool (the node releases its earlier pages at its next op).
+Holder: the calling thread (``ProcessIdentity`` of its thread id: the node checks that
+it still runs as it checks a process; a process's main thread is the process itself);
+a thread moves one L2 transfer at a time per pool (the node releases its earlier pages
+at its next op), so threads of one process (a vLLM worker's step and its load thread)
+never release each other's pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,11 +40,16 @@ class L2Link:
 
     def __init__(self, client: CacheClient, link: NodeRoute, hashes: KeyedHashes) -> None:
         self._client, self._link, self._hashes = client, link, hashes
+        self._local = threading.local()
 
-    @functools.cached_property
+    @property
     def holder(self) -> tuple[int, int]:
-        """This process, as the node's L2 names who holds a page."""
-        return tuple(dataclasses.astuple(ProcessIdentity.current()))
+        """The calling thread, as the node's L2 names who holds a page."""
+        me = getattr(self._local, "holder", None)
+        if me is None:
+            ident = ProcessIdentity.of(threading.get_native_id()) or ProcessIdentity.current()
+            me = self._local.holder = tuple(dataclasses.astuple(ident))
+        return me
 
     def _keys(self, page_hashes: Sequence[str], tp_rank: int | None = None) -> list[str]:
         """Object keys of ``page_hashes`` for TP rank ``tp_rank`` (default: the

@@ -155,6 +155,10 @@ class RayKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self.connector_worker.wait_for_save(self._get_connector_metadata())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                               set[str] | None]:
+        return self.connector_worker.get_finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.connector_worker.get_block_ids_with_load_errors()
 

@@ -12,6 +12,7 @@ the bytes of a page are the same for every physical layout of the same logical b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -59,3 +60,22 @@ def block_geometry(spec: object, layers: int) -> dict:
     return {"page_size": spec.block_size, "layer_num": layers, "head_num": heads,
             "head_dim": per_layer // slots, "dtype": str(spec.dtype).removeprefix("torch."),
             "itemsize": itemsize}
+
+
+def pool_dims(block_shape: Sequence[int], block_size: int) -> tuple[int, int]:
+    """``head_num, head_dim`` of a raykv pool of blocks ``block_shape`` (one layer's
+    block): vLLM's CPU block ``(heads, block_size, 2 * head_size)`` as it is; any other
+    block shape as ``(1, elements / block_size)`` (same bytes per page, which is all the
+    store sees)."""
+    if len(block_shape) == 3 and block_shape[1] == block_size:
+        return block_shape[0], block_shape[2]
+    return 1, math.prod(block_shape) // block_size
+
+
+def pool_block_views(kv_buffer: torch.Tensor, block_shape: Sequence[int]) -> list[torch.Tensor]:
+    """A raykv vLLM pool's pages per layer (``kv_buffer``: ``(pages, layers, ...)``), as
+    ``(pages, *block_shape)`` views lining up with ``block_views``' (a page holds every
+    layer's block, layer after layer)."""
+    pages = kv_buffer.view(kv_buffer.shape[0], kv_buffer.shape[1], -1)
+    return [pages[:, layer].view(kv_buffer.shape[0], *block_shape)
+            for layer in range(kv_buffer.shape[1])]

@@ -16,7 +16,7 @@ from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.tenancy import check_tenant
 
 KNOWN_KEYS = frozenset({"model_name", "extra_backend_tag", "namespace", "ray_address",
-                        "pool_blocks", "l2_blocks", "timeout_s", "tenant",
+                        "pool_blocks", "l2_blocks", "async_transfers", "timeout_s", "tenant",
                         "debug_corrupt_loads"})
 
 PAGE_LAYOUT = "lm1"
@@ -112,6 +112,14 @@ class ConnectorOptions:
       quota). With it, saves copy blocks into L2 and the node actor puts them to L3
       afterwards, loads copy from L2 (read from L3 into L2 first where needed), and
       the scheduler's lookup counts blocks in L2 before asking L3.
+    - ``async_transfers``: transfers off vLLM's step (default False; needs
+      ``l2_blocks``). Saves: ``wait_for_save`` copies the step's newly full blocks into
+      L2 pages in one batch and returns (the node actor puts them to L3 behind); a
+      block L2 has no page for is dropped and counted (``save_dropped``), never saved
+      on the step. Loads: a hit that needs L3 is loaded asynchronously (vLLM parks the
+      request until a worker thread has read it, L3 into L2 into vLLM's blocks); a hit
+      all in L2 is copied on the step (a memcpy). Lookups: asked on a thread of their
+      own, waited for at most a few ms per scheduler step, cached per request.
     - ``timeout_s``: the deadline of each call to raykv, in seconds (default
       ``DEFAULT_TIMEOUT_S``, 5): a hung or stopped node actor then costs a failed load
       (recomputed under ``kv_load_failure_policy="recompute"``) or a lost save, and the
@@ -135,6 +143,7 @@ class ConnectorOptions:
     ray_address: str | None = None
     pool_blocks: int = 64
     l2_blocks: int = 0
+    async_transfers: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     tenant: str | None = None
     debug_corrupt_loads: bool = False
@@ -146,7 +155,8 @@ class ConnectorOptions:
         all defaults) for an engine of ``tp_size`` x ``pp_size`` ranks serving
         ``served_model`` (vLLM's served model name, else its model) whose blocks are
         ``identity``. ``ValueError`` on a misspelt key (``misspelt_keys``),
-        ``pool_blocks`` < 1, ``l2_blocks`` < 0, a bad ``timeout_s`` or tenant name;
+        ``pool_blocks`` < 1, ``l2_blocks`` < 0, ``async_transfers`` without
+        ``l2_blocks``, a bad ``timeout_s`` or tenant name;
         other unknown keys are ignored (logged)."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
@@ -165,12 +175,19 @@ class ConnectorOptions:
         l2_blocks = int(extra.get("l2_blocks", 0))
         if l2_blocks < 0:
             raise ValueError(f"RayKVConnector: l2_blocks must be >= 0, got {l2_blocks}")
+        async_transfers = extra.get("async_transfers", False)
+        if not isinstance(async_transfers, bool):
+            raise ValueError("RayKVConnector: async_transfers must be true or false, got "
+                             f"{async_transfers!r}")
+        if async_transfers and not l2_blocks:
+            raise ValueError("RayKVConnector: async_transfers needs l2_blocks > 0 (saves "
+                             "and loads go through the node's L2 pages)")
         tag = extra["extra_backend_tag"] if "extra_backend_tag" in extra else \
             default_backend_tag(tp_size, pp_size, identity)
         return cls(model_name=str(model), extra_backend_tag=str(tag), identity=identity,
                    namespace=str(extra.get("namespace", NAMESPACE)),
                    ray_address=extra.get("ray_address"), pool_blocks=pool_blocks,
-                   l2_blocks=l2_blocks,
+                   l2_blocks=l2_blocks, async_transfers=async_transfers,
                    timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
                    tenant=check_tenant(extra.get("tenant") or None),
                    debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))

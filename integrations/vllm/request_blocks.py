@@ -61,6 +61,8 @@ class RequestBlocks:
     pending_load: BlockTransfer | None = None
     own_start: int = 0  # first block it computed itself (before: prefix cache or loaded)
     dirty_from: int | None = None  # its blocks from here on may be computed over a failure
+    load_async: bool = False  # its last lookup's hit is loaded asynchronously
+    async_sent: bool = False  # its async load went out (it never gets another)
 
 
 def mark_failed(state: RequestBlocks, invalid: set[int]) -> None:

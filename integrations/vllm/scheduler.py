@@ -9,20 +9,29 @@ never by vLLM's ``request.block_hashes`` (whose root depends on ``PYTHONHASHSEED
 The answer is the same for every rank, so ranks never load different prefixes. Each
 step's loads and saves are decided by ``raykv.integrations.vllm.request_blocks`` and sent to the
 workers as ``RayKVConnectorMetadata``. Every method runs on vLLM's scheduler thread.
+
+With ``async_transfers`` the lookup runs on the lookup thread (``lookups.Lookups``:
+waited for at most ``STEP_WAIT_S`` per step, else "ask again later", its answer cached
+per request), and a hit that needs L3 answers ``(n, True)``: vLLM parks the request
+and its load goes to the workers with the next metadata (``async_loads``), although
+the request is not scheduled; a hit all in the node's L2 is loaded on the step.
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.kv_views import block_geometry
+from raykv.integrations.vllm.lookups import STEP_WAIT_S, Lookups
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.request_blocks import (
+    BlockTransfer,
     RequestBlocks,
     blocks_to_load,
     blocks_to_save,
@@ -62,6 +71,11 @@ class RayKVConnectorScheduler(ConnectorSide):
         # Every lookup of one scheduling step waits on raykv at most one timeout_s in all
         # (made at the step's first lookup, dropped in build_connector_meta).
         self._step_budget: Budget | None = None
+        # async_transfers: the lookup thread, this step's end of waiting for its
+        # answers, and the async loads to send with this step's metadata.
+        self._lookups: Lookups | None = None
+        self._wait_until: float | None = None
+        self._async_loads: list[BlockTransfer] = []
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -108,41 +122,94 @@ class RayKVConnectorScheduler(ConnectorSide):
                                                                    self.block_size)]
         if not hashes:
             return 0, False
+        if self.opts.async_transfers:
+            return self._lookup_async(st, local, hashes, num_computed_tokens)
         if self._step_budget is None:  # the first lookup of this scheduling step
             self._step_budget = Budget(self.opts.timeout_s)
+        with self._step_budget:
+            l2, hit = self._query([hash_hex(h) for h in hashes])
+        return self._answer(st, local, l2, hit, num_computed_tokens), False
+
+    def _query(self, keys: list[str]) -> tuple[int, int]:
+        """``(leading blocks of keys in the node's L2, leading blocks in L2 or L3)``:
+        the node's L2 first (its blocks need no L3 call), then one group query for the
+        rest; what fails is a miss (warned)."""
         l2 = 0
         try:
-            with self._step_budget:
-                client = self._cache()
-                keys = [hash_hex(h) for h in hashes]
-                if self.opts.l2_blocks:  # the node's L2 first: its blocks need no L3 call
-                    l2 = client.l2().lookup(keys, self.tp_size)
-                hit = l2
-                if l2 < len(keys):
-                    hit += client.group_exists(keys[l2:]).kv_hit_pages
+            client = self._cache()
+            if self.opts.l2_blocks:
+                l2 = client.l2().lookup(keys, self.tp_size)
+            hit = l2
+            if l2 < len(keys):
+                hit += client.group_exists(keys[l2:]).kv_hit_pages
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
             hit = l2
+        return l2, hit
+
+    def _answer(self, st: RequestBlocks, local: int, l2: int, hit: int,
+                num_computed_tokens: int) -> int:
+        """Count a lookup's answer; the tokens to load."""
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
         self.stats["l2_hit_blocks"] += l2
         st.local_hit_tokens = num_computed_tokens
-        return external_tokens(local + hit, num_computed_tokens, self.block_size), False
+        return external_tokens(local + hit, num_computed_tokens, self.block_size)
+
+    def _lookup_async(self, st: RequestBlocks, local: int, hashes: list,
+                      num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``async_transfers``: the lookup asked on the lookup thread and waited for at
+        most what is left of this step's ``STEP_WAIT_S`` (None: ask again next step);
+        a hit that needs L3 is loaded asynchronously, one all in L2 on the step. A
+        request whose async load was sent once loads nothing more (its blocks that
+        failed are recomputed, never asked for again in a loop)."""
+        if st.async_sent:
+            return 0, False
+        if self._lookups is None:
+            self._lookups = Lookups(miss=(0, 0))
+        now = time.monotonic()
+        if self._wait_until is None:  # the first lookup of this scheduling step
+            self._wait_until = now + STEP_WAIT_S
+        keys = [hash_hex(h) for h in hashes]
+        answer = self._lookups.ask(st.request.request_id, (local, len(keys)),
+                                   partial(self._query_budgeted, keys),
+                                   max(0.0, self._wait_until - now))
+        if answer is None:
+            self.stats["lookups_pending"] += 1
+            return None, False
+        l2, hit = answer
+        n = self._answer(st, local, l2, hit, num_computed_tokens)
+        st.load_async = n > 0 and hit > l2
+        self.stats["async_lookups"] += st.load_async
+        return n, st.load_async
+
+    def _query_budgeted(self, keys: list[str]) -> tuple[int, int]:
+        """``_query`` within one ``timeout_s`` (on the lookup thread)."""
+        with Budget(self.opts.timeout_s):
+            return self._query(keys)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self._state(request)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
+        load_async, st.load_async = st.load_async, False
         if num_external_tokens > 0:
             st.pending_load = blocks_to_load(request.request_id, blocks.get_block_ids()[0],
                                         self._page_hashes(st), st.local_hit_tokens,
                                         num_external_tokens, self.block_size)
+            if load_async:  # vLLM parks the request: its load goes out this step
+                self._async_loads.append(st.pending_load)
+                st.pending_load, st.async_sent = None, True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> \
             RayKVConnectorMetadata:
         self._step_budget = None  # the next step's lookups get a budget of their own
-        meta = RayKVConnectorMetadata(failures_seen=self._failures_seen)
-        self._failures_seen = set()
+        self._wait_until = None
+        meta = RayKVConnectorMetadata(failures_seen=self._failures_seen,
+                                      async_loads=self._async_loads)
+        self._failures_seen, self._async_loads = set(), []
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
 
@@ -197,4 +264,15 @@ class RayKVConnectorScheduler(ConnectorSide):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
+        # A request aborted while its async load runs keeps its blocks until a worker
+        # reports the load finished: vLLM itself delays their free.
         return False, None
+
+    def shutdown(self) -> None:
+        """End the lookup thread, then ``ConnectorSide.shutdown``."""
+        lookups, self._lookups = self._lookups, None
+        if lookups is not None:
+            lookups.close()
+        super().shutdown()

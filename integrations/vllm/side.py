@@ -32,10 +32,18 @@ def new_stats() -> dict[str, int]:
     in the node's L2), ``loaded``, ``load_failed``, ``saved``, ``save_failed``,
     ``save_refused`` (worker side: blocks; refused: computed over a block whose load
     failed, never stored), ``l2_loaded``, ``l2_saved`` (blocks loaded through and saved
-    into the node's L2)."""
+    into the node's L2); with ``async_transfers``: ``async_lookups`` (scheduler: hits
+    that vLLM loads asynchronously), ``lookups_pending`` (lookups answered "ask again
+    later"), ``async_loaded`` (worker: of ``loaded``, those loaded off the step),
+    ``load_dropped`` (of ``load_failed``, those the load queue had no room for),
+    ``save_dropped`` (blocks L2 had no page for: not saved, a future miss);
+    ``save_us``, ``save_cpu_us`` (worker: microseconds of wall and of the worker
+    thread's CPU spent in ``wait_for_save`` in steps that save)."""
     return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
             "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
-            "l2_loaded": 0, "l2_saved": 0}
+            "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
+            "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
+            "save_cpu_us": 0}
 
 
 class ConnectorSide(ABC):

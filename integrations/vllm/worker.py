@@ -6,7 +6,11 @@ of one layer is one contiguous copy; ``staging_pools.StagedPool``): the client c
 save's blocks into it and a load's blocks read in full out of it, and the node actor
 moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
-it (``wait_for_save``); both synchronous, on vLLM's worker thread. Every block that did
+it (``wait_for_save``); both synchronous, on vLLM's worker thread, unless
+``async_transfers``: then a step's saves are one batch into the node's L2 pages (the
+node puts them to L3 behind; a block L2 has no page for is dropped and counted), and
+loads the scheduler side sends as ``async_loads`` run on the load thread
+(``async_loads.AsyncLoads``), reported by ``get_finished``. Every block that did
 not load is reported by ``get_block_ids_with_load_errors`` (so
 ``kv_load_failure_policy="recompute"`` recomputes it); an unavailable node actor or
 store never raises into vLLM and never counts as a loaded block.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +40,8 @@ from raykv.cache_actors.rank.staging_pools import (
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
-from raykv.integrations.vllm.kv_views import block_views
+from raykv.integrations.vllm.async_loads import AsyncLoads
+from raykv.integrations.vllm.kv_views import block_views, pool_block_views, pool_dims
 from raykv.integrations.vllm.l2_blocks import L2Blocks
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -71,6 +77,7 @@ class RayKVConnectorWorker(ConnectorSide):
         # start_load_kv, which vLLM calls every step before wait_for_save).
         self._step_budget = Budget(opts.timeout_s)
         self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
+        self._async: AsyncLoads | None = None  # the load thread (first async load)
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then this rank's L2 on its node when
@@ -117,7 +124,7 @@ class RayKVConnectorWorker(ConnectorSide):
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
                              f"of block_size {self.block_size}")
-        heads, dim = self._pool_dims()
+        heads, dim = pool_dims(self._block_shape, self.block_size)
         dtype, itemsize = dtype_of(first)
         # vLLM's blocks as a raykv pool: page = block id, one view per layer.
         self._memory = EngineMemory(PoolLayout.vllm(
@@ -128,22 +135,9 @@ class RayKVConnectorWorker(ConnectorSide):
                  len(tensors), num_blocks, self._block_shape, first.dtype)
         self._attach_at_start()
 
-    def _pool_dims(self) -> tuple[int, int]:
-        """``head_num, head_dim`` of the pool: vLLM's CPU block ``(heads, block_size,
-        2 * head_size)`` as it is; any other block shape as ``(1, elements / block_size)``
-        (same bytes per page, which is all the store sees)."""
-        shape = self._block_shape
-        if len(shape) == 3 and shape[1] == self.block_size:
-            return shape[0], shape[2]
-        return 1, math.prod(shape) // self.block_size
-
     def _pages(self, pool: HostPool) -> list[torch.Tensor]:
-        """The staging pool's pages per layer, ``(pool_blocks, *block)`` views lining up
-        with ``self._layers`` (a page holds every layer's block, layer after layer)."""
-        buf = pool.kv_buffer
-        pages = buf.view(buf.shape[0], buf.shape[1], -1)
-        return [pages[:, layer].view(buf.shape[0], *self._block_shape)
-                for layer in range(buf.shape[1])]
+        """``pool``'s pages as ``kv_views.pool_block_views`` gives them."""
+        return pool_block_views(pool.kv_buffer, self._block_shape)
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         """Host indices (token slots) of vLLM's blocks ``block_ids``."""
@@ -160,12 +154,16 @@ class RayKVConnectorWorker(ConnectorSide):
             return
         self._step_budget = Budget(self.opts.timeout_s)  # this step's loads and saves
         self._unsettled -= meta.failures_seen
+        for x in meta.async_loads:
+            if self._async is None:
+                self._async = AsyncLoads(self._load_async)
+            self._async.submit(x)
         if not meta.loads:
             return
         with self._step_budget:
             firsts = [self._load(x) for x in meta.loads]  # first failed block per request
         if self.tp_size > 1:
-            firsts = self._agree(firsts)
+            firsts = agree_tp(firsts)
         for x, first in zip(meta.loads, firsts, strict=True):
             if first < len(x.block_ids):
                 self._load_errors.update(x.block_ids[first:])
@@ -202,6 +200,37 @@ class RayKVConnectorWorker(ConnectorSide):
                             "vLLM recomputes them", len(x.block_ids) - done, e)
         return done
 
+    def _load_async(self, x: BlockTransfer) -> int:
+        """On the load thread: ``x``'s leading blocks loaded through the node's L2 (L3
+        into L2 into vLLM's blocks) within one ``timeout_s``; how many. 0 while the L2
+        is lost (vLLM recomputes them). Raises what the client raises (the load thread
+        fails the load)."""
+        with Budget(self.opts.timeout_s):
+            self._cache()
+            if self._l2 is None or not self._l2.usable:
+                return 0
+            done = self._l2.load(x.block_ids, x.hashes)
+        if done and self.opts.debug_corrupt_loads:
+            self._copy_in(x.block_ids[:done])
+        return done
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                               set[str] | None]:
+        """``(None, requests whose async load ended since the last call)``; the blocks
+        that did not load go to this step's ``get_block_ids_with_load_errors`` (vLLM
+        calls it after this) and stay unsettled until the scheduler side has seen them.
+        Nothing is ever sent: raykv's saves end within the step."""
+        if self._async is None:
+            return None, None
+        done = self._async.finished()
+        self._load_errors |= done.failed_blocks
+        self._unsettled |= done.failed_blocks
+        self.stats["loaded"] += done.loaded
+        self.stats["async_loaded"] += done.loaded
+        self.stats["load_failed"] += done.failed
+        self.stats["load_dropped"] += done.dropped
+        return None, done.req_ids or None
+
     def _load_l2(self, x: BlockTransfer) -> int | None:
         """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
         L2, or from L3 into L2 first); how many. None if an L2 op failed (the node
@@ -227,28 +256,53 @@ class RayKVConnectorWorker(ConnectorSide):
             noise = torch.randn((len(block_ids), *self._block_shape)).to(blocks.dtype)
             blocks.index_copy_(0, ids, noise.to(device))
 
-    def _agree(self, firsts: list[int]) -> list[int]:
-        """Every TP rank takes the smallest first-failed block of any rank, so all ranks
-        report the same blocks and none saves KV computed over another rank's bad load."""
-        from vllm.distributed.parallel_state import get_tp_group
-
-        t = torch.tensor(firsts, dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
-                                     group=get_tp_group().cpu_group)
-        return t.tolist()
-
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Save the step's newly full blocks (``meta.saves``) after the forward, except
         those computed over an unsettled block (``refuses``), whichever request's load
-        failed: those are counted in ``save_refused`` and never stored."""
-        if not isinstance(meta, RayKVConnectorMetadata):
+        failed: those are counted in ``save_refused`` and never stored. The time spent
+        in steps that save is counted in ``save_us`` (wall) and ``save_cpu_us`` (this
+        thread's CPU)."""
+        if not isinstance(meta, RayKVConnectorMetadata) or not meta.saves:
             return
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._step_budget:
+            saves = []
             for x in meta.saves:
                 if self.refuses(x):
                     self.stats["save_refused"] += len(x.block_ids)
                     continue
+                saves.append(x)
+            if self.opts.async_transfers and self._l2 is not None and self._l2.usable:
+                saves = self._save_batch(saves)
+            for x in saves:
                 self._save(x)
+        self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+
+    def _save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
+        """``async_transfers``: every block of ``saves`` copied into L2 pages in one
+        batch (one reserve, one copy, one commit per ``CHUNK`` blocks); the node actor
+        puts them to L3 behind. A block L2 has no page for (held, leased or not yet
+        flushed pages: the write-behind is behind) is dropped and counted in
+        ``save_dropped``: a future miss, never a store call on the step. The saves to
+        go through the store instead (the L2 op failed: the node actor restarted)."""
+        ids = [b for x in saves for b in x.block_ids]
+        if not ids:
+            return []
+        try:
+            saved, full = self._l2.save(ids, [h for x in saves for h in x.hashes])
+        except Exception as e:
+            self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
+                            "through the store", e)
+            return saves
+        self.stats["saved"] += saved
+        self.stats["l2_saved"] += saved
+        self.stats["save_dropped"] += len(full)
+        self.stats["save_failed"] += len(ids) - saved - len(full)
+        if full:
+            self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
+                            "blocks (its write-behind is behind); dropped", len(full))
+        return []
 
     def refuses(self, x: BlockTransfer) -> bool:
         """Whether the save ``x`` was computed over a block whose load failed and that
@@ -299,3 +353,21 @@ class RayKVConnectorWorker(ConnectorSide):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def shutdown(self) -> None:
+        """End the load thread (queued loads fail), then ``ConnectorSide.shutdown``."""
+        loads, self._async = self._async, None
+        if loads is not None:
+            loads.close()
+        super().shutdown()
+
+
+def agree_tp(firsts: list[int]) -> list[int]:
+    """Every TP rank takes the smallest first-failed block of any rank, so all ranks
+    report the same blocks and none saves KV computed over another rank's bad load."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    t = torch.tensor(firsts, dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                 group=get_tp_group().cpu_group)
+    return t.tolist()

@@ -515,6 +515,106 @@ def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
     assert corrupt and not any(d in (saved[h], saved_f.get(h)) for h, d in corrupt.items())
 
 
+def _l2_room(vcluster, node: str, n: int) -> None:
+    """Wait (12 s at most) until the node's L2 has ``n`` pages a fill or a save may take:
+    neither held, nor leased by an earlier test's lookups (10 s), nor dirty."""
+    deadline = time.monotonic() + 12
+    while True:
+        s = _l2_stats(vcluster, node)
+        if s["pages"] - s["held"] - s["leased"] - s["dirty"] >= n:
+            return
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _async_on(*engines):
+    """``async_transfers`` on in ``engines`` (L2 engines) for the block's duration."""
+    ray.get([x.async_transfers.remote(True) for x in engines])
+    try:
+        yield
+    finally:
+        ray.get([x.async_transfers.remote(False) for x in engines])
+
+
+def test_async_transfers_load_l3_off_the_step_and_save_every_block(engines, l2_engines,
+                                                                   vcluster):
+    """``async_transfers`` on in E and F. Loads: A (node 1, no L2) computes a prompt, so
+    its 7 blocks are in L3 and not in node 2's L2; F's lookup finds them in L3 and vLLM
+    loads them asynchronously (the request parked, the worker's load thread reading
+    L3 into L2 into vLLM's blocks): F gives A's tokens restoring the prompt from its own
+    prefix cache. Saves: E decodes past the prompt (8 full blocks), each copied into L2
+    pages on the step and put to L3 by the node behind: once flushed, A (whose prefix
+    cache never saw them) reads all 8 from L3 and gives E's tokens restoring them from
+    its own prefix cache. Control: the counters show the load was async (F's worker
+    loaded 7 blocks off the step) and the saves went through L2 with none dropped."""
+    a, b, base = engines
+    e, f = l2_engines
+    n2 = vcluster.node_ids[1]
+    p = prompt(60)
+    want = computed_then_restored(a, p)
+    _l2_room(vcluster, n2, 8)  # an async load reads through L2 pages: room for all 7
+    with _async_on(e, f):
+        s0 = ray.get(f.scheduler_stats.remote())
+        (w0,) = ray.get(f.worker_stats.remote())
+        got = ray.get(f.generate.remote(p))
+        s1 = ray.get(f.scheduler_stats.remote())
+        (w1,) = ray.get(f.worker_stats.remote())
+        q = prompt(61)
+        (e0,) = ray.get(e.worker_stats.remote())
+        out = ray.get(e.generate.remote(q, max_tokens=60))  # 1059 tokens computed: 8 blocks
+        (e1,) = ray.get(e.worker_stats.remote())
+    assert got["cached"] == 7 * BLOCK, got
+    assert got["tokens"] == want
+    assert s1["async_lookups"] - s0["async_lookups"] == 1, (s0, s1)
+    assert w1["async_loaded"] - w0["async_loaded"] == 7, (w0, w1)
+    assert e1["l2_saved"] - e0["l2_saved"] == 8 and e1["save_dropped"] == e0["save_dropped"]
+    _flushed(vcluster, n2)
+    q_ext = q + out["tokens"][:8 * BLOCK + 1 - len(q)]
+    restored = ray.get(e.generate.remote(q_ext))
+    assert restored["cached"] == 8 * BLOCK, restored
+    from_l3 = ray.get(a.generate.remote(q_ext))
+    assert from_l3["cached"] == 8 * BLOCK, from_l3
+    assert from_l3["tokens"] == restored["tokens"]
+
+
+@pytest.mark.parametrize("report", [True, False], ids=["reported", "control-passed-off"])
+def test_async_load_failure_is_recomputed(engines, l2_engines, vcluster, report):
+    """F's async load of a prompt's 7 blocks (from L3: A computed them) fails at block 3:
+    vLLM hears of it (``get_block_ids_with_load_errors`` with the request's
+    ``finished_recving``) and recomputes blocks 3-6 (F saves those 4 again), giving the
+    tokens of the baseline computing the same blocks over the same 3 cached ones
+    (vLLM's ``num_cached_tokens`` keeps the lookup's 7 blocks for an async load: its
+    prefill stats are taken before the load ends). Control (``report`` False: a hook
+    passes the failed load off as done): vLLM uses the block of random values, computes
+    nothing of the prompt but its last token, and the tokens differ from A's restoring
+    all 7."""
+    a, b, base = engines
+    e, f = l2_engines
+    p = prompt(62 if report else 63)
+    ray.get(a.generate.remote(p))  # its 7 blocks in L3
+    if report:
+        ray.get(base.generate.remote(p[:3 * BLOCK + 10]))
+        want = ray.get(base.generate.remote(p))
+        assert want["cached"] == 3 * BLOCK, want
+    else:
+        want = {"tokens": computed_then_restored(a, p)}
+    _l2_room(vcluster, vcluster.node_ids[1], 7)
+    with _async_on(f):
+        (w0,) = ray.get(f.worker_stats.remote())
+        ray.get(f.fail_next_async_load.remote(3, report))
+        got = ray.get(f.generate.remote(p))
+        (w1,) = ray.get(f.worker_stats.remote())
+    assert w1["async_loaded"] - w0["async_loaded"] == (3 if report else 7), (w0, w1)
+    if report:
+        assert w1["load_failed"] - w0["load_failed"] == 4, (w0, w1)
+        assert w1["saved"] - w0["saved"] == 4, (w0, w1)  # recomputed, then saved
+        assert got["tokens"] == want["tokens"]
+    else:
+        assert w1["saved"] == w0["saved"], (w0, w1)
+        assert got["tokens"] != want["tokens"]
+
+
 def test_l2_node_actor_killed_engines_serve_l2_comes_back_empty(engines, l2_engines,
                                                               vcluster):
     """Node 2's actor killed after E saved a prompt into its L2: once it is back its L2

@@ -120,6 +120,32 @@ def _fail_next_load(worker, index: int) -> None:
     client.batch_get_v2 = batch_get_v2
 
 
+def _async_worker(worker, on: bool) -> None:
+    w = _connector().connector_worker
+    w.opts = replace(w.opts, async_transfers=on)
+
+
+def _fail_next_async_load(worker, index: int, report: bool) -> None:
+    """The worker's next L2 load of more than ``index`` blocks (the async loads' path)
+    leaves its block ``index`` with random values (as after a read that did not
+    complete) and reports the leading ``index`` blocks loaded, or, with ``report``
+    False (a control: a hook that passes a failed load off as done), all of them."""
+    w = _connector().connector_worker
+    l2 = w._l2
+    load = l2.load
+
+    def once(block_ids, hashes):
+        n = load(block_ids, hashes)
+        if n <= index:
+            return n
+        del l2.load
+        for layer in w._layers:
+            layer[block_ids[index]] = torch.randn(layer[block_ids[index]].shape).to(layer.dtype)
+        return index if report else n
+
+    l2.load = once
+
+
 def _old_save_rule(worker, on: bool) -> None:
     """Control: the worker refuses only the saves of a request whose own load failed in
     this step (the rule before shared blocks were considered); off: its own rule."""
@@ -146,6 +172,17 @@ class ControlEngine(VLLMEngine):
         """The next load of more than ``index`` blocks fails at its block ``index``
         (``_fail_next_load``)."""
         self.llm.collective_rpc(_fail_next_load, args=(index,))
+
+    def async_transfers(self, on: bool) -> None:
+        """Both sides of the connector switch ``async_transfers`` on or off (as if the
+        engine had been configured so; its L2 must be open)."""
+        side = self._scheduler_connector().connector_scheduler
+        side.opts = replace(side.opts, async_transfers=on)
+        self.llm.collective_rpc(_async_worker, args=(on,))
+
+    def fail_next_async_load(self, index: int, report: bool = True) -> None:
+        """``_fail_next_async_load``."""
+        self.llm.collective_rpc(_fail_next_async_load, args=(index, report))
 
     def old_save_rule(self, on: bool) -> None:
         """Control: the old rule of which saves to refuse (``_old_save_rule``)."""

@@ -183,3 +183,48 @@ def test_another_geometry_of_the_same_bytes_is_refused():
     assert other.object_sizes == layout().object_sizes
     with pytest.raises(ValueError, match="holds pages of"):
         pools.open((0, 0), other, 4, A)
+
+
+def test_threads_of_one_process_hold_pages_apart_and_an_ended_thread_is_reaped():
+    """``L2Link.holder`` names the calling thread: the main thread is the process, a
+    second thread another holder. A read the load thread holds survives the step
+    thread's next op (which releases only its own pages), so no page is re-filled under
+    a copy; once the thread has ended its pages are reaped when pages run short.
+    Control: with one holder for the whole process (the rule before), the step thread's
+    reserve releases the load thread's read and hands its page to another key."""
+    import threading
+
+    from raykv.cache_actors.rank.l2_link import L2Link
+
+    link = L2Link.__new__(L2Link)
+    link._local = threading.local()
+    main = link.holder
+    assert main == ME
+    seen, done = [], threading.Event()
+    t = threading.Thread(target=lambda: (seen.append(link.holder), done.wait(10)))
+    t.start()
+    while not seen:
+        time.sleep(0.001)
+    (thread,) = seen
+    assert thread != main and thread[0] != ME[0]
+
+    def one_page_read_by(reader):
+        node = FakeNode()
+        pools = l2(node)
+        h = pools.open((0, 0), layout(), 1, A)
+        (p,) = pools.reserve(main, h.name, ["m_a"], A)
+        pools.commit(main, h.name, ["m_a"], [p], [True], A)
+        flushed(pools, 1)
+        assert pools.acquire(reader, h.name, ["m_a"], False, A) == [p]  # being copied
+        return pools, h, p
+
+    try:
+        pools, h, p = one_page_read_by(thread)
+        assert pools.reserve(main, h.name, ["m_b"], A) == [FULL]  # the read's page stays
+    finally:
+        done.set()
+        t.join()
+    assert ProcessIdentity(*thread).alive() is False
+    assert pools.reserve(main, h.name, ["m_c"], A) == [p]  # its thread ended: reaped
+    pools, h, p = one_page_read_by(main)  # control: one holder per process
+    assert pools.reserve(main, h.name, ["m_b"], A) == [p]  # the read page went to m_b

@@ -96,3 +96,52 @@ def test_a_lost_pool_is_reopened_in_the_background():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert blocks.save([0], ["h0"]) == (1, [])
+
+
+@pytest.mark.parametrize("async_transfers", [True, False], ids=["async", "control-sync"])
+def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
+    """A worker's step saving 5 blocks of two requests into an L2 of 3 pages whose
+    write-behind is behind (committed pages stay dirty): with ``async_transfers`` one
+    batch fills the 3 pages and the 2 blocks without a page are
+    dropped and counted (``save_dropped``), never sent to the store on the step.
+    Control (saves on the step): those 2 go to the store (here unreachable: counted
+    failed), and nothing is counted dropped."""
+    from raykv.controllers.call_budget import Budget
+    from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.request_blocks import BlockTransfer
+    from raykv.integrations.vllm.worker import RayKVConnectorWorker
+
+    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "async_transfers": async_transfers,
+                                   "timeout_s": 0.2},
+                                  tp_size=1, pp_size=1, served_model="m",
+                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
+    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
+                             pp_size=1)
+    class BehindLink(FakeLink):
+        """Committed pages stay dirty: the node's write-behind has not put them yet."""
+
+        def commit(self, pool, hashes, pages, ok):
+            self._check(pool)
+            return len(self.index.commit(self.holder, pages, ok, dirty=True))
+
+    link = BehindLink()
+    w._l2 = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
+    w._step_budget = Budget(0.2)
+    stored = []
+
+    def batch_set_v2(transfers):  # the store, unreachable
+        stored.append(transfers)
+        raise ConnectionError("store down")
+
+    w._client = SimpleNamespace(batch_set_v2=batch_set_v2)
+    meta = RayKVConnectorMetadata(saves=[BlockTransfer("r1", [0, 1, 2], ["a", "b", "c"]),
+                                         BlockTransfer("r2", [3, 4], ["d", "e"])])
+    w.wait_for_save(meta)
+    s = w.stats
+    assert s["l2_saved"] == 3 and link.index.stats()["ready"] == 3
+    if async_transfers:
+        assert s["save_dropped"] == 2 and s["save_failed"] == 0 and not stored
+    else:
+        assert s["save_dropped"] == 0 and s["save_failed"] == 2 and len(stored) == 1
+    assert s["save_us"] > 0

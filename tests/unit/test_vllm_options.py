@@ -106,6 +106,12 @@ def test_refuses_bad_config():
         parse({"timeout_s": -1})
     with pytest.raises(ValueError, match="tenant must be"):
         parse({"tenant": "a b"})
+    with pytest.raises(ValueError, match="async_transfers needs l2_blocks"):
+        parse({"async_transfers": True})
+    with pytest.raises(ValueError, match="async_transfers must be true or false"):
+        parse({"async_transfers": "yes", "l2_blocks": 8})
+    o = parse({"async_transfers": True, "l2_blocks": 8})  # control: with L2 it is taken
+    assert o.async_transfers and o.l2_blocks == 8 and not parse().async_transfers
 
 
 def test_storage_config_carries_key_prefix_and_deadline():

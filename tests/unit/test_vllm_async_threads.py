@@ -1,0 +1,111 @@
+"""The vLLM connector's background threads (pure logic, fake work): the async load
+thread (``AsyncLoads``) and the lookup thread (``Lookups``): bounded queues, failures
+reported never raised, answers cached per request, both end on close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from raykv.integrations.vllm.async_loads import AsyncLoads
+from raykv.integrations.vllm.lookups import Lookups
+from raykv.integrations.vllm.request_blocks import BlockTransfer
+
+
+def _x(rid: str, n: int, first: int = 0) -> BlockTransfer:
+    return BlockTransfer(rid, list(range(first, first + n)), [f"h{i}" for i in range(n)])
+
+
+def _finished(loads: AsyncLoads, want: set[str]):
+    got_ids, failed, loaded = set(), set(), 0
+    deadline = time.monotonic() + 5
+    while got_ids != want and time.monotonic() < deadline:
+        d = loads.finished()
+        got_ids |= d.req_ids
+        failed |= d.failed_blocks
+        loaded += d.loaded
+        time.sleep(0.005)
+    return got_ids, failed, loaded
+
+
+def test_async_loads_report_every_request_with_its_failed_blocks():
+    """A full load, a partial one and one that raises: all three reported finished; the
+    blocks after a partial load's leading run and every block of the raising one are
+    failed. Control: the load function really ran (the leading counts come back)."""
+    def load(x: BlockTransfer) -> int:
+        if x.req_id == "boom":
+            raise RuntimeError("node actor gone")
+        return 2 if x.req_id == "part" else len(x.block_ids)
+
+    loads = AsyncLoads(load)
+    try:
+        for x in (_x("full", 3), _x("part", 4, 10), _x("boom", 2, 20)):
+            assert loads.submit(x)
+        ids, failed, loaded = _finished(loads, {"full", "part", "boom"})
+    finally:
+        loads.close()
+    assert ids == {"full", "part", "boom"}
+    assert failed == {12, 13, 20, 21}
+    assert loaded == 5
+
+
+def test_async_loads_queue_is_bounded_and_close_fails_what_waits():
+    """A load thread stuck on its first load: the queue takes ``maxsize`` more, the next
+    is refused at once (all its blocks failed and counted dropped, finished at once);
+    ``close`` fails the queued ones and ends the thread once the stuck one returns."""
+    gate = threading.Event()
+    loads = AsyncLoads(lambda x: gate.wait(5) and len(x.block_ids), maxsize=2)
+    assert loads.submit(_x("a", 1))
+    time.sleep(0.05)  # the thread took "a"
+    assert loads.submit(_x("b", 1, 1)) and loads.submit(_x("c", 1, 2))
+    t0 = time.monotonic()
+    assert not loads.submit(_x("d", 2, 3))
+    assert time.monotonic() - t0 < 0.5
+    d = loads.finished()
+    assert d.req_ids == {"d"} and d.failed_blocks == {3, 4} and d.dropped == 2
+    gate.set()
+    loads.close()
+    rest = loads.finished()
+    assert rest.req_ids == {"a", "b", "c"} and rest.failed_blocks == {1, 2}
+    assert not loads._thread.is_alive()
+    assert not loads.submit(_x("e", 1, 9))  # closed: refused, reported failed
+    assert loads.finished().failed_blocks == {9}
+
+
+def test_lookups_answer_once_per_request_and_key_and_never_wait_past_the_allowance():
+    """A fast query is answered within the wait and cached: asking again for the same
+    request and key runs no second query; a new key asks again. A slow query answers
+    None within the allowance (ask again later), then its answer once it came. A query
+    that raises answers the miss value."""
+    calls = []
+
+    def fast():
+        calls.append(1)
+        return (1, 3)
+
+    lk = Lookups(miss=(0, 0))
+    try:
+        assert lk.ask("r", (0, 3), fast, 1.0) == (1, 3)
+        assert lk.ask("r", (0, 3), fast, 0.0) == (1, 3)
+        assert len(calls) == 1
+        assert lk.ask("r", (0, 4), fast, 1.0) == (1, 3) and len(calls) == 2
+        gate = threading.Event()
+        t0 = time.monotonic()
+        assert lk.ask("s", (0, 1), lambda: gate.wait(5) and (0, 1), 0.05) is None
+        assert time.monotonic() - t0 < 1.0
+        gate.set()
+        deadline = time.monotonic() + 5
+        while (got := lk.ask("s", (0, 1), fast, 0.01)) is None and time.monotonic() < deadline:
+            pass
+        assert got == (0, 1)
+
+        def boom():
+            raise RuntimeError("refused")
+
+        assert lk.ask("t", (0, 1), boom, 1.0) == (0, 0)
+        lk.forget("r")
+        assert lk.ask("r", (0, 3), fast, 1.0) == (1, 3) and len(calls) == 3
+    finally:
+        lk.close()
+    assert not lk._thread.is_alive()
+    assert lk.ask("u", (0, 1), fast, 0.1) is None  # closed: never answered
