@@ -73,15 +73,13 @@ class RayKVConnectorWorker(ConnectorSide):
         self._block_shape: tuple[int, ...] = ()
         self._load_errors: set[int] = set()  # failed blocks not yet reported to vLLM
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not seen yet
-        # A step's loads and saves wait on raykv at most one timeout_s in all (made in
-        # start_load_kv, which vLLM calls every step before wait_for_save).
+        # a step's loads and saves wait one timeout_s in all (made anew in start_load_kv)
         self._step_budget = Budget(opts.timeout_s)
         self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
         self._async: AsyncLoads | None = None  # the load thread (first async load)
 
     def _attach(self) -> None:
-        """``ConnectorSide._attach``, then this rank's L2 on its node when
-        ``l2_blocks`` asks for one (without it if the node has none or refuses)."""
+        """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
         super()._attach()
         if self.opts.l2_blocks:
             try:
@@ -101,8 +99,8 @@ class RayKVConnectorWorker(ConnectorSide):
             per_process=True)
 
     def _served(self, pool: HostPool) -> StagedPool:
-        """vLLM's KV cache through ``pool``, ``pool_blocks`` blocks per round (one
-        window for loads and saves: both run on vLLM's worker thread)."""
+        """vLLM's KV cache through ``pool``: one window of ``pool_blocks`` blocks for
+        loads and saves (both run on vLLM's worker thread)."""
         return StagedPool(self._memory, pool, self.opts.pool_blocks, shared=True,
                           stage=self._pages)
 
@@ -248,8 +246,7 @@ class RayKVConnectorWorker(ConnectorSide):
         return done
 
     def _copy_in(self, block_ids: list[int]) -> None:
-        """Test only (``debug_corrupt_loads``): overwrite loaded blocks with random
-        values."""
+        """Test only (``debug_corrupt_loads``): random values into loaded blocks."""
         device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         for blocks in self._layers:
