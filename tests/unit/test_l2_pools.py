@@ -224,6 +224,9 @@ def test_threads_of_one_process_hold_pages_apart_and_an_ended_thread_is_reaped()
     finally:
         done.set()
         t.join()
+    gone = time.monotonic() + 10  # the kernel thread ends a moment after join returns
+    while ProcessIdentity(*thread).alive() and time.monotonic() < gone:
+        time.sleep(0.01)
     assert ProcessIdentity(*thread).alive() is False
     assert pools.reserve(main, h.name, ["m_c"], A) == [p]  # its thread ended: reaped
     pools, h, p = one_page_read_by(main)  # control: one holder per process
