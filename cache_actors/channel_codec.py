@@ -35,17 +35,21 @@ request their places are known from the op's argument types (``Signature``); a r
 value (the client has no schema) wraps the list in a msgpack extension type naming the
 class. Either way each field is checked against its annotation (a ``StrEnum`` field
 comes back as that enum). Nothing else can be decoded: there is no pickle, no class
-lookup by name. Errors travel as ``[name, message]`` and come back as the class of that
-name in ``_ERRORS`` (the passthrough exceptions), any other name as ``RuntimeError``.
+lookup by name. Errors travel as ``[name, message]``: an exception of one of the server's
+``passthrough`` types under the name of its nearest class in ``_ERRORS`` (``ValueError``,
+``RuntimeError``, the ``NodeUnavailableError`` family), raised again as that class on the
+caller's side; any other as a ``RuntimeError`` naming it (and any other name comes back
+as ``RuntimeError``).
 
-Messages. A connection begins with a hello each way, ``[MAGIC, PROTOCOL, raykv version]``
-(client first): peers whose ``PROTOCOL`` differ refuse each other with an error naming
-both raykv versions. A request is ``[op, deadline, args]``: ``deadline`` in
-``time.monotonic()`` seconds (``CLOCK_MONOTONIC``, one clock for every process of a
-node); a reply is ``[True, value]`` or ``[False, [error name, message]]``. Requests are
-checked against the op's argument types (``Signature``) before any handler sees them.
-A connection's first request may be ``BIND_OP`` with the rank's ``OwnerClaim``: the
-server then serves that connection as that owner (see ``local_channel``).
+Messages. A connection begins with a hello each way, ``[MAGIC, PROTOCOL, raykv
+version]`` (client first): peers whose ``PROTOCOL`` differ refuse each other with a
+``ChannelVersionError`` naming both raykv versions. A request is ``[op, deadline,
+args]``: ``deadline`` in ``time.monotonic()`` seconds (``CLOCK_MONOTONIC``, one clock
+for every process of a node); a reply is ``[True, value]`` or ``[False, [error name,
+message]]``. Requests are checked against the op's argument types (``Signature``) before
+any handler sees them. A connection's first request may be ``BIND_OP`` with the rank's
+``OwnerClaim``: the server then serves that connection as that owner (see
+``node.channel_server``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``NodeService`` owns the node's shared host pools (``NodePools``) and its Mooncake client
 (``NodeStore``), serves data calls (exists, put, get, group hits) from the Ray actor
 (``cache_actors.node.node_actor``, a thin shell over it) and from its local channel
-(``cache_actors.local_channel``: same code, ~0.1 ms instead of a ~1 ms Ray call), and
+(``cache_actors.node.channel_server``: same code, ~0.1 ms instead of a ~1 ms Ray call), and
 counts every outcome once (``NodeMetrics``). Store errors come back as per-object codes;
 a bad request raises ``ValueError`` for that call only and the service keeps serving; in
 standalone mode a data call raises a retryable ``NodeUnavailableError`` while the node's
@@ -54,7 +54,7 @@ from raykv.cache_actors.errors import (
     NodeUnavailableError,
 )
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.local_channel import ChannelServer
+from raykv.cache_actors.node.channel_server import ChannelServer
 from raykv.cache_actors.node.deployment_clear import DeploymentClear
 from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import reap_every

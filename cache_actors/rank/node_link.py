@@ -51,13 +51,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import ray
+from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSentError
 from raykv.cache_actors.data_ops import ASYNC_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
-from raykv.cache_actors.local_channel import (
-    ChannelClient,
-    ChannelClosedError,
-    RequestNotSentError,
-)
+from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.tickets import process_book
 from raykv.controllers.call_budget import spending, time_left

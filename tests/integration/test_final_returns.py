@@ -42,7 +42,7 @@ from raykv import CacheClient
 from raykv.cache_actors.channel_codec import parse_reply, request
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, QuarantinedPagesError
-from raykv.cache_actors.local_channel import _Link
+from raykv.cache_actors.rank.channel_client import _Link
 from raykv.cache_actors.rank.staging_pools import StagedPool, describe_kv_buffer, staging_layout
 from raykv.cache_actors.tickets import SLOTS, STARTED, TicketBook, process_book, read_slot
 from raykv.controllers import StorageConfig

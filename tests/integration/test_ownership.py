@@ -254,7 +254,7 @@ def another_process(actor, method: str, *args):
 @ray.remote(num_cpus=0)
 def bind_from_another_process(path: str, claim) -> tuple[str, str]:
     """Open the node actor's channel with ``claim`` from a Ray worker."""
-    from raykv.cache_actors.local_channel import ChannelClient
+    from raykv.cache_actors.rank.channel_client import ChannelClient
     try:
         ChannelClient(path, bind=claim).close()
         return "ok", ""

@@ -16,9 +16,9 @@ import ray
 import torch
 from raykv import NodeUnavailableError, start_local
 from raykv.cache_actors.data_ops import DataOp
-from raykv.cache_actors.local_channel import ChannelClient
 from raykv.cache_actors.node.client_supervisor import ClientRecord
 from raykv.cache_actors.node.pool_memory import PoolBudget
+from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.cache_actors.rank.client import check_mode
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.object_batch import ObjectBatch

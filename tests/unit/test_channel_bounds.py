@@ -16,13 +16,15 @@ import tracemalloc
 import msgpack
 import pytest
 from raykv.cache_actors import channel_codec as codec
-from raykv.cache_actors import local_channel
 from raykv.cache_actors.channel_codec import MAX_DECODED, MAX_FRAME, WireError
+from raykv.cache_actors.channel_socket import ChannelClosedError
 from raykv.cache_actors.data_ops import DATA_OP_ARGS
-from raykv.cache_actors.local_channel import ChannelClient, ChannelClosedError, ChannelServer
+from raykv.cache_actors.node import channel_server
+from raykv.cache_actors.node.channel_server import ChannelServer
+from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch
 
-from tests.unit.test_local_channel import ANSWER_S, RawPeer, settle
+from tests.unit.test_channel import ANSWER_S, RawPeer, settle
 
 OLD_LIMITS = dict(max_str_len=1 << 20, max_bin_len=0, max_array_len=16 * MAX_BATCH_OBJECTS,
                   max_map_len=1024, max_ext_len=MAX_FRAME)
@@ -117,7 +119,7 @@ def slow_server(tmp_path, monkeypatch):
     query answered from a recent answer does), and whose ``big`` is a data op (run on a
     pool thread when sent on an async connection); a reply not read is given up only
     after 60 s, so any thread that waited on it would wait that long."""
-    monkeypatch.setattr(local_channel, "SEND_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(channel_server, "SEND_TIMEOUT_S", 60.0)
     args = {"now": codec.Signature((int,)), "big": codec.Signature((int,))}
     srv = ChannelServer(str(tmp_path / "n.sock"), {"big": _big}, arg_types=args,
                         async_handlers={"now": lambda reply, n: reply(_big(n), None)})
@@ -167,7 +169,7 @@ def test_a_peer_that_never_reads_its_replies_stalls_no_other_peer(slow_server, o
 def test_a_reply_never_read_closes_its_connection_only(tmp_path, monkeypatch):
     """A peer that does not read its 6 MB reply for ``SEND_TIMEOUT_S`` (0.5 s here) is
     dropped (a write to it then fails); another peer that reads is served meanwhile."""
-    monkeypatch.setattr(local_channel, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(channel_server, "SEND_TIMEOUT_S", 0.5)
     srv = ChannelServer(str(tmp_path / "n.sock"), {}, arg_types={"now": codec.Signature(
         (int,))}, async_handlers={"now": lambda reply, n: reply(_big(n), None)})
     peer = RawPeer(srv.path)

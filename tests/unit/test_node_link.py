@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import ray.exceptions
+from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSentError
 from raykv.cache_actors.data_ops import ASYNC_OPS, DataOp
 from raykv.cache_actors.errors import (
     CircuitOpenError,
     DeadlineExceededError,
     NodeUnavailableError,
 )
-from raykv.cache_actors.local_channel import ChannelClosedError, RequestNotSentError
 from raykv.cache_actors.rank import node_guard, node_link
 from raykv.cache_actors.rank.node_guard import NodeGuard
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink

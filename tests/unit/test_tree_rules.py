@@ -2,7 +2,8 @@
 counted from its ``class`` line to its last line, decorators aside; the per-object
 result codes defined once (``controllers.result_codes``), every other module imports
 them; no product module reads a ``RAYKV_TEST_*`` switch (tests inject their hooks,
-docs/architecture.md "Test hooks")."""
+docs/architecture.md "Test hooks"); ``cache_actors/rank`` and ``cache_actors/node``
+never import each other (docs/architecture.md "The tree")."""
 
 import ast
 import functools
@@ -69,3 +70,42 @@ def test_no_product_module_reads_a_test_switch():
     # CONTROL: the hook the store backend read before is caught
     assert switch_names('os.environ.get("RAYKV_TEST_STORE_DELAY_S")') == [
         "RAYKV_TEST_STORE_DELAY_S"]
+
+
+SIDES = {"cache_actors/rank/": "raykv.cache_actors.node", "cache_actors/node/":
+         "raykv.cache_actors.rank"}
+
+
+def crossings(tree: ast.Module, name: str) -> list[str]:
+    """``"file -> module"`` for each import in ``tree`` (of the package file ``name``) of
+    a module of the other side: a rank module of ``node/``, a node module of ``rank/``
+    (type-checking imports included)."""
+    other = next((o for side, o in SIDES.items() if name.startswith(side)), None)
+    if other is None:
+        return []
+    def crosses(module: str) -> bool:
+        return module == other or module.startswith(other + ".")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if crosses(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] if crosses(node.module) else [
+                m for a in node.names if crosses(m := f"{node.module}.{a.name}")]
+    return sorted(f"{name} -> {m}" for m in found)
+
+
+def test_rank_and_node_never_import_each_other():
+    files = [f for f in modules() if f.startswith(tuple(SIDES))]
+    assert len(files) > 30
+    assert [c for f in files for c in crossings(parsed(f), f)] == []
+    # CONTROL: either direction is caught, also as ``from ... import node``
+    assert crossings(ast.parse("from raykv.cache_actors.node.channel_server import X\n"),
+                     "cache_actors/rank/x.py") == [
+        "cache_actors/rank/x.py -> raykv.cache_actors.node.channel_server"]
+    assert crossings(ast.parse("from raykv.cache_actors import rank\n"),
+                     "cache_actors/node/x.py") == [
+        "cache_actors/node/x.py -> raykv.cache_actors.rank"]
+    assert crossings(ast.parse("import raykv.cache_actors.node_x\n"),
+                     "cache_actors/rank/x.py") == []

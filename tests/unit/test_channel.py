@@ -22,21 +22,17 @@ import time
 import msgpack
 import pytest
 from raykv.cache_actors import channel_codec as codec
-from raykv.cache_actors import local_channel
 from raykv.cache_actors.channel_codec import MAX_FRAME, ChannelVersionError, Signature, WireError
+from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSentError
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
 from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
     StalePoolsError,
 )
-from raykv.cache_actors.local_channel import (
-    MAX_IDLE,
-    ChannelClient,
-    ChannelClosedError,
-    ChannelServer,
-    RequestNotSentError,
-)
+from raykv.cache_actors.node import channel_server
+from raykv.cache_actors.node.channel_server import ChannelServer
+from raykv.cache_actors.rank.channel_client import MAX_IDLE, ChannelClient
 from raykv.controllers.contract import PoolHitPolicy, PoolName, PoolTransferResult
 from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.object_batch import ObjectBatch
@@ -210,7 +206,7 @@ def test_a_closed_server_is_a_clear_connection_error(server):
 DYING = textwrap.dedent("""
     import os, sys
     from raykv.cache_actors.channel_codec import Signature
-    from raykv.cache_actors.local_channel import ChannelServer
+    from raykv.cache_actors.node.channel_server import ChannelServer
     srv = ChannelServer(sys.argv[1], {"die": lambda: os._exit(3), "ping": lambda: 1},
                         arg_types={"die": Signature(()), "ping": Signature(())})
     print("ready", flush=True)
@@ -397,7 +393,7 @@ def flood(path: str) -> None:
 def test_a_flood_of_garbage_connections_leaves_nothing_behind(server, caplog):
     """500 connections that send garbage and close: fds and threads come back to where
     they were, the garbage costs a few log lines (not 500), clients are served."""
-    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.local_channel")
+    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.node.channel_server")
     client = ChannelClient(server.path)
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     base_fds, base_threads = fds(), threads()
@@ -413,7 +409,7 @@ def test_accepting_survives_running_out_of_fds(server, caplog):
     """After a garbage flood, a moment with no free fd (accept fails with EMFILE): the
     accept thread backs off and goes on; the connection made meanwhile and a new client
     are served; fds and threads come back to where they were."""
-    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.local_channel")
+    caplog.set_level(logging.WARNING, logger="raykv.cache_actors.node.channel_server")
     client = ChannelClient(server.path)
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     base_fds, base_threads = fds(), threads()
@@ -506,7 +502,7 @@ def test_a_call_to_a_blocked_handler_ends_at_its_deadline(tmp_path):
 SERVER = textwrap.dedent("""
     import sys
     from raykv.cache_actors.channel_codec import Signature
-    from raykv.cache_actors.local_channel import ChannelServer
+    from raykv.cache_actors.node.channel_server import ChannelServer
     runs = []
     srv = ChannelServer(sys.argv[1], {"record": lambda: runs.append(1) or len(runs),
                                       "runs": lambda: len(runs)},
@@ -613,7 +609,7 @@ def test_a_peer_of_another_uid_is_refused(tmp_path):
 def test_a_peer_that_never_says_hello_is_closed(server, monkeypatch):
     """A connection that sends nothing would hold a connection slot and a thread: it is
     closed ``HELLO_TIMEOUT_S`` after it was accepted; one that said hello may stay idle."""
-    monkeypatch.setattr(local_channel, "HELLO_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(channel_server, "HELLO_TIMEOUT_S", 0.5)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.connect(server.path)
     peer = RawPeer(server.path)
