@@ -136,7 +136,8 @@ def test_puts_land_on_the_writers_own_segment_while_it_has_room(master):
             return _endpoints(writer, keys)
 
         control = [f"any-{i}" for i in range(16)]
-        assert elsewhere in put(MooncakeBackend(writer._store, writer._steer), control, 0)
+        assert elsewhere in put(MooncakeBackend(writer._store, writer.own_segment,
+                                                        prefer_own_segment=False), control, 0)
         writer.remove(control)
         placed = put(writer, [f"own-{i}" for i in range(16)], 0)
         assert elsewhere not in placed and len(set(placed)) == 1
