@@ -20,6 +20,7 @@ from dataclasses import replace
 import ray
 from raykv.cache_actors.node.client_supervisor import stop_recorded
 from raykv.cache_actors.shared_memory import remove_shm_files
+from raykv.clusters import ray_auth
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.hosts import EmulatedHosts
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
@@ -260,6 +261,7 @@ def start_local(
     ray_cluster = None
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
     try:
+        ray_auth.settle()
         if network is not None:
             network.set_cluster_tag(settings.cluster_tag)
             address = network.start_ray(cpus_per_node, object_store_memory)
