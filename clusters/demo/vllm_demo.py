@@ -128,11 +128,11 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
         elapsed_s=time.perf_counter() - started)
     out.mkdir(parents=True, exist_ok=True)
     save(result, out, "demo_vllm", lambda r, path: plot_ttft(
-        r["requests"], {"recompute\n(stock vLLM)": long["recompute_ms"],
-                        "cached (raykv L3,\nother node)": long["cached_raykv_ms"],
-                        "cached (raykv L2,\nsame node)": long["cached_l2_ms"],
-                        "cached (vLLM's\nprefix cache)": long["cached_vllm_ms"],
-                        "recompute, save\nto raykv": long["recompute_save_ms"]},
+        r["requests"], {"recompute\n(stock)": long["recompute_ms"],
+                        "raykv L3\n(other node)": long["cached_raykv_ms"],
+                        "raykv L2\n(same node)": long["cached_l2_ms"],
+                        "vLLM's\nprefix cache": long["cached_vllm_ms"],
+                        "recompute,\nsave to raykv": long["recompute_save_ms"]},
         long["tokens"], path, without=("ttft_stock_ms", "without raykv (stock vLLM)"),
         tiers=TIERS), console)
     console.print("[green]OK[/]: the long prompt restored from raykv (L3 on the other node, "
@@ -261,10 +261,11 @@ def _summary(requests: list[dict]) -> dict:
 
 
 def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
-    table = right_table("Time to first token per request (ms), vLLM with raykv vs stock",
-                        ("session", "turn", "node", "prompt", "vLLM cache", "L2",
-                         "L3", "computed", "L3 gets", "raykv TTFT", "stock TTFT", "speedup",
-                         "stock cached", "same tokens"))
+    table = right_table("Prompt tokens per tier (vLLM's prefix cache, raykv L2 on the node, "
+                        "raykv L3 with its Mooncake gets, computed) and time to first "
+                        "token (ms), vLLM with raykv vs stock",
+                        ("sess", "turn", "node", "prompt", "vLLM", "L2", "L3", "comp",
+                         "gets", "TTFT", "stock TTFT", "speedup", "stock vLLM", "same"))
     for r in requests:
         table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
                       str(r["prompt_tokens"]), str(r["vllm_cached_tokens"]),
