@@ -7,9 +7,10 @@ engine of the deployment on the node.
 ``L2Index`` per pool (``cache_actors.node.l2_index``: keys, LRU, holds, leases, dirty
 pages) under one lock, answers the four L2 data ops (``lookup``, ``acquire``,
 ``reserve``, ``commit``: ``DataOp``), reads objects from L3 into pages (``acquire``
-with ``fill``) and puts committed pages to L3 behind the writer's back (write-behind, on
-one thread of its own). The ranks copy between their engine's memory and the pages they
-were given; the node never copies a byte, and Mooncake moves pages with no copy.
+with ``fill``) and puts committed pages to L3 behind the writer's back (write-behind:
+``cache_actors.node.write_behind``, on one thread of its own, failed puts retried). The
+ranks copy between their engine's memory and the pages they were given; the node never
+copies a byte, and Mooncake moves pages with no copy.
 
 Rules (the failure model's, for L2):
 
@@ -21,8 +22,10 @@ Rules (the failure model's, for L2):
 - An L3 read into L2 (fill) writes pages reserved by the node itself, never by the rank
   that asked: a rank that gave up on it frees nothing the store call still writes.
 - Failures are per object: a key without a page (L2 full of held, leased or dirty pages)
-  is ``FULL``; a key L3 does not hold is not filled; a failed write-behind put leaves the
-  page in L2 (right bytes) and is counted (``l3_put_failed``).
+  is ``FULL``; a key L3 does not hold is not filled; a failed write-behind put is
+  retried (a bounded number of times, its page kept in L2 meanwhile); one that failed
+  every time leaves the page in L2 (right bytes, evictable) and is counted
+  (``l3_put_failed``) and logged: a hole in L3's chain, which costs hits, never bytes.
 - A restarted node actor starts with every L2 pool empty: its pools get a name of this
   incarnation, and ``open`` removes the caller's pools of earlier incarnations (ranks
   that still map one keep their mapping; nobody is given its pages again). The same
@@ -32,15 +35,15 @@ Holders are what ranks say they are (their ``(pid, start ticks)``): a rank may o
 name pools of its own owner, so a rank that lies harms its own deployment alone.
 
 Threads: the data ops run on the caller's thread (channel connection, Ray data group);
-``open`` on a pool thread; the write-behind on ``raykv-l2-flush``. ``_lock`` guards the
-indexes and the pool table of L2; store calls run outside it.
+``open`` on a pool thread; the write-behind on ``raykv-l2-flush`` (``WriteBehind``).
+``_lock`` guards the indexes and the pool table of L2 (and the write-behind's
+counters); store calls run outside it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -49,6 +52,7 @@ from dataclasses import dataclass
 
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index
+from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
@@ -62,10 +66,8 @@ longer than a request usually waits between its lookup and its load (the same or
 next scheduler step), short enough that pages of requests never loaded come back soon.
 Every lookup of a waiting request renews it; one that ran out costs a miss (L3 or
 recompute), never wrong bytes."""
-FLUSH_BATCH = 64
-"""Pages per write-behind put."""
-FLUSH_WAIT_S = 30.0
-"""Deadline of one write-behind put, in seconds."""
+FILL_WAIT_S = PUT_WAIT_S
+"""Deadline of an L3 read into L2 whose caller gave none, in seconds."""
 
 Move = Callable[[str, ObjectBatch, float, OwnerClaim | None], list[int]]
 """``move(op, batch, deadline, caller)``: the node's ``put`` or ``get`` of a batch (the
@@ -99,13 +101,15 @@ class L2Pools:
     owner) -> PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as
     ``NodePools`` does (quotas, budget); ``move``: the store's put and get
     (``Move``); ``verify``: a caller's claim checked (``NodeService.verify``);
-    ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2)."""
+    ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
+    ``flush_attempts``: puts per object of the write-behind at most (1: no retry).
+    ``write_behind``: the write-behind (its ``attempts`` may be changed live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
                  pool_names: Callable[[], Sequence[str]], move: Move,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
-                 l2_bytes: int, lease_s: float = LEASE_S,
+                 l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
         self._move, self._verify = move, verify
@@ -116,11 +120,9 @@ class L2Pools:
         self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
         self._pools: dict[str, _L2Pool] = {}
         self._fills = 0  # serial of the node's own fill holders
-        self._flush: queue.SimpleQueue = queue.SimpleQueue()
-        self.counts = {"filled": 0, "fill_failed": 0, "l3_put": 0,  # under _lock
-                       "l3_put_failed": 0}
-        self._closed = threading.Event()
-        threading.Thread(target=self._flush_loop, name="raykv-l2-flush", daemon=True).start()
+        self.counts = {"filled": 0, "fill_failed": 0}  # under _lock
+        self.write_behind = WriteBehind(self._put, self._flushed, self._served, self._lock,
+                                        attempts=flush_attempts)
 
     # ---------------------------------------------------------------- control
     def open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
@@ -256,22 +258,28 @@ class L2Pools:
             made = entry.index.commit(holder, pages, ok, dirty=True)
         if made:
             by_page = dict(zip(pages, keys, strict=True))
-            self._flush.put((entry, [by_page[p] for p in made], made, caller))
+            self.write_behind.submit((entry, caller), [by_page[p] for p in made], made)
         return len(made)
 
     # ----------------------------------------------------------------- status
     def stats(self) -> dict:
-        """Per L2 pool its ``L2Index.stats``; the node's fills and write-behind puts;
-        ``l2_bytes`` and ``used``."""
+        """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
+        ``fill_failed``: objects); its write-behind in objects: ``l3_put`` (put to L3),
+        ``l3_put_retried`` (put again after a failed put), ``l3_put_pending`` (a put
+        failed, the write-behind goes on: their pages dirty), ``l3_put_failed`` (never
+        put: in L2 only, a hole in L3); ``l2_bytes`` and ``used``."""
+        behind = self.write_behind
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
             counts = dict(self.counts)
+            counts |= {f"l3_put_{k}" if k != "stored" else "l3_put": v
+                       for k, v in behind.counts.items()}
         return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
 
     def close(self) -> None:
-        self._closed.set()
-        self._flush.put(None)
+        """End the write-behind thread (retries not yet due are dropped)."""
+        self.write_behind.close()
 
     # ---------------------------------------------------------------- helpers
     def _checked(self, keys: list[str], caller: OwnerClaim | None,
@@ -316,7 +324,7 @@ class L2Pools:
             size = entry.layout.object_bytes
             batch.extend(keys, entry.name, entry.offsets(pages), [size] * run)
             try:
-                codes = self._move("get", batch, deadline or time.monotonic() + FLUSH_WAIT_S,
+                codes = self._move("get", batch, deadline or time.monotonic() + FILL_WAIT_S,
                                    caller)
                 ok = [c == size for c in codes]
             except Exception as e:  # a miss for the reader, the pages free again
@@ -337,32 +345,26 @@ class L2Pools:
             index.release(h)
         return bool(gone)
 
-    def _flush_loop(self) -> None:
-        """The write-behind: put committed pages to L3, then let them be evicted."""
-        while not self._closed.is_set():
-            item = self._flush.get()
-            if item is None:
-                return
-            entry, keys, pages, caller = item
-            for i in range(0, len(keys), FLUSH_BATCH):
-                self._flush_one(entry, keys[i:i + FLUSH_BATCH], pages[i:i + FLUSH_BATCH],
-                                caller)
-
-    def _flush_one(self, entry: _L2Pool, keys: list[str], pages: list[int],
-                   caller: OwnerClaim | None) -> None:
+    def _put(self, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
+             pages: list[int], deadline: float) -> list[bool]:
+        """The write-behind's store call (``write_behind.Put``): ``pages`` of the pool
+        put to L3 for the committing caller; per object whether L3 holds it."""
+        entry, caller = target
         size = entry.layout.object_bytes
         batch = ObjectBatch(epoch=entry.epoch)
         batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
-        try:
-            codes = self._move("put", batch, time.monotonic() + FLUSH_WAIT_S, caller)
-        except Exception as e:  # the pages stay in L2 with the right bytes
-            log.warning("L2 write-behind of %d objects failed: %s", len(keys), e)
-            codes = [-1] * len(keys)
-        stored = sum(c in (0, 1) for c in codes)
+        return [c in (0, 1) for c in self._move("put", batch, deadline, caller)]
+
+    def _flushed(self, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
+                 pages: list[int]) -> None:
+        """The write-behind of ``pages`` ended (under ``_lock``): they may be evicted."""
+        target[0].index.flushed(pages, keys)
+
+    def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
+        """Whether the pool is still one of this node's L2 pools (not forgotten or
+        reset since)."""
         with self._lock:
-            self.counts["l3_put"] += stored
-            self.counts["l3_put_failed"] += len(keys) - stored
-            entry.index.flushed(pages, keys)
+            return self._pools.get(target[0].name) is target[0]
 
 
 def l2_family(deployment_id: str, rank: tuple[int, int]) -> str:

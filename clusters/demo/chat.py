@@ -117,15 +117,23 @@ def machine() -> dict:
 
 
 def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: Path, *,
-              without: tuple[str, str] = ("ttft_recompute_ms", "without raykv (recompute)")
-              ) -> None:
+              without: tuple[str, str] = ("ttft_recompute_ms", "without raykv (recompute)"),
+              tiers: dict[str, str] | None = None) -> None:
     """The demo's figure: left, TTFT per request with raykv (``ttft_ms``) and without
-    (``without``: the record key and its legend); right, the ``tokens``-token prompt's
-    TTFT per way of serving it (``bars``: label -> ms, at most 4, the first one grey)."""
+    (``without``: the record key and its legend); with ``tiers`` (record key -> label,
+    at most 4), below it each request's prompt tokens per tier, stacked; right, the
+    ``tokens``-token prompt's TTFT per way of serving it (``bars``: label -> ms, at most
+    5, the first one grey)."""
     from raykv.clusters.plotting import figure_class
 
-    fig = figure_class("demo")(figsize=(13 + len(bars) - 3, 4.5))
-    ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, len(bars) / 3]})
+    fig = figure_class("demo")(figsize=(13 + len(bars) - 3, 7 if tiers else 4.5))
+    widths = {"width_ratios": [3, len(bars) / 3]}
+    if tiers:
+        grid = fig.add_gridspec(2, 2, height_ratios=[3, 2], **widths)
+        ax1, ax2 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[:, 1])
+        _plot_tiers(fig.add_subplot(grid[1, 0], sharex=ax1), requests, tiers)
+    else:
+        ax1, ax2 = fig.subplots(1, 2, gridspec_kw=widths)
     x = range(len(requests))
     key, label = without
     ax1.bar([i - 0.2 for i in x], [r[key] for r in requests], 0.4, label=label,
@@ -138,7 +146,8 @@ def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: P
     ax1.set_title("Multi-turn chat: time to first token per request")
     ax1.legend()
     names, vals = list(bars), list(bars.values())
-    ax2.bar(names, vals, color=["#bbbbbb", "#1f77b4", "#2ca02c", "#ff7f0e"][:len(vals)])
+    ax2.bar(names, vals,
+            color=["#bbbbbb", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd"][:len(vals)])
     ax2.set_yscale("log")
     ax2.tick_params(axis="x", labelsize=8)
     ax2.set_ylabel("TTFT (ms, log)")
@@ -146,3 +155,18 @@ def plot_ttft(requests: list[dict], bars: dict[str, float], tokens: int, path: P
     for i, v in enumerate(vals):
         ax2.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
     write_figure(fig, path, dpi=110)
+
+
+def _plot_tiers(ax, requests: list[dict], tiers: dict[str, str]) -> None:
+    """Each request's prompt tokens per tier (``tiers``: record key -> label), stacked."""
+    bottom = [0] * len(requests)
+    x = list(range(len(requests)))
+    for (key, label), color in zip(tiers.items(),
+                                   ("#ff7f0e", "#2ca02c", "#1f77b4", "#bbbbbb"), strict=False):
+        vals = [r[key] for r in requests]
+        ax.bar(x, vals, 0.6, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylim(0, max(bottom, default=0) * 1.4 or 1)  # room for the legend
+    ax.set_ylabel("prompt tokens")
+    ax.set_title("Where each prompt's tokens came from (with raykv)", fontsize=9)
+    ax.legend(fontsize=7, ncol=len(tiers))

@@ -88,6 +88,11 @@ class VLLMEngine:
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
                 "ttft_s": out.metrics.first_token_latency if out.metrics else None}
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's own prefix cache (as if vLLM had evicted every cached block): the
+        next request finds nothing in it. False if vLLM refused (requests running)."""
+        return self.llm.reset_prefix_cache()
+
     def worker_stats(self) -> list[dict]:
         """Each TP rank's worker connector counters (``RayKVConnector.stats``, its TP
         rank and pid). Needs the callable to reach the workers: in-process engines, or

@@ -4,20 +4,24 @@ An embedded 2-node cluster (``start_local(num_nodes=2)``: two Ray nodes, a real
 ``mooncake_master``, one actor per node) runs two vLLM engines per node, each in a
 Ray actor (in-process engine core, eager, one OMP thread: ``clusters.demo.vllm_actors``),
 on a random-weight Llama made locally (``clusters.demo.vllm_model``): one with raykv's
-``RayKVConnector``, one without (stock vLLM). Both keep vLLM's own prefix cache on (its
-default), so "without raykv" is vLLM as deployed: it reuses what its own engine
-computed; with raykv an engine also loads the blocks any engine on any node computed
-(from Mooncake, through its node's actor).
+``RayKVConnector`` and an L2 (``l2_blocks``: the node's shared host cache), one without
+(stock vLLM). Both keep vLLM's own prefix cache on (its default), so "without raykv" is
+vLLM as deployed: it reuses what its own engine computed; with raykv an engine also
+loads the blocks any engine on the node saved (L2, a copy from shared memory) or any
+engine on any node saved (L3: Mooncake, read into the node's L2 first).
 
 The chat is ``ChatWorkload``'s (sessions share a system prompt; turn ``t`` of session
 ``s`` runs on node ``(s + t) % 2``); every request runs on its node's raykv engine, then
 on the node's stock engine. TTFT is vLLM's own ``first_token_latency`` (the request's
 arrival to its first token, in the engine). Per request: tokens from vLLM's prefix
-cache, loaded from raykv, computed. Then a long prompt: recomputed by node 0's stock
-engine, computed (and saved) by node 0's raykv engine, then fully cached: loaded from
-raykv on node 1 (the blocks node 0 computed), and from node 0's own prefix cache. The
-two cached runs compute the same last tokens over what must be the same KV: they must
-give the same tokens, with every restorable block loaded. (bf16 results of vLLM's CPU
+cache, loaded from the node's L2, loaded from L3, computed (``tier_counts``: the node
+actors' L2 hits and Mooncake gets around the request, with the worker's loaded blocks).
+Then a long prompt: recomputed by node 0's stock engine, computed (and saved) by node 0's
+raykv engine, then fully cached: loaded from L3 on node 1 (the blocks node 0 computed),
+from node 0's own prefix cache, and from node 0's L2 after node 0's engine dropped its
+prefix cache (as when vLLM evicts blocks: no Mooncake get). The three cached runs
+compute the same last tokens over what must be the same KV: they must give the same
+tokens, with every restorable block loaded. (bf16 results of vLLM's CPU
 kernels depend on how a prefill is split, so a recomputed prompt is compared, not
 required, to match.)
 """
@@ -76,15 +80,17 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     work = ChatWorkload(sessions, turns, system_tokens, user_tokens, reply_tokens, VOCAB)
     longest = max(system_tokens + turns * (user_tokens + reply_tokens), long_prompt)
     max_model_len = -(-(longest + reply_tokens) // page_size) * page_size
-    # Room for every prompt and reply of the run in vLLM's own cache (nothing evicted).
+    # Room for every prompt and reply of the run in vLLM's own cache (nothing evicted),
+    # and in each node's L2 (every block the run saves).
     cached = system_tokens + sessions * turns * (user_tokens + reply_tokens) + longest
     kv_bytes = max(64 * MiB, 2 * cached * dims.kv_bytes_per_token)
     llm = dict(max_model_len=max_model_len, block_size=page_size,
                enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
+    l2_blocks = -(-cached // page_size) + 8
     with start_demo_cluster(console, log_to_driver=False) as cluster:
         lap("cluster")
         with console.status("starting 4 vLLM engines (2 per node: with raykv, stock)"):
-            conf = {"model_name": f"demo/llama-{hidden}x{layers}"}
+            conf = {"model_name": f"demo/llama-{hidden}x{layers}", "l2_blocks": l2_blocks}
             with_raykv = [start_engine(n, model, conf, **llm) for n in cluster.node_ids]
             stock = [start_engine(n, model, None, **llm) for n in cluster.node_ids]
             ready(*with_raykv, *stock)
@@ -93,10 +99,11 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
                                         range(2 * page_size + 1)], 2)
                      for e in with_raykv + stock])
         lap("engines")
-        requests = _chat(work, with_raykv, stock, page_size, console)
+        tiers = partial(tier_counts, cluster, with_raykv)
+        requests = _chat(work, with_raykv, stock, page_size, tiers, console)
         lap("chat")
         long = _long_prompt(with_raykv, stock, long_prompt, reply_tokens, page_size,
-                            console)
+                            tiers, console)
         lap("long_prompt")
         traffic = l3_traffic(cluster)
         for e in with_raykv + stock:
@@ -107,33 +114,37 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     import vllm
 
     ok = long["exact"] and long["raykv_loaded_blocks"] == long["max_hit_blocks"] and \
-        long["recompute_cached_tokens"] == 0
+        long["recompute_cached_tokens"] == 0 and \
+        long["cached_l2_blocks"] == long["max_hit_blocks"] and long["cached_l2_gets"] == 0
     result = dict(
         machine=machine() | {"vllm": vllm.__version__},
         config=dict(engine="vllm", model=asdict(dims) | {"params": dims.params,
                                                          "vocab": VOCAB, "dtype": "bfloat16"},
                     block_size=page_size, nodes=2, tp_size=1, workload=asdict(work),
+                    l2_blocks=l2_blocks,
                     long_prompt=long_prompt, vllm=llm | {"enforce_eager": True,
                                                          "omp_threads": 1}),
         requests=requests, summary=summary, long_prompt=long, ok=ok, phases_s=phases,
         elapsed_s=time.perf_counter() - started)
     out.mkdir(parents=True, exist_ok=True)
     save(result, out, "demo_vllm", lambda r, path: plot_ttft(
-        r["requests"], {"recompute\n(stock vLLM)": long["recompute_ms"],
-                        "cached (raykv,\nother node)": long["cached_raykv_ms"],
-                        "cached (vLLM's\nprefix cache)": long["cached_vllm_ms"],
-                        "recompute, save\nto raykv": long["recompute_save_ms"]},
-        long["tokens"], path, without=("ttft_stock_ms", "without raykv (stock vLLM)")),
-        console)
-    console.print("[green]OK[/]: the long prompt restored from raykv on the other node gives "
-                  "the tokens of restoring it from vLLM's own prefix cache" if ok else
-                  "[red]FAILED[/]")
+        r["requests"], {"recompute\n(stock)": long["recompute_ms"],
+                        "raykv L3\n(other node)": long["cached_raykv_ms"],
+                        "raykv L2\n(same node)": long["cached_l2_ms"],
+                        "vLLM's\nprefix cache": long["cached_vllm_ms"],
+                        "recompute,\nsave to raykv": long["recompute_save_ms"]},
+        long["tokens"], path, without=("ttft_stock_ms", "without raykv (stock vLLM)"),
+        tiers=TIERS), console)
+    console.print("[green]OK[/]: the long prompt restored from raykv (L3 on the other node, "
+                  "L2 on its own node) gives the tokens of restoring it from vLLM's own "
+                  "prefix cache" if ok else "[red]FAILED[/]")
     return result
 
 
-def _generate(engine, prompt: list[int], max_tokens: int) -> dict:
-    """``VLLMEngine.generate`` on the engine actor ``engine``, waited for."""
-    return ray.get(engine.generate.remote(prompt, max_tokens))
+TIERS = {"vllm_cached_tokens": "vLLM prefix cache", "l2_tokens": "raykv L2 (node)",
+         "l3_tokens": "raykv L3 (Mooncake)", "computed_tokens": "computed"}
+"""A request record's prompt tokens per tier (key -> the figure's label); they add up to
+``prompt_tokens``."""
 
 
 def _loaded(engine) -> tuple[int, int]:
@@ -142,65 +153,107 @@ def _loaded(engine) -> tuple[int, int]:
     return s["loaded"], s["saved"]
 
 
-def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int,
+def tier_counts(cluster, engines: list) -> dict[str, int]:
+    """Counters whose change around a request says where its loaded blocks came from,
+    summed over nodes and raykv engines: ``l2_hits`` (blocks the node actors' L2 pools
+    handed out ready: loaded from L2), ``l3_gets`` (objects the node actors got from
+    Mooncake), ``filled`` (of those, read into L2 for a load), and the workers'
+    ``loaded`` and ``saved`` blocks."""
+    stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+    workers = [_loaded(e) for e in engines]
+    return dict(
+        l2_hits=sum(p["hits"] for s in stats for p in s["l2"]["pools"].values()),
+        l3_gets=sum(s["counters"].get("get_objects", 0) for s in stats),
+        filled=sum(s["l2"]["filled"] for s in stats),
+        loaded=sum(w[0] for w in workers), saved=sum(w[1] for w in workers))
+
+
+def _served(engine, prompt: list[int], max_tokens: int, tiers, block: int, *,
+            reset: bool = False) -> dict:
+    """``engine.generate`` of ``prompt`` with the tier split of what it loaded:
+    ``l2_blocks`` (from the node's L2), ``l3_blocks`` (from Mooncake), ``l3_gets``,
+    ``saved_blocks``; ``reset``: vLLM's own prefix cache dropped first."""
+    if reset and not ray.get(engine.reset_prefix_cache.remote()):
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+    before = tiers()
+    got = ray.get(engine.generate.remote(prompt, max_tokens))
+    d = {k: v - before[k] for k, v in tiers().items()}
+    return got | dict(l2_blocks=d["l2_hits"], l3_blocks=d["loaded"] - d["l2_hits"],
+                      l3_gets=d["l3_gets"], saved_blocks=d["saved"],
+                      raykv_tokens=d["loaded"] * block)
+
+
+def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int, tiers,
           console: Console) -> list[dict]:
     """The chat: each request on its node's raykv engine, then on its stock engine."""
     def serve(node: int, prompt: list[int]) -> tuple[list[int], dict]:
-        loaded0, saved0 = _loaded(with_raykv[node])
-        got = ray.get(with_raykv[node].generate.remote(prompt, work.reply_tokens))
-        loaded1, saved1 = _loaded(with_raykv[node])
+        got = _served(with_raykv[node], prompt, work.reply_tokens, tiers, block)
         base = ray.get(stock[node].generate.remote(prompt, work.reply_tokens))
-        raykv = (loaded1 - loaded0) * block
+        raykv = got["raykv_tokens"]
         return got["tokens"], dict(
             prompt_tokens=len(prompt), vllm_cached_tokens=got["cached"] - raykv,
-            raykv_tokens=raykv, computed_tokens=len(prompt) - got["cached"],
-            saved_blocks=saved1 - saved0, ttft_ms=got["ttft_s"] * 1e3,
-            ttft_stock_ms=base["ttft_s"] * 1e3, stock_cached_tokens=base["cached"],
-            same_tokens=got["tokens"] == base["tokens"])
+            raykv_tokens=raykv, l2_tokens=got["l2_blocks"] * block,
+            l3_tokens=got["l3_blocks"] * block, computed_tokens=len(prompt) - got["cached"],
+            l3_gets=got["l3_gets"], saved_blocks=got["saved_blocks"],
+            ttft_ms=got["ttft_s"] * 1e3, ttft_stock_ms=base["ttft_s"] * 1e3,
+            stock_cached_tokens=base["cached"], same_tokens=got["tokens"] == base["tokens"])
 
     return run_chat(work, len(with_raykv), console, serve)
 
 
-def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int,
+def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int, tiers,
                  console: Console) -> dict:
     """TTFT of an ``n``-token prompt, in order: recomputed by node 0's stock engine (the
     reference); computed by node 0's raykv engine (raykv misses; its full blocks are
-    saved, inside its TTFT: saves are synchronous); fully cached: loaded from raykv by
-    node 1's raykv engine, and from node 0's raykv engine's own prefix cache."""
+    saved into node 0's L2 inside its TTFT, the Mooncake put behind it); fully cached:
+    loaded from L3 by node 1's raykv engine (the blocks node 0 computed), from node 0's
+    raykv engine's own prefix cache, then from node 0's L2 by the same engine once its
+    prefix cache was dropped."""
     prompt = long_prompt_tokens(n, VOCAB, first_id=3)
     a, b = with_raykv
-    runs = (("recompute", stock[0]), ("recompute_save", a), ("cached_raykv", b),
-            ("cached_vllm", a))
-    loaded_before = _loaded(b)[0]  # b runs the prompt once: what it loads is this
+    runs = (("recompute", stock[0], False), ("recompute_save", a, False),
+            ("cached_raykv", b, False), ("cached_vllm", a, False), ("cached_l2", a, True))
     steps = run_steps(console, f"{n}-token prompt",
-                      [(name, partial(_generate, eng, prompt, reply)) for name, eng in runs])
+                      [(name, partial(_served, eng, prompt, reply, tiers, block, reset=r))
+                       for name, eng, r in runs])
     ms = {k: v["ttft_s"] * 1e3 for k, v in steps.items()}
     want = steps["recompute"]["tokens"]
+    cached = steps["cached_vllm"]["tokens"]
     return dict(tokens=n, max_hit_blocks=(n - 1) // block,
                 recompute_ms=ms["recompute"],
                 recompute_save_ms=ms["recompute_save"],
                 recompute_cached_tokens=steps["recompute_save"]["cached"],
                 cached_raykv_ms=ms["cached_raykv"],
-                raykv_loaded_blocks=_loaded(b)[0] - loaded_before,
+                raykv_loaded_blocks=steps["cached_raykv"]["raykv_tokens"] // block,
+                cached_raykv_l3_blocks=steps["cached_raykv"]["l3_blocks"],
+                cached_raykv_gets=steps["cached_raykv"]["l3_gets"],
                 cached_raykv_tokens=steps["cached_raykv"]["cached"],
                 cached_vllm_ms=ms["cached_vllm"],
                 cached_vllm_tokens=steps["cached_vllm"]["cached"],
+                cached_l2_ms=ms["cached_l2"],
+                cached_l2_blocks=steps["cached_l2"]["l2_blocks"],
+                cached_l2_gets=steps["cached_l2"]["l3_gets"],
+                cached_l2_tokens=steps["cached_l2"]["cached"],
                 speedup_raykv=ms["recompute"] / ms["cached_raykv"],
+                speedup_l2=ms["recompute"] / ms["cached_l2"],
                 speedup_vllm=ms["recompute"] / ms["cached_vllm"],
                 same_tokens_as_recompute={k: v["tokens"] == want for k, v in steps.items()},
-                exact=steps["cached_raykv"]["tokens"] == steps["cached_vllm"]["tokens"])
+                exact=steps["cached_raykv"]["tokens"] == cached == steps["cached_l2"]["tokens"])
 
 
 def _summary(requests: list[dict]) -> dict:
-    """Prompt tokens served per tier, with raykv and without; TTFT totals."""
+    """Prompt tokens served per tier, with raykv (``raykv``: ``l2`` and ``l3``
+    together) and without; TTFT totals."""
     tokens = sum(r["prompt_tokens"] for r in requests)
     vllm = sum(r["vllm_cached_tokens"] for r in requests)
     raykv = sum(r["raykv_tokens"] for r in requests)
+    l2 = sum(r["l2_tokens"] for r in requests)
     stock = sum(r["stock_cached_tokens"] for r in requests)
     with_ms = sum(r["ttft_ms"] for r in requests)
     stock_ms = sum(r["ttft_stock_ms"] for r in requests)
     return dict(
         tier_hit_rate={"vllm_prefix_cache": vllm / tokens, "raykv": raykv / tokens,
+                       "l2_node": l2 / tokens, "l3_mooncake": (raykv - l2) / tokens,
                        "computed": 1 - (vllm + raykv) / tokens},
         stock_hit_rate={"vllm_prefix_cache": stock / tokens, "computed": 1 - stock / tokens},
         ttft_ms_total=with_ms, ttft_stock_ms_total=stock_ms, speedup=stock_ms / with_ms,
@@ -208,21 +261,24 @@ def _summary(requests: list[dict]) -> dict:
 
 
 def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
-    table = right_table("Time to first token per request (ms), vLLM with raykv vs stock",
-                        ("session", "turn", "node", "prompt", "vLLM cache", "raykv",
-                         "computed", "raykv TTFT", "stock TTFT", "speedup", "stock cached",
-                         "same tokens"))
+    table = right_table("Prompt tokens per tier (vLLM's prefix cache, raykv L2 on the node, "
+                        "raykv L3 with its Mooncake gets, computed) and time to first "
+                        "token (ms), vLLM with raykv vs stock",
+                        ("sess", "turn", "node", "prompt", "vLLM", "L2", "L3", "comp",
+                         "gets", "TTFT", "stock TTFT", "speedup", "stock vLLM", "same"))
     for r in requests:
         table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
                       str(r["prompt_tokens"]), str(r["vllm_cached_tokens"]),
-                      str(r["raykv_tokens"]), str(r["computed_tokens"]),
+                      str(r["l2_tokens"]), str(r["l3_tokens"]), str(r["computed_tokens"]),
+                      str(r["l3_gets"]),
                       f"{r['ttft_ms']:.0f}", f"{r['ttft_stock_ms']:.0f}",
                       f"{r['ttft_stock_ms'] / r['ttft_ms']:.1f}x",
                       str(r["stock_cached_tokens"]), "yes" if r["same_tokens"] else "no")
     console.print(table)
     tiers, stock = summary["tier_hit_rate"], summary["stock_hit_rate"]
     console.print(f"prompt tokens served with raykv: vLLM prefix cache "
-                  f"{tiers['vllm_prefix_cache']:.0%}, raykv (Mooncake) {tiers['raykv']:.0%}, "
+                  f"{tiers['vllm_prefix_cache']:.0%}, raykv L2 (node) {tiers['l2_node']:.0%}, "
+                  f"raykv L3 (Mooncake) {tiers['l3_mooncake']:.0%}, "
                   f"computed {tiers['computed']:.0%}; stock vLLM: prefix cache "
                   f"{stock['vllm_prefix_cache']:.0%}, computed {stock['computed']:.0%}")
     console.print(f"total TTFT {summary['ttft_ms_total']:.0f} ms with raykv vs "
@@ -233,9 +289,13 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
     console.print(f"[bold]{long['tokens']}-token prompt[/]: recompute "
                   f"{long['recompute_ms']:.0f} ms (stock vLLM; "
                   f"{long['recompute_save_ms']:.0f} ms with raykv saving its blocks); fully "
-                  f"cached from raykv (other node, "
-                  f"{long['raykv_loaded_blocks']} of {long['max_hit_blocks']} blocks loaded) "
+                  f"cached from raykv L3 (other node, "
+                  f"{long['raykv_loaded_blocks']} of {long['max_hit_blocks']} blocks loaded, "
+                  f"{long['cached_raykv_gets']} Mooncake gets) "
                   f"{long['cached_raykv_ms']:.0f} ms ([bold]{long['speedup_raykv']:.1f}x "
-                  f"lower[/]); from vLLM's own prefix cache {long['cached_vllm_ms']:.0f} ms "
+                  f"lower[/]); from raykv L2 (same node, vLLM's cache dropped: "
+                  f"{long['cached_l2_blocks']} blocks, {long['cached_l2_gets']} Mooncake "
+                  f"gets) {long['cached_l2_ms']:.0f} ms ({long['speedup_l2']:.1f}x lower); "
+                  f"from vLLM's own prefix cache {long['cached_vllm_ms']:.0f} ms "
                   f"({long['speedup_vllm']:.1f}x lower); same tokens: "
                   f"{'yes' if long['exact'] else 'NO'}")

@@ -23,13 +23,17 @@ from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.tenancy import check_tenant, tenant_secret
 from raykv.integrations.vllm.options import (
-    PAGE_LAYOUT,
     ConnectorOptions,
     KVIdentity,
     default_backend_tag,
+    kv_layout,
 )
 from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
 from raykv.integrations.vllm.request_blocks import hash_hex, max_loadable_blocks
+
+DEVICE_BACKENDS = {"cpu": "CPU_ATTN"}
+"""The attention backend vLLM runs on a device that has only one (for models without
+MLA)."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,14 @@ class RouteOptions:
     """``request_router_kwargs`` of ``RayKVRouter``.
 
     - ``model_name``, ``block_size`` (required), ``tp_size``, ``pp_size``, ``kv_dtype``,
-      ``device``, ``model_revision``, ``extra_backend_tag``, ``tenant``: what the
-      engines' connector keys blocks by (``ConnectorOptions``; ``extra_backend_tag``
-      default: ``default_backend_tag`` of the others, as the connector's default with
-      no attention backend chosen). They must match the engines' or every answer is a
-      miss (routing then degrades to power of two choices, never to a wrong load).
+      ``device``, ``attention_backend``, ``model_revision``, ``extra_backend_tag``,
+      ``tenant``: what the engines' connector keys blocks by (``ConnectorOptions``;
+      ``extra_backend_tag`` default: ``default_backend_tag`` of the others, as the
+      connector's default). ``attention_backend`` is the backend the engines run, as
+      vLLM names it (default on ``cpu``: ``CPU_ATTN``, vLLM's only one there; on another
+      device it is needed unless ``extra_backend_tag`` is given). They must match the
+      engines' or every answer is a miss (routing then degrades to power of two
+      choices, never to a wrong load).
     - ``namespace``: raykv's Ray namespace.
     - ``deadline_ms``: how long a request's routing waits for the node actors (20; a
       residency call took 3.5 ms at the median as a Ray call on a loaded 2-core
@@ -60,6 +67,7 @@ class RouteOptions:
     pp_size: int = 1
     kv_dtype: str = "bfloat16"
     device: str = "cpu"
+    attention_backend: str | None = None
     model_revision: str | None = None
     extra_backend_tag: str | None = None
     tenant: str | None = None
@@ -87,13 +95,22 @@ class RouteOptions:
         if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or opts.deadline_ms <= 0:
             raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1 and "
                              "deadline_ms > 0")
+        if opts.extra_backend_tag is None and opts.backend() is None:
+            raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
+                             "(the backend the engines run, e.g. FLASH_ATTN) or "
+                             "extra_backend_tag")
         check_tenant(opts.tenant)
         return opts
 
+    def backend(self) -> str | None:
+        """``attention_backend``, else the one vLLM runs on ``device`` when it has one."""
+        return self.attention_backend or DEVICE_BACKENDS.get(self.device)
+
     def connector_options(self) -> ConnectorOptions:
         """The engines' connector options these stand for."""
-        identity = KVIdentity(self.kv_dtype, self.block_size, f"{self.device}.{PAGE_LAYOUT}",
-                              self.model_revision)
+        backend = self.backend()
+        identity = KVIdentity(self.kv_dtype, self.block_size, kv_layout(self.device, backend),
+                              self.model_revision, backend)
         tag = self.extra_backend_tag or default_backend_tag(self.tp_size, self.pp_size,
                                                             identity)
         return ConnectorOptions(model_name=self.model_name, extra_backend_tag=tag,

@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-from raykv.integrations.vllm.options import PAGE_LAYOUT, ConnectorOptions, KVIdentity
+from raykv.integrations.vllm.options import (
+    ConnectorOptions,
+    KVIdentity,
+    check_attention_backends,
+    kv_layout,
+)
 from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
 from raykv.integrations.vllm.side import ConnectorSide
 from raykv.integrations.vllm.worker import RayKVConnectorWorker
@@ -35,25 +40,64 @@ log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log line
 __all__ = ["RayKVConnector", "RayKVConnectorMetadata", "kv_identity"]
 
 
+def attention_backend(vllm_config: VllmConfig) -> str | None:
+    """The name of the attention backend vLLM runs this model's layers with (``CPU_ATTN``,
+    ``FLASH_ATTN``), chosen as vLLM's selector chooses it: the platform's choice for the
+    model's head size, dtypes, block size and MLA, given the backend set in
+    ``attention_config`` (None: vLLM's automatic choice). The same in the scheduler and
+    in every worker of one engine; a worker checks it against the backend its layers
+    really run (``check_attention_backends``), since a layer's own traits (sliding
+    window, sinks) may change the choice. None if the platform cannot answer here (a
+    scheduler on a host without the engine's device): the workers then refuse, naming
+    the fix."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    chosen = vllm_config.attention_config.backend
+    try:
+        selector = AttentionSelectorConfig(
+            head_size=mc.get_head_size(), dtype=mc.dtype, kv_cache_dtype=cc.cache_dtype,
+            block_size=cc.block_size if cc.user_specified_block_size else None,
+            use_mla=mc.use_mla, use_kv_connector=True)
+        with set_current_vllm_config(vllm_config):
+            path = current_platform.get_attn_backend_cls(
+                chosen, attn_selector_config=selector,
+                num_heads=mc.get_num_attention_heads(vllm_config.parallel_config))
+        return resolve_obj_by_qualname(path).get_name()
+    except Exception as e:  # the workers check, and refuse if they run another
+        log.warning("RayKVConnector: could not tell vLLM's attention backend here (%s)", e)
+        return None if chosen is None else chosen.name
+
+
 def kv_identity(vllm_config: VllmConfig) -> KVIdentity:
     """The identity of this engine's KV bytes from vLLM's own config (the same in the
     scheduler and in every worker): KV dtype (``cache_dtype``, ``auto`` resolved to the
-    model's dtype), block size, the device, the attention backend when one is chosen
-    explicitly (``attention_config.backend``), raykv's ``PAGE_LAYOUT``, the model
-    revision."""
+    model's dtype), block size, the device and the attention backend vLLM runs
+    (``attention_backend``, whether chosen explicitly or automatically) with raykv's
+    ``PAGE_LAYOUT`` (``kv_layout``), the model revision."""
     from vllm.platforms import current_platform
 
     cc, mc = vllm_config.cache_config, vllm_config.model_config
     kv_dtype = cc.cache_dtype
     if kv_dtype == "auto":
         kv_dtype = str(mc.dtype).removeprefix("torch.")
-    layout = [current_platform.device_type]
-    backend = getattr(vllm_config.attention_config, "backend", None)
-    if backend is not None:
-        layout.append(backend.name.lower().replace("_", "-"))
+    backend = attention_backend(vllm_config)
     return KVIdentity(kv_dtype=str(kv_dtype), page_size=cc.block_size,
-                      layout=".".join([*layout, PAGE_LAYOUT]),
-                      model_revision=mc.revision or None)
+                      layout=kv_layout(current_platform.device_type, backend),
+                      model_revision=mc.revision or None, attn_backend=backend)
+
+
+def running_backends(vllm_config: VllmConfig, layer_names) -> dict[str, str]:
+    """Per attention layer of ``layer_names`` (those vLLM registered KV caches for) the
+    name of the backend it runs (on a worker, once the model is loaded)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
 
 
 class RayKVConnector(KVConnectorBase_V1):
@@ -69,11 +113,17 @@ class RayKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         pc, mc = vllm_config.parallel_config, vllm_config.model_config
         kv = self._kv_transfer_config
+        identity = kv_identity(vllm_config)
         opts = ConnectorOptions.parse(kv.kv_connector_extra_config,
                                       tp_size=pc.tensor_parallel_size,
                                       pp_size=pc.pipeline_parallel_size,
                                       served_model=mc.served_model_name or mc.model,
-                                      identity=kv_identity(vllm_config))
+                                      identity=identity)
+        # the default tag names the attention backend: the worker checks it is the one
+        # it runs (a tag given explicitly is the operator's word for the bytes)
+        self._tagged_backend = identity.attn_backend
+        self._check_backend = "extra_backend_tag" not in (kv.kv_connector_extra_config
+                                                          or {})
         if mc.use_mla:
             raise ValueError("RayKVConnector does not serve MLA models yet (their KV is "
                              "replicated across TP ranks and laid out differently)")
@@ -140,6 +190,11 @@ class RayKVConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Checks that the layers run the attention backend the key tag names (default
+        tag; ``ValueError`` naming the fix otherwise), then the worker side's."""
+        if self._check_backend:
+            check_attention_backends(self._tagged_backend,
+                                     running_backends(self._vllm_config, kv_caches))
         self.connector_worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -41,16 +41,53 @@ class KVIdentity:
     - ``kv_dtype``: the KV cache dtype (vLLM's ``cache_dtype``, ``auto`` resolved to the
       model's dtype, e.g. ``bfloat16``, ``fp8_e4m3``).
     - ``page_size``: tokens per vLLM block (``block_size``).
-    - ``layout``: the device and attention backend whose block layout the page holds
-      (e.g. ``cpu``, ``cuda``, ``cuda.flash_attn`` when a backend is chosen explicitly),
-      and raykv's ``PAGE_LAYOUT``.
+    - ``layout``: the device and attention backend whose block layout the page holds,
+      and raykv's ``PAGE_LAYOUT`` (``kv_layout``: e.g. ``cpu.cpu-attn.lm1``,
+      ``cuda.flash-attn.lm1``).
     - ``model_revision``: vLLM's ``model_config.revision`` (None when unset).
+    - ``attn_backend``: the attention backend ``layout`` names, as vLLM names it
+      (``CPU_ATTN``, ``FLASH_ATTN``; None: none named), which the worker checks against
+      the backend its layers run (``check_attention_backends``).
     """
 
     kv_dtype: str
     page_size: int
     layout: str
     model_revision: str | None = None
+    attn_backend: str | None = None
+
+
+def kv_layout(device: str, attn_backend: str | None) -> str:
+    """``KVIdentity.layout`` of blocks of ``device`` (vLLM's ``device_type``) written by
+    the attention backend ``attn_backend`` (vLLM's name, ``CPU_ATTN``; None: not named):
+    ``{device}[.{backend}].{PAGE_LAYOUT}``, the backend in lower case with ``-`` for
+    ``_`` (``cpu.cpu-attn.lm1``)."""
+    parts = [device]
+    if attn_backend:
+        parts.append(attn_backend.lower().replace("_", "-"))
+    return ".".join([*parts, PAGE_LAYOUT])
+
+
+def check_attention_backends(named: str | None, running: Mapping[str, str]) -> None:
+    """A worker's check that its blocks are the bytes its key tag names: every attention
+    layer it registered (``running``: layer name -> the name of the backend vLLM runs it
+    with) runs ``named``, the backend of the tag. ``ValueError`` naming the layers and
+    both backends otherwise, or when no layer is known (nothing to check against): the
+    blocks would be stored under another layout's keys."""
+    if not running:
+        raise ValueError("RayKVConnector: found none of the registered KV cache layers "
+                         "among vLLM's attention layers; cannot tell which attention "
+                         "backend wrote the blocks")
+    other = sorted({b for b in running.values() if b != named})
+    if other:
+        layers = sorted(n for n, b in running.items() if b != named)
+        raise ValueError(
+            f"RayKVConnector: the key tag names attention backend {named or 'none'} but "
+            f"vLLM runs {', '.join(other)} (layers {', '.join(layers[:3])}"
+            f"{', ...' if len(layers) > 3 else ''}); blocks of that layout would be keyed "
+            "as another's. Choose the attention backend explicitly (vLLM's "
+            "attention_config.backend, --attention-backend) so that the scheduler and the "
+            "workers agree, or set extra_backend_tag")
 
 
 def _tag_part(value: str) -> str:

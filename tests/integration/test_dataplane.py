@@ -238,6 +238,80 @@ def test_l2_write_behind_then_a_node_without_it_fills_from_l3(cluster, uid):
         b.close()
 
 
+def set_flush_attempts(actor, attempts: int) -> None:
+    """Set the write-behind's puts per object in the running node actor ``actor``."""
+    def set_attempts(node, n: int) -> None:  # runs in the node actor
+        node._service.l2.write_behind.attempts = n
+
+    ray.get(actor.__ray_call__.remote(set_attempts, attempts), timeout=60)
+
+
+@pytest.mark.parametrize("attempts", [4, 1], ids=["retry", "control-no-retry"])
+def test_l2_write_behind_retries_a_failed_put_so_l3_has_no_hole(cluster, uid, attempts):
+    """Node 1's L2 commits block 0 of a chain, whose write-behind put fails (inside the
+    running node actor), then blocks 1 and 2, whose put lands. The write-behind puts
+    block 0 again after a back-off: L3 holds the whole chain and node 2 reads all three
+    blocks from it, byte for byte; the retry is counted, nothing is lost. Control
+    (``attempts`` 1, the rule before retries): block 0 is counted in ``l3_put_failed``
+    and L3 holds blocks 1 and 2 without it, a hole: node 2 reads none of the chain."""
+    from raykv.cache_actors.node.write_behind import ATTEMPTS
+    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.controllers.pool_layout import PoolLayout
+
+    from tests.integration.store_delay import fail_store_puts
+
+    node1, node2 = cluster.node_ids
+    n1 = cluster.node_actors[node1]
+    conf = StorageConfig(model_name=f"org/behind-{uid}")
+    layout = PoolLayout.vllm(page_size=4, size=4, layer_num=2, head_num=1, head_dim=16,
+                             dtype="bfloat16", itemsize=2)
+    a, b = CacheClient(conf, node_id=node1), CacheClient(conf, node_id=node2)
+    try:
+        set_flush_attempts(n1, attempts)
+        before = a.stats()["l2"]
+        la, lb = a.l2(), b.l2()
+        pa, pb = la.open(layout, 8), lb.open(layout, 8)
+        hashes = [f"{uid}{i}" for i in range(3)]
+        buf = pa.kv_buffer.view(torch.uint8).view(8, -1)
+        fail_store_puts(n1, 1)  # the next put in node 1's actor fails
+        pages = []
+        for chunk in (hashes[:1], hashes[1:]):
+            got = la.reserve(pa.name, chunk)
+            buf[got] = torch.randint(0, 255, (len(got), buf.shape[1]), dtype=torch.uint8)
+            assert la.commit(pa.name, chunk, got, [True] * len(got)) == len(got)
+            for _ in range(100):  # block 0's failed put first, then blocks 1 and 2
+                s = a.stats()["l2"]
+                if s["l3_put"] + s["l3_put_failed"] + s["l3_put_pending"] >= \
+                        before["l3_put"] + before["l3_put_failed"] + len(pages) + len(got):
+                    break
+                time.sleep(0.05)
+            pages += got
+        wrote = l2_pages(pa, pages)
+        for _ in range(100):  # the retry runs after a back-off of 0.5 s
+            s = a.stats()["l2"]
+            if s["l3_put"] + s["l3_put_failed"] - before["l3_put"] - \
+                    before["l3_put_failed"] >= 3:
+                break
+            time.sleep(0.05)
+        done = {k: s[k] - before[k] for k in ("l3_put", "l3_put_failed", "l3_put_retried")}
+        got = lb.acquire(pb.name, hashes, True)  # node 2: from L3, up to the first gap
+        if attempts > 1:
+            assert done == {"l3_put": 3, "l3_put_failed": 0, "l3_put_retried": 1}, s
+            assert len(got) == 3 and torch.equal(l2_pages(pb, got), wrote)
+        else:  # control: a hole at block 0, blocks 1 and 2 in L3 behind it
+            assert done == {"l3_put": 2, "l3_put_failed": 1, "l3_put_retried": 0}, s
+            assert got == []
+            behind = lb.acquire(pb.name, hashes[1:], True)
+            assert torch.equal(l2_pages(pb, behind), wrote[1:])
+        assert s["l3_put_pending"] == 0
+        assert la.lookup(hashes, 1) == 3  # node 1's L2 holds the chain either way
+    finally:
+        set_flush_attempts(n1, ATTEMPTS)
+        fail_store_puts(n1, 0)
+        a.close()
+        b.close()
+
+
 def test_residency_names_the_node_that_holds_a_chain(cluster, uid):
     """Node 1's L2 writes 16 blocks behind to L3: embedded, they land on node 1's own
     segment (puts prefer it; control: random placement would put all 16 there with

@@ -2,7 +2,9 @@
 of its own: it starts its own 2-node cluster, 4 real vLLM engines and Mooncake).
 
 Checks the structure of what it measured, never how fast: which tier served which
-tokens, the long prompt fully loaded from the other node, the files written.
+tokens (vLLM's prefix cache, raykv's L2 on the node, L3 through Mooncake, computed;
+they add up to the prompt), the long prompt fully loaded from the other node's L3 and
+from its own node's L2 with no Mooncake get, the files written.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ def test_vllm_demo_small(tmp_path: Path):
     assert [(r["session"], r["turn"], r["node"]) for r in reqs] == \
         [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)]
     for r in reqs:
-        assert r["vllm_cached_tokens"] + r["raykv_tokens"] + r["computed_tokens"] == \
-            r["prompt_tokens"], r
+        assert r["vllm_cached_tokens"] + r["l2_tokens"] + r["l3_tokens"] + \
+            r["computed_tokens"] == r["prompt_tokens"], r
+        assert r["l2_tokens"] + r["l3_tokens"] == r["raykv_tokens"], r
         assert r["vllm_cached_tokens"] >= 0 and r["raykv_tokens"] % BLOCK == 0
+        assert r["l2_tokens"] >= 0 and r["l3_tokens"] >= 0
+        assert r["l3_gets"] >= r["l3_tokens"] // BLOCK, r  # L3 tokens came from gets
         assert r["ttft_ms"] > 0 and r["ttft_stock_ms"] > 0
     first, second = reqs[0], reqs[1]
     # Nothing is cached before the first request; node 0 saves the system prompt's
@@ -56,11 +61,21 @@ def test_vllm_demo_small(tmp_path: Path):
     assert first["raykv_tokens"] == first["vllm_cached_tokens"] == 0
     assert first["saved_blocks"] >= SYSTEM // BLOCK
     assert second["raykv_tokens"] == SYSTEM and second["vllm_cached_tokens"] == 0
+    assert second["l3_tokens"] == SYSTEM and second["l2_tokens"] == 0  # node 1's L2: empty
     assert second["stock_cached_tokens"] == 0
     long = result["long_prompt"]
     assert long["recompute_cached_tokens"] == 0
     assert long["raykv_loaded_blocks"] == long["max_hit_blocks"] == (LONG - 1) // BLOCK
     assert long["cached_raykv_tokens"] == long["max_hit_blocks"] * BLOCK
+    assert long["cached_raykv_l3_blocks"] == long["max_hit_blocks"]
+    assert long["cached_raykv_gets"] >= long["max_hit_blocks"]
+    # node 0's engine with its own prefix cache dropped: every block from node 0's L2,
+    # not one Mooncake get
+    assert long["cached_l2_blocks"] == long["max_hit_blocks"]
+    assert long["cached_l2_gets"] == 0
+    assert long["cached_l2_tokens"] == long["max_hit_blocks"] * BLOCK
     assert long["exact"] is True
-    assert result["summary"]["tier_hit_rate"]["raykv"] > 0
+    tiers = result["summary"]["tier_hit_rate"]
+    assert tiers["raykv"] > 0 and tiers["l3_mooncake"] > 0
+    assert tiers["l2_node"] + tiers["l3_mooncake"] == pytest.approx(tiers["raykv"])
     assert result["summary"]["l3_bytes"]["get_objects"] >= long["max_hit_blocks"]

@@ -264,8 +264,8 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
     r = prompt(43)
     ray.get(a.generate.remote(r))
     tag_a, tag_d = ray.get([a.key_tag.remote(), d.key_tag.remote()])
-    assert (tag_a, tag_d) == ("vllm-tp1-bfloat16-b128-cpu.lm1",
-                              "vllm-tp1-float16-b128-cpu.lm1")
+    assert (tag_a, tag_d) == ("vllm-tp1-bfloat16-b128-cpu.cpu-attn.lm1",
+                              "vllm-tp1-float16-b128-cpu.cpu-attn.lm1")
     got, (hit, loaded) = _served(d, r)
     assert (got["cached"], hit, loaded) == (0, 0, 0), got
     id_a, id_d = ray.get([a.key_identity.remote(), d.key_identity.remote()])

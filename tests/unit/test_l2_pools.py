@@ -1,5 +1,6 @@
 """L2Pools, the node actor's L2 cache, against fakes of the pool table and the store:
-capacity, owners, fills held for the reader, write-behind, a reset."""
+capacity, owners, fills held for the reader, write-behind (retried when a put fails),
+a reset."""
 
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ def layout(pages: int = 64) -> PoolLayout:
 
 class FakeNode:
     """The pool table and the store: ``stored`` holds the L3 objects (key -> the page
-    offset they were put from)."""
+    offset they were put from); the next ``fail_puts`` puts fail."""
 
     def __init__(self) -> None:
         self.pools: dict[str, PoolHandle] = {}
         self.stored: dict[str, int] = {}
         self.calls: list[tuple[str, list[str]]] = []
-        self.fail_puts = False
+        self.fail_puts = 0
 
     def create(self, name, lay, owner) -> PoolHandle:
         self.pools[name] = PoolHandle(name, "/dev/shm/" + name, lay)
@@ -45,7 +46,8 @@ class FakeNode:
     def move(self, op, batch, deadline, caller) -> list[int]:
         self.calls.append((op, list(batch.keys)))
         if op == "put":
-            if self.fail_puts:
+            if self.fail_puts > 0:
+                self.fail_puts -= 1
                 return [-800] * len(batch)
             self.stored.update(zip(batch.keys, batch.offsets, strict=True))
             return [0] * len(batch)
@@ -58,11 +60,16 @@ def l2(node: FakeNode, l2_bytes: int = 1 << 20) -> L2Pools:
                    lambda claim: claim, l2_bytes=l2_bytes)
 
 
-def flushed(pools: L2Pools, n: int) -> None:
+def flushed(pools: L2Pools, n: int, counter: str = "") -> dict:
+    """Wait until the write-behind ended for ``n`` objects (or ``counter`` reached
+    ``n``); the stats then."""
     deadline = time.monotonic() + 5
-    while pools.counts["l3_put"] + pools.counts["l3_put_failed"] < n:
-        assert time.monotonic() < deadline, pools.counts
-        time.sleep(0.01)
+    while True:
+        s = pools.stats()
+        if (s[counter] if counter else s["l3_put"] + s["l3_put_failed"]) >= n:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.005)
 
 
 def test_open_sizes_the_pool_to_what_is_left_and_shares_it():
@@ -138,16 +145,65 @@ def test_a_failed_fill_is_a_miss_and_frees_its_pages():
     assert all(p >= 0 for p in pools.reserve(GONE, h.name, ["m_y", "m_z"], A))
 
 
-def test_a_failed_write_behind_keeps_the_page_and_counts_it():
-    node = FakeNode()
-    node.fail_puts = True
+def one_dirty_page(node: FakeNode, attempts: int, backoff_s: float = 0.01):
+    """A one-page pool whose page holds ``m_a``, committed (its write-behind started)."""
     pools = l2(node)
+    pools.write_behind.attempts, pools.write_behind.backoff_s = attempts, backoff_s
     h = pools.open((0, 0), layout(), 1, A)
     pages = pools.reserve(ME, h.name, ["m_a"], A)
     pools.commit(ME, h.name, ["m_a"], pages, [True], A)
-    flushed(pools, 1)
-    assert pools.counts["l3_put_failed"] == 1
-    assert pools.lookup(["m_a"], 1, A) == 1  # still right in L2
+    return pools, h, pages[0]
+
+
+def test_a_failed_write_behind_is_retried_and_its_page_kept_until_it_lands():
+    """Puts fail for a while: the write-behind tries again after a back-off, and the
+    page stays dirty meanwhile (L2 has no page for another key, never evicts it);
+    once a put lands the object is in L3 and the page is evictable."""
+    node = FakeNode()
+    node.fail_puts = 10**6
+    pools, h, p = one_dirty_page(node, attempts=1000, backoff_s=0.002)
+    s = flushed(pools, 2, "l3_put_retried")
+    assert s["l3_put_pending"] == 1 and s["l3_put"] == s["l3_put_failed"] == 0
+    assert s["pools"][h.name]["dirty"] == 1
+    assert pools.reserve(ME, h.name, ["m_b"], A) == [FULL]  # dirty: never evicted
+    node.fail_puts = 0
+    s = flushed(pools, 1)
+    assert s["l3_put"] == 1 and s["l3_put_failed"] == 0 and "m_a" in node.stored
+    assert s["pools"][h.name]["dirty"] == 0 and s["l3_put_pending"] == 0
+    assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # flushed: evicted for m_b
+
+
+@pytest.mark.parametrize("attempts", [3, 1])
+def test_a_write_behind_that_fails_every_time_is_counted_then_evictable(attempts):
+    """Every put fails: after ``attempts`` puts the object is counted in
+    ``l3_put_failed`` (a hole in L3, never silent), stays readable in L2, and its page
+    becomes evictable (L2 is not held hostage by L3). Control (attempts=1, the rule
+    before retries): one put, nothing retried."""
+    node = FakeNode()
+    node.fail_puts = 10**6
+    pools, h, p = one_dirty_page(node, attempts)
+    s = flushed(pools, 1)
+    assert s["l3_put_failed"] == 1 and s["l3_put"] == 0
+    assert s["l3_put_retried"] == attempts - 1
+    assert [op for op, _ in node.calls] == ["put"] * attempts
+    assert "m_a" not in node.stored
+    assert pools.resident(["m_a"], A.owner) == [True]  # still right in L2
+    assert s["pools"][h.name]["dirty"] == 0
+    assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # evictable: evicted for m_b
+
+
+def test_a_retry_into_a_pool_that_left_the_node_is_dropped():
+    """The pool is reset while its page waits for a retry: the retry is not run (its
+    memory is no L2 pool any more) and the object is counted as never put."""
+    node = FakeNode()
+    node.fail_puts = 10**6
+    pools, h, p = one_dirty_page(node, attempts=1000, backoff_s=0.05)
+    flushed(pools, 1, "l3_put_retried")
+    pools.reset()
+    s = flushed(pools, 1, "l3_put_failed")
+    puts = len(node.calls)
+    time.sleep(0.2)  # several back-offs: no put runs any more
+    assert len(node.calls) == puts and s["l3_put"] == 0 and s["l3_put_pending"] == 0
 
 
 def test_reset_forgets_every_pool_and_open_makes_a_new_one():

@@ -55,7 +55,7 @@ def test_router_keys_are_the_connectors():
             scheme = KeyScheme.from_config(keys.configs[r])
             want += scheme.pool_keys(PoolName.KV, "vllm", ["kv"], h.hex())
     assert keys.keys(toks) == want and keys.per_page == 2
-    assert want[0].startswith("vllm-tp2-bfloat16-b4-cpu.lm1_org-m_")
+    assert want[0].startswith("vllm-tp2-bfloat16-b4-cpu.cpu-attn.lm1_org-m_")
     assert keys.keys(toks[:4]) == []  # no block an engine could load
 
 
@@ -66,6 +66,21 @@ def test_router_options_refuse_what_they_do_not_know():
         RouteOptions.parse({"model_name": "m"})
     with pytest.raises(ValueError, match="must be >= 1"):
         RouteOptions.parse({"model_name": "m", "block_size": 0})
+
+
+def test_router_names_the_engines_attention_backend():
+    """On CPU the router keys blocks as the connector does by default (vLLM's only CPU
+    backend, CPU_ATTN); on a device with several it needs the engines' backend (or their
+    tag) and names it as the connector does. Control: without it, refused."""
+    base = {"model_name": "m", "block_size": 4}
+    cpu = RouteOptions.parse(base).connector_options()
+    assert cpu.identity.layout == "cpu.cpu-attn.lm1"
+    cuda = RouteOptions.parse(base | {"device": "cuda", "attention_backend": "FLASH_ATTN"})
+    assert cuda.connector_options().extra_backend_tag == "vllm-tp1-bfloat16-b4-cuda.flash-attn.lm1"
+    assert RouteOptions.parse(base | {"device": "cuda", "extra_backend_tag": "t"}) \
+        .connector_options().extra_backend_tag == "t"
+    with pytest.raises(ValueError, match="give attention_backend"):
+        RouteOptions.parse(base | {"device": "cuda"})
 
 
 class FakeTokenizer:

@@ -84,6 +84,25 @@ def test_blocks_without_a_page_are_handed_back_and_a_miss_stops_a_load():
     assert l2(link, engine(layers=1), store).load([0, 1], ["h0", "nope"]) == 1
 
 
+def test_a_hole_in_a_chain_stops_loads_until_a_later_save_fills_it():
+    """Block h0 of a chain was never saved (dropped, or its save failed) while h1 and h2
+    were: a load of the chain stops at the hole and loads nothing (h1 and h2 are only
+    unused pages, never loaded after a block that is not there). The next engine that
+    computes h0 saves it, and the whole chain loads again, byte for byte: why the
+    connector keeps saving a request's later blocks after a lost one."""
+    link = FakeLink()
+    store = [torch.zeros(PAGES, *BLOCK)]
+    a = engine(layers=1)
+    a[0].normal_()
+    assert l2(link, a, store).save([1, 2], ["h1", "h2"]) == (2, [])
+    b = engine(layers=1)
+    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == 0
+    assert not b[0].any()
+    assert l2(link, a, store).save([0, 1, 2], ["h0", "h1", "h2"]) == (3, [])  # 2 PRESENT
+    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == 3
+    assert torch.equal(b[0][3:6], a[0][0:3])
+
+
 def test_a_lost_pool_is_reopened_in_the_background():
     link = FakeLink()
     store = [torch.zeros(PAGES, *BLOCK)]

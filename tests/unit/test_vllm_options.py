@@ -10,7 +10,9 @@ from raykv.controllers.naming import NAMESPACE
 from raykv.integrations.vllm.options import (
     ConnectorOptions,
     KVIdentity,
+    check_attention_backends,
     default_backend_tag,
+    kv_layout,
     misspelt_keys,
 )
 from raykv.integrations.vllm.side import ConnectorSide, new_stats
@@ -54,6 +56,33 @@ def test_backend_tag_covers_the_bytes_identity():
     assert len(set(tags + [base])) == len(others) + 1, tags
     assert tags[1] == "vllm-tp1-fp8-e4m3-b128-cpu.lm1"
     assert tags[4] == "vllm-tp1-bfloat16-b128-cpu.lm1-rev.v2"
+
+
+def test_the_layout_names_the_attention_backend():
+    """The layout part of the tag names the device and the backend as vLLM names it;
+    two backends give two tags (their blocks are other bytes); control: none named."""
+    assert kv_layout("cpu", "CPU_ATTN") == "cpu.cpu-attn.lm1"
+    assert kv_layout("cuda", "FLASH_ATTN") == "cuda.flash-attn.lm1"
+    assert kv_layout("cuda", None) == "cuda.lm1"
+    tags = {default_backend_tag(1, 1, KVIdentity("float16", 16, kv_layout("cuda", b), None, b))
+            for b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")}
+    assert len(tags) == 3
+
+
+def test_a_worker_refuses_layers_of_another_backend_than_its_tag():
+    """The worker's check at ``register_kv_caches``: layers that all run the backend the
+    tag names pass; one layer of another backend (vLLM chose otherwise than the
+    scheduler's resolution), no backend named, or no layer found: refused, naming the
+    backends and the fix."""
+    check_attention_backends("CPU_ATTN", {"model.layers.0.attn": "CPU_ATTN",
+                                          "model.layers.1.attn": "CPU_ATTN"})
+    with pytest.raises(ValueError, match=r"names attention backend FLASH_ATTN but vLLM "
+                                         r"runs FLASHINFER \(layers l1\).*--attention-backend"):
+        check_attention_backends("FLASH_ATTN", {"l0": "FLASH_ATTN", "l1": "FLASHINFER"})
+    with pytest.raises(ValueError, match="names attention backend none but vLLM runs CPU_ATTN"):
+        check_attention_backends(None, {"l0": "CPU_ATTN"})
+    with pytest.raises(ValueError, match="found none of the registered KV cache layers"):
+        check_attention_backends("CPU_ATTN", {})
 
 
 def test_odd_revisions_become_hashed_tag_parts():
