@@ -7,10 +7,12 @@ for the keys and the configuration."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import PAGE_LAYOUT, ConnectorOptions, KVIdentity
 from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
 from raykv.integrations.vllm.side import ConnectorSide
@@ -23,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,6 +77,8 @@ class RayKVConnector(KVConnectorBase_V1):
                                       pp_size=pc.pipeline_parallel_size,
                                       served_model=mc.served_model_name or mc.model,
                                       identity=kv_identity(vllm_config))
+        events = vllm_config.kv_events_config
+        opts = replace(opts, kv_events=bool(events and events.enable_kv_cache_events))
         if mc.use_mla:
             raise ValueError("RayKVConnector does not serve MLA models yet (their KV is "
                              "replicated across TP ranks and laid out differently)")
@@ -162,6 +167,9 @@ class RayKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.connector_worker.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
+        return self.connector_worker.get_kv_connector_kv_cache_events()
+
     def shutdown(self) -> None:
         self._side.shutdown()
 
@@ -186,3 +194,6 @@ class RayKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.connector_scheduler.take_events()

@@ -66,13 +66,15 @@ def vcluster():
 @pytest.fixture(scope="module")
 def engines(vcluster, model, uid_module):
     """Engine A on node 1 (raykv and vLLM's own prefix cache), engine B on node 2 (raykv,
-    vLLM's prefix cache off), both ``kv_load_failure_policy="recompute"`` and both
-    ``ControlEngine``s, and a baseline without the connector on node 1, with vLLM's own
-    prefix cache (see test_partial_hit)."""
+    vLLM's prefix cache off, vLLM's KV events on, published nowhere), both
+    ``kv_load_failure_policy="recompute"`` and both ``ControlEngine``s, and a baseline
+    without the connector on node 1, with vLLM's own prefix cache (see
+    test_partial_hit)."""
     n1, n2 = vcluster.node_ids
     conf = {"model_name": f"tiny-{uid_module}"}
     a = start_engine(n1, model, conf, enable_prefix_caching=True, actor_class=ControlEngine)
-    b = start_engine(n2, model, conf, actor_class=ControlEngine)
+    b = start_engine(n2, model, conf, actor_class=ControlEngine,
+                     kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
     base = start_engine(n1, model, None, enable_prefix_caching=True)
     ready(a, b, base)
     yield a, b, base
@@ -174,6 +176,31 @@ def test_corrupted_loads_change_the_output(engines):
         ray.get(b.corrupt_loads.remote(False))
     assert got["cached"] == 7 * BLOCK, got
     assert got["tokens"] != want
+
+
+def test_kv_events_name_the_blocks_raykv_stored(engines):
+    """B (vLLM's KV events on) computes a prompt: its connector saves the 7 full blocks
+    through the store, and B's scheduler publishes, with vLLM's own events, one
+    ``BlockStored`` per block in raykv's L3 (medium ``STORAGE``, ownership
+    ``raykv-l3``) in vLLM's block hashes, chained by parent, with the block's tokens.
+    Control: A (events off) saves the 7 blocks of another prompt and publishes no
+    event of raykv's tiers."""
+    a, b, base = engines
+    ray.get([a.record_events.remote(), b.record_events.remote()])
+    p, q = prompt(71), prompt(72)
+    ray.get(b.generate.remote(p))
+    want = ray.get(b.vllm_block_hashes.remote(p, BLOCK))[:7]
+    events = ray.get(b.recorded_events.remote())
+    assert [e["type"] for e in events] == ["BlockStored"] * 7, events
+    assert {(e["medium"], e["ownership"]) for e in events} == {("STORAGE", "raykv-l3")}
+    assert [e["block_hashes"] for e in events] == [[h] for h in want]
+    assert [e["parent"] for e in events] == [None, *want[:6]]
+    assert [e["token_ids"] for e in events] == [p[i * BLOCK:(i + 1) * BLOCK] for i in range(7)]
+    (w0,) = ray.get(a.worker_stats.remote())
+    ray.get(a.generate.remote(q))
+    (w1,) = ray.get(a.worker_stats.remote())
+    assert w1["saved"] - w0["saved"] == 7
+    assert ray.get(a.recorded_events.remote()) == []
 
 
 @pytest.fixture(scope="module")
