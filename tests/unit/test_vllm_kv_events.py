@@ -86,3 +86,49 @@ def test_to_vllm_names_the_tier_in_vllms_words():
     assert (stored.token_ids, stored.block_size, stored.extra_keys) == ([1, 2], 16, [None])
     assert (removed.medium, removed.locality, removed.ownership) == ("STORAGE", None, L3)
     assert removed.block_hashes == [vllm_hash(b"\x09" * 4)]
+
+
+class Hits:
+    """A client whose node's L2 holds the leading ``l2`` pages asked, and L3 the
+    leading ``l3`` pages after those."""
+
+    def __init__(self, l2: int, l3: int) -> None:
+        self.l2_hits, self.l3_hits = l2, l3
+
+    def l2(self):
+        return self
+
+    def lookup(self, keys, tp_size: int) -> int:
+        return min(self.l2_hits, len(keys))
+
+    def group_exists(self, keys):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(kv_hit_pages=min(self.l3_hits, len(keys)))
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_the_schedulers_lookup_removes_the_first_published_block_it_misses(events):
+    """The scheduler side's lookup (``_query``) over pages a, b, c, all published in L2
+    and L3, finds a in L2 and nothing after in L3: b is removed from both tiers (c,
+    behind it, is not named). CONTROL: events off, the same lookup publishes nothing."""
+    from dataclasses import replace
+
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    opts = ConnectorOptions.parse({"l2_blocks": 4}, tp_size=1, pp_size=1, served_model="m",
+                                  identity=KVIdentity("bfloat16", 16, "cpu.lm1"))
+    side = RayKVConnectorScheduler(replace(opts, kv_events=events), do_load=False,
+                                   do_save=True, block_size=16, tp_size=1, pp_size=1)
+    side._client = Hits(l2=1, l3=0)
+    if events:
+        for i, h in enumerate("abc"):
+            side._events.saving(h, facts(i))
+        side._events.landed([(t, h) for t in (L2, L3) for h in "abc"])
+        assert len(side.take_events()) == 6
+    assert side._query(["a", "b", "c"]) == (1, 1)
+    got = [(e.ownership, e.block_hashes) for e in side.take_events()]
+    assert got == ([(L2, [vllm_hash(facts(1).block_hash)]),
+                    (L3, [vllm_hash(facts(1).block_hash)])] if events else [])
