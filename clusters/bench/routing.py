@@ -10,7 +10,8 @@ router's look-up as ``RayKVRouter`` makes it (``router``: the page hashes and ke
 prompt of ``pages`` full blocks of 16 tokens, plus one residency call to each of the two
 node actors at once, under a 1 s deadline, on an event loop). Then Ray Serve: an app
 of two replicas, one per node, routed by ``RayKVRouter`` (``deadline_ms`` 50): the
-router's own time per request (``serve_router``, from its ``recent_s``) and where
+router's own time per request (``serve_router``, from its ``recent_s``; of it, the
+keys' and the node actors' answers', ``serve_keys`` and ``serve_ask``) and where
 ``requests`` requests whose prompt extends the held prefix landed (``on_holder``:
 the share on node 1's replica), against an app on Serve's own router
 (``pow2_on_holder``). Percentiles in milliseconds. Writes ``routing.json`` to
@@ -78,7 +79,10 @@ def _serve(holder: str, prompt: list[int], requests: int) -> dict:
         on = [routed.remote(a).result(timeout_s=60) for a in asks]
         on_pow2 = [plain.remote(a).result(timeout_s=60) for a in asks]
         router = routed._router._asyncio_router.request_router
+        parts = list(router.recent_parts)
         return {"serve_router": _ms(list(router.recent_s)), "requests": requests,
+                "serve_keys": _ms([k for k, _ in parts]),
+                "serve_ask": _ms([a for _, a in parts]),
                 "on_holder": on.count(holder) / requests,
                 "pow2_on_holder": on_pow2.count(holder) / requests,
                 "router_counts": dict(router.counts)}

@@ -23,9 +23,7 @@ import contextlib
 import importlib.util
 import itertools
 import random
-import socket
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -33,6 +31,8 @@ from raykv import start_local
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 
+from tests.integration.serve_llm import example as serve_example
+from tests.integration.serve_llm import serve_llm
 from tests.integration.vllm_control import ControlEngine
 
 
@@ -313,21 +313,11 @@ def _gets(vcluster) -> dict[str, int]:
             for n, actor in vcluster.node_actors.items()}
 
 
-def _example(name: str):
-    """A module of ``examples/``, loaded from its file (examples are scripts, not a
-    package)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch):
     """The Serve example's tenant: the key in the connector's extra config, the path of
     the secret file in the replicas' runtime_env, never the secret (Ray shows a runtime
     env's variables to every job); no secret file, no app."""
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)  # never handed on
     monkeypatch.setenv("RAYKV_TENANT_SECRET_FILE", "/run/secrets/acme")
     config = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
@@ -355,7 +345,7 @@ def test_the_examples_router_config_keys_blocks_as_its_engines_connector():
     from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
     from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
 
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     config = example.raykv_llm_config("m", "org/src", replicas=2, cpu=True,
                                       prefix_caching=True, max_model_len=256,
                                       router_block_size=32)
@@ -390,10 +380,7 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
     ``OMP_NUM_THREADS=1``; vLLM's default binding gave it both cores of this machine, and
     other greedy tokens from index 2 on). One engine in this mode: a start takes 24-51 s
     here."""
-    from ray import serve
-    from ray.serve.llm import build_openai_app
-
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     a, b, base = engines
     node = vcluster.add_node(resources={"serve_llm": 1})
     config = example.raykv_llm_config(
@@ -401,28 +388,20 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
         model_name=f"tiny-{uid_module}",
         placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
     config.runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
-                  route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        p = prompt(31)
-        want = computed_then_restored(a, p)
-        before = _gets(vcluster)
-        got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
-                               ignore_eos=True)
-        after = _gets(vcluster)
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
-        assert got["choices"][0]["token_ids"] == want
-        assert {n: after[n] - before.get(n, 0) for n in after} == \
-            {n: 7 if n == node else 0 for n in after}  # one object per block
+        with serve_llm(config) as url:
+            p = prompt(31)
+            want = computed_then_restored(a, p)
+            before = _gets(vcluster)
+            got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
+                                   ignore_eos=True)
+            after = _gets(vcluster)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
         vcluster.remove_node(node)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
+    assert got["choices"][0]["token_ids"] == want
+    assert {n: after[n] - before.get(n, 0) for n in after} == \
+        {n: 7 if n == node else 0 for n in after}  # one object per block
 
 
 L2_BLOCKS = 12

@@ -88,3 +88,7 @@ def test_prompt_tokens_of_each_request_shape():
                                                              "content": "abc"})]
     assert t.of([SimpleNamespace(prompt=None, messages=msgs)], {}) == [99, 3]
     assert t.of([SimpleNamespace(prompt=[True, 2])], {}) is None  # not token ids
+    # what the request carries, without the tokenizer (the router's event loop asks it)
+    assert t.given([], {"request_token_ids": [5, 6]}) == [5, 6]
+    assert t.given([SimpleNamespace(prompt=[1, 2, 3])], {}) == [1, 2, 3]
+    assert t.given([SimpleNamespace(prompt="hello there")], {}) is None  # CONTROL: text
