@@ -3,9 +3,10 @@ whose node holds the most of its prefix in the nearest tier (imports Ray Serve).
 
 Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's token ids
 (``prompt_tokens``), the object keys of its loadable blocks as the engines' connector
-keys them (``route_keys``; on a thread when text must be tokenized or the prompt is
-longer than ``INLINE_TOKENS``, so the router's event loop serves other requests
-meanwhile), one ``residency`` call to the node actor of every
+keys them (``route_keys``; on the router's one keys thread when text must be tokenized
+or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
+requests meanwhile: one thread, as more would only contend for the GIL and the
+tokenizer's own threads), one ``residency`` call to the node actor of every
 candidate replica's node, all at once under ``deadline_ms`` (``node_answers``), and
 ranked groups of replicas by tier held against queue length (``ranking``). Any error,
 no token ids, no key, a timeout, or answers that tell no replica apart: Ray Serve's
@@ -32,6 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -66,6 +68,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="raykv-router-keys")
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's, then the node actors of the replicas' nodes are looked up ahead of
@@ -106,7 +109,8 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         if tokens is not None and len(tokens) <= INLINE_TOKENS:
             keys = self._keys.keys(tokens)
         elif tokens is not None or self._tokens.ready:
-            keys = await asyncio.to_thread(self._keys_of, request, tokens)
+            keys = await asyncio.get_running_loop().run_in_executor(
+                self._keys_thread, self._keys_of, request, tokens)
         else:
             return None  # text, and no tokenizer (yet)
         if not keys:
