@@ -48,6 +48,9 @@ home node lists every rank of it for each hit query, so the size of that list is
 before a registration or a group query may ask for one."""
 IDENTITY_KEYS: dict[str, type] = {"model_revision": str, "kv_dtype": str, "page_size": int}
 """The ``extra_config`` keys that describe the bytes a rank stores, and their types."""
+LOOKUP_HOMES = ("node", "deployment")
+"""Where a rank's group queries go (``extra_config['lookup_home']``): its own node's
+actor, or its deployment's home node's (``deployments.lookup_home``)."""
 
 
 @dataclass
@@ -64,7 +67,9 @@ class StorageConfig:
     under its key prefix;
     ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
     deadline of every data call this rank makes to a node actor (exists, put, get, group
-    hit), see ``timeout_s``. ``ValueError`` for a value of the wrong type.
+    hit), see ``timeout_s``; ``lookup_home`` (``"node"`` or ``"deployment"``): which
+    node actor answers this rank's group queries (``deployments.lookup_home``).
+    ``ValueError`` for a value of the wrong type.
     """
 
     tp_rank: int = 0
@@ -88,6 +93,9 @@ class StorageConfig:
                              f"(0, {MAX_TIMEOUT_S}], got {timeout!r}")
         extra = self.extra_config or {}
         check_tenant(extra.get("tenant"))
+        if extra.get("lookup_home") not in (None, *LOOKUP_HOMES):
+            raise ValueError(f"extra_config['lookup_home'] must be one of {LOOKUP_HOMES}, "
+                             f"got {extra['lookup_home']!r}")
         for key, kind in IDENTITY_KEYS.items():
             value = extra.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind)
@@ -118,6 +126,12 @@ class StorageConfig:
     def page_size(self) -> int | None:
         """Tokens per page, None if not given."""
         return (self.extra_config or {}).get("page_size")
+
+    @property
+    def lookup_home(self) -> str | None:
+        """``"node"``, ``"deployment"`` or None (not given: the rule of
+        ``deployments.lookup_home``)."""
+        return (self.extra_config or {}).get("lookup_home")
 
     @property
     def timeout_s(self) -> float:

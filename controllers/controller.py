@@ -2,11 +2,12 @@
 
 It is off the byte path and off the query path. It records where the store is and
 which node actors serve which Ray nodes, keeps the deployments (their TP/PP groups and
-pools), hands each rank its key scheme and names the *home* node of each group: that
-node's actor answers the group's existence queries (one ``batch_is_exist`` over
-every rank's and pool's objects, shared by every rank that asks within a window), so
-ranks never need an all-reduce and can never disagree, and query load spreads over the
-nodes instead of meeting in one actor. Its registry is checkpointed to the GCS internal
+pools), hands each rank its key scheme and names its *lookup home*
+(``deployments.lookup_home``): that node's actor answers the group's existence queries
+(one ``batch_is_exist`` over every rank's and pool's objects, shared by every rank that
+asks within a window), so ranks never need an all-reduce and can never disagree, and
+query load spreads over the nodes instead of meeting in one actor: replicas of a model
+on different nodes ask their own nodes. Its registry is checkpointed to the GCS internal
 KV on every change; a restarted controller resumes from it.
 """
 
@@ -24,6 +25,7 @@ from raykv.controllers.deployments import (
     DeploymentRegistry,
     PoolSpec,
     Registration,
+    lookup_home,
 )
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.owner_keys import Challenge
@@ -131,7 +133,7 @@ class CacheController:
         dep = self._registry.register_rank(config, pools, node_id)
         self._save()
         return Registration(dep.deployment_id, dep.key_scheme(config.tp_rank, config.pp_rank),
-                            dep.home_node, dep.version)
+                            lookup_home(dep, config, node_id), dep.version)
 
     def deployment(self, deployment_id: str) -> Deployment:
         """The deployment as registered; ``ValueError`` if there is none of that id."""

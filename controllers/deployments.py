@@ -139,13 +139,28 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Registration:
-    """What a registered rank is told: its deployment, key scheme, and where (and at which
-    deployment version) its group's existence queries are answered."""
+    """What a registered rank is told: its deployment, key scheme, and where (its
+    ``lookup_home``, in ``home_node``) and at which deployment version its group's
+    existence queries are answered."""
 
     deployment_id: str
     key_scheme: KeyScheme
     home_node: str
     version: int
+
+
+def lookup_home(dep: Deployment, config: StorageConfig, node_id: str) -> str:
+    """The node whose actor answers the group queries of the rank ``config`` on
+    ``node_id``: its *lookup home*. Every node actor can answer any deployment's, and
+    ranks that ask one actor the same question get one answer (``group_queries``), so
+    an engine's ranks agree when they ask the same actor. ``lookup_home="node"``: the
+    rank's own node; for an engine whose ranks all run on one node (or whose group
+    queries one process asks, as vLLM's scheduler does), so replicas on other nodes
+    ask their own nodes. ``"deployment"``: the deployment's home node, one actor for
+    every replica; for a TP/PP group spread over nodes. Not given: ``"node"`` for a
+    group of one rank (nothing to agree on), else ``"deployment"``."""
+    mode = config.lookup_home or ("node" if dep.tp_size * dep.pp_size == 1 else "deployment")
+    return node_id if mode == "node" else dep.home_node
 
 
 def deployment_id(config: StorageConfig) -> str:

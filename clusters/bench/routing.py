@@ -10,12 +10,16 @@ router's look-up as ``RayKVRouter`` makes it (``router``: the page hashes and ke
 prompt of ``pages`` full blocks of 16 tokens, plus one residency call to each of the two
 node actors at once, under a 1 s deadline, on an event loop). Then Ray Serve: an app
 of two replicas, one per node, routed by ``RayKVRouter`` (``deadline_ms`` 50): the
-router's own time per request (``serve_router``, from its ``recent_s``) and where
+router's own time per request (``serve_router``, from its ``recent_s``; of it, the
+keys' and the node actors' answers', ``serve_keys`` and ``serve_ask``) and where
 ``requests`` requests whose prompt extends the held prefix landed (``on_holder``:
 the share on node 1's replica), against an app on Serve's own router
-(``pow2_on_holder``). Percentiles in milliseconds. Writes ``routing.json`` to
-``--out``. Numbers only: nothing asserts a speed. All nodes share one host here: Ray
-calls never cross a network.
+(``pow2_on_holder``); then ``requests`` text requests (a 16 kB document), eight at
+once, through a router that tokenizes them with a local tokenizer
+(``serve_router_text``, and each wave's wall time, ``text_wave_wall``; ``--no-text``
+skips it). Percentiles in milliseconds. Writes
+``routing.json`` to ``--out``. Numbers only: nothing asserts a speed. All nodes share
+one host here: Ray calls never cross a network.
 """
 
 from __future__ import annotations
@@ -58,7 +62,48 @@ class Where:
         return ray.get_runtime_context().get_node_id()
 
 
-def _serve(holder: str, prompt: list[int], requests: int) -> dict:
+def _document() -> str:
+    """About 16 kB of text: the start of a module of Python's own library."""
+    import inspect
+    import json.decoder
+
+    return inspect.getsource(json.decoder)[:16000]
+
+
+def _text(app, opts: dict, tokenizer: str, requests: int, wave: int) -> dict:
+    """``requests`` text requests (a 16 kB document and a question of its own), ``wave``
+    at once, through a ``RayKVRouter`` that tokenizes them (``tokenizer``): its time per
+    request (which leaves out a request's wait for an event loop that another request's
+    tokenization holds) and the wall time of each wave, once its tokenizer is loaded."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    handle = serve.run(app.options(request_router_config={
+        "request_router_class": "raykv.integrations.serve.router:RayKVRouter",
+        "request_router_kwargs": opts | {"tokenizer": tokenizer}}).bind(), name="text",
+        route_prefix=None)
+    doc = _document()
+    handle.remote(SimpleNamespace(prompt=doc)).result(timeout_s=60)
+    router = handle._router._asyncio_router.request_router
+    deadline = time.monotonic() + 60
+    while not router._tokens.ready and time.monotonic() < deadline:
+        time.sleep(0.1)
+    router.recent_s.clear()
+    asks = [SimpleNamespace(prompt=f"{doc}\nQuestion {i}: what does line {i} do?")
+            for i in range(requests)]
+    waves = []
+    for lo in range(0, requests, wave):
+        t = time.perf_counter()
+        for r in [handle.remote(a) for a in asks[lo:lo + wave]]:
+            r.result(timeout_s=60)
+        waves.append(time.perf_counter() - t)
+    return {"serve_router_text": _ms(list(router.recent_s)), "text_wave": wave,
+            "text_wave_wall": _ms(waves),
+            "text_counts": dict(router.counts)}
+
+
+def _serve(holder: str, prompt: list[int], requests: int, tokenizer: str | None) -> dict:
     from types import SimpleNamespace
 
     from ray import serve
@@ -78,7 +123,11 @@ def _serve(holder: str, prompt: list[int], requests: int) -> dict:
         on = [routed.remote(a).result(timeout_s=60) for a in asks]
         on_pow2 = [plain.remote(a).result(timeout_s=60) for a in asks]
         router = routed._router._asyncio_router.request_router
-        return {"serve_router": _ms(list(router.recent_s)), "requests": requests,
+        parts = list(getattr(router, "recent_parts", []))  # none in older routers
+        text = {} if tokenizer is None else _text(app, opts, tokenizer, requests, 8)
+        return {"serve_router": _ms(list(router.recent_s)), "requests": requests, **text,
+                "serve_keys": _ms([k for k, _ in parts]) if parts else None,
+                "serve_ask": _ms([a for _, a in parts]) if parts else None,
                 "on_holder": on.count(holder) / requests,
                 "pow2_on_holder": on_pow2.count(holder) / requests,
                 "router_counts": dict(router.counts)}
@@ -86,7 +135,7 @@ def _serve(holder: str, prompt: list[int], requests: int) -> dict:
         serve.shutdown()
 
 
-def run(pages: int, iters: int, out: Path, requests: int = 200) -> dict:
+def run(pages: int, iters: int, out: Path, requests: int = 200, text: bool = True) -> dict:
     from raykv.cache_actors.rank.client import CacheClient
     from raykv.cache_actors.rank.rank_owner import RankOwner
     from raykv.clusters.local import start_local
@@ -132,7 +181,12 @@ def run(pages: int, iters: int, out: Path, requests: int = 200) -> dict:
             return out
         router = asyncio.run(routes())
         client.close()
-        serve_result = _serve(node1, prompt, requests)
+        tokenizer = None
+        if text:
+            from raykv.clusters.demo.vllm_model import make_llama
+
+            tokenizer = make_llama(str(out / "tiny-llama"))
+        serve_result = _serve(node1, prompt, requests, tokenizer)
     result = {"pages": pages, "iters": iters, "answer": [answer.l2, answer.segment, answer.l3],
               "in_actor": _ms(in_actor), "ray_call": _ms(calls), "router": _ms(router),
               **serve_result}
@@ -147,8 +201,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "raykv-bench")
+    p.add_argument("--no-text", action="store_true",
+                   help="skip the text requests (they need a local tokenizer: ~10 s)")
     args = p.parse_args()
-    print(json.dumps(run(args.pages, args.iters, args.out, args.requests), indent=2))
+    print(json.dumps(run(args.pages, args.iters, args.out, args.requests,
+                         not args.no_text), indent=2))
 
 
 if __name__ == "__main__":

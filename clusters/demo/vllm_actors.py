@@ -63,6 +63,10 @@ class VLLMEngine:
         from vllm.config import KVTransferConfig
 
         kw = LLM_DEFAULTS | llm_kwargs
+        if isinstance(kw.get("kv_events_config"), dict):  # e.g. from a Ray call
+            from vllm.config import KVEventsConfig
+
+            kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
         if connector is not None:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="RayKVConnector", kv_connector_module_path="raykv.integrations.vllm",

@@ -49,8 +49,8 @@ class PromptTokens:
     def ready(self) -> bool:
         return self._tokenizer is not None
 
-    def of(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
-        """The prompt's token ids, or None if the request has none this can read."""
+    def given(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
+        """The token ids the request carries (no tokenizer: cheap, any thread), or None."""
         ids = kwargs.get(TOKEN_IDS_KWARG)
         if ids:
             return [int(t) for t in ids]
@@ -58,6 +58,16 @@ class PromptTokens:
             prompt = getattr(arg, "prompt", None)
             if _is_token_ids(prompt):
                 return [int(t) for t in prompt]
+        return None
+
+    def of(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids, or None if the request has none this can read (text
+        is tokenized here: milliseconds for a long prompt, so not on an event loop)."""
+        ids = self.given(args, kwargs)
+        if ids is not None:
+            return ids
+        for arg in args:
+            prompt = getattr(arg, "prompt", None)
             tok = self._tokenizer
             if isinstance(prompt, str) and tok is not None:
                 return list(tok.encode(prompt))

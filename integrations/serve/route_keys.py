@@ -8,6 +8,11 @@ the page hashes of ``integrations.vllm.page_hash`` (no extra keys: requests with
 cache salt, LoRA or multimodal input), keyed for a tenant (``KeyedHashes``), under the
 key scheme of the connector's ``StorageConfig`` (``ConnectorOptions.storage_config``).
 A router of a tenant needs the tenant secret (``RAYKV_TENANT_SECRET``), as its engines do.
+
+Requests share prefixes (a system prompt, a document, a conversation's earlier turns),
+so ``RouteKeys`` remembers each block's keys by its parent's page hash and its tokens
+(at most ``MEMO_BLOCKS`` blocks, forgotten all at once when full): a block seen before
+costs a dict lookup, not a hash, an HMAC and the key strings.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from raykv.integrations.vllm.options import (
     default_backend_tag,
     kv_layout,
 )
-from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
+from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys, page_hash
 from raykv.integrations.vllm.request_blocks import hash_hex, max_loadable_blocks
 
 DEVICE_BACKENDS = {"cpu": "CPU_ATTN"}
 """The attention backend vLLM runs on a device that has only one (for models without
 MLA)."""
+MEMO_BLOCKS = 16384
+"""Blocks whose keys ``RouteKeys`` remembers, at most (a few MB)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,8 @@ class RouteKeys:
         schemes = [KeyScheme.from_config(c) for c in self.configs]
         self._parts = [(s.prefix, s.suffixes(PoolName.KV, "vllm", ["kv"])[0])
                        for s in schemes]
+        # (parent page hash, block tokens) -> (page hash, the block's keys); any thread
+        self._memo: dict[tuple[bytes | None, tuple[int, ...]], tuple[bytes, list[str]]] = {}
 
     def __reduce__(self):
         raise TypeError("RouteKeys hold a tenant's keyed hashes: make them in each process")
@@ -144,6 +153,21 @@ class RouteKeys:
         return [hash_hex(h) for h in chain.extend(token_ids, n, no_extra_keys)]
 
     def keys(self, token_ids: Sequence[int]) -> list[str]:
-        """The object keys of those pages, ``per_page`` (one per TP rank) a page."""
-        keyed = self._hashes.keys(self.page_hashes(token_ids))
-        return [prefix + h + suffix for h in keyed for prefix, suffix in self._parts]
+        """The object keys of those pages, ``per_page`` (one per TP rank) a page (each
+        block's from the memo when it was seen before; any thread may call)."""
+        bs, memo = self.block_size, self._memo
+        out: list[str] = []
+        parent: bytes | None = None
+        for i in range(max_loadable_blocks(len(token_ids), bs)):
+            block = tuple(token_ids[i * bs:(i + 1) * bs])
+            known = memo.get((parent, block))
+            if known is None:
+                h = page_hash(parent, block, None)
+                (keyed,) = self._hashes.keys([hash_hex(h)])
+                known = (h, [prefix + keyed + suffix for prefix, suffix in self._parts])
+                if len(memo) >= MEMO_BLOCKS:
+                    memo.clear()
+                memo[(parent, block)] = known
+            parent = known[0]
+            out += known[1]
+        return out

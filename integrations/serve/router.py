@@ -3,7 +3,10 @@ whose node holds the most of its prefix in the nearest tier (imports Ray Serve).
 
 Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's token ids
 (``prompt_tokens``), the object keys of its loadable blocks as the engines' connector
-keys them (``route_keys``), one ``residency`` call to the node actor of every
+keys them (``route_keys``; on the router's one keys thread when text must be tokenized
+or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
+requests meanwhile: one thread, as more would only contend for the GIL and the
+tokenizer's own threads), one ``residency`` call to the node actor of every
 candidate replica's node, all at once under ``deadline_ms`` (``node_answers``), and
 ranked groups of replicas by tier held against queue length (``ranking``). Any error,
 no token ids, no key, a timeout, or answers that tell no replica apart: Ray Serve's
@@ -19,7 +22,9 @@ Configure it in ``LLMConfig.deployment_config``::
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
 residency, ``fallback`` (power of two), ``failed`` (an error, logged at most once a
 minute), and ``overhead_s`` (seconds spent choosing, in all); ``recent_s``: the
-seconds each of the last ``RECENT`` requests spent choosing.
+seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
+last ``RECENT`` requests that asked node actors, the seconds spent on their keys (token
+ids and page hashes) and on the node actors' answers.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -41,6 +47,9 @@ from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 log = logging.getLogger(__name__)
 
 RECENT = 1024
+INLINE_TOKENS = 2048
+"""Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
+of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""
 
 
 class RayKVRouter(PowerOfTwoChoicesRequestRouter):
@@ -58,6 +67,8 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._warn = ThrottledLog(log)
         self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
         self.recent_s: deque[float] = deque(maxlen=RECENT)
+        self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="raykv-router-keys")
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's, then the node actors of the replicas' nodes are looked up ahead of
@@ -93,12 +104,27 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                             request: PendingRequest | None) -> list[list[RunningReplica]] | None:
         if request is None or len(candidates) < 2:
             return None
-        tokens = self._tokens.of(request.args, request.kwargs)
-        keys = self._keys.keys(tokens) if tokens else []
+        t = time.perf_counter()
+        tokens = self._tokens.given(request.args, request.kwargs)
+        if tokens is not None and len(tokens) <= INLINE_TOKENS:
+            keys = self._keys.keys(tokens)
+        elif tokens is not None or self._tokens.ready:
+            keys = await asyncio.get_running_loop().run_in_executor(
+                self._keys_thread, self._keys_of, request, tokens)
+        else:
+            return None  # text, and no tokenizer (yet)
         if not keys:
             return None
+        t_keys = time.perf_counter()
         answers = await self._nodes.ask([c.node_id for c in candidates], keys,
                                         self._keys.per_page, self.options.deadline_ms / 1e3)
+        self.recent_parts.append((t_keys - t, time.perf_counter() - t_keys))
         cache = self.replica_queue_len_cache
         return rank(candidates, lambda c: c.node_id, answers,
                     lambda c: cache.get(c.replica_id), self._weights)
+
+    def _keys_of(self, request: PendingRequest, tokens: list[int] | None) -> list[str]:
+        """The request's keys, its text tokenized first if it carries no ``tokens`` (on
+        a thread)."""
+        tokens = tokens or self._tokens.of(request.args, request.kwargs)
+        return self._keys.keys(tokens) if tokens else []

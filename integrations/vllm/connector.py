@@ -7,10 +7,12 @@ for the keys and the configuration."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import (
     ConnectorOptions,
     KVIdentity,
@@ -28,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -119,6 +122,8 @@ class RayKVConnector(KVConnectorBase_V1):
                                       pp_size=pc.pipeline_parallel_size,
                                       served_model=mc.served_model_name or mc.model,
                                       identity=identity)
+        events = vllm_config.kv_events_config
+        opts = replace(opts, kv_events=bool(events and events.enable_kv_cache_events))
         # the default tag names the attention backend: the worker checks it is the one
         # it runs (a tag given explicitly is the operator's word for the bytes)
         self._tagged_backend = identity.attn_backend
@@ -217,6 +222,9 @@ class RayKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.connector_worker.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
+        return self.connector_worker.get_kv_connector_kv_cache_events()
+
     def shutdown(self) -> None:
         self._side.shutdown()
 
@@ -241,3 +249,6 @@ class RayKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.connector_scheduler.take_events()

@@ -166,6 +166,10 @@ class ConnectorOptions:
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
       values (shows that loaded KV is really used).
 
+    ``kv_events`` is not a key: the connector sets it from vLLM's own switch,
+    ``kv_events_config.enable_kv_cache_events`` (then it publishes vLLM KV events for
+    raykv's tiers: ``raykv.integrations.vllm.kv_events``).
+
     Any other key is ignored (vLLM's convention: a wrapper connector, such as a recording
     connector around this one, shares its ``kv_connector_extra_config`` and passes its
     own keys through) and logged once, unless it looks like a misspelt key of this
@@ -184,6 +188,7 @@ class ConnectorOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     tenant: str | None = None
     debug_corrupt_loads: bool = False
+    kv_events: bool = False
 
     @classmethod
     def parse(cls, extra_config: Mapping[str, Any] | None, *, tp_size: int, pp_size: int,
@@ -233,8 +238,12 @@ class ConnectorOptions:
                        pp_size: int) -> StorageConfig:
         """The ``StorageConfig`` of one rank's (or, rank 0, the scheduler's) raykv
         client: these options' model, key tag, deadline, tenant (when set) and the
-        blocks' identity (``kv_dtype``, ``page_size``, ``model_revision`` when set)."""
+        blocks' identity (``kv_dtype``, ``page_size``, ``model_revision`` when set); its
+        group queries go to its own node's actor (``lookup_home="node"``: the
+        scheduler asks them alone, for every TP rank, so one engine never gets two
+        answers, and replicas on other nodes ask their own nodes)."""
         extra: dict[str, Any] = {"extra_backend_tag": self.extra_backend_tag,
+                                 "lookup_home": "node",  # the scheduler alone asks
                                  "timeout_s": self.timeout_s,
                                  "kv_dtype": self.identity.kv_dtype,
                                  "page_size": self.identity.page_size}

@@ -15,6 +15,12 @@ waited for at most ``STEP_WAIT_S`` per step, else "ask again later", its answer 
 per request), and a hit that needs L3 answers ``(n, True)``: vLLM parks the request
 and its load goes to the workers with the next metadata (``async_loads``), although
 the request is not scheduled; a hit all in the node's L2 is loaded on the step.
+
+With vLLM's KV events on, the side keeps a ``kv_events.KVEventBook``: saves sent
+(``build_connector_meta``), the workers' reports of those that landed
+(``update_connector_output``) and lookups that stopped at a published block
+(``_query``) become vLLM ``BlockStored`` / ``BlockRemoved`` events of raykv's tiers
+(``take_events``, which vLLM's scheduler publishes with its own).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.kv_events import L2, L3, BlockFacts, KVEventBook, to_vllm
 from raykv.integrations.vllm.kv_views import block_geometry
 from raykv.integrations.vllm.lookups import STEP_WAIT_S, Lookups
-from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.page_hash import PageHashChain
 from raykv.integrations.vllm.request_blocks import (
@@ -42,11 +49,14 @@ from raykv.integrations.vllm.request_blocks import (
     restart,
 )
 from raykv.integrations.vllm.side import ConnectorSide
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -76,6 +86,7 @@ class RayKVConnectorScheduler(ConnectorSide):
         self._lookups: Lookups | None = None
         self._wait_until: float | None = None
         self._async_loads: list[BlockTransfer] = []
+        self._events = KVEventBook(tp_size) if opts.kv_events else None
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -139,9 +150,13 @@ class RayKVConnectorScheduler(ConnectorSide):
             client = self._cache()
             if self.opts.l2_blocks:
                 l2 = client.l2().lookup(keys, self.tp_size)
+                if self._events is not None and l2 < len(keys):
+                    self._events.missing(L2, keys[l2])
             hit = l2
             if l2 < len(keys):
                 hit += client.group_exists(keys[l2:]).kv_hit_pages
+                if self._events is not None and hit < len(keys):
+                    self._events.missing(L3, keys[hit])
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
@@ -225,6 +240,8 @@ class RayKVConnectorScheduler(ConnectorSide):
                 save = blocks_to_save(st, after, self.block_size)
                 if save is not None:
                     meta.saves.append(save)
+                    if self._events is not None:
+                        self._saving(st, save)
 
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -250,7 +267,32 @@ class RayKVConnectorScheduler(ConnectorSide):
             step(st, rid, cached.num_computed_tokens[i])
         return meta
 
+    def _saving(self, st: RequestBlocks, save: BlockTransfer) -> None:
+        """Record the facts vLLM's ``BlockStored`` gives of ``save``'s blocks, in vLLM's
+        hashes (a block vLLM has no hash for is not recorded: never published)."""
+        req, bs = st.request, self.block_size
+        lora = req.lora_request
+        for i, page_hash in enumerate(save.hashes, start=len(save.context)):
+            if i >= len(req.block_hashes):
+                break
+            extra, _ = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)
+            keys = to_event_extra_keys([extra])
+            self._events.saving(page_hash, BlockFacts(
+                block_hash=bytes(req.block_hashes[i]),
+                parent_hash=bytes(req.block_hashes[i - 1]) if i else None,
+                token_ids=tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
+                extra_keys=None if keys is None else tuple(keys),
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.name if lora else None))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM events of raykv's tiers since the last call (none with events off)."""
+        return [] if self._events is None else to_vllm(self._events.take(), self.block_size)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        landed = connector_output.kv_cache_events
+        if self._events is not None and isinstance(landed, LandedReports):
+            self._events.landed(landed.get_all_events())
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return

@@ -41,9 +41,10 @@ from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.async_loads import AsyncLoads
+from raykv.integrations.vllm.kv_events import LandedBlocks
 from raykv.integrations.vllm.kv_views import block_views, pool_block_views, pool_dims
 from raykv.integrations.vllm.l2_blocks import L2Blocks
-from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.request_blocks import BlockTransfer
 from raykv.integrations.vllm.side import ConnectorSide
@@ -77,6 +78,7 @@ class RayKVConnectorWorker(ConnectorSide):
         self._step_budget = Budget(opts.timeout_s)
         self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
         self._async: AsyncLoads | None = None  # the load thread (first async load)
+        self._landed = LandedBlocks(opts.kv_events)  # saves that landed, for KV events
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
@@ -103,6 +105,9 @@ class RayKVConnectorWorker(ConnectorSide):
         loads and saves (both run on vLLM's worker thread)."""
         return StagedPool(self._memory, pool, self.opts.pool_blocks, shared=True,
                           stage=self._pages)
+
+    def _pages(self, pool: HostPool) -> list[torch.Tensor]:
+        return pool_block_views(pool.kv_buffer, self._block_shape)  # pool's pages
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
@@ -132,10 +137,6 @@ class RayKVConnectorWorker(ConnectorSide):
         log.info("RayKVConnector tp %d: %d layers of %d blocks %s %s", self.tp_rank,
                  len(tensors), num_blocks, self._block_shape, first.dtype)
         self._attach_at_start()
-
-    def _pages(self, pool: HostPool) -> list[torch.Tensor]:
-        """``pool``'s pages as ``kv_views.pool_block_views`` gives them."""
-        return pool_block_views(pool.kv_buffer, self._block_shape)
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         """Host indices (token slots) of vLLM's blocks ``block_ids``."""
@@ -189,7 +190,7 @@ class RayKVConnectorWorker(ConnectorSide):
                     PoolName.KV, hashes, self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 good = ok.index(False) if False in ok else n
                 if good and self.opts.debug_corrupt_loads:
-                    self._copy_in(x.block_ids[done:done + good])
+                    randomize(self._layers, x.block_ids[done:done + good])
                 done += good
                 if good < n:
                     break
@@ -209,7 +210,7 @@ class RayKVConnectorWorker(ConnectorSide):
                 return 0
             done = self._l2.load(x.block_ids, x.hashes)
         if done and self.opts.debug_corrupt_loads:
-            self._copy_in(x.block_ids[:done])
+            randomize(self._layers, x.block_ids[:done])
         return done
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
@@ -242,16 +243,8 @@ class RayKVConnectorWorker(ConnectorSide):
             return None
         self.stats["l2_loaded"] += done
         if done and self.opts.debug_corrupt_loads:
-            self._copy_in(x.block_ids[:done])
+            randomize(self._layers, x.block_ids[:done])
         return done
-
-    def _copy_in(self, block_ids: list[int]) -> None:
-        """Test only (``debug_corrupt_loads``): random values into loaded blocks."""
-        device = self._layers[0].device  # vLLM's KV cache: host memory on CPU, else a GPU's
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for blocks in self._layers:
-            noise = torch.randn((len(block_ids), *self._block_shape)).to(blocks.dtype)
-            blocks.index_copy_(0, ids, noise.to(device))
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Save the step's newly full blocks (``meta.saves``) after the forward, except
@@ -286,12 +279,14 @@ class RayKVConnectorWorker(ConnectorSide):
         ids = [b for x in saves for b in x.block_ids]
         if not ids:
             return []
+        hashes = [h for x in saves for h in x.hashes]
         try:
-            saved, full = self._l2.save(ids, [h for x in saves for h in x.hashes])
+            saved, full = self._l2.save(ids, hashes)
         except Exception as e:
             self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
                             "through the store", e)
             return saves
+        self._landed.l2_saved(hashes, saved, full)
         self.stats["saved"] += saved
         self.stats["l2_saved"] += saved
         self.stats["save_dropped"] += len(full)
@@ -324,6 +319,7 @@ class RayKVConnectorWorker(ConnectorSide):
                 ok = self._client.batch_set_v2([PoolTransfer(
                     PoolName.KV, x.hashes[done:done + n],
                     self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
+                self._landed.l3_saved(x.hashes[done:done + n], ok)
                 self.stats["saved"] += sum(ok)
                 self.stats["save_failed"] += n - sum(ok)
                 done += n
@@ -337,6 +333,7 @@ class RayKVConnectorWorker(ConnectorSide):
         had no page for, to save through the store (None: none). What the client
         raises propagates: ``_save`` counts the blocks not saved."""
         saved, full = self._l2.save(x.block_ids, x.hashes)
+        self._landed.l2_saved(x.hashes, saved, full)
         self.stats["saved"] += saved
         self.stats["l2_saved"] += saved
         self.stats["save_failed"] += len(x.block_ids) - saved - len(full)
@@ -346,6 +343,10 @@ class RayKVConnectorWorker(ConnectorSide):
                         "blocks; saving them through the store", len(full))
         return BlockTransfer(x.req_id, [x.block_ids[i] for i in full],
                              [x.hashes[i] for i in full], x.context)
+
+    def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
+        """This step's reports of saves that landed (None: none, or events off)."""
+        return LandedReports(reports) if (reports := self._landed.take()) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -368,3 +369,12 @@ def agree_tp(firsts: list[int]) -> list[int]:
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
                                  group=get_tp_group().cpu_group)
     return t.tolist()
+
+
+def randomize(layers: list[torch.Tensor], block_ids: list[int]) -> None:
+    """Test only (``debug_corrupt_loads``): random values into vLLM's ``block_ids`` of
+    every layer (vLLM's KV cache: host memory on CPU, else a GPU's)."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    for blocks in layers:
+        noise = torch.randn((len(block_ids), *blocks.shape[1:])).to(blocks.dtype)
+        blocks.index_copy_(0, ids, noise.to(blocks.device))

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv import CacheClient, NodeUnavailableError
 from raykv.controllers import (
     CONTROLLER_NAME,
@@ -125,6 +126,56 @@ def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
     hit = ray.get(r0.call.remote("group_exists", keys, ask))
     assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [0, 1, 2]
     assert ray.get(home.stats.remote())["group_queries"]["store_calls"] > after["store_calls"]
+
+
+def answered(node: str) -> int:
+    """Group queries ``node``'s actor has answered so far, however."""
+    stats = ray.get(ray.get_actor(node_actor_name(node), namespace=NAMESPACE).stats.remote())
+    return sum(v for k, v in stats["group_queries"].items()
+               if k in ("recent", "inflight", "confirmed", "looked_up"))
+
+
+@ray.remote(num_cpus=0)
+def ask_group(config: StorageConfig, keys: list[str], times: int) -> list[int]:
+    """A replica's rank on the node this task runs on: ``times`` group queries' hits."""
+    client = CacheClient(config)
+    pool = client.create_host_pool("mha", **MHA)
+    client.register_mem_pool_host(pool)
+    try:
+        return [client.group_exists(keys).kv_hit_pages for _ in range(times)]
+    finally:
+        client.destroy_host_pool(pool)
+        client.close()
+
+
+def test_replicas_on_two_nodes_ask_their_own_nodes(cluster, uid):
+    """Two replicas (one rank each) of one deployment, here and on the other node, each
+    asking a group query three times: each is answered by its own node's actor (its
+    lookup home), so no actor serves every replica's lookups; both get the hit.
+    Control: ``lookup_home="deployment"`` (the one home node per deployment of before):
+    this node's actor (the first to register) answers all six."""
+    here = ray.get_runtime_context().get_node_id()
+    (there,) = [n for n in cluster.node_ids[:2] if n != here]
+    elsewhere = NodeAffinitySchedulingStrategy(there, soft=False)
+    for lookup_home, want in ((None, {here: 3, there: 3}),
+                              ("deployment", {here: 6, there: 0})):
+        extra = {} if lookup_home is None else {"lookup_home": lookup_home}
+        config = StorageConfig(model_name=f"home/{uid}{lookup_home}", extra_config=extra)
+        local = CacheClient(config)
+        pool = local.create_host_pool("mha", **MHA)
+        local.register_mem_pool_host(pool)
+        keys = [f"{uid}-{lookup_home}-{i}" for i in range(2)]
+        try:
+            assert local.batch_set_v1(keys, indices(0, 2)) == [True] * 2
+            assert local.group_exists(keys).kv_hit_pages == 2  # registers first: home here
+            before = {n: answered(n) for n in (here, there)}
+            remote = ask_group.options(scheduling_strategy=elsewhere).remote(config, keys, 3)
+            assert [local.group_exists(keys).kv_hit_pages for _ in range(3)] == [2] * 3
+            assert ray.get(remote) == [2] * 3
+            assert {n: answered(n) - before[n] for n in (here, there)} == want, lookup_home
+        finally:
+            local.destroy_host_pool(pool)
+            local.close()
 
 
 def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):

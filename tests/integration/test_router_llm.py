@@ -16,13 +16,14 @@ held anything, was routed that way: the router's ``fallback``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import socket
 
 import pytest
 import ray
+
+from tests.integration.serve_llm import example as serve_example
+from tests.integration.serve_llm import serve_llm
 
 pytestmark = pytest.mark.skipif(os.environ.get("RAYKV_SLOW_ROUTER_TESTS") != "1",
                                 reason="slow: set RAYKV_SLOW_ROUTER_TESTS=1")
@@ -41,18 +42,10 @@ def _puts(cluster) -> dict[str, int]:
 
 
 def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    from ray import serve
-    from ray.serve.llm import build_openai_app
     from raykv import start_local
     from raykv.clusters.demo.vllm_model import make_llama
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "serve_llm_raykv.py"
-    spec = importlib.util.spec_from_file_location("serve_llm_raykv", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = serve_example()
     model = make_llama(str(tmp_path / "tiny-llama"))
     rnd = random.Random(7)
     p = [rnd.randrange(3, 2000) for _ in range(1000)]
@@ -66,14 +59,7 @@ def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
         # a generous deadline: this checks where requests go, on a loaded machine
         config.deployment_config["request_router_config"]["request_router_kwargs"][
             "deadline_ms"] = 1000.0
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
-                      route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
+        with serve_llm(config) as url:
             before = _puts(cluster)
             example.complete(url, "tiny", p, 2)
             after = _puts(cluster)
@@ -86,6 +72,3 @@ def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
             now = _gets(cluster)
             grew = {n: now[n] - gets.get(n, 0) for n in now}
             assert grew == {n: 6 * 7 if n == wrote[0] else 0 for n in now}, grew
-        finally:
-            with contextlib.suppress(Exception):
-                serve.shutdown()

@@ -23,9 +23,7 @@ import contextlib
 import importlib.util
 import itertools
 import random
-import socket
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -33,6 +31,8 @@ from raykv import start_local
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 
+from tests.integration.serve_llm import example as serve_example
+from tests.integration.serve_llm import serve_llm
 from tests.integration.vllm_control import ControlEngine
 
 
@@ -66,13 +66,15 @@ def vcluster():
 @pytest.fixture(scope="module")
 def engines(vcluster, model, uid_module):
     """Engine A on node 1 (raykv and vLLM's own prefix cache), engine B on node 2 (raykv,
-    vLLM's prefix cache off), both ``kv_load_failure_policy="recompute"`` and both
-    ``ControlEngine``s, and a baseline without the connector on node 1, with vLLM's own
-    prefix cache (see test_partial_hit)."""
+    vLLM's prefix cache off, vLLM's KV events on, published nowhere), both
+    ``kv_load_failure_policy="recompute"`` and both ``ControlEngine``s, and a baseline
+    without the connector on node 1, with vLLM's own prefix cache (see
+    test_partial_hit)."""
     n1, n2 = vcluster.node_ids
     conf = {"model_name": f"tiny-{uid_module}"}
     a = start_engine(n1, model, conf, enable_prefix_caching=True, actor_class=ControlEngine)
-    b = start_engine(n2, model, conf, actor_class=ControlEngine)
+    b = start_engine(n2, model, conf, actor_class=ControlEngine,
+                     kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
     base = start_engine(n1, model, None, enable_prefix_caching=True)
     ready(a, b, base)
     yield a, b, base
@@ -174,6 +176,31 @@ def test_corrupted_loads_change_the_output(engines):
         ray.get(b.corrupt_loads.remote(False))
     assert got["cached"] == 7 * BLOCK, got
     assert got["tokens"] != want
+
+
+def test_kv_events_name_the_blocks_raykv_stored(engines):
+    """B (vLLM's KV events on) computes a prompt: its connector saves the 7 full blocks
+    through the store, and B's scheduler publishes, with vLLM's own events, one
+    ``BlockStored`` per block in raykv's L3 (medium ``STORAGE``, ownership
+    ``raykv-l3``) in vLLM's block hashes, chained by parent, with the block's tokens.
+    Control: A (events off) saves the 7 blocks of another prompt and publishes no
+    event of raykv's tiers."""
+    a, b, base = engines
+    ray.get([a.record_events.remote(), b.record_events.remote()])
+    p, q = prompt(71), prompt(72)
+    ray.get(b.generate.remote(p))
+    want = ray.get(b.vllm_block_hashes.remote(p, BLOCK))[:7]
+    events = ray.get(b.recorded_events.remote())
+    assert [e["type"] for e in events] == ["BlockStored"] * 7, events
+    assert {(e["medium"], e["ownership"]) for e in events} == {("STORAGE", "raykv-l3")}
+    assert [e["block_hashes"] for e in events] == [[h] for h in want]
+    assert [e["parent"] for e in events] == [None, *want[:6]]
+    assert [e["token_ids"] for e in events] == [p[i * BLOCK:(i + 1) * BLOCK] for i in range(7)]
+    (w0,) = ray.get(a.worker_stats.remote())
+    ray.get(a.generate.remote(q))
+    (w1,) = ray.get(a.worker_stats.remote())
+    assert w1["saved"] - w0["saved"] == 7
+    assert ray.get(a.recorded_events.remote()) == []
 
 
 @pytest.fixture(scope="module")
@@ -286,21 +313,11 @@ def _gets(vcluster) -> dict[str, int]:
             for n, actor in vcluster.node_actors.items()}
 
 
-def _example(name: str):
-    """A module of ``examples/``, loaded from its file (examples are scripts, not a
-    package)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_serve_example_hands_the_tenant_secret_to_the_replicas_only(monkeypatch):
     """The Serve example's tenant: the key in the connector's extra config, the path of
     the secret file in the replicas' runtime_env, never the secret (Ray shows a runtime
     env's variables to every job); no secret file, no app."""
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     monkeypatch.setenv("RAYKV_TENANT_SECRET", "s" * 32)  # never handed on
     monkeypatch.setenv("RAYKV_TENANT_SECRET_FILE", "/run/secrets/acme")
     config = example.raykv_llm_config("m", "src", replicas=1, cpu=True, prefix_caching=False,
@@ -328,7 +345,7 @@ def test_the_examples_router_config_keys_blocks_as_its_engines_connector():
     from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
     from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
 
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     config = example.raykv_llm_config("m", "org/src", replicas=2, cpu=True,
                                       prefix_caching=True, max_model_len=256,
                                       router_block_size=32)
@@ -363,10 +380,7 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
     ``OMP_NUM_THREADS=1``; vLLM's default binding gave it both cores of this machine, and
     other greedy tokens from index 2 on). One engine in this mode: a start takes 24-51 s
     here."""
-    from ray import serve
-    from ray.serve.llm import build_openai_app
-
-    example = _example("serve_llm_raykv")
+    example = serve_example()
     a, b, base = engines
     node = vcluster.add_node(resources={"serve_llm": 1})
     config = example.raykv_llm_config(
@@ -374,28 +388,20 @@ def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster,
         model_name=f"tiny-{uid_module}",
         placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
     config.runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm",
-                  route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        p = prompt(31)
-        want = computed_then_restored(a, p)
-        before = _gets(vcluster)
-        got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
-                               ignore_eos=True)
-        after = _gets(vcluster)
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
-        assert got["choices"][0]["token_ids"] == want
-        assert {n: after[n] - before.get(n, 0) for n in after} == \
-            {n: 7 if n == node else 0 for n in after}  # one object per block
+        with serve_llm(config) as url:
+            p = prompt(31)
+            want = computed_then_restored(a, p)
+            before = _gets(vcluster)
+            got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
+                                   ignore_eos=True)
+            after = _gets(vcluster)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
         vcluster.remove_node(node)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
+    assert got["choices"][0]["token_ids"] == want
+    assert {n: after[n] - before.get(n, 0) for n in after} == \
+        {n: 7 if n == node else 0 for n in after}  # one object per block
 
 
 L2_BLOCKS = 12

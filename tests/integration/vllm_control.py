@@ -220,6 +220,44 @@ class ControlEngine(VLLMEngine):
         (rec,) = self.llm.collective_rpc(_recorded)
         return rec
 
+    def record_events(self) -> None:
+        """Record (anew) every KV event batch vLLM's scheduler publishes (over its
+        publisher, the null one when events are off), for ``recorded_events``."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        publisher = scheduler.kv_event_publisher
+        self._events: list = []
+
+        def publish(batch) -> None:
+            self._events += batch.events
+            type(publisher).publish(publisher, batch)
+
+        publisher.publish = publish
+
+    def recorded_events(self) -> list[dict]:
+        """The events since ``record_events`` of raykv's tiers (``ownership``
+        ``raykv-*``), each as ``type``, ``medium``, ``ownership``, ``block_hashes``,
+        ``parent``, ``token_ids``."""
+        return [{"type": type(e).__name__, "medium": e.medium, "ownership": e.ownership,
+                 "block_hashes": list(e.block_hashes),
+                 "parent": getattr(e, "parent_block_hash", None),
+                 "token_ids": list(getattr(e, "token_ids", []))}
+                for e in getattr(self, "_events", [])
+                if (getattr(e, "ownership", None) or "").startswith("raykv-")]
+
+    def vllm_block_hashes(self, prompt: list[int], block_size: int) -> list:
+        """vLLM's block hashes of ``prompt``'s full blocks here, as its KV events carry
+        them (``maybe_convert_block_hash``)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+        algo = self.llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo
+        fn, parent, out = get_hash_fn_by_name(algo), None, []
+        for i in range(len(prompt) // block_size):
+            parent = hash_block_tokens(fn, parent, prompt[i * block_size:(i + 1) * block_size],
+                                       None)
+            out.append(maybe_convert_block_hash(parent))
+        return out
+
     def _scheduler_connector(self):
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
 

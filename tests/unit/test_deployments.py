@@ -8,6 +8,7 @@ from raykv.controllers.deployments import (
     PoolQuery,
     PoolSpec,
     deployment_id,
+    lookup_home,
 )
 
 from tests.unit.oracle import group_hits, group_objects
@@ -64,6 +65,25 @@ def test_home_node_version_and_a_node_leaving():
     assert dep.home_node is None and dep.ranks == {}
     dep = reg.register_rank(cfg(tp_rank=1, tp_size=2), [KV_MHA], "n3")
     assert dep.home_node == "n3"
+
+
+def test_lookup_home_is_the_asking_node_unless_a_group_spans_nodes():
+    """A replica of one rank asks its own node; a group of several ranks asks the
+    deployment's home (its ranks may span nodes and must meet one actor) unless it says
+    ``lookup_home="node"``; ``"deployment"`` restores the one home for any group."""
+    reg = DeploymentRegistry()
+    one = reg.register_rank(cfg(), [KV_MHA], "n1")
+    assert lookup_home(one, cfg(), "n2") == "n2"
+    deployment = cfg(extra_config={"lookup_home": "deployment"})
+    assert lookup_home(one, deployment, "n2") == "n1"  # CONTROL: the old rule
+    group = reg.register_rank(StorageConfig(model_name="org/g", tp_size=2), [KV_MHA], "n1")
+    rank1 = StorageConfig(model_name="org/g", tp_rank=1, tp_size=2)
+    assert lookup_home(group, rank1, "n2") == "n1"
+    node = StorageConfig(model_name="org/g", tp_rank=1, tp_size=2,
+                         extra_config={"lookup_home": "node"})
+    assert lookup_home(group, node, "n2") == "n2"
+    with pytest.raises(ValueError, match="lookup_home"):
+        cfg(extra_config={"lookup_home": "nearest"})
 
 
 def test_checkpoint_round_trip():

@@ -57,6 +57,17 @@ def test_router_keys_are_the_connectors():
     assert keys.keys(toks) == want and keys.per_page == 2
     assert want[0].startswith("vllm-tp2-bfloat16-b4-cpu.cpu-attn.lm1_org-m_")
     assert keys.keys(toks[:4]) == []  # no block an engine could load
+    # the memo: a second request sharing the first 3 blocks gets the same keys for
+    # them and its own for the fourth, whichever request came first, and full, it
+    # starts over
+    other = toks[:12] + [99] * 5
+    fresh = RouteKeys(opts).keys(other)
+    assert keys.keys(other) == fresh and fresh[:6] == want[:6] and fresh[6:] != want[6:]
+    assert keys.keys(toks) == want  # CONTROL: the memo did not change the first one's
+    small = RouteKeys(opts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("raykv.integrations.serve.route_keys.MEMO_BLOCKS", 3)
+        assert small.keys(toks) == want and len(small._memo) == 1
 
 
 def test_router_options_refuse_what_they_do_not_know():
@@ -103,3 +114,7 @@ def test_prompt_tokens_of_each_request_shape():
                                                              "content": "abc"})]
     assert t.of([SimpleNamespace(prompt=None, messages=msgs)], {}) == [99, 3]
     assert t.of([SimpleNamespace(prompt=[True, 2])], {}) is None  # not token ids
+    # what the request carries, without the tokenizer (the router's event loop asks it)
+    assert t.given([], {"request_token_ids": [5, 6]}) == [5, 6]
+    assert t.given([SimpleNamespace(prompt=[1, 2, 3])], {}) == [1, 2, 3]
+    assert t.given([SimpleNamespace(prompt="hello there")], {}) is None  # CONTROL: text

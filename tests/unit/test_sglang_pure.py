@@ -50,6 +50,9 @@ def test_storage_config_keeps_ranks_and_only_raykv_extra_keys():
     cfg = storage_config(sg_config())
     assert (cfg.tp_rank, cfg.tp_size, cfg.model_name) == (1, 2, "m")
     assert cfg.extra_config == {"extra_backend_tag": "t", "timeout_s": 2}
+    assert cfg.lookup_home is None  # TP 2: the deployment's home node by default
+    mine = storage_config(sg_config(extra_config={"lookup_home": "node"}))
+    assert mine.lookup_home == "node"  # an engine whose ranks share a node asks it
 
 
 def test_storage_config_passes_tenant_and_model_revision():

@@ -148,7 +148,8 @@ def test_storage_config_carries_key_prefix_and_deadline():
                                                        pp_size=1)
     assert (sc.tp_rank, sc.tp_size, sc.model_name) == (1, 2, "org/m")
     assert sc.extra_config == {"extra_backend_tag": "vllm-tp2-bfloat16-b128-cpu.lm1",
-                               "timeout_s": 2.0, "kv_dtype": "bfloat16", "page_size": 128}
+                               "timeout_s": 2.0, "kv_dtype": "bfloat16", "page_size": 128,
+                               "lookup_home": "node"}  # the scheduler alone asks
     assert sc.timeout_s == 2.0 and sc.tenant is None
 
 
@@ -158,7 +159,8 @@ def test_storage_config_carries_tenant_and_revision():
     assert sc.tenant == "team-a"
     assert sc.extra_config == {"extra_backend_tag": "vllm-tp1-float16-b64-cpu.lm1-rev.v2",
                                "timeout_s": DEFAULT_TIMEOUT_S, "kv_dtype": "float16",
-                               "page_size": 64, "model_revision": "v2", "tenant": "team-a"}
+                               "page_size": 64, "model_revision": "v2", "tenant": "team-a",
+                               "lookup_home": "node"}
 
 
 class FakeClient:
