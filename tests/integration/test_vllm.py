@@ -513,7 +513,8 @@ def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
     print("L2 before", s0, "after", s1)
     assert s1["evicted"] > 0 and s1["pages"] == L2_BLOCKS, s1
     assert s1["filled"] - s0["filled"] > 0, (s0, s1)  # evicted blocks came from L3
-    assert loaded and all(d in (saved[h], saved_f.get(h)) for h, d in loaded.items())
+    # a block whose save by E was dropped (no L2 page free) is one F recomputed and saved
+    assert loaded and all(d in (saved.get(h), saved_f.get(h)) for h, d in loaded.items())
     for got, want in zip(outs, wants, strict=True):
         if got["cached"] == 7 * BLOCK:
             assert got["tokens"] == want
