@@ -71,10 +71,9 @@ def _corrupt(worker, on: bool) -> None:
     w.opts = replace(w.opts, debug_corrupt_loads=on)
 
 
-@ray.remote(num_cpus=0)
-class DigestEngine(VLLMEngine):
-    """``VLLMEngine`` (in-process, TP=1, raykv's connector) that records the digests of
-    the blocks its connector saves and loads."""
+class DigestRecorder:
+    """What a ``VLLMEngine`` subclass (in-process, TP=1, raykv's connector) needs to
+    record the digests of the blocks its connector saves and loads."""
 
     def record(self, on: bool) -> None:
         """Start recording anew (on) or stop."""
@@ -90,3 +89,8 @@ class DigestEngine(VLLMEngine):
         """Control: every load copies random values instead of the stored bytes
         (``debug_corrupt_loads``), so ``check_loads`` must find them wrong."""
         self.llm.collective_rpc(_corrupt, args=(on,))
+
+
+@ray.remote(num_cpus=0)
+class DigestEngine(DigestRecorder, VLLMEngine):
+    """``VLLMEngine`` with ``DigestRecorder``."""

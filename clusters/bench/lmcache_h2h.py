@@ -136,21 +136,33 @@ def summary(rows: Sequence[dict]) -> dict:
 
 
 # ------------------------------------------------------------- LMCache processes
-def _wait_line(proc: subprocess.Popen, deadline: float, what: str,
-               want=lambda line: line.startswith("READY")) -> str:
-    """The first line of ``proc``'s stdout that ``want`` accepts; ``RuntimeError`` if
-    ``proc`` exits or ``deadline`` (monotonic) passes first."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"{what}: no answer by its deadline")
-        ready, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{what} exited with code {proc.wait(timeout=10)}")
-            if want(line):
-                return line
+class _Lines:
+    """The lines of a process's stdout (a pipe read unbuffered), each within a
+    deadline."""
+
+    def __init__(self, proc: subprocess.Popen, what: str) -> None:
+        self.proc, self.what, self._buf = proc, what, b""
+
+    def wait(self, deadline: float, want=lambda line: line.startswith("READY")) -> str:
+        """The first line that ``want`` accepts; ``RuntimeError`` if the process exits
+        or ``deadline`` (monotonic) passes first."""
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                raw, self._buf = self._buf.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if want(line):
+                    return line
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{self.what}: no answer by its deadline")
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"{self.what} exited with code "
+                                       f"{self.proc.wait(timeout=10)}")
+                self._buf += chunk
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -207,29 +219,31 @@ class LMCacheEngine:
             niced(niceness, [python, str(script), model, str(port),
                              json.dumps(LLM_DEFAULTS | ENGINE)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
-            text=True, env=os.environ | env | LMCACHE_ENV)
+            bufsize=0, env=os.environ | env | LMCACHE_ENV)
         self.log = log
+        self._lines = _Lines(self.proc, f"LMCache engine ({log})")
 
     def wait(self) -> None:
-        _wait_line(self.proc, time.monotonic() + START_S, f"LMCache engine ({self.log})")
+        self._lines.wait(time.monotonic() + START_S)
+
+    def _send(self, req: dict) -> None:
+        data = memoryview((json.dumps(req) + "\n").encode())
+        while data:  # an unbuffered pipe may take part of it
+            data = data[self.proc.stdin.write(data):]
 
     def generate(self, prompt: list[int], max_tokens: int = OUTPUT) -> dict:
         """As ``VLLMEngine.generate``: ``tokens``, ``cached``, ``ttft_s``."""
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompt": prompt,
-                                          "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        line = _wait_line(self.proc, time.monotonic() + ASK_S,
-                          f"LMCache engine ({self.log})",
-                          want=lambda ln: parse_answer(ln) is not None)
+        self._send({"op": "generate", "prompt": prompt, "max_tokens": max_tokens})
+        line = self._lines.wait(time.monotonic() + ASK_S,
+                                want=lambda ln: parse_answer(ln) is not None)
         return parse_answer(line)
 
     def close(self) -> None:
         try:
             if self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
-                self.proc.stdin.flush()
-                _wait_line(self.proc, time.monotonic() + 60, "LMCache engine close",
-                           want=lambda ln: parse_answer(ln) is not None)
+                self._send({"op": "close"})
+                self._lines.wait(time.monotonic() + 60,
+                                 want=lambda ln: parse_answer(ln) is not None)
         except (RuntimeError, OSError):
             pass
         finally:

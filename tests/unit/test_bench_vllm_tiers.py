@@ -63,6 +63,27 @@ def test_h2h_niced_is_relative_to_this_process():
     assert argv[3:] == ["python", "x"]
 
 
+def test_h2h_lines_keeps_what_one_read_brought_beyond_the_line_it_wanted():
+    """Regression: the READY line and the answer after it arriving in one pipe read
+    (a buffered reader behind ``select`` would wait for the answer forever)."""
+    import subprocess
+    import sys
+    import time
+
+    text = 'vLLM noise\nREADY\nRESULT {"cached": 7}\n'
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stdout.write({text!r})"],
+                            stdout=subprocess.PIPE, bufsize=0)
+    lines = h2h._Lines(proc, "printer")
+    try:
+        assert lines.wait(time.monotonic() + 30) == "READY"
+        got = lines.wait(time.monotonic() + 30, want=lambda ln: ln.startswith("RESULT"))
+        assert h2h.parse_answer(got) == {"cached": 7}
+        with pytest.raises(RuntimeError, match="exited with code 0"):
+            lines.wait(time.monotonic() + 30)
+    finally:
+        proc.wait(timeout=30)
+
+
 def _res(ms: float, tokens: list[int], cached: int = 3968) -> dict:
     return {"ttft_s": ms / 1000, "cached": cached, "tokens": tokens}
 
