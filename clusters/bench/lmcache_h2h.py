@@ -4,7 +4,7 @@ LMCache's local CPU tier, its server's L1) and on another node (raykv's L3 again
 LMCache's remote path).
 
 Run: ``python -m raykv.clusters.bench.lmcache_h2h --lmcache-python PY [--rounds 4]
-[--tokens 4096] [--out DIR]`` (a two-node embedded cluster of its own; Ray must not be
+[--tokens 4096] [--tail 0] [--out DIR]`` (a two-node embedded cluster of its own; Ray must not be
 running in this process). ``PY`` is the Python of a virtual environment that has
 vLLM and ``lmcache==0.5.6`` installed (raykv never imports LMCache: its engines and
 servers run as processes of ``PY``, the engines through the script
@@ -26,7 +26,11 @@ Engines (vLLM CPU build, in-process, eager, one OMP thread,
   (``same_node``); C on server 1 from the shared L2 (``cross_node``).
 
 Per round a fresh prompt of ``tokens`` random ids (a multiple of LMCache's 256-token
-chunk), 8 greedy tokens; the sides alternate which goes first (raykv first in even
+chunk) and ``tail`` more, 8 greedy tokens. vLLM computes at least a prompt's last token:
+with ``tail`` 0 raykv (whole 128-token blocks, as vLLM's own prefix cache) loads
+``tokens - 128`` and computes 128, LMCache loads ``tokens - 1`` (its last chunk into a
+block vLLM then finishes) and computes 1; with ``tail`` 1 both load ``tokens`` and
+compute 1. the sides alternate which goes first (raykv first in even
 rounds). Before the cross-node restore each side's remote copy is complete: node 0's
 L2 has no dirty page left (write-behind done), LMCache's L2 folder holds every chunk.
 Per case: TTFT (vLLM's ``first_token_latency``), ``cached`` (tokens the engine
@@ -277,7 +281,8 @@ def _gets(actor) -> int:
     return ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
 
 
-def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int]) -> dict:
+def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int],
+        tail: int = 0) -> dict:
     import ray
     from raykv.clusters.demo.vllm_actors import ENV, ready, start_engine
     from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
@@ -285,7 +290,7 @@ def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int]
 
     check_tokens(tokens)
     rnd = random.Random(0)
-    blocks = tokens // 128 + 1
+    blocks = (tokens + tail) // 128 + 1
     out.mkdir(parents=True, exist_ok=True)
     procs: list = []
     with (tempfile.TemporaryDirectory() as tmp,
@@ -321,7 +326,7 @@ def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int]
                 x.generate([rnd.randrange(3, 2000) for _ in range(200)])
             rows = []
             for r in range(rounds):
-                p = [rnd.randrange(3, 2000) for _ in range(tokens)]
+                p = [rnd.randrange(3, 2000) for _ in range(tokens + tail)]
                 raw: dict = {}
                 for side in side_order(r):
                     if side == "raykv":
@@ -355,7 +360,8 @@ def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int]
                 row["ratios"] = round_ratios(row)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            result = {"rounds": rounds, "tokens": tokens, "output_tokens": OUTPUT,
+            result = {"rounds": rounds, "tokens": tokens, "tail": tail,
+                      "output_tokens": OUTPUT,
                       "chunk": CHUNK, "block": 128, "remote_path": REMOTE_PATH,
                       "model": {"hidden": dims.hidden, "layers": dims.layers,
                                 "kv_bytes_per_token": dims.kv_bytes_per_token},
@@ -376,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096,
                     help=f"tokens per prompt, a multiple of {CHUNK}")
+    ap.add_argument("--tail", type=int, default=0,
+                    help="tokens after the whole chunks (1: both sides load every chunk)")
     ap.add_argument("--ports", default="5611,5612", help="the two LMCache servers' ports")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args(argv)
@@ -383,8 +391,10 @@ def main(argv: list[str] | None = None) -> None:
         check_tokens(a.tokens)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if not 0 <= a.tail < CHUNK:
+        raise SystemExit(f"--tail must be 0 to {CHUNK - 1}, got {a.tail}")
     p0, p1 = (int(x) for x in a.ports.split(","))
-    res = run(a.lmcache_python, a.rounds, a.tokens, a.out, (p0, p1))
+    res = run(a.lmcache_python, a.rounds, a.tokens, a.out, (p0, p1), a.tail)
     print(json.dumps(res["summary"], indent=1))
 
 
