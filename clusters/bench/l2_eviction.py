@@ -41,7 +41,7 @@ BLOCK = 128
 PROMPT = 1000  # tokens: 7 full blocks (the last token is always computed)
 FULL = PROMPT // BLOCK
 OUTPUT = 8
-L2_COUNTS = ("hits", "misses", "evicted", "written", "flushed", "full")
+L2_COUNTS = ("hits", "misses", "evicted", "written", "flushed", "full", "dirty")
 
 
 def prompt(seed: int) -> list[int]:
@@ -57,10 +57,11 @@ def schedule(engines: int, prompts: int, steps: int, seed: int = 0) -> list[list
 
 
 def judge_tokens(out: dict, cold: list[int], restored: list[int]) -> str:
-    """How one request's tokens compare: ``full`` / ``none`` (all 7 blocks loaded /
-    none) followed by ``_same`` or ``_differ`` against the reference (R's restore /
-    R's cold run); ``partial`` (not judged)."""
-    loaded = out["cached"] // BLOCK
+    """How one request's tokens compare (``out["loaded"]``: the blocks its engine's
+    worker loaded for it, failed loads not counted): ``full`` / ``none`` (all 7 blocks
+    loaded / none, the whole prompt computed) followed by ``_same`` or ``_differ``
+    against the reference (R's restore / R's cold run); ``partial`` (not judged)."""
+    loaded = out["loaded"]
     if loaded == FULL:
         return "full_same" if out["tokens"] == restored else "full_differ"
     if loaded == 0:
@@ -98,20 +99,48 @@ def node_l2(actor) -> dict:
     return out
 
 
+def worker_counts(engines: Sequence) -> list[dict]:
+    """Each engine's worker connector counters (TP rank 0)."""
+    import ray
+
+    return [w[0] for w in ray.get([e.worker_stats.remote() for e in engines])]
+
+
 def churn(engines: Sequence, prompts: Sequence[list[int]], plan: list[list[int]]
           ) -> list[dict]:
     """Run ``plan`` (``schedule``): per step every engine serves its prompt, all at
-    once. Per request: step, engine index, prompt index, ``cached``, ``tokens``."""
+    once. Per request: step, engine index, prompt index, ``cached`` (vLLM's
+    ``num_cached_tokens``: what the lookup found, failed loads included), ``loaded``
+    and ``load_failed`` (blocks, from its engine's worker counters over the step: one
+    request per engine per step), ``tokens``."""
     import ray
 
     rows = []
     for step, picks in enumerate(plan):
+        w0 = worker_counts(engines)
         outs = ray.get([e.generate.remote(prompts[i], OUTPUT)
                         for e, i in zip(engines, picks, strict=True)])
+        w1 = worker_counts(engines)
         rows += [{"step": step, "engine": k, "prompt": i, "cached": o["cached"],
+                  "loaded": w1[k]["loaded"] - w0[k]["loaded"],
+                  "load_failed": w1[k]["load_failed"] - w0[k]["load_failed"],
                   "tokens": o["tokens"]}
                  for k, (i, o) in enumerate(zip(picks, outs, strict=True))]
     return rows
+
+
+def split(rows: Sequence[dict]) -> dict:
+    """Where requests' blocks came from: looked up (found by the lookup), loaded,
+    failed (found, then not loaded: recomputed), recomputed in all; requests by what
+    their engine loaded (``full``, ``partial``, ``none``)."""
+    return {"requests": len(rows),
+            "blocks_looked_up": sum(r["cached"] // BLOCK for r in rows),
+            "blocks_loaded": sum(r["loaded"] for r in rows),
+            "blocks_load_failed": sum(r["load_failed"] for r in rows),
+            "blocks_recomputed": sum(FULL - r["loaded"] for r in rows),
+            "requests_by_load": tally("full" if r["loaded"] == FULL else
+                                      "none" if r["loaded"] == 0 else "partial"
+                                      for r in rows)}
 
 
 def digest_check(engines: Sequence) -> dict:
@@ -168,14 +197,13 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
         actors = [cluster.node_actors[n] for n in (n0, n1)]
         ray.get([e.record.remote(True) for e in engines])
         before = [node_l2(a) for a in actors]
-        w0 = ray.get([e.worker_stats.remote() for e in engines])
+        w0 = worker_counts(engines)
         t0 = time.monotonic()
         rows = churn(engines, ps, schedule(len(engines), prompts, steps))
         seconds = time.monotonic() - t0
-        w1 = ray.get([e.worker_stats.remote() for e in engines])
-        deadline = time.monotonic() + 10
-        while any(node_l2(a)["written"] > node_l2(a)["flushed"] for a in actors) \
-                and time.monotonic() < deadline:
+        w1 = worker_counts(engines)
+        deadline = time.monotonic() + 30
+        while any(node_l2(a)["dirty"] for a in actors) and time.monotonic() < deadline:
             time.sleep(0.1)  # write-behind done: the counters are settled
         after = [node_l2(a) for a in actors]
         check = digest_check(engines)
@@ -183,20 +211,15 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
         for e in engines:
             ray.get(e.record.remote(False))
         judged = [judge_tokens(r, cold[r["prompt"]], restored[r["prompt"]]) for r in rows]
-        workers = [{k: w1[i][0].get(k, 0) - w0[i][0].get(k, 0)
+        workers = [{k: w1[i].get(k, 0) - w0[i].get(k, 0)
                     for k in ("loaded", "l2_loaded", "load_failed", "saved", "l2_saved",
                               "save_dropped", "save_failed")}
                    for i in range(len(engines))]
         result = {
             "prompts": prompts, "prompt_tokens": PROMPT, "blocks_per_prompt": FULL,
             "working_set_blocks": FULL * prompts, "l2_blocks_per_node": l2_blocks,
-            "engines": {"node0": 2, "node1": 1}, "steps": steps, "requests": len(rows),
-            "seconds": seconds, "load_average": os.getloadavg(),
-            "blocks_loaded": sum(r["cached"] // BLOCK for r in rows),
-            "blocks_recomputed": sum(FULL - r["cached"] // BLOCK for r in rows),
-            "requests_by_load": tally("full" if r["cached"] // BLOCK == FULL else
-                                      "none" if r["cached"] == 0 else "partial"
-                                      for r in rows),
+            "engines": {"node0": 2, "node1": 1}, "steps": steps,
+            "seconds": seconds, "load_average": os.getloadavg(), **split(rows),
             "tokens": tally(judged), "digest_check": check, "control_corrupt": control,
             "workers": workers,
             "nodes": [l2_delta(b, a) | {"pages": a["pages"]}

@@ -42,15 +42,15 @@ from pathlib import Path
 
 from raykv.clusters.bench.block_digests import check_loads
 from raykv.clusters.bench.l2_eviction import (
-    BLOCK,
-    FULL,
     OUTPUT,
     churn,
     judge_tokens,
     node_l2,
     prompt,
     schedule,
+    split,
     tally,
+    worker_counts,
 )
 
 STOP_BLOCK = 32  # the stop phase's block size: a save every 32 tokens of each request
@@ -117,17 +117,24 @@ def kill_phase(cluster, model: str, steps: int, timeout_s: float) -> dict:
     actor = cluster.node_actors[n0]
     pid = ray.get(actor.health.remote())["pid"]
     picks = plan[steps]
+    w0 = worker_counts(engines)
     flight = [e.generate.remote(ps[i], OUTPUT) for e, i in zip(engines, picks, strict=True)]
     time.sleep(0.3)  # the step's requests under way
     ray.kill(actor, no_restart=False)
     failed = 0
-    for k, (i, ref_) in enumerate(zip(picks, flight, strict=True)):
+    outs = []
+    for i, ref_ in zip(picks, flight, strict=True):
         try:
-            o = ray.get(ref_)
-            rows.append({"step": steps, "engine": k, "prompt": i, "cached": o["cached"],
-                         "tokens": o["tokens"]})
+            outs.append((i, ray.get(ref_)))
         except Exception:  # counted: the engines must keep serving
+            outs.append((i, None))
             failed += 1
+    w1 = worker_counts(engines)
+    rows += [{"step": steps, "engine": k, "prompt": i, "cached": o["cached"],
+              "loaded": w1[k]["loaded"] - w0[k]["loaded"],
+              "load_failed": w1[k]["load_failed"] - w0[k]["load_failed"],
+              "tokens": o["tokens"]}
+             for k, (i, o) in enumerate(outs) if o is not None]
     restart_s = _restarted(actor, pid)
     emptied = node_l2(actor)
     after = churn(engines, ps, plan[steps + 1:])
@@ -140,16 +147,12 @@ def kill_phase(cluster, model: str, steps: int, timeout_s: float) -> dict:
     check = check_loads([r["saved"] for r in recs], [r["loaded"] for r in recs])
     judged = [judge_tokens(r, cold[r["prompt"]], restored[r["prompt"]]) for r in rows]
 
-    def loaded(rs: list[dict]) -> dict:
-        return {"requests": len(rs), "blocks_loaded": sum(r["cached"] // BLOCK for r in rs),
-                "blocks_recomputed": sum(FULL - r["cached"] // BLOCK for r in rs)}
-
     result = {"requests_failed": failed, "restart_s": restart_s,
               "node0_l2_after_restart": emptied,
-              "before_kill": loaded([r for r in rows if r["step"] < steps]),
-              "kill_step": loaded([r for r in rows if r["step"] == steps]),
-              "after_kill": loaded([r for r in rows if r["step"] > steps]),
-              "after_kill_first_step": loaded([r for r in rows if r["step"] == steps + 1]),
+              "before_kill": split([r for r in rows if r["step"] < steps]),
+              "kill_step": split([r for r in rows if r["step"] == steps]),
+              "after_kill_first_step": split([r for r in rows if r["step"] == steps + 1]),
+              "after_kill": split([r for r in rows if r["step"] > steps]),
               "digest_check": check, "tokens": tally(judged)}
     for e in (*engines, ref):
         ray.kill(e)

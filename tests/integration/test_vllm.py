@@ -523,7 +523,12 @@ def test_eviction_bench_check_passes_real_loads_and_catches_corrupted_ones(l2_en
     evicted ones back from L3 through L2: every block F loaded is one E or F saved
     under its key. Control (the benchmark's own, ``corrupt_control``): F loads random
     values for one prompt, and the check finds every one of those loads wrong."""
-    from raykv.clusters.bench.l2_eviction import corrupt_control, digest_check, node_l2
+    from raykv.clusters.bench.l2_eviction import (
+        corrupt_control,
+        digest_check,
+        node_l2,
+        worker_counts,
+    )
 
     e, f = l2_engines
     n2 = vcluster.node_ids[1]
@@ -534,14 +539,15 @@ def test_eviction_bench_check_passes_real_loads_and_catches_corrupted_ones(l2_en
         for p in ps:
             ray.get(e.generate.remote(p))
         _flushed(vcluster, n2)
-        s0 = node_l2(vcluster.node_actors[n2])
-        outs = [ray.get(f.generate.remote(p)) for p in ps]
-        s1 = node_l2(vcluster.node_actors[n2])
+        s0, (w0,) = node_l2(vcluster.node_actors[n2]), worker_counts([f])
+        for p in ps:
+            ray.get(f.generate.remote(p))
+        s1, (w1,) = node_l2(vcluster.node_actors[n2]), worker_counts([f])
         check = digest_check([e, f])
         control = corrupt_control([e, f], f, ps[2:])
     finally:
         ray.get([x.record.remote(False) for x in (e, f)])
-    assert check["checked"] == sum(o["cached"] for o in outs) // BLOCK > 0, (check, outs)
+    assert check["checked"] == w1["loaded"] - w0["loaded"] > 0, (check, w0, w1)
     assert check["wrong"] == check["never_saved"] == 0, check
     assert s1["filled"] > s0["filled"] and s1["evicted"] > s0["evicted"], (s0, s1)
     assert control["checked"] > 0 and control["wrong"] == control["checked"], control

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from raykv.clusters.bench import lmcache_h2h as h2h
 from raykv.clusters.bench.block_digests import check_loads
-from raykv.clusters.bench.l2_eviction import BLOCK, FULL, judge_tokens, schedule, tally
+from raykv.clusters.bench.l2_eviction import FULL, judge_tokens, schedule, split, tally
 from raykv.clusters.bench.l2_faults import phases, step_cost
 
 
@@ -121,15 +121,24 @@ def test_eviction_schedule_is_seeded_and_in_range():
 def test_eviction_judges_full_and_empty_loads_only():
     cold, restored = [1, 2], [1, 3]
 
-    def judge(cached: int, tokens: list[int]) -> str:
-        return judge_tokens({"cached": cached, "tokens": tokens}, cold, restored)
+    def judge(loaded: int, tokens: list[int]) -> str:
+        return judge_tokens({"loaded": loaded, "tokens": tokens}, cold, restored)
 
-    assert judge(FULL * BLOCK, [1, 3]) == "full_same"
-    assert judge(FULL * BLOCK, [1, 2]) == "full_differ"
+    assert judge(FULL, [1, 3]) == "full_same"
+    assert judge(FULL, [1, 2]) == "full_differ"
     assert judge(0, [1, 2]) == "none_same"
     assert judge(0, [1, 3]) == "none_differ"
-    assert judge(3 * BLOCK, [9]) == "partial"
+    assert judge(3, [9]) == "partial"
     assert tally(["a", "b", "a"]) == {"a": 2, "b": 1}
+
+
+def test_eviction_split_counts_failed_loads_as_recomputed():
+    rows = [{"cached": 7 * 128, "loaded": 7, "load_failed": 0},
+            {"cached": 7 * 128, "loaded": 3, "load_failed": 4},  # found, 4 not loaded
+            {"cached": 0, "loaded": 0, "load_failed": 0}]
+    assert split(rows) == {"requests": 3, "blocks_looked_up": 14, "blocks_loaded": 10,
+                           "blocks_load_failed": 4, "blocks_recomputed": 11,
+                           "requests_by_load": {"full": 1, "partial": 1, "none": 1}}
 
 
 def test_fault_phases_split_steps_by_the_stop_window():
