@@ -5,10 +5,10 @@ LMCache's remote path).
 
 Run: ``python -m raykv.clusters.bench.lmcache_h2h --lmcache-python PY [--rounds 4]
 [--tokens 4096] [--tail 0] [--out DIR]`` (a two-node embedded cluster of its own; Ray
-must not be running in this process; ~10 minutes on 2 cores). ``PY`` is the Python of a virtual environment that has
-vLLM and ``lmcache==0.5.6`` installed (raykv never imports LMCache: its engines and
-servers run as processes of ``PY``, the engines through the script
-``lmcache_engine.py`` next to this module).
+must not be running in this process; ~10 minutes on 2 cores). ``PY`` is the Python
+of a virtual environment that has vLLM and ``lmcache==0.5.6`` installed (raykv never
+imports LMCache: its engines and servers run as processes of ``PY``, the engines
+through the script ``lmcache_engine.py`` next to this module).
 
 Engines (vLLM CPU build, in-process, eager, one OMP thread,
 ``VLLM_CPU_OMP_THREADS_BIND=nobind``, the 8-layer width-512 random Llama of
@@ -30,8 +30,9 @@ chunk) and ``tail`` more, 8 greedy tokens. vLLM computes at least a prompt's las
 with ``tail`` 0 raykv (whole 128-token blocks, as vLLM's own prefix cache) loads
 ``tokens - 128`` and computes 128, LMCache loads ``tokens - 1`` (its last chunk into a
 block vLLM then finishes) and computes 1; with ``tail`` 1 both load ``tokens`` and
-compute 1. The sides alternate which goes first (raykv first in even rounds). Before the cross-node restore each side's remote copy is complete: node 0's
-L2 has no dirty page left (write-behind done), LMCache's L2 folder holds every chunk.
+compute 1. The sides alternate which goes first (raykv first in even rounds). Before
+the cross-node restore each side's remote copy is complete: node 0's L2 has no dirty
+page left (write-behind done), LMCache's L2 folder holds every chunk.
 Per case: TTFT (vLLM's ``first_token_latency``), ``cached`` (tokens the engine
 loaded), whether its greedy tokens equal E's restore from its own prefix cache and
 E's cold run; per round the ratios raykv / LMCache. LMCache's processes run at the
