@@ -19,8 +19,8 @@ each call's deadline), one deployment.
   ``l2_eviction`` judges them.
 - ``stop``: one engine on node 0 (``block_size`` 32, 8 requests of 256 tokens, 600
   greedy tokens each, driven step by step), node 0's actor stopped with SIGSTOP for
-  ``stop_s`` seconds mid-decode, 1.5 s after the requests were submitted (every 32nd
-  step saves 8 blocks), then continued. Per phase
+  ``stop_s`` seconds mid-decode (0.5 s after the prompts' 64 blocks reached L2: the
+  prefill is done; every 32nd step then saves 8 blocks), then continued. Per phase
   (before, stopped, after): steps, median and longest step, the longest step less the
   median step before it, in budgets (``timeout_s``).
 
@@ -56,6 +56,7 @@ from raykv.clusters.bench.l2_eviction import (
 
 STOP_BLOCK = 32  # the stop phase's block size: a save every 32 tokens of each request
 RESTART_S = 60.0  # deadline of the node actor's restart
+PREFILL_S = 300.0  # deadline of the stop phase's prefill
 
 
 def phases(ends: Sequence[float], starts: Sequence[float], stop: float, cont: float
@@ -175,8 +176,14 @@ def stop_phase(cluster, model: str, stop_s: float, timeout_s: float) -> dict:
     prompts = [[rnd.randrange(3, 2000) for _ in range(256)] for _ in range(8)]
     actor = cluster.node_actors[n0]
     pid = ray.get(actor.health.remote())["pid"]
+    written = node_l2(actor)["written"]
     pending = eng.itl.remote(prompts, 600)
-    time.sleep(1.5)  # decoding under way
+    deadline = time.monotonic() + PREFILL_S
+    while node_l2(actor)["written"] < written + 8 * 256 // STOP_BLOCK:  # prefill saved
+        if time.monotonic() > deadline:
+            raise RuntimeError("the prompts' blocks did not reach L2")
+        time.sleep(0.05)
+    time.sleep(0.5)  # decoding under way
     stop = time.perf_counter()
     os.kill(pid, signal.SIGSTOP)
     try:
