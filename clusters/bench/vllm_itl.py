@@ -54,7 +54,9 @@ class ITLEngine(VLLMEngine):
 
     def itl(self, prompts: list[list[int]], output: int) -> dict:
         """Every prompt submitted at once, ``output`` greedy tokens each; per request
-        its tokens' arrival times (seconds), and the steps' wall times."""
+        its tokens' arrival times (seconds), the steps' wall times (``steps``) and
+        when each ended (``step_ends``; arrivals and ends on ``time.perf_counter``,
+        the machine's monotonic clock)."""
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
@@ -64,18 +66,19 @@ class ITLEngine(VLLMEngine):
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
             arrivals[f"r{i}"] = []
-        steps = []
+        steps, ends = [], []
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outs = engine.step()
             t1 = time.perf_counter()
             steps.append(t1 - t0)
+            ends.append(t1)
             for o in outs:
                 seen = arrivals[o.request_id]
                 n = len(o.outputs[0].token_ids)
                 seen.extend([t1] * (n - len(seen)))
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
-        return {"arrivals": arrivals, "steps": steps, "tokens": tokens}
+        return {"arrivals": arrivals, "steps": steps, "step_ends": ends, "tokens": tokens}
 
     def l3_blocks(self, prompts: list[list[int]], tokens: dict[str, list[int]]) -> list[int]:
         """``[blocks in L3, full blocks]`` over every request's computed tokens (its

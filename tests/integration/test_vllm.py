@@ -522,6 +522,44 @@ def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
     assert corrupt and not any(d in (saved[h], saved_f.get(h)) for h, d in corrupt.items())
 
 
+def test_eviction_bench_check_passes_real_loads_and_catches_corrupted_ones(l2_engines,
+                                                                          vcluster):
+    """The eviction benchmark's byte check (``raykv.clusters.bench.l2_eviction``: block
+    digests recorded in the engines, ``check_loads``) on real loads: E computes three
+    prompts (21 blocks through an L2 of 12 pages), then F serves them, reading the
+    evicted ones back from L3 through L2: every block F loaded is one E or F saved
+    under its key. Control (the benchmark's own, ``corrupt_control``): F loads random
+    values for one prompt, and the check finds every one of those loads wrong."""
+    from raykv.clusters.bench.l2_eviction import (
+        corrupt_control,
+        digest_check,
+        node_l2,
+        worker_counts,
+    )
+
+    e, f = l2_engines
+    n2 = vcluster.node_ids[1]
+    ps = [prompt(110 + i) for i in range(3)]
+    _l2_room(vcluster, n2, 8)
+    ray.get([x.record.remote(True) for x in (e, f)])
+    try:
+        for p in ps:
+            ray.get(e.generate.remote(p))
+        _flushed(vcluster, n2)
+        s0, (w0,) = node_l2(vcluster.node_actors[n2]), worker_counts([f])
+        for p in ps:
+            ray.get(f.generate.remote(p))
+        s1, (w1,) = node_l2(vcluster.node_actors[n2]), worker_counts([f])
+        check = digest_check([e, f])
+        control = corrupt_control([e, f], f, ps[2:])
+    finally:
+        ray.get([x.record.remote(False) for x in (e, f)])
+    assert check["checked"] == w1["loaded"] - w0["loaded"] > 0, (check, w0, w1)
+    assert check["wrong"] == check["never_saved"] == 0, check
+    assert s1["filled"] > s0["filled"] and s1["evicted"] > s0["evicted"], (s0, s1)
+    assert control["checked"] > 0 and control["wrong"] == control["checked"], control
+
+
 def _l2_room(vcluster, node: str, n: int) -> None:
     """Wait (12 s at most) until the node's L2 has ``n`` pages a fill or a save may take:
     neither held, nor leased by an earlier test's lookups (10 s), nor dirty."""

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import ray
 import torch
+from raykv.clusters.bench.digest_engine import DigestRecorder
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
@@ -164,9 +165,10 @@ def _old_save_rule(worker, on: bool) -> None:
 
 
 @ray.remote(num_cpus=0)
-class ControlEngine(VLLMEngine):
-    """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the scheduler side's
-    view and ``rekey`` (in-process, TP=1)."""
+class ControlEngine(DigestRecorder, VLLMEngine):
+    """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the benchmarks'
+    digest recorder (``DigestRecorder``), the scheduler side's view and ``rekey``
+    (in-process, TP=1)."""
 
     def fail_next_load(self, index: int) -> None:
         """The next load of more than ``index`` blocks fails at its block ``index``

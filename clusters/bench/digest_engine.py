@@ -1,0 +1,96 @@
+"""A vLLM engine actor that records the digests of the blocks raykv's connector saves
+and loads (``raykv.clusters.bench.block_digests`` says what a digest is and checks
+them). Imports vLLM and torch inside the actor only."""
+
+from __future__ import annotations
+
+import ray
+from raykv.clusters.demo.vllm_actors import VLLMEngine
+
+
+def _connector():
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def _digest(layers, block: int) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for layer in layers:
+        h.update(layer[block].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _record(worker, on: bool) -> None:
+    """Wrap this worker's connector (instance attributes over the class's methods,
+    which is what vLLM calls) so that it records digests anew; off: the class's
+    methods again. Loaded digests go in a list, one entry per load."""
+    c = _connector()
+    c._digests = {"saved": {}, "loaded": []}
+    if not on:
+        for name in ("wait_for_save", "start_load_kv"):
+            c.__dict__.pop(name, None)
+        return
+    cls = type(c)
+    layers = c.connector_worker._layers
+
+    def wait_for_save() -> None:
+        meta = c._get_connector_metadata()
+        for x in getattr(meta, "saves", ()):
+            for h, b in zip(x.hashes, x.block_ids, strict=True):
+                digests = c._digests["saved"].setdefault(h, [])
+                d = _digest(layers, b)
+                if d not in digests:
+                    digests.append(d)
+        cls.wait_for_save(c)
+
+    def start_load_kv(forward_context, **kwargs) -> None:
+        cls.start_load_kv(c, forward_context, **kwargs)
+        meta = c._get_connector_metadata()
+        failed = c.connector_worker._load_errors  # not yet handed to vLLM
+        for x in getattr(meta, "loads", ()):
+            for h, b in zip(x.hashes, x.block_ids, strict=True):
+                if b not in failed:
+                    c._digests["loaded"].append([h, _digest(layers, b)])
+
+    c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
+
+
+def _recorded(worker) -> dict:
+    return getattr(_connector(), "_digests", {"saved": {}, "loaded": []})
+
+
+def _corrupt(worker, on: bool) -> None:
+    from dataclasses import replace
+
+    w = _connector().connector_worker
+    w.opts = replace(w.opts, debug_corrupt_loads=on)
+
+
+class DigestRecorder:
+    """What a ``VLLMEngine`` subclass (in-process, TP=1, raykv's connector) needs to
+    record the digests of the blocks its connector saves and loads."""
+
+    def record(self, on: bool) -> None:
+        """Start recording anew (on) or stop."""
+        self.llm.collective_rpc(_record, args=(on,))
+
+    def recorded(self) -> dict:
+        """``{"saved": {page hash: [digests]}, "loaded": [[page hash, digest], ...]}``
+        since ``record(True)``."""
+        (rec,) = self.llm.collective_rpc(_recorded)
+        return rec
+
+    def corrupt_loads(self, on: bool) -> None:
+        """Control: every load copies random values instead of the stored bytes
+        (``debug_corrupt_loads``), so ``check_loads`` must find them wrong."""
+        self.llm.collective_rpc(_corrupt, args=(on,))
+
+
+@ray.remote(num_cpus=0)
+class DigestEngine(DigestRecorder, VLLMEngine):
+    """``VLLMEngine`` with ``DigestRecorder``."""
