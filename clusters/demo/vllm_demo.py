@@ -51,6 +51,7 @@ from raykv.clusters.demo.chat import (
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import VOCAB, LlamaDims, make_llama
 from raykv.example_engine.workload import ChatWorkload
+from raykv.integrations.vllm.request_blocks import max_loadable_blocks
 from rich.console import Console
 
 
@@ -172,15 +173,22 @@ def _served(engine, prompt: list[int], max_tokens: int, tiers, block: int, *,
             reset: bool = False) -> dict:
     """``engine.generate`` of ``prompt`` with the tier split of what it loaded:
     ``l2_blocks`` (from the node's L2), ``l3_blocks`` (from Mooncake), ``l3_gets``,
-    ``saved_blocks``; ``reset``: vLLM's own prefix cache dropped first."""
+    ``saved_blocks``, and the tokens they count for (``raykv_tokens``, ``l2_tokens``,
+    ``l3_tokens``: a prompt of whole blocks loaded to its end counts its last token as
+    computed, which vLLM computes again over the loaded block); ``reset``: vLLM's own
+    prefix cache dropped first."""
     if reset and not ray.get(engine.reset_prefix_cache.remote()):
         raise RuntimeError("vLLM refused to reset its prefix cache")
     before = tiers()
     got = ray.get(engine.generate.remote(prompt, max_tokens))
     d = {k: v - before[k] for k, v in tiers().items()}
-    return got | dict(l2_blocks=d["l2_hits"], l3_blocks=d["loaded"] - d["l2_hits"],
+    l2, l3 = d["l2_hits"], d["loaded"] - d["l2_hits"]
+    short = int(d["loaded"] > 0 and got["cached"] == len(prompt) - 1)  # the last block's
+    return got | dict(l2_blocks=l2, l3_blocks=l3, loaded_blocks=d["loaded"],
                       l3_gets=d["l3_gets"], saved_blocks=d["saved"],
-                      raykv_tokens=d["loaded"] * block)
+                      raykv_tokens=d["loaded"] * block - short,
+                      l2_tokens=l2 * block - (0 if l3 else short),  # L3's blocks come last
+                      l3_tokens=l3 * block - (short if l3 else 0))
 
 
 def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int, tiers,
@@ -192,8 +200,8 @@ def _chat(work: ChatWorkload, with_raykv: list, stock: list, block: int, tiers,
         raykv = got["raykv_tokens"]
         return got["tokens"], dict(
             prompt_tokens=len(prompt), vllm_cached_tokens=got["cached"] - raykv,
-            raykv_tokens=raykv, l2_tokens=got["l2_blocks"] * block,
-            l3_tokens=got["l3_blocks"] * block, computed_tokens=len(prompt) - got["cached"],
+            raykv_tokens=raykv, l2_tokens=got["l2_tokens"],
+            l3_tokens=got["l3_tokens"], computed_tokens=len(prompt) - got["cached"],
             l3_gets=got["l3_gets"], saved_blocks=got["saved_blocks"],
             ttft_ms=got["ttft_s"] * 1e3, ttft_stock_ms=base["ttft_s"] * 1e3,
             stock_cached_tokens=base["cached"], same_tokens=got["tokens"] == base["tokens"])
@@ -219,12 +227,12 @@ def _long_prompt(with_raykv: list, stock: list, n: int, reply: int, block: int, 
     ms = {k: v["ttft_s"] * 1e3 for k, v in steps.items()}
     want = steps["recompute"]["tokens"]
     cached = steps["cached_vllm"]["tokens"]
-    return dict(tokens=n, max_hit_blocks=(n - 1) // block,
+    return dict(tokens=n, max_hit_blocks=max_loadable_blocks(n, block),
                 recompute_ms=ms["recompute"],
                 recompute_save_ms=ms["recompute_save"],
                 recompute_cached_tokens=steps["recompute_save"]["cached"],
                 cached_raykv_ms=ms["cached_raykv"],
-                raykv_loaded_blocks=steps["cached_raykv"]["raykv_tokens"] // block,
+                raykv_loaded_blocks=steps["cached_raykv"]["loaded_blocks"],
                 cached_raykv_l3_blocks=steps["cached_raykv"]["l3_blocks"],
                 cached_raykv_gets=steps["cached_raykv"]["l3_gets"],
                 cached_raykv_tokens=steps["cached_raykv"]["cached"],

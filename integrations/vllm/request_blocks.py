@@ -21,14 +21,19 @@ def hash_hex(block_hash) -> str:
 
 
 def max_loadable_blocks(num_tokens: int, block_size: int) -> int:
-    """Full blocks that may come from outside: at least one token is left to compute
-    (vLLM needs a forward to produce the next token's logits)."""
-    return max(0, (num_tokens - 1) // block_size)
+    """Full blocks that may come from outside: every full block of the request's tokens,
+    the last one included (``external_tokens`` leaves its last token to compute)."""
+    return max(0, num_tokens // block_size)
 
 
-def external_tokens(hit_blocks: int, num_computed_tokens: int, block_size: int) -> int:
-    """Tokens to load beyond vLLM's local hit, given the leading blocks raykv holds."""
-    return max(0, hit_blocks * block_size - num_computed_tokens)
+def external_tokens(hit_blocks: int, num_computed_tokens: int, block_size: int,
+                    num_tokens: int) -> int:
+    """Tokens to load beyond vLLM's local hit, given the leading blocks raykv holds: at
+    most ``num_tokens - 1`` in all, so one token is left to compute (vLLM needs a
+    forward to produce the next token's logits). A hit of every block of a prompt that
+    ends on a block boundary thus loads the last block too, whose last token's KV the
+    forward then writes again, instead of computing that whole block."""
+    return max(0, min(hit_blocks * block_size, num_tokens - 1) - num_computed_tokens)
 
 
 @dataclass
@@ -92,12 +97,13 @@ def restart(state: RequestBlocks, computed_before: int, block_size: int) -> None
 
 def blocks_to_load(req_id: str, block_ids: Sequence[int], hashes: Sequence, local_hit_tokens: int,
               num_external_tokens: int, block_size: int) -> BlockTransfer | None:
-    """The blocks to load for ``num_external_tokens`` beyond the local hit: ``block_ids``
-    are all of the request's blocks (local-hit blocks first)."""
+    """The blocks to load for ``num_external_tokens`` beyond the local hit (a whole
+    block for a last token or tokens of a block, as ``external_tokens`` counts them):
+    ``block_ids`` are all of the request's blocks (local-hit blocks first)."""
     if num_external_tokens <= 0:
         return None
     first = local_hit_tokens // block_size
-    n = num_external_tokens // block_size
+    n = -(-(local_hit_tokens + num_external_tokens) // block_size) - first
     ids = list(block_ids[first:first + n])
     keys = [hash_hex(h) for h in hashes[first:first + n]]
     if len(ids) != n or len(keys) != n:

@@ -170,7 +170,8 @@ class RayKVConnectorScheduler(ConnectorSide):
         self.stats["hit_blocks"] += hit
         self.stats["l2_hit_blocks"] += l2
         st.local_hit_tokens = num_computed_tokens
-        return external_tokens(local + hit, num_computed_tokens, self.block_size)
+        return external_tokens(local + hit, num_computed_tokens, self.block_size,
+                               st.request.num_tokens)
 
     def _lookup_async(self, st: RequestBlocks, local: int, hashes: list,
                       num_computed_tokens: int) -> tuple[int | None, bool]:

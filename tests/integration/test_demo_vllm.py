@@ -50,7 +50,7 @@ def test_vllm_demo_small(tmp_path: Path):
         assert r["vllm_cached_tokens"] + r["l2_tokens"] + r["l3_tokens"] + \
             r["computed_tokens"] == r["prompt_tokens"], r
         assert r["l2_tokens"] + r["l3_tokens"] == r["raykv_tokens"], r
-        assert r["vllm_cached_tokens"] >= 0 and r["raykv_tokens"] % BLOCK == 0
+        assert r["vllm_cached_tokens"] >= 0 and r["raykv_tokens"] % BLOCK in (0, BLOCK - 1)
         assert r["l2_tokens"] >= 0 and r["l3_tokens"] >= 0
         assert r["l3_gets"] >= r["l3_tokens"] // BLOCK, r  # L3 tokens came from gets
         assert r["ttft_ms"] > 0 and r["ttft_stock_ms"] > 0
@@ -65,15 +65,16 @@ def test_vllm_demo_small(tmp_path: Path):
     assert second["stock_cached_tokens"] == 0
     long = result["long_prompt"]
     assert long["recompute_cached_tokens"] == 0
-    assert long["raykv_loaded_blocks"] == long["max_hit_blocks"] == (LONG - 1) // BLOCK
-    assert long["cached_raykv_tokens"] == long["max_hit_blocks"] * BLOCK
+    # every whole block loads, the last one too: only the last token is computed again
+    assert long["raykv_loaded_blocks"] == long["max_hit_blocks"] == LONG // BLOCK
+    assert long["cached_raykv_tokens"] == LONG - 1
     assert long["cached_raykv_l3_blocks"] == long["max_hit_blocks"]
     assert long["cached_raykv_gets"] >= long["max_hit_blocks"]
     # node 0's engine with its own prefix cache dropped: every block from node 0's L2,
     # not one Mooncake get
     assert long["cached_l2_blocks"] == long["max_hit_blocks"]
     assert long["cached_l2_gets"] == 0
-    assert long["cached_l2_tokens"] == long["max_hit_blocks"] * BLOCK
+    assert long["cached_l2_tokens"] == LONG - 1
     assert long["exact"] is True
     tiers = result["summary"]["tier_hit_rate"]
     assert tiers["raykv"] > 0 and tiers["l3_mooncake"] > 0

@@ -163,6 +163,34 @@ def test_partial_hit(engines):
     assert got["tokens"] == want["tokens"]
 
 
+def test_a_prompt_of_whole_blocks_loads_its_last_block_too(engines):
+    """A prompt of 8 whole blocks that A computed: B loads all 8 and computes only the
+    last token again (1023 tokens cached), with the tokens of stock vLLM restoring the
+    prompt from its own prefix cache (which leaves the whole last block to compute: 896
+    cached). Control: with random bytes loaded, B's tokens differ."""
+    a, b, base = engines
+    p, q = prompt(161, 8 * BLOCK), prompt(162, 8 * BLOCK)
+
+    def stock_restored(x: list[int]) -> list[int]:
+        ray.get(base.generate.remote(x))
+        own = ray.get(base.generate.remote(x))
+        assert own["cached"] == 7 * BLOCK, own
+        return own["tokens"]
+
+    ray.get(a.generate.remote(p))
+    got = ray.get(b.generate.remote(p))
+    assert got["cached"] == 8 * BLOCK - 1, got
+    assert got["tokens"] == stock_restored(p)
+    ray.get(a.generate.remote(q))
+    want_q = stock_restored(q)
+    ray.get(b.corrupt_loads.remote(True))
+    try:
+        bad = ray.get(b.generate.remote(q))
+    finally:
+        ray.get(b.corrupt_loads.remote(False))
+    assert bad["cached"] == 8 * BLOCK - 1 and bad["tokens"] != want_q, bad
+
+
 def test_corrupted_loads_change_the_output(engines):
     """Control: with random bytes loaded instead of the stored blocks, the output differs
     (so the equality above really depends on the loaded KV)."""

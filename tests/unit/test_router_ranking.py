@@ -56,7 +56,8 @@ def test_router_keys_are_the_connectors():
             want += scheme.pool_keys(PoolName.KV, "vllm", ["kv"], h.hex())
     assert keys.keys(toks) == want and keys.per_page == 2
     assert want[0].startswith("vllm-tp2-bfloat16-b4-cpu.cpu-attn.lm1_org-m_")
-    assert keys.keys(toks[:4]) == []  # no block an engine could load
+    assert keys.keys(toks[:3]) == []  # no block an engine could load
+    assert keys.keys(toks[:4]) == want[:2]  # a whole block: it loads, its last token computed
     # the memo: a second request sharing the first 3 blocks gets the same keys for
     # them and its own for the fourth, whichever request came first, and full, it
     # starts over

@@ -23,18 +23,21 @@ class Req:  # the attributes of vLLM's Request the bookkeeping reads
     request_id: str
 
 
-def test_one_token_is_always_left_to_compute():
+def test_every_full_block_may_load_and_one_token_is_left_to_compute():
     assert max_loadable_blocks(1000, 128) == 7
-    assert max_loadable_blocks(1024, 128) == 7  # a whole last block: its last token computed
+    assert max_loadable_blocks(1024, 128) == 8  # the last block too
     assert max_loadable_blocks(1025, 128) == 8
     assert max_loadable_blocks(1, 128) == 0
     assert max_loadable_blocks(0, 128) == 0
+    assert external_tokens(8, 0, 128, 1024) == 1023  # its last token computed again
+    assert external_tokens(8, 896, 128, 1024) == 127  # vLLM's own hit of 7 blocks
+    assert external_tokens(8, 0, 128, 1025) == 1024
 
 
 def test_external_tokens_beyond_local_hit():
-    assert external_tokens(7, 0, 128) == 896
-    assert external_tokens(7, 256, 128) == 640
-    assert external_tokens(2, 512, 128) == 0
+    assert external_tokens(7, 0, 128, 1000) == 896
+    assert external_tokens(7, 256, 128, 1000) == 640
+    assert external_tokens(2, 512, 128, 1000) == 0
 
 
 def test_hash_hex():
@@ -48,6 +51,11 @@ def test_plan_load_skips_local_hit_blocks():
                   num_external_tokens=3 * 16, block_size=16)
     assert x.block_ids == [12, 13, 14] and x.hashes == ["02", "03", "04"]
     assert blocks_to_load("r", [1], hashes, 0, 0, 16) is None
+    # a prompt of 6 whole blocks, all hit: its last block loads whole, one token short
+    x = blocks_to_load("r", [10, 11, 12, 13, 14, 15], hashes, local_hit_tokens=5 * 16,
+                       num_external_tokens=15, block_size=16)
+    assert x.block_ids == [15] and x.hashes == ["05"]
+    assert len(blocks_to_load("r", [10, 11, 12, 13, 14, 15], hashes, 0, 95, 16).block_ids) == 6
     with pytest.raises(ValueError, match="3 blocks to load"):
         blocks_to_load("r", [1, 2], hashes, 0, 3 * 16, 16)
 
