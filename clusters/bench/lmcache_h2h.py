@@ -29,9 +29,10 @@ Per round a fresh prompt of ``tokens`` random ids (a multiple of LMCache's 256-t
 chunk) and ``tail`` more, 8 greedy tokens. vLLM computes at least a prompt's last token:
 with ``tail`` 0 both load ``tokens - 1`` (the last whole block or chunk loaded, its
 last token computed again) and compute 1 (vLLM's own prefix cache computes the last
-128); with ``tail`` 1 both load ``tokens`` and compute 1. The sides alternate which goes first (raykv first in even rounds). Before
-the cross-node restore each side's remote copy is complete: node 0's L2 has no dirty
-page left (write-behind done), LMCache's L2 folder holds every chunk.
+128); with ``tail`` 1 both load ``tokens`` and compute 1. The sides alternate which
+goes first (raykv first in even rounds). Before the cross-node restore each side's
+remote copy is complete: node 0's L2 has no dirty page left (write-behind done),
+LMCache's L2 folder holds every chunk.
 Per case: TTFT (vLLM's ``first_token_latency``), ``cached`` (tokens the engine
 loaded), whether its greedy tokens equal E's restore from its own prefix cache and
 E's cold run; per round the ratios raykv / LMCache. LMCache's processes run at the
