@@ -196,10 +196,13 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Checks that the layers run the attention backend the key tag names (default
-        tag; ``ValueError`` naming the fix otherwise), then the worker side's."""
-        if self._check_backend:
-            check_attention_backends(self._tagged_backend,
-                                     running_backends(self._vllm_config, kv_caches))
+        tag; ``ValueError`` naming the fix otherwise; layers vLLM does not know are not
+        checked, with a warning), then the worker side's."""
+        if self._check_backend and not check_attention_backends(
+                self._tagged_backend, running_backends(self._vllm_config, kv_caches)):
+            log.warning("RayKVConnector: none of the registered KV cache layers is one of "
+                        "vLLM's attention layers; their backend is taken to be the tag's "
+                        "(%s)", self._tagged_backend)
         self.connector_worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

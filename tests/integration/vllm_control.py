@@ -45,7 +45,7 @@ def _record_blocks(worker, on: bool) -> None:
     bytes of the blocks it loaded, right after the load (not those whose load failed:
     vLLM recomputes them). Off: the class's methods again."""
     c = _connector()
-    c._recorded = {"saved": {}, "loaded": {}}
+    c._recorded = {"saved": {}, "saved_all": {}, "loaded": {}}
     if not on:
         for name in ("wait_for_save", "start_load_kv"):
             c.__dict__.pop(name, None)
@@ -57,6 +57,9 @@ def _record_blocks(worker, on: bool) -> None:
         for x in getattr(meta, "saves", ()):
             for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
                 c._recorded["saved"].setdefault(h, d)
+                every = c._recorded["saved_all"].setdefault(h, [])
+                if d not in every:
+                    every.append(d)
         cls.wait_for_save(c)
 
     def start_load_kv(forward_context, **kwargs) -> None:
@@ -72,7 +75,7 @@ def _record_blocks(worker, on: bool) -> None:
 
 
 def _recorded(worker) -> dict:
-    return getattr(_connector(), "_recorded", {"saved": {}, "loaded": {}})
+    return getattr(_connector(), "_recorded", {"saved": {}, "saved_all": {}, "loaded": {}})
 
 
 def _as_dtype(kv_cache_config, dtype: str):
@@ -216,9 +219,11 @@ class ControlEngine(DigestRecorder, VLLMEngine):
         self.llm.collective_rpc(_record_blocks, args=(on,))
 
     def recorded_blocks(self) -> dict[str, dict[str, list[str]]]:
-        """``{"saved": {page hash: [sha256 per layer]}, "loaded": {...}}`` since
-        ``record_blocks(True)``: a saved block's bytes when the connector saved it (first
-        save of that hash), a loaded block's bytes right after its load."""
+        """``{"saved": {page hash: [sha256 per layer]}, "saved_all": {page hash: [[sha256
+        per layer], ...]}, "loaded": {...}}`` since ``record_blocks(True)``: a saved
+        block's bytes when the connector saved it (first save of that hash; every
+        distinct one in ``saved_all``: a save that was dropped is followed by another of
+        the recomputed block), a loaded block's bytes right after its load."""
         (rec,) = self.llm.collective_rpc(_recorded)
         return rec
 

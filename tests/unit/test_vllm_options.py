@@ -72,17 +72,16 @@ def test_the_layout_names_the_attention_backend():
 def test_a_worker_refuses_layers_of_another_backend_than_its_tag():
     """The worker's check at ``register_kv_caches``: layers that all run the backend the
     tag names pass; one layer of another backend (vLLM chose otherwise than the
-    scheduler's resolution), no backend named, or no layer found: refused, naming the
-    backends and the fix."""
-    check_attention_backends("CPU_ATTN", {"model.layers.0.attn": "CPU_ATTN",
-                                          "model.layers.1.attn": "CPU_ATTN"})
+    scheduler's resolution) or no backend named: refused, naming the backends and the
+    fix; no layer vLLM knows (a test harness's own caches): not checked."""
+    assert check_attention_backends("CPU_ATTN", {"model.layers.0.attn": "CPU_ATTN",
+                                                 "model.layers.1.attn": "CPU_ATTN"})
     with pytest.raises(ValueError, match=r"names attention backend FLASH_ATTN but vLLM "
                                          r"runs FLASHINFER \(layers l1\).*--attention-backend"):
         check_attention_backends("FLASH_ATTN", {"l0": "FLASH_ATTN", "l1": "FLASHINFER"})
     with pytest.raises(ValueError, match="names attention backend none but vLLM runs CPU_ATTN"):
         check_attention_backends(None, {"l0": "CPU_ATTN"})
-    with pytest.raises(ValueError, match="found none of the registered KV cache layers"):
-        check_attention_backends("CPU_ATTN", {})
+    assert check_attention_backends("CPU_ATTN", {}) is False  # nothing to check against
 
 
 def test_odd_revisions_become_hashed_tag_parts():
