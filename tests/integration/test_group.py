@@ -302,11 +302,17 @@ def apps(cluster):
     router), both with their replicas on both nodes; their handles."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
+    from raykv.integrations.serve.router import RayKVRouter
 
     serve.start(proxy_location="Disabled")
     model = f"org/route-{os.getpid()}"
     # a generous deadline: this checks where requests go, on a loaded 2-core machine
     kwargs = {"model_name": model, "block_size": ROUTE_BLOCK, "deadline_ms": DEADLINE_MS}
+    # and as patient a queue-length probe (the handles' routers run in this process):
+    # Serve passes over a chosen replica whose probe does not answer within 0.1 s, which
+    # on a loaded machine sent every request to the replica of the other node
+    patience = pytest.MonkeyPatch()
+    patience.setattr(RayKVRouter, "queue_len_response_deadline_s", 2.0)
     try:
         routed = where().options(request_router_config=RequestRouterConfig(
             request_router_class="raykv.integrations.serve.router:RayKVRouter",
@@ -315,6 +321,7 @@ def apps(cluster):
                    "pow2": serve.run(where().bind(), name="pow2", route_prefix=None)}
         yield handles, RouteOptions.parse(kwargs)
     finally:
+        patience.undo()
         with contextlib.suppress(Exception):
             serve.shutdown()
 

@@ -4,9 +4,9 @@ connector tests, 0.32.0) run against ``RayKVConnector`` and a real raykv cluster
 vLLM's own scheduler (``vllm_steps.StepEngine``: vLLM's ``Scheduler`` or
 ``AsyncScheduler``, the connector's two sides, a stand-in forward whose KV is exact).
 
-Request 1 loads 99 of its 100 blocks from raykv; request 2 shares its first 50 through
-vLLM's prefix cache, scheduled in the same step, and computes its blocks 50-52 in that
-step over them; the read of the shared block 49 fails. vLLM reschedules both requests.
+Request 1 loads all 100 of its blocks from raykv (its last token computed again);
+request 2 shares its first 50 through vLLM's prefix cache, scheduled in the same step,
+and computes its blocks 50-52 in that step over them; the read of the shared block 49 fails. vLLM reschedules both requests.
 Afterwards every object raykv holds under a key of request 2's blocks must be the KV
 that key names (``expected_kv``), as a fresh engine would load it.
 
@@ -110,7 +110,7 @@ def shared_failure(model, seeded, *, policy: str, async_scheduling: bool,
             if armed[0] and meta.loads:
                 armed[0] = False
                 (x,) = meta.loads
-                assert len(x.block_ids) == 99
+                assert len(x.block_ids) == 100
                 return {x.hashes[FAILED]}
             return set()
 
@@ -119,7 +119,7 @@ def shared_failure(model, seeded, *, policy: str, async_scheduling: bool,
         e.run()
         assert not armed[0], "request 1 loaded nothing"
         assert e.loaded == {r1.request_id: e.loaded[r1.request_id]}  # request 2: a local hit
-        assert e.worker.stats["load_failed"] == 99 - FAILED, e.worker.stats
+        assert e.worker.stats["load_failed"] == 100 - FAILED, e.worker.stats
         assert r2.request_id not in e.loaded
     finally:
         e.close()
