@@ -6,7 +6,8 @@ vLLM's own scheduler (``vllm_steps.StepEngine``: vLLM's ``Scheduler`` or
 
 Request 1 loads all 100 of its blocks from raykv (its last token computed again);
 request 2 shares its first 50 through vLLM's prefix cache, scheduled in the same step,
-and computes its blocks 50-52 in that step over them; the read of the shared block 49 fails. vLLM reschedules both requests.
+and computes its blocks 50-52 in that step over them; the read of the shared block 49
+fails. vLLM reschedules both requests.
 Afterwards every object raykv holds under a key of request 2's blocks must be the KV
 that key names (``expected_kv``), as a fresh engine would load it.
 
@@ -150,7 +151,9 @@ def test_no_block_computed_over_a_failed_shared_load_is_stored(model, seeded, po
 @pytest.mark.parametrize(("policy", "async_scheduling", "rule", "wrong"), [
     ("recompute", False, "per_request", [50, 51, 52]),
     ("fail", False, "per_request", [50, 51, 52]),
-    ("recompute", True, "per_step", [53, 54, 55]),
+    # step N+1's blocks of request 2 (how many follows the steps' token budget: 53-56
+    # since request 1 loads all its blocks and computes one token instead of a block)
+    ("recompute", True, "per_step", [53, 54, 55, 56]),
 ], ids=["recompute-sync-per_request", "fail-sync-per_request", "recompute-async-per_step"])
 def test_control_old_rules_store_blocks_computed_over_the_failed_block(
         model, seeded, policy, async_scheduling, rule, wrong):
