@@ -215,7 +215,7 @@ def test_kv_events_name_the_blocks_raykv_stored(engines):
     event of raykv's tiers."""
     a, b, base = engines
     ray.get([a.record_events.remote(), b.record_events.remote()])
-    p, q = prompt(71), prompt(72)
+    p, q = prompt(171), prompt(172)  # seeds of their own: other tests check whose bytes load
     ray.get(b.generate.remote(p))
     want = ray.get(b.vllm_block_hashes.remote(p, BLOCK))[:7]
     events = ray.get(b.recorded_events.remote())
