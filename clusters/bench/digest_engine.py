@@ -4,6 +4,8 @@ them). Imports vLLM and torch inside the actor only."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
@@ -25,39 +27,53 @@ def _digest(layers, block: int) -> str:
     return h.hexdigest()
 
 
-def _record(worker, on: bool) -> None:
-    """Wrap this worker's connector (instance attributes over the class's methods,
-    which is what vLLM calls) so that it records digests anew; off: the class's
-    methods again. Loaded digests go in a list, one entry per load."""
-    c = _connector()
-    c._digests = {"saved": {}, "loaded": []}
+def watch_blocks(c, on: bool, saved: Callable[[str, int], None],
+                 loaded: Callable[[str, int], None]) -> None:
+    """Wrap connector ``c`` (instance attributes over the class's methods, which is what
+    vLLM calls): ``wait_for_save`` first calls ``saved(page hash, vLLM block id)`` for
+    each block it is about to save, while vLLM's KV cache holds the saved bytes;
+    ``start_load_kv`` calls ``loaded(page hash, block id)`` for each block it loaded,
+    right after the load (not those whose load failed: vLLM recomputes them). Off: the
+    class's methods again."""
     if not on:
         for name in ("wait_for_save", "start_load_kv"):
             c.__dict__.pop(name, None)
         return
     cls = type(c)
-    layers = c.connector_worker._layers
 
     def wait_for_save() -> None:
-        meta = c._get_connector_metadata()
-        for x in getattr(meta, "saves", ()):
+        for x in getattr(c._get_connector_metadata(), "saves", ()):
             for h, b in zip(x.hashes, x.block_ids, strict=True):
-                digests = c._digests["saved"].setdefault(h, [])
-                d = _digest(layers, b)
-                if d not in digests:
-                    digests.append(d)
+                saved(h, b)
         cls.wait_for_save(c)
 
     def start_load_kv(forward_context, **kwargs) -> None:
         cls.start_load_kv(c, forward_context, **kwargs)
-        meta = c._get_connector_metadata()
         failed = c.connector_worker._load_errors  # not yet handed to vLLM
-        for x in getattr(meta, "loads", ()):
+        for x in getattr(c._get_connector_metadata(), "loads", ()):
             for h, b in zip(x.hashes, x.block_ids, strict=True):
                 if b not in failed:
-                    c._digests["loaded"].append([h, _digest(layers, b)])
+                    loaded(h, b)
 
     c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
+
+
+def _record(worker, on: bool) -> None:
+    """Record digests anew (``watch_blocks``); off: stop. Loaded digests go in a list,
+    one entry per load."""
+    c = _connector()
+    c._digests = {"saved": {}, "loaded": []}
+
+    def saved(h: str, b: int) -> None:
+        digests = c._digests["saved"].setdefault(h, [])
+        d = _digest(c.connector_worker._layers, b)
+        if d not in digests:
+            digests.append(d)
+
+    def loaded(h: str, b: int) -> None:
+        c._digests["loaded"].append([h, _digest(c.connector_worker._layers, b)])
+
+    watch_blocks(c, on, saved, loaded)
 
 
 def _recorded(worker) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import ray
 import torch
-from raykv.clusters.bench.digest_engine import DigestRecorder
+from raykv.clusters.bench.digest_engine import DigestRecorder, watch_blocks
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
@@ -39,39 +39,23 @@ def _digests(c, block_ids: list[int]) -> list[list[str]]:
 
 
 def _record_blocks(worker, on: bool) -> None:
-    """Wrap this worker's connector (instance attributes over the class's methods, which
-    is what vLLM calls): ``wait_for_save`` first records the bytes of the blocks it is
-    about to save, as vLLM's KV cache holds them then; ``start_load_kv`` records the
-    bytes of the blocks it loaded, right after the load (not those whose load failed:
-    vLLM recomputes them). Off: the class's methods again."""
+    """Record anew (``watch_blocks``) the bytes of the blocks this worker's connector
+    saves, as vLLM's KV cache holds them when it saves them, and of the blocks it
+    loaded, right after the load; off: stop."""
     c = _connector()
     c._recorded = {"saved": {}, "saved_all": {}, "loaded": {}}
-    if not on:
-        for name in ("wait_for_save", "start_load_kv"):
-            c.__dict__.pop(name, None)
-        return
-    cls = type(c)
 
-    def wait_for_save() -> None:
-        meta = c._get_connector_metadata()
-        for x in getattr(meta, "saves", ()):
-            for h, d in zip(x.hashes, _digests(c, x.block_ids), strict=True):
-                c._recorded["saved"].setdefault(h, d)
-                every = c._recorded["saved_all"].setdefault(h, [])
-                if d not in every:
-                    every.append(d)
-        cls.wait_for_save(c)
+    def saved(h: str, b: int) -> None:
+        (d,) = _digests(c, [b])
+        c._recorded["saved"].setdefault(h, d)
+        every = c._recorded["saved_all"].setdefault(h, [])
+        if d not in every:
+            every.append(d)
 
-    def start_load_kv(forward_context, **kwargs) -> None:
-        cls.start_load_kv(c, forward_context, **kwargs)
-        meta = c._get_connector_metadata()
-        failed = c.connector_worker._load_errors  # not yet handed to vLLM
-        for x in getattr(meta, "loads", ()):
-            for h, b, d in zip(x.hashes, x.block_ids, _digests(c, x.block_ids), strict=True):
-                if b not in failed:
-                    c._recorded["loaded"][h] = d
+    def loaded(h: str, b: int) -> None:
+        (c._recorded["loaded"][h],) = _digests(c, [b])
 
-    c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv
+    watch_blocks(c, on, saved, loaded)
 
 
 def _recorded(worker) -> dict:
