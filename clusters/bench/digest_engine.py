@@ -33,26 +33,35 @@ def watch_blocks(c, on: bool, saved: Callable[[str, int], None],
     vLLM calls): ``wait_for_save`` first calls ``saved(page hash, vLLM block id)`` for
     each block it is about to save, while vLLM's KV cache holds the saved bytes;
     ``start_load_kv`` calls ``loaded(page hash, block id)`` for each block it loaded,
-    right after the load (not those whose load failed: vLLM recomputes them). Off: the
-    class's methods again."""
+    right after the load, and for each block it copies behind the forward once
+    ``wait_for_save`` has ended those copies (not for blocks whose load failed: vLLM
+    recomputes them). Off: the class's methods again."""
     if not on:
         for name in ("wait_for_save", "start_load_kv"):
             c.__dict__.pop(name, None)
         return
     cls = type(c)
+    worker = c.connector_worker
+    behind: list[tuple[str, int]] = []  # loaded blocks whose copy ends in wait_for_save
 
     def wait_for_save() -> None:
         for x in getattr(c._get_connector_metadata(), "saves", ()):
             for h, b in zip(x.hashes, x.block_ids, strict=True):
                 saved(h, b)
         cls.wait_for_save(c)
+        for h, b in behind:
+            if b not in worker._load_errors:
+                loaded(h, b)
+        behind.clear()
 
     def start_load_kv(forward_context, **kwargs) -> None:
         cls.start_load_kv(c, forward_context, **kwargs)
-        failed = c.connector_worker._load_errors  # not yet handed to vLLM
+        failed, later = worker._load_errors, set(worker._behind_blocks)  # not yet to vLLM
         for x in getattr(c._get_connector_metadata(), "loads", ()):
             for h, b in zip(x.hashes, x.block_ids, strict=True):
-                if b not in failed:
+                if b in later:
+                    behind.append((h, b))
+                elif b not in failed:
                     loaded(h, b)
 
     c.wait_for_save, c.start_load_kv = wait_for_save, start_load_kv

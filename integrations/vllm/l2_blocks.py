@@ -7,22 +7,27 @@ it; the node actor puts it to L3 afterwards (write-behind), so no Mooncake call 
 vLLM's step for a block that lands in L2. A load asks for the pages of its blocks (the
 node reads from L3 into L2 first those L2 does not hold) and copies them into vLLM's
 blocks. Pages are this process's from the node's answer until its next L2 op (a load
-ends with an empty one, so an idle engine holds none), so a copy never races another
-engine's writes; a page whose commit did not reach the node is never read by anyone.
+ends with an empty one, so an idle engine holds none; a load copied behind the forward
+holds its last chunk until ``release``), so a copy never races another engine's
+writes; a page whose commit did not reach the node is never read by anyone.
 
 When the node actor restarted (its L2 pools are new and empty), the first op finds the
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
 background thread opens the new L2 pool (a control call, never on vLLM's step).
 
-Threads: ``load`` and ``save`` run on vLLM's worker thread; ``_reopen`` on its own.
+Threads: ``load``, ``save`` and ``release`` run on vLLM's worker thread (``load`` also
+on the async loads' thread, never with ``behind``); ``_copy_layer`` on ``LayerLoads``'
+copy thread; ``_reopen`` on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
     from raykv.cache_actors.rank.client import CacheClient
     from raykv.cache_actors.rank.l2_link import L2Link
     from raykv.controllers.pool_layout import PoolLayout
+    from raykv.integrations.vllm.layer_loads import LayerLoads
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -63,29 +69,52 @@ class L2Blocks:
         what the client raises)."""
         link = client.l2()
         pool = link.open(layout, pages)
-        return None if pool is None else cls(link, pool, layers, views, layout, pages)
+        if pool is None:
+            return None
+        map_ahead(pool)
+        return cls(link, pool, layers, views, layout, pages)
 
     @property
     def usable(self) -> bool:
         """False while the L2 is lost (the node actor restarted) and not reopened."""
         return self.pool is not None
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> int:
+    def load(self, block_ids: Sequence[int], hashes: Sequence[str],
+             behind: LayerLoads | None = None) -> tuple[int, list[int]]:
         """Copy the blocks ``hashes`` (from L2, or L3 through L2) into vLLM's
-        ``block_ids``, ``CHUNK`` at a time, up to the first that has no page; how many
-        leading blocks were loaded. Raises what the client raises."""
+        ``block_ids``, ``CHUNK`` at a time, up to the first that has no page:
+        ``(leading blocks loaded, those of them copied behind)``. With ``behind``, the
+        last chunk's blocks but its last are copied layer by layer on ``behind``'s copy
+        thread (``LayerLoads``) and their pages stay held: the caller calls ``release``
+        after ``behind.finish()``; the last block, the one vLLM may write into in this
+        step, is copied here. Raises what the client raises."""
         done = 0
         name = self.pool.name
         while done < len(block_ids):
             n = min(CHUNK, len(block_ids) - done)
             pages = self._op(self._link.acquire, name, hashes[done:done + n], True)
-            self._copy(pages, block_ids[done:done + len(pages)], to_pool=False)
+            ids = block_ids[done:done + len(pages)]
             done += len(pages)
+            if behind is not None and len(pages) > 1 and (len(pages) < n
+                                                          or done == len(block_ids)):
+                self._copy(pages[-1:], ids[-1:], to_pool=False)
+                behind.start(partial(self._copy_layer, self._views(self.pool),
+                                     page_runs(list(ids[:-1]), list(pages[:-1]))),
+                             len(self._layers))
+                return done, list(ids[:-1])
+            self._copy(pages, ids, to_pool=False)
             if len(pages) < n:
                 break
-        with contextlib.suppress(Exception):  # held until the next op otherwise
-            self._link.acquire(name, [], False)  # copied: the pages go back to the cache
-        return done
+        self.release()
+        return done, []
+
+    def release(self) -> None:
+        """Give the pages this thread holds back to the cache (they stay held until
+        its next op otherwise); a failure is ignored (the node releases them at this
+        thread's next op, or when the process is gone)."""
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                self._link.acquire(self.pool.name, [], False)
 
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
         """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
@@ -124,6 +153,14 @@ class L2Blocks:
                 else:
                     blocks[b0:b0 + n].copy_(stage[p0:p0 + n])
 
+    def _copy_layer(self, staged: list[torch.Tensor], runs: list[tuple[int, int, int]],
+                    layer: int) -> None:
+        """Copy layer ``layer`` of the pages ``runs`` (``page_runs``) of ``staged`` (the
+        pool's views) into vLLM's blocks (on ``LayerLoads``' copy thread)."""
+        blocks, stage = self._layers[layer], staged[layer]
+        for b0, p0, n in runs:
+            blocks[b0:b0 + n].copy_(stage[p0:p0 + n])
+
     def _lose(self) -> None:
         self.pool = None
         if self._reopening is None or not self._reopening.is_alive():
@@ -134,6 +171,19 @@ class L2Blocks:
     def _reopen(self) -> None:
         try:
             self.pool = self._link.open(self._layout, self._pages)
+            if self.pool is not None:
+                map_ahead(self.pool)
         except Exception as e:  # next loss tries again; the staging pool serves meanwhile
             log.warning("RayKVConnector: L2 not reopened (%s); saves and loads go through "
                         "the store", e)
+
+
+def map_ahead(pool: HostPool) -> None:
+    """Map every page of ``pool`` into this process on a thread of its own (one read per
+    memory page), so that the first copy out of an L2 page does not take its page
+    fault on vLLM's step: a fresh engine's first load of 32 MiB spends ~2 ms in page
+    faults otherwise. The pool's pages are all allocated by the node actor already:
+    this allocates nothing."""
+    flat = pool.kv_buffer.reshape(-1).view(torch.uint8)
+    threading.Thread(target=lambda: int(flat[::mmap.PAGESIZE].sum()),
+                     name="raykv-l2-map-ahead", daemon=True).start()

@@ -137,8 +137,10 @@ class RayKVConnectorScheduler(ConnectorSide):
             return self._lookup_async(st, local, hashes, num_computed_tokens)
         if self._step_budget is None:  # the first lookup of this scheduling step
             self._step_budget = Budget(self.opts.timeout_s)
+        t0 = time.perf_counter()
         with self._step_budget:
             l2, hit = self._query([hash_hex(h) for h in hashes])
+        self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
         return self._answer(st, local, l2, hit, num_computed_tokens), False
 
     def _query(self, keys: list[str]) -> tuple[int, int]:

@@ -38,12 +38,18 @@ def new_stats() -> dict[str, int]:
     ``load_dropped`` (of ``load_failed``, those the load queue had no room for),
     ``save_dropped`` (blocks L2 had no page for: not saved, a future miss);
     ``save_us``, ``save_cpu_us`` (worker: microseconds of wall and of the worker
-    thread's CPU spent in ``wait_for_save`` in steps that save)."""
+    thread's CPU spent in ``wait_for_save`` in steps that save), ``load_us``,
+    ``load_cpu_us`` (the same for ``start_load_kv``'s loads on the step), ``lookup_us``
+    (scheduler: microseconds of wall its hit queries took, without
+    ``async_transfers``); ``loaded_behind`` (worker: of ``l2_loaded``, blocks copied
+    layer by layer behind the forward), ``layer_wait_us`` (microseconds the forward
+    waited for those copies in ``wait_for_layer_load``)."""
     return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
             "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
             "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
             "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
-            "save_cpu_us": 0}
+            "save_cpu_us": 0, "load_us": 0, "load_cpu_us": 0, "lookup_us": 0,
+            "loaded_behind": 0, "layer_wait_us": 0}
 
 
 class ConnectorSide(ABC):

@@ -10,7 +10,11 @@ it (``wait_for_save``); both synchronous, on vLLM's worker thread, unless
 ``async_transfers``: then a step's saves are one batch into the node's L2 pages (the
 node puts them to L3 behind; a block L2 has no page for is dropped and counted), and
 loads the scheduler side sends as ``async_loads`` run on the load thread
-(``async_loads.AsyncLoads``), reported by ``get_finished``. Every block that did
+(``async_loads.AsyncLoads``), reported by ``get_finished``. Through the node's L2 into
+a host KV cache, a step's last L2 chunk is copied layer by layer behind the forward on
+the copy thread (``layer_loads.LayerLoads``): ``wait_for_layer_load`` waits for a
+layer's copy, ``wait_for_save`` for all of them before it gives their pages back.
+Every block that did
 not load is reported by ``get_block_ids_with_load_errors`` (so
 ``kv_load_failure_policy="recompute"`` recomputes it); an unavailable node actor or
 store never raises into vLLM and never counts as a loaded block.
@@ -44,6 +48,7 @@ from raykv.integrations.vllm.async_loads import AsyncLoads
 from raykv.integrations.vllm.kv_events import LandedBlocks
 from raykv.integrations.vllm.kv_views import block_views, pool_block_views, pool_dims
 from raykv.integrations.vllm.l2_blocks import L2Blocks
+from raykv.integrations.vllm.layer_loads import LayerLoads, LayerWaits
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.request_blocks import BlockTransfer
@@ -79,6 +84,10 @@ class RayKVConnectorWorker(ConnectorSide):
         self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
         self._async: AsyncLoads | None = None  # the load thread (first async load)
         self._landed = LandedBlocks(opts.kv_events)  # saves that landed, for KV events
+        self._layer_index: dict[str, int] = {}  # layer name -> index in self._layers
+        self._waits: LayerWaits | None = None  # which layers vLLM's forward asks for
+        self._behind: LayerLoads | None = None  # the copy thread (first load behind)
+        self._behind_blocks: list[int] = []  # blocks being copied behind the forward
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
@@ -123,6 +132,10 @@ class RayKVConnectorWorker(ConnectorSide):
                       else first.shape[0])
         # Per layer a (num_blocks, *block) view, the block axis by vLLM's contract.
         self._layers = block_views(tensors, num_blocks, self.block_size)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        # Copies behind the forward on host KV caches only (a GPU's would need a
+        # stream of their own and pinned pages: loads stay on the step there).
+        self._waits = LayerWaits(list(kv_caches)) if first.device.type == "cpu" else None
         self._block_shape = tuple(self._layers[0].shape[1:])
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
@@ -149,6 +162,7 @@ class RayKVConnectorWorker(ConnectorSide):
         not load (on any TP rank) go to ``get_block_ids_with_load_errors`` and stay
         unsettled until the scheduler side has seen them. vLLM calls this every step
         before ``wait_for_save`` (before the forward in a step with loads)."""
+        self._settle_behind()  # a step whose wait_for_save vLLM did not call
         if not isinstance(meta, RayKVConnectorMetadata):
             return
         self._step_budget = Budget(self.opts.timeout_s)  # this step's loads and saves
@@ -159,8 +173,11 @@ class RayKVConnectorWorker(ConnectorSide):
             self._async.submit(x)
         if not meta.loads:
             return
-        with self._step_budget:
-            firsts = [self._load(x) for x in meta.loads]  # first failed block per request
+        t0, c0 = time.perf_counter(), time.thread_time()
+        behind = self._layer_loads()
+        with self._step_budget:  # first failed block per request; the last behind
+            firsts = [self._load(x, behind if x is meta.loads[-1] else None)
+                      for x in meta.loads]
         if self.tp_size > 1:
             firsts = agree_tp(firsts)
         for x, first in zip(meta.loads, firsts, strict=True):
@@ -169,17 +186,20 @@ class RayKVConnectorWorker(ConnectorSide):
                 self._unsettled.update(x.block_ids[first:])
                 self.stats["load_failed"] += len(x.block_ids) - first
             self.stats["loaded"] += first
+        self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats["load_cpu_us"] += int((time.thread_time() - c0) * 1e6)
 
-    def _load(self, x: BlockTransfer) -> int:
+    def _load(self, x: BlockTransfer, behind: LayerLoads | None = None) -> int:
         """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
         full out of the staging pool), ``pool_blocks`` at a time, up to the first chunk
         with a block that did not load; the index of that block (``len`` if all did).
+        Through the node's L2, its last chunk may be copied ``behind`` the forward.
         Never raises."""
         done = 0
         try:
             self._cache()
             if self._l2 is not None and self._l2.usable:
-                loaded = self._load_l2(x)
+                loaded = self._load_l2(x, behind)
                 if loaded is not None:
                     return loaded
             n_pool = self.opts.pool_blocks
@@ -208,7 +228,7 @@ class RayKVConnectorWorker(ConnectorSide):
             self._cache()
             if self._l2 is None or not self._l2.usable:
                 return 0
-            done = self._l2.load(x.block_ids, x.hashes)
+            done, _ = self._l2.load(x.block_ids, x.hashes)
         if done and self.opts.debug_corrupt_loads:
             randomize(self._layers, x.block_ids[:done])
         return done
@@ -230,28 +250,73 @@ class RayKVConnectorWorker(ConnectorSide):
         self.stats["load_dropped"] += done.dropped
         return None, done.req_ids or None
 
-    def _load_l2(self, x: BlockTransfer) -> int | None:
+    def _load_l2(self, x: BlockTransfer, behind: LayerLoads | None) -> int | None:
         """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
-        L2, or from L3 into L2 first); how many. None if an L2 op failed (the node
-        actor restarted and its L2 is new, or it is unreachable): warned about, and the
-        caller loads through the staging pool."""
+        L2, or from L3 into L2 first; its last chunk copied ``behind`` the forward when
+        given); how many. None if an L2 op failed (the node actor restarted and its L2
+        is new, or it is unreachable): warned about, and the caller loads through the
+        staging pool."""
         try:
-            done = self._l2.load(x.block_ids, x.hashes)
+            done, later = self._l2.load(x.block_ids, x.hashes, behind)
         except Exception as e:
             self._warn.warn("l2 load", "RayKVConnector: L2 load failed (%s); loading "
                             "through the store", e)
             return None
+        self._behind_blocks = later
         self.stats["l2_loaded"] += done
+        self.stats["loaded_behind"] += len(later)
         if done and self.opts.debug_corrupt_loads:
             randomize(self._layers, x.block_ids[:done])
         return done
 
+    def _layer_loads(self) -> LayerLoads | None:
+        """The copy thread for this step's last L2 load, once vLLM's forward has been
+        seen to ask for every layer (``LayerWaits``); None: every copy on the step (GPU
+        caches, a forward not seen yet, ``debug_corrupt_loads``)."""
+        if self._waits is None or not self._waits.learnt or self.opts.debug_corrupt_loads:
+            return None
+        if self._behind is None:
+            self._behind = LayerLoads()
+        return self._behind
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once layer ``layer_name`` of the step's loads is in vLLM's KV cache
+        (vLLM's forward calls this before each attention layer); the time waited is
+        counted in ``layer_wait_us``."""
+        if self._waits is not None:
+            self._waits.seen(layer_name)
+        if self._behind is not None and self._behind.busy:
+            t0 = time.perf_counter()
+            self._behind.wait(self._layer_index.get(layer_name, -1))
+            self.stats["layer_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _settle_behind(self) -> None:
+        """End the step's copies behind the forward: wait for them, give their pages
+        back to the node's L2; blocks whose copy failed become load errors (reported
+        to vLLM in this step's ``get_block_ids_with_load_errors``, unsettled until the
+        scheduler side has seen them)."""
+        if self._behind is None or not self._behind.busy:
+            return
+        ok = self._behind.finish()
+        blocks, self._behind_blocks = self._behind_blocks, []
+        if self._l2 is not None:
+            self._l2.release()
+        if not ok:
+            self._load_errors.update(blocks)
+            self._unsettled.update(blocks)
+            self.stats["loaded"] -= len(blocks)
+            self.stats["l2_loaded"] -= len(blocks)
+            self.stats["load_failed"] += len(blocks)
+
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Save the step's newly full blocks (``meta.saves``) after the forward, except
-        those computed over an unsettled block (``refuses``), whichever request's load
-        failed: those are counted in ``save_refused`` and never stored. The time spent
-        in steps that save is counted in ``save_us`` (wall) and ``save_cpu_us`` (this
-        thread's CPU)."""
+        """After the forward: end the step's copies behind it (``_settle_behind``), then
+        save the step's newly full blocks (``meta.saves``), except those computed over
+        an unsettled block (``refuses``), whichever request's load failed: those are
+        counted in ``save_refused`` and never stored. The time spent in steps that save
+        is counted in ``save_us`` (wall) and ``save_cpu_us`` (this thread's CPU)."""
+        self._settle_behind()
+        if self._waits is not None:
+            self._waits.step_ended()
         if not isinstance(meta, RayKVConnectorMetadata) or not meta.saves:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -357,6 +422,10 @@ class RayKVConnectorWorker(ConnectorSide):
         loads, self._async = self._async, None
         if loads is not None:
             loads.close()
+        self._settle_behind()
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.close()
         super().shutdown()
 
 

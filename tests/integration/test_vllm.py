@@ -509,6 +509,44 @@ def test_l2_same_node_reuse_without_mooncake(engines, l2_engines, vcluster):
     assert _gets(vcluster)[n1] - gets == 7
 
 
+@pytest.mark.parametrize("waited", [True, False], ids=["waited", "control-unwaited"])
+def test_l2_loads_copied_behind_the_forward_are_waited_for_layer_by_layer(l2_engines,
+                                                                        vcluster, waited):
+    """F, whose forward has asked for every layer before (it served a prompt), loads a
+    prompt E computed from the node's L2: its last block copied on the step, the other 6
+    layer by layer behind the forward (``loaded_behind``), each layer waited for before
+    its attention: E's tokens restoring the prompt from its own prefix cache, and each
+    loaded block byte for byte what E saved. Control: the forward does not wait and the
+    copies start late: other tokens (the wait is what makes the copies behind right)."""
+    e, f = l2_engines
+    n2 = vcluster.node_ids[1]
+    ray.get(f.generate.remote(prompt(181 + waited, 200), 2))  # F's forward asks: learnt
+    p = prompt(183 + waited)
+    _l2_room(vcluster, n2, 9)  # E's 8 blocks stay in L2 until F loads them
+    ray.get([e.record_blocks.remote(True), f.record_blocks.remote(True)])
+    if not waited:
+        ray.get(f.unwaited_layer_loads.remote(True))
+    try:
+        want = computed_then_restored(e, p)
+        _flushed(vcluster, n2)
+        (w0,) = ray.get(f.worker_stats.remote())
+        got = ray.get(f.generate.remote(p))
+        (w1,) = ray.get(f.worker_stats.remote())
+        saved = ray.get(e.recorded_blocks.remote())["saved"]
+        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+    finally:
+        ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False),
+                 f.unwaited_layer_loads.remote(False)])
+    assert got["cached"] == 7 * BLOCK, got
+    assert w1["l2_loaded"] - w0["l2_loaded"] == 7, (w0, w1, _l2_stats(vcluster, n2))
+    assert w1["loaded_behind"] - w0["loaded_behind"] == 6
+    assert len(loaded) == 7 and {h: saved[h] for h in loaded} == loaded  # once copied
+    if waited:
+        assert got["tokens"] == want
+    else:
+        assert got["tokens"] != want
+
+
 def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
     """Four prompts (28 blocks) through an L2 of 12 pages, both engines saving and
     loading: pages are evicted, and every block F loads (from L2, or from L3 through L2

@@ -4,7 +4,8 @@ of the blocks its connector saves and loads (the loaded KV compared with the sav
 byte for byte, which no numerical effect can blur), that reports its scheduler side's
 counters, key tag and vLLM's own block hash, that can be re-keyed (a control for the
 key tag), that can fail one block of its next load and restore the old rule of which
-saves to refuse after a failed load (a control), and that answers with logprobs. In a
+saves to refuse after a failed load (a control), that can let its forward run ahead of
+the copies behind it (a control), and that answers with logprobs. In a
 module of its own so that Ray workers import it by name
 (``tests.integration.vllm_control``)."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import replace
 
 import ray
@@ -122,16 +124,43 @@ def _fail_next_async_load(worker, index: int, report: bool) -> None:
     l2 = w._l2
     load = l2.load
 
-    def once(block_ids, hashes):
-        n = load(block_ids, hashes)
+    def once(block_ids, hashes, behind=None):
+        n, later = load(block_ids, hashes)  # never behind: the async path
         if n <= index:
-            return n
+            return n, later
         del l2.load
         for layer in w._layers:
             layer[block_ids[index]] = torch.randn(layer[block_ids[index]].shape).to(layer.dtype)
-        return index if report else n
+        return (index if report else n), later
 
     l2.load = once
+
+
+def _unwaited_layer_loads(worker, on: bool) -> None:
+    """Control: the forward no longer waits for the copies behind it (vLLM's asks are
+    still seen) and those copies start only once the forward has ended (when vLLM calls
+    ``wait_for_save``), so the forward reads vLLM's blocks before their layers are
+    copied; off: the worker's own."""
+    w = _connector().connector_worker
+    if not on:
+        for name in ("wait_for_layer_load", "wait_for_save"):
+            w.__dict__.pop(name, None)
+        w._l2.__dict__.pop("_copy_layer", None)
+        return
+    copy_layer, wait_for_save = w._l2._copy_layer, w.wait_for_save
+    forward_ended = threading.Event()
+
+    def late(staged, runs, layer) -> None:
+        forward_ended.wait(60)
+        copy_layer(staged, runs, layer)
+
+    def after_forward(meta) -> None:
+        forward_ended.set()
+        wait_for_save(meta)
+        forward_ended.clear()
+
+    w.wait_for_layer_load, w.wait_for_save = w._waits.seen, after_forward
+    w._l2._copy_layer = late
 
 
 def _old_save_rule(worker, on: bool) -> None:
@@ -172,6 +201,11 @@ class ControlEngine(DigestRecorder, VLLMEngine):
     def fail_next_async_load(self, index: int, report: bool = True) -> None:
         """``_fail_next_async_load``."""
         self.llm.collective_rpc(_fail_next_async_load, args=(index, report))
+
+    def unwaited_layer_loads(self, on: bool) -> None:
+        """Control: the forward reads blocks before their copy behind it (see
+        ``_unwaited_layer_loads``)."""
+        self.llm.collective_rpc(_unwaited_layer_loads, args=(on,))
 
     def old_save_rule(self, on: bool) -> None:
         """Control: the old rule of which saves to refuse (``_old_save_rule``)."""

@@ -69,7 +69,7 @@ def test_saved_blocks_load_into_another_engine_byte_for_byte():
         layer.normal_()
     saved, full = l2(link, a, store).save([4, 1], ["h4", "h1"])
     assert (saved, full) == (2, [])
-    assert l2(link, b, store).load([0, 5], ["h4", "h1"]) == 2
+    assert l2(link, b, store).load([0, 5], ["h4", "h1"]) == (2, [])
     for la, lb in zip(a, b, strict=True):
         assert torch.equal(lb[0], la[4]) and torch.equal(lb[5], la[1])
     assert link.index.stats()["held"] == 0  # the load gave its pages back
@@ -81,7 +81,7 @@ def test_blocks_without_a_page_are_handed_back_and_a_miss_stops_a_load():
     a = engine(layers=1)
     saved, full = l2(link, a, store).save([0, 1, 2, 3, 4], [f"h{i}" for i in range(5)])
     assert (saved, full) == (3, [3, 4])
-    assert l2(link, engine(layers=1), store).load([0, 1], ["h0", "nope"]) == 1
+    assert l2(link, engine(layers=1), store).load([0, 1], ["h0", "nope"]) == (1, [])
 
 
 def test_a_hole_in_a_chain_stops_loads_until_a_later_save_fills_it():
@@ -96,10 +96,10 @@ def test_a_hole_in_a_chain_stops_loads_until_a_later_save_fills_it():
     a[0].normal_()
     assert l2(link, a, store).save([1, 2], ["h1", "h2"]) == (2, [])
     b = engine(layers=1)
-    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == 0
+    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (0, [])
     assert not b[0].any()
     assert l2(link, a, store).save([0, 1, 2], ["h0", "h1", "h2"]) == (3, [])  # 2 PRESENT
-    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == 3
+    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (3, [])
     assert torch.equal(b[0][3:6], a[0][0:3])
 
 
