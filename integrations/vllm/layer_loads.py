@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger("vllm." + __name__)
@@ -111,3 +112,51 @@ class LayerLoads:
                     log.warning("RayKVConnector: layer %d of a load not copied (%s)", i, e)
                 finally:
                     event.set()
+
+
+class LoadsBehind:
+    """A worker's loads copied behind the forward: whether they may be (``LayerWaits``
+    over its KV cache's layers, by name), its copy thread (``LayerLoads``, made on first
+    use) and the vLLM blocks of the step's copies (``blocks``).
+
+    Threads: vLLM's worker thread calls every method."""
+
+    def __init__(self, layers: Sequence[str]) -> None:
+        self._index = {name: i for i, name in enumerate(layers)}
+        self.waits = LayerWaits(layers)
+        self._loads: LayerLoads | None = None
+        self.blocks: list[int] = []
+
+    def copier(self) -> LayerLoads | None:
+        """The copy thread for this step's loads, once vLLM's forward was seen to ask for
+        every layer; None before."""
+        if not self.waits.learnt:
+            return None
+        if self._loads is None:
+            self._loads = LayerLoads()
+        return self._loads
+
+    def wait(self, layer: str) -> float:
+        """Note that the forward asked for ``layer``; return once its copy is done: the
+        seconds waited."""
+        self.waits.seen(layer)
+        if self._loads is None or not self._loads.busy:
+            return 0.0
+        t0 = time.perf_counter()
+        self._loads.wait(self._index.get(layer, -1))
+        return time.perf_counter() - t0
+
+    def settle(self) -> tuple[bool, list[int]] | None:
+        """Wait for the step's copies: ``(all succeeded, their blocks)``; None if none
+        were started. No copy runs afterwards."""
+        if self._loads is None or not self._loads.busy:
+            return None
+        ok = self._loads.finish()
+        blocks, self.blocks = self.blocks, []
+        return ok, blocks
+
+    def close(self) -> None:
+        """End the copy thread (after its copies)."""
+        loads, self._loads = self._loads, None
+        if loads is not None:
+            loads.close()

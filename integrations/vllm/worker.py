@@ -46,9 +46,15 @@ from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.async_loads import AsyncLoads
 from raykv.integrations.vllm.kv_events import LandedBlocks
-from raykv.integrations.vllm.kv_views import block_views, pool_block_views, pool_dims
+from raykv.integrations.vllm.kv_views import (
+    block_views,
+    pool_block_views,
+    pool_dims,
+    randomize,
+)
 from raykv.integrations.vllm.l2_blocks import L2Blocks
-from raykv.integrations.vllm.layer_loads import LayerLoads, LayerWaits
+from raykv.integrations.vllm.l2_steps import L2StepsMixin
+from raykv.integrations.vllm.layer_loads import LayerLoads, LoadsBehind
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
 from raykv.integrations.vllm.request_blocks import BlockTransfer
@@ -63,7 +69,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
 
-class RayKVConnectorWorker(ConnectorSide):
+class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
     """The connector's worker-side methods (vLLM's contracts; the connector passes in
     the step's metadata). Attaches to raykv in ``register_kv_caches``, when the pool's
     geometry is known."""
@@ -84,10 +90,7 @@ class RayKVConnectorWorker(ConnectorSide):
         self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
         self._async: AsyncLoads | None = None  # the load thread (first async load)
         self._landed = LandedBlocks(opts.kv_events)  # saves that landed, for KV events
-        self._layer_index: dict[str, int] = {}  # layer name -> index in self._layers
-        self._waits: LayerWaits | None = None  # which layers vLLM's forward asks for
-        self._behind: LayerLoads | None = None  # the copy thread (first load behind)
-        self._behind_blocks: list[int] = []  # blocks being copied behind the forward
+        self._behind: LoadsBehind | None = None  # L2 loads behind the forward (host KV)
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
@@ -132,10 +135,9 @@ class RayKVConnectorWorker(ConnectorSide):
                       else first.shape[0])
         # Per layer a (num_blocks, *block) view, the block axis by vLLM's contract.
         self._layers = block_views(tensors, num_blocks, self.block_size)
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         # Copies behind the forward on host KV caches only (a GPU's would need a
         # stream of their own and pinned pages: loads stay on the step there).
-        self._waits = LayerWaits(list(kv_caches)) if first.device.type == "cpu" else None
+        self._behind = LoadsBehind(list(kv_caches)) if first.device.type == "cpu" else None
         self._block_shape = tuple(self._layers[0].shape[1:])
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
@@ -250,64 +252,6 @@ class RayKVConnectorWorker(ConnectorSide):
         self.stats["load_dropped"] += done.dropped
         return None, done.req_ids or None
 
-    def _load_l2(self, x: BlockTransfer, behind: LayerLoads | None) -> int | None:
-        """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
-        L2, or from L3 into L2 first; its last chunk copied ``behind`` the forward when
-        given); how many. None if an L2 op failed (the node actor restarted and its L2
-        is new, or it is unreachable): warned about, and the caller loads through the
-        staging pool."""
-        try:
-            done, later = self._l2.load(x.block_ids, x.hashes, behind)
-        except Exception as e:
-            self._warn.warn("l2 load", "RayKVConnector: L2 load failed (%s); loading "
-                            "through the store", e)
-            return None
-        self._behind_blocks = later
-        self.stats["l2_loaded"] += done
-        self.stats["loaded_behind"] += len(later)
-        if done and self.opts.debug_corrupt_loads:
-            randomize(self._layers, x.block_ids[:done])
-        return done
-
-    def _layer_loads(self) -> LayerLoads | None:
-        """The copy thread for this step's last L2 load, once vLLM's forward has been
-        seen to ask for every layer (``LayerWaits``); None: every copy on the step (GPU
-        caches, a forward not seen yet, ``debug_corrupt_loads``)."""
-        if self._waits is None or not self._waits.learnt or self.opts.debug_corrupt_loads:
-            return None
-        if self._behind is None:
-            self._behind = LayerLoads()
-        return self._behind
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Return once layer ``layer_name`` of the step's loads is in vLLM's KV cache
-        (vLLM's forward calls this before each attention layer); the time waited is
-        counted in ``layer_wait_us``."""
-        if self._waits is not None:
-            self._waits.seen(layer_name)
-        if self._behind is not None and self._behind.busy:
-            t0 = time.perf_counter()
-            self._behind.wait(self._layer_index.get(layer_name, -1))
-            self.stats["layer_wait_us"] += int((time.perf_counter() - t0) * 1e6)
-
-    def _settle_behind(self) -> None:
-        """End the step's copies behind the forward: wait for them, give their pages
-        back to the node's L2; blocks whose copy failed become load errors (reported
-        to vLLM in this step's ``get_block_ids_with_load_errors``, unsettled until the
-        scheduler side has seen them)."""
-        if self._behind is None or not self._behind.busy:
-            return
-        ok = self._behind.finish()
-        blocks, self._behind_blocks = self._behind_blocks, []
-        if self._l2 is not None:
-            self._l2.release()
-        if not ok:
-            self._load_errors.update(blocks)
-            self._unsettled.update(blocks)
-            self.stats["loaded"] -= len(blocks)
-            self.stats["l2_loaded"] -= len(blocks)
-            self.stats["load_failed"] += len(blocks)
-
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """After the forward: end the step's copies behind it (``_settle_behind``), then
         save the step's newly full blocks (``meta.saves``), except those computed over
@@ -315,8 +259,8 @@ class RayKVConnectorWorker(ConnectorSide):
         counted in ``save_refused`` and never stored. The time spent in steps that save
         is counted in ``save_us`` (wall) and ``save_cpu_us`` (this thread's CPU)."""
         self._settle_behind()
-        if self._waits is not None:
-            self._waits.step_ended()
+        if self._behind is not None:
+            self._behind.waits.step_ended()
         if not isinstance(meta, RayKVConnectorMetadata) or not meta.saves:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -333,33 +277,6 @@ class RayKVConnectorWorker(ConnectorSide):
                 self._save(x)
         self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
         self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
-
-    def _save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
-        """``async_transfers``: every block of ``saves`` copied into L2 pages in one
-        batch (one reserve, one copy, one commit per ``CHUNK`` blocks); the node actor
-        puts them to L3 behind. A block L2 has no page for (held, leased or not yet
-        flushed pages: the write-behind is behind) is dropped and counted in
-        ``save_dropped``: a future miss, never a store call on the step. The saves to
-        go through the store instead (the L2 op failed: the node actor restarted)."""
-        ids = [b for x in saves for b in x.block_ids]
-        if not ids:
-            return []
-        hashes = [h for x in saves for h in x.hashes]
-        try:
-            saved, full = self._l2.save(ids, hashes)
-        except Exception as e:
-            self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
-                            "through the store", e)
-            return saves
-        self._landed.l2_saved(hashes, saved, full)
-        self.stats["saved"] += saved
-        self.stats["l2_saved"] += saved
-        self.stats["save_dropped"] += len(full)
-        self.stats["save_failed"] += len(ids) - saved - len(full)
-        if full:
-            self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
-                            "blocks (its write-behind is behind); dropped", len(full))
-        return []
 
     def refuses(self, x: BlockTransfer) -> bool:
         """Whether the save ``x`` was computed over a block whose load failed and that
@@ -393,22 +310,6 @@ class RayKVConnectorWorker(ConnectorSide):
             self._warn.warn("save", "RayKVConnector: save of %d blocks failed (%s)",
                             len(x.block_ids) - done, e)
 
-    def _save_l2(self, x: BlockTransfer) -> BlockTransfer | None:
-        """Save ``x`` into the node's L2 (the node puts it to L3 behind); the blocks L2
-        had no page for, to save through the store (None: none). What the client
-        raises propagates: ``_save`` counts the blocks not saved."""
-        saved, full = self._l2.save(x.block_ids, x.hashes)
-        self._landed.l2_saved(x.hashes, saved, full)
-        self.stats["saved"] += saved
-        self.stats["l2_saved"] += saved
-        self.stats["save_failed"] += len(x.block_ids) - saved - len(full)
-        if not full:
-            return None
-        self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
-                        "blocks; saving them through the store", len(full))
-        return BlockTransfer(x.req_id, [x.block_ids[i] for i in full],
-                             [x.hashes[i] for i in full], x.context)
-
     def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
         """This step's reports of saves that landed (None: none, or events off)."""
         return LandedReports(reports) if (reports := self._landed.take()) else None
@@ -423,9 +324,8 @@ class RayKVConnectorWorker(ConnectorSide):
         if loads is not None:
             loads.close()
         self._settle_behind()
-        behind, self._behind = self._behind, None
-        if behind is not None:
-            behind.close()
+        if self._behind is not None:
+            self._behind.close()
         super().shutdown()
 
 
@@ -439,11 +339,3 @@ def agree_tp(firsts: list[int]) -> list[int]:
                                  group=get_tp_group().cpu_group)
     return t.tolist()
 
-
-def randomize(layers: list[torch.Tensor], block_ids: list[int]) -> None:
-    """Test only (``debug_corrupt_loads``): random values into vLLM's ``block_ids`` of
-    every layer (vLLM's KV cache: host memory on CPU, else a GPU's)."""
-    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
-    for blocks in layers:
-        noise = torch.randn((len(block_ids), *blocks.shape[1:])).to(blocks.dtype)
-        blocks.index_copy_(0, ids, noise.to(blocks.device))

@@ -159,7 +159,7 @@ def _unwaited_layer_loads(worker, on: bool) -> None:
         wait_for_save(meta)
         forward_ended.clear()
 
-    w.wait_for_layer_load, w.wait_for_save = w._waits.seen, after_forward
+    w.wait_for_layer_load, w.wait_for_save = w._behind.waits.seen, after_forward
     w._l2._copy_layer = late
 
 

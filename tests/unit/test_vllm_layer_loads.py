@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from raykv.integrations.vllm.layer_loads import LayerLoads, LayerWaits
+from raykv.integrations.vllm.layer_loads import LayerLoads, LayerWaits, LoadsBehind
 
 from tests.unit.test_vllm_l2_blocks import BLOCK, PAGES, FakeLink, engine, l2
 
@@ -141,8 +141,7 @@ def _worker(layers: list[torch.Tensor], link: FakeLink, store: list[torch.Tensor
                              pp_size=1)
     names = [f"l{i}" for i in range(len(layers))]
     w._client, w._layers = SimpleNamespace(), layers
-    w._layer_index = {n: i for i, n in enumerate(names)}
-    w._waits = LayerWaits(names)
+    w._behind = LoadsBehind(names)
     w._l2 = l2(link, layers, store)
     return w, names
 
@@ -179,10 +178,10 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     assert w.stats["l2_loaded"] == 3 and w.stats["loaded_behind"] == 0
     held = []
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names,
-          between=lambda: held.append((w._behind.busy, link.index.stats()["held"])))
+          between=lambda: held.append((w._behind._loads.busy, link.index.stats()["held"])))
     assert held == [(True, 3)]
     assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 2
-    assert not w._behind.busy and link.index.stats()["held"] == 0
+    assert not w._behind._loads.busy and link.index.stats()["held"] == 0
     assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
     assert w.get_block_ids_with_load_errors() == set()
     w.shutdown()
