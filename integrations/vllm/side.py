@@ -43,13 +43,15 @@ def new_stats() -> dict[str, int]:
     (scheduler: microseconds of wall its hit queries took, without
     ``async_transfers``); ``loaded_behind`` (worker: of ``l2_loaded``, blocks copied
     layer by layer behind the forward), ``layer_wait_us`` (microseconds the forward
-    waited for those copies in ``wait_for_layer_load``)."""
+    waited for those copies in ``wait_for_layer_load``), ``loaded_past_l2`` (of
+    ``loaded``, blocks read through the staging pool because L2 had no page to read them
+    into)."""
     return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
             "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
             "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
             "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
             "save_cpu_us": 0, "load_us": 0, "load_cpu_us": 0, "lookup_us": 0,
-            "loaded_behind": 0, "layer_wait_us": 0}
+            "loaded_behind": 0, "layer_wait_us": 0, "loaded_past_l2": 0}
 
 
 class ConnectorSide(ABC):

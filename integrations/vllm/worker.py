@@ -195,15 +195,19 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
         full out of the staging pool), ``pool_blocks`` at a time, up to the first chunk
         with a block that did not load; the index of that block (``len`` if all did).
-        Through the node's L2, its last chunk may be copied ``behind`` the forward.
-        Never raises."""
-        done = 0
+        Through the node's L2 first (its last chunk may be copied ``behind`` the
+        forward); the blocks after those L2 had a page for (none free to read them from
+        L3 into: L2 under pressure) through the staging pool, counted in
+        ``loaded_past_l2``. Never raises."""
+        done, past_l2 = 0, None  # past_l2: where L2 stopped
         try:
             self._cache()
             if self._l2 is not None and self._l2.usable:
                 loaded = self._load_l2(x, behind)
-                if loaded is not None:
+                if loaded == len(x.block_ids):
                     return loaded
+                if loaded is not None:
+                    done = past_l2 = loaded
             n_pool = self.opts.pool_blocks
             while done < len(x.block_ids):
                 n = min(n_pool, len(x.block_ids) - done)
@@ -219,6 +223,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         except Exception as e:  # node actor restarting, store down, bad state: not loaded
             self._warn.warn("load", "RayKVConnector: load of %d blocks failed (%s); "
                             "vLLM recomputes them", len(x.block_ids) - done, e)
+        if past_l2 is not None:
+            self.stats["loaded_past_l2"] += done - past_l2
         return done
 
     def _load_async(self, x: BlockTransfer) -> int:

@@ -164,3 +164,43 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     else:
         assert s["save_dropped"] == 0 and s["save_failed"] == 2 and len(stored) == 1
     assert s["save_us"] > 0
+
+
+def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
+    """A step's load of three blocks of which L2 holds the first two and has no page to
+    read the third into from L3 (L2 under pressure): the third comes through the staging
+    pool (one store get of it alone, counted in ``loaded_past_l2``), not recomputed.
+    (Before: the load stopped where L2 stopped, and vLLM recomputed the rest.)"""
+    from raykv.controllers.contract import PoolName
+    from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.request_blocks import BlockTransfer
+    from raykv.integrations.vllm.worker import RayKVConnectorWorker
+
+    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "timeout_s": 1.0}, tp_size=1,
+                                  pp_size=1, served_model="m",
+                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
+    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
+                             pp_size=1)
+    link = FakeLink()
+    store = [torch.zeros(PAGES, *BLOCK)]
+    a = engine(layers=1)
+    a[0].normal_()
+    assert l2(link, a, store).save([0, 1], ["h0", "h1"]) == (2, [])
+    w._layers = engine(layers=1)
+    w._l2 = l2(link, w._layers, store)
+    asked = []
+
+    def batch_get_v2(transfers):  # the store through the staging pool: h2 is there
+        (t,) = transfers
+        asked.append(list(t.keys))
+        return {PoolName.KV: [True] * len(t.keys)}
+
+    w._client = SimpleNamespace(batch_get_v2=batch_get_v2)
+    w.start_load_kv(RayKVConnectorMetadata(
+        loads=[BlockTransfer("r", [3, 4, 5], ["h0", "h1", "h2"])]))
+    assert asked == [["h2"]]
+    assert w.stats["loaded"] == 3 and w.stats["l2_loaded"] == 2
+    assert w.stats["loaded_past_l2"] == 1 and w.stats["load_failed"] == 0
+    assert w.get_block_ids_with_load_errors() == set()
+    assert torch.equal(w._layers[0][3:5], a[0][0:2])
