@@ -12,8 +12,9 @@ Used only once the worker has seen vLLM ask for every layer it copies in one ste
 (``LayerWaits``): a model whose forward never asks would read a layer before its copy.
 The copies are of host memory the step thread holds (L2 pages it acquired, vLLM's
 blocks of the step's requests); nothing in them waits on another process, so a wait for
-one lasts as long as the copy (a bounded memcpy), and the step thread releases the
-pages only after ``finish``.
+one lasts as long as the copy (a bounded memcpy), or until the copy thread is found gone
+(its copies then count as failed), and the step thread releases the pages only after
+``finish``.
 
 Threads: ``start``, ``wait``, ``finish`` and ``close`` are called by vLLM's worker thread
 (the step); the copies run on the ``raykv-layer-loads`` thread, one step's at a time.
@@ -28,6 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger("vllm." + __name__)
+
+ALIVE_CHECK_S = 0.5
+"""How often a wait for a copy checks that the copy thread still runs."""
 
 LayerCopy = Callable[[int], None]
 """Copies one layer (its index) of the step's blocks."""
@@ -84,15 +88,23 @@ class LayerLoads:
         """Return once layer ``layer`` of the step's copies is done (at once if none
         were started, or ``layer`` is not one of them)."""
         if 0 <= layer < len(self._done):
-            self._done[layer].wait()
+            self._wait(self._done[layer])
 
     def finish(self) -> bool:
         """Wait for every layer of the step's copies; whether all succeeded (True when
         none were started). The copy thread touches no memory afterwards."""
         for e in self._done:
-            e.wait()
+            self._wait(e)
         self._done = []
         return self._ok
+
+    def _wait(self, event: threading.Event) -> None:
+        """Wait for ``event``, or until the copy thread is found gone (then the step's
+        copies count as failed)."""
+        while not event.wait(ALIVE_CHECK_S):
+            if not self._thread.is_alive():
+                self._ok = False
+                return
 
     def close(self) -> None:
         """Finish the step's copies and end the copy thread."""

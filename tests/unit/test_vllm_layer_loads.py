@@ -74,6 +74,19 @@ def test_a_failed_layer_copy_is_reported_and_later_layers_are_not_copied():
     loads.close()
 
 
+def test_waits_end_when_the_copy_thread_is_gone():
+    """A copy that ends its thread (``SystemExit`` on it): the waits for the layers it
+    never copied return once the thread is found gone, and the step counts as failed."""
+
+    def copy(i: int) -> None:
+        raise SystemExit
+
+    loads = LayerLoads()
+    loads.start(copy, 3)
+    loads.wait(2)
+    assert loads.finish() is False
+
+
 def test_an_l2_load_copies_its_last_block_at_once_and_the_rest_behind():
     """Three blocks saved through L2, then loaded by another engine with ``behind``: the
     last block is in vLLM's blocks when ``load`` returns, the other two only once their
