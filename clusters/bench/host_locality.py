@@ -151,7 +151,7 @@ class LocalityRank:
         if source == "l2":
             l2 = self._l2_blocks()
             t0 = time.perf_counter()
-            loaded = l2.load(ids, hashes)
+            loaded, _ = l2.load(ids, hashes)
             seconds = time.perf_counter() - t0
         else:
             slots = (torch.tensor(ids)[:, None] * self._geom["page_size"]

@@ -117,7 +117,7 @@ class ITLEngine(VLLMEngine):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                n = l2.load(list(range(len(hashes))), hashes)
+                n, _ = l2.load(list(range(len(hashes))), hashes)
                 times.append((time.perf_counter() - t0) * 1000 if n == len(hashes) else -1.0)
             return times
 
