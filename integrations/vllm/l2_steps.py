@@ -21,8 +21,7 @@ class L2StepsMixin:
     """The L2 half of ``worker.RayKVConnectorWorker`` (vLLM's worker side groups its
     model runner's connector steps in a mixin the same way). It uses the worker's
     ``_l2`` (``L2Blocks``, None without L2), ``_behind`` (``LoadsBehind``, None on a GPU
-    KV cache), ``_layers``, ``opts``, ``stats``, ``_landed``, ``_warn``, ``_load_errors``
-    and ``_unsettled``."""
+    KV cache), ``_layers``, ``opts``, ``stats``, ``_landed``, ``_warn`` and ``_failed``."""
 
     def _load_l2(self, x: BlockTransfer, behind: LayerLoads | None) -> int | None:
         """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
@@ -71,8 +70,7 @@ class L2StepsMixin:
         if self._l2 is not None:
             self._l2.release()
         if not ok:
-            self._load_errors.update(blocks)
-            self._unsettled.update(blocks)
+            self._failed(blocks)
             self.stats["loaded"] -= len(blocks)
             self.stats["l2_loaded"] -= len(blocks)
             self.stats["load_failed"] += len(blocks)

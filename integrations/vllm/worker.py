@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -184,8 +185,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
             firsts = agree_tp(firsts)
         for x, first in zip(meta.loads, firsts, strict=True):
             if first < len(x.block_ids):
-                self._load_errors.update(x.block_ids[first:])
-                self._unsettled.update(x.block_ids[first:])
+                self._failed(x.block_ids[first:])
                 self.stats["load_failed"] += len(x.block_ids) - first
             self.stats["loaded"] += first
         self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -250,8 +250,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         if self._async is None:
             return None, None
         done = self._async.finished()
-        self._load_errors |= done.failed_blocks
-        self._unsettled |= done.failed_blocks
+        self._failed(done.failed_blocks)
         self.stats["loaded"] += done.loaded
         self.stats["async_loaded"] += done.loaded
         self.stats["load_failed"] += done.failed
@@ -319,6 +318,13 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
     def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
         """This step's reports of saves that landed (None: none, or events off)."""
         return LandedReports(reports) if (reports := self._landed.take()) else None
+
+    def _failed(self, blocks: Iterable[int]) -> None:
+        """``blocks`` did not load: reported to vLLM by this step's
+        ``get_block_ids_with_load_errors``, unsettled until the scheduler side has seen
+        them."""
+        self._load_errors.update(blocks)
+        self._unsettled.update(blocks)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -509,6 +509,16 @@ def test_l2_same_node_reuse_without_mooncake(engines, l2_engines, vcluster):
     assert _gets(vcluster)[n1] - gets == 7
 
 
+def _restored_recorded(e, f, p: list[int]) -> tuple[dict, dict, dict, dict, dict]:
+    """F serves ``p`` (E and F recording blocks): ``(F's answer, F's worker counters
+    before and after, E's saved digests, F's loaded digests)``."""
+    (w0,) = ray.get(f.worker_stats.remote())
+    got = ray.get(f.generate.remote(p))
+    (w1,) = ray.get(f.worker_stats.remote())
+    saved = ray.get(e.recorded_blocks.remote())["saved"]
+    return got, w0, w1, saved, ray.get(f.recorded_blocks.remote())["loaded"]
+
+
 @pytest.mark.parametrize("waited", [True, False], ids=["waited", "control-unwaited"])
 def test_l2_loads_copied_behind_the_forward_are_waited_for_layer_by_layer(l2_engines,
                                                                         vcluster, waited):
@@ -529,11 +539,7 @@ def test_l2_loads_copied_behind_the_forward_are_waited_for_layer_by_layer(l2_eng
     try:
         want = computed_then_restored(e, p)
         _flushed(vcluster, n2)
-        (w0,) = ray.get(f.worker_stats.remote())
-        got = ray.get(f.generate.remote(p))
-        (w1,) = ray.get(f.worker_stats.remote())
-        saved = ray.get(e.recorded_blocks.remote())["saved"]
-        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+        got, w0, w1, saved, loaded = _restored_recorded(e, f, p)
     finally:
         ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False),
                  f.unwaited_layer_loads.remote(False)])
@@ -755,11 +761,7 @@ def test_l2_node_actor_killed_engines_serve_l2_comes_back_empty(engines, l2_engi
             assert time.monotonic() < deadline, "node actor did not restart"
             time.sleep(0.5)
         emptied = _l2_stats(vcluster, n2)
-        (w0,) = ray.get(f.worker_stats.remote())
-        got = ray.get(f.generate.remote(p))
-        (w1,) = ray.get(f.worker_stats.remote())
-        saved = ray.get(e.recorded_blocks.remote())["saved"]
-        loaded = ray.get(f.recorded_blocks.remote())["loaded"]
+        got, w0, w1, saved, loaded = _restored_recorded(e, f, p)
     finally:
         ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
     assert emptied.get("ready", 0) == 0 and emptied.get("hits", 0) == 0, emptied

@@ -87,17 +87,24 @@ def test_waits_end_when_the_copy_thread_is_gone():
     assert loads.finish() is False
 
 
-def test_an_l2_load_copies_its_last_block_at_once_and_the_rest_behind():
-    """Three blocks saved through L2, then loaded by another engine with ``behind``: the
-    last block is in vLLM's blocks when ``load`` returns, the other two only once their
-    layers are copied, and their pages stay held until ``release``. Control: the same
-    load without ``behind`` copies all three at once and holds nothing."""
+def _three_saved() -> tuple[FakeLink, list[torch.Tensor], list[torch.Tensor]]:
+    """An L2 of two layers (``link``, ``store``) holding blocks 0-2 of engine ``a``
+    (random values) as h0-h2: ``(link, store, a)``."""
     link = FakeLink()
     store = [torch.zeros(PAGES, *BLOCK) for _ in range(2)]
     a = engine(layers=2)
     for layer in a:
         layer.normal_()
     assert l2(link, a, store).save([0, 1, 2], ["h0", "h1", "h2"]) == (3, [])
+    return link, store, a
+
+
+def test_an_l2_load_copies_its_last_block_at_once_and_the_rest_behind():
+    """Three blocks saved through L2, then loaded by another engine with ``behind``: the
+    last block is in vLLM's blocks when ``load`` returns, the other two only once their
+    layers are copied, and their pages stay held until ``release``. Control: the same
+    load without ``behind`` copies all three at once and holds nothing."""
+    link, store, a = _three_saved()
 
     class Behind:
         """LayerLoads' ``start``, the copies run when the test says."""
@@ -179,12 +186,7 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     for both layers in step 1): 2 of 3 blocks copied behind, their pages held until
     ``wait_for_save``, which ends the copies and gives the pages back. Control: a
     worker whose forward asked for one layer of two keeps copying on the step."""
-    link = FakeLink()
-    store = [torch.zeros(PAGES, *BLOCK) for _ in range(2)]
-    a = engine(layers=2)
-    for layer in a:
-        layer.normal_()
-    assert l2(link, a, store).save([0, 1, 2], ["h0", "h1", "h2"]) == (3, [])
+    link, store, a = _three_saved()
     b = engine(blocks=9, layers=2)
     w, names = _worker(b, link, store)
     _step(w, names, [0, 1, 2], ["h0", "h1", "h2"], names)
@@ -208,9 +210,7 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
 
 
 def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
-    link = FakeLink()
-    store = [torch.zeros(PAGES, *BLOCK) for _ in range(2)]
-    assert l2(link, engine(layers=2), store).save([0, 1, 2], ["h0", "h1", "h2"]) == (3, [])
+    link, store, _ = _three_saved()
     w, names = _worker(engine(blocks=9, layers=2), link, store)
     _step(w, names, [0, 1, 2], ["h0", "h1", "h2"], names)  # learnt
 
