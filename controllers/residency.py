@@ -55,3 +55,23 @@ def leading(held: Sequence[bool], per_page: int) -> int:
             break
         n += 1
     return n
+
+
+Change = tuple[str, str, bool]
+"""One residency change: ``(tier, key, held)``: object ``key`` came into (``held``) or
+left tier ``tier`` (``"l2"`` or ``"segment"``) of one node."""
+
+
+@dataclass(frozen=True)
+class ResidencyChanges:
+    """What ``node_id``'s residency log answers a router (``cache_actors.node.
+    residency_log``): ``changes`` of the caller's owner, oldest first; ``seq``, the
+    number to ask from next, with ``incarnation`` (the log's: a restarted node actor has
+    another). ``reset``: the router forgets what it knew of this node first (its
+    ``changes`` are then the node's L2 as it is, and the log from ``seq`` on)."""
+
+    node_id: str
+    incarnation: str
+    seq: int
+    reset: bool
+    changes: list[Change]

@@ -26,6 +26,9 @@ the rules that make a page's bytes right for whoever reads them:
   dirty; ``reserve`` never evicts anything else, so when every page is held, leased or
   dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
 
+A page becoming ready (``commit``) or stopping being ready (evicted) is told to
+``on_change(key, ready)`` when given (the node's residency log, for routers).
+
 Every method runs under the caller's lock (``L2Pools``); none blocks.
 """
 
@@ -60,15 +63,18 @@ class _Page:
 class L2Index:
     """The pages of one L2 pool of ``pages`` pages (see the module docstring).
     ``lease_s``: how long a ``lookup`` keeps a page from eviction; ``clock``: seconds
-    (``time.monotonic`` in the node actor). Counters in ``counts``."""
+    (``time.monotonic`` in the node actor); ``on_change``: see the module docstring.
+    Counters in ``counts``."""
 
-    def __init__(self, pages: int, lease_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, pages: int, lease_s: float, clock: Callable[[], float],
+                 on_change: Callable[[str, bool], None] | None = None) -> None:
         if pages < 1:
             raise ValueError(f"an L2 pool needs at least one page, got {pages}")
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
         self._clock = clock
+        self._on_change = on_change
         self._pages = [_Page() for _ in range(pages)]
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: page 0 first
         self._keys: dict[str, int] = {}  # key -> page, writing or ready
@@ -173,6 +179,8 @@ class L2Index:
                 self._held.setdefault(reader, set()).add(p)
             self.counts["written"] += 1
             made.append(p)
+            if self._on_change is not None:
+                self._on_change(page.key, True)
         return made
 
     def flushed(self, pages: Sequence[int], keys: Sequence[str]) -> None:
@@ -192,6 +200,15 @@ class L2Index:
             if page.writer == holder:
                 self._drop_writer(p, unhold=False)
                 self.counts["aborted"] += 1
+
+    def ready_keys(self, limit: int) -> list[str]:
+        """The keys of ready pages, most recently used first, at most ``limit``."""
+        out = []
+        for p in reversed(self._lru):
+            if len(out) >= limit:
+                break
+            out.append(self._pages[p].key)
+        return out
 
     def holders(self) -> list[Holder]:
         """Every holder holding a page now."""
@@ -217,6 +234,8 @@ class L2Index:
             if not page.readers and not page.dirty and page.lease_until <= now:
                 del self._lru[p]
                 del self._keys[page.key]
+                if self._on_change is not None:
+                    self._on_change(page.key, False)
                 page.key, page.lease_until = None, 0.0
                 self.counts["evicted"] += 1
                 return p

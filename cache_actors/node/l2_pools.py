@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index
+from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
@@ -102,19 +103,23 @@ class L2Pools:
     ``NodePools`` does (quotas, budget); ``move``: the store's put and get
     (``Move``); ``verify``: a caller's claim checked (``NodeService.verify``);
     ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
-    ``flush_attempts``: puts per object of the write-behind at most (1: no retry).
-    ``write_behind``: the write-behind (its ``attempts`` may be changed live)."""
+    ``flush_attempts``: puts per object of the write-behind at most (1: no retry);
+    ``log``: the node's residency log, told every key that becomes or stops being
+    ready in a pool (None: none). ``write_behind``: the write-behind (its
+    ``attempts`` may be changed live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
                  pool_names: Callable[[], Sequence[str]], move: Move,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
                  l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 log: ResidencyLog | None = None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
         self._move, self._verify = move, verify
         self.l2_bytes = l2_bytes
         self._lease_s, self._clock = lease_s, clock
+        self._log = log
         self._incarnation = uuid.uuid4().hex[:8]
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
@@ -164,7 +169,8 @@ class L2Pools:
             handle = self._create(name, sized, caller.owner)
             with self._lock:
                 self._pools[name] = _L2Pool(handle, caller.owner,
-                                            L2Index(fits, self._lease_s, self._clock))
+                                            L2Index(fits, self._lease_s, self._clock,
+                                                    self._told(caller.owner)))
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
             return handle
 
@@ -174,13 +180,17 @@ class L2Pools:
         names of a new incarnation, so no rank is ever given a page of memory it does
         not map (ops naming the old pools fail; their engines open L2 again)."""
         with self._lock:
+            for pool in self._pools.values():
+                self._dropped(pool)
             self._pools.clear()
             self._incarnation = uuid.uuid4().hex[:8]
 
     def forget(self, name: str) -> None:
         """Pool ``name`` left the node: it is no L2 pool any more."""
         with self._lock:
-            self._pools.pop(name, None)
+            pool = self._pools.pop(name, None)
+            if pool is not None:
+                self._dropped(pool)
 
     # ------------------------------------------------------------------- data
     def lookup(self, keys: list[str], per_page: int, caller: OwnerClaim | None = None, *,
@@ -208,6 +218,19 @@ class L2Pools:
         with self._lock:
             indexes = [p.index for p in self._pools.values() if p.owner == owner]
             return [any(x.page_of(k) is not None for x in indexes) for k in keys]
+
+    def ready_keys(self, owner: Owner | None, prefix: str, limit: int) -> tuple[list[str], int]:
+        """The keys starting with ``prefix`` ready in ``owner``'s L2 pools (most
+        recently used first in each pool, at most ``limit``) and the number of the last
+        change of the residency log they include (0 without a log): read together,
+        under the lock the log's L2 changes are recorded under."""
+        with self._lock:
+            keys: list[str] = []
+            for p in self._pools.values():
+                if p.owner == owner:
+                    keys += [k for k in p.index.ready_keys(limit - len(keys))
+                             if k.startswith(prefix)]
+            return keys, 0 if self._log is None else self._log.last
 
     def acquire(self, holder: Holder, pool: str, keys: list[str], fill: bool,
                 caller: OwnerClaim | None = None, *, deadline: float | None = None,
@@ -335,6 +358,18 @@ class L2Pools:
             self.counts["fill_failed"] += run - len(made)
         good = next((i for i, x in enumerate(ok) if not x), run)
         return pages[:good]
+
+    def _told(self, owner: Owner | None) -> Callable[[str, bool], None] | None:
+        """An index's ``on_change`` for a pool of ``owner``: into the residency log."""
+        log_ = self._log
+        if log_ is None:
+            return None
+        return lambda key, ready: log_.record(owner, "l2", (key,), ready)
+
+    def _dropped(self, pool: _L2Pool) -> None:
+        """``pool`` is no L2 pool any more (under ``_lock``): its keys left L2."""
+        if self._log is not None:
+            self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
 
     def _reap(self, index: L2Index) -> bool:
         """Release the holders of ``index`` whose process is gone (under ``_lock``);

@@ -74,6 +74,11 @@ class MooncakeBackend:
         if own_segment:
             self.prefer(own_segment)
 
+    @property
+    def prefers_own(self) -> bool:
+        """Whether puts prefer ``own_segment`` (``ReplicateConfig.preferred_segment``)."""
+        return self._steer is not None
+
     def prefer(self, segment: str) -> None:
         """Name ``segment`` this node's own: every later put prefers it (when
         ``prefer_own_segment``)."""

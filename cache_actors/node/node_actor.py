@@ -7,7 +7,7 @@ with four concurrency groups, each its own event loop, none of which ever blocks
 others do; ``pools`` (pool management, stats, shutdown) runs each call on a thread of its
 own executor (``POOL_THREADS``: creating a pool reserves its memory, destroying one
 drains its calls, up to 30 s); ``data`` calls (exists, put, get, group hits) run on the
-service's executor; ``route`` calls (residency, locate: what routers ask,
+service's executor; ``route`` calls (residency, residency_changes, locate: what routers ask,
 ``cache_actors.node.residency_query``) on ``ROUTE_THREADS`` threads of their own, never
 queued behind a transfer. Everything else (what each call does, which threads
 run what, which lock guards which state) is ``cache_actors.node.node_service``.
@@ -40,7 +40,7 @@ from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
-from raykv.controllers.residency import Residency
+from raykv.controllers.residency import Residency, ResidencyChanges
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class NodeCacheActor:
             l2_bytes=l2_bytes)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
-                                         self._service.verify)
+                                         self._service.verify, self._service.residency_log)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -258,6 +258,16 @@ class NodeCacheActor:
         deadline = time.monotonic() + min(max(float(within_s), 0.0), WAIT_S)
         return await asyncio.get_running_loop().run_in_executor(
             self._route, self._residency.residency, keys, per_page, owner, deadline)
+
+    @ray.method(concurrency_group="route")
+    async def residency_changes(self, since: tuple[str, int] | None,
+                                owner: OwnerClaim | None = None,
+                                within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
+        """``ResidencyQuery.changes``, not run if no thread took it within ``within_s``
+        seconds of its arrival here."""
+        deadline = time.monotonic() + min(max(float(within_s), 0.0), WAIT_S)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._route, self._residency.changes, since, owner, deadline)
 
     @ray.method(concurrency_group="route")
     async def locate(self, keys: list[str], owner: OwnerClaim | None = None

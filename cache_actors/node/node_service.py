@@ -70,6 +70,7 @@ from raykv.cache_actors.node.owner_masks import (
     outside,
     refused,
 )
+from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.ticket_desk import TicketDesk
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
@@ -138,13 +139,15 @@ class NodeService:
         # clear_objects(caller) -> objects removed: cache_actors.node.deployment_clear
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
+        # what routers read to keep a view of this node (cache_actors.node.residency_log)
+        self.residency_log = ResidencyLog()
         # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
         self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
                                                                         owner),
                           self._pools.destroy, lambda: list(self._pools.table.pools),
                           lambda op, batch, deadline, caller: self._move(
                               op, batch, None, deadline, caller, True),
-                          self.verify, l2_bytes=l2_bytes)
+                          self.verify, l2_bytes=l2_bytes, log=self.residency_log)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
                    self._stop)
@@ -309,6 +312,10 @@ class NodeService:
             replaced_during(op, moving, codes, table.epoch, pools.table.epoch,
                             self._store.backend.remove)
         codes = self._store.after_call(table.epoch, codes)
+        if op == "put" and self._store.backend.prefers_own:
+            self.residency_log.record(None if caller is None else caller.owner, "segment",
+                                      (k for k, c in zip(moving.keys, codes, strict=True)
+                                       if c == 0), True)
         if masked is not None:
             codes = merged(codes, masked, NOT_OWNED)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)

@@ -1,5 +1,7 @@
-"""A node's answers to routers: where a chain of pages lives (``residency``) and where
-each object's replicas live (``locate``).
+"""A node's answers to routers: where a chain of pages lives (``residency``), where
+each object's replicas live (``locate``), and what changed in this node's tiers since
+a router last asked (``changes``: the node's residency log, which keeps a router's view
+of the node up to date so that choosing a replica needs no call at all).
 
 ``ResidencyQuery.residency`` answers in one store call (Mooncake's
 ``batch_get_replica_desc``) and one look at the node's L2 index
@@ -35,9 +37,10 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.owner_masks import outside
+from raykv.cache_actors.node.residency_log import MAX_CHANGES, ResidencyLog
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
-from raykv.controllers.residency import Residency, check_pages, leading
+from raykv.controllers.residency import Residency, ResidencyChanges, check_pages, leading
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node.l2_pools import L2Pools
@@ -46,11 +49,14 @@ if TYPE_CHECKING:
 
 class ResidencyQuery:
     """Residency and locate answers of node ``node_id`` from its ``store`` and ``l2``;
-    ``verify``: a caller's claim checked (``NodeService.verify``)."""
+    ``verify``: a caller's claim checked (``NodeService.verify``); ``log``: the node's
+    residency log."""
 
     def __init__(self, node_id: str, store: NodeStore, l2: L2Pools,
-                 verify: Callable[[OwnerClaim | None], OwnerClaim | None]) -> None:
+                 verify: Callable[[OwnerClaim | None], OwnerClaim | None],
+                 log: ResidencyLog) -> None:
         self._node_id, self._store, self._l2, self._verify = node_id, store, l2, verify
+        self._log = log
         self._lock = threading.Lock()
         self.counts = {"queries": 0, "refused": 0, "failed": 0, "late": 0, "seconds": 0.0}
 
@@ -84,6 +90,32 @@ class ResidencyQuery:
         with self._lock:
             self.counts["seconds"] += time.perf_counter() - t
         return answer
+
+    def changes(self, since: tuple[str, int] | None, caller: OwnerClaim | None,
+                deadline: float) -> ResidencyChanges:
+        """The changes of the caller's owner (keys in its key prefix) after ``since``
+        (``(incarnation, seq)`` of this node's last answer; None: none yet), or, when
+        the log cannot answer from there, a ``reset`` with the caller's keys now ready
+        in this node's L2 and its puts to this node's segment the log keeps (see
+        ``cache_actors.node.residency_log``). Errors as
+        ``residency``'s."""
+        with self._counting():
+            caller = self._verify(caller)
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError("the changes query started after its "
+                                            "deadline; it was not run")
+            owner = None if caller is None else caller.owner
+            prefix = "" if caller is None else caller.key_prefix
+            log = self._log
+            got = None
+            if since is not None and since[0] == log.incarnation:
+                got = log.since(since[1], owner, prefix)
+            if got is not None:
+                return ResidencyChanges(self._node_id, log.incarnation, got[1], False, got[0])
+            keys, seq = self._l2.ready_keys(owner, prefix, MAX_CHANGES)
+            put = log.kept("segment", owner, prefix, MAX_CHANGES - len(keys))
+            return ResidencyChanges(self._node_id, log.incarnation, seq, True,
+                                    [("l2", k, True) for k in keys] + put)
 
     def locate(self, keys: list[str], caller: OwnerClaim | None) -> list[list[str]]:
         """Per key, the segments holding a complete replica of it (empty: L3 has

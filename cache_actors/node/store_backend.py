@@ -18,10 +18,12 @@ class StoreBackend(Protocol):
     """The node's client of the L3 store (Mooncake: embedded, or a dummy client of a
     ``mooncake_client`` process in standalone mode).
 
-    ``own_segment``: the name of this node's segment, which puts prefer (None: none
-    known); ``can_locate``: whether ``locate`` can answer."""
+    ``own_segment``: the name of this node's segment (None: none known);
+    ``prefers_own``: whether puts prefer it; ``can_locate``: whether ``locate`` can
+    answer."""
 
     own_segment: str | None
+    prefers_own: bool
     can_locate: bool
 
     def exists(self, keys: list[str]) -> list[int]:

@@ -1,25 +1,27 @@
-"""What routing by residency costs: the node actor's residency query and a router's
-whole look-up, for one request's chain of pages.
+"""What routing by residency costs: the node actor's residency query, a look-up that
+asks the node actors per request, and ``RayKVRouter``'s look-up from its residency view.
 
 Run: ``python -m raykv.clusters.bench.routing [--pages 64] [--iters 500] [--out DIR]``
 (a two-node embedded cluster of its own; Ray must not be running in this process).
 Node 1's L2 holds ``pages`` pages of one deployment (written back to its own segment);
 then, per iteration: the query inside node 1's actor (``in_actor``: ``ResidencyQuery``
-alone, no Ray call), the same query as a Ray call from the driver (``ray_call``), and a
-router's look-up as ``RayKVRouter`` makes it (``router``: the page hashes and keys of a
-prompt of ``pages`` full blocks of 16 tokens, plus one residency call to each of the two
-node actors at once, under a 1 s deadline, on an event loop). Then Ray Serve: an app
-of two replicas, one per node, routed by ``RayKVRouter`` (``deadline_ms`` 50): the
-router's own time per request (``serve_router``, from its ``recent_s``; of it, the
-keys' and the node actors' answers', ``serve_keys`` and ``serve_ask``) and where
-``requests`` requests whose prompt extends the held prefix landed (``on_holder``:
-the share on node 1's replica), against an app on Serve's own router
-(``pow2_on_holder``); then ``requests`` text requests (a 16 kB document), eight at
-once, through a router that tokenizes them with a local tokenizer
+alone, no Ray call), the same query as a Ray call from the driver (``ray_call``), a
+look-up that asks per request (``asked``: the page hashes and keys of a prompt of
+``pages`` full blocks of 16 tokens, plus one residency call to each of the two node
+actors at once, under a 1 s deadline, on an event loop), and one call to node 1's
+residency log as a router's view makes it every ``refresh_ms`` (``changes_call``: the
+first a reset, the others nothing new).
+Then Ray Serve: an app of two replicas, one per node, routed by ``RayKVRouter`` (its
+defaults), once its view has learnt node 1's L2: the router's own time per request
+(``serve_router``, from its ``recent_s``; of it, the keys' and the view's answers',
+``serve_keys`` and ``serve_view``) and where ``requests`` requests whose prompt extends
+the held prefix landed (``on_holder``: the share on node 1's replica), against an app
+on Serve's own router (``pow2_on_holder``); then ``requests`` text requests (a 16 kB
+document), eight at once, through a router that tokenizes them with a local tokenizer
 (``serve_router_text``, and each wave's wall time, ``text_wave_wall``; ``--no-text``
-skips it). Percentiles in milliseconds. Writes
-``routing.json`` to ``--out``. Numbers only: nothing asserts a speed. All nodes share
-one host here: Ray calls never cross a network.
+skips it). Percentiles in milliseconds. Writes ``routing.json`` to ``--out``. Numbers
+only: nothing asserts a speed. All nodes share one host here: Ray calls never cross a
+network.
 """
 
 from __future__ import annotations
@@ -103,12 +105,13 @@ def _text(app, opts: dict, tokenizer: str, requests: int, wave: int) -> dict:
             "text_counts": dict(router.counts)}
 
 
-def _serve(holder: str, prompt: list[int], requests: int, tokenizer: str | None) -> dict:
+def _serve(holder: str, prompt: list[int], chain: list[str], requests: int,
+           tokenizer: str | None) -> dict:
     from types import SimpleNamespace
 
     from ray import serve
 
-    opts = {"model_name": "bench/routing", "block_size": BLOCK, "deadline_ms": 50.0}
+    opts = {"model_name": "bench/routing", "block_size": BLOCK}
     app = serve.deployment(Where, num_replicas=2, max_replicas_per_node=1,
                            ray_actor_options={"num_cpus": 0})
     serve.start(proxy_location="Disabled")
@@ -120,14 +123,23 @@ def _serve(holder: str, prompt: list[int], requests: int, tokenizer: str | None)
         rnd = random.Random(1)
         asks = [SimpleNamespace(prompt=prompt + [rnd.randrange(3, 30000) for _ in range(8)])
                 for _ in range(requests)]
+        routed.remote(asks[0]).result(timeout_s=60)  # makes the handle's router
+        router = routed._router._asyncio_router.request_router
+        learnt = time.monotonic() + 60
+        while time.monotonic() < learnt:
+            got = router.view.answer(holder, chain, 1)
+            if got is not None and got.l2 == len(chain):
+                break
+            time.sleep(0.05)
+        router.recent_s.clear()
+        router.recent_parts.clear()
         on = [routed.remote(a).result(timeout_s=60) for a in asks]
         on_pow2 = [plain.remote(a).result(timeout_s=60) for a in asks]
-        router = routed._router._asyncio_router.request_router
-        parts = list(getattr(router, "recent_parts", []))  # none in older routers
+        parts = list(router.recent_parts)
         text = {} if tokenizer is None else _text(app, opts, tokenizer, requests, 8)
         return {"serve_router": _ms(list(router.recent_s)), "requests": requests, **text,
-                "serve_keys": _ms([k for k, _ in parts]) if parts else None,
-                "serve_ask": _ms([a for _, a in parts]) if parts else None,
+                "serve_keys": _ms([k for k, _ in parts]),
+                "serve_view": _ms([a for _, a in parts]),
                 "on_holder": on.count(holder) / requests,
                 "pow2_on_holder": on_pow2.count(holder) / requests,
                 "router_counts": dict(router.counts)}
@@ -179,16 +191,23 @@ def run(pages: int, iters: int, out: Path, requests: int = 200, text: bool = Tru
                 out.append(time.perf_counter() - t)
                 assert len(got) == 2
             return out
-        router = asyncio.run(routes())
+        asked = asyncio.run(routes())
+        log_calls, since = [], None
+        for _ in range(iters):
+            t = time.perf_counter()
+            c = ray.get(actor.residency_changes.remote(since, claim))
+            log_calls.append(time.perf_counter() - t)
+            since = (c.incarnation, c.seq)
         client.close()
         tokenizer = None
         if text:
             from raykv.clusters.demo.vllm_model import make_llama
 
             tokenizer = make_llama(str(out / "tiny-llama"))
-        serve_result = _serve(node1, prompt, requests, tokenizer)
+        serve_result = _serve(node1, prompt, chain, requests, tokenizer)
     result = {"pages": pages, "iters": iters, "answer": [answer.l2, answer.segment, answer.l3],
-              "in_actor": _ms(in_actor), "ray_call": _ms(calls), "router": _ms(router),
+              "in_actor": _ms(in_actor), "ray_call": _ms(calls), "asked": _ms(asked),
+              "changes_call": _ms(log_calls),
               **serve_result}
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing.json").write_text(json.dumps(result, indent=2))

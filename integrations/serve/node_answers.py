@@ -1,12 +1,15 @@
-"""Asking node actors where a request's pages live, all at once, within a deadline.
+"""Asking node actors where pages live: a request's pages on every node named, all at
+once within a deadline (``ask``), or what changed on one node since a router last
+asked (``changes``: what keeps ``RayKVRouter``'s view fresh).
 
 ``NodeAnswers.ask`` sends one ``residency`` call to the node actor of each node named
 (``cache_actors.node.residency_query``) and waits for all of them at most the
 deadline; a node that did not answer in time, failed or has no node actor is left out
-of the answer (it counts no pages). Nothing here blocks the event loop: the first call
-to a node looks its actor up (and, for a tenant, opens an owner session with it) on a
-thread; later calls only send. A late answer is dropped, never used. Counters in
-``counts`` (event-loop thread only).
+of the answer (it counts no pages). ``changes`` sends one ``residency_changes`` call
+and raises what it raised, or ``TimeoutError`` past its deadline. Nothing here blocks
+the event loop: the first call to a node looks its actor up (and, for a tenant, opens
+an owner session with it) on a thread; later calls only send. A late answer is
+dropped, never used. Counters in ``counts`` (event-loop thread only).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Iterable
 import ray
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.naming import node_actor_name
-from raykv.controllers.residency import Residency
+from raykv.controllers.ownership import OwnerClaim
+from raykv.controllers.residency import Residency, ResidencyChanges
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +60,52 @@ class NodeAnswers:
         for f in done:
             error = f.exception()
             if error is not None:
-                self.counts["failed"] += 1
-                self._actors.pop(calls[f], None)  # looked up again next time
-                if self._tenant:  # its session may be gone (the actor restarted)
-                    self._owner.forget()
-                    self._actors.clear()
-                log.debug("residency of node %s failed: %s", calls[f][:8], error)
+                self._failed(calls[f], error)
                 continue
             out[calls[f]] = f.result()
         self.counts["answered"] += len(out)
         return out
 
+    async def changes(self, node: str, since: tuple[str, int] | None,
+                      deadline_s: float) -> ResidencyChanges:
+        """``node``'s residency changes after ``since`` (``ResidencyQuery.changes``)
+        within ``deadline_s``: ``TimeoutError`` past it, else what the call raised."""
+        self.counts["asked"] += 1
+        try:
+            async with asyncio.timeout(deadline_s):
+                actor, claim = await self._actor(node)
+                got = await actor.residency_changes.remote(since, claim, deadline_s)
+        except TimeoutError:
+            self.counts["late"] += 1
+            raise
+        except Exception as e:
+            self._failed(node, e)
+            raise
+        self.counts["answered"] += 1
+        return got
+
     async def _one(self, node: str, keys: list[str], per_page: int,
                    deadline_s: float) -> Residency:
+        actor, claim = await self._actor(node)
+        return await actor.residency.remote(keys, per_page, claim, deadline_s)
+
+    async def _actor(self, node: str) -> tuple[ray.actor.ActorHandle, OwnerClaim]:
+        """``node``'s actor and the claim of the next call to it."""
         actor = self._actors.get(node)
         if actor is None:
             actor = await self._open(node)
         claim = self._owner.claim(node_actor_name(node), _no_session) if self._tenant \
             else self._owner.base
-        return await actor.residency.remote(keys, per_page, claim, deadline_s)
+        return actor, claim
+
+    def _failed(self, node: str, error: BaseException) -> None:
+        """A call to ``node`` failed: its actor is looked up again next time."""
+        self.counts["failed"] += 1
+        self._actors.pop(node, None)
+        if self._tenant:  # its session may be gone (the actor restarted)
+            self._owner.forget()
+            self._actors.clear()
+        log.debug("residency call to node %s failed: %s", node[:8], error)
 
     def warm(self, node_ids: Iterable[str]) -> None:
         """Start looking up the actors of ``node_ids`` not known yet (on the running

@@ -57,9 +57,12 @@ class RouteOptions:
       engines' or every answer is a miss (routing then degrades to power of two
       choices, never to a wrong load).
     - ``namespace``: raykv's Ray namespace.
-    - ``deadline_ms``: how long a request's routing waits for the node actors (20; a
-      residency call took 3.5 ms at the median as a Ray call on a loaded 2-core
-      machine, ``docs/benchmarks.md``).
+    - ``refresh_ms``: how often the router asks each node's residency log what
+      changed (100): its view of a node lags by about this much.
+    - ``deadline_ms``: how long one such call may take (250); it runs beside the
+      requests, never before one.
+    - ``stale_ms``: a node not heard from for this long counts as not answering, and
+      requests are routed as if raykv were not there (1000).
     - ``tokenizer``: the model (name or path) whose tokenizer and chat template turn a
       request's text into token ids (None: only requests that carry token ids are
       routed by residency).
@@ -79,7 +82,9 @@ class RouteOptions:
     extra_backend_tag: str | None = None
     tenant: str | None = None
     namespace: str = NAMESPACE
-    deadline_ms: float = 20.0
+    refresh_ms: float = 100.0
+    deadline_ms: float = 250.0
+    stale_ms: float = 1000.0
     tokenizer: str | None = None
     weight_l2: float = 1.0
     weight_segment: float = 0.8
@@ -99,9 +104,10 @@ class RouteOptions:
             raise ValueError("RayKVRouter: request_router_kwargs need model_name and "
                              "block_size (those of the engines' RayKVConnector)")
         opts = cls(**kwargs)
-        if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or opts.deadline_ms <= 0:
+        if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or \
+                not min(opts.refresh_ms, opts.deadline_ms, opts.stale_ms) > 0:
             raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1 and "
-                             "deadline_ms > 0")
+                             "refresh_ms, deadline_ms, stale_ms > 0")
         if opts.extra_backend_tag is None and opts.backend() is None:
             raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
                              "(the backend the engines run, e.g. FLASH_ATTN) or "

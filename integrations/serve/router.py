@@ -6,12 +6,15 @@ Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's tok
 keys them (``route_keys``; on the router's one keys thread when text must be tokenized
 or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
 requests meanwhile: one thread, as more would only contend for the GIL and the
-tokenizer's own threads), one ``residency`` call to the node actor of every
-candidate replica's node, all at once under ``deadline_ms`` (``node_answers``), and
-ranked groups of replicas by tier held against queue length (``ranking``). Any error,
-no token ids, no key, a timeout, or answers that tell no replica apart: Ray Serve's
-power of two choices, as if raykv were not there. The router never decides a load:
-each engine's connector does, so a wrong or stale answer costs a hit, never bytes.
+tokenizer's own threads), the residency of those keys on each candidate replica's node
+as the router's view has it (``residency_view``: no call, microseconds), and ranked
+groups of replicas by tier held against queue length (``ranking``). Beside the
+requests, one task per node of the replicas asks that node's actor what changed every
+``refresh_ms`` (``residency_changes``, each call within ``deadline_ms``), so the view
+lags the nodes by about one refresh. Any error, no token ids, no key, a node not heard
+from for ``stale_ms``, or a view that tells no replica apart: Ray Serve's power of two
+choices, as if raykv were not there. The router never decides a load: each engine's
+connector does, so a wrong or stale view costs a hit, never bytes.
 
 Configure it in ``LLMConfig.deployment_config``::
 
@@ -21,10 +24,11 @@ Configure it in ``LLMConfig.deployment_config``::
 
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
 residency, ``fallback`` (power of two), ``failed`` (an error, logged at most once a
-minute), and ``overhead_s`` (seconds spent choosing, in all); ``recent_s``: the
-seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
-last ``RECENT`` requests that asked node actors, the seconds spent on their keys (token
-ids and page hashes) and on the node actors' answers.
+minute), ``overhead_s`` (seconds spent choosing, in all), ``refreshed`` and
+``refresh_failed`` (calls to the nodes' logs); ``recent_s``: the seconds each of the
+last ``RECENT`` requests spent choosing; ``recent_parts``: of the last ``RECENT``
+requests that had keys, the seconds spent on their keys (token ids and page hashes)
+and on the view's answers.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.integrations.serve.node_answers import NodeAnswers
 from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Weights, rank
+from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 
 log = logging.getLogger(__name__)
@@ -65,20 +70,54 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         o = self.options
         self._weights = Weights(o.weight_l2, o.weight_segment, o.weight_l3, o.weight_load)
         self._warn = ThrottledLog(log)
-        self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0}
+        self.view = ResidencyView(o.stale_ms / 1e3, time.monotonic)
+        self._refreshing: dict[str, asyncio.Task] = {}
+        self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
+                       "refreshed": 0, "refresh_failed": 0}
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
         self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="raykv-router-keys")
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Serve's, then the node actors of the replicas' nodes are looked up ahead of
-        the first request (when called on the router's event loop)."""
+        """Serve's, then (when called on the router's event loop) the view watches
+        exactly the replicas' nodes, their actors looked up ahead of the first request."""
         super().update_replicas(replicas)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._nodes.warm(r.node_id for r in replicas)
+        self._watch({r.node_id for r in replicas}, exact=True)
+
+    def _watch(self, nodes: set[str], exact: bool) -> None:
+        """Keep the view of ``nodes`` fresh (``exact``: and of no other node). On the
+        router's event loop."""
+        if exact:
+            for node in set(self._refreshing) - nodes:
+                self._refreshing.pop(node).cancel()
+            self.view.watch(nodes)
+        else:
+            self.view.watch(set(self.view.nodes) | nodes)
+        self._nodes.warm(nodes)
+        for node in nodes - set(self._refreshing):
+            self._refreshing[node] = asyncio.ensure_future(self._refresh(node))
+
+    async def _refresh(self, node: str) -> None:
+        """Ask ``node``'s log what changed every ``refresh_ms``, one call at a time,
+        each within ``deadline_ms``, until cancelled; a failed call is counted (the
+        node goes stale in the view if none succeeds for ``stale_ms``)."""
+        period, deadline = self.options.refresh_ms / 1e3, self.options.deadline_ms / 1e3
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            try:
+                self.view.apply(await self._nodes.changes(node, self.view.since(node),
+                                                          deadline))
+                self.counts["refreshed"] += 1
+            except Exception as e:
+                self.counts["refresh_failed"] += 1
+                log.debug("RayKVRouter: refreshing the view of node %s failed: %s",
+                          node[:8], e)
+            await asyncio.sleep(max(0.0, period - (loop.time() - t)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -104,6 +143,9 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                             request: PendingRequest | None) -> list[list[RunningReplica]] | None:
         if request is None or len(candidates) < 2:
             return None
+        nodes = {c.node_id for c in candidates}
+        if not nodes <= set(self._refreshing):
+            self._watch(nodes, exact=False)
         t = time.perf_counter()
         tokens = self._tokens.given(request.args, request.kwargs)
         if tokens is not None and len(tokens) <= INLINE_TOKENS:
@@ -116,8 +158,9 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         if not keys:
             return None
         t_keys = time.perf_counter()
-        answers = await self._nodes.ask([c.node_id for c in candidates], keys,
-                                        self._keys.per_page, self.options.deadline_ms / 1e3)
+        per_page = self._keys.per_page
+        answers = {n: a for n in nodes
+                   if (a := self.view.answer(n, keys, per_page)) is not None}
         self.recent_parts.append((t_keys - t, time.perf_counter() - t_keys))
         cache = self.replica_queue_len_cache
         return rank(candidates, lambda c: c.node_id, answers,

@@ -268,19 +268,21 @@ def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
 # with two replicas per app, one per node (``max_replicas_per_node=1``), each answering
 # its node id. The pages of a long prefix are written into node 1's L2 (write-behind to node 1's
 # own segment) under the keys raykv's vLLM connector gives them. What is verified: the
-# router computes those keys (checked against the client's own keying), asks both node
-# actors, and every request sharing the prefix lands on node 1's replica; the controls
-# are the same requests through Serve's default power-of-two router, a prompt no node
-# holds, and node 1's actor SIGSTOPped (both fall back to power of two within the
-# deadline, and every request is answered). Not verified here: vLLM replicas (Ray Serve
-# LLM's start takes 24-51 s a replica on this machine); ``RAYKV_SLOW_ROUTER_TESTS=1``
-# runs ``test_router_llm.py`` for that.
+# router computes those keys (checked against the client's own keying), its view learns
+# node 1's L2 from node 1's residency log, and every request sharing the prefix lands on
+# node 1's replica; the controls are the same requests through Serve's default
+# power-of-two router, a prompt no node holds, and node 1's actor SIGSTOPped (both fall
+# back to power of two once the view finds node 1 stale, and every request is
+# answered). Not verified here: vLLM replicas (Ray Serve LLM's start takes 24-51 s a
+# replica on this machine); ``RAYKV_SLOW_ROUTER_TESTS=1`` runs ``test_router_llm.py``
+# for that.
 
 ROUTE_BLOCK = 8
 TOKENS = 129  # 16 full blocks that an engine could load (the last token is computed)
 REQUESTS = 16  # a router that is not routing by residency puts them all on one
 # node with chance 2^-15
 DEADLINE_MS = 2000.0
+STALE_MS = 3000.0  # a patient view on a loaded 2-core machine
 
 
 def where():
@@ -306,8 +308,10 @@ def apps(cluster):
 
     serve.start(proxy_location="Disabled")
     model = f"org/route-{os.getpid()}"
-    # a generous deadline: this checks where requests go, on a loaded 2-core machine
-    kwargs = {"model_name": model, "block_size": ROUTE_BLOCK, "deadline_ms": DEADLINE_MS}
+    # a generous deadline and a patient view: this checks where requests go, on a
+    # loaded 2-core machine
+    kwargs = {"model_name": model, "block_size": ROUTE_BLOCK, "deadline_ms": DEADLINE_MS,
+              "stale_ms": STALE_MS}
     # and as patient a queue-length probe (the handles' routers run in this process):
     # Serve passes over a chosen replica whose probe does not answer within 0.1 s, which
     # on a loaded machine sent every request to the replica of the other node
@@ -373,14 +377,30 @@ def hold_on_node(cluster, opts: RouteOptions, prompt: list[int]) -> None:
         client.close()
 
 
+def learnt(handle, opts: RouteOptions, node: str, prompt: list[int]):
+    """The ``RayKVRouter`` behind ``handle``, once its residency view has learnt from
+    ``node``'s residency log that the node's L2 holds every loadable page of ``prompt``
+    (a first request makes the handle's router; at most 30 s)."""
+    nodes_of(handle, [tokens(999, 4)])
+    router, keys = router_of(handle), RouteKeys(opts).keys(prompt)
+    deadline = time.monotonic() + 30
+    while True:
+        got = router.view.answer(node, keys, 1)
+        if got is not None and got.l2 == len(keys):
+            return router
+        assert time.monotonic() < deadline, (got, router.counts, router.view.counts)
+        time.sleep(0.05)
+
+
 def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
     handles, opts = apps
     node1 = cluster.node_ids[0]
     shared = tokens(1)
     hold_on_node(cluster, opts, shared)
+    before = learnt(handles["raykv"], opts, node1, shared).counts["routed"]
     prompts = [shared + tokens(100 + i, 8) for i in range(REQUESTS)]
     assert set(nodes_of(handles["raykv"], prompts)) == {node1}
-    assert router_of(handles["raykv"]).counts["routed"] == REQUESTS
+    assert router_of(handles["raykv"]).counts["routed"] - before == REQUESTS
     # controls: Serve's own router, and a prefix no node holds, spread over both nodes
     assert set(nodes_at_once(handles["pow2"], prompts)) == set(cluster.node_ids)
     cold = [tokens(200 + i) for i in range(REQUESTS)]
@@ -388,26 +408,33 @@ def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
 
 
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
-    """Node 1's actor SIGSTOPped: no residency answer from it within the deadline, so
-    every request is answered, routed by power of two choices (a partial view is not
-    used: node 2's answer alone would send all of them to node 2, which holds the
-    prefix in L3). Control: the same requests once node 1's actor runs again are
-    routed by residency."""
+    """Node 1's actor SIGSTOPped: the router hears nothing from it, so once its view
+    of node 1 is stale every request is answered, routed by power of two choices (a
+    partial view is not used: node 2's alone would send all of them to node 2, which
+    holds the prefix in L3). Control: the same requests once node 1's actor runs again
+    and the view heard from it are routed by residency."""
     handles, opts = apps
+    node1 = cluster.node_ids[0]
     shared = tokens(2)
     hold_on_node(cluster, opts, shared)
     prompts = [shared + tokens(300 + i, 8) for i in range(2)]
-    router = router_of(handles["raykv"])
-    pid = ray.get(cluster.node_actors[cluster.node_ids[0]].health.remote())["pid"]
-    before = dict(router.counts)
+    router = learnt(handles["raykv"], opts, node1, shared)
+    pid = ray.get(cluster.node_actors[node1].health.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        fresh_for = time.monotonic()
+        while router.view.fresh(node1):  # its refreshes go unanswered: stale in stale_ms
+            assert time.monotonic() - fresh_for < 30
+            time.sleep(0.05)
+        before = dict(router.counts)
         got = nodes_of(handles["raykv"], prompts)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert len(got) == len(prompts)
     assert router.counts["fallback"] - before["fallback"] == len(prompts)
     assert router.counts["routed"] == before["routed"]
-    assert set(nodes_of(handles["raykv"], prompts)) == {cluster.node_ids[0]}
+    learnt(handles["raykv"], opts, node1, shared)  # heard from again
+    before = dict(router.counts)
+    assert set(nodes_of(handles["raykv"], prompts)) == {node1}
     assert router.counts["routed"] == before["routed"] + len(prompts)
 

@@ -259,7 +259,9 @@ def test_a_tenants_router_finds_its_prefix_and_learns_nothing_of_others(cluster,
     in node 1's L2, on its segment and in L3 (node 2: L3); another tenant's router,
     asking about the same prompt, finds nothing (its keys are its own); a router
     claiming the tenant with another secret gets no answer at all (its session is
-    refused), so it would route by power of two."""
+    refused), so it would route by power of two. The same for node 1's residency log
+    (what a router's view is kept from): the tenant's keys in L2 and on the segment,
+    none for the other tenant, no answer for the impostor."""
     import asyncio
 
     from raykv.cache_actors.rank.rank_owner import RankOwner
@@ -276,6 +278,9 @@ def test_a_tenants_router_finds_its_prefix_and_learns_nothing_of_others(cluster,
         keys = RouteKeys(RouteOptions.parse({"model_name": f"org/rt-{uid}", "block_size": 4,
                                              "tenant": tenant}))
         return keys, NodeAnswers(NAMESPACE, RankOwner.of_config(keys.config))
+
+    def changes(nodes: NodeAnswers):
+        return asyncio.run(nodes.changes(node1, None, 10.0))
 
     def ask(keys: RouteKeys, nodes: NodeAnswers) -> dict:
         got = asyncio.run(nodes.ask(cluster.node_ids, keys.keys(prompt), 1, 10.0))
@@ -298,5 +303,13 @@ def test_a_tenants_router_finds_its_prefix_and_learns_nothing_of_others(cluster,
         assert ask(*router(f"rb{uid}", SECRET_B)) == {node1: (0, 0, 0), node2: (0, 0, 0)}
         impostor_keys, impostor = router(f"ra{uid}", SECRET_C)
         assert ask(impostor_keys, impostor) == {} and impostor.counts["failed"] == 2
+        # the residency log a router's view is kept from: the tenant's own keys only
+        tenant_keys = set(keys.keys(prompt))
+        got = changes(nodes)
+        assert got.reset and {("l2", k, True) for k in tenant_keys} | {
+            ("segment", k, True) for k in tenant_keys} == set(got.changes)
+        assert changes(router(f"rb{uid}", SECRET_B)[1]).changes == []
+        with pytest.raises(Exception, match="session|proof|refused"):
+            changes(router(f"ra{uid}", SECRET_C)[1])
     finally:
         client.close()

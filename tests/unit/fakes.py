@@ -70,6 +70,7 @@ class FakeBackend:
         self.health = 0
         self.closed = False
         self.own_segment: str | None = "10.213.0.2:12345"
+        self.prefers_own = True
         self.can_locate = True
         self._maps: list[tuple[int, mmap.mmap]] = []
 
