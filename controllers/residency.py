@@ -57,6 +57,9 @@ def leading(held: Sequence[bool], per_page: int) -> int:
     return n
 
 
+MAX_CHANGES = 16384
+"""Changes one ``ResidencyChanges`` answer carries at most (the rest in the next)."""
+
 Change = tuple[str, str, bool]
 """One residency change: ``(tier, key, held)``: object ``key`` came into (``held``) or
 left tier ``tier`` (``"l2"`` or ``"segment"``) of one node."""

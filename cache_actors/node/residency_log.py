@@ -27,13 +27,11 @@ from collections.abc import Iterable
 from itertools import islice
 
 from raykv.controllers.ownership import Owner
-from raykv.controllers.residency import Change
+from raykv.controllers.residency import MAX_CHANGES, Change
 
 LOG_CHANGES = 65536
 """Changes a node keeps for routers (about 10 MB of keys): a router that polls every
 0.1 s falls behind only past ~650 000 changes a second."""
-MAX_CHANGES = 16384
-"""Changes one answer carries at most (the rest in the next)."""
 
 
 class ResidencyLog:

@@ -37,10 +37,16 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.owner_masks import outside
-from raykv.cache_actors.node.residency_log import MAX_CHANGES, ResidencyLog
+from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
-from raykv.controllers.residency import Residency, ResidencyChanges, check_pages, leading
+from raykv.controllers.residency import (
+    MAX_CHANGES,
+    Residency,
+    ResidencyChanges,
+    check_pages,
+    leading,
+)
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node.l2_pools import L2Pools

@@ -43,6 +43,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.controllers.residency import MAX_CHANGES
 from raykv.integrations.serve.node_answers import NodeAnswers
 from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Weights, rank
@@ -102,22 +103,24 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             self._refreshing[node] = asyncio.ensure_future(self._refresh(node))
 
     async def _refresh(self, node: str) -> None:
-        """Ask ``node``'s log what changed every ``refresh_ms``, one call at a time,
-        each within ``deadline_ms``, until cancelled; a failed call is counted (the
-        node goes stale in the view if none succeeds for ``stale_ms``)."""
+        """Ask ``node``'s log what changed every ``refresh_ms`` (at once again after a
+        full answer), one call at a time, each within ``deadline_ms``, until cancelled;
+        a failed call is counted (the node goes stale in the view if none succeeds for
+        ``stale_ms``)."""
         period, deadline = self.options.refresh_ms / 1e3, self.options.deadline_ms / 1e3
         loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t, more = loop.time(), False
             try:
-                self.view.apply(await self._nodes.changes(node, self.view.since(node),
-                                                          deadline))
+                answer = await self._nodes.changes(node, self.view.since(node), deadline)
+                self.view.apply(answer)
                 self.counts["refreshed"] += 1
+                more = len(answer.changes) >= MAX_CHANGES  # the rest: ask again now
             except Exception as e:
                 self.counts["refresh_failed"] += 1
                 log.debug("RayKVRouter: refreshing the view of node %s failed: %s",
                           node[:8], e)
-            await asyncio.sleep(max(0.0, period - (loop.time() - t)))
+            await asyncio.sleep(0.0 if more else max(0.0, period - (loop.time() - t)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
