@@ -274,8 +274,10 @@ def start_local(
         else:
             from ray.cluster_utils import Cluster
 
+            # no dashboard (as a one-node cluster): its fixed port, taken by any other
+            # Ray on the machine, made the head node time out at start
             ray_cluster = Cluster(initialize_head=True, head_node_args=node_args | {
-                "_system_config": FAST_HEALTH_CHECKS})
+                "_system_config": FAST_HEALTH_CHECKS, "include_dashboard": False})
             for _ in range(num_nodes - 1):
                 ray_cluster.add_node(**node_args)
             ray_cluster.wait_for_nodes()

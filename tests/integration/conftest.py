@@ -1,4 +1,6 @@
+import contextlib
 import os
+import socket
 import uuid
 from contextlib import contextmanager
 
@@ -11,13 +13,27 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 MODES = ("embedded", "standalone")
 
 
+RAY_DASHBOARD_PORT = 8265
+
+
+@contextmanager
 def two_nodes(mode: str):
     """A real two-node raykv cluster (Ray + mooncake_master; standalone: a supervised
-    mooncake_client per node) in Mooncake ``mode``."""
+    mooncake_client per node) in Mooncake ``mode``, started while Ray's default
+    dashboard port is taken (as another Ray on the machine takes it: a cluster's
+    start must not depend on it; with the dashboard on, the head node timed out)."""
     from raykv import start_local
 
-    return start_local(num_nodes=2, global_segment_size=256 << 20,
-                       standalone=mode == "standalone")
+    with contextlib.ExitStack() as held:
+        listener = socket.socket()
+        held.callback(listener.close)
+        with contextlib.suppress(OSError):  # taken already: as good
+            listener.bind(("127.0.0.1", RAY_DASHBOARD_PORT))
+            listener.listen()
+        cluster = start_local(num_nodes=2, global_segment_size=256 << 20,
+                              standalone=mode == "standalone")
+    with cluster:
+        yield cluster
 
 
 @contextmanager
