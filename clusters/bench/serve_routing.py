@@ -127,6 +127,7 @@ def _router_state(replica) -> dict | None:
         chooser = getattr(inner, "request_router", None)
         if chooser is not None and hasattr(chooser, "recent_s"):
             return {"ready": chooser._tokens.ready, "recent_s": list(chooser.recent_s),
+                    "recent_parts": list(getattr(chooser, "recent_parts", [])),
                     "counts": dict(chooser.counts)}
     return None
 
@@ -263,11 +264,30 @@ def _warm_up(url: str, raykv: bool, timeout_s: float) -> None:
         time.sleep(1)
 
 
+def _node_stats(cluster) -> dict:
+    """Each node actor's counters and its L2's counts at the end of a run (raw: what
+    raykv served of the cached tokens), by node id's first 12 characters."""
+    out = {}
+    for node, actor in cluster.node_actors.items():
+        try:
+            stats = ray.get(actor.stats.remote(), timeout=30)
+        except Exception as e:  # a figure missing, not a failed run
+            out[node[:12]] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        l2 = stats.get("l2") or {}
+        out[node[:12]] = {"counters": stats.get("counters"),
+                          "l2": {k: v for k, v in l2.items() if k != "pools"},
+                          "l2_pools": [{k: v for k, v in pool.items()
+                                        if k in ("pages", "written", "evicted", "hits", "misses")}
+                                       for pool in (l2.get("pools") or {}).values()]}
+    return out
+
+
 def _stall(cluster, node_id: str, seconds: float) -> dict:
     """SIGSTOP the node actor of ``node_id`` for ``seconds`` on a thread (SIGCONT after,
     whatever happens); the pid and the stop's times."""
     pid = ray.get(cluster.node_actors[node_id].__ray_call__.remote(lambda self: os.getpid()))
-    info = {"node": node_id, "pid": pid, "seconds": seconds}
+    info = {"node": node_id[:12], "pid": pid, "seconds": seconds, "asked_at": time.time()}
 
     def stop_then_continue() -> None:
         os.kill(pid, signal.SIGSTOP)
@@ -312,8 +332,15 @@ def run_router(router: str, model: str, streams: list[Stream],
                     stalled.update(_stall(cluster, cluster.node_ids[1], args.stall_s))
             started = time.monotonic() - t_start
             t = time.monotonic()
-            outcomes = drive(url, streams, args.max_tokens, args.request_timeout_s,
-                             args.run_timeout_s, at_third)
+            try:
+                outcomes = drive(url, streams, args.max_tokens, args.request_timeout_s,
+                                 args.run_timeout_s, at_third)
+            finally:
+                if stalled:  # never leave a node actor stopped, whatever happened
+                    time.sleep(max(0.0, stalled["seconds"] + stalled["asked_at"]
+                                   - time.time()))
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(stalled["pid"], signal.SIGCONT)
             wall = time.monotonic() - t
             ran = {}
             for name, a in _serve_actors("LLMServer"):
@@ -321,9 +348,7 @@ def run_router(router: str, model: str, streams: list[Stream],
                     if user and user != WARMUP:
                         ran.setdefault(user, []).append(name)
             after = _router() if raykv else None
-            if stalled:
-                time.sleep(max(0.0, stalled["seconds"] - (time.time() - stalled["stopped_at"]))
-                           + 1)
+            node_stats = _node_stats(cluster) if router != "pow2_off" else {}
     placed = [o if len(ran.get(f"{o.stream}#{o.turn}", [])) != 1
               else Outcome(**asdict(o) | {"replica": ran[f"{o.stream}#{o.turn}"][0]})
               for o in outcomes]
@@ -331,11 +356,19 @@ def run_router(router: str, model: str, streams: list[Stream],
     result |= {"router": router, "start_s": started, "wall_s": wall,
                "replica_nodes": {r: n[:12] for r, n in replicas.items()},
                "errors": sorted({o.error for o in outcomes if o.error})[:5]}
+    if node_stats:
+        result["node_stats"] = node_stats
     if after is not None:
         n = sum(after["counts"][k] - before["counts"][k] for k in ("routed", "fallback"))
         recent = after["recent_s"][-n:] if n else []
-        result |= {"overhead_p50_ms": (percentile(recent, 0.5) or 0) * 1e3 if recent else None,
-                   "overhead_p99_ms": (percentile(recent, 0.99) or 0) * 1e3 if recent else None,
+        asked = len(after["recent_parts"]) - len(before["recent_parts"])
+        parts = after["recent_parts"][-asked:] if asked > 0 else []
+        for i, part in enumerate(("keys", "ask")):
+            got = [p[i] for p in parts]
+            result[f"{part}_p50_ms"] = percentile(got, 0.5) * 1e3 if got else None
+            result[f"{part}_p99_ms"] = percentile(got, 0.99) * 1e3 if got else None
+        result |= {"overhead_p50_ms": percentile(recent, 0.5) * 1e3 if recent else None,
+                   "overhead_p99_ms": percentile(recent, 0.99) * 1e3 if recent else None,
                    "counts": {k: after["counts"][k] - before["counts"][k]
                               for k in after["counts"]}}
     if stalled:

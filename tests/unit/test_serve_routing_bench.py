@@ -99,3 +99,10 @@ def test_verdict_compares_raykv_with_the_other_routers():
     runs["raykv"]["requests_max_over_min"] = None
     assert verdict(runs)["requests_max_over_min"]["met"] is False
     assert verdict({"raykv": runs["raykv"]})["computed_vs_pow2"]["met"] is None
+
+
+def test_node_resources_are_refused_for_emulated_hosts_before_anything_starts():
+    from raykv.clusters.local import start_local
+
+    with pytest.raises(ValueError, match="resources"):
+        start_local(hosts=2, resources={"serve_llm": 2})
