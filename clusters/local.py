@@ -171,6 +171,7 @@ def start_local(
     link: str | None = None,
     l2_bytes: int = DEFAULTS.l2_bytes,
     placement: str = DEFAULTS.placement,
+    resources: dict[str, float] | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -216,12 +217,15 @@ def start_local(
     node from the start; ``bound_tenants_only``: no other tenant is bound
     (``NodeSettings``). ``l2_bytes``: the most bytes of each node's L2 pools (vLLM's
     node-local cache; 0: none). ``placement``: ``own`` (puts prefer the writing node's
-    segment) or ``any`` (Mooncake's random choice).
+    segment) or ``any`` (Mooncake's random choice). ``resources``: custom Ray resources
+    every node advertises (also nodes added later), e.g. to place replicas by a bundle.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
                            "its own Ray (call ray.shutdown() first)")
     if hosts:
+        if resources:
+            raise ValueError("resources are for start_local's own nodes, not emulated hosts")
         if num_nodes not in (1, hosts) or local_hostname is not None:
             raise ValueError("with hosts, num_nodes is the number of hosts and every node's "
                              "Mooncake binds its host's address (local_hostname None)")
@@ -260,6 +264,8 @@ def start_local(
                        metadata_server=master.metadata_server)
     ray_cluster = None
     node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
+    if resources:
+        node_args["resources"] = dict(resources)
     try:
         ray_auth.settle()
         if network is not None:
