@@ -85,8 +85,12 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
     engine["kv_cache_memory_bytes"] = args.kv_mib << 20
     if router == "pow2_off":
         del engine["kv_transfer_config"]
-    elif args.l2_blocks:
-        engine["kv_transfer_config"]["kv_connector_extra_config"]["l2_blocks"] = args.l2_blocks
+    else:
+        extra = engine["kv_transfer_config"]["kv_connector_extra_config"]
+        if args.l2_blocks:
+            extra["l2_blocks"] = args.l2_blocks
+        if args.async_transfers:
+            extra["async_transfers"] = True
     if router == "prefix_affinity":
         config.deployment_config["request_router_config"] = {
             "request_router_class": PREFIX_AFFINITY}
@@ -393,6 +397,9 @@ def main() -> None:
     p.add_argument("--l2-mib", type=int, default=256, help="each node's L2")
     p.add_argument("--l2-blocks", type=int, default=1024,
                    help="the connector's l2_blocks (the node's shared L2 pool; 0: L2 off)")
+    p.add_argument("--async-transfers", action="store_true",
+                   help="the connector's async_transfers: lookups on a thread, loads off "
+                        "the step, saves one batch into L2 a step")
     p.add_argument("--deadline-ms", type=float, default=100.0,
                    help="RayKVRouter's deadline for the node actors' answers")
     p.add_argument("--scale", type=float, default=1.0,
