@@ -105,7 +105,7 @@ class L2Pools:
     ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
     ``flush_attempts``: puts per object of the write-behind at most (1: no retry);
     ``log``: the node's residency log, told every key that becomes or stops being
-    ready in a pool (None: none). ``write_behind``: the write-behind (its
+    ready in a pool (None: one of its own). ``write_behind``: the write-behind (its
     ``attempts`` may be changed live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
@@ -119,7 +119,7 @@ class L2Pools:
         self._move, self._verify = move, verify
         self.l2_bytes = l2_bytes
         self._lease_s, self._clock = lease_s, clock
-        self._log = log
+        self._log = log or ResidencyLog()
         self._incarnation = uuid.uuid4().hex[:8]
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
@@ -222,15 +222,15 @@ class L2Pools:
     def ready_keys(self, owner: Owner | None, prefix: str, limit: int) -> tuple[list[str], int]:
         """The keys starting with ``prefix`` ready in ``owner``'s L2 pools (most
         recently used first in each pool, at most ``limit``) and the number of the last
-        change of the residency log they include (0 without a log): read together,
-        under the lock the log's L2 changes are recorded under."""
+        change of the residency log they include: read together, under the lock the
+        log's L2 changes are recorded under."""
         with self._lock:
             keys: list[str] = []
             for p in self._pools.values():
                 if p.owner == owner:
                     keys += [k for k in p.index.ready_keys(limit - len(keys))
                              if k.startswith(prefix)]
-            return keys, 0 if self._log is None else self._log.last
+            return keys, self._log.last
 
     def acquire(self, holder: Holder, pool: str, keys: list[str], fill: bool,
                 caller: OwnerClaim | None = None, *, deadline: float | None = None,
@@ -359,17 +359,13 @@ class L2Pools:
         good = next((i for i, x in enumerate(ok) if not x), run)
         return pages[:good]
 
-    def _told(self, owner: Owner | None) -> Callable[[str, bool], None] | None:
+    def _told(self, owner: Owner | None) -> Callable[[str, bool], None]:
         """An index's ``on_change`` for a pool of ``owner``: into the residency log."""
-        log_ = self._log
-        if log_ is None:
-            return None
-        return lambda key, ready: log_.record(owner, "l2", (key,), ready)
+        return lambda key, ready: self._log.record(owner, "l2", (key,), ready)
 
     def _dropped(self, pool: _L2Pool) -> None:
         """``pool`` is no L2 pool any more (under ``_lock``): its keys left L2."""
-        if self._log is not None:
-            self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
+        self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
 
     def _reap(self, index: L2Index) -> bool:
         """Release the holders of ``index`` whose process is gone (under ``_lock``);

@@ -139,8 +139,7 @@ class NodeService:
         # clear_objects(caller) -> objects removed: cache_actors.node.deployment_clear
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
-        # what routers read to keep a view of this node (cache_actors.node.residency_log)
-        self.residency_log = ResidencyLog()
+        self.residency_log = ResidencyLog()  # what routers keep their view of this node by
         # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
         self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
                                                                         owner),
@@ -313,9 +312,7 @@ class NodeService:
                             self._store.backend.remove)
         codes = self._store.after_call(table.epoch, codes)
         if op == "put" and self._store.backend.prefers_own:
-            self.residency_log.record(None if caller is None else caller.owner, "segment",
-                                      (k for k, c in zip(moving.keys, codes, strict=True)
-                                       if c == 0), True)
+            self.residency_log.stored(caller, moving.keys, codes)
         if masked is not None:
             codes = merged(codes, masked, NOT_OWNED)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)

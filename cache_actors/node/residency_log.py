@@ -23,10 +23,10 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from raykv.controllers.ownership import Owner
+from raykv.controllers.ownership import Owner, OwnerClaim
 from raykv.controllers.residency import MAX_CHANGES, Change
 
 LOG_CHANGES = 65536
@@ -58,6 +58,14 @@ class ResidencyLog:
             for k in keys:
                 self._entries.append((owner, tier, k, held))
                 self._last += 1
+
+    def stored(self, caller: OwnerClaim | None, keys: Sequence[str], codes: Sequence[int]
+               ) -> None:
+        """A put of ``caller`` with this node's own segment preferred ended with
+        ``codes``: the keys stored (0) came onto the segment."""
+        owner = None if caller is None else caller.owner
+        self.record(owner, "segment", (k for k, c in zip(keys, codes, strict=True) if c == 0),
+                    True)
 
     def kept(self, tier: str, owner: Owner | None, prefix: str, limit: int) -> list[Change]:
         """The keys of ``owner`` starting with ``prefix`` whose last kept change of
