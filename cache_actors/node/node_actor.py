@@ -255,9 +255,7 @@ class NodeCacheActor:
                         within_s: float = ROUTE_WAIT_S) -> Residency:
         """``ResidencyQuery.residency``, not run if no thread took it within
         ``within_s`` seconds of its arrival here."""
-        deadline = time.monotonic() + min(max(float(within_s), 0.0), WAIT_S)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._route, self._residency.residency, keys, per_page, owner, deadline)
+        return await self._routed(self._residency.residency, within_s, keys, per_page, owner)
 
     @ray.method(concurrency_group="route")
     async def residency_changes(self, since: tuple[str, int] | None,
@@ -265,9 +263,14 @@ class NodeCacheActor:
                                 within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
         """``ResidencyQuery.changes``, not run if no thread took it within ``within_s``
         seconds of its arrival here."""
+        return await self._routed(self._residency.changes, within_s, since, owner)
+
+    async def _routed(self, query, within_s: float, *args):
+        """``query(*args, deadline)`` on a route thread; the deadline is ``within_s``
+        (at most ``WAIT_S``) from now."""
         deadline = time.monotonic() + min(max(float(within_s), 0.0), WAIT_S)
         return await asyncio.get_running_loop().run_in_executor(
-            self._route, self._residency.changes, since, owner, deadline)
+            self._route, query, *args, deadline)
 
     @ray.method(concurrency_group="route")
     async def locate(self, keys: list[str], owner: OwnerClaim | None = None
