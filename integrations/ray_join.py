@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 
 log = logging.getLogger("raykv.integrations")
 
@@ -55,7 +56,13 @@ def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
     start`` made on this machine; Ray's ``ConnectionError`` if there is none).
     Authentication: ``auth_mode`` when given sets ``RAY_AUTH_MODE``; else
     ``RAY_AUTH_MODE=token`` is set when unset and a token is at hand (Ray >= 2.60
-    clusters started with token authentication refuse a process without it). The node:
+    clusters started with token authentication refuse a process without it).
+    Randomness: ``ray.init`` draws the ids of its GCS subscribers from Python's
+    ``random``, which engines seed (vLLM and SGLang seed every process alike): every
+    engine process would subscribe under one id, and the GCS answers each of their
+    long polls at once to serve the next, a loop that kept a core busy. ``ray.init``
+    therefore runs on fresh entropy, and the caller's ``random`` state is given back
+    as it was (joining draws nothing from the engine's seeded stream). The node:
     Ray attaches a joining process to a raylet of its machine (the head node's when a
     machine runs several, as tests do); a process that descends from another alive
     node's worker uses that node instead.
@@ -70,8 +77,13 @@ def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
             os.environ["RAY_AUTH_MODE"] = str(auth_mode)
         elif "RAY_AUTH_MODE" not in os.environ and token_available():
             os.environ["RAY_AUTH_MODE"] = "token"
-        ray.init(address=address, namespace=namespace, log_to_driver=False,
-                 include_dashboard=False, logging_level=logging.WARNING)
+        seeded = random.getstate()
+        random.seed()  # from os.urandom: see "Randomness" above
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False,
+                     include_dashboard=False, logging_level=logging.WARNING)
+        finally:
+            random.setstate(seeded)
         log.info("raykv joined Ray at %s (pid %d)", address, os.getpid())
     if inherited is None or inherited[0] == ray.get_runtime_context().get_node_id():
         return None
