@@ -26,7 +26,9 @@ tokens (the engine's usage: cached = its prefix cache plus what raykv loaded), a
 the replica that ran it: each replica records the ``user`` field of every request it
 runs (a wrapper of its ``LLMServer``, installed after start-up, that reads nothing
 else). For ``raykv``, the router's time per request (``recent_s``) and ``counts``,
-read in the ingress's process where the router runs. Writes ``serve_routing.json``
+read in the ingress's process where the router runs. Per workload: the fewest prompt
+tokens any router and block cache could leave to compute (``computed_floor``, a
+fraction of the prompt tokens, tokenized as vLLM does). Writes ``serve_routing.json``
 (``serve_summary``: figures and the targets) to ``--out``. Numbers only: nothing
 asserts a speed. All nodes share one host: no request crosses a network.
 """
@@ -50,7 +52,13 @@ from pathlib import Path
 
 import ray
 from raykv.clusters.bench.serve_summary import Outcome, percentile, summarize, verdict
-from raykv.clusters.bench.serve_workload import Stream, WorkloadShape, workload
+from raykv.clusters.bench.serve_workload import (
+    Stream,
+    WorkloadShape,
+    computed_floor,
+    workload,
+)
+from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
 
 ROUTERS = ("pow2", "prefix_affinity", "raykv", "pow2_off")
 PREFIX_AFFINITY = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
@@ -95,8 +103,12 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
         config.deployment_config["request_router_config"] = {
             "request_router_class": PREFIX_AFFINITY}
     if raykv:
-        config.deployment_config["request_router_config"]["request_router_kwargs"][
-            "deadline_ms"] = args.deadline_ms
+        kwargs = config.deployment_config["request_router_config"]["request_router_kwargs"]
+        kwargs["deadline_ms"] = args.deadline_ms
+        # the router's engine tier remembers about what one engine's KV cache holds
+        d = LlamaDims()
+        token_bytes = 2 * d.layers * d.kv_heads * d.head_dim * 2  # K and V, bf16
+        kwargs["engine_blocks"] = max(1, (args.kv_mib << 20) // (args.block * token_bytes))
     return config
 
 
@@ -361,6 +373,7 @@ def run_router(router: str, model: str, streams: list[Stream],
               for o in outcomes]
     result = summarize(placed, sorted(replicas))
     result |= {"router": router, "start_s": started, "wall_s": wall,
+               "outcomes": [asdict(o) for o in placed],
                "replica_nodes": {r: n[:12] for r, n in replicas.items()},
                "errors": sorted({o.error for o in outcomes if o.error})[:5]}
     if node_stats:
@@ -421,15 +434,19 @@ def main() -> None:
         "questions": max(1, round(base.questions * args.scale))})
     streams = workload(shape, args.seed)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from raykv.clusters.demo.vllm_model import make_llama
-
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_llama(str(args.out / "tiny-llama"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)  # as vLLM tokenizes a completion
+    prompts = [tokenizer(p).input_ids for s in streams for p in s.prompts]
     runs: dict[str, dict] = {}
     result = {"shape": asdict(shape), "seed": args.seed, "order": order,
               "settings": {k: v for k, v in vars(args).items() if k != "out"} | {
                   "replicas": REPLICAS, "nodes": NODES},
-              "requests": sum(len(s.prompts) for s in streams), "runs": runs}
+              "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "computed_floor": computed_floor(prompts, args.block) / sum(map(len, prompts)),
+              "runs": runs}
     for router in order:
         print(f"== {router}", flush=True)
         try:

@@ -109,3 +109,22 @@ def workload(shape: WorkloadShape, seed: int) -> list[Stream]:
         streams.append(Stream(name, t, prompts, think))
         t += rng.expovariate(shape.rate)
     return streams
+
+
+def computed_floor(prompts: list[list[int]], block: int) -> int:
+    """The fewest prompt tokens any router and cache can leave to compute for
+    ``prompts`` (token ids) with ``block``-token blocks: every distinct chain of full
+    blocks computed once, by whichever request comes first, and each request's tokens
+    after its last full block (its last token when it ends on a block boundary), which
+    no block cache holds. Independent of order and timing."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    chains: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent, block) -> chain id
+    tails = 0
+    for tokens in prompts:
+        full, parent = len(tokens) // block, -1
+        for i in range(full):
+            parent = chains.setdefault((parent, tuple(tokens[i * block:(i + 1) * block])),
+                                       len(chains))
+        tails += len(tokens) - full * block or (1 if tokens else 0)
+    return len(chains) * block + tails

@@ -1,14 +1,18 @@
 """Ranking replicas by where their node holds a request's pages (pure: no Ray).
 
-A replica's *value* for a request is what its node's residency answer is worth: the
-best of ``weight_l2 * l2``, ``weight_segment * segment`` and ``weight_l3 * l3`` (pages
-in that tier), as a share of the request's pages, less ``weight_load`` per request in
-its queue. ``rank`` returns Ray Serve's ranked groups: the best replicas (equal value)
-first, then every other one, best first; None when residency tells the candidates
-apart in nothing (no node holds more of the request than another) or when a
-candidate's node did not answer (a partial view would send every request to the nodes
-that answered, a stopped node's share included), so the caller routes as it would
-without raykv.
+A replica's *value* for a request is what it holds of it: the best of ``weight_engine``
+times the leading pages the router itself sent to the replica lately (its stand-in for
+the engine's own prefix cache: ``routed_keys``), and ``weight_l2``, ``weight_segment``,
+``weight_l3`` times the pages its node holds in that tier, as a share of the request's
+pages, less ``weight_load`` per request in its queue. A replica whose queue is longer
+than the shortest known one by more than ``max_queue_gap`` requests is never in the
+first group, whatever it holds: a hot prefix spreads over more replicas instead of
+queueing on the one that holds it (loading it again costs less than waiting).
+``rank`` returns Ray Serve's ranked groups: the best replicas (equal value) first, then
+every other one, best first; None when residency tells the candidates apart in nothing
+(no replica holds more of the request than another) or when a candidate's node did not
+answer (a partial view would send every request to the nodes that answered, a stopped
+node's share included), so the caller routes as it would without raykv.
 """
 
 from __future__ import annotations
@@ -25,39 +29,47 @@ EPSILON = 1e-9
 
 @dataclass(frozen=True)
 class Weights:
-    """What a page is worth per tier, and what a queued request costs (see the module
-    docstring)."""
+    """What a page is worth per tier, what a queued request costs, and the queue gap
+    that keeps a replica out of the first group (see the module docstring)."""
 
+    engine: float = 1.2
     l2: float = 1.0
     segment: float = 0.8
     l3: float = 0.5
-    load: float = 0.05
+    load: float = 0.1
+    max_queue_gap: int = 2
 
 
-def held(answer: Residency | None, w: Weights) -> float:
-    """The share of the request's pages ``answer``'s node holds, weighed by tier."""
+def held(answer: Residency | None, w: Weights, engine: int = 0) -> float:
+    """The share of the request's pages a replica holds, weighed by tier: ``engine``
+    pages routed to it, the rest as ``answer`` (its node's residency) says."""
     if answer is None or answer.pages == 0:
         return 0.0
-    return max(w.l2 * answer.l2, w.segment * answer.segment, w.l3 * answer.l3) / answer.pages
+    return max(w.engine * engine, w.l2 * answer.l2, w.segment * answer.segment,
+               w.l3 * answer.l3) / answer.pages
 
 
 def rank(candidates: Sequence[R], node_of: Callable[[R], str],
          answers: Mapping[str, Residency], queue_len: Callable[[R], int | None],
-         w: Weights) -> list[list[R]] | None:
+         w: Weights, engine: Callable[[R], int] = lambda c: 0) -> list[list[R]] | None:
     """Ranked groups of ``candidates`` (see the module docstring); ``node_of``: a
     replica's node id, ``answers``: residency per node id, ``queue_len``: a replica's
-    known queue (None: unknown, counted 0)."""
+    known queue (None: unknown, counted 0), ``engine``: the request's leading pages
+    routed to a replica lately."""
     nodes = [node_of(c) for c in candidates]
     if not candidates or any(n not in answers for n in nodes):
         return None
-    values = {node: held(a, w) for node, a in answers.items()}
-    per_replica = [values[n] for n in nodes]
+    per_replica = [held(answers[n], w, engine(c)) for c, n in zip(candidates, nodes,
+                                                                  strict=True)]
     if max(per_replica) - min(per_replica) < EPSILON:
         return None
-    scored = sorted(((v - w.load * (queue_len(c) or 0), i)
-                     for i, (c, v) in enumerate(zip(candidates, per_replica, strict=True))),
-                    reverse=True)
-    top = scored[0][0]
-    first = [candidates[i] for s, i in scored if s >= top - EPSILON]
-    rest = [candidates[i] for s, i in scored if s < top - EPSILON]
+    queues = [queue_len(c) or 0 for c in candidates]
+    shortest = min(queues)
+    scored = sorted(((v - w.load * q, q <= shortest + w.max_queue_gap, i)
+                     for i, (v, q) in enumerate(zip(per_replica, queues, strict=True))),
+                    key=lambda s: s[0], reverse=True)
+    top = max(s for s, eligible, _ in scored if eligible)
+    first = [candidates[i] for s, eligible, i in scored if eligible and s >= top - EPSILON]
+    rest = [candidates[i] for s, eligible, i in scored
+            if not eligible or s < top - EPSILON]
     return [first, rest] if rest else [first]

@@ -66,9 +66,14 @@ class RouteOptions:
     - ``tokenizer``: the model (name or path) whose tokenizer and chat template turn a
       request's text into token ids (None: only requests that carry token ids are
       routed by residency).
-    - ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page held in each tier
-      is worth (1.0, 0.8, 0.5); ``weight_load``: what one queued request costs, in
-      the same unit (share of the request's pages; 0.05).
+    - ``weight_engine``, ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page
+      held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
+      router sent to the replica lately); ``weight_load``: what one queued request
+      costs, in the same unit (share of the request's pages; 0.1); ``max_queue_gap``:
+      a replica queued more than this many requests beyond the shortest queue is
+      never preferred (2). ``engine_blocks``: blocks the router remembers sending to
+      each replica (4096; about what one engine's own cache holds; 0: no engine
+      tier).
     """
 
     model_name: str
@@ -86,10 +91,13 @@ class RouteOptions:
     deadline_ms: float = 250.0
     stale_ms: float = 1000.0
     tokenizer: str | None = None
+    weight_engine: float = 1.2
     weight_l2: float = 1.0
     weight_segment: float = 0.8
     weight_l3: float = 0.5
-    weight_load: float = 0.05
+    weight_load: float = 0.1
+    max_queue_gap: int = 2
+    engine_blocks: int = 4096
 
     @classmethod
     def parse(cls, kwargs: Mapping[str, Any]) -> RouteOptions:
@@ -105,9 +113,11 @@ class RouteOptions:
                              "block_size (those of the engines' RayKVConnector)")
         opts = cls(**kwargs)
         if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or \
-                not min(opts.refresh_ms, opts.deadline_ms, opts.stale_ms) > 0:
-            raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1 and "
-                             "refresh_ms, deadline_ms, stale_ms > 0")
+                not min(opts.refresh_ms, opts.deadline_ms, opts.stale_ms) > 0 or \
+                min(opts.max_queue_gap, opts.engine_blocks) < 0:
+            raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1, "
+                             "refresh_ms, deadline_ms, stale_ms > 0 and max_queue_gap, "
+                             "engine_blocks >= 0")
         if opts.extra_backend_tag is None and opts.backend() is None:
             raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
                              "(the backend the engines run, e.g. FLASH_ATTN) or "

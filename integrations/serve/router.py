@@ -7,8 +7,10 @@ keys them (``route_keys``; on the router's one keys thread when text must be tok
 or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
 requests meanwhile: one thread, as more would only contend for the GIL and the
 tokenizer's own threads), the residency of those keys on each candidate replica's node
-as the router's view has it (``residency_view``: no call, microseconds), and ranked
-groups of replicas by tier held against queue length (``ranking``). Beside the
+as the router's view has it (``residency_view``: no call, microseconds), the pages the
+router itself sent to each candidate lately (``routed_keys``: its stand-in for the
+engine's own cache, learnt in ``on_request_routed``), and ranked groups of replicas by
+tier held against queue length (``ranking``). Beside the
 requests, one task per node of the replicas asks that node's actor what changed every
 ``refresh_ms`` (``residency_changes``, each call within ``deadline_ms``), so the view
 lags the nodes by about one refresh. Any error, no token ids, no key, a node not heard
@@ -36,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -49,10 +51,14 @@ from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Weights, rank
 from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+from raykv.integrations.serve.routed_keys import RoutedKeys
 
 log = logging.getLogger(__name__)
 
 RECENT = 1024
+ROUTING = 4096
+"""Requests whose keys the router holds between choosing their replica and Serve's
+``on_request_routed`` at most (a request Serve never routes is forgotten oldest first)."""
 INLINE_TOKENS = 2048
 """Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
 of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""
@@ -69,7 +75,10 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                                   RankOwner.of_config(self._keys.config))
         self._tokens = PromptTokens(self.options.tokenizer)
         o = self.options
-        self._weights = Weights(o.weight_l2, o.weight_segment, o.weight_l3, o.weight_load)
+        self._weights = Weights(o.weight_engine, o.weight_l2, o.weight_segment, o.weight_l3,
+                                o.weight_load, o.max_queue_gap)
+        self.routed = RoutedKeys(o.engine_blocks)
+        self._routing: OrderedDict[str, list[str]] = OrderedDict()
         self._warn = ThrottledLog(log)
         self.view = ResidencyView(o.stale_ms / 1e3, time.monotonic)
         self._refreshing: dict[str, asyncio.Task] = {}
@@ -83,6 +92,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         """Serve's, then (when called on the router's event loop) the view watches
         exactly the replicas' nodes, their actors looked up ahead of the first request."""
         super().update_replicas(replicas)
+        self.routed.keep_only(r.replica_id for r in replicas)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -160,6 +170,9 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             return None  # text, and no tokenizer (yet)
         if not keys:
             return None
+        self._routing[request.metadata.internal_request_id] = keys
+        while len(self._routing) > ROUTING:
+            self._routing.popitem(last=False)
         t_keys = time.perf_counter()
         per_page = self._keys.per_page
         answers = {n: a for n in nodes
@@ -167,7 +180,16 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self.recent_parts.append((t_keys - t, time.perf_counter() - t_keys))
         cache = self.replica_queue_len_cache
         return rank(candidates, lambda c: c.node_id, answers,
-                    lambda c: cache.get(c.replica_id), self._weights)
+                    lambda c: cache.get(c.replica_id), self._weights,
+                    lambda c: self.routed.pages(c.replica_id, keys, per_page))
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id,
+                          result) -> None:
+        """Serve sent ``pending_request`` to ``replica_id``: its keys (if the router
+        made them) count as that replica's from now on (``routed_keys``)."""
+        keys = self._routing.pop(pending_request.metadata.internal_request_id, None)
+        if keys:
+            self.routed.routed(replica_id, keys)
 
     def _keys_of(self, request: PendingRequest, tokens: list[int] | None) -> list[str]:
         """The request's keys, its text tokenized first if it carries no ``tokens`` (on

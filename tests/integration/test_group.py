@@ -300,8 +300,9 @@ def where():
 
 @pytest.fixture(scope="module")
 def apps(cluster):
-    """Two apps of ``where``: ``raykv`` (``RayKVRouter``) and ``pow2`` (Serve's default
-    router), both with their replicas on both nodes; their handles."""
+    """Three apps of ``where``: ``raykv`` (``RayKVRouter``), ``pow2`` (Serve's default
+    router) and ``raykv_no_engine`` (``RayKVRouter`` without its engine tier:
+    ``engine_blocks`` 0), each with its replicas on both nodes; their handles."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from raykv.integrations.serve.router import RayKVRouter
@@ -321,8 +322,13 @@ def apps(cluster):
         routed = where().options(request_router_config=RequestRouterConfig(
             request_router_class="raykv.integrations.serve.router:RayKVRouter",
             request_router_kwargs=kwargs))
+        no_engine = where().options(request_router_config=RequestRouterConfig(
+            request_router_class="raykv.integrations.serve.router:RayKVRouter",
+            request_router_kwargs=kwargs | {"engine_blocks": 0}))
         handles = {"raykv": serve.run(routed.bind(), name="raykv", route_prefix=None),
-                   "pow2": serve.run(where().bind(), name="pow2", route_prefix=None)}
+                   "pow2": serve.run(where().bind(), name="pow2", route_prefix=None),
+                   "raykv_no_engine": serve.run(no_engine.bind(), name="raykv_no_engine",
+                                                route_prefix=None)}
         yield handles, RouteOptions.parse(kwargs)
     finally:
         patience.undo()
@@ -407,13 +413,42 @@ def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
     assert set(nodes_at_once(handles["raykv"], cold)) == set(cluster.node_ids)
 
 
+def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
+    """No node holds this prefix (these replicas run no engine, nothing is saved): the
+    router's engine tier alone (what it sent where, ``routed_keys``) sends every repeat
+    to the replica it sent the first to, each counted as routed. Control: with
+    ``engine_blocks`` 0 the same repeats tell no replica apart and fall back to power
+    of two choices."""
+    handles, _ = apps
+    cold = tokens(3)
+    moved = {}
+    for name in ("raykv", "raykv_no_engine"):
+        handle = handles[name]
+        first = nodes_of(handle, [cold + tokens(400, 8)])[0]
+        router = router_of(handle)
+        deadline = time.monotonic() + 30
+        while not all(router.view.fresh(n) for n in cluster.node_ids):  # heard from both
+            assert time.monotonic() < deadline, router.counts
+            time.sleep(0.05)
+        before = dict(router.counts)
+        got = nodes_of(handle, [cold + tokens(401 + i, 8) for i in range(REQUESTS)])
+        moved[name] = (first, got, {k: router.counts[k] - before[k]
+                                    for k in ("routed", "fallback")})
+    first, got, counts = moved["raykv"]
+    assert set(got) == {first} and counts == {"routed": REQUESTS, "fallback": 0}
+    assert moved["raykv_no_engine"][2] == {"routed": 0, "fallback": REQUESTS}
+
+
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
     """Node 1's actor SIGSTOPped: the router hears nothing from it, so once its view
     of node 1 is stale every request is answered, routed by power of two choices (a
     partial view is not used: node 2's alone would send all of them to node 2, which
     holds the prefix in L3). Control: the same requests once node 1's actor runs again
-    and the view heard from it are routed by residency."""
+    and the view heard from it are routed by residency. The router without its engine
+    tier: with it, the requests sent by power of two during the stop would go back to
+    the replica they went to (``test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it``)."""
     handles, opts = apps
+    handles = {"raykv": handles["raykv_no_engine"]}
     node1 = cluster.node_ids[0]
     shared = tokens(2)
     hold_on_node(cluster, opts, shared)

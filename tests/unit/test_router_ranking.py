@@ -10,6 +10,7 @@ from raykv.controllers.residency import Residency
 from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Weights, held, rank
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+from raykv.integrations.serve.routed_keys import RoutedKeys
 from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
 
 W = Weights()
@@ -19,10 +20,10 @@ def answer(node: str, l2: int = 0, seg: int = 0, l3: int = 0, pages: int = 10) -
     return Residency(node, pages, l2, seg, l3)
 
 
-def ranked(answers, queues=None, nodes=("a", "b", "c")):
-    queues = queues or {}
+def ranked(answers, queues=None, nodes=("a", "b", "c"), engine=None, w=W):
+    queues, engine = queues or {}, engine or {}
     return rank(list(nodes), lambda r: r, {a.node_id: a for a in answers},
-                lambda r: queues.get(r), W)
+                lambda r: queues.get(r), w, lambda r: engine.get(r, 0))
 
 
 def test_the_nearest_tier_wins_then_the_rest_by_value():
@@ -34,8 +35,47 @@ def test_the_nearest_tier_wins_then_the_rest_by_value():
 def test_a_long_queue_outweighs_a_small_gain():
     answers = [answer("a", l2=1, l3=1), answer("b"), answer("c")]
     assert ranked(answers)[0] == ["a"]
-    first, rest = ranked(answers, {"a": 3})  # 3 queued cost 0.15, a's page is worth 0.1
+    first, rest = ranked(answers, {"a": 2})  # 2 queued cost 0.2, a's page is worth 0.1
     assert set(first) == {"b", "c"} and rest == ["a"]
+
+
+def test_what_the_router_sent_a_replica_lately_outranks_its_nodes_tiers():
+    """Replicas x and y share node a, which holds the request in L2; x was sent it."""
+    answers = [answer("a", l2=10), answer("b", l3=10)]
+    got = rank(["x", "y", "z"], {"x": "a", "y": "a", "z": "b"}.get,
+               {a.node_id: a for a in answers}, lambda r: None, W,
+               lambda r: {"x": 10}.get(r, 0))
+    assert got == [["x"], ["y", "z"]]
+    # CONTROL: without the engine tier, x and y are worth the same
+    assert rank(["x", "y", "z"], {"x": "a", "y": "a", "z": "b"}.get,
+                {a.node_id: a for a in answers}, lambda r: None, W)[0] == ["x", "y"]
+
+
+def test_a_replica_queued_beyond_the_gap_is_never_first_whatever_it_holds():
+    answers = [answer("a", l2=10), answer("b"), answer("c")]
+    assert ranked(answers, {"a": 2})[0] == ["a"]  # within the gap: a full hit wins
+    first, rest = ranked(answers, {"a": 3})  # 3 beyond the shortest (0) > gap 2
+    assert set(first) == {"b", "c"} and rest == ["a"]
+    # CONTROL: a wider gap lets the hit win, the queue's cost (0.3) below its worth
+    assert ranked(answers, {"a": 3}, w=Weights(max_queue_gap=5))[0] == ["a"]
+
+
+def test_routed_keys_count_leading_pages_and_forget_the_oldest():
+    r = RoutedKeys(capacity=6)
+    r.routed("x", ["k0", "k1", "k2", "k3"])
+    assert r.pages("x", ["k0", "k1", "k2", "k9"], per_page=1) == 3
+    assert r.pages("x", ["k0", "k1", "k2", "k3"], per_page=2) == 2
+    assert r.pages("x", ["k1"], per_page=1) == 1 and r.pages("y", ["k0"], per_page=1) == 0
+    r.routed("x", ["k0", "k5", "k6", "k7"])  # k0 routed again: newest; k1, k2 forgotten
+    assert r.pages("x", ["k0", "k1"], per_page=1) == 1
+    assert r.pages("x", ["k3", "k0", "k5", "k6", "k7"], per_page=1) == 5
+    r.keep_only(["y"])
+    assert r.pages("x", ["k0"], per_page=1) == 0
+    off = RoutedKeys(capacity=0)
+    off.routed("x", ["k0"])
+    assert off.pages("x", ["k0"], per_page=1) == 0
+    with pytest.raises(ValueError):
+        RoutedKeys(capacity=-1)
 
 
 def test_no_difference_or_a_missing_answer_means_power_of_two():
@@ -78,6 +118,8 @@ def test_router_options_refuse_what_they_do_not_know():
         RouteOptions.parse({"model_name": "m"})
     with pytest.raises(ValueError, match="must be >= 1"):
         RouteOptions.parse({"model_name": "m", "block_size": 0})
+    with pytest.raises(ValueError, match="engine_blocks >= 0"):
+        RouteOptions.parse({"model_name": "m", "block_size": 4, "max_queue_gap": -1})
 
 
 def test_router_names_the_engines_attention_backend():

@@ -106,3 +106,16 @@ def test_node_resources_are_refused_for_emulated_hosts_before_anything_starts():
 
     with pytest.raises(ValueError, match="resources"):
         start_local(hosts=2, resources={"serve_llm": 2})
+
+
+def test_computed_floor_counts_each_block_chain_once_and_every_tail():
+    from raykv.clusters.bench.serve_workload import computed_floor
+
+    a = list(range(10))  # 2 full blocks of 4, a tail of 2
+    assert computed_floor([a], 4) == 10
+    assert computed_floor([a, a], 4) == 8 + 2 + 2  # the blocks once, both tails
+    assert computed_floor([a, a[:8]], 4) == 8 + 2 + 1  # whole blocks: its last token
+    other = [99] + a[1:]  # differs in the first block: a chain of its own
+    assert computed_floor([a, other], 4) == 8 + 8 + 2 + 2
+    assert computed_floor([a[:4] + [7, 7, 7, 7], a], 4) == 4 + 4 + 4 + 1 + 2
+    assert computed_floor([], 4) == 0
