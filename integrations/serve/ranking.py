@@ -5,9 +5,12 @@ times the leading pages the router itself sent to the replica lately (its stand-
 the engine's own prefix cache: ``routed_keys``), and ``weight_l2``, ``weight_segment``,
 ``weight_l3`` times the pages its node holds in that tier, as a share of the request's
 pages, less ``weight_load`` per request in its queue. A replica whose queue is longer
-than the shortest known one by more than ``max_queue_gap`` requests is never in the
-first group, whatever it holds: a hot prefix spreads over more replicas instead of
-queueing on the one that holds it (loading it again costs less than waiting).
+than the shortest known one by more than ``max_queue_gap`` requests is not in the first
+group while a replica within the gap can get as many of the request's pages from some
+tier: a hot prefix spreads over more replicas, which load it, instead of queueing on
+the one that holds it (loading costs less than waiting); a prefix that only the queued
+replica has (the engine tier: being computed there, not saved yet) stays with it, as
+computing it a second time elsewhere costs more than the wait.
 ``rank`` returns Ray Serve's ranked groups: the best replicas (equal value) first, then
 every other one, best first; None when residency tells the candidates apart in nothing
 (no replica holds more of the request than another) or when a candidate's node did not
@@ -65,8 +68,12 @@ def rank(candidates: Sequence[R], node_of: Callable[[R], str],
         return None
     queues = [queue_len(c) or 0 for c in candidates]
     shortest = min(queues)
-    scored = sorted(((v - w.load * q, q <= shortest + w.max_queue_gap, i)
-                     for i, (v, q) in enumerate(zip(per_replica, queues, strict=True))),
+    within = [q <= shortest + w.max_queue_gap for q in queues]
+    pages = [max(engine(c), answers[n].l2, answers[n].segment, answers[n].l3)
+             for c, n in zip(candidates, nodes, strict=True)]
+    loadable = max(p for p, ok in zip(pages, within, strict=True) if ok)
+    scored = sorted(((v - w.load * q, ok or p > loadable, i) for i, (v, q, ok, p)
+                     in enumerate(zip(per_replica, queues, within, pages, strict=True))),
                     key=lambda s: s[0], reverse=True)
     top = max(s for s, eligible, _ in scored if eligible)
     first = [candidates[i] for s, eligible, i in scored if eligible and s >= top - EPSILON]

@@ -70,10 +70,10 @@ class RouteOptions:
       held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
       router sent to the replica lately); ``weight_load``: what one queued request
       costs, in the same unit (share of the request's pages; 0.1); ``max_queue_gap``:
-      a replica queued more than this many requests beyond the shortest queue is
-      never preferred (2). ``engine_blocks``: blocks the router remembers sending to
-      each replica (4096; about what one engine's own cache holds; 0: no engine
-      tier).
+      a replica queued more than this many requests beyond the shortest queue is not
+      preferred while another can get as much of the request from some tier (2).
+      ``engine_blocks``: blocks the router remembers sending to each replica (4096;
+      about what one engine's own cache holds; 0: no engine tier).
     """
 
     model_name: str

@@ -51,13 +51,28 @@ def test_what_the_router_sent_a_replica_lately_outranks_its_nodes_tiers():
                 {a.node_id: a for a in answers}, lambda r: None, W)[0] == ["x", "y"]
 
 
-def test_a_replica_queued_beyond_the_gap_is_never_first_whatever_it_holds():
-    answers = [answer("a", l2=10), answer("b"), answer("c")]
-    assert ranked(answers, {"a": 2})[0] == ["a"]  # within the gap: a full hit wins
+def test_a_replica_queued_beyond_the_gap_is_not_first_while_others_can_load_it():
+    answers = [answer("a", l2=10, l3=10), answer("b", l3=10), answer("c", l3=10)]
+    assert ranked(answers, {"a": 2})[0] == ["a"]  # within the gap: the nearest tier wins
     first, rest = ranked(answers, {"a": 3})  # 3 beyond the shortest (0) > gap 2
     assert set(first) == {"b", "c"} and rest == ["a"]
-    # CONTROL: a wider gap lets the hit win, the queue's cost (0.3) below its worth
+    # CONTROL: a wider gap lets the L2 hit win, the queue's cost (0.3) below its worth
     assert ranked(answers, {"a": 3}, w=Weights(max_queue_gap=5))[0] == ["a"]
+
+
+def test_a_prefix_only_the_queued_replica_has_stays_with_it():
+    """x is computing the prefix (the engine tier; no node holds it yet) and is queued
+    beyond the gap: y and z would compute it again, so it stays with x. Once y's node
+    holds it in L2, y can load it and takes it."""
+    nodes = {"x": "a", "y": "b", "z": "c"}.get
+    empty = {n: answer(n) for n in "abc"}
+    got = rank(["x", "y", "z"], nodes, empty, {"x": 3}.get, W,
+               lambda r: {"x": 10}.get(r, 0))
+    assert got[0] == ["x"]
+    loaded = empty | {"b": answer("b", l2=10)}
+    got = rank(["x", "y", "z"], nodes, loaded, {"x": 3}.get, W,
+               lambda r: {"x": 10}.get(r, 0))
+    assert got[0] == ["y"]
 
 
 def test_routed_keys_count_leading_pages_and_forget_the_oldest():
