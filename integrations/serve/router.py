@@ -41,6 +41,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
+from ray.serve._private.common import ReplicaID
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 from raykv.cache_actors.rank.rank_owner import RankOwner
@@ -183,8 +184,8 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                     lambda c: cache.get(c.replica_id), self._weights,
                     lambda c: self.routed.pages(c.replica_id, keys, per_page))
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id,
-                          result) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: object) -> None:
         """Serve sent ``pending_request`` to ``replica_id``: its keys (if the router
         made them) count as that replica's from now on (``routed_keys``)."""
         keys = self._routing.pop(pending_request.metadata.internal_request_id, None)
