@@ -1,4 +1,4 @@
-"""Ranking replicas by where their node holds a request's pages (pure: no Ray).
+"""Ranking replicas by what they and their nodes hold of a request's pages (pure: no Ray).
 
 A replica's *value* for a request is what it holds of it: the best of ``weight_engine``
 times the leading pages the router itself sent to the replica lately (its stand-in for
@@ -62,15 +62,15 @@ def rank(candidates: Sequence[R], node_of: Callable[[R], str],
     nodes = [node_of(c) for c in candidates]
     if not candidates or any(n not in answers for n in nodes):
         return None
-    per_replica = [held(answers[n], w, engine(c)) for c, n in zip(candidates, nodes,
-                                                                  strict=True)]
+    routed = [engine(c) for c in candidates]
+    per_replica = [held(answers[n], w, e) for n, e in zip(nodes, routed, strict=True)]
     if max(per_replica) - min(per_replica) < EPSILON:
         return None
     queues = [queue_len(c) or 0 for c in candidates]
     shortest = min(queues)
     within = [q <= shortest + w.max_queue_gap for q in queues]
-    pages = [max(engine(c), answers[n].l2, answers[n].segment, answers[n].l3)
-             for c, n in zip(candidates, nodes, strict=True)]
+    pages = [max(e, answers[n].l2, answers[n].segment, answers[n].l3)
+             for n, e in zip(nodes, routed, strict=True)]
     loadable = max(p for p, ok in zip(pages, within, strict=True) if ok)
     scored = sorted(((v - w.load * q, ok or p > loadable, i) for i, (v, q, ok, p)
                      in enumerate(zip(per_replica, queues, within, pages, strict=True))),
