@@ -106,9 +106,8 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
         kwargs = config.deployment_config["request_router_config"]["request_router_kwargs"]
         kwargs["deadline_ms"] = args.deadline_ms
         # the router's engine tier remembers about what one engine's KV cache holds
-        d = LlamaDims()
-        token_bytes = 2 * d.layers * d.kv_heads * d.head_dim * 2  # K and V, bf16
-        kwargs["engine_blocks"] = max(1, (args.kv_mib << 20) // (args.block * token_bytes))
+        block_bytes = args.block * LlamaDims().kv_bytes_per_token
+        kwargs["engine_blocks"] = max(1, (args.kv_mib << 20) // block_bytes)
     return config
 
 
@@ -440,12 +439,13 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model)  # as vLLM tokenizes a completion
     prompts = [tokenizer(p).input_ids for s in streams for p in s.prompts]
+    prompt_tokens = sum(map(len, prompts))
     runs: dict[str, dict] = {}
     result = {"shape": asdict(shape), "seed": args.seed, "order": order,
               "settings": {k: v for k, v in vars(args).items() if k != "out"} | {
                   "replicas": REPLICAS, "nodes": NODES},
-              "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-              "computed_floor": computed_floor(prompts, args.block) / sum(map(len, prompts)),
+              "requests": len(prompts), "prompt_tokens": prompt_tokens,
+              "computed_floor": computed_floor(prompts, args.block) / prompt_tokens,
               "runs": runs}
     for router in order:
         print(f"== {router}", flush=True)
