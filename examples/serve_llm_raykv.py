@@ -58,7 +58,7 @@ def raykv_router_config(model_name: str, *, block_size: int, tp_size: int = 1,
 def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bool,
                      prefix_caching: bool, max_model_len: int, model_name: str | None = None,
                      tenant: str | None = None, router_block_size: int | None = None,
-                     **llm_config) -> LLMConfig:
+                     l2_blocks: int = 0, **llm_config) -> LLMConfig:
     """A Ray Serve ``LLMConfig`` whose vLLM engines use raykv's connector.
 
     ``model_name``: the model part of raykv's keys (default ``model_source``): engines
@@ -70,6 +70,8 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
     readable by their user only (docs/deploy.md, "Tenants and quotas").
     ``router_block_size``: route requests with ``RayKVRouter`` (``raykv_router_config``)
     and run the engines with this vLLM block size (None: Serve's own router).
+    ``l2_blocks``: the connector's ``l2_blocks``, blocks of each TP rank in the node's
+    shared L2 cache (0: no L2, blocks come from Mooncake; docs/engines.md, "L2").
     ``llm_config``: any other ``LLMConfig`` field (e.g. ``placement_group_config``)."""
     engine_kwargs = dict(
         max_model_len=max_model_len,
@@ -81,7 +83,8 @@ def raykv_llm_config(model_id: str, model_source: str, *, replicas: int, cpu: bo
             kv_role="kv_both",                   # load and save
             kv_load_failure_policy="recompute",  # a block that did not load is recomputed
             kv_connector_extra_config={"model_name": model_name or model_source}
-            | ({"tenant": tenant} if tenant else {}),
+            | ({"tenant": tenant} if tenant else {})
+            | ({"l2_blocks": l2_blocks} if l2_blocks else {}),
         ),
     )
     env = {}
@@ -146,6 +149,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
     p.add_argument("--raykv-router", type=int, metavar="BLOCK_SIZE",
                    help="route by raykv's residency (RayKVRouter), vLLM blocks of this size")
+    p.add_argument("--l2-blocks", type=int, default=1024,
+                   help="blocks of each replica's node L2 cache, shared by the node's "
+                        "replicas (0: none, every load from Mooncake)")
     p.add_argument("--tenant", help="raykv tenant of the replicas (its secret file: "
                    f"${TENANT_SECRET_FILE_ENV} of this process)")
     args = p.parse_args()
@@ -154,7 +160,8 @@ def main() -> None:
     config = raykv_llm_config(args.model_id, args.model, replicas=args.replicas, cpu=args.cpu,
                               prefix_caching=not args.no_prefix_caching,
                               max_model_len=args.max_model_len, tenant=args.tenant,
-                              router_block_size=args.raykv_router)
+                              router_block_size=args.raykv_router,
+                              l2_blocks=args.l2_blocks)
     serve.start(http_options={"port": args.port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="raykv-llm", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"

@@ -85,7 +85,7 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
     config = _example().raykv_llm_config(
         MODEL_ID, model, replicas=REPLICAS, cpu=True, prefix_caching=True,
         max_model_len=args.max_model_len, model_name=model_name,
-        router_block_size=args.block if raykv else None,
+        router_block_size=args.block if raykv else None, l2_blocks=args.l2_blocks,
         placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]},
         experimental_configs={"stream_batching_interval_ms": 0})
     engine = config.engine_kwargs
@@ -93,12 +93,8 @@ def llm_config(router: str, model: str, args: argparse.Namespace, model_name: st
     engine["kv_cache_memory_bytes"] = args.kv_mib << 20
     if router == "pow2_off":
         del engine["kv_transfer_config"]
-    else:
-        extra = engine["kv_transfer_config"]["kv_connector_extra_config"]
-        if args.l2_blocks:
-            extra["l2_blocks"] = args.l2_blocks
-        if args.async_transfers:
-            extra["async_transfers"] = True
+    elif args.async_transfers:
+        engine["kv_transfer_config"]["kv_connector_extra_config"]["async_transfers"] = True
     if router == "prefix_affinity":
         config.deployment_config["request_router_config"] = {
             "request_router_class": PREFIX_AFFINITY}
