@@ -16,6 +16,9 @@ every other one, best first; None when residency tells the candidates apart in n
 (no replica holds more of the request than another) or when a candidate's node did not
 answer (a partial view would send every request to the nodes that answered, a stopped
 node's share included), so the caller routes as it would without raykv.
+``spread`` ranks candidates for a request residency tells nothing about: the replicas
+sent the fewest requests lately first (Serve takes the shortest queue among them), so
+new prefixes, which the requests after them follow, are spread evenly.
 """
 
 from __future__ import annotations
@@ -79,4 +82,14 @@ def rank(candidates: Sequence[R], node_of: Callable[[R], str],
     first = [candidates[i] for s, eligible, i in scored if eligible and s >= top - EPSILON]
     rest = [candidates[i] for s, eligible, i in scored
             if not eligible or s < top - EPSILON]
+    return [first, rest] if rest else [first]
+
+
+def spread(candidates: Sequence[R], sent: Callable[[R], int]) -> list[list[R]]:
+    """``candidates`` sent the fewest requests lately (``sent``) first, then the others,
+    fewest first."""
+    counts = {id(c): sent(c) for c in candidates}
+    fewest = min(counts.values())
+    first = [c for c in candidates if counts[id(c)] == fewest]
+    rest = sorted((c for c in candidates if counts[id(c)] > fewest), key=lambda c: counts[id(c)])
     return [first, rest] if rest else [first]

@@ -13,12 +13,18 @@ overestimates by what the engine evicted before ``capacity`` keys were routed af
 (an engine that evicted a block loads it from the node's tiers or computes it: a stale
 entry costs a hit, never bytes).
 
-Not thread-safe: one router's event loop calls it.
+``RecentRoutes`` counts the requests each replica was sent among the last ``window``
+routed: a request no tier tells replicas apart for (a new prefix) goes to the least
+sent (``ranking.spread``), so the prefixes that later requests follow (a conversation,
+a document) spread over the replicas instead of piling up where power of two choices
+happened to send them.
+
+Not thread-safe: one router's event loop calls them.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 
@@ -60,3 +66,37 @@ class RoutedKeys:
         keep = set(replicas)
         for replica in set(self._by_replica) - keep:
             del self._by_replica[replica]
+
+
+class RecentRoutes:
+    """How many of the last ``window`` routed requests each replica was sent."""
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._last: deque[object] = deque(maxlen=window)
+        self._counts: Counter[object] = Counter()
+
+    def routed(self, replica: object) -> None:
+        """One request was routed to ``replica``."""
+        if len(self._last) == self._last.maxlen:
+            gone = self._last[0]
+            self._counts[gone] -= 1
+            if not self._counts[gone]:
+                del self._counts[gone]
+        self._last.append(replica)
+        self._counts[replica] += 1
+
+    def count(self, replica: object) -> int:
+        """Requests among the last ``window`` routed to ``replica``."""
+        return self._counts.get(replica, 0)
+
+    def counts(self) -> dict[object, int]:
+        """``count`` of every replica sent one of the last ``window`` requests."""
+        return dict(self._counts)
+
+    def keep_only(self, replicas: Iterable[object]) -> None:
+        """Forget every replica not in ``replicas`` (gone from the deployment)."""
+        keep = set(replicas)
+        self._last = deque((r for r in self._last if r in keep), maxlen=self._last.maxlen)
+        self._counts = Counter(self._last)

@@ -13,10 +13,13 @@ engine's own cache, learnt in ``on_request_routed``), and ranked groups of repli
 tier held against queue length (``ranking``). Beside the
 requests, one task per node of the replicas asks that node's actor what changed every
 ``refresh_ms`` (``residency_changes``, each call within ``deadline_ms``), so the view
-lags the nodes by about one refresh. Any error, no token ids, no key, a node not heard
-from for ``stale_ms``, or a view that tells no replica apart: Ray Serve's power of two
-choices, as if raykv were not there. The router never decides a load: each engine's
-connector does, so a wrong or stale view costs a hit, never bytes.
+lags the nodes by about one refresh. A request the view and the engine tier tell no
+replica apart for (a new prefix) goes to the replicas sent the fewest requests lately
+(``ranking.spread``, over the last ``SPREAD_WINDOW``), Serve taking the shortest queue
+among them: the conversations and documents that later requests follow spread evenly.
+Any error, no token ids, no key, or a node not heard from for ``stale_ms``: Ray Serve's
+power of two choices, as if raykv were not there. The router never decides a load:
+each engine's connector does, so a wrong or stale view costs a hit, never bytes.
 
 Configure it in ``LLMConfig.deployment_config``::
 
@@ -25,12 +28,12 @@ Configure it in ``LLMConfig.deployment_config``::
         request_router_kwargs={"model_name": ..., "block_size": ..., ...})
 
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
-residency, ``fallback`` (power of two), ``failed`` (an error, logged at most once a
-minute), ``overhead_s`` (seconds spent choosing, in all), ``refreshed`` and
-``refresh_failed`` (calls to the nodes' logs); ``recent_s``: the seconds each of the
-last ``RECENT`` requests spent choosing; ``recent_parts``: of the last ``RECENT``
-requests that had keys, the seconds spent on their keys (token ids and page hashes)
-and on the view's answers.
+residency, ``spread`` (a new prefix), ``fallback`` (power of two), ``failed`` (an error,
+logged at most once a minute), ``overhead_s`` (seconds spent choosing, in all),
+``refreshed`` and ``refresh_failed`` (calls to the nodes' logs); ``recent_s``: the
+seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
+last ``RECENT`` requests that had keys, the seconds spent on their keys (token ids and
+page hashes) and on the view's answers.
 """
 
 from __future__ import annotations
@@ -49,10 +52,10 @@ from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.residency import MAX_CHANGES
 from raykv.integrations.serve.node_answers import NodeAnswers
 from raykv.integrations.serve.prompt_tokens import PromptTokens
-from raykv.integrations.serve.ranking import Weights, rank
+from raykv.integrations.serve.ranking import Weights, rank, spread
 from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
-from raykv.integrations.serve.routed_keys import RoutedKeys
+from raykv.integrations.serve.routed_keys import RecentRoutes, RoutedKeys
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,9 @@ RECENT = 1024
 ROUTING = 4096
 """Requests whose keys the router holds between choosing their replica and Serve's
 ``on_request_routed`` at most (a request Serve never routes is forgotten oldest first)."""
+SPREAD_WINDOW = 128
+"""Routed requests over which the router counts what each replica was sent, for new
+prefixes (``RecentRoutes``)."""
 INLINE_TOKENS = 2048
 """Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
 of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""
@@ -79,11 +85,12 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._weights = Weights(o.weight_engine, o.weight_l2, o.weight_segment, o.weight_l3,
                                 o.weight_load, o.max_queue_gap)
         self.routed = RoutedKeys(o.engine_blocks)
+        self.recent = RecentRoutes(SPREAD_WINDOW)
         self._routing: OrderedDict[str, list[str]] = OrderedDict()
         self._warn = ThrottledLog(log)
         self.view = ResidencyView(o.stale_ms / 1e3, time.monotonic)
         self._refreshing: dict[str, asyncio.Task] = {}
-        self.counts = {"routed": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
+        self.counts = {"routed": 0, "spread": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
                        "refreshed": 0, "refresh_failed": 0}
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
@@ -94,6 +101,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         exactly the replicas' nodes, their actors looked up ahead of the first request."""
         super().update_replicas(replicas)
         self.routed.keep_only(r.replica_id for r in replicas)
+        self.recent.keep_only(r.replica_id for r in replicas)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -138,25 +146,27 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                               ) -> list[list[RunningReplica]]:
         t = time.perf_counter()
         try:
-            ranked = await self._by_residency(candidate_replicas, pending_request)
+            how, ranked = await self._by_residency(candidate_replicas, pending_request)
         except Exception as e:
             self.counts["failed"] += 1
             self._warn.warn("route", "RayKVRouter: routing by residency failed, power of "
                             "two choices instead: %s", e)
-            ranked = None
+            how, ranked = "fallback", None
         took = time.perf_counter() - t
         self.counts["overhead_s"] += took
         self.recent_s.append(took)
+        self.counts[how] += 1
         if ranked is None:
-            self.counts["fallback"] += 1
             return await super().choose_replicas(candidate_replicas, pending_request)
-        self.counts["routed"] += 1
         return ranked
 
-    async def _by_residency(self, candidates: list[RunningReplica],
-                            request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    async def _by_residency(self, candidates: list[RunningReplica], request: PendingRequest | None
+                            ) -> tuple[str, list[list[RunningReplica]] | None]:
+        """``(how, ranked groups)``: ``routed`` by residency, ``spread`` (a new prefix)
+        or ``fallback`` (None: power of two)."""
+        fallback = ("fallback", None)
         if request is None or len(candidates) < 2:
-            return None
+            return fallback
         nodes = {c.node_id for c in candidates}
         if not nodes <= set(self._refreshing):
             self._watch(nodes, exact=False)
@@ -168,9 +178,9 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             keys = await asyncio.get_running_loop().run_in_executor(
                 self._keys_thread, self._keys_of, request, tokens)
         else:
-            return None  # text, and no tokenizer (yet)
+            return fallback  # text, and no tokenizer (yet)
         if not keys:
-            return None
+            return fallback
         self._routing[request.metadata.internal_request_id] = keys
         while len(self._routing) > ROUTING:
             self._routing.popitem(last=False)
@@ -179,15 +189,22 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         answers = {n: a for n in nodes
                    if (a := self.view.answer(n, keys, per_page)) is not None}
         self.recent_parts.append((t_keys - t, time.perf_counter() - t_keys))
+        if len(answers) < len(nodes):
+            return fallback  # a partial view (see ``ranking``)
         cache = self.replica_queue_len_cache
-        return rank(candidates, lambda c: c.node_id, answers,
-                    lambda c: cache.get(c.replica_id), self._weights,
-                    lambda c: self.routed.pages(c.replica_id, keys, per_page))
+        ranked = rank(candidates, lambda c: c.node_id, answers,
+                      lambda c: cache.get(c.replica_id), self._weights,
+                      lambda c: self.routed.pages(c.replica_id, keys, per_page))
+        if ranked is None:
+            return "spread", spread(candidates, lambda c: self.recent.count(c.replica_id))
+        return "routed", ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
         """Serve sent ``pending_request`` to ``replica_id``: its keys (if the router
-        made them) count as that replica's from now on (``routed_keys``)."""
+        made them) count as that replica's from now on (``routed_keys``), and the
+        request among those it was sent lately."""
+        self.recent.routed(replica_id)
         keys = self._routing.pop(pending_request.metadata.internal_request_id, None)
         if keys:
             self.routed.routed(replica_id, keys)

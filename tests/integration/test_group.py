@@ -420,8 +420,9 @@ def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     """No node holds this prefix (these replicas run no engine, nothing is saved): the
     router's engine tier alone (what it sent where, ``routed_keys``) sends every repeat
     to the replica it sent the first to, each counted as routed. Control: with
-    ``engine_blocks`` 0 the same repeats tell no replica apart and fall back to power
-    of two choices."""
+    ``engine_blocks`` 0 the same repeats tell no replica apart: each is a new prefix,
+    spread to the replica sent the fewest lately: both nodes get some, and the app's
+    two replicas end up sent as many requests (within one)."""
     handles, _ = apps
     cold = tokens(3)
     moved = {}
@@ -436,10 +437,13 @@ def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
         before = dict(router.counts)
         got = nodes_of(handle, [cold + tokens(401 + i, 8) for i in range(REQUESTS)])
         moved[name] = (first, got, {k: router.counts[k] - before[k]
-                                    for k in ("routed", "fallback")})
+                                    for k in ("routed", "spread", "fallback")})
     first, got, counts = moved["raykv"]
-    assert set(got) == {first} and counts == {"routed": REQUESTS, "fallback": 0}
-    assert moved["raykv_no_engine"][2] == {"routed": 0, "fallback": REQUESTS}
+    assert set(got) == {first} and counts == {"routed": REQUESTS, "spread": 0, "fallback": 0}
+    _, got, counts = moved["raykv_no_engine"]
+    assert counts == {"routed": 0, "spread": REQUESTS, "fallback": 0}
+    sent = router_of(handles["raykv_no_engine"]).recent.counts()  # every request so far
+    assert set(got) == set(cluster.node_ids) and max(sent.values()) - min(sent.values()) <= 1
 
 
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):

@@ -11,7 +11,8 @@ blocks (and its node actor puts them on that node's own segment behind). Six mor
 requests extending that prompt each load the 7 blocks from that same node's L2 (its L2
 hits grow, the other node's do not, and no node reads them from Mooncake). Control: by
 power of two choices all six would land there with chance 1/64 (the first request,
-when no node held anything, was routed that way: the router's ``fallback``).
+when no node held anything, went to a replica sent the fewest lately: the
+router's ``spread``).
 """
 
 from __future__ import annotations

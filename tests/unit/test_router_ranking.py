@@ -8,9 +8,9 @@ from raykv.controllers.contract import PoolName
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.residency import Residency
 from raykv.integrations.serve.prompt_tokens import PromptTokens
-from raykv.integrations.serve.ranking import Weights, held, rank
+from raykv.integrations.serve.ranking import Weights, held, rank, spread
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
-from raykv.integrations.serve.routed_keys import RoutedKeys
+from raykv.integrations.serve.routed_keys import RecentRoutes, RoutedKeys
 from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
 
 W = Weights()
@@ -176,3 +176,35 @@ def test_prompt_tokens_of_each_request_shape():
     assert t.given([], {"request_token_ids": [5, 6]}) == [5, 6]
     assert t.given([SimpleNamespace(prompt=[1, 2, 3])], {}) == [1, 2, 3]
     assert t.given([SimpleNamespace(prompt="hello there")], {}) is None  # CONTROL: text
+
+
+def test_a_new_prefix_goes_to_the_replicas_sent_the_fewest_lately():
+    recent = RecentRoutes(window=4)
+    for replica in ("x", "x", "y"):
+        recent.routed(replica)
+    assert spread(["x", "y", "z"], recent.count) == [["z"], ["y", "x"]]
+    recent.routed("z")
+    assert spread(["x", "y", "z"], recent.count) == [["y", "z"], ["x"]]
+    recent.routed("y")  # the window holds 4: the first "x" is forgotten
+    assert [recent.count(r) for r in "xyz"] == [1, 2, 1]
+    assert recent.counts() == {"x": 1, "y": 2, "z": 1}
+    assert spread(["x", "z"], recent.count) == [["x", "z"]]  # equal: one group
+    recent.keep_only(["y"])
+    assert [recent.count(r) for r in "xyz"] == [0, 2, 0]
+    with pytest.raises(ValueError):
+        RecentRoutes(window=0)
+
+
+def test_new_prefixes_spread_evenly_over_idle_replicas():
+    """Twelve new prefixes (conversations that later turns follow) over four idle
+    replicas, each taking the first of the first group: three each. CONTROL: with
+    nothing recorded (every replica sent 0) the same choice sends all twelve to one."""
+    for record in (True, False):
+        recent, got = RecentRoutes(window=64), []
+        for _ in range(12):
+            replica = spread(["a", "b", "c", "d"], recent.count)[0][0]
+            if record:
+                recent.routed(replica)
+            got.append(replica)
+        counts = sorted(got.count(r) for r in "abcd")
+        assert counts == ([3, 3, 3, 3] if record else [0, 0, 0, 12])
