@@ -74,7 +74,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._keys = RouteKeys(self.options)
         self._nodes = NodeAnswers(self.options.namespace,
                                   RankOwner.of_config(self._keys.config))
-        self._tokens = PromptTokens(self.options.tokenizer)
+        self._tokens = PromptTokens(self.options.tokenizer, self.options.text_memo_ids)
         o = self.options
         self._weights = Weights(o.weight_engine, o.weight_l2, o.weight_segment, o.weight_l3,
                                 o.weight_load, o.max_queue_gap)
