@@ -46,17 +46,27 @@ class PromptTokens:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(name)
-            if self._memo_ids > 0:
-                self.text = TextTokens(tok, max_ids=self._memo_ids)
-            self._tokenizer = tok
         except Exception as e:  # routed without text from now on, said once
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("RayKVRouter: tokenizer %s did not load (%s); only requests that "
                         "carry token ids are routed by residency", name, self.failed)
+            return
+        if self._memo_ids > 0:
+            try:
+                self.text = TextTokens(tok, max_ids=self._memo_ids)
+            except Exception as e:  # text tokenized in full, said once
+                log.warning("RayKVRouter: no prompt text memo (%s: %s)", type(e).__name__, e)
+        self._tokenizer = tok
 
     @property
     def ready(self) -> bool:
         return self._tokenizer is not None
+
+    def text_stats(self) -> dict[str, Any]:
+        """The text memo's counters (``TextTokens.stats``) and ``off`` (why it is off,
+        or None); {} without a memo."""
+        text = self.text
+        return text.stats() | {"off": text.off} if text is not None else {}
 
     def given(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
         """The token ids the request carries (no tokenizer: cheap, any thread), or None."""

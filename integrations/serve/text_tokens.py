@@ -49,8 +49,7 @@ CHECK_EVERY = 64
 _WORDS = ("The quick brown fox, said Émile, jumps over 12 lazy dogs; naïve café's "
           "Straße und 東京 Привет мир!  Two  spaces,\ttab\nnew line\n\n  indented "
           "x2 don't it's  y'all I'm 3.14 (paren) [b] {c} #tag @me a_b -- end ")
-_CHAT = ({"role": "system", "content": "You answer briefly."},
-         {"role": "user", "content": "What is in this document? " + _WORDS},
+_CHAT = ({"role": "user", "content": "What is in this document? " + _WORDS},
          {"role": "assistant", "content": "Words, " + _WORDS[:60]},
          {"role": "user", "content": "And then? Tell me more about it."})
 
@@ -79,7 +78,11 @@ class TextTokens:
         self._backend = backend
         self._turn_off(self._self_test())
         if self.off is None:
-            self._checker_tok = copy.deepcopy(tok)
+            try:
+                self._checker_tok = copy.deepcopy(tok)
+            except Exception as e:  # no check, no memo
+                self._turn_off(f"the tokenizer does not copy ({type(e).__name__}: {e})")
+                return
             threading.Thread(target=self._check_loop, daemon=True,
                              name="raykv-router-token-check").start()
 

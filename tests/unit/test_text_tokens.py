@@ -98,6 +98,7 @@ def test_prompt_tokens_reads_text_and_chat_through_the_memo(model_dir, tok):
             time.sleep(0.01)
         assert t.ready, t.failed
         assert (t.text is not None) == bool(memo_ids)
+        assert (t.text_stats().get("off", "no memo") is None) == bool(memo_ids)
         t._tokenizer.chat_template = CHAT_TEMPLATE  # the demo model has none
         assert t.of([SimpleNamespace(prompt="a b " * 300)], {}) == tok.encode("a b " * 300)
         got = t.of([SimpleNamespace(prompt=None, messages=msgs)], {})
@@ -105,6 +106,7 @@ def test_prompt_tokens_reads_text_and_chat_through_the_memo(model_dir, tok):
                                               add_generation_prompt=True, tokenize=True,
                                               return_dict=False)
         assert all(isinstance(i, int) for i in got)
+        assert t.text_stats().get("misses", 2) == 2  # both through the memo, if on
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
