@@ -266,3 +266,14 @@ def test_a_hit_reuses_the_shared_prefix_and_encodes_only_the_rest():
     ids, reused = memo.tokens(doc + " beta gamma", encode)
     assert ids == spaces(doc + " beta gamma")[0] and reused > len(doc) - 16
     assert len(seen[-1]) < 30 and memo.counts["hits"] == 1
+
+
+def test_the_bench_measures_plain_and_memo_on_both_workloads(model_dir):
+    from raykv.clusters.bench.text_memo import run
+
+    out = run(model_dir, doc_words=300, questions=4, sessions=2, turns=3, opening_words=200)
+    for kind, prompts in (("documents", 4), ("sessions", 6)):
+        got = out[kind]
+        assert got["prompts"] == prompts and got["plain"]["calls"] == prompts
+        assert got["memo_hits"]["calls"] == got["counts"]["hits"] >= prompts - 2
+        assert got["counts"]["mismatches"] == 0
