@@ -105,6 +105,12 @@ class PrefixMemo:
             ids.extend(rest_ids)
             return ids, pos
 
+    def clear(self) -> None:
+        """Forget every entry (any thread)."""
+        with self._lock:
+            self._entries.clear()
+            self.held_ids = 0
+
     def _cuts(self, text: str) -> list[tuple[int, bytes]]:
         """Every cut of ``text`` with the digest of the text before it."""
         cuts: list[tuple[int, bytes]] = []

@@ -17,7 +17,10 @@ special prefix and suffix ids put around it). Two guards keep it exact:
 2. a sampled check: one in ``check_every`` memo hits is tokenized again plainly on a
    daemon thread of its own (with a copy of the tokenizer and of the result), never on
    the caller's; when that thread is still busy the check is skipped (``check_skipped``).
-   A mismatch turns the memo off, counted (``mismatches``) and logged once.
+   A mismatch turns the memo off, counted (``mismatches``) and logged once, and empties
+   it. The check comes after the caller had its ids: the wrong ones it found, and any
+   between it and the memo's end, were used (by the router: a route that costs hits,
+   never a wrong load, which the engine's connector decides).
 
 Thread-safety: one caller thread (the router's keys thread) calls ``completion`` and
 ``chat``; the checker thread reads only its own copies.
@@ -146,6 +149,7 @@ class TextTokens:
                     self.counts["mismatches"] += 1
                     self._turn_off(f"a sampled check found a mismatch at token "
                                    f"{_first_difference(plain, ids)} of {len(plain)}")
+                    self.memo.clear()
             except Exception as e:  # the check could not run: no memo, said once
                 self._turn_off(f"a sampled check failed ({type(e).__name__}: {e})")
             finally:

@@ -186,6 +186,7 @@ def test_control_the_sampled_check_catches_a_wrong_entry(tok, caplog):
     assert wrong != tok.encode(doc + " second?")  # the memo served it
     settled(tt)
     assert tt.stats()["mismatches"] == 1 and "sampled check found a mismatch" in tt.off
+    assert tt.stats()["held_ids"] == len(tt.memo) == 0  # emptied
     assert "memo is off" in caplog.text
     assert tt.completion(doc + " third?") == tok.encode(doc + " third?")
 
@@ -277,3 +278,19 @@ def test_the_bench_measures_plain_and_memo_on_both_workloads(model_dir):
         assert got["prompts"] == prompts and got["plain"]["calls"] == prompts
         assert got["memo_hits"]["calls"] == got["counts"]["hits"] >= prompts - 2
         assert got["counts"]["mismatches"] == 0
+
+
+def test_the_documented_defaults(tok):
+    """What docs/engines.md says: cuts about every 1024 characters, 4 Mi ids at most
+    (the router's ``text_memo_ids``), one hit in 64 checked."""
+    from raykv.integrations.serve.route_keys import RouteOptions
+
+    assert RouteOptions.parse({"model_name": "m", "block_size": 16}).text_memo_ids == 4 << 20
+    tt = TextTokens(tok)
+    assert (tt.memo.chunk_chars, tt.memo.max_ids) == (1024, 4 << 20)
+    doc = text(random.Random(4), 400)
+    for q in range(129):
+        tt.completion(doc + f" q{q}")
+    settled(tt)
+    s = tt.stats()
+    assert s["hits"] == 128 and s["checks"] + s["check_skipped"] == 2
