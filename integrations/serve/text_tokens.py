@@ -201,11 +201,14 @@ class TextTokens:
 
 
 def _probes(tok: Any) -> list[str]:
-    """Probe texts: ``_WORDS`` alone, and with each added token of ``tok`` between
-    words, after a space, before a space and alone."""
-    added = [t for t in getattr(tok, "get_added_vocab", dict)() if t.strip()]
+    """Probe texts: ``_WORDS`` alone, and with added tokens of ``tok`` between words,
+    after a space, before a space and alone: the first 8, and up to 24 more of those
+    that strip whitespace around them or match single words only."""
+    added = [t for t in getattr(tok, "added_tokens_decoder", {}).values()
+             if t.content.strip()]
+    flagged = [t for t in added[8:] if t.lstrip or t.rstrip or t.single_word]
     texts = [_WORDS, "a", " leading space", "x"]
-    for t in added[:8]:
+    for t in [a.content for a in added[:8] + flagged[:24]]:
         texts.append(f"{t}Start word{t}word {t} Word {t}{_WORDS}{t} end {t}")
     return texts
 

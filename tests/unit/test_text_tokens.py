@@ -294,3 +294,24 @@ def test_the_documented_defaults(tok):
     settled(tt)
     s = tt.stats()
     assert s["hits"] == 128 and s["checks"] + s["check_skipped"] == 2
+
+
+def test_added_tokens_that_strip_whitespace_stay_exact(tok):
+    """An added token that takes the spaces around it (``rstrip``/``lstrip``) or matches
+    whole words only: the cut after it has no token starting there (its offsets cover
+    the space), so it is skipped (``unaligned``), and the ids stay exact."""
+    from transformers import AddedToken
+
+    tok.add_tokens([AddedToken("<r>", rstrip=True, lstrip=True, special=True),
+                    AddedToken("Zed", rstrip=True, lstrip=True, special=True),
+                    AddedToken("Wo", single_word=True)])
+    tt = TextTokens(tok, chunk_chars=4)
+    assert tt.off is None
+    parts = ["Zed", " Zed", "Zed ", " word", "<r>", " <r> ", "x", "  ", " y", " Wo", "Wo ",
+             " Wow"]
+    for i in range(100):
+        rng = random.Random(i)
+        t = "".join(rng.choice(parts) for _ in range(40))
+        tt.completion(t)
+        assert tt.completion(t + " more words") == tok.encode(t + " more words"), t
+    assert tt.stats()["unaligned"] > 0 and tt.stats()["hits"] > 50
