@@ -18,10 +18,10 @@ defaults), once its view has learnt node 1's L2: the router's own time per reque
 the held prefix landed (``on_holder``: the share on node 1's replica), against an app
 on Serve's own router (``pow2_on_holder``); then ``requests`` text requests (a 16 kB
 document), eight at once, through a router that tokenizes them with a local tokenizer
-(``serve_router_text``, and each wave's wall time, ``text_wave_wall``; ``--no-text``
-skips it). Percentiles in milliseconds. Writes ``routing.json`` to ``--out``. Numbers
-only: nothing asserts a speed. All nodes share one host here: Ray calls never cross a
-network.
+(``serve_router_text``, and each wave's wall time, ``text_wave_wall``; its prompt
+text memo's counters, ``text_memo``; ``--no-text`` skips it). Percentiles in
+milliseconds. Writes ``routing.json`` to ``--out``. Numbers only: nothing asserts a
+speed. All nodes share one host here: Ray calls never cross a network.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _text(app, opts: dict, tokenizer: str, requests: int, wave: int) -> dict:
         waves.append(time.perf_counter() - t)
     return {"serve_router_text": _ms(list(router.recent_s)), "text_wave": wave,
             "text_wave_wall": _ms(waves),
-            "text_counts": dict(router.counts)}
+            "text_counts": dict(router.counts), "text_memo": router.text_memo()}
 
 
 def _serve(holder: str, prompt: list[int], chain: list[str], requests: int,

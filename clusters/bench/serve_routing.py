@@ -131,7 +131,8 @@ def _recorded(replica) -> list[str | None]:
 
 def _router_state(replica) -> dict | None:
     """In the ingress replica: the ``RayKVRouter`` of its handle to the LLM servers
-    (``ready``: its tokenizer loaded; ``recent_s``, ``counts``); None if it has none."""
+    (``ready``: its tokenizer loaded; ``recent_s``, ``counts``, ``text_memo``: its prompt
+    text memo's counters); None if it has none."""
     ingress = replica._replica_impl._user_callable_wrapper._callable
     handles = [*getattr(ingress, "_default_serve_handles", {}).values(),
                *getattr(ingress, "_configured_serve_handles", {}).values()]
@@ -142,7 +143,8 @@ def _router_state(replica) -> dict | None:
         if chooser is not None and hasattr(chooser, "recent_s"):
             return {"ready": chooser._tokens.ready, "recent_s": list(chooser.recent_s),
                     "recent_parts": list(getattr(chooser, "recent_parts", [])),
-                    "counts": dict(chooser.counts)}
+                    "counts": dict(chooser.counts),
+                    "text_memo": chooser.text_memo()}
     return None
 
 

@@ -6,7 +6,8 @@ object with ``prompt`` (text or token ids) or ``messages`` (chat). Text is token
 with the model's Hugging Face tokenizer as vLLM does it (a completion: ``encode`` with
 special tokens; a chat: its chat template with the generation prompt), loaded on a
 thread of its own at start: until it is loaded, text requests have no token ids (the
-router then routes as without raykv). A prompt the tokenizer does not reproduce
+router then routes as without raykv). Text goes through a prefix memo (``text_tokens``,
+bounded by ``memo_ids`` token ids; 0: none), exact or off. A prompt the tokenizer does not reproduce
 exactly as the engine sees it costs hits, never a wrong load: loads are decided by the
 engine's own connector.
 """
@@ -18,6 +19,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from raykv.integrations.serve.text_memo import MAX_IDS
+from raykv.integrations.serve.text_tokens import TextTokens
+
 log = logging.getLogger(__name__)
 
 TOKEN_IDS_KWARG = "request_token_ids"
@@ -26,11 +30,13 @@ TOKEN_IDS_KWARG = "request_token_ids"
 
 class PromptTokens:
     """Token ids of requests; ``tokenizer``: the model whose tokenizer reads text (None:
-    token ids only)."""
+    token ids only); ``memo_ids``: the text memo's bound in token ids (0: no memo)."""
 
-    def __init__(self, tokenizer: str | None) -> None:
+    def __init__(self, tokenizer: str | None, memo_ids: int = MAX_IDS) -> None:
         self._tokenizer = None
+        self.text: TextTokens | None = None
         self.failed: str | None = None
+        self._memo_ids = memo_ids
         if tokenizer:
             threading.Thread(target=self._load, args=(tokenizer,), daemon=True,
                              name="raykv-router-tokenizer").start()
@@ -39,15 +45,28 @@ class PromptTokens:
         try:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(name)
+            tok = AutoTokenizer.from_pretrained(name)
         except Exception as e:  # routed without text from now on, said once
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("RayKVRouter: tokenizer %s did not load (%s); only requests that "
                         "carry token ids are routed by residency", name, self.failed)
+            return
+        if self._memo_ids > 0:
+            try:
+                self.text = TextTokens(tok, max_ids=self._memo_ids)
+            except Exception as e:  # text tokenized in full, said once
+                log.warning("RayKVRouter: no prompt text memo (%s: %s)", type(e).__name__, e)
+        self._tokenizer = tok
 
     @property
     def ready(self) -> bool:
         return self._tokenizer is not None
+
+    def text_stats(self) -> dict[str, Any]:
+        """The text memo's counters (``TextTokens.stats``) and ``off`` (why it is off,
+        or None); {} without a memo."""
+        text = self.text
+        return text.stats() | {"off": text.off} if text is not None else {}
 
     def given(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int] | None:
         """The token ids the request carries (no tokenizer: cheap, any thread), or None."""
@@ -69,14 +88,18 @@ class PromptTokens:
         for arg in args:
             prompt = getattr(arg, "prompt", None)
             tok = self._tokenizer
+            text = self.text
             if isinstance(prompt, str) and tok is not None:
-                return list(tok.encode(prompt))
+                return text.completion(prompt) if text else list(tok.encode(prompt))
             messages = getattr(arg, "messages", None)
             if messages and tok is not None:
                 chat = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
                         for m in messages]
-                return list(tok.apply_chat_template(chat, add_generation_prompt=True,
-                                                    tokenize=True))
+                if text:
+                    return text.chat(chat)
+                out = tok.apply_chat_template(chat, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+                return list(out["input_ids"] if isinstance(out, Mapping) else out)
         return None
 
 

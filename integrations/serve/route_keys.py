@@ -66,6 +66,8 @@ class RouteOptions:
     - ``tokenizer``: the model (name or path) whose tokenizer and chat template turn a
       request's text into token ids (None: only requests that carry token ids are
       routed by residency).
+    - ``text_memo_ids``: token ids the router's memo of text prefixes holds at most
+      (4 Mi, 4 bytes each; 0: every text tokenized in full).
     - ``weight_engine``, ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page
       held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
       router sent to the replica lately); ``weight_load``: what one queued request
@@ -91,6 +93,7 @@ class RouteOptions:
     deadline_ms: float = 250.0
     stale_ms: float = 1000.0
     tokenizer: str | None = None
+    text_memo_ids: int = 4 << 20
     weight_engine: float = 1.2
     weight_l2: float = 1.0
     weight_segment: float = 0.8
@@ -114,10 +117,10 @@ class RouteOptions:
         opts = cls(**kwargs)
         if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or \
                 not min(opts.refresh_ms, opts.deadline_ms, opts.stale_ms) > 0 or \
-                min(opts.max_queue_gap, opts.engine_blocks) < 0:
+                min(opts.max_queue_gap, opts.engine_blocks, opts.text_memo_ids) < 0:
             raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1, "
                              "refresh_ms, deadline_ms, stale_ms > 0 and max_queue_gap, "
-                             "engine_blocks >= 0")
+                             "text_memo_ids, engine_blocks >= 0")
         if opts.extra_backend_tag is None and opts.backend() is None:
             raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
                              "(the backend the engines run, e.g. FLASH_ATTN) or "

@@ -33,7 +33,8 @@ logged at most once a minute), ``overhead_s`` (seconds spent choosing, in all),
 ``refreshed`` and ``refresh_failed`` (calls to the nodes' logs); ``recent_s``: the
 seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
 last ``RECENT`` requests that had keys, the seconds spent on their keys (token ids and
-page hashes) and on the view's answers.
+page hashes) and on the view's answers; ``text_memo()``: the prompt text memo's
+counters.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -80,7 +82,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self._keys = RouteKeys(self.options)
         self._nodes = NodeAnswers(self.options.namespace,
                                   RankOwner.of_config(self._keys.config))
-        self._tokens = PromptTokens(self.options.tokenizer)
+        self._tokens = PromptTokens(self.options.tokenizer, self.options.text_memo_ids)
         o = self.options
         self._weights = Weights(o.weight_engine, o.weight_l2, o.weight_segment, o.weight_l3,
                                 o.weight_load, o.max_queue_gap)
@@ -208,6 +210,10 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         keys = self._routing.pop(pending_request.metadata.internal_request_id, None)
         if keys:
             self.routed.routed(replica_id, keys)
+
+    def text_memo(self) -> dict[str, Any]:
+        """The prompt text memo's counters (``PromptTokens.text_stats``; {} without one)."""
+        return self._tokens.text_stats()
 
     def _keys_of(self, request: PendingRequest, tokens: list[int] | None) -> list[str]:
         """The request's keys, its text tokenized first if it carries no ``tokens`` (on

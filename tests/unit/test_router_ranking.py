@@ -156,8 +156,8 @@ class FakeTokenizer:
     def encode(self, text):
         return [len(w) for w in text.split()]
 
-    def apply_chat_template(self, chat, add_generation_prompt, tokenize):
-        assert add_generation_prompt and tokenize
+    def apply_chat_template(self, chat, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict
         return [99] + [len(m["content"]) for m in chat]
 
 
