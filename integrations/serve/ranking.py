@@ -17,8 +17,9 @@ every other one, best first; None when residency tells the candidates apart in n
 answer (a partial view would send every request to the nodes that answered, a stopped
 node's share included), so the caller routes as it would without raykv.
 ``spread`` ranks candidates for a request residency tells nothing about: the replicas
-sent the fewest requests lately first (Serve takes the shortest queue among them), so
-new prefixes, which the requests after them follow, are spread evenly.
+queued shortest and, among those, sent the fewest requests lately first, so new
+prefixes, which the requests after them follow, are spread evenly without waiting
+behind a busy replica.
 """
 
 from __future__ import annotations
@@ -85,11 +86,14 @@ def rank(candidates: Sequence[R], node_of: Callable[[R], str],
     return [first, rest] if rest else [first]
 
 
-def spread(candidates: Sequence[R], sent: Callable[[R], int]) -> list[list[R]]:
-    """``candidates`` sent the fewest requests lately (``sent``) first, then the others,
-    fewest first."""
-    counts = {id(c): sent(c) for c in candidates}
-    fewest = min(counts.values())
-    first = [c for c in candidates if counts[id(c)] == fewest]
-    rest = sorted((c for c in candidates if counts[id(c)] > fewest), key=lambda c: counts[id(c)])
+def spread(candidates: Sequence[R], sent: Callable[[R], int],
+           queue_len: Callable[[R], int | None]) -> list[list[R]]:
+    """``candidates`` by queue (``queue_len``: None counted 0), then by requests sent
+    lately (``sent``): the replicas shortest queued and, among those, sent the fewest
+    first, then the others in that order."""
+    key = {id(c): (queue_len(c) or 0, sent(c)) for c in candidates}
+    order = sorted(candidates, key=lambda c: key[id(c)])
+    best = key[id(order[0])]
+    first = [c for c in order if key[id(c)] == best]
+    rest = order[len(first):]
     return [first, rest] if rest else [first]

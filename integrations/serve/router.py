@@ -14,9 +14,9 @@ tier held against queue length (``ranking``). Beside the
 requests, one task per node of the replicas asks that node's actor what changed every
 ``refresh_ms`` (``residency_changes``, each call within ``deadline_ms``), so the view
 lags the nodes by about one refresh. A request the view and the engine tier tell no
-replica apart for (a new prefix) goes to the replicas sent the fewest requests lately
-(``ranking.spread``, over the last ``SPREAD_WINDOW``), Serve taking the shortest queue
-among them: the conversations and documents that later requests follow spread evenly.
+replica apart for (a new prefix) goes to the replicas queued shortest and, among them,
+sent the fewest requests lately (``ranking.spread``, over the last ``SPREAD_WINDOW``):
+the conversations and documents that later requests follow spread evenly.
 Any error, no token ids, no key, or a node not heard from for ``stale_ms``: Ray Serve's
 power of two choices, as if raykv were not there. The router never decides a load:
 each engine's connector does, so a wrong or stale view costs a hit, never bytes.
@@ -194,11 +194,15 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         if len(answers) < len(nodes):
             return fallback  # a partial view (see ``ranking``)
         cache = self.replica_queue_len_cache
-        ranked = rank(candidates, lambda c: c.node_id, answers,
-                      lambda c: cache.get(c.replica_id), self._weights,
+
+        def queue_len(c: RunningReplica) -> int | None:
+            return cache.get(c.replica_id)
+
+        ranked = rank(candidates, lambda c: c.node_id, answers, queue_len, self._weights,
                       lambda c: self.routed.pages(c.replica_id, keys, per_page))
         if ranked is None:
-            return "spread", spread(candidates, lambda c: self.recent.count(c.replica_id))
+            return "spread", spread(candidates, lambda c: self.recent.count(c.replica_id),
+                                    queue_len)
         return "routed", ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

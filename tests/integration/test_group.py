@@ -446,6 +446,54 @@ def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     assert set(got) == set(cluster.node_ids) and max(sent.values()) - min(sent.values()) <= 1
 
 
+def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
+    """Requests that carry text, as Serve LLM's OpenAI ingress gives them: a router with
+    the model's tokenizer tokenizes them (through its prefix memo) and sends every
+    question about a document node 1 holds to node 1, routed, the questions after the
+    first reusing the document's ids from the memo. Control: the same requests through
+    the app whose router has no tokenizer all fall back to power of two."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from raykv.clusters.demo.vllm_model import make_llama
+    from transformers import AutoTokenizer
+
+    handles, opts = apps
+    model = make_llama(str(tmp_path / "tiny-llama"))
+    common = ["the", "of", "and", "to", "in", "is", "it", "was", "for", "on", "are", "with"]
+    words = random.Random(5).choices(common, k=700)
+    document = "Document: " + " ".join(words)
+    held = AutoTokenizer.from_pretrained(model).encode(document)
+    kwargs = {"model_name": f"{opts.model_name}-text", "block_size": ROUTE_BLOCK,
+              "deadline_ms": DEADLINE_MS, "stale_ms": STALE_MS, "tokenizer": model}
+    opts = RouteOptions.parse(kwargs)  # a deployment (and L2 pool) of its own
+    hold_on_node(cluster, opts, held)
+    text = where().options(request_router_config=RequestRouterConfig(
+        request_router_class="raykv.integrations.serve.router:RayKVRouter",
+        request_router_kwargs=kwargs))
+    handle = serve.run(text.bind(), name="raykv_text", route_prefix=None)
+    try:
+        router = learnt(handle, opts, cluster.node_ids[0], held)
+        deadline = time.monotonic() + 60
+        while not router._tokens.ready:
+            assert time.monotonic() < deadline, "the router's tokenizer did not load"
+            time.sleep(0.1)
+        questions = [SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
+                     for i in range(8)]
+        before = dict(router.counts)
+        got = [handle.remote(q).result(timeout_s=60) for q in questions]
+        assert set(got) == {cluster.node_ids[0]}, (got, router.counts)
+        assert router.counts["routed"] - before["routed"] == len(questions)
+        assert router.text_memo()["hits"] >= len(questions) - 1
+        nodes_of(handles["raykv"], [tokens(999, 4)])  # the handle's router is made
+        control = router_of(handles["raykv"])
+        before = dict(control.counts)
+        for q in questions:
+            handles["raykv"].remote(q).result(timeout_s=60)
+        assert control.counts["fallback"] - before["fallback"] == len(questions)
+    finally:
+        serve.delete("raykv_text")
+
+
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
     """Node 1's actor SIGSTOPped: the router hears nothing from it, so once its view
     of node 1 is stale every request is answered, routed by power of two choices (a

@@ -182,13 +182,16 @@ def test_a_new_prefix_goes_to_the_replicas_sent_the_fewest_lately():
     recent = RecentRoutes(window=4)
     for replica in ("x", "x", "y"):
         recent.routed(replica)
-    assert spread(["x", "y", "z"], recent.count) == [["z"], ["y", "x"]]
+    idle = {}.get
+    assert spread(["x", "y", "z"], recent.count, idle) == [["z"], ["y", "x"]]
     recent.routed("z")
-    assert spread(["x", "y", "z"], recent.count) == [["y", "z"], ["x"]]
+    assert spread(["x", "y", "z"], recent.count, idle) == [["y", "z"], ["x"]]
+    # a queue comes first: z is busy, so x (sent more) goes before it
+    assert spread(["x", "y", "z"], recent.count, {"y": 1, "z": 1}.get) == [["x"], ["y", "z"]]
     recent.routed("y")  # the window holds 4: the first "x" is forgotten
     assert [recent.count(r) for r in "xyz"] == [1, 2, 1]
     assert recent.counts() == {"x": 1, "y": 2, "z": 1}
-    assert spread(["x", "z"], recent.count) == [["x", "z"]]  # equal: one group
+    assert spread(["x", "z"], recent.count, idle) == [["x", "z"]]  # equal: one group
     recent.keep_only(["y"])
     assert [recent.count(r) for r in "xyz"] == [0, 2, 0]
     with pytest.raises(ValueError):
@@ -202,7 +205,7 @@ def test_new_prefixes_spread_evenly_over_idle_replicas():
     for record in (True, False):
         recent, got = RecentRoutes(window=64), []
         for _ in range(12):
-            replica = spread(["a", "b", "c", "d"], recent.count)[0][0]
+            replica = spread(["a", "b", "c", "d"], recent.count, {}.get)[0][0]
             if record:
                 recent.routed(replica)
             got.append(replica)
