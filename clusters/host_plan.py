@@ -174,8 +174,3 @@ class HostPlan:
         state = "up" if up else "down"
         return [["ip", "link", "set", near, state],
                 ["ip", "-n", self.netns(host), "link", "set", far, state]]
-
-    def teardown_commands(self) -> list[list[str]]:
-        """Remove the network: each namespace (its veth goes with it), then the bridge."""
-        return [*(["ip", "netns", "del", self.netns(h)] for h in range(1, self.hosts)),
-                ["ip", "link", "del", self.bridge]]

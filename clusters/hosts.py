@@ -249,6 +249,13 @@ def _netns() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _links() -> list[str]:
+    """The names of this namespace's network links."""
+    out = _run(["ip", "-o", "link", "show"], check=False).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
+            if line.count(":") >= 2]
+
+
 def _netns_pids(ns: str) -> set[int]:
     return {int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()}
 
@@ -340,11 +347,17 @@ def remove_cluster(index: int) -> list[str]:
         tag = json.loads((workdir / "hosts.json").read_text())["cluster_tag"]
         if tag:
             removed += [f"/dev/shm/{n}" for n in remove_shm_files(cluster_shm_prefix(tag))]
+    bridge = f"{NAME_PREFIX}{index}"
+    # each host's link first: deleting one end of a veth pair deletes both at once, where
+    # a deleted namespace's veth goes some time after ``ip netns del`` returned
+    for link in _links():
+        if link.startswith(f"{bridge}-") and \
+                _run(["ip", "link", "del", link], check=False).returncode == 0:
+            removed.append(f"link {link}")
     for ns in _netns():
         if index_of(ns) == index:
             _run(["ip", "netns", "del", ns], check=False)
             removed.append(f"namespace {ns}")
-    bridge = f"{NAME_PREFIX}{index}"
     if _run(["ip", "link", "del", bridge], check=False).returncode == 0:
         removed.append(f"bridge {bridge}")
     if workdir.exists():
@@ -355,9 +368,7 @@ def remove_cluster(index: int) -> list[str]:
 
 def leftovers() -> dict[int, bool]:
     """Emulated clusters on this machine: index -> whether its driver still runs."""
-    found = {index_of(n) for n in _netns()} | {
-        index_of(n.split("@")[0].rstrip(":"))
-        for n in _run(["ip", "-o", "link", "show"]).stdout.split()}
+    found = {index_of(n) for n in _netns()} | {index_of(n) for n in _links()}
     found |= {int(p.name.rsplit("-", 1)[1]) for p in Path("/tmp").glob("raykv-hosts-*")
               if p.name.rsplit("-", 1)[1].isdigit()}
     out = {}
