@@ -7,9 +7,9 @@ with the model's Hugging Face tokenizer as vLLM does it (a completion: ``encode`
 special tokens; a chat: its chat template with the generation prompt), loaded on a
 thread of its own at start: until it is loaded, text requests have no token ids (the
 router then routes as without raykv). Text goes through a prefix memo (``text_tokens``,
-bounded by ``memo_ids`` token ids; 0: none), exact or off. A prompt the tokenizer does not reproduce
-exactly as the engine sees it costs hits, never a wrong load: loads are decided by the
-engine's own connector.
+bounded by ``memo_ids`` token ids; 0: none), exact or off. A prompt the tokenizer does
+not reproduce exactly as the engine sees it costs hits, never a wrong load: loads are
+decided by the engine's own connector.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from raykv.integrations.serve.text_memo import MAX_IDS
-from raykv.integrations.serve.text_tokens import TextTokens
+from raykv.integrations.serve.text_tokens import TextTokens, chat_ids
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,7 @@ class PromptTokens:
             if messages and tok is not None:
                 chat = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
                         for m in messages]
-                if text:
-                    return text.chat(chat)
-                out = tok.apply_chat_template(chat, add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)
-                return list(out["input_ids"] if isinstance(out, Mapping) else out)
+                return text.chat(chat) if text else chat_ids(tok, chat)
         return None
 
 

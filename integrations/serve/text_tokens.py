@@ -108,9 +108,7 @@ class TextTokens:
         """``tok.apply_chat_template(messages, add_generation_prompt=True,
         tokenize=True)`` as token ids."""
         if self.off is not None:
-            return _ids(self._tok.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+            return chat_ids(self._tok, messages)
         text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
                                              tokenize=False)
         ids, reused = self.memo.tokens(text, self._encode)
@@ -189,9 +187,7 @@ class TextTokens:
             if getattr(tok, "chat_template", None):
                 rendered = tok.apply_chat_template(list(_CHAT), add_generation_prompt=True,
                                                    tokenize=False)
-                templated = _ids(tok.apply_chat_template(
-                    list(_CHAT), add_generation_prompt=True, tokenize=True,
-                    return_dict=False))
+                templated = chat_ids(tok, _CHAT)
                 if list(tok.encode(rendered, add_special_tokens=False)) != templated or \
                         scratch.tokens(rendered, self._encode)[0] != templated:
                     return "the self-test found a chat template mismatch"
@@ -213,9 +209,12 @@ def _probes(tok: Any) -> list[str]:
     return texts
 
 
-def _ids(out: Any) -> list[int]:
-    """Token ids from what ``apply_chat_template(tokenize=True)`` returns (a list, or a
-    mapping with ``input_ids``)."""
+def chat_ids(tok: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``
+    as token ids, whether the tokenizer returns a list or a mapping with ``input_ids``
+    (transformers 5 does, unless ``return_dict=False``)."""
+    out = tok.apply_chat_template(list(messages), add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 

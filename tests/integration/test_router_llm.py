@@ -35,12 +35,10 @@ def _gets(cluster) -> dict[str, int]:
 
 
 def _l2(cluster, counter: str) -> dict[str, int]:
-    """``counter`` of each node's L2 (summed over its pools for per-pool counters)."""
-    out = {}
-    for n, a in cluster.node_actors.items():
-        l2 = ray.get(a.stats.remote())["l2"]
-        out[n] = l2.get(counter, 0) + sum(p.get(counter, 0) for p in l2["pools"].values())
-    return out
+    """A per-pool ``counter`` of each node's L2, summed over its pools."""
+    return {n: sum(p.get(counter, 0)
+                   for p in ray.get(a.stats.remote())["l2"]["pools"].values())
+            for n, a in cluster.node_actors.items()}
 
 
 def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
