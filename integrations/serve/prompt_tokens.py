@@ -93,10 +93,31 @@ class PromptTokens:
                 return text.completion(prompt) if text else list(tok.encode(prompt))
             messages = getattr(arg, "messages", None)
             if messages and tok is not None:
-                chat = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
-                        for m in messages]
+                chat = _chat(messages)
                 return text.chat(chat) if text else chat_ids(tok, chat)
         return None
+
+
+    def known(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[int]:
+        """The leading token ids of the request's text that the text memo holds, without
+        tokenizing (any thread; ``[]``: none, no memo, or a request without text)."""
+        text = self.text
+        if text is None:
+            return []
+        for arg in args:
+            prompt = getattr(arg, "prompt", None)
+            if isinstance(prompt, str):
+                return text.known_completion(prompt)
+            messages = getattr(arg, "messages", None)
+            if messages:
+                return text.known_chat(_chat(messages))
+        return []
+
+
+def _chat(messages: Sequence[Any]) -> list[Any]:
+    """OpenAI chat messages as the chat template takes them (plain mappings)."""
+    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+            for m in messages]
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -18,6 +18,7 @@ costs a dict lookup, not a hash, an HMAC and the key strings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,13 @@ class RouteOptions:
       routed by residency).
     - ``text_memo_ids``: token ids the router's memo of text prefixes holds at most
       (4 Mi, 4 bytes each; 0: every text tokenized in full).
+    - ``keys_wait_ms``: how long a request waits for its keys made on the router's
+      keys thread (text tokenized, or more token ids hashed than the router hashes
+      inline, 2048; 3). Past it the request is routed on the part known by then (the
+      leading text the memo holds; the first 2048 token ids), and its whole keys,
+      once made, count for the replica it went to. A text this router never saw is
+      then routed as a new prefix: raise it where several routers (ingress replicas)
+      see the same documents, at the cost of their first tokenization's time.
     - ``weight_engine``, ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page
       held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
       router sent to the replica lately); ``weight_load``: what one queued request
@@ -94,6 +102,7 @@ class RouteOptions:
     stale_ms: float = 1000.0
     tokenizer: str | None = None
     text_memo_ids: int = 4 << 20
+    keys_wait_ms: float = 3.0
     weight_engine: float = 1.2
     weight_l2: float = 1.0
     weight_segment: float = 0.8
@@ -117,10 +126,11 @@ class RouteOptions:
         opts = cls(**kwargs)
         if min(opts.block_size, opts.tp_size, opts.pp_size) < 1 or \
                 not min(opts.refresh_ms, opts.deadline_ms, opts.stale_ms) > 0 or \
-                min(opts.max_queue_gap, opts.engine_blocks, opts.text_memo_ids) < 0:
+                not min(opts.max_queue_gap, opts.engine_blocks, opts.text_memo_ids,
+                        opts.keys_wait_ms) >= 0 or not math.isfinite(opts.keys_wait_ms):
             raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1, "
                              "refresh_ms, deadline_ms, stale_ms > 0 and max_queue_gap, "
-                             "text_memo_ids, engine_blocks >= 0")
+                             "text_memo_ids, engine_blocks, keys_wait_ms >= 0 (finite)")
         if opts.extra_backend_tag is None and opts.backend() is None:
             raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
                              "(the backend the engines run, e.g. FLASH_ATTN) or "

@@ -6,20 +6,23 @@ Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's tok
 keys them (``route_keys``; on the router's one keys thread when text must be tokenized
 or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
 requests meanwhile: one thread, as more would only contend for the GIL and the
-tokenizer's own threads), the residency of those keys on each candidate replica's node
-as the router's view has it (``residency_view``: no call, microseconds), the pages the
-router itself sent to each candidate lately (``routed_keys``: its stand-in for the
-engine's own cache, learnt in ``on_request_routed``), and ranked groups of replicas by
-tier held against queue length (``ranking``). Beside the
-requests, one task per node of the replicas asks that node's actor what changed every
-``refresh_ms`` (``residency_changes``, each call within ``deadline_ms``), so the view
-lags the nodes by about one refresh. A request the view and the engine tier tell no
-replica apart for (a new prefix) goes to the replicas queued shortest and, among them,
-sent the fewest requests lately (``ranking.spread``, over the last ``SPREAD_WINDOW``):
-the conversations and documents that later requests follow spread evenly.
-Any error, no token ids, no key, or a node not heard from for ``stale_ms``: Ray Serve's
-power of two choices, as if raykv were not there. The router never decides a load:
-each engine's connector does, so a wrong or stale view costs a hit, never bytes.
+tokenizer's own threads; waited for ``keys_wait_ms`` at most, past which the request is
+routed on the part of it known by then: the leading text the memo holds, which is what
+other requests share, or its first ``INLINE_TOKENS`` token ids), the residency of those
+keys on each candidate replica's node as the router's view has it (``residency_view``:
+no call, microseconds), the pages the router itself sent to each candidate lately
+(``routed_keys``: its stand-in for the engine's own cache, learnt in
+``on_request_routed``), and ranked groups of replicas by tier held against queue length
+(``ranking``). Beside the requests, one task per node of the replicas asks that node's
+actor what changed every ``refresh_ms`` (``residency_changes``, each call within
+``deadline_ms``), so the view lags the nodes by about one refresh. A request the view
+and the engine tier tell no replica apart for (a new prefix) goes to the replicas queued
+shortest and, among them, sent the fewest requests lately (``ranking.spread``, over the
+last ``SPREAD_WINDOW``): the conversations and documents that later requests follow
+spread evenly. Any error, no token ids, no key, or a node not heard from for
+``stale_ms``: Ray Serve's power of two choices, as if raykv were not there. The router
+never decides a load: each engine's connector does, so a wrong or stale view costs a
+hit, never bytes.
 
 Configure it in ``LLMConfig.deployment_config``::
 
@@ -30,7 +33,9 @@ Configure it in ``LLMConfig.deployment_config``::
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
 residency, ``spread`` (a new prefix), ``fallback`` (power of two), ``failed`` (an error,
 logged at most once a minute), ``overhead_s`` (seconds spent choosing, in all),
-``refreshed`` and ``refresh_failed`` (calls to the nodes' logs); ``recent_s``: the
+``refreshed`` and ``refresh_failed`` (calls to the nodes' logs), ``keys_late``
+(routed before their keys were made) and ``keys_dropped`` (routed on their known part
+alone, ``MAX_LATE`` requests' keys being made already); ``recent_s``: the
 seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
 last ``RECENT`` requests that had keys, the seconds spent on their keys (token ids and
 page hashes) and on the view's answers; ``text_memo()``: the prompt text memo's
@@ -71,6 +76,9 @@ prefixes (``RecentRoutes``)."""
 INLINE_TOKENS = 2048
 """Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
 of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""
+MAX_LATE = 256
+"""Requests routed before their keys were made whose keys the keys thread may still be
+making, at most; past it a request is routed on its known part alone."""
 
 
 class RayKVRouter(PowerOfTwoChoicesRequestRouter):
@@ -88,12 +96,16 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                                 o.weight_load, o.max_queue_gap)
         self.routed = RoutedKeys(o.engine_blocks)
         self.recent = RecentRoutes(SPREAD_WINDOW)
-        self._routing: OrderedDict[str, list[str]] = OrderedDict()
+        # request id -> (its keys known when routed, the future of its whole keys)
+        self._routing: OrderedDict[str, tuple[list[str], asyncio.Future | None]] = \
+            OrderedDict()
         self._warn = ThrottledLog(log)
         self.view = ResidencyView(o.stale_ms / 1e3, time.monotonic)
         self._refreshing: dict[str, asyncio.Task] = {}
         self.counts = {"routed": 0, "spread": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
-                       "refreshed": 0, "refresh_failed": 0}
+                       "refreshed": 0, "refresh_failed": 0, "keys_late": 0,
+                       "keys_dropped": 0}
+        self._late = 0
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
         self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="raykv-router-keys")
@@ -174,16 +186,16 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             self._watch(nodes, exact=False)
         t = time.perf_counter()
         tokens = self._tokens.given(request.args, request.kwargs)
+        later: asyncio.Future | None = None
         if tokens is not None and len(tokens) <= INLINE_TOKENS:
             keys = self._keys.keys(tokens)
         elif tokens is not None or self._tokens.ready:
-            keys = await asyncio.get_running_loop().run_in_executor(
-                self._keys_thread, self._keys_of, request, tokens)
+            keys, later = await self._keys_within(request, tokens)
         else:
             return fallback  # text, and no tokenizer (yet)
-        if not keys:
+        if not keys and later is None:
             return fallback
-        self._routing[request.metadata.internal_request_id] = keys
+        self._routing[request.metadata.internal_request_id] = (keys, later)
         while len(self._routing) > ROUTING:
             self._routing.popitem(last=False)
         t_keys = time.perf_counter()
@@ -205,15 +217,60 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                                     queue_len)
         return "routed", ranked
 
+    async def _keys_within(self, request: PendingRequest, tokens: list[int] | None
+                           ) -> tuple[list[str], asyncio.Future | None]:
+        """The request's keys made on the keys thread, waited for ``keys_wait_ms`` at
+        most: ``(keys, None)``; past it ``(the known part's keys, the whole keys'
+        future)``. With ``MAX_LATE`` requests' keys still being made, no more are
+        started: ``(the known part's keys, None)``, counted ``keys_dropped``."""
+        if self._late >= MAX_LATE:
+            self.counts["keys_dropped"] += 1
+            return self._known_keys(request, tokens), None
+        work = asyncio.get_running_loop().run_in_executor(
+            self._keys_thread, self._keys_of, request, tokens)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work),
+                                          self.options.keys_wait_ms / 1e3), None
+        except TimeoutError:
+            pass
+        self.counts["keys_late"] += 1
+        self._late += 1
+        work.add_done_callback(self._one_less_late)
+        return self._known_keys(request, tokens), work
+
+    def _one_less_late(self, work: asyncio.Future) -> None:
+        self._late -= 1
+        if not work.cancelled():
+            work.exception()  # retrieved: a request Serve never routes is not logged
+
+    def _known_keys(self, request: PendingRequest, tokens: list[int] | None) -> list[str]:
+        """Keys of the request's leading part known without the keys thread: its first
+        ``INLINE_TOKENS`` token ids, or the text the memo holds (``PromptTokens.known``)."""
+        known = tokens[:INLINE_TOKENS] if tokens is not None else \
+            self._tokens.known(request.args, request.kwargs)
+        return self._keys.keys(known) if known else []
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
         """Serve sent ``pending_request`` to ``replica_id``: its keys (if the router
-        made them) count as that replica's from now on (``routed_keys``), and the
-        request among those it was sent lately."""
+        made them; those still being made once they are) count as that replica's from
+        now on (``routed_keys``), and the request among those it was sent lately."""
         self.recent.routed(replica_id)
-        keys = self._routing.pop(pending_request.metadata.internal_request_id, None)
+        keys, later = self._routing.pop(pending_request.metadata.internal_request_id,
+                                        ([], None))
         if keys:
             self.routed.routed(replica_id, keys)
+        if later is not None:
+            later.add_done_callback(lambda f: self._routed_later(replica_id, f))
+
+    def _routed_later(self, replica_id: ReplicaID, work: asyncio.Future) -> None:
+        """A late request's whole keys count as ``replica_id``'s (on the event loop)."""
+        if work.cancelled() or work.exception() is not None:
+            self._warn.warn("keys", "RayKVRouter: a request's keys failed: %s",
+                            "cancelled" if work.cancelled() else work.exception())
+            return
+        if work.result():
+            self.routed.routed(replica_id, work.result())
 
     def text_memo(self) -> dict[str, Any]:
         """The prompt text memo's counters (``PromptTokens.text_stats``; {} without one)."""

@@ -23,7 +23,8 @@ special prefix and suffix ids put around it). Two guards keep it exact:
    never a wrong load, which the engine's connector decides).
 
 Thread-safety: one caller thread (the router's keys thread) calls ``completion`` and
-``chat``; the checker thread reads only its own copies.
+``chat``; ``known_completion`` and ``known_chat`` may be called from another (the
+router's event loop) meanwhile; the checker thread reads only its own copies.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ class TextTokens:
         if reused:
             self._sample(text, False, ids)
         return ids
+
+    def known_completion(self, text: str) -> list[int]:
+        """The leading ids of ``completion(text)`` the memo holds, without tokenizing
+        (``[]``: none, or the memo is off)."""
+        ids, _ = self.memo.known(text) if self.off is None else ([], 0)
+        return self._prefix + ids if ids else []
+
+    def known_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The leading ids of ``chat(messages)`` the memo holds, without tokenizing (the
+        template is rendered: sub-millisecond for a conversation; ``[]``: none, or the
+        memo is off)."""
+        if self.off is not None:
+            return []
+        text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
+                                             tokenize=False)
+        return self.memo.known(text)[0]
 
     def settled(self, timeout_s: float) -> bool:
         """Whether every sampled check handed over so far is done, waiting at most

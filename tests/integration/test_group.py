@@ -446,43 +446,58 @@ def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     assert set(got) == set(cluster.node_ids) and max(sent.values()) - min(sent.values()) <= 1
 
 
-def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
-    """Requests that carry text, as Serve LLM's OpenAI ingress gives them: a router with
-    the model's tokenizer tokenizes them (through its prefix memo) and sends every
-    question about a document node 1 holds to node 1, routed, the questions after the
-    first reusing the document's ids from the memo. Control: the same requests through
-    the app whose router has no tokenizer all fall back to power of two."""
+def text_app(cluster, apps, tmp_path, name: str, **extra):
+    """A ``where`` app ``name`` whose ``RayKVRouter`` reads text with the tiny model's
+    tokenizer (``extra``: more router kwargs), a document whose loadable pages node 1's
+    L2 holds, and the app's router once it learnt that and loaded its tokenizer:
+    (handle, router, document)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from raykv.clusters.demo.vllm_model import make_llama
     from transformers import AutoTokenizer
 
-    handles, opts = apps
+    _, opts = apps
     model = make_llama(str(tmp_path / "tiny-llama"))
     common = ["the", "of", "and", "to", "in", "is", "it", "was", "for", "on", "are", "with"]
     words = random.Random(5).choices(common, k=700)
     document = "Document: " + " ".join(words)
     held = AutoTokenizer.from_pretrained(model).encode(document)
-    kwargs = {"model_name": f"{opts.model_name}-text", "block_size": ROUTE_BLOCK,
-              "deadline_ms": DEADLINE_MS, "stale_ms": STALE_MS, "tokenizer": model}
+    kwargs = {"model_name": f"{opts.model_name}-{name}", "block_size": ROUTE_BLOCK,
+              "deadline_ms": DEADLINE_MS, "stale_ms": STALE_MS, "tokenizer": model} | extra
     opts = RouteOptions.parse(kwargs)  # a deployment (and L2 pool) of its own
     hold_on_node(cluster, opts, held)
-    text = where().options(request_router_config=RequestRouterConfig(
+    app = where().options(request_router_config=RequestRouterConfig(
         request_router_class="raykv.integrations.serve.router:RayKVRouter",
         request_router_kwargs=kwargs))
-    handle = serve.run(text.bind(), name="raykv_text", route_prefix=None)
+    handle = serve.run(app.bind(), name=name, route_prefix=None)
+    router = learnt(handle, opts, cluster.node_ids[0], held)
+    deadline = time.monotonic() + 60
+    while not router._tokens.ready:
+        assert time.monotonic() < deadline, "the router's tokenizer did not load"
+        time.sleep(0.1)
+    return handle, router, document
+
+
+def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
+    """Requests that carry text, as Serve LLM's OpenAI ingress gives them: a router with
+    the model's tokenizer tokenizes them (through its prefix memo; waiting for their
+    keys as long as they take) and sends every question about a document node 1 holds
+    to node 1, routed, the questions after the first reusing the document's ids from
+    the memo. Control: the same requests through the app whose router has no tokenizer
+    all fall back to power of two."""
+    from ray import serve
+
+    handles, _ = apps
+    handle, router, document = text_app(cluster, apps, tmp_path, "raykv_text",
+                                        keys_wait_ms=60_000)
     try:
-        router = learnt(handle, opts, cluster.node_ids[0], held)
-        deadline = time.monotonic() + 60
-        while not router._tokens.ready:
-            assert time.monotonic() < deadline, "the router's tokenizer did not load"
-            time.sleep(0.1)
         questions = [SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
                      for i in range(8)]
         before = dict(router.counts)
         got = [handle.remote(q).result(timeout_s=60) for q in questions]
         assert set(got) == {cluster.node_ids[0]}, (got, router.counts)
         assert router.counts["routed"] - before["routed"] == len(questions)
+        assert router.counts["keys_late"] == 0
         assert router.text_memo()["hits"] >= len(questions) - 1
         nodes_of(handles["raykv"], [tokens(999, 4)])  # the handle's router is made
         control = router_of(handles["raykv"])
@@ -492,6 +507,43 @@ def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
         assert control.counts["fallback"] - before["fallback"] == len(questions)
     finally:
         serve.delete("raykv_text")
+
+
+@pytest.mark.parametrize("memo", [True, False], ids=["memo", "control_no_memo"])
+def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps, tmp_path,
+                                                                  memo):
+    """A router that never waits for a text's keys (``keys_wait_ms`` 0) routes each
+    question about a document on the document's ids its memo holds: the first question
+    goes as a new prefix (nothing known yet, unless its tokenization ended before the
+    router looked); once that is done, every later question is routed, to the replica
+    the first went to (its keys counted for that replica when they were made). Control: without the memo nothing is known in time,
+    so every question goes as a new prefix, spread over both nodes."""
+    from ray import serve
+
+    name = "raykv_text_late" + ("" if memo else "_no_memo")
+    handle, router, document = text_app(cluster, apps, tmp_path, name, keys_wait_ms=0,
+                                        text_memo_ids=(4 << 20) if memo else 0)
+    try:
+        questions = [SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
+                     for i in range(8)]
+        before = dict(router.counts)
+        got = [handle.remote(questions[0]).result(timeout_s=60)]
+        deadline = time.monotonic() + 30
+        while router._late:  # the first question's keys are being made
+            assert time.monotonic() < deadline, router.counts
+            time.sleep(0.05)
+        got += [handle.remote(q).result(timeout_s=60) for q in questions[1:]]
+        counts = {k: router.counts[k] - before[k] for k in ("routed", "spread", "keys_late")}
+        assert counts["keys_late"] == len(questions), (counts, router.counts)
+        if memo:  # the first is routed too if its tokenization ended before the lookup
+            assert counts["routed"] >= 7 and counts["routed"] + counts["spread"] == 8, \
+                router.counts
+            assert set(got) == {got[0]}, got
+        else:
+            assert counts == {"routed": 0, "spread": 8, "keys_late": 8}, router.counts
+            assert set(got) == set(cluster.node_ids), got
+    finally:
+        serve.delete(name)
 
 
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):

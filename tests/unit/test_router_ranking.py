@@ -1,6 +1,7 @@
 """Ranking replicas by residency (pure), a request's token ids, and the router's keys
 against the connector's key scheme."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -133,8 +134,12 @@ def test_router_options_refuse_what_they_do_not_know():
         RouteOptions.parse({"model_name": "m"})
     with pytest.raises(ValueError, match="must be >= 1"):
         RouteOptions.parse({"model_name": "m", "block_size": 0})
-    with pytest.raises(ValueError, match="engine_blocks >= 0"):
-        RouteOptions.parse({"model_name": "m", "block_size": 4, "max_queue_gap": -1})
+    for bad in ({"max_queue_gap": -1}, {"keys_wait_ms": -1.0}, {"keys_wait_ms": math.inf},
+                {"keys_wait_ms": math.nan}):
+        with pytest.raises(ValueError, match="keys_wait_ms >= 0"):
+            RouteOptions.parse({"model_name": "m", "block_size": 4} | bad)
+    assert RouteOptions.parse({"model_name": "m", "block_size": 4,
+                               "keys_wait_ms": 0}).keys_wait_ms == 0
 
 
 def test_router_names_the_engines_attention_backend():

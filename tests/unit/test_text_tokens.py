@@ -269,6 +269,75 @@ def test_a_hit_reuses_the_shared_prefix_and_encodes_only_the_rest():
     assert len(seen[-1]) < 30 and memo.counts["hits"] == 1
 
 
+def test_known_gives_the_memoised_leading_ids_without_encoding():
+    memo = PrefixMemo(chunk_chars=8)
+    calls: list[str] = []
+
+    def encode(t):
+        calls.append(t)
+        return spaces(t)
+
+    doc = " ".join(f"word{i}" for i in range(40))
+    assert memo.known(doc + " alpha") == ([], 0)  # nothing held yet
+    memo.tokens(doc + " alpha", encode)
+    calls.clear()
+    counts = dict(memo.counts)
+    ids, pos = memo.known(doc + " beta gamma")
+    whole = spaces(doc + " beta gamma")[0]
+    assert pos > len(doc) - 16 and ids == whole[:len(ids)] and len(ids) < len(whole)
+    assert calls == [] and memo.counts == counts  # nothing encoded, nothing counted
+
+
+def test_known_runs_while_a_tokenization_is_encoding():
+    """``known`` on another thread does not wait for ``tokens``' encoding (the router's
+    event loop asks while its keys thread tokenizes). Control: holding the lock across
+    the encode, as the memo once did, fails this."""
+    memo = PrefixMemo(chunk_chars=8)
+    doc = " ".join(f"word{i}" for i in range(40))
+    memo.tokens(doc, spaces)
+    held, release = threading.Event(), threading.Event()
+
+    def slow(t):
+        held.set()
+        assert release.wait(10)
+        return spaces(t)
+
+    worker = threading.Thread(target=memo.tokens, args=(doc + " new text here", slow))
+    worker.start()
+    try:
+        assert held.wait(10)
+        got: list = []
+        asker = threading.Thread(target=lambda: got.append(memo.known(doc + " other")))
+        asker.start()
+        asker.join(5)
+        assert got and got[0][1] > 0, "known waited for the encode"
+    finally:
+        release.set()
+        worker.join(10)
+
+
+def test_text_tokens_known_is_the_head_of_completion_and_chat(tok):
+    rng = random.Random(11)
+    tt = TextTokens(tok, chunk_chars=64)
+    doc = text(rng, 400)
+    assert tt.known_completion(doc + " Question one?") == []
+    tt.completion(doc + " Question one?")
+    head = tt.known_completion(doc + " Question two?")
+    want = tok.encode(doc + " Question two?")
+    assert len(head) > len(want) // 2 and want[:len(head)] == head
+    chat = [{"role": "system", "content": doc}, {"role": "user", "content": "Hi?"}]
+    assert tt.known_chat(chat) == []
+    tt.chat(chat)
+    later = chat + [{"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "And?"}]
+    head = tt.known_chat(later)
+    want = tok.apply_chat_template(later, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    assert len(head) > len(want) // 2 and want[:len(head)] == head
+    tt.off = "turned off"  # off: nothing known
+    assert tt.known_completion(doc + " Question two?") == [] and tt.known_chat(later) == []
+
+
 def test_the_bench_measures_plain_and_memo_on_both_workloads(model_dir):
     from raykv.clusters.bench.text_memo import run
 
