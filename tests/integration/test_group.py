@@ -516,8 +516,11 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
     question about a document on the document's ids its memo holds: the first question
     goes as a new prefix (nothing known yet, unless its tokenization ended before the
     router looked); once that is done, every later question is routed, to the replica
-    the first went to (its keys counted for that replica when they were made). Control: without the memo nothing is known in time,
-    so every question goes as a new prefix, spread over both nodes."""
+    the first went to (its keys counted for that replica when they were made).
+    Control: without the memo nothing is known in time, so every question goes as a new
+    prefix, spread over both nodes. With as many
+    requests' keys being made as the router allows, the next is routed on its known
+    part alone, its keys not made."""
     from ray import serve
 
     name = "raykv_text_late" + ("" if memo else "_no_memo")
@@ -532,6 +535,9 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
         while router._late:  # the first question's keys are being made
             assert time.monotonic() < deadline, router.counts
             time.sleep(0.05)
+        whole = router._keys.keys(router._tokens.of([questions[0]], {}))
+        assert any(router.routed.pages(r, whole, 1) == len(whole)  # made late, counted
+                   for r in list(router.routed._by_replica)), "the first's keys not counted"
         got += [handle.remote(q).result(timeout_s=60) for q in questions[1:]]
         counts = {k: router.counts[k] - before[k] for k in ("routed", "spread", "keys_late")}
         assert counts["keys_late"] == len(questions), (counts, router.counts)
@@ -539,6 +545,16 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
             assert counts["routed"] >= 7 and counts["routed"] + counts["spread"] == 8, \
                 router.counts
             assert set(got) == {got[0]}, got
+            # as if MAX_LATE requests' keys were being made (Serve runs a copy of the
+            # router's module: its constant is read from the router itself)
+            router._late = type(router)._keys_within.__globals__["MAX_LATE"]
+            before = dict(router.counts)
+            again = handle.remote(SimpleNamespace(prompt=f"{document} Last?")).result(
+                timeout_s=60)
+            assert router.counts["keys_dropped"] - before["keys_dropped"] == 1
+            assert router.counts["routed"] - before["routed"] == 1 and again == got[0]
+            assert router._late == type(router)._keys_within.__globals__["MAX_LATE"]
+            router._late = 0  # its keys were not made: nothing to count back
         else:
             assert counts == {"routed": 0, "spread": 8, "keys_late": 8}, router.counts
             assert set(got) == set(cluster.node_ids), got
