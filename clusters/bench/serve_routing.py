@@ -376,7 +376,8 @@ def run_router(router: str, model: str, streams: list[Stream],
     if node_stats:
         result["node_stats"] = node_stats
     if after is not None:
-        n = sum(after["counts"][k] - before["counts"][k] for k in ("routed", "fallback"))
+        n = sum(after["counts"][k] - before["counts"][k]
+                for k in ("routed", "spread", "fallback", "failed"))
         recent = after["recent_s"][-n:] if n else []
         asked = len(after["recent_parts"]) - len(before["recent_parts"])
         parts = after["recent_parts"][-asked:] if asked > 0 else []
