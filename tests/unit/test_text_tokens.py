@@ -316,6 +316,41 @@ def test_known_runs_while_a_tokenization_is_encoding():
         worker.join(10)
 
 
+@pytest.mark.parametrize("holding", [False, True], ids=["memo", "control_encode"])
+def test_a_long_tokenization_lets_other_threads_run(tok, holding):
+    """While the memo's tokenizer runs on the router's keys thread it leaves the GIL to
+    the router's event loop (the backend's ``encode_batch``): a thread sleeping 0.5 ms
+    at a time runs many times during it. Control: the backend's ``encode``, which
+    holds the GIL, lets it run at most at its edges."""
+    tt = TextTokens(tok)
+    assert tt.off is None
+    real = tt._encode
+    encoding = threading.Event()
+
+    def timed(t):
+        encoding.set()
+        try:
+            if holding:
+                e = tt._backend.encode(t, add_special_tokens=False)
+                encoding.clear()  # the ids' conversion below may hand the GIL over
+                return e.ids, e.offsets
+            return real(t)
+        finally:
+            encoding.clear()
+
+    tt._encode = timed
+    long = text(random.Random(3), 60000)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tt.completion(long), done.set()))
+    ran = 0
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.0005)
+        ran += encoding.is_set()
+    worker.join()
+    assert (ran <= 2) if holding else (ran >= 20), ran
+
+
 def test_text_tokens_known_is_the_head_of_completion_and_chat(tok):
     rng = random.Random(11)
     tt = TextTokens(tok, chunk_chars=64)
