@@ -86,6 +86,7 @@ def main() -> None:
     args = p.parse_args()
     result = run(args.model, args.doc_words, args.questions, args.sessions, args.turns,
                  args.opening_words)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "text_memo.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

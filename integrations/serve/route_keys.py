@@ -69,13 +69,13 @@ class RouteOptions:
       routed by residency).
     - ``text_memo_ids``: token ids the router's memo of text prefixes holds at most
       (4 Mi, 4 bytes each; 0: every text tokenized in full).
-    - ``keys_wait_ms``: how long a request waits for its keys made on the router's
-      keys thread (text tokenized, or more token ids hashed than the router hashes
-      inline, 2048; 3). Past it the request is routed on the part known by then (the
-      leading text the memo holds; the first 2048 token ids), and its whole keys,
-      once made, count for the replica it went to. A text this router never saw is
-      then routed as a new prefix: raise it where several routers (ingress replicas)
-      see the same documents, at the cost of their first tokenization's time.
+    - ``keys_wait_ms``: how long a request with no part known at once waits for its
+      keys made on the router's keys thread (3): a text the router's memo holds
+      nothing of (a request's known part: the leading text the memo holds, or its
+      first 2048 token ids; with one, it is routed at once and the rest of its keys
+      are made after, counted for the replica it went to). Past it the request goes
+      as a new prefix. Raise it where several routers (ingress replicas) see the same
+      documents, at the cost of their first tokenization's time.
     - ``weight_engine``, ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page
       held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
       router sent to the replica lately); ``weight_load``: what one queued request

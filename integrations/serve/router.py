@@ -6,12 +6,13 @@ Per request, in the handle's process (Ray Serve LLM's ingress): the prompt's tok
 keys them (``route_keys``; on the router's one keys thread when text must be tokenized
 or the prompt is longer than ``INLINE_TOKENS``, so the router's event loop serves other
 requests meanwhile: one thread, as more would only contend for the GIL and the
-tokenizer's own threads; waited for ``keys_wait_ms`` at most, past which the request is
-routed on the part of it known by then: the leading text the memo holds, which is what
-other requests share, or its first ``INLINE_TOKENS`` token ids), the residency of those
-keys on each candidate replica's node as the router's view has it (``residency_view``:
-no call, microseconds), the pages the router itself sent to each candidate lately
-(``routed_keys``: its stand-in for the engine's own cache, learnt in
+tokenizer's own threads. A request is routed on the part of it known at once, its first
+``INLINE_TOKENS`` token ids or the leading text the memo holds (which is what other
+requests share), the rest of its keys made meanwhile and counted for its replica once
+made; a text the memo holds nothing of waits for its keys ``keys_wait_ms`` at most), the
+residency of those keys on each candidate replica's node as the router's view has it
+(``residency_view``: no call, microseconds), the pages the router itself sent to each
+candidate lately (``routed_keys``: its stand-in for the engine's own cache, learnt in
 ``on_request_routed``), and ranked groups of replicas by tier held against queue length
 (``ranking``). Beside the requests, one task per node of the replicas asks that node's
 actor what changed every ``refresh_ms`` (``residency_changes``, each call within
@@ -33,9 +34,11 @@ Configure it in ``LLMConfig.deployment_config``::
 with the keys of ``route_keys.RouteOptions``. ``counts``: requests ``routed`` by
 residency, ``spread`` (a new prefix), ``fallback`` (power of two), ``failed`` (an error,
 logged at most once a minute), ``overhead_s`` (seconds spent choosing, in all),
-``refreshed`` and ``refresh_failed`` (calls to the nodes' logs), ``keys_late``
-(routed before their keys were made) and ``keys_dropped`` (routed on their known part
-alone, ``MAX_LATE`` requests' keys being made already); ``recent_s``: the
+``refreshed`` and ``refresh_failed`` (calls to the nodes' logs), ``keys_known``
+(routed on the part known at once, the rest of their keys made after), ``keys_late``
+(nothing known at once, their keys not made within ``keys_wait_ms``) and
+``keys_dropped`` (routed on their known part alone, ``MAX_LATE`` requests' keys being
+made already); ``recent_s``: the
 seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
 last ``RECENT`` requests that had keys, the seconds spent on their keys (token ids and
 page hashes) and on the view's answers; ``text_memo()``: the prompt text memo's
@@ -103,8 +106,8 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self.view = ResidencyView(o.stale_ms / 1e3, time.monotonic)
         self._refreshing: dict[str, asyncio.Task] = {}
         self.counts = {"routed": 0, "spread": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
-                       "refreshed": 0, "refresh_failed": 0, "keys_late": 0,
-                       "keys_dropped": 0}
+                       "refreshed": 0, "refresh_failed": 0, "keys_known": 0,
+                       "keys_late": 0, "keys_dropped": 0}
         self._late = 0
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
@@ -219,24 +222,30 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
 
     async def _keys_within(self, request: PendingRequest, tokens: list[int] | None
                            ) -> tuple[list[str], asyncio.Future | None]:
-        """The request's keys made on the keys thread, waited for ``keys_wait_ms`` at
-        most: ``(keys, None)``; past it ``(the known part's keys, the whole keys'
-        future)``. With ``MAX_LATE`` requests' keys still being made, no more are
-        started: ``(the known part's keys, None)``, counted ``keys_dropped``."""
+        """``(keys to route on, the future of the request's whole keys or None)``. The
+        keys of the part known at once (``_known_keys``) when there is one, the whole
+        keys made meanwhile on the keys thread (``keys_known``); else the whole keys,
+        waited for ``keys_wait_ms`` at most, past which what is known by then
+        (``keys_late``). With ``MAX_LATE`` requests' keys still being made, none are
+        made: the known part's keys alone (``keys_dropped``)."""
+        known = self._known_keys(request, tokens)
         if self._late >= MAX_LATE:
             self.counts["keys_dropped"] += 1
-            return self._known_keys(request, tokens), None
+            return known, None
         work = asyncio.get_running_loop().run_in_executor(
             self._keys_thread, self._keys_of, request, tokens)
-        try:
-            return await asyncio.wait_for(asyncio.shield(work),
-                                          self.options.keys_wait_ms / 1e3), None
-        except TimeoutError:
-            pass
-        self.counts["keys_late"] += 1
+        if known:
+            self.counts["keys_known"] += 1
+        else:
+            try:
+                return await asyncio.wait_for(asyncio.shield(work),
+                                              self.options.keys_wait_ms / 1e3), None
+            except TimeoutError:
+                self.counts["keys_late"] += 1
+                known = self._known_keys(request, tokens)  # another's may have filled it
         self._late += 1
         work.add_done_callback(self._one_less_late)
-        return self._known_keys(request, tokens), work
+        return known, work
 
     def _one_less_late(self, work: asyncio.Future) -> None:
         self._late -= 1

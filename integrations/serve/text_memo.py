@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
-CHUNK_CHARS = 1024
+CHUNK_CHARS = 256
 """Characters between cuts, about (a cut is the first candidate this far past the last)."""
 MAX_IDS = 4 << 20
 """Token ids the memo holds in all, at most (4 bytes each)."""

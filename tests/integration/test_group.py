@@ -28,6 +28,7 @@ from raykv.controllers.contract import PoolHitPolicy
 from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
+from raykv.integrations.serve.text_tokens import chat_ids
 
 from tests.integration.ranks import HYBRID, MHA, indices, start_hybrid, start_rank
 
@@ -446,11 +447,16 @@ def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     assert set(got) == set(cluster.node_ids) and max(sent.values()) - min(sent.values()) <= 1
 
 
-def text_app(cluster, apps, tmp_path, name: str, **extra):
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def text_app(cluster, apps, tmp_path, name: str, chat: bool = False, **extra):
     """A ``where`` app ``name`` whose ``RayKVRouter`` reads text with the tiny model's
-    tokenizer (``extra``: more router kwargs), a document whose loadable pages node 1's
-    L2 holds, and the app's router once it learnt that and loaded its tokenizer:
-    (handle, router, document)."""
+    tokenizer (``chat``: given a chat template, and the held pages are those of a
+    conversation whose system message is the document; ``extra``: more router kwargs),
+    a document whose loadable pages node 1's L2 holds, and the app's router once it
+    learnt that and loaded its tokenizer: (handle, router, document)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from raykv.clusters.demo.vllm_model import make_llama
@@ -458,10 +464,17 @@ def text_app(cluster, apps, tmp_path, name: str, **extra):
 
     _, opts = apps
     model = make_llama(str(tmp_path / "tiny-llama"))
+    tok = AutoTokenizer.from_pretrained(model)
     common = ["the", "of", "and", "to", "in", "is", "it", "was", "for", "on", "are", "with"]
     words = random.Random(5).choices(common, k=700)
     document = "Document: " + " ".join(words)
-    held = AutoTokenizer.from_pretrained(model).encode(document)
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(model)  # the router's tokenizer has the template
+        held = chat_ids(tok, [{"role": "system", "content": document},
+                              {"role": "user", "content": "Question 0?"}])
+    else:
+        held = tok.encode(document)
     kwargs = {"model_name": f"{opts.model_name}-{name}", "block_size": ROUTE_BLOCK,
               "deadline_ms": DEADLINE_MS, "stale_ms": STALE_MS, "tokenizer": model} | extra
     opts = RouteOptions.parse(kwargs)  # a deployment (and L2 pool) of its own
@@ -509,14 +522,44 @@ def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
         serve.delete("raykv_text")
 
 
+def test_chat_requests_are_routed_by_their_chat_template(cluster, apps, tmp_path):
+    """Chat requests (``messages``, as Serve LLM's OpenAI ingress gives them): a router
+    with the model's tokenizer renders its chat template and sends every question in a
+    conversation about a document node 1 holds to node 1, routed, the later ones
+    through the memo. Control: the router without a tokenizer falls back for each."""
+    from ray import serve
+
+    handles, _ = apps
+    handle, router, document = text_app(cluster, apps, tmp_path, "raykv_chat", chat=True,
+                                        keys_wait_ms=60_000)
+    try:
+        asks = [SimpleNamespace(prompt=None, messages=[
+            {"role": "system", "content": document},
+            {"role": "user", "content": f"Question {i}?"}]) for i in range(6)]
+        before = dict(router.counts)
+        got = [handle.remote(a).result(timeout_s=60) for a in asks]
+        assert set(got) == {cluster.node_ids[0]}, (got, router.counts)
+        assert router.counts["routed"] - before["routed"] == len(asks)
+        assert router.text_memo()["hits"] >= len(asks) - 1
+        nodes_of(handles["raykv"], [tokens(999, 4)])  # the handle's router is made
+        control = router_of(handles["raykv"])
+        before = dict(control.counts)
+        for a in asks:
+            handles["raykv"].remote(a).result(timeout_s=60)
+        assert control.counts["fallback"] - before["fallback"] == len(asks)
+    finally:
+        serve.delete("raykv_chat")
+
+
 @pytest.mark.parametrize("memo", [True, False], ids=["memo", "control_no_memo"])
 def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps, tmp_path,
                                                                   memo):
     """A router that never waits for a text's keys (``keys_wait_ms`` 0) routes each
     question about a document on the document's ids its memo holds: the first question
     goes as a new prefix (nothing known yet, unless its tokenization ended before the
-    router looked); once that is done, every later question is routed, to the replica
-    the first went to (its keys counted for that replica when they were made).
+    router looked again); once that is done, every later question is routed at once on
+    its known part, to the replica the first went to (its keys counted for that replica
+    when they were made).
     Control: without the memo nothing is known in time, so every question goes as a new
     prefix, spread over both nodes. With as many
     requests' keys being made as the router allows, the next is routed on its known
@@ -539,9 +582,10 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
         assert any(router.routed.pages(r, whole, 1) == len(whole)  # made late, counted
                    for r in list(router.routed._by_replica)), "the first's keys not counted"
         got += [handle.remote(q).result(timeout_s=60) for q in questions[1:]]
-        counts = {k: router.counts[k] - before[k] for k in ("routed", "spread", "keys_late")}
-        assert counts["keys_late"] == len(questions), (counts, router.counts)
+        counts = {k: router.counts[k] - before[k]
+                  for k in ("routed", "spread", "keys_known", "keys_late")}
         if memo:  # the first is routed too if its tokenization ended before the lookup
+            assert counts["keys_known"] == 7 and counts["keys_late"] == 1, router.counts
             assert counts["routed"] >= 7 and counts["routed"] + counts["spread"] == 8, \
                 router.counts
             assert set(got) == {got[0]}, got
@@ -556,7 +600,8 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
             assert router._late == type(router)._keys_within.__globals__["MAX_LATE"]
             router._late = 0  # its keys were not made: nothing to count back
         else:
-            assert counts == {"routed": 0, "spread": 8, "keys_late": 8}, router.counts
+            assert counts == {"routed": 0, "spread": 8, "keys_known": 0, "keys_late": 8}, \
+                router.counts
             assert set(got) == set(cluster.node_ids), got
     finally:
         serve.delete(name)

@@ -385,13 +385,13 @@ def test_the_bench_measures_plain_and_memo_on_both_workloads(model_dir):
 
 
 def test_the_documented_defaults(tok):
-    """What docs/engines.md says: cuts about every 1024 characters, 4 Mi ids at most
+    """What docs/engines.md says: cuts about every 256 characters, 4 Mi ids at most
     (the router's ``text_memo_ids``), one hit in 64 checked."""
     from raykv.integrations.serve.route_keys import RouteOptions
 
     assert RouteOptions.parse({"model_name": "m", "block_size": 16}).text_memo_ids == 4 << 20
     tt = TextTokens(tok)
-    assert (tt.memo.chunk_chars, tt.memo.max_ids) == (1024, 4 << 20)
+    assert (tt.memo.chunk_chars, tt.memo.max_ids) == (256, 4 << 20)
     doc = text(random.Random(4), 400)
     for q in range(129):
         tt.completion(doc + f" q{q}")
