@@ -37,7 +37,7 @@ logged at most once a minute), ``overhead_s`` (seconds spent choosing, in all),
 ``refreshed`` and ``refresh_failed`` (calls to the nodes' logs), ``keys_known``
 (routed on the part known at once, the rest of their keys made after), ``keys_late``
 (nothing known at once, their keys not made within ``keys_wait_ms``) and
-``keys_dropped`` (routed on their known part alone, ``MAX_LATE`` requests' keys being
+``keys_dropped`` (routed on their known part alone, ``MAX_BEHIND`` requests' keys being
 made already); ``recent_s``: the
 seconds each of the last ``RECENT`` requests spent choosing; ``recent_parts``: of the
 last ``RECENT`` requests that had keys, the seconds spent on their keys (token ids and
@@ -79,7 +79,7 @@ prefixes (``RecentRoutes``)."""
 INLINE_TOKENS = 2048
 """Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
 of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""
-MAX_LATE = 256
+MAX_BEHIND = 256
 """Requests routed before their keys were made whose keys the keys thread may still be
 making, at most; past it a request is routed on its known part alone."""
 
@@ -108,7 +108,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         self.counts = {"routed": 0, "spread": 0, "fallback": 0, "failed": 0, "overhead_s": 0.0,
                        "refreshed": 0, "refresh_failed": 0, "keys_known": 0,
                        "keys_late": 0, "keys_dropped": 0}
-        self._late = 0
+        self._behind = 0
         self.recent_s: deque[float] = deque(maxlen=RECENT)
         self.recent_parts: deque[tuple[float, float]] = deque(maxlen=RECENT)
         self._keys_thread = ThreadPoolExecutor(1, thread_name_prefix="raykv-router-keys")
@@ -226,10 +226,10 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         keys of the part known at once (``_known_keys``) when there is one, the whole
         keys made meanwhile on the keys thread (``keys_known``); else the whole keys,
         waited for ``keys_wait_ms`` at most, past which what is known by then
-        (``keys_late``). With ``MAX_LATE`` requests' keys still being made, none are
+        (``keys_late``). With ``MAX_BEHIND`` requests' keys still being made, none are
         made: the known part's keys alone (``keys_dropped``)."""
         known = self._known_keys(request, tokens)
-        if self._late >= MAX_LATE:
+        if self._behind >= MAX_BEHIND:
             self.counts["keys_dropped"] += 1
             return known, None
         work = asyncio.get_running_loop().run_in_executor(
@@ -243,12 +243,12 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
             except TimeoutError:
                 self.counts["keys_late"] += 1
                 known = self._known_keys(request, tokens)  # another's may have filled it
-        self._late += 1
-        work.add_done_callback(self._one_less_late)
+        self._behind += 1
+        work.add_done_callback(self._one_less_behind)
         return known, work
 
-    def _one_less_late(self, work: asyncio.Future) -> None:
-        self._late -= 1
+    def _one_less_behind(self, work: asyncio.Future) -> None:
+        self._behind -= 1
         if not work.cancelled():
             work.exception()  # retrieved: a request Serve never routes is not logged
 

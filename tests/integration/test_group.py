@@ -491,21 +491,27 @@ def text_app(cluster, apps, tmp_path, name: str, chat: bool = False, **extra):
     return handle, router, document
 
 
-def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
-    """Requests that carry text, as Serve LLM's OpenAI ingress gives them: a router with
-    the model's tokenizer tokenizes them (through its prefix memo; waiting for their
-    keys as long as they take) and sends every question about a document node 1 holds
-    to node 1, routed, the questions after the first reusing the document's ids from
-    the memo. Control: the same requests through the app whose router has no tokenizer
-    all fall back to power of two."""
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path, chat):
+    """Requests that carry text or chat ``messages``, as Serve LLM's OpenAI ingress gives
+    them: a router with the model's tokenizer tokenizes them (its chat template
+    rendered for a chat; through its prefix memo; waiting for their keys as long as
+    they take) and sends every question about a document node 1 holds to node 1,
+    routed, the questions after the first reusing the document's ids from the memo.
+    Control: the same requests through the app whose router has no tokenizer all fall
+    back to power of two."""
     from ray import serve
 
     handles, _ = apps
-    handle, router, document = text_app(cluster, apps, tmp_path, "raykv_text",
+    name = "raykv_chat" if chat else "raykv_text"
+    handle, router, document = text_app(cluster, apps, tmp_path, name, chat=chat,
                                         keys_wait_ms=60_000)
     try:
-        questions = [SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
-                     for i in range(8)]
+        questions = [SimpleNamespace(prompt=None, messages=[
+            {"role": "system", "content": document},
+            {"role": "user", "content": f"Question {i}?"}]) if chat else
+            SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
+            for i in range(8)]
         before = dict(router.counts)
         got = [handle.remote(q).result(timeout_s=60) for q in questions]
         assert set(got) == {cluster.node_ids[0]}, (got, router.counts)
@@ -519,36 +525,7 @@ def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path):
             handles["raykv"].remote(q).result(timeout_s=60)
         assert control.counts["fallback"] - before["fallback"] == len(questions)
     finally:
-        serve.delete("raykv_text")
-
-
-def test_chat_requests_are_routed_by_their_chat_template(cluster, apps, tmp_path):
-    """Chat requests (``messages``, as Serve LLM's OpenAI ingress gives them): a router
-    with the model's tokenizer renders its chat template and sends every question in a
-    conversation about a document node 1 holds to node 1, routed, the later ones
-    through the memo. Control: the router without a tokenizer falls back for each."""
-    from ray import serve
-
-    handles, _ = apps
-    handle, router, document = text_app(cluster, apps, tmp_path, "raykv_chat", chat=True,
-                                        keys_wait_ms=60_000)
-    try:
-        asks = [SimpleNamespace(prompt=None, messages=[
-            {"role": "system", "content": document},
-            {"role": "user", "content": f"Question {i}?"}]) for i in range(6)]
-        before = dict(router.counts)
-        got = [handle.remote(a).result(timeout_s=60) for a in asks]
-        assert set(got) == {cluster.node_ids[0]}, (got, router.counts)
-        assert router.counts["routed"] - before["routed"] == len(asks)
-        assert router.text_memo()["hits"] >= len(asks) - 1
-        nodes_of(handles["raykv"], [tokens(999, 4)])  # the handle's router is made
-        control = router_of(handles["raykv"])
-        before = dict(control.counts)
-        for a in asks:
-            handles["raykv"].remote(a).result(timeout_s=60)
-        assert control.counts["fallback"] - before["fallback"] == len(asks)
-    finally:
-        serve.delete("raykv_chat")
+        serve.delete(name)
 
 
 @pytest.mark.parametrize("memo", [True, False], ids=["memo", "control_no_memo"])
@@ -575,7 +552,7 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
         before = dict(router.counts)
         got = [handle.remote(questions[0]).result(timeout_s=60)]
         deadline = time.monotonic() + 30
-        while router._late:  # the first question's keys are being made
+        while router._behind:  # the first question's keys are being made
             assert time.monotonic() < deadline, router.counts
             time.sleep(0.05)
         whole = router._keys.keys(router._tokens.of([questions[0]], {}))
@@ -589,16 +566,16 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
             assert counts["routed"] >= 7 and counts["routed"] + counts["spread"] == 8, \
                 router.counts
             assert set(got) == {got[0]}, got
-            # as if MAX_LATE requests' keys were being made (Serve runs a copy of the
+            # as if MAX_BEHIND requests' keys were being made (Serve runs a copy of the
             # router's module: its constant is read from the router itself)
-            router._late = type(router)._keys_within.__globals__["MAX_LATE"]
+            router._behind = type(router)._keys_within.__globals__["MAX_BEHIND"]
             before = dict(router.counts)
             again = handle.remote(SimpleNamespace(prompt=f"{document} Last?")).result(
                 timeout_s=60)
             assert router.counts["keys_dropped"] - before["keys_dropped"] == 1
             assert router.counts["routed"] - before["routed"] == 1 and again == got[0]
-            assert router._late == type(router)._keys_within.__globals__["MAX_LATE"]
-            router._late = 0  # its keys were not made: nothing to count back
+            assert router._behind == type(router)._keys_within.__globals__["MAX_BEHIND"]
+            router._behind = 0  # its keys were not made: nothing to count back
         else:
             assert counts == {"routed": 0, "spread": 8, "keys_known": 0, "keys_late": 8}, \
                 router.counts

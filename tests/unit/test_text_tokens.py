@@ -254,14 +254,18 @@ def _cuts(text: str, chunk: int):
         yield p
 
 
-def test_a_hit_reuses_the_shared_prefix_and_encodes_only_the_rest():
-    memo = PrefixMemo(chunk_chars=8)
-    seen: list[str] = []
-
+def recording(seen: list[str]):
+    """``spaces``, recording each text it encodes in ``seen``."""
     def encode(t):
         seen.append(t)
         return spaces(t)
+    return encode
 
+
+def test_a_hit_reuses_the_shared_prefix_and_encodes_only_the_rest():
+    memo = PrefixMemo(chunk_chars=8)
+    seen: list[str] = []
+    encode = recording(seen)
     doc = " ".join(f"word{i}" for i in range(40))
     memo.tokens(doc + " alpha", encode)
     ids, reused = memo.tokens(doc + " beta gamma", encode)
@@ -272,11 +276,7 @@ def test_a_hit_reuses_the_shared_prefix_and_encodes_only_the_rest():
 def test_known_gives_the_memoised_leading_ids_without_encoding():
     memo = PrefixMemo(chunk_chars=8)
     calls: list[str] = []
-
-    def encode(t):
-        calls.append(t)
-        return spaces(t)
-
+    encode = recording(calls)
     doc = " ".join(f"word{i}" for i in range(40))
     assert memo.known(doc + " alpha") == ([], 0)  # nothing held yet
     memo.tokens(doc + " alpha", encode)
