@@ -287,7 +287,8 @@ class L2Pools:
     # ----------------------------------------------------------------- status
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
-        ``fill_failed``: objects); its write-behind in objects: ``l3_put`` (put to L3),
+        ``fill_failed``: objects); its write-behind in objects: ``l3_put_submitted``
+        (handed over to it), ``l3_put`` (put to L3),
         ``l3_put_retried`` (put again after a failed put), ``l3_put_pending`` (a put
         failed, the write-behind goes on: their pages dirty), ``l3_put_failed`` (never
         put: in L2 only, a hole in L3); ``l2_bytes`` and ``used``."""

@@ -13,7 +13,9 @@ are in L2 only (until evicted), and L3's chain has a hole there. A hole costs hi
 never bytes: every lookup and load stops at a chain's first missing block, so the
 blocks after it are only unused space in L3 until they are evicted there.
 
-Counters (``counts``, read under the owner's lock): ``stored`` (objects put), ``retried``
+Counters (``counts``, read under the owner's lock): ``submitted`` (objects handed
+over; the write-behind has ended for all of them once ``stored`` + ``failed`` reach
+it), ``stored`` (objects put), ``retried``
 (objects whose put was tried again), ``failed`` (objects never put), ``pending``
 (objects a put failed for whose write-behind has not ended: waiting for a retry, or in
 one).
@@ -74,14 +76,15 @@ class WriteBehind:
         # entry per dirty page, so bounded by the L2 pools' pages
         self._retries: list[tuple[float, int, Any, list[str], list[int], int]] = []
         self._serial = itertools.count()
-        self.counts = {"stored": 0, "retried": 0, "failed": 0, "pending": 0}
+        self.counts = {"submitted": 0, "stored": 0, "retried": 0, "failed": 0, "pending": 0}
         self._warn = ThrottledLog(log)
         self._closed = threading.Event()
         threading.Thread(target=self._loop, name="raykv-l2-flush", daemon=True).start()
 
     def submit(self, pool: Any, keys: list[str], pages: list[int]) -> None:
         """Put ``pool``'s ``pages`` (holding ``keys``, dirty) to L3 behind the caller;
-        never blocks."""
+        never blocks. Called under the owner's lock."""
+        self.counts["submitted"] += len(keys)
         self._queue.put((pool, keys, pages))
 
     def close(self) -> None:

@@ -54,6 +54,9 @@ from raykv.example_engine.workload import ChatWorkload
 from raykv.integrations.vllm.request_blocks import max_loadable_blocks
 from rich.console import Console
 
+SETTLE_S = 30.0
+"""How long the demo waits, at most, before and after a request for the nodes' L2
+write-behind to end (``tier_counts``)."""
 
 def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
                   page_size: int = 128, sessions: int = 4, turns: int = 3,
@@ -159,8 +162,18 @@ def tier_counts(cluster, engines: list) -> dict[str, int]:
     summed over nodes and raykv engines: ``l2_hits`` (blocks the node actors' L2 pools
     handed out ready: loaded from L2), ``l3_gets`` (objects the node actors got from
     Mooncake), ``filled`` (of those, read into L2 for a load), and the workers'
-    ``loaded`` and ``saved`` blocks."""
-    stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+    ``loaded`` and ``saved`` blocks. Read once every node's L2 write-behind has ended
+    for what was committed to it (at most ``SETTLE_S``), so that a request finds in L3
+    what the requests before it saved, on whichever node, as a user's later request
+    would (outside any request's TTFT)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
+        if time.monotonic() > deadline or all(
+                s["l2"]["l3_put"] + s["l2"]["l3_put_failed"] >= s["l2"]["l3_put_submitted"]
+                for s in stats):
+            break
+        time.sleep(0.05)
     workers = [_loaded(e) for e in engines]
     return dict(
         l2_hits=sum(p["hits"] for s in stats for p in s["l2"]["pools"].values()),

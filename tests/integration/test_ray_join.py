@@ -43,7 +43,9 @@ def ray_head():
     from raykv.clusters import ray_auth
 
     ray_auth.settle()
-    ctx = ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    # "local": a Ray of its own, never one that `ray start` left running (another test's
+    # `raykv up`), which ray.init without an address would join
+    ctx = ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
                    _system_config={"event_stats_print_interval_ms": 500})
     try:
         yield ctx.address_info["gcs_address"], Path(ctx.address_info["session_dir"])

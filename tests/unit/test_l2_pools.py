@@ -105,7 +105,9 @@ def test_save_write_behind_then_lookup_and_read():
     assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
     assert pools.lookup(["m_a", "m_b"], 1, A) == 0  # not committed: not readable
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
-    flushed(pools, 2)
+    assert pools.stats()["l3_put_submitted"] == 2  # handed over at the commit
+    s = flushed(pools, 2)
+    assert s["l3_put"] + s["l3_put_failed"] == s["l3_put_submitted"] == 2  # ended
     assert set(node.stored) == {"m_a", "m_b"}
     assert pools.lookup(["m_a", "m_b", "m_c"], 1, A) == 2
     assert pools.lookup(["m_a", "m_b"], 2, A) == 1  # two keys per page (TP 2)
@@ -204,6 +206,7 @@ def test_a_retry_into_a_pool_that_left_the_node_is_dropped():
     puts = len(node.calls)
     time.sleep(0.2)  # several back-offs: no put runs any more
     assert len(node.calls) == puts and s["l3_put"] == 0 and s["l3_put_pending"] == 0
+    assert s["l3_put_failed"] == s["l3_put_submitted"] == 1  # ended, as failed
 
 
 def test_reset_forgets_every_pool_and_open_makes_a_new_one():
