@@ -110,8 +110,7 @@ class TextTokens:
         tokenize=True)`` as token ids."""
         if self.off is not None:
             return chat_ids(self._tok, messages)
-        text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
-                                             tokenize=False)
+        text = self._rendered(messages)
         ids, reused = self.memo.tokens(text, self._encode)
         if reused:
             self._sample(text, False, ids)
@@ -129,9 +128,12 @@ class TextTokens:
         memo is off)."""
         if self.off is not None:
             return []
-        text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
+        return self.memo.known(self._rendered(messages))[0]
+
+    def _rendered(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``messages`` through the chat template, with the generation prompt, as text."""
+        return self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
                                              tokenize=False)
-        return self.memo.known(text)[0]
 
     def settled(self, timeout_s: float) -> bool:
         """Whether every sampled check handed over so far is done, waiting at most
@@ -206,8 +208,7 @@ class TextTokens:
                                 f"+ {text[seen:][:30]!r}")
             scratch = PrefixMemo(1, MAX_IDS, self._cut)
             if getattr(tok, "chat_template", None):
-                rendered = tok.apply_chat_template(list(_CHAT), add_generation_prompt=True,
-                                                   tokenize=False)
+                rendered = self._rendered(_CHAT)
                 templated = chat_ids(tok, _CHAT)
                 if list(tok.encode(rendered, add_special_tokens=False)) != templated or \
                         scratch.tokens(rendered, self._encode)[0] != templated:
