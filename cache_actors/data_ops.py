@@ -40,8 +40,10 @@ DATA_OP_ARGS: dict[str, Signature] = {
     # the batch, its ticket (book, slot, serial: cache_actors.tickets) or None
     DataOp.PUT: Signature((ObjectBatch, tuple[str, int, int] | None)),
     DataOp.GET: Signature((ObjectBatch, tuple[str, int, int] | None)),
-    # deployment id, its version, the asking rank (tp, pp), page keys, extra pools
-    DataOp.GROUP_EXISTS: Signature((str, int, tuple[int, int], list[str], list[PoolQuery])),
+    # deployment id, its version, the asking rank (tp, pp), its engine ("": none given),
+    # page keys, extra pools
+    DataOp.GROUP_EXISTS: Signature((str, int, tuple[int, int], str, list[str],
+                                    list[PoolQuery])),
     # L2 (cache_actors.node.l2_pools): keys and keys per page; then the holder (pid,
     # start ticks), the L2 pool's name, keys, and fill / pages and outcomes
     DataOp.L2_LOOKUP: Signature((list[str], int)),

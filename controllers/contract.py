@@ -51,6 +51,8 @@ IDENTITY_KEYS: dict[str, type] = {"model_revision": str, "kv_dtype": str, "page_
 LOOKUP_HOMES = ("node", "deployment")
 """Where a rank's group queries go (``extra_config['lookup_home']``): its own node's
 actor, or its deployment's home node's (``deployments.lookup_home``)."""
+MAX_ENGINE_ID = 128
+"""Characters of an ``extra_config['engine_id']``, at most."""
 
 
 @dataclass
@@ -68,7 +70,11 @@ class StorageConfig:
     ``timeout_s`` (float > 0, default ``DEFAULT_TIMEOUT_S``): the
     deadline of every data call this rank makes to a node actor (exists, put, get, group
     hit), see ``timeout_s``; ``lookup_home`` (``"node"`` or ``"deployment"``): which
-    node actor answers this rank's group queries (``deployments.lookup_home``).
+    node actor answers this rank's group queries (``deployments.lookup_home``);
+    ``engine_id`` (str of 1..``MAX_ENGINE_ID`` characters): the engine this rank is part
+    of, the same on every rank of one TP x PP group and different for each replica of
+    the deployment: group answers are shared only by ranks naming the same engine (see
+    ``engine_id``).
     ``ValueError`` for a value of the wrong type.
     """
 
@@ -96,6 +102,11 @@ class StorageConfig:
         if extra.get("lookup_home") not in (None, *LOOKUP_HOMES):
             raise ValueError(f"extra_config['lookup_home'] must be one of {LOOKUP_HOMES}, "
                              f"got {extra['lookup_home']!r}")
+        engine = extra.get("engine_id")
+        if engine is not None and (type(engine) is not str
+                                   or not 0 < len(engine) <= MAX_ENGINE_ID):
+            raise ValueError(f"extra_config['engine_id'] must be a str of 1 to "
+                             f"{MAX_ENGINE_ID} characters, got {engine!r:.200}")
         for key, kind in IDENTITY_KEYS.items():
             value = extra.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind)
@@ -132,6 +143,17 @@ class StorageConfig:
         """``"node"``, ``"deployment"`` or None (not given: the rule of
         ``deployments.lookup_home``)."""
         return (self.extra_config or {}).get("lookup_home")
+
+    @property
+    def engine_id(self) -> str | None:
+        """The engine (one TP x PP group) this rank serves, None if not given. The ranks
+        of one engine asking one node actor about the same keys get one answer; without
+        an engine id every rank of the deployment asking there counts as one group, so
+        two replicas asking the same keys within the answer window can each get an
+        answer the other's ranks asked for, and one replica's ranks then differ (an
+        engine that reduces the hit among its ranks itself, as SGLang does with a MIN
+        all-reduce, or whose scheduler alone asks, as vLLM's, needs none)."""
+        return (self.extra_config or {}).get("engine_id")
 
     @property
     def timeout_s(self) -> float:

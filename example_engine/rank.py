@@ -69,9 +69,11 @@ class EngineRank:
 
     ``max_tokens``: device capacity in token positions; ``host_pages``: pages of the
     host KV (and draft) pool; ``state_slots``: checkpoints of the host Mamba pool.
-    ``pool_tag`` names the host pools (``{pool_tag}-tp{rank}-{pool}``) so a restarted
-    rank finds them again. A rank computes on one thread and reserves no Ray CPU, so
-    several engines fit on a small node (the engine runs one forward at a time).
+    ``pool_tag`` names the engine: its host pools (``{pool_tag}-tp{rank}-{pool}``), so a
+    restarted rank finds them again, and its ranks' ``engine_id``, so they share group
+    answers with each other and not with another engine of the same model. A rank
+    computes on one thread and reserves no Ray CPU, so several engines fit on a small
+    node (the engine runs one forward at a time).
     """
 
     def __init__(self, target: ModelConfig, draft: ModelConfig | None, tp_rank: int,
@@ -92,7 +94,7 @@ class EngineRank:
             self.kv[DRAFT] = DeviceKV(self.models[DRAFT], max_tokens)
         self.client = CacheClient(StorageConfig(
             tp_rank=tp_rank, tp_size=tp_size, is_mla_model=target.attention == "mla",
-            model_name=target.name))
+            model_name=target.name, extra_config={"engine_id": pool_tag}))
         kind = "mla" if target.attention == "mla" else "mha"
         name = f"{pool_tag}-tp{tp_rank}"
         self.pools: dict[PoolName, HostPool] = {PoolName.KV: self.client.create_host_pool(

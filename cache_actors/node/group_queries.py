@@ -1,14 +1,16 @@
 """Answering group existence queries: shared within a window, batched when concurrent.
 
-``GroupQueries.submit`` starts a query on behalf of one rank ``(tp_rank, pp_rank)`` and
-calls ``done(result, error)`` once it is answered; it never blocks. An
-answer is shared by the ranks of the group that ask the same question (deployment, page
-keys, pools): a query that arrives while the same one is being looked up joins it, and a
-rank that has not yet had a recent answer (at most ``window_s`` seconds old) gets that
-very answer. So every rank of one engine step gets the identical hit. A rank that asks
-again gets a fresh answer, and an answer is dropped once every rank of the group has
-had it, so a miss is never served from memory to a later request after the pages were
-stored.
+``GroupQueries.submit`` starts a query on behalf of one rank ``(tp_rank, pp_rank)`` of
+one engine (``StorageConfig.engine_id``) and calls ``done(result, error)`` once it is
+answered; it never blocks. An answer is shared by the ranks of the engine that ask the
+same question (deployment, page keys, pools): a query that arrives while the same one
+is being looked up joins it, and a rank that has not yet had a recent answer (at most
+``window_s`` seconds old) gets that very answer. So every rank of one engine step gets
+the identical hit. A rank that asks again gets a fresh answer, and an answer is dropped
+once every rank of the group has had it, so a miss is never served from memory to a
+later request after the pages were stored. Ranks that name no engine share answers as
+one engine per deployment: two replicas asking the same keys within the window can
+then take each other's answers, so one replica's ranks can get different hits.
 
 Each query is a ``GroupSearch``: it looks up only the objects that can change its answer
 and that the store has not confirmed within ``confirm_ttl_s`` (``ConfirmedPages``:
@@ -39,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.confirmed_pages import ConfirmedPages
-from raykv.controllers.contract import PoolTransferResult
+from raykv.controllers.contract import MAX_ENGINE_ID, PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery, check_group_query
 from raykv.controllers.families import GroupFamilies, group_families
 from raykv.controllers.group_search import GroupSearch
@@ -129,18 +131,22 @@ class GroupQueries:
         return families
 
     def submit(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
-               rank: tuple[int, int], done: Done) -> None:
+               rank: tuple[int, int], done: Done, engine: str = "") -> None:
         """Start the group hit query of ``dep`` for page ``keys`` and extra pools
-        ``queries``, asked by ``rank``; ``done(result, None)`` or ``done(None, error)``
-        is called once it is answered (a store failure: for every query of that lookup),
-        in this thread if the answer is known at once. ``ValueError`` (raised here,
-        ``done`` never called) if ``queries`` names a pool the deployment did not
-        register, ``keys`` that are not a list of non-empty str of at most
-        ``MAX_BATCH_OBJECTS`` (``check_object_keys``), or a ``rank`` not of the group or
-        ill-formed ``queries`` (``check_group_query``)."""
+        ``queries``, asked by ``rank`` of ``engine`` ("": none named); ``done(result,
+        None)`` or ``done(None, error)`` is called once it is answered (a store failure:
+        for every query of that lookup), in this thread if the answer is known at once.
+        ``ValueError`` (raised here, ``done`` never called) if ``queries`` names a pool
+        the deployment did not register, ``keys`` that are not a list of non-empty str
+        of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``), an ``engine`` that is
+        not a str of at most ``MAX_ENGINE_ID`` characters, or a ``rank`` not of the
+        group or ill-formed ``queries`` (``check_group_query``)."""
         keys = check_object_keys(keys, "the group query's keys")
+        if type(engine) is not str or len(engine) > MAX_ENGINE_ID:
+            raise ValueError(f"a group query's engine must be a str of at most "
+                             f"{MAX_ENGINE_ID} characters, got {engine!r:.200}")
         rank, queries = check_group_query(dep, rank, queries)
-        key = (dep.deployment_id, tuple(keys), tuple(queries))
+        key = (dep.deployment_id, engine, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size
         search = None
         while True:

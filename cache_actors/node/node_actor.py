@@ -223,7 +223,7 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
-                           keys: list[str], queries: list[PoolQuery],
+                           engine: str, keys: list[str], queries: list[PoolQuery],
                            owner: OwnerClaim | None = None) -> PoolTransferResult:
         """Waits for the service's reply at most ``WAIT_S`` (then
         ``DeadlineExceededError``), on the event loop: no thread is held meanwhile."""
@@ -240,7 +240,8 @@ class NodeCacheActor:
 
         def reply(result: PoolTransferResult | None, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(settle, result, error)
-        self._service.group_exists(reply, deployment_id, version, rank, keys, queries, owner)
+        self._service.group_exists(reply, deployment_id, version, rank, engine, keys, queries,
+                                   owner)
         try:
             return await asyncio.wait_for(answer, WAIT_S)
         except TimeoutError:

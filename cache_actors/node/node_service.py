@@ -333,13 +333,13 @@ class NodeService:
             raise
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
-                     rank: tuple[int, int], keys: list[str], queries: list[PoolQuery],
-                     caller: OwnerClaim | None = None, *, verified: bool = False) -> None:
-        """The hit of the whole TP/PP group of ``deployment_id`` (whose home node this
-        is) for page ``keys``, asked by ``rank`` (tp, pp): every rank of the group asking
-        about the same keys and pools gets the identical answer (see
-        ``cache_actors.node.group_queries``). Never blocks: ``reply(result, None)`` or
-        ``reply(None, error)`` once answered (``ValueError`` for an unregistered
+                     rank: tuple[int, int], engine: str, keys: list[str],
+                     queries: list[PoolQuery], caller: OwnerClaim | None = None, *,
+                     verified: bool = False) -> None:
+        """The group hit of ``deployment_id`` for page ``keys``, asked by ``rank`` (tp, pp)
+        of ``engine`` (``engine_id``, "" if none): one answer for an engine's ranks asking
+        the same (``cache_actors.node.group_queries``). Never blocks: ``reply(result,
+        None)`` or ``reply(None, error)`` once answered (``ValueError`` for an unknown
         deployment, ``DeadlineExceededError`` if the controller did not hand it over in
         time); ``ValueError`` raised here for bad keys or a pool the deployment did not
         register. A deployment not known here at ``version`` is fetched from the
@@ -352,13 +352,13 @@ class NodeService:
         check_group_caller(caller, deployment_id, self._pools.owners.claimed)
         dep = self._deployments.known(deployment_id, version)
         if dep is not None:
-            self._groups.submit(dep, keys, queries, tuple(rank), reply)
+            self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
             return
 
         def fetch_then_submit() -> None:
             try:
                 dep = self._deployments.get(deployment_id, version)
-                self._groups.submit(dep, keys, queries, tuple(rank), reply)
+                self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
             except Exception as e:  # unknown deployment or pool: the caller's error
                 reply(None, e)
         self.executor.submit(fetch_then_submit)

@@ -47,5 +47,6 @@ class GroupRegistration:
         assert self._current is not None, "register before a group query"
         reg = self._current[0]
         return self._link.data(DataOp.GROUP_EXISTS, reg.deployment_id, reg.version,
-                               (self._config.tp_rank, self._config.pp_rank), keys, queries,
+                               (self._config.tp_rank, self._config.pp_rank),
+                               self._config.engine_id or "", keys, queries,
                                node_id=reg.home_node)

@@ -22,10 +22,11 @@ MAMBA_STAGING_SLOTS = 16
 with more goes through in rounds)."""
 CONFIG_KEYS = ("ray_address", "namespace", "ray_namespace", "ray_auth_mode", "ray_node_id",
                "zero_copy", "staging_pages", "extra_backend_tag", "timeout_s", "tenant",
-               "model_revision", "lookup_home")
+               "model_revision", "lookup_home", "engine_id")
 """extra_config keys this backend reads (``ray_namespace``: the older name of
 ``namespace``, kept as its alias)."""
-STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision", "lookup_home")
+STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision", "lookup_home",
+                "engine_id")
 """The keys of ``CONFIG_KEYS`` that ``storage_config`` hands to raykv's ``StorageConfig``.
 The KV dtype and page size are not among them: SGLang's host pools carry them, and the
 deployment registry refuses a rank whose pools' dtypes, page size or bytes per page

@@ -100,6 +100,33 @@ def test_one_answer_per_group_request(cluster, uid):
     assert ranks[0].group_exists(keys).kv_hit_pages == 4
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["engines", "control_unnamed"])
+def test_two_replicas_asking_interleaved_each_get_one_answer(cluster, uid, named):
+    """Replicas A and B of one model (TP 2 each, one home node) ask about the same keys,
+    interleaved, while pages are stored: with engine ids each replica's ranks get one
+    answer. Control: ranks naming no engine count as one group, and A's rank 1 gets the
+    answer B's rank 0 asked for, a hit A's rank 0 was not told of."""
+    model = f"replicas/{uid}"
+
+    def rank(engine: str, tp: int) -> CacheClient:
+        extra = {"engine_id": engine} if named else None
+        c = CacheClient(StorageConfig(tp_rank=tp, tp_size=2, model_name=model,
+                                      extra_config=extra))
+        c.register_mem_pool_host(c.create_host_pool("mha", **MHA))
+        return c
+    (a0, a1), (b0, b1) = [[rank(e, tp) for tp in range(2)] for e in "AB"]
+    keys = [f"{uid}-{i}" for i in range(4)]
+    for c in (a0, a1):
+        assert c.batch_set_v1(keys[:2], indices(0, 2)) == [True] * 2
+    first = a0.group_exists(keys).kv_hit_pages
+    for c in (a0, a1):  # replica B's step stores the rest meanwhile
+        assert c.batch_set_v1(keys[2:], indices(8, 2)) == [True] * 2
+    b_first = b0.group_exists(keys).kv_hit_pages
+    assert (first, b_first) == (2, 4)
+    got = a1.group_exists(keys).kv_hit_pages, b1.group_exists(keys).kv_hit_pages
+    assert got == ((2, 4) if named else (4, 4))
+
+
 def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
     r0, r1 = tp2_ranks(cluster, model_name=f"conf/{uid}")
     keys = [f"{uid}-{i}" for i in range(4)]
@@ -195,7 +222,7 @@ def test_conflicting_rank_is_refused_and_controller_keeps_serving(cluster, uid):
         mla.group_exists([f"{uid}-0"])
     home = cluster.node_actors[cluster.node_ids[0]]
     with pytest.raises(ValueError, match="'nobody' is not registered"):
-        ray.get(home.group_exists.remote("nobody", 1, (0, 0), ["a"], [PoolQuery(KV)]))
+        ray.get(home.group_exists.remote("nobody", 1, (0, 0), "", ["a"], [PoolQuery(KV)]))
     with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
         StorageConfig(tp_rank=2, tp_size=2)
     assert good.group_exists([f"{uid}-1"]).kv_hit_pages == 0

@@ -67,7 +67,7 @@ def group_connection(path: str) -> Peer:
     registered: answered with an error), so the actor's I/O thread reads it from now on,
     beside every rank's group connection."""
     peer = Peer(path)
-    ok, error = peer.call("group_exists", "no-such-deployment", 1, (0, 0), ["k"], [])
+    ok, error = peer.call("group_exists", "no-such-deployment", 1, (0, 0), "", ["k"], [])
     assert not ok and isinstance(error, ValueError), error
     return peer
 
@@ -181,7 +181,7 @@ def test_peers_that_never_read_stall_no_rank_s_group_queries(cluster, uid):
     assert ray.get(rank.call.remote("group_exists", keys)).kv_hit_pages == N  # claimed
     path = ray.get(actor.channel_path.remote())
     query = codec.request("group_exists", time.monotonic() + 600,
-                          [deployment_id(config), 1, (0, 0), keys, []])
+                          [deployment_id(config), 1, (0, 0), "", keys, []])
     hostile = [group_connection(path) for _ in range(8)]
     ready = threading.Barrier(len(hostile) + 1)
 

@@ -145,14 +145,15 @@ def test_a_group_query_of_another_deployment_is_refused(cluster, monkeypatch):
     reg = a._group._current[0]
     refused = f"may not query the group of deployment '{dep}'"
     with pytest.raises(ValueError, match=refused):  # the channel (the home node is here)
-        b._link.data(DataOp.GROUP_EXISTS, dep, reg.version, (0, 0), keys, [],
+        b._link.data(DataOp.GROUP_EXISTS, dep, reg.version, (0, 0), "", keys, [],
                      node_id=reg.home_node)
     home = ray.get_actor(node_actor_name(reg.home_node), namespace=cluster.namespace)
     with pytest.raises(ValueError, match=refused):  # the Ray route
-        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [], b.owner_claim()))
+        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), "", keys, [],
+                                         b.owner_claim()))
     with pytest.raises(ValueError, match="needs its owner claim"):  # no claim at all
-        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, []))
-    assert ray.get(home.group_exists.remote(dep, reg.version, (0, 0), keys, [],
+        ray.get(home.group_exists.remote(dep, reg.version, (0, 0), "", keys, []))
+    assert ray.get(home.group_exists.remote(dep, reg.version, (0, 0), "", keys, [],
                                             a.owner_claim())).kv_hit_pages == 2  # CONTROL
     assert a.group_exists(keys).kv_hit_pages == 2
     a.destroy_host_pool(pool)

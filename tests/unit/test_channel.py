@@ -249,8 +249,8 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     def get(batch, ticket):
         raise StalePoolsError("re-map")
 
-    def group(reply, dep, version, rank, keys, queries):
-        seen.append((dep, version, rank, keys, queries))
+    def group(reply, dep, version, rank, engine, keys, queries):
+        seen.append((dep, version, rank, engine, keys, queries))
         reply(PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2]), None)
 
     srv = ChannelServer(str(tmp_path / "n.sock"),
@@ -269,10 +269,10 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
         client.call(DataOp.GET, batch, None)
     assert client.call(DataOp.EXISTS, ["a", "b", "c"]) == [1, 1, 1]
     query = PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 2)
-    got = client.call(DataOp.GROUP_EXISTS, "dep", 3, (0, 1), ["a"], [query])
+    got = client.call(DataOp.GROUP_EXISTS, "dep", 3, (0, 1), "e1", ["a"], [query])
     assert got == PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2])
     assert type(next(iter(got.extra_pool_hit_pages))) is PoolName
-    assert seen[2] == ("dep", 3, (0, 1), ["a"], [query])
+    assert seen[2] == ("dep", 3, (0, 1), "e1", ["a"], [query])
     client.close()
     srv.close()
 
@@ -288,8 +288,10 @@ BAD_REQUESTS = {
     "bool-epoch": ("put", [[["k"], ["kv"], [0], [1], True], None]),
     "four-fields": ("put", [[["k"], ["kv"], [0], [1]], None]),
     "ticket": ("put", [[["k"], ["kv"], [0], [1], 0], ["book", 1]]),
-    "rank": ("group_exists", ["d", 1, [0], ["k"], []]),
-    "pool-name": ("group_exists", ["d", 1, [0, 0], ["k"], [["no-such-pool", "all_pages", 1]]]),
+    "rank": ("group_exists", ["d", 1, [0], "", ["k"], []]),
+    "engine": ("group_exists", ["d", 1, [0, 0], 7, ["k"], []]),
+    "pool-name": ("group_exists", ["d", 1, [0, 0], "", ["k"],
+                                   [["no-such-pool", "all_pages", 1]]]),
     "deadline": ("exists", [["k"]], "soon"),
 }
 

@@ -121,8 +121,8 @@ def test_a_group_query_registers_once_then_goes_to_the_home_node(make):
     assert config is client.config and node == NODE
     assert [s.role for s in specs] == [PoolName.KV]
     assert link.data_ops == [
-        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), ["a"], []),
-        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), ["a", "b"], [])]
+        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), "", ["a"], []),
+        (DataOp.GROUP_EXISTS, HOME, "org", 1, (1, 0), "", ["a", "b"], [])]
 
 
 def test_a_group_query_registers_again_after_a_reattach_or_new_pools(make):
@@ -143,7 +143,7 @@ def test_a_group_query_registers_again_after_a_reattach_or_new_pools(make):
                                              hit_policy=PoolHitPolicy.TRAILING_PAGES)])
     assert len(link.registered) == 3
     assert [s.role for s in link.registered[-1][1]] == [PoolName.KV, PoolName.MAMBA]
-    assert link.data_ops[-1][1:] == (HOME, "org", 3, (0, 0), ["a"], [
+    assert link.data_ops[-1][1:] == (HOME, "org", 3, (0, 0), "", ["a"], [
         PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 1)])
 
 
@@ -207,7 +207,7 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     client.batch_get(["x_k"], ptrs[:1], sizes[:1])
     assert link.data_ops[-1][2].keys == [k("x_k")]
     client.group_exists(["d", "e"])
-    assert link.data_ops[-1][5] == [k(h)[len(p):] for h in "de"]
+    assert link.data_ops[-1][6] == [k(h)[len(p):] for h in "de"]
     ((config, specs, _),) = link.registered
     assert secret.encode() not in pickle.dumps((config, specs, link.proofs))
     # a proof signed over the controller's challenge, never the secret; good once

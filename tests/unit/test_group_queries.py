@@ -38,7 +38,7 @@ class Store:
 
 
 def answer(groups: GroupQueries, dep: Deployment, keys, queries, rank=(0, 0),
-        timeout_s: float | None = None) -> PoolTransferResult:
+           timeout_s: float | None = None, engine: str = "") -> PoolTransferResult:
     """``groups.submit`` and wait for the answer: the result, or the store's error
     raised; ``TimeoutError`` if none came within ``timeout_s`` seconds (None: no limit)."""
     answered = threading.Event()
@@ -47,7 +47,7 @@ def answer(groups: GroupQueries, dep: Deployment, keys, queries, rank=(0, 0),
     def done(result, error) -> None:
         out[:] = [result, error]
         answered.set()
-    groups.submit(dep, keys, queries, rank, done)
+    groups.submit(dep, keys, queries, rank, done, engine)
     if not answered.wait(timeout_s):
         raise TimeoutError(f"the group query was not answered within {timeout_s:g} s")
     result, error = out
@@ -86,6 +86,37 @@ def test_a_rank_asking_again_gets_a_fresh_answer_the_other_rank_the_newest():
     assert answer(groups, DEP, ["a", "b"], [], rank=(0, 0)).kv_hit_pages == 2
     assert answer(groups, DEP, ["a", "b"], [], rank=(1, 0)).kv_hit_pages == 2
     assert len(store.calls) == 4  # two checks of two steps; the other rank shared one
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["engines", "control_unnamed"])
+def test_replicas_take_only_their_own_engines_answers(named):
+    """Two replicas of one deployment (TP 2 each) ask about the same keys, interleaved,
+    while the store changes: each replica's two ranks get one answer. Control: ranks
+    naming no engine count as one group per deployment, and replica A's second rank
+    gets the answer replica B's first rank asked for."""
+    store = Store(objects(["a"]))
+    groups = GroupQueries(store.exists, window_s=5.0)
+
+    def ask(engine: str, tp: int) -> int:
+        return answer(groups, DEP, ["a", "b"], [], rank=(tp, 0),
+                      engine=engine if named else "").kv_hit_pages
+    a0 = ask("A", 0)
+    store.present |= set(objects(["b"]))  # replica B stored page 1 meanwhile
+    b0 = ask("B", 0)
+    a1, b1 = ask("A", 1), ask("B", 1)
+    assert (a0, b0) == (1, 2)
+    if named:
+        assert (a1, b1) == (1, 2)
+    else:
+        assert a1 != a0  # the split an engine id prevents
+
+
+def test_an_engine_id_that_is_not_a_short_str_is_refused():
+    groups = GroupQueries(Store().exists, window_s=5.0)
+    for bad in (7, "e" * 129, None):
+        with pytest.raises(ValueError, match="engine"):
+            groups.submit(DEP, ["a"], [], (0, 0), lambda r, e: None, bad)
+    assert answer(groups, DEP, ["a"], [], engine="e" * 128).kv_hit_pages == 0  # control
 
 
 def test_answers_expire_after_the_window():

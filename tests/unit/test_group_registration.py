@@ -13,7 +13,8 @@ from tests.unit.fakes import FakeRoute
 
 KV = PoolSpec(PoolName.KV, "mha", ("k", "v"))
 MAMBA = PoolSpec(PoolName.MAMBA, "mamba", ("conv_0",))
-CONFIG = StorageConfig(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, model_name="m")
+CONFIG = StorageConfig(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, model_name="m",
+                       extra_config={"engine_id": "e1"})
 
 
 def route() -> FakeRoute:
@@ -48,7 +49,7 @@ def test_a_query_goes_to_the_home_node_with_the_registered_version():
     q = [PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 2)]
     assert group.exists(["a", "b"], q) == FakeRoute.HIT
     assert link.data_ops == [(DataOp.GROUP_EXISTS, FakeRoute.HOME, FakeRoute.DEPLOYMENT, 2,
-                              (1, 1), ["a", "b"], q)]
+                              (1, 1), "e1", ["a", "b"], q)]
 
 
 def test_a_query_before_registering_is_a_bug():

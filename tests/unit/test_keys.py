@@ -92,3 +92,11 @@ def test_timeout_s_is_one_validated_setting_in_extra_config():
     for bad in (0, -1, "5", True, None, 1e9):
         with pytest.raises(ValueError, match="timeout_s"):
             StorageConfig(extra_config={"timeout_s": bad})
+
+
+def test_engine_id_is_a_short_str_in_extra_config():
+    assert StorageConfig().engine_id is None
+    assert StorageConfig(extra_config={"engine_id": "r1"}).engine_id == "r1"
+    for bad in ("", "e" * 129, 3, b"r1"):
+        with pytest.raises(ValueError, match="engine_id"):
+            StorageConfig(extra_config={"engine_id": bad})

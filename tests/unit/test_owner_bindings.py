@@ -451,12 +451,12 @@ def test_group_queries_of_another_deployment_are_refused(service):
     node.verify(ranks("a"))  # team-a's deployment claimed on this node
     for caller in ("b", None):
         with pytest.raises(ValueError, match="t1.6=team-a"):
-            node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0),
+            node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0), "",
                               ["k"], [], caller and ranks(caller))
     # control: the deployment's own rank gets as far as the deployment (unknown to the
     # fake controller: its answer is that error, not a refusal)
-    node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0), ["k"], [],
-                      ranks("a"))
+    node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0), "", ["k"],
+                      [], ranks("a"))
     node.executor.shutdown(wait=True)
     assert len(answers) == 1 and answers[0][0] is None
     assert "may not query" not in str(answers[0][1])
