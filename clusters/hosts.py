@@ -42,6 +42,8 @@ SLOW_START = {"RAY_agent_register_timeout_ms": "300000",
               "RAY_worker_register_timeout_seconds": "300"}
 """A raylet whose agents or workers take long to start on a loaded machine (several
 hosts starting at once) waits for them instead of exiting."""
+JOIN_ATTEMPTS = 3
+"""Starts of the hosts' Ray that ``join_ray`` tries before it gives up."""
 
 
 def check_root() -> None:
@@ -164,6 +166,50 @@ class EmulatedHosts:
         os.environ["RAY_AUTH_MODE"] = self.ray_env()["RAY_AUTH_MODE"]
         Config.initialize("")
 
+    def join_ray(self, num_cpus: int, object_store_memory: int, **init_args) -> None:
+        """Start Ray on the hosts (``start_ray``) and connect this process to it as a
+        driver on host 0 (``ray.init(**init_args)``). If the driver cannot connect
+        although every node started (``ConnectionError``: seen once, on a loaded
+        machine), the hosts' Ray is stopped (``stop_ray``) and started again, up to
+        ``JOIN_ATTEMPTS`` times in all; then ``RuntimeError`` naming the cause and the
+        tail of the head's raylet log."""
+        import ray
+
+        for attempt in range(JOIN_ATTEMPTS):
+            address = self.start_ray(num_cpus, object_store_memory)
+            self.join_auth_mode()
+            try:
+                ray.init(address=address, _node_ip_address=self.address(0), **init_args)
+                return
+            except ConnectionError as e:
+                cause = f"{e} ({e.__cause__!r})"
+                raylet = self.workdir / "ray" / "session_latest" / "logs" / "raylet.out"
+                tail = raylet.read_text(errors="replace")[-2000:] if raylet.exists() else ""
+                log.warning("joining the emulated hosts' Ray failed (attempt %d of %d): %s",
+                            attempt + 1, JOIN_ATTEMPTS, cause)
+                ray.shutdown()
+                self.stop_ray()
+        raise RuntimeError(f"could not join the emulated hosts' Ray at {address}: {cause}; "
+                           f"the head's raylet log ends:\n{tail}")
+
+    def stop_ray(self) -> None:
+        """Kill the hosts' Ray: every process in another host's namespace, those on host
+        0 whose command line or open files name the hosts' Ray folder, and all their
+        descendants, again while any is found (a raylet starts workers until it dies),
+        three rounds at most. The network, the master and this process (which has Ray's
+        files open as a driver, and the master as a child) stay."""
+        folder = str(self.workdir / "ray")
+        for _ in range(3):
+            pids: set[int] = set()
+            for h in range(1, self.plan.hosts):
+                pids |= _netns_pids(self.plan.netns(h))
+            pids |= {int(p) for p in os.listdir("/proc")
+                     if p.isdigit() and _names_cluster(int(p), folder, None)}
+            pids = _with_descendants(_not_mine(pids))
+            if not pids:
+                return
+            _kill(pids)
+
     def start_ray(self, num_cpus: int, object_store_memory: int, attempts: int = 3) -> str:
         """One Ray node per host (the head on host 0); returns the GCS address once every
         node started (``clusters.ray_start``: Ray's ``ray start``, patient). A node that
@@ -271,12 +317,12 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def _names_cluster(pid: int, workdir: str, subnet: re.Pattern) -> bool:
-    """True if process ``pid``'s command line names the cluster's folder or subnet, or
-    it holds a file of the folder open."""
+def _names_cluster(pid: int, workdir: str, subnet: re.Pattern | None) -> bool:
+    """True if process ``pid``'s command line names the cluster's folder or subnet (if
+    given), or it holds a file of the folder open."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        if workdir in cmdline or subnet.search(cmdline):
+        if workdir in cmdline or (subnet is not None and subnet.search(cmdline)):
             return True
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
@@ -301,12 +347,21 @@ def cluster_pids(index: int) -> set[int]:
             found |= _netns_pids(ns)
     found |= {int(p) for p in os.listdir("/proc")
               if p.isdigit() and _names_cluster(int(p), workdir, subnet)}
-    kids, todo = _children(), list(found)
+    return _not_mine(_with_descendants(found))
+
+
+def _with_descendants(pids: set[int]) -> set[int]:
+    found, kids, todo = set(pids), _children(), list(pids)
     while todo:
         for kid in kids.get(todo.pop(), []):
             if kid not in found:
                 found.add(kid)
                 todo.append(kid)
+    return found
+
+
+def _not_mine(pids: set[int]) -> set[int]:
+    """``pids`` without this process and its ancestors."""
     mine, pid = set(), os.getpid()
     while pid > 1:
         mine.add(pid)
@@ -315,7 +370,7 @@ def cluster_pids(index: int) -> set[int]:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
         except OSError:
             break
-    return found - mine
+    return pids - mine
 
 
 def _kill(pids: set[int], timeout_s: float = 5.0) -> None:

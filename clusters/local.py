@@ -270,10 +270,8 @@ def start_local(
         ray_auth.settle()
         if network is not None:
             network.set_cluster_tag(settings.cluster_tag)
-            address = network.start_ray(cpus_per_node, object_store_memory)
-            network.join_auth_mode()
-            ray.init(address=address, _node_ip_address=network.address(0),
-                     namespace=namespace, log_to_driver=log_to_driver)
+            network.join_ray(cpus_per_node, object_store_memory, namespace=namespace,
+                             log_to_driver=log_to_driver)
         elif num_nodes == 1:
             ray.init(address="local", namespace=namespace, include_dashboard=False,
                      log_to_driver=log_to_driver, **node_args)

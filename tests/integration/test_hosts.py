@@ -10,8 +10,9 @@ after ``kill -9`` of its driver and ``raykv clean-hosts`` (control: before the c
 the namespaces are still there); a prefix written through host 0's L2 loads from that
 L2 with no store get and from L3 on both hosts byte for byte (control: L2 pages
 scribbled over are found different), also with host 1's link slowed to 100 Mbit/s
-mid-run and unshaped. Traffic goes only to loopback and to the emulated
-hosts' addresses.
+mid-run and unshaped; the hosts' Ray alone is stopped and started again, as a failed
+join does (the master stays; control: the probe sees Ray running before). Traffic goes
+only to loopback and to the emulated hosts' addresses.
 
 Root only (namespaces, links): skipped otherwise. ``RAYKV_SLOW_HOST_TESTS=1`` also runs
 the slow ones (a link down for 20 s; vLLM engines on two hosts)."""
@@ -196,6 +197,35 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
         assert qdiscs(hosts, 1).count("tbf") == 2
     finally:
         prefix.close()
+
+
+def test_the_hosts_ray_is_stopped_alone_and_joined_again(hosts):
+    """What a failed join does before its next try (``join_ray``): ``stop_ray`` kills
+    every Ray process of the hosts and nothing else (the master still runs), then Ray
+    starts again with a node on each host and this process joins it. Runs next to last:
+    the cluster's node actors and controller are gone with the old Ray."""
+    net = hosts.hosts
+    folder = str(net.workdir / "ray")
+
+    def ray_processes() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if folder in line:
+                found.append(line)
+        return found
+    assert ray_processes()  # control: the probe sees the running Ray
+    ray.shutdown()
+    net.stop_ray()
+    assert ray_processes() == []
+    assert hosts.master.alive()
+    net.join_ray(1, hosts._node_args["object_store_memory"], namespace=hosts.namespace,
+                 log_to_driver=False)
+    alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    assert alive == sorted([net.address(0), net.address(1)])
 
 
 def test_a_normal_exit_leaves_nothing_behind(hosts):
