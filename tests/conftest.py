@@ -22,10 +22,8 @@ SLOWEST_FIRST = (
     "test_vllm_failed_loads.py", "test_hosts.py", "test_cli_cluster.py", "test_node_kill.py",
     "test_autoscale.py")
 """Test modules that take minutes (engines, Ray Serve, clusters of their own), longest
-first. They are run first: with ``-n 2 --dist loadfile --no-loadscope-reorder`` a worker
-takes the next module in this order when it is free, so a long module started last
-would leave the other worker idle (xdist's own order, most tests first, put the
-one-test Ray Serve LLM module last)."""
+first. They are run first: with ``-n 2 --dist loadfile`` a worker takes the next module
+when it is free, so a long module started last would leave the other worker idle."""
 
 
 @pytest.fixture(autouse=True, scope="module")
