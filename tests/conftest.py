@@ -15,15 +15,6 @@ import sys
 import pytest
 
 _exit_status = 0
-SLOWEST_FIRST = (
-    "test_vllm.py", "test_router_llm.py", "test_vllm_peers.py", "test_sglang.py",
-    "test_group.py", "test_demo_vllm.py", "test_sglang_contract.py",
-    "test_sglang_deadlines.py", "test_vllm_failed_shared_load.py", "test_vllm_deadlines.py",
-    "test_vllm_failed_loads.py", "test_hosts.py", "test_cli_cluster.py", "test_node_kill.py",
-    "test_autoscale.py")
-"""Test modules that take minutes (engines, Ray Serve, clusters of their own), longest
-first. They are run first: with ``-n 2 --dist loadfile`` a worker takes the next module
-when it is free, so a long module started last would leave the other worker idle."""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,13 +26,6 @@ def _no_ray_left_by_another_module():
     if ray is not None and ray.is_initialized():
         ray.shutdown()
     yield
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules of ``SLOWEST_FIRST`` first, in that order, then the others as
-    collected; a module's own tests keep their order."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
