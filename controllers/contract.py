@@ -55,6 +55,17 @@ MAX_ENGINE_ID = 128
 """Characters of an ``extra_config['engine_id']``, at most."""
 
 
+def check_engine_id(engine: object, what: str, *, unnamed: bool) -> str:
+    """``engine`` if it is a str of at most ``MAX_ENGINE_ID`` characters, and not empty
+    unless ``unnamed`` ("" stands for no engine named on the wire); else ``ValueError``
+    naming ``what``."""
+    if type(engine) is not str or not (unnamed or engine) or len(engine) > MAX_ENGINE_ID:
+        least = 0 if unnamed else 1
+        raise ValueError(f"{what} must be a str of {least} to {MAX_ENGINE_ID} characters, "
+                         f"got {engine!r:.200}")
+    return engine
+
+
 @dataclass
 class StorageConfig:
     """Fields of SGLang's ``HiCacheStorageConfig``.
@@ -102,11 +113,8 @@ class StorageConfig:
         if extra.get("lookup_home") not in (None, *LOOKUP_HOMES):
             raise ValueError(f"extra_config['lookup_home'] must be one of {LOOKUP_HOMES}, "
                              f"got {extra['lookup_home']!r}")
-        engine = extra.get("engine_id")
-        if engine is not None and (type(engine) is not str
-                                   or not 0 < len(engine) <= MAX_ENGINE_ID):
-            raise ValueError(f"extra_config['engine_id'] must be a str of 1 to "
-                             f"{MAX_ENGINE_ID} characters, got {engine!r:.200}")
+        if extra.get("engine_id") is not None:
+            check_engine_id(extra["engine_id"], "extra_config['engine_id']", unnamed=False)
         for key, kind in IDENTITY_KEYS.items():
             value = extra.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind)

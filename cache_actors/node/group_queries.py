@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.confirmed_pages import ConfirmedPages
-from raykv.controllers.contract import MAX_ENGINE_ID, PoolTransferResult
+from raykv.controllers.contract import PoolTransferResult, check_engine_id
 from raykv.controllers.deployments import Deployment, PoolQuery, check_group_query
 from raykv.controllers.families import GroupFamilies, group_families
 from raykv.controllers.group_search import GroupSearch
@@ -142,9 +142,7 @@ class GroupQueries:
         not a str of at most ``MAX_ENGINE_ID`` characters, or a ``rank`` not of the
         group or ill-formed ``queries`` (``check_group_query``)."""
         keys = check_object_keys(keys, "the group query's keys")
-        if type(engine) is not str or len(engine) > MAX_ENGINE_ID:
-            raise ValueError(f"a group query's engine must be a str of at most "
-                             f"{MAX_ENGINE_ID} characters, got {engine!r:.200}")
+        check_engine_id(engine, "a group query's engine", unnamed=True)
         rank, queries = check_group_query(dep, rank, queries)
         key = (dep.deployment_id, engine, tuple(keys), tuple(queries))
         group = dep.tp_size * dep.pp_size

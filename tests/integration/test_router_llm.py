@@ -2,10 +2,10 @@
 minutes here (two vLLM replicas start; ``test_group.py`` checks the router's rules
 against plain Serve deployments).
 
-A two-node raykv cluster plus two nodes for the replicas (one each, by a custom
-resource); ``examples/serve_llm_raykv.py``'s config with the router
-(``router_block_size``) and the node's L2 (``l2_blocks``), vLLM's own prefix cache off,
-so every cached token came from raykv. The first request of a 1000-token prompt (7
+A two-node raykv cluster, a replica on each node (by a custom resource);
+``examples/serve_llm_raykv.py``'s config with the router (``router_block_size``) and the
+node's L2 (``l2_blocks``), vLLM's own prefix cache off, so every cached token came from
+raykv. The first request of a 1000-token prompt (7
 loadable 128-token blocks) is computed on some replica, whose node's L2 takes its
 blocks (and its node actor puts them on that node's own segment behind). Six more
 requests extending that prompt each load the 7 blocks from that same node's L2 (its L2
@@ -49,9 +49,8 @@ def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
     model = make_llama(str(tmp_path / "tiny-llama"))
     rnd = random.Random(7)
     p = [rnd.randrange(3, 2000) for _ in range(1000)]
-    with start_local(num_nodes=2, global_segment_size=256 << 20) as cluster:
-        for _ in range(2):
-            cluster.add_node(resources={"serve_llm": 1})
+    with start_local(num_nodes=2, global_segment_size=256 << 20,
+                     resources={"serve_llm": 1}) as cluster:
         config = example.raykv_llm_config(
             "tiny", model, replicas=2, cpu=True, prefix_caching=False, max_model_len=2048,
             model_name=f"tiny-route-{os.getpid()}", router_block_size=BLOCK,
