@@ -1,4 +1,4 @@
-"""Host KV pools in shared memory, seen as torch tensors by the node actor and by ranks.
+"""Host KV pools in shared memory: base pointers for the node actor, torch tensors for ranks.
 
 A ``HostPool`` maps one shared-memory file. The node actor creates it (and registers it with
 its Mooncake client); ranks on the same node attach to it by name and see the same
@@ -58,14 +58,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+VIEWS = ("_bytes", "buffers", "kv_buffer", "temporal_buffer", "conv_buffer",
+         "indexer_buffer")
+"""A ``HostPool``'s tensor views, made at their first use (``HostPool.__getattr__``);
+``_bytes``: the whole pool as uint8 (tests read it)."""
+
+
+def mapped_address(mm: mmap.mmap | ctypes.Array) -> int:
+    """The address of ``mm``'s first byte in this process, holding no export of its
+    buffer afterwards (the mapping can still be closed)."""
+    if isinstance(mm, ctypes.Array):
+        return ctypes.addressof(mm)
+    first = ctypes.c_ubyte.from_buffer(mm)
+    try:
+        return ctypes.addressof(first)
+    finally:
+        del first  # releases the export at once (reference counting)
+
+
 class HostPool:
     """One host pool mapped from shared memory (``page_first`` layout).
 
-    Tensors, all views of the shared bytes: ``buffers`` (one ``(size, *slot_shape)``
-    tensor per buffer, in key order); MHA/MLA ``kv_buffer``; vLLM ``kv_buffer``
-    ``(pages, layer_num, head_num, page_size, head_dim)``; Mamba ``temporal_buffer``
-    (None when the temporal state is empty) and ``conv_buffer`` (a list); indexer
-    ``indexer_buffer``.
+    ``base_ptr`` is the address of its first byte in this process. Tensors, all views of
+    the shared bytes, made at their first use, so that a process that only moves bytes
+    by pointer (the node actor) never imports torch: ``buffers`` (one
+    ``(size, *slot_shape)`` tensor per buffer, in key order); MHA/MLA ``kv_buffer``; vLLM
+    ``kv_buffer`` ``(pages, layer_num, head_num, page_size, head_dim)``; Mamba
+    ``temporal_buffer`` (None when the temporal state is empty) and ``conv_buffer`` (a
+    list); indexer ``indexer_buffer``. A view the pool's kind lacks, or any view after
+    ``close``, raises ``AttributeError``.
     """
 
     def __init__(self, handle: PoolHandle, mm: mmap.mmap | ctypes.Array, owner: bool) -> None:
@@ -73,36 +94,54 @@ class HostPool:
         self._bind(handle, mm)
 
     def _bind(self, handle: PoolHandle, mm: mmap.mmap | ctypes.Array) -> None:
-        import torch
-
         self.handle = handle
         self._mm = mm
-        layout = handle.layout
-        self._bytes = torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes)
-        self.base_ptr: int = self._bytes.data_ptr()
+        self.base_ptr: int = mapped_address(mm)
         self._pinned = False
-        self.buffers: list[torch.Tensor] = [
-            self._bytes[off:off + layout.size * b.slot_bytes]
+        self._views: dict | None = None
+        self._closed = False
+
+    def __getattr__(self, name: str):
+        # only called for names not set on the instance: the views, before their first use
+        if name not in VIEWS or self.__dict__.get("_closed", True):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if self._views is None:
+            self._views = self._tensor_views()
+        try:
+            return self._views[name]
+        except KeyError:
+            raise AttributeError(f"a {self.handle.layout.kind} pool has no {name}") from None
+
+    def _tensor_views(self) -> dict:
+        """Every view of this pool's kind, by name (``VIEWS``)."""
+        import torch
+
+        layout = self.handle.layout
+        whole = torch.frombuffer(self._mm, dtype=torch.uint8, count=layout.nbytes)
+        buffers = [
+            whole[off:off + layout.size * b.slot_bytes]
             .view(torch_dtype(b.dtype)).view(layout.size, *b.slot_shape)
             for off, b in zip(layout.buffer_offsets, layout.buffers, strict=True)
         ]
-        named = {b.name: t for b, t in zip(layout.buffers, self.buffers, strict=True)}
+        named = {b.name: t for b, t in zip(layout.buffers, buffers, strict=True)}
+        views: dict = {"_bytes": whole, "buffers": buffers}
         if layout.kind == "mha":
             k = layout.buffers[0]
-            self.kv_buffer = self._bytes.view(torch_dtype(k.dtype)).view(
+            views["kv_buffer"] = whole.view(torch_dtype(k.dtype)).view(
                 2, layout.size, *k.slot_shape)
         elif layout.kind == "mla":
-            self.kv_buffer = named["kv"]
+            views["kv_buffer"] = named["kv"]
         elif layout.kind == "vllm":  # (pages, layer_num, head_num, page_size, head_dim)
             layers, heads, dim = layout.buffers[0].slot_shape
-            self.kv_buffer = named["kv"].view(layout.num_pages, layers, heads,
-                                              layout.page_size, dim)
+            views["kv_buffer"] = named["kv"].view(layout.num_pages, layers, heads,
+                                                  layout.page_size, dim)
         elif layout.kind == "mamba":
-            self.temporal_buffer = named.get("temporal")
-            self.conv_buffer = [t for b, t in zip(layout.buffers, self.buffers, strict=True)
-                                if b.name.startswith("conv_")]
+            views["temporal_buffer"] = named.get("temporal")
+            views["conv_buffer"] = [t for b, t in zip(layout.buffers, buffers, strict=True)
+                                    if b.name.startswith("conv_")]
         else:
-            self.indexer_buffer = named["indexer"]
+            views["indexer_buffer"] = named["indexer"]
+        return views
 
     @classmethod
     def create(cls, handle: PoolHandle) -> HostPool:
@@ -220,9 +259,8 @@ class HostPool:
 
             torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned = False
-        for view in ("kv_buffer", "temporal_buffer", "conv_buffer", "indexer_buffer"):
-            self.__dict__.pop(view, None)
-        del self.buffers, self._bytes
+        self._views = None
+        self._closed = True
         try:
             if isinstance(self._mm, mmap.mmap):
                 self._mm.close()

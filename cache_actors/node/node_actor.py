@@ -16,9 +16,7 @@ run what, which lock guards which state) is ``cache_actors.node.node_service``.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,10 +91,6 @@ class NodeCacheActor:
         l2_bytes: int,
         placement: str,
     ) -> None:
-        # Pools are torch tensors; torch loads beside the start (seconds on a small
-        # machine) rather than inside the first pool's creation.
-        threading.Thread(target=importlib.import_module, args=("torch",),
-                         name="raykv-import-torch", daemon=True).start()
         # Both Mooncake wheels in this node's environment: said at start and in stats.
         self._warnings = [w for w in (environment_warning(),) if w]
         for w in self._warnings:

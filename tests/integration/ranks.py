@@ -6,6 +6,8 @@ through shared memory and Mooncake.
 
 from __future__ import annotations
 
+import os
+
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -29,6 +31,9 @@ class Rank:
             shape = MLA if kind == "mla" else MHA
             self.pool = self.client.create_host_pool(kind, name=pool_name, **shape)
         self.client.register_mem_pool_host(self.pool)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def node_id(self) -> str:
         return self.client.node_id

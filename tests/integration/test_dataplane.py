@@ -6,6 +6,7 @@ node's actor, so a read on node 2 of what node 1 wrote crosses nodes.
 """
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -13,6 +14,7 @@ import torch
 from mooncake.store import MooncakeDistributedStore
 from raykv.controllers import StorageConfig
 
+from tests.integration.conftest import node_pids
 from tests.integration.ranks import MHA, indices, planned, start_rank
 
 N = 5
@@ -53,6 +55,25 @@ def test_round_trip_across_nodes_mha_tp2_and_mla(cluster, uid):
     # TP shards differ: rank 1 read its own shard, not rank 0's.
     assert not torch.equal(ray.get(readers["tp0"].pages.remote(32, N)),
                            ray.get(readers["tp1"].pages.remote(32, N)))
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_node_actors_move_pages_without_torch(cluster, uid):
+    """The node actors put and get a rank's pages by pointer: neither ever imports torch
+    (about 3 CPU-s and 200 MB each). Control: the rank, whose pools are tensors, has."""
+    node1, node2 = cluster.node_ids
+    writer, reader = start_rank(node1, cfg()), start_rank(node2, cfg())
+    keys = [f"{uid}-{i}" for i in range(N)]
+    ray.get(writer.fill.remote(1))
+    assert ray.get(writer.call.remote("batch_set_v1", keys, indices(8, N))) == [True] * N
+    assert ray.get(reader.call.remote("batch_get_v1", keys, indices(8, N))) == [True] * N
+    assert torch.equal(ray.get(writer.pages.remote(8, N)), ray.get(reader.pages.remote(8, N)))
+    assert not any(_maps_torch(pid) for pid in node_pids(cluster).values())
+    assert _maps_torch(ray.get(writer.pid.remote()))  # control
 
 
 def test_object_names_seen_by_plain_mooncake_client(cluster, uid):
