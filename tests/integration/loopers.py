@@ -39,10 +39,13 @@ class Looper:
     name, or its own) until a call fails or ``rounds`` ran; ``rounds_done`` answers
     while it loops."""
 
-    def __init__(self, uid: str, pool: str, attach: bool, slot: int = 0) -> None:
+    def __init__(self, uid: str, pool: str, attach: bool, slot: int = 0,
+                 timeout_s: float | None = None) -> None:
         self.uid = uid
         self.put_at, self.get_at = slot, slot + PAGES * MHA["page_size"]  # own pages
-        self.client = CacheClient(StorageConfig(model_name="teardown/" + uid[:4]))
+        extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+        self.client = CacheClient(StorageConfig(model_name="teardown/" + uid[:4],
+                                                extra_config=extra))
         self.pool = (self.client.attach_host_pool(pool) if attach
                      else self.client.create_host_pool("mha", name=pool, **POOL))
         self.client.register_mem_pool_host(self.pool)
@@ -86,9 +89,12 @@ class Looper:
         return bad
 
 
-def looper(node_id: str, uid: str, pool: str, attach: bool, slot: int = 0):
-    """A ``Looper`` pinned to ``node_id``, its pages from token slot ``slot`` on."""
+def looper(node_id: str, uid: str, pool: str, attach: bool, slot: int = 0,
+           timeout_s: float | None = None):
+    """A ``Looper`` pinned to ``node_id``, its pages from token slot ``slot`` on, its
+    calls' deadline ``timeout_s`` (None: the default)."""
     strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return Looper.options(scheduling_strategy=strategy).remote(uid, pool, attach, slot)
+    return Looper.options(scheduling_strategy=strategy).remote(uid, pool, attach, slot,
+                                                               timeout_s)
 
 

@@ -40,7 +40,9 @@ def test_destroy_during_puts_and_gets_never_stores_wrong_bytes(slow_cluster, uid
     owner.create_host_pool("mha", name=VICTIM, **POOL)
     victims = [looper(head, f"{uid}v{i}", VICTIM, attach=True, slot=i * 2 * PAGES * 4)
                for i in range(3)]
-    honest = looper(other, f"{uid}h", f"teardown-own-{uid}", attach=False)
+    # the other node's rank: what it must never see is an error or wrong bytes; its
+    # deadline is generous because 2 loaded cores once held one of its puts past 5 s
+    honest = looper(other, f"{uid}h", f"teardown-own-{uid}", attach=False, timeout_s=30.0)
     runs = [*(r.loop.remote(200) for r in victims), honest.loop.remote(20)]
     deadline = time.monotonic() + 300
     while min(ray.get([r.rounds_done.remote() for r in victims])) < 2:  # all looping
