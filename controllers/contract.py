@@ -55,15 +55,14 @@ MAX_ENGINE_ID = 128
 """Characters of an ``extra_config['engine_id']``, at most."""
 
 
-def check_engine_id(engine: object, what: str, *, unnamed: bool) -> str:
-    """``engine`` if it is a str of at most ``MAX_ENGINE_ID`` characters, and not empty
-    unless ``unnamed`` ("" stands for no engine named on the wire); else ``ValueError``
-    naming ``what``."""
+def check_engine_id(engine: object, what: str, *, unnamed: bool) -> None:
+    """``ValueError`` naming ``what`` unless ``engine`` is a str of at most
+    ``MAX_ENGINE_ID`` characters, not empty unless ``unnamed`` ("" stands for no engine
+    named on the wire)."""
     if type(engine) is not str or not (unnamed or engine) or len(engine) > MAX_ENGINE_ID:
         least = 0 if unnamed else 1
         raise ValueError(f"{what} must be a str of {least} to {MAX_ENGINE_ID} characters, "
                          f"got {engine!r:.200}")
-    return engine
 
 
 @dataclass

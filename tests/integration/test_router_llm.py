@@ -5,14 +5,13 @@ against plain Serve deployments).
 A two-node raykv cluster, a replica on each node (by a custom resource);
 ``examples/serve_llm_raykv.py``'s config with the router (``router_block_size``) and the
 node's L2 (``l2_blocks``), vLLM's own prefix cache off, so every cached token came from
-raykv. The first request of a 1000-token prompt (7
-loadable 128-token blocks) is computed on some replica, whose node's L2 takes its
-blocks (and its node actor puts them on that node's own segment behind). Six more
-requests extending that prompt each load the 7 blocks from that same node's L2 (its L2
-hits grow, the other node's do not, and no node reads them from Mooncake). Control: by
-power of two choices all six would land there with chance 1/64 (the first request,
-when no node held anything, went to a replica sent the fewest lately: the
-router's ``spread``).
+raykv. The first request of a 1000-token prompt (7 loadable 128-token blocks) is
+computed on some replica, whose node's L2 takes its blocks (and its node actor puts
+them on that node's own segment behind). Six more requests extending that prompt each
+load the 7 blocks from that same node's L2 (its L2 hits grow, the other node's do not,
+and no node reads them from Mooncake). Control: by power of two choices all six would
+land there with chance 1/64 (the first request, when no node held anything, went to a
+replica sent the fewest lately: the router's ``spread``).
 """
 
 from __future__ import annotations
