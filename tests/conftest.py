@@ -1,5 +1,12 @@
 """Hooks for the whole suite.
 
+Order of work (``pytest -n 2 --dist loadfile``, the pyproject's options): the modules
+that run real vLLM engines form one work unit, so one worker runs them one after another
+(each is CPU-bound on these 2 cores; two side by side slowed both) while the other runs
+modules that partly wait on clusters and deadlines. Units go out longest first
+(``MODULE_SECONDS``), so the run never ends on one long module while the other worker
+idles (xdist's own order, by test count, sent the one-test Serve LLM modules last).
+
 The test process leaves with ``os._exit`` once pytest has written every result: a run
 here passed all 344 tests and then died at interpreter exit with a segfault inside Ray's
 GCS client (dmesg: the faulting code lies in its ``NodeInfoGcsService/GetAllNodeInfo``
@@ -15,6 +22,77 @@ import sys
 import pytest
 
 _exit_status = 0
+
+ENGINE_UNIT = "vllm-engines"
+ENGINE_MODULES = (
+    "tests/integration/test_vllm.py",
+    "tests/integration/test_router_llm.py",
+    "tests/integration/test_demo_vllm.py",
+    "tests/integration/test_vllm_failed_shared_load.py",
+    "tests/integration/test_vllm_deadlines.py",
+    "tests/peers/test_vllm_peers.py",
+    "tests/integration/test_vllm_failed_loads.py",
+)
+"""Modules that run real vLLM engines: one work unit, in this order."""
+
+MODULE_SECONDS = {
+    ENGINE_UNIT: 1510,
+    "tests/integration/test_dataplane.py": 280,
+    "tests/integration/test_cli_cluster.py": 240,
+    "tests/integration/test_final_returns.py": 220,
+    "tests/integration/test_group.py": 200,
+    "tests/integration/test_sglang.py": 190,
+    "tests/integration/test_sglang_close.py": 140,
+    "tests/integration/test_hosts.py": 130,
+    "tests/integration/test_pool_teardown.py": 120,
+    "tests/integration/test_engine.py": 110,
+    "tests/integration/test_sglang_deadlines.py": 110,
+    "tests/integration/test_standalone.py": 110,
+    "tests/integration/test_concurrent_ranks.py": 100,
+    "tests/integration/test_hybrid.py": 100,
+    "tests/integration/test_node_kill.py": 90,
+    "tests/integration/test_deadlines.py": 90,
+    "tests/integration/test_shm_limits.py": 80,
+    "tests/integration/test_sglang_contract.py": 70,
+    "tests/integration/test_hostile_channel.py": 70,
+    "tests/integration/test_lifecycle.py": 60,
+}
+"""Wall seconds of the longest work units in a whole run at ``-n 2`` on 2 cores
+(measured 2026-11-28; every other module took under 60 s). Only their order matters."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit of a test: ``ENGINE_UNIT`` for the engine modules, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return ENGINE_UNIT if module in ENGINE_MODULES else module
+
+
+def _unit_rank(nodeid: str) -> tuple[int, int]:
+    module = nodeid.split("::", 1)[0]
+    unit = work_unit(nodeid)
+    within = ENGINE_MODULES.index(module) if unit == ENGINE_UNIT else 0
+    return -MODULE_SECONDS.get(unit, 0), within
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest work units first (a stable sort: the rest keep their collection order)."""
+    items.sort(key=lambda item: _unit_rank(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with the engine modules as one unit, units in collection
+    order (the order ``pytest_collection_modifyitems`` made); other modes: xdist's."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return EngineUnitScheduling(config, log)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -222,6 +222,18 @@ class WatchInTerminal:
             time.sleep(0.1)
         return self.frames()
 
+    def exit_code(self, timeout_s: float) -> int:
+        """The process's exit code; a process still running after ``timeout_s`` fails
+        the test with its threads' stacks (``py-spy dump``), to say where it hangs."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            spy = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump",
+                                  "--pid", str(self.proc.pid)],
+                                 capture_output=True, text=True, timeout=60)
+            raise AssertionError(f"no exit within {timeout_s} s:\n{spy.stdout}"
+                                 f"{spy.stderr}\n{self.text()[-3000:]}") from None
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -284,7 +296,7 @@ def test_status_watch_in_a_terminal_until_ctrl_c(ray_head, uid):
         assert {r: node_row(settled[-1], node)[r] for r in RATES} == ZERO
 
         os.kill(view.proc.pid, signal.SIGINT)
-        assert view.proc.wait(90) == 0, view.text()[-3000:]
+        assert view.exit_code(90) == 0, view.text()[-3000:]
         assert "Traceback" not in view.text()
     finally:
         if view is not None:

@@ -75,15 +75,27 @@ def test_gets_and_puts_after_an_embedded_node_actor_is_killed(cluster, uid):
         time.sleep(0.2)
 
     # Every page a put reported stored reads back as its bytes, or is a miss.
+    # A read that fails as a whole (its deadline, on 2 loaded cores) reports no page: it
+    # is tried again, up to 3 times, and counts as misses after that.
     keys = list(stored)
-    wrong = 0
+    wrong = exact = 0
     for start in range(0, len(keys), N):
         chunk = keys[start:start + N]
-        got = ray.get(reader.call.remote("batch_get_v1", chunk, indices(32, len(chunk))))
+        got = [False] * len(chunk)
+        for _ in range(3):
+            try:
+                got = ray.get(reader.call.remote("batch_get_v1", chunk,
+                                                 indices(32, len(chunk))))
+                break
+            except NodeUnavailableError:
+                continue
         read = page_bytes(reader, 32, len(chunk))
-        wrong += sum(1 for i, ok in enumerate(got) if ok and not torch.equal(
-            read[i], stored[chunk[i]]))
+        for i, ok in enumerate(got):
+            if ok:
+                same = torch.equal(read[i], stored[chunk[i]])
+                exact += same
+                wrong += not same
     assert wrong == 0
-    assert rounds > 5 and stored  # the loop ran, and the surviving node kept storing
+    assert rounds > 5 and exact  # the loop ran, and pages put after the kill read back
     print(f"{rounds} rounds: {hits} pages read exact, {misses} misses; "
-          f"{len(stored)} pages put and checked")
+          f"{len(stored)} pages put and checked, {exact} read back exact")
