@@ -1,11 +1,12 @@
 """Hooks for the whole suite.
 
-Order of work (``pytest -n 2 --dist loadfile``, the pyproject's options): the modules
-that run real vLLM engines form one work unit, so one worker runs them one after another
-(each is CPU-bound on these 2 cores; two side by side slowed both) while the other runs
-modules that partly wait on clusters and deadlines. Units go out longest first
-(``MODULE_SECONDS``), so the run never ends on one long module while the other worker
-idles (xdist's own order, by test count, sent the one-test Serve LLM modules last).
+Order of work (``pytest -n 2 --dist loadfile``, the pyproject's options; the units and
+their order in ``tests/work_units.py``): the modules that run real vLLM engines form one
+work unit, so one worker runs them one after another (each is CPU-bound on these 2
+cores; two side by side slowed both) while the other runs modules that partly wait on
+clusters and deadlines; the modules that share one cluster form another. Units go out
+longest first, so the run never ends on one long module while the other worker idles
+(xdist's own order, by test count, sent the one-test Serve LLM modules last).
 
 The test process leaves with ``os._exit`` once pytest has written every result: a run
 here passed all 344 tests and then died at interpreter exit with a segfault inside Ray's
@@ -21,62 +22,13 @@ import sys
 
 import pytest
 
+from tests.work_units import SHARED_CLUSTER_MODULES, unit_rank, work_unit
+
 _exit_status = 0
-
-ENGINE_UNIT = "vllm-engines"
-ENGINE_MODULES = (
-    "tests/integration/test_vllm.py",
-    "tests/integration/test_router_llm.py",
-    "tests/integration/test_demo_vllm.py",
-    "tests/integration/test_vllm_failed_shared_load.py",
-    "tests/integration/test_vllm_deadlines.py",
-    "tests/peers/test_vllm_peers.py",
-    "tests/integration/test_vllm_failed_loads.py",
-)
-"""Modules that run real vLLM engines: one work unit, in this order."""
-
-MODULE_SECONDS = {
-    ENGINE_UNIT: 1510,
-    "tests/integration/test_dataplane.py": 280,
-    "tests/integration/test_cli_cluster.py": 240,
-    "tests/integration/test_final_returns.py": 220,
-    "tests/integration/test_group.py": 200,
-    "tests/integration/test_sglang.py": 190,
-    "tests/integration/test_sglang_close.py": 140,
-    "tests/integration/test_hosts.py": 130,
-    "tests/integration/test_pool_teardown.py": 120,
-    "tests/integration/test_engine.py": 110,
-    "tests/integration/test_sglang_deadlines.py": 110,
-    "tests/integration/test_standalone.py": 110,
-    "tests/integration/test_concurrent_ranks.py": 100,
-    "tests/integration/test_hybrid.py": 100,
-    "tests/integration/test_node_kill.py": 90,
-    "tests/integration/test_deadlines.py": 90,
-    "tests/integration/test_shm_limits.py": 80,
-    "tests/integration/test_sglang_contract.py": 70,
-    "tests/integration/test_hostile_channel.py": 70,
-    "tests/integration/test_lifecycle.py": 60,
-}
-"""Wall seconds of the longest work units in a whole run at ``-n 2`` on 2 cores
-(measured 2026-11-28; every other module took under 60 s). Only their order matters."""
-
-
-def work_unit(nodeid: str) -> str:
-    """The work unit of a test: ``ENGINE_UNIT`` for the engine modules, else its module."""
-    module = nodeid.split("::", 1)[0]
-    return ENGINE_UNIT if module in ENGINE_MODULES else module
-
-
-def _unit_rank(nodeid: str) -> tuple[int, int]:
-    module = nodeid.split("::", 1)[0]
-    unit = work_unit(nodeid)
-    within = ENGINE_MODULES.index(module) if unit == ENGINE_UNIT else 0
-    return -MODULE_SECONDS.get(unit, 0), within
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest work units first (a stable sort: the rest keep their collection order)."""
-    items.sort(key=lambda item: _unit_rank(item.nodeid))
+    items.sort(key=lambda item: unit_rank(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -96,18 +48,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_by_another_module():
-    """Every test module starts with no Ray initialised in this process: a module that
-    left Ray initialised (a failed teardown, a test run alone in another order) would
-    make the next one's ``start_local`` refuse to start."""
+def _no_ray_left_by_another_module(request: pytest.FixtureRequest):
+    """Every test module starts with no Ray initialised in this process (a module that
+    left Ray initialised, by a failed teardown or a test run alone in another order,
+    would make the next one's ``start_local`` refuse to start), but for the cluster that
+    ``tests/integration/shared_cluster.py`` holds for the modules that share it."""
+    shared = sys.modules.get("tests.integration.shared_cluster")
+    keep = request.node.nodeid in SHARED_CLUSTER_MODULES
+    if shared is not None and not keep:
+        shared.stop()
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is not None and ray.is_initialized() and not (
+            keep and shared is not None and shared.holding()):
         ray.shutdown()
     yield
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
+    shared = sys.modules.get("tests.integration.shared_cluster")
+    if shared is not None:
+        shared.stop()
     _exit_status = int(exitstatus)
 
 
