@@ -26,6 +26,7 @@ from tests.work_units import SHARED_CLUSTER_MODULES, unit_rank, work_unit
 
 _exit_status = 0
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest work units first (a stable sort: the rest keep their collection order)."""
     items.sort(key=lambda item: unit_rank(item.nodeid))
@@ -33,18 +34,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with the engine modules as one unit, units in collection
-    order (the order ``pytest_collection_modifyitems`` made); other modes: xdist's."""
+    """``--dist loadfile`` with the units of ``tests/work_units.py``, sent out in
+    collection order (the order ``pytest_collection_modifyitems`` made); other modes:
+    xdist's."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class EngineUnitScheduling(LoadScopeScheduling):
+    class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
     config.option.loadscopereorder = False
-    return EngineUnitScheduling(config, log)
+    return WorkUnitScheduling(config, log)
 
 
 @pytest.fixture(autouse=True, scope="module")
