@@ -1,12 +1,10 @@
 """Hooks for the whole suite.
 
-Order of work (``pytest -n 2 --dist loadfile``, the pyproject's options; the units and
-their order in ``tests/work_units.py``): the modules that run real vLLM engines form one
-work unit, so one worker runs them one after another (each is CPU-bound on these 2
-cores; two side by side slowed both) while the other runs modules that partly wait on
-clusters and deadlines; the modules that share one cluster form another. Units go out
-longest first, so the run never ends on one long module while the other worker idles
-(xdist's own order, by test count, sent the one-test Serve LLM modules last).
+Order of work (``pytest -n 2 --dist loadfile --no-loadscope-reorder``, the pyproject's
+options): test files go out to the workers longest first (``MODULE_SECONDS``), so the
+run does not end on one long file while the other worker idles. xdist's own order, by
+test count, sent the one-test Serve LLM files last: a whole run here ended with one
+worker idle for ~140 s.
 
 The test process leaves with ``os._exit`` once pytest has written every result: a run
 here passed all 344 tests and then died at interpreter exit with a segfault inside Ray's
@@ -22,55 +20,58 @@ import sys
 
 import pytest
 
-from tests.work_units import SHARED_CLUSTER_MODULES, unit_rank, work_unit
-
 _exit_status = 0
+
+MODULE_SECONDS = {
+    "tests/integration/test_vllm.py": 670,
+    "tests/integration/test_router_llm.py": 290,
+    "tests/integration/test_dataplane.py": 280,
+    "tests/integration/test_cli_cluster.py": 240,
+    "tests/integration/test_final_returns.py": 220,
+    "tests/integration/test_group.py": 200,
+    "tests/integration/test_sglang.py": 190,
+    "tests/integration/test_demo_vllm.py": 160,
+    "tests/integration/test_sglang_close.py": 140,
+    "tests/integration/test_hosts.py": 130,
+    "tests/integration/test_vllm_failed_shared_load.py": 130,
+    "tests/integration/test_pool_teardown.py": 120,
+    "tests/integration/test_vllm_deadlines.py": 120,
+    "tests/integration/test_engine.py": 110,
+    "tests/integration/test_sglang_deadlines.py": 110,
+    "tests/integration/test_standalone.py": 110,
+    "tests/integration/test_concurrent_ranks.py": 100,
+    "tests/integration/test_hybrid.py": 100,
+    "tests/peers/test_vllm_peers.py": 100,
+    "tests/integration/test_node_kill.py": 90,
+    "tests/integration/test_deadlines.py": 90,
+    "tests/integration/test_shm_limits.py": 80,
+    "tests/integration/test_sglang_contract.py": 70,
+    "tests/integration/test_hostile_channel.py": 70,
+    "tests/integration/test_lifecycle.py": 60,
+}
+"""Wall seconds of the longest test files in a whole run at ``-n 2`` on 2 cores, each
+file's own clusters and engines included (measured 2026-11-28; every other file took
+under 60 s). Only their order matters."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest work units first (a stable sort: the rest keep their collection order)."""
-    items.sort(key=lambda item: unit_rank(item.nodeid))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with the units of ``tests/work_units.py``, sent out in
-    collection order (the order ``pytest_collection_modifyitems`` made); other modes:
-    xdist's."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class WorkUnitScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    config.option.loadscopereorder = False
-    return WorkUnitScheduling(config, log)
+    """Longest files first (a stable sort: the rest keep their collection order)."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], 0))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_by_another_module(request: pytest.FixtureRequest):
-    """Every test module starts with no Ray initialised in this process (a module that
-    left Ray initialised, by a failed teardown or a test run alone in another order,
-    would make the next one's ``start_local`` refuse to start), but for the cluster that
-    ``tests/integration/shared_cluster.py`` holds for the modules that share it."""
-    shared = sys.modules.get("tests.integration.shared_cluster")
-    keep = request.node.nodeid in SHARED_CLUSTER_MODULES
-    if shared is not None and not keep:
-        shared.stop()
+def _no_ray_left_by_another_module():
+    """Every test module starts with no Ray initialised in this process: a module that
+    left Ray initialised (a failed teardown, a test run alone in another order) would
+    make the next one's ``start_local`` refuse to start."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized() and not (
-            keep and shared is not None and shared.holding()):
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
     yield
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
-    shared = sys.modules.get("tests.integration.shared_cluster")
-    if shared is not None:
-        shared.stop()
     _exit_status = int(exitstatus)
 
 

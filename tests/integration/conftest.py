@@ -6,8 +6,6 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.work_units import SHARED_CLUSTER_MODULES
-
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -65,17 +63,8 @@ def node_pids(cluster) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest):
-    """A two-node embedded cluster: for the modules of ``SHARED_CLUSTER_MODULES`` the one
-    ``shared_cluster`` holds (as the module before left it, or new), else one of the
-    module's own."""
-    if request.node.nodeid in SHARED_CLUSTER_MODULES:
-        from tests.integration import shared_cluster
-
-        c = shared_cluster.take()
-        yield c
-        shared_cluster.give_back(c)
-        return
+def cluster():
+    """A two-node embedded cluster, per test module."""
     with two_nodes("embedded") as c:
         yield c
 
