@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.page_copies import copy_runs
 from raykv.cache_actors.rank.quarantine import Quarantine
 from raykv.cache_actors.tickets import deferring
 from raykv.controllers.contract import PoolName
@@ -211,13 +212,8 @@ class StagedPool:
 
     def _copy(self, engine_pages: Sequence[int], staging_pages: Sequence[int],
               to_stage: bool) -> None:
-        staged = self._stage(self.pool)
-        for e0, s0, n in page_runs(engine_pages, staging_pages):
-            for engine, stage in zip(self.memory.pages, staged, strict=True):
-                if to_stage:
-                    stage[s0:s0 + n].copy_(engine[e0:e0 + n])
-                else:
-                    engine[e0:e0 + n].copy_(stage[s0:s0 + n])
+        copy_runs(self.memory.pages, self._stage(self.pool),
+                  page_runs(engine_pages, staging_pages), to_pool=to_stage)
         self.copied_bytes += len(engine_pages) * sum(
             p[0].numel() * p.element_size() for p in self.memory.pages)
 

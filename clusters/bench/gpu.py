@@ -12,34 +12,28 @@ object crosses Mooncake's transport, and measures for each page size:
   the pool, pool -> device, then a byte comparison on the device (every iteration);
 - **raw Mooncake**: ``batch_put_from`` / ``batch_get_into`` of the same bytes from a
   plain client's registered buffer;
-- **vLLM layout**: vLLM's CUDA KV cache layout (per layer ``(2, num_blocks,
-  block_size, num_kv_heads, head_size)``, the block axis second) served through a
-  staging pool the way the connector's worker serves it (``StagedPool`` over per-layer
-  block views), saved and loaded into other blocks, compared on the device.
+- **vLLM layouts** (``gpu_vllm``): a device KV cache in each of vLLM's physical
+  layouts moved through the connector worker's own paths (the node's L2, and the
+  staging pool into the store), loaded into the next layout's cache and compared there,
+  against the same blocks' pinned device copies.
 
 Units: bytes, GB/s (1e9 bytes per second), seconds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from raykv import (
     CacheClient,
-    EngineMemory,
     GiB,
     KiB,
     MiB,
-    PoolLayout,
-    PoolName,
-    PoolTransfer,
-    StagedPool,
     StorageConfig,
-    staging_layout,
 )
 from raykv.clusters.bench.dataplane import Pages, make_pages
+from raykv.clusters.bench.gpu_vllm import LAYOUTS, PATHS, VllmGeometry, bench_vllm_layouts
 from raykv.clusters.bench.toolkit import (
     BenchRun,
     RawStore,
@@ -58,9 +52,6 @@ from rich.console import Console
 
 DEFAULT_PAGE_SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
 SEGMENT_BYTES = 3 * GiB
-# vLLM-layout check: a small model's geometry (bf16, 16-token blocks).
-VLLM_LAYERS, VLLM_HEADS, VLLM_HEAD_SIZE, VLLM_BLOCK = 8, 8, 128, 16
-VLLM_BLOCKS, VLLM_WINDOW = 256, 64
 
 
 def _sync() -> None:
@@ -158,64 +149,6 @@ def bench_size(client: CacheClient, raw: RawStore, page_bytes: int, batch: int, 
     return out
 
 
-def vllm_layout_views(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """vLLM's CUDA per-layer KV tensors ``(2, num_blocks, block_size, heads, head_size)``
-    as ``(num_blocks, 2, block_size, heads, head_size)`` views (block axis first, as
-    the connector's worker takes them)."""
-    return [t.movedim(1, 0) for t in layers]
-
-
-def bench_vllm_layout(run_id: str, device: str = "cuda") -> dict:
-    """Save ``VLLM_BLOCKS // 2`` blocks of a CUDA KV cache in vLLM's layout through a
-    windowed staging pool and load them into the other half; compare on the device."""
-    shape = (2, VLLM_BLOCKS, VLLM_BLOCK, VLLM_HEADS, VLLM_HEAD_SIZE)
-    layers = [torch.randn(shape, dtype=torch.bfloat16, device=device)
-              for _ in range(VLLM_LAYERS)]
-    views = vllm_layout_views(layers)
-    block_shape = tuple(views[0].shape[1:])
-    per_block = math.prod(block_shape) // VLLM_BLOCK
-    layout = PoolLayout.vllm(page_size=VLLM_BLOCK, size=VLLM_BLOCKS * VLLM_BLOCK,
-                             layer_num=VLLM_LAYERS, head_num=1, head_dim=per_block,
-                             dtype="bfloat16", itemsize=2)
-
-    def stage(pool) -> list[torch.Tensor]:
-        buf = pool.kv_buffer
-        flat = buf.view(buf.shape[0], buf.shape[1], -1)
-        return [flat[:, i].view(buf.shape[0], *block_shape) for i in range(buf.shape[1])]
-
-    client = CacheClient(StorageConfig(model_name="raykv-bench-gpu-vllm",
-                                       extra_config={"kv_dtype": "bfloat16",
-                                                     "page_size": VLLM_BLOCK}))
-    pool = client.create_host_pool(staging_layout(layout, VLLM_WINDOW), per_process=True)
-    try:
-        staged = StagedPool(EngineMemory(layout, views), pool, VLLM_WINDOW, shared=True,
-                            stage=stage)
-        client.register_mem_host_pool_v2(staged, PoolName.KV)
-        staging_pinned = pool.pinned
-        half = VLLM_BLOCKS // 2
-        hashes = [f"gpu-vllm-{run_id}-{i}" for i in range(half)]
-
-        def slots(blocks: range) -> torch.Tensor:
-            ids = torch.tensor(list(blocks), dtype=torch.long)
-            return (ids[:, None] * VLLM_BLOCK + torch.arange(VLLM_BLOCK)).reshape(-1)
-
-        t_save, ok_save = _cuda_timed(client.batch_set_v2,
-                                      [PoolTransfer(PoolName.KV, hashes, slots(range(half)))])
-        t_load, ok_load = _cuda_timed(client.batch_get_v2, [PoolTransfer(
-            PoolName.KV, hashes, slots(range(half, VLLM_BLOCKS)))])
-        _sync()
-        equal = all(torch.equal(t[:, :half], t[:, half:]) for t in layers)
-        nbytes = half * VLLM_LAYERS * math.prod(block_shape) * 2
-        return {"blocks": half, "block_shape": list(block_shape), "layers": VLLM_LAYERS,
-                "bytes": nbytes, "saved": sum(ok_save[PoolName.KV]),
-                "loaded": sum(ok_load[PoolName.KV]), "equal": equal,
-                "save_gbps": nbytes / t_save / 1e9, "load_gbps": nbytes / t_load / 1e9,
-                "staging_pinned": staging_pinned}
-    finally:
-        client.destroy_host_pool(pool)
-        client.close()
-
-
 def render(result: dict, console: Console) -> None:
     """Print the tables of ``result``."""
     table = right_table(
@@ -236,21 +169,33 @@ def render(result: dict, console: Console) -> None:
                       f"{s['ratio_pool_h2d']:.2f}; pageable/pinned d2h "
                       f"{s['ratio_pageable_d2h']:.2f}, h2d {s['ratio_pageable_h2d']:.2f}; "
                       f"whole/raw put {s['ratio_put']:.2f}, get {s['ratio_get']:.2f}")
-    v = result["vllm_layout"]
-    console.print(f"vLLM CUDA layout: {v['saved']}/{v['blocks']} blocks saved, "
-                  f"{v['loaded']}/{v['blocks']} loaded, bytes equal: {v['equal']}; save "
-                  f"{v['save_gbps']:.2f} GB/s, load {v['load_gbps']:.2f} GB/s "
-                  f"({human_bytes(v['bytes'])}), staging pinned {v['staging_pinned']}")
+    v = result["vllm_layouts"]
+    g = v["geometry"]
+    table = right_table(
+        f"vLLM KV cache on the device through the connector worker, GB/s median over "
+        f"{g['rounds']} rounds of {g['moved']} blocks ({human_bytes(g['bytes'])})",
+        ("layout", "loaded into", "L2 save", "L2 load", "store save", "store load",
+         "pinned d2h", "pinned h2d"),
+        caption="save from the layout, load into the next one, bytes compared on the device; "
+                "pinned = the same blocks' copies into and out of a torch pin_memory buffer")
+    for name, row in v["layouts"].items():
+        table.add_row(name, row["loaded_into"], *(f"{row['gbps'][k]:.2f}" for k in PATHS))
+    console.print(table)
+    console.print(f"L2 pool pinned {v['l2_pinned']}, staging pool pinned "
+                  f"{v['staging_pinned']}; every load byte-exact")
 
 
 def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 64,
                   iters: int = 5, out_dir: str | None = None,
-                  console: Console | None = None, device: str = "cuda") -> dict:
+                  console: Console | None = None, device: str = "cuda",
+                  vllm: VllmGeometry | None = None, vllm_rounds: int = 3) -> dict:
     """Benchmark the GPU path; print tables, write ``bench_gpu.json``, return the figures.
-    ``RuntimeError`` without a CUDA device. Starts (and stops) its own two-node embedded
-    cluster, so Ray must not be initialised. ``device="cpu"`` runs the same steps with
-    host tensors in place of device ones (what the CPU-only tests check: the plumbing
-    and the byte comparison, not a GPU's figures)."""
+    ``vllm``, ``vllm_rounds``: the vLLM part's KV cache geometry (default
+    ``VllmGeometry()``) and rounds (``gpu_vllm.bench_vllm_layouts``). ``RuntimeError``
+    without a CUDA device. Starts (and stops) its own two-node embedded cluster, so Ray
+    must not be initialised. ``device="cpu"`` runs the same steps with host tensors in
+    place of device ones (what the CPU-only tests check: the plumbing and the byte
+    comparison, not a GPU's figures)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("raykv bench-gpu needs a CUDA GPU (torch.cuda.is_available() is "
                            "False)")
@@ -261,10 +206,14 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
     if 2 * batch * max(page_sizes) > SEGMENT_BYTES:
         raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on two paths do "
                          f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
+    vllm = vllm or VllmGeometry()
+    # the vLLM part keeps every block it moved: in the head node's L2, and in the store
+    # twice (the store path, and L2's puts behind)
+    l2_bytes = len(LAYOUTS) * vllm_rounds * vllm.moved * vllm.block_bytes
     run = BenchRun.begin(out_dir, console)
     console = run.console
-    cluster = start_cluster(console, 2, global_segment_size=[0, SEGMENT_BYTES],
-                            group_window_s=0.0)
+    cluster = start_cluster(console, 2, global_segment_size=[0, SEGMENT_BYTES + 2 * l2_bytes],
+                            group_window_s=0.0, l2_bytes=l2_bytes + 64 * MiB)
     with cluster:
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench-gpu"))
         raw = RawStore(cluster.metadata_server, cluster.master_address)
@@ -274,8 +223,8 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
                 console.print(f"[dim]{human_bytes(size)} pages ...[/dim]")
                 sizes.append(bench_size(client, raw, size, batch, iters, run.run_id,
                                         device))
-            console.print("[dim]vLLM CUDA layout ...[/dim]")
-            vllm = bench_vllm_layout(run.run_id, device)
+            console.print("[dim]vLLM KV cache layouts ...[/dim]")
+            layouts = bench_vllm_layouts(run.run_id, device, vllm, vllm_rounds)
         finally:
             raw.close()
             client.close()
@@ -283,6 +232,6 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
                          "device": device},
               "machine": machine_info() | {"gpu": torch.cuda.get_device_name()
                                            if device == "cuda" else None},
-              "sizes": sizes, "vllm_layout": vllm}
+              "sizes": sizes, "vllm_layouts": layouts}
     render(result, console)
     return save(result, run.out, "bench_gpu", None, console)

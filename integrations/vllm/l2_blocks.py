@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.rank.page_copies import copy_runs
 from raykv.cache_actors.rank.staging_pools import page_runs
 
 if TYPE_CHECKING:
@@ -145,13 +146,8 @@ class L2Blocks:
             raise
 
     def _copy(self, pages: Sequence[int], block_ids: Sequence[int], *, to_pool: bool) -> None:
-        staged = self._views(self.pool)
-        for b0, p0, n in page_runs(list(block_ids), list(pages)):
-            for blocks, stage in zip(self._layers, staged, strict=True):
-                if to_pool:
-                    stage[p0:p0 + n].copy_(blocks[b0:b0 + n])
-                else:
-                    blocks[b0:b0 + n].copy_(stage[p0:p0 + n])
+        copy_runs(self._layers, self._views(self.pool), page_runs(list(block_ids), list(pages)),
+                  to_pool=to_pool)
 
     def _copy_layer(self, staged: list[torch.Tensor], runs: list[tuple[int, int, int]],
                     layer: int) -> None:

@@ -1,27 +1,52 @@
 """``raykv bench-gpu``'s steps on a real two-node cluster, with host tensors in place of
-device ones (CI has no GPU): every page and vLLM-layout block comes back byte for byte,
-and a get that reports success without moving bytes is caught (control)."""
+device ones (CI has no GPU): every page comes back byte for byte, and so does every vLLM
+block, saved from each of vLLM's physical KV cache layouts and loaded into the next one
+through the connector worker's L2 and store paths; a get that reports success without
+moving bytes, and an L2 load that does, are caught (controls)."""
 
 from __future__ import annotations
 
 import pytest
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.clusters.bench.gpu import VLLM_BLOCKS, run_gpu_bench
+from raykv.clusters.bench.gpu import run_gpu_bench
+from raykv.clusters.bench.gpu_vllm import LAYOUTS, VllmGeometry
 from raykv.controllers.pool_layout import KiB
+from raykv.integrations.vllm.l2_blocks import L2Blocks
+
+# 2 layers, 2 KV heads of 8, 4-token blocks: 256 bytes per block
+SMALL = VllmGeometry(layers=2, heads=2, head_size=8, block_size=4, blocks=8, moved=4,
+                     window=4)
+
+
+def run(tmp_path) -> dict:
+    return run_gpu_bench(page_sizes=[64 * KiB], batch=4, iters=1, out_dir=str(tmp_path),
+                         device="cpu", vllm=SMALL, vllm_rounds=1)
 
 
 def test_bench_gpu_steps_round_trip(tmp_path):
-    result = run_gpu_bench(page_sizes=[64 * KiB], batch=4, iters=1, out_dir=str(tmp_path),
-                           device="cpu")
+    result = run(tmp_path)
     size = result["sizes"][0]
     assert size["batch_bytes"] == 4 * 64 * KiB and size["pool_pinned"] is False
-    vllm = result["vllm_layout"]
-    assert vllm["saved"] == vllm["loaded"] == VLLM_BLOCKS // 2 and vllm["equal"] is True
+    layouts = result["vllm_layouts"]["layouts"]
+    assert list(layouts) == list(LAYOUTS)
+    assert all(row["equal"] is True for row in layouts.values())
+    assert [row["loaded_into"] for row in layouts.values()] == list(LAYOUTS)[1:] + ["LBHNC"]
     assert (tmp_path / "bench_gpu.json").exists()
 
 
 def test_bench_gpu_catches_a_get_that_moved_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(CacheClient, "batch_get_v1", lambda self, keys, idx: [True] * len(keys))
     with pytest.raises(RuntimeError, match="differ from the bytes sent"):
-        run_gpu_bench(page_sizes=[64 * KiB], batch=4, iters=1, out_dir=str(tmp_path),
-                      device="cpu")
+        run(tmp_path)
+
+
+def test_bench_gpu_catches_an_l2_load_that_moved_nothing(tmp_path, monkeypatch):
+    copy = L2Blocks._copy
+
+    def saves_only(self, pages, block_ids, *, to_pool):
+        if to_pool:
+            copy(self, pages, block_ids, to_pool=to_pool)
+
+    monkeypatch.setattr(L2Blocks, "_copy", saves_only)
+    with pytest.raises(RuntimeError, match="l2: the blocks loaded differ"):
+        run(tmp_path)

@@ -1,0 +1,85 @@
+"""Copies between an engine's per-layer block views and a host pool's pages (torch only).
+
+Both sides are lists of per-layer tensors whose first axis counts pages (engine blocks
+on one side, pool pages on the other), copied in runs ``(engine page, pool page, n)``
+(``staging_pools.page_runs``). On the host every layer is one copy per run. When the
+engine's views live on a device and the pool's views are the layers of whole pages
+laid side by side (``page_major``: a raykv vLLM pool, whose page holds every layer's
+block, layer after layer), a per-layer copy would be a strided device <-> host copy,
+which torch runs through a pageable bounce buffer and a CPU copy (measured on an H200:
+2-6 GB/s against 35-45 GB/s for a contiguous pinned copy). ``copy_runs`` then gathers
+(or scatters) the layers on the device in a buffer of whole pages of at most
+``DEVICE_STAGE_BYTES`` and moves it with one contiguous copy per piece.
+
+Threads: none of its own; the caller's thread copies (and waits for the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEVICE_STAGE_BYTES = 32 << 20
+"""The most device memory one gathered piece of a run takes (whole pages; at least one)."""
+
+
+def page_major(staged: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``(pages, bytes-worth per page)`` view of the memory under ``staged`` (per layer
+    a ``(pages, ...)`` view) when the layers of each page lie side by side, layer after
+    layer, each contiguous within its page; None otherwise."""
+    first = staged[0]
+    if first.dim() < 2 or not first[0].is_contiguous():
+        return None
+    per_layer = first[0].numel()
+    stride = per_layer * len(staged)
+    for i, t in enumerate(staged):
+        if (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device
+                or t.stride(0) != stride or not t[0].is_contiguous()
+                or t.data_ptr() != first.data_ptr() + i * per_layer * t.element_size()):
+            return None
+    return first.as_strided((first.shape[0], stride), (stride, 1))
+
+
+def copy_runs(engine: Sequence[torch.Tensor], staged: Sequence[torch.Tensor],
+              runs: Sequence[tuple[int, int, int]], *, to_pool: bool,
+              gather: bool | None = None) -> None:
+    """Copy the runs ``(engine page, pool page, n)`` from ``engine`` into ``staged``
+    (``to_pool``) or back, every layer. ``gather``: through whole pages gathered on
+    the engine's device (default: when ``engine`` is not on the CPU and ``staged`` is
+    ``page_major``); False: one copy per layer and run."""
+    whole = page_major(staged) if gather is not False else None
+    if whole is not None and (engine[0].dtype != whole.dtype
+                              or engine[0][0].numel() * len(engine) != whole.shape[1]
+                              or (gather is None and engine[0].device.type == "cpu")):
+        whole = None
+    if whole is None:
+        for e0, s0, n in runs:
+            for blocks, pages in zip(engine, staged, strict=True):
+                if to_pool:
+                    pages[s0:s0 + n].copy_(blocks[e0:e0 + n])
+                else:
+                    blocks[e0:e0 + n].copy_(pages[s0:s0 + n])
+        return
+    step = max(1, DEVICE_STAGE_BYTES // (whole.shape[1] * whole.element_size()))
+    for e0, s0, n in runs:
+        for i in range(0, n, step):
+            _gathered(engine, whole, e0 + i, s0 + i, min(step, n - i), to_pool)
+
+
+def _gathered(engine: Sequence[torch.Tensor], whole: torch.Tensor, e0: int, s0: int, n: int,
+              to_pool: bool) -> None:
+    """Pages ``[s0, s0 + n)`` of ``whole`` <-> engine pages ``[e0, e0 + n)`` through one
+    device buffer of ``n`` whole pages."""
+    buf = torch.empty((n, whole.shape[1]), dtype=whole.dtype, device=engine[0].device)
+    layers = buf.view(n, len(engine), -1)
+    if not to_pool:
+        buf.copy_(whole[s0:s0 + n])
+    for i, blocks in enumerate(engine):
+        mine = layers[:, i].view(n, *blocks.shape[1:])
+        if to_pool:
+            mine.copy_(blocks[e0:e0 + n])
+        else:
+            blocks[e0:e0 + n].copy_(mine)
+    if to_pool:
+        whole[s0:s0 + n].copy_(buf)
