@@ -90,8 +90,10 @@ class L2Link:
         return self._link.data(DataOp.L2_RESERVE, self.holder, pool, self._keys(page_hashes))
 
     def commit(self, pool: str, page_hashes: Sequence[str], pages: Sequence[int],
-               ok: Sequence[bool]) -> int:
+               ok: Sequence[bool], holder: tuple[int, int] | None = None) -> int:
         """The pages reserved for ``page_hashes`` were written (``ok``: in full); the
-        node puts them to L3 behind. How many are now in L2."""
-        return self._link.data(DataOp.L2_COMMIT, self.holder, pool, self._keys(page_hashes),
-                               list(pages), list(ok))
+        node puts them to L3 behind. How many are now in L2. ``holder``: the thread that
+        reserved them (default: the calling thread), which makes no other L2 op on the
+        pool until this commit returned (its next op would release them)."""
+        return self._link.data(DataOp.L2_COMMIT, holder or self.holder, pool,
+                               self._keys(page_hashes), list(pages), list(ok))

@@ -33,7 +33,7 @@ from raykv import (
     StorageConfig,
 )
 from raykv.clusters.bench.dataplane import Pages, make_pages
-from raykv.clusters.bench.gpu_vllm import LAYOUTS, PATHS, VllmGeometry, bench_vllm_layouts
+from raykv.clusters.bench.gpu_vllm import PATHS, VllmGeometry, bench_vllm_layouts, l2_pages
 from raykv.clusters.bench.toolkit import (
     BenchRun,
     RawStore,
@@ -183,6 +183,14 @@ def render(result: dict, console: Console) -> None:
     console.print(table)
     console.print(f"L2 pool pinned {v['l2_pinned']}, staging pool pinned "
                   f"{v['staging_pinned']}; every load byte-exact")
+    b = v["saves_behind"]
+    ms = b["median_ms"]
+    console.print(f"L2 save of {b['blocks']} blocks right after a forward (stand-in: "
+                  f"{b['products']} products of {b['forward_dim']}-square bf16 matrices, "
+                  f"{ms['forward_s']:.1f} ms): on the step the host waits "
+                  f"{ms['sync_s']:.1f} ms; behind it {ms['behind_step_s']:.2f} ms (committed "
+                  f"{ms['behind_done_s']:.1f} ms after; one L2 op {ms['l2_op_s']:.2f} ms); "
+                  f"every save holds the forward's values")
 
 
 def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 64,
@@ -209,7 +217,7 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
     vllm = vllm or VllmGeometry()
     # the vLLM part keeps every block it moved: in the head node's L2, and in the store
     # twice (the store path, and L2's puts behind)
-    l2_bytes = len(LAYOUTS) * vllm_rounds * vllm.moved * vllm.block_bytes
+    l2_bytes = l2_pages(vllm, vllm_rounds) * vllm.block_bytes
     run = BenchRun.begin(out_dir, console)
     console = run.console
     cluster = start_cluster(console, 2, global_segment_size=[0, SEGMENT_BYTES + 2 * l2_bytes],
@@ -224,7 +232,8 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
                 sizes.append(bench_size(client, raw, size, batch, iters, run.run_id,
                                         device))
             console.print("[dim]vLLM KV cache layouts ...[/dim]")
-            layouts = bench_vllm_layouts(run.run_id, device, vllm, vllm_rounds)
+            layouts = bench_vllm_layouts(run.run_id, device, vllm, vllm_rounds,
+                                         forward_dim=8192 if device == "cuda" else 64)
         finally:
             raw.close()
             client.close()

@@ -20,6 +20,7 @@ Units: bytes, GB/s (1e9 bytes per second), seconds.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -171,19 +172,95 @@ def _copies(src: VllmWorkerKV, dst: VllmWorkerKV, host: list[torch.Tensor],
 
 
 PATHS = ("l2_save", "l2_load", "l3_save", "l3_load", "copy_d2h", "copy_h2d")
+FORWARD_PRODUCTS = 10  # the stand-in forward: this many square matrix products
+
+
+def _forward(src: VllmWorkerKV, n: int, fresh: list[torch.Tensor], work: torch.Tensor) -> None:
+    """A stand-in for vLLM's forward, queued on the current stream: ``FORWARD_PRODUCTS``
+    products of ``work`` with itself, then ``fresh`` into blocks ``[0, n)`` of every
+    layer of ``src`` (the KV the step's saves must take, not the blocks' earlier
+    values)."""
+    for _ in range(FORWARD_PRODUCTS):
+        torch.mm(work, work)
+    for x, f in zip(src.layers, fresh, strict=True):
+        x[:n].copy_(f)
+
+
+def bench_saves_behind(src: VllmWorkerKV, dst: VllmWorkerKV, n: int, run_id: str,
+                       rounds: int, forward_dim: int) -> dict:
+    """A step's L2 save right after its forward was queued, ``rounds`` times each way:
+    on the step (``L2Blocks.save``: the host waits for the forward and the copy) and
+    behind it (``save_behind``: the blocks gathered on the current stream, copied to the
+    host on the L2's; ``wait`` at the next step), the saved blocks then zeroed on the
+    current stream at once, as vLLM zeroes a freed block it gives to another request
+    (a copy behind that read vLLM's blocks on a stream of its own could read those
+    zeros). Seconds the host spent in the save (``sync_s``,
+    ``behind_step_s``), until the behind save was committed (``behind_done_s``), and
+    of the forward alone (``forward_s``), and of one L2 op with nothing in it
+    (``l2_op_s``: a node round trip, of which a save behind makes one); each save then
+    loaded into ``dst`` and compared with the forward's values, not the zeros
+    (``RuntimeError`` if they differ)."""
+    work = torch.randn(forward_dim, forward_dim, dtype=torch.bfloat16,
+                       device=src.layers[0].device)
+    ids = list(range(n))
+    times: dict[str, list[float]] = {k: [] for k in ("forward_s", "sync_s", "behind_step_s",
+                                                      "behind_done_s", "l2_op_s")}
+    for r in range(rounds):
+        times["l2_op_s"].append(timed(src.l2.release)[0])
+        for way in ("forward", "sync", "behind"):
+            fresh = [torch.randn_like(x[:n]) for x in src.layers]
+            hashes = [f"gpu-vllm-{run_id}-{way}-{r}-{b}" for b in ids]
+            _sync()
+            t0 = time.perf_counter()
+            _forward(src, n, fresh, work)
+            if way == "forward":
+                _sync()
+                times["forward_s"].append(time.perf_counter() - t0)
+                continue
+            t0 = time.perf_counter()
+            if way == "sync":
+                saved, _ = src.l2.save(ids, hashes)
+                times["sync_s"].append(time.perf_counter() - t0)
+            else:
+                behind = src.l2.save_behind(ids, hashes)
+                times["behind_step_s"].append(time.perf_counter() - t0)
+            for x in src.layers:  # vLLM reusing the blocks
+                x[:n].zero_()
+            if way == "behind":
+                saved, _ = behind.wait()
+                times["behind_done_s"].append(time.perf_counter() - t0)
+            for y in dst.layers:
+                y[:n].zero_()
+            loaded = dst.load_l2(ids, hashes)
+            _sync()
+            same = all(torch.equal(y[:n], f) for y, f in zip(dst.layers, fresh, strict=True))
+            if saved != n or loaded != n or not same:
+                raise RuntimeError(f"L2 save {way} the forward: {saved} of {n} blocks saved, "
+                                   f"{loaded} loaded, or the bytes loaded are not the "
+                                   "forward's")
+    return {"forward_dim": forward_dim, "products": FORWARD_PRODUCTS, "blocks": n,
+            "equal": True, "median_ms": {k: statistics.median(v) * 1e3
+                                         for k, v in times.items()}, "seconds": times}
+
+
+def l2_pages(geo: VllmGeometry, rounds: int, layouts: dict = LAYOUTS) -> int:
+    """L2 pages ``bench_vllm_layouts`` keeps: every block it saved into L2."""
+    return (len(layouts) + 2) * rounds * geo.moved
 
 
 def bench_vllm_layouts(run_id: str, device: str, geo: VllmGeometry, rounds: int = 3,
-                       layouts: dict[str, tuple[int, ...]] = LAYOUTS) -> dict:
+                       layouts: dict[str, tuple[int, ...]] = LAYOUTS,
+                       forward_dim: int = 8192) -> dict:
     """Per layout X (and the next one, Y): ``rounds`` times, ``geo.moved`` blocks of X
     saved into L2 and loaded from L2 into Y, saved through the staging pool into the
     store and loaded from it into Y, each load compared with X on the device; and the
     same blocks' pinned device copies. ``RuntimeError`` if a block did not move or came
     back with other bytes. Needs a cluster whose node L2 holds
-    ``len(layouts) * rounds * geo.moved`` pages."""
+    ``l2_pages(geo, rounds, layouts)`` pages. Then ``bench_saves_behind`` over the first
+    two layouts (a stand-in forward of ``forward_dim``-square products)."""
     names = list(layouts)
     n = geo.moved
-    pages = len(names) * rounds * n
+    pages = l2_pages(geo, rounds, layouts)
     workers = {}
     try:
         for name in names:
@@ -222,6 +299,8 @@ def bench_vllm_layouts(run_id: str, device: str, geo: VllmGeometry, rounds: int 
             med = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             per_layout[name] = {"loaded_into": names[(i + 1) % len(names)], "equal": True,
                                 "gbps": med, "seconds": times}
+        behind = bench_saves_behind(workers[names[0]], workers[names[1]], n, run_id, rounds,
+                                    forward_dim)
         l2_pinned = workers[names[0]].l2.pool.pinned
         staging_pinned = workers[names[0]].pool.pinned
     finally:
@@ -231,4 +310,4 @@ def bench_vllm_layouts(run_id: str, device: str, geo: VllmGeometry, rounds: int 
                          "block_size": geo.block_size, "block_bytes": geo.block_bytes,
                          "moved": n, "bytes": n * geo.block_bytes, "rounds": rounds},
             "l2_pinned": l2_pinned, "staging_pinned": staging_pinned,
-            "layouts": per_layout}
+            "layouts": per_layout, "saves_behind": behind}

@@ -182,7 +182,10 @@ class RayKVConnector(KVConnectorBase_V1):
 
     @property
     def stats(self) -> dict[str, int]:
-        """This side's counters (``raykv.integrations.vllm.side.new_stats``)."""
+        """This side's counters (``raykv.integrations.vllm.side.new_stats``). Read on
+        the side's vLLM thread: on the worker side, reading them first ends the L2 save
+        behind the last step (``settle``), so that they count it."""
+        self._side.settle()
         return self._side.stats
 
     @property

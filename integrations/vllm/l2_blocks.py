@@ -15,9 +15,19 @@ When the node actor restarted (its L2 pools are new and empty), the first op fin
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
 background thread opens the new L2 pool (a control call, never on vLLM's step).
 
-Threads: ``load``, ``save`` and ``release`` run on vLLM's worker thread (``load`` also
-on the async loads' thread, never with ``behind``); ``_copy_layer`` on ``LayerLoads``'
-copy thread; ``_reopen`` on its own.
+A save *behind* the step (``save_behind``: vLLM's ``async_transfers``) reserves the
+pages on the worker thread, gathers the blocks on vLLM's own stream (so what vLLM
+queues there later, the next forward or the zeroing of a block it gave to another
+request, runs after they were read), copies the gathered pages into the page-locked L2
+pages on a CUDA stream of the L2's own and returns (on a host KV cache the copy is done
+at once); a thread of its own waits for the copy and commits the pages for the worker
+thread. The worker thread waits for that (``SaveBehind.wait``) before its next L2 op,
+which would release the pages while the copy may still write them.
+
+Threads: ``load``, ``save``, ``save_behind`` and ``release`` run on vLLM's worker
+thread (``load`` also on the async loads' thread, never with ``behind``);
+``_copy_layer`` on ``LayerLoads``' copy thread; ``_reopen`` and each
+``SaveBehind._finish`` on their own.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from raykv.cache_actors.node.l2_index import FULL, PRESENT
-from raykv.cache_actors.rank.page_copies import copy_runs
+from raykv.cache_actors.rank.page_copies import copy_runs, copy_runs_behind
 from raykv.cache_actors.rank.staging_pools import page_runs
 
 if TYPE_CHECKING:
@@ -60,6 +70,8 @@ class L2Blocks:
         self._layers, self._views = layers, views
         self._layout, self._pages = layout, pages
         self._reopening: threading.Thread | None = None
+        device = layers[0].device if layers else torch.device("cpu")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @classmethod
     def open(cls, client: CacheClient, layers: list[torch.Tensor],
@@ -135,11 +147,33 @@ class L2Blocks:
                               [pages[i] for i in mine], [True] * len(mine))
         return saved, full
 
-    def _op(self, op: Callable, *args):
+    def save_behind(self, block_ids: Sequence[int], hashes: Sequence[str]) -> SaveBehind:
+        """Reserve L2 pages for vLLM's ``block_ids`` (one op for all of them), queue
+        their copy into the pages (``page_copies.copy_runs_behind``) and return:
+        ``SaveBehind.wait`` gives ``save``'s answer once the pages are committed. The
+        calling thread makes no other L2 op before that ``wait``. Raises what the client
+        raises (nothing is then reserved or copied)."""
+        hashes = list(hashes)
+        pages = self._op(self._link.reserve, self.pool.name, hashes)
+        mine = [i for i, p in enumerate(pages) if p >= 0]
+        present = sum(p == PRESENT for p in pages)
+        full = [i for i, p in enumerate(pages) if p == FULL]
+        done = None
+        if mine:
+            runs = page_runs([block_ids[i] for i in mine], [pages[i] for i in mine])
+            if self._stream is None:
+                copy_runs(self._layers, self._views(self.pool), runs, to_pool=True)
+            else:  # gathered on vLLM's stream, the pinned pages written behind the step
+                done = copy_runs_behind(self._layers, self._views(self.pool), runs,
+                                        self._stream)
+        return SaveBehind(self, self.pool.name, [hashes[i] for i in mine],
+                          [pages[i] for i in mine], present, full, done)
+
+    def _op(self, op: Callable, *args, **kw):
         """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
         (it restarted) loses the L2 and starts reopening it."""
         try:
-            return op(*args)
+            return op(*args, **kw)
         except ValueError as e:
             if "no L2 pool" in str(e):
                 self._lose()
@@ -172,6 +206,52 @@ class L2Blocks:
         except Exception as e:  # next loss tries again; the staging pool serves meanwhile
             log.warning("RayKVConnector: L2 not reopened (%s); saves and loads go through "
                         "the store", e)
+
+
+class SaveBehind:
+    """One ``L2Blocks.save_behind``: ``hashes`` reserved at ``pages`` of the L2 pool
+    ``pool`` by the calling thread, their copy done once ``copied`` (a CUDA event;
+    None: done already), committed by a thread of its own for the calling thread;
+    ``present``, ``full``: as ``L2Blocks.save`` counts them."""
+
+    def __init__(self, l2: L2Blocks, pool: str, hashes: list[str], pages: list[int],
+                 present: int, full: list[int], copied: torch.cuda.Event | None) -> None:
+        self._l2, self._pool = l2, pool
+        self._holder = l2._link.holder  # the reserving thread, read on that thread
+        self._hashes, self._pages = hashes, pages
+        self._present, self._full = present, full
+        self._copied = copied
+        self._saved = 0
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._finish, name="raykv-l2-save",
+                                        daemon=True)
+        self._thread.start()
+
+    def _finish(self) -> None:
+        """Wait for the copy, then commit the pages (written in full if the copy did
+        not fail) for the thread that reserved them."""
+        ok = True
+        if self._copied is not None:
+            try:
+                self._copied.synchronize()
+            except Exception:  # a failed copy: its pages are freed, never read
+                ok = False
+        try:
+            if self._pages:
+                self._saved = self._l2._op(self._l2._link.commit, self._pool,
+                                           self._hashes, self._pages,
+                                           [ok] * len(self._pages), holder=self._holder)
+        except Exception as e:
+            self._error = e
+
+    def wait(self) -> tuple[int, list[int]]:
+        """``L2Blocks.save``'s answer once the pages are committed: ``(blocks now in L2,
+        indices of the blocks L2 had no page for)``; raises what the commit raised. The
+        copy ends with the device's work; the commit within the client's deadline."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._present + self._saved, self._full
 
 
 def map_ahead(pool: HostPool) -> None:

@@ -21,7 +21,8 @@ class L2StepsMixin:
     """The L2 half of ``worker.RayKVConnectorWorker`` (vLLM's worker side groups its
     model runner's connector steps in a mixin the same way). It uses the worker's
     ``_l2`` (``L2Blocks``, None without L2), ``_behind`` (``LoadsBehind``, None on a GPU
-    KV cache), ``_layers``, ``opts``, ``stats``, ``_landed``, ``_warn`` and ``_failed``."""
+    KV cache), ``_layers``, ``opts``, ``stats``, ``_landed``, ``_warn``, ``_failed`` and
+    ``_saving`` (the L2 save behind the last step with its page hashes, or None)."""
 
     def _load_l2(self, x: BlockTransfer, behind: LayerLoads | None) -> int | None:
         """Load ``x``'s leading blocks through the node's L2 (``L2Blocks.load``: from
@@ -76,31 +77,48 @@ class L2StepsMixin:
             self.stats["load_failed"] += len(blocks)
 
     def _save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
-        """``async_transfers``: every block of ``saves`` copied into L2 pages in one
-        batch (one reserve, one copy, one commit per ``CHUNK`` blocks); the node actor
-        puts them to L3 behind. A block L2 has no page for (held, leased or not yet
-        flushed pages: the write-behind is behind) is dropped and counted in
-        ``save_dropped``: a future miss, never a store call on the step. The saves to
-        go through the store instead (the L2 op failed: the node actor restarted)."""
+        """``async_transfers``: every block of ``saves`` saved into L2 pages in one
+        batch behind the step (``L2Blocks.save_behind``: one reserve, the copy queued,
+        the commit on a thread of its own; ``_settle_saves`` ends it before the next L2
+        op or forward); the node actor puts them to L3 behind. A block L2 has no page for
+        (held, leased or not yet flushed pages: the write-behind is behind) is dropped
+        and counted in ``save_dropped``: a future miss, never a store call on the step.
+        The saves to go through the store instead (the reserve failed: the node actor
+        restarted)."""
         ids = [b for x in saves for b in x.block_ids]
         if not ids:
             return []
         hashes = [h for x in saves for h in x.hashes]
         try:
-            saved, full = self._l2.save(ids, hashes)
+            self._saving = (self._l2.save_behind(ids, hashes), hashes)
         except Exception as e:
             self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
                             "through the store", e)
             return saves
+        return []
+
+    def _settle_saves(self) -> None:
+        """End the L2 save behind the last step (``_save_batch``): wait until its
+        copy is done and its pages committed, then count it. Called before every L2 op
+        of the worker thread (``start_load_kv``, ``wait_for_save``, ``shutdown``)."""
+        if self._saving is None:
+            return
+        (behind, hashes), self._saving = self._saving, None
+        try:
+            saved, full = behind.wait()
+        except Exception as e:
+            self.stats["save_failed"] += len(hashes)
+            self._warn.warn("l2 save", "RayKVConnector: L2 save of %d blocks failed (%s)",
+                            len(hashes), e)
+            return
         self._landed.l2_saved(hashes, saved, full)
         self.stats["saved"] += saved
         self.stats["l2_saved"] += saved
         self.stats["save_dropped"] += len(full)
-        self.stats["save_failed"] += len(ids) - saved - len(full)
+        self.stats["save_failed"] += len(hashes) - saved - len(full)
         if full:
             self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
                             "blocks (its write-behind is behind); dropped", len(full))
-        return []
 
     def _save_l2(self, x: BlockTransfer) -> BlockTransfer | None:
         """Save ``x`` into the node's L2 (the node puts it to L3 behind); the blocks L2

@@ -140,6 +140,11 @@ class ConnectorSide(ABC):
                 "attaching again in the background")
         return self._client
 
+    def settle(self) -> None:
+        """End what this side runs behind vLLM's steps and count it (the worker: its
+        last step's L2 save); nothing on the scheduler side."""
+        return None
+
     def shutdown(self) -> None:
         """Destroy this side's pool and close its client (never raises)."""
         client, pool = self._client, self._pool

@@ -53,7 +53,7 @@ from raykv.integrations.vllm.kv_views import (
     pool_dims,
     randomize,
 )
-from raykv.integrations.vllm.l2_blocks import L2Blocks
+from raykv.integrations.vllm.l2_blocks import L2Blocks, SaveBehind
 from raykv.integrations.vllm.l2_steps import L2StepsMixin
 from raykv.integrations.vllm.layer_loads import LayerLoads, LoadsBehind
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
@@ -92,6 +92,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._async: AsyncLoads | None = None  # the load thread (first async load)
         self._landed = LandedBlocks(opts.kv_events)  # saves that landed, for KV events
         self._behind: LoadsBehind | None = None  # L2 loads behind the forward (host KV)
+        self._saving: tuple[SaveBehind, list[str]] | None = None  # the last step's L2 save
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
@@ -165,6 +166,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         not load (on any TP rank) go to ``get_block_ids_with_load_errors`` and stay
         unsettled until the scheduler side has seen them. vLLM calls this every step
         before ``wait_for_save`` (before the forward in a step with loads)."""
+        self._settle_saves()  # before any L2 op of this step
         self._settle_behind()  # a step whose wait_for_save vLLM did not call
         if not isinstance(meta, RayKVConnectorMetadata):
             return
@@ -263,6 +265,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         an unsettled block (``refuses``), whichever request's load failed: those are
         counted in ``save_refused`` and never stored. The time spent in steps that save
         is counted in ``save_us`` (wall) and ``save_cpu_us`` (this thread's CPU)."""
+        self._settle_saves()  # a step whose start_load_kv vLLM did not call
         self._settle_behind()
         if self._behind is not None:
             self._behind.waits.step_ended()
@@ -282,6 +285,9 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
                 self._save(x)
         self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
         self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+
+    def settle(self) -> None:
+        self._settle_saves()
 
     def refuses(self, x: BlockTransfer) -> bool:
         """Whether the save ``x`` was computed over a block whose load failed and that
@@ -335,6 +341,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         loads, self._async = self._async, None
         if loads is not None:
             loads.close()
+        self._settle_saves()
         self._settle_behind()
         if self._behind is not None:
             self._behind.close()

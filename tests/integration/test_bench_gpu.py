@@ -1,8 +1,9 @@
 """``raykv bench-gpu``'s steps on a real two-node cluster, with host tensors in place of
 device ones (CI has no GPU): every page comes back byte for byte, and so does every vLLM
 block, saved from each of vLLM's physical KV cache layouts and loaded into the next one
-through the connector worker's L2 and store paths; a get that reports success without
-moving bytes, and an L2 load that does, are caught (controls)."""
+through the connector worker's L2 and store paths, and saved into L2 on and behind a
+stand-in forward that writes the blocks; a get that reports success without moving
+bytes, and an L2 load that does, are caught (controls)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def test_bench_gpu_steps_round_trip(tmp_path):
     assert list(layouts) == list(LAYOUTS)
     assert all(row["equal"] is True for row in layouts.values())
     assert [row["loaded_into"] for row in layouts.values()] == list(LAYOUTS)[1:] + ["LBHNC"]
+    behind = result["vllm_layouts"]["saves_behind"]  # L2 saves on and behind the step
+    assert behind["equal"] is True and len(behind["seconds"]["behind_done_s"]) == 1
     assert (tmp_path / "bench_gpu.json").exists()
 
 

@@ -42,9 +42,9 @@ class FakeLink:
         self.index.release(self.holder)
         return self.index.reserve(self.holder, list(hashes))
 
-    def commit(self, pool, hashes, pages, ok):
+    def commit(self, pool, hashes, pages, ok, holder=None):
         self._check(pool)
-        return len(self.index.commit(self.holder, pages, ok, dirty=False))
+        return len(self.index.commit(holder or self.holder, pages, ok, dirty=False))
 
     def open(self, layout, pages):
         self.opened += 1
@@ -140,9 +140,9 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     class BehindLink(FakeLink):
         """Committed pages stay dirty: the node's write-behind has not put them yet."""
 
-        def commit(self, pool, hashes, pages, ok):
+        def commit(self, pool, hashes, pages, ok, holder=None):
             self._check(pool)
-            return len(self.index.commit(self.holder, pages, ok, dirty=True))
+            return len(self.index.commit(holder or self.holder, pages, ok, dirty=True))
 
     link = BehindLink()
     w._l2 = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
@@ -157,6 +157,7 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     meta = RayKVConnectorMetadata(saves=[BlockTransfer("r1", [0, 1, 2], ["a", "b", "c"]),
                                          BlockTransfer("r2", [3, 4], ["d", "e"])])
     w.wait_for_save(meta)
+    w.settle()  # the async batch is committed behind the step: counted once settled
     s = w.stats
     assert s["l2_saved"] == 3 and link.index.stats()["ready"] == 3
     if async_transfers:
@@ -204,3 +205,72 @@ def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
     assert w.stats["loaded_past_l2"] == 1 and w.stats["load_failed"] == 0
     assert w.get_block_ids_with_load_errors() == set()
     assert torch.equal(w._layers[0][3:5], a[0][0:2])
+
+
+def test_a_save_behind_commits_on_its_own_thread_for_the_reserving_one():
+    """``save_behind`` copies (host KV cache: at once), returns, and its thread commits
+    the pages for the thread that reserved them: another engine then loads them byte
+    for byte; a block L2 holds already is counted as ``save`` counts it."""
+    link = FakeLink()
+    store = [torch.zeros(PAGES, *BLOCK)]
+    a = engine(layers=1)
+    a[0].normal_()
+    blocks = l2(link, a, store)
+    assert blocks.save([0], ["h0"]) == (1, [])
+    behind = blocks.save_behind([0, 1, 2], ["h0", "h1", "h2"])
+    assert behind.wait() == (3, [])  # h0 present, h1 and h2 committed
+    assert link.index.stats()["held"] == 0
+    b = engine(layers=1)
+    assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (3, [])
+    assert torch.equal(b[0][3:6], a[0][0:3])
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "control-unsettled"])
+def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
+    """A worker's async L2 save behind step N is committed by its own thread, slowly
+    (the node answers after 0.3 s); step N+1's ``start_load_kv`` makes its first L2 op
+    (the load's acquire, which releases the thread's earlier pages) only after that
+    commit returned, so no reserved page is released while its copy may still write it.
+    Control: an L2 load that does not settle first acquires while the commit is still
+    under way."""
+    from raykv.controllers.call_budget import Budget
+    from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.request_blocks import BlockTransfer
+    from raykv.integrations.vllm.worker import RayKVConnectorWorker
+
+    events = []
+
+    class SlowLink(FakeLink):
+        def commit(self, pool, hashes, pages, ok, holder=None):
+            time.sleep(0.3)
+            out = super().commit(pool, hashes, pages, ok, holder)
+            events.append("commit")
+            return out
+
+        def acquire(self, pool, hashes, fill):
+            events.append("acquire")
+            return super().acquire(pool, hashes, fill)
+
+    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "async_transfers": True,
+                                   "timeout_s": 2.0},
+                                  tp_size=1, pp_size=1, served_model="m",
+                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
+    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
+                             pp_size=1)
+    link = SlowLink()
+    w._layers = engine(layers=1)
+    w._l2 = l2(link, w._layers, [torch.zeros(PAGES, *BLOCK)])
+    w._step_budget = Budget(2.0)
+    w._client = SimpleNamespace()
+    w.wait_for_save(RayKVConnectorMetadata(saves=[BlockTransfer("r1", [0, 1], ["a", "b"])]))
+    assert events == []  # the commit runs behind the step
+    if settled:
+        w.start_load_kv(RayKVConnectorMetadata(loads=[BlockTransfer("r2", [4, 5],
+                                                                    ["a", "b"])]))
+        assert events[:2] == ["commit", "acquire"]
+        assert w.stats["l2_saved"] == 2 and w.stats["l2_loaded"] == 2
+    else:
+        w._l2.load([4, 5], ["a", "b"])
+        assert events[0] == "acquire"
+        w.settle()
