@@ -152,22 +152,30 @@ class L2Blocks:
         their copy into the pages (``page_copies.copy_runs_behind``) and return:
         ``SaveBehind.wait`` gives ``save``'s answer once the pages are committed. The
         calling thread makes no other L2 op before that ``wait``. Raises what the client
-        raises (nothing is then reserved or copied)."""
+        or the copy raises (a copy that failed is first waited for, its pages freed)."""
         hashes = list(hashes)
-        pages = self._op(self._link.reserve, self.pool.name, hashes)
+        name = self.pool.name
+        pages = self._op(self._link.reserve, name, hashes)
         mine = [i for i, p in enumerate(pages) if p >= 0]
         present = sum(p == PRESENT for p in pages)
         full = [i for i, p in enumerate(pages) if p == FULL]
+        keys, ours = [hashes[i] for i in mine], [pages[i] for i in mine]
         done = None
         if mine:
-            runs = page_runs([block_ids[i] for i in mine], [pages[i] for i in mine])
-            if self._stream is None:
-                copy_runs(self._layers, self._views(self.pool), runs, to_pool=True)
-            else:  # gathered on vLLM's stream, the pinned pages written behind the step
-                done = copy_runs_behind(self._layers, self._views(self.pool), runs,
-                                        self._stream)
-        return SaveBehind(self, self.pool.name, [hashes[i] for i in mine],
-                          [pages[i] for i in mine], present, full, done)
+            runs = page_runs([block_ids[i] for i in mine], ours)
+            try:
+                if self._stream is None:
+                    copy_runs(self._layers, self._views(self.pool), runs, to_pool=True)
+                else:  # gathered on vLLM's stream, the pinned pages written behind
+                    done = copy_runs_behind(self._layers, self._views(self.pool), runs,
+                                            self._stream)
+            except BaseException:  # nothing may still write the pages once they are free
+                if self._stream is not None:
+                    self._stream.synchronize()
+                with contextlib.suppress(Exception):
+                    self._op(self._link.commit, name, keys, ours, [False] * len(ours))
+                raise
+        return SaveBehind(self, name, keys, ours, present, full, done)
 
     def _op(self, op: Callable, *args, **kw):
         """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
@@ -243,6 +251,11 @@ class SaveBehind:
                                            [ok] * len(self._pages), holder=self._holder)
         except Exception as e:
             self._error = e
+
+    @property
+    def done(self) -> bool:
+        """Whether the commit returned (``wait`` then does not block)."""
+        return not self._thread.is_alive()
 
     def wait(self) -> tuple[int, list[int]]:
         """``L2Blocks.save``'s answer once the pages are committed: ``(blocks now in L2,

@@ -322,7 +322,11 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
                             len(x.block_ids) - done, e)
 
     def get_kv_connector_kv_cache_events(self) -> LandedReports | None:
-        """This step's reports of saves that landed (None: none, or events off)."""
+        """This step's reports of saves that landed (None: none, or events off); an L2
+        save behind a step is reported once committed (here if it already is, else
+        with a later step's)."""
+        if self._saving is not None and self._saving[0].done:
+            self._settle_saves()
         return LandedReports(reports) if (reports := self._landed.take()) else None
 
     def _failed(self, blocks: Iterable[int]) -> None:

@@ -72,3 +72,17 @@ def test_host_engines_copy_per_layer_by_default(monkeypatch):
     monkeypatch.setattr(page_copies, "_gathered", fail)
     _, views = pool_pages()
     copy_runs(engine_blocks(ORDERS[0]), views, RUNS, to_pool=True)
+
+
+def test_a_copy_behind_refuses_pages_that_are_not_whole_pages_side_by_side():
+    """Only gathered pages travel behind the caller: views that are not whole pages of
+    the engine's blocks are refused before anything is queued."""
+    from raykv.cache_actors.rank.page_copies import copy_runs_behind
+
+    with pytest.raises(ValueError, match="whole pages"):
+        copy_runs_behind(engine_blocks(ORDERS[0]), [torch.zeros(8, 5) for _ in range(L)],
+                         RUNS, stream=None)
+    _, views = pool_pages()
+    with pytest.raises(ValueError, match="whole pages"):  # another dtype than the engine's
+        copy_runs_behind([b.float() for b in engine_blocks(ORDERS[0])], views, RUNS,
+                         stream=None)

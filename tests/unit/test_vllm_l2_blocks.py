@@ -274,3 +274,16 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
         w._l2.load([4, 5], ["a", "b"])
         assert events[0] == "acquire"
         w.settle()
+
+
+def test_a_save_behind_whose_copy_fails_frees_its_pages_and_raises():
+    """A copy that fails after the pages were reserved (a block view of other bytes than
+    the pool's pages) raises, and its pages are committed as not written: free for the
+    next writer, never read. Control: a later save of the same keys finds them free."""
+    link = FakeLink()
+    blocks = l2(link, [torch.zeros(6, 3)], [torch.zeros(PAGES, *BLOCK)])  # 3 != (2, 4)
+    with pytest.raises(RuntimeError):
+        blocks.save_behind([0, 1], ["h0", "h1"])
+    assert link.index.stats()["held"] == 0 and link.index.stats()["ready"] == 0
+    good = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
+    assert good.save_behind([0, 1], ["h0", "h1"]).wait() == (2, [])
