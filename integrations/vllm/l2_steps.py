@@ -79,12 +79,12 @@ class L2StepsMixin:
     def _save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
         """``async_transfers``: every block of ``saves`` saved into L2 pages in one
         batch behind the step (``L2Blocks.save_behind``: one reserve, the copy queued,
-        the commit on a thread of its own; ``_settle_saves`` ends it before the next L2
-        op or forward); the node actor puts them to L3 behind. A block L2 has no page for
+        the commit on a thread of its own; ``_settle_saves`` ends it before the worker
+        thread's next L2 op); the node actor puts them to L3 behind. A block L2 has no page for
         (held, leased or not yet flushed pages: the write-behind is behind) is dropped
         and counted in ``save_dropped``: a future miss, never a store call on the step.
-        The saves to go through the store instead (the reserve failed: the node actor
-        restarted)."""
+        The saves to go through the store instead (the reserve failed, e.g. the node
+        actor restarted, or the copy failed: its pages are freed first)."""
         ids = [b for x in saves for b in x.block_ids]
         if not ids:
             return []

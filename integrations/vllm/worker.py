@@ -7,8 +7,10 @@ save's blocks into it and a load's blocks read in full out of it, and the node a
 moves pages between that pool and Mooncake with no copy. Loads
 run before the forward (``start_load_kv``), saves of newly completed full blocks after
 it (``wait_for_save``); both synchronous, on vLLM's worker thread, unless
-``async_transfers``: then a step's saves are one batch into the node's L2 pages (the
-node puts them to L3 behind; a block L2 has no page for is dropped and counted), and
+``async_transfers``: then a step's saves are one batch into the node's L2 pages, saved
+behind the step (``L2Blocks.save_behind``: on a GPU only the gather runs on the step;
+the commit is a thread's; the node puts them to L3 behind; a block L2 has no page for
+is dropped and counted), and
 loads the scheduler side sends as ``async_loads`` run on the load thread
 (``async_loads.AsyncLoads``), reported by ``get_finished``. Through the node's L2 into
 a host KV cache, a step's last L2 chunk is copied layer by layer behind the forward on
