@@ -61,6 +61,19 @@ def l2(link: FakeLink, layers: list[torch.Tensor], store: list[torch.Tensor]) ->
     return L2Blocks(link, link.pool, layers, lambda pool: store, layout=None, pages=PAGES)
 
 
+def worker(**config):
+    """A one-rank worker side of the connector (no vLLM, no raykv attached) with
+    ``l2_blocks`` = ``PAGES`` and the extra config ``config``."""
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.worker import RayKVConnectorWorker
+
+    opts = ConnectorOptions.parse({"l2_blocks": PAGES, **config}, tp_size=1, pp_size=1,
+                                  served_model="m",
+                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
+    return RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
+                                pp_size=1)
+
+
 def test_saved_blocks_load_into_another_engine_byte_for_byte():
     link = FakeLink()
     store = [torch.zeros(PAGES, *BLOCK) for _ in range(2)]  # the pool's pages per layer
@@ -127,16 +140,9 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     failed), and nothing is counted dropped."""
     from raykv.controllers.call_budget import Budget
     from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
     from raykv.integrations.vllm.request_blocks import BlockTransfer
-    from raykv.integrations.vllm.worker import RayKVConnectorWorker
 
-    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "async_transfers": async_transfers,
-                                   "timeout_s": 0.2},
-                                  tp_size=1, pp_size=1, served_model="m",
-                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
-    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
-                             pp_size=1)
+    w = worker(async_transfers=async_transfers, timeout_s=0.2)
     class BehindLink(FakeLink):
         """Committed pages stay dirty: the node's write-behind has not put them yet."""
 
@@ -174,15 +180,9 @@ def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
     (Before: the load stopped where L2 stopped, and vLLM recomputed the rest.)"""
     from raykv.controllers.contract import PoolName
     from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
     from raykv.integrations.vllm.request_blocks import BlockTransfer
-    from raykv.integrations.vllm.worker import RayKVConnectorWorker
 
-    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "timeout_s": 1.0}, tp_size=1,
-                                  pp_size=1, served_model="m",
-                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
-    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
-                             pp_size=1)
+    w = worker(timeout_s=1.0)
     link = FakeLink()
     store = [torch.zeros(PAGES, *BLOCK)]
     a = engine(layers=1)
@@ -235,9 +235,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
     under way."""
     from raykv.controllers.call_budget import Budget
     from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
-    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
     from raykv.integrations.vllm.request_blocks import BlockTransfer
-    from raykv.integrations.vllm.worker import RayKVConnectorWorker
 
     events = []
 
@@ -252,12 +250,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
             events.append("acquire")
             return super().acquire(pool, hashes, fill)
 
-    opts = ConnectorOptions.parse({"l2_blocks": PAGES, "async_transfers": True,
-                                   "timeout_s": 2.0},
-                                  tp_size=1, pp_size=1, served_model="m",
-                                  identity=KVIdentity("float32", 4, "cpu.lm1"))
-    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
-                             pp_size=1)
+    w = worker(async_transfers=True, timeout_s=2.0)
     link = SlowLink()
     w._layers = engine(layers=1)
     w._l2 = l2(link, w._layers, [torch.zeros(PAGES, *BLOCK)])
