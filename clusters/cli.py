@@ -718,7 +718,8 @@ def bench_hosts(locality: bool, links: str | None, page_sizes: tuple[int, ...] |
 def bench_gpu(page_sizes: tuple[int, ...], batch: int, iters: int, out_dir: str) -> None:
     """KV pages from a CUDA GPU through raykv and back (needs a GPU): device <-> host
     pool copies vs torch's pinned and pageable buffers, the whole path vs raw Mooncake,
-    vLLM's CUDA KV layout through a staging pool; bytes compared on the device."""
+    vLLM's six KV cache layouts through the connector worker's L2 and store paths, and
+    its saves behind the step; bytes compared on the device."""
     _progress(f"raykv bench-gpu: starting a 2-node embedded cluster, then {iters} timed "
               f"iterations per page size ...")
     from raykv.clusters.bench.gpu import run_gpu_bench
