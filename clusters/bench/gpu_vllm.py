@@ -12,7 +12,10 @@ and its node-local cache (``L2Blocks``: L2, the node puts to L3 behind). Blocks 
 from one layout are loaded into the next layout's cache and compared there as logical
 views, so every pair proves that a page's bytes do not depend on the physical layout.
 The floor of each save and load is the same blocks' device copies into and out of a
-buffer torch allocated pinned, timed in the same round.
+buffer torch allocated pinned, timed in the same round. Last, ``bench_saves_behind``: a
+step's L2 save right after a stand-in forward, on the step and behind it (what
+``async_transfers`` runs), the blocks reused at once, each save compared with the
+forward's values.
 
 Units: bytes, GB/s (1e9 bytes per second), seconds.
 """
