@@ -46,6 +46,26 @@ def page_major(staged: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((first.shape[0], stride), (stride, 1))
 
 
+def _engine_pages(engine: Sequence[torch.Tensor],
+                  staged: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``page_major(staged)`` if its pages are whole pages of ``engine``'s blocks (same
+    dtype, every layer's block once); None otherwise."""
+    whole = page_major(staged)
+    if whole is None or engine[0].dtype != whole.dtype \
+            or engine[0][0].numel() * len(engine) != whole.shape[1]:
+        return None
+    return whole
+
+
+def _pieces(runs: Sequence[tuple[int, int, int]], whole: torch.Tensor):
+    """``(engine page, pool page, n)`` per piece of ``runs`` of at most
+    ``DEVICE_STAGE_BYTES`` of ``whole``'s pages (at least one page)."""
+    step = max(1, DEVICE_STAGE_BYTES // (whole.shape[1] * whole.element_size()))
+    for e0, s0, n in runs:
+        for i in range(0, n, step):
+            yield e0 + i, s0 + i, min(step, n - i)
+
+
 def copy_runs(engine: Sequence[torch.Tensor], staged: Sequence[torch.Tensor],
               runs: Sequence[tuple[int, int, int]], *, to_pool: bool,
               gather: bool | None = None) -> None:
@@ -53,11 +73,9 @@ def copy_runs(engine: Sequence[torch.Tensor], staged: Sequence[torch.Tensor],
     (``to_pool``) or back, every layer. ``gather``: through whole pages gathered on
     the engine's device (default: when ``engine`` is not on the CPU and ``staged`` is
     ``page_major``); False: one copy per layer and run."""
-    whole = page_major(staged) if gather is not False else None
-    if whole is not None and (engine[0].dtype != whole.dtype
-                              or engine[0][0].numel() * len(engine) != whole.shape[1]
-                              or (gather is None and engine[0].device.type == "cpu")):
-        whole = None
+    whole = None
+    if gather or (gather is None and engine[0].device.type != "cpu"):
+        whole = _engine_pages(engine, staged)
     if whole is None:
         for e0, s0, n in runs:
             for blocks, pages in zip(engine, staged, strict=True):
@@ -66,10 +84,8 @@ def copy_runs(engine: Sequence[torch.Tensor], staged: Sequence[torch.Tensor],
                 else:
                     blocks[e0:e0 + n].copy_(pages[s0:s0 + n])
         return
-    step = max(1, DEVICE_STAGE_BYTES // (whole.shape[1] * whole.element_size()))
-    for e0, s0, n in runs:
-        for i in range(0, n, step):
-            _gathered(engine, whole, e0 + i, s0 + i, min(step, n - i), to_pool)
+    for e0, s0, n in _pieces(runs, whole):
+        _gathered(engine, whole, e0, s0, n, to_pool)
 
 
 def _gathered(engine: Sequence[torch.Tensor], whole: torch.Tensor, e0: int, s0: int, n: int,
@@ -108,27 +124,23 @@ def copy_runs_behind(engine: Sequence[torch.Tensor], staged: Sequence[torch.Tens
     records after the last copy. At most ``BEHIND_BYTES`` of gathered pages are in
     flight: a larger save waits here for its earlier pieces' copies. ``ValueError`` if
     ``staged`` is not ``page_major`` or is not ``engine``'s geometry."""
-    whole = page_major(staged)
-    if whole is None or engine[0].dtype != whole.dtype \
-            or engine[0][0].numel() * len(engine) != whole.shape[1]:
+    whole = _engine_pages(engine, staged)
+    if whole is None:
         raise ValueError("a copy behind needs whole pages of the engine's blocks")
     current = torch.cuda.current_stream(engine[0].device)
-    step = max(1, DEVICE_STAGE_BYTES // (whole.shape[1] * whole.element_size()))
     flying: list[tuple[torch.cuda.Event, int]] = []  # (copied, bytes) per piece
     done = torch.cuda.Event()
-    for e0, s0, n in runs:
-        for i in range(0, n, step):
-            k = min(step, n - i)
-            nbytes = k * whole.shape[1] * whole.element_size()
-            while flying and sum(b for _, b in flying) + nbytes > BEHIND_BYTES:
-                flying.pop(0)[0].synchronize()
-            buf = _gather(engine, e0 + i, k)
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                whole[s0 + i:s0 + i + k].copy_(buf, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-            buf.record_stream(stream)  # its memory is reused only after that copy
-            flying.append((copied, nbytes))
+    for e0, s0, k in _pieces(runs, whole):
+        nbytes = k * whole.shape[1] * whole.element_size()
+        while flying and sum(b for _, b in flying) + nbytes > BEHIND_BYTES:
+            flying.pop(0)[0].synchronize()
+        buf = _gather(engine, e0, k)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            whole[s0:s0 + k].copy_(buf, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        buf.record_stream(stream)  # its memory is reused only after that copy
+        flying.append((copied, nbytes))
     done.record(stream)
     return done

@@ -38,7 +38,12 @@ from raykv import (
     staging_layout,
 )
 from raykv.clusters.bench.toolkit import timed
-from raykv.integrations.vllm.kv_views import block_views, pool_block_views, pool_dims
+from raykv.integrations.vllm.kv_views import (
+    block_slots,
+    block_views,
+    pool_block_views,
+    pool_dims,
+)
 from raykv.integrations.vllm.l2_blocks import L2Blocks
 
 # vLLM 0.32's KVCacheLayout members: the physical order of the logical [L, B, H, N, C].
@@ -119,9 +124,7 @@ class VllmWorkerKV:
             raise
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        n = self.geo.block_size
-        return (ids[:, None] * n + torch.arange(n)).reshape(-1)
+        return block_slots(block_ids, self.geo.block_size)
 
     def save_l3(self, block_ids: list[int], hashes: list[str]) -> int:
         """Blocks saved through the staging pool into the store."""

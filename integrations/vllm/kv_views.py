@@ -62,6 +62,13 @@ def block_geometry(spec: object, layers: int) -> dict:
             "itemsize": itemsize}
 
 
+def block_slots(block_ids: Sequence[int], block_size: int) -> torch.Tensor:
+    """Host indices (token slots) of vLLM's blocks ``block_ids`` of ``block_size``
+    tokens, block after block."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long)
+    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
 def pool_dims(block_shape: Sequence[int], block_size: int) -> tuple[int, int]:
     """``head_num, head_dim`` of a raykv pool of blocks ``block_shape`` (one layer's
     block): vLLM's CPU block ``(heads, block_size, 2 * head_size)`` as it is; any other

@@ -50,6 +50,7 @@ from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.async_loads import AsyncLoads
 from raykv.integrations.vllm.kv_events import LandedBlocks
 from raykv.integrations.vllm.kv_views import (
+    block_slots,
     block_views,
     pool_block_views,
     pool_dims,
@@ -159,8 +160,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         """Host indices (token slots) of vLLM's blocks ``block_ids``."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+        return block_slots(block_ids, self.block_size)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Settle the failures the scheduler side has seen (``meta.failures_seen``), then
