@@ -77,6 +77,17 @@ def any_mode_cluster(request):
         yield c
 
 
+@pytest.fixture(autouse=True)
+def _closed_breakers() -> None:
+    """Each test starts with this process's circuit breakers closed: one test whose
+    store calls ran into their deadlines (a slow store on a loaded CI machine) must not
+    fail the next tests of its module at once with ``CircuitOpenError``."""
+    from raykv.cache_actors.rank import node_guard
+
+    with node_guard._guards_lock:
+        node_guard._guards.clear()
+
+
 @pytest.fixture
 def uid() -> str:
     """A fresh key namespace per test, so tests sharing a store never see each other."""

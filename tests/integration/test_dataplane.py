@@ -187,7 +187,8 @@ def test_control_group_answers_while_data_calls_run(cluster, uid):
     from raykv.controllers import PoolName
     from raykv.controllers.contract import PoolTransfer
 
-    client = CacheClient(StorageConfig(is_mla_model=True, model_name=f"busy/{uid}"))
+    client = CacheClient(StorageConfig(is_mla_model=True, model_name=f"busy/{uid}",
+                                       extra_config={"timeout_s": 60.0}))  # 64 MiB puts
     pool = client.create_host_pool("mla", page_size=16, size=16 * 64, layer_num=1,
                                    kv_cache_dim=64 * 1024, dtype=torch.uint8)  # 1 MiB pages
     client.register_mem_pool_host(pool)

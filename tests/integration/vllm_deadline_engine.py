@@ -80,9 +80,24 @@ class DeadlineEngine(VLLMEngine):
         return rec
 
     def stored(self, hashes: list[str]) -> list[bool]:
-        """Whether the store holds each block ``hashes[i]`` (a hit query per block)."""
+        """Whether the store holds each block ``hashes[i]`` (a hit query per block). A
+        query that runs into the connector's 1 s deadline on a loaded machine (or finds
+        the breaker open after one) is asked again, for up to 60 s."""
+        from raykv.cache_actors.errors import CircuitOpenError, DeadlineExceededError
+
         client = self._scheduler_side._cache()
-        return [client.batch_exists([h]) == 1 for h in hashes]
+
+        def exists(h: str) -> bool:
+            end = time.monotonic() + 60.0
+            while True:
+                try:
+                    return client.batch_exists([h]) == 1
+                except (DeadlineExceededError, CircuitOpenError):
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.5)
+
+        return [exists(h) for h in hashes]
 
     def old_return(self, on: bool) -> None:
         """CONTROL (on): this process's ranks (scheduler and worker: one process) free a
