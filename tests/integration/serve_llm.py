@@ -1,5 +1,5 @@
 """One Ray Serve LLM set-up for the tests that run real Serve LLM replicas
-(``test_vllm.py``, ``test_router_llm.py``): ``examples/serve_llm_raykv.py`` loaded
+(``test_vllm.py``): ``examples/serve_llm_raykv.py`` loaded
 from its file, and ``serve_llm``: Ray Serve on a free loopback port running one
 ``LLMConfig`` as Ray Serve LLM's OpenAI app, shut down after."""
 

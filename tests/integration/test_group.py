@@ -301,7 +301,7 @@ def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):
 # node 1's replica; the controls are the same requests through Serve's default
 # power-of-two router, a prompt no node holds, and node 1's actor SIGSTOPped (both fall
 # back to power of two once the view finds node 1 stale, and every request is
-# answered). vLLM replicas behind the router: ``test_router_llm.py``.
+# answered). vLLM replicas behind the router: ``test_vllm.py``.
 
 ROUTE_BLOCK = 8
 TOKENS = 129  # 16 full blocks that an engine could load (the last token is computed)

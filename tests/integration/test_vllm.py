@@ -395,41 +395,82 @@ def test_the_examples_router_config_keys_blocks_as_its_engines_connector():
     assert prefix(plain, flash) != KeyScheme.from_config(router.config).prefix
 
 
-def test_serve_llm_replica_loads_blocks_saved_on_another_node(engines, vcluster, model,
-                                                             uid_module):
-    """Ray Serve LLM (``examples/serve_llm_raykv.py``'s config, CPU replicas) on a node
-    added for it, not the head: its replica runs vLLM's default multiprocess engine, whose
-    engine core and worker are processes of their own, not Ray workers. Their connectors
-    join Ray themselves and use that node's actor (the node of the replica that
-    started them, not the head node Ray attaches them to). The replica loads the 7 blocks
-    that the in-process engine A on node 1 saved, through its node's actor, and gives the
-    tokens of A restoring them from its own prefix cache. The replica's worker runs one
-    OMP thread as A does (``VLLM_CPU_OMP_THREADS_BIND=nobind`` keeps the example's
-    ``OMP_NUM_THREADS=1``; vLLM's default binding gave it both cores of this machine, and
-    other greedy tokens from index 2 on). One engine in this mode: a start takes 24-51 s
-    here."""
+def _l2(vcluster, counter: str) -> dict[str, int]:
+    """A per-pool ``counter`` of each node's L2, summed over its pools."""
+    return {n: sum(p.get(counter, 0)
+                   for p in ray.get(a.stats.remote())["l2"]["pools"].values())
+            for n, a in vcluster.node_actors.items()}
+
+
+def test_serve_llm_replicas_load_saved_blocks_and_route_to_the_node_that_holds_them(
+        vcluster, model, uid_module):
+    """Ray Serve LLM: ``examples/serve_llm_raykv.py``'s config with ``RayKVRouter``
+    (``router_block_size``) and each node's L2 (``l2_blocks``), vLLM's own prefix cache
+    off (every cached token came from raykv), two CPU replicas, one on each of two nodes
+    added for them (not the head). Each replica runs vLLM's default multiprocess engine,
+    whose engine core and worker are processes of their own, not Ray workers: their
+    connectors join Ray themselves and use the node actor of the replica's node, not the
+    head node's Ray attaches them to. The replica's worker runs one OMP thread as A does
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind`` keeps the example's ``OMP_NUM_THREADS=1``;
+    vLLM's default binding gave it both cores and other greedy tokens from index 2 on).
+
+    Loads: a prompt whose 7 blocks an in-process engine A on the head node saved (with
+    the routed replicas' key tag, ``ROUTED_TAG``) is
+    served by a replica, which loads them through its own node's actor (7 Mooncake gets
+    there, none elsewhere) and gives the tokens of A restoring them from its own prefix
+    cache. Routing: a new 1000-token prompt is computed on some replica, whose node's L2
+    takes its blocks; six more requests extending it each load the 7 blocks from that
+    node's L2 (its L2 hits grow, the other nodes' do not, no node reads from Mooncake).
+    Control: by power of two choices all six would land there with chance 1/64 (the
+    first request, when no node held anything, went to the replica sent the fewest
+    lately: the router's ``spread``). One app for both checks: a start takes 1-4 minutes
+    here (``test_group.py`` checks the router's rules against plain Serve deployments)."""
     example = serve_example()
-    a, b, base = engines
-    node = vcluster.add_node(resources={"serve_llm": 1})
+    # A as the ``engines`` fixture's A, keying blocks with the routed replicas' tag
+    a = start_engine(vcluster.node_ids[0], model, {
+        "model_name": f"tiny-{uid_module}", "extra_backend_tag": example.ROUTED_TAG},
+        enable_prefix_caching=True)
+    added = [vcluster.add_node(num_cpus=4, resources={"serve_llm": 1}) for _ in range(2)]
     config = example.raykv_llm_config(
-        "tiny", model, replicas=1, cpu=True, prefix_caching=False, max_model_len=2048,
-        model_name=f"tiny-{uid_module}",
+        "tiny", model, replicas=2, cpu=True, prefix_caching=False, max_model_len=2048,
+        model_name=f"tiny-{uid_module}", router_block_size=BLOCK, l2_blocks=64,
         placement_group_config={"bundles": [{"CPU": 1, "serve_llm": 1}]})
-    config.runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    # a patient view: this checks where requests go, on a loaded machine
+    config.deployment_config["request_router_config"]["request_router_kwargs"][
+        "stale_ms"] = 5000.0
     try:
         with serve_llm(config) as url:
-            p = prompt(31)
-            want = computed_then_restored(a, p)
+            q = prompt(31)
+            want = computed_then_restored(a, q)
             before = _gets(vcluster)
-            got = example.complete(url, "tiny", p, len(want), return_token_ids=True,
+            got = example.complete(url, "tiny", q, len(want), return_token_ids=True,
                                    ignore_eos=True)
             after = _gets(vcluster)
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
+            assert got["choices"][0]["token_ids"] == want
+            loads = {n: after[n] - before.get(n, 0) for n in after}
+            assert sorted(loads.values()) == [0] * (len(loads) - 1) + [7], loads
+            assert max(loads, key=loads.get) in added, loads  # one object per block
+
+            p = prompt(32)
+            written = _l2(vcluster, "written")
+            example.complete(url, "tiny", p, 2)
+            wrote = [n for n, k in _l2(vcluster, "written").items() if k - written[n] == 7]
+            assert len(wrote) == 1 and wrote[0] in added, (written, wrote)
+            time.sleep(1.0)  # the routers' views learn the blocks (a refresh: 100 ms)
+            gets, hits = _gets(vcluster), _l2(vcluster, "hits")
+            for i in range(6):
+                got = example.complete(url, "tiny", p + [100 + i] * 8, 2)
+                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK
+            now, hits_now = _gets(vcluster), _l2(vcluster, "hits")
+            grew = {n: hits_now[n] - hits[n] for n in now}
+            assert grew[wrote[0]] >= 6 * 7 and not any(
+                grew[n] for n in now if n != wrote[0]), grew
+            assert now == gets  # every load from the node's own L2, none from Mooncake
     finally:
-        vcluster.remove_node(node)
-    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * BLOCK, got
-    assert got["choices"][0]["token_ids"] == want
-    assert {n: after[n] - before.get(n, 0) for n in after} == \
-        {n: 7 if n == node else 0 for n in after}  # one object per block
+        ray.kill(a)
+        for node in added:
+            vcluster.remove_node(node)
 
 
 L2_BLOCKS = 12
