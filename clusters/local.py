@@ -279,9 +279,12 @@ def start_local(
             from ray.cluster_utils import Cluster
 
             # no dashboard (as a one-node cluster): its fixed port, taken by any other
-            # Ray on the machine, made the head node time out at start
+            # Ray on the machine, made the head node time out at start; no autoscaler
+            # monitor: these nodes are added and removed by hand (``add_node``), and the
+            # monitor cost ~1 CPU-s per start
             ray_cluster = Cluster(initialize_head=True, head_node_args=node_args | {
-                "_system_config": FAST_HEALTH_CHECKS, "include_dashboard": False})
+                "_system_config": FAST_HEALTH_CHECKS, "include_dashboard": False,
+                "no_monitor": True})
             for _ in range(num_nodes - 1):
                 ray_cluster.add_node(**node_args)
             ray_cluster.wait_for_nodes()
