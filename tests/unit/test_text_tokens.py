@@ -348,7 +348,7 @@ def test_a_long_tokenization_lets_other_threads_run(tok, holding):
         time.sleep(0.0005)
         ran += encoding.is_set()
     worker.join()
-    assert (ran <= 2) if holding else (ran >= 20), ran
+    assert (ran <= 5) if holding else (ran >= 20), ran  # control: its edges, a few times
 
 
 def test_text_tokens_known_is_the_head_of_completion_and_chat(tok):
