@@ -396,10 +396,8 @@ def test_the_examples_router_config_keys_blocks_as_its_engines_connector():
 
 
 def _l2(vcluster, counter: str) -> dict[str, int]:
-    """A per-pool ``counter`` of each node's L2, summed over its pools."""
-    return {n: sum(p.get(counter, 0)
-                   for p in ray.get(a.stats.remote())["l2"]["pools"].values())
-            for n, a in vcluster.node_actors.items()}
+    """A per-pool ``counter`` of each node's L2, summed over its pools (``_l2_stats``)."""
+    return {n: _l2_stats(vcluster, n).get(counter, 0) for n in vcluster.node_actors}
 
 
 def test_serve_llm_replicas_load_saved_blocks_and_route_to_the_node_that_holds_them(
