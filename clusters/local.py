@@ -30,6 +30,9 @@ from raykv.controllers.pool_layout import MiB
 
 log = logging.getLogger(__name__)
 
+# No idle Python worker started ahead for the driver: raykv's actors each get a worker of
+# their own, so the prestarted one only idled (~1 CPU-s to start, and CPU while it idles).
+NO_PRESTART = {"prestart_worker_first_driver": False}
 # Detect dead nodes within ~3 s (the default takes ~30 s).
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
@@ -274,7 +277,7 @@ def start_local(
                              log_to_driver=log_to_driver)
         elif num_nodes == 1:
             ray.init(address="local", namespace=namespace, include_dashboard=False,
-                     log_to_driver=log_to_driver, **node_args)
+                     log_to_driver=log_to_driver, _system_config=NO_PRESTART, **node_args)
         else:
             from ray.cluster_utils import Cluster
 
@@ -283,7 +286,7 @@ def start_local(
             # monitor: these nodes are added and removed by hand (``add_node``), and the
             # monitor cost ~1 CPU-s per start
             ray_cluster = Cluster(initialize_head=True, head_node_args=node_args | {
-                "_system_config": FAST_HEALTH_CHECKS, "include_dashboard": False,
+                "_system_config": FAST_HEALTH_CHECKS | NO_PRESTART, "include_dashboard": False,
                 "no_monitor": True})
             for _ in range(num_nodes - 1):
                 ray_cluster.add_node(**node_args)

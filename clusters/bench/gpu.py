@@ -22,6 +22,7 @@ Units: bytes, GB/s (1e9 bytes per second), seconds.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ from raykv import (
     CacheClient,
     GiB,
     KiB,
+    LocalCluster,
     MiB,
     StorageConfig,
 )
@@ -193,17 +195,34 @@ def render(result: dict, console: Console) -> None:
                   f"every save holds the forward's values")
 
 
+def start_gpu_bench_cluster(vllm: VllmGeometry, vllm_rounds: int,
+                            console: Console | None = None) -> LocalCluster:
+    """The two-node embedded cluster ``run_gpu_bench`` runs on, for ``vllm_rounds`` of the
+    vLLM part in geometry ``vllm``: the head node contributes no store memory, the other
+    holds the page sizes' objects and what the vLLM part keeps; the head's L2 holds
+    every block the vLLM part moves. Ray must not be initialised; the caller stops it."""
+    # the vLLM part keeps every block it moved: in the head node's L2, and in the store
+    # twice (the store path, and L2's puts behind)
+    l2_bytes = l2_pages(vllm, vllm_rounds) * vllm.block_bytes
+    return start_cluster(console or Console(), 2,
+                         global_segment_size=[0, SEGMENT_BYTES + 2 * l2_bytes],
+                         group_window_s=0.0, l2_bytes=l2_bytes + 64 * MiB)
+
+
 def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 64,
                   iters: int = 5, out_dir: str | None = None,
                   console: Console | None = None, device: str = "cuda",
-                  vllm: VllmGeometry | None = None, vllm_rounds: int = 3) -> dict:
+                  vllm: VllmGeometry | None = None, vllm_rounds: int = 3,
+                  cluster: LocalCluster | None = None) -> dict:
     """Benchmark the GPU path; print tables, write ``bench_gpu.json``, return the figures.
     ``vllm``, ``vllm_rounds``: the vLLM part's KV cache geometry (default
     ``VllmGeometry()``) and rounds (``gpu_vllm.bench_vllm_layouts``). ``RuntimeError``
-    without a CUDA device. Starts (and stops) its own two-node embedded cluster, so Ray
-    must not be initialised. ``device="cpu"`` runs the same steps with host tensors in
-    place of device ones (what the CPU-only tests check: the plumbing and the byte
-    comparison, not a GPU's figures)."""
+    without a CUDA device. ``cluster``: a running cluster from
+    ``start_gpu_bench_cluster`` with the same ``vllm`` and ``vllm_rounds`` (left
+    running); None: starts its own and stops it at the end (Ray must not be
+    initialised). ``device="cpu"`` runs the same steps with host tensors in place of
+    device ones (what the CPU-only tests check: the plumbing and the byte comparison,
+    not a GPU's figures)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("raykv bench-gpu needs a CUDA GPU (torch.cuda.is_available() is "
                            "False)")
@@ -215,14 +234,10 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
         raise ValueError(f"{batch} pages of {human_bytes(max(page_sizes))} on two paths do "
                          f"not fit the {human_bytes(SEGMENT_BYTES)} store segment")
     vllm = vllm or VllmGeometry()
-    # the vLLM part keeps every block it moved: in the head node's L2, and in the store
-    # twice (the store path, and L2's puts behind)
-    l2_bytes = l2_pages(vllm, vllm_rounds) * vllm.block_bytes
     run = BenchRun.begin(out_dir, console)
     console = run.console
-    cluster = start_cluster(console, 2, global_segment_size=[0, SEGMENT_BYTES + 2 * l2_bytes],
-                            group_window_s=0.0, l2_bytes=l2_bytes + 64 * MiB)
-    with cluster:
+    with (contextlib.nullcontext(cluster) if cluster is not None
+          else start_gpu_bench_cluster(vllm, vllm_rounds, console)):
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench-gpu"))
         raw = RawStore(cluster.metadata_server, cluster.master_address)
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.clusters.bench.gpu import run_gpu_bench
+from raykv.clusters.bench.gpu import run_gpu_bench, start_gpu_bench_cluster
 from raykv.clusters.bench.gpu_vllm import LAYOUTS, VllmGeometry
 from raykv.controllers.pool_layout import KiB
 from raykv.integrations.vllm.l2_blocks import L2Blocks
@@ -19,13 +19,23 @@ SMALL = VllmGeometry(layers=2, heads=2, head_size=8, block_size=4, blocks=8, mov
                      window=4)
 
 
-def run(tmp_path) -> dict:
+ROUNDS = 1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The cluster ``run_gpu_bench`` starts for itself, started once for the module."""
+    with start_gpu_bench_cluster(SMALL, ROUNDS) as c:
+        yield c
+
+
+def run(tmp_path, cluster) -> dict:
     return run_gpu_bench(page_sizes=[64 * KiB], batch=4, iters=1, out_dir=str(tmp_path),
-                         device="cpu", vllm=SMALL, vllm_rounds=1)
+                         device="cpu", vllm=SMALL, vllm_rounds=ROUNDS, cluster=cluster)
 
 
-def test_bench_gpu_steps_round_trip(tmp_path):
-    result = run(tmp_path)
+def test_bench_gpu_steps_round_trip(tmp_path, cluster):
+    result = run(tmp_path, cluster)
     size = result["sizes"][0]
     assert size["batch_bytes"] == 4 * 64 * KiB and size["pool_pinned"] is False
     layouts = result["vllm_layouts"]["layouts"]
@@ -37,13 +47,13 @@ def test_bench_gpu_steps_round_trip(tmp_path):
     assert (tmp_path / "bench_gpu.json").exists()
 
 
-def test_bench_gpu_catches_a_get_that_moved_nothing(tmp_path, monkeypatch):
+def test_bench_gpu_catches_a_get_that_moved_nothing(tmp_path, monkeypatch, cluster):
     monkeypatch.setattr(CacheClient, "batch_get_v1", lambda self, keys, idx: [True] * len(keys))
     with pytest.raises(RuntimeError, match="differ from the bytes sent"):
-        run(tmp_path)
+        run(tmp_path, cluster)
 
 
-def test_bench_gpu_catches_an_l2_load_that_moved_nothing(tmp_path, monkeypatch):
+def test_bench_gpu_catches_an_l2_load_that_moved_nothing(tmp_path, monkeypatch, cluster):
     copy = L2Blocks._copy
 
     def saves_only(self, pages, block_ids, *, to_pool):
@@ -52,4 +62,4 @@ def test_bench_gpu_catches_an_l2_load_that_moved_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(L2Blocks, "_copy", saves_only)
     with pytest.raises(RuntimeError, match="l2: the blocks loaded differ"):
-        run(tmp_path)
+        run(tmp_path, cluster)
