@@ -7,8 +7,12 @@ Imports ``transformers`` and ``tokenizers`` (installed with vLLM) only when call
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import shutil
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 
 VOCAB = 2048  # tokens of the tokenizer and the model; ids 0-2 are <s>, </s>, <pad>
@@ -50,17 +54,56 @@ class LlamaDims:
         return self.layers * self.kv_heads * self.head_dim * 2 * 2
 
 
+FORMAT = 1
+"""The version of what ``_build`` writes: raise it when the model or tokenizer it makes
+changes, so that no cached copy of the old one is used."""
+
+
+def cache_root() -> str:
+    """Where made models are kept for later calls: ``$XDG_CACHE_HOME/raykv/models``
+    (default ``~/.cache/raykv/models``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "raykv", "models")
+
+
 def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
     """Write a bf16 Llama of ``dims`` with seeded random weights (normal, std 0.05, so
     greedy output is not degenerate) and a tokenizer trained on Python's own sources
     to ``out``, and return ``out``. A folder that already holds a model of ``dims`` is
-    kept as it is (made once; the default dims take ~10 s, mostly the tokenizer)."""
+    kept as it is. The model is made once per machine and user (the default dims take
+    ~10 CPU-s, mostly the tokenizer) and kept under ``cache_root()``, by its dims, seed,
+    ``FORMAT`` and Python version; later calls copy it (a few MB). Processes making the
+    same model at once each make it; the first to finish is kept."""
     marker = os.path.join(out, "raykv_dims.json")
     want = asdict(dims) | {"seed": seed}
     if os.path.exists(marker) and os.path.exists(os.path.join(out, "config.json")):
         with open(marker) as f:
             if json.load(f) == want:
                 return out
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    key = json.dumps(want | {"format": FORMAT, "vocab": VOCAB, "python": python},
+                     sort_keys=True)
+    cached = os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:16])
+    if not os.path.exists(os.path.join(cached, "raykv_dims.json")):
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".making-", dir=cache_root())
+        try:
+            _build(tmp, dims, seed, want)
+            try:
+                os.rename(tmp, cached)  # atomic; another process's copy may be there first
+            except OSError:
+                if not os.path.exists(os.path.join(cached, "raykv_dims.json")):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out
+
+
+def _build(out: str, dims: LlamaDims, seed: int, want: dict) -> None:
+    """Make the model and tokenizer of ``make_llama`` in folder ``out`` (its marker,
+    ``raykv_dims.json`` holding ``want``, last)."""
+    marker = os.path.join(out, "raykv_dims.json")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -92,4 +135,3 @@ def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     with open(marker, "w") as f:
         json.dump(want, f)
-    return out
