@@ -194,7 +194,8 @@ def start_local(
     ``MC_TCP_BIND_ADDRESS`` is set to it unless already set; RDMA needs the address of
     an RDMA interface). The master and its metadata server listen on 127.0.0.1
 (Mooncake's transfer engines listen on every interface: docs/deploy.md). Multi-node clusters
-    detect a removed node within ~3 s. Ray must not be initialised already.
+    detect a removed node within ~3 s. Ray prestarts no idle worker for the driver
+    (``NO_PRESTART``). Ray must not be initialised already.
 
     ``hosts`` > 0: an emulated multi-host cluster instead (``clusters.hosts``, root
     only): ``hosts`` Ray nodes, each in a network namespace of its own with its own
