@@ -237,7 +237,7 @@ def run_gpu_bench(page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES, batch: int = 6
     run = BenchRun.begin(out_dir, console)
     console = run.console
     with (contextlib.nullcontext(cluster) if cluster is not None
-          else start_gpu_bench_cluster(vllm, vllm_rounds, console)):
+          else start_gpu_bench_cluster(vllm, vllm_rounds, console)) as cluster:
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench-gpu"))
         raw = RawStore(cluster.metadata_server, cluster.master_address)
         try:

@@ -7,8 +7,11 @@ bytes, and an L2 load that does, are caught (controls)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from raykv.cache_actors.rank.client import CacheClient
+from raykv.clusters.bench import gpu
 from raykv.clusters.bench.gpu import run_gpu_bench, start_gpu_bench_cluster
 from raykv.clusters.bench.gpu_vllm import LAYOUTS, VllmGeometry
 from raykv.controllers.pool_layout import KiB
@@ -45,6 +48,22 @@ def test_bench_gpu_steps_round_trip(tmp_path, cluster):
     behind = result["vllm_layouts"]["saves_behind"]  # L2 saves on and behind the step
     assert behind["equal"] is True and len(behind["seconds"]["behind_done_s"]) == 1
     assert (tmp_path / "bench_gpu.json").exists()
+
+
+def test_bench_gpu_runs_on_the_cluster_it_starts(tmp_path, monkeypatch, cluster):
+    """Without a cluster given (``raykv bench-gpu``), the bench runs on the one it starts
+    (here the module's, handed out by ``start_gpu_bench_cluster`` and left running)."""
+    started = []
+
+    def start(vllm, vllm_rounds, console=None):
+        started.append((vllm, vllm_rounds))
+        return contextlib.nullcontext(cluster)
+
+    monkeypatch.setattr(gpu, "start_gpu_bench_cluster", start)
+    result = run_gpu_bench(page_sizes=[64 * KiB], batch=4, iters=1, out_dir=str(tmp_path),
+                           device="cpu", vllm=SMALL, vllm_rounds=ROUNDS)
+    assert started == [(SMALL, ROUNDS)]
+    assert all(row["equal"] is True for row in result["vllm_layouts"]["layouts"].values())
 
 
 def test_bench_gpu_catches_a_get_that_moved_nothing(tmp_path, monkeypatch, cluster):
