@@ -54,6 +54,8 @@ class LlamaDims:
         return self.layers * self.kv_heads * self.head_dim * 2 * 2
 
 
+MARKER = "raykv_dims.json"
+"""The file of a made model's folder that holds its dims and seed, written last."""
 FORMAT = 1
 """The version of what ``_build`` writes: raise it when the model or tokenizer it makes
 changes, so that no cached copy of the old one is used."""
@@ -74,7 +76,7 @@ def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
     ~10 CPU-s, mostly the tokenizer) and kept under ``cache_root()``, by its dims, seed,
     ``FORMAT`` and Python version; later calls copy it (a few MB). Processes making the
     same model at once each make it; the first to finish is kept."""
-    marker = os.path.join(out, "raykv_dims.json")
+    marker = os.path.join(out, MARKER)
     want = asdict(dims) | {"seed": seed}
     if os.path.exists(marker) and os.path.exists(os.path.join(out, "config.json")):
         with open(marker) as f:
@@ -84,7 +86,7 @@ def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
     key = json.dumps(want | {"format": FORMAT, "vocab": VOCAB, "python": python},
                      sort_keys=True)
     cached = os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:16])
-    if not os.path.exists(os.path.join(cached, "raykv_dims.json")):
+    if not os.path.exists(os.path.join(cached, MARKER)):
         os.makedirs(cache_root(), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".making-", dir=cache_root())
         try:
@@ -92,7 +94,7 @@ def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
             try:
                 os.rename(tmp, cached)  # atomic; another process's copy may be there first
             except OSError:
-                if not os.path.exists(os.path.join(cached, "raykv_dims.json")):
+                if not os.path.exists(os.path.join(cached, MARKER)):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -101,9 +103,9 @@ def make_llama(out: str, dims: LlamaDims = LlamaDims(), seed: int = 0) -> str:
 
 
 def _build(out: str, dims: LlamaDims, seed: int, want: dict) -> None:
-    """Make the model and tokenizer of ``make_llama`` in folder ``out`` (its marker,
-    ``raykv_dims.json`` holding ``want``, last)."""
-    marker = os.path.join(out, "raykv_dims.json")
+    """Make the model and tokenizer of ``make_llama`` in folder ``out`` (its ``MARKER``,
+    holding ``want``, last)."""
+    marker = os.path.join(out, MARKER)
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
