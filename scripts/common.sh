@@ -39,3 +39,25 @@ missing_packages() {
         esac
     done
 }
+
+# Die unless the filesystem that holds path $1 has $2 MB free; $3 names what needs them.
+need_space() {
+    local free
+    free=$(df -Pm -- "$1" | awk 'NR == 2 {print $4}')
+    [ -n "$free" ] || die "cannot tell the free space of $1 (df failed)"
+    [ "$free" -ge "$2" ] ||
+        die "$((free / 1024)) GB free on the filesystem of $(cd "$1" && pwd); $3 needs about $((($2 + 1023) / 1024)) GB there: free space there, or clone raykv to a filesystem with room"
+}
+
+# pip's temporary files (the wheels it unpacks, a package it moves aside while it
+# replaces it: up to 3.9 GB at once in a set-up with engines) go to $TMPDIR, /tmp when it
+# is unset: often a small tmpfs, or another disk than the venvs'. Unless TMPDIR is set,
+# point it at .setup-tmp in the clone, on the venvs' filesystem that need_space checks.
+# SETUP_TMP names that folder for the caller to remove at exit (empty: TMPDIR was set).
+setup_tmp() {
+    SETUP_TMP=
+    [ -z "${TMPDIR:-}" ] || return 0
+    SETUP_TMP="$PWD/.setup-tmp"
+    mkdir -p "$SETUP_TMP"
+    export TMPDIR="$SETUP_TMP"
+}

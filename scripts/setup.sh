@@ -6,6 +6,10 @@
 #   scripts/setup.sh --no-engines         raykv only: no vLLM, Ray Serve or SGLang
 #   PYTHON=python3.12 scripts/setup.sh    the interpreter of the venvs (default: python3)
 #
+# A fresh set-up (no .venv yet) first checks for 10 GB free on the clone's filesystem
+# (2 GB with --no-engines; 11.4 and 1.8 GB were used at the peak here). pip's temporary
+# files go to .setup-tmp/ in the clone, removed at exit, unless TMPDIR is set.
+#
 # Steps, each skipped when already done (re-running is safe and takes well under a minute):
 # 1. System packages, with apt-get (through sudo unless root): libibverbs1 and librdmacm1
 #    (Mooncake needs them, also over TCP); g++ and libssl-dev (SGLang compiles its page-
@@ -52,6 +56,25 @@ except m.PackageNotFoundError:
 }
 py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 
+# pip's temporary files in .setup-tmp unless TMPDIR is set (common.sh, setup_tmp); the
+# SGLang venv's background build is stopped if this script ends early.
+setup_tmp
+sglang_pid=
+stop_sglang_build() { [ -z "$sglang_pid" ] || kill -- "-$sglang_pid" 2>/dev/null || true; }
+cleanup() { stop_sglang_build; [ -z "$SETUP_TMP" ] || rm -rf "$SETUP_TMP"; }
+trap cleanup EXIT
+
+# A fresh set-up's room on the clone's filesystem, checked before anything is installed
+# (a full disk midway leaves a half-made venv): at least what the venvs take once built
+# (.venv 3.2 GB and .venv-sglang 6.6 GB; .venv 1.6 GB without engines), so the check
+# never stops a set-up that would have fitted. Measured peaks, pip's temporary files
+# included: 11.4 GB, 1.8 GB without engines.
+if [ ! -x .venv/bin/python ]; then
+    if [ "$ENGINES" = 0 ]; then need_space . 2048 "a fresh set-up without engines"
+    elif [ -e .venv-sglang/.raykv-built ]; then need_space . 3584 "a fresh .venv"
+    else need_space . 10240 "a fresh set-up"; fi
+fi
+
 # 1. Python and system packages.
 packages=(mooncake)
 [ "$ENGINES" = 0 ] || packages+=(sglang)
@@ -90,9 +113,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Ray first, as raykv requires it: the SGLang venv needs its version, and builds in the
 # background from here on (beside torch, raykv and vLLM).
-sglang_pid=
-stop_sglang_build() { [ -z "$sglang_pid" ] || kill -- "-$sglang_pid" 2>/dev/null || true; }
-trap stop_sglang_build EXIT
 if [ "$ENGINES" = 1 ]; then
     if [ -z "$(dist_version ray)" ]; then
         ray_req=$(.venv/bin/python -c 'import tomllib

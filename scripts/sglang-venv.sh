@@ -21,11 +21,18 @@ PYTHON=${PYTHON:-python3}
 mapfile -t missing < <(missing_packages sglang)
 apt_install "${missing[@]}"
 
+# pip's temporary files in .setup-tmp unless TMPDIR is set (scripts/setup.sh's, when it
+# runs this script).
+setup_tmp
+trap '[ -z "$SETUP_TMP" ] || rm -rf "$SETUP_TMP"' EXIT
+
 stamp="$(sha256sum scripts/sglang-venv.sh | cut -c1-16) ray=$RAY_VERSION $("$PYTHON" -V 2>&1)"
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
     say "building $VENV (sglang 0.5.23, torch 2.14.1, ray $RAY_VERSION)"
     [ ! -e "$VENV" ] || [ -e "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a venv"
     rm -rf "$VENV"
+    # at least what it takes once built (6.6 GB; more while torch's CUDA wheels install)
+    need_space . 6656 "building $VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton
