@@ -49,8 +49,10 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
     say "$VENV: already built and checked"
     exit 0
 fi
-# Import check, and compile SGLang's hash extension now rather than in the first test.
-"$VENV/bin/python" -W ignore -c 'import sglang.srt.managers.cache_controller, raykv.integrations.sglang
+# Import check, and compile SGLang's hash extension now rather than in the first test:
+# into the venv, where the tests take it from (tests/integration/sglang_runs.py,
+# sglang_env), so a test run under another HOME does not build it again.
+TORCH_EXTENSIONS_DIR="$(cd "$VENV" && pwd)/torch_extensions" "$VENV/bin/python" -W ignore -c 'import sglang.srt.managers.cache_controller, raykv.integrations.sglang
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 print("sglang venv ok:", get_storage_hash_str(list(range(32)), None, page_size=16)[0][:12])'
 echo "$stamp" > "$VENV/.raykv-built"

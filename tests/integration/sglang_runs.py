@@ -31,6 +31,19 @@ def require_sglang() -> None:
                     "sglang==0.5.23 and raykv installed", pytrace=False)
 
 
+def sglang_env(python: str = SGLANG_PY) -> dict[str, str]:
+    """What a process of ``python``'s SGLang adds to its environment: when ``python`` is a
+    venv's, SGLang's page-hash extension (compiled on first use, ~20 CPU-s) is taken from
+    the venv's ``torch_extensions`` folder, where ``scripts/sglang-venv.sh`` built it;
+    nothing when ``TORCH_EXTENSIONS_DIR`` is set already or ``python`` is no venv's
+    (SGLang's default, under HOME)."""
+    venv = os.path.dirname(os.path.dirname(python))
+    if "TORCH_EXTENSIONS_DIR" in os.environ or not os.path.exists(
+            os.path.join(venv, "pyvenv.cfg")):
+        return {}
+    return {"TORCH_EXTENSIONS_DIR": os.path.join(venv, "torch_extensions")}
+
+
 def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 0,
                tp_size: int = 1, gloo_port: int = 0, timeout: int = 420) -> dict:
     """Run one SGLang driver process whose scenarios use node ``node``'s node actor
@@ -45,6 +58,7 @@ def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 
     path = tmp_path / f"spec-{node}-{tp_rank}-{os.urandom(3).hex()}.json"
     path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    env |= sglang_env()
     proc = subprocess.run([SGLANG_PY, DRIVER, str(path)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(tmp_path))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -437,3 +437,16 @@ def test_missing_sglang_venv_fails_clearly(monkeypatch):
     monkeypatch.setattr(sglang_runs, "SGLANG_PY", "/nonexistent/python")
     with pytest.raises(pytest.fail.Exception, match="sglang-venv"):
         sglang_runs.require_sglang()
+
+
+def test_the_set_up_built_sglangs_hash_extension_where_its_processes_take_it(monkeypatch):
+    """``scripts/sglang-venv.sh`` compiles SGLang's page-hash extension into the venv's
+    ``torch_extensions``, and every SGLang process of the tests is pointed there
+    (``sglang_env``): no test builds it again under another HOME (``.ci/run`` runs the
+    tests under a fresh one; a build in the first test cost ~40 CPU-s)."""
+    sglang_runs.require_sglang()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    folder = os.path.join(os.path.dirname(os.path.dirname(sglang_runs.SGLANG_PY)),
+                          "torch_extensions")
+    assert sglang_runs.sglang_env() == {"TORCH_EXTENSIONS_DIR": folder}
+    assert os.path.isfile(os.path.join(folder, "hicache_hash_cpp", "hicache_hash_cpp.so"))

@@ -15,6 +15,7 @@ import os
 import pytest
 from raykv import start_local
 
+from tests.integration.sglang_runs import sglang_env
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, run_pytest
 
@@ -41,6 +42,7 @@ def sglang_run(tmp_path_factory):
                "RAYKV_PEER_NAMESPACE": cluster.namespace,
                "RAYKV_PEER_NODE_ID": cluster.node_ids[0],
                "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        env |= sglang_env(sources.sglang_python())
         targets = [str(package / s) for s in SELECTED]
         yield run_pytest(sources.sglang_python(), package.parent, targets, "sglang_plugin",
                          env, tmp, TIMEOUT_S)
