@@ -53,7 +53,8 @@ need_space() {
 # replaces it: up to 3.9 GB at once in a set-up with engines) go to $TMPDIR, /tmp when it
 # is unset: often a small tmpfs, or another disk than the venvs'. Unless TMPDIR is set,
 # point it at .setup-tmp in the clone, on the venvs' filesystem that need_space checks.
-# SETUP_TMP names that folder for the caller to remove at exit (empty: TMPDIR was set).
+# SETUP_TMP names that folder (empty: TMPDIR was set); the caller removes it at exit with
+# drop_setup_tmp.
 setup_tmp() {
     SETUP_TMP=
     [ -z "${TMPDIR:-}" ] || return 0
@@ -61,3 +62,5 @@ setup_tmp() {
     mkdir -p "$SETUP_TMP"
     export TMPDIR="$SETUP_TMP"
 }
+
+drop_setup_tmp() { [ -z "${SETUP_TMP:-}" ] || rm -rf "$SETUP_TMP"; }

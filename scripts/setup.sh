@@ -61,7 +61,7 @@ py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 setup_tmp
 sglang_pid=
 stop_sglang_build() { [ -z "$sglang_pid" ] || kill -- "-$sglang_pid" 2>/dev/null || true; }
-cleanup() { stop_sglang_build; [ -z "$SETUP_TMP" ] || rm -rf "$SETUP_TMP"; }
+cleanup() { stop_sglang_build; drop_setup_tmp; }
 trap cleanup EXIT
 
 # A fresh set-up's room on the clone's filesystem, checked before anything is installed

@@ -24,7 +24,7 @@ apt_install "${missing[@]}"
 # pip's temporary files in .setup-tmp unless TMPDIR is set (scripts/setup.sh's, when it
 # runs this script).
 setup_tmp
-trap '[ -z "$SETUP_TMP" ] || rm -rf "$SETUP_TMP"' EXIT
+trap drop_setup_tmp EXIT
 
 stamp="$(sha256sum scripts/sglang-venv.sh | cut -c1-16) ray=$RAY_VERSION $("$PYTHON" -V 2>&1)"
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then

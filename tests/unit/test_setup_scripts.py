@@ -36,10 +36,13 @@ def test_pip_temporary_files_go_to_the_clone_unless_tmpdir_is_set(tmp_path):
     made = bash(show, tmp_path, env)
     assert made.returncode == 0 and made.stdout.strip() == \
         f"{tmp_path}/.setup-tmp|{tmp_path}/.setup-tmp", made
+    assert bash("setup_tmp; drop_setup_tmp", tmp_path, env).returncode == 0
+    assert not (tmp_path / ".setup-tmp").exists()
     mine = tmp_path / "mine"
     mine.mkdir()
-    kept = bash(show, tmp_path, env | {"TMPDIR": str(mine)})
+    kept = bash(show + "; drop_setup_tmp", tmp_path, env | {"TMPDIR": str(mine)})
     assert kept.returncode == 0 and kept.stdout.strip() == f"{mine}|", kept
+    assert mine.is_dir()  # the user's TMPDIR is never removed
 
 
 def test_a_fresh_set_up_on_a_full_disk_stops_before_installing_anything(tmp_path):
