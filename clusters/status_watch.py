@@ -6,6 +6,7 @@ frame."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -84,18 +85,21 @@ def lines(rows: list[NodeRow], interval: float) -> list[str]:
 
 
 def watch(fetch: Callable[[], dict], interval: float, console: Console,
-          count: int | None = None) -> None:
+          count: int | None = None, stop: threading.Event | None = None) -> None:
     """Show ``fetch()`` (a status snapshot) as rows every ``interval`` seconds, rates
-    over the time between two fetches' returns, ``count`` times (None: until
-    ``KeyboardInterrupt``, which the caller turns into exit 0). Errors of ``fetch``
-    propagate."""
+    over the time between two fetches' returns, ``count`` times (None: until ``stop`` is
+    set, or ``KeyboardInterrupt``, which the caller turns into exit 0). ``stop`` set
+    (from a signal handler, say) ends the view before its next fetch: within one
+    ``interval`` plus the fetch under way. Errors of ``fetch`` propagate. Main thread
+    (a terminal's ``Live`` view is redrawn from the calling thread only)."""
     live = Live(console=console, auto_refresh=False) if console.is_terminal else None
     before, before_t = None, 0.0
     shown = 0
+    stopped = stop.is_set if stop is not None else lambda: False
     if live is not None:
         live.start()
     try:
-        while count is None or shown < count:
+        while (count is None or shown < count) and not stopped():
             started = time.monotonic()
             state = fetch()
             now = time.monotonic()
@@ -107,7 +111,7 @@ def watch(fetch: Callable[[], dict], interval: float, console: Console,
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
             before, before_t = state, now
             shown += 1
-            if count is None or shown < count:
+            if (count is None or shown < count) and not stopped():
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
     finally:
         if live is not None:

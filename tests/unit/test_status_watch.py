@@ -5,6 +5,8 @@ stand-in snapshots (no cluster): plain lines when not on a terminal, Ctrl-C exit
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 
 import pytest
 from click.testing import CliRunner
@@ -113,6 +115,41 @@ def test_watch_ends_at_ctrl_c_with_exit_0(monkeypatch):
     out = CliRunner().invoke(main, ["status", "--watch"])
     assert out.exit_code == 0, out.output
     assert "node aaaa1111: L3 hits 0" in out.output
+
+
+def test_watch_ends_cleanly_after_the_refresh_a_sigint_came_in(monkeypatch):
+    """The handler only flags the stop: the refresh under way is shown, none follows, and
+    SIGINT's handler is the previous one again afterwards."""
+    states = [snapshot(a=node(hits=1)), snapshot(a=node(hits=2)), snapshot(a=node(hits=3))]
+
+    def fetch_then_ctrl_c():
+        if len(states) == 2:  # the second refresh
+            os.kill(os.getpid(), signal.SIGINT)
+        return states.pop(0)
+
+    stand_in(monkeypatch, [])
+    from raykv.clusters import deploy
+
+    monkeypatch.setattr(deploy, "status", lambda address, namespace: fetch_then_ctrl_c())
+    before = signal.getsignal(signal.SIGINT)
+    out = CliRunner().invoke(main, ["status", "--watch"])
+    assert out.exit_code == 0, out.output
+    assert "L3 hits 2," in out.output and "L3 hits 3," not in out.output
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_sigint_interrupts_a_refresh_that_hangs(monkeypatch):
+    def fetch():
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, and the refresh hangs: again
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second SIGINT did not interrupt the refresh")
+
+    stand_in(monkeypatch, [])
+    from raykv.clusters import deploy
+
+    monkeypatch.setattr(deploy, "status", lambda address, namespace: fetch())
+    out = CliRunner().invoke(main, ["status", "--watch"])
+    assert out.exit_code == 0, out.output
 
 
 def test_watch_stops_with_one_line_when_raykv_goes_away(monkeypatch):
