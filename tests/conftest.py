@@ -5,6 +5,11 @@ here passed all 344 tests and then died at interpreter exit with a segfault insi
 GCS client (dmesg: the faulting code lies in its ``NodeInfoGcsService/GetAllNodeInfo``
 call), a thread of Ray's still polling while Python tore its modules down. The exit code
 is pytest's own.
+
+Test files are handed to the two workers (``--dist loadfile``) in collection order, each
+file to the next worker that is free: the longest files are moved to the front
+(``LONGEST_FIRST``), so the run does not end with one worker alone on a long file while
+the other idles.
 """
 
 from __future__ import annotations
@@ -15,6 +20,26 @@ import sys
 import pytest
 
 _exit_status = 0
+
+LONGEST_FIRST = (
+    "tests/integration/test_vllm.py",
+    "tests/integration/test_final_returns.py",
+    "tests/integration/test_dataplane.py",
+    "tests/integration/test_sglang.py",
+    "tests/integration/test_group.py",
+    "tests/integration/test_cli_cluster.py",
+    "tests/integration/test_hosts.py",
+    "tests/integration/test_sglang_close.py",
+)
+"""The test files with the most worker time in a whole run (each over 90 s here, most
+first); the rest keep their collection order after them."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``LONGEST_FIRST``'s files first, in its order; a stable sort, so every file's own
+    tests keep their order."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(autouse=True, scope="module")
