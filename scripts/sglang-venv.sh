@@ -42,7 +42,8 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
         msgspec pydantic pyzmq tqdm dill transformers==5.19.0 tokenizers==0.23.2 \
         apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf ipython \
         requests aiohttp "python-dateutil<3" \
-        "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib cryptography
+        "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib cryptography \
+        ninja
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
@@ -51,8 +52,12 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
 fi
 # Import check, and compile SGLang's hash extension now rather than in the first test:
 # into the venv, where the tests take it from (tests/integration/sglang_runs.py,
-# sglang_env), so a test run under another HOME does not build it again.
-TORCH_EXTENSIONS_DIR="$(cd "$VENV" && pwd)/torch_extensions" "$VENV/bin/python" -W ignore -c 'import sglang.srt.managers.cache_controller, raykv.integrations.sglang
+# sglang_env), so a test run under another HOME does not build it again. With the venv's
+# own ninja, as the tests' SGLang processes use it: another ninja version (the system's,
+# or the main venv's on an activated PATH) reads the build as out of date and compiles
+# it again.
+VENV_ABS="$(cd "$VENV" && pwd)"
+PATH="$VENV_ABS/bin:$PATH" TORCH_EXTENSIONS_DIR="$VENV_ABS/torch_extensions" "$VENV/bin/python" -W ignore -c 'import sglang.srt.managers.cache_controller, raykv.integrations.sglang
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 print("sglang venv ok:", get_storage_hash_str(list(range(32)), None, page_size=16)[0][:12])'
 echo "$stamp" > "$VENV/.raykv-built"

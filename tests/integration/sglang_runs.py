@@ -34,14 +34,17 @@ def require_sglang() -> None:
 def sglang_env(python: str = SGLANG_PY) -> dict[str, str]:
     """What a process of ``python``'s SGLang adds to its environment: when ``python`` is a
     venv's, SGLang's page-hash extension (compiled on first use, ~20 CPU-s) is taken from
-    the venv's ``torch_extensions`` folder, where ``scripts/sglang-venv.sh`` built it;
-    nothing when ``TORCH_EXTENSIONS_DIR`` is set already or ``python`` is no venv's
-    (SGLang's default, under HOME)."""
+    the venv's ``torch_extensions`` folder, where ``scripts/sglang-venv.sh`` built it, with
+    the venv's own ``bin`` first on ``PATH`` (the ninja it was built with: another ninja
+    version takes the build for out of date and compiles it again); nothing when
+    ``TORCH_EXTENSIONS_DIR`` is set already or ``python`` is no venv's (SGLang's default,
+    under HOME)."""
     venv = os.path.dirname(os.path.dirname(python))
     if "TORCH_EXTENSIONS_DIR" in os.environ or not os.path.exists(
             os.path.join(venv, "pyvenv.cfg")):
         return {}
-    return {"TORCH_EXTENSIONS_DIR": os.path.join(venv, "torch_extensions")}
+    return {"TORCH_EXTENSIONS_DIR": os.path.join(venv, "torch_extensions"),
+            "PATH": os.pathsep.join([os.path.join(venv, "bin"), os.environ.get("PATH", "")])}
 
 
 def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 0,

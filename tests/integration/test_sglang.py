@@ -25,6 +25,7 @@ Without the SGLang venv these tests fail (not skip): set RAYKV_SGLANG_PYTHON or 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 
 import pytest
@@ -443,10 +444,24 @@ def test_the_set_up_built_sglangs_hash_extension_where_its_processes_take_it(mon
     """``scripts/sglang-venv.sh`` compiles SGLang's page-hash extension into the venv's
     ``torch_extensions``, and every SGLang process of the tests is pointed there
     (``sglang_env``): no test builds it again under another HOME (``.ci/run`` runs the
-    tests under a fresh one; a build in the first test cost ~40 CPU-s)."""
+    tests under a fresh one; a build in the first test cost ~40 CPU-s), nor with another
+    ninja than the set-up's. Control: an SGLang process loading it with this test's own
+    ``PATH`` (the main venv's ninja first, as in an activated venv; the set-up built it
+    with the system's before) compiled it again."""
     sglang_runs.require_sglang()
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    folder = os.path.join(os.path.dirname(os.path.dirname(sglang_runs.SGLANG_PY)),
-                          "torch_extensions")
-    assert sglang_runs.sglang_env() == {"TORCH_EXTENSIONS_DIR": folder}
-    assert os.path.isfile(os.path.join(folder, "hicache_hash_cpp", "hicache_hash_cpp.so"))
+    venv = os.path.dirname(os.path.dirname(sglang_runs.SGLANG_PY))
+    folder = os.path.join(venv, "torch_extensions")
+    env = sglang_runs.sglang_env()
+    assert env["TORCH_EXTENSIONS_DIR"] == folder
+    assert env["PATH"].split(os.pathsep)[0] == os.path.join(venv, "bin")
+    built = os.path.join(folder, "hicache_hash_cpp", "hicache_hash_cpp.so")
+    assert os.path.isfile(built)
+    before = os.stat(built).st_mtime_ns
+    load = subprocess.run(
+        [sglang_runs.SGLANG_PY, "-W", "ignore", "-c",
+         "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module;"
+         "_load_native_hash_module()"],
+        env=os.environ | env, capture_output=True, text=True, timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert os.stat(built).st_mtime_ns == before, "an SGLang process compiled it again"
