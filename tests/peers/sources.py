@@ -132,9 +132,11 @@ def vllm_tests() -> Path:
 
 
 def sglang_python() -> str:
-    """The SGLang venv's python (``RAYKV_SGLANG_PYTHON`` overrides it)."""
-    repo = Path(__file__).resolve().parents[2]
-    return os.environ.get("RAYKV_SGLANG_PYTHON") or str(repo / ".venv-sglang" / "bin" / "python")
+    """The SGLang venv's python, as the integration tests' SGLang drivers run it
+    (``sglang_runs.SGLANG_PY``; ``RAYKV_SGLANG_PYTHON`` overrides it)."""
+    from tests.integration.sglang_runs import SGLANG_PY
+
+    return SGLANG_PY
 
 
 def sglang_package() -> Path:
