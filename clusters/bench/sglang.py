@@ -71,6 +71,22 @@ def sglang_python(path: str | None = None) -> str:
     return python
 
 
+def sglang_env(python: str) -> dict[str, str]:
+    """What a process of ``python``'s SGLang adds to its environment: when ``python`` is a
+    venv's, SGLang's page-hash extension (compiled on first use, ~20 CPU-s) is taken from
+    the venv's ``torch_extensions`` folder, where ``scripts/sglang-venv.sh`` built it, with
+    the venv's own ``bin`` first on ``PATH`` (the ninja it was built with: another ninja
+    version takes the build for out of date and compiles it again); nothing when
+    ``TORCH_EXTENSIONS_DIR`` is set already or ``python`` is no venv's (SGLang's default,
+    under HOME)."""
+    venv = os.path.dirname(os.path.dirname(python))
+    if "TORCH_EXTENSIONS_DIR" in os.environ or not os.path.exists(
+            os.path.join(venv, "pyvenv.cfg")):
+        return {}
+    return {"TORCH_EXTENSIONS_DIR": os.path.join(venv, "torch_extensions"),
+            "PATH": os.pathsep.join([os.path.join(venv, "bin"), os.environ.get("PATH", "")])}
+
+
 def check_sizes(page_sizes: Sequence[int], batch: int, iters: int) -> None:
     """``ValueError`` unless every page size is a positive multiple of 64 KiB and one
     iteration of both backends fits the store segment."""
@@ -93,6 +109,7 @@ def run_driver(python: str, spec: dict, niceness: int, timeout_s: float) -> dict
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    env |= sglang_env(python)
     increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
     try:
         proc = subprocess.run(

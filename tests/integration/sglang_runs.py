@@ -13,6 +13,7 @@ import socket
 import subprocess
 
 import pytest
+from raykv.clusters.bench.sglang import sglang_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_driver.py")
@@ -31,22 +32,6 @@ def require_sglang() -> None:
                     "sglang==0.5.23 and raykv installed", pytrace=False)
 
 
-def sglang_env(python: str = SGLANG_PY) -> dict[str, str]:
-    """What a process of ``python``'s SGLang adds to its environment: when ``python`` is a
-    venv's, SGLang's page-hash extension (compiled on first use, ~20 CPU-s) is taken from
-    the venv's ``torch_extensions`` folder, where ``scripts/sglang-venv.sh`` built it, with
-    the venv's own ``bin`` first on ``PATH`` (the ninja it was built with: another ninja
-    version takes the build for out of date and compiles it again); nothing when
-    ``TORCH_EXTENSIONS_DIR`` is set already or ``python`` is no venv's (SGLang's default,
-    under HOME)."""
-    venv = os.path.dirname(os.path.dirname(python))
-    if "TORCH_EXTENSIONS_DIR" in os.environ or not os.path.exists(
-            os.path.join(venv, "pyvenv.cfg")):
-        return {}
-    return {"TORCH_EXTENSIONS_DIR": os.path.join(venv, "torch_extensions"),
-            "PATH": os.pathsep.join([os.path.join(venv, "bin"), os.environ.get("PATH", "")])}
-
-
 def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 0,
                tp_size: int = 1, gloo_port: int = 0, timeout: int = 420) -> dict:
     """Run one SGLang driver process whose scenarios use node ``node``'s node actor
@@ -61,7 +46,7 @@ def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 
     path = tmp_path / f"spec-{node}-{tp_rank}-{os.urandom(3).hex()}.json"
     path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    env |= sglang_env()
+    env |= sglang_env(SGLANG_PY)
     proc = subprocess.run([SGLANG_PY, DRIVER, str(path)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(tmp_path))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

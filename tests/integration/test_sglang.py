@@ -442,9 +442,10 @@ def test_missing_sglang_venv_fails_clearly(monkeypatch):
 
 def test_the_set_up_built_sglangs_hash_extension_where_its_processes_take_it(monkeypatch):
     """``scripts/sglang-venv.sh`` compiles SGLang's page-hash extension into the venv's
-    ``torch_extensions``, and every SGLang process of the tests is pointed there
-    (``sglang_env``): no test builds it again under another HOME (``.ci/run`` runs the
-    tests under a fresh one; a build in the first test cost ~40 CPU-s), nor with another
+    ``torch_extensions``, and every SGLang process of the tests (and of ``raykv bench
+    --engine sglang``) is pointed there (``sglang_env``): no test builds it again under
+    another HOME (``.ci/run`` runs the tests under a fresh one; a build in the first test
+    cost ~40 CPU-s), nor with another
     ninja than the set-up's. Control: an SGLang process loading it with this test's own
     ``PATH`` (the main venv's ninja first, as in an activated venv; the set-up built it
     with the system's before) compiled it again."""
@@ -452,7 +453,7 @@ def test_the_set_up_built_sglangs_hash_extension_where_its_processes_take_it(mon
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     venv = os.path.dirname(os.path.dirname(sglang_runs.SGLANG_PY))
     folder = os.path.join(venv, "torch_extensions")
-    env = sglang_runs.sglang_env()
+    env = sglang_runs.sglang_env(sglang_runs.SGLANG_PY)
     assert env["TORCH_EXTENSIONS_DIR"] == folder
     assert env["PATH"].split(os.pathsep)[0] == os.path.join(venv, "bin")
     built = os.path.join(folder, "hicache_hash_cpp", "hicache_hash_cpp.so")
