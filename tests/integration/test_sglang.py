@@ -445,10 +445,9 @@ def test_the_set_up_built_sglangs_hash_extension_where_its_processes_take_it(mon
     ``torch_extensions``, and every SGLang process of the tests (and of ``raykv bench
     --engine sglang``) is pointed there (``sglang_env``): no test builds it again under
     another HOME (``.ci/run`` runs the tests under a fresh one; a build in the first test
-    cost ~40 CPU-s), nor with another
-    ninja than the set-up's. Control: an SGLang process loading it with this test's own
-    ``PATH`` (the main venv's ninja first, as in an activated venv; the set-up built it
-    with the system's before) compiled it again."""
+    cost ~40 CPU-s), nor with another ninja than the set-up's. Control: an SGLang process
+    loading it with this test's own ``PATH`` (the main venv's ninja first, as in an
+    activated venv; the set-up built it with the system's before) compiled it again."""
     sglang_runs.require_sglang()
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     venv = os.path.dirname(os.path.dirname(sglang_runs.SGLANG_PY))

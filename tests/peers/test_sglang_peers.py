@@ -14,8 +14,8 @@ import os
 
 import pytest
 from raykv import start_local
+from raykv.clusters.bench.sglang import sglang_env
 
-from tests.integration.sglang_runs import sglang_env
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, run_pytest
 

@@ -78,8 +78,9 @@ def test_cells():
 
 
 def stand_in(monkeypatch, states) -> list[float]:
-    """``deploy.connect`` a no-op, ``deploy.status`` answering ``states`` in turn (an
-    exception instance is raised); ``time.sleep`` recorded, not slept."""
+    """``deploy.connect`` a no-op, ``deploy.status`` answering ``states`` (any iterable,
+    a generator included) in turn (an exception instance is raised); ``time.sleep``
+    recorded, not slept."""
     from raykv.clusters import deploy, status_watch
 
     answers = iter(states)
@@ -120,17 +121,13 @@ def test_watch_ends_at_ctrl_c_with_exit_0(monkeypatch):
 def test_watch_ends_cleanly_after_the_refresh_a_sigint_came_in(monkeypatch):
     """The handler only flags the stop: the refresh under way is shown, none follows, and
     SIGINT's handler is the previous one again afterwards."""
-    states = [snapshot(a=node(hits=1)), snapshot(a=node(hits=2)), snapshot(a=node(hits=3))]
+    def refreshes():
+        yield snapshot(a=node(hits=1))
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the second refresh
+        yield snapshot(a=node(hits=2))
+        yield snapshot(a=node(hits=3))
 
-    def fetch_then_ctrl_c():
-        if len(states) == 2:  # the second refresh
-            os.kill(os.getpid(), signal.SIGINT)
-        return states.pop(0)
-
-    stand_in(monkeypatch, [])
-    from raykv.clusters import deploy
-
-    monkeypatch.setattr(deploy, "status", lambda address, namespace: fetch_then_ctrl_c())
+    stand_in(monkeypatch, refreshes())
     before = signal.getsignal(signal.SIGINT)
     out = CliRunner().invoke(main, ["status", "--watch"])
     assert out.exit_code == 0, out.output
@@ -139,15 +136,13 @@ def test_watch_ends_cleanly_after_the_refresh_a_sigint_came_in(monkeypatch):
 
 
 def test_a_second_sigint_interrupts_a_refresh_that_hangs(monkeypatch):
-    def fetch():
+    def refreshes():
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, and the refresh hangs: again
         os.kill(os.getpid(), signal.SIGINT)
         raise AssertionError("the second SIGINT did not interrupt the refresh")
+        yield
 
-    stand_in(monkeypatch, [])
-    from raykv.clusters import deploy
-
-    monkeypatch.setattr(deploy, "status", lambda address, namespace: fetch())
+    stand_in(monkeypatch, refreshes())
     out = CliRunner().invoke(main, ["status", "--watch"])
     assert out.exit_code == 0, out.output
 
