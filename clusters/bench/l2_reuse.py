@@ -15,8 +15,11 @@ from its own prefix cache (``own_prefix_cache``); F (raykv with L2, prefix cache
 serves it from L2 (``l2``); G (raykv without L2, prefix cache off) serves it from L3
 (``l3``: the node actor reads it from Mooncake into G's staging pool; one node, so its
 own segment). Per prompt a fresh one of ``tokens`` random token ids, 8 greedy tokens;
-TTFT is vLLM's own (``first_token_latency``). Also counts F's Mooncake gets (node
-counter). Writes ``l2_reuse.json`` to ``--out``. Numbers only: nothing asserts a speed.
+TTFT is vLLM's own (``first_token_latency``). After E's cold run, E's and F's restores
+take turns going first (F first in odd prompts: ``l2_first``), so neither gains from
+running right after the cold prefill; ``l2_over_own`` gives F / E per prompt, its
+median, and its median per order. Also counts F's Mooncake gets (node counter). Writes
+``l2_reuse.json`` to ``--out``. Numbers only: nothing asserts a speed.
 """
 
 from __future__ import annotations
@@ -68,14 +71,17 @@ def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
         rows = []
         for _ in range(prompts):
             p = [rnd.randrange(3, 2000) for _ in range(tokens)]
+            l2_first = len(rows) % 2 == 1
             cold = ray.get(e.generate.remote(p, OUTPUT))
-            own = ray.get(e.generate.remote(p, OUTPUT))
+            own = None if l2_first else ray.get(e.generate.remote(p, OUTPUT))
             gets = ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
             from_l2 = ray.get(f.generate.remote(p, OUTPUT))
             f_gets = ray.get(actor.stats.remote())["counters"].get("get_objects", 0) - gets
+            if l2_first:
+                own = ray.get(e.generate.remote(p, OUTPUT))
             from_l3 = ray.get(g.generate.remote(p, OUTPUT))
             rows.append({"cold": cold, "own_prefix_cache": own, "l2": from_l2,
-                         "l3": from_l3, "l2_mooncake_gets": f_gets}
+                         "l3": from_l3, "l2_mooncake_gets": f_gets, "l2_first": l2_first}
                         | {k: ray.get(x.generate.remote(p, OUTPUT)) for k, x in cross.items()})
         result: dict = {"prompts": prompts, "tokens": tokens, "output_tokens": OUTPUT,
                         "link": link,
@@ -88,6 +94,12 @@ def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
                 "ttft_ms": [1000 * r[k]["ttft_s"] for r in rows],
                 "cached_tokens": [r[k]["cached"] for r in rows]}
         result["l2_mooncake_gets"] = [r["l2_mooncake_gets"] for r in rows]
+        result["l2_first"] = [r["l2_first"] for r in rows]
+        ratios = [r["l2"]["ttft_s"] / r["own_prefix_cache"]["ttft_s"] for r in rows]
+        result["l2_over_own"] = {"per_prompt": ratios, "median": statistics.median(ratios)}
+        for first, name in ((False, "own_first"), (True, "l2_first")):
+            of = [x for x, r in zip(ratios, rows, strict=True) if r["l2_first"] == first]
+            result["l2_over_own"][name] = statistics.median(of) if of else None
         result["same_tokens_l2_vs_own"] = [r["l2"]["tokens"] == r["own_prefix_cache"]["tokens"]
                                            for r in rows]
         for k in ("l3", *cross):
