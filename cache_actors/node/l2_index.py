@@ -135,16 +135,20 @@ class L2Index:
         """Per key: a page reserved for ``holder`` to write it (held until its
         ``commit`` or ``release``), ``PRESENT`` if L2 holds the key or another write of
         it is under way, ``FULL`` if no page is free or evictable. ``ValueError`` for a
-        key given twice."""
+        key given twice. Once no page was found, the later keys are ``FULL`` (or
+        ``PRESENT``) without another look: the pages are looked over at most once per
+        call, never once per key (this runs under the node's one L2 lock)."""
         if len(set(keys)) != len(keys):
             raise ValueError("an L2 reservation names a key twice")
         out = []
+        full = False
         for k in keys:
             if k in self._keys:
                 out.append(PRESENT)
                 continue
-            p = self._take()
+            p = None if full else self._take()
             if p is None:
+                full = True
                 self.counts["full"] += 1
                 out.append(FULL)
                 continue
