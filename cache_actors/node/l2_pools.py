@@ -29,7 +29,10 @@ Rules (the failure model's, for L2):
 - A restarted node actor starts with every L2 pool empty: its pools get a name of this
   incarnation, and ``open`` removes the caller's pools of earlier incarnations (ranks
   that still map one keep their mapping; nobody is given its pages again). The same
-  when the node's pool memory is allocated anew (``reset``).
+  when the node's pool memory is allocated anew (``reset``). A pool name is never used
+  for two pools: a pool removed (``destroy_pool``, then ``forget``) and opened again is
+  new memory under a new name, so an op or a write-behind put naming the old pool fails
+  and never touches the new memory.
 
 Holders are what ranks say they are (their ``(pid, start ticks)``): a rank may only
 name pools of its own owner, so a rank that lies harms its own deployment alone.
@@ -43,6 +46,7 @@ counters); store calls run outside it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -121,6 +125,7 @@ class L2Pools:
         self._lease_s, self._clock = lease_s, clock
         self._log = log or ResidencyLog()
         self._incarnation = uuid.uuid4().hex[:8]
+        self._made = itertools.count(1)  # serial of the pools made (under _open_lock)
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
         self._pools: dict[str, _L2Pool] = {}
@@ -145,19 +150,21 @@ class L2Pools:
             raise ValueError(f"an L2 pool holds one object per page and at least one page "
                              f"(got {layout.objects_per_page} objects, {pages} pages)")
         family = l2_family(caller.deployment_id, rank)
-        name = f"{family}{self._incarnation}"
         with self._open_lock:
             with self._lock:
-                pool = self._pools.get(name)
+                pool = next((p for n, p in self._pools.items() if n.startswith(family)),
+                            None)
             if pool is not None:
                 if pool.layout.buffers != layout.buffers or \
                         pool.layout.page_size != layout.page_size:
-                    raise ValueError(f"L2 pool {name} holds pages of {pool.layout.buffers}, "
-                                     f"not {layout.buffers}")
+                    raise ValueError(f"L2 pool {pool.name} holds pages of "
+                                     f"{pool.layout.buffers}, not {layout.buffers}")
                 return pool.handle
             for old in self._pool_names():  # an earlier incarnation's: never served again
-                if old.startswith(family) and old != name:
+                if old.startswith(family):
                     self._destroy(old, caller.owner)
+            # a name never given before, even to a pool of this family removed since
+            name = f"{family}{self._incarnation}-{next(self._made)}"
             page_bytes = layout.object_bytes
             with self._lock:
                 used = sum(p.layout.nbytes for p in self._pools.values())
@@ -401,6 +408,6 @@ class L2Pools:
 
 def l2_family(deployment_id: str, rank: tuple[int, int]) -> str:
     """The start of the names of a deployment's L2 pools of ``rank`` (tp, pp) on a node
-    (the node actor's incarnation follows)."""
+    (the node actor's incarnation and the pool's serial follow)."""
     digest = hashlib.sha256(deployment_id.encode()).hexdigest()[:16]
     return f"l2-{digest}-{int(rank[0])}-{int(rank[1])}-"

@@ -45,6 +45,9 @@ class FakeNode:
 
     def move(self, op, batch, deadline, caller) -> list[int]:
         self.calls.append((op, list(batch.keys)))
+        gone = set(batch.pools) - set(self.pools)
+        if gone:  # as NodePools.resolve: memory that left is never read
+            raise ValueError(f"the batch names pools {gone} this node does not have")
         if op == "put":
             if self.fail_puts > 0:
                 self.fail_puts -= 1
@@ -290,3 +293,42 @@ def test_threads_of_one_process_hold_pages_apart_and_an_ended_thread_is_reaped()
     assert pools.reserve(main, h.name, ["m_c"], A) == [p]  # its thread ended: reaped
     pools, h, p = one_page_read_by(main)  # control: one holder per process
     assert pools.reserve(main, h.name, ["m_b"], A) == [p]  # the read page went to m_b
+
+
+def test_a_pool_removed_and_opened_again_gets_a_name_never_used_before():
+    """An L2 pool removed (``destroy_pool``: the pool goes, then ``forget``) and opened
+    again is new memory: it gets a new name, so an engine still mapping the old memory
+    finds its pool gone (and opens L2 again) instead of reserving and committing pages
+    of the new index that it writes into the old memory (readers would be given pages
+    nobody wrote), and a write-behind put still queued for the old pool fails instead of
+    putting the new memory's bytes to L3 under the old pool's keys. Control (the rule
+    before: one name per deployment, rank and incarnation): the old name served the new
+    pool, and ``m_b`` went to L3 from a page of the new memory nobody wrote."""
+    import threading
+
+    node = FakeNode()
+    gate, first = threading.Event(), threading.Event()
+    move = node.move
+
+    def slow_first_put(op, batch, deadline, caller):
+        if op == "put" and not first.is_set():
+            first.set()
+            gate.wait(5)  # the write-behind is busy: later commits wait in its queue
+        return move(op, batch, deadline, caller)
+    pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), slow_first_put,
+                    lambda claim: claim, l2_bytes=1 << 20)
+    h = pools.open((0, 0), layout(), 4, A)
+    for key in ("m_a", "m_b"):
+        pages = pools.reserve(ME, h.name, [key], A)
+        pools.commit(ME, h.name, [key], pages, [True], A)
+        first.wait(5)
+    assert node.destroy(h.name, A.owner)  # NodeService.destroy_pool
+    pools.forget(h.name)
+    h2 = pools.open((0, 0), layout(), 4, A)
+    assert h2.name != h.name and h2.name.startswith(l2_family("m_", (0, 0)))
+    with pytest.raises(ValueError, match="no L2 pool"):
+        pools.reserve(ME, h.name, ["m_c"], A)
+    assert pools.open((0, 0), layout(), 4, A) == h2  # another engine: the same pool
+    gate.set()
+    s = flushed(pools, 2)
+    assert "m_b" not in node.stored and s["l3_put_failed"] >= 1
