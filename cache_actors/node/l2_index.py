@@ -10,7 +10,8 @@ the rules that make a page's bytes right for whoever reads them:
   holder that reserved it; ``release`` of a holder turns its writing pages back to free,
   never ready, so a write that did not end (the holder gave up, its commit failed) is
   never read.
-- A *holder* is one rank process (``(pid, start ticks)``), doing one transfer at a time:
+- A *holder* is one thread of a rank process (``(thread id, start ticks)``: ``Holder``),
+  doing one transfer at a time:
   ``acquire`` gives it ready pages to read and ``reserve`` free pages to write; both are
   *held* until the holder's next ``release`` (the node releases a holder's pages before
   its next transfer, and those of holders whose process is gone). A held page is never
@@ -39,7 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 Holder = tuple[int, int]
-"""One rank process: ``(pid, start ticks)`` (``ProcessIdentity``)."""
+"""One rank thread: ``(thread id, start ticks)`` (``ProcessIdentity``; a process's main
+thread is the process itself)."""
 
 PRESENT = -1
 """``reserve``'s answer for a key L2 holds already (ready, or being written)."""
@@ -261,3 +263,13 @@ class L2Index:
             held.discard(p)
             if not held:
                 del self._held[holder]
+
+
+def check_holder(holder: object) -> Holder:
+    """``holder`` if it names a thread, ``(id > 0, start ticks >= 0)`` as two ``int``;
+    else ``ValueError`` (the Ray route checks no argument types; ids below 1 are the
+    node's own holders, ``L2Pools``' fills)."""
+    if type(holder) is not tuple or len(holder) != 2 or \
+            any(type(x) is not int for x in holder) or holder[0] < 1 or holder[1] < 0:
+        raise ValueError(f"an L2 holder is (thread id > 0, start ticks >= 0), got {holder!r}")
+    return holder

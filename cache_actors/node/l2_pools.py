@@ -34,8 +34,9 @@ Rules (the failure model's, for L2):
   new memory under a new name, so an op or a write-behind put naming the old pool fails
   and never touches the new memory.
 
-Holders are what ranks say they are (their ``(pid, start ticks)``): a rank may only
-name pools of its own owner, so a rank that lies harms its own deployment alone.
+Holders are what ranks say they are (a thread's ``(thread id, start ticks)``, checked to
+be two ints naming no holder of the node's own: ``check_holder``): a rank may only name
+pools of its own owner, so a rank that lies harms its own deployment alone.
 
 Threads: the data ops run on the caller's thread (channel connection, Ray data group);
 ``open`` on a pool thread; the write-behind on ``raykv-l2-flush`` (``WriteBehind``).
@@ -55,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index
+from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
@@ -246,7 +247,8 @@ class L2Pools:
         on ``pool`` (its earlier pages released first); with ``fill``, keys L2 does not
         hold after the leading ready ones are read from L3 into pages first (within
         ``deadline``, ``time.monotonic()`` seconds). Stops at the first key it has no
-        page for."""
+        page for. ``ValueError`` for a holder that names no thread (``check_holder``)."""
+        holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         with self._lock:
             entry.index.release(holder)
@@ -260,6 +262,7 @@ class L2Pools:
         """Per key a page for ``holder`` to write (its earlier pages released first),
         ``PRESENT`` or ``FULL`` (``L2Index.reserve``); holders whose process is gone are
         released when pages run short."""
+        holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         with self._lock:
             entry.index.release(holder)
@@ -276,13 +279,15 @@ class L2Pools:
         """``holder`` wrote ``keys`` into ``pages`` (``ok``: in full): those become
         ready and are queued for the write-behind put to L3; the others free. Returns
         how many became ready."""
+        holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         if len(pages) != len(keys) or len(ok) != len(keys):
             raise ValueError(f"a commit of {len(keys)} keys names {len(pages)} pages and "
                              f"{len(ok)} outcomes")
         with self._lock:
             owned = [p for p, k in zip(pages, keys, strict=True)
-                     if 0 <= p < entry.index.pages and entry.index.key_of(p) == k]
+                     if type(p) is int and 0 <= p < entry.index.pages
+                     and entry.index.key_of(p) == k]
             if len(owned) != len(pages):
                 raise ValueError("a commit names pages that do not hold its keys")
             made = entry.index.commit(holder, pages, ok, dirty=True)

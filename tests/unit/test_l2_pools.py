@@ -332,3 +332,25 @@ def test_a_pool_removed_and_opened_again_gets_a_name_never_used_before():
     gate.set()
     s = flushed(pools, 2)
     assert "m_b" not in node.stored and s["l3_put_failed"] >= 1
+
+
+@pytest.mark.parametrize("bad", [("x", 1), (None, 1), (1, 2, 3), (-1, 1), (0, 1),
+                                 (True, 1), (1.5, 1), [7, 1]])
+def test_a_holder_that_is_no_process_is_refused_and_never_poisons_the_pool(bad):
+    """A holder is a thread, ``(pid > 0, start ticks)``: anything else is refused with
+    ``ValueError`` before the index is touched (the Ray route checks no argument
+    types). Control (the rule before): ``("x", 1)`` took a page, then every
+    reservation that found the pool full failed with ``TypeError`` in the reaping of
+    dead holders, for every engine of the deployment, for good; ``(-1, 1)`` named the
+    node's own fill holder, and released pages a fill's store call was writing."""
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 1, A)
+    for op in (lambda: pools.reserve(bad, h.name, ["m_a"], A),
+               lambda: pools.acquire(bad, h.name, ["m_a"], True, A),
+               lambda: pools.commit(bad, h.name, ["m_a"], [0], [True], A)):
+        with pytest.raises(ValueError, match="holder"):
+            op()
+    (p,) = pools.reserve(ME, h.name, ["m_b"], A)
+    assert pools.reserve(GONE, h.name, ["m_c"], A) == [FULL]  # ME is alive: kept
+    assert pools.commit(ME, h.name, ["m_b"], [p], [True], A) == 1
