@@ -291,9 +291,9 @@ class L2Pools:
             if len(owned) != len(pages):
                 raise ValueError("a commit names pages that do not hold its keys")
             made = entry.index.commit(holder, pages, ok, dirty=True)
-        if made:
-            by_page = dict(zip(pages, keys, strict=True))
-            self.write_behind.submit((entry, caller), [by_page[p] for p in made], made)
+            if made:  # under the lock that guards the write-behind's counters
+                by_page = dict(zip(pages, keys, strict=True))
+                self.write_behind.submit((entry, caller), [by_page[p] for p in made], made)
         return len(made)
 
     # ----------------------------------------------------------------- status

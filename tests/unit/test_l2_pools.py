@@ -354,3 +354,20 @@ def test_a_holder_that_is_no_process_is_refused_and_never_poisons_the_pool(bad):
     (p,) = pools.reserve(ME, h.name, ["m_b"], A)
     assert pools.reserve(GONE, h.name, ["m_c"], A) == [FULL]  # ME is alive: kept
     assert pools.commit(ME, h.name, ["m_b"], [p], [True], A) == 1
+
+
+def test_a_commit_hands_its_pages_to_the_write_behind_under_the_lock_of_its_counters():
+    """``WriteBehind.submit`` counts ``submitted`` and is called under ``L2Pools``' lock
+    (its contract), so that concurrent commits never lose a count and ``stats``
+    never shows more objects ended (``l3_put`` + ``l3_put_failed``) than handed over.
+    Control (the rule before): the commit called it after leaving the lock."""
+    node = FakeNode()
+    pools = l2(node)
+    h = pools.open((0, 0), layout(), 4, A)
+    behind, seen = pools.write_behind, []
+    submit = behind.submit
+    behind.submit = lambda *a: (seen.append(pools._lock.locked()), submit(*a))[1]
+    pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
+    assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
+    assert seen == [True]
+    assert flushed(pools, 2)["l3_put_submitted"] == 2
