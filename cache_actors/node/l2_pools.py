@@ -54,6 +54,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
@@ -132,8 +133,8 @@ class L2Pools:
         self._pools: dict[str, _L2Pool] = {}
         self._fills = 0  # serial of the node's own fill holders
         self.counts = {"filled": 0, "fill_failed": 0}  # under _lock
-        self.write_behind = WriteBehind(self._put, self._flushed, self._served, self._lock,
-                                        attempts=flush_attempts)
+        self.write_behind = WriteBehind(partial(put_pages, move), self._flushed, self._served,
+                                        self._lock, attempts=flush_attempts)
 
     # ---------------------------------------------------------------- control
     def open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
@@ -389,16 +390,6 @@ class L2Pools:
             index.release(h)
         return bool(gone)
 
-    def _put(self, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
-             pages: list[int], deadline: float) -> list[bool]:
-        """The write-behind's store call (``write_behind.Put``): ``pages`` of the pool
-        put to L3 for the committing caller; per object whether L3 holds it."""
-        entry, caller = target
-        size = entry.layout.object_bytes
-        batch = ObjectBatch(epoch=entry.epoch)
-        batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
-        return [c in (0, 1) for c in self._move("put", batch, deadline, caller)]
-
     def _flushed(self, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
                  pages: list[int]) -> None:
         """The write-behind of ``pages`` ended (under ``_lock``): they may be evicted."""
@@ -409,6 +400,18 @@ class L2Pools:
         reset since)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
+
+
+def put_pages(move: Move, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
+              pages: list[int], deadline: float) -> list[bool]:
+    """The write-behind's store call (``write_behind.Put``, with the node's ``move``):
+    ``pages`` of the pool put to L3 for the committing caller; per object whether L3
+    holds it."""
+    entry, caller = target
+    size = entry.layout.object_bytes
+    batch = ObjectBatch(epoch=entry.epoch)
+    batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
+    return [c in (0, 1) for c in move("put", batch, deadline, caller)]
 
 
 def l2_family(deployment_id: str, rank: tuple[int, int]) -> str:
