@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.throttled_log import ThrottledLog
+from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import PoolName, StorageConfig
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -123,9 +124,11 @@ class ConnectorSide(ABC):
     def _cache(self) -> CacheClient:
         """This process's ``CacheClient`` (callers turn what it raises into misses,
         failed loads and skipped saves). If start-up did not attach, a background thread
-        attaches (one at a time) and this waits for it at most ``timeout_s``, then raises
-        ``NodeUnavailableError``: a hung node actor never holds vLLM's scheduler or a
-        forward longer than one deadline per call."""
+        attaches (one at a time) and this waits for it at most ``timeout_s``, or what is
+        left of the budgets entered on the calling thread (the step's), and spends the
+        wait from them; then raises ``NodeUnavailableError``: a hung node actor never
+        holds vLLM's scheduler or a step longer than one deadline, however many
+        lookups, loads or saves it makes."""
         if self._client is not None:
             return self._client
         if self._attaching is None or not self._attaching.is_alive():
@@ -133,7 +136,8 @@ class ConnectorSide(ABC):
             self._attaching = threading.Thread(target=self._attach_in_background,
                                                name="raykv-attach", daemon=True)
             self._attaching.start()
-        self._attaching.join(self.opts.timeout_s)
+        with spending():
+            self._attaching.join(time_left(self.opts.timeout_s))
         if self._client is None:
             raise NodeUnavailableError(
                 f"raykv is not attached yet ({self._attach_error or 'still attaching'}); "
