@@ -13,7 +13,10 @@ writes; a page whose commit did not reach the node is never read by anyone.
 
 When the node actor restarted (its L2 pools are new and empty), the first op finds the
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
-background thread opens the new L2 pool (a control call, never on vLLM's step).
+background thread opens the new L2 pool (a control call, never on vLLM's step). An op
+under way on another thread meanwhile copies through the pool that gave it its pages
+until it ends, never the same page numbers of the new pool (other blocks, or another
+writer's).
 
 A save *behind* the step (``save_behind``: vLLM's ``async_transfers``) reserves the
 pages on the worker thread, gathers the blocks on vLLM's own stream (so what vLLM
@@ -100,22 +103,24 @@ class L2Blocks:
         last chunk's blocks but its last are copied layer by layer on ``behind``'s copy
         thread (``LayerLoads``) and their pages stay held: the caller calls ``release``
         after ``behind.finish()``; the last block, the one vLLM may write into in this
-        step, is copied here. Raises what the client raises."""
+        step, is copied here. Every copy goes through the pool the pages came from,
+        whatever another thread's loss or reopening of the L2 meanwhile. Raises what the
+        client raises."""
         done = 0
-        name = self.pool.name
+        pool = self._pool()
         while done < len(block_ids):
             n = min(CHUNK, len(block_ids) - done)
-            pages = self._op(self._link.acquire, name, hashes[done:done + n], True)
+            pages = self._op(self._link.acquire, pool.name, hashes[done:done + n], True)
             ids = block_ids[done:done + len(pages)]
             done += len(pages)
             if behind is not None and len(pages) > 1 and (len(pages) < n
                                                           or done == len(block_ids)):
-                self._copy(pages[-1:], ids[-1:], to_pool=False)
-                behind.start(partial(self._copy_layer, self._views(self.pool),
+                self._copy(pool, pages[-1:], ids[-1:], to_pool=False)
+                behind.start(partial(self._copy_layer, self._views(pool),
                                      page_runs(list(ids[:-1]), list(pages[:-1]))),
                              len(self._layers))
                 return done, list(ids[:-1])
-            self._copy(pages, ids, to_pool=False)
+            self._copy(pool, pages, ids, to_pool=False)
             if len(pages) < n:
                 break
         self.release()
@@ -134,16 +139,17 @@ class L2Blocks:
         to L3 behind): ``(blocks now in L2, indices of the blocks L2 had no page for)``.
         Raises what the client raises (blocks of earlier chunks stay saved)."""
         saved, full = 0, []
+        pool = self._pool()
         for lo in range(0, len(block_ids), CHUNK):
             ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
-            pages = self._op(self._link.reserve, self.pool.name, hs)
+            pages = self._op(self._link.reserve, pool.name, hs)
             mine = [i for i, p in enumerate(pages) if p >= 0]
             saved += sum(p == PRESENT for p in pages)
             full += [lo + i for i, p in enumerate(pages) if p == FULL]
             if not mine:
                 continue
-            self._copy([pages[i] for i in mine], [ids[i] for i in mine], to_pool=True)
-            saved += self._op(self._link.commit, self.pool.name, [hs[i] for i in mine],
+            self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine], to_pool=True)
+            saved += self._op(self._link.commit, pool.name, [hs[i] for i in mine],
                               [pages[i] for i in mine], [True] * len(mine))
         return saved, full
 
@@ -154,7 +160,8 @@ class L2Blocks:
         calling thread makes no other L2 op before that ``wait``. Raises what the client
         or the copy raises (a copy that failed is first waited for, its pages freed)."""
         hashes = list(hashes)
-        name = self.pool.name
+        pool = self._pool()
+        name = pool.name
         pages = self._op(self._link.reserve, name, hashes)
         mine = [i for i, p in enumerate(pages) if p >= 0]
         present = sum(p == PRESENT for p in pages)
@@ -165,9 +172,9 @@ class L2Blocks:
             runs = page_runs([block_ids[i] for i in mine], ours)
             try:
                 if self._stream is None:
-                    copy_runs(self._layers, self._views(self.pool), runs, to_pool=True)
+                    copy_runs(self._layers, self._views(pool), runs, to_pool=True)
                 else:  # gathered on vLLM's stream, the pinned pages written behind
-                    done = copy_runs_behind(self._layers, self._views(self.pool), runs,
+                    done = copy_runs_behind(self._layers, self._views(pool), runs,
                                             self._stream)
             except BaseException:  # nothing may still write the pages once they are free
                 if self._stream is not None:
@@ -187,8 +194,18 @@ class L2Blocks:
                 self._lose()
             raise
 
-    def _copy(self, pages: Sequence[int], block_ids: Sequence[int], *, to_pool: bool) -> None:
-        copy_runs(self._layers, self._views(self.pool), page_runs(list(block_ids), list(pages)),
+    def _pool(self) -> HostPool:
+        """The L2 pool now, for one op: its pages are copied through this pool only
+        (``_reopen`` may replace ``pool`` on another thread meanwhile);
+        ``ValueError`` while the L2 is lost."""
+        pool = self.pool
+        if pool is None:
+            raise ValueError("the node's L2 is lost (not reopened yet)")
+        return pool
+
+    def _copy(self, pool: HostPool, pages: Sequence[int], block_ids: Sequence[int], *,
+              to_pool: bool) -> None:
+        copy_runs(self._layers, self._views(pool), page_runs(list(block_ids), list(pages)),
                   to_pool=to_pool)
 
     def _copy_layer(self, staged: list[torch.Tensor], runs: list[tuple[int, int, int]],

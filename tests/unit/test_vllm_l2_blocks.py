@@ -280,3 +280,45 @@ def test_a_save_behind_whose_copy_fails_frees_its_pages_and_raises():
     assert link.index.stats()["held"] == 0 and link.index.stats()["ready"] == 0
     good = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
     assert good.save_behind([0, 1], ["h0", "h1"]).wait() == (2, [])
+
+
+@pytest.mark.parametrize("op", ["load", "save", "save_behind"])
+def test_an_op_copies_only_through_the_pool_it_holds_pages_of(op):
+    """Another thread of the worker (the async loads', a save's commit) finds the L2
+    gone and the L2 is reopened (a new pool: the node actor restarted or its pool
+    memory was allocated anew) between this thread's acquire or reserve and its copy:
+    the copy still goes to or from the pages it was given, in the pool that gave them,
+    never the same page numbers of the new pool, whose pages hold other blocks (or are
+    another writer's). Control: the new pool's page is untouched and no block of it is
+    loaded as if it were the key asked for."""
+    link = FakeLink()
+    stores = {"l2-pool": [torch.zeros(PAGES, *BLOCK)], "l2-pool-new": [torch.zeros(PAGES, *BLOCK)]}
+    a = engine(layers=1)
+    a[0].normal_()
+    saver = L2Blocks(link, link.pool, a, lambda pool: stores[pool.name], layout=None,
+                     pages=PAGES)
+    if op == "load":
+        assert saver.save([0], ["h0"]) == (1, [])
+    stores["l2-pool-new"][0].fill_(7.0)  # another block, in the new pool's pages
+    b = engine(layers=1)
+    blocks = L2Blocks(link, link.pool, b if op == "load" else a,
+                      lambda pool: stores[pool.name], layout=None, pages=PAGES)
+    new = SimpleNamespace(name="l2-pool-new")
+
+    def reopened(answer):
+        blocks.pool = new  # what _reopen does on its thread meanwhile
+        return answer
+
+    acquire, reserve = link.acquire, link.reserve
+    link.acquire = lambda *args: reopened(acquire(*args))
+    link.reserve = lambda *args: reopened(reserve(*args))
+    if op == "load":
+        assert blocks.load([3], ["h0"]) == (1, [])
+        assert torch.equal(b[0][3], a[0][0])
+    elif op == "save":
+        assert blocks.save([0], ["h0"]) == (1, [])
+    else:
+        assert blocks.save_behind([0], ["h0"]).wait() == (1, [])
+    assert torch.equal(stores["l2-pool-new"][0], torch.full((PAGES, *BLOCK), 7.0))
+    if op != "load":
+        assert torch.equal(stores["l2-pool"][0][0], a[0][0])
