@@ -34,6 +34,10 @@ class DataOp(StrEnum):
 ASYNC_OPS = frozenset({DataOp.GROUP_EXISTS})
 # Ops that touch pages: they carry a ticket and the caller's deadline on both routes.
 TICKETED_OPS = frozenset({DataOp.PUT, DataOp.GET})
+# Ops the node runs only before the caller's deadline, which they carry on both routes: the
+# ticketed ones, and the L2 ops that change which pages a rank holds (one given up on never
+# changes them after the rank's next op).
+DEADLINE_OPS = TICKETED_OPS | {DataOp.L2_ACQUIRE, DataOp.L2_RESERVE, DataOp.L2_COMMIT}
 
 DATA_OP_ARGS: dict[str, Signature] = {
     DataOp.EXISTS: Signature((list[str],)),

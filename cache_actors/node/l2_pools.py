@@ -18,7 +18,10 @@ Rules (the failure model's, for L2):
   process exits): ``release`` first, on every ``acquire`` and ``reserve``. A rank that
   gave up on a call (deadline) never touches the pages it named; a page being written
   becomes ready only by its writer's ``commit``, so bytes a writer may not have written
-  in full are never read.
+  in full are never read. An op changes the index only before its caller's deadline
+  (checked under the lock: ``in_time``), so an op the rank gave up on never releases,
+  reserves or commits after the rank's next op (which would free pages that op is
+  copying, or publish a page it is writing).
 - An L3 read into L2 (fill) writes pages reserved by the node itself, never by the rank
   that asked: a rank that gave up on it frees nothing the store call still writes.
 - Failures are per object: a key without a page (L2 full of held, leased or dirty pages)
@@ -56,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
@@ -133,7 +137,7 @@ class L2Pools:
         self._pools: dict[str, _L2Pool] = {}
         self._fills = 0  # serial of the node's own fill holders
         self.counts = {"filled": 0, "fill_failed": 0}  # under _lock
-        self.write_behind = WriteBehind(partial(put_pages, move), self._flushed, self._served,
+        self.write_behind = WriteBehind(partial(put_pages, move), flushed_pages, self._served,
                                         self._lock, attempts=flush_attempts)
 
     # ---------------------------------------------------------------- control
@@ -248,10 +252,12 @@ class L2Pools:
         on ``pool`` (its earlier pages released first); with ``fill``, keys L2 does not
         hold after the leading ready ones are read from L3 into pages first (within
         ``deadline``, ``time.monotonic()`` seconds). Stops at the first key it has no
-        page for. ``ValueError`` for a holder that names no thread (``check_holder``)."""
+        page for. ``ValueError`` for a holder that names no thread (``check_holder``);
+        ``DeadlineExceededError`` past ``deadline``, nothing changed (``in_time``)."""
         holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         with self._lock:
+            in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.acquire(holder, keys)
         if not fill or len(pages) == len(keys):
@@ -259,13 +265,15 @@ class L2Pools:
         return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)
 
     def reserve(self, holder: Holder, pool: str, keys: list[str],
-                caller: OwnerClaim | None = None, *, verified: bool = False) -> list[int]:
+                caller: OwnerClaim | None = None, *, deadline: float | None = None,
+                verified: bool = False) -> list[int]:
         """Per key a page for ``holder`` to write (its earlier pages released first),
         ``PRESENT`` or ``FULL`` (``L2Index.reserve``); holders whose process is gone are
-        released when pages run short."""
+        released when pages run short. Past ``deadline``: as ``acquire``."""
         holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         with self._lock:
+            in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.reserve(holder, keys)
             if FULL in pages and self._reap(entry.index):
@@ -276,16 +284,17 @@ class L2Pools:
 
     def commit(self, holder: Holder, pool: str, keys: list[str], pages: list[int],
                ok: list[bool], caller: OwnerClaim | None = None, *,
-               verified: bool = False) -> int:
+               deadline: float | None = None, verified: bool = False) -> int:
         """``holder`` wrote ``keys`` into ``pages`` (``ok``: in full): those become
         ready and are queued for the write-behind put to L3; the others free. Returns
-        how many became ready."""
+        how many became ready. Past ``deadline``: as ``acquire``."""
         holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         if len(pages) != len(keys) or len(ok) != len(keys):
             raise ValueError(f"a commit of {len(keys)} keys names {len(pages)} pages and "
                              f"{len(ok)} outcomes")
         with self._lock:
+            in_time(deadline)
             owned = [p for p, k in zip(pages, keys, strict=True)
                      if type(p) is int and 0 <= p < entry.index.pages
                      and entry.index.key_of(p) == k]
@@ -390,16 +399,20 @@ class L2Pools:
             index.release(h)
         return bool(gone)
 
-    def _flushed(self, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
-                 pages: list[int]) -> None:
-        """The write-behind of ``pages`` ended (under ``_lock``): they may be evicted."""
-        target[0].index.flushed(pages, keys)
-
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
         """Whether the pool is still one of this node's L2 pools (not forgotten or
         reset since)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
+
+
+def in_time(deadline: float | None) -> None:
+    """``DeadlineExceededError`` if ``deadline`` (``time.monotonic()`` seconds of this
+    host, which the rank shares; None: none) has passed: its caller stopped waiting, and
+    may already have made its next op (under ``_lock``, before any change)."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceededError("an L2 op reached the pool after its caller's deadline; "
+                                    "it changed nothing")
 
 
 def put_pages(move: Move, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
@@ -412,6 +425,13 @@ def put_pages(move: Move, target: tuple[_L2Pool, OwnerClaim | None], keys: list[
     batch = ObjectBatch(epoch=entry.epoch)
     batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
     return [c in (0, 1) for c in move("put", batch, deadline, caller)]
+
+
+def flushed_pages(target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
+                  pages: list[int]) -> None:
+    """The write-behind of ``pages`` ended (under ``L2Pools``' lock): they may be
+    evicted."""
+    target[0].index.flushed(pages, keys)
 
 
 def l2_family(deployment_id: str, rank: tuple[int, int]) -> str:

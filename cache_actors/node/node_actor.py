@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -201,19 +202,25 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="data")
     async def l2_acquire(self, holder: tuple[int, int], pool: str, keys: list[str],
-                         fill: bool, owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.l2.acquire, holder, pool, keys, fill, owner)
+                         fill: bool, owner: OwnerClaim | None = None,
+                         deadline: float | None = None) -> list[int]:
+        """``deadline``: as ``put``'s; the L2 ops change nothing past it."""
+        return await self._run(partial(self._service.l2.acquire, deadline=deadline),
+                               holder, pool, keys, fill, owner)
 
     @ray.method(concurrency_group="data")
     async def l2_reserve(self, holder: tuple[int, int], pool: str, keys: list[str],
-                         owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.l2.reserve, holder, pool, keys, owner)
+                         owner: OwnerClaim | None = None,
+                         deadline: float | None = None) -> list[int]:
+        return await self._run(partial(self._service.l2.reserve, deadline=deadline),
+                               holder, pool, keys, owner)
 
     @ray.method(concurrency_group="data")
     async def l2_commit(self, holder: tuple[int, int], pool: str, keys: list[str],
-                        pages: list[int], ok: list[bool],
-                        owner: OwnerClaim | None = None) -> int:
-        return await self._run(self._service.l2.commit, holder, pool, keys, pages, ok, owner)
+                        pages: list[int], ok: list[bool], owner: OwnerClaim | None = None,
+                        deadline: float | None = None) -> int:
+        return await self._run(partial(self._service.l2.commit, deadline=deadline),
+                               holder, pool, keys, pages, ok, owner)
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],

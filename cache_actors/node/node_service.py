@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
 
-from raykv.cache_actors.data_ops import DATA_OP_ARGS, DataOp
+from raykv.cache_actors.data_ops import DATA_OP_ARGS, DEADLINE_OPS, DataOp
 from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
@@ -161,7 +161,7 @@ class NodeService:
              DataOp.L2_COMMIT: partial(self.l2.commit, verified=True)},
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
-            deadline_ops=frozenset({DataOp.PUT, DataOp.GET, DataOp.L2_ACQUIRE}),
+            deadline_ops=DEADLINE_OPS,
             bind=self.verify)
 
     # ----------------------------------------------------------------- pools

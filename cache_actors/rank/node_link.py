@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSentError
-from raykv.cache_actors.data_ops import ASYNC_OPS, TICKETED_OPS, DataOp
+from raykv.cache_actors.data_ops import ASYNC_OPS, DEADLINE_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.cache_actors.rank.node_guard import guard_of
@@ -142,10 +142,10 @@ class NodeLink:
             claim = self.claim(target if remote else None)
             owner = () if claim is None else (claim,)
             actor = self._actor_of(target) if remote else self._actor
-            kw = {}
+            kw = {"deadline": self._calls.deadline} if op in DEADLINE_OPS else {}
             if op in TICKETED_OPS:  # the batch, then its ticket: both named on Ray
                 *args, ticket = args
-                kw = {"deadline": self._calls.deadline, "ticket": ticket}
+                kw["ticket"] = ticket
             return self._ray(actor, op, *args, *owner, **kw)
         try:
             with self._retryable(op):

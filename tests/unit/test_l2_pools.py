@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, PRESENT
 from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
@@ -371,3 +372,48 @@ def test_a_commit_hands_its_pages_to_the_write_behind_under_the_lock_of_its_coun
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
     assert seen == [True]
     assert flushed(pools, 2)["l3_put_submitted"] == 2
+
+
+
+def late_commit(pools: L2Pools) -> int:
+    """A rank's save: ``reserve`` gave page p for ``m_a``; its commit outlived the
+    rank's deadline, so the rank made its next op (a reserve: p free again, then p for
+    ``m_a`` once more) and is writing p; then the old commit reaches the pool (its
+    thread was held up past the deadline). What that commit answers."""
+    h = pools.open((0, 0), layout(), 1, A)
+    (p,) = pools.reserve(ME, h.name, ["m_a"], A)
+    assert pools.reserve(ME, h.name, ["m_a"], A) == [p]  # the rank's next op
+    return pools.commit(ME, h.name, ["m_a"], [p], [True], A,
+                        deadline=time.monotonic() - 0.001)
+
+
+def test_an_op_its_caller_gave_up_on_changes_nothing_after_the_callers_next_op():
+    """The late commit (``late_commit``) is refused and changes nothing: p is not made
+    readable while the rank writes it; a late reserve or acquire is refused the same,
+    and releases nothing the rank holds; the rank's own commit, in time, publishes p."""
+    pools = l2(FakeNode())
+    with pytest.raises(DeadlineExceededError, match="changed nothing"):
+        late_commit(pools)
+    name = pools.open((0, 0), layout(), 1, A).name
+    past = time.monotonic() - 0.001
+    with pytest.raises(DeadlineExceededError, match="changed nothing"):
+        pools.reserve(ME, name, ["m_b"], A, deadline=past)
+    with pytest.raises(DeadlineExceededError, match="changed nothing"):
+        pools.acquire(ME, name, ["m_a"], False, A, deadline=past)
+    assert pools.lookup(["m_a"], 1, A) == 0  # p is not readable
+    assert pools.reserve(GONE, name, ["m_a"], A) == [PRESENT]  # still being written
+    assert pools.commit(ME, name, ["m_a"], [0], [True], A,  # the pool's one page, p
+                        deadline=time.monotonic() + 5) == 1  # in time: published
+    assert pools.lookup(["m_a"], 1, A) == 1
+
+
+def test_control_without_the_deadline_check_a_late_commit_publishes_a_page_being_written(
+        monkeypatch):
+    """Control: with the check off (the rule before), the late commit publishes p while
+    the rank is writing it, and a reader is given a page whose bytes are not written."""
+    import raykv.cache_actors.node.l2_pools as l2_pools
+
+    monkeypatch.setattr(l2_pools, "in_time", lambda deadline: None)
+    pools = l2(FakeNode())
+    assert late_commit(pools) == 1
+    assert pools.lookup(["m_a"], 1, A) == 1
