@@ -12,8 +12,9 @@ not load, which the worker hands to vLLM in the same step's
 
 Rules: the queue is bounded (``QUEUE``): a load that does not fit fails at once, all its
 blocks (counted ``load_dropped``), never a wait; a load that raises fails its blocks;
-nothing the thread does raises into vLLM; ``close`` ends the thread (the load under way
-ends within its own deadline) and fails what is still queued. A request vLLM aborts
+nothing the thread does raises into vLLM; ``close`` ends the thread and fails what is
+still queued, waiting for the load under way (it ends within its own deadline, which
+``close_wait_s`` covers: no load writes vLLM's blocks after ``close`` returned). A request vLLM aborts
 while its load runs keeps its blocks until its id is reported (vLLM delays their free
 for requests in ``WAITING_FOR_REMOTE_KVS``), so the thread never writes a freed block.
 
@@ -38,7 +39,8 @@ QUEUE = 256
 """Loads waiting for the load thread at most (vLLM parks at most this many requests'
 loads before the first fails at once)."""
 CLOSE_WAIT_S = 10.0
-"""How long ``close`` waits for the load under way to end, in seconds."""
+"""How long ``close`` waits for the load under way beyond that load's own deadline, in
+seconds (the copy into vLLM's blocks after its last data op)."""
 
 
 @dataclass
@@ -57,10 +59,12 @@ class Finished:
 class AsyncLoads:
     """A load thread and its bounded queue. ``load(x) -> n``: loads the leading ``n``
     blocks of ``x`` into vLLM's blocks (runs on the load thread; what it raises fails
-    the whole load)."""
+    the whole load); ``close_wait_s``: how long ``close`` waits for the load under way
+    (its deadline and ``CLOSE_WAIT_S``)."""
 
-    def __init__(self, load: Callable[[BlockTransfer], int], *, maxsize: int = QUEUE) -> None:
-        self._load = load
+    def __init__(self, load: Callable[[BlockTransfer], int], *, maxsize: int = QUEUE,
+                 close_wait_s: float = CLOSE_WAIT_S) -> None:
+        self._load, self._close_wait_s = load, close_wait_s
         self._queue: queue.Queue[BlockTransfer | None] = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
         self._done = Finished()  # under _lock
@@ -91,8 +95,8 @@ class AsyncLoads:
         return self._queue.qsize()
 
     def close(self) -> None:
-        """End the thread: the load under way ends (within ``CLOSE_WAIT_S``), queued
-        ones fail. Never raises."""
+        """End the thread: the load under way ends (waited for ``close_wait_s`` at most;
+        logged if it outlives that), queued ones fail. Never raises."""
         self._closed = True
         while True:
             try:
@@ -103,7 +107,10 @@ class AsyncLoads:
                 self._settle(x, 0, dropped=True)
         with contextlib.suppress(queue.Full):  # emptied above; nothing is queued now
             self._queue.put_nowait(None)
-        self._thread.join(CLOSE_WAIT_S)
+        self._thread.join(self._close_wait_s)
+        if self._thread.is_alive():
+            log.error("RayKVConnector: an async load still ran %.0f s after shutdown began "
+                      "and may still write vLLM's blocks", self._close_wait_s)
 
     def _run(self) -> None:
         while True:

@@ -47,7 +47,7 @@ from raykv.cache_actors.rank.staging_pools import (
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
-from raykv.integrations.vllm.async_loads import AsyncLoads
+from raykv.integrations.vllm.async_loads import CLOSE_WAIT_S, AsyncLoads
 from raykv.integrations.vllm.kv_events import LandedBlocks
 from raykv.integrations.vllm.kv_views import (
     block_slots,
@@ -176,7 +176,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._unsettled -= meta.failures_seen
         for x in meta.async_loads:
             if self._async is None:
-                self._async = AsyncLoads(self._load_async)
+                self._async = AsyncLoads(self._load_async,
+                                         close_wait_s=self.opts.timeout_s + CLOSE_WAIT_S)
             self._async.submit(x)
         if not meta.loads:
             return

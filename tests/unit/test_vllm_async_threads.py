@@ -72,6 +72,46 @@ def test_async_loads_queue_is_bounded_and_close_fails_what_waits():
     assert loads.finished().failed_blocks == {9}
 
 
+
+def test_close_waits_for_the_load_under_way_within_its_wait():
+    """A load under way when the engine shuts down (its data op still within its
+    deadline) has written what it writes when ``close`` returns: no load touches
+    vLLM's blocks afterwards. The worker gives ``close`` the load's deadline plus
+    ``CLOSE_WAIT_S``. Control: a wait shorter than the load returns while it still
+    runs."""
+    from raykv.integrations.vllm.async_loads import CLOSE_WAIT_S
+    from raykv.integrations.vllm.options import ConnectorOptions, KVIdentity
+    from raykv.integrations.vllm.worker import RayKVConnectorWorker
+
+    writes: list[float] = []
+
+    def slow(x: BlockTransfer) -> int:
+        time.sleep(0.3)
+        writes.append(time.monotonic())  # the copy into vLLM's blocks
+        return len(x.block_ids)
+
+    for wait_s, finished in ((2.0, True), (0.05, False)):  # the second: the control
+        writes.clear()
+        loads = AsyncLoads(slow, close_wait_s=wait_s)
+        assert loads.submit(_x("a", 1))
+        time.sleep(0.05)  # the thread took "a"
+        loads.close()
+        closed = time.monotonic()
+        assert (bool(writes) and writes[0] <= closed) is finished
+        loads._thread.join(5)
+    opts = ConnectorOptions.parse({"timeout_s": 30}, tp_size=1, pp_size=1,
+                                  served_model="m", identity=KVIdentity("float32", 4, "cpu"))
+    w = RayKVConnectorWorker(opts, None, block_size=4, tp_rank=0, tp_size=1, pp_rank=0,
+                             pp_size=1)
+    w._load_async = lambda x: 0  # what the load does is not this test's
+    try:
+        from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
+
+        w.start_load_kv(RayKVConnectorMetadata(async_loads=[_x("b", 1)]))
+        assert w._async._close_wait_s == 30 + CLOSE_WAIT_S
+    finally:
+        w.shutdown()
+
 def test_lookups_answer_once_per_request_and_key_and_never_wait_past_the_allowance():
     """A fast query is answered within the wait and cached: asking again for the same
     request and key runs no second query; a new key asks again. A slow query answers
