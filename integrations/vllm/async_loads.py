@@ -14,9 +14,10 @@ Rules: the queue is bounded (``QUEUE``): a load that does not fit fails at once,
 blocks (counted ``load_dropped``), never a wait; a load that raises fails its blocks;
 nothing the thread does raises into vLLM; ``close`` ends the thread and fails what is
 still queued, waiting for the load under way (it ends within its own deadline, which
-``close_wait_s`` covers: no load writes vLLM's blocks after ``close`` returned). A request vLLM aborts
-while its load runs keeps its blocks until its id is reported (vLLM delays their free
-for requests in ``WAITING_FOR_REMOTE_KVS``), so the thread never writes a freed block.
+``close_wait_s`` covers: no load writes vLLM's blocks after ``close`` returned). A
+request vLLM aborts while its load runs keeps its blocks until its id is reported (vLLM
+delays their free for requests in ``WAITING_FOR_REMOTE_KVS``), so the thread never
+writes a freed block.
 
 Threads: ``submit``, ``finished`` and ``close`` on vLLM's worker thread; the loads on
 ``raykv-load``.
