@@ -75,9 +75,9 @@ def test_bench_gpu_catches_a_get_that_moved_nothing(tmp_path, monkeypatch, clust
 def test_bench_gpu_catches_an_l2_load_that_moved_nothing(tmp_path, monkeypatch, cluster):
     copy = L2Blocks._copy
 
-    def saves_only(self, pages, block_ids, *, to_pool):
+    def saves_only(self, pool, pages, block_ids, *, to_pool):
         if to_pool:
-            copy(self, pages, block_ids, to_pool=to_pool)
+            copy(self, pool, pages, block_ids, to_pool=to_pool)
 
     monkeypatch.setattr(L2Blocks, "_copy", saves_only)
     with pytest.raises(RuntimeError, match="l2: the blocks loaded differ"):
