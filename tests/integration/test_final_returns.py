@@ -54,6 +54,11 @@ from tests.integration.process_stop import stop_process
 
 DELAY_S = 2.0
 TIMEOUT_S = 1.0
+READER_TIMEOUT_S = 30.0
+"""The deadline of the ranks that only read and write around the call under test: each
+of their store calls waits ``DELAY_S`` too, behind whatever the late call left queued, so
+the default deadline left little room on a loaded machine (a reader's get ran out of it
+once in a CI run)."""
 POOL = dict(page_size=4, size=128, layer_num=2, head_num=2, head_dim=8, dtype=torch.float16)
 A, B, E, X = 1.0, 2.0, 5.0, 7.0
 ROUTES = ("channel", "ray")
@@ -101,7 +106,7 @@ def test_a_late_put_never_stores_the_bytes_written_after_it_failed(
     if not fixed:
         monkeypatch.setattr(TicketBook, "settle", old_settle)
     writer, wpool = rank(uid, route, TIMEOUT_S)
-    reader, rpool = rank(uid, "channel")
+    reader, rpool = rank(uid, "channel", READER_TIMEOUT_S)
     key = f"{uid}-k1"
     page(wpool, 0).fill_(A)
     with pytest.raises(DeadlineExceededError):
@@ -127,7 +132,7 @@ def test_a_late_get_never_overwrites_the_page_reused_after_it_failed(
     if not fixed:
         monkeypatch.setattr(TicketBook, "settle", old_settle)
     writer, wpool = rank(uid, route, TIMEOUT_S)
-    reader, rpool = rank(uid, "channel")
+    reader, rpool = rank(uid, "channel", READER_TIMEOUT_S)
     key = f"{uid}-k2"
     page(rpool, 1).fill_(X)
     assert reader.batch_set_v1([key], slots(1)) == [True]
