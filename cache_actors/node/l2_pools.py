@@ -65,6 +65,7 @@ from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.tickets import check_deadline
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
@@ -409,8 +410,10 @@ class L2Pools:
 def in_time(deadline: float | None) -> None:
     """``DeadlineExceededError`` if ``deadline`` (``time.monotonic()`` seconds of this
     host, which the rank shares; None: none) has passed: its caller stopped waiting, and
-    may already have made its next op (under ``_lock``, before any change)."""
-    if deadline is not None and time.monotonic() >= deadline:
+    may already have made its next op (under ``_lock``, before any change). ``ValueError``
+    for a deadline that is no finite number or lies too far ahead (``check_deadline``:
+    the Ray route checks no argument types)."""
+    if deadline is not None and time.monotonic() >= check_deadline(deadline):
         raise DeadlineExceededError("an L2 op reached the pool after its caller's deadline; "
                                     "it changed nothing")
 

@@ -417,3 +417,15 @@ def test_control_without_the_deadline_check_a_late_commit_publishes_a_page_being
     pools = l2(FakeNode())
     assert late_commit(pools) == 1
     assert pools.lookup(["m_a"], 1, A) == 1
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), "soon", True, 1e300])
+def test_an_l2_op_refuses_a_deadline_that_is_no_finite_time_ahead(bad):
+    """A deadline on the Ray route is whatever the caller sent: one that is no finite
+    number of seconds, or lies too far ahead, is refused with ``ValueError`` before the
+    pool changes (it would have turned the check off)."""
+    pools = l2(FakeNode())
+    name = pools.open((0, 0), layout(), 1, A).name
+    with pytest.raises(ValueError, match="deadline"):
+        pools.reserve(ME, name, ["m_a"], A, deadline=bad)
+    assert pools.reserve(ME, name, ["m_a"], A, deadline=time.monotonic() + 5) == [0]
