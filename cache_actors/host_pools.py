@@ -152,9 +152,11 @@ class HostPool:
                                            f"pool {handle.name!r}"), owner=True)
 
     @classmethod
-    def attach(cls, handle: PoolHandle) -> HostPool:
-        """Map an existing shared-memory file made by the node actor."""
-        return cls(handle, attach_shm_file(handle.path, handle.layout.nbytes), owner=False)
+    def attach(cls, handle: PoolHandle, owner: bool = False) -> HostPool:
+        """Map an existing shared-memory file made by the node actor; ``owner``: the
+        caller owns it (a restarted node actor re-adopting its pool), so ``close`` may
+        remove it."""
+        return cls(handle, attach_shm_file(handle.path, handle.layout.nbytes), owner=owner)
 
     @classmethod
     def wrap(cls, handle: PoolHandle, address: int) -> HostPool:

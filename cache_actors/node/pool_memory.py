@@ -128,7 +128,7 @@ class ShmPoolMemory:
         check_own_file(shm_path(handle.path), f"pool file {handle.path!r}")
         self.budget.reserve(handle.name, handle.layout.nbytes)
         try:
-            return HostPool.attach(handle)
+            return HostPool.attach(handle, owner=True)  # this node's: removed when it goes
         except BaseException:
             self.budget.release(handle.layout.nbytes)
             raise

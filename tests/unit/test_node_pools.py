@@ -525,3 +525,21 @@ def test_batches_and_key_lists_are_bounded(pools):
     for bad in ("ab", [b"a"], ["a", None], {"a"}):
         with pytest.raises(ValueError):
             check_object_keys(bad)
+
+
+def test_a_pool_readopted_after_a_restart_is_removed_with_its_file(shm_prefix):
+    """A node actor restarts and re-adopts its pool (its file and bytes); when that pool
+    is destroyed (an engine's close, the reaper, the actor stopping for good), its
+    shared-memory file goes too, as a pool the actor made itself. Control (the rule
+    before: a re-adopted pool was only attached, never its owner): the file stayed, its
+    memory held in ``/dev/shm`` for good while the budget counted it free."""
+    first = shm_node(shm_prefix)
+    first.create("kv", POOL)
+    path = f"/dev/shm/{shm_prefix}kv"
+    for pool in list(first.table.pools.values()):  # the actor dies: nothing removed
+        first._store.memory.release(pool, remove=False)
+    restarted = shm_node(shm_prefix)
+    assert "kv" in restarted.table.pools and os.path.exists(path)
+    assert restarted.destroy("kv")
+    assert not os.path.exists(path)
+    assert not os.path.exists(path + ".json")
