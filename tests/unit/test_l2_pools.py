@@ -374,7 +374,6 @@ def test_a_commit_hands_its_pages_to_the_write_behind_under_the_lock_of_its_coun
     assert flushed(pools, 2)["l3_put_submitted"] == 2
 
 
-
 def late_commit(pools: L2Pools) -> int:
     """A rank's save: ``reserve`` gave page p for ``m_a``; its commit outlived the
     rank's deadline, so the rank made its next op (a reserve: p free again, then p for
