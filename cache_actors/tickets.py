@@ -46,6 +46,9 @@ triple ``(book, slot, serial)`` (``TicketRef``) a put or get carries on either r
   actor saw the call's one request, and answered it). A slot freed by a settle is
   locked when it is issued again (a late request of its old ticket may be checking it
   in a node actor at that moment).
+- A slot is freed only by the ticket it was issued for, and once: settling or freeing a
+  ticket already freed (several staging pools of one failed round each quarantine its
+  ticket) changes nothing, so no two live calls ever share a slot.
 
 Pure of Ray and Mooncake; the rank side (``TicketBook``) is here, the node side in
 ``cache_actors.node.ticket_desk``. ``check_deadline`` is the one check of a deadline that
@@ -187,6 +190,7 @@ class TicketBook:
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))  # settled: lock before reuse
         self._answered: list[int] = []  # freed after a reply: nobody else touches them
+        self._issued: dict[int, int] = {}  # slot -> serial of its ticket not yet freed
         self._serial = 0
         self._close = weakref.finalize(self, _remove, path, fd, self._mem)
 
@@ -202,7 +206,7 @@ class TicketBook:
                 raise RuntimeError(f"{SLOTS} puts and gets of this process are in flight; "
                                    "no ticket is free")
             self._serial += 1
-            serial = self._serial
+            serial = self._issued[slot] = self._serial
         if answered:
             write_slot(self._mem, slot, serial, PENDING)
             return TicketRef(self.name, slot, serial)
@@ -215,7 +219,11 @@ class TicketBook:
 
     def settle(self, ticket: TicketRef) -> None:
         """After a call of ``ticket`` ended without the node actor's reply: return once
-        no process will touch its pages (see the module docstring), then free it."""
+        no process will touch its pages (see the module docstring), then free it. A
+        ticket already freed returns at once (its slot may carry another ticket now)."""
+        with self._lock:
+            if self._issued.get(ticket.slot) != ticket.serial:
+                return
         lock_slot(self._fd, ticket.slot, wait=True)  # a store call of it: its end
         serial, state, until = self._abandon_locked(ticket)
         if serial == ticket.serial and state == STARTED:  # its node actor died in the call
@@ -226,13 +234,19 @@ class TicketBook:
         """``settle`` without waiting: True if no process will touch ``ticket``'s pages
         any more (it is then freed), False while a store call of it runs (or, standalone,
         a dead node actor's ``mooncake_client`` may still finish one): the caller keeps
-        the pages out of use and asks again later."""
-        if not lock_slot(self._fd, ticket.slot):  # a store call of it holds the lock
-            return False
-        serial, state, until = self._abandon_locked(ticket)
-        if serial == ticket.serial and state == STARTED and until > time.monotonic():
-            return False
-        self.free(ticket, answered=False)
+        the pages out of use and asks again later. Idempotent: a ticket already freed
+        (settled by another holder of it: one staged round names several staging pools,
+        each quarantines the same ticket) is True at once, and its slot, which may carry
+        another ticket by now, is neither read nor freed again."""
+        with self._lock:  # one settler of a slot at a time (they share the OFD lock)
+            if self._issued.get(ticket.slot) != ticket.serial:
+                return True
+            if not lock_slot(self._fd, ticket.slot):  # a store call of it holds the lock
+                return False
+            serial, state, until = self._abandon_locked(ticket)
+            if serial == ticket.serial and state == STARTED and until > time.monotonic():
+                return False
+            self._free_locked(ticket, answered=False)
         return True
 
     def _abandon_locked(self, ticket: TicketRef) -> tuple[int, int, float]:
@@ -249,9 +263,17 @@ class TicketBook:
     def free(self, ticket: TicketRef, answered: bool = True) -> None:
         """Give ``ticket``'s slot back. ``answered``: the call got its reply (the node
         actor ended the ticket, or never started it, and will not look at it again), so
-        the slot is issued again without a lock; else it is locked when issued again."""
+        the slot is issued again without a lock; else it is locked when issued again.
+        Only the ticket the slot was issued for frees it, and only once: a ticket already
+        freed (its slot free, or carrying a later ticket) changes nothing."""
         with self._lock:
-            (self._answered if answered else self._free).append(ticket.slot)
+            self._free_locked(ticket, answered)
+
+    def _free_locked(self, ticket: TicketRef, answered: bool) -> None:
+        if self._issued.get(ticket.slot) != ticket.serial:
+            return
+        del self._issued[ticket.slot]
+        (self._answered if answered else self._free).append(ticket.slot)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[TicketRef]:

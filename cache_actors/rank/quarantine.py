@@ -11,6 +11,11 @@ released the call's ticket (``TicketBook.try_settle``), no later call copies int
 of those pages: it fails at once with ``QuarantinedPagesError``, and the engine never
 waits on them. The engine's own memory is never touched by the late call.
 
+One failed round may name the staging pages of several pools: each pool's quarantine
+then holds the same ticket, and each asks ``try_settle`` on its own; the book frees the
+ticket's slot once, for the first, and says True to the others without touching the slot
+(which may carry another call's ticket by then).
+
 Threads: any thread of the rank (a lock guards the table; ``try_settle`` never blocks).
 """
 

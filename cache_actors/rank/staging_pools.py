@@ -297,7 +297,9 @@ def _call(batch: ObjectBatch, call: Callable[[ObjectBatch], Sequence[int]],
           ) -> Sequence[int]:
     """``call(batch)``; with ``staged`` (the round names staging pages only: ``(role,
     pool, engine pages, staging pages)`` each), a failure whose store call runs on
-    quarantines those staging pages instead of waiting for it (``tickets.deferring``)."""
+    quarantines those staging pages instead of waiting for it (``tickets.deferring``):
+    each staged pool of the round holds the same late tickets, and whichever settles
+    one first frees it (``TicketBook.try_settle`` is idempotent per ticket)."""
     if not staged:
         return call(batch)
     with deferring() as late:

@@ -18,7 +18,7 @@ from raykv.cache_actors.rank.staging_pools import (
     staged_call,
     staging_layout,
 )
-from raykv.cache_actors.tickets import process_book
+from raykv.cache_actors.tickets import TicketBook, process_book
 from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.pool_layout import PoolLayout
@@ -202,3 +202,43 @@ def move_with(staged: StagedPool, keys, block_ids, write: bool, call):
                               KeyScheme.from_config(StorageConfig()), write=write)
     return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=0,
                        call=call)[PoolName.KV]
+
+
+def test_one_failed_round_of_two_staged_pools_frees_its_late_ticket_once(tmp_path):
+    """A round that names two staging pools (KV and a draft pool) fails while its store
+    call runs: both pools quarantine their page under the one ticket, both let go once
+    the store call ended, and the ticket's slot is freed once: the next two calls get two
+    slots and the node starts both. The old book freed it per pool: the next two tickets
+    shared the slot, and the node refused the first (another serial)."""
+    book = TicketBook(str(tmp_path))
+    desk = TicketDesk(outlived_by_store=False, directory=str(tmp_path))
+    staged, plan_pools, engine = {}, {}, {}
+    for role in (PoolName.KV, PoolName.DRAFT):
+        engine[role] = torch.randn(2, 8 * PAGE, 1, 1, 4)
+        memory = describe_kv_buffer(engine[role], PAGE)
+        sp = StagedPool(memory, host_pool(staging_layout(memory.layout, 4), f"staging-{role}"),
+                        2)
+        sp.quarantine = Quarantine(lambda: book)
+        staged[role], plan_pools[role] = sp, PlanPool(sp.name, sp.layout)
+    started = []
+
+    def late(batch):  # the node starts the ticket, then the rank's deadline passes
+        with book.held() as ticket:
+            started.append(desk.ticket(ticket, time.monotonic() + 30))
+            assert started[-1].start()
+            raise DeadlineExceededError("deadline")
+
+    slots = torch.arange(5 * PAGE, 6 * PAGE)
+    checked = check_transfers([PoolTransfer(role, ["a"], slots) for role in staged],
+                              plan_pools, KeyScheme.from_config(StorageConfig()), write=True)
+    with pytest.raises(DeadlineExceededError):
+        staged_call(checked, staged, write=True, epoch=0, call=late)
+    assert len(started) == 1  # one round, one call, one ticket for both pools
+    assert [sp.quarantine.held() for sp in staged.values()] == [{0}, {0}]
+    started[0].end()  # the store call ended
+    assert [sp.quarantine.held() for sp in staged.values()] == [set(), set()]
+    first, second = book.issue(), book.issue()
+    assert first.slot != second.slot
+    assert desk.ticket(first, time.monotonic() + 30).start()
+    assert desk.ticket(second, time.monotonic() + 30).start()
+    book.close()

@@ -242,3 +242,40 @@ def test_an_answered_slot_is_reissued_without_a_lock_a_settled_one_with_it(book,
     book.free(second)  # answered: no lock taken when it is issued again
     third = book.issue()
     assert third.slot == second.slot and state(book, third) == (third.serial, PENDING)
+
+
+def test_a_ticket_settled_twice_frees_its_slot_once(book, tmp_path):
+    """Two holders of one late ticket (the quarantines of two staging pools named by one
+    failed round) each settle it once its store call ended: its slot is freed once, so
+    the next two tickets are on two slots and the desk starts both. The old book listed
+    the slot twice in its free list: both tickets got it, and the desk refused the first
+    (another serial), a spurious "not started" for a live call."""
+    d = desk(tmp_path)
+    ticket = book.issue()
+    held = d.ticket(ticket, later())
+    assert held.start()
+    assert not book.try_settle(ticket) and not book.try_settle(ticket)  # still running
+    held.end()
+    assert book.try_settle(ticket) and book.try_settle(ticket)  # both holders let go
+    first, second = book.issue(), book.issue()
+    assert first.slot != second.slot
+    assert d.ticket(first, later()).start() and d.ticket(second, later()).start()
+
+
+def test_a_freed_ticket_never_frees_the_slot_of_a_later_one(book, tmp_path):
+    """A slot is freed only by the ticket it was issued for: settling or freeing an old
+    ticket of a slot that now carries another leaves that one alone (the old book freed
+    the slot under the live ticket, and the next ticket shared it)."""
+    d = desk(tmp_path)
+    old = book.issue()
+    book.settle(old)  # the call failed before the node actor started it
+    live = book.issue()
+    assert live.slot == old.slot  # CONTROL of the premise: the slot was reused
+    assert book.try_settle(old)  # already settled: nothing of it runs
+    book.settle(old)
+    book.free(old)
+    book.free(old, answered=False)
+    assert state(book, live) == (live.serial, PENDING)
+    after = book.issue()
+    assert after.slot != live.slot
+    assert d.ticket(live, later()).start()
