@@ -29,6 +29,7 @@ for ``STOP_S``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -46,7 +47,7 @@ from raykv.cache_actors.rank.channel_client import _Link
 from raykv.cache_actors.rank.staging_pools import StagedPool, describe_kv_buffer, staging_layout
 from raykv.cache_actors.tickets import SLOTS, STARTED, TicketBook, process_book, read_slot
 from raykv.controllers import StorageConfig
-from raykv.controllers.contract import PoolName
+from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.object_batch import ObjectBatch
 
 from tests.integration.conftest import MODES, slow_two_nodes
@@ -184,12 +185,19 @@ def staged_rank(uid: str, route: str) -> tuple[CacheClient, torch.Tensor]:
                                        extra_config={"timeout_s": TIMEOUT_S}))
     if route == "ray":
         client._link._local = False
+    pool, engine = staged_pool(client)
+    client.register_mem_pool_host(pool)
+    return client, engine
+
+
+def staged_pool(client: CacheClient) -> tuple[StagedPool, torch.Tensor]:
+    """Engine memory (a private tensor of ``POOL``'s geometry) served through a staging
+    pool of ``client`` of 2 + 2 pages; the tensor."""
     engine = torch.zeros(2, POOL["size"], POOL["layer_num"], POOL["head_num"],
                          POOL["head_dim"], dtype=POOL["dtype"])
     memory = describe_kv_buffer(engine, POOL["page_size"])
     staging = client.create_host_pool(staging_layout(memory.layout, 4), per_process=True)
-    client.register_mem_pool_host(StagedPool(memory, staging, 2))
-    return client, engine
+    return StagedPool(memory, staging, 2), engine
 
 
 def waiting_try_settle(book: TicketBook, ticket) -> bool:
@@ -281,3 +289,55 @@ def test_a_staged_call_returns_at_its_deadline_while_the_node_actor_is_stopped(
         assert not found or got == {A}, (found, got)  # A or a miss, never B
     writer.close()
     reader.close()
+
+
+def test_one_late_round_of_two_staged_pools_frees_its_ticket_once(slow_cluster, uid):
+    """A put of KV and draft pages, both engine memory served through staging pools (as
+    SGLang's staged KV with a draft pool), runs out of its deadline while its one store
+    call is held (the node actor stopped in it): both pools quarantine their staging page
+    under the call's one ticket. Once the store call ended and both let go, the ticket's
+    slot is free once: every ticket the rank's book issues after is on a slot of its own.
+    The old book freed the slot once per pool: two tickets then shared it (two live calls
+    on one slot: the node actor refuses the first as another serial, and issuing waits on
+    another call's store call)."""
+    writer, _ = staged_rank(uid, "channel")
+    draft, _ = staged_pool(writer)
+    writer.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+    staged = [writer._pools.staged[PoolName.KV], draft]
+    until_closed(writer)  # an earlier test's deadline may have opened it
+    pid = ray.get(slow_cluster.node_actors[writer.node_id].health.remote())["pid"]
+    roles = (PoolName.KV, PoolName.DRAFT)
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = writer.batch_set_v2(
+                [PoolTransfer(role, [f"{uid}-k4"], slots(20)) for role in roles])
+        except Exception as e:  # noqa: BLE001 - checked below
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    until_started()  # its store call runs
+    stop_process(pid)
+    try:
+        thread.join(60)
+        assert isinstance(out.get("error"), DeadlineExceededError), out
+        # the premise: one ticket, quarantined by both pools while its store call is held
+        assert [sp.quarantine.held() for sp in staged] == [{0}, {0}]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while any(sp.quarantine.held() for sp in staged):  # each pool lets go on its own
+        assert time.monotonic() < deadline, "the late store call never ended"
+        time.sleep(0.1)
+    book = process_book()
+    issued = []
+    with contextlib.suppress(RuntimeError):  # every free slot of the book, issued
+        while len(issued) <= SLOTS:
+            issued.append(book.issue())
+    for ticket in issued:
+        book.free(ticket, answered=False)
+    assert len({t.slot for t in issued}) == len(issued) == SLOTS  # each slot once
+    until_closed(writer)
+    writer.close()
