@@ -4,7 +4,9 @@ An owner proves it holds its tenant's secret by answering a fresh challenge, nev
 a token that could be shown twice:
 
 - The **owner key** is an Ed25519 key pair derived from the tenant secret
-  (``OwnerKey.of_secret``: the same secret gives the same key in every process). Its
+  (``OwnerKey.of_secret``: the same secret gives the same key in every process; its
+  seed is the secret's owner-key sub-key, ``tenancy.sub_key``, which no other use of
+  the secret can yield). Its
   public half, 64 hex digits, is the **tenant digest**: what node actors and the
   controller bind for the tenant (``raykv tenant-digest`` prints it). It reveals nothing
   of the secret; the private half never leaves the rank process.
@@ -43,8 +45,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
     X25519PrivateKey,
     X25519PublicKey,
 )
+from raykv.controllers.tenancy import OWNER_KEY, sub_key
 
-_KEY_LABEL = b"raykv/owner-key/v1"
 _TRANSCRIPT_LABEL = b"raykv/owner-transcript/v1"
 HEX64 = re.compile(r"[0-9a-f]{64}")
 """A public key or nonce: 32 bytes as 64 lowercase hex digits."""
@@ -69,10 +71,10 @@ class OwnerKey:
 
     @classmethod
     def of_secret(cls, secret: bytes) -> OwnerKey:
-        """The owner key of a tenant secret: Ed25519 seeded with HMAC-SHA256 of a fixed
-        label under ``secret`` (deterministic; the seed reveals nothing of it)."""
-        seed = hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
-        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+        """The owner key of a tenant secret: Ed25519 seeded with the secret's
+        ``OWNER_KEY`` sub-key (``tenancy.sub_key``; deterministic, and the seed reveals
+        nothing of the secret nor of its other sub-keys)."""
+        return cls(Ed25519PrivateKey.from_private_bytes(sub_key(secret, OWNER_KEY)))
 
     def sign(self, message: bytes) -> str:
         """The signature of ``message``, 128 hex digits."""

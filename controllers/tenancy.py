@@ -5,10 +5,13 @@ tenant's processes are given, in the environment variable ``RAYKV_TENANT_SECRET`
 the file that ``RAYKV_TENANT_SECRET_FILE`` names (what to hand Ray Serve replicas: Ray
 shows every job a runtime environment's variables, but not a file's contents). The
 secret never leaves the rank process: ranks send the node actor *keyed page hashes*
-(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret) and prove they own
-the tenant's pools by signing fresh challenges with the tenant's *owner key*, derived
-from the secret (``controllers.owner_keys``), never by showing the secret or anything
-that could be shown again. A process without the secret can neither name the tenant's
+(``keyed_page_hash``: HMAC-SHA256 of the page hash under the secret's page-hash sub-key)
+and prove they own the tenant's pools by signing fresh challenges with the tenant's
+*owner key*, derived from the secret's owner-key sub-key (``controllers.owner_keys``),
+never by showing the secret or anything that could be shown again. Each use of the
+secret has its own *sub-key* (``sub_key``, HKDF-SHA256 with the use in its info), and no
+use is keyed with the secret itself: a keyed page hash of any string the caller chooses
+is never another use's key. A process without the secret can neither name the tenant's
 objects nor prove it owns the tenant's pools. With no tenant, none of this applies and
 keys are as without tenancy.
 """
@@ -21,6 +24,9 @@ import os
 import re
 import stat
 from collections.abc import Mapping
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 TENANT_SECRET_ENV = "RAYKV_TENANT_SECRET"
 """The environment variable that holds the secret of the process's tenant."""
@@ -85,8 +91,31 @@ def _secret_file(tenant: str, path: str) -> bytes:
         os.close(fd)
 
 
-def keyed_page_hash(secret: bytes, page_hash: str) -> str:
-    """The page hash a tenant's keys are made of: HMAC-SHA256 of ``page_hash`` under
-    ``secret``, 64 hex digits (fixed length, so a key still parses unambiguously)."""
-    return hmac.new(secret, page_hash.encode(), hashlib.sha256).hexdigest()
+PAGE_HASHES = "page-hashes"
+"""The use of the sub-key that keys page hashes (``page_key``)."""
+OWNER_KEY = "owner-key"
+"""The use of the sub-key that seeds the owner key (``owner_keys.OwnerKey.of_secret``)."""
+_SUB_KEY_INFO = "raykv/tenant-sub-key/v2/"
 
+
+def sub_key(secret: bytes, use: str) -> bytes:
+    """The 32-byte sub-key of the tenant secret for ``use`` (``PAGE_HASHES`` or
+    ``OWNER_KEY``): HKDF-SHA256 of ``secret`` (no salt) with ``_SUB_KEY_INFO + use`` as
+    its info, so each use has a key of its own and none can be computed from another's
+    outputs. ``ValueError`` for another use."""
+    if use not in (PAGE_HASHES, OWNER_KEY):
+        raise ValueError(f"a tenant secret's sub-key is for {PAGE_HASHES!r} or "
+                         f"{OWNER_KEY!r}, got {use!r}")
+    return HKDF(hashes.SHA256(), 32, None, (_SUB_KEY_INFO + use).encode()).derive(secret)
+
+
+def page_key(secret: bytes) -> bytes:
+    """The key of a tenant's page hashes: the secret's ``PAGE_HASHES`` sub-key."""
+    return sub_key(secret, PAGE_HASHES)
+
+
+def keyed_page_hash(key: bytes, page_hash: str) -> str:
+    """The page hash a tenant's keys are made of: HMAC-SHA256 of ``page_hash`` under
+    ``key`` (``page_key`` of the tenant secret), 64 hex digits (fixed length, so a key
+    still parses unambiguously)."""
+    return hmac.new(key, page_hash.encode(), hashlib.sha256).hexdigest()

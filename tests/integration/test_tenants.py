@@ -19,7 +19,7 @@ from mooncake.store import MooncakeDistributedStore
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv import CacheClient
 from raykv.controllers import StorageConfig
-from raykv.controllers.tenancy import TENANT_SECRET_ENV, keyed_page_hash
+from raykv.controllers.tenancy import TENANT_SECRET_ENV, keyed_page_hash, page_key
 
 from tests.integration.ranks import MHA, Rank, indices
 
@@ -127,7 +127,7 @@ def test_the_right_tenant_with_a_wrong_secret_finds_nothing(make, cluster, uid):
 
     def objects(secret: str) -> list[str]:
         return [k for h in keys for k in owner.key_scheme.kv_keys(
-            keyed_page_hash(secret.encode(), h))]
+            keyed_page_hash(page_key(secret.encode()), h))]
 
     store = MooncakeDistributedStore()
     assert store.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",

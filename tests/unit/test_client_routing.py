@@ -177,7 +177,7 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     import pickle
 
     from raykv.controllers.ownership import verify_registration
-    from raykv.controllers.tenancy import keyed_page_hash
+    from raykv.controllers.tenancy import keyed_page_hash, page_key
 
     secret = "x" * 32
     monkeypatch.setenv("RAYKV_TENANT_SECRET", secret)
@@ -190,7 +190,7 @@ def test_a_tenant_rank_keys_every_page_hash_once_at_every_entry(make, monkeypatc
     assert p.startswith("t1.4=acme.") and "org" in p
 
     def k(h: str) -> str:
-        return p + keyed_page_hash(secret.encode(), h)
+        return p + keyed_page_hash(page_key(secret.encode()), h)
 
     client.batch_set_v2([PoolTransfer(PoolName.KV, ["a"], [0, 1]),
                          PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)])

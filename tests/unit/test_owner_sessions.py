@@ -13,14 +13,19 @@ import pickle
 from dataclasses import replace
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.contract import StorageConfig
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.owner_keys import (
+    SESSION,
     OwnerKey,
     RankSession,
     answer_challenge,
+    fresh_nonce,
     prove_registration,
+    signature_valid,
+    transcript,
 )
 from raykv.controllers.owner_sessions import (
     CallWindow,
@@ -171,6 +176,26 @@ def test_owner_keys_are_deterministic_and_the_digest_is_the_public_key():
     assert OwnerKey.of_secret(SECRET_A).public == tenant_digest("team-a", ENV)
     assert OwnerKey.of_secret(SECRET_B).public != tenant_digest("team-a", ENV)
     assert SECRET_A.hex() not in tenant_digest("team-a", ENV)
+
+
+@pytest.mark.parametrize("label", ["raykv/owner-key/v1", "raykv/tenant-sub-key/v2/owner-key",
+                                   "raykv/tenant-sub-key/v2/page-hashes", "owner-key",
+                                   "page-hashes"])
+def test_no_keyed_page_hash_is_the_owner_keys_seed(label):
+    """A page hash is whatever string a caller gives, and a keyed page hash travels (an
+    object key anyone who reaches the store can list): none may be a seed of the owner
+    key, whose private half signs for the tenant. The secret's uses have their own
+    sub-keys. CONTROL (the old code, which keyed both uses with the secret itself: the
+    owner key's seed was HMAC(secret, "raykv/owner-key/v1") and a keyed page hash
+    HMAC(secret, page hash)): keying that label gave the seed, a key signing as the
+    tenant."""
+    (keyed,) = KeyedHashes(SECRET_A).keys([label])
+    forged = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(keyed))
+    owner = OwnerKey.of_secret(SECRET_A)
+    assert forged.public_key().public_bytes_raw().hex() != owner.public
+    message = transcript(SESSION, fresh_nonce(), "", "", "d", "team-a", "p")
+    assert not signature_valid(owner.public, message, forged.sign(message).hex())
+    assert signature_valid(owner.public, message, owner.sign(message))  # CONTROL: the key
 
 
 @pytest.mark.parametrize("holder", [

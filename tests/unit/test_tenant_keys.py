@@ -15,7 +15,13 @@ from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.deployments import Deployment, DeploymentRegistry, PoolSpec
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import Identity, KeyScheme, key_prefix, parse_prefix
-from raykv.controllers.tenancy import keyed_page_hash
+from raykv.controllers.tenancy import (
+    OWNER_KEY,
+    PAGE_HASHES,
+    keyed_page_hash,
+    page_key,
+    sub_key,
+)
 
 SECRET = b"s" * 32
 KV = PoolSpec(PoolName.KV, "mha", ("k", "v"), ("bfloat16", "bfloat16"), 16, "page_first",
@@ -205,11 +211,11 @@ def test_an_older_checkpoint_without_byte_fields_loads_and_learns_them():
 # ------------------------------------------------------------- keyed hashes
 def test_keyed_hashes_map_each_key_once_and_sidecars_through_their_source():
     keyed = KeyedHashes(SECRET)
-    assert keyed.keys(["a", "b"]) == [keyed_page_hash(SECRET, h) for h in "ab"]
+    assert keyed.keys(["a", "b"]) == [keyed_page_hash(page_key(SECRET), h) for h in "ab"]
     kv = PoolTransfer(PoolName.KV, ["a"], [0, 1])
     side = PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)
     out = keyed.transfers([kv, side])
-    assert out[0].keys == [keyed_page_hash(SECRET, "a")] and out[1].keys is None
+    assert out[0].keys == [keyed_page_hash(page_key(SECRET), "a")] and out[1].keys is None
     assert kv.keys == ["a"]  # the caller's transfer is left as it was
     with pytest.raises(ValueError, match="'a' appears at positions 0 and 1"):
         keyed.keys(["a", "a"])  # errors name what the caller gave
@@ -217,6 +223,19 @@ def test_keyed_hashes_map_each_key_once_and_sidecars_through_their_source():
     plain = KeyedHashes(None)
     keys = ["a"]
     assert plain.keys(keys) is keys and plain.transfers([kv])[0] is kv
+
+
+def test_each_use_of_the_secret_has_its_own_sub_key():
+    """Page hashes are keyed under the secret's page-hash sub-key, the owner key is
+    seeded with its owner-key sub-key: distinct, deterministic, neither the secret nor
+    a function of the other; another use is refused."""
+    page, owner = sub_key(SECRET, PAGE_HASHES), sub_key(SECRET, OWNER_KEY)
+    assert len(page) == len(owner) == 32 and page != owner and SECRET not in (page, owner)
+    assert page_key(SECRET) == page == sub_key(SECRET, PAGE_HASHES)
+    assert sub_key(b"t" * 32, PAGE_HASHES) != page  # another secret, another sub-key
+    assert keyed_page_hash(page, "a") != keyed_page_hash(SECRET, "a")  # not the secret
+    with pytest.raises(ValueError, match="sub-key"):
+        sub_key(SECRET, "session")
 
 
 def test_no_secret_in_what_leaves_the_rank():
