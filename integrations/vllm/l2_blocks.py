@@ -9,7 +9,10 @@ node reads from L3 into L2 first those L2 does not hold) and copies them into vL
 blocks. Pages are this process's from the node's answer until its next L2 op (a load
 ends with an empty one, so an idle engine holds none; a load copied behind the forward
 holds its last chunk until ``release``), so a copy never races another engine's
-writes; a page whose commit did not reach the node is never read by anyone.
+writes; a page whose commit did not reach the node is never read by anyone. A load
+holds the L2 pool's memory (``HostPool.held``) as long as it holds pages to copy, so
+the node never gives that memory back under its copies (standalone mode, after
+``mooncake_client`` restarted: the pools are allocated anew).
 
 When the node actor restarted (its L2 pools are new and empty), the first op finds the
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
@@ -73,6 +76,7 @@ class L2Blocks:
         self._layers, self._views = layers, views
         self._layout, self._pages = layout, pages
         self._reopening: threading.Thread | None = None
+        self._held = threading.local()  # .pages: the hold of a load copied behind
         device = layers[0].device if layers else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -104,35 +108,54 @@ class L2Blocks:
         thread (``LayerLoads``) and their pages stay held: the caller calls ``release``
         after ``behind.finish()``; the last block, the one vLLM may write into in this
         step, is copied here. Every copy goes through the pool the pages came from,
-        whatever another thread's loss or reopening of the L2 meanwhile. Raises what the
-        client raises."""
+        whatever another thread's loss or reopening of the L2 meanwhile, and that pool's
+        memory is held (``HostPool.held``) from before the first op until the last copy
+        ended (``release`` for copies behind): the node never gives it back under a
+        copy (standalone: ``mooncake_client`` restarted). Raises what the client
+        raises."""
         done = 0
-        pool = self._pool()
-        while done < len(block_ids):
-            n = min(CHUNK, len(block_ids) - done)
-            pages = self._op(self._link.acquire, pool.name, hashes[done:done + n], True)
-            ids = block_ids[done:done + len(pages)]
-            done += len(pages)
-            if behind is not None and len(pages) > 1 and (len(pages) < n
-                                                          or done == len(block_ids)):
-                self._copy(pool, pages[-1:], ids[-1:], to_pool=False)
-                behind.start(partial(self._copy_layer, self._views(pool),
-                                     page_runs(list(ids[:-1]), list(pages[:-1]))),
-                             len(self._layers))
-                return done, list(ids[:-1])
-            self._copy(pool, pages, ids, to_pool=False)
-            if len(pages) < n:
-                break
-        self.release()
+        self._let_go()  # a caller that skipped ``release``: its copies ended
+        hold = contextlib.ExitStack()
+        with hold:
+            pool = hold.enter_context(self._pool().held())
+            while done < len(block_ids):
+                n = min(CHUNK, len(block_ids) - done)
+                pages = self._op(self._link.acquire, pool.name, hashes[done:done + n], True)
+                ids = block_ids[done:done + len(pages)]
+                done += len(pages)
+                if behind is not None and len(pages) > 1 and (len(pages) < n
+                                                              or done == len(block_ids)):
+                    self._copy(pool, pages[-1:], ids[-1:], to_pool=False)
+                    behind.start(partial(self._copy_layer, self._views(pool),
+                                         page_runs(list(ids[:-1]), list(pages[:-1]))),
+                                 len(self._layers))
+                    self._held.pages = hold.pop_all()  # until ``release``
+                    return done, list(ids[:-1])
+                self._copy(pool, pages, ids, to_pool=False)
+                if len(pages) < n:
+                    break
+            self._give_back()
         return done, []
 
     def release(self) -> None:
         """Give the pages this thread holds back to the cache (they stay held until
-        its next op otherwise); a failure is ignored (the node releases them at this
+        its next op otherwise), then the hold of the pool's memory a load copied behind
+        took (``load``); a failure is ignored (the node releases them at this
         thread's next op, or when the process is gone)."""
+        self._give_back()
+        self._let_go()
+
+    def _give_back(self) -> None:
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 self._link.acquire(self.pool.name, [], False)
+
+    def _let_go(self) -> None:
+        """End this thread's hold of a load copied behind (``load``), if any."""
+        hold = getattr(self._held, "pages", None)
+        if hold is not None:
+            self._held.pages = None
+            hold.close()
 
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
         """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
