@@ -160,30 +160,42 @@ class L2Blocks:
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
         """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
         to L3 behind): ``(blocks now in L2, indices of the blocks L2 had no page for)``.
-        Raises what the client raises (blocks of earlier chunks stay saved)."""
+        The pool's memory is held throughout (as ``load``'s). Raises what the client
+        raises (blocks of earlier chunks stay saved)."""
         saved, full = 0, []
-        pool = self._pool()
-        for lo in range(0, len(block_ids), CHUNK):
-            ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
-            pages = self._op(self._link.reserve, pool.name, hs)
-            mine = [i for i, p in enumerate(pages) if p >= 0]
-            saved += sum(p == PRESENT for p in pages)
-            full += [lo + i for i, p in enumerate(pages) if p == FULL]
-            if not mine:
-                continue
-            self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine], to_pool=True)
-            saved += self._op(self._link.commit, pool.name, [hs[i] for i in mine],
-                              [pages[i] for i in mine], [True] * len(mine))
+        with self._pool().held() as pool:
+            for lo in range(0, len(block_ids), CHUNK):
+                ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
+                pages = self._op(self._link.reserve, pool.name, hs)
+                mine = [i for i, p in enumerate(pages) if p >= 0]
+                saved += sum(p == PRESENT for p in pages)
+                full += [lo + i for i, p in enumerate(pages) if p == FULL]
+                if not mine:
+                    continue
+                self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine],
+                           to_pool=True)
+                saved += self._op(self._link.commit, pool.name, [hs[i] for i in mine],
+                                  [pages[i] for i in mine], [True] * len(mine))
         return saved, full
 
     def save_behind(self, block_ids: Sequence[int], hashes: Sequence[str]) -> SaveBehind:
         """Reserve L2 pages for vLLM's ``block_ids`` (one op for all of them), queue
         their copy into the pages (``page_copies.copy_runs_behind``) and return:
         ``SaveBehind.wait`` gives ``save``'s answer once the pages are committed. The
-        calling thread makes no other L2 op before that ``wait``. Raises what the client
-        or the copy raises (a copy that failed is first waited for, its pages freed)."""
+        calling thread makes no other L2 op before that ``wait``. The pool's memory is
+        held until the commit returned (the copy may still write it until then). Raises
+        what the client or the copy raises (a copy that failed is first waited for, its
+        pages freed)."""
         hashes = list(hashes)
-        pool = self._pool()
+        hold = contextlib.ExitStack()
+        with hold:
+            pool = hold.enter_context(self._pool().held())
+            return self._save_behind(pool, block_ids, hashes, hold)
+
+    def _save_behind(self, pool: HostPool, block_ids: Sequence[int], hashes: list[str],
+                     hold: contextlib.ExitStack) -> SaveBehind:
+        """``save_behind`` through ``pool`` as ``hold`` holds it (handed over to the
+        ``SaveBehind`` once the copy is queued)."""
         name = pool.name
         pages = self._op(self._link.reserve, name, hashes)
         mine = [i for i, p in enumerate(pages) if p >= 0]
@@ -205,7 +217,7 @@ class L2Blocks:
                 with contextlib.suppress(Exception):
                     self._op(self._link.commit, name, keys, ours, [False] * len(ours))
                 raise
-        return SaveBehind(self, name, keys, ours, present, full, done)
+        return SaveBehind(self, name, keys, ours, present, full, done, hold.pop_all())
 
     def _op(self, op: Callable, *args, **kw):
         """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
@@ -260,11 +272,13 @@ class SaveBehind:
     """One ``L2Blocks.save_behind``: ``hashes`` reserved at ``pages`` of the L2 pool
     ``pool`` by the calling thread, their copy done once ``copied`` (a CUDA event;
     None: done already), committed by a thread of its own for the calling thread;
-    ``present``, ``full``: as ``L2Blocks.save`` counts them."""
+    ``present``, ``full``: as ``L2Blocks.save`` counts them; ``held``: the hold of the
+    pool's memory, ended once the commit returned."""
 
     def __init__(self, l2: L2Blocks, pool: str, hashes: list[str], pages: list[int],
-                 present: int, full: list[int], copied: torch.cuda.Event | None) -> None:
-        self._l2, self._pool = l2, pool
+                 present: int, full: list[int], copied: torch.cuda.Event | None,
+                 held: contextlib.ExitStack) -> None:
+        self._l2, self._pool, self._held = l2, pool, held
         self._holder = l2._link.holder  # the reserving thread, read on that thread
         self._hashes, self._pages = hashes, pages
         self._present, self._full = present, full
@@ -291,6 +305,8 @@ class SaveBehind:
                                            [ok] * len(self._pages), holder=self._holder)
         except Exception as e:
             self._error = e
+        finally:
+            self._held.close()
 
     @property
     def done(self) -> bool:

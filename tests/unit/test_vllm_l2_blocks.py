@@ -340,3 +340,24 @@ def test_an_op_copies_only_through_the_pool_it_holds_pages_of(op):
     assert torch.equal(stores["l2-pool-new"][0], torch.full((PAGES, *BLOCK), 7.0))
     if op != "load":
         assert torch.equal(stores["l2-pool"][0][0], a[0][0])
+
+
+def test_saves_hold_the_pools_memory_until_their_commit_returned():
+    """A save holds the L2 pool's memory (``HostPool.held``) from its reserve until its
+    commit returned: at once for ``save``, on the commit's own thread for
+    ``save_behind`` (whose copy may write the pages until then), so the node never
+    gives that memory back under a copy into it."""
+    link = FakeLink()
+    pool, commit, at_commit = link.pool, link.commit, []
+
+    def counted(*args, **kw):
+        at_commit.append(pool.holds)
+        return commit(*args, **kw)
+
+    link.commit = counted
+    a = engine(layers=1)
+    assert l2(link, a, [torch.zeros(PAGES, *BLOCK)]).save([0], ["h0"]) == (1, [])
+    assert at_commit == [1] and pool.holds == 0
+    behind = l2(link, a, [torch.zeros(PAGES, *BLOCK)]).save_behind([1], ["h1"])
+    assert behind.wait() == (1, [])
+    assert at_commit == [1, 1] and pool.holds == 0
