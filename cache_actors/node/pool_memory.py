@@ -172,12 +172,12 @@ def _punch_hole(fd: int, nbytes: int) -> None:
                     ctypes.get_errno())
 
 
-def punch_when_let_go(fd: int, nbytes: int, name: str) -> bool:
-    """Give the pages of memfd ``fd`` back (``_punch_hole``) once no process holds them
-    (``HostPool.held``: a rank copying out of them across a node call): under an
-    exclusive ``flock`` of ``fd``, at once if no hold is taken now (True), else on a
-    thread of its own that waits for the last hold to end (False). So a rank never
-    reads holes (zeros) where the bytes of a call it was answered were."""
+def punch_when_let_go(fd: int, nbytes: int, name: str) -> None:
+    """Give the pages of memfd ``fd`` (pool ``name``) back (``_punch_hole``) once no
+    process holds them (``HostPool.held``: a rank copying the pages of a node call out
+    of them or into them): under an exclusive ``flock`` of ``fd``, at once if no hold is
+    taken now, else on a thread of its own that waits for the last hold to end. So a
+    rank never reads holes (zeros) where the bytes of a call it was answered were."""
     def punch() -> None:
         try:
             _punch_hole(fd, nbytes)
@@ -195,9 +195,8 @@ def punch_when_let_go(fd: int, nbytes: int, name: str) -> bool:
         log.info("pool %s: a rank still copies out of its old memory; given back once it "
                  "let go", name)
         threading.Thread(target=when_let_go, name="raykv-pool-let-go", daemon=True).start()
-        return False
+        return
     punch()
-    return True
 
 
 class MemfdPoolMemory:
