@@ -86,19 +86,6 @@ def map_fd(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def attach_shm_file(name: str, nbytes: int) -> mmap.mmap:
-    """Map the existing file ``name``; raise ``FileNotFoundError`` if it is gone or
-    ``ValueError`` if it is smaller than ``nbytes``."""
-    fd = os.open(shm_path(name), os.O_RDWR)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < nbytes:
-            raise ValueError(f"shared file {name} holds {actual} bytes, expected {nbytes}")
-        return map_fd(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
 def unlink_shm_file(name: str) -> None:
     """Remove file ``name``; mappings stay valid until unmapped. Missing is fine."""
     with contextlib.suppress(FileNotFoundError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import os
 import threading
@@ -171,12 +172,41 @@ def _punch_hole(fd: int, nbytes: int) -> None:
                     ctypes.get_errno())
 
 
+def punch_when_let_go(fd: int, nbytes: int, name: str) -> None:
+    """Give the pages of memfd ``fd`` (pool ``name``) back (``_punch_hole``) once no
+    process holds them (``HostPool.held``: a rank copying the pages of a node call out
+    of them or into them): under an exclusive ``flock`` of ``fd``, at once if no hold is
+    taken now, else on a thread of its own that waits for the last hold to end. So a
+    rank never reads holes (zeros) where the bytes of a call it was answered were."""
+    def punch() -> None:
+        try:
+            _punch_hole(fd, nbytes)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        def when_let_go() -> None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            punch()
+            log.info("pool %s: the last rank holding its old memory let go; given back",
+                     name)
+        log.info("pool %s: a rank still copies out of its old memory; given back once it "
+                 "let go", name)
+        threading.Thread(target=when_let_go, name="raykv-pool-let-go", daemon=True).start()
+        return
+    punch()
+
+
 class MemfdPoolMemory:
     """Standalone mode: pools allocated by the dummy client (see the module docstring).
 
     Mooncake's dummy client has no call to free an allocation, so a released pool keeps
     its address range and fd but its pages are given back (hole punched): only live pools
-    hold memory, and only they count against the budget.
+    hold memory, and only they count against the budget. The pages of a pool a rank
+    still holds (``HostPool.held``) are given back once it let go
+    (``punch_when_let_go``); the budget stops counting them at once.
     """
 
     mode = "standalone"
@@ -220,9 +250,10 @@ class MemfdPoolMemory:
         return self.create(handle.name, handle.layout)
 
     def release(self, pool: HostPool, remove: bool = True) -> None:
-        """Give the pool's pages back (``remove`` is moot: nothing outlives the actor)."""
+        """Give the pool's pages back once no rank holds them (``punch_when_let_go``;
+        ``remove`` is moot: nothing outlives the actor)."""
         fd = self._fds.pop(pool.base_ptr)
         nbytes = pool.nbytes
         pool.close()
-        _punch_hole(fd, nbytes)
+        punch_when_let_go(fd, nbytes, pool.name)
         self.budget.release(nbytes)

@@ -132,9 +132,9 @@ class StagedPool:
     (one caller thread: both directions use the first ``window`` pages). ``window``
     None: the staging pool mirrors the engine's (same size, engine page ``p`` staged at
     page ``p``; one round; no lock, so concurrent calls never wait on each other).
-    ``stage``: the staging pool's pages as tensors lining up with ``memory.pages`` (read
-    anew at every copy: a pool the node allocated anew is re-mapped in place); default
-    ``buffer_pages``.
+    ``stage``: a staging pool's pages as tensors lining up with ``memory.pages`` (of the
+    pool as a transfer holds it, read anew at every copy: a pool the node allocated
+    anew is re-mapped, ``HostPool.remap``); default ``buffer_pages``.
 
     Threads: a windowed transfer holds its direction's lock (``lock``) for its whole
     run, copies and store calls; ``closed``, set under both locks by whoever destroys
@@ -202,17 +202,21 @@ class StagedPool:
         first = 0 if write else self._get_first
         return list(range(first, first + len(engine_pages)))
 
-    def copy_in(self, engine_pages: Sequence[int], staging_pages: Sequence[int]) -> None:
-        """Copy the engine's pages to the staging pool's (before a put)."""
-        self._copy(engine_pages, staging_pages, to_stage=True)
+    def copy_in(self, engine_pages: Sequence[int], staging_pages: Sequence[int],
+                pool: HostPool) -> None:
+        """Copy the engine's pages to the staging pages of ``pool`` (before a put; the
+        staging pool as the transfer holds it: ``HostPool.held``)."""
+        self._copy(engine_pages, staging_pages, pool, to_stage=True)
 
-    def copy_out(self, engine_pages: Sequence[int], staging_pages: Sequence[int]) -> None:
-        """Copy the staging pool's pages to the engine's (after a get)."""
-        self._copy(engine_pages, staging_pages, to_stage=False)
+    def copy_out(self, engine_pages: Sequence[int], staging_pages: Sequence[int],
+                 pool: HostPool) -> None:
+        """Copy the staging pages of ``pool`` to the engine's (after a get; as
+        ``copy_in``)."""
+        self._copy(engine_pages, staging_pages, pool, to_stage=False)
 
     def _copy(self, engine_pages: Sequence[int], staging_pages: Sequence[int],
-              to_stage: bool) -> None:
-        copy_runs(self.memory.pages, self._stage(self.pool),
+              pool: HostPool, to_stage: bool) -> None:
+        copy_runs(self.memory.pages, self._stage(pool),
                   page_runs(engine_pages, staging_pages), to_pool=to_stage)
         self.copied_bytes += len(engine_pages) * sum(
             p[0].numel() * p.element_size() for p in self.memory.pages)
@@ -248,22 +252,30 @@ def staged_call(checked: CheckedTransfers, staged: Mapping[PoolName, StagedPool]
         closed = [p.role.value for p, sp in moved if sp.closed]
         if closed:  # its mapping here is gone: a copy would fault
             raise ValueError(f"raykv: staged pools {closed} were closed")
+        held = {id(sp): stack.enter_context(sp.pool.held())
+                for sp in {id(sp): sp for _, sp in moved}.values()}
+        epochs = {p.handle.epoch for p in held.values()}
+        if epochs != {epoch}:  # re-mapped in between: the oldest, which the node refuses
+            epoch = min(epochs | {epoch})
         for r in range(max([sp.rounds(len(p.starts)) for p, sp in moved] + [1])):
-            _round(r, direct if r == 0 else [], moved, write, epoch, call, results)
+            _round(r, direct if r == 0 else [], [(p, sp, held[id(sp)]) for p, sp in moved],
+                   write, epoch, call, results)
     return results
 
 
-def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages, StagedPool]],
-           write: bool, epoch: int, call: Callable[[ObjectBatch], Sequence[int]],
+def _round(r: int, direct: Iterable[PoolPages],
+           moved: Sequence[tuple[PoolPages, StagedPool, HostPool]], write: bool, epoch: int,
+           call: Callable[[ObjectBatch], Sequence[int]],
            results: dict[PoolName, list[bool]]) -> None:
-    """Round ``r`` of ``staged_call``: its pages appended to ``results``."""
+    """Round ``r`` of ``staged_call`` (``moved``: each staged part, its pool and the
+    staging pool as held): its pages appended to ``results``."""
     plan = TransferPlan()
     plan.batch.epoch = epoch
     direct = list(direct)
     for part in direct:
         plan.add(part, part.pool.pool_name, part.pool.layout, part.starts)
     rounds = []
-    for part, sp in moved:
+    for part, sp, pool in moved:
         lo, hi = sp.chunk(r, len(part.starts))
         if lo >= hi:
             continue
@@ -271,41 +283,42 @@ def _round(r: int, direct: Iterable[PoolPages], moved: Sequence[tuple[PoolPages,
         engine_pages = [s // page for s in part.starts[lo:hi]]
         staging_pages = sp.staging_pages(engine_pages, write)
         sp.quarantine.check(staging_pages, sp.name)
-        rounds.append((part, sp, lo, hi, engine_pages, staging_pages))
+        rounds.append((part, sp, pool, lo, hi, engine_pages, staging_pages))
     copies = []
-    for part, sp, lo, hi, engine_pages, staging_pages in rounds:
+    for part, sp, pool, lo, hi, engine_pages, staging_pages in rounds:
         if write:
-            sp.copy_in(engine_pages, staging_pages)
+            sp.copy_in(engine_pages, staging_pages, pool)
         page = sp.layout.page_size
-        plan.add(part.pages(lo, hi), sp.name, sp.pool.layout,
-                 [p * page for p in staging_pages])
-        copies.append((part.role, sp, engine_pages, staging_pages))
+        plan.add(part.pages(lo, hi), sp.name, pool.layout, [p * page for p in staging_pages])
+        copies.append((part.role, sp, pool, engine_pages, staging_pages))
     if not plan.spans:
         return
     codes = _call(plan.batch, call, [] if direct else copies) if len(plan.batch) else []
     out = plan.stored(codes) if write else plan.read(codes)
-    for role, sp, engine_pages, staging_pages in copies:
+    for role, sp, pool, engine_pages, staging_pages in copies:
         if not write:
             read = [i for i, ok in enumerate(out[role]) if ok]
-            sp.copy_out([engine_pages[i] for i in read], [staging_pages[i] for i in read])
+            sp.copy_out([engine_pages[i] for i in read], [staging_pages[i] for i in read],
+                        pool)
     for role, ok in out.items():
         results[role].extend(ok)
 
 
 def _call(batch: ObjectBatch, call: Callable[[ObjectBatch], Sequence[int]],
-          staged: Sequence[tuple[PoolName, StagedPool, list[int], list[int]]]
+          staged: Sequence[tuple[PoolName, StagedPool, HostPool, list[int], list[int]]]
           ) -> Sequence[int]:
     """``call(batch)``; with ``staged`` (the round names staging pages only: ``(role,
-    pool, engine pages, staging pages)`` each), a failure whose store call runs on
-    quarantines those staging pages instead of waiting for it (``tickets.deferring``):
-    each staged pool of the round holds the same late tickets, and whichever settles
-    one first frees it (``TicketBook.try_settle`` is idempotent per ticket)."""
+    pool, staging pool held, engine pages, staging pages)`` each), a failure whose store
+    call runs on quarantines those staging pages instead of waiting for it
+    (``tickets.deferring``): each staged pool of the round holds the same late tickets,
+    and whichever settles one first frees it (``TicketBook.try_settle`` is idempotent
+    per ticket)."""
     if not staged:
         return call(batch)
     with deferring() as late:
         try:
             return call(batch)
         except BaseException:
-            for _, sp, _, staging_pages in staged:
+            for _, sp, _, _, staging_pages in staged:
                 sp.quarantine.add(late, staging_pages)
             raise

@@ -9,7 +9,10 @@ node reads from L3 into L2 first those L2 does not hold) and copies them into vL
 blocks. Pages are this process's from the node's answer until its next L2 op (a load
 ends with an empty one, so an idle engine holds none; a load copied behind the forward
 holds its last chunk until ``release``), so a copy never races another engine's
-writes; a page whose commit did not reach the node is never read by anyone.
+writes; a page whose commit did not reach the node is never read by anyone. A load
+holds the L2 pool's memory (``HostPool.held``) as long as it holds pages to copy, so
+the node never gives that memory back under its copies (standalone mode, after
+``mooncake_client`` restarted: the pools are allocated anew).
 
 When the node actor restarted (its L2 pools are new and empty), the first op finds the
 pool unknown: the L2 is then *lost*, the worker uses its staging pool meanwhile, and a
@@ -73,6 +76,7 @@ class L2Blocks:
         self._layers, self._views = layers, views
         self._layout, self._pages = layout, pages
         self._reopening: threading.Thread | None = None
+        self._held = threading.local()  # .pages: the hold of a load copied behind
         device = layers[0].device if layers else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -104,63 +108,94 @@ class L2Blocks:
         thread (``LayerLoads``) and their pages stay held: the caller calls ``release``
         after ``behind.finish()``; the last block, the one vLLM may write into in this
         step, is copied here. Every copy goes through the pool the pages came from,
-        whatever another thread's loss or reopening of the L2 meanwhile. Raises what the
-        client raises."""
+        whatever another thread's loss or reopening of the L2 meanwhile, and that pool's
+        memory is held (``HostPool.held``) from before the first op until the last copy
+        ended (``release`` for copies behind): the node never gives it back under a
+        copy (standalone: ``mooncake_client`` restarted). Raises what the client
+        raises."""
         done = 0
-        pool = self._pool()
-        while done < len(block_ids):
-            n = min(CHUNK, len(block_ids) - done)
-            pages = self._op(self._link.acquire, pool.name, hashes[done:done + n], True)
-            ids = block_ids[done:done + len(pages)]
-            done += len(pages)
-            if behind is not None and len(pages) > 1 and (len(pages) < n
-                                                          or done == len(block_ids)):
-                self._copy(pool, pages[-1:], ids[-1:], to_pool=False)
-                behind.start(partial(self._copy_layer, self._views(pool),
-                                     page_runs(list(ids[:-1]), list(pages[:-1]))),
-                             len(self._layers))
-                return done, list(ids[:-1])
-            self._copy(pool, pages, ids, to_pool=False)
-            if len(pages) < n:
-                break
-        self.release()
+        self._let_go()  # a caller that skipped ``release``: its copies ended
+        hold = contextlib.ExitStack()
+        with hold:
+            pool = hold.enter_context(self._pool().held())
+            while done < len(block_ids):
+                n = min(CHUNK, len(block_ids) - done)
+                pages = self._op(self._link.acquire, pool.name, hashes[done:done + n], True)
+                ids = block_ids[done:done + len(pages)]
+                done += len(pages)
+                if behind is not None and len(pages) > 1 and (len(pages) < n
+                                                              or done == len(block_ids)):
+                    self._copy(pool, pages[-1:], ids[-1:], to_pool=False)
+                    behind.start(partial(self._copy_layer, self._views(pool),
+                                         page_runs(list(ids[:-1]), list(pages[:-1]))),
+                                 len(self._layers))
+                    self._held.pages = hold.pop_all()  # until ``release``
+                    return done, list(ids[:-1])
+                self._copy(pool, pages, ids, to_pool=False)
+                if len(pages) < n:
+                    break
+            self._give_back()
         return done, []
 
     def release(self) -> None:
         """Give the pages this thread holds back to the cache (they stay held until
-        its next op otherwise); a failure is ignored (the node releases them at this
+        its next op otherwise), then the hold of the pool's memory a load copied behind
+        took (``load``); a failure is ignored (the node releases them at this
         thread's next op, or when the process is gone)."""
+        self._give_back()
+        self._let_go()
+
+    def _give_back(self) -> None:
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 self._link.acquire(self.pool.name, [], False)
 
+    def _let_go(self) -> None:
+        """End this thread's hold of a load copied behind (``load``), if any."""
+        hold = getattr(self._held, "pages", None)
+        if hold is not None:
+            self._held.pages = None
+            hold.close()
+
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
         """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
         to L3 behind): ``(blocks now in L2, indices of the blocks L2 had no page for)``.
-        Raises what the client raises (blocks of earlier chunks stay saved)."""
+        The pool's memory is held throughout (as ``load``'s). Raises what the client
+        raises (blocks of earlier chunks stay saved)."""
         saved, full = 0, []
-        pool = self._pool()
-        for lo in range(0, len(block_ids), CHUNK):
-            ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
-            pages = self._op(self._link.reserve, pool.name, hs)
-            mine = [i for i, p in enumerate(pages) if p >= 0]
-            saved += sum(p == PRESENT for p in pages)
-            full += [lo + i for i, p in enumerate(pages) if p == FULL]
-            if not mine:
-                continue
-            self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine], to_pool=True)
-            saved += self._op(self._link.commit, pool.name, [hs[i] for i in mine],
-                              [pages[i] for i in mine], [True] * len(mine))
+        with self._pool().held() as pool:
+            for lo in range(0, len(block_ids), CHUNK):
+                ids, hs = block_ids[lo:lo + CHUNK], list(hashes[lo:lo + CHUNK])
+                pages = self._op(self._link.reserve, pool.name, hs)
+                mine = [i for i, p in enumerate(pages) if p >= 0]
+                saved += sum(p == PRESENT for p in pages)
+                full += [lo + i for i, p in enumerate(pages) if p == FULL]
+                if not mine:
+                    continue
+                self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine],
+                           to_pool=True)
+                saved += self._op(self._link.commit, pool.name, [hs[i] for i in mine],
+                                  [pages[i] for i in mine], [True] * len(mine))
         return saved, full
 
     def save_behind(self, block_ids: Sequence[int], hashes: Sequence[str]) -> SaveBehind:
         """Reserve L2 pages for vLLM's ``block_ids`` (one op for all of them), queue
         their copy into the pages (``page_copies.copy_runs_behind``) and return:
         ``SaveBehind.wait`` gives ``save``'s answer once the pages are committed. The
-        calling thread makes no other L2 op before that ``wait``. Raises what the client
-        or the copy raises (a copy that failed is first waited for, its pages freed)."""
+        calling thread makes no other L2 op before that ``wait``. The pool's memory is
+        held until the commit returned (the copy may still write it until then). Raises
+        what the client or the copy raises (a copy that failed is first waited for, its
+        pages freed)."""
         hashes = list(hashes)
-        pool = self._pool()
+        hold = contextlib.ExitStack()
+        with hold:
+            pool = hold.enter_context(self._pool().held())
+            return self._save_behind(pool, block_ids, hashes, hold)
+
+    def _save_behind(self, pool: HostPool, block_ids: Sequence[int], hashes: list[str],
+                     hold: contextlib.ExitStack) -> SaveBehind:
+        """``save_behind`` through ``pool`` as ``hold`` holds it (handed over to the
+        ``SaveBehind`` once the copy is queued)."""
         name = pool.name
         pages = self._op(self._link.reserve, name, hashes)
         mine = [i for i, p in enumerate(pages) if p >= 0]
@@ -182,7 +217,7 @@ class L2Blocks:
                 with contextlib.suppress(Exception):
                     self._op(self._link.commit, name, keys, ours, [False] * len(ours))
                 raise
-        return SaveBehind(self, name, keys, ours, present, full, done)
+        return SaveBehind(self, name, keys, ours, present, full, done, hold.pop_all())
 
     def _op(self, op: Callable, *args, **kw):
         """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
@@ -237,11 +272,13 @@ class SaveBehind:
     """One ``L2Blocks.save_behind``: ``hashes`` reserved at ``pages`` of the L2 pool
     ``pool`` by the calling thread, their copy done once ``copied`` (a CUDA event;
     None: done already), committed by a thread of its own for the calling thread;
-    ``present``, ``full``: as ``L2Blocks.save`` counts them."""
+    ``present``, ``full``: as ``L2Blocks.save`` counts them; ``held``: the hold of the
+    pool's memory, ended once the commit returned."""
 
     def __init__(self, l2: L2Blocks, pool: str, hashes: list[str], pages: list[int],
-                 present: int, full: list[int], copied: torch.cuda.Event | None) -> None:
-        self._l2, self._pool = l2, pool
+                 present: int, full: list[int], copied: torch.cuda.Event | None,
+                 held: contextlib.ExitStack) -> None:
+        self._l2, self._pool, self._held = l2, pool, held
         self._holder = l2._link.holder  # the reserving thread, read on that thread
         self._hashes, self._pages = hashes, pages
         self._present, self._full = present, full
@@ -268,6 +305,8 @@ class SaveBehind:
                                            [ok] * len(self._pages), holder=self._holder)
         except Exception as e:
             self._error = e
+        finally:
+            self._held.close()
 
     @property
     def done(self) -> bool:

@@ -880,10 +880,10 @@ class Engine:
         t0 = time.perf_counter()
         copy_started: list[float] = []
 
-        def slow_copy(staged, epages, spages):
+        def slow_copy(staged, epages, spages, pool):
             slowed.on = True
             try:
-                return copy(staged, epages, spages)
+                return copy(staged, epages, spages, pool)
             finally:
                 slowed.on = False
 

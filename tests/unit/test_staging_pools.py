@@ -1,7 +1,9 @@
 """``staging_pools`` without Ray: an engine buffer described as a raykv layout (the same
 bytes at the same offsets), the page-run copy and staged rounds on plain mappings."""
 
+import fcntl
 import mmap
+import os
 import time
 
 import pytest
@@ -195,12 +197,12 @@ def test_a_staged_call_failing_under_a_running_store_call_quarantines_its_pages(
     assert move_with(staged, ["b"], [6], True, store(True)) == [True]
 
 
-def move_with(staged: StagedPool, keys, block_ids, write: bool, call):
+def move_with(staged: StagedPool, keys, block_ids, write: bool, call, epoch: int = 0):
     slots = (torch.tensor(block_ids)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
     checked = check_transfers([PoolTransfer(PoolName.KV, keys, slots)],
                               {PoolName.KV: PlanPool(staged.name, staged.layout)},
                               KeyScheme.from_config(StorageConfig()), write=write)
-    return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=0,
+    return staged_call(checked, {PoolName.KV: staged}, write=write, epoch=epoch,
                        call=call)[PoolName.KV]
 
 
@@ -242,3 +244,74 @@ def test_one_failed_round_of_two_staged_pools_frees_its_late_ticket_once(tmp_pat
     assert desk.ticket(first, time.monotonic() + 30).start()
     assert desk.ticket(second, time.monotonic() + 30).start()
     book.close()
+
+
+def memfd_pool_handle(name: str, layout: PoolLayout, epoch: int) -> PoolHandle:
+    """A handle of ``layout`` on a new zero-filled memfd of this process (standalone
+    mode's pool memory as a rank reaches it: ``/proc/<pid>/fd/<fd>``)."""
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, layout.nbytes)
+    return PoolHandle(name, f"/proc/self/fd/{fd}", layout, epoch)
+
+
+def node_may_release(fd: int) -> bool:
+    """Whether the node, on its own open file ``fd`` of a pool's memory, would give it
+    back now (its exclusive lock: no process holds the memory)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def test_a_get_copies_out_of_the_mapping_it_held_whatever_a_remap_meanwhile():
+    """A staged get: the node reads the object into the staging pool's memory (epoch 1),
+    then another thread of the rank re-maps that pool (the node allocated it anew:
+    epoch 2, zeros) before this call copies the page out. The call holds the old memory
+    from before its call until after its copy (the node does not give it back
+    meanwhile: ``HostPool.held``) and copies out of it: the engine gets the bytes read.
+    Control (the old copy, through the pool as mapped now): the new memory's zeros,
+    reported loaded."""
+    memory = describe_kv_buffer(torch.zeros(2, 4 * PAGE, 2, 1, 8), PAGE)
+    pool = HostPool.attach(memfd_pool_handle("staging", memory.layout, 1))
+    staged = StagedPool(memory, pool)
+    node_fd = os.open(pool.handle.path, os.O_RDWR)  # the node's own file of epoch 1
+    data = torch.randint(1, 255, (memory.layout.nbytes,), dtype=torch.uint8)
+    seen = []
+
+    def get(batch):
+        for off, size in zip(batch.offsets, batch.sizes, strict=True):  # the node's read
+            os.pwrite(node_fd, data[off:off + size].numpy().tobytes(), off)
+        seen.append((batch.epoch, node_may_release(node_fd)))
+        pool.remap(memfd_pool_handle("staging", memory.layout, 2))  # another thread's
+        return list(batch.sizes)
+
+    assert move_with(staged, ["a"], [2], False, get, epoch=1) == [True]
+    offsets = memory.layout.object_offsets([2 * PAGE])
+    for obj, (off, n) in enumerate(zip(offsets, memory.layout.object_sizes, strict=True)):
+        assert torch.equal(memory.pages[obj][2], data[off:off + n]), "not the bytes read"
+    assert seen == [(1, False)]  # held during the call
+    assert node_may_release(node_fd)  # the hold ended with the call
+    os.close(node_fd)
+    pool.close()
+
+
+@pytest.mark.parametrize(("mapped", "told", "sent"), [(3, 3, 3), (3, 5, 3), (5, 3, 3)])
+def test_a_call_whose_staging_mapping_is_of_another_epoch_carries_the_older(mapped, told,
+                                                                             sent):
+    """The client's epoch (``told``) and a staging pool's mapping (``mapped``) disagree
+    while another thread re-maps: the call carries the older of the two, which the node
+    refuses as stale (the client re-maps, the caller retries), so no byte moves between
+    the node's memory and a mapping of another generation."""
+    memory = describe_kv_buffer(torch.zeros(2, 4 * PAGE, 2, 1, 8), PAGE)
+    pool = HostPool.attach(memfd_pool_handle("staging", memory.layout, mapped))
+    epochs = []
+
+    def call(batch):
+        epochs.append(batch.epoch)
+        return [0] * len(batch)
+
+    move_with(StagedPool(memory, pool), ["a"], [1], True, call, epoch=told)
+    assert epochs == [sent]
+    pool.close()

@@ -4,6 +4,7 @@ blocks L2 has no page for handed back, a lost pool reopened."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -16,6 +17,23 @@ BLOCK = (2, 4)  # one layer's block: 2 heads x 4 values
 PAGES = 3
 
 
+class FakePool:
+    """An L2 pool as ``L2Blocks`` sees it: its name and ``held`` (``HostPool.held``),
+    which counts the holds open now (``holds``) and yields the pool itself."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.holds = 0
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holds += 1
+        try:
+            yield self
+        finally:
+            self.holds -= 1
+
+
 class FakeLink:
     """The node's L2 ops for one pool, over a real ``L2Index`` (``acquire`` never
     fills: nothing is in L3)."""
@@ -24,7 +42,7 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.index = L2Index(PAGES, 10, time.monotonic)
-        self.pool = SimpleNamespace(name="l2-pool")
+        self.pool = FakePool("l2-pool")
         self.gone = False
         self.opened = 0
 
@@ -49,7 +67,7 @@ class FakeLink:
     def open(self, layout, pages):
         self.opened += 1
         self.gone = False
-        self.pool = SimpleNamespace(name=f"l2-pool-{self.opened}")
+        self.pool = FakePool(f"l2-pool-{self.opened}")
         return self.pool
 
 
@@ -303,7 +321,7 @@ def test_an_op_copies_only_through_the_pool_it_holds_pages_of(op):
     b = engine(layers=1)
     blocks = L2Blocks(link, link.pool, b if op == "load" else a,
                       lambda pool: stores[pool.name], layout=None, pages=PAGES)
-    new = SimpleNamespace(name="l2-pool-new")
+    new = FakePool("l2-pool-new")
 
     def reopened(answer):
         blocks.pool = new  # what _reopen does on its thread meanwhile
@@ -322,3 +340,24 @@ def test_an_op_copies_only_through_the_pool_it_holds_pages_of(op):
     assert torch.equal(stores["l2-pool-new"][0], torch.full((PAGES, *BLOCK), 7.0))
     if op != "load":
         assert torch.equal(stores["l2-pool"][0][0], a[0][0])
+
+
+def test_saves_hold_the_pools_memory_until_their_commit_returned():
+    """A save holds the L2 pool's memory (``HostPool.held``) from its reserve until its
+    commit returned: at once for ``save``, on the commit's own thread for
+    ``save_behind`` (whose copy may write the pages until then), so the node never
+    gives that memory back under a copy into it."""
+    link = FakeLink()
+    pool, commit, at_commit = link.pool, link.commit, []
+
+    def counted(*args, **kw):
+        at_commit.append(pool.holds)
+        return commit(*args, **kw)
+
+    link.commit = counted
+    a = engine(layers=1)
+    assert l2(link, a, [torch.zeros(PAGES, *BLOCK)]).save([0], ["h0"]) == (1, [])
+    assert at_commit == [1] and pool.holds == 0
+    behind = l2(link, a, [torch.zeros(PAGES, *BLOCK)]).save_behind([1], ["h1"])
+    assert behind.wait() == (1, [])
+    assert at_commit == [1, 1] and pool.holds == 0

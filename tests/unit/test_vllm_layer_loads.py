@@ -223,3 +223,41 @@ def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
     assert w.stats["load_failed"] == 2 and w.stats["loaded"] == 4
     assert link.index.stats()["held"] == 0
     w.shutdown()
+
+
+def test_an_l2_load_holds_its_pools_memory_until_its_last_copy_ended():
+    """The L2 pool's memory is held (``HostPool.held``: the node gives it back only
+    once no rank holds it, standalone mode after ``mooncake_client`` restarted) from
+    before the load's first op until its copies ended: for a load copied behind the
+    forward, until ``release`` after the copy thread's last layer; for one copied at
+    once, until ``load`` returns. Control (the old load): never held, so the node
+    punched holes in the pages under the copies and zeros were loaded."""
+    link, store, a = _three_saved()
+    pool = link.pool
+    acquire, at_acquire = link.acquire, []
+
+    def counted(*args):
+        at_acquire.append(pool.holds)
+        return acquire(*args)
+
+    link.acquire = counted
+
+    class Behind:
+        def start(self, copy, layers):
+            self.copy, self.layers = copy, layers
+
+    behind = Behind()
+    b = engine(layers=2)
+    blocks = l2(link, b, store)
+    assert blocks.load([3, 4, 5], ["h0", "h1", "h2"], behind) == (3, [3, 4])
+    assert at_acquire == [1] and pool.holds == 1  # the copies behind are still to come
+    behind.copy(0)
+    behind.copy(1)
+    assert pool.holds == 1
+    blocks.release()  # after LayerLoads.finish: the pages and the memory let go
+    assert pool.holds == 0 and at_acquire == [1, 1]
+    assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
+
+    c = engine(layers=2)
+    assert l2(link, c, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (3, [])
+    assert at_acquire == [1, 1, 1, 1] and pool.holds == 0  # acquire, then the give-back
