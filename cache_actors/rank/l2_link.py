@@ -85,8 +85,8 @@ class L2Link:
                                self._keys(page_hashes), fill)
 
     def reserve(self, pool: str, page_hashes: Sequence[str]) -> list[int]:
-        """Per page hash: an L2 page to write it into, ``PRESENT`` or ``FULL``
-        (``cache_actors.node.l2_index``)."""
+        """Per page hash: an L2 page to write it into, ``PRESENT``, ``WRITING`` or
+        ``FULL`` (``cache_actors.node.l2_index``)."""
         return self._link.data(DataOp.L2_RESERVE, self.holder, pool, self._keys(page_hashes))
 
     def commit(self, pool: str, page_hashes: Sequence[str], pages: Sequence[int],

@@ -10,7 +10,7 @@ import time
 import pytest
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING
 from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.ownership import OwnerClaim
@@ -106,9 +106,10 @@ def test_save_write_behind_then_lookup_and_read():
     pools = l2(node)
     h = pools.open((0, 0), layout(), 8, A)
     pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
-    assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
+    assert pools.reserve(GONE, h.name, ["m_a"], A) == [WRITING]
     assert pools.lookup(["m_a", "m_b"], 1, A) == 0  # not committed: not readable
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
+    assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
     assert pools.stats()["l3_put_submitted"] == 2  # handed over at the commit
     s = flushed(pools, 2)
     assert s["l3_put"] + s["l3_put_failed"] == s["l3_put_submitted"] == 2  # ended
@@ -400,7 +401,7 @@ def test_an_op_its_caller_gave_up_on_changes_nothing_after_the_callers_next_op()
     with pytest.raises(DeadlineExceededError, match="changed nothing"):
         pools.acquire(ME, name, ["m_a"], False, A, deadline=past)
     assert pools.lookup(["m_a"], 1, A) == 0  # p is not readable
-    assert pools.reserve(GONE, name, ["m_a"], A) == [PRESENT]  # still being written
+    assert pools.reserve(GONE, name, ["m_a"], A) == [WRITING]  # still being written
     assert pools.commit(ME, name, ["m_a"], [0], [True], A,  # the pool's one page, p
                         deadline=time.monotonic() + 5) == 1  # in time: published
     assert pools.lookup(["m_a"], 1, A) == 1
