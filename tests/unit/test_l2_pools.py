@@ -152,6 +152,31 @@ def test_a_failed_fill_is_a_miss_and_frees_its_pages():
     assert all(p >= 0 for p in pools.reserve(GONE, h.name, ["m_y", "m_z"], A))
 
 
+def test_a_fill_that_ends_past_its_readers_deadline_holds_nothing_for_the_reader():
+    """The store's get of a fill ends after the reader's deadline, and the reader has
+    made its next op meanwhile (an acquire that releases what it held): the fill's
+    pages become ready (the bytes are right: the get ended) but are held for nobody,
+    and the reader is told ``DeadlineExceededError``; a writer then finds the page
+    evictable. (Before: the late commit held the page for the reader past its next
+    op, unknown to it: pinned until that thread's op after, or for good.)"""
+    class LateNode(FakeNode):
+        def move(self, op, batch, deadline, caller):
+            while time.monotonic() < deadline:  # the store call outlives the deadline
+                time.sleep(0.005)
+            assert pools.acquire(ME, name, [], False, A) == []  # the reader's next op
+            return super().move(op, batch, deadline, caller)
+
+    node = LateNode()
+    node.stored = {"m_a": 0}
+    pools = l2(node)
+    name = pools.open((0, 0), layout(), 1, A).name
+    with pytest.raises(DeadlineExceededError):
+        pools.acquire(ME, name, ["m_a"], True, A, deadline=time.monotonic() + 0.05)
+    s = pools.stats()["pools"][name]
+    assert (s["ready"], s["held"]) == (1, 0)
+    assert pools.reserve(GONE, name, ["m_z"], A) == [0]  # the page was evictable
+
+
 def one_dirty_page(node: FakeNode, attempts: int, backoff_s: float = 0.01):
     """A one-page pool whose page holds ``m_a``, committed (its write-behind started)."""
     pools = l2(node)
