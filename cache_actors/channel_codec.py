@@ -30,7 +30,7 @@ A frame's body is handed to the decoder without a copy when it is the only one b
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
 tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
 ``PoolQuery``, ``PoolTransferResult``, ``OwnerClaim``) as the list of their fields, in
-order. In a
+order (those their constructor takes: ``OwnerClaim.purpose`` never travels). In a
 request their places are known from the op's argument types (``Signature``); a reply
 value (the client has no schema) wraps the list in a msgpack extension type naming the
 class. Either way each field is checked against its annotation (a ``StrEnum`` field
@@ -283,7 +283,7 @@ def _fields_of(cls: type) -> Check:
     """An instance of dataclass ``cls`` from the list of its fields, in order, each
     checked against its annotation."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
     checks = [checker(hints[n]) for n in names]
 
     def check(v: object) -> object:
@@ -345,7 +345,8 @@ _CLASSES: tuple[type, ...] = (ObjectBatch, PoolQuery, PoolTransferResult, OwnerC
 schema) as extension type ``1 + index here`` holding that list."""
 _FIELDS: dict[type, tuple[tuple[str, ...], Check]] = {}
 for _cls in _CLASSES:  # in order: a class's fields may be of classes before it
-    _FIELDS[_cls] = (tuple(f.name for f in dataclasses.fields(_cls)), _fields_of(_cls))
+    _FIELDS[_cls] = (tuple(f.name for f in dataclasses.fields(_cls) if f.init),
+                     _fields_of(_cls))
 _BY_CODE = {code: _FIELDS[cls][1] for code, cls in enumerate(_CLASSES, start=1)}
 _CODE = {cls: code for code, cls in enumerate(_CLASSES, start=1)}
 
