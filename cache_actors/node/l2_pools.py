@@ -279,7 +279,7 @@ class L2Pools:
             in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.reserve(holder, keys)
-            if FULL in pages and self._reap(entry.index):
+            if FULL in pages and reap_gone(entry.index):
                 short = [k for k, p in zip(keys, pages, strict=True) if p == FULL]
                 again = iter(entry.index.reserve(holder, short))
                 pages = [next(again) if p == FULL else p for p in pages]
@@ -401,20 +401,20 @@ class L2Pools:
         """``pool`` is no L2 pool any more (under ``_lock``): its keys left L2."""
         self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
 
-    def _reap(self, index: L2Index) -> bool:
-        """Release the holders of ``index`` whose process is gone (under ``_lock``);
-        whether any was."""
-        gone = [h for h in index.holders()
-                if h[0] >= 0 and not ProcessIdentity(*h).alive()]
-        for h in gone:
-            index.release(h)
-        return bool(gone)
-
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
         """Whether the pool is still one of this node's L2 pools (not forgotten or
         reset since)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
+
+
+def reap_gone(index: L2Index) -> bool:
+    """Release the holders of ``index`` whose process is gone (under ``L2Pools``'
+    lock); whether any was."""
+    gone = [h for h in index.holders() if h[0] >= 0 and not ProcessIdentity(*h).alive()]
+    for h in gone:
+        index.release(h)
+    return bool(gone)
 
 
 def in_time(deadline: float | None) -> None:
