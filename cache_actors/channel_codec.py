@@ -5,6 +5,13 @@ length over ``MAX_FRAME`` is accepted: a bigger header ends the connection befor
 anything is allocated for it, and a frame's bytes are buffered only as they arrive
 (``FrameReader``).
 
+Together, a server's connections buffer at most ``FREE_BUFFERED`` bytes each and
+``MAX_BUFFERED`` more between them (``BufferBudget``: 1 MiB each and 256 MiB shared, so
+1.25 GiB for 1,024 connections, where each could hold a partial 64 MiB frame before): a
+connection whose bytes would take more than is left is dropped (``WireError``), never
+buffered. Honest requests of a few hundred objects stay under ``FREE_BUFFERED``; the
+shared part holds 13 of the largest at once.
+
 ``MAX_FRAME`` = 64 MiB. The largest real message is a put/get ``ObjectBatch`` of the
 largest batch (``MAX_BATCH_OBJECTS`` = 65,536 objects; keys up to ~200 characters
 assumed): per object a key (2 + 200 bytes), a pool name (2 + up to 64), an offset
@@ -30,7 +37,7 @@ A frame's body is handed to the decoder without a copy when it is the only one b
 Encoding. Plain msgpack values (None, bool, int, float, str, lists, str-keyed maps;
 tuples travel as lists) and exactly the classes in ``_CLASSES`` (``ObjectBatch``,
 ``PoolQuery``, ``PoolTransferResult``, ``OwnerClaim``) as the list of their fields, in
-order. In a
+order (those their constructor takes: ``OwnerClaim.purpose`` never travels). In a
 request their places are known from the op's argument types (``Signature``); a reply
 value (the client has no schema) wraps the list in a msgpack extension type naming the
 class. Either way each field is checked against its annotation (a ``StrEnum`` field
@@ -58,6 +65,7 @@ import dataclasses
 import enum
 import reprlib
 import struct
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -100,6 +108,10 @@ MAX_DECODED = 4 * MAX_BATCH_OBJECTS + 4096
 two) and the containers themselves (see the module docstring)."""
 
 _LEN = struct.Struct("!I")
+FREE_BUFFERED = 1 << 20
+"""Bytes a server's connection may buffer without drawing on ``MAX_BUFFERED``."""
+MAX_BUFFERED = 256 << 20
+"""Bytes a server's connections may buffer together beyond ``FREE_BUFFERED`` each."""
 HEADER = _LEN.size
 _CHUNK = 1 << 16  # bytes asked of one recv while a frame's size is unknown
 _BIG_CHUNK = 1 << 20  # ... and at most, once a big frame's size is known
@@ -122,12 +134,43 @@ def frame(body: bytes) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+class BufferBudget:
+    """The bytes a server's connections may buffer together beyond ``FREE_BUFFERED``
+    each (``limit``; see the module docstring). Thread-safe."""
+
+    def __init__(self, limit: int = MAX_BUFFERED) -> None:
+        self._limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` bytes if that many are left; whether they were."""
+        with self._lock:
+            if self._used + n > self._limit:
+                return False
+            self._used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+
 class FrameReader:
     """Frames out of a byte stream, buffering no more than the frame being read
-    (``MAX_FRAME`` at most). One reader per connection, used by one thread at a time."""
+    (``MAX_FRAME`` at most), and with a ``budget`` no more beyond ``FREE_BUFFERED`` than
+    it grants (``feed`` raises ``WireError`` otherwise; ``release`` gives it all back:
+    call it when the connection ends). One reader per connection, used by one thread at
+    a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: BufferBudget | None = None) -> None:
         self._buf = bytearray()
+        self._budget = budget
+        self._charged = 0  # bytes beyond FREE_BUFFERED taken from the budget
 
     def want(self) -> int:
         """How many bytes to ask of the next ``recv``: the rest of the current frame,
@@ -138,7 +181,30 @@ class FrameReader:
         return max(_CHUNK, min(_BIG_CHUNK, HEADER + n - len(self._buf)))
 
     def feed(self, data: bytes) -> None:
+        """Buffer ``data``; ``WireError`` (drop the peer) if the budget has no room for
+        it (nothing is buffered then)."""
+        over = len(self._buf) + len(data) - FREE_BUFFERED - self._charged
+        if over > 0 and self._budget is not None:
+            if not self._budget.take(over):
+                raise WireError(f"the channel's connections buffer {MAX_BUFFERED} bytes "
+                                "together at most, beyond what each may hold alone; "
+                                "this one would take more")
+            self._charged += over
         self._buf += data
+
+    def release(self) -> None:
+        """Drop what is buffered and give the budget back (the connection ended)."""
+        self._buf = bytearray()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Give back what the budget granted beyond what is buffered now."""
+        if self._budget is None:
+            return
+        extra = self._charged - max(0, len(self._buf) - FREE_BUFFERED)
+        if extra > 0:
+            self._charged -= extra
+            self._budget.give(extra)
 
     def next(self) -> bytes | memoryview | None:
         """The next whole frame's body, removed from the buffer; None until one is
@@ -157,10 +223,12 @@ class FrameReader:
             return None
         if len(buf) == end:
             self._buf = bytearray()
+            self._settle()
             return memoryview(buf)[HEADER:]
         with memoryview(buf) as view:
             body = bytes(view[HEADER:end])
         del buf[:end]
+        self._settle()
         return body
 
     @property
@@ -283,7 +351,7 @@ def _fields_of(cls: type) -> Check:
     """An instance of dataclass ``cls`` from the list of its fields, in order, each
     checked against its annotation."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
     checks = [checker(hints[n]) for n in names]
 
     def check(v: object) -> object:
@@ -345,7 +413,8 @@ _CLASSES: tuple[type, ...] = (ObjectBatch, PoolQuery, PoolTransferResult, OwnerC
 schema) as extension type ``1 + index here`` holding that list."""
 _FIELDS: dict[type, tuple[tuple[str, ...], Check]] = {}
 for _cls in _CLASSES:  # in order: a class's fields may be of classes before it
-    _FIELDS[_cls] = (tuple(f.name for f in dataclasses.fields(_cls)), _fields_of(_cls))
+    _FIELDS[_cls] = (tuple(f.name for f in dataclasses.fields(_cls) if f.init),
+                     _fields_of(_cls))
 _BY_CODE = {code: _FIELDS[cls][1] for code, cls in enumerate(_CLASSES, start=1)}
 _CODE = {cls: code for code, cls in enumerate(_CLASSES, start=1)}
 

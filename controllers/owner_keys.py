@@ -18,9 +18,15 @@ a token that could be shown twice:
   verifies it opens an **owner session**: both ends derive the session key from the
   X25519 exchange and the transcript (``session_key``); the key never travels.
 - Each later call of the session names it with a **call proof** (``call_proof``): the
-  session id, a call number and an HMAC of both under the session key. A call number is
-  accepted once (``CallWindow``), so a proof seen on the wire is worth nothing to
-  whoever saw it, and nobody without the session key can make another.
+  session id, a call number and an HMAC under the session key of both and of the call's
+  **purpose** (``call_purpose``: the method called and a digest of its arguments; a
+  channel connection's bind is method ``channel``, without arguments). The verifier
+  computes the purpose from the call it received, never takes it from the caller
+  (``OwnerClaim.for_call``). A call number is accepted once
+  (``CallWindow``), so a proof seen on the wire is worth nothing to whoever saw it:
+  not for another call, nor, spent first, for another method or other arguments
+  (a proof of a ``put`` is no proof of a ``destroy_pool``); nobody without the session
+  key can make another.
 
 The controller uses challenges without sessions: a registration carries the signature
 of a transcript over the controller's nonce (``RegistrationProof``).
@@ -146,10 +152,19 @@ def session_key(shared: bytes, signed: bytes) -> bytes:
     return hmac.new(shared, signed, hashlib.sha256).digest()
 
 
-def call_tag(key: bytes, session_id: str, number: int) -> str:
-    """The tag of call ``number`` of a session: HMAC-SHA256 under its key, 32 hex
-    digits (128 bits)."""
-    return hmac.new(key, f"{session_id}.{number}".encode(), hashlib.sha256).hexdigest()[:32]
+def call_purpose(method: str, *args: object) -> str:
+    """What one call does, for its proof: ``method`` and a SHA-256 digest of the
+    ``repr`` of its positional arguments (those before the owner claim, as the verifier
+    receives them: plain data, whose ``repr`` is the same in both processes)."""
+    digest = hashlib.sha256(repr(args).encode()).hexdigest()[:32]
+    return f"{method}:{digest}"
+
+
+def call_tag(key: bytes, session_id: str, number: int, purpose: str) -> str:
+    """The tag of call ``number`` of a session for ``purpose`` (``call_purpose``):
+    HMAC-SHA256 under its key, 32 hex digits (128 bits)."""
+    return hmac.new(key, f"{session_id}.{number}.{purpose}".encode(),
+                    hashlib.sha256).hexdigest()[:32]
 
 
 class RankSession:
@@ -161,11 +176,11 @@ class RankSession:
         self._key = key
         self._numbers = itertools.count(1)
 
-    def call_proof(self) -> str:
-        """A proof for one call: ``"<session id>.<call number>.<tag>"``, never the same
-        twice."""
+    def call_proof(self, purpose: str) -> str:
+        """A proof for one call of ``purpose`` (``call_purpose``): ``"<session id>.<call
+        number>.<tag>"``, never the same twice."""
         n = next(self._numbers)
-        return f"{self.session_id}.{n}.{call_tag(self._key, self.session_id, n)}"
+        return f"{self.session_id}.{n}.{call_tag(self._key, self.session_id, n, purpose)}"
 
     def __reduce__(self):
         raise TypeError("an owner session is never pickled")

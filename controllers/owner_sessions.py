@@ -121,10 +121,13 @@ class OwnerSessions:
                                                                 key_prefix, key)
         return session_id
 
-    def check(self, deployment_id: str, tenant: str, key_prefix: str, proof: str) -> None:
-        """Accept call ``proof`` of a claim of these fields once; ``ValueError`` if it is
-        malformed, of another claim, forged or shown before, ``UnknownSessionError`` if
-        its session is not open here."""
+    def check(self, deployment_id: str, tenant: str, key_prefix: str, proof: str,
+              purpose: str) -> None:
+        """Accept call ``proof`` of a claim of these fields, for a call of ``purpose``
+        (``call_purpose``, as the verifier computed it from the call), once;
+        ``ValueError`` if it is malformed, of another claim, forged, made for another
+        purpose or shown before, ``UnknownSessionError`` if its session is not open
+        here."""
         m = CALL_PROOF.fullmatch(proof)
         if m is None:
             raise ValueError(f"tenant {tenant!r}: the owner claim needs a call proof of an "
@@ -139,9 +142,9 @@ class OwnerSessions:
                 deployment_id, tenant, key_prefix):
             raise ValueError(f"tenant {tenant!r}: the call proof is of another owner "
                              "session's claim")
-        if not hmac.compare_digest(call_tag(session.key, session_id, number), tag):
+        if not hmac.compare_digest(call_tag(session.key, session_id, number, purpose), tag):
             raise ValueError(f"tenant {tenant!r}: the call proof does not verify (not made "
-                             "with the owner session's key)")
+                             "with the owner session's key, or for another call)")
         if not session.window.accept(number):
             raise ValueError(f"tenant {tenant!r}: the call proof was shown before (a "
                              "replay) or is too old")

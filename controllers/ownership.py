@@ -61,6 +61,7 @@ from raykv.controllers.owner_keys import (
     OwnerKey,
     RegistrationProof,
     SessionRequest,
+    call_purpose,
     session_key,
     signature_valid,
     transcript,
@@ -105,6 +106,19 @@ class OwnerClaim:
     tenant: str | None = None
     proof: str | None = field(default=None, repr=False)
     key_prefix: str = ""
+    purpose: str = field(default="", init=False, repr=False, compare=False)
+    """The call the verifier received the claim with (``call_purpose``), set by the
+    verifier (``for_call``), never sent: it does not travel (neither pickled nor on the
+    channel), so a claim no entry point bound to its call verifies for no call."""
+
+    def __reduce__(self):
+        return OwnerClaim, (self.deployment_id, self.tenant, self.proof, self.key_prefix)
+
+    def for_call(self, purpose: str) -> OwnerClaim:
+        """This claim as received with a call of ``purpose`` (the verifier's side)."""
+        bound = OwnerClaim(self.deployment_id, self.tenant, self.proof, self.key_prefix)
+        object.__setattr__(bound, "purpose", purpose)
+        return bound
 
     @property
     def owner(self) -> Owner:
@@ -153,6 +167,15 @@ class OwnerClaim:
         if self.proof is not None and (type(self.proof) is not str or len(self.proof) > 100):
             raise ValueError(f"tenant {self.tenant!r}: an owner claim's proof must be a "
                              "call proof of an owner session")
+
+
+def for_call(claim: object, method: str, *args: object) -> object:
+    """``claim`` (an ``OwnerClaim``; anything else as it is, for the verifier to refuse)
+    bound to the call of ``method`` with positional ``args`` it came with (a node
+    actor's entry points: ``OwnerClaim.for_call``, ``call_purpose``)."""
+    if type(claim) is not OwnerClaim:
+        return claim
+    return claim.for_call(call_purpose(method, *args))
 
 
 def claim_of(config: StorageConfig) -> OwnerClaim:
@@ -322,7 +345,7 @@ class OwnerBindings:
         with self._lock:
             if claim.tenant is not None:  # the session's claim was checked at its opening
                 self._sessions.check(claim.deployment_id, claim.tenant, claim.key_prefix,
-                                     claim.proof)
+                                     claim.proof, claim.purpose)
             self._bind(claim.owner, self._keys.get(claim.tenant) if claim.tenant else None)
         return claim
 

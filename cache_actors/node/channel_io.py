@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from raykv.cache_actors.channel_codec import FrameReader, WireError
+from raykv.cache_actors.channel_codec import BufferBudget, FrameReader, WireError
 from raykv.cache_actors.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,13 @@ _PAUSE_S = 0.1  # after a failed select: never spin on it
 
 
 class Conn:
-    """One accepted connection (see the module docstring). Its reader is used by one
+    """One accepted connection (see the module docstring), its reader drawing on the
+    server's ``budget`` (``channel_codec.BufferBudget``). Its reader is used by one
     thread at a time (its own, then the I/O thread's); ``send`` by any thread."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, budget: BufferBudget | None = None) -> None:
         self.sock = sock
-        self.reader = FrameReader()
+        self.reader = FrameReader(budget)  # given back in ``close``
         self.send_lock = threading.Lock()
         self.busy = False
         self.dead = False
@@ -105,10 +106,13 @@ class Conn:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        """Shut and close it, and give its buffered bytes back to the server's budget
+        (called once no thread reads it any more: the server's ``_drop``)."""
         self.shutdown()
         with self.send_lock:
             self._out = None
             self.sock.close()
+        self.reader.release()
 
 
 class ChannelIO:

@@ -26,12 +26,14 @@ sends its replies); a data op sent on such a connection runs on one of
 when it passes.
 
 Limits and threads. At most ``max_connections`` (``MAX_CONNECTIONS``) connections; a
-new one over it is closed at once. Threads: one accept thread, one I/O thread
-(``channel_io.ChannelIO``), one per data connection (so at most ``max_connections``),
-``POOL_THREADS``. Every connection's socket is closed and its thread ends when its peer
-goes or misbehaves. The accept thread survives every error (out of file descriptors,
-buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to ``ACCEPT_PAUSE_MAX_S`` and goes
-on); only ``close`` ends it.
+new one over it is closed at once. Their partial frames draw on one budget
+(``channel_codec.BufferBudget``, ``max_buffered`` bytes beyond ``FREE_BUFFERED`` each):
+a connection that would buffer more than is left is dropped. Threads: one accept
+thread, one I/O thread (``channel_io.ChannelIO``), one per data connection (so at most
+``max_connections``), ``POOL_THREADS``. Every connection's socket is closed and its
+thread ends when its peer goes or misbehaves. The accept thread survives every error
+(out of file descriptors, buffers or memory: it backs off from ``ACCEPT_PAUSE_S`` to
+``ACCEPT_PAUSE_MAX_S`` and goes on); only ``close`` ends it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from raykv.cache_actors.channel_codec import (
     BIND_OP,
+    MAX_BUFFERED,
+    BufferBudget,
     ChannelVersionError,
     FrameReader,
     Signature,
@@ -112,6 +116,7 @@ class ChannelServer:
                  async_handlers: Mapping[str, Callable[..., None]] | None = None,
                  deadline_ops: frozenset[str] = frozenset(),
                  max_connections: int = MAX_CONNECTIONS,
+                 max_buffered: int = MAX_BUFFERED,
                  bind: Callable[[OwnerClaim], object] | None = None) -> None:
         self.path = path
         self._handlers = dict(handlers)
@@ -139,11 +144,18 @@ class ChannelServer:
         self._sock.listen(socket.SOMAXCONN)
         self._stop = threading.Event()
         self._conns: set[Conn] = set()
+        self._buffered = BufferBudget(max_buffered)  # every connection's, together
         self._conns_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # data ops sent on an async conn
         self._io = ChannelIO(path, self._process, self._drop, self._warn,
                              send_timeout_s=SEND_TIMEOUT_S)
         threading.Thread(target=self._accept, name="raykv-channel", daemon=True).start()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes its connections buffer now beyond ``FREE_BUFFERED`` each (at most
+        ``max_buffered``)."""
+        return self._buffered.used
 
     # ------------------------------------------------------------- accepting
     def _accept(self) -> None:
@@ -178,7 +190,7 @@ class ChannelServer:
                             self.path, uid, self._uid)
             sock.close()
             return
-        conn = Conn(sock)
+        conn = Conn(sock, self._buffered)
         with self._conns_lock:
             full = len(self._conns) >= self._max_connections
             if not full:

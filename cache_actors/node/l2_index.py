@@ -26,6 +26,10 @@ the rules that make a page's bytes right for whoever reads them:
 - Eviction takes the least recently used ready page that is neither held, leased nor
   dirty; ``reserve`` never evicts anything else, so when every page is held, leased or
   dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
+- ``reserve`` answers ``PRESENT`` only for a ready key; for a key another holder is still
+  writing it answers ``WRITING``: that write may yet fail or be abandoned (then the key
+  is in L2 nowhere), so the caller must not count the key stored in L2 (nor publish it
+  so); it stores it another way or drops it, as for ``FULL``.
 
 A page becoming ready (``commit``) or stopping being ready (evicted) is told to
 ``on_change(key, ready)`` when given (the node's residency log, for routers).
@@ -44,9 +48,12 @@ Holder = tuple[int, int]
 thread is the process itself)."""
 
 PRESENT = -1
-"""``reserve``'s answer for a key L2 holds already (ready, or being written)."""
+"""``reserve``'s answer for a key L2 holds already (ready)."""
 FULL = -2
 """``reserve``'s answer for a key no page could be found for."""
+WRITING = -3
+"""``reserve``'s answer for a key another holder is writing now (not ready: not in L2
+until that write's commit, which may fail)."""
 
 
 @dataclass
@@ -135,18 +142,19 @@ class L2Index:
 
     def reserve(self, holder: Holder, keys: Sequence[str]) -> list[int]:
         """Per key: a page reserved for ``holder`` to write it (held until its
-        ``commit`` or ``release``), ``PRESENT`` if L2 holds the key or another write of
-        it is under way, ``FULL`` if no page is free or evictable. ``ValueError`` for a
-        key given twice. Once no page was found, the later keys are ``FULL`` (or
-        ``PRESENT``) without another look: the pages are looked over at most once per
-        call, never once per key (this runs under the node's one L2 lock)."""
+        ``commit`` or ``release``), ``PRESENT`` if the key is ready here, ``WRITING`` if
+        another write of it is under way, ``FULL`` if no page is free or evictable.
+        ``ValueError`` for a key given twice. Once no page was found, the later keys are
+        ``FULL`` (or ``PRESENT``, ``WRITING``) without another look: the pages are
+        looked over at most once per call, never once per key (this runs under the
+        node's one L2 lock)."""
         if len(set(keys)) != len(keys):
             raise ValueError("an L2 reservation names a key twice")
         out = []
         full = False
         for k in keys:
             if k in self._keys:
-                out.append(PRESENT)
+                out.append(PRESENT if self._pages[self._keys[k]].ready else WRITING)
                 continue
             p = None if full else self._take()
             if p is None:

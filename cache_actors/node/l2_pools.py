@@ -21,7 +21,9 @@ Rules (the failure model's, for L2):
   in full are never read. An op changes the index only before its caller's deadline
   (checked under the lock: ``in_time``), so an op the rank gave up on never releases,
   reserves or commits after the rank's next op (which would free pages that op is
-  copying, or publish a page it is writing).
+  copying, or publish a page it is writing); a fill whose store call ends past the
+  reader's deadline makes its pages ready but holds none of them for the reader (which
+  would pin them, unknown to it, past its next op).
 - An L3 read into L2 (fill) writes pages reserved by the node itself, never by the rank
   that asked: a rank that gave up on it frees nothing the store call still writes.
 - Failures are per object: a key without a page (L2 full of held, leased or dirty pages)
@@ -277,7 +279,7 @@ class L2Pools:
             in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.reserve(holder, keys)
-            if FULL in pages and self._reap(entry.index):
+            if FULL in pages and reap_gone(entry.index):
                 short = [k for k, p in zip(keys, pages, strict=True) if p == FULL]
                 again = iter(entry.index.reserve(holder, short))
                 pages = [next(again) if p == FULL else p for p in pages]
@@ -354,7 +356,10 @@ class L2Pools:
               caller: OwnerClaim | None, deadline: float | None) -> list[int]:
         """Read the leading ``keys`` from L3 into pages the node reserves under a
         holder of its own; those read in full become ready (clean) and held by
-        ``reader``. The pages of the leading run read."""
+        ``reader``. The pages of the leading run read. A store call that ended past
+        ``deadline`` (the reader gave up, and may have made its next op) holds nothing
+        for the reader: its pages become ready unheld (right bytes, evictable), and
+        ``DeadlineExceededError``."""
         with self._lock:
             self._fills += 1
             filler = (-1, self._fills)
@@ -376,10 +381,15 @@ class L2Pools:
                 ok = [c == size for c in codes]
             except Exception as e:  # a miss for the reader, the pages free again
                 log.debug("L2 fill of %d objects failed: %s", run, e)
-        with self._lock:
-            made = entry.index.commit(filler, pages, ok, dirty=False, reader=reader)
+        with self._lock:  # past the reader's deadline: ready, but held by nobody
+            late = deadline is not None and time.monotonic() >= deadline
+            made = entry.index.commit(filler, pages, ok, dirty=False,
+                                      reader=None if late else reader)
             self.counts["filled"] += len(made)
             self.counts["fill_failed"] += run - len(made)
+        if late:
+            raise DeadlineExceededError("an L2 fill ended after its reader's deadline: its "
+                                        "pages are in L2, none is held for the reader")
         good = next((i for i, x in enumerate(ok) if not x), run)
         return pages[:good]
 
@@ -391,20 +401,20 @@ class L2Pools:
         """``pool`` is no L2 pool any more (under ``_lock``): its keys left L2."""
         self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
 
-    def _reap(self, index: L2Index) -> bool:
-        """Release the holders of ``index`` whose process is gone (under ``_lock``);
-        whether any was."""
-        gone = [h for h in index.holders()
-                if h[0] >= 0 and not ProcessIdentity(*h).alive()]
-        for h in gone:
-            index.release(h)
-        return bool(gone)
-
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
         """Whether the pool is still one of this node's L2 pools (not forgotten or
         reset since)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
+
+
+def reap_gone(index: L2Index) -> bool:
+    """Release the holders of ``index`` whose process is gone (under ``L2Pools``'
+    lock); whether any was."""
+    gone = [h for h in index.holders() if h[0] >= 0 and not ProcessIdentity(*h).alive()]
+    for h in gone:
+        index.release(h)
+    return bool(gone)
 
 
 def in_time(deadline: float | None) -> None:

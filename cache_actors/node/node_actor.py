@@ -37,7 +37,7 @@ from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.owner_keys import Challenge, SessionRequest
-from raykv.controllers.ownership import OwnerClaim
+from raykv.controllers.ownership import OwnerClaim, for_call
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.residency import Residency, ResidencyChanges
 
@@ -57,7 +57,9 @@ class NodeCacheActor:
     """Serves the ranks of one node; each method is the ``NodeService`` method of the
     same name (the data ops are ``DataOp``), whose docstring states its contract
     (``group_exists`` waits here for the service's reply). Pool calls and data calls
-    take the caller's ``OwnerClaim`` last (None: a caller without one). Runs only as
+    take the caller's ``OwnerClaim`` last (None: a caller without one), each bound here
+    to the call it came with (``ownership.for_call``: a tenant's call proof is good for
+    that method and those arguments only). Runs only as
     ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
     deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
     (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
@@ -141,18 +143,21 @@ class NodeCacheActor:
     async def create_pool(self, name: str, layout: PoolLayout,
                           process: ProcessIdentity | None = None,
                           owner: OwnerClaim | None = None) -> PoolHandle:
-        return await self._pooled(self._service.create_pool, name, layout, process, owner)
+        return await self._pooled(self._service.create_pool, name, layout, process,
+                                  for_call(owner, "create_pool", name, layout, process))
 
     @ray.method(concurrency_group="pools")
     async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
                                 inode: tuple[int, int], owner: OwnerClaim | None = None
                                 ) -> PoolHandle:
         return await self._pooled(self._service.adopt_engine_pool, name, path, layout,
-                                  inode, owner)
+                                  inode, for_call(owner, "adopt_engine_pool", name, path,
+                                                  layout, inode))
 
     @ray.method(concurrency_group="pools")
     async def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
-        return await self._pooled(self._service.get_pool, name, owner)
+        return await self._pooled(self._service.get_pool, name,
+                                  for_call(owner, "get_pool", name))
 
     @ray.method(concurrency_group="pools")
     async def list_pools(self) -> list[PoolHandle]:
@@ -160,12 +165,14 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
-        return await self._pooled(self._service.destroy_pool, name, owner)
+        return await self._pooled(self._service.destroy_pool, name,
+                                  for_call(owner, "destroy_pool", name))
 
     @ray.method(concurrency_group="pools")
     async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
                       owner: OwnerClaim | None = None) -> PoolHandle | None:
-        return await self._pooled(self._service.l2.open, rank, layout, pages, owner)
+        return await self._pooled(self._service.l2.open, rank, layout, pages,
+                                  for_call(owner, "l2_open", rank, layout, pages))
 
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")
@@ -179,7 +186,7 @@ class NodeCacheActor:
     # ------------------------------------------------------------------ data
     @ray.method(concurrency_group="data")
     async def exists(self, keys: list[str], owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.exists, keys, owner)
+        return await self._run(self._service.exists, keys, for_call(owner, "exists", keys))
 
     @ray.method(concurrency_group="data")
     async def put(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
@@ -187,18 +194,21 @@ class NodeCacheActor:
                   ) -> list[int]:
         """``deadline``: the rank's (``time.monotonic()`` seconds of this host, which the
         rank shares: its pools are this node's shared memory)."""
-        return await self._run(self._service.put, batch, ticket, deadline, owner)
+        return await self._run(self._service.put, batch, ticket, deadline,
+                               for_call(owner, "put", batch))
 
     @ray.method(concurrency_group="data")
     async def get(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
                   deadline: float | None = None, ticket: TicketRef | None = None
                   ) -> list[int]:
-        return await self._run(self._service.get, batch, ticket, deadline, owner)
+        return await self._run(self._service.get, batch, ticket, deadline,
+                               for_call(owner, "get", batch))
 
     @ray.method(concurrency_group="data")
     async def l2_lookup(self, keys: list[str], per_page: int,
                         owner: OwnerClaim | None = None) -> int:
-        return await self._run(self._service.l2.lookup, keys, per_page, owner)
+        return await self._run(self._service.l2.lookup, keys, per_page,
+                               for_call(owner, "l2_lookup", keys, per_page))
 
     @ray.method(concurrency_group="data")
     async def l2_acquire(self, holder: tuple[int, int], pool: str, keys: list[str],
@@ -206,21 +216,24 @@ class NodeCacheActor:
                          deadline: float | None = None) -> list[int]:
         """``deadline``: as ``put``'s; the L2 ops change nothing past it."""
         return await self._run(partial(self._service.l2.acquire, deadline=deadline),
-                               holder, pool, keys, fill, owner)
+                               holder, pool, keys, fill,
+                               for_call(owner, "l2_acquire", holder, pool, keys, fill))
 
     @ray.method(concurrency_group="data")
     async def l2_reserve(self, holder: tuple[int, int], pool: str, keys: list[str],
                          owner: OwnerClaim | None = None,
                          deadline: float | None = None) -> list[int]:
         return await self._run(partial(self._service.l2.reserve, deadline=deadline),
-                               holder, pool, keys, owner)
+                               holder, pool, keys,
+                               for_call(owner, "l2_reserve", holder, pool, keys))
 
     @ray.method(concurrency_group="data")
     async def l2_commit(self, holder: tuple[int, int], pool: str, keys: list[str],
                         pages: list[int], ok: list[bool], owner: OwnerClaim | None = None,
                         deadline: float | None = None) -> int:
         return await self._run(partial(self._service.l2.commit, deadline=deadline),
-                               holder, pool, keys, pages, ok, owner)
+                               holder, pool, keys, pages, ok,
+                               for_call(owner, "l2_commit", holder, pool, keys, pages, ok))
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
@@ -242,7 +255,8 @@ class NodeCacheActor:
         def reply(result: PoolTransferResult | None, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(settle, result, error)
         self._service.group_exists(reply, deployment_id, version, rank, engine, keys, queries,
-                                   owner)
+                                   for_call(owner, "group_exists", deployment_id, version,
+                                            rank, engine, keys, queries))
         try:
             return await asyncio.wait_for(answer, WAIT_S)
         except TimeoutError:
@@ -257,7 +271,8 @@ class NodeCacheActor:
                         within_s: float = ROUTE_WAIT_S) -> Residency:
         """``ResidencyQuery.residency``, not run if no thread took it within
         ``within_s`` seconds of its arrival here."""
-        return await self._routed(self._residency.residency, within_s, keys, per_page, owner)
+        return await self._routed(self._residency.residency, within_s, keys, per_page,
+                                  for_call(owner, "residency", keys, per_page))
 
     @ray.method(concurrency_group="route")
     async def residency_changes(self, since: tuple[str, int] | None,
@@ -265,7 +280,8 @@ class NodeCacheActor:
                                 within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
         """``ResidencyQuery.changes``, not run if no thread took it within ``within_s``
         seconds of its arrival here."""
-        return await self._routed(self._residency.changes, within_s, since, owner)
+        return await self._routed(self._residency.changes, within_s, since,
+                                  for_call(owner, "residency_changes", since))
 
     async def _routed(self, query, within_s: float, *args):
         """``query(*args, deadline)`` on a route thread; the deadline is ``within_s``
@@ -278,13 +294,14 @@ class NodeCacheActor:
     async def locate(self, keys: list[str], owner: OwnerClaim | None = None
                      ) -> list[list[str]]:
         return await asyncio.get_running_loop().run_in_executor(
-            self._route, self._residency.locate, keys, owner)
+            self._route, self._residency.locate, keys, for_call(owner, "locate", keys))
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
     async def clear_objects(self, owner: OwnerClaim | None = None) -> int:
         """Off the event loop: it waits out the store's leases (seconds)."""
-        return await asyncio.to_thread(self._service.clear_objects, owner)
+        return await asyncio.to_thread(self._service.clear_objects,
+                                       for_call(owner, "clear_objects"))
 
     @ray.method(concurrency_group="control")
     async def forget_confirmations(self) -> None:

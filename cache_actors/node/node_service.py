@@ -81,7 +81,7 @@ from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.owner_sessions import UnknownSessionError
-from raykv.controllers.ownership import Owner, OwnerClaim
+from raykv.controllers.ownership import Owner, OwnerClaim, for_call
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
 
@@ -162,7 +162,7 @@ class NodeService:
             arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
             async_handlers={DataOp.GROUP_EXISTS: partial(self.group_exists, verified=True)},
             deadline_ops=DEADLINE_OPS,
-            bind=self.verify)
+            bind=lambda claim: self.verify(for_call(claim, "channel")))
 
     # ----------------------------------------------------------------- pools
     def _reallocate(self) -> None:

@@ -39,18 +39,34 @@ log = logging.getLogger(__name__)
 PROBE_KEY = "raykv-store-probe"
 
 
-def _check_doors(found: Iterable[Listener], host: str) -> list[Listener]:
+def _check_doors(found: Iterable[Listener], host: str,
+                 dummy_port: int | None = None) -> list[Listener]:
     """The sockets of ``found`` (the Mooncake client's) bound beyond ``host`` and
-    loopback, each named in one warning: Mooncake 0.3.13's transfer engine binds its
-    handshake and TCP data ports to every interface whatever ``MC_TCP_BIND_ADDRESS``
-    says, and whoever reaches them can read and write the segment's bytes."""
-    wide = sorted(exposed(found, addresses_of(host) | {"127.0.0.1"}))
+    loopback, and ``mooncake_client``'s port for its dummy client (``dummy_port``,
+    standalone) bound beyond loopback, each named in one warning. Mooncake 0.3.13's
+    transfer engine binds its handshake and TCP data ports to every interface whatever
+    ``MC_TCP_BIND_ADDRESS`` says, and whoever reaches them can read and write the
+    segment's bytes; ``mooncake_client`` binds its dummy client's port to its ``-host``,
+    the address it also advertises to its peers (one flag for both), and whoever reaches
+    that port can make the node's store calls and allocate its shared memory, while
+    only the node actor of its own node needs it."""
+    found = list(found)
+    dummy = [x for x in found if x.port == dummy_port]
+    wide = sorted(exposed([x for x in found if x.port != dummy_port],
+                          addresses_of(host) | {"127.0.0.1"}))
     if wide:
         log.warning("Mooncake's transfer engine listens on %s, beyond %s: whoever reaches "
                     "this machine on those ports can read and write this node's store "
                     "segment; let only the cluster's nodes reach them (docs/deploy.md, Ports)",
                     ", ".join(map(str, wide)), host)
-    return wide
+    beyond = sorted(exposed(dummy, {"127.0.0.1"}))
+    if beyond:
+        log.warning("mooncake_client's port for its dummy client listens on %s, beyond "
+                    "loopback (mooncake_client binds it to the address it advertises): "
+                    "whoever reaches it can make this node's store calls and allocate its "
+                    "shared memory; only this node's actor needs it: let nothing else reach "
+                    "it (docs/deploy.md, Ports)", ", ".join(map(str, beyond)))
+    return sorted(wide + beyond)
 
 
 @dataclass
@@ -62,7 +78,8 @@ class NodeStore:
     memory: PoolMemory
     process: MooncakeClientProcess | None = None
     exposed: list[Listener] = field(default_factory=list)
-    """The Mooncake client's listening sockets bound beyond its host (``_check_doors``)."""
+    """The Mooncake client's listening sockets bound beyond its host, and standalone
+    the dummy client's port bound beyond loopback (``_check_doors``)."""
 
     @classmethod
     def open(cls, node_prefix: str, *, standalone: bool, host: str, master_address: str,
@@ -95,7 +112,8 @@ class NodeStore:
                                         mem_pool_size=host_pool_bytes,
                                         local_buffer_size=local_buffer_size)
         store = cls(backend, MemfdPoolMemory(backend, budget), process)
-        store.exposed = _check_doors(listeners(process.record.pid), host)
+        store.exposed = _check_doors(listeners(process.record.pid), host,
+                                     process.record.port)
         return store
 
     @property

@@ -13,6 +13,11 @@ gave, or that asks another incarnation's log is told to start again: from the no
 as it is now, the segment puts the log still keeps (``kept``), and this log from the
 current number on (``ResidencyQuery.changes``).
 
+Bounds: one call looks at ``SCAN`` entries at most (``since`` answers where it stopped;
+the router asks on from there), and looks at them off ``_lock``: under it, it only
+copies them out. Anyone may ask (a caller without a claim too), so a query never holds
+up ``record``, which an L2 commit calls under ``L2Pools``' lock.
+
 Threads: any; ``_lock`` guards the entries and is never held while calling out. L2's
 changes are recorded under ``L2Pools``' lock, so a snapshot of L2 taken under that lock
 and ``last`` read under it agree.
@@ -32,6 +37,8 @@ from raykv.controllers.residency import MAX_CHANGES, Change
 LOG_CHANGES = 65536
 """Changes a node keeps for routers (about 10 MB of keys): a router that polls every
 0.1 s falls behind only past ~650 000 changes a second."""
+SCAN = MAX_CHANGES
+"""Entries one ``since`` or ``kept`` call looks at, at most."""
 
 
 class ResidencyLog:
@@ -68,38 +75,42 @@ class ResidencyLog:
                     True)
 
     def kept(self, tier: str, owner: Owner | None, prefix: str, limit: int) -> list[Change]:
-        """The keys of ``owner`` starting with ``prefix`` whose last kept change of
-        ``tier`` says they came in, each once, the most recent ``limit``, oldest first."""
-        with self._lock:
-            seen: set[str] = set()
-            out: list[Change] = []
-            for o, t, key, held in reversed(self._entries):
-                if len(out) >= limit:
-                    break
-                if t != tier or o != owner or key in seen or not key.startswith(prefix):
-                    continue
-                seen.add(key)
-                if held:
-                    out.append((tier, key, True))
-            out.reverse()
-            return out
+        """The keys of ``owner`` starting with ``prefix`` whose last change of ``tier``
+        among the last ``SCAN`` kept says they came in, each once, the most recent
+        ``limit``, oldest first."""
+        with self._lock:  # copied out, looked at off the lock
+            recent = list(islice(reversed(self._entries), SCAN))
+        seen: set[str] = set()
+        out: list[Change] = []
+        for o, t, key, held in recent:
+            if len(out) >= limit:
+                break
+            if t != tier or o != owner or key in seen or not key.startswith(prefix):
+                continue
+            seen.add(key)
+            if held:
+                out.append((tier, key, True))
+        out.reverse()
+        return out
 
     def since(self, seq: int, owner: Owner | None, prefix: str,
               limit: int = MAX_CHANGES) -> tuple[list[Change], int] | None:
         """The changes numbered after ``seq`` of ``owner`` with keys starting with
-        ``prefix`` (at most ``limit``, oldest first) and the number to ask from next;
-        None when the log cannot answer that (``seq`` older than what it keeps, or
-        never given): the caller starts again."""
-        with self._lock:
+        ``prefix`` (at most ``limit``, oldest first; of the next ``SCAN`` changes at
+        most) and the number to ask from next; None when the log cannot answer that
+        (``seq`` older than what it keeps, or never given): the caller starts again."""
+        with self._lock:  # copied out, looked at off the lock
             first = self._last - len(self._entries) + 1  # number of the oldest kept
             if type(seq) is not int or seq < first - 1 or seq > self._last:
                 return None
-            out: list[Change] = []
-            n = seq
-            for o, tier, key, held in islice(self._entries, seq - first + 1, None):
-                if len(out) >= limit:
-                    break
-                n += 1
-                if o == owner and key.startswith(prefix):
-                    out.append((tier, key, held))
-            return out, n
+            start = seq - first + 1
+            after = list(islice(self._entries, start, start + SCAN))
+        out: list[Change] = []
+        n = seq
+        for o, tier, key, held in after:
+            if len(out) >= limit:
+                break
+            n += 1
+            if o == owner and key.startswith(prefix):
+                out.append((tier, key, held))
+        return out, n

@@ -123,12 +123,14 @@ class CacheClient:
         raise TypeError("a CacheClient is never pickled (it holds the tenant secret and "
                         "mapped pools): make one in each process")
 
-    def owner_claim(self, node_id: str | None = None) -> OwnerClaim | None:
+    def owner_claim(self, node_id: str | None = None, method: str = "",
+                    *args: object) -> OwnerClaim | None:
         """The owner claim for one call of this client's to the node actor of
         ``node_id`` (default: its own node), as ``NodeLink.claim`` makes it: a tenant's
-        carries a fresh call proof, good once. Tools and tests that call a node actor
+        carries a fresh call proof, good once, for a call of ``method`` with positional
+        ``args`` (those before the claim) only. Tools and tests that call a node actor
         directly pass it as the call's owner."""
-        return self._link.claim(node_id)
+        return self._link.claim(node_id, method, *args)
 
     # ----------------------------------------------------------------- pools
     def create_host_pool(
@@ -347,7 +349,7 @@ class CacheClient:
         deployment has no key prefix (no tenant, model name or tag), ``DeadlineExceededError``
         or ``RuntimeError`` if the node actor could not finish
         (``cache_actors.node.deployment_clear``)."""
-        return self._link.call("clear_objects", self.owner_claim())
+        return self._link.call("clear_objects", self.owner_claim(None, "clear_objects"))
 
     def health(self) -> dict:
         return self._link.call("health")

@@ -67,8 +67,9 @@ class L2Link:
         first engine there, of at most ``pages`` pages of ``layout``'s geometry); None if
         the node has no L2 room. A control call."""
         cfg = self._client.config
-        handle = self._link.call("l2_open", (cfg.tp_rank, cfg.pp_rank), layout, pages,
-                                 owner=self._link.claim())
+        rank = (cfg.tp_rank, cfg.pp_rank)
+        handle = self._link.call("l2_open", rank, layout, pages,
+                                 owner=self._link.claim(None, "l2_open", rank, layout, pages))
         return None if handle is None else self._client.attach_host_pool(handle.name)
 
     def lookup(self, page_hashes: Sequence[str], tp_size: int) -> int:
@@ -85,8 +86,8 @@ class L2Link:
                                self._keys(page_hashes), fill)
 
     def reserve(self, pool: str, page_hashes: Sequence[str]) -> list[int]:
-        """Per page hash: an L2 page to write it into, ``PRESENT`` or ``FULL``
-        (``cache_actors.node.l2_index``)."""
+        """Per page hash: an L2 page to write it into, ``PRESENT``, ``WRITING`` or
+        ``FULL`` (``cache_actors.node.l2_index``)."""
         return self._link.data(DataOp.L2_RESERVE, self.holder, pool, self._keys(page_hashes))
 
     def commit(self, pool: str, page_hashes: Sequence[str], pages: Sequence[int],

@@ -48,6 +48,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -60,6 +61,7 @@ from raykv.cache_actors.tickets import process_book
 from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.owner_keys import call_purpose
 from raykv.controllers.ownership import OwnerClaim
 
 if TYPE_CHECKING:
@@ -139,13 +141,13 @@ class NodeLink:
         """``data``'s call itself, inside its deadline (``bounded``) and guard."""
         if target != self.node_id or not self._local:
             remote = target != self.node_id
-            claim = self.claim(target if remote else None)
-            owner = () if claim is None else (claim,)
-            actor = self._actor_of(target) if remote else self._actor
             kw = {"deadline": self._calls.deadline} if op in DEADLINE_OPS else {}
             if op in TICKETED_OPS:  # the batch, then its ticket: both named on Ray
                 *args, ticket = args
                 kw["ticket"] = ticket
+            claim = self.claim(target if remote else None, op, *args)
+            owner = () if claim is None else (claim,)
+            actor = self._actor_of(target) if remote else self._actor
             return self._ray(actor, op, *args, *owner, **kw)
         try:
             with self._retryable(op):
@@ -182,17 +184,20 @@ class NodeLink:
         finally:
             self._calls.deadline = None
 
-    def claim(self, node_id: str | None = None) -> OwnerClaim | None:
-        """The owner claim for one call to the actor of ``node_id`` (default: this
-        link's node); None without an owner. A tenant's session with that actor is
-        opened first if there is none (two Ray calls within ``timeout_s``)."""
+    def claim(self, node_id: str | None, method: str, *args: object) -> OwnerClaim | None:
+        """The owner claim for one call of ``method`` with positional ``args`` (those
+        before the claim, as the actor receives them; ``"channel"`` and none for a
+        channel connection) to the actor of ``node_id`` (None: this link's node); None
+        without an owner. A tenant's proof is good for that call only; its session with
+        that actor is opened first if there is none (two Ray calls within
+        ``timeout_s``)."""
         if self.owner is None:
             return None
         node = node_id or self.node_id
         actor = self._actor if node == self.node_id else self._actor_of(node)
         with self.bounded(self.timeout_s, "owner session"):
-            return self.owner.claim(node, lambda method, *args: self._ray(actor, method,
-                                                                          *args))
+            return self.owner.claim(node, lambda m, *a: self._ray(actor, m, *a),
+                                    call_purpose(method, *args))
 
     def ask_controller(self, method: str, *args) -> Any:
         """``method`` of the controller (looked up by name once, and again after a
@@ -238,9 +243,9 @@ class NodeLink:
         the actor through Ray), all within the call's deadline."""
         if self._channel is None:
             path = self._ray(self._actor, "channel_path")
+            bind = None if self.owner is None else partial(self.claim, None, "channel")
             self._channel = ChannelClient(path, async_ops=ASYNC_OPS, timeout_s=self.timeout_s,
-                                          bind=None if self.owner is None else self.claim,
-                                          deadline=self._calls.deadline)
+                                          bind=bind, deadline=self._calls.deadline)
         return self._channel.call(op.value, *args, timeout_s=self._left())
 
     def _left(self) -> float:

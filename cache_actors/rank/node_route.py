@@ -46,9 +46,9 @@ class NodeRoute(Protocol):
         names answers one code per name."""
         ...
 
-    def claim(self, node_id: str | None = None) -> OwnerClaim | None:
-        """The owner claim for one call to the actor of ``node_id`` (default: this
-        node's); None without an owner."""
+    def claim(self, node_id: str | None, method: str, *args: object) -> OwnerClaim | None:
+        """The owner claim for one call of ``method`` with positional ``args`` to the
+        actor of ``node_id`` (None: this node's); None without an owner."""
         ...
 
     def bounded(self, limit_s: float, what: str) -> contextlib.AbstractContextManager[float]:

@@ -7,7 +7,7 @@ pool of another allocator, vLLM's KV cache) is registered as a ``StagedPool``
 (``staging_pools``): its pages are copied into a staging pool before a put and out of it
 after a get.
 
-Every pool call names the client's owner claim (``link.claim()``): the node actor
+Every pool call names the client's owner claim for that call (``link.claim``): the node actor
 serves this client's own pools only (``controllers.ownership``).
 
 Threads: pool management (create, attach, destroy, register, close) is expected from
@@ -125,23 +125,27 @@ class PoolLifecycle:
         name = check_pool_name(name or f"{layout.kind}-{uuid.uuid4().hex[:12]}")
         process = ProcessIdentity.current() if per_process else None
         return self._map(self._link.call("create_pool", name, layout, process,
-                                         owner=self._link.claim()))
+                                         owner=self._link.claim(None, "create_pool", name,
+                                                                layout, process)))
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
                      inode: Sequence[int]) -> HostPool:
         """Have the node serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``,
         ``inode`` its ``(st_dev, st_ino)``) as pool ``name`` with no copy, then map that
         pool here (``NodeService.adopt_engine_pool``)."""
-        self._link.call("adopt_engine_pool", name, path, layout, tuple(inode),
-                        owner=self._link.claim())
+        inode = tuple(inode)
+        self._link.call("adopt_engine_pool", name, path, layout, inode,
+                        owner=self._link.claim(None, "adopt_engine_pool", name, path, layout,
+                                               inode))
         return self.attach(name)
 
     def attach(self, name: str) -> HostPool:
         """Map the existing pool ``name``; ``ValueError`` if the node has none."""
         if name in self._mapped:
             return self._mapped[name]
-        return self._map(self._link.call("get_pool", check_pool_name(name),
-                                         owner=self._link.claim()))
+        name = check_pool_name(name)
+        return self._map(self._link.call("get_pool", name,
+                                         owner=self._link.claim(None, "get_pool", name)))
 
     def destroy(self, pool: HostPool | str) -> bool:
         """Unmap and unregister ``pool`` here, remove it from the node; False if the
@@ -152,14 +156,16 @@ class PoolLifecycle:
             self._set_registered({k: v for k, v in self._registered.items()
                                   if v is not mapped and getattr(v, "pool", None) is not mapped})
             mapped.close()
-        return self._link.call("destroy_pool", name, owner=self._link.claim())
+        return self._link.call("destroy_pool", name,
+                               owner=self._link.claim(None, "destroy_pool", name))
 
     def remap(self) -> None:
         """Map again every pool whose handle the node actor changed (the link calls
         this after a re-attach); a pool destroyed meanwhile is left as it is."""
         for name in list(self._mapped):
             with contextlib.suppress(ValueError):
-                self._map(self._link.ask("get_pool", name, owner=self._link.claim()))
+                self._map(self._link.ask("get_pool", name,
+                                         owner=self._link.claim(None, "get_pool", name)))
 
     def _map(self, handle: PoolHandle) -> HostPool:
         if handle.epoch != self.epoch:  # the node's pools were allocated anew

@@ -6,7 +6,8 @@ with a tenant holds the tenant's owner key (``controllers.owner_keys``, derived 
 session per node actor it calls (its own node's; the home nodes of its group queries)
 at its first call there: the actor's challenge, then the signed answer (two Ray calls,
 ~1 ms of signing and key exchange). Every later call, and every channel connection,
-carries a fresh call proof of that session, good once. After a re-attach (the actor may
+carries a fresh call proof of that session, good once and for that call's method and
+arguments only. After a re-attach (the actor may
 have restarted) the sessions are forgotten and opened again. A registration with the
 controller signs the controller's own challenge (``registration_proof``).
 
@@ -55,11 +56,12 @@ class RankOwner:
         tenant = config.tenant
         return cls(claim_of(config), owner_key(tenant, environ) if tenant else None)
 
-    def claim(self, actor: str, ask: Ask) -> OwnerClaim:
-        """The claim for one call to ``actor`` (a name for its session): the base claim
-        without a tenant; with one, a fresh call proof of the session with that actor,
-        opened first through ``ask`` if there is none (``ValueError`` if the actor
-        refuses it)."""
+    def claim(self, actor: str, ask: Ask, purpose: str) -> OwnerClaim:
+        """The claim for one call of ``purpose`` (``owner_keys.call_purpose``: the
+        method and its arguments) to ``actor`` (a name for its session): the base claim
+        without a tenant; with one, a fresh call proof of the session with that actor
+        for that call, the session opened first through ``ask`` if there is none
+        (``ValueError`` if the actor refuses it)."""
         if self._key is None:
             return self.base
         session = self._sessions.get(actor)
@@ -67,7 +69,7 @@ class RankOwner:
             session = self._open(ask)
             with self._lock:
                 self._sessions[actor] = session
-        return replace(self.base, proof=session.call_proof())
+        return replace(self.base, proof=session.call_proof(purpose))
 
     def _open(self, ask: Ask) -> RankSession:
         assert self._key is not None

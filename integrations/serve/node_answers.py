@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import ray
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.naming import node_actor_name
+from raykv.controllers.owner_keys import call_purpose
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.residency import Residency, ResidencyChanges
 
@@ -73,7 +74,7 @@ class NodeAnswers:
         self.counts["asked"] += 1
         try:
             async with asyncio.timeout(deadline_s):
-                actor, claim = await self._actor(node)
+                actor, claim = await self._actor(node, "residency_changes", since)
                 got = await actor.residency_changes.remote(since, claim, deadline_s)
         except TimeoutError:
             self.counts["late"] += 1
@@ -86,15 +87,18 @@ class NodeAnswers:
 
     async def _one(self, node: str, keys: list[str], per_page: int,
                    deadline_s: float) -> Residency:
-        actor, claim = await self._actor(node)
+        actor, claim = await self._actor(node, "residency", keys, per_page)
         return await actor.residency.remote(keys, per_page, claim, deadline_s)
 
-    async def _actor(self, node: str) -> tuple[ray.actor.ActorHandle, OwnerClaim]:
-        """``node``'s actor and the claim of the next call to it."""
+    async def _actor(self, node: str, method: str,
+                     *args: object) -> tuple[ray.actor.ActorHandle, OwnerClaim]:
+        """``node``'s actor and the claim of the next call to it (of ``method`` with
+        positional ``args``: ``RankOwner.claim``)."""
         actor = self._actors.get(node)
         if actor is None:
             actor = await self._open(node)
-        claim = self._owner.claim(node_actor_name(node), _no_session) if self._tenant \
+        claim = self._owner.claim(node_actor_name(node), _no_session,
+                                  call_purpose(method, *args)) if self._tenant \
             else self._owner.base
         return actor, claim
 
@@ -133,7 +137,7 @@ class NodeAnswers:
         def ask(method: str, *args):
             return ray.get(getattr(actor, method).remote(*args), timeout=SESSION_WAIT_S)
         if self._tenant:
-            self._owner.claim(name, ask)  # opens the session
+            self._owner.claim(name, ask, "")  # opens the session (this proof is unused)
         return actor
 
 

@@ -47,7 +47,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING
 from raykv.cache_actors.rank.page_copies import copy_runs, copy_runs_behind
 from raykv.cache_actors.rank.staging_pools import page_runs
 
@@ -160,8 +160,10 @@ class L2Blocks:
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> tuple[int, list[int]]:
         """Copy vLLM's ``block_ids`` into L2 pages and commit them (the node puts them
         to L3 behind): ``(blocks now in L2, indices of the blocks L2 had no page for)``.
-        The pool's memory is held throughout (as ``load``'s). Raises what the client
-        raises (blocks of earlier chunks stay saved)."""
+        The pool's memory is held throughout (as ``load``'s). A block another engine is
+        still writing into L2 (``WRITING``) counts as one L2 had no page for: that write
+        may yet fail, so it is not counted in L2 (nor published stored there). Raises
+        what the client raises (blocks of earlier chunks stay saved)."""
         saved, full = 0, []
         with self._pool().held() as pool:
             for lo in range(0, len(block_ids), CHUNK):
@@ -169,7 +171,7 @@ class L2Blocks:
                 pages = self._op(self._link.reserve, pool.name, hs)
                 mine = [i for i, p in enumerate(pages) if p >= 0]
                 saved += sum(p == PRESENT for p in pages)
-                full += [lo + i for i, p in enumerate(pages) if p == FULL]
+                full += [lo + i for i, p in enumerate(pages) if p in (FULL, WRITING)]
                 if not mine:
                     continue
                 self._copy(pool, [pages[i] for i in mine], [ids[i] for i in mine],
@@ -200,7 +202,7 @@ class L2Blocks:
         pages = self._op(self._link.reserve, name, hashes)
         mine = [i for i, p in enumerate(pages) if p >= 0]
         present = sum(p == PRESENT for p in pages)
-        full = [i for i, p in enumerate(pages) if p == FULL]
+        full = [i for i, p in enumerate(pages) if p in (FULL, WRITING)]
         keys, ours = [hashes[i] for i in mine], [pages[i] for i in mine]
         done = None
         if mine:

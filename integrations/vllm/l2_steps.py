@@ -118,7 +118,8 @@ class L2StepsMixin:
         self.stats["save_failed"] += len(hashes) - saved - len(full)
         if full:
             self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
-                            "blocks (its write-behind is behind); dropped", len(full))
+                            "blocks (its write-behind is behind, or another engine was "
+                            "still writing them); dropped", len(full))
 
     def _save_l2(self, x: BlockTransfer) -> BlockTransfer | None:
         """Save ``x`` into the node's L2 (the node puts it to L3 behind); the blocks L2
@@ -132,6 +133,7 @@ class L2StepsMixin:
         if not full:
             return None
         self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
-                        "blocks; saving them through the store", len(full))
+                        "blocks (or another engine was still writing them); saving them "
+                        "through the store", len(full))
         return BlockTransfer(x.req_id, [x.block_ids[i] for i in full],
                              [x.hashes[i] for i in full], x.context)

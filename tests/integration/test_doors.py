@@ -2,9 +2,12 @@
 or of its metadata server listens beyond loopback (read from the listening sockets of
 their processes, as ``ss -ltnp`` shows them), and a master started the way raykv used to
 start it (its own HTTP metadata server, metrics on the default host) is caught listening
-on every interface, with a warning naming each port. No traffic leaves loopback."""
+on every interface, with a warning naming each port; a standalone node whose Mooncake
+address is not loopback has ``mooncake_client``'s dummy-client port named the same. No
+traffic leaves loopback."""
 
 import logging
+import uuid
 
 import pytest
 import ray
@@ -60,4 +63,36 @@ def test_a_master_listening_wider_is_named_in_a_warning(old, caplog):
         for x in wide:
             assert f"listens on {x}" in caplog.text
     finally:
+        master.stop()
+
+
+def test_a_standalone_nodes_dummy_client_port_beyond_loopback_is_named(caplog):
+    """A standalone node whose Mooncake address is a node's (127.0.0.2 here: loopback
+    still, but not 127.0.0.1, as a node's IP is not): a real ``mooncake_client`` binds
+    its port for the dummy client to that address (it has one ``-host`` for that port
+    and for what it advertises), so the door check names it (``exposed_ports``) with a
+    warning: whoever reaches it makes the node's store calls. Control: the check before
+    (every port allowed on the node's own address) named nothing of it."""
+    from raykv.cache_actors.listeners import exposed
+    from raykv.cache_actors.node.node_store import NodeStore
+
+    master = MooncakeMaster("127.0.0.1")
+    master.start()
+    store = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="raykv.cache_actors.node.node_store"):
+            store = NodeStore.open(
+                f"raykv.doors-{uuid.uuid4().hex[:8]}.", standalone=True, host="127.0.0.2",
+                master_address=f"127.0.0.1:{master.rpc_port}",
+                metadata_server=f"http://127.0.0.1:{master.http_port}/metadata",
+                segment_size=64 * MiB, local_buffer_size=0, protocol="tcp",
+                rdma_devices="", host_pool_bytes=64 * MiB)
+        dummy = Listener("127.0.0.2", store.process.record.port)
+        found = listeners(store.process.record.pid)
+        assert dummy in found and dummy in store.exposed
+        assert f"dummy client listens on {dummy}" in caplog.text
+        assert dummy not in exposed(found, {"127.0.0.2", "127.0.0.1"})  # control: before
+    finally:
+        if store is not None:
+            store.close()
         master.stop()

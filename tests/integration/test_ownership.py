@@ -275,17 +275,28 @@ def test_a_proof_seen_once_is_refused_when_another_process_sends_it_again(cluste
     key = rank.key_scheme.prefix + "k"
     actor = cluster.node_actors[rank.node_id]
 
-    seen = rank.owner_claim()  # a Ray call's claim, as it crosses the wire
+    seen = rank.owner_claim(None, "exists", [key])  # a Ray call's claim, on the wire
     assert ray.get(actor.exists.remote([key], seen)) == [0]  # CONTROL: its one use
     kind, text = ray.get(another_process.remote(actor, "exists", [key], seen))
     assert kind == "ValueError" or "ValueError" in kind, (kind, text)
     assert "shown before" in text
 
     path = ray.get(actor.channel_path.remote())
-    bind = rank.owner_claim()  # a channel connection's bind
+    bind = rank.owner_claim(None, "channel")  # a channel connection's bind
     assert ray.get(bind_from_another_process.remote(path, bind)) == ("ok", "")  # CONTROL
     kind, text = ray.get(bind_from_another_process.remote(path, bind))
     assert kind == "ValueError" and "shown before" in text, (kind, text)
+
+    # A proof taken off the wire before its call arrives, spent first on another
+    # method or other arguments: refused, and the rank's own call is served after.
+    name = pool.name
+    seen = rank.owner_claim(None, "exists", [key])
+    for method, args in (("destroy_pool", (name,)), ("clear_objects", ()),
+                         ("exists", ([key + "x"],))):
+        kind, text = ray.get(another_process.remote(actor, method, *args, seen))
+        assert "does not verify" in text, (method, kind, text)
+    assert ray.get(actor.exists.remote([key], seen)) == [0]  # CONTROL: its own call
+    assert rank.attach_host_pool(name) is not None  # the pool is still there
 
     from raykv.controllers.owner_keys import answer_challenge
     from raykv.controllers.ownership import owner_key
@@ -350,7 +361,8 @@ def test_an_empty_key_prefix_claim_is_refused_and_tenant_keys_stay_out_of_reach(
     default = CacheClient(StorageConfig())  # the one deployment without a prefix
     assert ray.get(actor.exists.remote(keys, default.owner_claim())) == [NOT_OWNED] * len(keys)
     assert ray.get(actor.exists.remote(keys)) == [NOT_OWNED] * len(keys)  # no claim
-    assert ray.get(actor.exists.remote(keys, tenant.owner_claim())) == [1] * len(keys)
+    assert ray.get(actor.exists.remote(keys, tenant.owner_claim(None, "exists", keys))) == \
+        [1] * len(keys)
     assert ray.get(actor.exists.remote(keys, plain.owner_claim())) == [NOT_OWNED] * len(keys)
     assert tenant.destroy_host_pool(pool)
 

@@ -243,7 +243,7 @@ class FakeRoute:
     def ask(self, method: str, *args, **kwargs):
         return self.call(method, *args, **kwargs)
 
-    def claim(self, node_id: str | None = None):
+    def claim(self, node_id: str | None, method: str, *args):
         return None if self.owner is None else self.owner.base
 
     @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Bounded input on the local channel, over real Unix sockets: decoding a hostile frame
-builds a bounded number of values (and the old decoder's growth, its control); a peer
-that never reads its replies stalls no other peer; a rank refuses a socket served by
-another uid."""
+builds a bounded number of values (and the old decoder's growth, its control); the
+partial frames of many connections share one bound; a peer that never reads its replies
+stalls no other peer; a rank refuses a socket served by another uid."""
 
 from __future__ import annotations
 
@@ -107,6 +107,63 @@ def test_a_frame_alone_in_the_buffer_is_handed_over_without_a_copy():
 
 # ------------------------------------------------------------ a peer that never reads
 BIG = 60_000  # values of ~100 bytes: a ~6 MB reply, far over a Unix socket's buffer
+
+
+def _send_or_dropped(peer: RawPeer, data: bytes) -> bool:
+    """Send ``data``; False if the server dropped the connection meanwhile."""
+    try:
+        peer.sock.sendall(data)
+        return True
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+
+
+def _answered(peer: RawPeer, rest: bytes) -> bool:
+    """Finish the request with ``rest``: whether its reply came (False: dropped)."""
+    if not _send_or_dropped(peer, rest):
+        return False
+    try:
+        return codec.parse_reply(peer.frame())[0]
+    except (AssertionError, ConnectionResetError):  # the server closed it
+        return False
+
+
+@pytest.mark.parametrize("limit", [5 << 20, 1 << 40], ids=["bounded", "control-unbounded"])
+def test_partial_frames_of_many_connections_share_one_bound(tmp_path, limit):
+    """Three peers each send 3 MiB of a 3.2 MiB request and stop (a frame not finished),
+    one after the other. With 5 MiB shared beyond the 1 MiB each connection holds alone,
+    the server holds the first two (2 MiB each beyond their own) and drops the third
+    when it would buffer more than is left; an honest small call is served meanwhile;
+    the two finish and are answered, and what their frames held is given back (a
+    fourth peer is then held and answered). Control (no shared bound: what every
+    connection could hold before, up to a 64 MiB frame each, 64 GiB for 1,024
+    connections): all three are held."""
+    from tests.unit.test_channel import ARGS
+
+    srv = ChannelServer(str(tmp_path / "node.sock"), {"echo": lambda *a: list(a)},
+                        arg_types={"echo": ARGS["echo"]}, max_buffered=limit)
+    beyond = (3 << 20) - codec.FREE_BUFFERED  # what one partial frame draws
+    try:
+        body = codec.request("echo", time.monotonic() + 60, [1, ["x" * 800_000] * 4, {}])
+        head, rest = body[:3 << 20], body[3 << 20:]
+        peers = []
+        for i in range(3):
+            peers.append(RawPeer(srv.path))
+            _send_or_dropped(peers[-1], head)
+            held = min(i + 1, 2) if limit < 1 << 30 else i + 1
+            assert settle(lambda n=held: srv.buffered == n * beyond), (i, srv.buffered)
+        client = ChannelClient(srv.path)
+        assert client.call("echo", 2, [], {}) == [2, [], {}]  # served meanwhile
+        answered = [_answered(p, rest) for p in peers]
+        assert answered == ([True, True, False] if limit < 1 << 30 else [True] * 3)
+        assert settle(lambda: srv.buffered == 0)  # given back
+        late = RawPeer(srv.path)
+        assert _send_or_dropped(late, head) and _answered(late, rest)
+        for p in (*peers, late):
+            p.close()
+        client.close()
+    finally:
+        srv.close()
 
 
 def _big(n: int) -> list[str]:

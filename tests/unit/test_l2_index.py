@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from raykv.cache_actors.node.l2_index import FULL, PRESENT, L2Index
+from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING, L2Index
 
 A, B = (101, 1), (102, 1)  # two rank processes
 
@@ -34,16 +34,21 @@ def test_write_then_read_and_lookup_counts_leading_ready_keys():
     assert ix.counts["hits"] == 2 and ix.counts["misses"] == 1
 
 
-def test_reserve_says_present_for_ready_and_in_flight_keys():
+def test_reserve_says_present_for_ready_keys_and_writing_for_keys_being_written():
+    """PRESENT only for a key that is ready; a key another holder is writing is
+    WRITING (not in L2 yet). (Before: PRESENT for both, so the second writer counted
+    a block stored in L2 that the first writer's failed write then left nowhere.)"""
     ix = L2Index(4, 10, Clock())
     written(ix, A, ["a"])
     (q,) = ix.reserve(A, ["b"])
-    assert ix.reserve(B, ["a", "b"]) == [PRESENT, PRESENT]
+    assert ix.reserve(B, ["a", "b"]) == [PRESENT, WRITING]
     assert ix.lookup(["b"]) == 0  # being written: not readable
     assert ix.acquire(B, ["b"]) == []
     with pytest.raises(ValueError, match="twice"):
         ix.reserve(B, ["c", "c"])
     assert q >= 0
+    ix.release(A)  # A's write of b is abandoned: b is in L2 nowhere
+    assert ix.page_of("b") is None and ix.reserve(B, ["b"])[0] >= 0
 
 
 def test_lru_evicts_the_least_recently_used_page():

@@ -10,7 +10,7 @@ import time
 import pytest
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node.l2_index import FULL, PRESENT
+from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING
 from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.ownership import OwnerClaim
@@ -106,9 +106,10 @@ def test_save_write_behind_then_lookup_and_read():
     pools = l2(node)
     h = pools.open((0, 0), layout(), 8, A)
     pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
-    assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
+    assert pools.reserve(GONE, h.name, ["m_a"], A) == [WRITING]
     assert pools.lookup(["m_a", "m_b"], 1, A) == 0  # not committed: not readable
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
+    assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
     assert pools.stats()["l3_put_submitted"] == 2  # handed over at the commit
     s = flushed(pools, 2)
     assert s["l3_put"] + s["l3_put_failed"] == s["l3_put_submitted"] == 2  # ended
@@ -149,6 +150,31 @@ def test_a_failed_fill_is_a_miss_and_frees_its_pages():
     assert pools.acquire(ME, h.name, ["m_a"], True, A) == []
     assert pools.counts["fill_failed"] == 1
     assert all(p >= 0 for p in pools.reserve(GONE, h.name, ["m_y", "m_z"], A))
+
+
+def test_a_fill_that_ends_past_its_readers_deadline_holds_nothing_for_the_reader():
+    """The store's get of a fill ends after the reader's deadline, and the reader has
+    made its next op meanwhile (an acquire that releases what it held): the fill's
+    pages become ready (the bytes are right: the get ended) but are held for nobody,
+    and the reader is told ``DeadlineExceededError``; a writer then finds the page
+    evictable. (Before: the late commit held the page for the reader past its next
+    op, unknown to it: pinned until that thread's op after, or for good.)"""
+    class LateNode(FakeNode):
+        def move(self, op, batch, deadline, caller):
+            while time.monotonic() < deadline:  # the store call outlives the deadline
+                time.sleep(0.005)
+            assert pools.acquire(ME, name, [], False, A) == []  # the reader's next op
+            return super().move(op, batch, deadline, caller)
+
+    node = LateNode()
+    node.stored = {"m_a": 0}
+    pools = l2(node)
+    name = pools.open((0, 0), layout(), 1, A).name
+    with pytest.raises(DeadlineExceededError):
+        pools.acquire(ME, name, ["m_a"], True, A, deadline=time.monotonic() + 0.05)
+    s = pools.stats()["pools"][name]
+    assert (s["ready"], s["held"]) == (1, 0)
+    assert pools.reserve(GONE, name, ["m_z"], A) == [0]  # the page was evictable
 
 
 def one_dirty_page(node: FakeNode, attempts: int, backoff_s: float = 0.01):
@@ -400,7 +426,7 @@ def test_an_op_its_caller_gave_up_on_changes_nothing_after_the_callers_next_op()
     with pytest.raises(DeadlineExceededError, match="changed nothing"):
         pools.acquire(ME, name, ["m_a"], False, A, deadline=past)
     assert pools.lookup(["m_a"], 1, A) == 0  # p is not readable
-    assert pools.reserve(GONE, name, ["m_a"], A) == [PRESENT]  # still being written
+    assert pools.reserve(GONE, name, ["m_a"], A) == [WRITING]  # still being written
     assert pools.commit(ME, name, ["m_a"], [0], [True], A,  # the pool's one page, p
                         deadline=time.monotonic() + 5) == 1  # in time: published
     assert pools.lookup(["m_a"], 1, A) == 1

@@ -72,8 +72,11 @@ class Ranks:
     def ask(self, method: str, *args):
         return getattr(self.verifier, method)(*args)
 
-    def __call__(self, name: str) -> OwnerClaim:
-        return self.owners[name].claim("node", self.ask)
+    def __call__(self, name: str, purpose: str = "") -> OwnerClaim:
+        """A fresh claim of rank ``name`` for a call of ``purpose`` (the verifier checks
+        it bound to that purpose: ``OwnerClaim.for_call``; a claim no entry bound has
+        purpose ``""``)."""
+        return self.owners[name].claim("node", self.ask, purpose)
 
 
 # ------------------------------------------------------------------- bindings alone
@@ -187,7 +190,7 @@ def test_a_tenants_session_cannot_be_opened_for_disagreeing_fields(fields):
     owner = RankOwner(replace(claim_of(CONFIGS["a"]), **fields),
                       owner_key("team-a", {"RAYKV_TENANT_SECRET": SECRET_A.decode()}))
     with pytest.raises(ValueError, match="is not the tenant's key prefix"):
-        owner.claim("node", lambda m, *a: getattr(bindings, m)(*a))
+        owner.claim("node", lambda m, *a: getattr(bindings, m)(*a), "")
     # control: the rank's own fields open a session
     assert bindings.verify(Ranks(bindings)("a")).owner == A
 
@@ -220,7 +223,7 @@ def test_the_tables_are_bounded_and_pool_owners_are_never_forgotten():
     ranks("b")
     third = RankOwner.of_config(config("c", "team-c"), {"RAYKV_TENANT_SECRET": "c" * 32})
     with pytest.raises(ValueError, match="bound 2 tenants"):
-        third.claim("node", ranks.ask)
+        third.claim("node", ranks.ask, "")
 
 
 def test_a_ranks_claim_carries_a_call_proof_and_its_key_prefix():

@@ -97,8 +97,58 @@ def test_a_session_is_useless_without_its_key():
         bindings.verify(replace(seen, proof=forged))
     other = RankSession(session_id, b"k" * 32)  # a guessed session key
     with pytest.raises(ValueError, match="does not verify"):
-        bindings.verify(replace(seen, proof=other.call_proof()))
+        bindings.verify(replace(seen, proof=other.call_proof("")))
     assert bindings.verify(seen) is seen  # control: the rank's own proof
+
+
+def old_call_tag(key: bytes, session_id: str, number: int) -> str:
+    """A call proof's tag before it covered the call: session id and number only."""
+    return hmac.new(key, f"{session_id}.{number}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def test_a_call_proof_is_good_for_its_own_method_and_arguments_only():
+    """A proof taken off the wire before its call arrives (a ``put`` of one batch) and
+    spent first on ``destroy_pool``, ``clear_objects`` or a ``put`` of other objects
+    (the verifier binds each claim to the call it came with: ``for_call``) is refused,
+    and spends nothing: the rank's own call is then accepted (CONTROL). A claim no entry
+    point bound (purpose ``""``) verifies no proof a rank sends. Control of the old
+    design: its tag covered the session and number only, the same for every call."""
+    from raykv.controllers.object_batch import ObjectBatch
+    from raykv.controllers.owner_keys import call_purpose
+    from raykv.controllers.ownership import for_call
+
+    bindings = OwnerBindings()
+    ranks = Ranks(bindings)
+    batch = ObjectBatch(["k1"], ["pool"], [0], [4096])
+    seen = ranks("a", call_purpose("put", batch))
+    for method, args in (("destroy_pool", ("pool",)), ("clear_objects", ()),
+                         ("put", (ObjectBatch(["k2"], ["pool"], [0], [4096]),))):
+        with pytest.raises(ValueError, match="does not verify"):
+            bindings.verify(for_call(seen, method, *args))
+    with pytest.raises(ValueError, match="does not verify"):
+        bindings.verify(seen)  # bound to no call
+    assert bindings.verify(for_call(seen, "put", batch)).owner == seen.owner  # CONTROL
+    with pytest.raises(ValueError, match="shown before"):
+        bindings.verify(for_call(seen, "put", batch))
+    # the old tag: one value for any method and arguments
+    session_id, number, _ = seen.proof.split(".")
+    assert old_call_tag(b"k" * 32, session_id, int(number)) == \
+        old_call_tag(b"k" * 32, session_id, int(number))
+    assert call_purpose("put", batch) != call_purpose("destroy_pool", "pool")
+
+
+def test_a_claims_purpose_never_travels():
+    """The purpose the verifier bound a claim to is not pickled (Ray) and not sent on
+    the channel: whatever a caller sets, the verifier's entry point sets its own."""
+    from raykv.cache_actors.channel_codec import Signature, parse_request, request
+    from raykv.controllers.ownership import OwnerClaim
+
+    claim = Ranks(OwnerBindings())("a").for_call("put:" + "0" * 32)
+    assert claim.purpose and pickle.loads(pickle.dumps(claim)).purpose == ""
+    assert pickle.loads(pickle.dumps(claim)) == claim  # the fields that do travel
+    body = request("bind", 0.0, [claim])[4:]  # less the frame's length header
+    _, _, (sent,) = parse_request(body, {"bind": Signature((OwnerClaim,))})
+    assert sent == claim and sent.purpose == ""
 
 
 def test_a_forgers_answer_with_the_tenants_digest_is_refused():
@@ -143,9 +193,9 @@ def test_a_tenants_sessions_are_bounded_and_push_out_only_its_own():
     other = sessions.open("e", "team-b", "q", b"k" * 32)
     assert len(sessions) == 3
     with pytest.raises(UnknownSessionError):
-        sessions.check("d", "team-a", "p", RankSession(ids[0], b"k" * 32).call_proof())
-    sessions.check("d", "team-a", "p", RankSession(ids[2], b"k" * 32).call_proof())
-    sessions.check("e", "team-b", "q", RankSession(other, b"k" * 32).call_proof())
+        sessions.check("d", "team-a", "p", RankSession(ids[0], b"k" * 32).call_proof(""), "")
+    sessions.check("d", "team-a", "p", RankSession(ids[2], b"k" * 32).call_proof(""), "")
+    sessions.check("e", "team-b", "q", RankSession(other, b"k" * 32).call_proof(""), "")
 
 
 def test_the_controller_takes_a_registration_proof_once():

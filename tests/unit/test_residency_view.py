@@ -5,6 +5,7 @@ answers, when a node is stale, its bounds)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -50,6 +51,59 @@ def test_the_log_says_to_start_again_when_it_cannot_answer():
     assert log.kept("segment", OA, "", 5) == [("segment", "m_c", True),
                                               ("segment", "m_b", True)]
     assert log.kept("segment", OB, "", 5) == []
+
+
+class SlowOwner:
+    """An owner whose comparison waits (for ``free``) the first time: a query's look at
+    the log's entries held up mid-scan. ``scanning`` is set once it is."""
+
+    def __init__(self) -> None:
+        self.scanning, self.free = threading.Event(), threading.Event()
+
+    def __eq__(self, other: object) -> bool:
+        if not self.scanning.is_set():
+            self.scanning.set()
+            self.free.wait(WAIT_S)
+        return False
+
+    __hash__ = object.__hash__
+
+
+WAIT_S = 10.0  # bound of a wait: only turns a hang into a failure
+
+
+@pytest.mark.parametrize("query", ["since", "kept"])
+def test_a_query_looks_at_a_bounded_number_of_changes_off_the_logs_lock(query):
+    """Anyone may ask a node's log (a caller without a claim too), and an L2 commit
+    records into it under the node's L2 lock. While a query looks at the entries of a
+    full log (65,536 changes of others), ``record`` (a commit) goes on; and the query
+    looks at ``SCAN`` (= ``MAX_CHANGES``) of them at most, answering where it stopped
+    (the router asks on from there). (Before: every query looked at all 65,536 under
+    the log's lock, and the commit waited.)"""
+    from raykv.cache_actors.node.residency_log import LOG_CHANGES
+    from raykv.controllers.residency import MAX_CHANGES
+
+    log = ResidencyLog()
+    log.record(OB, "segment", (f"n_{i}" for i in range(LOG_CHANGES)), True)
+    slow = SlowOwner()
+    ask = (lambda: log.since(0, slow, "")) if query == "since" else \
+        (lambda: log.kept("segment", slow, "", 5))
+    asking = threading.Thread(target=ask)
+    asking.start()
+    assert slow.scanning.wait(WAIT_S)
+    recorded = threading.Thread(target=log.record, args=(OA, "l2", ["m_a"], True))
+    recorded.start()
+    recorded.join(WAIT_S)
+    done = not recorded.is_alive()
+    slow.free.set()
+    asking.join(WAIT_S)
+    recorded.join(WAIT_S)
+    assert done, "record waited for the query's scan"
+    assert log.last == LOG_CHANGES + 1
+    assert log.since(0, OA, "") is None  # the oldest left for the commit's change
+    assert log.since(1, OA, "") == ([], 1 + MAX_CHANGES)  # where the next call goes on
+    assert log.since(1 + MAX_CHANGES, OA, "")[1] == 1 + 2 * MAX_CHANGES
+    assert MAX_CHANGES < LOG_CHANGES
 
 
 def test_l2_tells_the_log_what_became_ready_and_what_left():

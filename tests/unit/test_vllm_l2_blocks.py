@@ -243,6 +243,28 @@ def test_a_save_behind_commits_on_its_own_thread_for_the_reserving_one():
     assert torch.equal(b[0][3:6], a[0][0:3])
 
 
+@pytest.mark.parametrize("save", ["save", "save_behind"])
+def test_a_block_another_engine_is_still_writing_is_neither_counted_nor_published(save):
+    """Engine A reserved h0 and is still copying it in when engine B saves h0 and h1: B
+    counts h0 as one L2 had no page for (``WRITING``), not as stored, and its KV events
+    publish h1 only; A's write then fails, and h0 is in L2 nowhere, as B's answer
+    said. (Before: B counted h0 saved and published it stored in L2.)"""
+    from raykv.integrations.vllm.kv_events import L2, LandedBlocks
+
+    link_a, link_b = FakeLink(), FakeLink()
+    link_b.index, link_b.holder = link_a.index, (2, 1)  # one pool, two engines
+    link_a.index.reserve(link_a.holder, ["h0"])  # A writes h0
+    blocks = l2(link_b, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
+    answer = blocks.save([0, 1], ["h0", "h1"]) if save == "save" else \
+        blocks.save_behind([0, 1], ["h0", "h1"]).wait()
+    assert answer == (1, [0])
+    landed = LandedBlocks(True)
+    landed.l2_saved(["h0", "h1"], *answer)
+    assert landed.take() == [(L2, "h1")]
+    link_a.index.release(link_a.holder)  # A's write did not end
+    assert link_a.index.lookup(["h0"]) == 0 and link_a.index.lookup(["h1"]) == 1
+
+
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "control-unsettled"])
 def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
     """A worker's async L2 save behind step N is committed by its own thread, slowly
