@@ -92,3 +92,28 @@ def test_sizes_in_configs_parse():
         assert "not a size" in str(e)
     else:
         raise AssertionError("parse_size accepted 'lots'")
+
+
+def network_policy_admits(policy: dict, pod_labels: dict) -> bool:
+    """Whether ``policy`` lets a pod labelled ``pod_labels`` in (same namespace)."""
+    return any(all(pod_labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items())
+               for rule in policy["spec"]["ingress"] for peer in rule["from"]
+               if set(peer) == {"podSelector"})
+
+
+def test_network_policy_keeps_other_clusters_off_the_raycluster():
+    """The shipped NetworkPolicy (the recipe docs/deploy.md gives for keeping another
+    party's code off Mooncake's ports) selects every pod of the shipped RayCluster and
+    admits its own pods only; deploy.md quotes it as shipped."""
+    rc = yaml.safe_load((CONFIGS / "kuberay-raycluster.yaml").read_text())
+    text = (CONFIGS / "kuberay-networkpolicy.yaml").read_text()
+    policy = yaml.safe_load(text)
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    own = {"ray.io/cluster": rc["metadata"]["name"]}   # KubeRay's label on every pod
+    assert policy["spec"]["podSelector"]["matchLabels"] == own
+    assert network_policy_admits(policy, own)
+    # CONTROL: a pod of another RayCluster (another party's engines) is not admitted
+    assert not network_policy_admits(policy, {"ray.io/cluster": "other"})
+    deploy = (Path(__file__).parents[2] / "docs" / "deploy.md").read_text()
+    quoted = deploy.split("kuberay-networkpolicy.yaml", 1)[1].split("```yaml", 1)[1]
+    assert yaml.safe_load(quoted.split("```", 1)[0]) == policy
