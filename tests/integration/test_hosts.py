@@ -375,6 +375,7 @@ def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
 
 
 @SLOW
+@pytest.mark.engine("vllm")
 def test_a_vllm_engine_on_one_host_loads_the_bytes_an_engine_on_another_saved(tmp_path):
     """vLLM engine A on host 1 computes a prompt (its connector saves 7 blocks across
     host 1's link); engine B on host 0 serves it with all 7 loaded from raykv, and per

@@ -42,6 +42,8 @@ from tests.integration.sglang_runs import (
     steps,
 )
 
+pytestmark = pytest.mark.engine("sglang")
+
 # Prompts of the fault scenarios (4 pages, Mamba state after page 4), and the failure
 # probability SGLang's injector applies to every backend call.
 FAULTY_PROMPTS = 8
