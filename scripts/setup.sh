@@ -208,6 +208,5 @@ echo "  raykv demo                # the main job"
 if [ "$ENGINES" = 1 ]; then
     echo "  python -m pytest -q       # every test"
 else
-    echo "  python -m pytest -q tests/unit && python -m pytest -q tests/integration -k 'not sglang and not vllm'"
-    echo "                            # the tests that need no engine (--no-engines)"
+    echo "  RAYKV_NO_ENGINES=1 python -m pytest -q   # every test that needs no engine"
 fi

@@ -33,19 +33,23 @@ INSTALL = {
 """Every engine a test may name, and what installs it."""
 
 
-@functools.cache
 def present(engine: str) -> bool:
     """Whether ``engine`` (a key of ``INSTALL``) can be used here. Ray Serve ships inside
     Ray's wheel without the packages it imports, so it is imported (in a child process,
-    once) rather than looked up."""
+    once per process) rather than looked up."""
     if engine == "sglang":
         return os.path.exists(SGLANG_PY)
     if engine == "ray.serve":
-        return subprocess.run([sys.executable, "-c", "import ray.serve"],
-                              capture_output=True, timeout=300).returncode == 0
+        return _imports("ray.serve")
     if engine not in INSTALL:
         raise ValueError(f"unknown engine {engine!r}: one of {sorted(INSTALL)}")
     return importlib.util.find_spec(engine) is not None
+
+
+@functools.cache
+def _imports(module: str) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"],
+                          capture_output=True, timeout=300).returncode == 0
 
 
 def require(engine: str) -> None:
