@@ -230,6 +230,7 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
     assert all(ray.get(actor.destroy_pool.remote(n)) for n in names)
 
 
+@pytest.mark.engine("sglang")
 def test_sglang_memory_is_staged_in_standalone_mode(cluster, tmp_path, uid):
     """SGLang 0.5.23's own controller and host pools (``allocator: shm``) on this
     standalone cluster: the store's buffers are mooncake_client's, which cannot map
