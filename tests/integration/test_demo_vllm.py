@@ -9,7 +9,6 @@ from its own node's L2 with no Mooncake get, the files written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,17 +17,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine("vllm")
+
 BLOCK = 128
 SYSTEM, USER, REPLY, LONG = 256, 64, 8, 1024
-
-
-@pytest.fixture(autouse=True)
-def _vllm_installed():
-    """This test needs a real vLLM: missing, it fails (never skips) with the fix."""
-    if importlib.util.find_spec("vllm") is None:
-        from raykv.clusters.install_hints import vllm_install_hint
-
-        pytest.fail(f"vLLM is not installed: {vllm_install_hint()}")
 
 
 def test_vllm_demo_small(tmp_path: Path):

@@ -427,6 +427,7 @@ def learnt(handle, opts: RouteOptions, node: str, prompt: list[int]):
         time.sleep(0.05)
 
 
+@pytest.mark.engine("ray.serve")
 def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
     handles, opts = apps
     node1 = cluster.node_ids[0]
@@ -444,6 +445,7 @@ def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
     assert set(nodes_at_once(handles["raykv"], cold)) == set(cluster.node_ids)
 
 
+@pytest.mark.engine("ray.serve")
 def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     """No node holds this prefix (these replicas run no engine, nothing is saved): the
     router's engine tier alone (what it sent where, ``routed_keys``) sends every repeat
@@ -519,6 +521,8 @@ def text_app(cluster, apps, tmp_path, name: str, chat: bool = False, **extra):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+@pytest.mark.engine("ray.serve")
+@pytest.mark.engine("transformers")
 def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path, chat):
     """Requests that carry text or chat ``messages``, as Serve LLM's OpenAI ingress gives
     them: a router with the model's tokenizer tokenizes them (its chat template
@@ -556,6 +560,8 @@ def test_text_prompts_are_routed_by_their_tokens(cluster, apps, tmp_path, chat):
 
 
 @pytest.mark.parametrize("memo", [True, False], ids=["memo", "control_no_memo"])
+@pytest.mark.engine("ray.serve")
+@pytest.mark.engine("transformers")
 def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps, tmp_path,
                                                                   memo):
     """A router that never waits for a text's keys (``keys_wait_ms`` 0) routes each
@@ -611,6 +617,7 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
         serve.delete(name)
 
 
+@pytest.mark.engine("ray.serve")
 def test_a_stopped_node_actor_degrades_routing_to_power_of_two(cluster, apps):
     """Node 1's actor SIGSTOPped: the router hears nothing from it, so once its view
     of node 1 is stale every request is answered, routed by power of two choices (a

@@ -7,7 +7,8 @@ nothing of the master's that lists or removes keys answers while its RPC serves 
 host's node actor (control: a master started with the wide flags answers
 ``/get_all_keys`` there); the cluster leaves nothing behind, after a normal exit and
 after ``kill -9`` of its driver and ``raykv clean-hosts`` (control: before the clean-up
-the namespaces are still there); a prefix written through host 0's L2 loads from that
+the namespaces are still there); ``raykv up --emulate-hosts`` runs with the node
+options given and removes its hosts at SIGTERM; a prefix written through host 0's L2 loads from that
 L2 with no store get and from L3 on both hosts byte for byte (control: L2 pages
 scribbled over are found different), also with host 1's link slowed to 100 Mbit/s
 mid-run and unshaped; the hosts' Ray alone is stopped and started again, as a failed
@@ -19,6 +20,7 @@ the slow ones (a link down for 20 s; vLLM engines on two hosts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -265,6 +267,41 @@ def test_kill_9_then_clean_hosts_leaves_nothing_behind():
     assert nothing_left(index, tag) == []
 
 
+
+def test_raykv_up_emulate_hosts_runs_with_the_node_options(tmp_path):
+    """``raykv up --emulate-hosts 2`` with node options (segment size, a tenant quota, an
+    L2 size, placement) comes up, every node actor runs with those options
+    (``raykv status --json``), and SIGTERM removes every host. Before, the command
+    dropped them: the nodes ran with the defaults."""
+    env = os.environ | {"RAY_AUTH_MODE": "token"}  # the hosts' Ray, as the command joins it
+    up = subprocess.Popen(
+        [sys.executable, "-m", "raykv.clusters.cli", "up", "--emulate-hosts", "2",
+         "--segment-size", "48MB", "--tenant-quota", "acme=40MB", "--l2-size", "24MB",
+         "--placement", "any"],
+        cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        first = up.stdout.readline()
+        assert first.startswith("raykv is up on 2 emulated hosts"), first
+        gcs = first.split("Ray ", 1)[1].split(",", 1)[0]
+        out = subprocess.run([sys.executable, "-m", "raykv.clusters.cli", "status",
+                              "--address", gcs, "--json"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        nodes = json.loads(out.stdout)["nodes"]
+        assert len(nodes) == 2
+        for s in nodes.values():
+            assert s["global_segment_size"] == 48 * MiB
+            assert s["tenants"]["acme"]["quota"] == 40 * MiB
+            assert s["l2"]["l2_bytes"] == 24 * MiB
+    finally:
+        up.send_signal(signal.SIGTERM)
+        rest = up.communicate(timeout=180)[0]
+    index = int(gcs.split(".")[2])
+    assert up.returncode == 0 and "emulated hosts removed" in rest, rest
+    assert index not in leftovers()
+
+
 @SLOW
 def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
     """Host 1's link down for 20 s: a rank on host 0 reading what host 1 stored gets
@@ -338,6 +375,7 @@ def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
 
 
 @SLOW
+@pytest.mark.engine("vllm")
 def test_a_vllm_engine_on_one_host_loads_the_bytes_an_engine_on_another_saved(tmp_path):
     """vLLM engine A on host 1 computes a prompt (its connector saves 7 blocks across
     host 1's link); engine B on host 0 serves it with all 7 loaded from raykv, and per

@@ -18,8 +18,8 @@ killed under SGLang, and SGLang's own ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILU
 injector around the backend. Interop with SGLang's built-in ``MooncakeStore`` on the same
 master, TP=1 and TP=2, both directions. Standalone Mooncake mode: ``test_standalone.py``.
 
-Without the SGLang venv these tests fail (not skip): set RAYKV_SGLANG_PYTHON or run
-``scripts/sglang-venv.sh``.
+Without the SGLang venv these tests fail (skip only under ``RAYKV_NO_ENGINES=1``): set
+RAYKV_SGLANG_PYTHON or run ``scripts/sglang-venv.sh``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import threading
 
 import pytest
 
+from tests import engines
 from tests.integration import sglang_runs
 from tests.integration.sglang_runs import (
     DSA_PAGE,
@@ -41,6 +42,8 @@ from tests.integration.sglang_runs import (
     scenario,
     steps,
 )
+
+pytestmark = pytest.mark.engine("sglang")
 
 # Prompts of the fault scenarios (4 pages, Mamba state after page 4), and the failure
 # probability SGLang's injector applies to every backend call.
@@ -434,9 +437,14 @@ def test_node_actor_killed_mid_traffic(cluster, tmp_path):
 
 
 def test_missing_sglang_venv_fails_clearly(monkeypatch):
-    """The tests above fail (never skip) without the SGLang venv, with what to run."""
-    monkeypatch.setattr(sglang_runs, "SGLANG_PY", "/nonexistent/python")
+    """The tests above fail without the SGLang venv, with what to run; they skip only
+    under ``RAYKV_NO_ENGINES=1`` (an environment set up without engines)."""
+    monkeypatch.setattr(engines, "SGLANG_PY", "/nonexistent/python")
+    monkeypatch.delenv(engines.NO_ENGINES, raising=False)
     with pytest.raises(pytest.fail.Exception, match="sglang-venv"):
+        sglang_runs.require_sglang()
+    monkeypatch.setenv(engines.NO_ENGINES, "1")
+    with pytest.raises(pytest.skip.Exception, match="needs sglang"):
         sglang_runs.require_sglang()
 
 

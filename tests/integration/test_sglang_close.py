@@ -34,6 +34,8 @@ import pytest
 from tests.integration.conftest import MODES, node_pids, slow_two_nodes
 from tests.integration.sglang_runs import PAGE, run_driver, scenario
 
+pytestmark = pytest.mark.engine("sglang")
+
 DELAY_S = 0.25
 OPS = 6
 RUN_PAGES = 8

@@ -26,6 +26,8 @@ import pytest
 
 from tests.integration.sglang_runs import mooncake_config, run_driver, scenario, steps
 
+pytestmark = pytest.mark.engine("sglang")
+
 PAGES = 8
 STAGING = "host pools are served through a staging copy"
 SECRET = "contract-secret-" + "x" * 32

@@ -38,6 +38,8 @@ import pytest
 from tests.integration.conftest import set_store_delay
 from tests.integration.sglang_runs import run_driver, scenario, steps
 
+pytestmark = pytest.mark.engine("sglang")
+
 TIMEOUT_S = 1.0
 DELAY_S = 3.0  # a slow store call (a control's late call lands DELAY_S - TIMEOUT_S later)
 HANG_S = 15.0  # a backend call still running after this long is taken as hung

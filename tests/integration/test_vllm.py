@@ -20,7 +20,6 @@ themselves; ``test_corrupted_loads_change_the_output`` shows the loaded KV is us
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import random
 import time
@@ -35,14 +34,8 @@ from tests.integration.serve_llm import example as serve_example
 from tests.integration.serve_llm import serve_llm
 from tests.integration.vllm_control import ControlEngine
 
+pytestmark = pytest.mark.engine("vllm")
 
-@pytest.fixture(autouse=True)
-def _vllm_installed():
-    """These tests need a real vLLM: missing, they fail (never skip) with the fix."""
-    if importlib.util.find_spec("vllm") is None:
-        from raykv.clusters.install_hints import vllm_install_hint
-
-        pytest.fail(f"vLLM is not installed: {vllm_install_hint()}")
 
 BLOCK = 128
 

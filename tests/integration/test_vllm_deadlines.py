@@ -46,6 +46,8 @@ from tests.integration.process_stop import stop_process
 from tests.integration.test_vllm import BLOCK, prompt
 from tests.integration.vllm_deadline_engine import DeadlineEngine
 
+pytestmark = pytest.mark.engine("vllm")
+
 TIMEOUT_S = 1.0
 DELAY_S = 2.0  # a slow store call: the node actors hold each put and get this long
 HANG_S = 60.0  # a generate still running after this long is taken as hung

@@ -32,6 +32,8 @@ from raykv.clusters.demo.vllm_model import make_llama
 from tests.integration.vllm_steps import StepEngine
 from tests.peers.vllm_world import expected_kv
 
+pytestmark = pytest.mark.engine("vllm")
+
 BS = 16
 SHARED = 50  # blocks request 2 shares with request 1
 FAILED = 49  # the shared block whose read fails

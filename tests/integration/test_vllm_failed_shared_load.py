@@ -29,6 +29,8 @@ from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.integration.vllm_control import ControlEngine
 
+pytestmark = pytest.mark.engine("vllm")
+
 BLOCK = 128
 SHARED = 4  # blocks prompt 2 shares with prompt 1
 TOLERANCE = 1e-3

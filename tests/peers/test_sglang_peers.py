@@ -19,6 +19,8 @@ from raykv.clusters.bench.sglang import sglang_env
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, run_pytest
 
+pytestmark = pytest.mark.engine("sglang")
+
 MOONCAKE = "srt/mem_cache/storage/mooncake_store/test_mooncake_store.py"
 SELECTED = [
     MOONCAKE + "::test_single_operation",

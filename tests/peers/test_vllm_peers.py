@@ -22,6 +22,8 @@ from raykv.clusters.demo.vllm_model import make_llama
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, outcomes_of, run_pytest
 
+pytestmark = pytest.mark.engine("vllm")
+
 UNIT = "tests/v1/kv_connector/unit/"
 CORE = "tests/v1/core/"
 # vLLM's tests that take a connector and hold for any connector that loads synchronously

@@ -268,3 +268,71 @@ def test_emulated_hosts_refuse_without_root(monkeypatch):
     monkeypatch.setattr(hosts.os, "geteuid", lambda: 0)
     monkeypatch.setattr(hosts.shutil, "which", lambda tool: f"/sbin/{tool}")
     hosts.check_root()
+
+
+EMULATED_UP = {
+    # option: (its arguments, the start_local keyword it must reach; None: refused)
+    "--address": (["--address", "10.0.0.1:6379"], None),
+    "--master-address": (["--master-address", "10.0.0.1:50051"], None),
+    "--metadata-server": (["--metadata-server", "http://10.0.0.1:8080/metadata"], None),
+    "--master-port": (["--master-port", "50051"], None),
+    "--metadata-port": (["--metadata-port", "8080"], None),
+    "--mooncake-host": (["--mooncake-host", "10.0.0.1"], None),
+    "--segment-size": (["--segment-size", "96MB"], ("global_segment_size", 96 << 20)),
+    "--protocol": (["--protocol", "rdma"], ("protocol", "rdma")),
+    "--rdma-devices": (["--protocol", "rdma", "--rdma-devices", "mlx5_0"],
+                       ("rdma_devices", "mlx5_0")),
+    "--local-buffer-size": (["--local-buffer-size", "48MB"], ("local_buffer_size", 48 << 20)),
+    "--mooncake-log-level": (["--mooncake-log-level", "INFO"], ("mooncake_log_level", "INFO")),
+    "--standalone": (["--standalone"], ("standalone", True)),
+    "--host-pool-size": (["--host-pool-size", "3GB"], ("host_pool_bytes", 3 << 30)),
+    "--l2-size": (["--l2-size", "200MB"], ("l2_bytes", 200 << 20)),
+    "--placement": (["--placement", "any"], ("placement", "any")),
+    "--confirm-ttl": (["--confirm-ttl", "0.5"], ("confirm_ttl_s", 0.5)),
+    "--tenant-quota": (["--tenant-quota", "acme=1GB"], ("tenant_quotas", {"acme": 1 << 30})),
+    "--tenant-digest": (["--tenant-digest", "acme=" + "ab" * 32],
+                        ("tenant_digests", {"acme": "ab" * 32})),
+    "--bound-tenants-only": (["--tenant-digest", "acme=" + "ab" * 32, "--bound-tenants-only"],
+                             ("bound_tenants_only", True)),
+}
+"""Every option of ``raykv up`` but --emulate-hosts' own (--link, --namespace): what
+``up --emulate-hosts`` does with it."""
+
+
+def test_every_up_option_is_classified_for_emulated_hosts():
+    """A new option of ``raykv up`` must say what --emulate-hosts does with it (below)."""
+    from raykv.clusters.cli import main
+
+    options = {p.opts[0] for p in main.commands["up"].params}
+    assert options - {"--emulate-hosts", "--link", "--namespace"} == set(EMULATED_UP)
+
+
+@pytest.mark.parametrize("option", sorted(EMULATED_UP))
+def test_up_emulate_hosts_passes_each_option_or_refuses_it(monkeypatch, option):
+    """``raykv up --emulate-hosts 2 OPTION``: the option reaches ``start_local`` with its
+    value, or the command refuses it (exit 2, naming it) and starts nothing. Control:
+    without the option, ``start_local`` gets another value (so it was passed)."""
+    from click.testing import CliRunner
+    from raykv.clusters import local
+    from raykv.clusters.cli import main
+
+    started = []
+
+    def fake_start_local(**kwargs):
+        started.append(kwargs)
+        raise ValueError("a fake start_local starts nothing")
+
+    monkeypatch.setattr(local, "start_local", fake_start_local)
+    args, reaches = EMULATED_UP[option]
+    out = CliRunner().invoke(main, ["up", "--emulate-hosts", "2", *args])
+    if reaches is None:
+        assert out.exit_code == 2 and option in out.output and "--emulate-hosts" in out.output, \
+            out.output
+        assert started == []
+        return
+    assert out.exit_code == 1 and "a fake start_local" in out.output, out.output
+    (kwargs,) = started
+    name, value = reaches
+    assert kwargs[name] == value and kwargs["hosts"] == 2
+    CliRunner().invoke(main, ["up", "--emulate-hosts", "2"])
+    assert started[1][name] != value   # CONTROL: the default differs, so it was passed

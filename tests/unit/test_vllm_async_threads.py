@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from raykv.integrations.vllm.async_loads import AsyncLoads
 from raykv.integrations.vllm.lookups import Lookups
 from raykv.integrations.vllm.request_blocks import BlockTransfer
@@ -73,6 +74,7 @@ def test_async_loads_queue_is_bounded_and_close_fails_what_waits():
 
 
 
+@pytest.mark.engine("vllm")
 def test_close_waits_for_the_load_under_way_within_its_wait():
     """A load under way when the engine shuts down (its data op still within its
     deadline) has written what it writes when ``close`` returns: no load touches

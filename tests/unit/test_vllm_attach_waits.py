@@ -36,6 +36,7 @@ def _opts(**config):
                                   identity=KVIdentity("float32", 4, "cpu.lm1"))
 
 
+@pytest.mark.engine("vllm")
 def test_a_worker_step_waits_for_a_hung_attach_one_timeout_in_all(hung):
     """A worker step loading for 4 requests and saving for 4 while the attach hangs:
     every load is a load error (recomputed), every save is counted failed, the step
@@ -63,6 +64,7 @@ def test_a_worker_step_waits_for_a_hung_attach_one_timeout_in_all(hung):
     assert TIMEOUT_S * 0.9 <= took < TIMEOUT_S * 2, took
 
 
+@pytest.mark.engine("vllm")
 def test_a_scheduler_step_waits_for_a_hung_attach_one_timeout_in_all(hung):
     """One scheduling step asking about 4 waiting requests while the attach hangs: each
     is a miss, and the step waits one ``timeout_s`` in all (before: one per request);

@@ -74,6 +74,7 @@ def test_bounds_drop_the_oldest():
         KVEventBook(tp_size=0)
 
 
+@pytest.mark.engine("vllm")
 def test_to_vllm_names_the_tier_in_vllms_words():
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
@@ -108,6 +109,7 @@ class Hits:
 
 
 @pytest.mark.parametrize("events", [True, False])
+@pytest.mark.engine("vllm")
 def test_the_schedulers_lookup_removes_the_first_published_block_it_misses(events):
     """The scheduler side's lookup (``_query``) over pages a, b, c, all published in L2
     and L3, finds a in L2 and nothing after in L3: b is removed from both tiers (c,

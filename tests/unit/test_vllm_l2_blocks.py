@@ -149,6 +149,7 @@ def test_a_lost_pool_is_reopened_in_the_background():
 
 
 @pytest.mark.parametrize("async_transfers", [True, False], ids=["async", "control-sync"])
+@pytest.mark.engine("vllm")
 def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     """A worker's step saving 5 blocks of two requests into an L2 of 3 pages whose
     write-behind is behind (committed pages stay dirty): with ``async_transfers`` one
@@ -191,6 +192,7 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     assert s["save_us"] > 0
 
 
+@pytest.mark.engine("vllm")
 def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
     """A step's load of three blocks of which L2 holds the first two and has no page to
     read the third into from L3 (L2 under pressure): the third comes through the staging
@@ -266,6 +268,7 @@ def test_a_block_another_engine_is_still_writing_is_neither_counted_nor_publishe
 
 
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "control-unsettled"])
+@pytest.mark.engine("vllm")
 def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
     """A worker's async L2 save behind step N is committed by its own thread, slowly
     (the node answers after 0.3 s); step N+1's ``start_load_kv`` makes its first L2 op

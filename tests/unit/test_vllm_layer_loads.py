@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from raykv.integrations.vllm.layer_loads import LayerLoads, LayerWaits, LoadsBehind
 
@@ -181,6 +182,7 @@ def _step(w, names: list[str], block_ids: list[int], hashes: list[str], asks: li
     w.wait_for_save(meta)
 
 
+@pytest.mark.engine("vllm")
 def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settles_after():
     """Step 1: nothing learnt, the load is copied on the step. Step 2 (its forward asked
     for both layers in step 1): 2 of 3 blocks copied behind, their pages held until
@@ -209,6 +211,7 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     w.shutdown()
 
 
+@pytest.mark.engine("vllm")
 def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
     link, store, _ = _three_saved()
     w, names = _worker(engine(blocks=9, layers=2), link, store)
