@@ -238,6 +238,148 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
     assert all(ray.get(actor.destroy_pool.remote(n)) for n in names)
 
 
+class Gate:
+    """Stops the first copy after ``arm`` until the test says ``go``: ``copying`` is set
+    once that copy is waiting."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.copying, self.go = threading.Event(), threading.Event()
+
+    def wait_here(self) -> None:
+        if self.armed and not self.copying.is_set():
+            self.copying.set()
+            assert self.go.wait(120), "the test never let the copy go on"
+
+
+def kill_client_and_wait_for_new_pools(cluster, client: CacheClient, pool: str,
+                                       epoch: int) -> None:
+    """Kill the ``mooncake_client`` of ``client``'s node, then wait until the node
+    allocated its pools anew (``pool``'s handle is of another epoch than ``epoch``): by
+    then the old memory was given back, unless a rank still holds it."""
+    actor = cluster.node_actors[client.node_id]
+    pid = stats(cluster, client.node_id)["mooncake_client"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: ray.get(actor.get_pool.remote(pool, client.owner_claim())).epoch != epoch,
+             "the pools allocated anew after mooncake_client's restart")
+
+
+def whole_puts_again(client: CacheClient, uid: str) -> None:
+    """Wait until ``client`` stores whole pages again (through a KV pool of its own,
+    removed after), so the next test finds a whole store: until the master expires the
+    killed client's segment, puts may be placed there and fail."""
+    pool = client.create_host_pool("mha", page_size=PAGE_SLOTS, size=PAGE_SLOTS,
+                                   layer_num=1, head_num=1, head_dim=4, dtype=torch.uint8)
+    client.register_mem_pool_host(pool)
+    probes = iter(range(1 << 30))
+    wait_for(lambda: all(client.batch_set_v1([f"{uid}-probe-{next(probes)}"],
+                                             torch.arange(PAGE_SLOTS))),
+             "whole puts after mooncake_client's restart")
+    client.destroy_host_pool(pool)
+
+
+PAGE_SLOTS = 4
+
+
+def test_a_copy_out_held_across_a_client_restart_loads_the_bytes_read(cluster, uid):
+    """A rank's get through a staging pool returned its pages read; while the rank copies
+    them out to the engine (held here), node 1's mooncake_client dies and the node
+    allocates every pool anew. The rank holds the staging pool's memory from before its
+    get until its copy ended (``HostPool.held``), so the node gives that memory back only
+    afterwards: every page reported loaded holds the bytes stored. Control (the old
+    release, holes punched once the node's own calls ended): zeros copied out and the
+    pages reported loaded."""
+    client = CacheClient(StorageConfig(model_name=f"stand/held-{uid}"))
+    n = 3
+    engine = torch.randn(2, 4 * n * PAGE_SLOTS, 2, 1, 8).to(torch.float16)
+    memory = describe_kv_buffer(engine, PAGE_SLOTS)
+    staging = client.create_host_pool(memory.layout, per_process=True)
+    gate = Gate()
+
+    def stage(pool):
+        gate.wait_here()  # only the get's copy out is armed
+        return buffer_pages(pool)
+
+    client.register_mem_pool_host(StagedPool(memory, staging, stage=stage))
+    keys = [f"{uid}-{i}" for i in range(n)]
+    assert client.batch_set_v1(keys, indices(0, n)) == [True] * n
+    want = engine[:, :n * PAGE_SLOTS].clone()
+    got: list = []
+    gate.armed = True
+    reader = threading.Thread(target=lambda: got.append(client.batch_get_v1(
+        keys, indices(n * PAGE_SLOTS, n))))
+    reader.start()
+    try:
+        assert gate.copying.wait(60), "the get never reached its copy out"
+        kill_client_and_wait_for_new_pools(cluster, client, staging.name,
+                                           staging.handle.epoch)
+    finally:
+        gate.go.set()
+        reader.join()
+    assert got == [[True] * n]  # the get ended before the restart
+    assert torch.equal(engine[:, n * PAGE_SLOTS:2 * n * PAGE_SLOTS], want), \
+        "pages reported loaded do not hold the bytes stored"
+    whole_puts_again(client, uid)
+    client.destroy_host_pool(staging)
+    client.close()
+
+
+def test_an_l2_load_copied_behind_across_a_client_restart_loads_the_bytes_saved(cluster,
+                                                                                 uid):
+    """A vLLM worker's L2 load of 4 blocks copied layer by layer behind the forward
+    (``L2Blocks.load`` with ``LayerLoads``; vLLM-shaped host blocks, the real node L2):
+    the copy thread is held before its first layer while node 1's mooncake_client dies
+    and the node allocates every pool anew (L2 included). The load holds the L2 pool's
+    memory until ``release`` after the copies, so every block loaded holds the bytes
+    saved. Control (the old load and release): zeros copied into the blocks behind,
+    and the copies reported done."""
+    client = CacheClient(StorageConfig(model_name=f"stand/l2-{uid}"))
+    geom = dict(page_size=PAGE_SLOTS, layer_num=2, head_num=2, head_dim=8,
+                dtype="float16", itemsize=2)
+    blocks = 8
+    layout = PoolLayout.vllm(size=blocks * PAGE_SLOTS, **geom)
+    block = (geom["head_num"], PAGE_SLOTS, geom["head_dim"])
+    layers = [torch.randn(blocks, *block).to(torch.float16) for _ in range(2)]
+
+    def views(pool):
+        buf = pool.kv_buffer
+        pages = buf.view(buf.shape[0], buf.shape[1], -1)
+        return [pages[:, i].view(buf.shape[0], *block) for i in range(buf.shape[1])]
+
+    l2 = L2Blocks.open(client, layers, views, staging_layout(layout, 1), blocks)
+    assert l2 is not None
+    hashes = [f"{uid}-h{i}" for i in range(4)]
+    assert l2.save([0, 1, 2, 3], hashes) == (4, [])
+    want = [layer[:4].clone() for layer in layers]
+    for layer in layers:
+        layer[4:].zero_()
+    gate = Gate()
+
+    class HeldLoads(LayerLoads):
+        def start(self, copy, n):
+            def held(i):
+                gate.wait_here()
+                copy(i)
+            super().start(held, n)
+
+    loads = HeldLoads()
+    gate.armed = True
+    try:
+        assert l2.load([4, 5, 6, 7], hashes, loads) == (4, [4, 5, 6])
+        assert gate.copying.wait(60), "the copies behind never started"
+        kill_client_and_wait_for_new_pools(cluster, client, l2.pool.name,
+                                           l2.pool.handle.epoch)
+    finally:
+        gate.go.set()
+    assert loads.finish() is True
+    l2.release()
+    loads.close()
+    for layer, saved in zip(layers, want, strict=True):
+        assert torch.equal(layer[4:], saved), "blocks loaded do not hold the bytes saved"
+    whole_puts_again(client, uid)
+    client.close()
+
+
 @pytest.mark.engine("sglang")
 def test_sglang_memory_is_staged_in_standalone_mode(cluster, tmp_path, uid):
     """SGLang 0.5.23's own controller and host pools (``allocator: shm``) on this
