@@ -212,7 +212,7 @@ def test_the_tables_are_bounded_and_pool_owners_are_never_forgotten():
     bindings.verify(OwnerClaim("d3_", None, None, "d3_"))  # d2 owns no pool: forgotten
     assert bindings.claimed("d0_") and bindings.claimed("d1_") and not bindings.claimed("d2_")
     owning.add("d3_")
-    with pytest.raises(ValueError, match="bound 3 deployments that all own pools"):
+    with pytest.raises(ValueError, match="bound 3 deployments without a tenant that all own pools"):
         bindings.verify(OwnerClaim("d4_", None, None, "d4_"))
     bindings = OwnerBindings(max_tenants=2)
     ranks = Ranks(bindings)
@@ -221,6 +221,36 @@ def test_the_tables_are_bounded_and_pool_owners_are_never_forgotten():
     third = RankOwner.of_config(config("c", "team-c"), {"RAYKV_TENANT_SECRET": "c" * 32})
     with pytest.raises(ValueError, match="bound 2 tenants"):
         third.claim("node", ranks.ask)
+
+
+def test_claims_anyone_can_make_never_crowd_out_the_tenants_bound_in_advance():
+    """Claims without a tenant need no secret, nor (without ``bound_only``) do those of
+    tenants bound on first use: each kind fills a table of its own. On the old design
+    one table held them all: three unauthenticated claims owning a tiny pool each
+    filled it, and the tenant bound in advance was refused, even with ``bound_only``."""
+    for bound_only in (True, False):
+        bindings = OwnerBindings(keep=lambda d: True, digests={"team-a": KEY_A},
+                                 bound_only=bound_only, max_deployments=3)
+        for i in range(3):
+            bindings.verify(OwnerClaim(f"d{i}_", None, None, f"d{i}_"))
+        with pytest.raises(ValueError, match="bound 3 deployments without a tenant"):
+            bindings.verify(OwnerClaim("d3_", None, None, "d3_"))
+        ranks = Ranks(bindings)
+        assert bindings.verify(ranks("a")).owner == A
+        assert bindings.verify(ranks("a2")).owner == OWNERS["a2"]
+    # without bound_only, tenants anyone binds on first use fill their own table too
+    first_use = [RankOwner.of_config(config(f"m{i}", f"team-{i}"),
+                                     {"RAYKV_TENANT_SECRET": f"{i}" * 32}) for i in range(4)]
+    for owner in first_use[:3]:
+        bindings.verify(owner.claim("node", ranks.ask))
+    with pytest.raises(ValueError, match="bound 3 deployments of tenants bound on first use"):
+        first_use[3].claim("node", ranks.ask)
+    assert bindings.verify(ranks("a")).owner == A  # the tenant bound in advance: served
+    team_a = [RankOwner.of_config(config(f"a{i}", "team-a"),
+                                  {"RAYKV_TENANT_SECRET": SECRET_A.decode()}) for i in (3, 4)]
+    bindings.verify(team_a[0].claim("node", ranks.ask))  # its third deployment
+    with pytest.raises(ValueError, match="bound 3 deployments of tenants bound in advance"):
+        team_a[1].claim("node", ranks.ask)
 
 
 def test_a_ranks_claim_carries_a_call_proof_and_its_key_prefix():
