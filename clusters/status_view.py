@@ -84,8 +84,9 @@ def _size(n: int) -> str:
 
 def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
     """The pool bytes of each tenant on a node against its quota, and of the pools
-    without a tenant (under no quota), as lines of at most ``width`` characters where
-    possible; none for a node without tenants (or whose stats failed)."""
+    without a tenant against their bound (their ``quota``), as lines of at most
+    ``width`` characters where possible; none for a node without tenants (or whose
+    stats failed)."""
     tenants = s.get("tenants") or {}
     if "error" in s or not tenants:
         return []
@@ -96,7 +97,9 @@ def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
         pairs.append(f"{tenant} {_size(t['pool_bytes'])}{quota} ({t['pools']} pools)")
     rest = s.get("untenanted") or {}
     if rest.get("pools"):
-        pairs.append(f"no tenant {_size(rest['pool_bytes'])} ({rest['pools']} pools)")
+        bound = (f" of {_size(rest['quota'])} bound" if rest.get("quota") is not None
+                 else "")
+        pairs.append(f"no tenant {_size(rest['pool_bytes'])}{bound} ({rest['pools']} pools)")
     return _packed(f"node {node_id[:8]} tenants:", pairs, width)
 
 

@@ -227,6 +227,9 @@ def test_status_shows_pool_bytes_per_tenant_against_its_quota():
                   "team-b 1.0 MiB, no quota (1 pools)", "no tenant 2.0 MiB (2 pools)"):
         assert value in text, (value, text)
     assert all(len(line) <= 80 for line in text.splitlines())
+    node["untenanted"]["quota"] = 8 << 20  # their bound (NodeSettings.untenanted_pool_bytes)
+    assert "no tenant 2.0 MiB of 8.0 MiB bound (2 pools)" in "\n".join(
+        tenant_lines("3b7474c5ffff", node, 80))
     assert tenant_lines("n", {"tenants": {}, "untenanted": {"pools": 2}}, 80) == []
     assert tenant_lines("n", {"error": "gone"}, 80) == []
 
