@@ -209,6 +209,19 @@ def test_status_is_a_table_where_it_fits():
     assert "get hit rate" in out.getvalue() and "┃" in out.getvalue()
 
 
+def test_status_warns_while_the_master_is_restarting():
+    from raykv.clusters.status_view import master_line
+
+    assert master_line(STATE["master"]) is None  # not supervised: no state
+    assert master_line({"state": "running", "attempts": 0}) is None
+    down = {"master_address": "10.1.2.3:45123", "restarts": 2, "state": "restarting",
+            "attempts": 3, "last_error": "RuntimeError: mooncake_master did not restart"}
+    out = io.StringIO()
+    render_status(STATE | {"master": down}, Console(file=out, width=200))
+    assert ("warning: mooncake_master is down, restarting: 3 failed attempt(s) in a row, "
+            "last error: RuntimeError: mooncake_master did not restart") in out.getvalue()
+
+
 def test_tenant_quota_values_convert_to_bytes():
     from raykv.clusters.cli import TenantQuota
 

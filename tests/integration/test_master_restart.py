@@ -1,0 +1,122 @@
+"""The supervised master (`raykv up` on a real `ray start --head` cluster, a real
+`mooncake_master`) after it died: a restart that fails (its RPC port held by another
+socket) is tried again with back-off, `raykv status` says so (restarting, failed
+attempts, last error), and once the port is free the master comes back. Then a rank that
+wrote pages before makes data calls again: the old pages are gone (misses, never other
+bytes) and new puts are stored and read back exact once the node's segment is mounted on
+the new master. Before the fix the supervisor's thread died with the first failed
+restart: L3 stayed down for good and `status` went on saying nothing; and a restart
+counted as done while another process held the master's port (a socket accepting there
+was taken for the master's own)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from raykv.clusters.mooncake_master import MooncakeMaster
+
+from tests.integration.test_cli_cluster import ENV, ROOT, ray_head, raykv  # noqa: F401
+
+WAIT_S = 120.0
+
+
+def master_state(address: str) -> dict:
+    return json.loads(raykv("status", f"--address={address}", "--json").stdout)["master"]
+
+
+def wait_master(address: str, done, what: str) -> dict:
+    """Poll `raykv status --json` until ``done(master)``; that master entry."""
+    deadline = time.monotonic() + WAIT_S
+    while not done(master := master_state(address)):
+        assert time.monotonic() < deadline, f"{what}: {master}"
+        time.sleep(1)
+    return master
+
+
+def hold(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` as soon as the dead master's socket is gone
+    (``SO_REUSEADDR``, as the master's own: its closed connections may linger there in
+    TIME_WAIT; a port still listened on is refused all the same)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen()
+            return s
+        except OSError:
+            s.close()
+            assert time.monotonic() < deadline, f"port {port} stayed taken"
+            time.sleep(0.01)
+
+
+def test_master_restart_is_retried_and_data_calls_work_after(ray_head, uid):  # noqa: F811
+    raykv("up", f"--address={ray_head}", "--segment-size=128M", "--mooncake-host=127.0.0.1")
+    rank = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.master_restart_rank", ray_head, uid],
+        cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "written", rank.stderr.read()[-3000:]
+        master = master_state(ray_head)
+        assert master["restarts"] == 0, master
+        host, _, port = master["master_address"].rpartition(":")
+        os.kill(master["pid"], signal.SIGKILL)
+        held = hold(host, int(port))
+        try:
+            down = wait_master(ray_head, lambda m: m.get("attempts", 0) >= 2,
+                               "the supervisor did not try the restart again")
+            assert down["state"] == "restarting" and down["restarts"] == 0
+            assert "did not restart" in down["last_error"]
+            shown = raykv("status", f"--address={ray_head}", env={"COLUMNS": "200"}).stdout
+            assert "mooncake_master is down, restarting" in shown, shown
+        finally:
+            held.close()
+        up = wait_master(ray_head, lambda m: m.get("state") == "running",
+                         "the master did not come back once its port was free")
+        assert up["restarts"] == 1 and up["attempts"] == 0 and up["pid"] != master["pid"]
+
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+        seen = json.loads(rank.stdout.readline() or "null")
+        assert seen is not None, rank.stderr.read()[-3000:]
+        # the old pages are gone with the master's metadata: misses, never other bytes
+        assert seen["old_got"] == [False] * 4 and seen["old_wrong"] == 0, seen
+        # new puts are stored again, and read back exact
+        assert seen["new_got"] == [True] * 4 and seen["new_wrong"] == 0, seen
+        assert rank.wait(60) == 0, rank.stderr.read()[-3000:]
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+        raykv("down", f"--address={ray_head}")
+
+
+def test_a_port_held_by_another_process_is_not_taken_for_the_masters():
+    """What the supervisor's restart relies on, alone: the master killed (its metadata
+    server kept) and its RPC port held, each restart fails and leaves nothing running.
+    Before, a restart took the held socket for the master's own as soon as the new
+    master's metrics port was up, and returned while that master was exiting (it could
+    not bind): the supervisor counted a restart, and then another."""
+    master = MooncakeMaster("127.0.0.1").start()
+    try:
+        os.kill(master.proc.pid, signal.SIGKILL)
+        master.proc.wait()
+        held = hold(master.host, master.rpc_port)
+        try:
+            for _ in range(5):
+                with pytest.raises(RuntimeError, match="did not restart"):
+                    master.restart()
+                assert not master.alive()
+        finally:
+            held.close()
+        master.restart()
+        assert master.alive()
+    finally:
+        master.stop()
