@@ -4,10 +4,11 @@ socket) is tried again with back-off, `raykv status` says so (restarting, failed
 attempts, last error), and once the port is free the master comes back. Then a rank that
 wrote pages before makes data calls again: the old pages are gone (misses, never other
 bytes) and new puts are stored and read back exact once the node's segment is mounted on
-the new master. Before the fix the supervisor's thread died with the first failed
-restart: L3 stayed down for good and `status` went on saying nothing; and a restart
-counted as done while another process held the master's port (a socket accepting there
-was taken for the master's own)."""
+the new master; on two nodes (start_local), the same across nodes, and while the master
+is down gets miss and puts fail per page. Before the fix the supervisor's thread died
+with the first failed restart: L3 stayed down for good and `status` went on saying
+nothing; and a restart counted as done while another process held the master's port (a
+socket accepting there was taken for the master's own)."""
 
 import json
 import os
@@ -18,8 +19,13 @@ import sys
 import time
 
 import pytest
+import ray
+import torch
+from raykv import StorageConfig, start_local
 from raykv.clusters.mooncake_master import MooncakeMaster
 
+from tests.integration.processes import wait_for
+from tests.integration.ranks import indices, start_rank
 from tests.integration.test_cli_cluster import ENV, ROOT, ray_head, raykv  # noqa: F401
 
 WAIT_S = 120.0
@@ -120,3 +126,43 @@ def test_a_port_held_by_another_process_is_not_taken_for_the_masters():
         assert master.alive()
     finally:
         master.stop()
+
+
+def test_after_a_master_restart_another_node_reads_new_pages_exact(uid):
+    """Two nodes (embedded): the master and its metadata server both killed (meanwhile
+    gets miss and puts fail, per page) and started again on the same ports
+    (``MooncakeMaster.restart``, what the supervisor runs). A
+    rank on the other node misses the pages written before (never other bytes) and
+    reads the pages put after exact, across nodes: both nodes' segments are mounted on
+    the new master and their transfer descriptors are in the new metadata server."""
+    with start_local(num_nodes=2, global_segment_size=64 << 20) as cluster:
+        config = StorageConfig(model_name=f"restart/{uid}")
+        writer = start_rank(cluster.node_ids[0], config, pool_name=f"w{uid}")
+        reader = start_rank(cluster.node_ids[1], config, pool_name=f"r{uid}")
+        ray.get([writer.fill.remote(1), reader.fill.remote(2)])
+        old, new = ([f"{uid}-{what}-{i}" for i in range(4)] for what in ("old", "new"))
+        assert ray.get(writer.call.remote("batch_set_v1", old, indices(0, 4))) == [True] * 4
+        assert ray.get(reader.call.remote("batch_get_v1", old, indices(32, 4))) == [True] * 4
+        assert torch.equal(ray.get(reader.pages.remote(32, 4)),
+                           ray.get(writer.pages.remote(0, 4)))
+
+        master = cluster.master
+        for proc in (master.proc, master.metadata_proc):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        before = ray.get(reader.pages.remote(48, 4))
+        # while it is down: gets miss, puts fail, per page; nothing is written
+        assert ray.get(reader.call.remote("batch_get_v1", old, indices(48, 4))) == [False] * 4
+        assert ray.get(writer.call.remote("batch_set_v1", new, indices(16, 4))) == [False] * 4
+        assert torch.equal(ray.get(reader.pages.remote(48, 4)), before)
+        master.restart()
+
+        got = ray.get(reader.call.remote("batch_get_v1", old, indices(48, 4)))
+        assert got == [False] * 4  # the old pages are gone with the master's index
+        assert torch.equal(ray.get(reader.pages.remote(48, 4)), before)  # nothing written
+        wait_for(lambda: ray.get(writer.call.remote("batch_set_v1", new, indices(16, 4)))
+                 == [True] * 4, "puts stored on the restarted master", WAIT_S)
+        wait_for(lambda: ray.get(reader.call.remote("batch_get_v1", new, indices(48, 4)))
+                 == [True] * 4, "the new pages read from the other node", WAIT_S)
+        assert torch.equal(ray.get(reader.pages.remote(48, 4)),
+                           ray.get(writer.pages.remote(16, 4)))
