@@ -2,14 +2,19 @@
 (``MooncakeMaster``) and restarts either if it dies, on the same ports, so clients'
 addresses stay valid. A restart that fails (a port still taken, a start too slow) is
 tried again with bounded exponential back-off (``restart_backoff``), never given up;
-``addresses`` says which state the supervisor is in, as ``raykv status`` shows."""
+``addresses`` says which state the supervisor is in, as ``raykv status`` shows. The
+ports it chose are recorded in the GCS (``ports_key``): when the supervisor itself dies
+(its master dies with it) and Ray restarts it, the new master listens on the same ports,
+so the node actors' master address stays valid."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
 import ray
+from ray.experimental import internal_kv
 from raykv.clusters.mooncake_master import MooncakeMaster
 from raykv.clusters.restart_backoff import RestartBackoff
 
@@ -19,17 +24,30 @@ RUNNING = "running"
 RESTARTING = "restarting"
 
 
+def ports_key(namespace: str) -> str:
+    """Where the supervisor of ``namespace`` records its master's RPC and HTTP ports."""
+    return f"raykv/{namespace}/master_ports"
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class MasterSupervisor:
     """Owns one master process (on ``rpc_port`` and ``http_port``, 0: free ones); checks
     it every ``period_s`` seconds; after a failed restart it tries again after the
-    back-off's wait (``first_s`` doubling up to ``cap_s``) instead."""
+    back-off's wait (``first_s`` doubling up to ``cap_s``) instead. Without ports given,
+    a supervisor Ray restarted takes the ones recorded (``ports_key``); each start
+    records the ones in use."""
 
     def __init__(self, host: str, extra_args: list[str] | None = None,
                  period_s: float = 1.0, rpc_port: int = 0, http_port: int = 0,
                  first_s: float = 1.0, cap_s: float = 30.0) -> None:
+        key = ports_key(ray.get_runtime_context().namespace)
+        recorded = internal_kv._internal_kv_get(key)
+        if recorded is not None and not (rpc_port or http_port):
+            rpc_port, http_port = json.loads(recorded)
         self._master = MooncakeMaster(host, extra_args=extra_args, rpc_port=rpc_port,
                                       http_port=http_port).start()
+        internal_kv._internal_kv_put(
+            key, json.dumps([self._master.rpc_port, self._master.http_port]), overwrite=True)
         self.restarts = 0
         self.state = RUNNING
         self._backoff = RestartBackoff(first_s, cap_s)

@@ -5,10 +5,12 @@ attempts, last error), and once the port is free the master comes back. Then a r
 wrote pages before makes data calls again: the old pages are gone (misses, never other
 bytes) and new puts are stored and read back exact once the node's segment is mounted on
 the new master; on two nodes (start_local), the same across nodes, and while the master
-is down gets miss and puts fail per page. Before the fix the supervisor's thread died
+is down gets miss and puts fail per page. The supervisor itself killed, Ray restarts it
+and its master comes back on the same ports. Before the fix the supervisor's thread died
 with the first failed restart: L3 stayed down for good and `status` went on saying
 nothing; and a restart counted as done while another process held the master's port (a
-socket accepting there was taken for the master's own)."""
+socket accepting there was taken for the master's own); a restarted supervisor picked
+new ports, which no node actor knew."""
 
 import json
 import os
@@ -27,21 +29,31 @@ from raykv.clusters.mooncake_master import MooncakeMaster
 from tests.integration.processes import wait_for
 from tests.integration.ranks import indices, start_rank
 from tests.integration.test_cli_cluster import ENV, ROOT, ray_head, raykv  # noqa: F401
+from tests.integration.test_cli_cluster import rank as run_rank
 
 WAIT_S = 120.0
 
 
-def master_state(address: str) -> dict:
-    return json.loads(raykv("status", f"--address={address}", "--json").stdout)["master"]
+def master_state(address: str) -> dict | None:
+    """The master entry of `raykv status --json`; None while status fails (the master
+    supervisor being restarted by Ray)."""
+    out = raykv("status", f"--address={address}", "--json", check=False)
+    return json.loads(out.stdout)["master"] if out.returncode == 0 else None
 
 
 def wait_master(address: str, done, what: str) -> dict:
     """Poll `raykv status --json` until ``done(master)``; that master entry."""
     deadline = time.monotonic() + WAIT_S
-    while not done(master := master_state(address)):
+    while (master := master_state(address)) is None or not done(master):
         assert time.monotonic() < deadline, f"{what}: {master}"
         time.sleep(1)
     return master
+
+
+def parent(pid: int) -> int:
+    """The parent process of ``pid`` (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def hold(host: str, port: int) -> socket.socket:
@@ -70,7 +82,7 @@ def test_master_restart_is_retried_and_data_calls_work_after(ray_head, uid):  # 
         stderr=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline().strip() == "written", rank.stderr.read()[-3000:]
-        master = master_state(ray_head)
+        master = wait_master(ray_head, lambda m: True, "raykv status did not answer")
         assert master["restarts"] == 0, master
         host, _, port = master["master_address"].rpartition(":")
         os.kill(master["pid"], signal.SIGKILL)
@@ -97,6 +109,16 @@ def test_master_restart_is_retried_and_data_calls_work_after(ray_head, uid):  # 
         # new puts are stored again, and read back exact
         assert seen["new_got"] == [True] * 4 and seen["new_wrong"] == 0, seen
         assert rank.wait(60) == 0, rank.stderr.read()[-3000:]
+
+        # The supervisor itself dies, its master with it: Ray restarts the supervisor, and
+        # its master listens on the ports it recorded, so the node actors reach it again.
+        # Before, the restarted supervisor picked free ports anew: L3 was gone for good.
+        os.kill(parent(up["pid"]), signal.SIGKILL)
+        again = wait_master(ray_head, lambda m: m["pid"] not in (None, up["pid"]),
+                            "the supervisor was not restarted with a master")
+        assert (again["master_address"], again["metadata_server"]) == (
+            up["master_address"], up["metadata_server"]), (again, up)
+        run_rank(ray_head, f"{uid}b", "embedded")  # a round trip through the node actor
     finally:
         if rank.poll() is None:
             rank.kill()
