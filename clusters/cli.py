@@ -344,6 +344,10 @@ def _connected(call, *args, **kwargs):
 @click.option("--host-pool-size", default=None, type=Size(), help="Per node budget for host "
               f"pools (default: no limit; {_short(STANDALONE_POOL_BYTES)} with --standalone, "
               "where it is requested from mooncake_client).")
+@click.option("--untenanted-pool-size", default=None, type=Size(), help="Per node: the most "
+              "bytes of host pools without a tenant together, which anyone may make "
+              "(default: half the node's memory, embedded mode; none beyond "
+              "--host-pool-size with --standalone; 0: no bound).")
 @click.option("--l2-size", default=_short(DEFAULTS.l2_bytes), show_default=True, type=Size(),
               help="Per node: the most bytes vLLM engines' node-local cache (L2) holds, "
               "counted in --host-pool-size and the tenants' quotas (0: no L2).")
@@ -376,7 +380,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       l2_size: int, placement: str, confirm_ttl: float, tenant_quotas: tuple[tuple[str, int], ...],
+       untenanted_pool_size: int | None, l2_size: int, placement: str, confirm_ttl: float,
+       tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
        emulate_hosts: int, link: str | None) -> None:
     """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
@@ -409,7 +414,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             protocol=protocol, rdma_devices=rdma_devices, local_hostname=local_hostname,
             mooncake_log_level=mooncake_log_level, standalone=standalone,
             host_pool_bytes=pool_budget(host_pool_size, standalone),
-            confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
+            untenanted_pool_bytes=untenanted_pool_size, confirm_ttl_s=confirm_ttl,
+            tenant_quotas=quotas, tenant_digests=digests,
             bound_tenants_only=bound_tenants_only, l2_bytes=l2_size, placement=placement)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -418,6 +424,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   local_buffer_size=local_buffer_size, protocol=protocol,
                   rdma_devices=rdma_devices, mooncake_log_level=mooncake_log_level,
                   standalone=standalone, host_pool_bytes=host_pool_size,
+                  untenanted_pool_bytes=untenanted_pool_size,
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
                   placement=placement)

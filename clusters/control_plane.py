@@ -10,6 +10,7 @@ import time
 
 import ray
 from ray.experimental import internal_kv
+from raykv.clusters.master_supervisor import ports_key
 from raykv.clusters.node_actors import NodeReconciler, named_node_actors
 from raykv.controllers.controller import CacheController, checkpoint_key
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
@@ -53,9 +54,9 @@ def _named(name: str, namespace: str):
 
 def stop_control_plane(namespace: str) -> list[str]:
     """Stop everything raykv runs in ``namespace``: reconciler, node actors (their pools
-    removed; all at once), controller (its checkpoint deleted) and the master supervisor. Returns
-    what was there to stop (actor names, ``checkpoint`` if one was deleted): empty if
-    raykv did not run in ``namespace``."""
+    removed; all at once), controller (its checkpoint deleted) and the master supervisor
+    (its recorded ports deleted). Returns what was there to stop (actor names,
+    ``checkpoint`` if one was deleted): empty if raykv did not run in ``namespace``."""
     stopped = []
     reconciler = _named(RECONCILER_NAME, namespace)
     if reconciler is not None:
@@ -86,4 +87,6 @@ def stop_control_plane(namespace: str) -> list[str]:
             ray.get(supervisor.stop.remote(), timeout=SHUTDOWN_TIMEOUT_S)
         ray.kill(supervisor, no_restart=True)
         stopped.append(SUPERVISOR_NAME)
+    with contextlib.suppress(Exception):  # the master's ports, recorded by its supervisor
+        internal_kv._internal_kv_del(ports_key(namespace))
     return stopped

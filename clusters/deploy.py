@@ -15,10 +15,11 @@ import uuid
 from dataclasses import replace
 
 import ray
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.mooncake_wheels import environment_warning
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
-from raykv.clusters.master_supervisor import MasterSupervisor
+from raykv.clusters.master_supervisor import MasterSupervisor, ports_key
 from raykv.clusters.mooncake_master import check_confirm_ttl
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
@@ -92,6 +93,10 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                          "use `raykv status` or `raykv down`")
     if master_address is None:
         head = head_node()
+        try:
+            ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+        except ValueError:  # none runs: ports recorded by an earlier one are not ours
+            internal_kv._internal_kv_del(ports_key(namespace))
         supervisor = MasterSupervisor.options(
             name=SUPERVISOR_NAME, namespace=namespace, lifetime="detached",
             get_if_exists=True,

@@ -170,6 +170,7 @@ def start_local(
     tenant_quotas: dict[str, int] | None = None,
     tenant_digests: dict[str, str] | None = None,
     bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
+    untenanted_pool_bytes: int | None = DEFAULTS.untenanted_pool_bytes,
     hosts: int = 0,
     link: str | None = None,
     l2_bytes: int = DEFAULTS.l2_bytes,
@@ -219,10 +220,13 @@ def start_local(
     node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
     ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
     node from the start; ``bound_tenants_only``: no other tenant is bound
-    (``NodeSettings``). ``l2_bytes``: the most bytes of each node's L2 pools (vLLM's
-    node-local cache; 0: none). ``placement``: ``own`` (puts prefer the writing node's
-    segment) or ``any`` (Mooncake's random choice). ``resources``: custom Ray resources
-    every node advertises (also nodes added later), e.g. to place replicas by a bundle.
+    (``NodeSettings``). ``untenanted_pool_bytes``: the most bytes of each node's pools
+    without a tenant together (None: half the node's memory embedded, none beyond
+    ``host_pool_bytes`` standalone; 0: none). ``l2_bytes``: the most bytes of each
+    node's L2 pools (vLLM's node-local cache; 0: none). ``placement``: ``own`` (puts
+    prefer the writing node's segment) or ``any`` (Mooncake's random choice).
+    ``resources``: custom Ray resources every node advertises (also nodes added later),
+    e.g. to place replicas by a bundle.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -251,7 +255,8 @@ def start_local(
         standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
-        bound_tenants_only=bound_tenants_only, l2_bytes=l2_bytes, placement=placement)
+        bound_tenants_only=bound_tenants_only, untenanted_pool_bytes=untenanted_pool_bytes,
+        l2_bytes=l2_bytes, placement=placement)
     check_confirm_ttl(confirm_ttl_s, master_args)
     network = EmulatedHosts.create(hosts, link) if hosts else None
     if network is None:

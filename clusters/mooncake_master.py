@@ -119,8 +119,9 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def start(self, timeout_s: float = 30.0, attempts: int = 3) -> MooncakeMaster:
-        """Start both and wait until their ports accept; free ports are picked again when
-        one was taken meanwhile (given ports are tried once)."""
+        """Start both and wait until their ports accept, each listened on by its own
+        process; free ports are picked again when one was taken meanwhile (given ports
+        are tried once)."""
         if all(self._ports):
             attempts = 1
         for _ in range(attempts):
@@ -165,13 +166,28 @@ class MooncakeMaster:
             self.metadata_proc = _spawn(self.metadata_command(), self.metadata_log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.alive():
-            if listening(self.host, self.rpc_port) and listening(self.host, self.http_port) \
-                    and listening(METRICS_HOST, self._metrics_port()):
+            if self._serving():
                 self.exposed = self.check_doors()
                 return True
             time.sleep(0.05)
         self.stop()
         return False
+
+    def _serving(self) -> bool:
+        """Whether each port accepts connections and is listened on by its own process
+        (the RPC and metrics ports by the master, the HTTP port by the metadata server),
+        not by another process holding it while ours failed to bind."""
+        for proc, host, port in ((self.proc, self.host, self.rpc_port),
+                                 (self.proc, METRICS_HOST, self._metrics_port()),
+                                 (self.metadata_proc, self.host, self.http_port)):
+            if not listening(host, port):
+                return False
+            try:
+                if port not in {x.port for x in listeners(proc.pid)}:
+                    return False
+            except OSError:  # it exited meanwhile
+                return False
+        return True
 
     def check_doors(self) -> list[tuple[str, Listener]]:
         """Every listening socket of the master or the metadata server bound beyond

@@ -84,8 +84,9 @@ def _size(n: int) -> str:
 
 def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
     """The pool bytes of each tenant on a node against its quota, and of the pools
-    without a tenant (under no quota), as lines of at most ``width`` characters where
-    possible; none for a node without tenants (or whose stats failed)."""
+    without a tenant against their bound (their ``quota``), as lines of at most
+    ``width`` characters where possible; none for a node without tenants (or whose
+    stats failed)."""
     tenants = s.get("tenants") or {}
     if "error" in s or not tenants:
         return []
@@ -96,12 +97,28 @@ def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
         pairs.append(f"{tenant} {_size(t['pool_bytes'])}{quota} ({t['pools']} pools)")
     rest = s.get("untenanted") or {}
     if rest.get("pools"):
-        pairs.append(f"no tenant {_size(rest['pool_bytes'])} ({rest['pools']} pools)")
+        bound = (f" of {_size(rest['quota'])} bound" if rest.get("quota") is not None
+                 else "")
+        pairs.append(f"no tenant {_size(rest['pool_bytes'])}{bound} ({rest['pools']} pools)")
     return _packed(f"node {node_id[:8]} tenants:", pairs, width)
 
 
+def master_line(master: dict) -> str | None:
+    """A warning line while the master supervisor is restarting the master (its
+    ``state``), with its failed attempts in a row and the last one's error; None while
+    it runs (or for a master raykv does not supervise)."""
+    if master.get("state", "running") == "running":
+        return None
+    line = (f"warning: mooncake_master is down, {master['state']}: "
+            f"{master.get('attempts', 0)} failed attempt(s) in a row")
+    if master.get("last_error"):
+        line += f", last error: {master['last_error']}"
+    return line
+
+
 def render_status(state: dict, console: Console | None = None) -> None:
-    """Print the master, each node's warnings (its stats' ``warnings``), the deployments,
+    """Print the master (a warning line while its supervisor restarts it:
+    ``master_line``), each node's warnings (its stats' ``warnings``), the deployments,
     one row per node and pool (a table where it fits the console's width, else the same
     figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
     each tenant's quota, and each node's own segment (where its puts go first) and the
@@ -112,6 +129,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
                   f"(restarts: {master.get('restarts', 'not supervised')}), "
                   f"metadata {info['metadata_server']}, {len(state['nodes'])} node(s), "
                   f"{info.get('mode', 'embedded')} mode")
+    if (line := master_line(master)) is not None:
+        console.print(Text(line, style="yellow"))
     for node_id, s in state["nodes"].items():
         for warning in s.get("warnings", ()):
             console.print(Text(f"warning: node {node_id[:8]}: {warning}", style="yellow"))

@@ -2,7 +2,8 @@
 ``interval`` seconds until Ctrl-C (or ``count`` refreshes). On a terminal, a rich
 ``Live`` table redrawn in place; anywhere else (a pipe, a file) one block of plain lines
 per refresh, each block a time stamp line then one line per node, so a log keeps every
-frame."""
+frame. While the master supervisor restarts the master, each frame says so under its
+header (``status_view.master_line``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from raykv.clusters.status_rates import NodeRow, node_rows
+from raykv.clusters.status_view import master_line
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console, Group
 from rich.live import Live
@@ -62,17 +64,20 @@ def header(rows: list[NodeRow], interval: float) -> str:
             f"{time.strftime('%H:%M:%S')} (Ctrl-C to stop)")
 
 
-def frame(rows: list[NodeRow], interval: float) -> Group:
-    """The terminal view: the header, a table of ``rows``, the legend."""
+def frame(rows: list[NodeRow], interval: float, warning: str | None = None) -> Group:
+    """The terminal view: the header, ``warning`` (if any), a table of ``rows``, the
+    legend."""
     table = Table(*COLUMNS)
     for row in rows:
         table.add_row(*cells(row))
-    return Group(Text(header(rows, interval)), table, Text(LEGEND, style="dim"))
+    said = [Text(warning, style="yellow")] if warning else []
+    return Group(Text(header(rows, interval)), *said, table, Text(LEGEND, style="dim"))
 
 
-def lines(rows: list[NodeRow], interval: float) -> list[str]:
-    """The plain view: the header, then per node ``name value`` pairs."""
-    out = [header(rows, interval)]
+def lines(rows: list[NodeRow], interval: float, warning: str | None = None) -> list[str]:
+    """The plain view: the header, ``warning`` (if any), then per node ``name value``
+    pairs."""
+    out = [header(rows, interval), *([warning] if warning else [])]
     for row in rows:
         values = cells(row)
         if row.error is not None:
@@ -104,10 +109,11 @@ def watch(fetch: Callable[[], dict], interval: float, console: Console,
             state = fetch()
             now = time.monotonic()
             rows = node_rows(before, state, now - before_t)
+            warning = master_line(state.get("master") or {})
             if live is not None:
-                live.update(frame(rows, interval), refresh=True)
+                live.update(frame(rows, interval, warning), refresh=True)
             else:
-                for line in lines(rows, interval):
+                for line in lines(rows, interval, warning):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
             before, before_t = state, now
             shown += 1

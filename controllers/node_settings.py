@@ -66,6 +66,11 @@ class NodeSettings:
     tenant-digest``), bound on every node and the controller from the start instead of
     on first use; ``bound_tenants_only``: bind no other tenant, so nobody can fill the
     tenant tables (``controllers.ownership``).
+    ``untenanted_pool_bytes``: the most bytes each node's host pools without a tenant
+    hold together (they need no secret: anyone in the Ray cluster can make them), so
+    they cannot take the node's memory from the tenants (``controllers.tenant_quotas``);
+    None: the default, ``UNTENANTED_SHARE`` (half) of the node's memory in embedded
+    mode and none beyond ``host_pool_bytes`` in standalone mode; 0: no bound.
     ``l2_bytes``: the most bytes each node's L2 pools (vLLM's node-local cache) hold
     together, within ``host_pool_bytes`` and the tenants' quotas (0: no L2).
     ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
@@ -89,12 +94,17 @@ class NodeSettings:
     tenant_quotas: dict[str, int] = field(default_factory=dict)
     tenant_digests: dict[str, str] = field(default_factory=dict)
     bound_tenants_only: bool = False
+    untenanted_pool_bytes: int | None = None
     l2_bytes: int = 1 << 30
     placement: str = "own"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
         object.__setattr__(self, "tenant_digests", check_tenant_digests(self.tenant_digests))
+        if self.untenanted_pool_bytes is not None and (
+                type(self.untenanted_pool_bytes) is not int or self.untenanted_pool_bytes < 0):
+            raise ValueError(f"untenanted_pool_bytes must be None or an int >= 0, got "
+                             f"{self.untenanted_pool_bytes!r}")
         if type(self.l2_bytes) is not int or self.l2_bytes < 0:
             raise ValueError(f"l2_bytes must be an int >= 0, got {self.l2_bytes!r}")
         if self.placement not in PLACEMENTS:

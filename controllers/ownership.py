@@ -21,8 +21,11 @@ keys:
   name (trust on first use), unless the cluster's settings bound it in advance
   (``NodeSettings.tenant_digests``); with ``bound_only`` (``raykv up
   --bound-tenants-only``) it binds no tenant on first use at all, so nobody can fill its
-  tenant table. A session under another key is refused, so is a claim of a deployment
-  under another tenant than its first claim named. The binding outlives a restart of
+  tenant table. Deployments are bound in one table per kind (``MAX_DEPLOYMENTS``):
+  claims without a tenant and of tenants bound on first use, which anyone can make,
+  never take the room of the tenants bound in advance. A session under another key is
+  refused, so is a claim of a deployment under another tenant than its first claim
+  named. The binding outlives a restart of
   the actor for as long as a pool record of the tenant does (records hold the key).
 - A pool answers only calls whose claim names its owner (same deployment id and tenant);
   any other create of its name, attach, destroy, adoption and lookup is refused with a
@@ -73,8 +76,14 @@ MAX_TENANTS = 1024
 """Tenants one node actor (or the controller) binds at most (their keys are kept for
 its life)."""
 MAX_DEPLOYMENTS = 4096
-"""Deployments one node actor binds at most; when full, deployments that own no pool
-here are forgotten first (oldest first)."""
+"""Deployments one node actor binds at most of each kind (``kind_of``): without a
+tenant, of tenants bound on first use, of tenants bound in advance. Each kind has a
+table of its own, so claims that need no secret fill only theirs, never the room of the
+tenants the operator bound. When a kind's table is full, its deployments that own no
+pool here are forgotten first (oldest first)."""
+UNTENANTED = "without a tenant"
+FIRST_USE = "of tenants bound on first use"
+IN_ADVANCE = "of tenants bound in advance"
 MAX_ID_CHARS = 512
 """Longest deployment id or key prefix a claim may carry."""
 TENANT_KEYS = TENANT_PREFIX_VERSION + "."
@@ -274,7 +283,7 @@ class OwnerBindings:
     owner key, per deployment its tenant, the open challenges and owner sessions.
     Thread-safe (one lock, held for dict work only, never for a signature check).
     ``keep(deployment_id)``: whether a deployment owns a pool here (never forgotten
-    when the deployment table is full)."""
+    when its kind's deployment table is full, ``MAX_DEPLOYMENTS``)."""
 
     def __init__(self, keep: Callable[[str], bool] = lambda d: True, *,
                  digests: Mapping[str, str] | None = None, bound_only: bool = False,
@@ -289,7 +298,9 @@ class OwnerBindings:
         self._max_deployments = max_deployments
         self._lock = threading.Lock()
         self._keys: dict[str, str] = check_tenant_digests(digests or {})  # tenant -> key
+        self._in_advance = frozenset(self._keys)
         self._tenants: dict[str, str | None] = {}  # deployment id -> its tenant
+        self._counts = dict.fromkeys((UNTENANTED, FIRST_USE, IN_ADVANCE), 0)  # per kind
         self._challenges = Challenges()
         self._sessions = OwnerSessions()
 
@@ -373,18 +384,32 @@ class OwnerBindings:
                     (f"by tenant {was!r}" if was else "without a tenant") +
                     (f", not by tenant {tenant!r}" if tenant else ", not without one"))
         else:
-            self._make_room()
+            kind = self.kind_of(tenant)
+            self._make_room(kind)
             self._tenants[dep] = tenant
+            self._counts[kind] += 1
 
-    def _make_room(self) -> None:
-        """With the lock held: forget the oldest deployments that own no pool here
-        until one more fits; ``ValueError`` if none can go."""
-        while len(self._tenants) >= self._max_deployments:
-            old = next((d for d in self._tenants if not self._keep(d)), None)
+    def kind_of(self, tenant: str | None) -> str:
+        """Which deployment table a deployment of ``tenant`` (None: none) counts in:
+        ``UNTENANTED``, ``IN_ADVANCE`` (its tenant is in the digests this node started
+        with) or ``FIRST_USE``."""
+        if tenant is None:
+            return UNTENANTED
+        return IN_ADVANCE if tenant in self._in_advance else FIRST_USE
+
+    def _make_room(self, kind: str) -> None:
+        """With the lock held: forget the oldest deployments of ``kind`` that own no
+        pool here until one more fits in its table; ``ValueError`` if none can go."""
+        while self._counts[kind] >= self._max_deployments:
+            old = next((d for d, t in self._tenants.items()
+                        if self.kind_of(t) == kind and not self._keep(d)), None)
             if old is None:
                 raise ValueError(f"this node actor has bound {self._max_deployments} "
-                                 "deployments that all own pools here")
+                                 f"deployments {kind} that all own pools here; no other "
+                                 f"deployment {kind} is bound until one of their pools "
+                                 "is destroyed")
             del self._tenants[old]
+            self._counts[kind] -= 1
 
     def claimed(self, deployment: str) -> bool:
         """Whether a claim of ``deployment`` was bound here."""

@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.mooncake_wheels import environment_warning
+from raykv.cache_actors.node.node_memory import node_memory_bytes
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
@@ -40,6 +41,7 @@ from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.ownership import OwnerClaim, for_call
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.residency import Residency, ResidencyChanges
+from raykv.controllers.tenant_quotas import untenanted_bound
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,9 @@ class NodeCacheActor:
     ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
     deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
     (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
-    is bound; ``l2_bytes``: the most bytes of this node's L2 pools together
+    is bound; ``untenanted_pool_bytes``: the most bytes of this node's pools without a
+    tenant (None: ``tenant_quotas.untenanted_bound``'s default of this node's memory,
+    ``node_memory_bytes``); ``l2_bytes``: the most bytes of this node's L2 pools together
     (``cache_actors.node.l2_pools``; 0: no L2); ``placement``: ``own`` puts prefer this
     node's segment, ``any`` leaves the choice to Mooncake. ``challenge`` and ``open_session`` (a
     tenant's owner session, ``controllers.owner_keys``) run in the ``data`` group: a pool
@@ -91,6 +95,7 @@ class NodeCacheActor:
         tenant_quotas: dict[str, int],
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
+        untenanted_pool_bytes: int | None,
         l2_bytes: int,
         placement: str,
     ) -> None:
@@ -111,7 +116,8 @@ class NodeCacheActor:
         self._service = NodeService(
             node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
-            confirm_ttl_s=confirm_ttl_s, tenant_quotas=tenant_quotas,
+            confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
+                untenanted_pool_bytes, standalone, node_memory_bytes())},
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
             l2_bytes=l2_bytes)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")

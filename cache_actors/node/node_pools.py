@@ -43,7 +43,8 @@ owner holds, adoption, lookup (``handle``), destroy. The node itself (the engine
 keys its records hold again (``OwnerBindings.bind``). Quotas
 (``controllers.tenant_quotas``): a tenant's pools here are summed from the table (no
 second count to drift) and a create or adoption that would put it over its quota is
-refused before anything is allocated.
+refused before anything is allocated; so is one that would take the pools without a
+tenant over their bound.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import Owner, OwnerBindings, check_access
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
-from raykv.controllers.tenant_quotas import check_fits
+from raykv.controllers.tenant_quotas import check_fits, check_untenanted_fits
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,12 @@ class PoolTable:
             owners[name] = owner
         return PoolTable(self.epoch, MappingProxyType(pools), MappingProxyType(owners))
 
-    def use(self, tenant: str) -> int:
-        """Bytes of the pools of ``tenant`` in this table."""
+    def use(self, tenant: str | None) -> int:
+        """Bytes of the pools of ``tenant`` in this table (None: of the pools without a
+        tenant, legacy ones included)."""
         owners = self.owners
         return sum(p.nbytes for n, p in self.pools.items()
-                   if (o := owners.get(n)) is not None and o.tenant == tenant)
+                   if getattr(owners.get(n), "tenant", None) == tenant)
 
     def tenants(self, quotas: Mapping[str, int]) -> dict[str | None, dict]:
         """Per tenant with pools here or a quota in ``quotas``: ``pool_bytes``, ``pools``
@@ -196,7 +198,9 @@ class NodePools:
     each with the node's Mooncake client, keeps a ``<prefix><name>.json`` record per pool
     (what a restarted actor re-adopts) and tells ``sized(name, nbytes, owner)`` each
     pool's size (0: gone). ``owners``: the owner bindings of this node actor;
-    ``quotas``: tenant -> bytes its pools here may hold (see the module docstring).
+    ``quotas``: tenant -> bytes its pools here may hold, and under None what the pools
+    without a tenant may hold together (``untenanted_bytes``; 0 or absent: no bound of
+    their own; see the module docstring); ``limits``: both.
 
     Concurrency: ``table`` may be read by any thread without a lock (one snapshot per
     read). ``_lock`` guards the table's replacement, the engine processes and the
@@ -215,7 +219,9 @@ class NodePools:
         self._records = PoolRecords(prefix, store.mode)
         self._sized = sized
         self._drain_s = drain_s
-        self.quotas = MappingProxyType(dict(quotas or {}))
+        self.limits = MappingProxyType({t: n for t, n in (quotas or {}).items() if n})
+        self.quotas = MappingProxyType({t: n for t, n in self.limits.items() if t is not None})
+        self.untenanted_bytes = self.limits.get(None, 0)
         self.owners = OwnerBindings(keep=self._owns_pools, digests=digests,
                                     bound_only=bound_only)
         self._lock = threading.Lock()
@@ -248,10 +254,14 @@ class NodePools:
     def _begin_new(self, name: str, owner: Owner | None, nbytes: int) -> None:
         """With ``_lock`` held and the change of ``name`` begun, ``name`` not in the
         table: ``ValueError`` if a pool of ``nbytes`` puts ``owner``'s tenant over its
-        quota (counting the pools being made), else count it as being made."""
-        if owner is not None and owner.tenant is not None:
-            check_fits(self.quotas, owner.tenant, name, nbytes,
-                       self.table.use(owner.tenant) + self._changes.pending(owner.tenant))
+        quota, or the pools without a tenant over ``untenanted_bytes`` (counting the
+        pools being made), else count it as being made."""
+        tenant = owner.tenant if owner is not None else None
+        used = self.table.use(tenant) + self._changes.pending(tenant)
+        if tenant is None:
+            check_untenanted_fits(self.untenanted_bytes, name, nbytes, used)
+        else:
+            check_fits(self.quotas, tenant, name, nbytes, used)
         self._changes.reserve(name, owner, nbytes)
 
     def _publish(self, name: str, pool: HostPool, owner: Owner | None,
@@ -262,8 +272,8 @@ class NodePools:
                 self._engines.watch(name, process)
 
     def tenants(self) -> dict[str | None, dict]:
-        """``PoolTable.tenants`` of the settled table."""
-        return self.settled().tenants(self.quotas)
+        """``PoolTable.tenants`` of the settled table under ``limits``."""
+        return self.settled().tenants(self.limits)
 
     def settled(self) -> PoolTable:
         """The table once no re-allocation is under way (waits, without the lock, for

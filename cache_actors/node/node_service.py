@@ -109,8 +109,8 @@ class NodeService:
     ``prefix``: of every shared file of this node; ``fetch_deployment(id)``: the
     controller's current copy of a deployment (``ValueError`` if it does not know it);
     ``segment_size``: the bytes this node contributes to the store (reported only);
-    ``tenant_quotas``: tenant -> bytes its pools here may hold; ``tenant_digests``:
-    tenant -> its tenant digest (public owner key), bound from the start;
+    ``tenant_quotas``: tenant -> bytes its pools here may hold (None: the pools without
+    a tenant together); ``tenant_digests``: tenant -> its tenant digest, bound first;
     ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``).
     """
 
@@ -386,7 +386,7 @@ class NodeService:
         """Counters since start, per pool and per tenant, group queries, the store's
         state, the L2 cache (``cache_actors.node.node_stats`` says what each entry
         holds)."""
-        return node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
+        return node_stats(self._pools.settled(), self._pools.limits, self._store.stats(),
                           self._metrics, node_id=self.node_id,
                           uptime_s=time.time() - self._started,
                           segment_size=self._segment_size,

@@ -87,6 +87,8 @@ class PoolChanges:
         the table consistent: they are not waited for)."""
         self._wait(lambda: self._whole, "this node's pools")
 
-    def pending(self, tenant: str) -> int:
-        """Bytes of the pools of ``tenant`` being created or adopted now."""
-        return sum(n for o, n in self._names.values() if o is not None and o.tenant == tenant)
+    def pending(self, tenant: str | None) -> int:
+        """Bytes of the pools of ``tenant`` (None: without a tenant) being created or
+        adopted now."""
+        return sum(n for o, n in self._names.values()
+                   if getattr(o, "tenant", None) == tenant)

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 import pytest
 from raykv.cache_actors.listeners import listeners
 from raykv.cache_actors.local_ports import free_port
+from raykv.cache_actors.node.node_memory import node_memory_bytes
+from raykv.controllers.tenant_quotas import untenanted_bound
 
 from tests.integration.processes import running_clients
 
@@ -114,6 +116,8 @@ def test_up_status_down(ray_head, uid):
     assert counters["put_ok"] == 6 and counters["get_ok"] == 6
     assert f"cli-{uid}_" in state["deployments"]  # the key prefix of model cli/{uid}
     assert state["master"]["restarts"] == 0
+    # pools without a tenant: bounded by default, by half the node's memory
+    assert node["untenanted"]["quota"] == untenanted_bound(None, False, node_memory_bytes())
     # the master and its metadata server listen on the address up was given, nowhere else
     master = state["master"]
     assert master["exposed"] == []
@@ -152,6 +156,7 @@ def test_up_standalone_then_down_stops_every_mooncake_client(ray_head, uid):
     state = json.loads(raykv("status", f"--address={ray_head}", "--json").stdout)
     (node,) = state["nodes"].values()
     assert node["mode"] == "standalone" and node["host_pool_bytes"] == 16 << 20
+    assert node["untenanted"]["quota"] is None  # host_pool_bytes bounds every pool here
     assert node["mooncake_client"]["alive"]
     cluster = SimpleNamespace(master_address=state["info"]["master_address"])
     assert running_clients(cluster) == {node["mooncake_client"]["pid"]}

@@ -36,15 +36,18 @@ from tests.integration.ranks import MHA, indices, planned
 SECRET_Q, SECRET_R, SECRET_D, FORGED = "q" * 32, "r" * 32, "d" * 32, "f" * 32
 POOL_BYTES = 2 * 64 * 2 * 2 * 8 * 2  # K and V: 64 slots x 2 layers x 2 heads x 8 dims, fp16
 QUOTA = 3 * POOL_BYTES
+UNTENANTED = 32 * POOL_BYTES  # the bound of the pools without a tenant
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One node whose tenant ``team-q`` may hold three MHA pools, and to which tenant
-    ``team-d`` is bound in advance (its digest in the cluster's settings)."""
+    """One node whose tenant ``team-q`` may hold three MHA pools, whose pools without a
+    tenant may hold ``UNTENANTED`` bytes together, and to which tenant ``team-d`` is
+    bound in advance (its digest in the cluster's settings)."""
     digest = tenant_digest("team-d", {TENANT_SECRET_ENV: SECRET_D})
     with start_local(num_nodes=1, global_segment_size=256 << 20,
-                     tenant_quotas={"team-q": QUOTA}, tenant_digests={"team-d": digest}) as c:
+                     tenant_quotas={"team-q": QUOTA}, tenant_digests={"team-d": digest},
+                     untenanted_pool_bytes=UNTENANTED) as c:
         yield c
 
 
@@ -223,6 +226,37 @@ def test_a_tenant_stops_at_its_quota_and_status_shows_its_use(cluster, monkeypat
         q.destroy_host_pool(p)
     for p in others:
         r.destroy_host_pool(p)
+
+
+def test_pools_without_a_tenant_stop_at_their_bound_and_tenants_go_on(cluster, monkeypatch):
+    """Pools any process in the cluster can make (no tenant, no secret) share one bound
+    per node; a tenant's pools go on, and `raykv status` shows their use against it.
+    Before, nothing but host_pool_bytes (no limit in embedded mode by default) bounded
+    them. CONTROL: room again once one of them is destroyed."""
+    uid = uuid.uuid4().hex[:8]
+    plain = client(monkeypatch, f"untenanted/{uid}")
+
+    def untenanted() -> dict:
+        (node,) = deploy.status(cluster.address, cluster.namespace)["nodes"].values()
+        return node["untenanted"]
+
+    assert untenanted()["quota"] == UNTENANTED
+    room = UNTENANTED - untenanted()["pool_bytes"]
+    fill = plain.create_host_pool("mha", **(MHA | {"size": 64 * room // POOL_BYTES}))
+    with pytest.raises(ValueError, match=f"the pools without a tenant are over their bound "
+                                         f"on this node: pool '.*' needs {POOL_BYTES} bytes, "
+                                         f"they use {UNTENANTED} of {UNTENANTED} bytes"):
+        plain.create_host_pool("mha", **MHA)
+    bound = client(monkeypatch, f"untenanted/d{uid}", "team-d", SECRET_D)
+    pool = bound.create_host_pool("mha", **MHA)  # a tenant: unaffected
+    round_trip(bound, pool, f"{uid}-d")
+    out = io.StringIO()
+    render_status(deploy.status(cluster.address, cluster.namespace),
+                  Console(file=out, width=100))
+    assert "no tenant 256.0 KiB of 256.0 KiB bound" in out.getvalue(), out.getvalue()
+    assert plain.destroy_host_pool(fill)
+    plain.destroy_host_pool(plain.create_host_pool("mha", **MHA))  # CONTROL: room again
+    assert bound.destroy_host_pool(pool)
 
 
 def test_pools_without_an_owner_answer_only_callers_without_one(cluster, monkeypatch):

@@ -209,6 +209,19 @@ def test_status_is_a_table_where_it_fits():
     assert "get hit rate" in out.getvalue() and "┃" in out.getvalue()
 
 
+def test_status_warns_while_the_master_is_restarting():
+    from raykv.clusters.status_view import master_line
+
+    assert master_line(STATE["master"]) is None  # not supervised: no state
+    assert master_line({"state": "running", "attempts": 0}) is None
+    down = {"master_address": "10.1.2.3:45123", "restarts": 2, "state": "restarting",
+            "attempts": 3, "last_error": "RuntimeError: mooncake_master did not restart"}
+    out = io.StringIO()
+    render_status(STATE | {"master": down}, Console(file=out, width=200))
+    assert ("warning: mooncake_master is down, restarting: 3 failed attempt(s) in a row, "
+            "last error: RuntimeError: mooncake_master did not restart") in out.getvalue()
+
+
 def test_tenant_quota_values_convert_to_bytes():
     from raykv.clusters.cli import TenantQuota
 
@@ -227,6 +240,9 @@ def test_status_shows_pool_bytes_per_tenant_against_its_quota():
                   "team-b 1.0 MiB, no quota (1 pools)", "no tenant 2.0 MiB (2 pools)"):
         assert value in text, (value, text)
     assert all(len(line) <= 80 for line in text.splitlines())
+    node["untenanted"]["quota"] = 8 << 20  # their bound (NodeSettings.untenanted_pool_bytes)
+    assert "no tenant 2.0 MiB of 8.0 MiB bound (2 pools)" in "\n".join(
+        tenant_lines("3b7474c5ffff", node, 80))
     assert tenant_lines("n", {"tenants": {}, "untenanted": {"pools": 2}}, 80) == []
     assert tenant_lines("n", {"error": "gone"}, 80) == []
 
@@ -286,6 +302,8 @@ EMULATED_UP = {
     "--mooncake-log-level": (["--mooncake-log-level", "INFO"], ("mooncake_log_level", "INFO")),
     "--standalone": (["--standalone"], ("standalone", True)),
     "--host-pool-size": (["--host-pool-size", "3GB"], ("host_pool_bytes", 3 << 30)),
+    "--untenanted-pool-size": (["--untenanted-pool-size", "2GB"],
+                               ("untenanted_pool_bytes", 2 << 30)),
     "--l2-size": (["--l2-size", "200MB"], ("l2_bytes", 200 << 20)),
     "--placement": (["--placement", "any"], ("placement", "any")),
     "--confirm-ttl": (["--confirm-ttl", "0.5"], ("confirm_ttl_s", 0.5)),

@@ -15,11 +15,13 @@ from dataclasses import replace
 
 import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.node.node_memory import node_memory_bytes
 from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_service import NodeService
 from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.contract import StorageConfig
+from raykv.controllers.node_settings import NodeSettings
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import (
     Owner,
@@ -34,7 +36,7 @@ from raykv.controllers.ownership import (
 )
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
-from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas
+from raykv.controllers.tenant_quotas import check_fits, check_tenant_quotas, untenanted_bound
 
 from tests.unit.fakes import FakeBackend, NoMetrics, ShmStore
 from tests.unit.test_node_pools import RealStore
@@ -215,7 +217,7 @@ def test_the_tables_are_bounded_and_pool_owners_are_never_forgotten():
     bindings.verify(OwnerClaim("d3_", None, None, "d3_"))  # d2 owns no pool: forgotten
     assert bindings.claimed("d0_") and bindings.claimed("d1_") and not bindings.claimed("d2_")
     owning.add("d3_")
-    with pytest.raises(ValueError, match="bound 3 deployments that all own pools"):
+    with pytest.raises(ValueError, match="bound 3 deployments without a tenant that all own pools"):
         bindings.verify(OwnerClaim("d4_", None, None, "d4_"))
     bindings = OwnerBindings(max_tenants=2)
     ranks = Ranks(bindings)
@@ -224,6 +226,36 @@ def test_the_tables_are_bounded_and_pool_owners_are_never_forgotten():
     third = RankOwner.of_config(config("c", "team-c"), {"RAYKV_TENANT_SECRET": "c" * 32})
     with pytest.raises(ValueError, match="bound 2 tenants"):
         third.claim("node", ranks.ask, "")
+
+
+def test_claims_anyone_can_make_never_crowd_out_the_tenants_bound_in_advance():
+    """Claims without a tenant need no secret, nor (without ``bound_only``) do those of
+    tenants bound on first use: each kind fills a table of its own. On the old design
+    one table held them all: three unauthenticated claims owning a tiny pool each
+    filled it, and the tenant bound in advance was refused, even with ``bound_only``."""
+    for bound_only in (True, False):
+        bindings = OwnerBindings(keep=lambda d: True, digests={"team-a": KEY_A},
+                                 bound_only=bound_only, max_deployments=3)
+        for i in range(3):
+            bindings.verify(OwnerClaim(f"d{i}_", None, None, f"d{i}_"))
+        with pytest.raises(ValueError, match="bound 3 deployments without a tenant"):
+            bindings.verify(OwnerClaim("d3_", None, None, "d3_"))
+        ranks = Ranks(bindings)
+        assert bindings.verify(ranks("a")).owner == A
+        assert bindings.verify(ranks("a2")).owner == OWNERS["a2"]
+    # without bound_only, tenants anyone binds on first use fill their own table too
+    first_use = [RankOwner.of_config(config(f"m{i}", f"team-{i}"),
+                                     {"RAYKV_TENANT_SECRET": f"{i}" * 32}) for i in range(4)]
+    for owner in first_use[:3]:
+        bindings.verify(owner.claim("node", ranks.ask, ""))
+    with pytest.raises(ValueError, match="bound 3 deployments of tenants bound on first use"):
+        first_use[3].claim("node", ranks.ask, "")
+    assert bindings.verify(ranks("a")).owner == A  # the tenant bound in advance: served
+    team_a = [RankOwner.of_config(config(f"a{i}", "team-a"),
+                                  {"RAYKV_TENANT_SECRET": SECRET_A.decode()}) for i in (3, 4)]
+    bindings.verify(team_a[0].claim("node", ranks.ask, ""))  # its third deployment
+    with pytest.raises(ValueError, match="bound 3 deployments of tenants bound in advance"):
+        team_a[1].claim("node", ranks.ask, "")
 
 
 def test_a_ranks_claim_carries_a_call_proof_and_its_key_prefix():
@@ -273,10 +305,10 @@ def prefix(shm_prefix):
     return shm_prefix
 
 
-def node_pools(prefix: str, quotas: dict | None = None) -> NodePools:
+def node_pools(prefix: str, quotas: dict | None = None, untenanted: int = 0) -> NodePools:
     """A node's pools as a (re)started actor has them, its records re-adopted."""
     node = NodePools(prefix, ShmStore(ShmPoolMemory(prefix, PoolBudget(0)), FakeBackend()),
-                     lambda *_: None, quotas=quotas)
+                     lambda *_: None, quotas=(quotas or {}) | {None: untenanted})
     node.readopt()
     return node
 
@@ -374,6 +406,46 @@ def test_a_tenants_pools_stop_at_its_quota_and_other_tenants_go_on(prefix):
     node.destroy("a1", A)
     create(node, "a3", A)  # control: room again once one of its pools went
     node.close(remove=True)
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bounded", "control-unbounded"])
+def test_pools_without_a_tenant_stop_at_their_bound_and_tenants_go_on(prefix, bound):
+    """Pools anyone can make (a deployment without a tenant, a caller without a claim)
+    share one bound; a tenant's pools are unaffected. Control: without a bound (what
+    embedded mode had by default) they take whatever the node has."""
+    node = node_pools(prefix, untenanted=2 * LAYOUT.nbytes if bound else 0)
+    create(node, "p1", PLAIN)
+    create(node, "legacy", None)  # legacy pools count under the same bound
+    if bound:
+        with pytest.raises(ValueError, match=f"the pools without a tenant are over their "
+                                             f"bound on this node: pool 'p2' needs "
+                                             f"{LAYOUT.nbytes} bytes, they use "
+                                             f"{2 * LAYOUT.nbytes} of {2 * LAYOUT.nbytes}"):
+            create(node, "p2", PLAIN)
+        assert "p2" not in node.table.pools and not os.path.exists(f"/dev/shm/{prefix}p2")
+    else:
+        create(node, "p2", PLAIN)
+    create(node, "a1", A)  # a tenant's pool: unaffected
+    create(node, "b1", B)
+    untenanted = node.tenants()[None]
+    assert untenanted["quota"] == (2 * LAYOUT.nbytes if bound else None)
+    assert untenanted["pools"] == (2 if bound else 3)
+    node.destroy("legacy", None)
+    create(node, "p3", PLAIN)  # room again once one of them went
+    node.close(remove=True)
+
+
+def test_the_default_bound_of_pools_without_a_tenant_is_half_the_nodes_memory():
+    assert untenanted_bound(None, False, 64 << 30) == 32 << 30  # embedded: a share
+    assert untenanted_bound(None, True, 64 << 30) == 0  # standalone: host_pool_bytes
+    assert untenanted_bound(1 << 20, False, 64 << 30) == 1 << 20  # given: as given
+    assert untenanted_bound(0, False, 64 << 30) == 0  # 0: none
+    assert NodeSettings().untenanted_pool_bytes is None
+    for bad in (-1, 1.5, "1G", True):
+        with pytest.raises(ValueError, match="untenanted_pool_bytes"):
+            NodeSettings(untenanted_pool_bytes=bad)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < node_memory_bytes() <= physical
 
 
 # ------------------------------------------------------------------ data calls

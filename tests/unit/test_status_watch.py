@@ -111,6 +111,16 @@ def test_watch_piped_prints_one_block_per_refresh(monkeypatch):
     assert len(slept) == 2 and all(0 <= s <= 0.5 for s in slept)
 
 
+def test_watch_says_when_the_master_is_being_restarted(monkeypatch):
+    down = {"master_address": "10.1.2.3:1", "state": "restarting", "attempts": 2,
+            "last_error": "RuntimeError: mooncake_master did not restart"}
+    stand_in(monkeypatch, [snapshot(a=node()) | {"master": down}, snapshot(a=node())])
+    out = CliRunner().invoke(main, ["status", "--watch", "--count=2"])
+    assert out.exit_code == 0, out.output
+    said = "warning: mooncake_master is down, restarting: 2 failed attempt(s) in a row"
+    assert out.output.count(said) == 1, out.output  # in the first frame only
+
+
 def test_watch_ends_at_ctrl_c_with_exit_0(monkeypatch):
     stand_in(monkeypatch, itertools.chain([snapshot(a=node())], [KeyboardInterrupt()]))
     out = CliRunner().invoke(main, ["status", "--watch"])
