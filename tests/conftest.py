@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "tests/integration/test_sglang.py",
     "tests/integration/test_group.py",
     "tests/integration/test_cli_cluster.py",
+    "tests/integration/test_production_path.py",
     "tests/integration/test_hosts.py",
     "tests/integration/test_sglang_close.py",
 )
