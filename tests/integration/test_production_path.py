@@ -81,8 +81,10 @@ class Head:
         self.root = root
         home = root / "home"
         home.mkdir()
+        # Mooncake's TCP transport on loopback and quiet, as in every test of the suite
         self.env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(home),
-                    "TMPDIR": str(root / "tmp"), "MC_LOG_LEVEL": "ERROR"}
+                    "TMPDIR": str(root / "tmp"), "MC_LOG_LEVEL": "ERROR",
+                    "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         (root / "tmp").mkdir()
         subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=self.env,
                        check=True, capture_output=True, timeout=120)
