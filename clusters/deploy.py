@@ -18,6 +18,7 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.mooncake_wheels import environment_warning
+from raykv.cache_actors.ray_auth_mode import join_mode
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor, ports_key
 from raykv.clusters.mooncake_master import check_confirm_ttl
@@ -31,10 +32,12 @@ log = logging.getLogger(__name__)
 def connect(address: str, namespace: str = NAMESPACE) -> None:
     """Join the Ray cluster at ``address`` as a driver (quietly). Raises
     ``RayUnreachableError`` (one line, with a hint) within seconds if no Ray cluster
-    answers there (see ``clusters.ray_address``)."""
+    answers there (see ``clusters.ray_address``). Ray's auth mode: ``join_mode`` (a
+    token at hand is sent, as a cluster ``ray start`` made with one wants)."""
     if ray.is_initialized():
         return
     check_gcs(address)
+    join_mode()
     try:
         ray.init(address=address, namespace=namespace, logging_level="WARNING",
                  log_to_driver=False)

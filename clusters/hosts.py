@@ -28,6 +28,7 @@ from pathlib import Path
 
 from raykv.cache_actors.local_ports import free_port
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.ray_auth_mode import use_mode
 from raykv.clusters.host_plan import NAME_PREFIX, HostPlan, choose_index, index_of, parse_rate
 
 log = logging.getLogger(__name__)
@@ -161,10 +162,7 @@ class EmulatedHosts:
     def join_auth_mode(self) -> None:
         """Give this process the hosts' Ray auth mode before it joins them (as a
         ``ray.init`` that starts a cluster does for its own)."""
-        from ray._raylet import Config
-
-        os.environ["RAY_AUTH_MODE"] = self.ray_env()["RAY_AUTH_MODE"]
-        Config.initialize("")
+        use_mode(self.ray_env()["RAY_AUTH_MODE"])
 
     def join_ray(self, num_cpus: int, object_store_memory: int, **init_args) -> None:
         """Start Ray on the hosts (``start_ray``) and connect this process to it as a

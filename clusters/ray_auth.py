@@ -20,15 +20,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
-MODE_VAR = "RAY_AUTH_MODE"
-TOKEN_VAR = "RAY_AUTH_TOKEN"
-TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
-
-
-def token_path() -> Path:
-    """Where Ray reads its token from: ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
-    named = os.environ.get(TOKEN_PATH_VAR)
-    return Path(named) if named else Path.home() / ".ray" / "auth_token"
+from raykv.cache_actors.ray_auth_mode import MODE_VAR, TOKEN_VAR, token_path, use_mode
 
 
 def create_once(path: Path, token: str) -> bool:
@@ -56,12 +48,9 @@ def settle() -> str:
     """Decide Ray's auth mode for the clusters this process starts and, in token mode,
     make sure the token exists (``create_once``; a token given in ``RAY_AUTH_TOKEN`` is
     used as it is). Returns the mode. Call before starting any Ray process; Ray's cached
-    view of both in this process is refreshed."""
-    mode = os.environ.setdefault(MODE_VAR, "token")
+    view of both in this process is refreshed (``use_mode``)."""
+    mode = os.environ.get(MODE_VAR, "token")
     if mode.lower() == "token" and TOKEN_VAR not in os.environ:
         create_once(token_path(), secrets.token_hex(32))
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    use_mode(mode)
     return mode

@@ -11,14 +11,9 @@ import logging
 import os
 import random
 
+from raykv.cache_actors.ray_auth_mode import join_mode
+
 log = logging.getLogger("raykv.integrations")
-
-
-def token_available() -> bool:
-    """Whether a Ray auth token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
-    or ``~/.ray/auth_token``)."""
-    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
 
 
 def inherited_ray_node() -> tuple[str, str] | None:
@@ -54,9 +49,10 @@ def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
     Address: ``address``, else ``$RAY_ADDRESS``, else the cluster of the Ray node this
     process descends from (``inherited_ray_node``), else ``auto`` (the cluster ``ray
     start`` made on this machine; Ray's ``ConnectionError`` if there is none).
-    Authentication: ``auth_mode`` when given sets ``RAY_AUTH_MODE``; else
-    ``RAY_AUTH_MODE=token`` is set when unset and a token is at hand (Ray >= 2.60
-    clusters started with token authentication refuse a process without it).
+    Authentication: ``cache_actors.ray_auth_mode.join_mode(auth_mode)`` (``auth_mode``,
+    else ``RAY_AUTH_MODE``, else ``token`` when a token is at hand), set with Ray's
+    cached config refreshed: an engine imported Ray, which read the mode, long before
+    it joins.
     Randomness: ``ray.init`` draws the ids of its GCS subscribers from Python's
     ``random``, which engines seed (vLLM and SGLang seed every process alike): every
     engine process would subscribe under one id, and the GCS answers each of their
@@ -73,10 +69,7 @@ def join_ray(address: str | None, namespace: str, auth_mode: str | None = None
     if not ray.is_initialized():
         address = (address or os.environ.get("RAY_ADDRESS")
                    or (inherited[1] if inherited else None) or "auto")
-        if auth_mode:
-            os.environ["RAY_AUTH_MODE"] = str(auth_mode)
-        elif "RAY_AUTH_MODE" not in os.environ and token_available():
-            os.environ["RAY_AUTH_MODE"] = "token"
+        join_mode(auth_mode)
         seeded = random.getstate()
         random.seed()  # from os.urandom: see "Randomness" above
         try:

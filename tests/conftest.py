@@ -35,6 +35,7 @@ LONGEST_FIRST = (
     "tests/integration/test_cli_cluster.py",
     "tests/integration/test_no_engines.py",
     "tests/integration/test_master_restart.py",
+    "tests/integration/test_production_path.py",
     "tests/integration/test_hosts.py",
     "tests/integration/test_sglang_close.py",
 )

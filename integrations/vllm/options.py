@@ -26,6 +26,11 @@ layout (``PoolLayout.vllm``). A change of layout changes this label, hence every
 
 _TAG_PART = re.compile(r"[A-Za-z0-9.-]{1,40}")
 
+L2_NODE_ROOM = 1 << 31
+"""``l2_blocks`` when ``async_transfers`` is on and ``l2_blocks`` is not given: a cap no
+pool reaches, so the L2 pool holds as many blocks as fit in what is left of the node's
+L2 capacity (``raykv up --l2-size``, default 1 GiB per node)."""
+
 TYPO_CUTOFF = 0.8
 """An unknown key at least this similar (``difflib`` ratio) to one of ``KNOWN_KEYS`` is
 refused as a misspelling of it; any other unknown key is ignored."""
@@ -150,14 +155,16 @@ class ConnectorOptions:
       quota). With it, saves copy blocks into L2 and the node actor puts them to L3
       afterwards, loads copy from L2 (read from L3 into L2 first where needed), and
       the scheduler's lookup counts blocks in L2 before asking L3.
-    - ``async_transfers``: transfers off vLLM's step (default False; needs
-      ``l2_blocks``). Saves: ``wait_for_save`` copies the step's newly full blocks into
-      L2 pages in one batch and returns (the node actor puts them to L3 behind); a
-      block L2 has no page for is dropped and counted (``save_dropped``), never saved
-      on the step. Loads: a hit that needs L3 is loaded asynchronously (vLLM parks the
-      request until a worker thread has read it, L3 into L2 into vLLM's blocks); a hit
-      all in L2 is copied on the step (a memcpy). Lookups: asked on a thread of their
-      own, waited for at most a few ms per scheduler step, cached per request.
+    - ``async_transfers``: transfers off vLLM's step (default False; uses L2: without
+      ``l2_blocks``, as many blocks as the node's L2 capacity has room for,
+      ``L2_NODE_ROOM``; with ``l2_blocks`` 0, refused). Saves: ``wait_for_save`` copies the
+      step's newly full blocks into L2 pages in one batch and returns (the node actor puts
+      them to L3 behind); a block L2 has no page for is dropped and counted
+      (``save_dropped``), never saved on the step. Loads: a hit that needs L3 is loaded
+      asynchronously (vLLM parks the request until a worker thread has read it, L3 into L2
+      into vLLM's blocks); a hit all in L2 is copied on the step (a memcpy). Lookups: asked
+      on a thread of their own, waited for at most a few ms per scheduler step, cached per
+      request.
     - ``timeout_s``: the deadline of each call to raykv, in seconds (default
       ``DEFAULT_TIMEOUT_S``, 5): a hung or stopped node actor then costs a failed load
       (recomputed under ``kv_load_failure_policy="recompute"``) or a lost save, and the
@@ -198,8 +205,8 @@ class ConnectorOptions:
         all defaults) for an engine of ``tp_size`` x ``pp_size`` ranks serving
         ``served_model`` (vLLM's served model name, else its model) whose blocks are
         ``identity``. ``ValueError`` on a misspelt key (``misspelt_keys``),
-        ``pool_blocks`` < 1, ``l2_blocks`` < 0, ``async_transfers`` without
-        ``l2_blocks``, a bad ``timeout_s`` or tenant name;
+        ``pool_blocks`` < 1, ``l2_blocks`` < 0, ``async_transfers`` with ``l2_blocks``
+        0, a bad ``timeout_s`` or tenant name;
         other unknown keys are ignored (logged)."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
@@ -215,13 +222,13 @@ class ConnectorOptions:
         pool_blocks = int(extra.get("pool_blocks", 64))
         if pool_blocks < 1:
             raise ValueError(f"RayKVConnector: pool_blocks must be >= 1, got {pool_blocks}")
-        l2_blocks = int(extra.get("l2_blocks", 0))
-        if l2_blocks < 0:
-            raise ValueError(f"RayKVConnector: l2_blocks must be >= 0, got {l2_blocks}")
         async_transfers = extra.get("async_transfers", False)
         if not isinstance(async_transfers, bool):
             raise ValueError("RayKVConnector: async_transfers must be true or false, got "
                              f"{async_transfers!r}")
+        l2_blocks = int(extra.get("l2_blocks", L2_NODE_ROOM if async_transfers else 0))
+        if l2_blocks < 0:
+            raise ValueError(f"RayKVConnector: l2_blocks must be >= 0, got {l2_blocks}")
         if async_transfers and not l2_blocks:
             raise ValueError("RayKVConnector: async_transfers needs l2_blocks > 0 (saves "
                              "and loads go through the node's L2 pages)")

@@ -1,20 +1,20 @@
 """What both sides of raykv's vLLM connector share (no vLLM import): the options, the
 engine geometry, the counters, and this process's raykv client with its registered
 host pool, attached at start-up or, when raykv was not reachable then, in the
-background so that no call of vLLM's step waits longer than one deadline."""
+background, which no call of vLLM's scheduler or step waits for."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.throttled_log import ThrottledLog
-from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import PoolName, StorageConfig
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from raykv.cache_actors.rank.staging_pools import StagedPool
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
+
+ATTACH_RETRY_S = 5.0
+"""The least time between two background attaches (``ConnectorSide._cache``): a join
+that fails at once is not retried on every step."""
 
 
 def new_stats() -> dict[str, int]:
@@ -73,6 +77,7 @@ class ConnectorSide(ABC):
         self._pool: HostPool | None = None
         self._attaching: threading.Thread | None = None
         self._attach_error: Exception | None = None
+        self._next_attach = 0.0  # time.monotonic() from which _cache may attach again
 
     @abstractmethod
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
@@ -122,27 +127,28 @@ class ConnectorSide(ABC):
             self._attach_error = e
 
     def _cache(self) -> CacheClient:
-        """This process's ``CacheClient`` (callers turn what it raises into misses,
-        failed loads and skipped saves). If start-up did not attach, a background thread
-        attaches (one at a time) and this waits for it at most ``timeout_s``, or what is
-        left of the budgets entered on the calling thread (the step's), and spends the
-        wait from them; then raises ``NodeUnavailableError``: a hung node actor never
-        holds vLLM's scheduler or a step longer than one deadline, however many
-        lookups, loads or saves it makes."""
+        """This process's ``CacheClient``; ``NodeUnavailableError`` at once while there
+        is none (callers turn it into misses, failed loads and skipped saves). If
+        start-up did not attach, a background thread attaches (one at a time, started at
+        most once per ``ATTACH_RETRY_S``) and no call waits for it: a join that fails or
+        hangs (a cluster that refuses this process's Ray credentials, an address where
+        no Ray answers, a stopped node actor) costs vLLM's requests misses, never a
+        stalled scheduler or step. The first call after it attached uses the client."""
         if self._client is not None:
             return self._client
-        if self._attaching is None or not self._attaching.is_alive():
+        now = time.monotonic()
+        idle = self._attaching is None or not self._attaching.is_alive()
+        if idle and now >= self._next_attach:
             self._attach_error = None
+            self._next_attach = now + ATTACH_RETRY_S
             self._attaching = threading.Thread(target=self._attach_in_background,
                                                name="raykv-attach", daemon=True)
             self._attaching.start()
-        with spending():
-            self._attaching.join(time_left(self.opts.timeout_s))
-        if self._client is None:
-            raise NodeUnavailableError(
-                f"raykv is not attached yet ({self._attach_error or 'still attaching'}); "
-                "attaching again in the background")
-        return self._client
+        if self._client is not None:
+            return self._client
+        raise NodeUnavailableError(
+            f"raykv is not attached yet ({self._attach_error or 'attaching'}); "
+            "attaching in the background")
 
     def settle(self) -> None:
         """End what this side runs behind vLLM's steps and count it (the worker: its

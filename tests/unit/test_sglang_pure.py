@@ -146,6 +146,8 @@ def test_sglang_joins_ray_as_vllm_does_without_an_address(monkeypatch):
         is_initialized=lambda: False, init=lambda **kw: calls.append(kw),
         get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "n"))
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    modes = []  # the auth mode is settled with the real Ray's config: recorded here
+    monkeypatch.setattr(ray_join, "join_mode", modes.append)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
     opts = BackendOptions.from_extra({k: v for k, v in LAUNCH_EXTRA.items()
@@ -155,6 +157,7 @@ def test_sglang_joins_ray_as_vllm_does_without_an_address(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
     ray_join.join_ray(opts.ray_address, opts.namespace, opts.auth_mode)
     assert calls[1]["address"] == "10.0.0.2:6379"
+    assert modes == [opts.auth_mode] * 2
 
 
 # ------------------------------------------------------------------- pools

@@ -135,11 +135,21 @@ def test_refuses_bad_config():
     with pytest.raises(ValueError, match="tenant must be"):
         parse({"tenant": "a b"})
     with pytest.raises(ValueError, match="async_transfers needs l2_blocks"):
-        parse({"async_transfers": True})
+        parse({"async_transfers": True, "l2_blocks": 0})
     with pytest.raises(ValueError, match="async_transfers must be true or false"):
         parse({"async_transfers": "yes", "l2_blocks": 8})
     o = parse({"async_transfers": True, "l2_blocks": 8})  # control: with L2 it is taken
     assert o.async_transfers and o.l2_blocks == 8 and not parse().async_transfers
+
+
+def test_async_transfers_alone_takes_the_l2_room_of_the_node():
+    """``async_transfers`` without ``l2_blocks`` (the README's production line): L2 of
+    whatever the node's L2 capacity leaves; no L2 without either (before: refused)."""
+    from raykv.integrations.vllm.options import L2_NODE_ROOM
+
+    o = parse({"async_transfers": True})
+    assert o.async_transfers and o.l2_blocks == L2_NODE_ROOM
+    assert parse().l2_blocks == 0
 
 
 def test_storage_config_carries_key_prefix_and_deadline():
@@ -194,9 +204,9 @@ class Side(ConnectorSide):
         self._pool, self._client = "pool", FakeClient()
 
 
-def test_cache_waits_one_deadline_then_attaches_in_background():
+def test_cache_attaches_in_background_without_waiting():
     side = Side(timeout_s=0.05)
-    with pytest.raises(NodeUnavailableError, match="still attaching"):
+    with pytest.raises(NodeUnavailableError, match="not attached yet"):
         side._cache()
     with pytest.raises(NodeUnavailableError):
         side._cache()
@@ -215,6 +225,9 @@ def test_cache_reports_why_attaching_failed():
     side = Side(timeout_s=5)
     side.fail = True
     side.release.set()
+    with pytest.raises(NodeUnavailableError):
+        side._cache()  # the attach starts in the background
+    side._attaching.join(5)
     with pytest.raises(NodeUnavailableError, match="no node actor"):
         side._cache()
     assert side.stats == new_stats()
