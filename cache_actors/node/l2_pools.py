@@ -3,7 +3,8 @@ per deployment and rank (one vLLM block of that TP rank per page), shared by eve
 engine of the deployment on the node.
 
 ``L2Pools`` is the node actor's side: it makes the pools (``open``, within the node's
-``l2_bytes`` and, as any pool, the tenant's quota and ``host_pool_bytes``), keeps one
+``l2_bytes`` and, as any pool, ``host_pool_bytes``; shrunk to what is left of the
+tenant's quota, refused below one page), keeps one
 ``L2Index`` per pool (``cache_actors.node.l2_index``: keys, LRU, holds, leases, dirty
 pages) under one lock, answers the four L2 data ops (``lookup``, ``acquire``,
 ``reserve``, ``commit``: ``DataOp``), reads objects from L3 into pages (``acquire``
@@ -116,8 +117,8 @@ class L2Pools:
     ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
     ``flush_attempts``: puts per object of the write-behind at most (1: no retry);
     ``log``: the node's residency log, told every key that becomes or stops being
-    ready in a pool (None: one of its own). ``write_behind``: the write-behind (its
-    ``attempts`` may be changed live)."""
+    ready in a pool (None: one of its own); ``quota_left(owner)``: bytes its tenant may
+    add here (None: no quota). ``write_behind``: the write-behind (``attempts`` live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
@@ -125,9 +126,10 @@ class L2Pools:
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
                  l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
                  clock: Callable[[], float] = time.monotonic,
-                 log: ResidencyLog | None = None) -> None:
+                 log: ResidencyLog | None = None,
+                 quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
-        self._move, self._verify = move, verify
+        self._move, self._verify, self._quota_left = move, verify, quota_left
         self.l2_bytes = l2_bytes
         self._lease_s, self._clock = lease_s, clock
         self._log = log or ResidencyLog()
@@ -147,9 +149,10 @@ class L2Pools:
         """The L2 pool of ``caller``'s deployment and ``rank`` (tp, pp) on this node, of
         ``layout``'s page geometry: the existing one (another engine made it), else a
         new one of at most ``pages`` pages, as many as fit in what is left of
-        ``l2_bytes``; None if not one page fits. ``ValueError`` for a caller without an
-        owner claim, a layout with more than one object per page, another layout than
-        the existing pool's, or what pool creation refuses (tenant quota, budget)."""
+        ``l2_bytes`` (None if not one page) and of the tenant's quota. ``ValueError``
+        for a caller without an owner claim, a layout with more than one object per
+        page, another layout than the existing pool's, or what pool creation refuses
+        (tenant quota with less than one page left, budget)."""
         caller = self._verify(caller)
         if caller is None:
             raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
@@ -178,6 +181,8 @@ class L2Pools:
             fits = min(pages, (self.l2_bytes - used) // page_bytes)
             if fits < 1:
                 return None
+            if (left := self._quota_left(caller.owner)) is not None:  # < 1 page: refused
+                fits = max(1, min(fits, left // page_bytes))
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
             handle = self._create(name, sized, caller.owner)
@@ -401,8 +406,7 @@ class L2Pools:
         return bool(gone)
 
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
-        """Whether the pool is still one of this node's L2 pools (not forgotten or
-        reset since)."""
+        """Whether the pool is still one of this node's L2 pools (not forgotten/reset)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
 

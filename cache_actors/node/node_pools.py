@@ -261,6 +261,17 @@ class NodePools:
             if process is not None:
                 self._engines.watch(name, process)
 
+    def quota_left(self, owner: Owner | None) -> int | None:
+        """Bytes ``owner``'s tenant may still add here (its quota less its pools and
+        those being made; at least 0); None without a tenant or a quota."""
+        tenant = owner.tenant if owner is not None else None
+        quota = self.quotas.get(tenant) if tenant is not None else None
+        if quota is None:
+            return None
+        with self._lock:
+            used = self.table.use(tenant) + self._changes.pending(tenant)
+        return max(0, quota - used)
+
     def tenants(self) -> dict[str | None, dict]:
         """``PoolTable.tenants`` of the settled table."""
         return self.settled().tenants(self.quotas)

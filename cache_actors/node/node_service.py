@@ -111,8 +111,7 @@ class NodeService:
     ``segment_size``: the bytes this node contributes to the store (reported only);
     ``tenant_quotas``: tenant -> bytes its pools here may hold; ``tenant_digests``:
     tenant -> its tenant digest (public owner key), bound from the start;
-    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``).
-    """
+    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``)."""
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
@@ -146,7 +145,8 @@ class NodeService:
                           self._pools.destroy, lambda: list(self._pools.table.pools),
                           lambda op, batch, deadline, caller: self._move(
                               op, batch, None, deadline, caller, True),
-                          self.verify, l2_bytes=l2_bytes, log=self.residency_log)
+                          self.verify, l2_bytes=l2_bytes, log=self.residency_log,
+                          quota_left=self._pools.quota_left)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
                    self._stop)
