@@ -112,13 +112,12 @@ class _L2Pool:
 class L2Pools:
     """The L2 pools of one node (see the module docstring). ``create(name, layout,
     owner) -> PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as
-    ``NodePools`` does (quotas, budget); ``move``: the store's put and get
-    (``Move``); ``verify``: a caller's claim checked (``NodeService.verify``);
-    ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
-    ``flush_attempts``: puts per object of the write-behind at most (1: no retry);
-    ``log``: the node's residency log, told every key that becomes or stops being
-    ready in a pool (None: one of its own); ``quota_left(owner)``: bytes its tenant may
-    add here (None: no quota). ``write_behind``: the write-behind (``attempts`` live)."""
+    ``NodePools`` does (quotas, budget); ``move``: the store's put and get (``Move``);
+    ``verify``: a caller's claim checked (``NodeService.verify``); ``l2_bytes``: the
+    most bytes of this node's L2 pools together (0: no L2); ``flush_attempts``: puts per
+    object of the write-behind at most (1: no retry); ``log``: the node's residency log,
+    told each key that becomes or stops being ready (None: its own); ``quota_left(owner)``:
+    bytes its tenant may add here (None: no quota). ``write_behind``: (``attempts`` live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
@@ -207,8 +206,7 @@ class L2Pools:
     def forget(self, name: str) -> None:
         """Pool ``name`` left the node: it is no L2 pool any more."""
         with self._lock:
-            pool = self._pools.pop(name, None)
-            if pool is not None:
+            if (pool := self._pools.pop(name, None)) is not None:
                 self._dropped(pool)
 
     # ------------------------------------------------------------------- data
@@ -315,19 +313,21 @@ class L2Pools:
     # ----------------------------------------------------------------- status
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
-        ``fill_failed``: objects); its write-behind in objects: ``l3_put_submitted``
-        (handed over to it), ``l3_put`` (put to L3),
-        ``l3_put_retried`` (put again after a failed put), ``l3_put_pending`` (a put
-        failed, the write-behind goes on: their pages dirty), ``l3_put_failed`` (never
-        put: in L2 only, a hole in L3); ``l2_bytes`` and ``used``."""
-        behind = self.write_behind
+        ``fill_failed``: objects) and its write-behind's counts in objects
+        (``WriteBehind.named_counts``); ``l2_bytes`` and ``used``."""
+        counts, _ = self.counters()
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-            counts = dict(self.counts)
-            counts |= {f"l3_put_{k}" if k != "stored" else "l3_put": v
-                       for k, v in behind.counts.items()}
         return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
+
+    def counters(self) -> tuple[dict[str, int], dict[str, tuple[Owner, dict[str, int]]]]:
+        """The node's counts of ``stats`` and, per L2 pool, its owner and its index's
+        ``counts`` (each but ``l3_put_pending`` only grows while its pool lives); no page
+        is looked at (the Ray metrics' exporter reads them: ``NodeMetrics.watch_l2``)."""
+        with self._lock:
+            counts = dict(self.counts) | self.write_behind.named_counts()
+            return counts, {n: (p.owner, dict(p.index.counts)) for n, p in self._pools.items()}
 
     def close(self) -> None:
         """End the write-behind thread (retries not yet due are dropped)."""

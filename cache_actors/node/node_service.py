@@ -147,6 +147,7 @@ class NodeService:
                               op, batch, None, deadline, caller, True),
                           self.verify, l2_bytes=l2_bytes, log=self.residency_log,
                           quota_left=self._pools.quota_left)
+        metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
                    self._stop)
@@ -384,8 +385,7 @@ class NodeService:
 
     def stats(self) -> dict:
         """Counters since start, per pool and per tenant, group queries, the store's
-        state, the L2 cache (``cache_actors.node.node_stats`` says what each entry
-        holds)."""
+        state, the L2 cache (``cache_actors.node.node_stats`` says what each holds)."""
         return node_stats(self._pools.settled(), self._pools.quotas, self._store.stats(),
                           self._metrics, node_id=self.node_id,
                           uptime_s=time.time() - self._started,
