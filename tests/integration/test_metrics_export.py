@@ -17,13 +17,15 @@ import uuid
 
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
-from raykv import CacheClient, start_local
-from raykv.controllers import StorageConfig
-from raykv.controllers.deployments import deployment_id
-from raykv.controllers.pool_layout import PoolLayout
 
-from tests.integration.ranks import MHA, indices
+pytest.importorskip("prometheus_client", reason="Ray's metrics export comes with ray[default]")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from raykv import CacheClient, start_local  # noqa: E402
+from raykv.controllers import StorageConfig  # noqa: E402
+from raykv.controllers.deployments import deployment_id  # noqa: E402
+from raykv.controllers.pool_layout import PoolLayout  # noqa: E402
+
+from tests.integration.ranks import MHA, indices  # noqa: E402
 
 SCRAPE_S = 90.0  # Ray's agent exports every few seconds; a loaded 2-core host is slower
 GAUGE_TTL_S = 40.0  # past twice Ray's default metrics report interval (10 s), with margin
