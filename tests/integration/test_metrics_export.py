@@ -150,3 +150,48 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     client.destroy_host_pool(l2_pool)
     client.destroy_host_pool(pool)
     client.close()
+
+
+def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path):
+    """vLLM's scheduler driving ``RayKVConnector`` in this process (``vllm_steps``):
+    an engine computes and saves a prompt, a fresh one loads it. The counters of both
+    sides (``RayKVConnector.stats``) reach the node's endpoint as ``raykv_connector``
+    by counter, role, TP rank and model, equal to the sides' own (both engines' sums:
+    one series per side). CONTROL: a counter that stayed 0 (``load_failed``) is absent."""
+    pytest.importorskip("vllm", reason="the vLLM connector's counters need vLLM")
+    from raykv.clusters.demo.vllm_model import make_llama
+
+    from tests.integration.vllm_steps import StepEngine
+
+    model = make_llama(str(tmp_path / "tiny-llama"))
+    name = f"connector-{uuid.uuid4().hex[:8]}"
+    prompt = [3 + (i * 7) % 1997 for i in range(4 * 16 + 1)]  # 4 blocks to save / load
+    engines = []
+    for _ in range(2):  # the second loads what the first saved
+        engine = StepEngine(model, name)
+        engines.append(engine)
+        engine.add(prompt)
+        engine.run()
+    assert engines[0].worker.stats["saved"] == 4 and engines[1].worker.stats["loaded"] == 4
+    for engine in engines:
+        engine.close()  # each side exports what is left
+    want = {}
+    for role, side in (("worker", lambda e: e.connector),
+                       ("scheduler", lambda e: e.scheduler.connector)):
+        for counter in ("saved", "loaded", "queries", "hit_blocks"):
+            n = sum(side(e).stats[counter] for e in engines)
+            if n:
+                want[(role, counter)] = n
+    assert want[("worker", "saved")] == 4 and want[("scheduler", "hit_blocks")] == 4
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == cluster.node_ids[0]]
+    deadline = time.monotonic() + SCRAPE_S
+    while True:
+        samples = scrape(node).get("raykv_connector", [])
+        got = {k: total(samples, "_total", role=k[0], counter=k[1], model=name,
+                        tp_rank="0") for k in want}
+        if got == want:
+            break
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(1)
+    assert all({"counter", "role", "tp_rank", "model"} <= set(s.labels) for s in samples)
+    assert total(samples, "_total", counter="load_failed", model=name) == 0  # CONTROL
