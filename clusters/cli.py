@@ -743,7 +743,10 @@ def bench_hosts(locality: bool, links: str | None, page_sizes: tuple[int, ...] |
         raise click.ClickException(str(e)) from None
 
 
-@main.command("bench-gpu", epilog=BENCH_EPILOG)
+@main.command("bench-gpu", epilog=_epilog(
+    zero="done: every page came back byte-exact (the tables and bench_gpu.json give the "
+         "figures; this bench has no targets to check)",
+    one=("also without a CUDA GPU, or when a page came back with other bytes",)))
 @click.option("--page-sizes", default="256K,1M,4M", show_default=True,
               type=SizeList(BENCH_PAGE_QUANTUM, "64 tokens x 512 bytes per layer"),
               help=f"Comma-separated page sizes (K/M suffixes, multiples of "

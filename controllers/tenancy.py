@@ -34,6 +34,8 @@ TENANT_SECRET_FILE_ENV = "RAYKV_TENANT_SECRET_FILE"
 """The environment variable naming a file that holds it (used when the other is unset)."""
 MAX_SECRET_FILE_BYTES = 4096
 """Largest secret file read."""
+OTHERS_READ_WRITE = 0o066
+"""Mode bits a secret file must not have: read or write for its group or for others."""
 MIN_SECRET_BYTES = 16
 """Shortest accepted secret (UTF-8 bytes): 128 bits if drawn at random, e.g. ``openssl
 rand -hex 32``."""
@@ -55,9 +57,9 @@ def check_tenant(tenant: object) -> str | None:
 def tenant_secret(tenant: str, environ: Mapping[str, str] = os.environ) -> bytes:
     """The secret of ``tenant`` from ``environ[RAYKV_TENANT_SECRET]``, or else from the
     file ``environ[RAYKV_TENANT_SECRET_FILE]`` names (its bytes less trailing
-    whitespace; a regular file of at most ``MAX_SECRET_FILE_BYTES`` that other users
-    cannot read); ``ValueError`` naming the fix when it is missing, unfit or shorter
-    than ``MIN_SECRET_BYTES``."""
+    whitespace; a regular file of at most ``MAX_SECRET_FILE_BYTES`` that other users,
+    its group's included, can neither read nor write); ``ValueError`` naming the fix
+    when it is missing, unfit or shorter than ``MIN_SECRET_BYTES``."""
     secret = environ.get(TENANT_SECRET_ENV, "").encode()
     where = f"${TENANT_SECRET_ENV}"
     if not secret and environ.get(TENANT_SECRET_FILE_ENV):
@@ -82,10 +84,11 @@ def _secret_file(tenant: str, path: str) -> bytes:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_BYTES:
             raise ValueError(f"tenant {tenant!r}: ${TENANT_SECRET_FILE_ENV} must name a "
                              f"regular file of at most {MAX_SECRET_FILE_BYTES} bytes")
-        if st.st_mode & stat.S_IROTH:
+        if st.st_mode & OTHERS_READ_WRITE:
             raise ValueError(f"tenant {tenant!r}: ${TENANT_SECRET_FILE_ENV} names a file "
-                             "every user can read: make it readable by its owner (and "
-                             "group) only, e.g. `chmod 0400`")
+                             f"of mode {stat.S_IMODE(st.st_mode):o}, which other users can "
+                             "read or write (its group's included): make it its owner's "
+                             "alone, e.g. `chmod 0400`")
         return os.read(fd, MAX_SECRET_FILE_BYTES + 1).rstrip()
     finally:
         os.close(fd)

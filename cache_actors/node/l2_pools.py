@@ -3,7 +3,8 @@ per deployment and rank (one vLLM block of that TP rank per page), shared by eve
 engine of the deployment on the node.
 
 ``L2Pools`` is the node actor's side: it makes the pools (``open``, within the node's
-``l2_bytes`` and, as any pool, the tenant's quota and ``host_pool_bytes``), keeps one
+``l2_bytes`` and, as any pool, ``host_pool_bytes``; shrunk to what is left of the
+tenant's quota, refused below one page), keeps one
 ``L2Index`` per pool (``cache_actors.node.l2_index``: keys, LRU, holds, leases, dirty
 pages) under one lock, answers the four L2 data ops (``lookup``, ``acquire``,
 ``reserve``, ``commit``: ``DataOp``), reads objects from L3 into pages (``acquire``
@@ -113,13 +114,13 @@ class _L2Pool:
 class L2Pools:
     """The L2 pools of one node (see the module docstring). ``create(name, layout,
     owner) -> PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as
-    ``NodePools`` does (quotas, budget); ``move``: the store's put and get
-    (``Move``); ``verify``: a caller's claim checked (``NodeService.verify``);
-    ``l2_bytes``: the most bytes this node's L2 pools may hold together (0: no L2);
-    ``flush_attempts``: puts per object of the write-behind at most (1: no retry);
-    ``log``: the node's residency log, told every key that becomes or stops being
-    ready in a pool (None: one of its own). ``write_behind``: the write-behind (its
-    ``attempts`` may be changed live)."""
+    ``NodePools`` does (quotas, budget); ``move``: the store's put and get (``Move``);
+    ``verify``: a caller's claim checked (``NodeService.verify``); ``l2_bytes``: the
+    most bytes of this node's L2 pools together (0: no L2); ``flush_attempts``: puts per
+    object of the write-behind at most (1: no retry); ``log``: the node's residency log,
+    told each key that becomes or stops being ready (None: its own); ``quota_left(owner)``:
+    bytes its tenant (no tenant: the pools without one) may add here (None: unbounded).
+    ``write_behind``: (``attempts`` live)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
@@ -127,9 +128,10 @@ class L2Pools:
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
                  l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
                  clock: Callable[[], float] = time.monotonic,
-                 log: ResidencyLog | None = None) -> None:
+                 log: ResidencyLog | None = None,
+                 quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
-        self._move, self._verify = move, verify
+        self._move, self._verify, self._quota_left = move, verify, quota_left
         self.l2_bytes = l2_bytes
         self._lease_s, self._clock = lease_s, clock
         self._log = log or ResidencyLog()
@@ -149,9 +151,10 @@ class L2Pools:
         """The L2 pool of ``caller``'s deployment and ``rank`` (tp, pp) on this node, of
         ``layout``'s page geometry: the existing one (another engine made it), else a
         new one of at most ``pages`` pages, as many as fit in what is left of
-        ``l2_bytes``; None if not one page fits. ``ValueError`` for a caller without an
-        owner claim, a layout with more than one object per page, another layout than
-        the existing pool's, or what pool creation refuses (tenant quota, budget)."""
+        ``l2_bytes`` (None if not one page) and of the tenant's quota. ``ValueError``
+        for a caller without an owner claim, a layout with more than one object per
+        page, another layout than the existing pool's, or what pool creation refuses
+        (tenant quota with less than one page left, budget)."""
         caller = self._verify(caller)
         if caller is None:
             raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
@@ -180,6 +183,8 @@ class L2Pools:
             fits = min(pages, (self.l2_bytes - used) // page_bytes)
             if fits < 1:
                 return None
+            if (left := self._quota_left(caller.owner)) is not None:  # < 1 page: refused
+                fits = max(1, min(fits, left // page_bytes))
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
             handle = self._create(name, sized, caller.owner)
@@ -204,8 +209,7 @@ class L2Pools:
     def forget(self, name: str) -> None:
         """Pool ``name`` left the node: it is no L2 pool any more."""
         with self._lock:
-            pool = self._pools.pop(name, None)
-            if pool is not None:
+            if (pool := self._pools.pop(name, None)) is not None:
                 self._dropped(pool)
 
     # ------------------------------------------------------------------- data
@@ -312,19 +316,21 @@ class L2Pools:
     # ----------------------------------------------------------------- status
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
-        ``fill_failed``: objects); its write-behind in objects: ``l3_put_submitted``
-        (handed over to it), ``l3_put`` (put to L3),
-        ``l3_put_retried`` (put again after a failed put), ``l3_put_pending`` (a put
-        failed, the write-behind goes on: their pages dirty), ``l3_put_failed`` (never
-        put: in L2 only, a hole in L3); ``l2_bytes`` and ``used``."""
-        behind = self.write_behind
+        ``fill_failed``: objects) and its write-behind's counts in objects
+        (``WriteBehind.named_counts``); ``l2_bytes`` and ``used``."""
+        counts, _ = self.counters()
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-            counts = dict(self.counts)
-            counts |= {f"l3_put_{k}" if k != "stored" else "l3_put": v
-                       for k, v in behind.counts.items()}
         return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
+
+    def counters(self) -> tuple[dict[str, int], dict[str, tuple[Owner, dict[str, int]]]]:
+        """The node's counts of ``stats`` and, per L2 pool, its owner and its index's
+        ``counts`` (each but ``l3_put_pending`` only grows while its pool lives); no page
+        is looked at (the Ray metrics' exporter reads them: ``NodeMetrics.watch_l2``)."""
+        with self._lock:
+            counts = dict(self.counts) | self.write_behind.named_counts()
+            return counts, {n: (p.owner, dict(p.index.counts)) for n, p in self._pools.items()}
 
     def close(self) -> None:
         """End the write-behind thread (retries not yet due are dropped)."""
@@ -402,8 +408,7 @@ class L2Pools:
         self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
 
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
-        """Whether the pool is still one of this node's L2 pools (not forgotten or
-        reset since)."""
+        """Whether the pool is still one of this node's L2 pools (not forgotten/reset)."""
         with self._lock:
             return self._pools.get(target[0].name) is target[0]
 

@@ -4,13 +4,16 @@ queries (``GroupQueries`` tells it how each was answered and what its store call
 and merged transfers (``TransferMerger`` tells it each store call's batches).
 
 Per tenant and deployment. Per tier, L3 (the store: objects got = hits, failed gets =
-misses, lookups found or not, bytes moved) and L2 (the pools' bytes), the Ray metrics
-carry the ``tenant`` and ``deployment`` of the pool's owner (of the caller, for a
-lookup; ``(none)`` for none), beside ``pool``. Their label sets are bounded for the
-actor's life, whatever pools come and go: at most ``MAX_POOL_LABELS`` pool names,
-``MAX_DEPLOYMENT_LABELS`` deployments and ``MAX_TENANT_LABELS`` tenants get a label of
-their own, in the order they are first seen; the rest are counted together under
-``(other)`` (``LabelBound``). ``stats()`` keeps per-pool counts only of live pools.
+misses, lookups found or not, bytes moved) and L2 (the pools' bytes; the L2 cache's page
+events, ``raykv_l2_pages``), the Ray metrics carry the ``tenant`` and ``deployment`` of
+the pool's owner (of the caller, for a lookup; ``(none)`` for none), beside ``pool``.
+The L2 cache's counts (``L2Pools.counters``) are read by the exporter thread and what
+grew since its last look exported (``watch_l2``): its data ops count nothing here.
+Their label sets are bounded for the actor's life, whatever pools come and go: at
+most ``MAX_POOL_LABELS`` pool names, ``MAX_DEPLOYMENT_LABELS`` deployments and
+``MAX_TENANT_LABELS`` tenants get a label of their own, in the order they are first
+seen; the rest are counted together under ``(other)`` (``LabelBound``). ``stats()``
+keeps per-pool counts only of live pools.
 
 Data calls only count, under ``_lock``: the Ray metric objects are updated from the
 counts by an exporter thread every ``export_s`` seconds (``export``), not on the data
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ray.util import metrics
 from raykv.controllers.object_batch import ObjectBatch
@@ -40,6 +43,11 @@ EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
 GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "looked_up", "store_calls")
 MERGED_CALL_COUNTS = ("calls", "batches", "largest")
+L2_OBJECT_COUNTS = ("filled", "fill_failed", "l3_put_submitted", "l3_put", "l3_put_retried",
+                    "l3_put_failed")
+"""The node's L2 counts exported (``raykv_l2_objects``); each only grows."""
+L2Counters = Callable[[], tuple[Mapping[str, int], Mapping[str, tuple[Owner, Mapping[str, int]]]]]
+"""``L2Pools.counters``: the node's L2 counts, and per L2 pool its owner and page counts."""
 MAX_POOL_LABELS = 64
 MAX_DEPLOYMENT_LABELS = 32
 MAX_TENANT_LABELS = 32
@@ -49,6 +57,7 @@ NONE = "(none)"
 """The ``tenant`` / ``deployment`` label of a pool or caller without one."""
 Tags = tuple[str, str, str]
 """``(pool, tenant, deployment)`` labels."""
+POOL_TAGS = ("pool", "tenant", "deployment")
 
 
 class LabelBound:
@@ -107,9 +116,20 @@ class NodeMetrics:
             "recent / inflight (shared by the ranks of a group), confirmed (from confirmed "
             "pages alone) or looked_up (lookups of its own)",
             tag_keys=("node", "answer"))
+        self._l2_pages = metrics.Counter(
+            "raykv_l2_pages", "L2 cache page events (hits, misses, written, evicted, full, "
+            "flushed, aborted), by the pool owner's tenant and deployment",
+            tag_keys=("node", "event", *owner_keys))
+        self._l2_objects = metrics.Counter(
+            "raykv_l2_objects", "L2 cache objects read from L3 (filled, fill_failed) and "
+            "put to L3 behind the writer (l3_put_submitted, l3_put, l3_put_retried, "
+            "l3_put_failed)", tag_keys=("node", "event"))
         for m in (self._objects, self._bytes, self._lookups, self._latency,
-                  self._pool_bytes, self._group_queries):
+                  self._pool_bytes, self._group_queries, self._l2_pages, self._l2_objects):
             m.set_default_tags(tags)
+        self._l2: L2Counters | None = None
+        self._l2_seen: tuple[Mapping[str, int], dict[str, Mapping[str, int]]] = ({}, {})
+        self._export_lock = threading.Lock()  # one export at a time (the L2 counts seen)
         self._pool_labels = LabelBound(MAX_POOL_LABELS)
         self._deployment_labels = LabelBound(MAX_DEPLOYMENT_LABELS)
         self._tenant_labels = LabelBound(MAX_TENANT_LABELS)
@@ -217,8 +237,9 @@ class NodeMetrics:
 
     def pool_size(self, name: str, nbytes: int, owner: Owner | None = None) -> None:
         """Pool ``name`` of ``owner`` now holds ``nbytes`` (0: gone, and its per-pool
-        counts are dropped); its gauge is set at once (rare). Pools past the label
-        bounds share their gauge, which holds their sum."""
+        counts are dropped); its gauge is set at once (rare) and again by every
+        ``export`` (Ray's export drops a gauge not set for two of its report intervals,
+        ~20 s). Pools past the label bounds share their gauge, which holds their sum."""
         with self._lock:
             old = self._pools.pop(name, None)
             changed = []
@@ -236,19 +257,50 @@ class NodeMetrics:
                 value = self._gauges[tags]
                 if not value:
                     del self._gauges[tags]
-                self._pool_bytes.set(value, tags=dict(zip(("pool", "tenant", "deployment"),
-                                                          tags, strict=True)))
+                self._pool_bytes.set(value, tags=dict(zip(POOL_TAGS, tags, strict=True)))
+
+    def watch_l2(self, counters: L2Counters) -> None:
+        """Export the node's L2 counts too: each ``export`` reads ``counters()`` and adds
+        what grew since the last one (a pool new since: all of its counts) to
+        ``raykv_l2_pages`` and ``raykv_l2_objects``."""
+        self._l2 = counters
+
+    def _l2_grown(self) -> None:
+        """With ``_export_lock`` held: what the L2 counts grew by since the last look,
+        into the pending increments."""
+        if self._l2 is None:
+            return
+        node, pools = self._l2()
+        node_seen, pools_seen = self._l2_seen
+        with self._lock:
+            for event in L2_OBJECT_COUNTS:
+                if (n := node.get(event, 0) - node_seen.get(event, 0)) > 0:
+                    self._pending[(self._l2_objects, (("event", event),))] += n
+            for name, (owner, counts) in pools.items():
+                before = pools_seen.get(name, {})
+                tenant, dep = self._owner_tags(owner)
+                for event, total in counts.items():
+                    if (n := total - before.get(event, 0)) > 0:
+                        self._pending[(self._l2_pages, (("event", event), ("tenant", tenant),
+                                                        ("deployment", dep)))] += n
+        self._l2_seen = ({k: node.get(k, 0) for k in L2_OBJECT_COUNTS},
+                         {name: dict(counts) for name, (_, counts) in pools.items()})
 
     def export(self) -> None:
-        """Hand what was recorded since the last call to the Ray metrics (the exporter
-        thread's job; callable from any thread)."""
-        with self._lock:
-            pending, self._pending = self._pending, Counter()
-            latencies, self._latencies = self._latencies, []
-        for (metric, tags), n in pending.items():
-            metric.inc(n, tags=dict(tags))
-        for op, seconds in latencies:
-            self._latency.observe(seconds, tags={"op": op})
+        """Hand what was recorded since the last call (and what the L2 counts grew by) to
+        the Ray metrics (the exporter thread's job; callable from any thread)."""
+        with self._export_lock:
+            self._l2_grown()
+            with self._lock:
+                pending, self._pending = self._pending, Counter()
+                latencies, self._latencies = self._latencies, []
+                gauges = dict(self._gauges)
+            for (metric, tags), n in pending.items():
+                metric.inc(n, tags=dict(tags))
+            for op, seconds in latencies:
+                self._latency.observe(seconds, tags={"op": op})
+            for tags, value in gauges.items():  # Ray's export drops a gauge not set lately
+                self._pool_bytes.set(value, tags=dict(zip(POOL_TAGS, tags, strict=True)))
 
     def _export_loop(self, export_s: float) -> None:
         while not self._stop.wait(export_s):

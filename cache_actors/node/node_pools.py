@@ -215,10 +215,8 @@ class NodePools:
                  drain_s: float = DRAIN_S, quotas: Mapping[str, int] | None = None,
                  digests: Mapping[str, str] | None = None, bound_only: bool = False
                  ) -> None:
-        self._store = store
+        self._store, self._sized, self._drain_s = store, sized, drain_s
         self._records = PoolRecords(prefix, store.mode)
-        self._sized = sized
-        self._drain_s = drain_s
         self.limits = MappingProxyType({t: n for t, n in (quotas or {}).items() if n})
         self.quotas = MappingProxyType({t: n for t, n in self.limits.items() if t is not None})
         self.untenanted_bytes = self.limits.get(None, 0)
@@ -270,6 +268,12 @@ class NodePools:
             self.table = self.table.replaced(name, pool, owner)
             if process is not None:
                 self._engines.watch(name, process)
+
+    def used(self, tenant: str | None) -> int:
+        """Bytes of ``tenant``'s pools here (None: the pools without one), those being
+        made included."""
+        with self._lock:
+            return self.table.use(tenant) + self._changes.pending(tenant)
 
     def tenants(self) -> dict[str | None, dict]:
         """``PoolTable.tenants`` of the settled table under ``limits``."""
@@ -488,3 +492,13 @@ class NodePools:
         finally:
             with self._lock:
                 self._changes.end_whole()
+
+
+def quota_left(pools: NodePools, owner: Owner | None) -> int | None:
+    """Bytes ``owner``'s tenant (no tenant: the pools without one) may still add to
+    ``pools``: its quota (their bound) less its pools and those being made, at least 0;
+    None where no quota or bound applies."""
+    tenant = owner.tenant if owner is not None else None
+    if not (quota := pools.limits.get(tenant)):
+        return None
+    return max(0, quota - pools.used(tenant))

@@ -60,7 +60,7 @@ from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.l2_pools import L2Pools
-from raykv.cache_actors.node.node_pools import NodePools, replaced_during
+from raykv.cache_actors.node.node_pools import NodePools, quota_left, replaced_during
 from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.owner_masks import (
@@ -111,8 +111,7 @@ class NodeService:
     ``segment_size``: the bytes this node contributes to the store (reported only);
     ``tenant_quotas``: tenant -> bytes its pools here may hold (None: the pools without
     a tenant together); ``tenant_digests``: tenant -> its tenant digest, bound first;
-    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``).
-    """
+    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``)."""
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
@@ -146,7 +145,9 @@ class NodeService:
                           self._pools.destroy, lambda: list(self._pools.table.pools),
                           lambda op, batch, deadline, caller: self._move(
                               op, batch, None, deadline, caller, True),
-                          self.verify, l2_bytes=l2_bytes, log=self.residency_log)
+                          self.verify, l2_bytes=l2_bytes, log=self.residency_log,
+                          quota_left=partial(quota_left, self._pools))
+        metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
                    self._stop)
@@ -384,8 +385,7 @@ class NodeService:
 
     def stats(self) -> dict:
         """Counters since start, per pool and per tenant, group queries, the store's
-        state, the L2 cache (``cache_actors.node.node_stats`` says what each entry
-        holds)."""
+        state, the L2 cache (``node_stats`` says what each entry holds)."""
         return node_stats(self._pools.settled(), self._pools.limits, self._store.stats(),
                           self._metrics, node_id=self.node_id,
                           uptime_s=time.time() - self._started,

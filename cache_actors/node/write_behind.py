@@ -87,6 +87,12 @@ class WriteBehind:
         self.counts["submitted"] += len(keys)
         self._queue.put((pool, keys, pages))
 
+    def named_counts(self) -> dict[str, int]:
+        """``counts`` as the node's L2 stats name them (read under the owner's lock):
+        ``l3_put_submitted``, ``l3_put`` (stored), ``l3_put_retried``, ``l3_put_pending``
+        (their pages dirty), ``l3_put_failed`` (in L2 only, a hole in L3)."""
+        return {f"l3_put_{k}" if k != "stored" else "l3_put": v for k, v in self.counts.items()}
+
     def close(self) -> None:
         """End the thread after its current put; retries not yet due are dropped."""
         self._closed.set()

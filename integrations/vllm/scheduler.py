@@ -69,6 +69,8 @@ class RayKVConnectorScheduler(ConnectorSide):
     ``do_load``/``do_save`` follow vLLM's ``kv_role``. Attaches to raykv at construction
     when it loads."""
 
+    ROLE = "scheduler"
+
     def __init__(self, opts: ConnectorOptions, *, do_load: bool, do_save: bool,
                  block_size: int, tp_size: int, pp_size: int,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

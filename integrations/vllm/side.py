@@ -17,6 +17,7 @@ from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.contract import PoolName, StorageConfig
 from raykv.integrations.ray_join import join_ray
+from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
 from raykv.integrations.vllm.options import ConnectorOptions
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class ConnectorSide(ABC):
     (``_create_pool``). Every method runs on the vLLM thread that calls the connector,
     except ``_attach_in_background``, on the attach thread ``_cache`` starts."""
 
+    ROLE = "side"
+    """The side's ``role`` label of its Ray metric (``connector_metrics``)."""
+
     def __init__(self, opts: ConnectorOptions, *, block_size: int, tp_rank: int, tp_size: int,
                  pp_rank: int, pp_size: int) -> None:
         self.opts = opts
@@ -78,6 +82,7 @@ class ConnectorSide(ABC):
         self._attaching: threading.Thread | None = None
         self._attach_error: Exception | None = None
         self._next_attach = 0.0  # time.monotonic() from which _cache may attach again
+        self._metrics: ConnectorMetrics | None = None
 
     @abstractmethod
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
@@ -112,6 +117,9 @@ class ConnectorSide(ABC):
             raise
         self._pool = pool  # first: a caller that sees the client uses the pool
         self._client = client
+        if self._metrics is None:  # in the Ray cluster now: its counters exported
+            self._metrics = ConnectorMetrics(self.stats, {
+                "role": self.ROLE, "tp_rank": str(self.tp_rank), "model": self.opts.model_name})
 
     def _attach_at_start(self) -> None:
         try:
@@ -156,9 +164,13 @@ class ConnectorSide(ABC):
         return None
 
     def shutdown(self) -> None:
-        """Destroy this side's pool and close its client (never raises)."""
+        """Destroy this side's pool, close its client and export its counters a last
+        time (never raises)."""
         client, pool = self._client, self._pool
         self._client = self._pool = None
+        if self._metrics is not None:
+            with contextlib.suppress(Exception):
+                self._metrics.close()
         if client is None:
             return
         with contextlib.suppress(Exception):

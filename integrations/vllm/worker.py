@@ -78,6 +78,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
     the step's metadata). Attaches to raykv in ``register_kv_caches``, when the pool's
     geometry is known."""
 
+    ROLE = "worker"
+
     def __init__(self, opts: ConnectorOptions, kv_cache_config: KVCacheConfig | None, *,
                  block_size: int, tp_rank: int, tp_size: int, pp_rank: int,
                  pp_size: int) -> None:

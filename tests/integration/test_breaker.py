@@ -28,6 +28,7 @@ from raykv.cache_actors.errors import (
 from raykv.controllers import StorageConfig
 from raykv.controllers.naming import node_actor_name
 
+from tests.integration.deadline_bound import within
 from tests.integration.process_stop import stop_process
 from tests.integration.ranks import indices, start_rank
 
@@ -77,6 +78,9 @@ def test_a_stopped_node_actor_opens_the_breaker_then_a_probe_finds_it_again(clus
     print("\nwaited (s), deadline failure:", [round(s, 3) for s, _ in slow])
     print("waited (s), failed at once:", [round(s, 3) for s, _ in fast])
     assert all(isinstance(v, DeadlineExceededError) for _, v in slow), slow
+    # the documented bounds: one deadline, then at once (``deadline_bound``)
+    assert all(within(s, 1.0) for s, _ in slow), slow
+    assert all(within(s, 0.0) for s, _ in fast), fast
     assert before["state"] == "open" and before["opened"] == 1, before
     assert all(isinstance(v, CircuitOpenError) for _, v in fast), fast
     # none of them was sent: each one rejected, none admitted

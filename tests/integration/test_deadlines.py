@@ -5,7 +5,8 @@ another node), never runs them late, and serves again once it is continued.
 
 Each call runs in a thread joined with a bound far above the deadline, so that a call
 that hangs (the code before deadlines: socket reads and ``ray.get`` without a timeout)
-fails the test instead of hanging the suite.
+fails the test instead of hanging the suite; each must have returned within the
+documented bound (``deadline_bound``: ``timeout_s``, with a margin for a loaded host).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableErro
 from raykv.controllers import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 
+from tests.integration.deadline_bound import bound_s, within
 from tests.integration.process_stop import stop_process
 from tests.integration.ranks import indices, start_rank
 
@@ -53,8 +55,9 @@ def timed(call) -> tuple[float, object]:
 
 
 def unavailable(outcome: tuple[float, object]) -> bool:
+    """A retryable error within the documented bound of the call's deadline."""
     seconds, value = outcome
-    return isinstance(value, NodeUnavailableError) and seconds < HANG_S
+    return isinstance(value, NodeUnavailableError) and within(seconds, TIMEOUT_S)
 
 
 def settle(ok, wait_s: float = 60.0) -> None:
@@ -162,7 +165,8 @@ def test_control_without_a_stop_every_call_answers_within_the_deadline(cluster, 
     home, other, keys, calls = deployment(cluster, uid)
     outcomes = {what: timed(call) for what, call in calls.items()}
     for what, (seconds, value) in outcomes.items():
-        assert seconds < HANG_S and not isinstance(value, Exception), f"{what}: {value}"
+        assert not isinstance(value, Exception), f"{what}: {value}"
+        assert within(seconds, TIMEOUT_S), f"{what}: {seconds:.2f} s > {bound_s(TIMEOUT_S)}"
     assert outcomes["channel batch_get_v1"][1] == [True] * N
     assert outcomes["channel batch_set_v2"][1] == {PoolName.KV: [True]}
     assert outcomes["channel batch_exists"][1] == N

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv import CacheClient, NodeUnavailableError
 from raykv.controllers import (
@@ -25,7 +26,8 @@ from raykv.controllers import (
     node_actor_name,
 )
 from raykv.controllers.contract import PoolHitPolicy
-from raykv.controllers.deployments import PoolQuery
+from raykv.controllers.controller import checkpoint_key
+from raykv.controllers.deployments import PoolQuery, deployment_id
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 from raykv.integrations.serve.text_tokens import chat_ids
@@ -240,24 +242,80 @@ def settle(method, timeout_s: float = 60.0):
             time.sleep(0.5)
 
 
-def test_controller_restarts_from_its_checkpoint(cluster, uid):
-    client = CacheClient(StorageConfig(model_name=f"ckpt/{uid}"))
-    client.register_mem_pool_host(client.create_host_pool("mha", **MHA))
+def restart_controller(controller, timeout_s: float = 60.0) -> None:
+    """Kill the controller and wait until Ray's restart of it (another process) answers."""
+    pid = SimpleNamespace(remote=lambda: controller.__ray_call__.remote(
+        lambda _actor: os.getpid()))  # a lambda travels by value, this module need not
+    old = settle(pid)
+    ray.kill(controller, no_restart=False)
+    deadline = time.monotonic() + timeout_s
+    while settle(pid) == old:
+        assert time.monotonic() < deadline, "the controller was not restarted"
+        time.sleep(0.2)
+
+
+def answer(query, tries: int = 40):
+    """``query()`` once its node actor answers again (a restart can refuse a call or two
+    with ``NodeUnavailableError``); the last refusal is raised if it never answers."""
+    for _ in range(tries - 1):
+        try:
+            return query()
+        except NodeUnavailableError:
+            time.sleep(0.5)
+    return query()
+
+
+@pytest.mark.parametrize("restored", [True, False], ids=["restored", "control-checkpoint-lost"])
+def test_controller_restarts_from_its_checkpoint(cluster, uid, restored):
+    """After a restart the controller has its nodes and deployments again and answers
+    as before: the first rank's group query finds its 2 pages, a new rank of the
+    deployment (on the other node) registers and reads their bytes, and a rank that
+    contradicts the deployment's registered group (tp_size) is refused. CONTROL
+    (``restored=False``): the checkpoint deleted from the test side before the kill; the
+    restarted controller has forgotten the deployment and takes the contradicting rank
+    (the checkpoint is put back afterwards, for the module's later tests)."""
+    model = f"ckpt/{uid}"
+    client = CacheClient(StorageConfig(model_name=model))
+    pool = client.create_host_pool("mha", **MHA)
+    client.register_mem_pool_host(pool)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    buf = pool.kv_buffer
+    written = (buf[:, :8] if buf.dim() == 5 else buf[:8]).clone()  # Rank.pages(0, 2)
     keys = [f"{uid}-{i}" for i in range(2)]
     assert client.batch_set_v1(keys, indices(0, 2)) == [True] * 2
     assert client.group_exists(keys).kv_hit_pages == 2
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     before = ray.get(controller.deployments.remote())
+    dep = deployment_id(StorageConfig(model_name=model))
+    assert dep in before
     nodes = ray.get(controller.nodes.remote())
-    ray.kill(controller, no_restart=False)
-    assert settle(controller.deployments) == before
+    saved = internal_kv._internal_kv_get(checkpoint_key(NAMESPACE))
+    if not restored:
+        internal_kv._internal_kv_del(checkpoint_key(NAMESPACE))
+    try:
+        restart_controller(controller)
+        after = ray.get(controller.deployments.remote())
+        assert (after == before) is restored
+        assert answer(lambda: client.group_exists(keys)).kv_hit_pages == 2
+        reader = start_rank(cluster.node_ids[1], StorageConfig(model_name=model))
+        assert answer(lambda: ray.get(reader.call.remote("batch_get_v1", keys,
+                                                         indices(0, 2)))) == [True] * 2
+        assert torch.equal(ray.get(reader.pages.remote(0, 2)), written)
+        bad = CacheClient(StorageConfig(tp_rank=1, tp_size=2, model_name=model))
+        bad.register_mem_pool_host(bad.create_host_pool("mha", **MHA))
+        with pytest.raises(ValueError) as refused:
+            answer(lambda: bad.group_exists(keys))
+        registered = ray.get(controller.deployments.remote())[dep]["tp_size"]
+        if restored:
+            assert "says tp_size=2 but its group registered tp_size=1" in str(refused.value)
+            assert registered == 1
+        else:  # CONTROL: the controller took the contradiction as a new deployment (only
+            assert registered == 2  # the node actor's copy of the old one refused it)
+    finally:
+        if not restored:
+            internal_kv._internal_kv_put(checkpoint_key(NAMESPACE), saved, overwrite=True)
+            restart_controller(controller)
     assert settle(controller.nodes) == nodes
-    for _ in range(20):
-        try:
-            assert client.group_exists(keys).kv_hit_pages == 2
-            break
-        except NodeUnavailableError:
-            time.sleep(0.5)
 
 
 def test_dead_node_actor_is_replaced_and_ranks_reattach(cluster, uid):

@@ -27,6 +27,7 @@ from raykv.controllers.contract import PoolTransfer
 from raykv.controllers.deployments import deployment_id
 from raykv.controllers.naming import node_actor_name
 from raykv.controllers.ownership import tenant_digest
+from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 from rich.console import Console
@@ -257,6 +258,44 @@ def test_pools_without_a_tenant_stop_at_their_bound_and_tenants_go_on(cluster, m
     assert plain.destroy_host_pool(fill)
     plain.destroy_host_pool(plain.create_host_pool("mha", **MHA))  # CONTROL: room again
     assert bound.destroy_host_pool(pool)
+
+
+L2_PAGE = PoolLayout.vllm(page_size=4, size=4, layer_num=1, head_num=1, head_dim=64,
+                         dtype="bfloat16", itemsize=2)  # 512 bytes per page
+
+
+def test_an_l2_pool_shrinks_to_what_is_left_of_its_tenants_quota(cluster, monkeypatch):
+    """A tenant's L2 pool takes at most what is left of its tenant's quota on the node
+    (as it takes at most what is left of the node's L2 bytes), down to one page; with
+    less than one page left it is refused, naming the quota. CONTROL: a tenant without
+    a quota gets every page it asked for."""
+    uid = uuid.uuid4().hex[:8]
+    q = client(monkeypatch, f"l2q/q{uid}", "team-q", SECRET_Q)
+    q2 = client(monkeypatch, f"l2q/q2{uid}", "team-q", SECRET_Q)
+    r = client(monkeypatch, f"l2q/r{uid}", "team-r", SECRET_R)
+    page = L2_PAGE.object_bytes
+    asked = 2 * QUOTA // page  # twice the whole quota
+    staging = q.create_host_pool("mha", **MHA)  # what an engine makes first
+    pools = []
+    try:
+        l2 = q.l2().open(L2_PAGE, asked)
+        assert l2 is not None
+        pools.append((q, l2))
+        assert l2.size // L2_PAGE.page_size == (QUOTA - POOL_BYTES) // page
+        state = deploy.status(cluster.address, cluster.namespace)
+        (node,) = state["nodes"].values()
+        assert node["tenants"]["team-q"] == {"pool_bytes": QUOTA, "pools": 2, "quota": QUOTA}
+        # the quota is full: another deployment of the tenant gets no page
+        with pytest.raises(ValueError, match="tenant 'team-q' is over its quota on this "
+                                             "node"):
+            q2.l2().open(L2_PAGE, asked)
+        other = r.l2().open(L2_PAGE, asked)  # CONTROL: no quota, every page asked
+        pools.append((r, other))
+        assert other.size // L2_PAGE.page_size == asked
+    finally:
+        for c, p in pools:
+            c.destroy_host_pool(p)
+        q.destroy_host_pool(staging)
 
 
 def test_pools_without_an_owner_answer_only_callers_without_one(cluster, monkeypatch):

@@ -3,8 +3,9 @@ with raykv's connector, ``timeout_s`` = 1 s and ``kv_load_failure_policy="recomp
 the node actor of the engine's node is stopped with SIGSTOP (pid from ``health()``).
 
 - Stopped before the engine's first request: the scheduler's lookup answers a miss
-  within the deadline (its client was made at start-up, so no control call such as
-  creating its pool waits on the stopped actor) and the request completes.
+  within the deadline (the step's budget, ``timeout_s``, held by ``deadline_bound``;
+  its client was made at start-up, so no control call such as creating its pool waits
+  on the stopped actor) and the request completes.
 - Stopped with ``p``'s blocks stored: the lookup misses within the deadline and the
   request gives the cold run's greedy tokens.
 - Stopped right after a lookup that hit (the engine actor stops it from inside the
@@ -42,6 +43,7 @@ from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
 
 from tests.integration.conftest import set_store_delay
+from tests.integration.deadline_bound import within
 from tests.integration.process_stop import stop_process
 from tests.integration.test_vllm import BLOCK, prompt
 from tests.integration.vllm_deadline_engine import DeadlineEngine
@@ -65,6 +67,13 @@ def bounded(ref, what: str):
     except ray.exceptions.GetTimeoutError:
         pytest.fail(f"{what}: the engine still runs after {HANG_S:g} s (held by a call to "
                     "the stopped node actor)", pytrace=False)
+
+
+def waited_one_budget(seconds: float) -> bool:
+    """A scheduler step's lookups on the stopped actor: they waited for it (at least
+    most of one deadline) and no longer than the step's one budget, ``timeout_s``
+    (docs/engines.md, ``timeout_s``), within the documented bound's margin."""
+    return seconds >= TIMEOUT_S * 0.9 and within(seconds, TIMEOUT_S)
 
 
 def last_lookup(engine) -> dict:
@@ -129,8 +138,7 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, engine):
             os.kill(pid, signal.SIGCONT)
         assert first["cached"] == 0, first
         lookup = last_lookup(e)
-        assert lookup["tokens"] == 0 and TIMEOUT_S * 0.9 <= lookup["seconds"] < HANG_S, \
-            lookup
+        assert lookup["tokens"] == 0 and waited_one_budget(lookup["seconds"]), lookup
         until_probed(e)
 
         p = prompt(41)
@@ -146,8 +154,7 @@ def test_a_stopped_node_actor_never_stalls_vllm(cluster, engine):
         finally:
             os.kill(pid, signal.SIGCONT)
         lookup = last_lookup(e)
-        assert lookup["tokens"] == 0 and TIMEOUT_S * 0.9 <= lookup["seconds"] < HANG_S, \
-            lookup
+        assert lookup["tokens"] == 0 and waited_one_budget(lookup["seconds"]), lookup
         assert got["tokens"] == cold["tokens"], got
         until_loaded(e, p, cold["tokens"])
 

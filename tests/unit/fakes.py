@@ -328,6 +328,9 @@ class NoMetrics:
     def pool_size(self, name: str, nbytes: int, owner=None) -> None:
         pass
 
+    def watch_l2(self, counters) -> None:
+        pass
+
     def record_group_store_call(self, seconds: float) -> None:
         pass
 

@@ -354,3 +354,35 @@ def test_up_emulate_hosts_passes_each_option_or_refuses_it(monkeypatch, option):
     assert kwargs[name] == value and kwargs["hosts"] == 2
     CliRunner().invoke(main, ["up", "--emulate-hosts", "2"])
     assert started[1][name] != value   # CONTROL: the default differs, so it was passed
+
+
+def test_every_option_a_help_names_is_one_its_command_takes():
+    """Each ``--option`` a command's ``--help`` names (options, text, epilog) is one its
+    parser takes (or ``--help``), and each one it names in another command's line
+    (`raykv up --tenant-digest`) is one of that command: a help naming a flag the command
+    lacks sends its reader to a usage error (exit 2). CONTROL: a help checked against
+    another command's parser is caught."""
+    import re
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    def takes(command) -> set[str]:
+        return {"--help"} | {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+
+    def unknown(name: str, parser_of: str) -> set[str]:
+        text = CliRunner().invoke(main, [name, "--help"], terminal_width=200).output
+        text = " ".join(text.split())  # a quoted command line may wrap
+        missing = set()
+        for other, line in re.findall(r"`raykv ([a-z][a-z-]*)([^`]*)`", text):
+            if other in main.commands and other != name:
+                missing |= set(re.findall(OPTION, line)) - takes(main.commands[other])
+        text = re.sub(r"`raykv ([a-z][a-z-]*)[^`]*`",
+                      lambda m: "" if m.group(1) != name else m.group(0), text)
+        return missing | set(re.findall(OPTION, text)) - takes(main.commands[parser_of])
+
+    OPTION = r"(?<![\w-])--[a-z][a-z0-9-]*"
+    assert "bench-gpu" in main.commands and len(main.commands) > 5
+    for name in main.commands:
+        assert not unknown(name, name), name
+    assert {"--page-sizes", "--batch"} <= unknown("bench-gpu", "bench-group")  # CONTROL

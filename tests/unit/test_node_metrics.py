@@ -13,23 +13,34 @@ from raykv.controllers.result_codes import ALREADY_PRESENT
 
 
 class FakeMetric:
-    """Stands in for a ``ray.util.metrics`` object: records what it was given."""
+    """Stands in for a ``ray.util.metrics`` object: records what it was given, and, as
+    Ray's does, refuses tags that are not exactly its declared ``tag_keys`` (with its
+    default tags). Ray's real export: ``tests/integration/test_metrics_export.py``."""
 
-    def __init__(self, name: str, *args, **kwargs) -> None:
+    def __init__(self, name: str, description: str = "", boundaries=None,
+                 tag_keys: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.tag_keys = set(tag_keys)
+        self.defaults: dict = {}
         self.calls: list[tuple[str, float, dict]] = []
 
     def set_default_tags(self, tags: dict) -> None:
-        pass
+        assert set(tags) <= self.tag_keys, (self.name, tags)
+        self.defaults = dict(tags)
+
+    def _record(self, how: str, value: float, tags: dict | None) -> None:
+        given = dict(tags or {})
+        assert set(given | self.defaults) == self.tag_keys, (self.name, given)
+        self.calls.append((how, value, given))
 
     def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
-        self.calls.append(("inc", value, dict(tags or {})))
+        self._record("inc", value, tags)
 
     def observe(self, value: float, tags: dict | None = None) -> None:
-        self.calls.append(("observe", value, dict(tags or {})))
+        self._record("observe", value, tags)
 
     def set(self, value: float, tags: dict | None = None) -> None:
-        self.calls.append(("set", value, dict(tags or {})))
+        self._record("set", value, tags)
 
 
 NO_OWNER = {"tenant": "(none)", "deployment": "(none)"}  # a pool this actor has no owner of
@@ -40,7 +51,7 @@ def recorded(monkeypatch):
     made: dict[str, FakeMetric] = {}
 
     def make(name, *args, **kwargs):
-        made[name] = FakeMetric(name)
+        made[name] = FakeMetric(name, *args, **kwargs)
         return made[name]
 
     monkeypatch.setattr(node_metrics, "metrics",
@@ -163,3 +174,51 @@ def test_pool_bytes_past_the_bound_are_summed_under_other(recorded):
     assert [c[1] for c in other] == [10, 20]  # two pools past the bound: their sum
     assert made["raykv_pool_bytes"].calls[0] == ("set", 10, {"pool": "p0", "tenant": "t",
                                                            "deployment": "d"})
+
+
+def test_l2_counts_are_exported_as_they_grow_once_each(recorded):
+    """The L2 cache's counts (``L2Pools.counters``) read at each export: what grew since
+    the last one is exported (a new pool's whole counts, nothing for a pool gone, never
+    the write-behind's ``l3_put_pending``, which also falls)."""
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    owner = Owner("dep-a", "team-a")
+    node = {"filled": 2, "fill_failed": 0, "l3_put": 3, "l3_put_pending": 1}
+    pools = {"l2-a-1": (owner, {"hits": 4, "misses": 1, "written": 3})}
+    m.watch_l2(lambda: (node, pools))
+    m.export()
+    pages = made["raykv_l2_pages"].calls
+    assert sorted((c[2]["event"], c[1]) for c in pages) == [
+        ("hits", 4), ("misses", 1), ("written", 3)]
+    assert {(c[2]["tenant"], c[2]["deployment"]) for c in pages} == {("team-a", "dep-a")}
+    assert sorted((c[2]["event"], c[1]) for c in made["raykv_l2_objects"].calls) == [
+        ("filled", 2), ("l3_put", 3)]
+    node |= {"l3_put": 5, "l3_put_pending": 0}
+    pools = {"l2-a-1": (owner, {"hits": 6, "misses": 1, "written": 3}),
+             "l2-a-2": (owner, {"hits": 1})}  # a new pool of the same deployment
+    m.export()
+    assert [(c[2]["event"], c[1]) for c in made["raykv_l2_pages"].calls[3:]] == [("hits", 3)]
+    assert [(c[2]["event"], c[1]) for c in made["raykv_l2_objects"].calls[2:]] == [
+        ("l3_put", 2)]
+    pools = {}  # both gone: nothing more, and a later pool starts from its own counts
+    m.export()
+    pools = {"l2-a-3": (owner, {"hits": 1})}
+    m.export()
+    assert [(c[2]["event"], c[1]) for c in made["raykv_l2_pages"].calls[4:]] == [("hits", 1)]
+
+
+def test_every_export_sets_the_pool_gauges_again(recorded):
+    """Ray's export drops a gauge that was not set for two report intervals (found
+    through its real export: ``test_metrics_export``), so each export sets every live
+    pool's gauge again; a pool gone is set to 0 once, then no more."""
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    m.pool_size("p0", 64, Owner("d", "t"))
+    m.pool_size("p1", 32, None)
+    m.pool_size("p1", 0, None)
+    m.export()
+    m.export()
+    sets = [(c[2]["pool"], c[1]) for c in made["raykv_pool_bytes"].calls]
+    assert sets == [("p0", 64), ("p1", 32), ("p1", 0), ("p0", 64), ("p0", 64)]

@@ -262,6 +262,18 @@ def test_what_holds_a_secret_is_never_pickled(holder):
     assert pickle.loads(pickle.dumps(CLAIM)) == CLAIM  # control: a claim travels
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o602, 0o440], ids=oct)
+def test_a_secret_file_other_users_can_read_or_write_is_refused(tmp_path, mode):
+    """The docs' word: a secret file other users cannot read (its group's users
+    included), nor write (whoever writes it knows the secret). Nothing is read."""
+    from raykv.controllers.tenancy import tenant_secret
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET_A)
+    path.chmod(mode)
+    with pytest.raises(ValueError, match=f"{mode:o}.*other users can read or write.*0400"):
+        tenant_secret("team-a", {"RAYKV_TENANT_SECRET_FILE": str(path)})
+
+
 def test_a_secret_file_is_read_when_the_variable_is_unset(tmp_path):
     """What a Ray Serve replica is handed instead of the secret itself (Ray shows every
     job a runtime environment's variables, never a file's contents)."""
@@ -272,9 +284,9 @@ def test_a_secret_file_is_read_when_the_variable_is_unset(tmp_path):
     env = {"RAYKV_TENANT_SECRET_FILE": str(path)}
     assert tenant_secret("team-a", env) == SECRET_A  # its bytes, less the newline
     assert tenant_secret("team-a", env | ENV) == SECRET_A  # the variable first
-    path.chmod(0o644)
-    with pytest.raises(ValueError, match="every user can read"):
-        tenant_secret("team-a", env)
+    path.chmod(0o600)
+    assert tenant_secret("team-a", env) == SECRET_A  # CONTROL: its owner may write it
+    path.chmod(0o400)
     link = tmp_path / "link"
     link.symlink_to(path)
     for bad in (str(link), str(tmp_path), str(tmp_path / "none")):
