@@ -780,5 +780,123 @@ def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds
     _check([result], check)
 
 
+class Tokens(click.ParamType):
+    """A token count >= ``min`` with an optional K/M/G suffix (powers of 1000, as traces
+    and papers count tokens): ``256K``, ``3M``, ``50000000``."""
+
+    name = "tokens"
+
+    def __init__(self, min: int = 1) -> None:
+        self.min = min
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            n = value
+        else:
+            t = str(value).strip().upper()
+            scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+            try:
+                n = round(float(t[:-1] if scale > 1 else t) * scale)
+            except ValueError:
+                self.fail(f"{value!r} is not a token count like 256K or 3M", param, ctx)
+        if n < self.min:
+            self.fail(f"{value!r} is below {self.min} tokens", param, ctx)
+        return n
+
+
+SIM_RUNS = ("gpu_only", "local_host", "pooled", "raykv")
+
+
+@main.command(epilog=_epilog(zero="done: the comparison printed (and written with --out)",
+                             one=("also when the trace cannot be read or a line of it is "
+                                  "not a request (the line is named)",)))
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--nodes", default=16, show_default=True, type=POSITIVE, help="Nodes.")
+@click.option("--engines-per-node", default=8, show_default=True, type=POSITIVE,
+              help="Engines (replicas) per node.")
+@click.option("--gpu-tokens", default="256K", show_default=True, type=Tokens(512),
+              help="Each engine's GPU prefix cache, tokens of KV.")
+@click.option("--l2-tokens", default="1M", show_default=True, type=Tokens(512),
+              help="Each node's L2, tokens.")
+@click.option("--l3-tokens", default="2M", show_default=True, type=Tokens(512),
+              help="Each node's L3 segment, tokens (the other runs get L2 + L3 per node).")
+@click.option("--placement", default="own", show_default=True,
+              type=click.Choice(["own", "any"]), help="raykv's L3 placement.")
+@click.option("--runs", default=",".join(SIM_RUNS), show_default=True,
+              help="Comma-separated timed runs to make, of: " + ", ".join(SIM_RUNS) + ".")
+@click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
+              help="An engine's prefill rate [default: the cost model's, 10000].")
+@click.option("--link-gbit", default=None, type=SECONDS,
+              help="Each node's link, Gbit/s each way [default: the cost model's, 25].")
+@click.option("--limit", default=None, type=POSITIVE, help="Replay the first N requests.")
+@click.option("--copies", default=1, show_default=True, type=POSITIVE,
+              help="Replay the trace this many times over, one copy after the other "
+                   "(renamed blocks: the simulator's cost against the trace's length).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seeds every random choice (routing, placement).")
+@click.option("--out", "out_file", default=None, type=click.Path(dir_okay=False),
+              help="Write the whole comparison as JSON to this file.")
+def sim(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int, l2_tokens: int,
+        l3_tokens: int, placement: str, runs: str, prefill_tokens_per_s: float | None,
+        link_gbit: float | None, limit: int | None, copies: int, seed: int,
+        out_file: str | None) -> None:
+    """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
+    and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
+    a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
+    references: hit rates per tier, TTFT, network bytes, load per node."""
+    import dataclasses
+    import json
+
+    from raykv.clusters.sim.compare import Setup, compare
+    from raykv.clusters.sim.costs import Costs
+    from raykv.clusters.sim.trace import read_trace, shifted_copies
+
+    chosen = tuple(r.strip() for r in runs.split(",") if r.strip())
+    if not chosen or any(r not in SIM_RUNS for r in chosen):
+        raise click.BadParameter(f"{runs!r}: give some of {', '.join(SIM_RUNS)}",
+                                 param_hint="'--runs'")
+    changes = {k: v for k, v in (("prefill_tokens_per_s", prefill_tokens_per_s),
+                                 ("link_gbit", link_gbit)) if v is not None}
+    try:
+        requests = read_trace(trace, limit)
+        requests = shifted_copies(requests, copies) if copies > 1 else requests
+        setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens,
+                      placement, seed)
+        result = compare(requests, setup, dataclasses.replace(Costs(), **changes), chosen)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    for line in sim_table(result):
+        click.echo(line)
+    if out_file:
+        with open(out_file, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+
+
+def sim_table(result: dict) -> list[str]:
+    """The lines ``raykv sim`` prints of a comparison."""
+    lines = [f"{result['requests']} requests, {result['setup']['nodes']} nodes x "
+             f"{result['setup']['engines_per_node']} engines",
+             f"{'run':<11} {'hit(blk)':>8} {'hit(tok)':>8} {'gpu':>6} {'host':>6} "
+             f"{'l2':>6} {'l3 own':>6} {'l3 rem':>6} {'TTFT p50/p90/p99 s':>21} "
+             f"{'net GB':>8} {'req/node':>9} {'sim s':>6}"]
+    for name, r in result["runs"].items():
+        tiers = r["tiers_block"]
+        ttft = "/".join(f"{r['ttft_s'][q]:.2f}" for q in ("p50", "p90", "p99"))
+        per = r["requests_per_node"]
+        lines.append(f"{name:<11} {r['block_hit_rate']:>8.3f} {r['token_hit_rate']:>8.3f} "
+                     + " ".join(f"{tiers[t]:>6.3f}" for t in
+                                ("gpu", "host", "l2", "l3_own", "l3_remote"))
+                     + f" {ttft:>21} {r['network_bytes'] / 1e9:>8.0f} "
+                     f"{per['min']:>4}-{per['max']:<4} {r['simulator_s']:>6.1f}")
+    b = result["bounds"]
+    lines.append(f"references at {b['capacity_blocks']} blocks: " + ", ".join(
+        f"{n} {b[n]['block_hit_rate']:.3f}" for n in ("global_lru", "belady", "unbounded")))
+    if "ratios" in result:
+        lines.append("raykv over: " + ", ".join(
+            f"{k.removeprefix('raykv_over_')} {v:.2f}x" for k, v in result["ratios"].items()))
+    return lines
+
+
 if __name__ == "__main__":
     main()

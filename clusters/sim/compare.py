@@ -41,7 +41,7 @@ class Setup:
 
     nodes: int = 16
     engines_per_node: int = 8
-    gpu_tokens: int = 262_144
+    gpu_tokens: int = 256_000
     l2_tokens: int = 1_000_000
     l3_tokens: int = 2_000_000
     placement: str = "own"

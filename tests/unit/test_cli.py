@@ -20,6 +20,7 @@ from raykv.clusters.cli import (
     IntList,
     Size,
     SizeList,
+    Tokens,
 )
 from raykv.clusters.status_view import render_status
 from rich.console import Console
@@ -89,6 +90,9 @@ def test_bad_option_values_are_usage_errors(args, words):
     (["up", "--tenant-quota", "team-a=1G", "--tenant-quota", "team-a=2G"],
      ["--tenant-quota", "named twice"]),
     (["demo", "--turns", "0"], ["--turns"]),
+    (["sim", "t.jsonl", "--gpu-tokens", "100"], ["--gpu-tokens", "below 512"]),
+    (["sim", "t.jsonl", "--l2-tokens", "lots"], ["--l2-tokens", "256K or 3M"]),
+    (["sim", "t.jsonl", "--runs", "raykv,magic"], ["--runs", "gpu_only"]),
 ])
 def test_more_bad_option_values_in_process(args, words):
     from click.testing import CliRunner
@@ -148,9 +152,12 @@ def test_param_types():
     assert SizeList(BENCH_PAGE_QUANTUM, "x").convert("64K,1M", None, None) == (64 << 10,
                                                                                 1 << 20)
     assert IntList().convert("2, 4", None, None) == (2, 4)
+    assert Tokens().convert("3M", None, None) == 3_000_000
+    assert Tokens().convert("2.5K", None, None) == 2500
     for param_type, value in ((Size(), "-1K"), (SizeList(BENCH_PAGE_QUANTUM, "x"), "0"),
                               (SizeList(BENCH_PAGE_QUANTUM, "x"), "64K,,1M"),
-                              (IntList(min=1), "0"), (IntList(), "")):
+                              (IntList(min=1), "0"), (IntList(), ""),
+                              (Tokens(), "0"), (Tokens(), "3Q")):
         with pytest.raises(click.BadParameter):
             param_type.convert(value, None, None)
 
@@ -268,3 +275,30 @@ def test_emulated_hosts_refuse_without_root(monkeypatch):
     monkeypatch.setattr(hosts.os, "geteuid", lambda: 0)
     monkeypatch.setattr(hosts.shutil, "which", lambda tool: f"/sbin/{tool}")
     hosts.check_root()
+
+
+def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
+    """``raykv sim`` on the first requests of Mooncake's conversation trace: every timed
+    run and reference in the table and the JSON; a bad trace line is one error naming
+    the line, exit 1."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    trace = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+    out = tmp_path / "sim.json"
+    res = CliRunner().invoke(main, ["sim", str(trace), "--limit", "200", "--nodes", "2",
+                                    "--engines-per-node", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == ["gpu_only", "local_host", "pooled", "raykv"]
+    for name, run in result["runs"].items():
+        assert name in res.output
+        assert 0 <= run["block_hit_rate"] <= result["bounds"]["unbounded"]["block_hit_rate"]
+        assert len(run["ttft_s"]) == 3 and run["requests_per_node"]["max"] > 0
+    assert result["requests"] == 200 and "raykv_over_belady" in result["ratios"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(trace.read_text().splitlines()[0] + "\n{\"timestamp\": 1}\n")
+    res = CliRunner().invoke(main, ["sim", str(bad)])
+    assert res.exit_code == 1 and "bad.jsonl:2" in res.output and "Traceback" not in res.output
