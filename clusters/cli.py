@@ -804,9 +804,6 @@ class Tokens(click.ParamType):
         return n
 
 
-SIM_RUNS = ("gpu_only", "local_host", "pooled", "raykv")
-
-
 @main.command(epilog=_epilog(zero="done: the comparison printed (and written with --out)",
                              one=("also when the trace cannot be read or a line of it is "
                                   "not a request (the line is named)",)))
@@ -822,8 +819,9 @@ SIM_RUNS = ("gpu_only", "local_host", "pooled", "raykv")
               help="Each node's L3 segment, tokens (the other runs get L2 + L3 per node).")
 @click.option("--placement", default="own", show_default=True,
               type=click.Choice(["own", "any"]), help="raykv's L3 placement.")
-@click.option("--runs", default=",".join(SIM_RUNS), show_default=True,
-              help="Comma-separated timed runs to make, of: " + ", ".join(SIM_RUNS) + ".")
+@click.option("--runs", default="all", show_default=True,
+              help="Comma-separated timed runs to make, of: gpu_only, local_host, pooled, "
+                   "raykv, raykv_pow2 (raykv's tiers, power of two routing); all: each.")
 @click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
               help="An engine's prefill rate [default: the cost model's, 10000].")
 @click.option("--link-gbit", default=None, type=SECONDS,
@@ -847,13 +845,13 @@ def sim(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int, l2_token
     import dataclasses
     import json
 
-    from raykv.clusters.sim.compare import Setup, compare
+    from raykv.clusters.sim.compare import RUNS, Setup, compare
     from raykv.clusters.sim.costs import Costs
     from raykv.clusters.sim.trace import read_trace, shifted_copies
 
-    chosen = tuple(r.strip() for r in runs.split(",") if r.strip())
-    if not chosen or any(r not in SIM_RUNS for r in chosen):
-        raise click.BadParameter(f"{runs!r}: give some of {', '.join(SIM_RUNS)}",
+    chosen = RUNS if runs == "all" else tuple(r.strip() for r in runs.split(",") if r.strip())
+    if not chosen or any(r not in RUNS for r in chosen):
+        raise click.BadParameter(f"{runs!r}: give some of {', '.join(RUNS)}",
                                  param_hint="'--runs'")
     changes = {k: v for k, v in (("prefill_tokens_per_s", prefill_tokens_per_s),
                                  ("link_gbit", link_gbit)) if v is not None}

@@ -9,7 +9,8 @@ Timed runs (``cluster.ClusterSim``), each with the GPU prefix cache of every eng
   power of two;
 - ``pooled``: one store of the node's host memory per node as its segment, no L2, random
   placement, power of two (Mooncake's store alone);
-- ``raykv``: L2 and L3 per node as given, raykv's placement and routing.
+- ``raykv``: L2 and L3 per node as given, raykv's placement and routing;
+- ``raykv_pow2``: the same tiers with power of two routing (what routing adds).
 
 Untimed references (``bounds``) over the whole cluster's memory (GPU caches, L2 and L3
 together): one global LRU, Belady's eviction, unbounded.
@@ -28,7 +29,7 @@ from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
 
-RUNS = ("gpu_only", "local_host", "pooled", "raykv")
+RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
 BOUNDS = ("global_lru", "belady", "unbounded")
 
 
@@ -59,14 +60,16 @@ class Setup:
         base = Layout(self.nodes, self.engines_per_node, self.gpu_tokens // b,
                       seed=self.seed)
         host = (self.l2_tokens + self.l3_tokens) // b
+        raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b,
+                                    l3_blocks=self.l3_tokens // b, placement=self.placement,
+                                    routing="raykv")
         return {
             "gpu_only": base,
             "local_host": dataclasses.replace(
                 base, host_blocks=max(1, host // self.engines_per_node)),
             "pooled": dataclasses.replace(base, l3_blocks=host, placement="any"),
-            "raykv": dataclasses.replace(base, l2_blocks=self.l2_tokens // b,
-                                         l3_blocks=self.l3_tokens // b,
-                                         placement=self.placement, routing="raykv"),
+            "raykv": raykv,
+            "raykv_pow2": dataclasses.replace(raykv, routing="pow2"),
         }
 
     def total_blocks(self) -> int:

@@ -73,6 +73,8 @@ class Tally:
             "e2e_s": {f"p{q}": round(percentile(self.e2e, q / 100), 4) for q in (50, 90, 99)},
             "network_bytes": self.network_bytes,
             "requests_per_node": {"max": max(self.requests_per_node),
-                                  "min": min(self.requests_per_node)},
+                                  "min": min(self.requests_per_node),
+                                  "idle_nodes": self.requests_per_node.count(0),
+                                  "all": list(self.requests_per_node)},
             "computed_tokens_max_over_mean": round(max(per) / mean, 4) if mean else 0.0,
         }

@@ -292,7 +292,7 @@ def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
                                     "--engines-per-node", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
-    assert list(result["runs"]) == ["gpu_only", "local_host", "pooled", "raykv"]
+    assert list(result["runs"]) == ["gpu_only", "local_host", "pooled", "raykv", "raykv_pow2"]
     for name, run in result["runs"].items():
         assert name in res.output
         assert 0 <= run["block_hit_rate"] <= result["bounds"]["unbounded"]["block_hit_rate"]
