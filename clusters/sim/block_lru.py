@@ -16,9 +16,6 @@ class BlockLRU:
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._keys
-
     def leading(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` it holds (nothing refreshed)."""
         n = 0

@@ -3,6 +3,7 @@ TTFT and end-to-end percentiles, bytes over the network, load per node."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from raykv.clusters.sim.trace import Request
@@ -14,11 +15,12 @@ another node's segment; the rest is computed."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values``, nearest rank; 0.0 when empty."""
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank (the smallest value with
+    at least ``q`` of them at or below it); 0.0 when empty."""
     if not values:
         return 0.0
     s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 class Tally:

@@ -10,7 +10,7 @@ be partial). Every field is checked before a request is made: a bad line is a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +27,6 @@ class Request:
     input_tokens: int
     output_tokens: int
     blocks: tuple[int, ...]
-
-    def block_tokens(self, i: int) -> int:
-        """Tokens of block ``i`` (the last one may be partial)."""
-        return min(BLOCK_TOKENS, self.input_tokens - i * BLOCK_TOKENS) \
-            if i == len(self.blocks) - 1 else BLOCK_TOKENS
 
     def hit_tokens(self, blocks: int) -> int:
         """Prompt tokens covered by its first ``blocks`` blocks."""
@@ -95,8 +90,3 @@ def shifted_copies(requests: Sequence[Request], copies: int) -> list[Request]:
     return [Request(r.at + c * span, r.input_tokens, r.output_tokens,
                     tuple(h + c * top for h in r.blocks))
             for c in range(copies) for r in requests]
-
-
-def total_blocks(requests: Iterable[Request]) -> int:
-    """Blocks of every request together."""
-    return sum(len(r.blocks) for r in requests)

@@ -16,7 +16,8 @@ from raykv.clusters.sim.cluster import ClusterSim
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.layout import Layout
-from raykv.clusters.sim.trace import BLOCK_TOKENS, Request, read_trace
+from raykv.clusters.sim.tally import percentile
+from raykv.clusters.sim.trace import BLOCK_TOKENS, Request, read_trace, shifted_copies
 
 TRACES = Path(__file__).parent.parent / "data" / "traces"
 # tests/data/traces/README.md: capacity in tokens (None: unbounded) -> percent
@@ -172,3 +173,25 @@ def test_the_simulator_imports_no_ray_mooncake_or_torch():
             "bad = [m for m in ('ray', 'mooncake', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_shifted_copies_repeat_the_trace_after_itself_sharing_nothing():
+    reqs = trace("synthetic")[:300]
+    four = shifted_copies(reqs, 4)
+    span = reqs[-1].at - reqs[0].at + 1.0
+    assert len(four) == 1200 and four[300].at == reqs[0].at + span
+    assert [r.at for r in four] == sorted(r.at for r in four)
+    assert unbounded(four).hit_blocks == 4 * unbounded(reqs).hit_blocks
+    # CONTROL: copies that kept their block names would hit across copies
+    same = [Request(r.at + c * span, r.input_tokens, r.output_tokens, r.blocks)
+            for c in range(4) for r in reqs]
+    assert unbounded(same).hit_blocks > 4 * unbounded(reqs).hit_blocks
+    with pytest.raises(ValueError, match="copies"):
+        shifted_copies(reqs, 0)
+
+
+def test_percentile_is_the_nearest_rank():
+    values = list(range(1, 101))
+    assert [percentile(values, q) for q in (0.5, 0.9, 0.99, 1.0)] == [50, 90, 99, 100]
+    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and percentile([], 0.5) == 0.0
+    assert percentile(list(range(1, 5)), 0.75) == 3  # ceil(3.0): the third, not the fourth
