@@ -804,63 +804,103 @@ class Tokens(click.ParamType):
         return n
 
 
-@main.command(epilog=_epilog(zero="done: the comparison printed (and written with --out)",
-                             one=("also when the trace cannot be read or a line of it is "
-                                  "not a request (the line is named)",)))
-@click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("--nodes", default=16, show_default=True, type=POSITIVE, help="Nodes.")
-@click.option("--engines-per-node", default=8, show_default=True, type=POSITIVE,
-              help="Engines (replicas) per node.")
-@click.option("--gpu-tokens", default="256K", show_default=True, type=Tokens(512),
-              help="Each engine's GPU prefix cache, tokens of KV.")
-@click.option("--l2-tokens", default="1M", show_default=True, type=Tokens(512),
-              help="Each node's L2, tokens.")
-@click.option("--l3-tokens", default="2M", show_default=True, type=Tokens(512),
-              help="Each node's L3 segment, tokens (the other runs get L2 + L3 per node).")
-@click.option("--placement", default="own", show_default=True,
-              type=click.Choice(["own", "any"]), help="raykv's L3 placement.")
+class TokensList(click.ParamType):
+    """Comma-separated token counts (as ``Tokens``); converts to a tuple."""
+
+    name = "tokens"
+
+    def __init__(self, min: int = 1) -> None:
+        self.min = min
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        if isinstance(value, tuple | list):
+            return tuple(value)
+        return tuple(Tokens(self.min).convert(part, param, ctx) for part in value.split(","))
+
+
+def _sim_options(command):
+    """The options ``sim`` and ``sim-sweep`` share: the cluster, the costs, the trace."""
+    options = [
+        click.option("--nodes", default=16, show_default=True, type=POSITIVE,
+                     help="Nodes."),
+        click.option("--engines-per-node", default=8, show_default=True, type=POSITIVE,
+                     help="Engines (replicas) per node."),
+        click.option("--gpu-tokens", default="256K", show_default=True, type=Tokens(512),
+                     help="Each engine's GPU prefix cache, tokens of KV."),
+        click.option("--l2-tokens", default="1M", show_default=True, type=Tokens(512),
+                     help="Each node's L2, tokens."),
+        click.option("--l3-tokens", default="2M", show_default=True, type=Tokens(512),
+                     help="Each node's L3 segment, tokens (the other runs get L2 + L3 per "
+                          "node)."),
+        click.option("--placement", default="own", show_default=True,
+                     type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
+        click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
+                     help="An engine's prefill rate [default: the cost model's, 10000]."),
+        click.option("--link-gbit", default=None, type=SECONDS,
+                     help="Each node's link, Gbit/s each way [default: the cost model's, "
+                          "25]."),
+        click.option("--limit", default=None, type=POSITIVE,
+                     help="Replay the first N requests."),
+        click.option("--copies", default=1, show_default=True, type=POSITIVE,
+                     help="Replay the trace this many times over, one copy after the other "
+                          "(renamed blocks: the simulator's cost against the trace's "
+                          "length)."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Seeds every random choice (routing, placement)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return click.argument("trace", type=click.Path(dir_okay=False))(command)
+
+
+def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
+                l2_tokens: int, l3_tokens: int, placement: str,
+                prefill_tokens_per_s: float | None, link_gbit: float | None,
+                limit: int | None, copies: int, seed: int) -> tuple:
+    """``(requests, setup, costs)`` of the shared options; ``ValueError`` or
+    ``OSError`` for a trace that cannot be read or a bad line."""
+    import dataclasses
+
+    from raykv.clusters.sim.compare import Setup
+    from raykv.clusters.sim.costs import Costs
+    from raykv.clusters.sim.trace import read_trace, shifted_copies
+
+    changes = {k: v for k, v in (("prefill_tokens_per_s", prefill_tokens_per_s),
+                                 ("link_gbit", link_gbit)) if v is not None}
+    requests = read_trace(trace, limit)
+    requests = shifted_copies(requests, copies) if copies > 1 else requests
+    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed)
+    return requests, setup, dataclasses.replace(Costs(), **changes)
+
+
+SIM_EPILOG = _epilog(zero="done: the comparison printed (and written with --out)",
+                     one=("also when the trace cannot be read or a line of it is not a "
+                          "request (the line is named)",))
+
+
+@main.command(epilog=SIM_EPILOG)
+@_sim_options
 @click.option("--runs", default="all", show_default=True,
               help="Comma-separated timed runs to make, of: gpu_only, local_host, pooled, "
                    "raykv, raykv_pow2 (raykv's tiers, power of two routing); all: each.")
-@click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
-              help="An engine's prefill rate [default: the cost model's, 10000].")
-@click.option("--link-gbit", default=None, type=SECONDS,
-              help="Each node's link, Gbit/s each way [default: the cost model's, 25].")
-@click.option("--limit", default=None, type=POSITIVE, help="Replay the first N requests.")
-@click.option("--copies", default=1, show_default=True, type=POSITIVE,
-              help="Replay the trace this many times over, one copy after the other "
-                   "(renamed blocks: the simulator's cost against the trace's length).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Seeds every random choice (routing, placement).")
 @click.option("--out", "out_file", default=None, type=click.Path(dir_okay=False),
               help="Write the whole comparison as JSON to this file.")
-def sim(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int, l2_tokens: int,
-        l3_tokens: int, placement: str, runs: str, prefill_tokens_per_s: float | None,
-        link_gbit: float | None, limit: int | None, copies: int, seed: int,
-        out_file: str | None) -> None:
+def sim(runs: str, out_file: str | None, **options) -> None:
     """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
     and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
     a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
     references: hit rates per tier, TTFT, network bytes, load per node."""
-    import dataclasses
     import json
 
-    from raykv.clusters.sim.compare import RUNS, Setup, compare
-    from raykv.clusters.sim.costs import Costs
-    from raykv.clusters.sim.trace import read_trace, shifted_copies
+    from raykv.clusters.sim.compare import RUNS, compare
 
     chosen = RUNS if runs == "all" else tuple(r.strip() for r in runs.split(",") if r.strip())
     if not chosen or any(r not in RUNS for r in chosen):
         raise click.BadParameter(f"{runs!r}: give some of {', '.join(RUNS)}",
                                  param_hint="'--runs'")
-    changes = {k: v for k, v in (("prefill_tokens_per_s", prefill_tokens_per_s),
-                                 ("link_gbit", link_gbit)) if v is not None}
     try:
-        requests = read_trace(trace, limit)
-        requests = shifted_copies(requests, copies) if copies > 1 else requests
-        setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens,
-                      placement, seed)
-        result = compare(requests, setup, dataclasses.replace(Costs(), **changes), chosen)
+        requests, setup, costs = _sim_inputs(**options)
+        result = compare(requests, setup, costs, chosen)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     for line in sim_table(result):
@@ -869,6 +909,46 @@ def sim(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int, l2_token
         with open(out_file, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
+
+
+@main.command("sim-sweep", epilog=_epilog(
+    zero="done: raykv-out/sim_sweep.json and sim_sweep.png (in --out)",
+    one=("also when the trace cannot be read or a line of it is not a request",)))
+@_sim_options
+@click.option("--host-tokens", default="250K,500K,1M,3M,10M", show_default=True,
+              type=TokensList(2 * 512),
+              help="Host memory per node to sweep (a third L2, the rest L3), at --nodes.")
+@click.option("--node-counts", default="4,8,16,32", show_default=True, type=IntList(min=1),
+              help="Node counts to sweep, at --l2-tokens + --l3-tokens per node.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for sim_sweep.json and sim_sweep.png.")
+def sim_sweep(host_tokens: tuple[int, ...], node_counts: tuple[int, ...], out_dir: str,
+              **options) -> None:
+    """`raykv sim`'s comparison (host tier per engine, pooled store, raykv, and the
+    references) at several host capacities per node and several node counts: hit rate
+    and TTFT against each, as JSON and a figure (the bench extra's matplotlib)."""
+    import json
+    from pathlib import Path
+
+    _require_figures("bench")
+    from raykv.clusters.sim.sweep import sweep
+    from raykv.clusters.sim.sweep_figure import draw
+
+    try:
+        requests, setup, costs = _sim_inputs(**options)
+        result = sweep(requests, setup, costs, host_tokens, node_counts)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
+    draw(result, out / "sim_sweep.png")
+    for key, x in (("capacity", "host_tokens"), ("nodes", "nodes")):
+        for p in result[key]:
+            click.echo(f"{x}={p[x]}: " + ", ".join(
+                f"{n} {r['block_hit_rate']:.3f} ({r['ttft_p50_s']:.2f} s)"
+                for n, r in p["runs"].items()) + f", belady {p['bounds']['belady']:.3f}")
+    click.echo(f"wrote {out / 'sim_sweep.json'} and {out / 'sim_sweep.png'}")
 
 
 def sim_table(result: dict) -> list[str]:

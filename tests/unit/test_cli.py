@@ -302,3 +302,29 @@ def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
     bad.write_text(trace.read_text().splitlines()[0] + "\n{\"timestamp\": 1}\n")
     res = CliRunner().invoke(main, ["sim", str(bad)])
     assert res.exit_code == 1 and "bad.jsonl:2" in res.output and "Traceback" not in res.output
+
+
+def test_sim_sweep_writes_points_and_a_figure(tmp_path):
+    """``raykv sim-sweep`` over two host capacities and two node counts on the first
+    requests of the conversation trace: a point per value, each run and reference in
+    it, the figure written; the pooled store hits more at the larger capacity."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    trace = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+    res = CliRunner().invoke(main, ["sim-sweep", str(trace), "--limit", "150",
+                                    "--nodes", "2", "--engines-per-node", "2",
+                                    "--gpu-tokens", "1K", "--host-tokens", "3K,300K",
+                                    "--node-counts", "1,2", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "sim_sweep.json").read_text())
+    assert [p["host_tokens"] for p in result["capacity"]] == [3000, 300000]
+    assert [p["nodes"] for p in result["nodes"]] == [1, 2]
+    for p in result["capacity"] + result["nodes"]:
+        assert set(p["runs"]) == {"local_host", "pooled", "raykv"}
+        assert set(p["bounds"]) == {"global_lru", "belady", "unbounded"}
+    small, big = result["capacity"]
+    assert small["runs"]["pooled"]["block_hit_rate"] < big["runs"]["pooled"]["block_hit_rate"]
+    assert (tmp_path / "sim_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
