@@ -947,7 +947,8 @@ def sim_sweep(host_tokens: tuple[int, ...], node_counts: tuple[int, ...], out_di
         for p in result[key]:
             click.echo(f"{x}={p[x]}: " + ", ".join(
                 f"{n} {r['block_hit_rate']:.3f} ({r['ttft_p50_s']:.2f} s)"
-                for n, r in p["runs"].items()) + f", belady {p['bounds']['belady']:.3f}")
+                for n, r in p["runs"].items()) + f", belady {p['bounds']['belady']:.3f} (host only "
+                f"{p['bounds']['belady_host']:.3f})")
     click.echo(f"wrote {out / 'sim_sweep.json'} and {out / 'sim_sweep.png'}")
 
 
@@ -968,8 +969,10 @@ def sim_table(result: dict) -> list[str]:
                      + f" {ttft:>21} {r['network_bytes'] / 1e9:>8.0f} "
                      f"{per['min']:>4}-{per['max']:<4} {r['simulator_s']:>6.1f}")
     b = result["bounds"]
-    lines.append(f"references at {b['capacity_blocks']} blocks: " + ", ".join(
+    lines.append(f"references at {b['capacity_blocks']} blocks (GPU + host): " + ", ".join(
         f"{n} {b[n]['block_hit_rate']:.3f}" for n in ("global_lru", "belady", "unbounded")))
+    lines.append(f"references at {b['host_blocks']} blocks (host only): " + ", ".join(
+        f"{n} {b[n + '_host']['block_hit_rate']:.3f}" for n in ("global_lru", "belady")))
     if "ratios" in result:
         lines.append("raykv over: " + ", ".join(
             f"{k.removeprefix('raykv_over_')} {v:.2f}x" for k, v in result["ratios"].items()))

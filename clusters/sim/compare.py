@@ -12,8 +12,10 @@ Timed runs (``cluster.ClusterSim``), each with the GPU prefix cache of every eng
 - ``raykv``: L2 and L3 per node as given, raykv's placement and routing;
 - ``raykv_pow2``: the same tiers with power of two routing (what routing adds).
 
-Untimed references (``bounds``) over the whole cluster's memory (GPU caches, L2 and L3
-together): one global LRU, Belady's eviction, unbounded.
+Untimed references (``bounds``): one global LRU and Belady's eviction over the whole
+cluster's cache memory (GPU caches, L2 and L3 together: a bound on every run), the same
+two over its host memory alone (L2 and L3: ``global_lru_host``, ``belady_host``, what
+host-tier eviction could reach without the GPU caches), and unbounded.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
 
 RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
-BOUNDS = ("global_lru", "belady", "unbounded")
+BOUNDS = ("global_lru", "belady", "global_lru_host", "belady_host", "unbounded")
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,14 @@ class Setup:
             "raykv_pow2": dataclasses.replace(raykv, routing="pow2"),
         }
 
+    def host_blocks(self) -> int:
+        """Blocks of the cluster's host memory for caching: every node's L2 and L3."""
+        return self.nodes * (self.l2_tokens // BLOCK_TOKENS + self.l3_tokens // BLOCK_TOKENS)
+
     def total_blocks(self) -> int:
         """Blocks of the whole cluster's cache memory: every GPU cache, L2 and L3."""
-        b = BLOCK_TOKENS
-        return self.nodes * (self.engines_per_node * (self.gpu_tokens // b)
-                             + self.l2_tokens // b + self.l3_tokens // b)
+        return self.host_blocks() + \
+            self.nodes * self.engines_per_node * (self.gpu_tokens // BLOCK_TOKENS)
 
 
 def compare(requests: Sequence[Request], setup: Setup, costs: Costs,
@@ -97,10 +102,12 @@ def compare(requests: Sequence[Request], setup: Setup, costs: Costs,
         figures["counters"] = sim.stats()
         figures["simulator_s"] = round(time.perf_counter() - t, 3)
         out["runs"][name] = figures
-    cap = setup.total_blocks()
-    out["bounds"] = {"capacity_blocks": cap,
+    cap, host = setup.total_blocks(), setup.host_blocks()
+    out["bounds"] = {"capacity_blocks": cap, "host_blocks": host,
                      "global_lru": bounds.global_lru(requests, cap).as_dict(),
                      "belady": bounds.belady(requests, cap).as_dict(),
+                     "global_lru_host": bounds.global_lru(requests, host).as_dict(),
+                     "belady_host": bounds.belady(requests, host).as_dict(),
                      "unbounded": bounds.unbounded(requests).as_dict()}
     if "raykv" in out["runs"]:
         out["ratios"] = ratios(out)

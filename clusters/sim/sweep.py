@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from raykv.clusters.sim.compare import Setup, compare
+from raykv.clusters.sim.compare import BOUNDS, Setup, compare
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
 
@@ -32,8 +32,7 @@ def point(result: dict) -> dict:
                          r["ttft_s"]["p50"], "ttft_p99_s": r["ttft_s"]["p99"],
                          "network_bytes": r["network_bytes"]}
                      for n, r in result["runs"].items()},
-            "bounds": {n: result["bounds"][n]["block_hit_rate"]
-                       for n in ("global_lru", "belady", "unbounded")}}
+            "bounds": {n: result["bounds"][n]["block_hit_rate"] for n in BOUNDS}}
 
 
 def sweep(requests: Sequence[Request], base: Setup, costs: Costs,

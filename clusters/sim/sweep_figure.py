@@ -26,14 +26,16 @@ def draw(result: dict, path: str | Path) -> None:
                      marker="o", label=run)
             ttft.plot(xs, [p["runs"][run]["ttft_p50_s"] for p in points], marker="o",
                       label=run)
-        for ref, style in (("belady", ":"), ("unbounded", "--")):
+        for ref, style in (("belady_host", "-."), ("belady", ":"), ("unbounded", "--")):
             hit.plot(xs, [100 * p["bounds"][ref] for p in points], linestyle=style,
                      color="grey", label=ref)
         hit.set(xlabel=label, ylabel="prefix hit rate (% of blocks)", ylim=(0, None))
         ttft.set(xlabel=label, ylabel="TTFT p50 (s, cost model)", ylim=(0, None))
-        if key == "capacity":
-            hit.set_xscale("log")
-            ttft.set_xscale("log")
+        for ax in (hit, ttft):
+            if key == "capacity":
+                ax.set_xscale("log")
+                ax.minorticks_off()
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
         hit.legend(fontsize=8)
         ttft.legend(fontsize=8)
     s = result["setup"]

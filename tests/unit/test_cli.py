@@ -297,7 +297,9 @@ def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
         assert name in res.output
         assert 0 <= run["block_hit_rate"] <= result["bounds"]["unbounded"]["block_hit_rate"]
         assert len(run["ttft_s"]) == 3 and run["requests_per_node"]["max"] > 0
-    assert result["requests"] == 200 and "raykv_over_belady" in result["ratios"]
+    assert result["requests"] == 200 and "raykv_over_belady_host" in result["ratios"]
+    b = result["bounds"]
+    assert b["global_lru_host"]["block_hit_rate"] <= b["global_lru"]["block_hit_rate"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(trace.read_text().splitlines()[0] + "\n{\"timestamp\": 1}\n")
     res = CliRunner().invoke(main, ["sim", str(bad)])
@@ -324,7 +326,8 @@ def test_sim_sweep_writes_points_and_a_figure(tmp_path):
     assert [p["nodes"] for p in result["nodes"]] == [1, 2]
     for p in result["capacity"] + result["nodes"]:
         assert set(p["runs"]) == {"local_host", "pooled", "raykv"}
-        assert set(p["bounds"]) == {"global_lru", "belady", "unbounded"}
+        assert set(p["bounds"]) == {"global_lru", "belady", "global_lru_host",
+                                    "belady_host", "unbounded"}
     small, big = result["capacity"]
     assert small["runs"]["pooled"]["block_hit_rate"] < big["runs"]["pooled"]["block_hit_rate"]
     assert (tmp_path / "sim_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
