@@ -952,6 +952,78 @@ def sim_sweep(host_tokens: tuple[int, ...], node_counts: tuple[int, ...], out_di
     click.echo(f"wrote {out / 'sim_sweep.json'} and {out / 'sim_sweep.png'}")
 
 
+TRACE_EPILOG = _epilog(zero="the trace written to --out")
+
+
+@main.group("sim-trace", epilog=TRACE_EPILOG)
+def sim_trace() -> None:
+    """Write a seeded synthetic trace in Mooncake's JSONL format, for `raykv sim`."""
+
+
+def _write_trace(requests: list, out_file: str) -> None:
+    from raykv.clusters.sim.workloads import to_jsonl
+
+    try:
+        with open(out_file, "w", encoding="utf-8") as f:
+            f.write(to_jsonl(requests))
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {len(requests)} requests to {out_file}")
+
+
+OUT_TRACE = click.option("--out", "out_file", required=True,
+                         type=click.Path(dir_okay=False), help="The JSONL file to write.")
+RATE = click.option("--rate", default=1.0, show_default=True, type=SECONDS,
+                    help="Requests per second (Poisson arrivals).")
+SEED = click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                    help="Seeds the arrivals and the order.")
+
+
+@sim_trace.command("multi-round-qa", epilog=TRACE_EPILOG)
+@click.option("--users", default=40, show_default=True, type=POSITIVE, help="Users.")
+@click.option("--rounds", default=10, show_default=True, type=POSITIVE,
+              help="Rounds (questions) per user.")
+@click.option("--system-tokens", default=1000, show_default=True, type=POSITIVE,
+              help="The system prompt every user shares.")
+@click.option("--context-tokens", default=20000, show_default=True, type=POSITIVE,
+              help="Each user's own context before the first question.")
+@click.option("--question-tokens", default=100, show_default=True, type=POSITIVE,
+              help="Each question.")
+@click.option("--answer-tokens", default=200, show_default=True, type=POSITIVE,
+              help="Each answer (the request's output, appended to the next round).")
+@RATE
+@SEED
+@OUT_TRACE
+def multi_round_qa(out_file: str, **options) -> None:
+    """Users who each hold a conversation (LMCache's multi-round QA): every round a
+    user's prompt is the previous one with its answer and a new question."""
+    from raykv.clusters.sim.workloads import multi_round_qa as make
+
+    _write_trace(make(**options), out_file)
+
+
+@sim_trace.command("shared-prefix", epilog=TRACE_EPILOG)
+@click.option("--groups", default=16, show_default=True, type=POSITIVE,
+              help="Groups, each with a prefix of its own.")
+@click.option("--prompts-per-group", default=64, show_default=True, type=POSITIVE,
+              help="Prompts per group.")
+@click.option("--prefix-tokens", default=2048, show_default=True, type=POSITIVE,
+              help="The prefix a group's prompts share.")
+@click.option("--question-tokens", default=256, show_default=True, type=POSITIVE,
+              help="Each prompt's own question after the prefix.")
+@click.option("--output-tokens", default=256, show_default=True, type=POSITIVE,
+              help="Each request's output.")
+@RATE
+@SEED
+@OUT_TRACE
+def shared_prefix(out_file: str, **options) -> None:
+    """Groups of prompts sharing a prefix (llm-d's shared-prefix workload), the groups'
+    prompts interleaved at random."""
+    from raykv.clusters.sim.workloads import shared_prefix as make
+
+    _write_trace(make(**options), out_file)
+
+
 def sim_table(result: dict) -> list[str]:
     """The lines ``raykv sim`` prints of a comparison."""
     lines = [f"{result['requests']} requests, {result['setup']['nodes']} nodes x "

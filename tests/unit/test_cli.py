@@ -331,3 +331,17 @@ def test_sim_sweep_writes_points_and_a_figure(tmp_path):
     small, big = result["capacity"]
     assert small["runs"]["pooled"]["block_hit_rate"] < big["runs"]["pooled"]["block_hit_rate"]
     assert (tmp_path / "sim_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_trace_writes_workloads_sim_replays(tmp_path):
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    for kind, args, n in (("shared-prefix", ["--groups", "3", "--prompts-per-group", "4"], 12),
+                          ("multi-round-qa", ["--users", "3", "--rounds", "2"], 6)):
+        path = tmp_path / f"{kind}.jsonl"
+        res = CliRunner().invoke(main, ["sim-trace", kind, *args, "--out", str(path)])
+        assert res.exit_code == 0, res.output
+        res = CliRunner().invoke(main, ["sim", str(path), "--nodes", "2",
+                                        "--engines-per-node", "1", "--runs", "pooled"])
+        assert res.exit_code == 0 and f"{n} requests," in res.output, res.output

@@ -18,6 +18,7 @@ from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.tally import percentile
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request, read_trace, shifted_copies
+from raykv.clusters.sim.workloads import multi_round_qa, shared_prefix, to_jsonl
 
 TRACES = Path(__file__).parent.parent / "data" / "traces"
 # tests/data/traces/README.md: capacity in tokens (None: unbounded) -> percent
@@ -195,3 +196,45 @@ def test_percentile_is_the_nearest_rank():
     assert [percentile(values, q) for q in (0.5, 0.9, 0.99, 1.0)] == [50, 90, 99, 100]
     assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and percentile([], 0.5) == 0.0
     assert percentile(list(range(1, 5)), 0.75) == 3  # ceil(3.0): the third, not the fourth
+
+
+def common(a: Request, b: Request) -> int:
+    n = 0
+    while n < min(len(a.blocks), len(b.blocks)) and a.blocks[n] == b.blocks[n]:
+        n += 1
+    return n
+
+
+def test_shared_prefix_workload_shares_each_groups_prefix_and_nothing_else():
+    reqs = shared_prefix(4, 5, prefix_tokens=4 * BLOCK_TOKENS, question_tokens=BLOCK_TOKENS)
+    assert len(reqs) == 20 and all(len(r.blocks) == 5 for r in reqs)
+    # each group's first prompt computes its 4 prefix blocks, every later one finds them
+    assert unbounded(reqs).hit_blocks == 4 * 4 * 4
+    assert shared_prefix(4, 5, seed=1) != shared_prefix(4, 5, seed=2)
+    assert shared_prefix(4, 5, seed=1) == shared_prefix(4, 5, seed=1)
+    # a prefix that ends inside a block: that block holds a question too, so is not shared
+    odd = shared_prefix(2, 3, prefix_tokens=BLOCK_TOKENS + 10, question_tokens=100)
+    assert unbounded(odd).hit_blocks == 2 * 2 * 1
+
+
+def test_multi_round_qa_rounds_extend_the_users_previous_prompt():
+    reqs = multi_round_qa(1, 4, system_tokens=700, context_tokens=900, question_tokens=300,
+                          answer_tokens=200)
+    for before, after in zip(reqs, reqs[1:], strict=False):
+        assert after.input_tokens == before.input_tokens + 200 + 300
+        # every whole block of the previous prompt, and not its partial last one
+        assert common(before, after) == before.input_tokens // BLOCK_TOKENS
+    two = multi_round_qa(2, 1, system_tokens=700, context_tokens=900)
+    assert common(*two) == 700 // BLOCK_TOKENS  # the shared system prompt's whole blocks
+    with pytest.raises(ValueError, match="users"):
+        multi_round_qa(0, 1)
+
+
+def test_a_written_workload_reads_back_as_a_trace(tmp_path):
+    reqs = multi_round_qa(3, 2, rate=5.0, seed=3)
+    path = tmp_path / "w.jsonl"
+    path.write_text(to_jsonl(reqs))
+    back = read_trace(path)
+    assert [(r.input_tokens, r.output_tokens, r.blocks) for r in back] == \
+        [(r.input_tokens, r.output_tokens, r.blocks) for r in reqs]
+    assert [r.at for r in back] == [round(r.at * 1000) / 1000 for r in reqs]
