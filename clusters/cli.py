@@ -798,5 +798,276 @@ def bench_group(tp_sizes: tuple[int, ...], pages: int, concurrency: int, seconds
     _check([result], check)
 
 
+class Tokens(click.ParamType):
+    """A token count >= ``min`` with an optional K/M/G suffix (powers of 1000, as traces
+    and papers count tokens): ``256K``, ``3M``, ``50000000``."""
+
+    name = "tokens"
+
+    def __init__(self, min: int = 1) -> None:
+        self.min = min
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            n = value
+        else:
+            t = str(value).strip().upper()
+            scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+            try:
+                n = round(float(t[:-1] if scale > 1 else t) * scale)
+            except ValueError:
+                self.fail(f"{value!r} is not a token count like 256K or 3M", param, ctx)
+        if n < self.min:
+            self.fail(f"{value!r} is below {self.min} tokens", param, ctx)
+        return n
+
+
+class TokensList(click.ParamType):
+    """Comma-separated token counts (as ``Tokens``); converts to a tuple."""
+
+    name = "tokens"
+
+    def __init__(self, min: int = 1) -> None:
+        self.min = min
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        if isinstance(value, tuple | list):
+            return tuple(value)
+        return tuple(Tokens(self.min).convert(part, param, ctx) for part in value.split(","))
+
+
+def _sim_options(command):
+    """The options ``sim`` and ``sim-sweep`` share: the cluster, the costs, the trace."""
+    options = [
+        click.option("--nodes", default=16, show_default=True, type=POSITIVE,
+                     help="Nodes."),
+        click.option("--engines-per-node", default=8, show_default=True, type=POSITIVE,
+                     help="Engines (replicas) per node."),
+        click.option("--gpu-tokens", default="256K", show_default=True, type=Tokens(512),
+                     help="Each engine's GPU prefix cache, tokens of KV."),
+        click.option("--l2-tokens", default="1M", show_default=True, type=Tokens(512),
+                     help="Each node's L2, tokens."),
+        click.option("--l3-tokens", default="2M", show_default=True, type=Tokens(512),
+                     help="Each node's L3 segment, tokens (the other runs get L2 + L3 per "
+                          "node)."),
+        click.option("--placement", default="own", show_default=True,
+                     type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
+        click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
+                     help="An engine's prefill rate [default: the cost model's, 10000]."),
+        click.option("--link-gbit", default=None, type=SECONDS,
+                     help="Each node's link, Gbit/s each way [default: the cost model's, "
+                          "25]."),
+        click.option("--limit", default=None, type=POSITIVE,
+                     help="Replay the first N requests."),
+        click.option("--copies", default=1, show_default=True, type=POSITIVE,
+                     help="Replay the trace this many times over, one copy after the other "
+                          "(renamed blocks: the simulator's cost against the trace's "
+                          "length)."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Seeds every random choice (routing, placement)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return click.argument("trace", type=click.Path(dir_okay=False))(command)
+
+
+def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
+                l2_tokens: int, l3_tokens: int, placement: str,
+                prefill_tokens_per_s: float | None, link_gbit: float | None,
+                limit: int | None, copies: int, seed: int) -> tuple:
+    """``(requests, setup, costs)`` of the shared options; ``ValueError`` or
+    ``OSError`` for a trace that cannot be read or a bad line."""
+    import dataclasses
+
+    from raykv.clusters.sim.compare import Setup
+    from raykv.clusters.sim.costs import Costs
+    from raykv.clusters.sim.trace import read_trace, shifted_copies
+
+    changes = {k: v for k, v in (("prefill_tokens_per_s", prefill_tokens_per_s),
+                                 ("link_gbit", link_gbit)) if v is not None}
+    requests = read_trace(trace, limit)
+    requests = shifted_copies(requests, copies) if copies > 1 else requests
+    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed)
+    return requests, setup, dataclasses.replace(Costs(), **changes)
+
+
+SIM_EPILOG = _epilog(zero="done: the comparison printed (and written with --out)",
+                     one=("also when the trace cannot be read or a line of it is not a "
+                          "request (the line is named)",))
+
+
+@main.command(epilog=SIM_EPILOG)
+@_sim_options
+@click.option("--runs", default="all", show_default=True,
+              help="Comma-separated timed runs to make, of: gpu_only, local_host, pooled, "
+                   "raykv, raykv_pow2 (raykv's tiers, power of two routing); all: each.")
+@click.option("--out", "out_file", default=None, type=click.Path(dir_okay=False),
+              help="Write the whole comparison as JSON to this file.")
+def sim(runs: str, out_file: str | None, **options) -> None:
+    """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
+    and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
+    a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
+    references: hit rates per tier, TTFT, network bytes, load per node."""
+    import json
+
+    from raykv.clusters.sim.compare import RUNS, compare
+
+    chosen = RUNS if runs == "all" else tuple(r.strip() for r in runs.split(",") if r.strip())
+    if not chosen or any(r not in RUNS for r in chosen):
+        raise click.BadParameter(f"{runs!r}: give some of {', '.join(RUNS)}",
+                                 param_hint="'--runs'")
+    try:
+        requests, setup, costs = _sim_inputs(**options)
+        result = compare(requests, setup, costs, chosen)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    for line in sim_table(result):
+        click.echo(line)
+    if out_file:
+        with open(out_file, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+
+
+@main.command("sim-sweep", epilog=_epilog(
+    zero="done: raykv-out/sim_sweep.json and sim_sweep.png (in --out)",
+    one=("also when the trace cannot be read or a line of it is not a request",)))
+@_sim_options
+@click.option("--host-tokens", default="250K,500K,1M,3M,10M", show_default=True,
+              type=TokensList(2 * 512),
+              help="Host memory per node to sweep (a third L2, the rest L3), at --nodes.")
+@click.option("--node-counts", default="4,8,16,32", show_default=True, type=IntList(min=1),
+              help="Node counts to sweep, at --l2-tokens + --l3-tokens per node.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for sim_sweep.json and sim_sweep.png.")
+def sim_sweep(host_tokens: tuple[int, ...], node_counts: tuple[int, ...], out_dir: str,
+              **options) -> None:
+    """`raykv sim`'s comparison (host tier per engine, pooled store, raykv, and the
+    references) at several host capacities per node and several node counts: hit rate
+    and TTFT against each, as JSON and a figure (the bench extra's matplotlib)."""
+    import json
+    from pathlib import Path
+
+    _require_figures("bench")
+    from raykv.clusters.sim.sweep import sweep
+    from raykv.clusters.sim.sweep_figure import draw
+
+    try:
+        requests, setup, costs = _sim_inputs(**options)
+        result = sweep(requests, setup, costs, host_tokens, node_counts)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
+    draw(result, out / "sim_sweep.png")
+    for key, x in (("capacity", "host_tokens"), ("nodes", "nodes")):
+        for p in result[key]:
+            click.echo(f"{x}={p[x]}: " + ", ".join(
+                f"{n} {r['block_hit_rate']:.3f} ({r['ttft_p50_s']:.2f} s)"
+                for n, r in p["runs"].items()) + f", belady {p['bounds']['belady']:.3f} (host only "
+                f"{p['bounds']['belady_host']:.3f})")
+    click.echo(f"wrote {out / 'sim_sweep.json'} and {out / 'sim_sweep.png'}")
+
+
+TRACE_EPILOG = _epilog(zero="the trace written to --out")
+
+
+@main.group("sim-trace", epilog=_epilog(zero="the trace written where its kind's command says"))
+def sim_trace() -> None:
+    """Write a seeded synthetic trace in Mooncake's JSONL format, for `raykv sim`."""
+
+
+def _write_trace(requests: list, out_file: str) -> None:
+    from raykv.clusters.sim.workloads import to_jsonl
+
+    try:
+        with open(out_file, "w", encoding="utf-8") as f:
+            f.write(to_jsonl(requests))
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {len(requests)} requests to {out_file}")
+
+
+OUT_TRACE = click.option("--out", "out_file", required=True,
+                         type=click.Path(dir_okay=False), help="The JSONL file to write.")
+RATE = click.option("--rate", default=1.0, show_default=True, type=SECONDS,
+                    help="Requests per second (Poisson arrivals).")
+SEED = click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                    help="Seeds the arrivals and the order.")
+
+
+@sim_trace.command("multi-round-qa", epilog=TRACE_EPILOG)
+@click.option("--users", default=40, show_default=True, type=POSITIVE, help="Users.")
+@click.option("--rounds", default=10, show_default=True, type=POSITIVE,
+              help="Rounds (questions) per user.")
+@click.option("--system-tokens", default=1000, show_default=True, type=POSITIVE,
+              help="The system prompt every user shares.")
+@click.option("--context-tokens", default=20000, show_default=True, type=POSITIVE,
+              help="Each user's own context before the first question.")
+@click.option("--question-tokens", default=100, show_default=True, type=POSITIVE,
+              help="Each question.")
+@click.option("--answer-tokens", default=200, show_default=True, type=POSITIVE,
+              help="Each answer (the request's output, appended to the next round).")
+@RATE
+@SEED
+@OUT_TRACE
+def multi_round_qa(out_file: str, **options) -> None:
+    """Users who each hold a conversation (LMCache's multi-round QA): every round a
+    user's prompt is the previous one with its answer and a new question."""
+    from raykv.clusters.sim.workloads import multi_round_qa as make
+
+    _write_trace(make(**options), out_file)
+
+
+@sim_trace.command("shared-prefix", epilog=TRACE_EPILOG)
+@click.option("--groups", default=16, show_default=True, type=POSITIVE,
+              help="Groups, each with a prefix of its own.")
+@click.option("--prompts-per-group", default=64, show_default=True, type=POSITIVE,
+              help="Prompts per group.")
+@click.option("--prefix-tokens", default=2048, show_default=True, type=POSITIVE,
+              help="The prefix a group's prompts share.")
+@click.option("--question-tokens", default=256, show_default=True, type=POSITIVE,
+              help="Each prompt's own question after the prefix.")
+@click.option("--output-tokens", default=256, show_default=True, type=POSITIVE,
+              help="Each request's output.")
+@RATE
+@SEED
+@OUT_TRACE
+def shared_prefix(out_file: str, **options) -> None:
+    """Groups of prompts sharing a prefix (llm-d's shared-prefix workload), the groups'
+    prompts interleaved at random."""
+    from raykv.clusters.sim.workloads import shared_prefix as make
+
+    _write_trace(make(**options), out_file)
+
+
+def sim_table(result: dict) -> list[str]:
+    """The lines ``raykv sim`` prints of a comparison."""
+    lines = [f"{result['requests']} requests, {result['setup']['nodes']} nodes x "
+             f"{result['setup']['engines_per_node']} engines",
+             f"{'run':<11} {'hit(blk)':>8} {'hit(tok)':>8} {'gpu':>6} {'host':>6} "
+             f"{'l2':>6} {'l3 own':>6} {'l3 rem':>6} {'TTFT p50/p90/p99 s':>21} "
+             f"{'net GB':>8} {'req/node':>9} {'sim s':>6}"]
+    for name, r in result["runs"].items():
+        tiers = r["tiers_block"]
+        ttft = "/".join(f"{r['ttft_s'][q]:.2f}" for q in ("p50", "p90", "p99"))
+        per = r["requests_per_node"]
+        lines.append(f"{name:<11} {r['block_hit_rate']:>8.3f} {r['token_hit_rate']:>8.3f} "
+                     + " ".join(f"{tiers[t]:>6.3f}" for t in
+                                ("gpu", "host", "l2", "l3_own", "l3_remote"))
+                     + f" {ttft:>21} {r['network_bytes'] / 1e9:>8.0f} "
+                     f"{per['min']:>4}-{per['max']:<4} {r['simulator_s']:>6.1f}")
+    b = result["bounds"]
+    lines.append(f"references at {b['capacity_blocks']} blocks (GPU + host): " + ", ".join(
+        f"{n} {b[n]['block_hit_rate']:.3f}" for n in ("global_lru", "belady", "unbounded")))
+    lines.append(f"references at {b['host_blocks']} blocks (host only): " + ", ".join(
+        f"{n} {b[n + '_host']['block_hit_rate']:.3f}" for n in ("global_lru", "belady")))
+    if "ratios" in result:
+        lines.append("raykv over: " + ", ".join(
+            f"{k.removeprefix('raykv_over_')} {v:.2f}x" for k, v in result["ratios"].items()))
+    return lines
+
+
 if __name__ == "__main__":
     main()

@@ -27,6 +27,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+SPREAD_WINDOW = 128
+"""Routed requests over which the router counts what each replica was sent, for new
+prefixes (``RecentRoutes``; here, not in the router, so pure code such as the simulator
+reads the router's own figure)."""
+
 
 class RoutedKeys:
     """Per replica (any hashable id), the last ``capacity`` keys routed there."""

@@ -65,7 +65,7 @@ from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Weights, rank, spread
 from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
-from raykv.integrations.serve.routed_keys import RecentRoutes, RoutedKeys
+from raykv.integrations.serve.routed_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,6 @@ RECENT = 1024
 ROUTING = 4096
 """Requests whose keys the router holds between choosing their replica and Serve's
 ``on_request_routed`` at most (a request Serve never routes is forgotten oldest first)."""
-SPREAD_WINDOW = 128
-"""Routed requests over which the router counts what each replica was sent, for new
-prefixes (``RecentRoutes``)."""
 INLINE_TOKENS = 2048
 """Token ids a request may carry to have its keys made on the event loop (about 0.6 ms
 of hashing here at 16 tokens a block); longer prompts and text are done on a thread."""

@@ -20,6 +20,7 @@ from raykv.clusters.cli import (
     IntList,
     Size,
     SizeList,
+    Tokens,
 )
 from raykv.clusters.status_view import render_status
 from rich.console import Console
@@ -89,6 +90,9 @@ def test_bad_option_values_are_usage_errors(args, words):
     (["up", "--tenant-quota", "team-a=1G", "--tenant-quota", "team-a=2G"],
      ["--tenant-quota", "named twice"]),
     (["demo", "--turns", "0"], ["--turns"]),
+    (["sim", "t.jsonl", "--gpu-tokens", "100"], ["--gpu-tokens", "below 512"]),
+    (["sim", "t.jsonl", "--l2-tokens", "lots"], ["--l2-tokens", "256K or 3M"]),
+    (["sim", "t.jsonl", "--runs", "raykv,magic"], ["--runs", "gpu_only"]),
 ])
 def test_more_bad_option_values_in_process(args, words):
     from click.testing import CliRunner
@@ -148,9 +152,12 @@ def test_param_types():
     assert SizeList(BENCH_PAGE_QUANTUM, "x").convert("64K,1M", None, None) == (64 << 10,
                                                                                 1 << 20)
     assert IntList().convert("2, 4", None, None) == (2, 4)
+    assert Tokens().convert("3M", None, None) == 3_000_000
+    assert Tokens().convert("2.5K", None, None) == 2500
     for param_type, value in ((Size(), "-1K"), (SizeList(BENCH_PAGE_QUANTUM, "x"), "0"),
                               (SizeList(BENCH_PAGE_QUANTUM, "x"), "64K,,1M"),
-                              (IntList(min=1), "0"), (IntList(), "")):
+                              (IntList(min=1), "0"), (IntList(), ""),
+                              (Tokens(), "0"), (Tokens(), "3Q")):
         with pytest.raises(click.BadParameter):
             param_type.convert(value, None, None)
 
@@ -386,3 +393,73 @@ def test_every_option_a_help_names_is_one_its_command_takes():
     for name in main.commands:
         assert not unknown(name, name), name
     assert {"--page-sizes", "--batch"} <= unknown("bench-gpu", "bench-group")  # CONTROL
+
+
+def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
+    """``raykv sim`` on the first requests of Mooncake's conversation trace: every timed
+    run and reference in the table and the JSON; a bad trace line is one error naming
+    the line, exit 1."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    trace = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+    out = tmp_path / "sim.json"
+    res = CliRunner().invoke(main, ["sim", str(trace), "--limit", "200", "--nodes", "2",
+                                    "--engines-per-node", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == ["gpu_only", "local_host", "pooled", "raykv", "raykv_pow2"]
+    for name, run in result["runs"].items():
+        assert name in res.output
+        assert 0 <= run["block_hit_rate"] <= result["bounds"]["unbounded"]["block_hit_rate"]
+        assert len(run["ttft_s"]) == 3 and run["requests_per_node"]["max"] > 0
+    assert result["requests"] == 200 and "raykv_over_belady_host" in result["ratios"]
+    b = result["bounds"]
+    assert b["global_lru_host"]["block_hit_rate"] <= b["global_lru"]["block_hit_rate"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(trace.read_text().splitlines()[0] + "\n{\"timestamp\": 1}\n")
+    res = CliRunner().invoke(main, ["sim", str(bad)])
+    assert res.exit_code == 1 and "bad.jsonl:2" in res.output and "Traceback" not in res.output
+
+
+def test_sim_sweep_writes_points_and_a_figure(tmp_path):
+    """``raykv sim-sweep`` over two host capacities and two node counts on the first
+    requests of the conversation trace: a point per value, each run and reference in
+    it, the figure written; the pooled store hits more at the larger capacity."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    trace = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+    res = CliRunner().invoke(main, ["sim-sweep", str(trace), "--limit", "150",
+                                    "--nodes", "2", "--engines-per-node", "2",
+                                    "--gpu-tokens", "1K", "--host-tokens", "3K,300K",
+                                    "--node-counts", "1,2", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "sim_sweep.json").read_text())
+    assert [p["host_tokens"] for p in result["capacity"]] == [3000, 300000]
+    assert [p["nodes"] for p in result["nodes"]] == [1, 2]
+    for p in result["capacity"] + result["nodes"]:
+        assert set(p["runs"]) == {"local_host", "pooled", "raykv"}
+        assert set(p["bounds"]) == {"global_lru", "belady", "global_lru_host",
+                                    "belady_host", "unbounded"}
+    small, big = result["capacity"]
+    assert small["runs"]["pooled"]["block_hit_rate"] < big["runs"]["pooled"]["block_hit_rate"]
+    assert (tmp_path / "sim_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_trace_writes_workloads_sim_replays(tmp_path):
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    for kind, args, n in (("shared-prefix", ["--groups", "3", "--prompts-per-group", "4"], 12),
+                          ("multi-round-qa", ["--users", "3", "--rounds", "2"], 6)):
+        path = tmp_path / f"{kind}.jsonl"
+        res = CliRunner().invoke(main, ["sim-trace", kind, *args, "--out", str(path)])
+        assert res.exit_code == 0, res.output
+        res = CliRunner().invoke(main, ["sim", str(path), "--nodes", "2",
+                                        "--engines-per-node", "1", "--runs", "pooled"])
+        assert res.exit_code == 0 and f"{n} requests," in res.output, res.output

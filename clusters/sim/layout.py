@@ -1,0 +1,49 @@
+"""What one simulated cluster is made of (pure): nodes, engines, tier sizes, placement,
+routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLACEMENTS = ("own", "any")
+ROUTINGS = ("raykv", "pow2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``nodes`` x ``engines_per_node`` engines, each with a GPU prefix cache of
+    ``gpu_blocks`` blocks and a host tier of its own of ``host_blocks`` (0: none); each
+    node an L2 of ``l2_blocks`` (0: none, raykv's ``L2Index``) and an L3 segment of
+    ``l3_blocks`` (0 on every node: no L3). ``placement``: where L3 puts land (``own``,
+    ``any``); ``routing``: ``raykv`` (the router's ranking) or ``pow2`` (power of two
+    choices on queue length). ``seed`` seeds every random choice."""
+
+    nodes: int
+    engines_per_node: int
+    gpu_blocks: int
+    host_blocks: int = 0
+    l2_blocks: int = 0
+    l3_blocks: int = 0
+    placement: str = "own"
+    routing: str = "pow2"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "engines_per_node", "gpu_blocks"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"layout: {name} must be an integer >= 1, got {v!r}")
+        for name in ("host_blocks", "l2_blocks", "l3_blocks", "seed"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"layout: {name} must be an integer >= 0, got {v!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"layout: placement must be one of {PLACEMENTS}, got "
+                             f"{self.placement!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"layout: routing must be one of {ROUTINGS}, got "
+                             f"{self.routing!r}")
+
+    @property
+    def engines(self) -> int:
+        return self.nodes * self.engines_per_node
