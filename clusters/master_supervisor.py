@@ -35,28 +35,46 @@ class MasterSupervisor:
     it every ``period_s`` seconds; after a failed restart it tries again after the
     back-off's wait (``first_s`` doubling up to ``cap_s``) instead. Without ports given,
     a supervisor Ray restarted takes the ones recorded (``ports_key``); each start
-    records the ones in use."""
+    records the ones in use. A restarted supervisor whose master cannot start on them
+    yet (the master of the one that died still holds them) comes up ``restarting`` and
+    retries as after any failed restart; a first start that fails raises."""
 
     def __init__(self, host: str, extra_args: list[str] | None = None,
                  period_s: float = 1.0, rpc_port: int = 0, http_port: int = 0,
                  first_s: float = 1.0, cap_s: float = 30.0) -> None:
         key = ports_key(ray.get_runtime_context().namespace)
         recorded = internal_kv._internal_kv_get(key)
-        if recorded is not None and not (rpc_port or http_port):
+        restarted = recorded is not None and not (rpc_port or http_port)
+        if restarted:
             rpc_port, http_port = json.loads(recorded)
-        self._master = MooncakeMaster(host, extra_args=extra_args, rpc_port=rpc_port,
-                                      http_port=http_port).start()
-        internal_kv._internal_kv_put(
-            key, json.dumps([self._master.rpc_port, self._master.http_port]), overwrite=True)
         self.restarts = 0
         self.state = RUNNING
         self._backoff = RestartBackoff(first_s, cap_s)
+        self._master = MooncakeMaster(host, extra_args=extra_args, rpc_port=rpc_port,
+                                      http_port=http_port)
+        wait = period_s
+        try:
+            self._master.start()
+        except RuntimeError as e:
+            if not restarted:  # a first start (raykv up): fail loudly
+                raise
+            # Ray restarted this supervisor, and the master of the one that died may
+            # still hold the recorded ports: raising here would end supervision for good
+            # (Ray never restarts an actor whose constructor raised), so the watch retries
+            self.state = RESTARTING
+            wait = self._backoff.failed(f"{type(e).__name__}: {e}")
+            log.warning("starting mooncake_master on its recorded ports failed: %s; trying "
+                        "again in %.0f s", e, wait)
+        internal_kv._internal_kv_put(
+            key, json.dumps([self._master.rpc_port, self._master.http_port]), overwrite=True)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(period_s,), daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(period_s, wait),
+                                        daemon=True)
         self._thread.start()
 
-    def _watch(self, period_s: float) -> None:
-        wait = period_s
+    def _watch(self, period_s: float, wait: float) -> None:
+        """Every ``period_s`` (the first look after ``wait``): restart the master if it
+        is not alive, after a failed restart again once the back-off's wait passed."""
         while not self._stop.wait(wait):
             wait = period_s
             if self._master.alive():

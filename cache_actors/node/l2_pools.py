@@ -275,8 +275,8 @@ class L2Pools:
                 caller: OwnerClaim | None = None, *, deadline: float | None = None,
                 verified: bool = False) -> list[int]:
         """Per key a page for ``holder`` to write (its earlier pages released first),
-        ``PRESENT`` or ``FULL`` (``L2Index.reserve``); holders whose process is gone are
-        released when pages run short. Past ``deadline``: as ``acquire``."""
+        ``PRESENT``, ``WRITING`` or ``FULL`` (``L2Index.reserve``); holders whose process
+        is gone are released when pages run short. Past ``deadline``: as ``acquire``."""
         holder = check_holder(holder)
         entry = self._entry(pool, keys, caller, verified)
         with self._lock:

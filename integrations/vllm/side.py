@@ -83,6 +83,8 @@ class ConnectorSide(ABC):
         self._attach_error: Exception | None = None
         self._next_attach = 0.0  # time.monotonic() from which _cache may attach again
         self._metrics: ConnectorMetrics | None = None
+        self._closed = False  # shut down: an attach that ends later lets go of its client
+        self._publish = threading.Lock()  # an attach's publication against ``shutdown``
 
     @abstractmethod
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
@@ -103,7 +105,8 @@ class ConnectorSide(ABC):
         client raises). Its calls to the node actor are control calls (deadline
         ``CONTROL_TIMEOUT_S``, 120 s), so this runs at start-up (the scheduler's
         construction, ``register_kv_caches``) or on ``_cache``'s background thread,
-        never on vLLM's step."""
+        never on vLLM's step. One that ends after ``shutdown`` destroys its pool, closes
+        its client and raises ``NodeUnavailableError``: nothing outlives the side."""
         from raykv.cache_actors.rank.client import CacheClient
 
         node_id = join_ray(self.opts.ray_address, self.opts.namespace)
@@ -115,11 +118,21 @@ class ConnectorSide(ABC):
         except BaseException:
             client.close()
             raise
-        self._pool = pool  # first: a caller that sees the client uses the pool
-        self._client = client
-        if self._metrics is None:  # in the Ray cluster now: its counters exported
-            self._metrics = ConnectorMetrics(self.stats, {
-                "role": self.ROLE, "tp_rank": str(self.tp_rank), "model": self.opts.model_name})
+        with self._publish:
+            closed = self._closed
+            if not closed:
+                self._pool = pool  # first: a caller that sees the client uses the pool
+                self._client = client
+                if self._metrics is None:  # in the Ray cluster now: its counters exported
+                    self._metrics = ConnectorMetrics(self.stats, {
+                        "role": self.ROLE, "tp_rank": str(self.tp_rank),
+                        "model": self.opts.model_name})
+        if closed:  # ``shutdown`` ran meanwhile: nobody would destroy or close them
+            with contextlib.suppress(Exception):
+                client.destroy_host_pool(pool)
+            with contextlib.suppress(Exception):
+                client.close()
+            raise NodeUnavailableError("the connector shut down while it attached to raykv")
 
     def _attach_at_start(self) -> None:
         try:
@@ -141,12 +154,13 @@ class ConnectorSide(ABC):
         most once per ``ATTACH_RETRY_S``) and no call waits for it: a join that fails or
         hangs (a cluster that refuses this process's Ray credentials, an address where
         no Ray answers, a stopped node actor) costs vLLM's requests misses, never a
-        stalled scheduler or step. The first call after it attached uses the client."""
+        stalled scheduler or step. The first call after it attached uses the client.
+        After ``shutdown`` no attach starts."""
         if self._client is not None:
             return self._client
         now = time.monotonic()
         idle = self._attaching is None or not self._attaching.is_alive()
-        if idle and now >= self._next_attach:
+        if idle and now >= self._next_attach and not self._closed:
             self._attach_error = None
             self._next_attach = now + ATTACH_RETRY_S
             self._attaching = threading.Thread(target=self._attach_in_background,
@@ -166,8 +180,10 @@ class ConnectorSide(ABC):
     def shutdown(self) -> None:
         """Destroy this side's pool, close its client and export its counters a last
         time (never raises)."""
-        client, pool = self._client, self._pool
-        self._client = self._pool = None
+        with self._publish:  # an attach that ends from now on lets go of what it made
+            self._closed = True
+            client, pool = self._client, self._pool
+            self._client = self._pool = None
         if self._metrics is not None:
             with contextlib.suppress(Exception):
                 self._metrics.close()

@@ -130,3 +130,81 @@ def test_a_failing_attach_is_retried_at_most_once_per_retry_interval(monkeypatch
     go.set()
     w._attaching.join()
     assert len(calls) == 2 and w._cache() is client
+
+
+class _Side:
+    """A connector side of its own (no vLLM): its pool is made by ``make_pool``."""
+
+    def __new__(cls, make_pool):
+        from raykv.integrations.vllm.side import ConnectorSide
+
+        class Side(ConnectorSide):
+            def _create_pool(self, client, name):
+                return make_pool(client, name)
+
+        return Side(_opts(), block_size=4, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+class _Client:
+    """A ``CacheClient`` stand-in that records what is done with it."""
+
+    made: list[_Client] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.registered, self.destroyed, self.closed = [], [], False
+        _Client.made.append(self)
+
+    def register_mem_host_pool_v2(self, pool, name) -> None:
+        self.registered.append(pool)
+
+    def destroy_host_pool(self, pool) -> bool:
+        self.destroyed.append(pool)
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("shut", [True, False], ids=["shut-down", "control-attached"])
+def test_a_side_shut_down_while_attaching_in_the_background_leaves_nothing(monkeypatch,
+                                                                           shut):
+    """vLLM shuts the connector down while its background attach is still making the
+    pool (a slow node actor): once that attach ends, its pool is destroyed and its client
+    closed, the side stays without a client and no metrics thread is started. Before, the
+    attach published its client after ``shutdown`` had run: the pool stayed on the node
+    for good, the client (a Ray connection) stayed open, and the counters' export thread
+    ran on. CONTROL: not shut down, the same attach is used."""
+    from raykv.cache_actors.errors import NodeUnavailableError
+    from raykv.cache_actors.rank import client as client_module
+    from raykv.integrations.vllm import side as side_module
+
+    metrics = []
+    monkeypatch.setattr(side_module, "join_ray", lambda address, namespace: "node")
+    monkeypatch.setattr(client_module, "CacheClient", _Client)
+    monkeypatch.setattr(side_module, "ConnectorMetrics",
+                        lambda stats, tags: metrics.append(tags))
+    _Client.made = []
+    making, go = threading.Event(), threading.Event()
+
+    def make_pool(client, name):
+        making.set()
+        assert go.wait(60)
+        return name
+
+    side = _Side(make_pool)
+    with pytest.raises(NodeUnavailableError):
+        side._cache()  # the attach starts in the background
+    assert making.wait(60)
+    if shut:
+        side.shutdown()
+    go.set()
+    side._attaching.join(60)
+    (client,) = _Client.made
+    if not shut:
+        assert side._cache() is client and not client.closed and len(metrics) == 1
+        return
+    assert client.closed and client.destroyed == client.registered
+    assert side._client is None and side._pool is None and metrics == []
+    with pytest.raises(NodeUnavailableError):
+        side._cache()  # shut down: no attach starts again
+    assert len(_Client.made) == 1
