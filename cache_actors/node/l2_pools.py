@@ -147,20 +147,22 @@ class L2Pools:
 
     # ---------------------------------------------------------------- control
     def open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
-             caller: OwnerClaim | None) -> PoolHandle | None:
+             caller: OwnerClaim | None, share: int = 1) -> PoolHandle | None:
         """The L2 pool of ``caller``'s deployment and ``rank`` (tp, pp) on this node, of
         ``layout``'s page geometry: the existing one (another engine made it), else a
         new one of at most ``pages`` pages, as many as fit in what is left of
-        ``l2_bytes`` (None if not one page) and of the tenant's quota. ``ValueError``
-        for a caller without an owner claim, a layout with more than one object per
-        page, another layout than the existing pool's, or what pool creation refuses
-        (tenant quota with less than one page left, budget)."""
+        ``l2_bytes`` (None if not one page), in a ``share``-th of it (one per rank of
+        the group) and in the tenant's quota. ``ValueError`` for a caller without an
+        owner claim, a layout with more than one object per page, a bad ``share``,
+        another layout than the existing pool's, or what pool creation refuses (tenant
+        quota with less than one page left, budget)."""
         caller = self._verify(caller)
         if caller is None:
             raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
-        if layout.objects_per_page != 1 or pages < 1:
-            raise ValueError(f"an L2 pool holds one object per page and at least one page "
-                             f"(got {layout.objects_per_page} objects, {pages} pages)")
+        if layout.objects_per_page != 1 or pages < 1 or type(share) is not int or share < 1:
+            raise ValueError(f"an L2 pool holds one object per page, at least one page, in a "
+                             f"share >= 1 of the node (got {layout.objects_per_page} objects, "
+                             f"{pages} pages, share {share!r})")
         family = l2_family(caller.deployment_id, rank)
         with self._open_lock:
             with self._lock:
@@ -180,7 +182,7 @@ class L2Pools:
             page_bytes = layout.object_bytes
             with self._lock:
                 used = sum(p.layout.nbytes for p in self._pools.values())
-            fits = min(pages, (self.l2_bytes - used) // page_bytes)
+            fits = min(pages, min(self.l2_bytes - used, self.l2_bytes // share) // page_bytes)
             if fits < 1:
                 return None
             if (left := self._quota_left(caller.owner)) is not None:  # < 1 page: refused
@@ -196,10 +198,9 @@ class L2Pools:
             return handle
 
     def reset(self) -> None:
-        """The node's pool memory is about to be allocated anew (standalone: its
-        ``mooncake_client`` restarted): every L2 pool is forgotten and the next ones get
-        names of a new incarnation, so no rank is ever given a page of memory it does
-        not map (ops naming the old pools fail; their engines open L2 again)."""
+        """The node's pool memory is about to be allocated anew (standalone: its client
+        restarted): every L2 pool is forgotten, the next ones are of a new incarnation,
+        so no rank is given a page of memory it does not map (ops on old pools fail)."""
         with self._lock:
             for pool in self._pools.values():
                 self._dropped(pool)
@@ -233,8 +234,7 @@ class L2Pools:
 
     def resident(self, keys: Sequence[str], owner: Owner | None) -> list[bool]:
         """Per key, whether it is ready in an L2 pool of ``owner``; nothing leased or
-        touched (a router's look: ``cache_actors.node.residency_query``; the caller
-        checked the keys against its claim)."""
+        touched (a router's look; the caller checked the keys against its claim)."""
         with self._lock:
             indexes = [p.index for p in self._pools.values() if p.owner == owner]
             return [any(x.page_of(k) is not None for x in indexes) for k in keys]

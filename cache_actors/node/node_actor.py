@@ -176,9 +176,10 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
-                      owner: OwnerClaim | None = None) -> PoolHandle | None:
+                      share: int = 1, owner: OwnerClaim | None = None) -> PoolHandle | None:
         return await self._pooled(self._service.l2.open, rank, layout, pages,
-                                  for_call(owner, "l2_open", rank, layout, pages))
+                                  for_call(owner, "l2_open", rank, layout, pages, share),
+                                  share)
 
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")

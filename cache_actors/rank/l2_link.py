@@ -64,12 +64,14 @@ class L2Link:
 
     def open(self, layout: PoolLayout, pages: int) -> HostPool | None:
         """Map the L2 pool of this rank's deployment and rank on its node (made by the
-        first engine there, of at most ``pages`` pages of ``layout``'s geometry); None if
-        the node has no L2 room. A control call."""
+        first engine there, of at most ``pages`` pages of ``layout``'s geometry and of
+        one ``tp_size x pp_size``-th of the node's L2 bytes, so each rank of the group
+        finds room); None if the node has no L2 room. A control call."""
         cfg = self._client.config
-        rank = (cfg.tp_rank, cfg.pp_rank)
-        handle = self._link.call("l2_open", rank, layout, pages,
-                                 owner=self._link.claim(None, "l2_open", rank, layout, pages))
+        rank, share = (cfg.tp_rank, cfg.pp_rank), cfg.tp_size * cfg.pp_size
+        handle = self._link.call("l2_open", rank, layout, pages, share,
+                                 owner=self._link.claim(None, "l2_open", rank, layout, pages,
+                                                        share))
         return None if handle is None else self._client.attach_host_pool(handle.name)
 
     def lookup(self, page_hashes: Sequence[str], tp_size: int) -> int:

@@ -88,6 +88,30 @@ def test_open_sizes_the_pool_to_what_is_left_and_shares_it():
         pools.open((0, 0), layout(), 6, None)
 
 
+@pytest.mark.parametrize("share", [2, 1])
+def test_each_rank_of_a_group_gets_its_share_of_the_node(share):
+    """The ranks of one TP group on a node open their L2 pools one after the other, each
+    asking for as many pages as fit (the vLLM connector's default with
+    ``async_transfers``): with ``share`` = the group's ranks each gets its part of the
+    node's L2 bytes. CONTROL (``share`` 1, as every rank asked before): the first rank
+    takes the whole node and the second gets no L2 at all."""
+    pools = l2(FakeNode(), l2_bytes=10 * 64)  # a page is 64 bytes
+    first = pools.open((0, 0), layout(), 1 << 31, A, share)
+    second = pools.open((1, 0), layout(), 1 << 31, A, share)
+    if share == 1:
+        assert first.layout.num_pages == 10 and second is None
+    else:
+        assert first.layout.num_pages == second.layout.num_pages == 5
+
+
+@pytest.mark.parametrize("share", [0, -1, 1.5, "2", True])
+def test_a_bad_share_is_refused_before_a_pool_is_made(share):
+    pools = l2(FakeNode(), l2_bytes=10 * 64)
+    with pytest.raises(ValueError, match="share"):
+        pools.open((0, 0), layout(), 4, A, share)
+    assert pools.open((0, 0), layout(), 4, A).layout.num_pages == 4  # nothing was made
+
+
 def test_ops_need_the_pools_owner_and_keys_of_its_prefix():
     node = FakeNode()
     pools = l2(node)
