@@ -19,13 +19,14 @@ a token that could be shown twice:
   X25519 exchange and the transcript (``session_key``); the key never travels.
 - Each later call of the session names it with a **call proof** (``call_proof``): the
   session id, a call number and an HMAC under the session key of both and of the call's
-  **purpose** (``call_purpose``: the method called and a digest of its arguments; a
+  **purpose** (``call_purpose``: the method called and a digest of its positional
+  arguments, not of a data call's ticket or deadline, which travel by keyword; a
   channel connection's bind is method ``channel``, without arguments). The verifier
   computes the purpose from the call it received, never takes it from the caller
   (``OwnerClaim.for_call``). A call number is accepted once
   (``CallWindow``), so a proof seen on the wire is worth nothing to whoever saw it:
-  not for another call, nor, spent first, for another method or other arguments
-  (a proof of a ``put`` is no proof of a ``destroy_pool``); nobody without the session
+  not for another call, nor, spent first, for another method or other positional
+  arguments (a proof of a ``put`` is no proof of a ``destroy_pool``); nobody without the session
   key can make another.
 
 The controller uses challenges without sessions: a registration carries the signature
