@@ -77,6 +77,7 @@ def _rekey(side, tag: str, identity=None, scheduler: bool = False) -> None:
     also registers its blocks as of that identity's dtype (the geometry it registers
     is read from vLLM's KV cache spec)."""
     side.shutdown()
+    side._closed = False  # the same side object attaches again, as a new one would
     side.opts = replace(side.opts, extra_backend_tag=tag,
                         identity=identity if identity is not None else side.opts.identity)
     if scheduler and identity is not None and side._kv_cache_config is not None:
