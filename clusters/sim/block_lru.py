@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Hashable, Sequence
+
+
+def leading(keys: Sequence[Hashable], kept: Container[Hashable]) -> int:
+    """How many leading ``keys`` are in ``kept`` (a prefix hit's length)."""
+    n = 0
+    while n < len(keys) and keys[n] in kept:
+        n += 1
+    return n
 
 
 class BlockLRU:
@@ -14,16 +22,13 @@ class BlockLRU:
         if type(capacity) is not int or capacity < 1:
             raise ValueError(f"a block cache holds >= 1 blocks, got {capacity!r}")
         self.capacity = capacity
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
 
-    def leading(self, keys: Sequence[str]) -> int:
+    def leading(self, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` it holds (nothing refreshed)."""
-        n = 0
-        while n < len(keys) and keys[n] in self._keys:
-            n += 1
-        return n
+        return leading(keys, self._keys)
 
-    def insert(self, keys: Sequence[str]) -> None:
+    def insert(self, keys: Sequence[Hashable]) -> None:
         """``keys`` used now: each the most recently used, inserted if new (evicting)."""
         for k in keys:
             if k in self._keys:

@@ -16,10 +16,10 @@ Each returns a ``Hits`` of prefix hits: blocks and tokens.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raykv.clusters.sim.block_lru import BlockLRU, leading
 from raykv.clusters.sim.trace import Request
 
 
@@ -63,10 +63,7 @@ def unbounded(requests: Sequence[Request]) -> Hits:
     seen: set[int] = set()
     hits = []
     for r in requests:
-        n = 0
-        while n < len(r.blocks) and r.blocks[n] in seen:
-            n += 1
-        hits.append(n)
+        hits.append(leading(r.blocks, seen))
         seen.update(r.blocks)
     return _tally(requests, hits)
 
@@ -74,20 +71,11 @@ def unbounded(requests: Sequence[Request]) -> Hits:
 def global_lru(requests: Sequence[Request], capacity: int) -> Hits:
     """Prefix hits of one LRU of ``capacity`` blocks."""
     _check(capacity)
-    lru: OrderedDict[int, None] = OrderedDict()
+    lru = BlockLRU(capacity)
     hits = []
     for r in requests:
-        n = 0
-        while n < len(r.blocks) and r.blocks[n] in lru:
-            n += 1
-        hits.append(n)
-        for b in r.blocks:
-            if b in lru:
-                lru.move_to_end(b)
-            else:
-                lru[b] = None
-                if len(lru) > capacity:
-                    lru.popitem(last=False)
+        hits.append(lru.leading(r.blocks))
+        lru.insert(r.blocks)
     return _tally(requests, hits)
 
 
@@ -112,10 +100,7 @@ def belady(requests: Sequence[Request], capacity: int) -> Hits:
     far: list[tuple[float, int]] = []  # (-next use, block), stale entries skipped
     hits = []
     for r, uses in zip(requests, nxt, strict=True):
-        n = 0
-        while n < len(r.blocks) and r.blocks[n] in cached:
-            n += 1
-        hits.append(n)
+        hits.append(leading(r.blocks, cached))
         for b, use in zip(r.blocks, uses, strict=True):
             if b not in cached and len(cached) >= capacity:
                 while -far[0][0] != cached.get(far[0][1]):

@@ -22,6 +22,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from raykv.clusters.sim.block_lru import leading
+
 HIGH_WATERMARK = 0.95
 """Mooncake's default ``eviction_high_watermark_ratio``."""
 EVICTION_RATIO = 0.05
@@ -63,10 +65,7 @@ class L3Store:
     def leading(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the store holds; nothing leased (raykv's
         ``locate``)."""
-        n = 0
-        while n < len(keys) and keys[n] in self._where:
-            n += 1
-        return n
+        return leading(keys, self._where)
 
     def lookup(self, keys: Sequence[str]) -> list[int]:
         """The segments of the leading ``keys`` the store holds, each leased and made
