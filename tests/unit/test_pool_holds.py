@@ -17,6 +17,8 @@ from raykv.cache_actors.host_pools import HostPool, PoolHandle, mapped_address
 from raykv.cache_actors.node.pool_memory import MemfdPoolMemory, PoolBudget
 from raykv.controllers.pool_layout import PoolLayout
 
+from tests.unit.memfds import memfd_pool_handle, node_may_release
+
 LAYOUT = PoolLayout.mla(page_size=1, size=16, layer_num=1, kv_cache_dim=256, dtype="uint8",
                         itemsize=1)
 
@@ -38,10 +40,7 @@ class MemfdBackend:
 
 def memfd_handle(name: str, fill: int) -> PoolHandle:
     """A pool handle of ``LAYOUT`` on a new memfd of this process, every byte ``fill``."""
-    fd = os.memfd_create(name)
-    os.ftruncate(fd, LAYOUT.nbytes)
-    os.pwrite(fd, bytes([fill]) * LAYOUT.nbytes, 0)
-    return PoolHandle(name, f"/proc/self/fd/{fd}", LAYOUT)
+    return memfd_pool_handle(name, LAYOUT, fill=fill)
 
 
 def mapped(address: int) -> bool:
@@ -86,14 +85,6 @@ def test_a_hold_is_one_shared_lock_per_process_until_the_last_hold_ends():
     node_fd = os.open(handle.path, os.O_RDWR)
     pool = HostPool.attach(handle)
 
-    def node_may_release() -> bool:
-        try:
-            fcntl.flock(node_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(node_fd, fcntl.LOCK_UN)
-        return True
-
     first = pool.held()
     first.__enter__()
     second_in, second_out = threading.Event(), threading.Event()
@@ -106,12 +97,12 @@ def test_a_hold_is_one_shared_lock_per_process_until_the_last_hold_ends():
     t = threading.Thread(target=second)
     t.start()
     second_in.wait()
-    assert pool.holds == 2 and not node_may_release()
+    assert pool.holds == 2 and not node_may_release(node_fd)
     first.__exit__(None, None, None)
-    assert pool.holds == 1 and not node_may_release()
+    assert pool.holds == 1 and not node_may_release(node_fd)
     second_out.set()
     t.join()
-    assert pool.holds == 0 and node_may_release()
+    assert pool.holds == 0 and node_may_release(node_fd)
     pool.close()
     os.close(node_fd)
 

@@ -1,7 +1,6 @@
 """``staging_pools`` without Ray: an engine buffer described as a raykv layout (the same
 bytes at the same offsets), the page-run copy and staged rounds on plain mappings."""
 
-import fcntl
 import mmap
 import os
 import time
@@ -25,6 +24,8 @@ from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.transfer_plan import PlanPool, check_transfers
+
+from tests.unit.memfds import memfd_pool_handle, node_may_release
 
 PAGE = 4
 
@@ -244,25 +245,6 @@ def test_one_failed_round_of_two_staged_pools_frees_its_late_ticket_once(tmp_pat
     assert desk.ticket(first, time.monotonic() + 30).start()
     assert desk.ticket(second, time.monotonic() + 30).start()
     book.close()
-
-
-def memfd_pool_handle(name: str, layout: PoolLayout, epoch: int) -> PoolHandle:
-    """A handle of ``layout`` on a new zero-filled memfd of this process (standalone
-    mode's pool memory as a rank reaches it: ``/proc/<pid>/fd/<fd>``)."""
-    fd = os.memfd_create(name)
-    os.ftruncate(fd, layout.nbytes)
-    return PoolHandle(name, f"/proc/self/fd/{fd}", layout, epoch)
-
-
-def node_may_release(fd: int) -> bool:
-    """Whether the node, on its own open file ``fd`` of a pool's memory, would give it
-    back now (its exclusive lock: no process holds the memory)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
 
 
 def test_a_get_copies_out_of_the_mapping_it_held_whatever_a_remap_meanwhile():
