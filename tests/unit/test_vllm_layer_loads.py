@@ -100,18 +100,19 @@ def _three_saved() -> tuple[FakeLink, list[torch.Tensor], list[torch.Tensor]]:
     return link, store, a
 
 
+class Behind:
+    """LayerLoads' ``start``, the copies run when the test says."""
+
+    def start(self, copy, layers):
+        self.copy, self.layers = copy, layers
+
+
 def test_an_l2_load_copies_its_last_block_at_once_and_the_rest_behind():
     """Three blocks saved through L2, then loaded by another engine with ``behind``: the
     last block is in vLLM's blocks when ``load`` returns, the other two only once their
     layers are copied, and their pages stay held until ``release``. Control: the same
     load without ``behind`` copies all three at once and holds nothing."""
     link, store, a = _three_saved()
-
-    class Behind:
-        """LayerLoads' ``start``, the copies run when the test says."""
-
-        def start(self, copy, layers):
-            self.copy, self.layers = copy, layers
 
     behind = Behind()
     b = engine(layers=2)
@@ -244,10 +245,6 @@ def test_an_l2_load_holds_its_pools_memory_until_its_last_copy_ended():
         return acquire(*args)
 
     link.acquire = counted
-
-    class Behind:
-        def start(self, copy, layers):
-            self.copy, self.layers = copy, layers
 
     behind = Behind()
     b = engine(layers=2)
