@@ -181,8 +181,10 @@ class OwnerClaim:
 def for_call(claim: object, method: str, *args: object) -> object:
     """``claim`` (an ``OwnerClaim``; anything else as it is, for the verifier to refuse)
     bound to the call of ``method`` with positional ``args`` it came with (a node
-    actor's entry points: ``OwnerClaim.for_call``, ``call_purpose``)."""
-    if type(claim) is not OwnerClaim:
+    actor's entry points: ``OwnerClaim.for_call``, ``call_purpose``). A claim without a
+    tenant carries no proof to check, so it is returned as it is (no digest of ``args``
+    on the data path)."""
+    if type(claim) is not OwnerClaim or claim.tenant is None:
         return claim
     return claim.for_call(call_purpose(method, *args))
 

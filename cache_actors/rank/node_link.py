@@ -195,9 +195,10 @@ class NodeLink:
             return None
         node = node_id or self.node_id
         actor = self._actor if node == self.node_id else self._actor_of(node)
+        # only a tenant's proof covers its call: without one no digest of the arguments
+        purpose = call_purpose(method, *args) if self.owner.base.tenant is not None else ""
         with self.bounded(self.timeout_s, "owner session"):
-            return self.owner.claim(node, lambda m, *a: self._ray(actor, m, *a),
-                                    call_purpose(method, *args))
+            return self.owner.claim(node, lambda m, *a: self._ray(actor, m, *a), purpose)
 
     def ask_controller(self, method: str, *args) -> Any:
         """``method`` of the controller (looked up by name once, and again after a
