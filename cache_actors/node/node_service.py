@@ -72,6 +72,7 @@ from raykv.cache_actors.node.owner_masks import (
 )
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.ticket_desk import TicketDesk
+from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
@@ -139,6 +140,7 @@ class NodeService:
         self.clear_objects = DeploymentClear(store, self.verify, node_id).clear
         store.supervise(self._reallocate)
         self.residency_log = ResidencyLog()  # what routers keep their view of this node by
+        self.touches = TouchJournal()  # what this node stored and read lately: drain, warm-up
         # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
         self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
                                                                         owner),
@@ -314,6 +316,10 @@ class NodeService:
         codes = self._store.after_call(table.epoch, codes)
         if op == "put" and self._store.backend.prefers_own:
             self.residency_log.stored(caller, moving.keys, codes)
+        touched = [i for i, c in enumerate(codes) if (c >= 0 if op == "put" else c > 0)]
+        if touched:
+            self.touches.touched([moving.keys[i] for i in touched],
+                                 [moving.sizes[i] for i in touched], time.time())
         if masked is not None:
             codes = merged(codes, masked, NOT_OWNED)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
