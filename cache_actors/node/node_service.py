@@ -316,10 +316,7 @@ class NodeService:
         codes = self._store.after_call(table.epoch, codes)
         if op == "put" and self._store.backend.prefers_own:
             self.residency_log.stored(caller, moving.keys, codes)
-        touched = [i for i, c in enumerate(codes) if (c >= 0 if op == "put" else c > 0)]
-        if touched:
-            self.touches.touched([moving.keys[i] for i in touched],
-                                 [moving.sizes[i] for i in touched], time.time())
+        self.touches.moved(op, moving.keys, moving.sizes, codes, time.time())
         if masked is not None:
             codes = merged(codes, masked, NOT_OWNED)
         self._metrics.record_move(op, batch, codes, time.perf_counter() - t)

@@ -65,6 +65,14 @@ class TouchJournal:
             while len(self._entries) > self._capacity:
                 self._entries.popitem(last=False)
 
+    def moved(self, op: str, keys: Sequence[str], sizes: Sequence[int],
+              codes: Sequence[int], now: float) -> None:
+        """A store call ``op`` ("put" / "get") over ``keys`` ended with ``codes``: an
+        object stored or already present (code >= 0), or read (code > 0), was touched."""
+        touched = [i for i, c in enumerate(codes) if (c >= 0 if op == "put" else c > 0)]
+        if touched:
+            self.touched([keys[i] for i in touched], [sizes[i] for i in touched], now)
+
     def forget(self, keys: Iterable[str]) -> None:
         """``keys`` left the store (removed on purpose)."""
         with self._lock:

@@ -43,3 +43,10 @@ def test_hottest_merges_nodes_latest_touch_first():
     two = {"a": Touch(7.0, 1, 8), "c": Touch(5.0, 4, 8)}
     assert hottest([one, two]) == [("a", Touch(7.0, 4, 8)), ("c", Touch(5.0, 4, 8)),
                                    ("b", Touch(5.0, 1, 8))]
+
+
+def test_a_store_call_touches_what_it_stored_or_read():
+    j = TouchJournal()
+    j.moved("put", ["s", "p", "f"], [4, 4, 4], [0, 1, -200], now=1.0)
+    j.moved("get", ["s", "m"], [4, 4], [4, -704], now=2.0)
+    assert j.recent() == [("s", Touch(2.0, 2, 4)), ("p", Touch(1.0, 1, 4))]
