@@ -380,15 +380,13 @@ class NodeService:
         return self._channel.path
 
     def health(self) -> dict:
-        """Store connectivity and the pool count; never waits on the pool lock (the
-        count is 0 while a re-allocation is under way)."""
+        """Store connectivity, pool count (0 while re-allocating: never waits on a lock)."""
         return {"node_id": self.node_id, "store_healthy": self._store.healthy(),
                 "mode": self._store.mode, "pools": len(self._pools.table.pools),
                 "pid": os.getpid()}
 
     def stats(self) -> dict:
-        """Counters since start, per pool and per tenant, group queries, the store's
-        state, the L2 cache (``node_stats`` says what each entry holds)."""
+        """Counters since start (``node_stats`` says what each entry holds)."""
         return node_stats(self._pools.settled(), self._pools.limits, self._store.stats(),
                           self._metrics, node_id=self.node_id,
                           uptime_s=time.time() - self._started,
