@@ -54,6 +54,11 @@ class EngineWatch:
         """A snapshot of the watched pools and their processes."""
         return list(self._engines.items())
 
+    def alive(self) -> int:
+        """The live processes served, each once (any thread: a snapshot by one dict
+        operation, atomic under the GIL)."""
+        return len({p for p in list(self._engines.values()) if p.alive()})
+
     def due(self, watched: list[tuple[str, Watched]], now: float, grace_s: float
             ) -> list[str]:
         """The pools of ``watched`` whose process was first seen gone (by this call or an

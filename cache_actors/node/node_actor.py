@@ -31,6 +31,7 @@ from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.residency_query import ResidencyQuery
+from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.contract import PoolTransferResult
@@ -303,7 +304,20 @@ class NodeCacheActor:
         return await asyncio.get_running_loop().run_in_executor(
             self._route, self._residency.locate, keys, for_call(owner, "locate", keys))
 
+    @ray.method(concurrency_group="route")
+    async def touches(self, keys: list[str] | None = None, prefix: str = "",
+                      limit: int = MAX_ANSWER) -> dict[str, Touch]:
+        """This node's touch journal: the entries of ``keys`` it has, or (``keys``
+        None) its ``limit`` latest with ``prefix`` (``TouchJournal``)."""
+        journal = self._service.touches
+        return journal.of(keys) if keys is not None else dict(journal.recent(limit, prefix))
+
     # --------------------------------------------------------------- control
+    @ray.method(concurrency_group="control")
+    async def engines(self) -> int:
+        """``NodePools.engines``: live engine processes with pools on this node."""
+        return self._service.engines()
+
     @ray.method(concurrency_group="control")
     async def clear_objects(self, owner: OwnerClaim | None = None) -> int:
         """Off the event loop: it waits out the store's leases (seconds)."""

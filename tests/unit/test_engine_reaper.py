@@ -57,12 +57,15 @@ def pools():
 def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
     child, path, inode = engine
     node, store = pools
+    assert node.engines() == 0
     node.adopt_engine("sglang-kv", path, LAYOUT, inode)
     assert node.reap_engines(grace_s=0.0) == []  # the engine runs: kept
+    assert node.engines() == 1
     assert "sglang-kv" in node.table.pools and store.backend.registered
 
     child.stdin.close()  # the engine exits without unregistering anything
     child.wait(10)
+    assert node.engines() == 0  # gone, though its pool is still mapped
     assert node.reap_engines(grace_s=60.0) == []  # seen gone now; still within the grace
     assert "sglang-kv" in node.table.pools
     time.sleep(0.05)
