@@ -10,10 +10,12 @@ import time
 
 import ray
 from ray.experimental import internal_kv
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.clusters.master_supervisor import ports_key
-from raykv.clusters.node_actors import NodeReconciler, named_node_actors
+from raykv.clusters.node_actors import HEAD_RESOURCE, NodeReconciler, named_node_actors
 from raykv.controllers.controller import CacheController, checkpoint_key
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
+from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -26,23 +28,39 @@ master supervisor to stop cleanly before it kills them."""
 
 def start_control_plane(settings: NodeSettings, namespace: str, *,
                         reconcile_period_s: float = 1.0,
-                        overrides: dict[str, int] | None = None):
-    """Start the controller and the reconciler (detached, named) and run one reconcile
-    pass; returns ``(controller, reconciler)`` once every node actor answers."""
+                        overrides: dict[str, int] | None = None,
+                        lifecycle: LifecycleSettings | None = None):
+    """Start the controller and the reconciler (detached, named, on the head node: an
+    actor on another node would keep that node busy for Ray's autoscaler) and run one
+    reconcile pass; returns ``(controller, reconciler)`` once every node actor answers.
+    ``lifecycle``: where node actors run and when they leave (default
+    ``LifecycleSettings()``: the head node, nodes with engines, nodes kept)."""
+    on_head = head_affinity()
     info = {"master_address": settings.master_address,
             "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag,
             "mode": settings.mode, "host_pool_bytes": settings.host_pool_bytes}
     controller = CacheController.options(
         name=CONTROLLER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+        scheduling_strategy=on_head,
     ).remote(info, namespace, settings.tenant_digests, settings.bound_tenants_only)
     ray.get(controller.info.remote())
     reconciler = NodeReconciler.options(
         name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-    ).remote(settings, namespace, reconcile_period_s, overrides)
+        scheduling_strategy=on_head,
+    ).remote(settings, namespace, reconcile_period_s, overrides, lifecycle)
     ray.get(reconciler.reconcile.remote())
     names = ray.get(controller.nodes.remote()).values()
     ray.get([ray.get_actor(n, namespace=namespace).health.remote() for n in names])
     return controller, reconciler
+
+
+def head_affinity() -> NodeAffinitySchedulingStrategy:
+    """Scheduling on the head node (soft: anywhere if it has none alive)."""
+    head = next((n["NodeID"] for n in ray.nodes()
+                 if n["Alive"] and HEAD_RESOURCE in n.get("Resources", {})), None)
+    if head is None:
+        head = ray.get_runtime_context().get_node_id()
+    return NodeAffinitySchedulingStrategy(head, soft=True)
 
 
 def _named(name: str, namespace: str):

@@ -25,6 +25,7 @@ from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_con
 from raykv.clusters.hosts import EmulatedHosts
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
+from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
 from raykv.controllers.pool_layout import MiB
 
@@ -176,6 +177,7 @@ def start_local(
     l2_bytes: int = DEFAULTS.l2_bytes,
     placement: str = DEFAULTS.placement,
     resources: dict[str, float] | None = None,
+    lifecycle: LifecycleSettings | None = None,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -226,7 +228,9 @@ def start_local(
     node's L2 pools (vLLM's node-local cache; 0: none). ``placement``: ``own`` (puts
     prefer the writing node's segment) or ``any`` (Mooncake's random choice).
     ``resources``: custom Ray resources every node advertises (also nodes added later),
-    e.g. to place replicas by a bundle.
+    e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
+    they leave (``controllers.node_lifecycle``; default ``LifecycleSettings.fixed()``: a
+    node actor on every node for good, as a fixed cluster wants).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -315,7 +319,8 @@ def start_local(
     try:
         cluster.controller, cluster.reconciler = start_control_plane(
             settings, namespace, reconcile_period_s=reconcile_period_s,
-            overrides=dict(zip(cluster.node_ids, sizes, strict=True)))
+            overrides=dict(zip(cluster.node_ids, sizes, strict=True)),
+            lifecycle=lifecycle or LifecycleSettings.fixed())
     except BaseException:
         cluster.shutdown()
         raise

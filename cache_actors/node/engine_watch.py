@@ -7,6 +7,10 @@ them to remove: a pool is due once its process was first seen gone at least ``gr
 seconds ago. The reaper thread of the node actor asks (``NodeService``), ``NodePools``
 destroys what is due.
 
+It also keeps the engine processes that attached to the node actor (``attach``, from
+the node actor's control event loop alone), so that ``alive`` counts every engine on the
+node for the reconciler (``controllers.node_lifecycle``).
+
 Threads: ``watch``, ``forget``, ``clear`` and ``watched`` (a snapshot) run under
 ``NodePools._lock``; ``due`` runs on the reaper thread without it, on that snapshot (it
 and ``forget`` touch the exit times by single dict operations, atomic under the GIL).
@@ -28,6 +32,10 @@ class Watched(Protocol):
     def alive(self) -> bool: ...
 
 
+MAX_CLIENTS = 4096
+"""Engine processes one node actor keeps as attached (far more than run on a node)."""
+
+
 class EngineWatch:
     """Pool name -> the engine process it serves, and when that process was seen gone
     (``time.monotonic()`` seconds)."""
@@ -35,6 +43,17 @@ class EngineWatch:
     def __init__(self) -> None:
         self._engines: dict[str, Watched] = {}
         self._exited: dict[str, float] = {}
+        self._clients: dict[Watched, None] = {}  # engine processes that attached
+
+    def attach(self, process: Watched) -> None:
+        """``process`` (of this node) is an engine using this node actor; the gone ones
+        are dropped first, and at most ``MAX_CLIENTS`` are kept (the newest)."""
+        for gone in [p for p in list(self._clients) if not p.alive()]:
+            self._clients.pop(gone, None)
+        self._clients.pop(process, None)
+        self._clients[process] = None
+        while len(self._clients) > MAX_CLIENTS:
+            self._clients.pop(next(iter(self._clients)))
 
     def watch(self, name: str, process: Watched) -> None:
         """Pool ``name`` serves ``process`` alone: it is removed once that exited."""
@@ -55,9 +74,11 @@ class EngineWatch:
         return list(self._engines.items())
 
     def alive(self) -> int:
-        """The live processes served, each once (any thread: a snapshot by one dict
-        operation, atomic under the GIL)."""
-        return len({p for p in list(self._engines.values()) if p.alive()})
+        """The live engine processes, each once: those its pools serve and those that
+        attached (any thread: snapshots by one dict operation each, atomic under the
+        GIL)."""
+        processes = {*list(self._engines.values()), *list(self._clients)}
+        return len({p for p in processes if p.alive()})
 
     def due(self, watched: list[tuple[str, Watched]], now: float, grace_s: float
             ) -> list[str]:

@@ -315,8 +315,14 @@ class NodeCacheActor:
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
     async def engines(self) -> int:
-        """``NodePools.engines``: live engine processes with pools on this node."""
-        return self._service.engines()
+        """Live engine processes on this node (``EngineWatch.alive``)."""
+        return self._service.engines.alive()
+
+    @ray.method(concurrency_group="control")
+    async def attach_engine(self, process: ProcessIdentity) -> None:
+        """``process``, on this node, is an engine using this node actor (its node
+        actor stays while it lives: ``controllers.node_lifecycle``)."""
+        self._service.engines.attach(process)
 
     @ray.method(concurrency_group="control")
     async def clear_objects(self, owner: OwnerClaim | None = None) -> int:

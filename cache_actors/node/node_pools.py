@@ -226,7 +226,7 @@ class NodePools:
         self._changes = PoolChanges(self._lock, drain_s + CHANGE_S)
         self.table = PoolTable(store.memory.epoch)
         self._engines = EngineWatch()  # pools of one engine process (under _lock)
-        self.engines = self._engines.alive  # () -> live engine processes with pools here
+        self.engine_watch = self._engines  # alive(), attach(): the reconciler asks
         self._flights = PoolFlights()
 
     def _register(self, pool: HostPool, owner: Owner | None) -> HostPool:

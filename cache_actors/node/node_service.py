@@ -130,7 +130,7 @@ class NodeService:
         self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
                                 digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
-        self.engines = self._pools.engines  # () -> live engine processes with pools here
+        self.engines = self._pools.engine_watch  # the engines on this node (EngineWatch)
         self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
         self._tickets = TicketDesk(outlived_by_store=store.process is not None)
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,

@@ -55,8 +55,10 @@ import ray
 from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSentError
 from raykv.cache_actors.data_ops import ASYNC_OPS, DEADLINE_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.cache_actors.rank.node_guard import guard_of
+from raykv.cache_actors.rank.node_lookup import node_actor_of
 from raykv.cache_actors.tickets import process_book
 from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
@@ -85,8 +87,8 @@ class NodeLink:
     other node's actor and the controller). ``remap()`` is called before the first call
     after the link went stale (see the module docstring); it may use ``ask``.
     ``timeout_s``: the deadline of each data op, in seconds; ``owner``: the client's
-    owner (None: it sends no claim). ``NodeUnavailableError`` if that node has no node
-    actor."""
+    owner (None: it sends no claim). The node's actor is started if it has none
+    (``node_lookup``); ``NodeUnavailableError`` if none can be."""
 
     def __init__(self, node_id: str, namespace: str, remap: Callable[[], None],
                  timeout_s: float = DEFAULT_TIMEOUT_S, owner: RankOwner | None = None
@@ -96,13 +98,10 @@ class NodeLink:
         self.owner = owner
         self._namespace = namespace
         self._remap = remap
-        try:
-            self._actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
-        except ValueError as e:
-            raise NodeUnavailableError(
-                f"no raykv node actor on node {node_id[:12]} (namespace {namespace!r}); "
-                "is raykv running on this cluster?") from e
+        self._actor = node_actor_of(node_id, namespace)
         self._local = node_id == ray.get_runtime_context().get_node_id()
+        if self._local:  # an engine here: its node actor stays while it lives
+            self._actor.attach_engine.remote(ProcessIdentity.current())
         self._channel: ChannelClient | None = None
         self._controller: Any = None
         # .deadline, .granted: of the call in progress on a thread (``bounded``)

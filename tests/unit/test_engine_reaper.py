@@ -57,15 +57,15 @@ def pools():
 def test_an_engine_pool_is_removed_after_its_process_exits(engine, pools):
     child, path, inode = engine
     node, store = pools
-    assert node.engines() == 0
+    assert node.engine_watch.alive() == 0
     node.adopt_engine("sglang-kv", path, LAYOUT, inode)
     assert node.reap_engines(grace_s=0.0) == []  # the engine runs: kept
-    assert node.engines() == 1
+    assert node.engine_watch.alive() == 1
     assert "sglang-kv" in node.table.pools and store.backend.registered
 
     child.stdin.close()  # the engine exits without unregistering anything
     child.wait(10)
-    assert node.engines() == 0  # gone, though its pool is still mapped
+    assert node.engine_watch.alive() == 0  # gone, though its pool is still mapped
     assert node.reap_engines(grace_s=60.0) == []  # seen gone now; still within the grace
     assert "sglang-kv" in node.table.pools
     time.sleep(0.05)
@@ -142,3 +142,26 @@ def test_a_reused_pid_is_not_the_process_it_once_named():
     assert me is not None and me.alive()
     assert not ProcessIdentity(me.pid, me.start_ticks + 1).alive()
     assert ProcessIdentity.of(2**22 + 1) is None  # above pid_max: no such process
+
+
+def test_attached_engines_count_while_they_live_and_once():
+    from raykv.cache_actors.node.engine_watch import MAX_CLIENTS, EngineWatch
+
+    class Proc:
+        def __init__(self) -> None:
+            self.up = True
+
+        def alive(self) -> bool:
+            return self.up
+
+    watch, a, b = EngineWatch(), Proc(), Proc()
+    watch.attach(a)
+    watch.attach(a)
+    watch.watch("pool-a", a)
+    watch.attach(b)
+    assert watch.alive() == 2
+    b.up = False
+    assert watch.alive() == 1
+    for _ in range(MAX_CLIENTS + 5):
+        watch.attach(Proc())
+    assert len(watch._clients) == MAX_CLIENTS  # bounded, the gone ones dropped first
