@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 
 import click
+from raykv.controllers.node_lifecycle import DRAIN_TIMEOUT_S, RETIRE_IDLE_S, LifecycleSettings
 from raykv.controllers.node_settings import (
     DEFAULTS,
     PLACEMENTS,
@@ -369,6 +370,19 @@ def _connected(call, *args, **kwargs):
 @click.option("--bound-tenants-only", is_flag=True, help="Serve only the tenants bound "
               "with --tenant-digest: nodes and the controller bind no tenant on first use, "
               "so nobody can fill their tenant tables.")
+@click.option("--keep-nodes", "keep_nodes", multiple=True, metavar="NODE_ID|all",
+              help="A node that always has a node actor, like the head node (repeat per "
+              "node; 'all': every node, a fixed cluster). Default: only nodes where "
+              "engines run, so the autoscaler can remove idle nodes.")
+@click.option("--retire-idle", default=RETIRE_IDLE_S, show_default=True,
+              type=click.FloatRange(min=0),
+              help="Seconds a node actor stays on a node without engines before it drains "
+              "its cache and stops (0: never).")
+@click.option("--drain-timeout", default=DRAIN_TIMEOUT_S, show_default=True, type=SECONDS,
+              help="Seconds a retiring node actor (or `raykv drain`) moves its cache for; "
+              "a node Ray drains has Ray's deadline instead.")
+@click.option("--no-drain", is_flag=True, help="A leaving node actor stops at once: its "
+              "node's cache is lost (default: moved to other nodes first).")
 @click.option("--emulate-hosts", default=0, type=click.IntRange(0, 32),
               help="Instead of joining a Ray cluster: start one of N emulated hosts on this "
               "machine (root only: a network namespace and address per host, a Ray node "
@@ -383,8 +397,10 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        untenanted_pool_size: int | None, l2_size: int, placement: str, confirm_ttl: float,
        tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
-       emulate_hosts: int, link: str | None) -> None:
-    """Start raykv on a running Ray cluster (master, controller, one actor per node)."""
+       keep_nodes: tuple[str, ...], retire_idle: float, drain_timeout: float,
+       no_drain: bool, emulate_hosts: int, link: str | None) -> None:
+    """Start raykv on a running Ray cluster (master, controller, and a node actor on the
+    head node and wherever engines run)."""
     from raykv.clusters import deploy
 
     if link is not None and not emulate_hosts:
@@ -417,6 +433,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             untenanted_pool_bytes=untenanted_pool_size, confirm_ttl_s=confirm_ttl,
             tenant_quotas=quotas, tenant_digests=digests,
             bound_tenants_only=bound_tenants_only, l2_bytes=l2_size, placement=placement)
+        lifecycle = LifecycleSettings(keep_nodes=keep_nodes, retire_idle_s=retire_idle,
+                                      drain=not no_drain, drain_timeout_s=drain_timeout)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if emulate_hosts:
@@ -427,12 +445,12 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   untenanted_pool_bytes=untenanted_pool_size,
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
-                  placement=placement)
+                  placement=placement, lifecycle=lifecycle)
         return
     with _spinner("starting raykv: master, controller, an actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,
-                          master_ports=(master_port, metadata_port))
+                          master_ports=(master_port, metadata_port), lifecycle=lifecycle)
     click.echo(f"raykv is up in namespace {namespace!r} ({info['mode']} mode): master "
                f"{info['master_address']}, metadata {info['metadata_server']}, "
                f"{len(info['node_ids'])} node actor(s)")
@@ -484,6 +502,28 @@ def status(address: str, namespace: str, as_json: bool, watch: bool, interval: f
         click.echo(json.dumps(state, indent=2, default=str))
     else:
         render_status(state)
+
+
+@main.command(epilog=_epilog(zero="drained: its node actor stopped", one=(
+    "also when no Ray cluster answers at --address (checked within seconds),",
+    "raykv does not run in the namespace, or the node has no node actor")))
+@ADDRESS
+@NAMESPACE_OPT
+@click.argument("node_id")
+def drain(address: str, namespace: str, node_id: str) -> None:
+    """Before taking NODE_ID away: its node actor writes its L2's unsaved pages to L3,
+    moves the objects only its segment holds to other nodes (hottest first, for the
+    seconds `raykv up --drain-timeout` gave) and stops; none starts there again while the
+    node lives. Prints what moved and what was left."""
+    import json
+
+    from raykv.clusters import deploy
+
+    with _spinner(f"draining node {node_id[:12]} ..."):
+        report = _connected(deploy.drain, address, node_id, namespace)
+    click.echo(json.dumps(report, indent=2, default=str))
+    if "error" in report:
+        raise click.ClickException(f"node {node_id[:12]}: {report['error']}")
 
 
 @main.command(epilog=_epilog(zero="raykv stopped", one=(

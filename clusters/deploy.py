@@ -23,7 +23,14 @@ from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor, ports_key
 from raykv.clusters.mooncake_master import check_confirm_ttl
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
-from raykv.controllers.naming import CONTROLLER_NAME, NAMESPACE, SUPERVISOR_NAME, node_actor_name
+from raykv.controllers.naming import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    RECONCILER_NAME,
+    SUPERVISOR_NAME,
+    node_actor_name,
+)
+from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -63,7 +70,8 @@ def controller(namespace: str = NAMESPACE):
 
 def up(address: str, settings: NodeSettings | None = None, *, namespace: str = NAMESPACE,
        master_address: str | None = None, metadata_server: str | None = None,
-       master_args: tuple[str, ...] = (), master_ports: tuple[int, int] = (0, 0)) -> dict:
+       master_args: tuple[str, ...] = (), master_ports: tuple[int, int] = (0, 0),
+       lifecycle: LifecycleSettings | None = None) -> dict:
     """Start raykv on the cluster at ``address``; returns the controller's info.
 
     ``settings`` (default ``NodeSettings()``) reach every node actor whole: transport
@@ -74,7 +82,9 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     ``127.0.0.1`` for a cluster whose nodes all run on one machine), its metrics on
     127.0.0.1 alone; any of their sockets bound wider is logged as a warning.
     ``master_ports``: the RPC and HTTP metadata ports of the master raykv starts (0: a
-    free port). ``confirm_ttl_s`` must be below the master's object lease (checked for
+    free port). ``lifecycle``: where node actors run and when they leave (default
+    ``LifecycleSettings()``: the head node and nodes with engines). ``confirm_ttl_s``
+    must be below the master's object lease (checked for
     the master raykv starts; with ``master_address`` it is the caller's promise).
 
     Raises ``ValueError`` if raykv already runs there or only one of ``master_address``
@@ -114,13 +124,31 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                         master_address.rpartition(":")[0])
     settings = replace(settings, master_address=master_address,
                        metadata_server=metadata_server)
-    ctl, _ = start_control_plane(settings, namespace)
+    ctl, _ = start_control_plane(settings, namespace, lifecycle=lifecycle)
     return ray.get(ctl.info.remote())
 
 
+def drain(address: str, node_id: str, namespace: str = NAMESPACE) -> dict:
+    """``NodeReconciler.drain`` of ``node_id`` (its report). ``ValueError`` if raykv does
+    not run in ``namespace`` or that node has no node actor."""
+    connect(address, namespace)
+    try:
+        reconciler = ray.get_actor(RECONCILER_NAME, namespace=namespace)
+    except ValueError:
+        raise ValueError(f"raykv is not running in namespace {namespace!r}") from None
+    try:
+        return ray.get(reconciler.drain.remote(node_id))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise e.cause from None
+        raise
+
+
 def status(address: str, namespace: str = NAMESPACE) -> dict:
-    """The controller's info, its deployments, the master supervisor's state and every
-    node actor's stats (``nodes``: node id -> stats, or ``{"error": ...}``)."""
+    """The controller's info, its deployments, the master supervisor's state, every
+    node actor's stats (``nodes``: node id -> stats, or ``{"error": ...}``) and the
+    reconciler's ``lifecycle`` (``NodeReconciler.leaving``: nodes leaving now, the last
+    report of each that left or stayed)."""
     connect(address, namespace)
     ctl = controller(namespace)
     if ctl is None:
@@ -138,7 +166,12 @@ def status(address: str, namespace: str = NAMESPACE) -> dict:
         master = ray.get(supervisor.addresses.remote(), timeout=10)
     except ValueError:
         master = {"master_address": info["master_address"], "supervised": False}
-    return {"info": info, "master": master, "nodes": nodes,
+    try:
+        reconciler = ray.get_actor(RECONCILER_NAME, namespace=namespace)
+        lifecycle = ray.get(reconciler.leaving.remote(), timeout=10)
+    except Exception as e:  # status still shows the rest
+        lifecycle = {"error": str(e).splitlines()[0]}
+    return {"info": info, "master": master, "nodes": nodes, "lifecycle": lifecycle,
             "deployments": ray.get(ctl.deployments.remote())}
 
 

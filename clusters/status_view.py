@@ -116,6 +116,22 @@ def master_line(master: dict) -> str | None:
     return line
 
 
+def lifecycle_lines(lifecycle: dict) -> list[str]:
+    """One line per node leaving now (retiring without engines, or draining for Ray or
+    an operator) and per node whose last leaving has a report: its reason, outcome, and
+    what the drain moved, dropped and left."""
+    if "error" in lifecycle:
+        return [f"node lifecycle: unknown ({lifecycle['error']})"]
+    names = {"idle": "retiring (no engines)", "preemption": "draining (Ray drain)",
+             "operator": "draining (raykv drain)"}
+    lines = [f"node {n[:8]}: {names.get(r, r)}"
+             for n, r in lifecycle.get("leaving", {}).items()]
+    for node_id, report in lifecycle.get("reports", {}).items():
+        figures = ", ".join(f"{k} {v}" for k, v in report.items() if k not in ("reason",))
+        lines.append(f"node {node_id[:8]} left ({report.get('reason')}): {figures}")
+    return lines
+
+
 def render_status(state: dict, console: Console | None = None) -> None:
     """Print the master (a warning line while its supervisor restarts it:
     ``master_line``), each node's warnings (its stats' ``warnings``), the deployments,
@@ -134,6 +150,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
     for node_id, s in state["nodes"].items():
         for warning in s.get("warnings", ()):
             console.print(Text(f"warning: node {node_id[:8]}: {warning}", style="yellow"))
+    for line in lifecycle_lines(state.get("lifecycle", {})):
+        console.print(line)
     for dep_id, dep in state["deployments"].items():
         pools = ", ".join(f"{p['role']}:{p['kind']}" for p in dep["pools"])
         home = (dep.get("home_node") or "-")[:8]

@@ -23,6 +23,7 @@ from raykv.clusters.cli import (
     Tokens,
 )
 from raykv.clusters.status_view import render_status
+from raykv.controllers.node_lifecycle import LifecycleSettings
 from rich.console import Console
 
 RAYKV = str(Path(sys.executable).parent / "raykv")
@@ -319,6 +320,13 @@ EMULATED_UP = {
                         ("tenant_digests", {"acme": "ab" * 32})),
     "--bound-tenants-only": (["--tenant-digest", "acme=" + "ab" * 32, "--bound-tenants-only"],
                              ("bound_tenants_only", True)),
+    "--keep-nodes": (["--keep-nodes", "all"], ("lifecycle", LifecycleSettings(
+        keep_nodes=("all",)))),
+    "--retire-idle": (["--retire-idle", "7"], ("lifecycle", LifecycleSettings(
+        retire_idle_s=7.0))),
+    "--drain-timeout": (["--drain-timeout", "9"], ("lifecycle", LifecycleSettings(
+        drain_timeout_s=9.0))),
+    "--no-drain": (["--no-drain"], ("lifecycle", LifecycleSettings(drain=False))),
 }
 """Every option of ``raykv up`` but --emulate-hosts' own (--link, --namespace): what
 ``up --emulate-hosts`` does with it."""

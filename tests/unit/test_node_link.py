@@ -16,7 +16,8 @@ from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
 )
-from raykv.cache_actors.rank import node_guard, node_link
+from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.rank import node_guard, node_link, node_lookup
 from raykv.cache_actors.rank.node_guard import NodeGuard
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
 from raykv.cache_actors.tickets import TicketRef, process_book
@@ -137,6 +138,7 @@ def fake(monkeypatch):
     fake_ray = FakeRay()
     fake_ray.actors[node_actor_name(HERE)] = FakeActor("here", {"channel_path": "/sock"})
     monkeypatch.setattr(node_link, "ray", fake_ray)
+    monkeypatch.setattr(node_lookup, "ray", fake_ray)
     monkeypatch.setattr(node_link, "ChannelClient", FakeChannel)
     monkeypatch.setattr(node_guard, "ray", fake_ray)
     monkeypatch.setattr(node_guard, "_guards", {})  # every test its own breakers
@@ -162,7 +164,9 @@ def test_control_calls_go_through_ray_with_the_control_deadline(fake):
     link = make_link()
     assert link.call("health") == {"mode": "embedded"}
     assert link.ask("get_pool", "p") is None
-    assert actor.calls == [("health", ()), ("get_pool", ("p",))]
+    attached, *calls = actor.calls  # a link on its actor's node attaches its engine first
+    assert attached == ("attach_engine", (ProcessIdentity.current(),))
+    assert calls == [("health", ()), ("get_pool", ("p",))]
     assert fake.timeouts == [("health", CONTROL_TIMEOUT_S), ("get_pool", CONTROL_TIMEOUT_S)]
 
 
@@ -177,7 +181,7 @@ def test_local_data_ops_take_the_channel_opened_within_the_deadline(fake):
     (exists, (get, (batch, ticket))) = channel.calls  # a get carries its ticket
     assert exists == ("exists", (["k"],)) and (get, batch) == ("get", "batch")
     assert isinstance(ticket, TicketRef) and ticket.book == process_book().name
-    assert actor.calls == [("channel_path", ())]
+    assert actor.calls[1:] == [("channel_path", ())]
     assert fake.timeouts == [("channel_path", 2.5)]
 
 
