@@ -42,11 +42,6 @@ def evicted_bytes(c) -> int:
                 if line.startswith("master_evicted_size_bytes "))
 
 
-def leave(c, node: str) -> None:
-    """Remove ``node`` and wait until its segment's objects no longer read from it."""
-    c.remove_node(node)
-
-
 def test_a_drained_node_leaves_every_page_readable_elsewhere_and_readers_never_hang(
         cluster, uid):
     """Pages written on a node (own placement: on its segment) read back byte-exact
@@ -61,7 +56,7 @@ def test_a_drained_node_leaves_every_page_readable_elsewhere_and_readers_never_h
     lost = [f"{uid}-lost-{i}" for i in range(48)]
     assert all(ray.get(drain_rank(control, "drain/a", POOL_PAGES).write.remote(lost)))
     assert ray.get(reader.read.remote(lost)) == ["exact"] * 48
-    leave(c, control)
+    c.remove_node(control)
     assert ray.get(reader.read.remote(lost)) == ["miss"] * 48  # CONTROL: gone with it
 
     node = c.add_node()
@@ -78,7 +73,7 @@ def test_a_drained_node_leaves_every_page_readable_elsewhere_and_readers_never_h
     assert reads["error"] is None and reads["wrong"] == 0 and reads["rounds"] > 0, reads
     assert reads["longest_s"] <= bound_s(READ_TIMEOUT_S), reads
     assert ray.get(c.node_actors[node].drain_status.remote()) == report
-    leave(c, node)
+    c.remove_node(node)
     assert ray.get(reader.read.remote(kept)) == ["exact"] * 48
 
 
@@ -105,7 +100,7 @@ def test_a_short_deadline_saves_the_hottest_and_loses_the_rest_cleanly(cluster, 
     assert report["candidates"] == 2 * len(batches) * POOL_PAGES  # a K and a V object each
     assert report["objects_left"] > 0 and report["objects_moved"] > 0, report
     assert report["started"] - report["objects_moved"] <= IN_FLIGHT
-    leave(c, node)
+    c.remove_node(node)
     reader = drain_rank(stay, "drain/b", POOL_PAGES)
     got = [ray.get(reader.read.remote(batch)) for batch in batches]
     assert all(o != "wrong" for batch in got for o in batch)
@@ -143,7 +138,7 @@ def test_receivers_nearly_full_bound_what_moves_and_lose_nothing_of_theirs(clust
     report = ray.get(c.node_actors[node].drain.remote(60.0, room, "test"))
     assert 0 < report["bytes_moved"] <= room, report
     assert report["objects_dropped"] > 0 and report["objects_left"] == 0, report
-    leave(c, node)
+    c.remove_node(node)
     for rank, keys in held.values():
         assert ray.get(rank.read.remote(keys)) == ["exact"] * len(keys)
     assert evicted_bytes(c) == evicted
