@@ -77,10 +77,3 @@ def sole_on(keys: Sequence[str], located: Sequence[Sequence[str]], segment: str)
     key, the segments holding a complete replica of it)."""
     return [k for k, where in zip(keys, located, strict=True) if tuple(where) == (segment,)]
 
-
-def spread(n: int, targets: Sequence[str]) -> list[str]:
-    """The target segment of each of ``n`` moves, taking ``targets`` in turn (an even
-    share each); ``ValueError`` without a target."""
-    if not targets:
-        raise ValueError("no segment to move to")
-    return [targets[i % len(targets)] for i in range(n)]

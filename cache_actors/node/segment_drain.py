@@ -11,14 +11,18 @@ nodes' segments, hottest first, within a deadline and the room the store has.
 3. *Candidates*: the objects of this node's touch journal and of its peers' recent
    touches, ordered by their touches merged over every node (``touch_journal.hottest``:
    most recently touched first); of those, the ones whose only complete replica is on
-   this node's segment (``StoreBackend.locate``, in chunks of ``LOCATE_CHUNK``).
+   this node's segment (``StoreBackend.locate``, ``LOCATE_CHUNK`` at a time, the next
+   chunk looked up while the moves of the ones before run).
 4. *Choose*: hottest first, each that fits in ``room_bytes`` is taken, each that does
    not is *dropped* (``drain_plan.fitting``): the drain never makes room by evicting.
 5. *Move*: a Mooncake move task per object (``StoreBackend.start_move``; the client
    owning the segment runs it: this node's), to the peers' segments in turn, at most
    ``IN_FLIGHT`` at once, polled every ``POLL_S``, until all ended or the deadline:
    what was not started or not done by then is *left* (it may still move, but is not
-   counted moved); a move that failed is *failed*.
+   counted moved); a move that failed is *failed*; objects not looked up by then are
+   ``unlocated`` (not known to be this segment's alone). Mooncake 0.3.13's client
+   takes its move tasks 16 at a time about once a second: about 16 objects a second,
+   whatever their size.
 
 Bytes move through Mooncake alone; the node keeps serving meanwhile (a rank reading an
 object gets its bytes from whichever replica the master names, or a miss). The report
@@ -26,8 +30,8 @@ object gets its bytes from whichever replica the master names, or a miss). The r
 ``done``, ``called off``; ``no locate`` where the client cannot tell which objects its
 segment holds: a dummy client of ``mooncake_client``, standalone mode, moves nothing),
 ``objects_``/``bytes_`` ``moved``, ``dropped``, ``left``, ``failed``, ``started`` (move
-tasks started), ``candidates`` (objects found on this segment alone), ``l2_pages``
-(L2 pages put to L3 by the flush), ``targets``, ``seconds``, ``deadline_s``.
+tasks started), ``candidates`` (objects found on this segment alone), ``unlocated``,
+``l2_pages`` (L2 pages put to L3 by the flush), ``targets``, ``seconds``, ``deadline_s``.
 ``undo`` (an aborted retirement) steers puts to the own segment again.
 
 Threads: ``run`` on a thread of the node actor's pool group; ``status`` and ``undo``
@@ -41,6 +45,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,7 +53,7 @@ import ray
 from raykv.cache_actors.node.node_metrics import DRAIN_OUTCOMES
 from raykv.cache_actors.node.store_backend import StoreBackend
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch, TouchJournal, hottest
-from raykv.controllers.drain_plan import fitting, sole_on, spread
+from raykv.controllers.drain_plan import fitting, sole_on
 from raykv.controllers.naming import CONTROLLER_NAME
 
 if TYPE_CHECKING:
@@ -154,7 +159,8 @@ class SegmentDrain:
                 raise ValueError("a drain of this node is running")
             self._report = {"reason": reason, "state": "running", "deadline_s": deadline_s,
                             "started_at": time.time(), "end": end, "targets": 0,
-                            "l2_pages": 0, "candidates": 0, "started": 0, "seconds": 0.0,
+                            "l2_pages": 0, "candidates": 0, "started": 0, "unlocated": 0,
+                            "seconds": 0.0,
                             **{f"{w}_{c}": 0 for c in DRAIN_OUTCOMES for w in ("objects", "bytes")}}
         self._off.clear()
         try:
@@ -198,51 +204,85 @@ class SegmentDrain:
         mine = self._journal.entries()
         views = [dict(mine), *self._peers.touches([k for k, _ in mine],
                                                   min(end, self._clock() + PEER_WAIT_S))]
-        order = hottest(views)
-        sole: list[tuple[str, int]] = []
-        for i in range(0, len(order), LOCATE_CHUNK):
-            if self._clock() >= end or self._off.is_set():
-                break
-            chunk = order[i:i + LOCATE_CHUNK]
-            keys = [k for k, _ in chunk]
-            located = self._backend.locate(keys)
-            if located is not None:
-                size = dict(chunk)
-                sole += [(k, size[k].size) for k in sole_on(keys, located, own)]
-        self._note(candidates=len(sole))
-        choice = fitting(sole, room_bytes)
-        self._count("dropped", choice.dropped)
-        if choice.take and not targets:  # no segment to move to: nothing fits anywhere
-            self._count("dropped", choice.take)
-            return
-        self._move(choice.take, spread(len(choice.take), targets), end)
+        self._move(_Candidates(hottest(views), own, self._backend.locate, room_bytes),
+                   targets, end)
 
-    def _move(self, take: list[tuple[str, int]], to: list[str], end: float) -> None:
-        """Move ``take`` (key, size), hottest first, each to its segment of ``to``, until
-        all ended or ``end``; what did not end by then is left."""
+    def _move(self, found: _Candidates, targets: list[str], end: float) -> None:
+        """Locate ``found`` a chunk at a time and move what it takes, hottest first, to
+        ``targets`` in turn (none: dropped), until all ended or ``end``; what did not end
+        by then is left, what was not located by then is counted ``unlocated``."""
         own = self._backend.own_segment
+        queue: deque[tuple[str, int]] = deque()
         running: dict[object, tuple[str, int]] = {}
-        nxt = 0
-        while (nxt < len(take) or running) and self._clock() < end:
-            while nxt < len(take) and len(running) < self._in_flight \
-                    and not self._off.is_set():
-                key, size = take[nxt]
-                task, rc = self._backend.start_move(key, own, to[nxt])
-                nxt += 1
+        started, polled = 0, self._clock()
+        while self._clock() < end and not (self._off.is_set() and not running):
+            while queue and len(running) < self._in_flight and not self._off.is_set():
+                key, size = queue.popleft()
+                task, rc = self._backend.start_move(key, own, targets[started % len(targets)])
+                started += 1
                 if task is None:
                     log.debug("move of %s not started: %d", key, rc)
                     self._count("failed", [(key, size)])
                 else:
                     running[task] = (key, size)
-            self._note(started=nxt)
-            if self._off.is_set() and not running:
+            self._note(started=started)
+            if not found.done and not self._off.is_set():  # locate while moves run
+                take, dropped, sole = found.next_chunk()
+                self._count("dropped", dropped if targets else dropped + take)
+                queue.extend(take if targets else ())
+                with self._lock:
+                    self._report["candidates"] += sole
+            elif not queue and not running:
                 break
-            time.sleep(self._poll_s)
-            for task in list(running):
-                state = self._backend.move_state(task)
-                if state != "running":
-                    self._count("moved" if state == "done" else "failed", [running.pop(task)])
-        self._count("left", take[nxt:] + list(running.values()))
+            else:
+                time.sleep(self._poll_s)
+            if running and self._clock() - polled >= self._poll_s:
+                polled = self._clock()
+                for task in list(running):
+                    state = self._backend.move_state(task)
+                    if state != "running":
+                        self._count("moved" if state == "done" else "failed",
+                                    [running.pop(task)])
+        self._count("left", [*queue, *running.values()])
+        self._note(unlocated=found.unlocated)
+
+
+class _Candidates:
+    """The objects of ``order`` (key, touch; hottest first) whose only complete replica
+    is on segment ``own``, looked up ``LOCATE_CHUNK`` at a time (``locate``); of those,
+    each that fits in what is left of ``room`` (None: no bound) is taken, each that does
+    not dropped (``drain_plan.fitting``, chunk by chunk: the same choice)."""
+
+    def __init__(self, order: list[tuple[str, Touch]], own: str,
+                 locate: Callable[[list[str]], list[tuple[str, ...]] | None],
+                 room: int | None) -> None:
+        self._order, self._own, self._locate, self._room = order, own, locate, room
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._order)
+
+    @property
+    def unlocated(self) -> int:
+        """Objects of ``order`` not looked up yet."""
+        return len(self._order) - self._next
+
+    def next_chunk(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+        """The next chunk's objects taken and dropped (key, size), and how many it had
+        on ``own`` alone; none if the lookup failed (nothing known of them)."""
+        chunk = self._order[self._next:self._next + LOCATE_CHUNK]
+        self._next += len(chunk)
+        keys = [k for k, _ in chunk]
+        located = self._locate(keys)
+        if located is None:
+            return [], [], 0
+        size = dict(chunk)
+        choice = fitting([(k, size[k].size) for k in sole_on(keys, located, self._own)],
+                         self._room)
+        if self._room is not None:
+            self._room -= sum(s for _, s in choice.take)
+        return choice.take, choice.dropped, len(choice.take) + len(choice.dropped)
 
 
 class RayPeers:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 from raykv.clusters.store_usage import StoreUsage, parse_store_usage, read_store_usage
-from raykv.controllers.drain_plan import fitting, room, sole_on, spread
+from raykv.controllers.drain_plan import fitting, room, sole_on
 
 MASTER_TEXT = """# HELP master_allocated_bytes Total allocated bytes
 # TYPE master_allocated_bytes gauge
@@ -59,12 +59,6 @@ def test_only_objects_on_the_leaving_segment_alone_are_candidates():
     keys = ["a", "b", "c", "d"]
     located = [("s1",), ("s1", "s2"), ("s2",), ()]
     assert sole_on(keys, located, "s1") == ["a"]
-
-
-def test_spread_takes_the_targets_in_turn():
-    assert spread(5, ["t1", "t2"]) == ["t1", "t2", "t1", "t2", "t1"]
-    with pytest.raises(ValueError):
-        spread(1, [])
 
 
 def test_the_masters_metrics_give_the_usage_and_the_room_of_a_segment():
