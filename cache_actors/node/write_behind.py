@@ -13,6 +13,9 @@ are in L2 only (until evicted), and L3's chain has a hole there. A hole costs hi
 never bytes: every lookup and load stops at a chain's first missing block, so the
 blocks after it are only unused space in L3 until they are evicted there.
 
+A drain (``cache_actors.node.segment_drain``) calls ``flush``: every retry is due at
+once, and it waits until the write-behind of everything handed over ended.
+
 Counters (``counts``, read under the owner's lock): ``submitted`` (objects handed
 over; the write-behind has ended for all of them once ``stored`` + ``failed`` reach
 it), ``stored`` (objects put), ``retried``
