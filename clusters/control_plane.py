@@ -29,12 +29,15 @@ master supervisor to stop cleanly before it kills them."""
 def start_control_plane(settings: NodeSettings, namespace: str, *,
                         reconcile_period_s: float = 1.0,
                         overrides: dict[str, int] | None = None,
-                        lifecycle: LifecycleSettings | None = None):
+                        lifecycle: LifecycleSettings | None = None,
+                        master_metrics: str | None = None):
     """Start the controller and the reconciler (detached, named, on the head node: an
     actor on another node would keep that node busy for Ray's autoscaler) and run one
     reconcile pass; returns ``(controller, reconciler)`` once every node actor answers.
     ``lifecycle``: where node actors run and when they leave (default
-    ``LifecycleSettings()``: the head node, nodes with engines, nodes kept)."""
+    ``LifecycleSettings()``: the head node, nodes with engines, nodes kept);
+    ``master_metrics``: the master's metrics URL, read on the head node for the room a
+    drain has (None: drains move nothing, they only write L2's unsaved pages)."""
     on_head = head_affinity()
     info = {"master_address": settings.master_address,
             "metadata_server": settings.metadata_server, "cluster_tag": settings.cluster_tag,
@@ -47,7 +50,7 @@ def start_control_plane(settings: NodeSettings, namespace: str, *,
     reconciler = NodeReconciler.options(
         name=RECONCILER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
         scheduling_strategy=on_head,
-    ).remote(settings, namespace, reconcile_period_s, overrides, lifecycle)
+    ).remote(settings, namespace, reconcile_period_s, overrides, lifecycle, master_metrics)
     ray.get(reconciler.reconcile.remote())
     names = ray.get(controller.nodes.remote()).values()
     ray.get([ray.get_actor(n, namespace=namespace).health.remote() for n in names])

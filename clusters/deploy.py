@@ -104,6 +104,7 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     if controller(namespace) is not None:
         raise ValueError(f"raykv is already up in namespace {namespace!r}: "
                          "use `raykv status` or `raykv down`")
+    metrics_url = None  # an external master's metrics are not raykv's to read
     if master_address is None:
         head = head_node()
         try:
@@ -118,13 +119,15 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                  rpc_port=master_ports[0], http_port=master_ports[1])
         found = ray.get(supervisor.addresses.remote())
         master_address, metadata_server = found["master_address"], found["metadata_server"]
+        metrics_url = found["metrics_url"]
         for door in found["exposed"]:
             log.warning("raykv up: %s listens beyond the address it was given (%s): "
                         "firewall that port (docs/deploy.md, Ports)", door,
                         master_address.rpartition(":")[0])
     settings = replace(settings, master_address=master_address,
                        metadata_server=metadata_server)
-    ctl, _ = start_control_plane(settings, namespace, lifecycle=lifecycle)
+    ctl, _ = start_control_plane(settings, namespace, lifecycle=lifecycle,
+                                 master_metrics=metrics_url)
     return ray.get(ctl.info.remote())
 
 

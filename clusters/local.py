@@ -320,7 +320,7 @@ def start_local(
         cluster.controller, cluster.reconciler = start_control_plane(
             settings, namespace, reconcile_period_s=reconcile_period_s,
             overrides=dict(zip(cluster.node_ids, sizes, strict=True)),
-            lifecycle=lifecycle or LifecycleSettings.fixed())
+            lifecycle=lifecycle or LifecycleSettings.fixed(), master_metrics=master.metrics_url)
     except BaseException:
         cluster.shutdown()
         raise

@@ -102,11 +102,13 @@ class MasterSupervisor:
         start; and the supervisor's ``state`` (``running``, or ``restarting`` from the
         moment it found a process dead until a restart worked), ``attempts`` (failed
         restarts in a row, 0 once one worked) and ``last_error`` (of the last failed
-        restart, None if none failed)."""
+        restart, None if none failed); ``metrics_url``: the master's Prometheus text,
+        readable on the head node alone."""
         master = self._master
         proc, metadata_proc = master.proc, master.metadata_proc
         return {"master_address": master.master_address,
                 "metadata_server": master.metadata_server,
+                "metrics_url": master.metrics_url,
                 "pid": proc.pid if proc else None,
                 "metadata_pid": metadata_proc.pid if metadata_proc else None,
                 "restarts": self.restarts,

@@ -146,6 +146,12 @@ class MooncakeMaster:
                 "-enable_http_metadata_server=false", f"-metrics_host={METRICS_HOST}",
                 f"-metrics_port={self.metrics_port}", *self.extra_args]
 
+    @property
+    def metrics_url(self) -> str:
+        """Where the master serves its Prometheus text (on ``METRICS_HOST``: its own
+        machine alone reads it)."""
+        return f"http://{METRICS_HOST}:{self._metrics_port()}/metrics"
+
     def _metrics_port(self) -> int:
         """The master's metrics port: ``metrics_port``, or the one ``extra_args`` give."""
         port = self.metrics_port

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
+from raykv.clusters.store_usage import read_store_usage
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.node_lifecycle import (
     Leaving,
@@ -79,8 +80,10 @@ class NodeReconciler:
 
     def __init__(self, settings: NodeSettings, namespace: str, period_s: float = 1.0,
                  overrides: dict[str, int] | None = None,
-                 lifecycle: LifecycleSettings | None = None) -> None:
+                 lifecycle: LifecycleSettings | None = None,
+                 master_metrics: str | None = None) -> None:
         self._settings = settings
+        self._master_metrics = master_metrics  # the room of drains; None: not known
         self._namespace = namespace
         self._period = period_s
         self._overrides = dict(overrides or {})
@@ -227,14 +230,31 @@ class NodeReconciler:
             self._lifecycle.end(node_id, stopped, time.monotonic())
 
     async def _drained(self, actor, leaving: Leaving) -> dict:
-        """The node actor's drain within the deadline (its report), or what went wrong."""
+        """The node actor's drain within the deadline, bounded by the store's room for
+        its segment (its report), or what went wrong."""
         try:
+            room = await self._room(actor)
             return await asyncio.wait_for(
-                actor.drain.remote(leaving.deadline_s, None, leaving.reason),
+                actor.drain.remote(leaving.deadline_s, room, leaving.reason),
                 leaving.deadline_s + LOOK_TIMEOUT_S)
         except Exception as e:  # it still stops: the node is leaving or idle
             log.warning("node %s: drain failed: %s", leaving.node_id[:12], e)
             return {"drain_error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+
+    async def _room(self, actor) -> int:
+        """The bytes a drain of ``actor``'s segment may move without making the store
+        evict (``StoreUsage.room_without``); 0 when the master's usage cannot be read:
+        a drain that cannot know the room moves nothing rather than evict hotter objects
+        (it still writes its L2's unsaved pages)."""
+        if self._master_metrics is None:
+            return 0
+        usage = await asyncio.to_thread(read_store_usage, self._master_metrics)
+        segment = (await actor.health.remote()).get("segment")
+        if usage is None or segment is None:
+            log.warning("the master's usage (%s) or the segment is unknown: the drain moves "
+                        "nothing", self._master_metrics)
+            return 0
+        return usage.room_without(segment)
 
     def _forget_confirmations(self) -> None:
         """A segment left: the others' confirmed pages may be gone with it."""

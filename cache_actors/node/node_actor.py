@@ -303,22 +303,16 @@ class NodeCacheActor:
     @ray.method(concurrency_group="route")
     async def touches(self, keys: list[str] | None = None, prefix: str = "",
                       limit: int = MAX_ANSWER) -> dict[str, Touch]:
-        """This node's touch journal: the entries of ``keys`` it has, or (``keys``
-        None) its ``limit`` latest with ``prefix`` (``TouchJournal``)."""
-        journal = self._service.touches
-        return journal.of(keys) if keys is not None else dict(journal.recent(limit, prefix))
+        """``TouchJournal.answer``: ``keys``' entries, or the ``limit`` latest of ``prefix``."""
+        return self._service.touches.answer(keys, prefix, limit)
 
     # --------------------------------------------------------------- control
     @ray.method(concurrency_group="control")
-    async def engines(self) -> int:
-        """Live engine processes on this node (``EngineWatch.alive``)."""
+    async def engines(self, attach: ProcessIdentity | None = None) -> int:
+        """Live ranks on this node (``EngineWatch.alive``), ``attach`` (one) counted."""
+        if attach is not None:
+            self._service.engines.attach(attach)
         return self._service.engines.alive()
-
-    @ray.method(concurrency_group="control")
-    async def attach_engine(self, process: ProcessIdentity) -> None:
-        """``process``, on this node, is an engine using this node actor (its node
-        actor stays while it lives: ``controllers.node_lifecycle``)."""
-        self._service.engines.attach(process)
 
     @ray.method(concurrency_group="control")
     async def clear_objects(self, owner: OwnerClaim | None = None) -> int:

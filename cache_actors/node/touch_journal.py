@@ -97,6 +97,11 @@ class TouchJournal:
         with self._lock:
             return {k: t for k in keys[:MAX_ANSWER] if (t := self._entries.get(k)) is not None}
 
+    def answer(self, keys: Sequence[str] | None, prefix: str = "",
+               limit: int = MAX_ANSWER) -> dict[str, Touch]:
+        """What a peer asks: ``of(keys)``, or (``keys`` None) ``recent(limit, prefix)``."""
+        return self.of(keys) if keys is not None else dict(self.recent(limit, prefix))
+
 
 def hottest(views: Iterable[dict[str, Touch]]) -> list[tuple[str, Touch]]:
     """The objects of several nodes' views, each once (``Touch.merged``), the most

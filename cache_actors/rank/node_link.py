@@ -101,7 +101,7 @@ class NodeLink:
         self._actor = node_actor_of(node_id, namespace)
         self._local = node_id == ray.get_runtime_context().get_node_id()
         if self._local:  # an engine here: its node actor stays while it lives
-            self._actor.attach_engine.remote(ProcessIdentity.current())
+            self._actor.engines.remote(ProcessIdentity.current())
         self._channel: ChannelClient | None = None
         self._controller: Any = None
         # .deadline, .granted: of the call in progress on a thread (``bounded``)

@@ -1,6 +1,7 @@
-"""Node actors run where engines run: one starts when a rank starts on a node without
-one, retires once the node has had no engine for the idle period, and leaves a node Ray
-drains (real Ray nodes, a real master; Ray's real autoscaler: test_autoscaler.py)."""
+"""Node actors run where ranks run: one starts when a rank starts on a node without one,
+retires (draining first) once the node has had no rank for the idle period, and drains
+and leaves a node Ray drains, within Ray's deadline (real Ray nodes, a real master;
+Ray's real autoscaler: test_autoscaler.py)."""
 
 import time
 
@@ -13,6 +14,7 @@ from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.pool_layout import MiB
 
+from tests.integration.drain_ranks import POOL_PAGES, drain_rank
 from tests.integration.ranks import indices, start_rank
 
 IDLE_S = 2.0
@@ -32,7 +34,7 @@ def wait_until(what, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     with start_local(num_nodes=3, global_segment_size=64 * MiB,
-                     lifecycle=LifecycleSettings(retire_idle_s=IDLE_S, drain=False)) as c:
+                     lifecycle=LifecycleSettings(retire_idle_s=IDLE_S, drain_timeout_s=10)) as c:
         yield c
 
 
@@ -63,29 +65,41 @@ def test_node_actors_start_with_engines_and_retire_without(cluster, uid):
     ray.kill(again)
 
 
-def test_a_ray_drain_stops_the_node_actor_and_keeps_it_off(cluster, uid):
-    node = cluster.node_ids[2]
-    rank = start_rank(node, StorageConfig())
-    ray.get(rank.fill.remote(2))
-    keys = [f"{uid}-{i}" for i in range(4)]
-    assert ray.get(rank.call.remote("batch_set_v1", keys, indices(0, 4))) == [True] * 4
+def test_a_ray_drain_saves_the_hottest_by_its_deadline_and_keeps_the_node_off(cluster, uid):
+    """A PREEMPTION drain with a 20 s deadline on a node holding more objects than move
+    in 20 s: the pages read last (the hottest) survive, the rest are misses, no page
+    reads other bytes, and the node actor is gone by the deadline; no node actor comes
+    back there, and a rank there gets misses at once, never a wait."""
+    node, head = cluster.node_ids[2], cluster.node_ids[0]
+    model = f"preempt-{uid}"
+    writer = drain_rank(node, model, POOL_PAGES)
+    keys = [f"{uid}-{i}" for i in range(4 * POOL_PAGES)]  # 2 objects a page: 2048 objects
+    assert all(ray.get(writer.write.remote(keys)))
+    hot = keys[:POOL_PAGES // 4]  # written first, read last: the hottest
+    assert set(ray.get(writer.read.remote(hot))) == {"exact"}
 
     gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    deadline_ms = int((time.time() + 20) * 1000)
-    accepted, why = gcs.drain_node(node, 2, "test preemption", deadline_ms)
+    deadline = time.time() + 20
+    accepted, why = gcs.drain_node(node, 2, "test preemption", int(deadline * 1000))
     assert accepted, why
 
     def stopped():
         """the draining node's actor stopped"""
         return not has_actor(node)
-    wait_until(stopped)
-    # the rank still runs there: its calls fail at once, never hang; no actor comes back
+    wait_until(stopped, timeout_s=60)
+    assert time.time() <= deadline + 3.0  # by the deadline (a look's period of slack)
+    report = ray.get(cluster.reconciler.leaving.remote())["reports"][node]
+    assert report.get("outcome") == "stopped" and report["reason"] == "preemption", report
+
+    reader = drain_rank(head, model, POOL_PAGES)
+    got = ray.get(reader.read.remote(keys))
+    assert "wrong" not in got
+    assert all(g == "exact" for g in got[:len(hot)]), got[:len(hot)]  # the hottest kept
+    assert got.count("miss") > 0, report  # more than the deadline allowed: the rest lost
+    # the rank still there: its calls fail at once, no node actor comes back
     with pytest.raises(ray.exceptions.RayTaskError) as e:
-        ray.get(rank.call.remote("batch_get_v1", keys, indices(0, 4)), timeout=60)
+        ray.get(writer.read.remote(hot), timeout=60)
     assert isinstance(e.value.cause, NodeUnavailableError)
-    reconciler = cluster.reconciler
     with pytest.raises(ray.exceptions.RayTaskError, match="draining"):
-        ray.get(reconciler.want.remote(node))
+        ray.get(cluster.reconciler.want.remote(node))
     assert not has_actor(node)
-    report = ray.get(reconciler.leaving.remote())["reports"][node]
-    assert report.get("outcome") == "stopped", report

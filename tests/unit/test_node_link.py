@@ -165,7 +165,7 @@ def test_control_calls_go_through_ray_with_the_control_deadline(fake):
     assert link.call("health") == {"mode": "embedded"}
     assert link.ask("get_pool", "p") is None
     attached, *calls = actor.calls  # a link on its actor's node attaches its engine first
-    assert attached == ("attach_engine", (ProcessIdentity.current(),))
+    assert attached == ("engines", (ProcessIdentity.current(),))
     assert calls == [("health", ()), ("get_pool", ("p",))]
     assert fake.timeouts == [("health", CONTROL_TIMEOUT_S), ("get_pool", CONTROL_TIMEOUT_S)]
 
