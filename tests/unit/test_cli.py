@@ -313,6 +313,8 @@ EMULATED_UP = {
     "--untenanted-pool-size": (["--untenanted-pool-size", "2GB"],
                                ("untenanted_pool_bytes", 2 << 30)),
     "--l2-size": (["--l2-size", "200MB"], ("l2_bytes", 200 << 20)),
+    "--l2-warm-size": (["--l2-warm-size", "64MB"], ("l2_warm_bytes", 64 << 20)),
+    "--l2-warm-seconds": (["--l2-warm-seconds", "5"], ("l2_warm_s", 5.0)),
     "--placement": (["--placement", "any"], ("placement", "any")),
     "--confirm-ttl": (["--confirm-ttl", "0.5"], ("confirm_ttl_s", 0.5)),
     "--tenant-quota": (["--tenant-quota", "acme=1GB"], ("tenant_quotas", {"acme": 1 << 30})),

@@ -171,13 +171,14 @@ def test_node_defaults_are_written_once():
     # or to each emulated host's address)
     assert set(drifted(local)) == {"global_segment_size"}
     assert local["local_hostname"] is None
-    cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s"}
+    cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s",
+                  "l2_warm_size": "l2_warm_bytes", "l2_warm_seconds": "l2_warm_s"}
     up = next(c for name, c in main.commands.items() if name == "up")
     cli = {cli_fields.get(p.name, p.name): p.type_cast_value(None, p.default)
            for p in up.params if isinstance(p.default, int | float | str)}  # flags: unset
     assert drifted(cli) == {}
     assert {"global_segment_size", "local_buffer_size", "protocol", "confirm_ttl_s",
-            "mooncake_log_level"} <= set(cli)
+            "mooncake_log_level", "l2_warm_bytes", "l2_warm_s"} <= set(cli)
     actor = inspect.signature(NodeCacheActor.__init__).parameters.values()
     # (Ray's tracing adds ``_ray_trace_ctx`` to the class's methods once it was made remote)
     assert [p.name for p in actor if p.default is not inspect.Parameter.empty
