@@ -222,3 +222,21 @@ def test_every_export_sets_the_pool_gauges_again(recorded):
     m.export()
     sets = [(c[2]["pool"], c[1]) for c in made["raykv_pool_bytes"].calls]
     assert sets == [("p0", 64), ("p1", 32), ("p1", 0), ("p0", 64), ("p0", 64)]
+
+
+def test_warmed_bytes_are_exported_once_by_owner(recorded):
+    """The warm-up's bytes (``L2Warmup`` records each batch read) reach
+    ``raykv_l2_warmed_bytes`` by the pool owner's tenant and deployment, each once."""
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    m.record_warmed(Owner("m_"), 128)
+    m.record_warmed(Owner("m_"), 64)
+    m.record_warmed(Owner("t1.x", "acme"), 32)
+    assert made["raykv_l2_warmed_bytes"].calls == []  # not on the warm-up's path
+    m.export()
+    assert sorted((c[2]["tenant"], c[2]["deployment"], c[1])
+                  for c in made["raykv_l2_warmed_bytes"].calls) == [
+        ("(none)", "m_", 192), ("acme", "t1.x", 32)]
+    m.export()
+    assert len(made["raykv_l2_warmed_bytes"].calls) == 2

@@ -197,3 +197,19 @@ def test_the_host_pool_budget_defaults_by_mode():
     out = CliRunner().invoke(main, ["up", "--help"])
     text = " ".join(out.output.split())
     assert "1G with --standalone" in text and "[default: 1G]" in text
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("l2_warm_bytes", -1), ("l2_warm_bytes", 1.5), ("l2_warm_bytes", True),
+    ("l2_warm_s", 0), ("l2_warm_s", -2.0), ("l2_warm_s", float("nan")),
+    ("l2_warm_s", float("inf")), ("l2_warm_s", "30")])
+def test_warm_up_budgets_are_checked(monkeypatch, field, bad):
+    from raykv.clusters import deploy
+
+    with pytest.raises(ValueError, match=field):
+        NodeSettings(**{field: bad})
+    # CONTROL: the budgets' edges that are good (0 bytes: no warm-up)
+    assert NodeSettings(l2_warm_bytes=0, l2_warm_s=0.5).l2_warm_bytes == 0
+    monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
+    out = CliRunner().invoke(main, ["up", "--l2-warm-seconds=0"])
+    assert out.exit_code == 2 and "--l2-warm-seconds" in out.output
