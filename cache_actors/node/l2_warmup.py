@@ -89,7 +89,7 @@ class L2Warmup:
     seconds it runs from the open; ``clock``: ``time.monotonic``."""
 
     def __init__(self, l2: L2Pools, ask: Ask, fetch_deployment: Callable[[str], Deployment],
-                 record: Callable[[Owner, int], None], *, warm_bytes: int, warm_s: float,
+                 record: Callable[[Owner, int], None], warm_bytes: int, warm_s: float, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._l2, self._ask, self._fetch, self._record = l2, ask, fetch_deployment, record
         self.warm_bytes, self.warm_s, self._clock = warm_bytes, warm_s, clock
@@ -191,12 +191,15 @@ class L2Warmup:
             self._record(owner, nbytes)
 
 
-def ask_peers(node_id: str, namespace: str, prefix: str, limit: int, prefer: Sequence[str],
+def ask_peers(prefix: str, limit: int, prefer: Sequence[str],
               wait_s: float) -> list[dict[str, Touch]]:
-    """``Ask`` over Ray from the node actor of ``node_id``: the controller's node list,
-    then the ``touches`` of up to ``MAX_PEERS`` other node actors (``prefer``'s nodes
-    first), all asked at once; answers not in within ``wait_s`` (in all) and failed
-    calls are left out. Runs on a thread (waits on futures, never on an event loop)."""
+    """``Ask`` over Ray from a node actor (its node and namespace: Ray's runtime
+    context): the controller's node list, then the ``touches`` of up to ``MAX_PEERS``
+    other node actors (``prefer``'s nodes first), all asked at once; answers not in
+    within ``wait_s`` (in all) and failed calls are left out. Runs on a thread (waits on
+    futures, never on an event loop)."""
+    context = ray.get_runtime_context()
+    node_id, namespace = context.get_node_id(), context.namespace
     end = time.monotonic() + wait_s
     controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     nodes: dict[str, str] = controller.nodes.remote().future().result(wait_s)

@@ -63,17 +63,18 @@ class NodeCacheActor:
     (``group_exists`` waits here for the service's reply). Pool calls and data calls
     take the caller's ``OwnerClaim`` last (None: a caller without one), each bound here
     to the call it came with (``ownership.for_call``: a tenant's call proof is good for
-    that method and those arguments only). Runs only as
-    ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
-    deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
-    (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
-    is bound; ``untenanted_pool_bytes``: the most bytes of this node's pools without a
-    tenant (None: ``tenant_quotas.untenanted_bound``'s default of this node's memory,
-    ``node_memory_bytes``); ``l2_bytes``: the most bytes of this node's L2 pools together
-    (``cache_actors.node.l2_pools``; 0: no L2); ``placement``: ``own`` puts prefer this
-    node's segment, ``any`` leaves the choice to Mooncake. ``challenge`` and ``open_session`` (a
-    tenant's owner session, ``controllers.owner_keys``) run in the ``data`` group: a pool
-    call under way never holds them up.
+    that method and those arguments only). Runs only as ``node_actor_class``.
+    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on this
+    node; ``tenant_digests``: tenant -> its tenant digest (public owner key), bound from
+    the start; ``bound_tenants_only``: no other tenant is bound;
+    ``untenanted_pool_bytes``: the most bytes of this node's pools without a tenant
+    (None: ``tenant_quotas.untenanted_bound``'s default of this node's memory,
+    ``node_memory_bytes``); ``l2_bytes``: the most bytes of this node's L2 pools
+    together (``cache_actors.node.l2_pools``; 0: no L2; ``l2_warm_*``: ``L2Warmup``);
+    ``placement``: ``own`` puts prefer this node's segment, ``any`` leaves the choice to
+    Mooncake. ``challenge`` and ``open_session`` (a tenant's owner session,
+    ``controllers.owner_keys``) run in the ``data`` group: a pool call under way never
+    holds them up.
 
     Its arguments are ``NodeSettings.actor_kwargs()``, every one given: the defaults live
     in ``controllers.node_settings`` alone."""
@@ -98,9 +99,7 @@ class NodeCacheActor:
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
         untenanted_pool_bytes: int | None,
-        l2_bytes: int,
-        l2_warm_bytes: int,
-        l2_warm_s: float,
+        l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float,
         placement: str,
     ) -> None:
         # Both Mooncake wheels in this node's environment: said at start and in stats.
@@ -117,9 +116,8 @@ class NodeCacheActor:
             placement=placement)
         self._namespace = ray.get_runtime_context().namespace
         self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
-        metrics = NodeMetrics(node_id)
         self._service = NodeService(
-            node_id, prefix, store, metrics, self._fetch_deployment,
+            node_id, prefix, store, (metrics := NodeMetrics(node_id)), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
             confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
@@ -128,9 +126,8 @@ class NodeCacheActor:
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
-        self._warmup = L2Warmup(self._service.l2, partial(ask_peers, node_id, self._namespace),
-                                self._fetch_deployment, metrics.record_warmed,
-                                warm_bytes=l2_warm_bytes, warm_s=l2_warm_s)
+        self._warmup = L2Warmup(self._service.l2, ask_peers, self._fetch_deployment,
+                                metrics.record_warmed, l2_warm_bytes, l2_warm_s)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -351,9 +348,7 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
-        """``NodeService.stats``, plus ``warnings`` (what is wrong with this node's
-        environment: both Mooncake wheels installed; said at start too), ``residency``
-        (``ResidencyQuery.stats``) and ``warmup`` (``L2Warmup.stats``)."""
+        """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``."""
         return await self._pooled(self._service.stats) | {"warnings": self._warnings,
             "residency": self._residency.stats(), "warmup": self._warmup.stats()}
 

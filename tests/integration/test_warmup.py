@@ -15,6 +15,7 @@ import torch
 from raykv import start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.controllers import StorageConfig
+from raykv.controllers.deployments import deployment_id
 from raykv.controllers.pool_layout import MiB, PoolLayout
 
 LAYOUT = PoolLayout.vllm(page_size=4, size=4, layer_num=2, head_num=1, head_dim=16,
@@ -44,6 +45,24 @@ def waited(what, done, client: CacheClient) -> dict:
         assert time.monotonic() < deadline, (what, s.get("warmup"), s["l2"])
         time.sleep(0.2)
     return s
+
+
+def exported(on: str, off: str, deployment: str, nbytes: int) -> None:
+    """Node ``on``'s Prometheus endpoint (Ray's metrics agent) shows ``nbytes`` warmed
+    for ``deployment`` once Ray exported them (bounded wait); CONTROL: node ``off``
+    warmed nothing and shows none."""
+    from tests.integration.test_metrics_export import SCRAPE_S, scrape, total
+
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    deadline = time.monotonic() + SCRAPE_S
+    while True:
+        found = scrape(nodes[on]).get("raykv_l2_warmed_bytes", [])
+        got = total(found, "_total", node=on[:12], deployment=deployment, tenant="(none)")
+        if got == nbytes:
+            break
+        assert got < nbytes and time.monotonic() < deadline, (got, nbytes, found)
+        time.sleep(1)
+    assert total(scrape(nodes[off]).get("raykv_l2_warmed_bytes", []), node=off[:12]) == 0
 
 
 def first_reads(client: CacheClient, pool, chains: list[list[str]]) -> tuple[list, dict]:
@@ -113,6 +132,7 @@ def test_a_node_that_joins_warms_its_new_l2_pool(uid):
             assert counted == {"l2_hits": CHAINS * PAGES, "store_gets": 0, "filled": 0}
             for pages, bytes_ in zip(got, wrote, strict=True):
                 assert torch.equal(l2_pages(warm_pool, pages), bytes_)
+            exported(on, off, deployment_id(conf), w["bytes"])
         finally:
             for client in clients:
                 client.close()
