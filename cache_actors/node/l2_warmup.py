@@ -48,7 +48,6 @@ from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.node.warm_plan import rank_objects, warm_runs
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment
-from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import CONTROLLER_NAME
 from raykv.controllers.ownership import Owner, OwnerClaim
 
@@ -114,7 +113,11 @@ class L2Warmup:
                 "pages": 0, "bytes": 0, "chosen": 0, "stopped": None, "seconds": 0.0}
             while len(self._warmups) > KEPT:
                 self._warmups.popitem(last=False)
-        self._thread.submit(self._run, handle, tuple(rank), claim, self._clock() + self.warm_s)
+        try:
+            self._thread.submit(self._run, handle, tuple(rank), claim,
+                                self._clock() + self.warm_s)
+        except RuntimeError:  # closed meanwhile
+            self._set(handle.name, state="done", stopped="stopped")
         return handle
 
     def stats(self) -> dict:
@@ -151,10 +154,11 @@ class L2Warmup:
               deadline: float) -> str:
         size = handle.layout.object_bytes
         dep = self._fetch(claim.deployment_id)
-        (suffix,) = KeyScheme.for_rank(dep.identity, *rank).suffixes(PoolName.KV, "vllm",
-                                                                       ["kv"])
+        (suffix,) = dep.key_scheme(*dep.check_rank(rank)).suffixes(PoolName.KV, "vllm", ["kv"])
         pages = min(self.warm_bytes // size, handle.layout.num_pages)
-        wait = min(PEER_WAIT_S, max(0.0, deadline - self._clock()))
+        if self._clock() >= deadline:
+            return "time"
+        wait = min(PEER_WAIT_S, deadline - self._clock())
         limit = min(MAX_ANSWER, max(ANSWER_SLACK * pages, MIN_ANSWER) * dep.tp_size
                     * dep.pp_size)
         views = self._ask(claim.key_prefix, limit, list(dep.ranks.values()), wait)

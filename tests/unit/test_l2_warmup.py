@@ -153,23 +153,31 @@ def test_a_page_l3_lost_ends_its_run_and_the_next_run_follows():
     assert pools.stats()["warm_failed"] == 2  # a, and b: no use without a
 
 
-@pytest.mark.parametrize("case", ["off", "no room", "nothing", "error"])
+@pytest.mark.parametrize("case", ["off", "no room", "nothing", "unknown", "bad rank", "late"])
 def test_when_no_warm_up_reads_anything(case):
+    """Off (0 bytes), no pool (the node had no L2 room), no peer touched the rank's
+    objects, a deployment the controller does not know, a rank outside the
+    deployment, the time budget spent before the peers are asked."""
     def unknown(dep):
         raise ValueError(f"no deployment {dep}")
 
+    ticks = iter(range(0, 1000, 6))  # each look at the clock: 6 s later (budget: 10 s)
     node, peers, metrics, pools, warm = setup(
-        warm_bytes=0 if case == "off" else 1 << 20, fetch=unknown if case == "error" else None)
+        warm_bytes=0 if case == "off" else 1 << 20, fetch=unknown if case == "unknown" else None,
+        warm_s=10.0, clock=(lambda: next(ticks)) if case == "late" else time.monotonic)
     if case != "nothing":
         stored(node, peers, [key(0)], 1.0)
-    h = None if case == "no room" else pools.open((0, 0), layout(8), 8, A)
-    assert warm.opened(h, (0, 0), A) is h
+    rank = (1, 0) if case == "bad rank" else (0, 0)
+    h = None if case == "no room" else pools.open(rank, layout(8), 8, A)
+    assert warm.opened(h, rank, A) is h
     s = finished(warm)
     if case in ("off", "no room"):
         assert s["warmups"] == {} and peers.asked == []
     else:
         (w,) = s["warmups"].values()
-        assert w["stopped"] == ("nothing" if case == "nothing" else "error: ValueError")
+        assert w["stopped"] == {"nothing": "nothing", "late": "time"}.get(
+            case, "error: ValueError")
+        assert bool(peers.asked) == (case == "nothing")
     assert s["pages"] == 0 and metrics.warmed == [] and pools.stats()["warmed"] == 0
 
 
