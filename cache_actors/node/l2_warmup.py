@@ -19,8 +19,10 @@ later, as any page).
 
 Stops: every chosen page read (``done``), ``warm_s`` seconds after the open spent
 (``time``), the pool without a free page or gone from the node (``no room``), nothing
-to warm (``nothing``: no peer touched a page of this rank lately), the node shutting
-down (``stopped``), the deployment or the peers not answering (``error``). A run whose
+to warm (``nothing``: no peer touched a page of this rank lately), a deployment the
+controller does not know (``unknown deployment``: no rank of it registered yet), the
+node shutting down (``stopped``), the controller or the peers not answering, a rank
+outside its deployment (``error``). A run whose
 page L3 no longer holds (or an engine is writing) ends there: its later pages are no
 use without it; the next run follows.
 
@@ -153,7 +155,10 @@ class L2Warmup:
     def _warm(self, handle: PoolHandle, rank: tuple[int, int], claim: OwnerClaim,
               deadline: float) -> str:
         size = handle.layout.object_bytes
-        dep = self._fetch(claim.deployment_id)
+        try:
+            dep = self._fetch(claim.deployment_id)
+        except ValueError:  # not registered yet: no rank of it made a group query
+            return "unknown deployment"
         (suffix,) = dep.key_scheme(*dep.check_rank(rank)).suffixes(PoolName.KV, "vllm", ["kv"])
         pages = min(self.warm_bytes // size, handle.layout.num_pages)
         if self._clock() >= deadline:

@@ -175,8 +175,8 @@ def test_when_no_warm_up_reads_anything(case):
         assert s["warmups"] == {} and peers.asked == []
     else:
         (w,) = s["warmups"].values()
-        assert w["stopped"] == {"nothing": "nothing", "late": "time"}.get(
-            case, "error: ValueError")
+        assert w["stopped"] == {"nothing": "nothing", "late": "time",
+                                "unknown": "unknown deployment"}.get(case, "error: ValueError")
         assert bool(peers.asked) == (case == "nothing")
     assert s["pages"] == 0 and metrics.warmed == [] and pools.stats()["warmed"] == 0
 
