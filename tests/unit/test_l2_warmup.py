@@ -201,3 +201,22 @@ def test_the_ranks_key_suffix_comes_from_the_deployment():
     finished(warm)
     assert pools.resident(keys, A.owner) == [True, False, False]
     assert peers.asked[0][1] == 1024 * 4  # every rank's keys share the journal
+
+
+def test_opened_never_waits_for_the_warm_up():
+    """``opened`` returns while the peers have not answered (the warm-up runs on its own
+    thread): the engine's ``l2_open`` is never held up by it. CONTROL: once the peers
+    answer, the same warm-up reads the pages."""
+    import threading
+
+    node, peers, _, pools, warm = setup()
+    stored(node, peers, [key(0)], 1.0)
+    answer = threading.Event()
+    peers.on_ask = lambda: answer.wait(10)
+    h = pools.open((0, 0), layout(8), 8, A)
+    assert warm.opened(h, (0, 0), A) is h
+    (w,) = warm.stats()["warmups"].values()
+    assert w["state"] in ("queued", "running") and w["pages"] == 0
+    answer.set()
+    (w,) = finished(warm)["warmups"].values()
+    assert (w["pages"], w["stopped"]) == (1, "done")
