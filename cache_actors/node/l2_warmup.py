@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import ray
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
-from raykv.cache_actors.node.warm_plan import rank_objects, warm_runs
+from raykv.cache_actors.node.warm_plan import peers_to_ask, rank_objects, warm_runs
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment
 from raykv.controllers.naming import CONTROLLER_NAME
@@ -212,9 +212,8 @@ def ask_peers(prefix: str, limit: int, prefer: Sequence[str],
     end = time.monotonic() + wait_s
     controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     nodes: dict[str, str] = controller.nodes.remote().future().result(wait_s)
-    order = [n for n in dict.fromkeys([*prefer, *nodes]) if n in nodes and n != node_id]
     asked = []
-    for node in order[:MAX_PEERS]:
+    for node in peers_to_ask(nodes, prefer, node_id, MAX_PEERS):
         try:
             peer = ray.get_actor(nodes[node], namespace=namespace)
         except ValueError:  # gone since the list was made

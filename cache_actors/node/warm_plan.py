@@ -21,7 +21,7 @@ leading part is then still the part a lookup can use first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from raykv.cache_actors.node.touch_journal import Touch, hottest
 from raykv.controllers.ownership import TENANT_KEYS
@@ -71,3 +71,11 @@ def warm_runs(views: Iterable[Mapping[str, Touch]], wanted: Callable[[str, Touch
         if not pages:
             break
     return chosen
+
+
+def peers_to_ask(nodes: Iterable[str], prefer: Sequence[str], me: str, most: int) -> list[str]:
+    """The nodes a warm-up asks, at most ``most``: those of ``nodes`` (the controller's
+    list) but ``me``, the ``prefer``red ones (the deployment's nodes) first, each once."""
+    listed = set(nodes)
+    return [n for n in dict.fromkeys([*prefer, *sorted(listed)])
+            if n in listed and n != me][:most]

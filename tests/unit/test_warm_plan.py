@@ -5,7 +5,7 @@ touched, in that call's order), the latest first, within a budget of pages."""
 from __future__ import annotations
 
 from raykv.cache_actors.node.touch_journal import Touch, TouchJournal, hottest
-from raykv.cache_actors.node.warm_plan import rank_objects, warm_runs
+from raykv.cache_actors.node.warm_plan import peers_to_ask, rank_objects, warm_runs
 
 PAGE = 64
 WANTED = rank_objects("m_", "_0_kv", PAGE)
@@ -77,3 +77,10 @@ def test_an_answer_cut_at_its_limit_leaves_its_oldest_run_out():
     cut = dict(j.recent(3))  # n0, c3, c2: the chain's head is cut off
     assert warm_runs([cut], WANTED, 10, 3) == [new]
     assert warm_runs([cut], WANTED, 10, 4) == [new, chain[2:]]  # CONTROL
+
+
+def test_peers_asked_the_deployments_nodes_first_never_itself_at_most_most():
+    nodes = ["n1", "n2", "n3", "n4", "me"]
+    assert peers_to_ask(nodes, ["n4", "me", "gone", "n4"], "me", 16) == ["n4", "n1", "n2", "n3"]
+    assert peers_to_ask(nodes, ["n3"], "me", 2) == ["n3", "n1"]
+    assert peers_to_ask(["me"], [], "me", 16) == []
