@@ -25,5 +25,8 @@ def cluster_shm_prefix(cluster_tag: str) -> str:
 def node_shm_prefix(cluster_tag: str, node_id: str) -> str:
     """Prefix of every shared-memory file of one node actor of one raykv cluster: its
     pools ``<prefix><pool>``, their metadata ``<prefix><pool>.json``, the channel's
-    socket and the ``mooncake_client`` record."""
-    return f"{cluster_shm_prefix(cluster_tag)}{node_id[:16]}."
+    socket and the ``mooncake_client`` record. The whole node id: two nodes on one
+    machine whose ids share a head (Ray's fake multi-node provider numbers its nodes
+    ``ffff...0001``, ``ffff...0002``) must not share files (a channel socket unlinked by
+    one node actor's shutdown was the other's)."""
+    return f"{cluster_shm_prefix(cluster_tag)}{node_id}."

@@ -97,6 +97,14 @@ def test_kuberay_manifest():
     check_raykv_up(raykv_commands(hook))
     for g in rc["spec"]["workerGroupSpecs"]:
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        # a deleted worker pod drains: `ray start --block` gets SIGTERM (exec'd, not the
+        # shell's child), and Ray's drain deadline ends before Kubernetes kills the pod
+        pod = g["template"]["spec"]
+        (worker,) = pod["containers"]
+        assert "exec $KUBERAY_GEN_RAY_START_CMD" in " ".join(worker["args"])
+        env = {e["name"]: e["value"] for e in worker["env"]}
+        drain_s = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        assert 0 < drain_s < pod["terminationGracePeriodSeconds"]
         assert "raykv" not in " ".join(g["template"]["spec"]["containers"][0]["args"]).replace(
             "raykv[cpu]", "").replace("/home/ray/raykv/constraints.txt", "")
 

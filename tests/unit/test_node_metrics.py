@@ -224,6 +224,21 @@ def test_every_export_sets_the_pool_gauges_again(recorded):
     assert sets == [("p0", 64), ("p1", 32), ("p1", 0), ("p0", 64), ("p0", 64)]
 
 
+def test_a_drains_report_is_counted_and_exported_by_outcome(recorded):
+    m, made = recorded
+    m.record_drain({"objects_moved": 3, "bytes_moved": 300, "objects_dropped": 1,
+                    "bytes_dropped": 50, "objects_left": 0, "bytes_left": 0, "l2_pages": 2,
+                    "state": "done"})
+    assert m.counters() == {"drain_moved_objects": 3, "drain_moved_bytes": 300,
+                            "drain_dropped_objects": 1, "drain_dropped_bytes": 50,
+                            "drain_l2_flushed_objects": 2}
+    m.export()
+    assert sorted((c[2]["outcome"], c[1]) for c in made["raykv_drain_objects"].calls) == [
+        ("dropped", 1), ("l2_flushed", 2), ("moved", 3)]
+    assert sorted((c[2]["outcome"], c[1]) for c in made["raykv_drain_bytes"].calls) == [
+        ("dropped", 50), ("moved", 300)]
+
+
 def test_warmed_bytes_are_exported_once_by_owner(recorded):
     """The warm-up's bytes (``L2Warmup`` records each batch read) reach
     ``raykv_l2_warmed_bytes`` by the pool owner's tenant and deployment, each once."""
