@@ -352,6 +352,13 @@ def _connected(call, *args, **kwargs):
 @click.option("--l2-size", default=_short(DEFAULTS.l2_bytes), show_default=True, type=Size(),
               help="Per node: the most bytes vLLM engines' node-local cache (L2) holds, "
               "counted in --host-pool-size and the tenants' quotas (0: no L2).")
+@click.option("--l2-warm-size", default=_short(DEFAULTS.l2_warm_bytes), show_default=True,
+              type=Size(), help="Per L2 pool new on a node (a node that joined, a deployment "
+              "new there): the most bytes of its deployment's hottest pages read into it "
+              "from the store in the background (0: no warm-up).")
+@click.option("--l2-warm-seconds", default=DEFAULTS.l2_warm_s, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="The most seconds one such warm-up runs.")
 @click.option("--placement", default=DEFAULTS.placement, show_default=True,
               type=click.Choice(PLACEMENTS),
               help="Where each node's puts go: own (the node's own segment while it has "
@@ -394,7 +401,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        master_port: int, metadata_port: int, segment_size: int, protocol: str,
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
-       untenanted_pool_size: int | None, l2_size: int, placement: str, confirm_ttl: float,
+       untenanted_pool_size: int | None, l2_size: int, l2_warm_size: int,
+       l2_warm_seconds: float, placement: str, confirm_ttl: float,
        tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
        keep_nodes: tuple[str, ...], retire_idle: float, drain_timeout: float,
@@ -432,7 +440,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             host_pool_bytes=pool_budget(host_pool_size, standalone),
             untenanted_pool_bytes=untenanted_pool_size, confirm_ttl_s=confirm_ttl,
             tenant_quotas=quotas, tenant_digests=digests,
-            bound_tenants_only=bound_tenants_only, l2_bytes=l2_size, placement=placement)
+            bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
+            l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement)
         lifecycle = LifecycleSettings(keep_nodes=keep_nodes, retire_idle_s=retire_idle,
                                       drain=not no_drain, drain_timeout_s=drain_timeout)
     except ValueError as e:
@@ -445,7 +454,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   untenanted_pool_bytes=untenanted_pool_size,
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
-                  placement=placement, lifecycle=lifecycle)
+                  l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
+                  lifecycle=lifecycle)
         return
     with _spinner("starting raykv: master, controller, an actor per node ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,

@@ -175,6 +175,8 @@ def start_local(
     hosts: int = 0,
     link: str | None = None,
     l2_bytes: int = DEFAULTS.l2_bytes,
+    l2_warm_bytes: int = DEFAULTS.l2_warm_bytes,
+    l2_warm_s: float = DEFAULTS.l2_warm_s,
     placement: str = DEFAULTS.placement,
     resources: dict[str, float] | None = None,
     lifecycle: LifecycleSettings | None = None,
@@ -225,7 +227,9 @@ def start_local(
     (``NodeSettings``). ``untenanted_pool_bytes``: the most bytes of each node's pools
     without a tenant together (None: half the node's memory embedded, none beyond
     ``host_pool_bytes`` standalone; 0: none). ``l2_bytes``: the most bytes of each
-    node's L2 pools (vLLM's node-local cache; 0: none). ``placement``: ``own`` (puts
+    node's L2 pools (vLLM's node-local cache; 0: none). ``l2_warm_bytes``,
+    ``l2_warm_s``: the budgets of the warm-up of an L2 pool new on a node (bytes, 0: no
+    warm-up; seconds). ``placement``: ``own`` (puts
     prefer the writing node's segment) or ``any`` (Mooncake's random choice).
     ``resources``: custom Ray resources every node advertises (also nodes added later),
     e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
@@ -260,7 +264,8 @@ def start_local(
         group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only, untenanted_pool_bytes=untenanted_pool_bytes,
-        l2_bytes=l2_bytes, placement=placement)
+        l2_bytes=l2_bytes, l2_warm_bytes=l2_warm_bytes, l2_warm_s=l2_warm_s,
+        placement=placement)
     check_confirm_ttl(confirm_ttl_s, master_args)
     network = EmulatedHosts.create(hosts, link) if hosts else None
     if network is None:

@@ -103,6 +103,32 @@ def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
     return _packed(f"node {node_id[:8]} tenants:", pairs, width)
 
 
+SHOWN_WARMUPS = 3
+"""Warm-ups ``raykv status`` shows per node besides those still running: the latest."""
+
+
+def warmup_lines(node_id: str, s: dict) -> list[str]:
+    """The warm-ups of the L2 pools new on a node (its stats' ``warmup``:
+    ``L2Warmup.stats``): each one queued or running and the latest ``SHOWN_WARMUPS``
+    done, with the pages and bytes read and why it ended; then the node's totals. None
+    for a node without warm-ups (or whose stats failed)."""
+    w = s.get("warmup") or {}
+    if "error" in s or not w.get("warmups"):
+        return []
+    ups = list(w["warmups"].values())
+    done = [u for u in ups if u["state"] == "done"][-SHOWN_WARMUPS:]
+    lines = []
+    for u in [u for u in ups if u["state"] != "done"] + done:
+        state = u["state"] if u["state"] != "done" else f"done ({u['stopped']})"
+        lines.append(f"node {node_id[:8]}: L2 warm-up of {u['deployment']} rank "
+                     f"{','.join(map(str, u['rank']))}: {state}, {u['pages']} of "
+                     f"{u['chosen']} pages read ({_size(u['bytes'])})")
+    lines.append(f"node {node_id[:8]}: L2 warm-ups read {w['pages']} pages "
+                 f"({_size(w['bytes'])}), {w['running']} running; budget "
+                 f"{_size(w['warm_bytes'])} and {w['warm_s']:g} s each")
+    return lines
+
+
 def master_line(master: dict) -> str | None:
     """A warning line while the master supervisor is restarting the master (its
     ``state``), with its failed attempts in a row and the last one's error; None while
@@ -137,8 +163,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
     ``master_line``), each node's warnings (its stats' ``warnings``), the deployments,
     one row per node and pool (a table where it fits the console's width, else the same
     figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
-    each tenant's quota, and each node's own segment (where its puts go first) and the
-    routers' residency queries it answered."""
+    each tenant's quota, each node's own segment (where its puts go first) and the
+    routers' residency queries it answered, and the warm-ups of its new L2 pools
+    (``warmup_lines``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -179,6 +206,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
             console.print(f"node {node_id[:8]}: puts prefer segment "
                           f"{s['own_segment'] or '(none known: placed at random)'}; "
                           f"{r.get('queries', 0)} residency queries from routers")
+    for node_id, s in state["nodes"].items():
+        for line in warmup_lines(node_id, s):
+            console.print(Text(line), soft_wrap=True)
     for node_id, s in state["nodes"].items():
         g = s.get("group_queries")
         if g and (g["looked_up"] or g["recent"] or g["inflight"] or g.get("confirmed")):

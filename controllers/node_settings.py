@@ -8,6 +8,7 @@ from ``DEFAULTS`` here, never written again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -73,6 +74,9 @@ class NodeSettings:
     mode and none beyond ``host_pool_bytes`` in standalone mode; 0: no bound.
     ``l2_bytes``: the most bytes each node's L2 pools (vLLM's node-local cache) hold
     together, within ``host_pool_bytes`` and the tenants' quotas (0: no L2).
+    ``l2_warm_bytes``: the most bytes a warm-up reads into an L2 pool new on a node (the
+    hottest pages of its deployment's rank, from L3: ``cache_actors.node.l2_warmup``;
+    0: no warm-up); ``l2_warm_s``: the most seconds one runs.
     ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
     segment while it has room and anywhere else after (embedded mode; standalone puts
     keep Mooncake's placement); ``any``, Mooncake's own choice, a random segment.
@@ -96,6 +100,8 @@ class NodeSettings:
     bound_tenants_only: bool = False
     untenanted_pool_bytes: int | None = None
     l2_bytes: int = 1 << 30
+    l2_warm_bytes: int = 256 << 20
+    l2_warm_s: float = 30.0
     placement: str = "own"
 
     def __post_init__(self) -> None:
@@ -107,6 +113,10 @@ class NodeSettings:
                              f"{self.untenanted_pool_bytes!r}")
         if type(self.l2_bytes) is not int or self.l2_bytes < 0:
             raise ValueError(f"l2_bytes must be an int >= 0, got {self.l2_bytes!r}")
+        if type(self.l2_warm_bytes) is not int or self.l2_warm_bytes < 0:
+            raise ValueError(f"l2_warm_bytes must be an int >= 0, got {self.l2_warm_bytes!r}")
+        if type(self.l2_warm_s) not in (int, float) or not 0 < self.l2_warm_s < math.inf:
+            raise ValueError(f"l2_warm_s must be seconds > 0, got {self.l2_warm_s!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.confirm_ttl_s < 0:

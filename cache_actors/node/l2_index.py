@@ -96,6 +96,11 @@ class L2Index:
     def pages(self) -> int:
         return len(self._pages)
 
+    @property
+    def free(self) -> int:
+        """Pages holding nothing (taken without evicting a ready page)."""
+        return len(self._free)
+
     def page_of(self, key: str) -> int | None:
         """The page holding ``key``, ready; None if it is not ready here."""
         p = self._keys.get(key)
@@ -140,10 +145,11 @@ class L2Index:
         self.counts["misses"] += len(keys) - len(out)
         return out
 
-    def reserve(self, holder: Holder, keys: Sequence[str]) -> list[int]:
+    def reserve(self, holder: Holder, keys: Sequence[str], evict: bool = True) -> list[int]:
         """Per key: a page reserved for ``holder`` to write it (held until its
         ``commit`` or ``release``), ``PRESENT`` if the key is ready here, ``WRITING`` if
-        another write of it is under way, ``FULL`` if no page is free or evictable.
+        another write of it is under way, ``FULL`` if no page is free or evictable
+        (without ``evict``: no page is free; no ready page is evicted then).
         ``ValueError`` for a key given twice. Once no page was found, the later keys are
         ``FULL`` (or ``PRESENT``, ``WRITING``) without another look: the pages are
         looked over at most once per call, never once per key (this runs under the
@@ -156,7 +162,7 @@ class L2Index:
             if k in self._keys:
                 out.append(PRESENT if self._pages[self._keys[k]].ready else WRITING)
                 continue
-            p = None if full else self._take()
+            p = None if full or not (evict or self._free) else self._take()
             if p is None:
                 full = True
                 self.counts["full"] += 1

@@ -140,8 +140,8 @@ class L2Pools:
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()  # one open at a time (pool creation is slow)
         self._pools: dict[str, _L2Pool] = {}
-        self._fills = 0  # serial of the node's own fill holders
-        self.counts = {"filled": 0, "fill_failed": 0}  # under _lock
+        self._fills = itertools.count(1)  # serial of the node's own fill holders
+        self.counts = dict.fromkeys(("filled", "fill_failed", "warmed", "warm_failed"), 0)
         self.write_behind = WriteBehind(partial(put_pages, move), flushed_pages, self._served,
                                         self._lock, attempts=flush_attempts)
 
@@ -193,7 +193,7 @@ class L2Pools:
             with self._lock:
                 self._pools[name] = _L2Pool(handle, caller.owner,
                                             L2Index(fits, self._lease_s, self._clock,
-                                                    self._told(caller.owner)))
+                                                    told(self._log, caller.owner)))
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
             return handle
 
@@ -203,7 +203,7 @@ class L2Pools:
         so no rank is given a page of memory it does not map (ops on old pools fail)."""
         with self._lock:
             for pool in self._pools.values():
-                self._dropped(pool)
+                dropped(self._log, pool)
             self._pools.clear()
             self._incarnation = uuid.uuid4().hex[:8]
 
@@ -211,7 +211,7 @@ class L2Pools:
         """Pool ``name`` left the node: it is no L2 pool any more."""
         with self._lock:
             if (pool := self._pools.pop(name, None)) is not None:
-                self._dropped(pool)
+                dropped(self._log, pool)
 
     # ------------------------------------------------------------------- data
     def lookup(self, keys: list[str], per_page: int, caller: OwnerClaim | None = None, *,
@@ -269,7 +269,20 @@ class L2Pools:
             pages = entry.index.acquire(holder, keys)
         if not fill or len(pages) == len(keys):
             return pages
-        return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)
+        return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)[0]
+
+    def warm(self, pool: str, keys: list[str], caller: OwnerClaim | None,
+             deadline: float) -> tuple[int, int, int]:
+        """A warm-up's ``_fill`` of the ``keys`` pool ``pool`` lacks (``caller``: its
+        opener's claim; ``cache_actors.node.l2_warmup``): (pages read, leading ``keys``
+        the pool holds now, its free pages left); (0, 0, 0) for a pool gone."""
+        with self._lock:
+            entry = self._pools.get(pool)
+            missing = [k for k in keys if entry and entry.index.page_of(k) is None]
+        made = self._fill(entry, None, missing, caller, deadline)[1] if missing else 0
+        with self._lock:
+            held = [bool(entry and entry.index.page_of(k) is not None) for k in keys]
+            return made, (held + [False]).index(False), entry.index.free if entry else 0
 
     def reserve(self, holder: Holder, pool: str, keys: list[str],
                 caller: OwnerClaim | None = None, *, deadline: float | None = None,
@@ -316,8 +329,9 @@ class L2Pools:
     # ----------------------------------------------------------------- status
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
-        ``fill_failed``: objects) and its write-behind's counts in objects
-        (``WriteBehind.named_counts``); ``l2_bytes`` and ``used``."""
+        ``fill_failed``; the warm-up's ``warmed``, ``warm_failed``: objects) and its
+        write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``
+        and ``used``."""
         counts, _ = self.counters()
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
@@ -358,54 +372,39 @@ class L2Pools:
                              "node actor may have restarted: open L2 again)")
         return entry
 
-    def _fill(self, entry: _L2Pool, reader: Holder, keys: list[str],
-              caller: OwnerClaim | None, deadline: float | None) -> list[int]:
+    def _fill(self, entry: _L2Pool, reader: Holder | None, keys: list[str],
+              caller: OwnerClaim | None, deadline: float | None) -> tuple[list[int], int]:
         """Read the leading ``keys`` from L3 into pages the node reserves under a
-        holder of its own; those read in full become ready (clean) and held by
-        ``reader``. The pages of the leading run read. A store call that ended past
-        ``deadline`` (the reader gave up, and may have made its next op) holds nothing
-        for the reader: its pages become ready unheld (right bytes, evictable), and
-        ``DeadlineExceededError``."""
+        holder of its own (``reader`` None, a warm-up: free pages only, none evicted);
+        those read in full become ready (clean), held by ``reader``. (The pages of the
+        leading run read, how many were read.) A store call that ended past ``deadline``
+        (the reader gave up, and may have made its next op) holds nothing for the
+        reader: its pages become ready unheld, and ``DeadlineExceededError``."""
         with self._lock:
-            self._fills += 1
-            filler = (-1, self._fills)
-            pages = entry.index.reserve(filler, keys)
+            filler = (-1, next(self._fills))
+            pages = entry.index.reserve(filler, keys, evict=reader is not None)
         run = next((i for i, p in enumerate(pages) if p < 0), len(pages))
         if run < len(pages):  # only a leading run is any use to the reader
             with self._lock:
                 entry.index.commit(filler, pages[run:], [False] * (len(pages) - run),
                                    dirty=False)
         pages, keys = pages[:run], keys[:run]
-        ok = [False] * run
-        if run:
-            batch = ObjectBatch(epoch=entry.epoch)
-            size = entry.layout.object_bytes
-            batch.extend(keys, entry.name, entry.offsets(pages), [size] * run)
-            try:
-                codes = self._move("get", batch, deadline or time.monotonic() + FILL_WAIT_S,
-                                   caller)
-                ok = [c == size for c in codes]
-            except Exception as e:  # a miss for the reader, the pages free again
-                log.debug("L2 fill of %d objects failed: %s", run, e)
+        ok = read_pages(self._move, entry, keys, pages, deadline, caller) if run else []
+        good = (ok + [False]).index(False)
+        if reader is None:  # a warm-up keeps the leading pages read: the others are no use
+            ok = [i < good for i in range(run)]
+        kind, failed = ("filled", "fill_failed") if reader else ("warmed", "warm_failed")
         with self._lock:  # past the reader's deadline: ready, but held by nobody
-            late = deadline is not None and time.monotonic() >= deadline
+            late = reader is not None and deadline is not None and \
+                time.monotonic() >= deadline
             made = entry.index.commit(filler, pages, ok, dirty=False,
                                       reader=None if late else reader)
-            self.counts["filled"] += len(made)
-            self.counts["fill_failed"] += run - len(made)
+            self.counts[kind] += len(made)
+            self.counts[failed] += run - len(made)
         if late:
             raise DeadlineExceededError("an L2 fill ended after its reader's deadline: its "
                                         "pages are in L2, none is held for the reader")
-        good = next((i for i, x in enumerate(ok) if not x), run)
-        return pages[:good]
-
-    def _told(self, owner: Owner | None) -> Callable[[str, bool], None]:
-        """An index's ``on_change`` for a pool of ``owner``: into the residency log."""
-        return lambda key, ready: self._log.record(owner, "l2", (key,), ready)
-
-    def _dropped(self, pool: _L2Pool) -> None:
-        """``pool`` is no L2 pool any more (under ``_lock``): its keys left L2."""
-        self._log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
+        return pages[:good], len(made)
 
     def _served(self, target: tuple[_L2Pool, OwnerClaim | None]) -> bool:
         """Whether the pool is still one of this node's L2 pools (not forgotten/reset)."""
@@ -433,16 +432,45 @@ def in_time(deadline: float | None) -> None:
                                     "it changed nothing")
 
 
+def read_pages(move: Move, entry: _L2Pool, keys: list[str], pages: list[int],
+               deadline: float | None, caller: OwnerClaim | None) -> list[bool]:
+    """A fill's store call (with the node's ``move``): ``keys`` read from L3 into
+    ``pages`` of ``entry`` (``deadline`` None: ``FILL_WAIT_S``); per object whether it
+    was read in full (a failed call: none was, the pages free again)."""
+    try:
+        codes = move("get", pages_batch(entry, keys, pages),
+                     deadline or time.monotonic() + FILL_WAIT_S, caller)
+    except Exception as e:
+        log.debug("L2 fill of %d objects failed: %s", len(keys), e)
+        return [False] * len(keys)
+    return [c == entry.layout.object_bytes for c in codes]
+
+
+def told(log: ResidencyLog, owner: Owner | None) -> Callable[[str, bool], None]:
+    """An index's ``on_change`` for a pool of ``owner``: into the residency ``log``."""
+    return lambda key, ready: log.record(owner, "l2", (key,), ready)
+
+
+def dropped(log: ResidencyLog, pool: _L2Pool) -> None:
+    """``pool`` is no L2 pool any more (under ``L2Pools``' lock): its keys left L2."""
+    log.record(pool.owner, "l2", pool.index.ready_keys(pool.index.pages), False)
+
+
 def put_pages(move: Move, target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],
               pages: list[int], deadline: float) -> list[bool]:
     """The write-behind's store call (``write_behind.Put``, with the node's ``move``):
     ``pages`` of the pool put to L3 for the committing caller; per object whether L3
     holds it."""
     entry, caller = target
-    size = entry.layout.object_bytes
+    return [c in (0, 1) for c in move("put", pages_batch(entry, keys, pages), deadline,
+                                      caller)]
+
+
+def pages_batch(entry: _L2Pool, keys: list[str], pages: list[int]) -> ObjectBatch:
+    """The store batch of ``pages`` of L2 pool ``entry`` holding ``keys``."""
     batch = ObjectBatch(epoch=entry.epoch)
-    batch.extend(keys, entry.name, entry.offsets(pages), [size] * len(keys))
-    return [c in (0, 1) for c in move("put", batch, deadline, caller)]
+    batch.extend(keys, entry.name, entry.offsets(pages), [entry.layout.object_bytes] * len(keys))
+    return batch
 
 
 def flushed_pages(target: tuple[_L2Pool, OwnerClaim | None], keys: list[str],

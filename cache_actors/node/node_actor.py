@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.mooncake_wheels import environment_warning
+from raykv.cache_actors.node.l2_warmup import L2Warmup, ask_peers
 from raykv.cache_actors.node.node_memory import node_memory_bytes
 from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
@@ -92,7 +93,7 @@ class NodeCacheActor:
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
         untenanted_pool_bytes: int | None,
-        l2_bytes: int,
+        l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float,
         placement: str,
     ) -> None:
         # Both Mooncake wheels in this node's environment: said at start and in stats.
@@ -120,6 +121,8 @@ class NodeCacheActor:
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
+        self._warmup = L2Warmup(self._service.l2, ask_peers, self._fetch_deployment,
+                                metrics.record_warmed, l2_warm_bytes, l2_warm_s)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -174,9 +177,9 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
                       share: int = 1, owner: OwnerClaim | None = None) -> PoolHandle | None:
-        return await self._pooled(self._service.l2.open, rank, layout, pages,
-                                  for_call(owner, "l2_open", rank, layout, pages, share),
-                                  share)
+        claim = for_call(owner, "l2_open", rank, layout, pages, share)
+        handle = await self._pooled(self._service.l2.open, rank, layout, pages, claim, share)
+        return self._warmup.opened(handle, rank, claim)  # a new pool: warmed off this call
 
     # ---------------------------------------------------------------- owners
     @ray.method(concurrency_group="data")
@@ -347,14 +350,13 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
-        """``NodeService.stats``, plus ``warnings``: what is wrong with this node's
-        environment (both Mooncake wheels installed), said at start too, and
-        ``residency``: the routers' queries (``ResidencyQuery.stats``)."""
-        return await self._pooled(self._service.stats) | {
-            "warnings": self._warnings, "residency": self._residency.stats()}
+        """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``."""
+        return await self._pooled(self._service.stats) | {"warnings": self._warnings,
+            "residency": self._residency.stats(), "warmup": self._warmup.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
+        self._warmup.close()
         await self._pooled(self._service.shutdown, remove_pools)
         self._route.shutdown(wait=False)
 

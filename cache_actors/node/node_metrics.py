@@ -43,8 +43,8 @@ EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
 GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "looked_up", "store_calls")
 MERGED_CALL_COUNTS = ("calls", "batches", "largest")
-L2_OBJECT_COUNTS = ("filled", "fill_failed", "l3_put_submitted", "l3_put", "l3_put_retried",
-                    "l3_put_failed")
+L2_OBJECT_COUNTS = ("filled", "fill_failed", "warmed", "warm_failed", "l3_put_submitted",
+                    "l3_put", "l3_put_retried", "l3_put_failed")
 """The node's L2 counts exported (``raykv_l2_objects``); each only grows."""
 DRAIN_OUTCOMES = ("moved", "dropped", "left", "failed")
 """What became of the objects a drain chose or found (``raykv_drain_objects``/``_bytes``)."""
@@ -123,7 +123,8 @@ class NodeMetrics:
             "flushed, aborted), by the pool owner's tenant and deployment",
             tag_keys=("node", "event", *owner_keys))
         self._l2_objects = metrics.Counter(
-            "raykv_l2_objects", "L2 cache objects read from L3 (filled, fill_failed) and "
+            "raykv_l2_objects", "L2 cache objects read from L3 (filled, fill_failed; by the "
+            "warm-up: warmed, warm_failed) and "
             "put to L3 behind the writer (l3_put_submitted, l3_put, l3_put_retried, "
             "l3_put_failed)", tag_keys=("node", "event"))
         self._drain_objects = metrics.Counter(
@@ -133,9 +134,12 @@ class NodeMetrics:
         self._drain_bytes = metrics.Counter(
             "raykv_drain_bytes", "Bytes of drains of this node's segment: moved, dropped, "
             "left, failed", tag_keys=("node", "outcome"))
+        self._warmed = metrics.Counter(
+            "raykv_l2_warmed_bytes", "Bytes the warm-up of new L2 pools read from L3, by the "
+            "pool owner's tenant and deployment", tag_keys=("node", *owner_keys))
         for m in (self._objects, self._bytes, self._lookups, self._latency,
                   self._pool_bytes, self._group_queries, self._l2_pages, self._l2_objects,
-                  self._drain_objects, self._drain_bytes):
+                  self._drain_objects, self._drain_bytes, self._warmed):
             m.set_default_tags(tags)
         self._l2: L2Counters | None = None
         self._l2_seen: tuple[Mapping[str, int], dict[str, Mapping[str, int]]] = ({}, {})
@@ -236,6 +240,13 @@ class NodeMetrics:
         with self._lock:
             self._group[how] += 1
             self._pending[(self._group_queries, (("answer", how),))] += 1
+
+    def record_warmed(self, owner: Owner | None, nbytes: int) -> None:
+        """A warm-up read ``nbytes`` from L3 into an L2 pool of ``owner``
+        (``cache_actors.node.l2_warmup``; ``stats()`` shows the warm-up's own counts)."""
+        with self._lock:
+            tenant, dep = self._owner_tags(owner)
+            self._pending[(self._warmed, (("tenant", tenant), ("deployment", dep)))] += nbytes
 
     def record_merged_call(self, batches: int) -> None:
         """One put/get store call that carried ``batches`` ranks' batches."""

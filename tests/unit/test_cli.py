@@ -313,6 +313,8 @@ EMULATED_UP = {
     "--untenanted-pool-size": (["--untenanted-pool-size", "2GB"],
                                ("untenanted_pool_bytes", 2 << 30)),
     "--l2-size": (["--l2-size", "200MB"], ("l2_bytes", 200 << 20)),
+    "--l2-warm-size": (["--l2-warm-size", "64MB"], ("l2_warm_bytes", 64 << 20)),
+    "--l2-warm-seconds": (["--l2-warm-seconds", "5"], ("l2_warm_s", 5.0)),
     "--placement": (["--placement", "any"], ("placement", "any")),
     "--confirm-ttl": (["--confirm-ttl", "0.5"], ("confirm_ttl_s", 0.5)),
     "--tenant-quota": (["--tenant-quota", "acme=1GB"], ("tenant_quotas", {"acme": 1 << 30})),
@@ -471,3 +473,33 @@ def test_sim_trace_writes_workloads_sim_replays(tmp_path):
         res = CliRunner().invoke(main, ["sim", str(path), "--nodes", "2",
                                         "--engines-per-node", "1", "--runs", "pooled"])
         assert res.exit_code == 0 and f"{n} requests," in res.output, res.output
+
+
+def test_status_shows_each_nodes_warm_ups():
+    """``raykv status``: the warm-ups of a node's new L2 pools, the running one and the
+    latest done, with what they read and why they ended, then the node's totals; a
+    node without warm-ups (or whose stats failed) shows none."""
+    from raykv.clusters.status_view import SHOWN_WARMUPS, warmup_lines
+
+    def up(state: str, stopped: str | None, pages: int) -> dict:
+        return {"deployment": "org-m_", "rank": [1, 0], "state": state, "pages": pages,
+                "bytes": pages << 20, "chosen": 40, "stopped": stopped, "seconds": 1.5}
+
+    node = {"warmup": {"warm_bytes": 256 << 20, "warm_s": 30.0, "pages": 52,
+                       "bytes": 52 << 20, "running": 1, "warmups": {
+                           **{f"l2-{i}": up("done", "time", 10) for i in range(4)},
+                           "l2-new": up("running", None, 12)}}}
+    lines = warmup_lines("3b7474c5ffff", node)
+    assert lines[0] == ("node 3b7474c5: L2 warm-up of org-m_ rank 1,0: running, 12 of 40 "
+                        "pages read (12.0 MiB)")
+    assert lines[1] == ("node 3b7474c5: L2 warm-up of org-m_ rank 1,0: done (time), 10 of "
+                        "40 pages read (10.0 MiB)")
+    assert len(lines) == 1 + SHOWN_WARMUPS + 1
+    assert lines[-1] == ("node 3b7474c5: L2 warm-ups read 52 pages (52.0 MiB), 1 running; "
+                         "budget 256.0 MiB and 30 s each")
+    out = io.StringIO()
+    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
+        STATE["nodes"]))] | node}}, Console(file=out, width=200))
+    assert lines[0] in out.getvalue()
+    assert warmup_lines("n", {"warmup": {"warmups": {}}}) == []
+    assert warmup_lines("n", {"error": "gone"}) == []

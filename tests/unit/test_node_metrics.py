@@ -237,3 +237,21 @@ def test_a_drains_report_is_counted_and_exported_by_outcome(recorded):
         ("dropped", 1), ("l2_flushed", 2), ("moved", 3)]
     assert sorted((c[2]["outcome"], c[1]) for c in made["raykv_drain_bytes"].calls) == [
         ("dropped", 50), ("moved", 300)]
+
+
+def test_warmed_bytes_are_exported_once_by_owner(recorded):
+    """The warm-up's bytes (``L2Warmup`` records each batch read) reach
+    ``raykv_l2_warmed_bytes`` by the pool owner's tenant and deployment, each once."""
+    from raykv.controllers.ownership import Owner
+
+    m, made = recorded
+    m.record_warmed(Owner("m_"), 128)
+    m.record_warmed(Owner("m_"), 64)
+    m.record_warmed(Owner("t1.x", "acme"), 32)
+    assert made["raykv_l2_warmed_bytes"].calls == []  # not on the warm-up's path
+    m.export()
+    assert sorted((c[2]["tenant"], c[2]["deployment"], c[1])
+                  for c in made["raykv_l2_warmed_bytes"].calls) == [
+        ("(none)", "m_", 192), ("acme", "t1.x", 32)]
+    m.export()
+    assert len(made["raykv_l2_warmed_bytes"].calls) == 2

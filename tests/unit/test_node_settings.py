@@ -171,13 +171,14 @@ def test_node_defaults_are_written_once():
     # or to each emulated host's address)
     assert set(drifted(local)) == {"global_segment_size"}
     assert local["local_hostname"] is None
-    cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s"}
+    cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s",
+                  "l2_warm_size": "l2_warm_bytes", "l2_warm_seconds": "l2_warm_s"}
     up = next(c for name, c in main.commands.items() if name == "up")
     cli = {cli_fields.get(p.name, p.name): p.type_cast_value(None, p.default)
            for p in up.params if isinstance(p.default, int | float | str)}  # flags: unset
     assert drifted(cli) == {}
     assert {"global_segment_size", "local_buffer_size", "protocol", "confirm_ttl_s",
-            "mooncake_log_level"} <= set(cli)
+            "mooncake_log_level", "l2_warm_bytes", "l2_warm_s"} <= set(cli)
     actor = inspect.signature(NodeCacheActor.__init__).parameters.values()
     # (Ray's tracing adds ``_ray_trace_ctx`` to the class's methods once it was made remote)
     assert [p.name for p in actor if p.default is not inspect.Parameter.empty
@@ -196,3 +197,19 @@ def test_the_host_pool_budget_defaults_by_mode():
     out = CliRunner().invoke(main, ["up", "--help"])
     text = " ".join(out.output.split())
     assert "1G with --standalone" in text and "[default: 1G]" in text
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("l2_warm_bytes", -1), ("l2_warm_bytes", 1.5), ("l2_warm_bytes", True),
+    ("l2_warm_s", 0), ("l2_warm_s", -2.0), ("l2_warm_s", float("nan")),
+    ("l2_warm_s", float("inf")), ("l2_warm_s", "30")])
+def test_warm_up_budgets_are_checked(monkeypatch, field, bad):
+    from raykv.clusters import deploy
+
+    with pytest.raises(ValueError, match=field):
+        NodeSettings(**{field: bad})
+    # CONTROL: the budgets' edges that are good (0 bytes: no warm-up)
+    assert NodeSettings(l2_warm_bytes=0, l2_warm_s=0.5).l2_warm_bytes == 0
+    monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
+    out = CliRunner().invoke(main, ["up", "--l2-warm-seconds=0"])
+    assert out.exit_code == 2 and "--l2-warm-seconds" in out.output
