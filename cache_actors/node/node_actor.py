@@ -64,14 +64,8 @@ class NodeCacheActor:
     contract. Pool calls and data calls take the caller's ``OwnerClaim`` last (None: a
     caller without one), each bound here to the call it came with (``ownership.for_call``:
     a tenant's call proof is good for that method and those arguments only). Runs only as
-    ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its deployments
-    may hold on this node; ``tenant_digests``: tenant -> its tenant digest (public owner
-    key), bound from the start; ``bound_tenants_only``: no other tenant is bound;
-    ``untenanted_pool_bytes``: the most bytes of this node's pools without a tenant (None:
-    ``tenant_quotas.untenanted_bound``'s default of ``node_memory_bytes``); ``l2_bytes``:
-    the most bytes of this node's L2 pools together (``cache_actors.node.l2_pools``; 0: no
-    L2); ``placement``: ``own`` puts prefer this node's segment, ``any`` leaves the choice
-    to Mooncake. Arguments: ``NodeSettings.actor_kwargs()``, all given (its defaults)."""
+    ``node_actor_class``. Arguments: ``NodeSettings.actor_kwargs()``, all given, each the
+    ``NodeSettings`` field of its name (whose docstring says what it means)."""
 
     def __init__(
         self,
