@@ -21,6 +21,7 @@ class _Master:
         self.rpc_port, self.http_port = rpc_port or 5001, http_port or 5002
         self.master_address = f"{host}:{self.rpc_port}"
         self.metadata_server = f"http://{host}:{self.http_port}/metadata"
+        self.metrics_url = "http://127.0.0.1:5003/metrics"
         self.proc = self.metadata_proc = None
         self.exposed = []
         self.running = False
