@@ -10,6 +10,7 @@ in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from dataclasses import replace
@@ -172,6 +173,12 @@ def status(address: str, namespace: str = NAMESPACE) -> dict:
     try:
         reconciler = ray.get_actor(RECONCILER_NAME, namespace=namespace)
         lifecycle = ray.get(reconciler.leaving.remote(), timeout=10)
+        lifecycle["draining"] = {}  # the progress of each drain running now
+        for node_id in lifecycle["leaving"]:
+            with contextlib.suppress(Exception):  # it may have just stopped
+                actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
+                lifecycle["draining"][node_id] = ray.get(actor.drain_status.remote(),
+                                                         timeout=10)
     except Exception as e:  # status still shows the rest
         lifecycle = {"error": str(e).splitlines()[0]}
     return {"info": info, "master": master, "nodes": nodes, "lifecycle": lifecycle,

@@ -142,6 +142,18 @@ def master_line(master: dict) -> str | None:
     return line
 
 
+def drain_progress(lifecycle: dict, node_id: str) -> str:
+    """``, moved X MiB (N objects), left N, dropped N, Ts to its deadline`` of a drain
+    running on ``node_id`` (its ``drain_status``), or "" if none is known."""
+    d = (lifecycle.get("draining") or {}).get(node_id)
+    if not d:
+        return ""
+    return (f", moved {d.get('bytes_moved', 0) / (1 << 20):.1f} MiB "
+            f"({d.get('objects_moved', 0)} objects), left {d.get('objects_left', 0)}, "
+            f"dropped {d.get('objects_dropped', 0)}, "
+            f"{d.get('deadline_in_s', 0):.0f} s to its deadline")
+
+
 def lifecycle_lines(lifecycle: dict) -> list[str]:
     """One line per node leaving now (retiring without engines, or draining for Ray or
     an operator) and per node whose last leaving has a report: its reason, outcome, and
@@ -150,7 +162,7 @@ def lifecycle_lines(lifecycle: dict) -> list[str]:
         return [f"node lifecycle: unknown ({lifecycle['error']})"]
     names = {"idle": "retiring (no engines)", "preemption": "draining (Ray drain)",
              "operator": "draining (raykv drain)"}
-    lines = [f"node {n[:8]}: {names.get(r, r)}"
+    lines = [f"node {n[:8]}: {names.get(r, r)}{drain_progress(lifecycle, n)}"
              for n, r in lifecycle.get("leaving", {}).items()]
     for node_id, report in lifecycle.get("reports", {}).items():
         figures = ", ".join(f"{k} {v}" for k, v in report.items() if k not in ("reason",))

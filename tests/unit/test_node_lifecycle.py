@@ -132,3 +132,18 @@ def test_bad_settings_are_refused(bad):
 def test_keep_all_keeps_every_node():
     assert LifecycleSettings(keep_nodes=(KEEP_ALL,)).keeps(W1)
     assert not LifecycleSettings().keeps(W1)
+
+
+def test_status_lines_show_leaving_nodes_their_progress_and_reports():
+    from raykv.clusters.status_view import lifecycle_lines
+
+    lines = lifecycle_lines({
+        "leaving": {W1: "preemption", W2: "idle"},
+        "draining": {W1: {"state": "running", "bytes_moved": 3 << 20, "objects_moved": 12,
+                          "objects_left": 40, "objects_dropped": 1, "deadline_in_s": 7.2}},
+        "reports": {HEAD: {"reason": "operator", "outcome": "stopped", "objects_moved": 5}}})
+    assert lines[0] == (f"node {W1[:8]}: draining (Ray drain), moved 3.0 MiB (12 objects), "
+                        "left 40, dropped 1, 7 s to its deadline")
+    assert lines[1] == f"node {W2[:8]}: retiring (no engines)"
+    assert lines[2] == f"node {HEAD[:8]} left (operator): outcome stopped, objects_moved 5"
+    assert lifecycle_lines({"error": "gone"}) == ["node lifecycle: unknown (gone)"]
