@@ -173,9 +173,14 @@ class NodeReconciler:
     async def drain(self, node_id: str) -> dict:
         """``raykv drain``: the node actor of ``node_id`` drains its cache and stops, and
         none starts there again while the node lives; returns how it went (the drain's
-        report, or ``{"error": ...}``). ``ValueError`` if it has no node actor."""
+        report, or ``{"error": ...}``). ``ValueError`` if it has no node actor or is the
+        head node."""
         if self._actor(node_id) is None:
             raise ValueError(f"node {node_id[:12]} has no raykv node actor")
+        if any(n["NodeID"] == node_id and HEAD_RESOURCE in n.get("Resources", {})
+               for n in ray.nodes()):
+            raise ValueError(f"node {node_id[:12]} is the head node: it keeps its node actor "
+                             "(raykv down stops raykv)")
         task = self._leave(self._lifecycle.operator_drain(node_id))
         if task is not None:
             await task

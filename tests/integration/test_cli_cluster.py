@@ -116,6 +116,8 @@ def test_up_status_down(ray_head, uid):
     assert counters["put_ok"] == 6 and counters["get_ok"] == 6
     assert f"cli-{uid}_" in state["deployments"]  # the key prefix of model cli/{uid}
     assert state["master"]["restarts"] == 0
+    # one node, the head: its node actor stays, nothing leaves
+    assert state["lifecycle"] == {"leaving": {}, "draining": {}, "reports": {}}
     # pools without a tenant: bounded by default, by half the node's memory
     assert node["untenanted"]["quota"] == untenanted_bound(None, False, node_memory_bytes())
     # the master and its metadata server listen on the address up was given, nowhere else

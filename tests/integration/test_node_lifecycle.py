@@ -103,3 +103,24 @@ def test_a_ray_drain_saves_the_hottest_by_its_deadline_and_keeps_the_node_off(cl
     with pytest.raises(ray.exceptions.RayTaskError, match="draining"):
         ray.get(cluster.reconciler.want.remote(node))
     assert not has_actor(node)
+
+
+def test_an_operator_drain_moves_the_pages_and_keeps_the_node_off(cluster, uid):
+    """`raykv drain NODE` (the reconciler's drain): the node actor moves what only its
+    segment holds and stops, though a rank still runs there; the pages read back exact
+    from the head node; no node actor starts there again; the head node is refused."""
+    node, head = cluster.node_ids[1], cluster.node_ids[0]
+    model = f"operator-{uid}"
+    writer = drain_rank(node, model, POOL_PAGES)
+    keys = [f"{uid}-{i}" for i in range(POOL_PAGES // 4)]
+    assert all(ray.get(writer.write.remote(keys)))
+    report = ray.get(cluster.reconciler.drain.remote(node))
+    assert report["outcome"] == "stopped" and report["reason"] == "operator", report
+    assert report["objects_moved"] == 2 * len(keys), report  # k and v: 2 objects a page
+    assert not has_actor(node)
+    reader = drain_rank(head, model, POOL_PAGES)
+    assert ray.get(reader.read.remote(keys)) == ["exact"] * len(keys)
+    with pytest.raises(ray.exceptions.RayTaskError, match="draining"):
+        ray.get(cluster.reconciler.want.remote(node))
+    with pytest.raises(ray.exceptions.RayTaskError, match="head node"):
+        ray.get(cluster.reconciler.drain.remote(head))

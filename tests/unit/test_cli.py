@@ -503,3 +503,31 @@ def test_status_shows_each_nodes_warm_ups():
     assert lines[0] in out.getvalue()
     assert warmup_lines("n", {"warmup": {"warmups": {}}}) == []
     assert warmup_lines("n", {"error": "gone"}) == []
+
+
+def test_drain_prints_the_report_and_fails_on_an_error_or_a_refusal(monkeypatch):
+    """``raykv drain NODE``: the reconciler's report as JSON, exit 0; a report with an
+    error, or a refusal (no node actor, the head node), exits 1 naming why."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters import deploy
+    from raykv.clusters.cli import main
+
+    answers = iter([{"reason": "operator", "outcome": "stopped", "objects_moved": 3},
+                    {"reason": "operator", "error": "actor died"},
+                    ValueError("node abc is the head node: it keeps its node actor")])
+
+    def fake_drain(address, node_id, namespace):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(deploy, "drain", fake_drain)
+    ok = CliRunner().invoke(main, ["drain", "abc"])
+    assert ok.exit_code == 0 and json.loads(ok.output)["objects_moved"] == 3, ok.output
+    failed = CliRunner().invoke(main, ["drain", "abc"])
+    assert failed.exit_code == 1 and "actor died" in failed.output
+    refused = CliRunner().invoke(main, ["drain", "abc"])
+    assert refused.exit_code == 1 and "head node" in refused.output
