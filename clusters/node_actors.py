@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
-from raykv.clusters.store_usage import read_store_usage
+from raykv.clusters.store_usage import drain_room
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.node_lifecycle import (
     Leaving,
@@ -247,19 +247,13 @@ class NodeReconciler:
             return {"drain_error": str(e).splitlines()[0] if str(e) else type(e).__name__}
 
     async def _room(self, actor) -> int:
-        """The bytes a drain of ``actor``'s segment may move without making the store
-        evict (``StoreUsage.room_without``); 0 when the master's usage cannot be read:
-        a drain that cannot know the room moves nothing rather than evict hotter objects
-        (it still writes its L2's unsaved pages)."""
-        if self._master_metrics is None:
-            return 0
-        usage = await asyncio.to_thread(read_store_usage, self._master_metrics)
+        """``store_usage.drain_room`` of ``actor``'s segment (0 when unknown)."""
         segment = (await actor.health.remote()).get("segment")
-        if usage is None or segment is None:
-            log.warning("the master's usage (%s) or the segment is unknown: the drain moves "
-                        "nothing", self._master_metrics)
-            return 0
-        return usage.room_without(segment)
+        room = await asyncio.to_thread(drain_room, self._master_metrics, segment)
+        if room == 0:
+            log.warning("no room known or left for a drain of %s (master metrics %s): it "
+                        "moves nothing", segment, self._master_metrics)
+        return room
 
     def _forget_confirmations(self) -> None:
         """A segment left: the others' confirmed pages may be gone with it."""

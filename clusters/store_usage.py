@@ -76,3 +76,15 @@ def read_store_usage(metrics_url: str, timeout_s: float = READ_TIMEOUT_S) -> Sto
     except (OSError, ValueError):
         return None
     return parse_store_usage(text)
+
+
+def drain_room(metrics_url: str | None, segment: str | None,
+               timeout_s: float = READ_TIMEOUT_S) -> int:
+    """The bytes a drain of ``segment`` may move (``StoreUsage.room_without``), read from
+    the master's metrics at ``metrics_url``; 0 when that is not known (no URL, no segment,
+    the metrics unreadable): a drain that cannot know the room moves nothing rather than
+    push the store past its eviction watermark."""
+    if metrics_url is None or segment is None:
+        return 0
+    usage = read_store_usage(metrics_url, timeout_s)
+    return 0 if usage is None else usage.room_without(segment)

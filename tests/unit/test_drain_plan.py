@@ -8,8 +8,13 @@ import http.server
 import threading
 
 import pytest
-from raykv.clusters.store_usage import StoreUsage, parse_store_usage, read_store_usage
-from raykv.controllers.drain_plan import fitting, room, sole_on
+from raykv.clusters.store_usage import (
+    StoreUsage,
+    drain_room,
+    parse_store_usage,
+    read_store_usage,
+)
+from raykv.controllers.drain_plan import HIGH_WATERMARK, fitting, room, sole_on
 
 MASTER_TEXT = """# HELP master_allocated_bytes Total allocated bytes
 # TYPE master_allocated_bytes gauge
@@ -88,8 +93,13 @@ def test_read_store_usage_over_http_and_none_when_unreadable():
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         assert read_store_usage(url, 5.0).capacity == 1000
+        assert drain_room(url, "10.0.0.1:123", 5.0) == room(1000, 300, 500, 200,
+                                                            HIGH_WATERMARK)
+        assert drain_room(None, "10.0.0.1:123") == 0  # no master metrics: moves nothing
+        assert drain_room(url, None) == 0  # no segment of its own
     finally:
         server.shutdown()
         server.server_close()
     assert read_store_usage(url, 0.5) is None  # nobody listens any more
     assert read_store_usage("not a url", 0.5) is None
+    assert drain_room(url, "10.0.0.1:123", 0.5) == 0  # unreadable: moves nothing
