@@ -90,7 +90,7 @@ class NodeReconciler:
         self._lifecycle = NodeLifecycle(lifecycle or LifecycleSettings())
         self._controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
         self._reports: dict[str, dict] = {}  # node -> how its last leaving went
-        self._tasks: set[asyncio.Task] = set()
+        self._leavings: dict[str, asyncio.Task] = {}  # node -> its leaving, running
         self._task = asyncio.get_event_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
@@ -181,9 +181,11 @@ class NodeReconciler:
                for n in ray.nodes()):
             raise ValueError(f"node {node_id[:12]} is the head node: it keeps its node actor "
                              "(raykv down stops raykv)")
-        task = self._leave(self._lifecycle.operator_drain(node_id))
-        if task is not None:
-            await task
+        leaving = self._lifecycle.operator_drain(node_id)
+        while (running := self._leavings.get(node_id)) is not None:
+            await running  # a retirement or a Ray drain under way ends first
+        if self._actor(node_id) is not None and (task := self._leave(leaving)) is not None:
+            await task  # still there (a retirement called off): it leaves now
         return self._reports.get(node_id, {})
 
     def leaving(self) -> dict:
@@ -196,9 +198,15 @@ class NodeReconciler:
         if not self._lifecycle.begin(leaving):
             return None
         task = asyncio.get_event_loop().create_task(self._run_leaving(leaving))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._leavings[leaving.node_id] = task
+        task.add_done_callback(self._left)
         return task
+
+    def _left(self, task: asyncio.Task) -> None:
+        """A leaving ended: no longer running (a later one of that node stays)."""
+        for node_id, running in list(self._leavings.items()):
+            if running is task:
+                del self._leavings[node_id]
 
     async def _run_leaving(self, leaving: Leaving) -> None:
         """Drain (when on), then stop the node actor, unless an idle retirement is
