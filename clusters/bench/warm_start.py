@@ -3,7 +3,7 @@ computed, with the L2 warm-up off and on.
 
 Run: ``python -m raykv.clusters.bench.warm_start [--trace FILE ...] [--before-s 180]
 [--after-s 60] [--l2-pages 2048] [--warm-pages 512 2048] [--out FILE]`` (Ray must not
-be running in this process; about 3 minutes on 2 cores with the defaults: Mooncake's
+be running in this process; 3-4 minutes on 2 cores with the defaults: Mooncake's
 conversation and synthetic traces, three settings each).
 
 Per trace and setting (the warm-up off, then with each budget of ``--warm-pages``; a

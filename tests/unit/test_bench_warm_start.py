@@ -4,8 +4,10 @@ trace's stretches, what the best cache could give, the per-tier shares."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from raykv import MiB
 from raykv.clusters.bench.warm_workload import (
     BLOCK_TOKENS,
     Request,
@@ -96,3 +98,51 @@ def test_best_warm_takes_the_blocks_leading_the_most_requests_whole_leading_part
         "pages": reachable(first, then)["earlier"]["pages"],
         "tokens": reachable(first, then)["earlier"]["tokens"]}
     assert best_warm(first, then, 0) == {"pages": 0, "tokens": 0}
+
+
+# ------------------------------------------- the recorded run docs/benchmarks.md quotes
+ROOT = Path(__file__).resolve().parents[2]
+RUN = json.loads((ROOT / "docs" / "warm_start.json").read_text())
+
+
+def warm_start_lines(run: dict) -> list[str]:
+    """The lines of docs/benchmarks.md that carry the recorded run's figures, rendered
+    from ``run`` (docs/warm_start.json)."""
+    st, m = run["settings"], run["machine"]
+    lines = [f"`{run['command']}`", f"Recorded {run['date']}",
+             f"[`warm_start.json`](warm_start.json), {run['seconds']:.0f} s;",
+             f"load average {m['load_avg_start'][0]:.1f} when it started and "
+             f"{m['load_avg_end'][0]:.1f} when it ended"]
+    for name, t in run["traces"].items():
+        total = sum(v["tokens"] for v in t["reachable"].values())
+        share = {k: v["tokens"] / total for k, v in t["reachable"].items()}
+        lines.append(
+            f"| {name} | {t['first_requests']} ({t['first_pages']:,} pages, "
+            f"{t['first_distinct_pages']:,} distinct) | {t['then_requests']} "
+            f"({sum(v['pages'] for v in t['reachable'].values()):,} pages) | "
+            f"{share['earlier']:.1%} | {share['own']:.1%} | {share['new']:.1%} | " +
+            " / ".join(f"{t['best_warm'][str(n)]['tokens'] / total:.1%}"
+                       for n in st["warm_pages"]) + " |")
+        for budget, r in t["runs"].items():
+            s, w = r["shares"], r["warmup"]
+            first = r["by_slice"][0]
+            cost = "-" if w is None else (f"{w['pages']:,} pages, {w['bytes'] / MiB:.0f} "
+                                          f"MiB, {w['seconds']:.2f} s, {w['stopped']}")
+            lines.append(
+                f"| {name} | {'off' if budget == '0' else budget} | {s['l2']['share']:.1%} | "
+                f"{s['l3']['share']:.1%} | {s['missed']['share']:.1%} | "
+                f"{first['l2']['share']:.1%} | {cost} | {r['wrong_pages']} |")
+    return lines
+
+
+def test_benchmarks_md_quotes_the_recorded_warm_start_run():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    flat = " ".join(text.split())
+    lines = warm_start_lines(RUN)
+    assert [line for line in lines if " ".join(line.split()) not in flat] == []
+    assert "[`warm_start.json`](warm_start.json)" in text
+    # CONTROL: another run's figures (one share changed) are caught
+    other = json.loads(json.dumps(RUN))
+    run = next(iter(other["traces"].values()))["runs"]["0"]
+    run["shares"]["l2"]["share"] += 0.01
+    assert any(" ".join(line.split()) not in flat for line in warm_start_lines(other))
