@@ -66,6 +66,7 @@ from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
+from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import check_deadline
@@ -117,10 +118,10 @@ class L2Pools:
     ``NodePools`` does (quotas, budget); ``move``: the store's put and get (``Move``);
     ``verify``: a caller's claim checked (``NodeService.verify``); ``l2_bytes``: the
     most bytes of this node's L2 pools together (0: no L2); ``flush_attempts``: puts per
-    object of the write-behind at most (1: no retry); ``log``: the node's residency log,
-    told each key that becomes or stops being ready (None: its own); ``quota_left(owner)``:
-    bytes its tenant (no tenant: the pools without one) may add here (None: unbounded).
-    ``write_behind``: (``attempts`` live)."""
+    object of the write-behind at most (1: no retry); ``log`` / ``touches``: the node's
+    residency log, told each key that becomes or stops being ready, and touch journal,
+    told each page an acquire serves (None: its own); ``quota_left(owner)``: bytes its
+    tenant (no tenant: the pools without one) may add here (None: unbounded)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
@@ -128,13 +129,13 @@ class L2Pools:
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
                  l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
                  clock: Callable[[], float] = time.monotonic,
-                 log: ResidencyLog | None = None,
+                 log: ResidencyLog | None = None, touches: TouchJournal | None = None,
                  quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
         self._move, self._verify, self._quota_left = move, verify, quota_left
         self.l2_bytes = l2_bytes
         self._lease_s, self._clock = lease_s, clock
-        self._log = log or ResidencyLog()
+        self._log, self._touches = log or ResidencyLog(), touches or TouchJournal()
         self._incarnation = uuid.uuid4().hex[:8]
         self._made = itertools.count(1)  # serial of the pools made (under _open_lock)
         self._lock = threading.Lock()
@@ -267,6 +268,7 @@ class L2Pools:
             in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.acquire(holder, keys)
+        self._touches.served(keys[:len(pages)], entry.layout.object_bytes)
         if not fill or len(pages) == len(keys):
             return pages
         return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)[0]

@@ -12,10 +12,11 @@ What. The deployment's current copy (``fetch_deployment``: the rank's key suffix
 its ranks' nodes); then the peers' touch journals for the deployment's key prefix
 (``ask(prefix, limit, prefer, wait_s)``: ``ask_peers``, node actors of other nodes, the
 deployment's nodes first, bounded calls); from their entries of this rank's objects,
-the runs ``warm_plan.warm_runs`` chooses within ``warm_bytes``; read run after run, in
-batches of ``BATCH`` pages, by ``L2Pools.warm``: only into free pages, no page of L2
-evicted (the engine's own pages always win: its reservations may evict warmed pages
-later, as any page).
+the runs ``warm_plan.warm_runs`` chooses within ``warm_bytes`` (the hottest); read run
+after run, the coldest of them first so that the hottest are the most recently used
+pages and the last L2 evicts, in batches of ``BATCH`` pages, by ``L2Pools.warm``: only
+into free pages, no page of L2 evicted (the engine's own pages always win: its
+reservations may evict warmed pages later, as any page).
 
 Stops: every chosen page read (``done``), ``warm_s`` seconds after the open spent
 (``time``), the pool without a free page or gone from the node (``no room``), nothing
@@ -169,7 +170,7 @@ class L2Warmup:
         views = self._ask(claim.key_prefix, limit, list(dep.ranks.values()), wait)
         runs = warm_runs(views, rank_objects(claim.key_prefix, suffix, size), pages, limit)
         self._set(handle.name, chosen=sum(map(len, runs)))
-        for run in runs:
+        for run in reversed(runs):  # the hottest read last: the last of them L2 evicts
             for i in range(0, len(run), BATCH):
                 if self._stop.is_set():
                     return "stopped"

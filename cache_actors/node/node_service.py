@@ -148,7 +148,7 @@ class NodeService:
                           lambda op, batch, deadline, caller: self._move(
                               op, batch, None, deadline, caller, True),
                           self.verify, l2_bytes=l2_bytes, log=self.residency_log,
-                          quota_left=partial(quota_left, self._pools))
+                          touches=self.touches, quota_left=partial(quota_left, self._pools))
         metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),

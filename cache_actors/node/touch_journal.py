@@ -17,6 +17,7 @@ Threads: any; ``_lock`` guards the entries and is never held while calling out.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,9 +54,6 @@ class TouchJournal:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Touch] = OrderedDict()  # oldest first
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def touched(self, keys: Sequence[str], sizes: Sequence[int], now: float) -> None:
         """``keys`` (of ``sizes`` bytes) were stored or read at ``now``."""
         with self._lock:
@@ -72,6 +70,11 @@ class TouchJournal:
         touched = [i for i, c in enumerate(codes) if (c >= 0 if op == "put" else c > 0)]
         if touched:
             self.touched([keys[i] for i in touched], [sizes[i] for i in touched], now)
+
+    def served(self, keys: Sequence[str], size: int) -> None:
+        """``keys`` (of ``size`` bytes each) were served from L2 now (wall clock)."""
+        if keys:
+            self.touched(keys, [size] * len(keys), time.time())
 
     def forget(self, keys: Iterable[str]) -> None:
         """``keys`` left the store (removed on purpose)."""

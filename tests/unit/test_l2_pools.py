@@ -478,3 +478,20 @@ def test_an_l2_op_refuses_a_deadline_that_is_no_finite_time_ahead(bad):
     with pytest.raises(ValueError, match="deadline"):
         pools.reserve(ME, name, ["m_a"], A, deadline=bad)
     assert pools.reserve(ME, name, ["m_a"], A, deadline=time.monotonic() + 5) == [0]
+
+
+def test_pages_an_acquire_serves_are_touches_of_the_node():
+    """An L2 hit is a touch (a page kept hot in L2 never reaches the store again: without
+    it the journal saw only its first put); a miss is not."""
+    from raykv.cache_actors.node.touch_journal import TouchJournal
+
+    node, journal = FakeNode(), TouchJournal()
+    pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
+                    lambda claim: claim, l2_bytes=1 << 20, touches=journal)
+    h = pools.open((0, 0), layout(), 8, A)
+    pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
+    assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
+    assert journal.recent() == []  # a save is not a hit
+    assert pools.acquire(ME, h.name, ["m_a", "m_c", "m_b"], False, A) == pages[:1]
+    assert [(k, t.hits, t.size) for k, t in journal.recent()] == [
+        ("m_a", 1, layout().object_bytes)]

@@ -82,10 +82,12 @@ def test_a_new_pool_gets_the_hottest_runs_read_into_free_pages():
                                   "stopped": "done", "seconds": 0}
     assert s["pages"] == 5 and s["bytes"] == 5 * PAGE
     gets = [keys for op, keys in node.calls if op == "get"]
-    assert gets == [[key("x0"), key("x1")], [key(i) for i in range(3)]]  # latest run first
+    # both runs chosen (the latest first), read coldest first: the hottest end most
+    # recently used, the last pages of them L2 evicts
+    assert gets == [[key(i) for i in range(3)], [key("x0"), key("x1")]]
     assert pools.lookup([key(i) for i in range(3)], 1, A) == 3
     assert pools.stats()["warmed"] == 5 and pools.stats()["filled"] == 0
-    assert metrics.warmed == [(A.owner, 2 * PAGE), (A.owner, 3 * PAGE)]
+    assert metrics.warmed == [(A.owner, 3 * PAGE), (A.owner, 2 * PAGE)]
     assert peers.asked == [("m_", 1024, ["node-1"], 5.0)]  # MIN_ANSWER
     # the same pool opened again (another engine): no second warm-up
     assert warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A) == h

@@ -18,7 +18,7 @@ def test_capacity_forgets_the_least_recently_touched():
     j.touched(["a"], [1], now=2.0)
     j.touched(["c"], [1], now=3.0)
     assert [k for k, _ in j.recent()] == ["c", "a"]
-    assert len(j) == 2
+    assert len(j.recent()) == 2
 
 
 def test_prefix_limit_and_forget():
@@ -50,3 +50,14 @@ def test_a_store_call_touches_what_it_stored_or_read():
     j.moved("put", ["s", "p", "f"], [4, 4, 4], [0, 1, -200], now=1.0)
     j.moved("get", ["s", "m"], [4, 4], [4, -704], now=2.0)
     assert j.recent() == [("s", Touch(2.0, 2, 4)), ("p", Touch(1.0, 1, 4))]
+
+
+def test_pages_served_from_l2_are_touches_now():
+    import time
+
+    j = TouchJournal()
+    before = time.time()
+    j.served(["a", "b"], 64)
+    j.served([], 64)
+    (a, ta), (b, tb) = sorted(j.recent())
+    assert (a, b) == ("a", "b") and ta.size == tb.size == 64 and ta.last >= before
