@@ -31,6 +31,7 @@ from raykv.cache_actors.node.node_metrics import NodeMetrics
 from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.residency_query import ResidencyQuery
+from raykv.cache_actors.node.segment_drain import node_drain
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
@@ -57,25 +58,19 @@ waits a few ms, an answer later than this is never used."""
 
 
 class NodeCacheActor:
-    """Serves the ranks of one node; each method is the ``NodeService`` method of the
-    same name (the data ops are ``DataOp``), whose docstring states its contract
-    (``group_exists`` waits here for the service's reply). Pool calls and data calls
-    take the caller's ``OwnerClaim`` last (None: a caller without one), each bound here
-    to the call it came with (``ownership.for_call``: a tenant's call proof is good for
-    that method and those arguments only). Runs only as
-    ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its
-    deployments may hold on this node; ``tenant_digests``: tenant -> its tenant digest
-    (public owner key), bound from the start; ``bound_tenants_only``: no other tenant
-    is bound; ``untenanted_pool_bytes``: the most bytes of this node's pools without a
-    tenant (None: ``tenant_quotas.untenanted_bound``'s default of this node's memory,
-    ``node_memory_bytes``); ``l2_bytes``: the most bytes of this node's L2 pools together
-    (``cache_actors.node.l2_pools``; 0: no L2); ``placement``: ``own`` puts prefer this
-    node's segment, ``any`` leaves the choice to Mooncake. ``challenge`` and ``open_session`` (a
-    tenant's owner session, ``controllers.owner_keys``) run in the ``data`` group: a pool
-    call under way never holds them up.
-
-    Its arguments are ``NodeSettings.actor_kwargs()``, every one given: the defaults live
-    in ``controllers.node_settings`` alone."""
+    """Serves the ranks of one node; each method is the ``NodeService`` method of the same
+    name (data ops: ``DataOp``; the drain's: ``SegmentDrain``'s), whose docstring states its
+    contract. Pool calls and data calls take the caller's ``OwnerClaim`` last (None: a
+    caller without one), each bound here to the call it came with (``ownership.for_call``:
+    a tenant's call proof is good for that method and those arguments only). Runs only as
+    ``node_actor_class``. ``tenant_quotas``: tenant -> bytes of host pools its deployments
+    may hold on this node; ``tenant_digests``: tenant -> its tenant digest (public owner
+    key), bound from the start; ``bound_tenants_only``: no other tenant is bound;
+    ``untenanted_pool_bytes``: the most bytes of this node's pools without a tenant (None:
+    ``tenant_quotas.untenanted_bound``'s default of ``node_memory_bytes``); ``l2_bytes``:
+    the most bytes of this node's L2 pools together (``cache_actors.node.l2_pools``; 0: no
+    L2); ``placement``: ``own`` puts prefer this node's segment, ``any`` leaves the choice
+    to Mooncake. Arguments: ``NodeSettings.actor_kwargs()``, all given (its defaults)."""
 
     def __init__(
         self,
@@ -115,7 +110,7 @@ class NodeCacheActor:
         self._namespace = ray.get_runtime_context().namespace
         self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
         self._service = NodeService(
-            node_id, prefix, store, NodeMetrics(node_id), self._fetch_deployment,
+            node_id, prefix, store, metrics := NodeMetrics(node_id), self._fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
             confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
@@ -124,6 +119,7 @@ class NodeCacheActor:
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
+        self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
 
     def _fetch_deployment(self, deployment_id: str) -> Deployment:
         """The controller's copy (``ValueError`` if it does not know it;
@@ -340,7 +336,20 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="control")
     async def health(self) -> dict:
-        return self._service.health()
+        return self._service.health() | {"draining": self._drain.draining}
+
+    @ray.method(concurrency_group="pools")
+    async def drain(self, deadline_s: float, room_bytes: int | None = None,
+                    reason: str = "operator") -> dict:
+        return await self._pooled(self._drain.run, deadline_s, room_bytes, reason)
+
+    @ray.method(concurrency_group="control")
+    async def drain_status(self) -> dict | None:
+        return self._drain.status()
+
+    @ray.method(concurrency_group="control")
+    async def undrain(self) -> None:
+        self._drain.undo()
 
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:

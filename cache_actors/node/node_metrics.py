@@ -46,6 +46,8 @@ MERGED_CALL_COUNTS = ("calls", "batches", "largest")
 L2_OBJECT_COUNTS = ("filled", "fill_failed", "l3_put_submitted", "l3_put", "l3_put_retried",
                     "l3_put_failed")
 """The node's L2 counts exported (``raykv_l2_objects``); each only grows."""
+DRAIN_OUTCOMES = ("moved", "dropped", "left", "failed")
+"""What became of the objects a drain chose or found (``raykv_drain_objects``/``_bytes``)."""
 L2Counters = Callable[[], tuple[Mapping[str, int], Mapping[str, tuple[Owner, Mapping[str, int]]]]]
 """``L2Pools.counters``: the node's L2 counts, and per L2 pool its owner and page counts."""
 MAX_POOL_LABELS = 64
@@ -124,8 +126,16 @@ class NodeMetrics:
             "raykv_l2_objects", "L2 cache objects read from L3 (filled, fill_failed) and "
             "put to L3 behind the writer (l3_put_submitted, l3_put, l3_put_retried, "
             "l3_put_failed)", tag_keys=("node", "event"))
+        self._drain_objects = metrics.Counter(
+            "raykv_drain_objects", "Objects of drains of this node's segment: moved to "
+            "other nodes, dropped (no room), left (deadline), failed; l2_flushed: L2 pages "
+            "put to L3 by a drain", tag_keys=("node", "outcome"))
+        self._drain_bytes = metrics.Counter(
+            "raykv_drain_bytes", "Bytes of drains of this node's segment: moved, dropped, "
+            "left, failed", tag_keys=("node", "outcome"))
         for m in (self._objects, self._bytes, self._lookups, self._latency,
-                  self._pool_bytes, self._group_queries, self._l2_pages, self._l2_objects):
+                  self._pool_bytes, self._group_queries, self._l2_pages, self._l2_objects,
+                  self._drain_objects, self._drain_bytes):
             m.set_default_tags(tags)
         self._l2: L2Counters | None = None
         self._l2_seen: tuple[Mapping[str, int], dict[str, Mapping[str, int]]] = ({}, {})
@@ -235,6 +245,20 @@ class NodeMetrics:
             m["batches"] += batches
             m["largest"] = max(m["largest"], batches)
 
+    def record_drain(self, report: Mapping[str, object]) -> None:
+        """A drain ended with ``report`` (``SegmentDrain.run``'s): its ``objects_`` and
+        ``bytes_`` ``moved`` / ``dropped`` / ``left`` / ``failed`` and ``l2_pages``
+        counted (``drain_<outcome>_objects`` / ``_bytes``, ``drain_l2_flushed_objects``)."""
+        counts = {(f"objects_{o}", o): self._drain_objects for o in DRAIN_OUTCOMES} | {
+            (f"bytes_{o}", o): self._drain_bytes for o in DRAIN_OUTCOMES} | {
+            ("l2_pages", "l2_flushed"): self._drain_objects}
+        with self._lock:
+            for (field, outcome), metric in counts.items():
+                if n := int(report.get(field, 0)):
+                    unit = "bytes" if metric is self._drain_bytes else "objects"
+                    self._counts[f"drain_{outcome}_{unit}"] += n
+                    self._pending[(metric, (("outcome", outcome),))] += n
+
     def pool_size(self, name: str, nbytes: int, owner: Owner | None = None) -> None:
         """Pool ``name`` of ``owner`` now holds ``nbytes`` (0: gone, and its per-pool
         counts are dropped); its gauge is set at once (rare) and again by every
@@ -313,7 +337,8 @@ class NodeMetrics:
 
     def counters(self) -> dict[str, int]:
         """Per node: ``put_objects`` / ``get_objects`` (moved), ``put_present``,
-        ``put_bytes`` / ``get_bytes``, ``<op>_error_<code>``, ``exists_calls``."""
+        ``put_bytes`` / ``get_bytes``, ``<op>_error_<code>``, ``exists_calls``, the drains'
+        ``drain_<outcome>_objects`` / ``_bytes`` (``record_drain``)."""
         with self._lock:
             return dict(self._counts)
 

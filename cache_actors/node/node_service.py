@@ -380,10 +380,10 @@ class NodeService:
         return self._channel.path
 
     def health(self) -> dict:
-        """Store connectivity, pool count (0 while re-allocating: never waits on a lock)."""
+        """Store connectivity, pool count (0 while re-allocating), own ``segment``; no lock."""
         return {"node_id": self.node_id, "store_healthy": self._store.healthy(),
                 "mode": self._store.mode, "pools": len(self._pools.table.pools),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "segment": self._store.backend.own_segment}
 
     def stats(self) -> dict:
         """Counters since start (``node_stats`` says what each entry holds)."""

@@ -86,6 +86,20 @@ class StoreBackend(Protocol):
         failed or cannot be made (``can_locate``)."""
         ...
 
+    def steer(self, segment: str | None) -> None:
+        """Later puts prefer ``segment`` (None: ``own_segment`` again, when the node's
+        placement says so); ``prefers_own`` follows."""
+        ...
+
+    def start_move(self, key: str, source: str, target: str) -> tuple[object, int]:
+        """Start moving ``key``'s replica on segment ``source`` to segment ``target``:
+        ``(task id, 0)``, or ``(None, negative error)``."""
+        ...
+
+    def move_state(self, task: object) -> str:
+        """``"done"``, ``"failed"`` or ``"running"``: the state of a started move."""
+        ...
+
     def close(self) -> None:
         """Leave the store; no call follows."""
         ...

@@ -87,6 +87,11 @@ class TouchJournal:
             newest = list(reversed(self._entries.items()))
         return list(islice(((k, t) for k, t in newest if k.startswith(prefix)), limit))
 
+    def entries(self) -> list[tuple[str, Touch]]:
+        """Every entry, most recently touched first (at most ``capacity``: a drain's)."""
+        with self._lock:
+            return list(reversed(self._entries.items()))
+
     def of(self, keys: Sequence[str]) -> dict[str, Touch]:
         """The touches of those of the first ``MAX_ANSWER`` ``keys`` this journal has."""
         with self._lock:

@@ -13,6 +13,9 @@ are in L2 only (until evicted), and L3's chain has a hole there. A hole costs hi
 never bytes: every lookup and load stops at a chain's first missing block, so the
 blocks after it are only unused space in L3 until they are evicted there.
 
+A drain (``cache_actors.node.segment_drain``) calls ``flush``: every retry is due at
+once, and it waits until the write-behind of everything handed over ended.
+
 Counters (``counts``, read under the owner's lock): ``submitted`` (objects handed
 over; the write-behind has ended for all of them once ``stored`` + ``failed`` reach
 it), ``stored`` (objects put), ``retried``
@@ -79,6 +82,7 @@ class WriteBehind:
         self.counts = {"submitted": 0, "stored": 0, "retried": 0, "failed": 0, "pending": 0}
         self._warn = ThrottledLog(log)
         self._closed = threading.Event()
+        self._hurry = threading.Event()  # a drain: every retry is due at once
         threading.Thread(target=self._loop, name="raykv-l2-flush", daemon=True).start()
 
     def submit(self, pool: Any, keys: list[str], pages: list[int]) -> None:
@@ -93,6 +97,27 @@ class WriteBehind:
         (their pages dirty), ``l3_put_failed`` (in L2 only, a hole in L3)."""
         return {f"l3_put_{k}" if k != "stored" else "l3_put": v for k, v in self.counts.items()}
 
+    def flush(self, until: float) -> int:
+        """A drain's flush: every retry is due at once from now on (until ``unhurry``);
+        waits until each object handed over ended its write-behind (put, or given up
+        on) or ``until`` (``clock`` seconds) passed. Returns the objects put meanwhile.
+        Never called under the owner's lock."""
+        with self._lock:
+            before = self.counts["stored"]
+        self._hurry.set()
+        self._queue.put(())  # wakes the thread to look at its retries
+        while True:
+            with self._lock:
+                c = self.counts
+                ended, put = c["stored"] + c["failed"] >= c["submitted"], c["stored"] - before
+            if ended or self._clock() >= until or self._closed.is_set():
+                return put
+            time.sleep(0.02)
+
+    def unhurry(self) -> None:
+        """Retries wait for their back-off again (a drain was called off)."""
+        self._hurry.clear()
+
     def close(self) -> None:
         """End the thread after its current put; retries not yet due are dropped."""
         self._closed.set()
@@ -102,6 +127,7 @@ class WriteBehind:
     def _loop(self) -> None:
         while not self._closed.is_set():
             wait = None if not self._retries else max(0.0, self._retries[0][0] - self._clock())
+            wait = 0.0 if self._retries and self._hurry.is_set() else wait
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -112,8 +138,8 @@ class WriteBehind:
                 pool, keys, pages = item
                 for i in range(0, len(keys), BATCH):
                     self._attempt(pool, keys[i:i + BATCH], pages[i:i + BATCH], 1)
-            while self._retries and self._retries[0][0] <= self._clock() \
-                    and not self._closed.is_set():
+            while self._retries and (self._hurry.is_set() or self._retries[0][0]
+                                     <= self._clock()) and not self._closed.is_set():
                 _, _, pool, keys, pages, attempt = heapq.heappop(self._retries)
                 if self._served(pool):
                     self._attempt(pool, keys, pages, attempt)

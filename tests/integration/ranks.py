@@ -23,12 +23,13 @@ class Rank:
     """One rank: a client with a registered KV pool (created or attached by name)."""
 
     def __init__(self, config: StorageConfig, kind: str = "mha", pool_name: str | None = None,
-                 attach: bool = False) -> None:
+                 attach: bool = False, shape: dict | None = None) -> None:
+        """``shape``: ``create_host_pool``'s sizes (default: ``MLA`` or ``MHA``)."""
         self.client = CacheClient(config)
         if attach:
             self.pool = self.client.attach_host_pool(pool_name)
         else:
-            shape = MLA if kind == "mla" else MHA
+            shape = shape or (MLA if kind == "mla" else MHA)
             self.pool = self.client.create_host_pool(kind, name=pool_name, **shape)
         self.client.register_mem_pool_host(self.pool)
 

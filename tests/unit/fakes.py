@@ -72,6 +72,9 @@ class FakeBackend:
         self.own_segment: str | None = "10.213.0.2:12345"
         self.prefers_own = True
         self.can_locate = True
+        self.steered: str | None = None
+        self.moves: list[tuple[str, str, str]] = []  # started: (key, source, target)
+        self.move_states: dict[int, str] = {}  # task -> state ("done" when not set)
         self._maps: list[tuple[int, mmap.mmap]] = []
 
     def _race(self) -> None:
@@ -134,6 +137,19 @@ class FakeBackend:
     def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
         """Every object present lies on this node's own segment."""
         return [(self.own_segment,) if k in self.objects else () for k in keys]
+
+    def steer(self, segment: str | None) -> None:
+        self.steered, self.prefers_own = segment, segment is None
+
+    def start_move(self, key: str, source: str, target: str) -> tuple[object, int]:
+        """A task per move of a present object (its id: the count of moves started)."""
+        if key not in self.objects:
+            return None, OBJECT_NOT_FOUND
+        self.moves.append((key, source, target))
+        return len(self.moves), 0
+
+    def move_state(self, task: object) -> str:
+        return self.move_states.get(task, "done")
 
     def close(self) -> None:
         self.closed = True

@@ -257,3 +257,61 @@ def test_locate_names_the_segments_of_complete_memory_replicas(fake_mooncake):
     backend.can_locate = False  # a dummy client: never asks (its process cannot answer)
     asked = len(store.calls)
     assert backend.locate(["x"]) is None and len(store.calls) == asked
+
+
+def test_a_drain_steers_puts_to_another_segment_and_undoing_it_steers_them_home(
+        fake_mooncake):
+    """``steer(peer)``: every put prefers the peer's segment and none counts as the
+    node's own (``prefers_own``); ``steer(None)``: the own segment again, or with
+    ``placement="any"`` Mooncake's choice again."""
+    store = FakeStore()
+    backend = MooncakeBackend(store, "a:1")
+    backend.steer("b:2")
+    assert backend._steer.preferred_segment == "b:2" and not backend.prefers_own
+    backend.put(["x"], [1], [8])
+    assert store.calls[-2][-1].preferred_segment == "b:2"  # the put, then its confirmation
+    backend.steer(None)
+    assert backend._steer.preferred_segment == "a:1" and backend.prefers_own
+    anywhere = MooncakeBackend(FakeStore(), "a:1", prefer_own_segment=False)
+    anywhere.steer("b:2")
+    assert anywhere._steer.preferred_segment == "b:2" and not anywhere.prefers_own
+    anywhere.steer(None)
+    assert anywhere._steer is None and not anywhere.prefers_own
+
+
+class MovingStore(FakeStore):
+    """Move tasks: ``rc`` answers each ``create_move_task``; ``states`` (task ->
+    status name, or an error code) each ``query_task``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rc = 0
+        self.states: dict[tuple, object] = {}
+
+    def create_move_task(self, key, source, target):
+        self._enter("create_move_task", key, source, target)
+        return (len(self.calls), 7), self.rc
+
+    def query_task(self, task):
+        self._enter("query_task", task)
+        state = self.states.get(task, "PENDING")
+        if isinstance(state, int):
+            return None, state
+        return SimpleNamespace(status=f"TaskStatus.{state}"), 0
+
+
+def test_move_tasks_are_started_and_their_states_read():
+    store = MovingStore()
+    backend = MooncakeBackend(store, "a:1")
+    task, rc = backend.start_move("k", "a:1", "b:2")
+    assert rc == 0 and store.calls[-1] == ("create_move_task", "k", "a:1", "b:2")
+    assert backend.move_state(task) == "running"
+    for state, seen in (("PROCESSING", "running"), ("SUCCESS", "done"), ("FAILED", "failed"),
+                        (-1400, "failed")):
+        store.states[task] = state
+        assert backend.move_state(task) == seen
+    store.rc = -600
+    assert backend.start_move("k", "a:1", "b:2") == (None, -600)
+    store.raises = {"create_move_task", "query_task"}
+    assert backend.start_move("k", "a:1", "b:2") == (None, CLIENT_ERROR)
+    assert backend.move_state(task) == "failed"

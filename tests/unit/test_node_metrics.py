@@ -222,3 +222,18 @@ def test_every_export_sets_the_pool_gauges_again(recorded):
     m.export()
     sets = [(c[2]["pool"], c[1]) for c in made["raykv_pool_bytes"].calls]
     assert sets == [("p0", 64), ("p1", 32), ("p1", 0), ("p0", 64), ("p0", 64)]
+
+
+def test_a_drains_report_is_counted_and_exported_by_outcome(recorded):
+    m, made = recorded
+    m.record_drain({"objects_moved": 3, "bytes_moved": 300, "objects_dropped": 1,
+                    "bytes_dropped": 50, "objects_left": 0, "bytes_left": 0, "l2_pages": 2,
+                    "state": "done"})
+    assert m.counters() == {"drain_moved_objects": 3, "drain_moved_bytes": 300,
+                            "drain_dropped_objects": 1, "drain_dropped_bytes": 50,
+                            "drain_l2_flushed_objects": 2}
+    m.export()
+    assert sorted((c[2]["outcome"], c[1]) for c in made["raykv_drain_objects"].calls) == [
+        ("dropped", 1), ("l2_flushed", 2), ("moved", 3)]
+    assert sorted((c[2]["outcome"], c[1]) for c in made["raykv_drain_bytes"].calls) == [
+        ("dropped", 50), ("moved", 300)]
