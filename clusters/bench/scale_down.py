@@ -82,6 +82,9 @@ DRAIN_TIMEOUT_S = 120.0
 TIMEOUT_S = 60.0
 """Deadline of each rank's raykv calls, in seconds."""
 SEED = 51
+START_ATTEMPTS = 2
+"""Tries at starting one cluster (a loaded machine sometimes brings a host's Ray node up
+too late)."""
 
 
 def _pattern(key: str, shape: torch.Size) -> torch.Tensor:
@@ -213,8 +216,16 @@ def scale_down(link: str, drain: bool, prefixes: int, prefix_pages: int, request
     load = os.getloadavg()
     with console.status(f"{link}, drain {'on' if drain else 'off'}: starting 3 emulated "
                         "hosts"):
-        cluster = start_local(hosts=3, link=link, global_segment_size=list(SEGMENTS),
-                              cpus_per_node=1, log_to_driver=False, lifecycle=lifecycle)
+        for attempt in range(START_ATTEMPTS):
+            try:
+                cluster = start_local(hosts=3, link=link, global_segment_size=list(SEGMENTS),
+                                      cpus_per_node=1, log_to_driver=False,
+                                      lifecycle=lifecycle)
+                break
+            except RuntimeError as e:  # a host's Ray node did not come up: start again
+                if attempt + 1 == START_ATTEMPTS:
+                    raise
+                console.print(f"starting the emulated hosts failed, again: {e}")
     with cluster:
         n0, n1, n2 = sorted(cluster.node_ids, key=cluster.hosts.host_of)
         keys = [[f"sd-{run_id}-{p}-{i}" for i in range(prefix_pages)] for p in range(prefixes)]
@@ -258,7 +269,8 @@ def run_scale_down_bench(links: Sequence[str] = DEFAULT_LINKS, modes: Sequence[s
                          out_dir: str | None = None, command: str = "",
                          console: Console | None = None) -> dict:
     """Run the benchmark (module docstring); print a table, write ``scale_down.json``
-    into ``out_dir`` (default ``raykv-out/``), return the figures. Root only, Ray not
+    into ``out_dir`` (default ``raykv-out/``; rewritten after each cluster, ``complete``
+    once all ran), return the figures. Root only, Ray not
     initialised. ``ValueError`` for a bad link rate or mode, before anything starts."""
     console = console or Console()
     for link in links:
@@ -268,21 +280,26 @@ def run_scale_down_bench(links: Sequence[str] = DEFAULT_LINKS, modes: Sequence[s
     if prefixes < 2 or prefix_pages < 1 or requests < 1:
         raise ValueError("need prefixes >= 2, prefix_pages >= 1 and requests >= 1")
     t0 = time.monotonic()
-    runs = [scale_down(link, m == "on", prefixes, prefix_pages, requests, sweep, console)
-            for link in links for m in modes]
-    result = {"benchmark": "scale_down", "command": command,
-              "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": {"cpus": os.cpu_count(),
-                          "memory_gib": round(os.sysconf("SC_PHYS_PAGES")
-                                              * os.sysconf("SC_PAGE_SIZE") / GiB, 1)},
-              "seconds": time.monotonic() - t0, "page_bytes": PAGE_BYTES,
-              "prefixes": prefixes, "prefix_pages": prefix_pages, "requests": requests,
-              "segments": list(SEGMENTS), "drain_timeout_s": DRAIN_TIMEOUT_S,
-              "runs": runs, "model": drain_model(runs)}
-    console.print(_table(runs))
     out = Path(out_dir or "raykv-out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale_down.json").write_text(json.dumps(result, indent=2))
+    runs: list[dict] = []
+    for link in links:
+        for mode in modes:
+            runs.append(scale_down(link, mode == "on", prefixes, prefix_pages, requests,
+                                   sweep, console))
+            result = {"benchmark": "scale_down", "command": command,
+                      "complete": len(runs) == len(links) * len(modes),
+                      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                      "machine": {"cpus": os.cpu_count(),
+                                  "memory_gib": round(os.sysconf("SC_PHYS_PAGES")
+                                                      * os.sysconf("SC_PAGE_SIZE") / GiB, 1)},
+                      "seconds": time.monotonic() - t0, "page_bytes": PAGE_BYTES,
+                      "prefixes": prefixes, "prefix_pages": prefix_pages,
+                      "requests": requests, "segments": list(SEGMENTS),
+                      "drain_timeout_s": DRAIN_TIMEOUT_S, "runs": runs,
+                      "model": drain_model(runs)}
+            (out / "scale_down.json").write_text(json.dumps(result, indent=2))
+    console.print(_table(runs))
     return result
 
 
