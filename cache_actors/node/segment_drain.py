@@ -35,7 +35,8 @@ tasks started), ``candidates`` (objects found on this segment alone), ``unlocate
 ``undo`` (an aborted retirement) steers puts to the own segment again.
 
 Threads: ``run`` on a thread of the node actor's pool group; ``status`` and ``undo``
-from any thread; ``_lock`` guards the report and is never held while calling out.
+from any thread; ``_lock`` guards the report and the steering of puts (``steer``, a
+local call, is the one call made under it).
 """
 
 from __future__ import annotations
@@ -139,12 +140,12 @@ class SegmentDrain:
     def undo(self) -> None:
         """Call a drain off: puts prefer the own segment again, L2 retries wait for
         their back-off again; a running drain stops starting moves (``called off``)."""
-        self._off.set()
-        self._backend.steer(None)
-        self._unhurry()
         with self._lock:
+            self._off.set()
+            self._backend.steer(None)
             if self._report is not None and self._report["state"] != "running":
                 self._report["state"] = "called off"
+        self._unhurry()
 
     def run(self, deadline_s: float, room_bytes: int | None = None,
             reason: str = "operator") -> dict:
@@ -194,12 +195,15 @@ class SegmentDrain:
         targets = self._peers.segments(min(end, self._clock() + PEER_WAIT_S))
         own = self._backend.own_segment
         targets = [t for t in targets if t != own]
-        if targets:
-            self._backend.steer(targets[0])
-        self._note(targets=len(targets))
+        with self._lock:  # never after an undo
+            if targets and not self._off.is_set():
+                self._backend.steer(targets[0])
+            self._report["targets"] = len(targets)
         self._note(l2_pages=self._flush(end))
-        if not self._backend.can_locate or own is None:
+        if not self._backend.can_locate:
             self._note(state="no locate")  # standalone: which objects are its own is unknown
+            return
+        if own is None:  # no segment of its own: nothing leaves with it
             return
         mine = self._journal.entries()
         views = [dict(mine), *self._peers.touches([k for k, _ in mine],

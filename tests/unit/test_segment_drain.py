@@ -200,3 +200,23 @@ def test_the_first_moves_start_before_every_candidate_is_looked_up(monkeypatch):
     report = d.drain.run(0.2)
     assert report["unlocated"] > 0 and report["candidates"] < 6
     assert report["candidates"] == report["objects_moved"] + report["objects_left"]
+
+
+def test_an_undo_during_the_peers_answer_is_never_overridden_by_the_drains_steering():
+    """The drain asks its peers; an undo comes meanwhile: puts stay home."""
+    class UndoingPeers(FakePeers):
+        def segments(self, until: float) -> list[str]:
+            d.drain.undo()
+            return super().segments(until)
+
+    d = Drained({"a": 1}, peers=UndoingPeers())
+    report = d.drain.run(30.0)
+    assert report["state"] == "called off" and d.backend.steered is None
+    assert not d.drain.draining
+
+
+def test_a_node_without_a_segment_has_nothing_to_move():
+    d = Drained({"a": 1})
+    d.backend.own_segment = None
+    report = d.drain.run(30.0)
+    assert report["state"] == "done" and report["candidates"] == 0 and d.backend.moves == []
