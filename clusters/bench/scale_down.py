@@ -339,4 +339,4 @@ if __name__ == "__main__":
 
     from raykv.clusters.cli import main
 
-    main(["bench-scale-down", *sys.argv[1:]])
+    main(["bench-scale-down", *sys.argv[1:]], prog_name="raykv")
