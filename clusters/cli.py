@@ -793,6 +793,41 @@ def bench_hosts(locality: bool, links: str | None, page_sizes: tuple[int, ...] |
         raise click.ClickException(str(e)) from None
 
 
+@main.command("bench-scale-down", epilog=_epilog(one=("also without root",)))
+@click.option("--links", default="1gbit,10gbit", show_default=True,
+              help="Comma-separated link rates, as tc writes them; a cluster per rate "
+                   "and drain mode.")
+@click.option("--modes", default="on,off", show_default=True,
+              help="Comma-separated drain modes of the leaving host: on, off.")
+@click.option("--requests", default=64, show_default=True, type=POSITIVE,
+              help="Seeded requests before and after the scale-down.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for scale_down.json.")
+def bench_scale_down(links: str, modes: str, requests: int, out_dir: str) -> None:
+    """A scale-down mid-workload on three emulated hosts (root only): host 2 leaves,
+    its drain on or off; the hit rate after vs before, and the drain's GB/s."""
+    from raykv.clusters.bench.scale_down import MODES, run_scale_down_bench
+    from raykv.clusters.host_plan import parse_rate
+
+    rates = [x.strip() for x in links.split(",") if x.strip()]
+    kinds = [x.strip() for x in modes.split(",") if x.strip()]
+    try:
+        for rate in rates or [""]:
+            parse_rate(rate)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--links'") from None
+    if not kinds or any(k not in MODES for k in kinds):
+        raise click.BadParameter(f"modes are of {', '.join(MODES)}, got {modes!r}",
+                                 param_hint="'--modes'")
+    _progress(f"raykv bench-scale-down: {len(rates) * len(kinds)} cluster(s) of 3 "
+              f"emulated hosts, one per link rate and drain mode ...")
+    try:
+        run_scale_down_bench(links=rates, modes=kinds, requests=requests, out_dir=out_dir,
+                             command=" ".join(["raykv", *sys.argv[1:]]))
+    except (PermissionError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("bench-gpu", epilog=_epilog(
     zero="done: every page came back byte-exact (the tables and bench_gpu.json give the "
          "figures; this bench has no targets to check)",

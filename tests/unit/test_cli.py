@@ -271,6 +271,8 @@ def test_bench_gpu_refuses_without_cuda(monkeypatch):
     (["bench-hosts", "--links", "fast"], ["--links", "fast"]),
     (["bench-hosts", "--links", "unshaped"], ["--links", "unshaped"]),
     (["bench-hosts", "--locality", "--page-sizes", "96K"], ["--page-sizes", "64 KiB"]),
+    (["bench-scale-down", "--links", "fast"], ["--links", "fast"]),
+    (["bench-scale-down", "--modes", "on,maybe"], ["--modes", "maybe"]),
 ])
 def test_emulated_hosts_usage_errors(args, words):
     from click.testing import CliRunner
