@@ -1,5 +1,6 @@
 """Starting and stopping raykv's actors on a running Ray cluster: the controller, the
-reconciler (and through it one actor per node) and, when raykv runs its own
+reconciler (and through it the node actors, where ``controllers.node_lifecycle`` says)
+and, when raykv runs its own
 master, the master supervisor. Used by ``start_local`` and by ``raykv up``/``down``."""
 
 from __future__ import annotations

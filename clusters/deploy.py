@@ -1,9 +1,10 @@
-"""``raykv up | status | down`` against a running Ray cluster.
+"""``raykv up | status | drain | down`` against a running Ray cluster.
 
 ``up`` starts, in the ``raykv`` namespace, a supervised ``mooncake_master`` on the head
 node (unless ``master_address`` and ``metadata_server`` of an existing one are given),
-the controller and the reconciler, which gives every alive node a node actor and
-follows the autoscaler from then on. Everything is detached: it outlives the ``up``
+the controller and the reconciler, which gives a node actor to the head node, to kept
+nodes and to every node where ranks run, and follows the autoscaler from then on
+(``controllers.node_lifecycle``). Everything is detached: it outlives the ``up``
 command. ``down`` stops it all. Each joins the cluster through ``connect``, which fails
 in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answers.
 """
