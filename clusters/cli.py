@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 
 import click
+from click.core import ParameterSource
 from raykv.controllers.node_lifecycle import DRAIN_TIMEOUT_S, RETIRE_IDLE_S, LifecycleSettings
 from raykv.controllers.node_settings import (
     DEFAULTS,
@@ -455,9 +456,10 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
                   l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
-                  lifecycle=lifecycle)
+                  lifecycle=lifecycle if _given("keep_nodes", "retire_idle", "drain_timeout",
+                                                "no_drain") else None)
         return
-    with _spinner("starting raykv: master, controller, an actor per node ..."):
+    with _spinner("starting raykv: master, controller, node actors ..."):
         info = _connected(deploy.up, address, settings, namespace=namespace,
                           master_address=master_address, metadata_server=metadata_server,
                           master_ports=(master_port, metadata_port), lifecycle=lifecycle)
@@ -556,8 +558,15 @@ def down(address: str, namespace: str) -> None:
     click.echo(f"raykv is down in namespace {namespace!r}: stopped {actors} actor(s)")
 
 
+def _given(*names: str) -> bool:
+    """Whether the command line gave any of the options ``names`` (not their defaults)."""
+    ctx = click.get_current_context()
+    return any(ctx.get_parameter_source(n) is not ParameterSource.DEFAULT for n in names)
+
+
 def _emulated(hosts: int, link: str | None, **options) -> None:
-    """``raykv up --emulate-hosts``: the cluster in the foreground until a signal."""
+    """``raykv up --emulate-hosts``: the cluster in the foreground until a signal (a node
+    actor on every host, as ``start_local``'s, unless a lifecycle option says more)."""
     import signal
     import threading
 
