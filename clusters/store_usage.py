@@ -19,6 +19,8 @@ from raykv.controllers.drain_plan import HIGH_WATERMARK, room
 
 READ_TIMEOUT_S = 2.0
 """How long one read of the master's metrics may take, in seconds."""
+READ_ATTEMPTS = 3
+"""Reads of the master's metrics a drain's room tries before it counts as unknown."""
 MAX_TEXT = 4 << 20
 """The most bytes of metrics text read (a real answer has a few KiB per segment)."""
 _LINE = re.compile(r'^(\w+)(?:\{segment="([^"]*)"\})? (\S+)$')
@@ -79,12 +81,15 @@ def read_store_usage(metrics_url: str, timeout_s: float = READ_TIMEOUT_S) -> Sto
 
 
 def drain_room(metrics_url: str | None, segment: str | None,
-               timeout_s: float = READ_TIMEOUT_S) -> int:
+               timeout_s: float = READ_TIMEOUT_S, attempts: int = READ_ATTEMPTS) -> int:
     """The bytes a drain of ``segment`` may move (``StoreUsage.room_without``), read from
-    the master's metrics at ``metrics_url``; 0 when that is not known (no URL, no segment,
-    the metrics unreadable): a drain that cannot know the room moves nothing rather than
-    push the store past its eviction watermark."""
+    the master's metrics at ``metrics_url`` (``attempts`` reads at most, each within
+    ``timeout_s``: a loaded master answers late); 0 when that is not known (no URL, no
+    segment, the metrics unreadable): a drain that cannot know the room moves nothing
+    rather than push the store past its eviction watermark."""
     if metrics_url is None or segment is None:
         return 0
-    usage = read_store_usage(metrics_url, timeout_s)
-    return 0 if usage is None else usage.room_without(segment)
+    for _ in range(attempts):
+        if (usage := read_store_usage(metrics_url, timeout_s)) is not None:
+            return usage.room_without(segment)
+    return 0

@@ -34,7 +34,7 @@ def wait_until(what, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     with start_local(num_nodes=3, global_segment_size=64 * MiB,
-                     lifecycle=LifecycleSettings(retire_idle_s=IDLE_S, drain_timeout_s=10)) as c:
+                     lifecycle=LifecycleSettings(retire_idle_s=IDLE_S, drain_timeout_s=30)) as c:
         yield c
 
 
@@ -116,7 +116,7 @@ def test_an_operator_drain_moves_the_pages_and_keeps_the_node_off(cluster, uid):
     assert all(ray.get(writer.write.remote(keys)))
     report = ray.get(cluster.reconciler.drain.remote(node))
     assert report["outcome"] == "stopped" and report["reason"] == "operator", report
-    assert report["objects_moved"] == 2 * len(keys), report  # k and v: 2 objects a page
+    assert report["objects_moved"] == 2 * len(keys), f"{report}"  # k and v: 2 objects a page
     assert not has_actor(node)
     reader = drain_rank(head, model, POOL_PAGES)
     assert ray.get(reader.read.remote(keys)) == ["exact"] * len(keys)
