@@ -1,7 +1,8 @@
 """Which store objects a node wrote or read lately, and when (pure: no Ray, no Mooncake).
 
 The node actor notes every object its store calls stored or found (``NodeService._move``):
-a put that stored it or found it present, a get that read it. Each entry keeps the
+a put that stored it or found it present, a get that read it; and every page its L2
+served (``L2Pools.acquire``: a page kept hot in L2 never reaches the store again). Each entry keeps the
 object's size, the wall-clock time of its last touch (``time.time()`` seconds: the drain
 and the warm-up compare touches of several nodes) and how many touches it had. The
 journal keeps the ``capacity`` most recently touched objects; older ones are forgotten,
