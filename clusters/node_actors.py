@@ -127,8 +127,9 @@ class NodeReconciler:
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         draining = await asyncio.to_thread(draining_nodes)
         actors = {n: a for n in nodes if (a := self._actor(n)) is not None}
-        counts = await asyncio.gather(*(self._engines(a) for a in actors.values()))
-        engines = dict(zip(actors, counts, strict=True))
+        asked = actors if self._lifecycle.settings.retire_idle_s > 0 else {}  # else unused
+        counts = await asyncio.gather(*(self._engines(a) for a in asked.values()))
+        engines = dict(zip(asked, counts, strict=True))
         return [NodeSeen(n, info["Alive"], HEAD_RESOURCE in info.get("Resources", {}),
                          n in listed, n in actors, engines.get(n), draining.get(n))
                 for n, info in nodes.items()] + [
