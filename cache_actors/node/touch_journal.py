@@ -5,8 +5,9 @@ a put that stored it or found it present, a get that read it; and every page its
 served (``L2Pools.acquire``: a page kept hot in L2 never reaches the store again).
 Each entry keeps the object's size, the wall-clock time of its last touch
 (``time.time()`` seconds: the drain and the warm-up compare touches of several nodes)
-and how many touches it had. The journal keeps the ``capacity`` most recently touched objects; older ones are forgotten,
-so what it answers is a bounded view of what is hot, not a list of what is stored.
+and how many touches it had. The journal keeps the ``capacity`` most recently touched
+objects; older ones are forgotten, so what it answers is a bounded view of what is hot,
+not a list of what is stored.
 
 A drain orders the objects a leaving node alone holds by these touches, merged over
 every node (``hottest``); a warm-up takes the hottest keys of a deployment
