@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import ray
 from raykv.cache_actors.node.client_supervisor import stop_recorded
+from raykv.cache_actors.node.disk_tier import MASTER_FLAGS
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters import ray_auth
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
@@ -27,6 +28,7 @@ from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
 from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
+from raykv.controllers.object_seal import read_seal_key
 from raykv.controllers.pool_layout import MiB
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,8 @@ def start_local(
     placement: str = DEFAULTS.placement,
     resources: dict[str, float] | None = None,
     lifecycle: LifecycleSettings | None = None,
+    disk_dir: str = DEFAULTS.disk_dir,
+    disk_bytes: int = DEFAULTS.disk_bytes,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
@@ -235,6 +239,11 @@ def start_local(
     e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
     they leave (``controllers.node_lifecycle``; default ``LifecycleSettings.fixed()``: a
     node actor on every node for good, as a fixed cluster wants).
+    ``disk_dir``, ``disk_bytes``: each node's disk tier (``NodeSettings``; "", 0: none):
+    the master offloads on eviction (``disk_tier.MASTER_FLAGS``, before
+    ``master_args``), every object is sealed under the seal key kept in ``disk_dir``
+    (``controllers.object_seal.read_seal_key``), and a cluster started again on the
+    same ``disk_dir`` finds what its nodes offloaded.
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
@@ -265,7 +274,10 @@ def start_local(
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only, untenanted_pool_bytes=untenanted_pool_bytes,
         l2_bytes=l2_bytes, l2_warm_bytes=l2_warm_bytes, l2_warm_s=l2_warm_s,
-        placement=placement)
+        placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes)
+    if disk_dir:
+        settings = replace(settings, seal_key=read_seal_key(disk_dir))
+        master_args = [*MASTER_FLAGS, *master_args]
     check_confirm_ttl(confirm_ttl_s, master_args)
     network = EmulatedHosts.create(hosts, link) if hosts else None
     if network is None:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from raykv.controllers.object_seal import check_seal_key
 from raykv.controllers.ownership import check_tenant_digests
 from raykv.controllers.tenant_quotas import check_tenant_quotas
 
@@ -80,6 +81,13 @@ class NodeSettings:
     ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
     segment while it has room and anywhere else after (embedded mode; standalone puts
     keep Mooncake's placement); ``any``, Mooncake's own choice, a random segment.
+    ``disk_dir``: the directory on every node under which its disk tier lives (one
+    slot per node actor: ``cache_actors.node.disk_tier``; "": no disk tier);
+    ``disk_bytes``: the most bytes each node's disk tier holds. ``seal_key``: the
+    cluster's seal key (64 hex digits, ``controllers.object_seal``), filled in by
+    whoever starts a cluster with a disk tier; with it every object is sealed and every
+    get verified. Standalone mode has no disk tier (its ``mooncake_client`` owns the
+    segment, and raykv cannot verify what it offloads).
     """
 
     master_address: str = ""
@@ -103,6 +111,9 @@ class NodeSettings:
     l2_warm_bytes: int = 256 << 20
     l2_warm_s: float = 30.0
     placement: str = "own"
+    disk_dir: str = ""
+    disk_bytes: int = 0
+    seal_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
@@ -124,6 +135,13 @@ class NodeSettings:
         if self.standalone and self.host_pool_bytes <= 0:
             raise ValueError(f"standalone mode needs host_pool_bytes > 0, got "
                              f"{self.host_pool_bytes}")
+        if bool(self.disk_dir) != (self.disk_bytes > 0):
+            raise ValueError(f"a disk tier needs both disk_dir and disk_bytes > 0, got "
+                             f"{self.disk_dir!r} and {self.disk_bytes}")
+        if self.disk_dir and self.standalone:
+            raise ValueError("standalone mode has no disk tier: drop disk_dir or standalone")
+        if self.seal_key:
+            check_seal_key(self.seal_key)
         if self.rdma_devices and self.protocol != "rdma":
             raise ValueError(f"rdma_devices={self.rdma_devices!r} needs protocol 'rdma', "
                              f"got {self.protocol!r}")
@@ -143,6 +161,8 @@ class NodeSettings:
         ``ValueError`` if the master, metadata server or cluster tag is not filled in."""
         missing = [name for name in ("master_address", "metadata_server", "cluster_tag")
                    if not getattr(self, name)]
+        if self.disk_dir and not self.seal_key:
+            missing.append("seal_key")
         if missing:
             raise ValueError(f"node settings without {', '.join(missing)}")
         return {f.name: getattr(self, f.name) for f in fields(self)

@@ -43,3 +43,8 @@ OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 """Mooncake's code for an object whose bytes could not be moved: e.g. a put placed on the
 segment of a client that died (``mooncake_backend`` retries those once)."""
+
+SEAL_MISMATCH = -4
+"""raykv's get code for an object whose seal did not verify (``controllers.object_seal``:
+damaged or truncated on disk, or sealed under another cluster's seal key): its bytes are
+not served, the object is removed from the store, and the get counts as a miss."""

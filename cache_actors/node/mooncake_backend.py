@@ -46,6 +46,8 @@ import logging
 import os
 import time
 
+from raykv.cache_actors.node.disk_tier import DiskSlot
+from raykv.cache_actors.node.sealed_objects import SealedObjects
 from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
@@ -62,11 +64,16 @@ class MooncakeBackend:
     dummy client of a ``mooncake_client`` process (standalone mode)."""
 
     def __init__(self, store, own_segment: str | None = None,
-                 prefer_own_segment: bool = True) -> None:
+                 prefer_own_segment: bool = True, sealed: SealedObjects | None = None,
+                 disk: DiskSlot | None = None) -> None:
         """``store``: a set-up ``MooncakeDistributedStore``; ``own_segment``: the name
         of this client's segment (None: it has none, or cannot tell); puts prefer it
-        when ``prefer_own_segment``, else Mooncake places them at random."""
+        when ``prefer_own_segment``, else Mooncake places them at random. ``sealed``:
+        puts and gets go through it (a cluster with a disk tier); ``disk``: this
+        client's disk slot, released at ``close``."""
         self._store = store
+        self._sealed = sealed
+        self.disk = disk
         self._steer = None
         self._steered: str | None = None  # the segment puts prefer (None: Mooncake places)
         self._prefer_own = prefer_own_segment
@@ -111,6 +118,8 @@ class MooncakeBackend:
         protocol: str = "tcp",
         rdma_devices: str = "",
         prefer_own_segment: bool = True,
+        disk: DiskSlot | None = None,
+        seal_key: bytes | None = None,
     ) -> MooncakeBackend:
         """A real client contributing ``global_segment_size`` bytes to the store; its puts
         prefer that segment when ``prefer_own_segment`` (and it has one).
@@ -118,21 +127,32 @@ class MooncakeBackend:
         Its transport binds to ``local_hostname``, the address peers are told to use
         (``MC_TCP_BIND_ADDRESS`` is set to it, also over one the process inherited: a
         driver's ``127.0.0.1`` would bind a node of another host where no peer reaches
-        it). Raises
-        ``RuntimeError`` when ``setup`` fails (master unreachable, bad address).
+        it). With ``disk`` (a claimed slot) the client offloads objects evicted from
+        memory to it and, at ``setup``, finds those a client offloaded there before
+        (``cache_actors.node.disk_tier``). With ``seal_key`` every object is sealed
+        (``cache_actors.node.sealed_objects``). Raises
+        ``RuntimeError`` when ``setup`` fails (master unreachable, bad address, a
+        master without offload for a ``disk``).
         """
         os.environ["MC_TCP_BIND_ADDRESS"] = local_hostname
+        if disk is not None:
+            os.environ.update(disk.environment())
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
+        offload = {} if disk is None else {"enable_ssd_offload": True,
+                                           "ssd_offload_path": str(disk.path)}
         rc = store.setup(local_hostname, metadata_server, global_segment_size,
-                         local_buffer_size, protocol, rdma_devices, master_server_addr)
+                         local_buffer_size, protocol, rdma_devices, master_server_addr,
+                         **offload)
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
-                               f"{master_server_addr}, metadata {metadata_server})")
+                               f"{master_server_addr}, metadata {metadata_server}"
+                               + ("" if disk is None else f", disk {disk.path}") + ")")
+        sealed = None if seal_key is None else SealedObjects(store, seal_key)
         # its segment (if any) is named by its hostname
         return cls(store, store.get_hostname() if global_segment_size > 0 else None,
-                   prefer_own_segment)
+                   prefer_own_segment, sealed, disk)
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
@@ -210,6 +230,8 @@ class MooncakeBackend:
         """``batch_put_from`` of the objects ``which`` (``config``: a ``ReplicateConfig``,
         None: Mooncake's default); ``CLIENT_ERROR`` each if it raised."""
         args = ([keys[i] for i in which], [ptrs[i] for i in which], [sizes[i] for i in which])
+        if self._sealed is not None:
+            return self._sealed.put_from(*args, config)
         try:
             codes = (self._store.batch_put_from(*args) if config is None
                      else self._store.batch_put_from(*args, config))
@@ -219,6 +241,8 @@ class MooncakeBackend:
             return [CLIENT_ERROR] * len(which)
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if self._sealed is not None:
+            return self._sealed.get_into(keys, ptrs, sizes)
         try:
             return [int(r) for r in self._store.batch_get_into(keys, ptrs, sizes)]
         except Exception:
@@ -314,5 +338,20 @@ class MooncakeBackend:
         except Exception:
             return ""
 
+    def tier_stats(self) -> dict | None:
+        """Sealed gets' counts (``SealedObjects.stats``) and the disk slot's ``path``,
+        ``limit_bytes`` and ``used_bytes``; None without seals."""
+        if self._sealed is None:
+            return None
+        out = self._sealed.stats()
+        if self.disk is not None:
+            out |= {"path": str(self.disk.path), "limit_bytes": self.disk.limit_bytes,
+                    "used_bytes": self.disk.used_bytes()}
+        return out
+
     def close(self) -> None:
+        if self._sealed is not None:
+            self._sealed.close()
         self._store.close()
+        if self.disk is not None:
+            self.disk.release()

@@ -89,6 +89,7 @@ class NodeCacheActor:
         untenanted_pool_bytes: int | None,
         l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float,
         placement: str,
+        disk_dir: str, disk_bytes: int, seal_key: str,
     ) -> None:
         # Both Mooncake wheels in this node's environment: said at start and in stats.
         self._warnings = [w for w in (environment_warning(),) if w]
@@ -101,7 +102,8 @@ class NodeCacheActor:
             master_address=master_address, metadata_server=metadata_server,
             segment_size=global_segment_size, local_buffer_size=local_buffer_size,
             protocol=protocol, rdma_devices=rdma_devices, host_pool_bytes=host_pool_bytes,
-            placement=placement)
+            placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes,
+            seal_key=seal_key)
         self._namespace = ray.get_runtime_context().namespace
         self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
         self._service = NodeService(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from raykv.cache_actors.errors import StoreUnavailableError
 from raykv.cache_actors.listeners import Listener, addresses_of, exposed, listeners
 from raykv.cache_actors.node.client_supervisor import MooncakeClientProcess
+from raykv.cache_actors.node.disk_tier import DiskSlot
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.cache_actors.node.pool_memory import (
     MemfdPoolMemory,
@@ -33,6 +34,7 @@ from raykv.cache_actors.node.pool_memory import (
     ShmPoolMemory,
 )
 from raykv.cache_actors.node.store_backend import StoreBackend
+from raykv.controllers.object_seal import check_seal_key
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +87,28 @@ class NodeStore:
     def open(cls, node_prefix: str, *, standalone: bool, host: str, master_address: str,
              metadata_server: str, segment_size: int, local_buffer_size: int,
              protocol: str, rdma_devices: str, host_pool_bytes: int,
-             placement: str = "own") -> NodeStore:
+             placement: str = "own", disk_dir: str = "", disk_bytes: int = 0,
+             seal_key: str = "") -> NodeStore:
         """Join the store in the chosen mode (standalone: adopt the node's running
-        ``mooncake_client`` or start one); ``placement`` as ``NodeSettings`` says
-        (embedded mode only). ``ValueError`` for a bad budget,
-        ``RuntimeError`` if Mooncake cannot be reached."""
+        ``mooncake_client`` or start one); ``placement``, ``disk_dir``, ``disk_bytes``
+        and ``seal_key`` as ``NodeSettings`` says (embedded mode only: the disk slot is
+        claimed here, ``cache_actors.node.disk_tier``). ``ValueError`` for a bad budget,
+        ``RuntimeError`` if Mooncake cannot be reached or every disk slot is held."""
         budget = PoolBudget(host_pool_bytes)
         if not standalone:
             before = set(listeners(os.getpid()))  # Ray's own
-            backend = MooncakeBackend.embedded(
-                local_hostname=host, metadata_server=metadata_server,
-                master_server_addr=master_address, global_segment_size=segment_size,
-                local_buffer_size=local_buffer_size, protocol=protocol,
-                rdma_devices=rdma_devices, prefer_own_segment=placement == "own")
+            disk = DiskSlot.claim(disk_dir, disk_bytes) if disk_dir else None
+            try:
+                backend = MooncakeBackend.embedded(
+                    local_hostname=host, metadata_server=metadata_server,
+                    master_server_addr=master_address, global_segment_size=segment_size,
+                    local_buffer_size=local_buffer_size, protocol=protocol,
+                    rdma_devices=rdma_devices, prefer_own_segment=placement == "own",
+                    disk=disk, seal_key=check_seal_key(seal_key) if seal_key else None)
+            except BaseException:
+                if disk is not None:
+                    disk.release()
+                raise
             store = cls(backend, ShmPoolMemory(node_prefix, budget))
             store.exposed = _check_doors(set(listeners(os.getpid())) - before, host)
             return store

@@ -1,0 +1,88 @@
+"""A node's disk tier (L4): the directory its Mooncake client offloads to, claimed for
+the node actor's life, and the client settings that make Mooncake 0.3.13's SSD offload
+work.
+
+Every node of a cluster is given the same ``disk_dir`` (``NodeSettings``); a node actor
+takes the first of its slots ``node-0``, ``node-1``, ... that no live process holds (an
+``flock`` on ``node-N.lock``, released when the process ends), so several node actors
+of one machine (emulated hosts) never share one, and a node actor started again on the
+same machine finds its slot, and the objects its client offloaded there, again: the
+client scans the slot at ``setup`` and tells the master what it holds.
+
+Mooncake's settings (measured on 0.3.13): the bucket storage backend with buckets of
+``BUCKET_BYTES`` (with Mooncake's default of 256 MiB a bucket never filled on a small
+segment and nothing reached disk), the slot's size as the offload's total limit.
+Objects still in memory when the node actor stops, and those of a bucket not yet full,
+are lost with it; the master must offload on eviction (``MASTER_FLAGS``), or objects
+reported stored are dropped from memory before they reach disk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUCKET_BYTES = 8 << 20
+"""Bytes per offload bucket file (``MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES``)."""
+
+MASTER_FLAGS = ("-enable_offload=true", "-offload_on_evict=true")
+"""What ``mooncake_master`` needs for a cluster with a disk tier: offload allowed, and
+an object evicted from memory written to its node's disk first."""
+
+MAX_SLOTS = 256
+"""The most node actors of one machine that share one disk directory."""
+
+
+@dataclass
+class DiskSlot:
+    """A claimed slot: ``path`` (the directory Mooncake offloads to), ``limit_bytes``
+    (the most bytes it holds), and the open lock file that claims it (kept open until
+    ``release``)."""
+
+    path: Path
+    limit_bytes: int
+    _lock: int
+
+    @classmethod
+    def claim(cls, disk_dir: str, limit_bytes: int) -> DiskSlot:
+        """The first free slot of ``disk_dir`` (made if absent). ``ValueError`` for a
+        bound that is not positive; ``RuntimeError`` if every slot is held."""
+        if limit_bytes <= 0:
+            raise ValueError(f"a disk tier needs disk_bytes > 0, got {limit_bytes}")
+        root = Path(disk_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(MAX_SLOTS):
+            fd = os.open(root / f"node-{n}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            path = root / f"node-{n}"
+            path.mkdir(mode=0o700, exist_ok=True)
+            return cls(path, limit_bytes, fd)
+        raise RuntimeError(f"all {MAX_SLOTS} disk slots of {root} are held by live "
+                           "processes")
+
+    def environment(self) -> dict[str, str]:
+        """The environment Mooncake's client reads for its offload (set before
+        ``setup``)."""
+        return {
+            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(self.path),
+            "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+            "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(BUCKET_BYTES),
+            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(self.limit_bytes),
+            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(self.limit_bytes),
+        }
+
+    def used_bytes(self) -> int:
+        """Bytes of the files in the slot now."""
+        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+
+    def release(self) -> None:
+        """Give the slot up (the node actor stops)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
