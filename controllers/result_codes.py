@@ -44,6 +44,14 @@ TRANSFER_FAIL = -800
 """Mooncake's code for an object whose bytes could not be moved: e.g. a put placed on the
 segment of a client that died (``mooncake_backend`` retries those once)."""
 
+FILE_OPEN_FAIL = -1101
+"""Mooncake's get code for an object on a disk tier whose bucket file is gone."""
+
+FILE_READ_FAIL = -1102
+"""Mooncake's get code for an object on a disk tier it could not read from its bucket
+file (e.g. cut off by a truncation); Mooncake answers it for every object of the
+batch read from that bucket, and keeps reporting the object existing."""
+
 SEAL_MISMATCH = -4
 """raykv's get code for an object whose seal did not verify (``controllers.object_seal``:
 damaged or truncated on disk, or sealed under another cluster's seal key): its bytes are

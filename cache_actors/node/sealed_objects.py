@@ -6,10 +6,13 @@ registered scratch area of this node actor.
 A get serves the page only if its seal verifies; every other object it read (damaged,
 truncated, foreign, another size) answers ``SEAL_MISMATCH``, is logged, counted by
 reason and removed from the store, so a later put writes it again instead of finding it
-present. Each get also asks the master where each object lives (one
-``batch_get_replica_desc`` per call) and counts the objects served by tier: ``memory``
-(a segment), ``disk`` (a node's disk tier only), ``unknown`` (the lookup failed or the
-object went meanwhile).
+present. So is an object Mooncake cannot read from its disk tier (``FILE_OPEN_FAIL``,
+``FILE_READ_FAIL``: its bucket file gone or cut), which Mooncake keeps reporting
+existing; as Mooncake fails every object of a batch read from such a bucket, each
+object of a batch that answered so is read again alone first. Each get also asks the
+master where each object lives (one ``batch_get_replica_desc`` per call) and counts the
+objects served by tier: ``memory`` (a segment), ``disk`` (a node's disk tier only),
+``unknown`` (the lookup failed or the object went meanwhile).
 
 Any data thread may call ``put_from`` and ``get_into`` at once: each call takes one
 region of the scratch area for its seals (``REGIONS`` of them; a call waits while all
@@ -27,12 +30,19 @@ from collections.abc import Iterator
 
 import numpy as np
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
-from raykv.controllers.result_codes import CLIENT_ERROR, SEAL_MISMATCH
+from raykv.controllers.result_codes import (
+    CLIENT_ERROR,
+    FILE_OPEN_FAIL,
+    FILE_READ_FAIL,
+    SEAL_MISMATCH,
+)
 
 log = logging.getLogger(__name__)
 
 REGIONS = 16
 REGION_SLOTS = 1024
+UNREADABLE = frozenset({FILE_OPEN_FAIL, FILE_READ_FAIL})
+"""Mooncake's get codes for an object it could not read from a disk tier."""
 
 
 def _buffers(pages: list[int], seals: list[int]) -> list[list[int]]:
@@ -65,7 +75,8 @@ class SealedObjects:
         self.served_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         """Objects a get read but did not serve, by the seal's failure (``format``,
-        ``length``, ``mac``)."""
+        ``length``, ``mac``), or ``unreadable`` (Mooncake could not read it from disk,
+        alone)."""
 
     def _pieces(self, n: int) -> Iterator[tuple[int, int, int]]:
         """(start, end, region base address) for each piece of a call of ``n``
@@ -100,7 +111,8 @@ class SealedObjects:
 
     def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         """Read each object: the page's size when its seal verified, ``SEAL_MISMATCH``
-        when it did not (removed from the store), else Mooncake's negative code."""
+        when it did not (removed from the store), else Mooncake's negative code (an
+        ``UNREADABLE`` one only for an object that failed alone: removed too)."""
         tiers = self._tiers(keys)
         codes: list[int] = []
         bad: list[str] = []
@@ -117,6 +129,8 @@ class SealedObjects:
                 i = start + j
                 if n < 0:
                     codes.append(n)
+                    if n in UNREADABLE and len(keys) == 1:
+                        self._refuse(bad, keys[i], tiers[i], "unreadable")
                     continue
                 why = "length" if n != sizes[i] + SEAL_BYTES else check(
                     self._key, keys[i], _view(ptrs[i], sizes[i]),
@@ -128,14 +142,22 @@ class SealedObjects:
                         self.served_bytes[tiers[i]] += sizes[i]
                     continue
                 codes.append(SEAL_MISMATCH)
-                bad.append(keys[i])
-                with self._lock:
-                    self.refused[why] += 1
-                log.warning("object %s from the %s tier failed its seal (%s): not served, "
-                            "removed from the store", keys[i], tiers[i], why)
+                self._refuse(bad, keys[i], tiers[i], why)
         if bad:
             self._remove(bad)
+        if len(keys) > 1:  # Mooncake failed each object read from that bucket with it
+            for i, n in enumerate(codes):
+                if n in UNREADABLE:
+                    codes[i] = self.get_into(keys[i:i + 1], ptrs[i:i + 1], sizes[i:i + 1])[0]
         return codes
+
+    def _refuse(self, bad: list[str], key: str, tier: str, why: str) -> None:
+        """Count and log ``key`` as not served for ``why``; add it to ``bad``."""
+        bad.append(key)
+        with self._lock:
+            self.refused[why] += 1
+        log.warning("object %s from the %s tier was not served (%s): removed from the store",
+                    key, tier, why)
 
     def _tiers(self, keys: list[str]) -> list[str]:
         """Per key: ``memory`` if a complete replica is in a segment, else ``disk`` if

@@ -200,8 +200,12 @@ def test_flipped_bytes_on_disk_are_refused_counted_and_removed(store):
 
 def test_a_truncated_bucket_gives_misses_never_wrong_bytes(store):
     """A bucket cut in the middle of a page: the pages wholly before the cut read exact,
-    the others miss (Mooncake's ``FILE_READ_FAIL``), and a batch mixing both misses for
-    all of that bucket's pages in it; no get answers other bytes."""
+    also in a batch with cut ones (Mooncake fails the whole batch with
+    ``FILE_READ_FAIL``: each is read again alone), the cut ones miss, no get answers
+    other bytes; a cut page is counted ``unreadable`` and removed from the store, so a
+    put writes it anew (Mooncake's exists kept answering present for it, and
+    put-if-absent then never rewrote it: a miss for good, also after a restart). The
+    bucket then deleted: its other pages miss (``FILE_OPEN_FAIL``), removed as well."""
     bucket, keys = list(buckets(store.slot).items())[1]
     records = disk_records(store, bucket, keys)
     cut = records[len(records) // 2]
@@ -210,15 +214,23 @@ def test_a_truncated_bucket_gives_misses_never_wrong_bytes(store):
     before = [int(keys[n][1:]) for n in records if n < cut]
     after = [int(keys[n][1:]) for n in records if n >= cut]
     assert len(before) >= 4 and len(after) >= 4
+    mixed = read(store.buf, SEED, before[:4] + after[:4])
     whole = read(store.buf, SEED, before)
     cut_off = read(store.buf, SEED, after)
-    mixed = read(store.buf, SEED, before[:4] + after[:4])
+    assert wrong(mixed) == [] and wrong(cut_off) == []
     assert set(whole.values()) == {PAGE}
-    assert all(v != WRONG and v < 0 for v in cut_off.values()), cut_off
-    assert wrong(mixed) == [] and PAGE not in mixed.values()
-    print("truncated bucket: cut pages", set(cut_off.values()), "a mixed batch",
-          set(mixed.values()), "exists of the cut", set(store.backend.exists(
-              [key(i) for i in after])))
+    assert [mixed[key(i)] for i in before[:4]] == [PAGE] * 4
+    assert all(v < 0 for v in cut_off.values()) and all(mixed[key(i)] < 0 for i in after[:4])
+    assert store.backend.tier_stats()["refused"].get("unreadable") == len(after)
+    assert store.backend.exists([key(i) for i in after]) == [0] * len(after)
+    assert set(put_pages(store.buf, SEED, after[:4]).values()) == {0}  # written anew
+    assert set(read(store.buf, SEED, after[:4]).values()) == {PAGE}
+
+    bucket.unlink()
+    gone = read(store.buf, SEED, before)
+    assert wrong(gone) == [] and all(v < 0 for v in gone.values())
+    print("truncated bucket:", set(cut_off.values()), "deleted:", set(gone.values()))
+    assert store.backend.exists([key(i) for i in before]) == [0] * len(before)
 
 
 def plant(s: Store, ours: set[str]) -> tuple[Path, list[str]]:
@@ -239,26 +251,27 @@ def plant(s: Store, ours: set[str]) -> tuple[Path, list[str]]:
 
 @pytest.fixture(scope="module")
 def restarted(store):
-    """``store`` after damage and a restart: a page flipped and two ``.meta`` files
-    truncated and deleted, a bucket of the other cluster planted; then its client
+    """``store`` after damage and a restart: besides the damage of the tests before, a
+    page flipped and two ``.meta`` files truncated and deleted, a bucket of the other
+    cluster planted; then its client
     closed and its master stopped, and both started again on the same disk directory
     (the client claims its slot again and scans it)."""
+    truncated, truncated_keys = store.plan["truncated"]  # deleted since
     found = buckets(store.slot)
-    assert len(found) >= 5, f"only {len(found)} buckets reached disk"
+    assert len(found) >= 4, f"only {len(found) + 1} buckets reached disk"
     paths = list(found)
     flipped_bucket, running_flip = store.plan["flipped-running"]
-    truncated, found[paths[1]] = store.plan["truncated"]  # its keys before the cut
-    assert paths[0] == flipped_bucket and paths[1] == truncated
+    assert paths[0] == flipped_bucket and truncated not in found
     records = [n for n in disk_records(store, paths[0], found[paths[0]])
                if found[paths[0]][n] != running_flip]
     flip(paths[0], records[0])
-    os.truncate(meta(paths[2]), meta(paths[2]).stat().st_size // 2)
-    meta(paths[3]).unlink()
+    os.truncate(meta(paths[1]), meta(paths[1]).stat().st_size // 2)
+    meta(paths[2]).unlink()
+    found[truncated] = truncated_keys
     planted, planted_keys = plant(store, {k for keys in found.values() for k in keys})
     store.plan |= {"buckets": found, "flipped-before": found[paths[0]][records[0]],
-                   "meta-truncated": found[paths[2]], "meta-deleted": found[paths[3]],
-                   "intact": [k for p in paths[4:] for k in found[p]],
-                   "planted": planted_keys}
+                   "meta-truncated": found[paths[1]], "meta-deleted": found[paths[2]],
+                   "intact": paths[3:], "planted": planted_keys}
 
     close(store.backend)
     store.backend = None
@@ -281,7 +294,7 @@ def test_a_restart_keeps_the_pages_that_reached_disk(restarted):
     s, plan = restarted, restarted.plan
     assert s.slot.name == "node-0"
     planted = set(plan["planted"])
-    intact = [k for k in plan["intact"] if k not in planted]
+    intact = [k for p in plan["intact"] for k in plan["buckets"][p] if k not in planted]
     got = read(s.buf, SEED, ids_of(intact))
     assert set(got.values()) == {PAGE}
     assert s.backend.tier_stats()["served"] == {"disk": len(intact)}
@@ -295,8 +308,8 @@ def test_a_restart_keeps_the_pages_that_reached_disk(restarted):
 def test_damage_before_a_restart_is_never_served_after_it(restarted):
     """The re-scan at setup does not launder damage: the page flipped before the restart
     answers ``SEAL_MISMATCH`` (counted, removed); the buckets whose ``.meta`` was
-    truncated or deleted, the truncated bucket and the page removed before all miss;
-    no get answers other bytes."""
+    truncated or deleted, the deleted bucket and the page removed before all miss; no
+    get answers other bytes."""
     s, plan = restarted, restarted.plan
     before = s.backend.tier_stats()["refused"].get("mac", 0)
     flipped = plan["flipped-before"]
@@ -309,7 +322,7 @@ def test_damage_before_a_restart_is_never_served_after_it(restarted):
         assert wrong(got) == [] and PAGE not in got.values()
     _, truncated = plan["truncated"]
     got = read(s.buf, SEED, ids_of(truncated))
-    print("truncated bucket after the restart:", sorted(set(got.values()), key=str))
+    print("truncated, then deleted bucket after the restart:", set(got.values()))
     assert wrong(got) == []
     _, removed = plan["flipped-running"]
     assert wrong(read(s.buf, SEED, ids_of([removed]))) == []
@@ -339,7 +352,7 @@ def test_damage_after_a_restart_is_caught(restarted):
     """A page flipped on disk after the restart's scan: ``SEAL_MISMATCH``, not served.
     CONTROL: before the flip it read exact."""
     s, plan = restarted, restarted.plan
-    path = list(plan["buckets"])[4]
+    path = plan["intact"][0]
     keys = plan["buckets"][path]
     n = disk_records(s, path, keys)[1]
     assert read(s.buf, SEED, ids_of([keys[n]])) == {keys[n]: PAGE}
