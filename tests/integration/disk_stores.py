@@ -176,12 +176,13 @@ def buckets(slot: Path) -> dict[Path, list[str]]:
     """Each bucket file of ``slot`` and the keys of its records, in file order."""
     out = {}
     for path in sorted(slot.glob("*.bucket")):
-        data = path.read_bytes()
         keys = []
-        for offset in range(0, len(data), RECORD):
-            head = data[offset:offset + len(PREFIX) + 4]
-            assert head.startswith(PREFIX), f"{path} at {offset}: not a record {head!r}"
-            keys.append(head[len(PREFIX):].decode())
+        with open(path, "rb") as f:
+            for offset in range(0, os.fstat(f.fileno()).st_size, RECORD):
+                f.seek(offset)
+                head = f.read(len(PREFIX) + 4)
+                assert head.startswith(PREFIX), f"{path} at {offset}: not a record {head!r}"
+                keys.append(head[len(PREFIX):].decode())
         out[path] = keys
     return out
 

@@ -175,8 +175,9 @@ def disk_records(s: Store, bucket: Path, keys: list[str]) -> list[int]:
 
 def test_flipped_bytes_on_disk_are_refused_counted_and_removed(store):
     """16 bytes flipped in a page on disk: the get answers ``SEAL_MISMATCH``, counted
-    (``refused``), the object removed (exists: absent), the bucket's other pages still
-    exact. CONTROL: the plain Mooncake client reads the flipped bytes without error."""
+    (``refused``), the object removed (exists: absent; a put writes it anew), the
+    bucket's other pages still exact. CONTROL: the plain Mooncake client reads the
+    flipped bytes without error."""
     bucket, keys = next(iter(buckets(store.slot).items()))
     records = disk_records(store, bucket, keys)
     assert len(records) >= 4
@@ -194,6 +195,8 @@ def test_flipped_bytes_on_disk_are_refused_counted_and_removed(store):
     assert store.backend.tier_stats()["refused"].get("mac", 0) == before + 1
     assert store.backend.exists([keys[n]]) == [0]
     assert read(store.buf, SEED, [victim]) == {keys[n]: OBJECT_NOT_FOUND}
+    assert put_pages(store.buf, SEED, [victim]) == {keys[n]: 0}  # written anew
+    assert read(store.buf, SEED, [victim]) == {keys[n]: PAGE}
     rest = [int(keys[m][1:]) for m in records[1:]]
     assert set(read(store.buf, SEED, rest).values()) == {PAGE}
 
@@ -362,10 +365,11 @@ def test_damage_after_a_restart_is_caught(restarted):
 
 def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path):
     """A slot of three buckets' bytes under more pages than memory and disk hold: the
-    slot stays within its bound, puts still succeed after it is full, and every page a
-    put stored reads back exact or misses, never other bytes. CONTROL: some stored pages
-    do miss (what memory evicted once the disk was full is dropped: the disk did fill),
-    while the module's store, with room on disk, read every page back."""
+    slot stays within its bound, Mooncake deleting its oldest buckets for new ones;
+    puts still succeed after the first deletion, and every page a put stored reads back
+    exact or misses, never other bytes; the kept buckets' pages all read exact. CONTROL:
+    pages do miss, each of them a page of a deleted bucket (the disk did fill), while
+    the module's store, with room on disk, read every page back."""
     limit = 3 * BUCKET_BYTES
     master = start_master(str(tmp_path))
     backend = None
@@ -374,28 +378,39 @@ def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path
         backend = client(where(master), slot=DiskSlot.claim(disk_dir, limit),
                          seal_key=seal_key_of(disk_dir))
         buf = Buffer(backend, 8)
-        seen: list[tuple[int, frozenset[str]]] = []  # after each batch: keys put, files
+        written: dict[str, list[str]] = {}  # every bucket seen, by name: its keys
+        seen: list[tuple[int, frozenset[str], int]] = []  # per batch: puts, buckets, bytes
 
         def note(codes):
-            seen.append((len(codes), frozenset(p.name for p in backend.disk.path.iterdir())))
+            now = buckets(backend.disk.path)
+            written.update((p.name, k) for p, k in now.items() if p.name not in written)
+            seen.append((len(codes), frozenset(p.name for p in now),
+                         backend.disk.used_bytes()))
 
         codes = put_pages(buf, SEED, IDS, after_batch=note)
-        final = seen[-1][1]
-        full_at = next(n for n, files in seen if files == final)
-        used = backend.disk.used_bytes()
         got = read(buf, SEED, [i for i in IDS if codes[key(i)] >= 0])
         stats = backend.tier_stats()
     finally:
         if backend is not None:
             close(backend)
         master.stop()
-    print("disk full:", used, "bytes in", sorted(final), "after", full_at, "puts;",
-          "stored", sum(rc >= 0 for rc in codes.values()), "read", {
-              v: sum(x == v for x in got.values()) for v in set(got.values())}, stats)
-    assert 0 < used <= limit
-    assert [n for n, files in seen if n >= full_at and files != final] == []  # kept
-    late = [i for i in IDS[full_at:] if codes[key(i)] >= 0]
-    assert len(late) >= 16  # puts after the disk filled still succeed
+    final = seen[-1][1]
+    deleted = [name for name in written if name not in final]
+    first_deleted = next(n for (_, before, _), (n, names, _) in zip(seen, seen[1:],
+                                                                     strict=False)
+                         if before - names)
+    in_deleted = {k for name in deleted for k in written[name]}
+    missed = {k for k, v in got.items() if v == OBJECT_NOT_FOUND}
+    print("disk full: buckets written", len(written), "deleted", len(deleted), "first after",
+          first_deleted, "puts; most bytes", max(b for _, _, b in seen), "of", limit,
+          "; stored", sum(rc >= 0 for rc in codes.values()), "missed", len(missed), "of which",
+          len(missed & in_deleted), "in the", len(in_deleted), "pages of deleted buckets",
+          stats)
+    assert max(b for _, _, b in seen) <= limit
     assert wrong(got) == [] and set(got.values()) <= {PAGE, OBJECT_NOT_FOUND}
+    late = [i for i in IDS[first_deleted:] if codes[key(i)] >= 0]
+    assert len(late) >= 16  # puts after the disk filled still succeed
     assert {got[key(i)] for i in IDS[-8:]} == {PAGE}  # the newest: in memory
-    assert sum(v == OBJECT_NOT_FOUND for v in got.values()) > 0
+    assert sorted(deleted) == sorted(written)[:len(deleted)]  # the oldest first
+    assert missed and missed <= in_deleted  # each miss: a page of a deleted bucket
+    assert {got[k] for name in final for k in written[name]} == {PAGE}
