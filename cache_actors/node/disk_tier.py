@@ -27,6 +27,13 @@ from pathlib import Path
 BUCKET_BYTES = 8 << 20
 """Bytes per offload bucket file (``MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES``)."""
 
+MIN_SLOT_BYTES = 3 * BUCKET_BYTES
+"""The smallest slot: Mooncake makes room on a full slot by deleting its oldest bucket
+for a new one, but in a slot with room for fewer than three buckets (measured: 16 MiB)
+it stopped offloading once one bucket was written, and memory, full of objects waiting
+to be offloaded, answered every put -200 from then on (125 of 250 puts stored, none in
+the last 100 s)."""
+
 MASTER_FLAGS = ("-enable_offload=true", "-offload_on_evict=true")
 """What ``mooncake_master`` needs for a cluster with a disk tier: offload allowed, and
 an object evicted from memory written to its node's disk first."""
@@ -48,9 +55,10 @@ class DiskSlot:
     @classmethod
     def claim(cls, disk_dir: str, limit_bytes: int) -> DiskSlot:
         """The first free slot of ``disk_dir`` (made if absent). ``ValueError`` for a
-        bound that is not positive; ``RuntimeError`` if every slot is held."""
-        if limit_bytes <= 0:
-            raise ValueError(f"a disk tier needs disk_bytes > 0, got {limit_bytes}")
+        bound below ``MIN_SLOT_BYTES``; ``RuntimeError`` if every slot is held."""
+        if limit_bytes < MIN_SLOT_BYTES:
+            raise ValueError(f"a disk tier needs disk_bytes >= {MIN_SLOT_BYTES} (three "
+                             f"offload buckets), got {limit_bytes}")
         root = Path(disk_dir)
         root.mkdir(parents=True, exist_ok=True)
         for n in range(MAX_SLOTS):

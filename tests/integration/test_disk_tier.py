@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from raykv.cache_actors.node.disk_tier import BUCKET_BYTES, DiskSlot
+from raykv.cache_actors.node.disk_tier import MIN_SLOT_BYTES, DiskSlot
 from raykv.controllers.result_codes import OBJECT_NOT_FOUND, SEAL_MISMATCH
 
 from tests.integration.disk_stores import (
@@ -364,13 +364,13 @@ def test_damage_after_a_restart_is_caught(restarted):
 
 
 def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path):
-    """A slot of three buckets' bytes under more pages than memory and disk hold: the
+    """The smallest slot (three buckets) under more pages than memory and disk hold: the
     slot stays within its bound, Mooncake deleting its oldest buckets for new ones;
     puts still succeed after the first deletion, and every page a put stored reads back
     exact or misses, never other bytes; the kept buckets' pages all read exact. CONTROL:
     pages do miss, each of them a page of a deleted bucket (the disk did fill), while
     the module's store, with room on disk, read every page back."""
-    limit = 3 * BUCKET_BYTES
+    limit = MIN_SLOT_BYTES
     master = start_master(str(tmp_path))
     backend = None
     try:

@@ -7,7 +7,7 @@ import os
 import stat
 
 import pytest
-from raykv.cache_actors.node.disk_tier import DiskSlot
+from raykv.cache_actors.node.disk_tier import BUCKET_BYTES, DiskSlot
 from raykv.controllers.object_seal import (
     KEY_BYTES,
     MAGIC,
@@ -94,27 +94,31 @@ def test_live_claims_of_one_directory_get_distinct_slots_and_a_released_one_is_r
     """Two claims (two open lock files: ``flock`` locks per open file, so this holds
     within one process as across processes) get ``node-0`` and ``node-1``; once the
     first is released, the next claim gets ``node-0`` again."""
-    first = DiskSlot.claim(str(tmp_path), 1 << 20)
-    second = DiskSlot.claim(str(tmp_path), 1 << 20)
+    first = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
+    second = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
     try:
         assert (first.path.name, second.path.name) == ("node-0", "node-1")
         assert stat.S_IMODE(first.path.stat().st_mode) == 0o700
         assert first.environment()["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] == str(first.path)
         first.release()
-        again = DiskSlot.claim(str(tmp_path), 1 << 20)
+        again = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
         assert again.path == first.path
         again.release()
     finally:
         first.release()
         second.release()
     (first.path / "a.bucket").write_bytes(b"x" * 100)
-    slot = DiskSlot.claim(str(tmp_path), 1)
+    slot = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
     assert slot.used_bytes() == 100
     slot.release()
 
 
-@pytest.mark.parametrize("limit", [0, -1])
-def test_a_slot_without_room_is_refused_before_anything_is_made(tmp_path, limit):
-    with pytest.raises(ValueError, match="disk_bytes > 0"):
+@pytest.mark.parametrize("limit", [0, -1, 1 << 20, 3 * BUCKET_BYTES - 1])
+def test_a_slot_without_room_for_three_buckets_is_refused_before_anything_is_made(
+        tmp_path, limit):
+    """Mooncake stalls every put once a slot with room for fewer than three buckets
+    holds one (``disk_tier.MIN_SLOT_BYTES``): such a bound is refused up front."""
+    with pytest.raises(ValueError, match="three offload buckets"):
         DiskSlot.claim(str(tmp_path / "disk"), limit)
     assert not (tmp_path / "disk").exists()
+    DiskSlot.claim(str(tmp_path / "disk"), 3 * BUCKET_BYTES).release()  # CONTROL
