@@ -79,7 +79,8 @@ class DiskSlot:
 
     def used_bytes(self) -> int:
         """Bytes of the files in the slot now."""
-        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+        with os.scandir(self.path) as entries:
+            return sum(e.stat().st_size for e in entries if e.is_file())
 
     def release(self) -> None:
         """Give the slot up (the node actor stops)."""

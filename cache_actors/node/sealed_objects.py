@@ -7,9 +7,9 @@ A get serves the page only if its seal verifies; every other object it read (dam
 truncated, foreign, another size) answers ``SEAL_MISMATCH``, is logged, counted by
 reason and removed from the store, so a later put writes it again instead of finding it
 present. Each get also asks the master where each object lives (one
-``batch_get_replica_desc`` per call) and counts the objects served by tier: ``memory``
-(a segment), ``disk`` (a node's disk tier only), ``unknown`` (the lookup failed or the
-object went meanwhile).
+``batch_get_replica_desc`` per call) and counts the objects served by tier:
+``l3_memory`` (a segment), ``l3_disk`` (a node's disk tier only), ``unknown`` (the
+lookup failed or the object went meanwhile).
 
 Any data thread may call ``put_from`` and ``get_into`` at once: each call takes one
 region of the scratch area for its seals (``REGIONS`` of them; a call waits while all
@@ -61,7 +61,7 @@ class SealedObjects:
             self._free.put(region)
         self._lock = threading.Lock()
         self.served: Counter[str] = Counter()
-        """Objects a get served, by tier (``memory``, ``disk``, ``unknown``)."""
+        """Objects a get served, by tier (``l3_memory``, ``l3_disk``, ``unknown``)."""
         self.served_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         """Objects a get read but did not serve, by the seal's failure (``format``,
@@ -138,8 +138,8 @@ class SealedObjects:
         return codes
 
     def _tiers(self, keys: list[str]) -> list[str]:
-        """Per key: ``memory`` if a complete replica is in a segment, else ``disk`` if
-        one is on a disk tier, else ``unknown``."""
+        """Per key: ``l3_memory`` if a complete replica is in a segment, else
+        ``l3_disk`` if one is on a disk tier, else ``unknown``."""
         from mooncake.store import ReplicaStatus
 
         try:
@@ -150,8 +150,8 @@ class SealedObjects:
         out = []
         for k in keys:
             replicas = [r for r in found.get(k, ()) if r.status == ReplicaStatus.COMPLETE]
-            out.append("memory" if any(r.is_memory_replica() for r in replicas) else
-                       "disk" if replicas else "unknown")
+            out.append("l3_memory" if any(r.is_memory_replica() for r in replicas) else
+                       "l3_disk" if replicas else "unknown")
         return out
 
     def _remove(self, keys: list[str]) -> None:

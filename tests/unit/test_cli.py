@@ -331,6 +331,10 @@ EMULATED_UP = {
     "--drain-timeout": (["--drain-timeout", "9"], ("lifecycle", LifecycleSettings(
         drain_timeout_s=9.0))),
     "--no-drain": (["--no-drain"], ("lifecycle", LifecycleSettings(drain=False))),
+    "--disk-dir": (["--disk-dir", "/var/raykv", "--disk-size", "1GB"],
+                   ("disk_dir", "/var/raykv")),
+    "--disk-size": (["--disk-dir", "/var/raykv", "--disk-size", "2GB"],
+                    ("disk_bytes", 2 << 30)),
 }
 """Every option of ``raykv up`` but --emulate-hosts' own (--link, --namespace): what
 ``up --emulate-hosts`` does with it."""
