@@ -6,8 +6,9 @@ registered scratch area of this node actor.
 A get serves the page only if its seal verifies; every other object it read (damaged,
 truncated, foreign, another size) answers ``SEAL_MISMATCH``, is logged, counted by
 reason and removed from the store, so a later put writes it again instead of finding it
-present. Each get also asks the master where each object lives (one
-``batch_get_replica_desc`` per call) and counts the objects served by tier:
+present. After each get the master is asked where the objects it served live (one
+``batch_get_replica_desc`` per call, of those only: a miss logs an error in Mooncake's
+client) and they are counted by tier:
 ``l3_memory`` (a segment), ``l3_disk`` (a node's disk tier only), ``unknown`` (the
 lookup failed or the object went meanwhile).
 
@@ -101,7 +102,6 @@ class SealedObjects:
     def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         """Read each object: the page's size when its seal verified, ``SEAL_MISMATCH``
         when it did not (removed from the store), else Mooncake's negative code."""
-        tiers = self._tiers(keys)
         codes: list[int] = []
         bad: list[str] = []
         for start, end, base in self._pieces(len(keys)):
@@ -123,16 +123,19 @@ class SealedObjects:
                     bytes(_view(seals[j], SEAL_BYTES)))
                 if why is None:
                     codes.append(sizes[i])
-                    with self._lock:
-                        self.served[tiers[i]] += 1
-                        self.served_bytes[tiers[i]] += sizes[i]
                     continue
                 codes.append(SEAL_MISMATCH)
                 bad.append(keys[i])
                 with self._lock:
                     self.refused[why] += 1
-                log.warning("object %s from the %s tier failed its seal (%s): not served, "
-                            "removed from the store", keys[i], tiers[i], why)
+                log.warning("object %s failed its seal (%s): not served, removed from the "
+                            "store", keys[i], why)
+        served = [i for i, n in enumerate(codes) if n >= 0]
+        if served:
+            for i, tier in zip(served, self._tiers([keys[i] for i in served]), strict=True):
+                with self._lock:
+                    self.served[tier] += 1
+                    self.served_bytes[tier] += sizes[i]
         if bad:
             self._remove(bad)
         return codes
