@@ -165,3 +165,25 @@ def test_a_node_actor_restart_and_a_cluster_restart_find_the_disk_tier(disk_dir,
         other.close()
         plain.close()
         client.close()
+
+
+def test_a_master_that_does_not_offload_is_named_when_a_disk_tier_joins(tmp_path):
+    """A node actor's client with a disk slot, against a master started without offload
+    (an external master, say): its start fails naming the master flags it needs, and
+    the slot is free again. Control: the same master takes a client without a disk."""
+    from raykv.cache_actors.node.disk_tier import DiskSlot
+    from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
+    from raykv.clusters.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster("127.0.0.1").start()
+    try:
+        join = dict(local_hostname="127.0.0.1", metadata_server=master.metadata_server,
+                    master_server_addr=master.master_address, global_segment_size=16 * MiB,
+                    local_buffer_size=16 * MiB)
+        slot = DiskSlot.claim(str(tmp_path), 64 * MiB)
+        with pytest.raises(RuntimeError, match="-enable_offload=true -offload_on_evict=true"):
+            MooncakeBackend.embedded(**join, disk=slot)
+        slot.release()
+        MooncakeBackend.embedded(**join).close()  # CONTROL
+    finally:
+        master.stop()
