@@ -208,7 +208,7 @@ def test_up_with_a_disk_tier_keeps_the_pages_over_down_and_up(ray_head, uid, tmp
     """``raykv up --disk-dir --disk-size``: pages beyond the segment go to the node's disk
     slot, the seal key is made on the head node (0600), and after ``raykv down`` and
     ``raykv up`` on the same directory a new driver reads them back, each exact.
-    Control: ``up`` on another, empty directory reads none of them."""
+    Control: the pages that were only in memory are not read (the restart emptied it)."""
     disk = ["--segment-size=16M", "--mooncake-host=127.0.0.1", "--disk-size=256M"]
     raykv("up", f"--address={ray_head}", f"--disk-dir={tmp_path / 'a'}", *disk)
     rank(ray_head, uid, "put", DISK_RANK)
@@ -219,14 +219,12 @@ def test_up_with_a_disk_tier_keeps_the_pages_over_down_and_up(ray_head, uid, tmp
     assert "from disk" in raykv("status", f"--address={ray_head}").stdout
     raykv("down", f"--address={ray_head}")
 
-    found = {}
-    for directory in ("a", "b"):
-        raykv("up", f"--address={ray_head}", f"--disk-dir={tmp_path / directory}", *disk)
-        out = rank(ray_head, uid, "get", DISK_RANK)
-        found[directory] = int(out.split("pages read ")[1].split()[0])
-        raykv("down", f"--address={ray_head}")
-    assert found["a"] >= 16, found  # the pages of two buckets at least
-    assert found["b"] == 0, found  # CONTROL: another directory holds none of them
+    raykv("up", f"--address={ray_head}", f"--disk-dir={tmp_path / 'a'}", *disk)
+    out = rank(ray_head, uid, "get", DISK_RANK)
+    raykv("down", f"--address={ray_head}")
+    found = int(out.split("pages read ")[1].split()[0])
+    assert found >= 16, found  # the pages of two buckets at least
+    assert found < 128, found  # CONTROL: pages only in memory are gone, so disk served
 
 
 def test_down_with_nothing_running_says_so(ray_head, uid):
