@@ -4,9 +4,9 @@ beyond what memory holds are offloaded to the node's disk slot, and the master k
 and started again, a node actor killed and started again, and the whole cluster shut
 down and started again on the same ``disk_dir`` each read them back byte-exact; a page
 that was only in memory then misses (control: the restart did empty memory, so the hits
-came from disk). After the whole
-restart a tenant reads its pages again, and another tenant asking for the same tokens
-gets nothing (control: two clients without a tenant do share pages across it).
+came from disk). After the whole restart a tenant reads its pages again, and another
+tenant asking for the same tokens gets nothing (control: two clients without a tenant
+do share pages across it).
 
 Every page a get reports read is compared with what was written: never wrong bytes.
 """
