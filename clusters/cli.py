@@ -391,6 +391,13 @@ def _connected(call, *args, **kwargs):
               "a node Ray drains has Ray's deadline instead.")
 @click.option("--no-drain", is_flag=True, help="A leaving node actor stops at once: its "
               "node's cache is lost (default: moved to other nodes first).")
+@click.option("--disk-dir", default=DEFAULTS.disk_dir, metavar="DIR",
+              help="A disk tier on every node: the directory (the same path on each node, "
+              "one slot per node actor under it) that objects evicted from memory go to, "
+              "found again after a restart on the same directory; with --disk-size "
+              "(default: no disk tier).")
+@click.option("--disk-size", default=None, type=Size(),
+              help="Per node: the most bytes its disk tier holds (K/M/G/T suffixes).")
 @click.option("--emulate-hosts", default=0, type=click.IntRange(0, 32),
               help="Instead of joining a Ray cluster: start one of N emulated hosts on this "
               "machine (root only: a network namespace and address per host, a Ray node "
@@ -407,7 +414,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
        keep_nodes: tuple[str, ...], retire_idle: float, drain_timeout: float,
-       no_drain: bool, emulate_hosts: int, link: str | None) -> None:
+       no_drain: bool, disk_dir: str, disk_size: int | None, emulate_hosts: int,
+       link: str | None) -> None:
     """Start raykv on a running Ray cluster (master, controller, and a node actor on the
     head node and wherever engines run)."""
     from raykv.clusters import deploy
@@ -442,7 +450,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             untenanted_pool_bytes=untenanted_pool_size, confirm_ttl_s=confirm_ttl,
             tenant_quotas=quotas, tenant_digests=digests,
             bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
-            l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement)
+            l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
+            disk_dir=disk_dir, disk_bytes=disk_size or 0)
         lifecycle = LifecycleSettings(keep_nodes=keep_nodes, retire_idle_s=retire_idle,
                                       drain=not no_drain, drain_timeout_s=drain_timeout)
     except ValueError as e:
@@ -456,6 +465,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
                   l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
+                  disk_dir=disk_dir, disk_bytes=disk_size or 0,
                   lifecycle=lifecycle if _given("keep_nodes", "retire_idle", "drain_timeout",
                                                 "no_drain") else None)
         return

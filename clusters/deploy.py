@@ -20,6 +20,7 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.mooncake_wheels import environment_warning
+from raykv.cache_actors.node.disk_tier import MASTER_FLAGS
 from raykv.cache_actors.ray_auth_mode import join_mode
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor, ports_key
@@ -34,6 +35,7 @@ from raykv.controllers.naming import (
 )
 from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import NodeSettings
+from raykv.controllers.object_seal import read_seal_key
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,10 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
     127.0.0.1 alone; any of their sockets bound wider is logged as a warning.
     ``master_ports``: the RPC and HTTP metadata ports of the master raykv starts (0: a
     free port). ``lifecycle``: where node actors run and when they leave (default
-    ``LifecycleSettings()``: the head node and nodes with engines). ``confirm_ttl_s``
+    ``LifecycleSettings()``: the head node and nodes with engines). With a disk tier
+    (``settings.disk_dir``) the master raykv starts offloads on eviction
+    (``disk_tier.MASTER_FLAGS``; an external master must be started so) and the seal
+    key is kept in ``disk_dir`` on the head node. ``confirm_ttl_s``
     must be below the master's object lease (checked for
     the master raykv starts; with ``master_address`` it is the caller's promise).
 
@@ -101,6 +106,8 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                          "master, or neither to run one on the head node")
     settings = replace(settings or NodeSettings(), cluster_tag=uuid.uuid4().hex[:8])
     if master_address is None:
+        if settings.disk_dir:
+            master_args = (*MASTER_FLAGS, *master_args)
         check_confirm_ttl(settings.confirm_ttl_s, master_args)
     connect(address, namespace)
     if controller(namespace) is not None:
@@ -128,9 +135,23 @@ def up(address: str, settings: NodeSettings | None = None, *, namespace: str = N
                         master_address.rpartition(":")[0])
     settings = replace(settings, master_address=master_address,
                        metadata_server=metadata_server)
+    if settings.disk_dir:
+        settings = replace(settings, seal_key=_head_seal_key(settings.disk_dir))
     ctl, _ = start_control_plane(settings, namespace, lifecycle=lifecycle,
                                  master_metrics=metrics_url)
     return ray.get(ctl.info.remote())
+
+
+def _head_seal_key(disk_dir: str) -> str:
+    """The cluster's seal key, kept in ``disk_dir`` on the head node
+    (``controllers.object_seal.read_seal_key``, run there as a Ray task)."""
+    task = ray.remote(num_cpus=0)(read_seal_key).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node()["NodeID"], soft=False))
+    try:
+        return ray.get(task.remote(disk_dir), timeout=60)
+    except ray.exceptions.RayTaskError as e:
+        raise ValueError(f"cannot keep the seal key in {disk_dir} on the head node: "
+                         f"{e.cause}") from None
 
 
 def drain(address: str, node_id: str, namespace: str = NAMESPACE) -> dict:

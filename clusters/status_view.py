@@ -129,6 +129,21 @@ def warmup_lines(node_id: str, s: dict) -> list[str]:
     return lines
 
 
+def disk_line(node_id: str, s: dict) -> str | None:
+    """A node's tiers with seals (its stats' ``tiers``: ``MooncakeBackend.tier_stats``):
+    its disk slot's use against its bound, the objects gets served from memory and from
+    disk, and those refused for a seal that did not verify. None without seals."""
+    t = s.get("tiers")
+    if not t:
+        return None
+    served, refused = t.get("served", {}), sum(t.get("refused", {}).values())
+    disk = (f"disk {_size(t['used_bytes'])} of {_size(t['limit_bytes'])} in {t['path']}; "
+            if "path" in t else "")
+    return (f"node {node_id[:8]}: {disk}gets served {served.get('l3_memory', 0)} objects "
+            f"from memory, {served.get('l3_disk', 0)} from disk; {refused} refused "
+            "(seal not verified)")
+
+
 def master_line(master: dict) -> str | None:
     """A warning line while the master supervisor is restarting the master (its
     ``state``), with its failed attempts in a row and the last one's error; None while
@@ -176,8 +191,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
     one row per node and pool (a table where it fits the console's width, else the same
     figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
     each tenant's quota, each node's own segment (where its puts go first) and the
-    routers' residency queries it answered, and the warm-ups of its new L2 pools
-    (``warmup_lines``)."""
+    routers' residency queries it answered, its disk tier (``disk_line``), and the
+    warm-ups of its new L2 pools (``warmup_lines``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -218,6 +233,10 @@ def render_status(state: dict, console: Console | None = None) -> None:
             console.print(f"node {node_id[:8]}: puts prefer segment "
                           f"{s['own_segment'] or '(none known: placed at random)'}; "
                           f"{r.get('queries', 0)} residency queries from routers")
+    for node_id, s in state["nodes"].items():
+        if (line := disk_line(node_id, s)) is not None:
+            console.print(Text(line, style="yellow" if s["tiers"].get("refused") else ""),
+                          soft_wrap=True)
     for node_id, s in state["nodes"].items():
         for line in warmup_lines(node_id, s):
             console.print(Text(line), soft_wrap=True)

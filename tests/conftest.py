@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "tests/integration/test_production_path.py",
     "tests/integration/test_hosts.py",
     "tests/integration/test_sglang_close.py",
+    "tests/integration/test_vllm_disk.py",
 )
 """The test files with the most worker time in a whole run (each over 90 s here, most
 first); the rest keep their collection order after them."""

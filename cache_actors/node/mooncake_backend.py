@@ -58,6 +58,9 @@ from raykv.controllers.result_codes import (
 
 log = logging.getLogger(__name__)
 
+UNABLE_OFFLOAD = -1300
+"""Mooncake's setup code for a client asking to offload to a master that does not."""
+
 
 class MooncakeBackend:
     """Wraps ``MooncakeDistributedStore`` set up as an embedded (real) client or as a
@@ -146,9 +149,11 @@ class MooncakeBackend:
                          local_buffer_size, protocol, rdma_devices, master_server_addr,
                          **offload)
         if rc != 0:
+            hint = ("" if disk is None else f", disk {disk.path}" + (
+                ": the master does not offload; start it with -enable_offload=true "
+                "-offload_on_evict=true" if rc == UNABLE_OFFLOAD else ""))
             raise RuntimeError(f"Mooncake setup failed with code {rc} (master "
-                               f"{master_server_addr}, metadata {metadata_server}"
-                               + ("" if disk is None else f", disk {disk.path}") + ")")
+                               f"{master_server_addr}, metadata {metadata_server}{hint})")
         sealed = None if seal_key is None else SealedObjects(store, seal_key)
         # its segment (if any) is named by its hostname
         return cls(store, store.get_hostname() if global_segment_size > 0 else None,

@@ -33,6 +33,7 @@ from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeServi
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
+from raykv.cache_actors.node.tier_metrics import TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
@@ -113,6 +114,7 @@ class NodeCacheActor:
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
             l2_bytes=l2_bytes)
+        metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)

@@ -142,6 +142,7 @@ class NodeMetrics:
                   self._drain_objects, self._drain_bytes, self._warmed):
             m.set_default_tags(tags)
         self._l2: L2Counters | None = None
+        self._watched: list[Callable[[], None]] = []
         self._l2_seen: tuple[Mapping[str, int], dict[str, Mapping[str, int]]] = ({}, {})
         self._export_lock = threading.Lock()  # one export at a time (the L2 counts seen)
         self._pool_labels = LabelBound(MAX_POOL_LABELS)
@@ -321,11 +322,18 @@ class NodeMetrics:
         self._l2_seen = ({k: node.get(k, 0) for k in L2_OBJECT_COUNTS},
                          {name: dict(counts) for name, (_, counts) in pools.items()})
 
+    def watch(self, export: Callable[[], None]) -> None:
+        """Call ``export`` (another part's metrics, e.g. ``TierMetrics.export``) with
+        every ``export``."""
+        self._watched.append(export)
+
     def export(self) -> None:
         """Hand what was recorded since the last call (and what the L2 counts grew by) to
         the Ray metrics (the exporter thread's job; callable from any thread)."""
         with self._export_lock:
             self._l2_grown()
+            for export in self._watched:
+                export()
             with self._lock:
                 pending, self._pending = self._pending, Counter()
                 latencies, self._latencies = self._latencies, []

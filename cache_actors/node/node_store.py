@@ -180,8 +180,9 @@ class NodeStore:
     def stats(self) -> dict:
         """Mode, host pool budget and bytes in use, the client's ``mooncake_endpoint``
         (``host:port`` its peers are told: the node's address), ``own_segment`` (the
-        name of the segment this node's puts prefer; None: none known), and the
-        ``mooncake_client`` process."""
+        name of the segment this node's puts prefer; None: none known), the
+        ``mooncake_client`` process, and with seals the ``tiers``
+        (``StoreBackend.tier_stats``)."""
         out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
                "host_pool_used": self.memory.budget.used,
                "exposed_ports": [str(x) for x in self.exposed],
@@ -189,6 +190,8 @@ class NodeStore:
                "own_segment": self.backend.own_segment}
         if self.process is not None:
             out["mooncake_client"] = self.process.info()
+        if (tiers := self.backend.tier_stats()) is not None:
+            out["tiers"] = tiers
         return out
 
     def close(self) -> None:

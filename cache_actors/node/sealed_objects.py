@@ -9,10 +9,11 @@ reason and removed from the store, so a later put writes it again instead of fin
 present. So is an object Mooncake cannot read from its disk tier (``FILE_OPEN_FAIL``,
 ``FILE_READ_FAIL``: its bucket file gone or cut), which Mooncake keeps reporting
 existing; as Mooncake fails every object of a batch read from such a bucket, each
-object of a batch that answered so is read again alone first. Each get also asks the
-master where each object lives (one ``batch_get_replica_desc`` per call) and counts the
-objects served by tier: ``memory`` (a segment), ``disk`` (a node's disk tier only),
-``unknown`` (the lookup failed or the object went meanwhile).
+object of a batch that answered so is read again alone first. After each get the
+master is asked where the objects it served live (one ``batch_get_replica_desc`` per
+call, of those only: a miss logs an error in Mooncake's client) and they are counted by
+tier: ``l3_memory`` (a segment), ``l3_disk`` (a node's disk tier only), ``unknown``
+(the lookup failed or the object went meanwhile).
 
 Any data thread may call ``put_from`` and ``get_into`` at once: each call takes one
 region of the scratch area for its seals (``REGIONS`` of them; a call waits while all
@@ -71,7 +72,7 @@ class SealedObjects:
             self._free.put(region)
         self._lock = threading.Lock()
         self.served: Counter[str] = Counter()
-        """Objects a get served, by tier (``memory``, ``disk``, ``unknown``)."""
+        """Objects a get served, by tier (``l3_memory``, ``l3_disk``, ``unknown``)."""
         self.served_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         """Objects a get read but did not serve, by the seal's failure (``format``,
@@ -113,7 +114,6 @@ class SealedObjects:
         """Read each object: the page's size when its seal verified, ``SEAL_MISMATCH``
         when it did not (removed from the store), else Mooncake's negative code (an
         ``UNREADABLE`` one only for an object that failed alone: removed too)."""
-        tiers = self._tiers(keys)
         codes: list[int] = []
         bad: list[str] = []
         for start, end, base in self._pieces(len(keys)):
@@ -130,19 +130,22 @@ class SealedObjects:
                 if n < 0:
                     codes.append(n)
                     if n in UNREADABLE and len(keys) == 1:
-                        self._refuse(bad, keys[i], tiers[i], "unreadable")
+                        self._refuse(bad, keys[i], "unreadable")
                     continue
                 why = "length" if n != sizes[i] + SEAL_BYTES else check(
                     self._key, keys[i], _view(ptrs[i], sizes[i]),
                     bytes(_view(seals[j], SEAL_BYTES)))
                 if why is None:
                     codes.append(sizes[i])
-                    with self._lock:
-                        self.served[tiers[i]] += 1
-                        self.served_bytes[tiers[i]] += sizes[i]
                     continue
                 codes.append(SEAL_MISMATCH)
-                self._refuse(bad, keys[i], tiers[i], why)
+                self._refuse(bad, keys[i], why)
+        served = [i for i, n in enumerate(codes) if n >= 0]
+        if served:
+            for i, tier in zip(served, self._tiers([keys[i] for i in served]), strict=True):
+                with self._lock:
+                    self.served[tier] += 1
+                    self.served_bytes[tier] += sizes[i]
         if bad:
             self._remove(bad)
         if len(keys) > 1:  # Mooncake failed each object read from that bucket with it
@@ -151,17 +154,16 @@ class SealedObjects:
                     codes[i] = self.get_into(keys[i:i + 1], ptrs[i:i + 1], sizes[i:i + 1])[0]
         return codes
 
-    def _refuse(self, bad: list[str], key: str, tier: str, why: str) -> None:
+    def _refuse(self, bad: list[str], key: str, why: str) -> None:
         """Count and log ``key`` as not served for ``why``; add it to ``bad``."""
         bad.append(key)
         with self._lock:
             self.refused[why] += 1
-        log.warning("object %s from the %s tier was not served (%s): removed from the store",
-                    key, tier, why)
+        log.warning("object %s was not served (%s): removed from the store", key, why)
 
     def _tiers(self, keys: list[str]) -> list[str]:
-        """Per key: ``memory`` if a complete replica is in a segment, else ``disk`` if
-        one is on a disk tier, else ``unknown``."""
+        """Per key: ``l3_memory`` if a complete replica is in a segment, else
+        ``l3_disk`` if one is on a disk tier, else ``unknown``."""
         from mooncake.store import ReplicaStatus
 
         try:
@@ -172,8 +174,8 @@ class SealedObjects:
         out = []
         for k in keys:
             replicas = [r for r in found.get(k, ()) if r.status == ReplicaStatus.COMPLETE]
-            out.append("memory" if any(r.is_memory_replica() for r in replicas) else
-                       "disk" if replicas else "unknown")
+            out.append("l3_memory" if any(r.is_memory_replica() for r in replicas) else
+                       "l3_disk" if replicas else "unknown")
         return out
 
     def _remove(self, keys: list[str]) -> None:

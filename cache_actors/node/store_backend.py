@@ -100,6 +100,12 @@ class StoreBackend(Protocol):
         """``"done"``, ``"failed"`` or ``"running"``: the state of a started move."""
         ...
 
+    def tier_stats(self) -> dict | None:
+        """With seals (a cluster with a disk tier): objects and bytes gets served by tier
+        and objects refused by reason, and the disk slot's ``path``, ``limit_bytes`` and
+        ``used_bytes`` (``MooncakeBackend.tier_stats``); None without."""
+        ...
+
     def close(self) -> None:
         """Leave the store; no call follows."""
         ...

@@ -209,7 +209,8 @@ def flip(bucket: Path, n: int, nbytes: int = 16) -> None:
 
 
 def tiers(backend: MooncakeBackend, keys: list[str]) -> list[str]:
-    """Where each object lives now (``memory``, ``disk`` alone, ``unknown``: absent)."""
+    """Where each object lives now (``l3_memory``, ``l3_disk`` alone, ``unknown``:
+    absent)."""
     return backend._sealed._tiers(keys)
 
 

@@ -151,6 +151,10 @@ class FakeBackend:
     def move_state(self, task: object) -> str:
         return self.move_states.get(task, "done")
 
+    def tier_stats(self) -> dict | None:
+        """No seals: a fake store has no disk tier."""
+        return None
+
     def close(self) -> None:
         self.closed = True
 

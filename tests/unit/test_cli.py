@@ -331,6 +331,10 @@ EMULATED_UP = {
     "--drain-timeout": (["--drain-timeout", "9"], ("lifecycle", LifecycleSettings(
         drain_timeout_s=9.0))),
     "--no-drain": (["--no-drain"], ("lifecycle", LifecycleSettings(drain=False))),
+    "--disk-dir": (["--disk-dir", "/var/raykv", "--disk-size", "1GB"],
+                   ("disk_dir", "/var/raykv")),
+    "--disk-size": (["--disk-dir", "/var/raykv", "--disk-size", "2GB"],
+                    ("disk_bytes", 2 << 30)),
 }
 """Every option of ``raykv up`` but --emulate-hosts' own (--link, --namespace): what
 ``up --emulate-hosts`` does with it."""
@@ -533,3 +537,23 @@ def test_drain_prints_the_report_and_fails_on_an_error_or_a_refusal(monkeypatch)
     assert failed.exit_code == 1 and "actor died" in failed.output
     refused = CliRunner().invoke(main, ["drain", "abc"])
     assert refused.exit_code == 1 and "head node" in refused.output
+
+
+def test_status_shows_each_nodes_disk_tier():
+    """``raykv status``: a node with seals shows its disk slot's use against its bound,
+    the objects served from memory and from disk, and those refused; a node without
+    seals shows no such line (control)."""
+    from raykv.clusters.status_view import disk_line
+
+    tiers = {"served": {"l3_memory": 7, "l3_disk": 5}, "served_bytes": {},
+             "refused": {"mac": 2}, "path": "/var/raykv/node-0",
+             "limit_bytes": 4 << 30, "used_bytes": 48 << 20}
+    line = disk_line("3b7474c5ffff", {"tiers": tiers})
+    assert line == ("node 3b7474c5: disk 48.0 MiB of 4096.0 MiB in /var/raykv/node-0; gets "
+                    "served 7 objects from memory, 5 from disk; 2 refused (seal not "
+                    "verified)")
+    out = io.StringIO()
+    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
+        STATE["nodes"]))] | {"tiers": tiers}}}, Console(file=out, width=200))
+    assert line in out.getvalue()
+    assert disk_line("n", {}) is None

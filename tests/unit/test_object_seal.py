@@ -100,17 +100,15 @@ def test_live_claims_of_one_directory_get_distinct_slots_and_a_released_one_is_r
         assert (first.path.name, second.path.name) == ("node-0", "node-1")
         assert stat.S_IMODE(first.path.stat().st_mode) == 0o700
         assert first.environment()["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] == str(first.path)
+        (second.path / "a.bucket").write_bytes(b"x" * 100)
+        assert (first.used_bytes(), second.used_bytes()) == (0, 100)
         first.release()
-        again = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
-        assert again.path == first.path
+        again = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)  # empty: no wait
+        assert again.path == first.path and again.waited_s == 0
         again.release()
     finally:
         first.release()
         second.release()
-    (first.path / "a.bucket").write_bytes(b"x" * 100)
-    slot = DiskSlot.claim(str(tmp_path), 3 * BUCKET_BYTES)
-    assert slot.used_bytes() == 100
-    slot.release()
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1 << 20, 3 * BUCKET_BYTES - 1])

@@ -1,0 +1,52 @@
+"""The store's tiers as Ray metrics: objects and bytes a node actor's gets served from
+memory (``l3_memory``) and from a disk tier (``l3_disk``), and the objects refused for
+a seal that did not verify, by reason (``cache_actors.node.sealed_objects``).
+
+``export`` is called by ``NodeMetrics``' exporter thread (``NodeMetrics.watch``): it
+reads the counts (``MooncakeBackend.tier_stats``) and adds what grew since its last
+look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ray.util import metrics
+
+
+class TierMetrics:
+    """``raykv_l3_served_objects`` / ``raykv_l3_served_bytes`` (tag ``tier``) and
+    ``raykv_seal_refused_objects`` (tag ``reason``) of one node actor, from
+    ``read()`` (None: no seals on this node, nothing to export)."""
+
+    def __init__(self, node_id: str, read: Callable[[], dict | None]) -> None:
+        self._read = read
+        self._seen: dict[str, dict[str, int]] = {}
+        self._metrics = {
+            "served": metrics.Counter(
+                "raykv_l3_served_objects", "Objects gets read from the store and served "
+                "(seal verified), by tier: l3_memory, l3_disk (a node's disk tier), unknown",
+                tag_keys=("node", "tier")),
+            "served_bytes": metrics.Counter(
+                "raykv_l3_served_bytes", "Bytes of the objects gets served, by tier",
+                tag_keys=("node", "tier")),
+            "refused": metrics.Counter(
+                "raykv_seal_refused_objects", "Objects gets read but refused, their seal "
+                "not verified (damaged, truncated or foreign), by reason: format, length, mac",
+                tag_keys=("node", "reason")),
+        }
+        for m in self._metrics.values():
+            m.set_default_tags({"node": node_id[:12]})
+
+    def export(self) -> None:
+        """Add to each metric what its count grew by since the last call."""
+        now = self._read()
+        if now is None:
+            return
+        for name, metric in self._metrics.items():
+            tag = "reason" if name == "refused" else "tier"
+            before = self._seen.get(name, {})
+            for label, total in now.get(name, {}).items():
+                if (n := total - before.get(label, 0)) > 0:
+                    metric.inc(n, tags={tag: label})
+            self._seen[name] = dict(now.get(name, {}))
