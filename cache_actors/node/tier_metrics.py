@@ -1,6 +1,7 @@
 """The store's tiers as Ray metrics: objects and bytes a node actor's gets served from
 memory (``l3_memory``) and from a disk tier (``l3_disk``), and the objects refused for
-a seal that did not verify, by reason (``cache_actors.node.sealed_objects``).
+a seal that did not verify or unreadable on disk, by reason
+(``cache_actors.node.sealed_objects``).
 
 ``export`` is called by ``NodeMetrics``' exporter thread (``NodeMetrics.watch``): it
 reads the counts (``MooncakeBackend.tier_stats``) and adds what grew since its last
@@ -32,7 +33,8 @@ class TierMetrics:
                 tag_keys=("node", "tier")),
             "refused": metrics.Counter(
                 "raykv_seal_refused_objects", "Objects gets read but refused, their seal "
-                "not verified (damaged, truncated or foreign), by reason: format, length, mac",
+                "not verified (damaged, truncated or foreign) or unreadable on disk, by "
+                "reason: format, length, mac, unreadable",
                 tag_keys=("node", "reason")),
         }
         for m in self._metrics.values():
