@@ -141,7 +141,7 @@ def disk_line(node_id: str, s: dict) -> str | None:
             if "path" in t else "")
     return (f"node {node_id[:8]}: {disk}gets served {served.get('l3_memory', 0)} objects "
             f"from memory, {served.get('l3_disk', 0)} from disk; {refused} refused "
-            "(seal not verified)")
+            "(seal not verified, or unreadable)")
 
 
 def master_line(master: dict) -> str | None:

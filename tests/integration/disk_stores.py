@@ -34,7 +34,6 @@ SEGMENT = 32 << 20
 CAPACITY = SEGMENT // PAGE
 """The most pages one segment holds."""
 LEASE = "-default_kv_lease_ttl=2500"
-HEARTBEAT = {"MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1"}
 NO_ROOM = -200
 """Mooncake's put code while memory is full of leased objects or objects still being
 offloaded: the put is tried again."""
@@ -69,7 +68,6 @@ def client(master: tuple[str, str], *, slot: DiskSlot | None = None,
            seal_key: bytes | None = None, segment: int = SEGMENT) -> MooncakeBackend:
     """A real embedded client of ``master`` (``where``): with ``slot`` it offloads
     there, with ``seal_key`` it seals."""
-    os.environ.update(HEARTBEAT)
     return MooncakeBackend.embedded(local_hostname="127.0.0.1",
                                     metadata_server=master[1], master_server_addr=master[0],
                                     global_segment_size=segment, local_buffer_size=16 << 20,

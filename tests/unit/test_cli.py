@@ -551,7 +551,7 @@ def test_status_shows_each_nodes_disk_tier():
     line = disk_line("3b7474c5ffff", {"tiers": tiers})
     assert line == ("node 3b7474c5: disk 48.0 MiB of 4096.0 MiB in /var/raykv/node-0; gets "
                     "served 7 objects from memory, 5 from disk; 2 refused (seal not "
-                    "verified)")
+                    "verified, or unreadable)")
     out = io.StringIO()
     render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
         STATE["nodes"]))] | {"tiers": tiers}}}, Console(file=out, width=200))

@@ -213,3 +213,26 @@ def test_warm_up_budgets_are_checked(monkeypatch, field, bad):
     monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
     out = CliRunner().invoke(main, ["up", "--l2-warm-seconds=0"])
     assert out.exit_code == 2 and "--l2-warm-seconds" in out.output
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(disk_dir="/d"), "both disk_dir and disk_bytes"),
+    (dict(disk_bytes=1 << 30), "both disk_dir and disk_bytes"),
+    (dict(disk_dir="/d", disk_bytes=(24 << 20) - 1), "three offload buckets"),
+    (dict(disk_dir="/d", disk_bytes=1 << 30, standalone=True, host_pool_bytes=1 << 30),
+     "standalone mode has no disk tier"),
+    (dict(disk_dir="/d", disk_bytes=1 << 30, seal_key="ab" * 31), "64 hex digits"),
+])
+def test_a_disk_tier_is_checked_before_any_node_starts(bad, match):
+    """A disk tier needs a directory, a bound of three buckets or more, embedded mode
+    and a well-formed seal key; one without a seal key reaches no node actor. Control:
+    the same tier, whole, is taken, and its seal key never shows in its repr."""
+    with pytest.raises(ValueError, match=match):
+        NodeSettings(**bad)
+    whole = NodeSettings(master_address="m:1", metadata_server="http://m/metadata",
+                         cluster_tag="t", disk_dir="/d", disk_bytes=24 << 20)
+    with pytest.raises(ValueError, match="seal_key"):
+        whole.actor_kwargs()
+    sealed = replace(whole, seal_key="ab" * 32)
+    assert sealed.actor_kwargs()["disk_dir"] == "/d"
+    assert "ab" * 32 not in repr(sealed)
