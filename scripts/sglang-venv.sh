@@ -46,6 +46,7 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
         apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf ipython \
         requests aiohttp "python-dateutil<3" \
         "ray==$RAY_VERSION" "mooncake-transfer-engine-non-cuda==$MOONCAKE" click rich matplotlib cryptography \
+        "blake3==$(pinned blake3)" \
         ninja
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
