@@ -35,6 +35,7 @@ from raykv.clusters.sim.routing import PowerOfTwo, RayKVRouting
 from raykv.clusters.sim.tally import Tally
 from raykv.clusters.sim.trace import Request
 from raykv.controllers.residency import Residency
+from raykv.integrations.serve.ranking import Weights
 
 NODE_HOLDER = (0, 0)
 """The holder a node fills its L2 from L3 as (ids below 1 are the node's own)."""
@@ -55,9 +56,10 @@ class _Engine:
 
 class ClusterSim:
     """``layout``'s cluster with ``costs`` replaying ``requests`` (arrival order);
-    ``run`` once."""
+    ``run`` once. ``weights``: the router's (``raykv`` routing; default its own)."""
 
-    def __init__(self, layout: Layout, costs: Costs, requests: Sequence[Request]) -> None:
+    def __init__(self, layout: Layout, costs: Costs, requests: Sequence[Request],
+                 weights: Weights | None = None) -> None:
         self.layout, self.costs, self.requests = layout, costs, requests
         self.now = 0.0
         rng = random.Random(layout.seed)
@@ -70,7 +72,8 @@ class ClusterSim:
                     for _ in range(layout.nodes)]
         self._l3 = L3Store([layout.l3_blocks] * layout.nodes, clock, rng) \
             if layout.l3_blocks else None
-        self._router = RayKVRouting(rng) if layout.routing == "raykv" else PowerOfTwo(rng)
+        self._router = RayKVRouting(rng, weights) if layout.routing == "raykv" \
+            else PowerOfTwo(rng)
         self._link_in = [0.0] * layout.nodes
         self._link_out = [0.0] * layout.nodes
         self._put_free = [0.0] * layout.nodes
