@@ -38,15 +38,19 @@ seconds of requests' pages from eviction; the simulator's requests are 1,000 s a
 its leases long over); segments far larger than the sample (Mooncake's own eviction
 never runs: checked, every block put is still in L3 at the end); L2 larger than any
 request's blocks (no ``FULL`` answer: the simulator would put such blocks to L3, vLLM's
-connector drops them; counted). The sample is whole conversations (``conversation_
-sample``): the trace's first few hundred requests are mostly first turns and reuse
-little (8 % of blocks in the first 300, against 31 % in the default sample).
+connector drops them; counted). The sample is whole conversations
+(``conversation_sample``): the trace's first few hundred requests are mostly first
+turns and reuse little (8 % of blocks in the first 300, against 31 % in the default
+sample).
 
-**What differs**: the real side's *loaded* blocks can fall short of its *found* ones:
-a node's fill from L3 (``L2Pools.acquire`` with ``fill``) stops at the first block its
-L2 holds after a block it lacks, so a chain whose oldest blocks L2 evicted loads only up
-to there (vLLM's worker loads as many; the rest is recomputed), while the simulator
-counts every found block as loaded. Both are in the JSON; the check is on *found*.
+**What differs**: the simulator counts every found block as loaded. On the real side
+a load gets the leading pages the node hands over, and a node's fill from L3
+(``L2Pools.acquire`` with ``fill``) ends at the first block its L2 holds after one it
+lacks, so a load could get fewer blocks than were found (vLLM's worker recomputes the
+rest); the fill's reservation evicts least recently used pages first, often those
+very blocks, and ``short_loads`` (blocks found but not loaded) was 0 in the recorded
+runs. The check is on *found*; *loaded* is compared too. Time is not compared: the
+simulator's TTFTs are its cost model's.
 """
 
 from __future__ import annotations
