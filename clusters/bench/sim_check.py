@@ -227,7 +227,7 @@ def check(cluster, requests: Sequence[Request], l2_pages: int, segment_bytes: in
                  "l3_missing": real["l3_missing"], "full": real["full"],
                  "seconds": real["seconds"]},
         "sim": {**sim, "stats": sim_stats},
-        "sim_l2_controls": controls,
+        "sim_controls": controls,
     }
 
 
@@ -236,19 +236,24 @@ def found_blocks(record: dict, what: str) -> int:
     return sum(record[what][t] for t in TIERS)
 
 
-def table(result: dict) -> str:
-    """Both sides per tier, blocks and tokens (percent of all), as text."""
+def table(section: dict, tiers: Sequence[str], control: str) -> str:
+    """One replay's sides per tier of ``tiers``, blocks and tokens (percent of all),
+    its real loads if it has them, its controls (the simulator at another ``control``),
+    as text."""
+    loaded = section.get("loaded")
     lines = [f"{'tier':<10} {'real blocks':>12} {'sim blocks':>11} {'diff pp':>8} "
-             f"{'real tokens':>12} {'sim tokens':>11} {'diff pp':>8} {'real loaded':>12}"]
-    for tier, row in result["found"]["tiers"].items():
-        b, t = row["block"], row["token"]
+             f"{'real tokens':>12} {'sim tokens':>11} {'diff pp':>8}"
+             + (f" {'real loaded':>12}" if loaded else "")]
+    for tier in (*tiers, "computed"):
+        b, t = (section["found"]["tiers"][tier][w] for w in ("block", "token"))
         lines.append(f"{tier:<10} {b['real']:>12.2f} {b['sim']:>11.2f} {b['diff_pp']:>8.2f} "
-                     f"{t['real']:>12.2f} {t['sim']:>11.2f} {t['diff_pp']:>8.2f} "
-                     f"{result['loaded']['tiers'][tier]['block']['real']:>12.2f}")
-    lines.append(f"largest difference {result['found']['max_diff_pp']:.2f} pp (found); "
-                 f"loaded against the simulator {result['loaded']['max_diff_pp']:.2f} pp")
-    for pages, c in result["sim_l2_controls"].items():
-        lines.append(f"control: the simulator with {pages} L2 pages per node is "
+                     f"{t['real']:>12.2f} {t['sim']:>11.2f} {t['diff_pp']:>8.2f}"
+                     + (f" {loaded['tiers'][tier]['block']['real']:>12.2f}" if loaded else ""))
+    lines.append(f"largest difference {section['found']['max_diff_pp']:.2f} pp"
+                 + (f"; loaded against the simulator {loaded['max_diff_pp']:.2f} pp"
+                    if loaded else ""))
+    for pages, c in section["sim_controls"].items():
+        lines.append(f"control: the simulator with {pages} {control} is "
                      f"{c['max_diff_pp']:.2f} pp off")
     return "\n".join(lines)
 
@@ -257,26 +262,48 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300, help="requests of the sample")
     ap.add_argument("--l2-pages", type=int, default=256, help="L2 pages per node")
+    ap.add_argument("--host-pages", type=int, default=256,
+                    help="host pool pages per example engine")
+    ap.add_argument("--replays", default="l2,example",
+                    help="l2 (the nodes' L2 as vLLM's connector drives it), example (the "
+                    "example engine), or both (comma-separated)")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--seed", type=int, default=0, help="seeds the sample's draw")
     ap.add_argument("--out", type=Path, default=Path("sim_check.json"))
     a = ap.parse_args(argv)
+    replays = set(a.replays.split(","))
+    if not replays or replays - {"l2", "example"}:
+        raise SystemExit(f"--replays: l2, example or both, got {a.replays!r}")
     from raykv import start_local
+    from raykv.clusters.bench import sim_check_engine
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     requests = conversation_sample(read_trace(a.trace), a.requests, a.seed)
     segment = 256 << 20
+    tag = os.urandom(4).hex()
+    result: dict = {
+        "command": "python -m raykv.clusters.bench.sim_check " +
+                   " ".join(argv if argv is not None else sys.argv[1:]),
+        "trace": a.trace.name, "seed": a.seed, "requests": len(requests),
+        "blocks": sum(len(r.blocks) for r in requests),
+        "distinct_blocks": len({b for r in requests for b in r.blocks}),
+        "nodes": NODES, "segment_bytes": segment, "max_diff_pp": MAX_DIFF_PP}
     t = time.perf_counter()
     with start_local(num_nodes=NODES, global_segment_size=segment, placement="own",
                      log_to_driver=False) as cluster:
-        result = check(cluster, requests, a.l2_pages, segment, os.urandom(4).hex(),
-                       (0, 4 * a.l2_pages))
-    result |= {"command": "python -m raykv.clusters.bench.sim_check " +
-               " ".join(argv if argv is not None else sys.argv[1:]),
-               "trace": a.trace.name, "seed": a.seed,
-               "elapsed_s": round(time.perf_counter() - t, 1),
+        if "l2" in replays:
+            result["l2"] = check(cluster, requests, a.l2_pages, segment, tag,
+                                 (0, 4 * a.l2_pages))
+            print("L2 replay (the nodes' L2 pools, vLLM's L2 ops)")
+            print(table(result["l2"], TIERS, "L2 pages per node"))
+        if "example" in replays:
+            result["example_engine"] = sim_check_engine.check(
+                cluster, requests, a.host_pages, segment, tag, NODES, (0, 4 * a.host_pages))
+            print("example engine replay (its host pool, L3)")
+            print(table(result["example_engine"], sim_check_engine.TIERS,
+                        "host pages per engine"))
+    result |= {"elapsed_s": round(time.perf_counter() - t, 1),
                "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(table(result))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
 

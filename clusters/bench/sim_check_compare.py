@@ -56,12 +56,12 @@ def one_at_a_time(requests: Sequence[Request]) -> list[Request]:
             for i, r in enumerate(requests)]
 
 
-def layout(nodes: int, l2_blocks: int, l3_blocks: int) -> Layout:
-    """The simulated twin of the real replay: ``nodes`` nodes of one engine each, no GPU
-    cache, an L2 of ``l2_blocks`` and a segment of ``l3_blocks`` per node, placement
-    ``own``, round robin."""
-    return Layout(nodes, 1, 0, l2_blocks=l2_blocks, l3_blocks=l3_blocks, placement="own",
-                  routing="round_robin")
+def layout(nodes: int, l2_blocks: int, l3_blocks: int, host_blocks: int = 0) -> Layout:
+    """The simulated twin of a real replay: ``nodes`` nodes of one engine each, no GPU
+    cache, a host tier of ``host_blocks`` per engine (0: none), an L2 of ``l2_blocks``
+    (0: none) and a segment of ``l3_blocks`` per node, placement ``own``, round robin."""
+    return Layout(nodes, 1, 0, host_blocks=host_blocks, l2_blocks=l2_blocks,
+                  l3_blocks=l3_blocks, placement="own", routing="round_robin")
 
 
 def simulate(requests: Sequence[Request], lay: Layout) -> tuple[dict, dict]:
@@ -83,12 +83,12 @@ def tally(requests: Sequence[Request], records: Sequence[dict], nodes: int,
     return t.as_dict()
 
 
-def compare(real: dict, sim: dict) -> dict:
-    """Per tier of ``TIERS`` and ``computed``, the share of blocks and of tokens on each
+def compare(real: dict, sim: dict, tiers: Sequence[str] = TIERS) -> dict:
+    """Per tier of ``tiers`` and ``computed``, the share of blocks and of tokens on each
     side (percent, rounded to 2 places) and their difference (real - sim, points);
     ``max_diff_pp``: the largest difference, blocks or tokens."""
     rows = {}
-    for tier in (*TIERS, "computed"):
+    for tier in (*tiers, "computed"):
         row = {}
         for weight, rate in (("block", "block_hit_rate"), ("token", "token_hit_rate")):
             def share(d: dict, tier: str = tier, weight: str = weight,

@@ -32,5 +32,5 @@ def test_per_tier_hits_of_a_real_replay_agree_with_the_simulator(cluster, uid):
     assert got["found"]["max_diff_pp"] <= MAX_DIFF_PP, got["found"]
     assert got["loaded"]["max_diff_pp"] <= MAX_DIFF_PP, got["loaded"]
     # CONTROL: the simulator with another L2 is off by more than the bound
-    for pages, off in got["sim_l2_controls"].items():
+    for pages, off in got["sim_controls"].items():
         assert off["max_diff_pp"] > MAX_DIFF_PP, (pages, off)
