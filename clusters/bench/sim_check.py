@@ -1,13 +1,16 @@
 """``raykv sim`` against a real cluster: the same requests of the conversation trace
 replayed on a real embedded two-node cluster (real Ray, ``mooncake_master``, node
-actors: their ``L2Index``, write-behind and Mooncake placement) and in the simulator, the
-blocks each tier served compared per tier.
+actors) and in the simulator, the blocks each tier served compared per tier. Two
+replays: through the nodes' L2 pools (their ``L2Index``, write-behind and Mooncake
+placement, driven with the L2 ops of vLLM's connector: this module) and through the
+example engine (its own host pool and L3: ``sim_check_engine``).
 
 Run: ``python -m raykv.clusters.bench.sim_check [--requests 300] [--l2-pages 256]
-[--trace FILE] [--seed 0] [--out FILE]`` (a two-node embedded cluster of its own; Ray
-must not be running in this process). Prints both sides per tier and writes a JSON.
+[--host-pages 256] [--replays l2,example] [--trace FILE] [--seed 0] [--out FILE]`` (a
+two-node embedded cluster of its own; Ray must not be running in this process). Prints
+both sides per tier of each replay and writes a JSON.
 
-**The real side.** One engine per node, as vLLM's connector with ``l2_blocks`` drives
+**The L2 replay.** One engine per node, as vLLM's connector with ``l2_blocks`` drives
 its node's L2 (``integrations.vllm.l2_blocks``), made by hand: a ``CacheClient`` on the
 node (the driver's process; node 1 over Ray) with the node's L2 pool of ``--l2-pages``
 pages of 1 KiB (vLLM layout, 4 tokens a block). Each trace block is one page; its page
@@ -24,7 +27,7 @@ waits until the node's write-behind ended (its L2 stats: ``l3_put`` + ``l3_put_f
 reach ``l3_put_submitted``) before the next request. Counts come from the calls'
 answers and the node actors' own stats; the product has no hook for this.
 
-**The simulated side** (``sim_check_compare``): ``ClusterSim`` on the same requests,
+**Its simulated side** (``sim_check_compare``): ``ClusterSim`` on the same requests,
 two nodes of one engine each with no GPU cache, the same L2 pages and the segment's
 bytes in pages per node, placement ``own``, round robin (the ``i``-th request on engine
 ``i`` modulo 2, as the real side), requests ``GAP_S`` apart so each starts on a cluster
