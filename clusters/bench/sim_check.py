@@ -35,13 +35,14 @@ at rest.
 
 **Made comparable**: one request at a time in trace order on both sides, the same node
 for each; the write-behind ended before the next request on both; no lease in force
-across requests (leases run in seconds: the real replay takes a few hundredths of a
-second per request, so it makes no ``lookup``, whose lease would keep the last ten
-seconds of requests' pages from eviction; the simulator's requests are 1,000 s apart,
+across requests (leases run in seconds: the real replay takes about 15 ms a request,
+so it makes no ``lookup``, whose lease would keep the last ten seconds of requests'
+pages from eviction; the simulator's requests are 1,000 s apart,
 its leases long over); segments far larger than the sample (Mooncake's own eviction
 never runs: checked, every block put is still in L3 at the end); L2 larger than any
-request's blocks (no ``FULL`` answer: the simulator would put such blocks to L3, vLLM's
-connector drops them; counted). The sample is whole conversations
+request's blocks (no ``FULL`` answer: the simulator puts such blocks to L3, as vLLM's
+connector does when it saves on the step, but with ``async_transfers`` it drops them;
+counted). The sample is whole conversations
 (``conversation_sample``): the trace's first few hundred requests are mostly first
 turns and reuse little (8 % of blocks in the first 300, against 31 % in the default
 sample).
