@@ -31,7 +31,7 @@ from raykv.clusters.sim.block_lru import BlockLRU
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.layout import Layout
-from raykv.clusters.sim.routing import PowerOfTwo, RayKVRouting
+from raykv.clusters.sim.routing import PowerOfTwo, RayKVRouting, RoundRobin
 from raykv.clusters.sim.tally import Tally
 from raykv.clusters.sim.trace import Request
 from raykv.controllers.residency import Residency
@@ -47,7 +47,7 @@ class _Engine:
 
     def __init__(self, index: int, node: int, gpu_blocks: int, host_blocks: int) -> None:
         self.index, self.node, self.node_id = index, node, f"node-{node}"
-        self.gpu = BlockLRU(gpu_blocks)
+        self.gpu = BlockLRU(gpu_blocks) if gpu_blocks else None
         self.host = BlockLRU(host_blocks) if host_blocks else None
         self.queue: deque[int] = deque()
         self.busy = False
@@ -72,8 +72,8 @@ class ClusterSim:
                     for _ in range(layout.nodes)]
         self._l3 = L3Store([layout.l3_blocks] * layout.nodes, clock, rng) \
             if layout.l3_blocks else None
-        self._router = RayKVRouting(rng, weights) if layout.routing == "raykv" \
-            else PowerOfTwo(rng)
+        self._router = RayKVRouting(rng, weights) if layout.routing == "raykv" else \
+            RoundRobin() if layout.routing == "round_robin" else PowerOfTwo(rng)
         self._link_in = [0.0] * layout.nodes
         self._link_out = [0.0] * layout.nodes
         self._put_free = [0.0] * layout.nodes
@@ -140,7 +140,7 @@ class ClusterSim:
         i = eng.queue.popleft()
         eng.busy = True
         r, keys, c = self.requests[i], self._keys[i], self.costs
-        counts = {"gpu": eng.gpu.leading(keys)}
+        counts = {"gpu": eng.gpu.leading(keys) if eng.gpu is not None else 0}
         pos, load = counts["gpu"], 0.0
         if eng.host is not None:
             counts["host"] = eng.host.leading(keys[pos:])
@@ -208,7 +208,8 @@ class ClusterSim:
         ttft = self.now - r.at
         self.tally.finished(ttft, ttft + r.output_tokens / self.costs.decode_tokens_per_s)
         unique = list(dict.fromkeys(keys))
-        eng.gpu.insert(unique)
+        if eng.gpu is not None:
+            eng.gpu.insert(unique)
         if eng.host is not None:
             eng.host.insert(unique)
         l2 = self._l2[eng.node]

@@ -1,6 +1,7 @@
 """Which engine a request goes to (pure): raykv's router (``integrations.serve``:
 ``rank`` on residency, ``spread`` for a prefix no tier tells apart, its engine tier
-``RoutedKeys`` and ``RecentRoutes``) or power of two choices on queue length."""
+``RoutedKeys`` and ``RecentRoutes``), power of two choices on queue length, or round
+robin."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ class PowerOfTwo:
             return engines[0]
         a, b = self._rng.sample(engines, 2)
         return b if queue_len(b) < queue_len(a) else a
+
+
+class RoundRobin:
+    """The engines in turn, one request each, whatever their queues (a replay on a real
+    cluster can make the same choices)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, engines: Sequence[int], keys: Sequence[str],
+               answers: Callable[[], dict[str, Residency]],
+               queue_len: Callable[[int], int], node_of: Callable[[int], str]) -> int:
+        chosen = engines[self._next % len(engines)]
+        self._next += 1
+        return chosen
 
 
 class RayKVRouting:

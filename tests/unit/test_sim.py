@@ -169,6 +169,18 @@ def test_raykv_routing_sends_a_prefix_where_it_lives():
     assert 0 in gpu_hits["pow2"]
 
 
+def test_round_robin_takes_the_engines_in_turn_and_no_gpu_cache_holds_nothing():
+    """Round robin: the i-th request on engine i modulo 3, whatever the queues; with no
+    GPU cache (``gpu_blocks`` 0) and no other tier nothing is found. Control: with a GPU
+    cache each engine's second request finds the block every request starts with."""
+    reqs = [Request(float(i), 2 * BLOCK_TOKENS, 1, (0, i + 1)) for i in range(6)]
+    got = ClusterSim(Layout(3, 1, 0, routing="round_robin"), INSTANT, reqs).run().as_dict()
+    assert got["requests_per_node"]["all"] == [2, 2, 2]
+    assert got["block_hit_rate"] == 0
+    cached = ClusterSim(Layout(3, 1, 4, routing="round_robin"), INSTANT, reqs).run()
+    assert cached.blocks["gpu"] == 3
+
+
 def test_the_simulator_imports_no_ray_mooncake_or_torch():
     code = ("import sys; import raykv.clusters.sim.cluster, raykv.clusters.sim.compare; "
             "bad = [m for m in ('ray', 'mooncake', 'torch') if m in sys.modules]; "
