@@ -196,6 +196,7 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     (``load_failed``) is absent."""
     pytest.importorskip("vllm", reason="the vLLM connector's counters need vLLM")
     from raykv.clusters.demo.vllm_model import make_llama
+    from raykv.integrations.vllm.connector_metrics import LOAD_BYTES
 
     from tests.integration.vllm_steps import StepEngine
 
@@ -238,13 +239,16 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     second, worker = engines[1].scheduler.connector.stats, engines[1].worker.stats
     assert worker["loaded"] == 4 and second["l3_hit_tokens"] == 4 * 16
     assert second["l2_hit_tokens"] == 0  # no L2 cache in these engines: every hit is L3's
-    block_bytes = engines[1].kv[0].nbytes  # one block of the engine's one layer
     found = wait_for({("raykv_asked_tokens", "_total"): 2 * 4 * 16,
                       ("raykv_hit_tokens", "_total", ("tier", "l3")): 4 * 16,
-                      ("raykv_load_bytes", "_sum", ("tier", "l3")): 4 * block_bytes})
-    assert total(found["raykv_load_seconds"], "_count", **mine, tier="l3") >= 1
-    assert total(found["raykv_load_bytes"], "_count", **mine, tier="l3") == \
-        total(found["raykv_load_seconds"], "_count", **mine, tier="l3")
+                      ("raykv_load_seconds", "_count", ("tier", "l3")): 1,  # one load
+                      ("raykv_load_bytes", "_count", ("tier", "l3")): 1})
+    # Ray's export keeps a histogram's bucket counts (its _sum is their midpoints'):
+    # the load's 4 blocks of 128 bytes fall in the smallest bucket
+    block_bytes = engines[1].kv[0].nbytes  # one block of the engine's one layer
+    assert 4 * block_bytes <= LOAD_BYTES[0]
+    assert [s.value for s in found["raykv_load_bytes"] if s.labels.get("model") == name
+            and s.name.endswith("_bucket") and float(s.labels["le"]) == LOAD_BYTES[0]] == [1]
     assert total(found.get("raykv_hit_tokens", []), "_total", **mine, tier="l2") == 0
     for metric, names in NEW_LABELS.items():
         samples = [s for s in found[metric] if s.labels.get("model") == name]
