@@ -174,6 +174,11 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     while time.monotonic() < changed + GAUGE_TTL_S:
         time.sleep(1)
     later = scrape(node)["raykv_pool_bytes"]
+    # the names the Grafana dashboard queries for what this test did are the exported ones
+    raw = raw_names(node)
+    queried = {q for q in dashboard_names() if q.removeprefix("ray_").startswith(
+        ("raykv_l2_pages", "raykv_l2_write_behind", "raykv_call_seconds"))}
+    assert len(queried) == 3 and queried <= raw, queried - raw
     assert total(later, **me, pool=pool.name) == pool.nbytes, later
     assert total(later, **me, pool=l2_pool.name) == l2_pool.nbytes, later
     client.destroy_host_pool(l2_pool)
