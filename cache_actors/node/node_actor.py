@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.mooncake_wheels import environment_warning
+from raykv.cache_actors.node.backlog_metrics import BacklogMetrics
 from raykv.cache_actors.node.l2_warmup import L2Warmup, ask_peers
 from raykv.cache_actors.node.node_memory import node_memory_bytes
 from raykv.cache_actors.node.node_metrics import NodeMetrics
@@ -115,6 +116,7 @@ class NodeCacheActor:
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
             l2_bytes=l2_bytes)
         metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
+        metrics.watch(BacklogMetrics(node_id, self._service.l2.counters).export)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)

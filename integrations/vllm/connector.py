@@ -21,6 +21,7 @@ from raykv.integrations.vllm.options import (
 )
 from raykv.integrations.vllm.scheduler import RayKVConnectorScheduler
 from raykv.integrations.vllm.side import ConnectorSide
+from raykv.integrations.vllm.vllm_stats import RayKVConnectorStats, RayKVPromMetrics, StatsDelta
 from raykv.integrations.vllm.worker import RayKVConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -166,6 +167,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 do_save=kv.kv_role in ("kv_both", "kv_producer"), block_size=block_size,
                 tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
                 kv_cache_config=kv_cache_config)
+        self._stats_delta = StatsDelta(self._side.stats)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -233,6 +235,29 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._side.shutdown()
+
+    # ==============================
+    # vLLM's stats (both sides)
+    # ==============================
+
+    def get_kv_connector_stats(self) -> RayKVConnectorStats | None:
+        """What this side's counters grew by since vLLM last asked (None: nothing);
+        vLLM asks on its scheduler thread after each step's output, on each worker
+        after each step (``vllm_stats``)."""
+        return self._stats_delta.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> \
+            RayKVConnectorStats:
+        return RayKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> \
+            RayKVPromMetrics:
+        return RayKVPromMetrics(vllm_config, metric_types, labelnames,
+                                per_engine_labelvalues)
 
     # ==============================
     # Scheduler-side methods

@@ -1,12 +1,18 @@
-"""A vLLM connector side's counters (``side.new_stats``) as one Ray metric,
+"""A vLLM connector side's counters (``side.new_stats``) and loads as Ray metrics:
 ``raykv_connector``, by ``counter`` (its name in ``new_stats``), ``role``
 (``scheduler`` / ``worker``), ``tp_rank`` and ``model`` (the connector's
-``model_name``): a bounded label set (one series per counter and side).
+``model_name``): a bounded label set (one series per counter and side); the hit rate
+by tier, token-weighted, with its denominator (``raykv_hit_tokens`` by ``tier``,
+``raykv_asked_tokens``: the scheduler's ``l2_hit_tokens``, ``l3_hit_tokens`` and
+``asked_tokens``), and each load's seconds and bytes by tier (``raykv_load_seconds``,
+``raykv_load_bytes``: histograms, from the worker's ``LoadTimes``), each also by the
+engine's ``tenant`` (``(none)`` without one) and ``deployment``.
 
-The sides count in their plain dict as before, on vLLM's threads; a thread of this
-module reads that dict every ``export_s`` seconds and hands Ray what grew since its last
-look, so no vLLM step makes a Ray metric call. Made once the side is attached (its
-process then is in the Ray cluster, whose metrics agent on this node exports it).
+The sides count in their plain dict and record loads as before, on vLLM's threads; a
+thread of this module reads them every ``export_s`` seconds and hands Ray what grew
+since its last look, so no vLLM step makes a Ray metric call. Made once the side is
+attached (its process then is in the Ray cluster, whose metrics agent on this node
+exports it).
 """
 
 from __future__ import annotations
@@ -14,24 +20,54 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+from raykv.integrations.vllm.load_times import TIERS, LoadTimes
+
 EXPORT_S = 5.0
 """Seconds between two looks at the counters (Ray ships metrics every few seconds)."""
+LOAD_SECONDS = [1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0]
+"""``raykv_load_seconds``' bucket bounds, in seconds."""
+LOAD_BYTES = [float(1 << n) for n in range(16, 31, 2)]
+"""``raykv_load_bytes``' bucket bounds: 64 KiB to 1 GiB, by fours."""
 
 
 class ConnectorMetrics:
     """Exports ``stats`` (read, never written) with ``tags`` (``role``, ``tp_rank``,
-    ``model``) by a thread of its own until ``close``."""
+    ``model``), and ``loads`` (drained) with ``owner`` (``tenant``, ``deployment``)
+    too, by a thread of its own until ``close``."""
 
     def __init__(self, stats: Mapping[str, int], tags: Mapping[str, str],
-                 export_s: float = EXPORT_S) -> None:
+                 export_s: float = EXPORT_S, *, owner: Mapping[str, str] | None = None,
+                 loads: LoadTimes | None = None) -> None:
         from ray.util import metrics
 
         self._stats = stats
+        self._loads = loads
         self._counter = metrics.Counter(
             "raykv_connector", "vLLM connector counters (RayKVConnector's stats), by "
             "counter, side (role), TP rank and model", tag_keys=(
                 "counter", "role", "tp_rank", "model"))
         self._counter.set_default_tags(dict(tags))
+        owned = dict(owner or {"tenant": "(none)", "deployment": "(none)"})
+        owned["model"] = tags["model"]
+        self._asked = metrics.Counter(
+            "raykv_asked_tokens", "Tokens vLLM's scheduler asked raykv for (full blocks "
+            "past vLLM's own prefix cache, per lookup): the hit rate's denominator",
+            tag_keys=("tenant", "deployment", "model"))
+        self._hit = metrics.Counter(
+            "raykv_hit_tokens", "Tokens a lookup told vLLM to load, by the tier they were "
+            "found in (l2, l3)", tag_keys=("tier", "tenant", "deployment", "model"))
+        self._seconds = metrics.Histogram(
+            "raykv_load_seconds", "Seconds of one request's load on a worker, by the "
+            "slowest tier it read (l2, l3)", boundaries=LOAD_SECONDS,
+            tag_keys=("tier", "tenant", "deployment", "model", "tp_rank"))
+        self._bytes = metrics.Histogram(
+            "raykv_load_bytes", "Bytes of one request's load on a worker, by the slowest "
+            "tier it read (l2, l3)", boundaries=LOAD_BYTES,
+            tag_keys=("tier", "tenant", "deployment", "model", "tp_rank"))
+        for m in (self._asked, self._hit):
+            m.set_default_tags(owned)
+        for m in (self._seconds, self._bytes):
+            m.set_default_tags(owned | {"tp_rank": tags["tp_rank"]})
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()  # one export at a time
         self._stop = threading.Event()
@@ -39,13 +75,21 @@ class ConnectorMetrics:
                          name="raykv-connector-metrics", daemon=True).start()
 
     def export(self) -> None:
-        """Hand Ray what each counter grew by since the last export (any thread)."""
+        """Hand Ray what each counter grew by since the last export, and the loads
+        recorded since (any thread)."""
         with self._lock:
             now = dict(self._stats)  # its keys never change: a copy is safe meanwhile
             for name, total in now.items():
                 if (grown := total - self._seen.get(name, 0)) > 0:
                     self._counter.inc(grown, tags={"counter": name})
+                    if name == "asked_tokens":
+                        self._asked.inc(grown)
+                    elif name.endswith("_hit_tokens") and name[:2] in TIERS:
+                        self._hit.inc(grown, tags={"tier": name[:2]})
             self._seen = now
+            for tier, seconds, nbytes in self._loads.drain() if self._loads else ():
+                self._seconds.observe(seconds, tags={"tier": tier})
+                self._bytes.observe(nbytes, tags={"tier": tier})
 
     def _loop(self, export_s: float) -> None:
         while not self._stop.wait(export_s):

@@ -41,12 +41,15 @@ class BlockTransfer:
     """Blocks of one request that a worker moves in one direction: vLLM block ids and
     the page hashes (hex) of the same blocks, in order. A save also names ``context``:
     the request's blocks before these, whose KV the saved blocks' KV was computed over
-    (the worker refuses a save over a block whose load failed)."""
+    (the worker refuses a save over a block whose load failed). A load names
+    ``l2_blocks``: of its leading blocks, how many the lookup found in the node's L2
+    (the tier of its ``raykv_load_seconds``, ``load_times.load_tier``)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
     context: list[int] = field(default_factory=list)
+    l2_blocks: int = 0
 
     def computed_over(self, blocks: set[int]) -> bool:
         """Whether any of ``blocks`` is one of these blocks or their ``context``."""
@@ -63,6 +66,7 @@ class RequestBlocks:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks known stored (loaded, saved or to be saved)
     local_hit_tokens: int = 0  # vLLM's own hit, from get_num_new_matched_tokens
+    l2_hit_blocks: int = 0  # of raykv's hit past it, the leading blocks in the node's L2
     pending_load: BlockTransfer | None = None
     own_start: int = 0  # first block it computed itself (before: prefix cache or loaded)
     dirty_from: int | None = None  # its blocks from here on may be computed over a failure

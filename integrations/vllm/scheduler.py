@@ -33,6 +33,7 @@ from raykv.controllers.call_budget import Budget
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.kv_events import L2, L3, BlockFacts, KVEventBook, to_vllm
 from raykv.integrations.vllm.kv_views import block_geometry
+from raykv.integrations.vllm.load_times import hit_tokens
 from raykv.integrations.vllm.lookups import STEP_WAIT_S, Lookups
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -143,7 +144,7 @@ class RayKVConnectorScheduler(ConnectorSide):
         with self._step_budget:
             l2, hit = self._query([hash_hex(h) for h in hashes])
         self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-        return self._answer(st, local, l2, hit, num_computed_tokens), False
+        return self._answer(st, local, len(hashes), (l2, hit), num_computed_tokens), False
 
     def _query(self, keys: list[str]) -> tuple[int, int]:
         """``(leading blocks of keys in the node's L2, leading blocks in L2 or L3)``:
@@ -167,15 +168,22 @@ class RayKVConnectorScheduler(ConnectorSide):
             hit = l2
         return l2, hit
 
-    def _answer(self, st: RequestBlocks, local: int, l2: int, hit: int,
+    def _answer(self, st: RequestBlocks, local: int, asked: int, answer: tuple[int, int],
                 num_computed_tokens: int) -> int:
-        """Count a lookup's answer; the tokens to load."""
+        """Count a lookup's ``answer`` (``_query``'s) about ``asked`` blocks, with the
+        tokens it asked about and those to load by tier; the tokens to load."""
+        l2, hit = answer
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
         self.stats["l2_hit_blocks"] += l2
-        st.local_hit_tokens = num_computed_tokens
-        return external_tokens(local + hit, num_computed_tokens, self.block_size,
-                               st.request.num_tokens)
+        st.local_hit_tokens, st.l2_hit_blocks = num_computed_tokens, l2
+        n = external_tokens(local + hit, num_computed_tokens, self.block_size,
+                            st.request.num_tokens)
+        l2_tokens, l3_tokens = hit_tokens(n, l2, self.block_size)
+        self.stats["asked_tokens"] += asked * self.block_size
+        self.stats["l2_hit_tokens"] += l2_tokens
+        self.stats["l3_hit_tokens"] += l3_tokens
+        return n
 
     def _lookup_async(self, st: RequestBlocks, local: int, hashes: list,
                       num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -199,7 +207,7 @@ class RayKVConnectorScheduler(ConnectorSide):
             self.stats["lookups_pending"] += 1
             return None, False
         l2, hit = answer
-        n = self._answer(st, local, l2, hit, num_computed_tokens)
+        n = self._answer(st, local, len(keys), answer, num_computed_tokens)
         st.load_async = n > 0 and hit > l2
         self.stats["async_lookups"] += st.load_async
         return n, st.load_async
@@ -219,6 +227,7 @@ class RayKVConnectorScheduler(ConnectorSide):
             st.pending_load = blocks_to_load(request.request_id, blocks.get_block_ids()[0],
                                         self._page_hashes(st), st.local_hit_tokens,
                                         num_external_tokens, self.block_size)
+            st.pending_load.l2_blocks = st.l2_hit_blocks
             if load_async:  # vLLM parks the request: its load goes out this step
                 self._async_loads.append(st.pending_load)
                 st.pending_load, st.async_sent = None, True

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.contract import PoolName, StorageConfig
+from raykv.controllers.deployments import deployment_id
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
+from raykv.integrations.vllm.load_times import LoadTimes
 from raykv.integrations.vllm.options import ConnectorOptions
 
 if TYPE_CHECKING:
@@ -51,13 +53,17 @@ def new_stats() -> dict[str, int]:
     layer by layer behind the forward), ``layer_wait_us`` (microseconds the forward
     waited for those copies in ``wait_for_layer_load``), ``loaded_past_l2`` (of
     ``loaded``, blocks read through the staging pool because L2 had no page to read them
-    into)."""
+    into); ``asked_tokens``, ``l2_hit_tokens``, ``l3_hit_tokens`` (scheduler: per
+    lookup, the tokens of the full blocks past vLLM's own prefix cache it asked about,
+    and of those the tokens it told vLLM to load, by the tier they were found in:
+    ``load_times.hit_tokens``)."""
     return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
             "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
             "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
             "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
             "save_cpu_us": 0, "load_us": 0, "load_cpu_us": 0, "lookup_us": 0,
-            "loaded_behind": 0, "layer_wait_us": 0, "loaded_past_l2": 0}
+            "loaded_behind": 0, "layer_wait_us": 0, "loaded_past_l2": 0,
+            "asked_tokens": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0}
 
 
 class ConnectorSide(ABC):
@@ -76,6 +82,7 @@ class ConnectorSide(ABC):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.stats = new_stats()
+        self.loads = LoadTimes()  # the worker's loads, exported with the counters
         self._warn = ThrottledLog(log)  # once per kind per WARN_EVERY_S (30 s)
         self._client: CacheClient | None = None
         self._pool: HostPool | None = None
@@ -126,7 +133,10 @@ class ConnectorSide(ABC):
                 if self._metrics is None:  # in the Ray cluster now: its counters exported
                     self._metrics = ConnectorMetrics(self.stats, {
                         "role": self.ROLE, "tp_rank": str(self.tp_rank),
-                        "model": self.opts.model_name})
+                        "model": self.opts.model_name}, owner={
+                        "tenant": self.opts.tenant or "(none)",
+                        "deployment": deployment_id(self._storage_config())},
+                        loads=self.loads)
         if closed:  # ``shutdown`` ran meanwhile: nobody would destroy or close them
             with contextlib.suppress(Exception):
                 client.destroy_host_pool(pool)

@@ -35,6 +35,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,6 +90,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._layers: list[torch.Tensor] = []  # per layer: (num_blocks, *block) views
         self._memory: EngineMemory | None = None  # the same, as a raykv pool
         self._block_shape: tuple[int, ...] = ()
+        self._block_bytes = 0  # of one block, every layer of this rank
         self._load_errors: set[int] = set()  # failed blocks not yet reported to vLLM
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not seen yet
         # a step's loads and saves wait one timeout_s in all (made anew in start_load_kv)
@@ -146,6 +148,7 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         # stream of their own and pinned pages: loads stay on the step there).
         self._behind = LoadsBehind(list(kv_caches)) if first.device.type == "cpu" else None
         self._block_shape = tuple(self._layers[0].shape[1:])
+        self._block_bytes = self._layers[0][0].nbytes * len(self._layers)  # all layers
         if math.prod(self._block_shape) % self.block_size:
             raise ValueError(f"RayKVConnector: a block {self._block_shape} is not a multiple "
                              f"of block_size {self.block_size}")
@@ -178,16 +181,19 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._unsettled -= meta.failures_seen
         for x in meta.async_loads:
             if self._async is None:
-                self._async = AsyncLoads(self._load_async,
-                                         close_wait_s=self.opts.timeout_s + CLOSE_WAIT_S)
+                self._async = AsyncLoads(
+                    lambda y: self.loads.timed(partial(self._load_async, y), y.l2_blocks,
+                                               self._block_bytes),
+                    close_wait_s=self.opts.timeout_s + CLOSE_WAIT_S)
             self._async.submit(x)
         if not meta.loads:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
         behind = self._layer_loads()
         with self._step_budget:  # first failed block per request; the last behind
-            firsts = [self._load(x, behind if x is meta.loads[-1] else None)
-                      for x in meta.loads]
+            firsts = [self.loads.timed(
+                partial(self._load, x, behind if x is meta.loads[-1] else None),
+                x.l2_blocks, self._block_bytes) for x in meta.loads]
         if self.tp_size > 1:
             firsts = agree_tp(firsts)
         for x, first in zip(meta.loads, firsts, strict=True):

@@ -11,9 +11,12 @@ never counted (a get error) is absent, and another node id has no series."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -31,6 +34,13 @@ SCRAPE_S = 90.0  # Ray's agent exports every few seconds; a loaded 2-core host i
 GAUGE_TTL_S = 40.0  # past twice Ray's default metrics report interval (10 s), with margin
 L2_LAYOUT = PoolLayout.vllm(page_size=4, size=32, layer_num=1, head_num=1, head_dim=8,
                             dtype="bfloat16", itemsize=2)
+NEW_LABELS = {  # the connector's hit and load metrics -> their label names
+    "raykv_asked_tokens": {"tenant", "deployment", "model"},
+    "raykv_hit_tokens": {"tier", "tenant", "deployment", "model"},
+    "raykv_load_seconds": {"tier", "tenant", "deployment", "model", "tp_rank"},
+    "raykv_load_bytes": {"tier", "tenant", "deployment", "model", "tp_rank"},
+}
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "raykv.json"
 LABELS = {  # metric -> the label names the node declares for it (beside Ray's own)
     "raykv_objects": {"node", "op", "pool", "outcome", "tenant", "deployment"},
     "raykv_bytes": {"node", "op", "pool", "tenant", "deployment"},
@@ -40,6 +50,7 @@ LABELS = {  # metric -> the label names the node declares for it (beside Ray's o
     "raykv_group_queries": {"node", "answer"},
     "raykv_l2_pages": {"node", "event", "tenant", "deployment"},
     "raykv_l2_objects": {"node", "event"},
+    "raykv_l2_write_behind_objects": {"node"},
 }
 
 
@@ -61,6 +72,22 @@ def scrape(node: dict) -> dict[str, list]:
         if name.startswith("raykv_"):
             out.setdefault(name, []).extend(family.samples)
     return out
+
+
+def raw_names(node: dict) -> set[str]:
+    """The sample names on ``node``'s metrics endpoint, as Prometheus stores them."""
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    return {s.name for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+def dashboard_names() -> set[str]:
+    """The metric names the Grafana dashboard's queries name."""
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+             for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"\bray_raykv_\w+", e)}
 
 
 def total(samples: list, suffix: str = "", **labels: str) -> float:
@@ -112,6 +139,8 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
         ("raykv_l2_objects", "_total", ("event", "l3_put_submitted")):
             l2_stats["l3_put_submitted"],
         ("raykv_l2_objects", "_total", ("event", "l3_put")): l2_stats["l3_put"],
+        ("raykv_l2_write_behind_objects", ""): l2_stats["l3_put_submitted"]
+        - l2_stats["l3_put"] - l2_stats["l3_put_failed"],  # 0: every put ended
     }
     assert counters["put_objects"] >= 3 and l2_counts["hits"] == 4 and l2_counts["misses"]
     got: dict = {}
@@ -145,6 +174,11 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     while time.monotonic() < changed + GAUGE_TTL_S:
         time.sleep(1)
     later = scrape(node)["raykv_pool_bytes"]
+    # the names the Grafana dashboard queries for what this test did are the exported ones
+    raw = raw_names(node)
+    queried = {q for q in dashboard_names() if q.removeprefix("ray_").startswith(
+        ("raykv_l2_pages", "raykv_l2_write_behind", "raykv_call_seconds"))}
+    assert len(queried) == 3 and queried <= raw, queried - raw
     assert total(later, **me, pool=pool.name) == pool.nbytes, later
     assert total(later, **me, pool=l2_pool.name) == l2_pool.nbytes, later
     client.destroy_host_pool(l2_pool)
@@ -157,24 +191,81 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     an engine computes and saves a prompt, a fresh one loads it. The counters of both
     sides (``RayKVConnector.stats``) reach the node's endpoint as ``raykv_connector``
     by counter, role, TP rank and model, equal to the sides' own (both engines' sums:
-    one series per side). CONTROL: a counter that stayed 0 (``load_failed``) is absent."""
+    one series per side); the hit rate's tokens (``raykv_asked_tokens``,
+    ``raykv_hit_tokens`` by tier) and the load's histograms (``raykv_load_seconds``,
+    ``raykv_load_bytes`` by tier) with the documented labels, equal to what the
+    connector counted and loaded; vLLM's own connector stats (what its scheduler
+    reports, ``get_kv_connector_stats``) equal them too. CONTROL: after the first
+    engine, a miss, the tokens asked are exported but no hit token and no load (the
+    counters grow with the second engine's load, not before); a counter that stayed 0
+    (``load_failed``) is absent."""
     pytest.importorskip("vllm", reason="the vLLM connector's counters need vLLM")
     from raykv.clusters.demo.vllm_model import make_llama
+    from raykv.integrations.vllm.connector_metrics import LOAD_BYTES
 
     from tests.integration.vllm_steps import StepEngine
 
     model = make_llama(str(tmp_path / "tiny-llama"))
     name = f"connector-{uuid.uuid4().hex[:8]}"
     prompt = [3 + (i * 7) % 1997 for i in range(4 * 16 + 1)]  # 4 blocks to save / load
-    engines = []
-    for _ in range(2):  # the second loads what the first saved
-        engine = StepEngine(model, name)
-        engines.append(engine)
-        engine.add(prompt)
-        engine.run()
-    assert engines[0].worker.stats["saved"] == 4 and engines[1].worker.stats["loaded"] == 4
-    for engine in engines:
-        engine.close()  # each side exports what is left
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == cluster.node_ids[0]]
+    mine = {"model": name}
+
+    def exported(metric: str, suffix: str, **labels: str) -> float:
+        return total(scrape(node).get(metric, []), suffix, **mine, **labels)
+
+    def wait_for(want: dict) -> dict[str, list]:
+        """Scrape until every ``(metric, suffix, labels) -> value`` of ``want`` holds."""
+        deadline = time.monotonic() + SCRAPE_S
+        while True:
+            found = scrape(node)
+            got = {k: total(found.get(k[0], []), k[1], **mine, **dict(k[2:])) for k in want}
+            if got == want:
+                return found
+            assert time.monotonic() < deadline, {k: (got[k], v) for k, v in want.items()
+                                                 if got[k] != v}
+            time.sleep(1)
+
+    engines = [StepEngine(model, name)]
+    engines[0].add(prompt)
+    engines[0].run()
+    engines[0].close()  # each side exports what is left
+    first = engines[0].scheduler.connector.stats
+    assert engines[0].worker.stats["saved"] == 4
+    assert first["asked_tokens"] == 4 * 16 and first["l3_hit_tokens"] == 0  # a miss
+    wait_for({("raykv_asked_tokens", "_total"): 4 * 16})
+    # CONTROL: nothing hit or loaded yet, so none of those counters is there
+    assert exported("raykv_hit_tokens", "_total") == 0
+    assert exported("raykv_load_seconds", "_count") == 0
+    engines.append(StepEngine(model, name))  # loads what the first saved
+    engines[1].add(prompt)
+    engines[1].run()
+    engines[1].close()
+    second, worker = engines[1].scheduler.connector.stats, engines[1].worker.stats
+    assert worker["loaded"] == 4 and second["l3_hit_tokens"] == 4 * 16
+    assert second["l2_hit_tokens"] == 0  # no L2 cache in these engines: every hit is L3's
+    found = wait_for({("raykv_asked_tokens", "_total"): 2 * 4 * 16,
+                      ("raykv_hit_tokens", "_total", ("tier", "l3")): 4 * 16,
+                      ("raykv_load_seconds", "_count", ("tier", "l3")): 1,  # one load
+                      ("raykv_load_bytes", "_count", ("tier", "l3")): 1})
+    # Ray's export keeps a histogram's bucket counts (its _sum is their midpoints'):
+    # the load's 4 blocks of 128 bytes fall in the smallest bucket
+    block_bytes = engines[1].kv[0].nbytes  # one block of the engine's one layer
+    assert 4 * block_bytes <= LOAD_BYTES[0]
+    assert [s.value for s in found["raykv_load_bytes"] if s.labels.get("model") == name
+            and s.name.endswith("_bucket") and float(s.labels["le"]) == LOAD_BYTES[0]] == [1]
+    assert total(found.get("raykv_hit_tokens", []), "_total", **mine, tier="l2") == 0
+    for metric, names in NEW_LABELS.items():
+        samples = [s for s in found[metric] if s.labels.get("model") == name]
+        assert samples and all(names <= set(s.labels) for s in samples), metric
+        assert {s.labels["tenant"] for s in samples} == {"(none)"}
+        assert "(none)" not in {s.labels["deployment"] for s in samples}
+    # vLLM's own connector stats, summed as its scheduler reports them
+    assert engines[0].vllm_stats["saved"] == 4
+    assert engines[0].vllm_stats["asked_tokens"] == 4 * 16
+    assert engines[1].vllm_stats["loaded"] == 4
+    assert engines[1].vllm_stats["l3_hit_tokens"] == 4 * 16
+    assert "load_failed" not in engines[1].vllm_stats  # never grew
     want = {}
     for role, side in (("worker", lambda e: e.connector),
                        ("scheduler", lambda e: e.scheduler.connector)):
@@ -183,7 +274,6 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
             if n:
                 want[(role, counter)] = n
     assert want[("worker", "saved")] == 4 and want[("scheduler", "hit_blocks")] == 4
-    (node,) = [n for n in ray.nodes() if n["NodeID"] == cluster.node_ids[0]]
     deadline = time.monotonic() + SCRAPE_S
     while True:
         samples = scrape(node).get("raykv_connector", [])
@@ -195,3 +285,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
         time.sleep(1)
     assert all({"counter", "role", "tp_rank", "model"} <= set(s.labels) for s in samples)
     assert total(samples, "_total", counter="load_failed", model=name) == 0  # CONTROL
+    # the names the Grafana dashboard queries for these metrics are the exported ones
+    raw = raw_names(node)
+    queried = {q for q in dashboard_names() if q.removeprefix("ray_").startswith(
+        ("raykv_asked_tokens", "raykv_hit_tokens", "raykv_load_", "raykv_connector"))}
+    assert queried and queried <= raw, queried - raw

@@ -94,6 +94,7 @@ class StepEngine:
         self.connector.register_kv_caches({"layer.0": self.kv})
         self.loaded: dict[str, list[int]] = {}  # request id -> block ids it loaded
         self.fail_loads: Callable[[object], set[str]] | None = None
+        self.vllm_stats: dict[str, int] = {}  # vLLM's sums of the connector's stats
         self._count = 0
 
     @property
@@ -124,19 +125,27 @@ class StepEngine:
             if not self.scheduler.has_requests():
                 if pending is None:
                     return n
-                self.scheduler.update_from_output(*pending)
+                self._update(*pending)
                 pending = None
                 continue
             out = self.scheduler.schedule()
             result = self.execute(out)
             if pending is not None:
-                self.scheduler.update_from_output(*pending)
+                self._update(*pending)
                 pending = None
             if self.async_scheduling:
                 pending = (out, result)
             else:
-                self.scheduler.update_from_output(out, result)
+                self._update(out, result)
         raise AssertionError(f"requests left after {max_steps} steps")
+
+    def _update(self, out, result) -> None:
+        """The scheduler's update from a step's output; the connector stats of vLLM's
+        scheduler stats summed into ``vllm_stats`` (what ``vllm serve`` logs)."""
+        for outputs in self.scheduler.update_from_output(out, result).values():
+            stats = outputs.scheduler_stats
+            for name, n in ((stats and stats.kv_connector_stats) or {}).items():
+                self.vllm_stats[name] = self.vllm_stats.get(name, 0) + n
 
     def execute(self, out):
         """One step of the model runner: vLLM's connector calls around ``forward``, in
@@ -160,7 +169,8 @@ class StepEngine:
         return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled.get(r, []) for r in ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+            kv_connector_output=KVConnectorOutput(
+                invalid_block_ids=invalid, kv_connector_stats=c.get_kv_connector_stats()))
 
     def _failing(self, keys: set[str]) -> contextlib.AbstractContextManager[None]:
         """Within: the worker's raykv reads of ``keys`` fail, and their blocks hold

@@ -1,5 +1,6 @@
 """``ConnectorMetrics``: a connector side's counters exported as what grew since the last
-look, once each, with declared labels only (Ray's real export:
+look, once each, with declared labels only; the hit and asked tokens by tier and the
+loads' histograms with the engine's tenant and deployment (Ray's real export:
 ``tests/integration/test_metrics_export.py``)."""
 
 from __future__ import annotations
@@ -9,35 +10,26 @@ from types import SimpleNamespace
 
 import pytest
 from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
+from raykv.integrations.vllm.load_times import LoadTimes
 from raykv.integrations.vllm.side import new_stats
 
+from tests.unit.test_node_metrics import FakeMetric
 
-class FakeCounter:
-    """Records ``inc`` calls; refuses tags that are not exactly its ``tag_keys`` with its
-    default tags, as Ray's metric objects do."""
-
-    def __init__(self, name: str, description: str = "", tag_keys: tuple = ()) -> None:
-        self.name, self.tag_keys, self.defaults, self.calls = name, set(tag_keys), {}, []
-
-    def set_default_tags(self, tags: dict) -> None:
-        self.defaults = dict(tags)
-
-    def inc(self, value: float, tags: dict) -> None:
-        assert set(tags | self.defaults) == self.tag_keys, tags
-        self.calls.append((tags["counter"], value))
+TAGS = {"role": "worker", "tp_rank": "0", "model": "org/m"}
+OWNER = {"tenant": "t1", "deployment": "dep"}
 
 
 @pytest.fixture
 def made(monkeypatch):
-    made: list[FakeCounter] = []
+    made: dict[str, FakeMetric] = {}
 
-    def counter(*args, **kwargs):
-        made.append(FakeCounter(*args, **kwargs))
-        return made[-1]
+    def make(name, *args, **kwargs):
+        made[name] = FakeMetric(name, *args, **kwargs)
+        return made[name]
 
     import ray.util
 
-    fake = SimpleNamespace(Counter=counter)
+    fake = SimpleNamespace(Counter=make, Histogram=make)
     monkeypatch.setattr(ray.util, "metrics", fake, raising=False)
     monkeypatch.setitem(sys.modules, "ray.util.metrics", fake)
     return made
@@ -45,10 +37,8 @@ def made(monkeypatch):
 
 def test_counters_are_exported_as_they_grow_once_each(made):
     stats = new_stats()
-    m = ConnectorMetrics(stats, {"role": "worker", "tp_rank": "0", "model": "org/m"},
-                         export_s=3600.0)  # exported by hand below
-    (counter,) = made
-    assert counter.name == "raykv_connector"
+    m = ConnectorMetrics(stats, TAGS, export_s=3600.0)  # exported by hand below
+    counter = made["raykv_connector"]
     m.export()
     assert counter.calls == []  # nothing counted yet
     stats["saved"] += 3
@@ -57,7 +47,33 @@ def test_counters_are_exported_as_they_grow_once_each(made):
     stats["saved"] += 1
     m.export()
     m.export()
-    assert sorted(counter.calls) == [("loaded", 2), ("saved", 1), ("saved", 3)]
+    assert sorted((c[2]["counter"], c[1]) for c in counter.calls) == [
+        ("loaded", 2), ("saved", 1), ("saved", 3)]
     stats["load_failed"] += 1
     m.close()  # what is left goes out
-    assert counter.calls[-1] == ("load_failed", 1)
+    assert counter.calls[-1][2] == {"counter": "load_failed"}
+    assert counter.defaults == TAGS
+
+
+def test_hit_tokens_by_tier_over_asked_tokens_and_loads_by_tier(made):
+    stats, loads = new_stats(), LoadTimes()
+    m = ConnectorMetrics(stats, TAGS, export_s=3600.0, owner=OWNER, loads=loads)
+    stats["asked_tokens"] += 96
+    stats["l2_hit_tokens"] += 32
+    stats["l3_hit_tokens"] += 16
+    loads.record("l2", 0.002, 4096)
+    loads.record("l3", 0.5, 8192)
+    m.export()
+    asked, hit = made["raykv_asked_tokens"], made["raykv_hit_tokens"]
+    assert [c[1] for c in asked.calls] == [96]
+    assert sorted((c[2]["tier"], c[1]) for c in hit.calls) == [("l2", 32), ("l3", 16)]
+    assert asked.defaults == hit.defaults == OWNER | {"model": "org/m"}
+    seconds, nbytes = made["raykv_load_seconds"], made["raykv_load_bytes"]
+    assert [(c[2]["tier"], c[1]) for c in seconds.calls] == [("l2", 0.002), ("l3", 0.5)]
+    assert [(c[2]["tier"], c[1]) for c in nbytes.calls] == [("l2", 4096), ("l3", 8192)]
+    assert seconds.defaults == OWNER | {"model": "org/m", "tp_rank": "0"}
+    m.export()  # CONTROL: nothing grew, nothing recorded: nothing new exported
+    assert (len(asked.calls), len(hit.calls), len(seconds.calls)) == (1, 2, 2)
+    stats["l3_hit_tokens"] += 16
+    m.close()
+    assert hit.calls[-1][1:] == (16, {"tier": "l3"}) and len(asked.calls) == 1

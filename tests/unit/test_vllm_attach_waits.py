@@ -182,7 +182,7 @@ def test_a_side_shut_down_while_attaching_in_the_background_leaves_nothing(monke
     monkeypatch.setattr(side_module, "join_ray", lambda address, namespace: "node")
     monkeypatch.setattr(client_module, "CacheClient", _Client)
     monkeypatch.setattr(side_module, "ConnectorMetrics",
-                        lambda stats, tags: metrics.append(tags))
+                        lambda stats, tags, **kw: metrics.append(tags))
     _Client.made = []
     making, go = threading.Event(), threading.Event()
 
