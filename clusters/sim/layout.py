@@ -14,7 +14,8 @@ class Layout:
     """``nodes`` x ``engines_per_node`` engines, each with a GPU prefix cache of
     ``gpu_blocks`` blocks and a host tier of its own of ``host_blocks`` (0: none); each
     node an L2 of ``l2_blocks`` (0: none, raykv's ``L2Index``) and an L3 segment of
-    ``l3_blocks`` (0 on every node: no L3). ``placement``: where L3 puts land (``own``,
+    ``l3_blocks`` (0 on every node: no L3) and a disk tier of ``disk_blocks`` (0: none).
+    ``placement``: where L3 puts land (``own``,
     ``any``); ``routing``: ``raykv`` (the router's ranking) or ``pow2`` (power of two
     choices on queue length). ``seed`` seeds every random choice."""
 
@@ -27,13 +28,14 @@ class Layout:
     placement: str = "own"
     routing: str = "pow2"
     seed: int = 0
+    disk_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "engines_per_node", "gpu_blocks"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"layout: {name} must be an integer >= 1, got {v!r}")
-        for name in ("host_blocks", "l2_blocks", "l3_blocks", "seed"):
+        for name in ("host_blocks", "l2_blocks", "l3_blocks", "seed", "disk_blocks"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"layout: {name} must be an integer >= 0, got {v!r}")
