@@ -269,12 +269,15 @@ class ClusterSim:
         self._removed_at = self.now
         gone = [e for e in self._engines if e.node == node]
         self._ids = [i for i in self._ids if self._engines[i].node != node]
-        self._l2[node] = None
+        l2, self._l2[node] = self._l2[node], None
+        rerouted = [i for e in gone for i in e.queue]
         for e in gone:
-            queued, e.queue = list(e.queue), deque()
-            for i in queued:
-                self._arrive(i)
-        self._changes.report["removed"] = {"node": node, "at": self.now}
+            e.queue = deque()
+        for i in rerouted:
+            self._arrive(i)
+        self._changes.report["removed"] = {
+            "node": node, "at": self.now, "rerouted": len(rerouted),
+            "l2_pages_lost": l2.stats()["ready"] if l2 is not None else 0}
         self._pushed(self._changes.remove(node, s.drain, s.drain_deadline_s, l3,
                                           self._alive, self.now))
 
