@@ -1027,9 +1027,16 @@ SIM_EPILOG = _epilog(zero="done: the comparison printed (and written with --out)
 @click.option("--window-s", default=600.0, show_default=True, type=SECONDS,
               help="The window before and after a node change whose hit rates are "
                    "reported.")
+@click.option("--window-at", default=None, type=click.FloatRange(min=0),
+              help="Also report the hit rates in the windows around this simulated "
+                   "second (without node changes: the trace's own drift there).")
+@click.option("--disk-get-gbps", default=None, type=SECONDS,
+              help="A get served from a disk tier, GB/s [default: the cost model's, "
+                   "0.39].")
 def sim(runs: str, out_file: str | None, disk_tokens: int, remove_at: float | None,
         leaving_node: int | None, drain: bool, drain_deadline_s: float | None,
-        add_at: float | None, warm_pages: int | None, window_s: float, **options) -> None:
+        add_at: float | None, warm_pages: int | None, window_s: float,
+        window_at: float | None, disk_get_gbps: float | None, **options) -> None:
     """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
     and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
     a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
@@ -1047,12 +1054,14 @@ def sim(runs: str, out_file: str | None, disk_tokens: int, remove_at: float | No
                                  param_hint="'--runs'")
     changes = {k: v for k, v in (("drain_deadline_s", drain_deadline_s),
                                  ("warm_pages", warm_pages)) if v is not None}
-    scaling = None if remove_at is None and add_at is None else Scaling(
-        remove_at=remove_at, leaving=leaving_node, drain=drain, add_at=add_at,
-        window_s=window_s, **changes)
+    scaling = None if remove_at is None and add_at is None and window_at is None else \
+        Scaling(remove_at=remove_at, leaving=leaving_node, drain=drain, add_at=add_at,
+                window_s=window_s, window_at=window_at, **changes)
     try:
         requests, setup, costs = _sim_inputs(**options)
         setup = dataclasses.replace(setup, disk_tokens=disk_tokens)
+        if disk_get_gbps is not None:
+            costs = dataclasses.replace(costs, disk_get_gbps=disk_get_gbps)
         result = compare(requests, setup, costs, chosen, scaling)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -1214,6 +1223,11 @@ def sim_changes(result: dict) -> list[str]:
                          f"{disk['offloaded']} blocks offloaded, {disk['deleted']} deleted "
                          f"(disk full)")
         sc = r["counters"].get("scaling", {})
+        if "window" in sc:
+            w = sc["window"]
+            lines.append(f"{name}: hit rate {w['before']['hit_rate']:.3f} in the "
+                         f"{w['window_s']:g} s before --window-at, "
+                         f"{w['after']['hit_rate']:.3f} after ({w['after_vs_before']:.2f}x)")
         for event, what in (("removed", "left"), ("added", "joined")):
             if event in sc:
                 e = sc[event]
@@ -1225,7 +1239,8 @@ def sim_changes(result: dict) -> list[str]:
             d = sc["drain"]
             lines.append(f"{name}: drain moved {d['moved']} of {d['candidates']} candidate "
                          f"blocks ({d['held']} held) in {d['seconds']:g} s; dropped "
-                         f"{d['dropped']}, failed {d['failed']}, left {d['left']}")
+                         f"{d['dropped']} (no room), evicted {d['evicted']}, failed "
+                         f"{d['failed']} (target full), left {d['left']}")
         if "lost" in sc:
             lost = sc["lost"]
             lines.append(f"{name}: lost with the node: {lost['memory']} L3 blocks, "

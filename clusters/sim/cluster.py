@@ -321,7 +321,8 @@ class ClusterSim:
         l2 = [x.stats() for x in self._l2 if x is not None]
         out: dict = {}
         if self._changes is not None:
-            out["scaling"] = self._changes.summary(self.tally.log, self.scaling.window_s)
+            out["scaling"] = self._changes.summary(self.tally.log, self.scaling.window_s,
+                                                   self.scaling.window_at)
         if l2:
             out["l2"] = {k: sum(s[k] for s in l2) for k in l2[0]}
         if self._l3 is not None:

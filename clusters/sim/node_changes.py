@@ -12,7 +12,9 @@ the peers' touches of the same keys (``hottest``), those held on its segment alo
 (``sole_on``: memory objects; disk objects are not drained), each taken while it
 fits in the store's ``room`` below its high watermark (``fitting``); they move one
 after the other to the other nodes' segments in turn at ``Costs.drain_blocks_per_s``,
-until the deadline. Then the node is gone with whatever it still holds.
+until the deadline: a move whose target segment is full fails (a drain never makes
+room), one whose object the store evicted meanwhile moves nothing. Then the node is
+gone with whatever it still holds.
 
 *Warm-up* (``L2Warmup``'s steps): the joining node asks up to ``MAX_PEERS`` peers
 (``peers_to_ask``) for their journals' latest ``answer_limit`` entries and reads the
@@ -66,10 +68,14 @@ class NodeChanges:
         self._targets: list[int] = []
         self._leaving, self._end, self._started = -1, 0.0, 0
 
-    def summary(self, log: Sequence[Served], window_s: float) -> dict:
+    def summary(self, log: Sequence[Served], window_s: float,
+                window_at: float | None = None) -> dict:
         """``report`` with the hit rates in ``window_s`` before and after each event
-        (``around``), the joining node's own after its join too (``node_after``)."""
+        (``around``), the joining node's own after its join too (``node_after``), and
+        around ``window_at`` if given (``window``)."""
         out = dict(self.report)
+        if window_at is not None:
+            out["window"] = around(log, window_at, window_s)
         if "removed" in out:
             out["removed"] = out["removed"] | around(log, out["removed"]["at"], window_s)
         if "added" in out:
@@ -110,7 +116,7 @@ class NodeChanges:
         self.report["drain"] = {
             "held": store.held_on(node), "candidates": len(choice.take) + len(choice.dropped),
             "room_blocks": space // bb, "dropped": len(choice.dropped), "moved": 0,
-            "failed": 0, "left": 0, "seconds": 0.0, "deadline_s": deadline_s}
+            "evicted": 0, "failed": 0, "left": 0, "seconds": 0.0, "deadline_s": deadline_s}
         return self._next(now)
 
     def drain_step(self, store: L3Store, links: Links, now: float
@@ -120,12 +126,14 @@ class NodeChanges:
         report = self.report["drain"]
         dst = self._targets[self._started % len(self._targets)] if self._targets else None
         self._started += 1
-        if dst is not None and store.move(key, self._leaving, dst):
+        if store.in_memory(key) != self._leaving:
+            report["evicted"] += 1  # evicted since the plan: nothing to move
+        elif dst is not None and store.move(key, self._leaving, dst):
             report["moved"] += 1
             links.transfer(self._leaving, dst, self.costs.block_bytes,
                            self.costs.link_bytes_per_s, now)
         else:
-            report["failed"] += 1
+            report["failed"] += 1  # the target segment had no room
         return self._next(now)
 
     def _next(self, now: float) -> list[tuple[float, int, tuple]]:

@@ -35,7 +35,8 @@ class Scaling:
     ``drain`` for at most ``drain_deadline_s``; ``add_at``: the second a node joins
     (None: none), its L2 warmed with ``warm_pages`` (None: ``WARM_SHARE`` of its L2; 0:
     no warm-up) within ``warm_s``. ``window_s``: the window before and after each
-    event whose hit rates are reported."""
+    event whose hit rates are reported; ``window_at``: a second to report them around
+    too (a run without node changes: what the trace does there by itself)."""
 
     remove_at: float | None = None
     leaving: int | None = None
@@ -45,9 +46,10 @@ class Scaling:
     warm_pages: int | None = None
     warm_s: float = WARM_S
     window_s: float = 600.0
+    window_at: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("remove_at", "add_at"):
+        for name in ("remove_at", "add_at", "window_at"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and 0 <= v < math.inf):
                 raise ValueError(f"scaling: {name} must be seconds >= 0, got {v!r}")

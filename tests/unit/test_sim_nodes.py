@@ -162,6 +162,15 @@ def test_windows_count_the_requests_before_and_after():
     assert out["after_vs_before"] == 1.25 and around(log, 5.0, 10.0, 0)["after"]["requests"] == 0
 
 
+def test_a_run_without_node_changes_reports_its_windows_only():
+    reqs = two_passes(10, 20.0)
+    sim = run(Layout(2, 1, 1, l3_blocks=50), reqs, Scaling(window_at=20.0, window_s=20.0))
+    report = sim.stats()["scaling"]
+    assert list(report) == ["window"]
+    assert report["window"]["before"]["hit_rate"] == 0.0  # CONTROL: the first pass
+    assert report["window"]["after"]["hit_rate"] == 1.0
+
+
 @pytest.mark.parametrize("bad", [dict(remove_at=-1.0), dict(window_s=0.0),
                                  dict(warm_pages=-1), dict(drain_deadline_s=float("nan"))])
 def test_scaling_rejects_bad_values(bad):
