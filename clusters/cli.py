@@ -1243,7 +1243,8 @@ def sim_changes(result: dict) -> list[str]:
                          f"{d['failed']} (target full), left {d['left']}")
         if "lost" in sc:
             lost = sc["lost"]
-            lines.append(f"{name}: lost with the node: {lost['memory']} L3 blocks, "
+            lines.append(f"{name}: gone at {sc['removed']['gone_at']:g} s, lost with it: "
+                         f"{lost['memory']} L3 blocks, "
                          f"{lost['disk']} on its disk, {sc['removed']['l2_pages_lost']} L2 "
                          "pages")
         if "warm" in sc:

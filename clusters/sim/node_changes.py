@@ -146,6 +146,7 @@ class NodeChanges:
         """The leaving node is gone now (its drain started at ``started``): what it
         still held is lost."""
         lost = store.drop_segment(self._leaving)
+        self.report["removed"]["gone_at"] = now
         if "drain" in self.report:
             self.report["drain"]["left"] = len(self._queue)
             self.report["drain"]["seconds"] = round(now - started, 3)

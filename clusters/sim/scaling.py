@@ -83,9 +83,14 @@ def window(log: Sequence[Served], start: float, end: float,
 
 def around(log: Sequence[Served], at: float, window_s: float,
            node: int | None = None) -> dict:
-    """``window`` before ``at`` and after it, and after over before."""
+    """``window`` before ``at`` and after it, after over before, and the ``timeline``:
+    the block hit rate of each window from the one before ``at`` to the log's end."""
     before = window(log, at - window_s, at, node)
     after = window(log, at, at + window_s, node)
     ratio = round(after["hit_rate"] / before["hit_rate"], 4) if before["hit_rate"] else 0.0
+    end = max((s[0] for s in log), default=at)
+    starts = [at + k * window_s for k in range(-1, int((end - at) // window_s) + 1)]
     return {"window_s": window_s, "before": before, "after": after,
-            "after_vs_before": ratio}
+            "after_vs_before": ratio,
+            "timeline": [[t, window(log, t, t + window_s, node)["hit_rate"]]
+                         for t in starts]}

@@ -5,7 +5,9 @@ segment's objects, with a drain the moved ones stay, hottest first; a joining no
 warm-up gives it L2 hits that no warm-up does not."""
 
 import dataclasses
+import json
 import random
+from pathlib import Path
 
 import pytest
 from raykv.clusters.sim.cluster import ClusterSim
@@ -160,6 +162,7 @@ def test_windows_count_the_requests_before_and_after():
     out = around(log, 5.0, 10.0)
     assert out["before"]["hit_rate"] == 0.5 and out["after"]["hit_rate"] == 0.625
     assert out["after_vs_before"] == 1.25 and around(log, 5.0, 10.0, 0)["after"]["requests"] == 0
+    assert out["timeline"] == [[-5.0, 0.5], [5.0, 0.625]]
 
 
 def test_a_run_without_node_changes_reports_its_windows_only():
@@ -176,3 +179,66 @@ def test_a_run_without_node_changes_reports_its_windows_only():
 def test_scaling_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="scaling"):
         Scaling(**bad)
+
+
+# ---------------------------------------------------------------- the recorded runs
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def pct(rate: float) -> str:
+    return f"{100 * rate:.1f}"
+
+
+def disk_rows(recorded: dict) -> list[str]:
+    """The rows benchmarks.md's disk tier table has of ``recorded`` (sim_disk.json)."""
+    rows = []
+    for trace, variants in recorded["by_trace"].items():
+        for variant, result in variants.items():
+            for name, r in result["runs"].items():
+                tb, t = r["tiers_block"], r["ttft_s"]
+                disk = r["counters"]["l3"].get("disk", {})
+                rows.append(
+                    f"| {trace} | {variant} | {name} | {pct(r['block_hit_rate'])} | "
+                    + " | ".join(pct(tb[k]) for k in ("gpu", "l2", "l3_own", "l3_remote",
+                                                      "l3_disk"))
+                    + f" | {t['p50']:.2f} / {t['p90']:.2f} / {t['p99']:.2f} | "
+                    f"{r['network_bytes'] / 1e9:,.0f} | {disk.get('offloaded', '-')} / "
+                    f"{disk.get('deleted', '-')} |")
+    return rows
+
+
+def change_rows(recorded: dict) -> list[str]:
+    """The rows benchmarks.md's node changes table has of ``recorded``
+    (sim_node_changes.json)."""
+    rows = []
+    for trace, modes in recorded["by_trace"].items():
+        for mode, result in modes.items():
+            if mode == "at_s":
+                continue
+            r = result["runs"]["raykv"]
+            sc = r["counters"]["scaling"]
+            w = sc.get("window") or sc.get("removed") or sc.get("added")
+            d = sc.get("drain")
+            moved = f"{d['moved']} of {d['candidates']} ({d['dropped']} no room, " \
+                f"{d['evicted']} evicted, {d['failed']} target full, {d['left']} left)" \
+                if d else "-"
+            lost = sc.get("lost", {}).get("memory", "-")
+            warm = sc.get("warm")
+            node = sc["added"]["node_after"] if "added" in sc else None
+            joined = f"{warm['read']} read; {node['requests']} requests, " \
+                f"{node['l2_blocks']} L2 blocks" if warm else "-"
+            rows.append(f"| {trace} | {mode} | {pct(r['block_hit_rate'])} | "
+                        f"{pct(w['before']['hit_rate'])} | {pct(w['after']['hit_rate'])} | "
+                        f"{w['after_vs_before']:.2f}x | {moved} | {lost} | {joined} |")
+    return rows
+
+
+def test_benchmarks_md_quotes_the_recorded_sim_runs():
+    text = " ".join((DOCS / "benchmarks.md").read_text().split())
+    for name, rows in (("sim_disk.json", disk_rows), ("sim_node_changes.json", change_rows)):
+        recorded = json.loads((DOCS / name).read_text())
+        assert [row for row in rows(recorded) if row not in text] == [], name
+    # CONTROL: another run's figures (one hit rate changed) are caught
+    other = json.loads((DOCS / "sim_disk.json").read_text())
+    other["by_trace"]["synthetic"]["disk_4M"]["runs"]["raykv"]["block_hit_rate"] += 0.01
+    assert any(row not in text for row in disk_rows(other))
