@@ -213,8 +213,6 @@ def change_rows(recorded: dict) -> list[str]:
     rows = []
     for trace, modes in recorded["by_trace"].items():
         for mode, result in modes.items():
-            if mode == "at_s":
-                continue
             r = result["runs"]["raykv"]
             sc = r["counters"]["scaling"]
             w = sc.get("window") or sc.get("removed") or sc.get("added")
@@ -222,14 +220,15 @@ def change_rows(recorded: dict) -> list[str]:
             moved = f"{d['moved']} of {d['candidates']} ({d['dropped']} no room, " \
                 f"{d['evicted']} evicted, {d['failed']} target full, {d['left']} left)" \
                 if d else "-"
-            lost = sc.get("lost", {}).get("memory", "-")
+            gone = f"{sc['removed']['gone_at']:g}" if "removed" in sc else "-"
             warm = sc.get("warm")
             node = sc["added"]["node_after"] if "added" in sc else None
             joined = f"{warm['read']} read; {node['requests']} requests, " \
                 f"{node['l2_blocks']} L2 blocks" if warm else "-"
             rows.append(f"| {trace} | {mode} | {pct(r['block_hit_rate'])} | "
-                        f"{pct(w['before']['hit_rate'])} | {pct(w['after']['hit_rate'])} | "
-                        f"{w['after_vs_before']:.2f}x | {moved} | {lost} | {joined} |")
+                        + " / ".join(pct(h) for _, h in w["timeline"])
+                        + f" | {gone} | {moved} | {sc.get('lost', {}).get('memory', '-')} | "
+                        f"{joined} |")
     return rows
 
 
