@@ -102,14 +102,16 @@ class ClusterSim:
         """Replay every request to its end (every put too); the run's ``Tally``."""
         reqs, events = self.requests, self._events
         handlers = {_DONE: self._done, _PUT_DONE: self._put_done, _REMOVE: self._remove,
-                    _ADD: self._add, nc.DRAIN: self._change, nc.LEAVE: self._change,
-                    nc.WARMED: self._change}
+                    _ADD: self._add}
         i = 0
         while i < len(reqs) or events:
             if events and (i >= len(reqs) or events[0][0] <= reqs[i].at):
                 t, _, kind, payload = heapq.heappop(events)
                 self.now = t
-                handlers[kind](*payload) if kind < nc.DRAIN else self._change(kind, payload)
+                if kind in handlers:
+                    handlers[kind](*payload)
+                else:  # the node changes' own events
+                    self._change(kind, payload)
             else:
                 self.now = reqs[i].at
                 self._arrive(i)

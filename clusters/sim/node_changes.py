@@ -140,7 +140,7 @@ class NodeChanges:
         at = now + 1.0 / self.costs.drain_blocks_per_s
         if self._queue and at <= self._end and self._targets:
             return [(at, DRAIN, ())]
-        return [(self._end if self._queue else now, LEAVE, ())]
+        return [(self._end if self._queue and self._targets else now, LEAVE, ())]
 
     def leave(self, store: L3Store, started: float, now: float) -> None:
         """The leaving node is gone now (its drain started at ``started``): what it
