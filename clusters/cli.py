@@ -1007,25 +1007,65 @@ SIM_EPILOG = _epilog(zero="done: the comparison printed (and written with --out)
                    "raykv, raykv_pow2 (raykv's tiers, power of two routing); all: each.")
 @click.option("--out", "out_file", default=None, type=click.Path(dir_okay=False),
               help="Write the whole comparison as JSON to this file.")
-def sim(runs: str, out_file: str | None, **options) -> None:
+@click.option("--disk-tokens", default="0", show_default=True, type=Tokens(0),
+              help="Each node's disk tier (L4) under its L3 segment, tokens (the pooled "
+                   "and raykv runs); 0: none.")
+@click.option("--remove-node", "remove_at", default=None, type=click.FloatRange(min=0),
+              help="At this simulated second one node leaves (--leaving-node, or the one "
+                   "whose L3 segment holds the most objects then).")
+@click.option("--leaving-node", default=None, type=click.IntRange(min=0),
+              help="The node --remove-node removes.")
+@click.option("--drain/--no-drain", default=True, show_default=True,
+              help="Whether the leaving node drains its L3 segment before it goes.")
+@click.option("--drain-deadline-s", default=None, type=SECONDS,
+              help="The leaving node's drain deadline [default: the product's, 30].")
+@click.option("--add-node", "add_at", default=None, type=click.FloatRange(min=0),
+              help="At this simulated second one node joins.")
+@click.option("--warm-pages", default=None, type=click.IntRange(min=0),
+              help="The joining node's L2 warm-up, pages [default: the product's share, "
+                   "a quarter of its L2]; 0: no warm-up.")
+@click.option("--window-s", default=600.0, show_default=True, type=SECONDS,
+              help="The window before and after a node change whose hit rates are "
+                   "reported.")
+@click.option("--window-at", default=None, type=click.FloatRange(min=0),
+              help="Also report the hit rates in the windows around this simulated "
+                   "second (without node changes: the trace's own drift there).")
+@click.option("--disk-get-gbps", default=None, type=SECONDS,
+              help="A get served from a disk tier, GB/s [default: the cost model's, "
+                   "0.39].")
+def sim(runs: str, out_file: str | None, disk_tokens: int, remove_at: float | None,
+        leaving_node: int | None, drain: bool, drain_deadline_s: float | None,
+        add_at: float | None, warm_pages: int | None, window_s: float,
+        window_at: float | None, disk_get_gbps: float | None, **options) -> None:
     """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
     and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
     a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
-    references: hit rates per tier, TTFT, network bytes, load per node."""
+    references: hit rates per tier, TTFT, network bytes, load per node; optionally with
+    a disk tier, a node leaving (drained or not) and a node joining (warmed or not)."""
+    import dataclasses
     import json
 
     from raykv.clusters.sim.compare import RUNS, compare
+    from raykv.clusters.sim.scaling import Scaling
 
     chosen = RUNS if runs == "all" else tuple(r.strip() for r in runs.split(",") if r.strip())
     if not chosen or any(r not in RUNS for r in chosen):
         raise click.BadParameter(f"{runs!r}: give some of {', '.join(RUNS)}",
                                  param_hint="'--runs'")
+    changes = {k: v for k, v in (("drain_deadline_s", drain_deadline_s),
+                                 ("warm_pages", warm_pages)) if v is not None}
+    scaling = None if remove_at is None and add_at is None and window_at is None else \
+        Scaling(remove_at=remove_at, leaving=leaving_node, drain=drain, add_at=add_at,
+                window_s=window_s, window_at=window_at, **changes)
     try:
         requests, setup, costs = _sim_inputs(**options)
-        result = compare(requests, setup, costs, chosen)
+        setup = dataclasses.replace(setup, disk_tokens=disk_tokens)
+        if disk_get_gbps is not None:
+            costs = dataclasses.replace(costs, disk_get_gbps=disk_get_gbps)
+        result = compare(requests, setup, costs, chosen, scaling)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    for line in sim_table(result):
+    for line in sim_table(result) + sim_changes(result):
         click.echo(line)
     if out_file:
         with open(out_file, "w", encoding="utf-8") as f:
@@ -1170,6 +1210,48 @@ def sim_table(result: dict) -> list[str]:
     if "ratios" in result:
         lines.append("raykv over: " + ", ".join(
             f"{k.removeprefix('raykv_over_')} {v:.2f}x" for k, v in result["ratios"].items()))
+    return lines
+
+
+def sim_changes(result: dict) -> list[str]:
+    """The lines ``raykv sim`` prints of its disk tier and node changes, per run."""
+    lines = []
+    for name, r in result["runs"].items():
+        disk = r["counters"].get("l3", {}).get("disk")
+        if disk is not None:
+            lines.append(f"{name}: L3 disk {r['tiers_block']['l3_disk']:.3f} of blocks; "
+                         f"{disk['offloaded']} blocks offloaded, {disk['deleted']} deleted "
+                         f"(disk full)")
+        sc = r["counters"].get("scaling", {})
+        if "window" in sc:
+            w = sc["window"]
+            lines.append(f"{name}: hit rate {w['before']['hit_rate']:.3f} in the "
+                         f"{w['window_s']:g} s before --window-at, "
+                         f"{w['after']['hit_rate']:.3f} after ({w['after_vs_before']:.2f}x)")
+        for event, what in (("removed", "left"), ("added", "joined")):
+            if event in sc:
+                e = sc[event]
+                lines.append(f"{name}: node {e['node']} {what} at {e['at']:g} s; hit rate "
+                             f"{e['before']['hit_rate']:.3f} in the {e['window_s']:g} s "
+                             f"before, {e['after']['hit_rate']:.3f} after "
+                             f"({e['after_vs_before']:.2f}x)")
+        if "drain" in sc:
+            d = sc["drain"]
+            lines.append(f"{name}: drain moved {d['moved']} of {d['candidates']} candidate "
+                         f"blocks ({d['held']} held) in {d['seconds']:g} s; dropped "
+                         f"{d['dropped']} (no room), evicted {d['evicted']}, failed "
+                         f"{d['failed']} (target full), left {d['left']}")
+        if "lost" in sc:
+            lost = sc["lost"]
+            lines.append(f"{name}: gone at {sc['removed']['gone_at']:g} s, lost with it: "
+                         f"{lost['memory']} L3 blocks, "
+                         f"{lost['disk']} on its disk, {sc['removed']['l2_pages_lost']} L2 "
+                         "pages")
+        if "warm" in sc:
+            w, after = sc["warm"], sc["added"]["node_after"]
+            lines.append(f"{name}: warm-up read {w['read']} of {w['pages']} pages "
+                         f"({w['stopped']}); the new node's L2 served {after['l2_blocks']} "
+                         f"of {after['blocks']} blocks in its first {sc['added']['window_s']:g} s")
     return lines
 
 

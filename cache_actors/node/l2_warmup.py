@@ -47,8 +47,14 @@ from typing import TYPE_CHECKING
 
 import ray
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
-from raykv.cache_actors.node.warm_plan import peers_to_ask, rank_objects, warm_runs
+from raykv.cache_actors.node.touch_journal import Touch
+from raykv.cache_actors.node.warm_plan import (
+    MAX_PEERS,
+    answer_limit,
+    peers_to_ask,
+    rank_objects,
+    warm_runs,
+)
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment
 from raykv.controllers.naming import CONTROLLER_NAME
@@ -64,15 +70,6 @@ BATCH = 64
 PEER_WAIT_S = 5.0
 """Longest a warm-up waits for the controller's node list and then for its peers'
 journals (all asked at once), in seconds (less when its time budget ends sooner)."""
-ANSWER_SLACK = 2
-"""A peer is asked for this many times the entries the budget could use (its journal
-holds every rank's keys of the deployment): a run cut off by the answer's end is not
-taken (``warm_runs``)."""
-MIN_ANSWER = 1024
-"""Entries per rank a peer is asked for at least (a small budget still sees whole runs
-of a write-behind put, ``write_behind.BATCH`` objects)."""
-MAX_PEERS = 16
-"""Peers one warm-up asks at most (the deployment's nodes first)."""
 KEPT = 64
 """Warm-ups ``stats`` keeps (the latest); an older pool opened again is warmed again,
 into its free pages only."""
@@ -165,8 +162,7 @@ class L2Warmup:
         if self._clock() >= deadline:
             return "time"
         wait = min(PEER_WAIT_S, deadline - self._clock())
-        limit = min(MAX_ANSWER, max(ANSWER_SLACK * pages, MIN_ANSWER) * dep.tp_size
-                    * dep.pp_size)
+        limit = answer_limit(pages, dep.tp_size * dep.pp_size)
         views = self._ask(claim.key_prefix, limit, list(dep.ranks.values()), wait)
         runs = warm_runs(views, rank_objects(claim.key_prefix, suffix, size), pages, limit)
         self._set(handle.name, chosen=sum(map(len, runs)))

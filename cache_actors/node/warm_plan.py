@@ -23,8 +23,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from raykv.cache_actors.node.touch_journal import Touch, hottest
+from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch, hottest
 from raykv.controllers.ownership import TENANT_KEYS
+
+ANSWER_SLACK = 2
+"""A peer is asked for this many times the entries the budget could use (its journal
+holds every rank's keys of the deployment): a run cut off by the answer's end is not
+taken (``warm_runs``)."""
+MIN_ANSWER = 1024
+"""Entries per rank a peer is asked for at least (a small budget still sees whole runs
+of a write-behind put, ``write_behind.BATCH`` objects)."""
+MAX_PEERS = 16
+"""Peers one warm-up asks at most (the deployment's nodes first)."""
+
+
+def answer_limit(pages: int, ranks: int = 1) -> int:
+    """The journal entries a warm-up of ``pages`` pages asks each peer for, for a
+    deployment of ``ranks`` ranks (TP x PP): ``ANSWER_SLACK`` x ``pages``, at least
+    ``MIN_ANSWER``, per rank; at most ``MAX_ANSWER``."""
+    return min(MAX_ANSWER, max(ANSWER_SLACK * pages, MIN_ANSWER) * ranks)
 
 
 def rank_objects(prefix: str, suffix: str, size: int) -> Callable[[str, Touch], bool]:

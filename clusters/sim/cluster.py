@@ -10,11 +10,14 @@ does) and the rest is computed; when it ends (its first token), its blocks enter
 GPU cache and its host tier or its node's L2 (``reserve`` and ``commit``, dirty while
 L3 lacks them), and the node's write-behind puts them to L3 (one put stream per node,
 queued on the links; placement ``own`` or ``any``); a put's end makes its objects
-readable and its L2 pages clean (``flushed``).
+readable and its L2 pages clean (``flushed``). With a disk tier, what L3 evicts goes to
+its node's disk (``disk``), and is read from there.
 
-Each node has one link each way, each a first-come-first-served queue: a transfer is
-done once the sender's and the receiver's links both carried it, at the slower of the
-link and the store's rate (``Costs``); a node's puts also queue on its put rate.
+Transfers queue on each node's links, put stream and disk (``links``). A node leaving
+or joining at a simulated second (``scaling``, ``node_changes``): a leaving node's
+engines stop taking requests (those queued on them go to the router again; the one
+running ends but saves nothing), its L2 and GPU caches are gone, its segment drained or
+not; a joining node's engines, L2 and segment start empty, its L2 warmed or not.
 What is not modelled: see ``docs/benchmarks.md`` ("Trace replay").
 """
 
@@ -27,11 +30,16 @@ from collections.abc import Sequence
 
 from raykv.cache_actors.node.l2_index import FULL, L2Index
 from raykv.cache_actors.node.l2_pools import LEASE_S
+from raykv.clusters.sim import node_changes as nc
 from raykv.clusters.sim.block_lru import BlockLRU
 from raykv.clusters.sim.costs import Costs
+from raykv.clusters.sim.disk import DiskTier
 from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.layout import Layout
+from raykv.clusters.sim.links import Links
+from raykv.clusters.sim.node_changes import NodeChanges
 from raykv.clusters.sim.routing import PowerOfTwo, RayKVRouting, RoundRobin
+from raykv.clusters.sim.scaling import Scaling
 from raykv.clusters.sim.tally import Tally
 from raykv.clusters.sim.trace import Request
 from raykv.controllers.residency import Residency
@@ -39,7 +47,7 @@ from raykv.integrations.serve.ranking import Weights
 
 NODE_HOLDER = (0, 0)
 """The holder a node fills its L2 from L3 as (ids below 1 are the node's own)."""
-_DONE, _PUT_DONE = 0, 1
+_DONE, _PUT_DONE, _REMOVE, _ADD = 0, 1, 2, 3
 
 
 class _Engine:
@@ -55,11 +63,12 @@ class _Engine:
 
 
 class ClusterSim:
-    """``layout``'s cluster with ``costs`` replaying ``requests`` (arrival order);
-    ``run`` once. ``weights``: the router's (``raykv`` routing; default its own)."""
+    """``layout``'s cluster with ``costs`` replaying ``requests`` (arrival order), with
+    ``scaling``'s node changes if given; ``run`` once. ``weights``: the router's
+    (``raykv`` routing; default its own)."""
 
     def __init__(self, layout: Layout, costs: Costs, requests: Sequence[Request],
-                 weights: Weights | None = None) -> None:
+                 scaling: Scaling | None = None, weights: Weights | None = None) -> None:
         self.layout, self.costs, self.requests = layout, costs, requests
         self.now = 0.0
         rng = random.Random(layout.seed)
@@ -70,16 +79,23 @@ class ClusterSim:
         clock = self._clock
         self._l2 = [L2Index(layout.l2_blocks, LEASE_S, clock) if layout.l2_blocks else None
                     for _ in range(layout.nodes)]
-        self._l3 = L3Store([layout.l3_blocks] * layout.nodes, clock, rng) \
+        disk = DiskTier([layout.disk_blocks] * layout.nodes) if layout.disk_blocks else None
+        self._l3 = L3Store([layout.l3_blocks] * layout.nodes, clock, rng, disk=disk) \
             if layout.l3_blocks else None
         self._router = RayKVRouting(rng, weights) if layout.routing == "raykv" else \
             RoundRobin() if layout.routing == "round_robin" else PowerOfTwo(rng)
-        self._link_in = [0.0] * layout.nodes
-        self._link_out = [0.0] * layout.nodes
-        self._put_free = [0.0] * layout.nodes
+        self._links = Links(layout.nodes, costs, sealed=disk is not None)
         self._events: list[tuple[float, int, int, tuple]] = []
         self._seq = 0
         self.tally = Tally(layout.nodes)
+        self.scaling = scaling
+        self._alive = list(range(layout.nodes))
+        self._changes = NodeChanges(layout.nodes, costs) if scaling else None
+        self._removed_at = 0.0
+        for at, kind in ((scaling and scaling.remove_at, _REMOVE),
+                         (scaling and scaling.add_at, _ADD)):
+            if at is not None:
+                self._push(at, kind, ())
 
     def _clock(self) -> float:
         return self.now
@@ -88,19 +104,22 @@ class ClusterSim:
     def run(self) -> Tally:
         """Replay every request to its end (every put too); the run's ``Tally``."""
         reqs, events = self.requests, self._events
+        handlers = {_DONE: self._done, _PUT_DONE: self._put_done, _REMOVE: self._remove,
+                    _ADD: self._add}
         i = 0
         while i < len(reqs) or events:
             if events and (i >= len(reqs) or events[0][0] <= reqs[i].at):
                 t, _, kind, payload = heapq.heappop(events)
                 self.now = t
-                if kind == _DONE:
-                    self._done(*payload)
-                else:
-                    self._put_done(*payload)
+                if kind in handlers:
+                    handlers[kind](*payload)
+                else:  # the node changes' own events
+                    self._change(kind, payload)
             else:
                 self.now = reqs[i].at
                 self._arrive(i)
                 i += 1
+        self.tally.network_bytes = self._links.network_bytes
         return self.tally
 
     def _push(self, t: float, kind: int, payload: tuple) -> None:
@@ -112,6 +131,7 @@ class ClusterSim:
         return len(eng.queue) + eng.busy
 
     def _arrive(self, i: int) -> None:
+        """Request ``i`` routed to one of the engines of the nodes up now."""
         keys = self._keys[i]
         e = self._router.choose(self._ids, keys, lambda: self._answers(keys), self._load,
                                 lambda x: self._engines[x].node_id)
@@ -152,6 +172,7 @@ class ClusterSim:
             rest = keys[pos:]
             counts["l2"] = l2.lookup(rest)
             l2.acquire(eng.holder, rest[:counts["l2"]])
+            self._touched(eng.node, rest[:counts["l2"]])
             pos += counts["l2"]
             copied += counts["l2"]
             load += c.l2_call_s
@@ -159,9 +180,13 @@ class ClusterSim:
             rest = keys[pos:]
             segs = self._l3.lookup(rest)
             if segs:
-                own = sum(s == eng.node for s in segs)
-                counts["l3_own"], counts["l3_remote"] = own, len(segs) - own
-                load += self._fetch(eng.node, segs) - self.now + c.store_call_s
+                disk = sum(d for _, d in segs)
+                own = sum(s == eng.node and not d for s, d in segs)
+                counts["l3_own"], counts["l3_disk"] = own, disk
+                counts["l3_remote"] = len(segs) - own - disk
+                load += self._links.fetch(eng.node, segs, self.now) - self.now + \
+                    c.store_call_s
+                self._touched(eng.node, rest[:len(segs)])
                 if l2 is not None:
                     self._fill(l2, eng, rest[:len(segs)])
                     copied += len(segs)
@@ -177,37 +202,14 @@ class ClusterSim:
         pages = [p for p in l2.reserve(NODE_HOLDER, keys) if p >= 0]
         l2.commit(NODE_HOLDER, pages, [True] * len(pages), dirty=False, reader=eng.holder)
 
-    def _fetch(self, node: int, segs: Sequence[int]) -> float:
-        """Reads of blocks on ``segs`` into ``node``: the own segment's at the store's
-        rate, each other segment's through both links (``_transfer``); when the last
-        ends."""
-        c = self.costs
-        per: dict[int, int] = {}
-        for s in segs:
-            per[s] = per.get(s, 0) + 1
-        end = self.now + per.pop(node, 0) * c.block_bytes / (c.store_get_gbps * 1e9)
-        rate = min(c.store_get_gbps * 1e9, c.link_bytes_per_s)
-        for s, n in per.items():
-            end = max(end, self._transfer(s, node, n * c.block_bytes, rate, self.now))
-        return end
-
-    def _transfer(self, src: int, dst: int, size: int, rate: float, t: float) -> float:
-        """``size`` bytes from node ``src`` to ``dst`` at ``rate``, ready at ``t``: each
-        link a first-come-first-served queue of its own (the sender's out, the
-        receiver's in), the transfer done when both served it; counted as network
-        bytes."""
-        d = size / rate
-        out_end = max(t, self._link_out[src]) + d
-        in_end = max(t, self._link_in[dst]) + d
-        self._link_out[src], self._link_in[dst] = out_end, in_end
-        self.tally.network_bytes += size
-        return max(out_end, in_end)
-
     def _done(self, eng: _Engine, i: int) -> None:
         r, keys = self.requests[i], self._keys[i]
         ttft = self.now - r.at
         self.tally.finished(ttft, ttft + r.output_tokens / self.costs.decode_tokens_per_s)
         unique = list(dict.fromkeys(keys))
+        if eng.node not in self._alive:  # its node left meanwhile: nothing is saved
+            eng.busy = False
+            return
         if eng.gpu is not None:
             eng.gpu.insert(unique)
         if eng.host is not None:
@@ -232,7 +234,6 @@ class ClusterSim:
     def _put(self, node: int, items: list[tuple[str, int | None]]) -> None:
         """``node``'s put of ``items`` (key, its dirty L2 page or None) to L3, after its
         earlier puts; keys L3 holds, or has no room for, move no bytes."""
-        c = self.costs
         preferred = node if self.layout.placement == "own" else None
         per: dict[int, list[tuple[str, int | None]]] = {}
         dropped = []
@@ -244,14 +245,10 @@ class ClusterSim:
                 per.setdefault(seg, []).append((key, page))
         if dropped:
             self._push(self.now, _PUT_DONE, (node, dropped))
-        rate = min(c.store_put_gbps * 1e9, c.link_bytes_per_s)
+            self._touched(node, [k for k, _ in dropped if self._l3.segment_of(k) is not None])
         for seg, batch in per.items():
-            size = len(batch) * c.block_bytes
-            start = max(self.now, self._put_free[node])
-            self._put_free[node] = start + size / (c.store_put_gbps * 1e9)
-            end = self._put_free[node] if seg == node else \
-                max(self._put_free[node], self._transfer(node, seg, size, rate, start))
-            self._push(end, _PUT_DONE, (node, batch))
+            self._push(self._links.put(node, seg, len(batch), self.now), _PUT_DONE,
+                       (node, batch))
 
     def _put_done(self, node: int, batch: list[tuple[str, int | None]]) -> None:
         l2 = self._l2[node]
@@ -259,11 +256,79 @@ class ClusterSim:
             self._l3.end_put(key)
             if l2 is not None and page is not None:
                 l2.flushed([page], [key])
+        self._touched(node, [k for k, _ in batch if self._l3.segment_of(k) is not None])
+
+    # ---------------------------------------------------------------- nodes
+    def _touched(self, node: int, keys: Sequence[str]) -> None:
+        if self._changes is not None:
+            self._changes.touched(node, list(keys), self.now)
+
+    def _remove(self) -> None:
+        """A node leaves (``Scaling``): its engines out of the router's sight and
+        their queued requests routed again, its L2 gone, its segment drained or not."""
+        s, l3 = self.scaling, self._l3
+        node = s.leaving if s.leaving is not None else max(
+            self._alive, key=lambda n: (l3.held_on(n) if l3 else 0, -n))
+        if node not in self._alive or len(self._alive) < 2:
+            raise ValueError(f"scaling: node {node} cannot leave (nodes up: {self._alive})")
+        self._alive.remove(node)
+        self._removed_at = self.now
+        gone = [e for e in self._engines if e.node == node]
+        self._ids = [i for i in self._ids if self._engines[i].node != node]
+        l2, self._l2[node] = self._l2[node], None
+        rerouted = [i for e in gone for i in e.queue]
+        for e in gone:
+            e.queue = deque()
+        for i in rerouted:
+            self._arrive(i)
+        self._changes.report["removed"] = {
+            "node": node, "at": self.now, "rerouted": len(rerouted),
+            "l2_pages_lost": l2.stats()["ready"] if l2 is not None else 0}
+        self._pushed(self._changes.remove(node, s.drain, s.drain_deadline_s, l3,
+                                          self._alive, self.now))
+
+    def _add(self) -> None:
+        """A node joins (``Scaling``): its engines, L2 and segment empty, its L2 warmed
+        or not."""
+        lay, node = self.layout, len(self._l2)
+        first = len(self._engines)
+        self._engines += [_Engine(first + j, node, lay.gpu_blocks, lay.host_blocks)
+                          for j in range(lay.engines_per_node)]
+        self._ids += range(first, len(self._engines))
+        l2 = L2Index(lay.l2_blocks, LEASE_S, self._clock) if lay.l2_blocks else None
+        self._l2.append(l2)
+        if self._l3 is not None:
+            self._l3.add_segment(lay.l3_blocks, lay.disk_blocks)
+        self._links.add_node()
+        self.tally.add_node()
+        peers = list(self._alive)
+        self._alive.append(node)
+        self._changes.report["added"] = {"node": node, "at": self.now}
+        self._pushed(self._changes.add(node, self.scaling.warm_budget(lay.l2_blocks),
+                                       self.scaling.warm_s, self._l3, l2, self._links,
+                                       peers, self.now))
+
+    def _change(self, kind: int, payload: tuple) -> None:
+        ch = self._changes
+        if kind == nc.DRAIN:
+            self._pushed(ch.drain_step(self._l3, self._links, self.now))
+        elif kind == nc.LEAVE:
+            ch.leave(self._l3, self._removed_at, self.now)
+        else:
+            ch.warmed(self._l2[payload[0]], payload[1])
+
+    def _pushed(self, events: list[tuple[float, int, tuple]]) -> None:
+        for t, kind, payload in events:
+            self._push(t, kind, payload)
 
     def stats(self) -> dict:
-        """The tiers' own counters after ``run``: L2 (summed over nodes), L3, routing."""
+        """The tiers' own counters after ``run``: L2 (summed over nodes), L3, routing;
+        with ``scaling``, its events' reports (``NodeChanges.summary``)."""
         l2 = [x.stats() for x in self._l2 if x is not None]
         out: dict = {}
+        if self._changes is not None:
+            out["scaling"] = self._changes.summary(self.tally.log, self.scaling.window_s,
+                                                   self.scaling.window_at)
         if l2:
             out["l2"] = {k: sum(s[k] for s in l2) for k in l2[0]}
         if self._l3 is not None:

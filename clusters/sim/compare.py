@@ -12,6 +12,10 @@ Timed runs (``cluster.ClusterSim``), each with the GPU prefix cache of every eng
 - ``raykv``: L2 and L3 per node as given, raykv's placement and routing;
 - ``raykv_pow2``: the same tiers with power of two routing (what routing adds).
 
+With ``disk_tokens``, ``pooled`` and both raykv runs have a disk tier of that size per
+node (Mooncake's SSD offload under each segment); with a ``Scaling``, every timed run
+has its node changes.
+
 Untimed references (``bounds``): one global LRU and Belady's eviction over the whole
 cluster's cache memory (GPU caches, L2 and L3 together: a bound on every run), the same
 two over its host memory alone (L2 and L3: ``global_lru_host``, ``belady_host``, what
@@ -29,6 +33,7 @@ from raykv.clusters.sim import bounds
 from raykv.clusters.sim.cluster import ClusterSim
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
+from raykv.clusters.sim.scaling import Scaling
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
 
 RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
@@ -40,7 +45,7 @@ class Setup:
     """One comparison: ``nodes`` x ``engines_per_node``; tokens of KV per engine's GPU
     prefix cache (``gpu_tokens``) and per node in L2 and L3 (``l2_tokens``,
     ``l3_tokens``: the node's host memory for caching is their sum); raykv's
-    ``placement``; ``seed``."""
+    ``placement``; ``seed``; ``disk_tokens``: each node's disk tier (0: none)."""
 
     nodes: int = 16
     engines_per_node: int = 8
@@ -49,6 +54,7 @@ class Setup:
     l3_tokens: int = 2_000_000
     placement: str = "own"
     seed: int = 0
+    disk_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gpu_tokens", "l2_tokens", "l3_tokens"):
@@ -62,14 +68,16 @@ class Setup:
         base = Layout(self.nodes, self.engines_per_node, self.gpu_tokens // b,
                       seed=self.seed)
         host = (self.l2_tokens + self.l3_tokens) // b
-        raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b,
+        disk = self.disk_tokens // b
+        raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b, disk_blocks=disk,
                                     l3_blocks=self.l3_tokens // b, placement=self.placement,
                                     routing="raykv")
         return {
             "gpu_only": base,
             "local_host": dataclasses.replace(
                 base, host_blocks=max(1, host // self.engines_per_node)),
-            "pooled": dataclasses.replace(base, l3_blocks=host, placement="any"),
+            "pooled": dataclasses.replace(base, l3_blocks=host, placement="any",
+                                          disk_blocks=disk),
             "raykv": raykv,
             "raykv_pow2": dataclasses.replace(raykv, routing="pow2"),
         }
@@ -85,19 +93,22 @@ class Setup:
 
 
 def compare(requests: Sequence[Request], setup: Setup, costs: Costs,
-            runs: Sequence[str] = RUNS) -> dict:
-    """Each of ``runs`` (timed) and every reference on ``requests``: their figures
-    (``Tally.as_dict``, the tiers' own counters, the simulator's seconds), the
-    references' hit rates, and raykv's ratios when it ran."""
+            runs: Sequence[str] = RUNS, scaling: Scaling | None = None) -> dict:
+    """Each of ``runs`` (timed, with ``scaling``'s node changes if given) and every
+    reference on ``requests``: their figures (``Tally.as_dict``, the tiers' own
+    counters, the simulator's seconds), the references' hit rates, and raykv's ratios
+    when it ran."""
     bad = [r for r in runs if r not in RUNS]
     if bad or not runs:
         raise ValueError(f"runs must be some of {RUNS}, got {list(runs)}")
     layouts = setup.layouts()
     out: dict = {"setup": dataclasses.asdict(setup), "costs": dataclasses.asdict(costs),
                  "requests": len(requests), "runs": {}, "bounds": {}}
+    if scaling is not None:
+        out["scaling"] = dataclasses.asdict(scaling)
     for name in runs:
         t = time.perf_counter()
-        sim = ClusterSim(layouts[name], costs, requests)
+        sim = ClusterSim(layouts[name], costs, requests, scaling)
         figures = sim.run().as_dict()
         figures["counters"] = sim.stats()
         figures["simulator_s"] = round(time.perf_counter() - t, 3)

@@ -49,6 +49,21 @@ class Costs:
     link_efficiency: float = 0.94
     """The share of a link a transfer fills: 0.94 of a shaped 1 Gbit/s link, raykv and
     raw Mooncake alike (``bench-hosts``)."""
+    object_bytes: int = 1 << 20
+    """One Mooncake object of raykv's with vLLM: the K or the V of one 16-token block of
+    Llama-3-8B, 1 MiB (architecture; the object of ``bench-scale-down``'s drain rate and
+    of ``disk_tier``'s figures below)."""
+    disk_get_gbps: float = 0.39
+    """A get served from a node's disk tier: the sealed client's cold gets of 1 MiB
+    objects, 0.39 GB/s (``disk_tier``, median of 5 passes; each object's seal check is
+    in it)."""
+    seal_check_s_per_mib: float = 0.00027
+    """A cluster with a disk tier seals every object: one BLAKE3 pass per page put and
+    per page got from memory, 0.27 ms per MiB on one core (``disk_tier``)."""
+    drain_objects_per_s: float = 16.0
+    """A drain's moves: Mooncake 0.3.13's client takes move tasks about 16 at a time
+    about once a second, whatever their size; 15.5-16.3 objects/s measured at 1 and
+    10 Gbit/s (11.2 on a loaded machine: ``bench-scale-down``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -68,6 +83,17 @@ class Costs:
     def link_bytes_per_s(self) -> float:
         """What a transfer moves over a link, bytes per second."""
         return self.link_gbit * 1e9 / 8 * self.link_efficiency
+
+    @property
+    def drain_blocks_per_s(self) -> float:
+        """Blocks a drain moves per second: its object rate times the object, at most
+        the link's rate."""
+        return min(self.drain_objects_per_s * self.object_bytes,
+                   self.link_bytes_per_s) / self.block_bytes
+
+    def seal_s(self, nbytes: int) -> float:
+        """Seconds to seal or check ``nbytes`` of pages (a cluster with a disk tier)."""
+        return nbytes / (1 << 20) * self.seal_check_s_per_mib
 
     def prefill_s(self, tokens: int) -> float:
         """Seconds to compute ``tokens`` prompt tokens."""

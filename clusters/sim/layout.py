@@ -14,11 +14,12 @@ class Layout:
     """``nodes`` x ``engines_per_node`` engines, each with a GPU prefix cache of
     ``gpu_blocks`` blocks (0: none, an engine that keeps no prefix on its device) and a
     host tier of its own of ``host_blocks`` (0: none); each node an L2 of ``l2_blocks``
-    (0: none, raykv's ``L2Index``) and an L3 segment of ``l3_blocks`` (0 on every node:
-    no L3). ``placement``: where L3 puts land (``own``, ``any``); ``routing``: ``raykv``
-    (the router's ranking), ``pow2`` (power of two choices on queue length) or
-    ``round_robin`` (the ``i``-th request to engine ``i`` modulo the engines: a choice a
-    replay on a real cluster makes too). ``seed`` seeds every random choice."""
+    (0: none, raykv's ``L2Index``), an L3 segment of ``l3_blocks`` (0 on every node:
+    no L3) and a disk tier of ``disk_blocks`` (0: none). ``placement``: where L3 puts
+    land (``own``, ``any``); ``routing``: ``raykv`` (the router's ranking), ``pow2``
+    (power of two choices on queue length) or ``round_robin`` (the ``i``-th request to
+    engine ``i`` modulo the engines: a choice a replay on a real cluster makes too).
+    ``seed`` seeds every random choice."""
 
     nodes: int
     engines_per_node: int
@@ -29,13 +30,15 @@ class Layout:
     placement: str = "own"
     routing: str = "pow2"
     seed: int = 0
+    disk_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "engines_per_node"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"layout: {name} must be an integer >= 1, got {v!r}")
-        for name in ("gpu_blocks", "host_blocks", "l2_blocks", "l3_blocks", "seed"):
+        for name in ("gpu_blocks", "host_blocks", "l2_blocks", "l3_blocks", "seed",
+                     "disk_blocks"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"layout: {name} must be an integer >= 0, got {v!r}")

@@ -60,7 +60,7 @@ def point(requests: Sequence[Request], setup: Setup, costs: Costs,
     """Each of ``variants`` and power of two on ``setup``'s raykv tiers: name ->
     ``figures``."""
     layouts = setup.layouts()
-    out = {name: figures(ClusterSim(layouts["raykv"], costs, requests, w).run().as_dict())
+    out = {name: figures(ClusterSim(layouts["raykv"], costs, requests, weights=w).run().as_dict())
            for name, w in variants.items()}
     out["pow2"] = figures(ClusterSim(layouts["raykv_pow2"], costs, requests).run().as_dict())
     return out

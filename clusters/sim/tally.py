@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from raykv.clusters.sim.trace import Request
 
-TIERS = ("gpu", "host", "l2", "l3_own", "l3_remote")
+TIERS = ("gpu", "host", "l2", "l3_own", "l3_remote", "l3_disk")
 """Where a request's leading blocks came from, nearest first: its engine's GPU prefix
 cache, a per-engine host tier, its node's L2, L3 on its node's own segment, L3 on
-another node's segment; the rest is computed."""
+another node's segment, L3 on a node's disk tier (any node's); the rest is computed."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -35,6 +35,14 @@ class Tally:
         self.network_bytes = 0
         self.requests_per_node = [0] * nodes
         self.computed_per_node = [0] * nodes
+        self.log: list[tuple[float, int, int, int, int]] = []
+        """Per request served: (arrival s, node, leading blocks found, blocks, of them
+        from L2): ``scaling.Served``."""
+
+    def add_node(self) -> None:
+        """A node joined: its counts, zero."""
+        self.requests_per_node.append(0)
+        self.computed_per_node.append(0)
 
     def served(self, r: Request, node: int, counts: dict[str, int]) -> None:
         """Request ``r`` on ``node`` found ``counts[tier]`` blocks in each tier, in
@@ -50,6 +58,7 @@ class Tally:
         self.all_tokens += r.input_tokens
         self.requests_per_node[node] += 1
         self.computed_per_node[node] += r.input_tokens - r.hit_tokens(done)
+        self.log.append((r.at, node, done, len(r.blocks), counts.get("l2", 0)))
 
     def finished(self, ttft: float, e2e: float) -> None:
         """One request's time to first token and to its last, seconds."""

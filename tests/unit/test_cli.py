@@ -440,6 +440,34 @@ def test_sim_compares_every_run_on_a_trace_and_writes_json(tmp_path):
     assert res.exit_code == 1 and "bad.jsonl:2" in res.output and "Traceback" not in res.output
 
 
+def test_sim_with_a_disk_tier_and_node_changes(tmp_path):
+    """``raykv sim --disk-tokens --remove-node --add-node``: the disk tier's share and
+    both node changes in the table and the JSON. CONTROL: without them, neither."""
+    import json
+
+    from click.testing import CliRunner
+    from raykv.clusters.cli import main
+
+    trace = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+    out = tmp_path / "sim.json"
+    small = ["sim", str(trace), "--limit", "300", "--nodes", "3", "--engines-per-node", "1",
+             "--gpu-tokens", "8K", "--l2-tokens", "16K", "--l3-tokens", "32K",
+             "--runs", "raykv"]
+    res = CliRunner().invoke(main, [*small, "--disk-tokens", "4M", "--remove-node", "30",
+                                    "--no-drain", "--add-node", "60", "--window-s", "30",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(out.read_text())["runs"]["raykv"]
+    assert run["tiers_block"]["l3_disk"] > 0 and "L3 disk" in res.output
+    scaling = run["counters"]["scaling"]
+    assert {"removed", "added", "lost", "warm"} <= set(scaling) and "drain" not in scaling
+    assert "left at 30 s" in res.output and "joined at 60 s" in res.output
+    res = CliRunner().invoke(main, [*small, "--out", str(out)])
+    run = json.loads(out.read_text())["runs"]["raykv"]
+    assert run["tiers_block"]["l3_disk"] == 0 and "scaling" not in run["counters"]
+    assert "L3 disk" not in res.output and "left at" not in res.output
+
+
 def test_sim_sweep_writes_points_and_a_figure(tmp_path):
     """``raykv sim-sweep`` over two host capacities and two node counts on the first
     requests of the conversation trace: a point per value, each run and reference in
