@@ -23,16 +23,19 @@ from raykv.clusters.sim.trace import Request, read_trace
 from raykv.integrations.serve.ranking import Weights
 
 VARIANTS: dict[str, Weights] = {
-    "default": Weights(),
-    "load_0.3": Weights(load=0.3),
-    "queue_gap_1": Weights(max_queue_gap=1),
-    "queue_gap_0": Weights(max_queue_gap=0),
+    "engine_1.2": Weights(engine=1.2),
+    "engine_1.2_load_0.3": Weights(engine=1.2, load=0.3),
+    "engine_1.2_queue_gap_1": Weights(engine=1.2, max_queue_gap=1),
+    "engine_1.2_queue_gap_0": Weights(engine=1.2, max_queue_gap=0),
     "engine_1.1": Weights(engine=1.1),
     "engine_1.05": Weights(engine=1.05),
     "engine_0.9": Weights(engine=0.9),
     "engine_0.9_load_0.3": Weights(engine=0.9, load=0.3),
 }
-"""The weights compared: the router's defaults and one or two changed from them."""
+"""The weights compared, each named by what differs from ``Weights()``' other defaults:
+the engine tier's weight from above the L2's (1.2, the router's first default) to below
+it, and with it a heavier queue (``load``) or a smaller ``max_queue_gap``. The router's
+default (``Weights()``) is the one these figures chose."""
 SHAPES = ((16, 8, 1.0, 0), (16, 2, 1.0, 0), (16, 2, 4.0, 0), (16, 8, 8.0, 0), (16, 8, 8.0, 1),
           (16, 8, 8.0, 2))
 """(nodes, engines per node, speed, seed) of each point: the trace's own load on 128 and

@@ -39,7 +39,7 @@ class Weights:
     """What a page is worth per tier, what a queued request costs, and the queue gap
     that keeps a replica out of the first group (see the module docstring)."""
 
-    engine: float = 1.2
+    engine: float = 1.05
     l2: float = 1.0
     segment: float = 0.8
     l3: float = 0.5

@@ -77,7 +77,7 @@ class RouteOptions:
       as a new prefix. Raise it where several routers (ingress replicas) see the same
       documents, at the cost of their first tokenization's time.
     - ``weight_engine``, ``weight_l2``, ``weight_segment``, ``weight_l3``: what a page
-      held in each tier is worth (1.2, 1.0, 0.8, 0.5; the engine tier: pages the
+      held in each tier is worth (1.05, 1.0, 0.8, 0.5; the engine tier: pages the
       router sent to the replica lately); ``weight_load``: what one queued request
       costs, in the same unit (share of the request's pages; 0.1); ``max_queue_gap``:
       a replica queued more than this many requests beyond the shortest queue is not
@@ -103,7 +103,7 @@ class RouteOptions:
     tokenizer: str | None = None
     text_memo_ids: int = 4 << 20
     keys_wait_ms: float = 3.0
-    weight_engine: float = 1.2
+    weight_engine: float = 1.05
     weight_l2: float = 1.0
     weight_segment: float = 0.8
     weight_l3: float = 0.5
