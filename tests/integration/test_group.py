@@ -635,8 +635,13 @@ def test_text_past_its_keys_wait_is_routed_on_what_the_memo_knows(cluster, apps,
     from ray import serve
 
     name = "raykv_text_late" + ("" if memo else "_no_memo")
+    # the engine tier worth more than node 1's L2 plus a queued request (1.2 against 1.0
+    # + 0.1): every question stays with the replica that computed the first even while
+    # one is queued there. At the default (1.05) a question queued behind another goes
+    # to node 1, whose L2 holds the document, and then both replicas tie: spread.
     handle, router, document = text_app(cluster, apps, tmp_path, name, keys_wait_ms=0,
-                                        text_memo_ids=(4 << 20) if memo else 0)
+                                        text_memo_ids=(4 << 20) if memo else 0,
+                                        weight_engine=1.2)
     try:
         questions = [SimpleNamespace(prompt=f"{document} Question {i}: what is it?")
                      for i in range(8)]
