@@ -956,6 +956,9 @@ def _sim_options(command):
                           "node)."),
         click.option("--placement", default="own", show_default=True,
                      type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
+        click.option("--l2-eviction", default="lru", show_default=True,
+                     type=click.Choice(["lru", "s3fifo", "slru"]),
+                     help="raykv's L2 eviction policy."),
         click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
                      help="An engine's prefill rate [default: the cost model's, 10000]."),
         click.option("--link-gbit", default=None, type=SECONDS,
@@ -976,7 +979,7 @@ def _sim_options(command):
 
 
 def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
-                l2_tokens: int, l3_tokens: int, placement: str,
+                l2_tokens: int, l3_tokens: int, placement: str, l2_eviction: str,
                 prefill_tokens_per_s: float | None, link_gbit: float | None,
                 limit: int | None, copies: int, seed: int) -> tuple:
     """``(requests, setup, costs)`` of the shared options; ``ValueError`` or
@@ -991,7 +994,8 @@ def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
                                  ("link_gbit", link_gbit)) if v is not None}
     requests = read_trace(trace, limit)
     requests = shifted_copies(requests, copies) if copies > 1 else requests
-    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed)
+    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed,
+                  l2_eviction)
     return requests, setup, dataclasses.replace(Costs(), **changes)
 
 

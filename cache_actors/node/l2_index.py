@@ -24,7 +24,7 @@ the rules that make a page's bytes right for whoever reads them:
 - A *dirty* page holds an object not yet in L3 (its write-behind put has not ended); it
   is not evicted until ``flushed``.
 - Eviction takes a ready page that is neither held, leased nor dirty, the one the
-  pool's eviction policy picks (``l2_eviction``: ``lru``, the least recently used, by
+  pool's eviction policy picks (``eviction_order``: ``lru``, the least recently used, by
   default); ``reserve`` never evicts anything else, so when every page is held, leased or
   dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
 - ``reserve`` answers ``PRESENT`` only for a ready key; for a key another holder is still
@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from raykv.cache_actors.node.l2_eviction import eviction_order
+from raykv.cache_actors.node.eviction_order import eviction_order
 
 Holder = tuple[int, int]
 """One rank thread: ``(thread id, start ticks)`` (``ProcessIdentity``; a process's main
@@ -75,7 +75,7 @@ class L2Index:
     """The pages of one L2 pool of ``pages`` pages (see the module docstring).
     ``lease_s``: how long a ``lookup`` keeps a page from eviction; ``clock``: seconds
     (``time.monotonic`` in the node actor); ``on_change``: see the module docstring;
-    ``eviction``: the policy (``l2_eviction.EVICTIONS``). Counters in ``counts``."""
+    ``eviction``: the policy (``eviction_order.EVICTIONS``). Counters in ``counts``."""
 
     def __init__(self, pages: int, lease_s: float, clock: Callable[[], float],
                  on_change: Callable[[str, bool], None] | None = None,

@@ -40,7 +40,7 @@ class Setup:
     """One comparison: ``nodes`` x ``engines_per_node``; tokens of KV per engine's GPU
     prefix cache (``gpu_tokens``) and per node in L2 and L3 (``l2_tokens``,
     ``l3_tokens``: the node's host memory for caching is their sum); raykv's
-    ``placement``; ``seed``."""
+    ``placement`` and L2 eviction policy (``l2_eviction``); ``seed``."""
 
     nodes: int = 16
     engines_per_node: int = 8
@@ -49,6 +49,7 @@ class Setup:
     l3_tokens: int = 2_000_000
     placement: str = "own"
     seed: int = 0
+    l2_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         for name in ("gpu_tokens", "l2_tokens", "l3_tokens"):
@@ -64,7 +65,7 @@ class Setup:
         host = (self.l2_tokens + self.l3_tokens) // b
         raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b,
                                     l3_blocks=self.l3_tokens // b, placement=self.placement,
-                                    routing="raykv")
+                                    routing="raykv", l2_eviction=self.l2_eviction)
         return {
             "gpu_only": base,
             "local_host": dataclasses.replace(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raykv.cache_actors.node.eviction_order import check_eviction
+
 PLACEMENTS = ("own", "any")
 ROUTINGS = ("raykv", "pow2")
 
@@ -16,7 +18,8 @@ class Layout:
     node an L2 of ``l2_blocks`` (0: none, raykv's ``L2Index``) and an L3 segment of
     ``l3_blocks`` (0 on every node: no L3). ``placement``: where L3 puts land (``own``,
     ``any``); ``routing``: ``raykv`` (the router's ranking) or ``pow2`` (power of two
-    choices on queue length). ``seed`` seeds every random choice."""
+    choices on queue length); ``l2_eviction``: the L2 pools' eviction policy
+    (``eviction_order.EVICTIONS``). ``seed`` seeds every random choice."""
 
     nodes: int
     engines_per_node: int
@@ -26,6 +29,7 @@ class Layout:
     l3_blocks: int = 0
     placement: str = "own"
     routing: str = "pow2"
+    l2_eviction: str = "lru"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,6 +44,7 @@ class Layout:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"layout: placement must be one of {PLACEMENTS}, got "
                              f"{self.placement!r}")
+        check_eviction(self.l2_eviction)
         if self.routing not in ROUTINGS:
             raise ValueError(f"layout: routing must be one of {ROUTINGS}, got "
                              f"{self.routing!r}")

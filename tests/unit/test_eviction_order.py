@@ -1,4 +1,4 @@
-"""The eviction policies of an L2 pool (``l2_eviction``): each one's order on small
+"""The eviction policies of an L2 pool (``eviction_order``): each one's order on small
 hand-made sequences, and through ``L2Index`` that none evicts a held, leased or dirty
 page."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from raykv.cache_actors.node.l2_eviction import EVICTIONS, check_eviction, eviction_order
+from raykv.cache_actors.node.eviction_order import EVICTIONS, check_eviction, eviction_order
 from raykv.cache_actors.node.l2_index import FULL, L2Index
 
 from tests.unit.test_l2_index import A, B, Clock, EvictsHeldPages, simulate, written
