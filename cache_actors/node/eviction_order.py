@@ -102,12 +102,15 @@ class S3FIFOOrder:
         return p if p is not None else self._from_small(evictable)
 
     def _from_small(self, evictable: Evictable) -> int | None:
-        for p in list(self._small):
+        for _ in range(len(self._small)):
+            p = next(iter(self._small))
             if self._uses[p]:
                 del self._small[p]
                 self._uses[p] = 0
                 self._main[p] = None
-            elif evictable(p):
+            elif not evictable(p):
+                self._small.move_to_end(p)
+            else:
                 del self._small[p]
                 key = self._forget(p)
                 self._ghost[key] = None

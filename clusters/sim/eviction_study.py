@@ -8,7 +8,7 @@ placement ``own``, raykv's routing) on 16 nodes x 8 engines:
 - *policies*: each of ``EVICTIONS`` at each of ``POLICY_POINTS`` (GPU cache per engine,
   L2 and L3 per node, tokens);
 - *split*: each of ``SPLIT_POINTS`` (GPU cache per engine, host memory per node) with
-  ``SHARES`` of the host memory in L2 (the rest L3; 0: no L2 at all), ``lru``.
+  ``SHARES`` of the host memory in L2 (the rest L3; 0: no L2 at all), each policy.
 
 Each point also gives the untimed references over the same host memory (``bounds``:
 one global LRU, Belady), once per memory size.
@@ -90,10 +90,11 @@ def study(requests: Sequence[Request], costs: Costs, base: Setup = Setup()) -> d
         point = {"gpu_tokens": gpu, "host_tokens": host, "bounds": ref(host), "runs": {}}
         for share in SHARES:
             l2 = round(host * share / BLOCK_TOKENS) * BLOCK_TOKENS
-            setup = dataclasses.replace(base, gpu_tokens=gpu, l2_tokens=max(l2, BLOCK_TOKENS),
-                                        l3_tokens=host - l2)
-            point["runs"][f"{share:.3f}"] = {"l2_tokens": l2,
-                                             **run(requests, setup, costs, l2 > 0)}
+            runs = point["runs"][f"{share:.3f}"] = {"l2_tokens": l2}
+            for name in EVICTIONS if l2 else ("lru",):
+                setup = dataclasses.replace(base, gpu_tokens=gpu, l3_tokens=host - l2,
+                                            l2_tokens=max(l2, BLOCK_TOKENS), l2_eviction=name)
+                runs[name] = run(requests, setup, costs, l2 > 0)
         out["split"].append(point)
     return out
 
@@ -119,9 +120,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                   + ", ".join(f"{n} {x['block_hit_rate']:.4f}" for n, x in pt["runs"].items())
                   + f"; belady_host {pt['bounds']['belady_host']:.4f}")
         for pt in r["split"]:
-            print(f"{name} gpu {pt['gpu_tokens']} host {pt['host_tokens']}: " + ", ".join(
-                f"L2 {s} {x['block_hit_rate']:.4f} ({x['ttft_s']['p50']:.2f} s)"
-                for s, x in pt["runs"].items()))
+            for s, x in pt["runs"].items():
+                print(f"{name} gpu {pt['gpu_tokens']} host {pt['host_tokens']} L2 {s}: "
+                      + ", ".join(f"{n} {r['block_hit_rate']:.4f} ({r['ttft_s']['p50']:.2f} s)"
+                                  for n, r in x.items() if n != "l2_tokens"))
     print(f"wrote {a.out} ({result['seconds']} s)")
 
 
