@@ -4,7 +4,8 @@ policies of ``L2Index`` (pure: no Ray, no Mooncake, no torch).
 An *eviction order* keeps the ready pages of one pool (``add`` when a page becomes
 ready, ``used`` when it is looked up or read) and picks a victim (``take``) among the
 pages a caller says are evictable (``L2Index``: neither held, leased nor dirty); a page
-it skips as not evictable stays where it is. Policies (``EVICTIONS``):
+it skips as not evictable stays (``s3fifo``'s small FIFO: goes round again). Policies
+(``L2_EVICTIONS``: ``NodeSettings.l2_eviction``):
 
 - ``lru``: the least recently used page goes first.
 - ``s3fifo`` (S3-FIFO, Yang et al., SOSP'23): a new page enters a small FIFO (a tenth
@@ -28,8 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-EVICTIONS = ("lru", "s3fifo", "slru")
-"""The eviction policies of an L2 pool; ``lru`` is the default."""
+from raykv.controllers.node_settings import L2_EVICTIONS
 
 Evictable = Callable[[int], bool]
 """Whether a page may be evicted now (``L2Index``: not held, leased or dirty)."""
@@ -182,13 +182,13 @@ class SLRUOrder:
 
 
 EvictionOrder = LRUOrder | S3FIFOOrder | SLRUOrder
-_ORDERS = {"lru": LRUOrder, "s3fifo": S3FIFOOrder, "slru": SLRUOrder}
+_ORDERS = dict(zip(L2_EVICTIONS, (LRUOrder, S3FIFOOrder, SLRUOrder), strict=True))
 
 
 def check_eviction(name: object) -> str:
-    """``name`` if it names a policy of ``EVICTIONS``, else ``ValueError``."""
-    if name not in EVICTIONS:
-        raise ValueError(f"L2 eviction must be one of {EVICTIONS}, got {name!r}")
+    """``name`` if it names a policy of ``L2_EVICTIONS``, else ``ValueError``."""
+    if name not in L2_EVICTIONS:
+        raise ValueError(f"L2 eviction must be one of {L2_EVICTIONS}, got {name!r}")
     return name
 
 

@@ -75,7 +75,7 @@ class L2Index:
     """The pages of one L2 pool of ``pages`` pages (see the module docstring).
     ``lease_s``: how long a ``lookup`` keeps a page from eviction; ``clock``: seconds
     (``time.monotonic`` in the node actor); ``on_change``: see the module docstring;
-    ``eviction``: the policy (``eviction_order.EVICTIONS``). Counters in ``counts``."""
+    ``eviction``: the policy (``node_settings.L2_EVICTIONS``). Counters in ``counts``."""
 
     def __init__(self, pages: int, lease_s: float, clock: Callable[[], float],
                  on_change: Callable[[str, bool], None] | None = None,

@@ -116,7 +116,7 @@ class NodeService:
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
-                 group_window_s: float, confirm_ttl_s: float,
+                 group_window_s: float, confirm_ttl_s: float, l2_eviction: str = "lru",
                  tenant_quotas: Mapping[str, int] | None = None,
                  tenant_digests: Mapping[str, str] | None = None,
                  bound_tenants_only: bool = False, l2_bytes: int = 0) -> None:
@@ -146,8 +146,8 @@ class NodeService:
                                                                         owner),
                           self._pools.destroy, lambda: list(self._pools.table.pools),
                           lambda op, batch, deadline, caller: self._move(
-                              op, batch, None, deadline, caller, True),
-                          self.verify, l2_bytes=l2_bytes, log=self.residency_log,
+                              op, batch, None, deadline, caller, True), self.verify,
+                          l2_bytes=l2_bytes, eviction=l2_eviction, log=self.residency_log,
                           touches=self.touches, quota_left=partial(quota_left, self._pools))
         metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()

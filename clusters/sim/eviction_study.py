@@ -5,7 +5,7 @@ Run: ``python -m raykv.clusters.sim.eviction_study TRACE [TRACE ...] [--limit N]
 [--out FILE]``. Per trace, every run a ``raykv`` run (``compare``: L2 and L3 per node,
 placement ``own``, raykv's routing) on 16 nodes x 8 engines:
 
-- *policies*: each of ``EVICTIONS`` at each of ``POLICY_POINTS`` (GPU cache per engine,
+- *policies*: each of ``L2_EVICTIONS`` at each of ``POLICY_POINTS`` (GPU cache per engine,
   L2 and L3 per node, tokens);
 - *split*: each of ``SPLIT_POINTS`` (GPU cache per engine, host memory per node) with
   ``SHARES`` of the host memory in L2 (the rest L3; 0: no L2 at all), each policy.
@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from raykv.cache_actors.node.eviction_order import EVICTIONS
 from raykv.clusters.sim import bounds
 from raykv.clusters.sim.cluster import ClusterSim
 from raykv.clusters.sim.compare import Setup
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request, read_trace
+from raykv.controllers.node_settings import L2_EVICTIONS
 
 POLICY_POINTS = ((16_000, 64_000, 128_000), (16_000, 256_000, 128_000),
                  (256_000, 256_000, 2_000_000), (256_000, 1_000_000, 2_000_000))
@@ -66,9 +66,10 @@ def references(requests: Sequence[Request], nodes: int, host_tokens: int) -> dic
             "belady_host": bounds.belady(requests, cap).block_rate}
 
 
-def study(requests: Sequence[Request], costs: Costs, base: Setup = Setup()) -> dict:
+def study(requests: Sequence[Request], costs: Costs, base: Setup | None = None) -> dict:
     """The policies and the split (see the module docstring) of ``requests`` on
-    ``base``'s nodes."""
+    ``base``'s nodes (None: ``Setup``'s defaults, 16 x 8)."""
+    base = base or Setup()
     out: dict = {"requests": len(requests), "nodes": base.nodes,
                  "engines_per_node": base.engines_per_node, "policies": [], "split": []}
     refs: dict[int, dict] = {}
@@ -81,7 +82,7 @@ def study(requests: Sequence[Request], costs: Costs, base: Setup = Setup()) -> d
     for gpu, l2, l3 in POLICY_POINTS:
         point = {"gpu_tokens": gpu, "l2_tokens": l2, "l3_tokens": l3,
                  "bounds": ref(l2 + l3), "runs": {}}
-        for name in EVICTIONS:
+        for name in L2_EVICTIONS:
             setup = dataclasses.replace(base, gpu_tokens=gpu, l2_tokens=l2, l3_tokens=l3,
                                         l2_eviction=name)
             point["runs"][name] = run(requests, setup, costs)
@@ -91,7 +92,7 @@ def study(requests: Sequence[Request], costs: Costs, base: Setup = Setup()) -> d
         for share in SHARES:
             l2 = round(host * share / BLOCK_TOKENS) * BLOCK_TOKENS
             runs = point["runs"][f"{share:.3f}"] = {"l2_tokens": l2}
-            for name in EVICTIONS if l2 else ("lru",):
+            for name in L2_EVICTIONS if l2 else ("lru",):
                 setup = dataclasses.replace(base, gpu_tokens=gpu, l3_tokens=host - l2,
                                             l2_tokens=max(l2, BLOCK_TOKENS), l2_eviction=name)
                 runs[name] = run(requests, setup, costs, l2 > 0)

@@ -19,7 +19,7 @@ class Layout:
     ``l3_blocks`` (0 on every node: no L3). ``placement``: where L3 puts land (``own``,
     ``any``); ``routing``: ``raykv`` (the router's ranking) or ``pow2`` (power of two
     choices on queue length); ``l2_eviction``: the L2 pools' eviction policy
-    (``eviction_order.EVICTIONS``). ``seed`` seeds every random choice."""
+    (``node_settings.L2_EVICTIONS``). ``seed`` seeds every random choice."""
 
     nodes: int
     engines_per_node: int

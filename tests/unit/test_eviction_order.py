@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-from raykv.cache_actors.node.eviction_order import EVICTIONS, check_eviction, eviction_order
+from raykv.cache_actors.node.eviction_order import check_eviction, eviction_order
 from raykv.cache_actors.node.l2_index import FULL, L2Index
+from raykv.controllers.node_settings import L2_EVICTIONS
 
 from tests.unit.test_l2_index import A, B, Clock, EvictsHeldPages, simulate, written
 
@@ -73,7 +74,7 @@ def test_slru_takes_probation_before_protected_and_demotes_over_its_share():
     assert takes(order, 1) == [0]
 
 
-@pytest.mark.parametrize("name", EVICTIONS)
+@pytest.mark.parametrize("name", L2_EVICTIONS)
 def test_a_policy_skips_pages_that_are_not_evictable(name):
     order = eviction_order(name, 4)
     for p in range(4):
@@ -84,7 +85,7 @@ def test_a_policy_skips_pages_that_are_not_evictable(name):
     assert sorted(order.hottest()) == [0, 1, 3]
 
 
-@pytest.mark.parametrize("name", EVICTIONS)
+@pytest.mark.parametrize("name", L2_EVICTIONS)
 def test_no_policy_evicts_a_held_leased_or_dirty_page(name):
     """A pool of 4 pages: k0 dirty, k1 held by a reader, k2 leased, k3 not; 12 new keys
     written one after the other all go through k3's page, and a reservation of two keys
@@ -110,13 +111,13 @@ def test_no_policy_evicts_a_held_leased_or_dirty_page(name):
     assert all(ix.page_of(k) is None for k in ("k0", "k1", "k2"))
 
 
-@pytest.mark.parametrize("name", EVICTIONS)
+@pytest.mark.parametrize("name", L2_EVICTIONS)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_holders_never_read_other_bytes_under_each_policy(name, seed):
     simulate(seed, functools.partial(L2Index, eviction=name))
 
 
-@pytest.mark.parametrize("name", EVICTIONS)
+@pytest.mark.parametrize("name", L2_EVICTIONS)
 def test_control_each_policy_evicting_held_pages_lets_a_reader_see_other_bytes(name):
     class Evicts(EvictsHeldPages):
         def __init__(self, *args) -> None:
