@@ -363,8 +363,8 @@ def _connected(call, *args, **kwargs):
               help="The most seconds one such warm-up runs.")
 @click.option("--l2-eviction", default=DEFAULTS.l2_eviction, show_default=True,
               type=click.Choice(L2_EVICTIONS),
-              help="Which ready page an L2 pool evicts first: lru (the least recently "
-              "used), s3fifo (pages not used since they came in before used ones), slru "
+              help="Which ready page an L2 pool evicts first: s3fifo (pages not used "
+              "since they came in before used ones), lru (the least recently used), slru "
               "(pages used once before pages used again).")
 @click.option("--placement", default=DEFAULTS.placement, show_default=True,
               type=click.Choice(PLACEMENTS),
@@ -963,7 +963,7 @@ def _sim_options(command):
                           "node)."),
         click.option("--placement", default="own", show_default=True,
                      type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
-        click.option("--l2-eviction", default="lru", show_default=True,
+        click.option("--l2-eviction", default=DEFAULTS.l2_eviction, show_default=True,
                      type=click.Choice(L2_EVICTIONS),
                      help="raykv's L2 eviction policy."),
         click.option("--prefill-tokens-per-s", default=None, type=SECONDS,

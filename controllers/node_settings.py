@@ -42,7 +42,7 @@ none in the last 100 s)."""
 
 PLACEMENTS = ("own", "any")
 """Where a node's puts place objects (``NodeSettings.placement``)."""
-L2_EVICTIONS = ("lru", "s3fifo", "slru")
+L2_EVICTIONS = ("s3fifo", "lru", "slru")
 """Which ready page an L2 pool evicts first (``NodeSettings.l2_eviction``; the policies:
 ``cache_actors.node.eviction_order``)."""
 
@@ -91,9 +91,10 @@ class NodeSettings:
     ``l2_warm_bytes``: the most bytes a warm-up reads into an L2 pool new on a node (the
     hottest pages of its deployment's rank, from L3: ``cache_actors.node.l2_warmup``;
     0: no warm-up); ``l2_warm_s``: the most seconds one runs. ``l2_eviction``: which
-    ready page an L2 pool evicts first (``L2_EVICTIONS``: ``lru``, the least recently
-    used; ``s3fifo``, pages never used since they came in before used ones; ``slru``,
-    pages used once before pages used again).
+    ready page an L2 pool evicts first (``L2_EVICTIONS``: ``s3fifo``, the default, pages
+    never used since they came in before used ones; ``lru``, the least recently used;
+    ``slru``, pages used once before pages used again; why: docs/benchmarks.md,
+    "Eviction and the L2 split").
     ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
     segment while it has room and anywhere else after (embedded mode; standalone puts
     keep Mooncake's placement); ``any``, Mooncake's own choice, a random segment.
@@ -127,7 +128,7 @@ class NodeSettings:
     l2_bytes: int = 1 << 30
     l2_warm_bytes: int = 256 << 20
     l2_warm_s: float = 30.0
-    l2_eviction: str = "lru"
+    l2_eviction: str = "s3fifo"
     placement: str = "own"
     disk_dir: str = ""
     disk_bytes: int = 0

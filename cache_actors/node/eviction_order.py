@@ -7,13 +7,14 @@ pages a caller says are evictable (``L2Index``: neither held, leased nor dirty);
 it skips as not evictable stays (``s3fifo``'s small FIFO: goes round again). Policies
 (``L2_EVICTIONS``: ``NodeSettings.l2_eviction``):
 
-- ``lru``: the least recently used page goes first.
-- ``s3fifo`` (S3-FIFO, Yang et al., SOSP'23): a new page enters a small FIFO (a tenth
-  of the pages); one never used there leaves the pool (its key is kept in a ghost
-  queue of as many keys as the pool has pages), one used moves to the main FIFO; a key
-  that comes back while in the ghost queue enters the main FIFO at once. The main FIFO
-  gives each page with uses left another turn (one use fewer: at most 3 kept) before
-  its unused head goes. One-time blocks leave early, reused ones stay.
+- ``lru``: the least recently used page goes first (``L2Index``'s own default).
+- ``s3fifo`` (S3-FIFO, Yang et al., SOSP'23; the node's default): a new page enters a
+  small FIFO (a tenth of the pages); one never used there leaves the pool (its key is
+  kept in a ghost queue of as many keys as the pool has pages), one used moves to the
+  main FIFO; a key that comes back while in the ghost queue enters the main FIFO at
+  once. The main FIFO gives each page with uses left another turn (one use fewer: at
+  most 3 kept) before its unused head goes. One-time blocks leave early, reused ones
+  stay.
 - ``slru`` (segmented LRU): a new page enters a probation LRU; a page used there moves
   to a protected LRU of at most four fifths of the pages, whose least recently used
   page falls back to probation's most recent end when it is over. Victims come from
@@ -182,7 +183,7 @@ class SLRUOrder:
 
 
 EvictionOrder = LRUOrder | S3FIFOOrder | SLRUOrder
-_ORDERS = dict(zip(L2_EVICTIONS, (LRUOrder, S3FIFOOrder, SLRUOrder), strict=True))
+_ORDERS = dict(zip(L2_EVICTIONS, (S3FIFOOrder, LRUOrder, SLRUOrder), strict=True))
 
 
 def check_eviction(name: object) -> str:

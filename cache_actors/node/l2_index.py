@@ -23,10 +23,11 @@ the rules that make a page's bytes right for whoever reads them:
   there; never another object's bytes, since ``acquire`` checks the key itself.
 - A *dirty* page holds an object not yet in L3 (its write-behind put has not ended); it
   is not evicted until ``flushed``.
-- Eviction takes a ready page that is neither held, leased nor dirty, the one the
-  pool's eviction policy picks (``eviction_order``: ``lru``, the least recently used, by
-  default); ``reserve`` never evicts anything else, so when every page is held, leased or
-  dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
+- Eviction takes a ready page that is neither held, leased nor dirty, the one the pool's
+  eviction order picks (``eviction_order``: ``lru``, the least recently used, unless
+  told; the node's is ``NodeSettings.l2_eviction``); ``reserve`` never evicts anything
+  else, so when every page is held, leased or dirty it answers ``FULL`` for that key
+  (the caller stores it another way or drops it).
 - ``reserve`` answers ``PRESENT`` only for a ready key; for a key another holder is still
   writing it answers ``WRITING``: that write may yet fail or be abandoned (then the key
   is in L2 nowhere), so the caller must not count the key stored in L2 (nor publish it

@@ -70,6 +70,7 @@ from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import check_deadline
+from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
@@ -128,7 +129,7 @@ class L2Pools:
                  destroy: Callable[[str, Owner | None], bool],
                  pool_names: Callable[[], Sequence[str]], move: Move,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
-                 l2_bytes: int, eviction: str = "lru", lease_s: float = LEASE_S,
+                 l2_bytes: int, eviction: str = DEFAULTS.l2_eviction, lease_s: float = LEASE_S,
                  flush_attempts: int = ATTEMPTS, clock: Callable[[], float] = time.monotonic,
                  log: ResidencyLog | None = None, touches: TouchJournal | None = None,
                  quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:

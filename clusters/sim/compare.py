@@ -30,6 +30,7 @@ from raykv.clusters.sim.cluster import ClusterSim
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
+from raykv.controllers.node_settings import DEFAULTS
 
 RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
 BOUNDS = ("global_lru", "belady", "global_lru_host", "belady_host", "unbounded")
@@ -49,7 +50,7 @@ class Setup:
     l3_tokens: int = 2_000_000
     placement: str = "own"
     seed: int = 0
-    l2_eviction: str = "lru"
+    l2_eviction: str = DEFAULTS.l2_eviction
 
     def __post_init__(self) -> None:
         for name in ("gpu_tokens", "l2_tokens", "l3_tokens"):

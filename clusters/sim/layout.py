@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raykv.cache_actors.node.eviction_order import check_eviction
+from raykv.controllers.node_settings import DEFAULTS
 
 PLACEMENTS = ("own", "any")
 ROUTINGS = ("raykv", "pow2")
@@ -29,7 +30,7 @@ class Layout:
     l3_blocks: int = 0
     placement: str = "own"
     routing: str = "pow2"
-    l2_eviction: str = "lru"
+    l2_eviction: str = DEFAULTS.l2_eviction
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -238,3 +238,24 @@ def test_a_written_workload_reads_back_as_a_trace(tmp_path):
     assert [(r.input_tokens, r.output_tokens, r.blocks) for r in back] == \
         [(r.input_tokens, r.output_tokens, r.blocks) for r in reqs]
     assert [r.at for r in back] == [round(r.at * 1000) / 1000 for r in reqs]
+
+
+def test_the_l2_runs_the_eviction_policy_the_layout_names():
+    """The synthetic trace's first 400 requests on one node whose L2 (300 pages) is its
+    cache (GPU caches of 2 blocks, L3 of 1): the L2 hits differ between ``lru`` and
+    ``s3fifo`` (the policy reaches the node's ``L2Index``); control: the same policy
+    twice gives the same figures. The layout's default policy is the node's; an unknown
+    one is refused."""
+    from raykv.controllers.node_settings import DEFAULTS
+
+    reqs = read_trace(TRACES / "synthetic_trace.jsonl", 400)
+
+    def l2_hits(policy: str) -> int:
+        layout = Layout(1, 2, 2, l2_blocks=300, l3_blocks=1, l2_eviction=policy)
+        return ClusterSim(layout, Costs(), reqs).run().blocks["l2"]
+
+    assert l2_hits("lru") < l2_hits("s3fifo")
+    assert l2_hits("slru") == l2_hits("slru")
+    assert Layout(1, 1, 1).l2_eviction == DEFAULTS.l2_eviction
+    with pytest.raises(ValueError, match="L2 eviction"):
+        Layout(1, 1, 1, l2_eviction="fifo")
