@@ -8,7 +8,10 @@ placement ``own``, raykv's routing) on 16 nodes x 8 engines:
 - *policies*: each of ``L2_EVICTIONS`` at each of ``POLICY_POINTS`` (GPU cache per engine,
   L2 and L3 per node, tokens);
 - *split*: each of ``SPLIT_POINTS`` (GPU cache per engine, host memory per node) with
-  ``SHARES`` of the host memory in L2 (the rest L3; 0: no L2 at all), each policy.
+  ``SHARES`` of the host memory in L2 (the rest L3; 0: no L2 at all), each policy;
+- *seeds*: the product's split (half of the host memory in L2: ``l2_bytes`` and
+  ``global_segment_size`` are 1 GiB each by default) at each of ``SPLIT_POINTS``,
+  ``lru`` and ``s3fifo``, with each of ``SEEDS`` (routing and placement choices).
 
 Each point also gives the untimed references over the same host memory (``bounds``:
 one global LRU, Belady), once per memory size.
@@ -40,6 +43,8 @@ SPLIT_POINTS = ((16_000, 192_000), (256_000, 3_000_000))
 """``(gpu_tokens, host_tokens)`` of the split: the small and the default capacity."""
 SHARES = (0.0, 1 / 6, 1 / 3, 1 / 2, 2 / 3)
 """The parts of a node's host memory in L2 (``raykv sim``'s default: a third)."""
+SEEDS = (1, 2)
+"""The seeds of the *seeds* runs (the others run with seed 0)."""
 
 
 def run(requests: Sequence[Request], setup: Setup, costs: Costs, l2: bool = True) -> dict:
@@ -71,7 +76,8 @@ def study(requests: Sequence[Request], costs: Costs, base: Setup | None = None) 
     ``base``'s nodes (None: ``Setup``'s defaults, 16 x 8)."""
     base = base or Setup()
     out: dict = {"requests": len(requests), "nodes": base.nodes,
-                 "engines_per_node": base.engines_per_node, "policies": [], "split": []}
+                 "engines_per_node": base.engines_per_node, "policies": [], "split": [],
+                 "seeds": []}
     refs: dict[int, dict] = {}
 
     def ref(host: int) -> dict:
@@ -97,6 +103,15 @@ def study(requests: Sequence[Request], costs: Costs, base: Setup | None = None) 
                                             l2_tokens=max(l2, BLOCK_TOKENS), l2_eviction=name)
                 runs[name] = run(requests, setup, costs, l2 > 0)
         out["split"].append(point)
+    for gpu, host in SPLIT_POINTS:
+        point = {"gpu_tokens": gpu, "host_tokens": host, "l2_tokens": host // 2, "runs": {}}
+        for seed in SEEDS:
+            for name in ("lru", "s3fifo"):
+                setup = dataclasses.replace(base, gpu_tokens=gpu, l2_tokens=host // 2,
+                                            l3_tokens=host - host // 2, l2_eviction=name,
+                                            seed=seed)
+                point["runs"][f"{name}/{seed}"] = run(requests, setup, costs)
+        out["seeds"].append(point)
     return out
 
 
@@ -125,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"{name} gpu {pt['gpu_tokens']} host {pt['host_tokens']} L2 {s}: "
                       + ", ".join(f"{n} {r['block_hit_rate']:.4f} ({r['ttft_s']['p50']:.2f} s)"
                                   for n, r in x.items() if n != "l2_tokens"))
+        for pt in r["seeds"]:
+            print(f"{name} gpu {pt['gpu_tokens']} host {pt['host_tokens']} L2 half: " + ", ".join(
+                f"{n} {x['block_hit_rate']:.4f}" for n, x in pt["runs"].items()))
     print(f"wrote {a.out} ({result['seconds']} s)")
 
 
