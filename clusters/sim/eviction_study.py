@@ -49,7 +49,8 @@ SEEDS = (1, 2)
 
 def run(requests: Sequence[Request], setup: Setup, costs: Costs, l2: bool = True) -> dict:
     """One ``raykv`` run of ``setup`` (without ``l2``: no L2 at all): hit rates (blocks,
-    tokens, per tier), TTFT, network bytes, L2's counters, the simulator's seconds."""
+    tokens, per tier), TTFT, network bytes, the most and fewest requests a node served,
+    L2's counters, the simulator's seconds."""
     t = time.perf_counter()
     layout = setup.layouts()["raykv"]
     layout = layout if l2 else dataclasses.replace(layout, l2_blocks=0)
@@ -59,6 +60,7 @@ def run(requests: Sequence[Request], setup: Setup, costs: Costs, l2: bool = True
     return {"block_hit_rate": f["block_hit_rate"], "token_hit_rate": f["token_hit_rate"],
             "tiers_block": f["tiers_block"], "ttft_s": f["ttft_s"],
             "network_bytes": f["network_bytes"],
+            "requests_per_node": {k: f["requests_per_node"][k] for k in ("max", "min")},
             "l2": {k: l2[k] for k in ("hits", "evicted", "full")} if l2 else {},
             "simulator_s": round(time.perf_counter() - t, 2)}
 
