@@ -259,3 +259,46 @@ def test_the_l2_runs_the_eviction_policy_the_layout_names():
     assert Layout(1, 1, 1).l2_eviction == DEFAULTS.l2_eviction
     with pytest.raises(ValueError, match="L2 eviction"):
         Layout(1, 1, 1, l2_eviction="fifo")
+
+
+def eviction_table_errors(text: str, result: dict) -> list[str]:
+    """The rows of benchmarks.md's policy and split tables (*Eviction and the L2
+    split*) whose hit rates are not the recorded run's (``sim_eviction.json``)."""
+    import re
+
+    names = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+    want = []
+    for trace, r in result["traces"].items():
+        short = next(k for k, v in names.items() if v == trace)
+        for p in r["policies"]:
+            want.append((short, [p["runs"][n]["block_hit_rate"] for n in ("lru", "s3fifo",
+                                                                          "slru")]))
+        for p in r["split"]:
+            want.append((short, [x[n]["block_hit_rate"] for x in p["runs"].values()
+                                 for n in ("lru", "s3fifo") if n in x]))
+    rows = [line for line in text.split("### Eviction and the L2 split", 1)[1].split(
+        "**What the figures say.**", 1)[0].splitlines() if line.startswith(("| conv", "| synth"))]
+    got = [(row.split("|")[1].strip().split(",")[0],
+            [float(x) for x in re.findall(r"(?<![\w.(])(\d+\.\d\d)(?!\d)", row)])
+           for row in rows]
+    errors = []
+    for trace, rates in want:
+        rates = [round(100 * x, 2) for x in rates]
+        if not any(t == trace and g[:len(rates)] == rates or
+                   (len(set(rates)) == 1 and set(g) == set(rates)) for t, g in got):
+            errors.append(f"{trace}: {rates}")
+    return errors
+
+
+def test_the_eviction_tables_quote_the_recorded_runs():
+    """Every recorded policy point and split row of ``docs/sim_eviction.json`` is a row
+    of benchmarks.md's tables, figure for figure. Control: one figure changed is
+    caught."""
+    import json
+
+    docs = Path(__file__).parent.parent.parent / "docs"
+    text = (docs / "benchmarks.md").read_text()
+    result = json.loads((docs / "sim_eviction.json").read_text())
+    assert eviction_table_errors(text, result) == []
+    assert eviction_table_errors(text.replace("| 9.12 | **12.35**", "| 9.13 | **12.35**"),
+                                 result) != []
