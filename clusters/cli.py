@@ -18,6 +18,7 @@ from click.core import ParameterSource
 from raykv.controllers.node_lifecycle import DRAIN_TIMEOUT_S, RETIRE_IDLE_S, LifecycleSettings
 from raykv.controllers.node_settings import (
     DEFAULTS,
+    L2_EVICTIONS,
     PLACEMENTS,
     STANDALONE_POOL_BYTES,
     NodeSettings,
@@ -360,6 +361,11 @@ def _connected(call, *args, **kwargs):
 @click.option("--l2-warm-seconds", default=DEFAULTS.l2_warm_s, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="The most seconds one such warm-up runs.")
+@click.option("--l2-eviction", default=DEFAULTS.l2_eviction, show_default=True,
+              type=click.Choice(L2_EVICTIONS),
+              help="Which ready page an L2 pool evicts first: s3fifo (pages not used "
+              "since they came in before used ones), lru (the least recently used), slru "
+              "(pages used once before pages used again).")
 @click.option("--placement", default=DEFAULTS.placement, show_default=True,
               type=click.Choice(PLACEMENTS),
               help="Where each node's puts go: own (the node's own segment while it has "
@@ -410,7 +416,7 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
        rdma_devices: str, local_hostname: str | None, local_buffer_size: int,
        mooncake_log_level: str, standalone: bool, host_pool_size: int | None,
        untenanted_pool_size: int | None, l2_size: int, l2_warm_size: int,
-       l2_warm_seconds: float, placement: str, confirm_ttl: float,
+       l2_warm_seconds: float, l2_eviction: str, placement: str, confirm_ttl: float,
        tenant_quotas: tuple[tuple[str, int], ...],
        tenant_digests: tuple[tuple[str, str], ...], bound_tenants_only: bool,
        keep_nodes: tuple[str, ...], retire_idle: float, drain_timeout: float,
@@ -450,8 +456,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
             untenanted_pool_bytes=untenanted_pool_size, confirm_ttl_s=confirm_ttl,
             tenant_quotas=quotas, tenant_digests=digests,
             bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
-            l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
-            disk_dir=disk_dir, disk_bytes=disk_size or 0)
+            l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, l2_eviction=l2_eviction,
+            placement=placement, disk_dir=disk_dir, disk_bytes=disk_size or 0)
         lifecycle = LifecycleSettings(keep_nodes=keep_nodes, retire_idle_s=retire_idle,
                                       drain=not no_drain, drain_timeout_s=drain_timeout)
     except ValueError as e:
@@ -464,7 +470,8 @@ def up(address: str, namespace: str, master_address: str | None, metadata_server
                   untenanted_pool_bytes=untenanted_pool_size,
                   confirm_ttl_s=confirm_ttl, tenant_quotas=quotas, tenant_digests=digests,
                   bound_tenants_only=bound_tenants_only, l2_bytes=l2_size,
-                  l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds, placement=placement,
+                  l2_warm_bytes=l2_warm_size, l2_warm_s=l2_warm_seconds,
+                  l2_eviction=l2_eviction, placement=placement,
                   disk_dir=disk_dir, disk_bytes=disk_size or 0,
                   lifecycle=lifecycle if _given("keep_nodes", "retire_idle", "drain_timeout",
                                                 "no_drain") else None)
@@ -956,6 +963,9 @@ def _sim_options(command):
                           "node)."),
         click.option("--placement", default="own", show_default=True,
                      type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
+        click.option("--l2-eviction", default=DEFAULTS.l2_eviction, show_default=True,
+                     type=click.Choice(L2_EVICTIONS),
+                     help="raykv's L2 eviction policy."),
         click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
                      help="An engine's prefill rate [default: the cost model's, 10000]."),
         click.option("--link-gbit", default=None, type=SECONDS,
@@ -976,7 +986,7 @@ def _sim_options(command):
 
 
 def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
-                l2_tokens: int, l3_tokens: int, placement: str,
+                l2_tokens: int, l3_tokens: int, placement: str, l2_eviction: str,
                 prefill_tokens_per_s: float | None, link_gbit: float | None,
                 limit: int | None, copies: int, seed: int) -> tuple:
     """``(requests, setup, costs)`` of the shared options; ``ValueError`` or
@@ -991,7 +1001,8 @@ def _sim_inputs(trace: str, nodes: int, engines_per_node: int, gpu_tokens: int,
                                  ("link_gbit", link_gbit)) if v is not None}
     requests = read_trace(trace, limit)
     requests = shifted_copies(requests, copies) if copies > 1 else requests
-    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed)
+    setup = Setup(nodes, engines_per_node, gpu_tokens, l2_tokens, l3_tokens, placement, seed,
+                  l2_eviction=l2_eviction)
     return requests, setup, dataclasses.replace(Costs(), **changes)
 
 

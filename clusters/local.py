@@ -179,6 +179,7 @@ def start_local(
     l2_bytes: int = DEFAULTS.l2_bytes,
     l2_warm_bytes: int = DEFAULTS.l2_warm_bytes,
     l2_warm_s: float = DEFAULTS.l2_warm_s,
+    l2_eviction: str = DEFAULTS.l2_eviction,
     placement: str = DEFAULTS.placement,
     resources: dict[str, float] | None = None,
     lifecycle: LifecycleSettings | None = None,
@@ -233,7 +234,8 @@ def start_local(
     ``host_pool_bytes`` standalone; 0: none). ``l2_bytes``: the most bytes of each
     node's L2 pools (vLLM's node-local cache; 0: none). ``l2_warm_bytes``,
     ``l2_warm_s``: the budgets of the warm-up of an L2 pool new on a node (bytes, 0: no
-    warm-up; seconds). ``placement``: ``own`` (puts
+    warm-up; seconds). ``l2_eviction``: which ready page an L2 pool evicts first
+    (``NodeSettings.l2_eviction``). ``placement``: ``own`` (puts
     prefer the writing node's segment) or ``any`` (Mooncake's random choice).
     ``resources``: custom Ray resources every node advertises (also nodes added later),
     e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
@@ -274,7 +276,7 @@ def start_local(
         tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
         bound_tenants_only=bound_tenants_only, untenanted_pool_bytes=untenanted_pool_bytes,
         l2_bytes=l2_bytes, l2_warm_bytes=l2_warm_bytes, l2_warm_s=l2_warm_s,
-        placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes)
+        l2_eviction=l2_eviction, placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes)
     if disk_dir:
         settings = replace(settings, seal_key=read_seal_key(disk_dir))
         master_args = [*MASTER_FLAGS, *master_args]

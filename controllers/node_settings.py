@@ -42,6 +42,9 @@ none in the last 100 s)."""
 
 PLACEMENTS = ("own", "any")
 """Where a node's puts place objects (``NodeSettings.placement``)."""
+L2_EVICTIONS = ("s3fifo", "lru", "slru")
+"""Which ready page an L2 pool evicts first (``NodeSettings.l2_eviction``; the policies:
+``cache_actors.node.eviction_order``)."""
 
 PROCESS_ONLY = frozenset({"mooncake_log_level"})
 """``NodeSettings`` fields that set the node actor's process environment (``env``)
@@ -87,7 +90,11 @@ class NodeSettings:
     together, within ``host_pool_bytes`` and the tenants' quotas (0: no L2).
     ``l2_warm_bytes``: the most bytes a warm-up reads into an L2 pool new on a node (the
     hottest pages of its deployment's rank, from L3: ``cache_actors.node.l2_warmup``;
-    0: no warm-up); ``l2_warm_s``: the most seconds one runs.
+    0: no warm-up); ``l2_warm_s``: the most seconds one runs. ``l2_eviction``: which
+    ready page an L2 pool evicts first (``L2_EVICTIONS``: ``s3fifo``, the default, pages
+    never used since they came in before used ones; ``lru``, the least recently used;
+    ``slru``, pages used once before pages used again; why: docs/benchmarks.md,
+    "Eviction and the L2 split").
     ``placement``: where a node's puts go (``PLACEMENTS``): ``own``, on the node's own
     segment while it has room and anywhere else after (embedded mode; standalone puts
     keep Mooncake's placement); ``any``, Mooncake's own choice, a random segment.
@@ -121,6 +128,7 @@ class NodeSettings:
     l2_bytes: int = 1 << 30
     l2_warm_bytes: int = 256 << 20
     l2_warm_s: float = 30.0
+    l2_eviction: str = "s3fifo"
     placement: str = "own"
     disk_dir: str = ""
     disk_bytes: int = 0
@@ -139,6 +147,9 @@ class NodeSettings:
             raise ValueError(f"l2_warm_bytes must be an int >= 0, got {self.l2_warm_bytes!r}")
         if type(self.l2_warm_s) not in (int, float) or not 0 < self.l2_warm_s < math.inf:
             raise ValueError(f"l2_warm_s must be seconds > 0, got {self.l2_warm_s!r}")
+        if self.l2_eviction not in L2_EVICTIONS:
+            raise ValueError(f"l2_eviction must be one of {L2_EVICTIONS}, got "
+                             f"{self.l2_eviction!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.confirm_ttl_s < 0:

@@ -23,9 +23,11 @@ the rules that make a page's bytes right for whoever reads them:
   there; never another object's bytes, since ``acquire`` checks the key itself.
 - A *dirty* page holds an object not yet in L3 (its write-behind put has not ended); it
   is not evicted until ``flushed``.
-- Eviction takes the least recently used ready page that is neither held, leased nor
-  dirty; ``reserve`` never evicts anything else, so when every page is held, leased or
-  dirty it answers ``FULL`` for that key (the caller stores it another way or drops it).
+- Eviction takes a ready page that is neither held, leased nor dirty, the one the pool's
+  eviction order picks (``eviction_order``: ``lru``, the least recently used, unless
+  told; the node's is ``NodeSettings.l2_eviction``); ``reserve`` never evicts anything
+  else, so when every page is held, leased or dirty it answers ``FULL`` for that key
+  (the caller stores it another way or drops it).
 - ``reserve`` answers ``PRESENT`` only for a ready key; for a key another holder is still
   writing it answers ``WRITING``: that write may yet fail or be abandoned (then the key
   is in L2 nowhere), so the caller must not count the key stored in L2 (nor publish it
@@ -39,9 +41,10 @@ Every method runs under the caller's lock (``L2Pools``); none blocks.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from raykv.cache_actors.node.eviction_order import eviction_order
 
 Holder = tuple[int, int]
 """One rank thread: ``(thread id, start ticks)`` (``ProcessIdentity``; a process's main
@@ -72,11 +75,12 @@ class _Page:
 class L2Index:
     """The pages of one L2 pool of ``pages`` pages (see the module docstring).
     ``lease_s``: how long a ``lookup`` keeps a page from eviction; ``clock``: seconds
-    (``time.monotonic`` in the node actor); ``on_change``: see the module docstring.
-    Counters in ``counts``."""
+    (``time.monotonic`` in the node actor); ``on_change``: see the module docstring;
+    ``eviction``: the policy (``node_settings.L2_EVICTIONS``). Counters in ``counts``."""
 
     def __init__(self, pages: int, lease_s: float, clock: Callable[[], float],
-                 on_change: Callable[[str, bool], None] | None = None) -> None:
+                 on_change: Callable[[str, bool], None] | None = None,
+                 eviction: str = "lru") -> None:
         if pages < 1:
             raise ValueError(f"an L2 pool needs at least one page, got {pages}")
         if lease_s <= 0:
@@ -87,7 +91,7 @@ class L2Index:
         self._pages = [_Page() for _ in range(pages)]
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: page 0 first
         self._keys: dict[str, int] = {}  # key -> page, writing or ready
-        self._lru: OrderedDict[int, None] = OrderedDict()  # ready pages, oldest first
+        self._order = eviction_order(eviction, pages)  # the ready pages
         self._held: dict[Holder, set[int]] = {}
         self.counts = {"hits": 0, "misses": 0, "written": 0, "evicted": 0, "full": 0,
                        "flushed": 0, "aborted": 0}
@@ -112,13 +116,13 @@ class L2Index:
 
     def lease(self, key: str) -> bool:
         """Whether ``key`` is ready here; if so its page is leased for ``lease_s`` from
-        now (kept from eviction) and made the most recently used."""
+        now (kept from eviction) and used (its eviction order told)."""
         p = self.page_of(key)
         if p is None:
             return False
         page = self._pages[p]
         page.lease_until = max(page.lease_until, self._clock() + self.lease_s)
-        self._lru.move_to_end(p)
+        self._order.used(p)
         return True
 
     def lookup(self, keys: Sequence[str]) -> int:
@@ -139,7 +143,7 @@ class L2Index:
                 break
             self._pages[p].readers.add(holder)
             self._held.setdefault(holder, set()).add(p)
-            self._lru.move_to_end(p)
+            self._order.used(p)
             out.append(p)
         self.counts["hits"] += len(out)
         self.counts["misses"] += len(keys) - len(out)
@@ -192,7 +196,7 @@ class L2Index:
                 self.counts["aborted"] += 1
                 continue
             page.writer, page.dirty = None, dirty
-            self._lru[p] = None
+            self._order.add(p, page.key)
             self._unhold(holder, p)
             if reader is not None:
                 page.readers.add(reader)
@@ -222,9 +226,10 @@ class L2Index:
                 self.counts["aborted"] += 1
 
     def ready_keys(self, limit: int) -> list[str]:
-        """The keys of ready pages, most recently used first, at most ``limit``."""
+        """The keys of ready pages, the hottest first (``lru``: most recently used
+        first), at most ``limit``."""
         out = []
-        for p in reversed(self._lru):
+        for p in self._order.hottest():
             if len(out) >= limit:
                 break
             out.append(self._pages[p].key)
@@ -245,21 +250,22 @@ class L2Index:
 
     # ---------------------------------------------------------------- helpers
     def _take(self) -> int | None:
-        """A free page, else the least recently used evictable ready one (evicted)."""
+        """A free page, else the evictable ready one the eviction order picks (evicted)."""
         if self._free:
             return self._free.pop()
         now = self._clock()
-        for p in self._lru:
-            page = self._pages[p]
-            if not page.readers and not page.dirty and page.lease_until <= now:
-                del self._lru[p]
-                del self._keys[page.key]
-                if self._on_change is not None:
-                    self._on_change(page.key, False)
-                page.key, page.lease_until = None, 0.0
-                self.counts["evicted"] += 1
-                return p
-        return None
+        pages = self._pages
+        p = self._order.take(lambda p: not pages[p].readers and not pages[p].dirty
+                             and pages[p].lease_until <= now)
+        if p is None:
+            return None
+        page = pages[p]
+        del self._keys[page.key]
+        if self._on_change is not None:
+            self._on_change(page.key, False)
+        page.key, page.lease_until = None, 0.0
+        self.counts["evicted"] += 1
+        return p
 
     def _drop_writer(self, p: int, unhold: bool = True) -> None:
         page = self._pages[p]

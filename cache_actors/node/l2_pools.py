@@ -70,6 +70,7 @@ from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import check_deadline
+from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
@@ -113,28 +114,29 @@ class _L2Pool:
 
 
 class L2Pools:
-    """The L2 pools of one node (see the module docstring). ``create(name, layout,
-    owner) -> PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as
-    ``NodePools`` does (quotas, budget); ``move``: the store's put and get (``Move``);
-    ``verify``: a caller's claim checked (``NodeService.verify``); ``l2_bytes``: the
-    most bytes of this node's L2 pools together (0: no L2); ``flush_attempts``: puts per
-    object of the write-behind at most (1: no retry); ``log`` / ``touches``: the node's
-    residency log, told each key that becomes or stops being ready, and touch journal,
-    told each page an acquire serves (None: its own); ``quota_left(owner)``: bytes its
-    tenant (no tenant: the pools without one) may add here (None: unbounded)."""
+    """The L2 pools of one node (see the module docstring). ``create(name, layout, owner) ->
+    PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as ``NodePools`` does
+    (quotas, budget); ``move``: the store's put and get (``Move``); ``verify``: a caller's
+    claim checked (``NodeService.verify``); ``l2_bytes``: the most bytes of this node's L2
+    pools together (0: no L2); ``eviction``: their ``NodeSettings.l2_eviction``;
+    ``flush_attempts``: puts per object of the write-behind at most (1: no retry); ``log`` /
+    ``touches``: the node's residency log, told each key that becomes or stops being ready,
+    and touch journal, told each page an acquire serves (None: its own);
+    ``quota_left(owner)``: bytes its tenant (no tenant: the pools without one) may add here
+    (None: unbounded)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
                  pool_names: Callable[[], Sequence[str]], move: Move,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
-                 l2_bytes: int, lease_s: float = LEASE_S, flush_attempts: int = ATTEMPTS,
-                 clock: Callable[[], float] = time.monotonic,
+                 l2_bytes: int, eviction: str = DEFAULTS.l2_eviction, lease_s: float = LEASE_S,
+                 flush_attempts: int = ATTEMPTS, clock: Callable[[], float] = time.monotonic,
                  log: ResidencyLog | None = None, touches: TouchJournal | None = None,
                  quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
         self._move, self._verify, self._quota_left = move, verify, quota_left
         self.l2_bytes = l2_bytes
-        self._lease_s, self._clock = lease_s, clock
+        self._index = partial(L2Index, lease_s=lease_s, clock=clock, eviction=eviction)
         self._log, self._touches = log or ResidencyLog(), touches or TouchJournal()
         self._incarnation = uuid.uuid4().hex[:8]
         self._made = itertools.count(1)  # serial of the pools made (under _open_lock)
@@ -191,10 +193,9 @@ class L2Pools:
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
             handle = self._create(name, sized, caller.owner)
+            index = self._index(fits, on_change=told(self._log, caller.owner))
             with self._lock:
-                self._pools[name] = _L2Pool(handle, caller.owner,
-                                            L2Index(fits, self._lease_s, self._clock,
-                                                    told(self._log, caller.owner)))
+                self._pools[name] = _L2Pool(handle, caller.owner, index)
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
             return handle
 

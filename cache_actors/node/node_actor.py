@@ -89,7 +89,7 @@ class NodeCacheActor:
         tenant_digests: dict[str, str],
         bound_tenants_only: bool,
         untenanted_pool_bytes: int | None,
-        l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float,
+        l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float, l2_eviction: str,
         placement: str,
         disk_dir: str, disk_bytes: int, seal_key: str,
     ) -> None:
@@ -114,7 +114,7 @@ class NodeCacheActor:
             confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
-            l2_bytes=l2_bytes)
+            l2_bytes=l2_bytes, l2_eviction=l2_eviction)
         metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
         metrics.watch(BacklogMetrics(node_id, self._service.l2.counters).export)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")

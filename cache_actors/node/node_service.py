@@ -79,6 +79,7 @@ from raykv.cache_actors.shared_memory import shm_path
 from raykv.cache_actors.tickets import TicketRef, check_deadline
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
+from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.owner_sessions import UnknownSessionError
@@ -117,6 +118,7 @@ class NodeService:
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
                  group_window_s: float, confirm_ttl_s: float,
+                 l2_eviction: str = DEFAULTS.l2_eviction,
                  tenant_quotas: Mapping[str, int] | None = None,
                  tenant_digests: Mapping[str, str] | None = None,
                  bound_tenants_only: bool = False, l2_bytes: int = 0) -> None:
@@ -146,13 +148,12 @@ class NodeService:
                                                                         owner),
                           self._pools.destroy, lambda: list(self._pools.table.pools),
                           lambda op, batch, deadline, caller: self._move(
-                              op, batch, None, deadline, caller, True),
-                          self.verify, l2_bytes=l2_bytes, log=self.residency_log,
+                              op, batch, None, deadline, caller, True), self.verify,
+                          l2_bytes=l2_bytes, eviction=l2_eviction, log=self.residency_log,
                           touches=self.touches, quota_left=partial(quota_left, self._pools))
         metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()
-        reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S),
-                   self._stop)
+        reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S), self._stop)
         self._channel = ChannelServer(
             shm_path(prefix + CHANNEL_SOCKET),
             {DataOp.EXISTS: partial(self.exists, verified=True),

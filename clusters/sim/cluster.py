@@ -77,8 +77,8 @@ class ClusterSim:
                                  layout.host_blocks) for i in range(layout.engines)]
         self._ids = list(range(layout.engines))
         clock = self._clock
-        self._l2 = [L2Index(layout.l2_blocks, LEASE_S, clock) if layout.l2_blocks else None
-                    for _ in range(layout.nodes)]
+        self._l2 = [L2Index(layout.l2_blocks, LEASE_S, clock, eviction=layout.l2_eviction)
+                    if layout.l2_blocks else None for _ in range(layout.nodes)]
         disk = DiskTier([layout.disk_blocks] * layout.nodes) if layout.disk_blocks else None
         self._l3 = L3Store([layout.l3_blocks] * layout.nodes, clock, rng, disk=disk) \
             if layout.l3_blocks else None

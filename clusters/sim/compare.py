@@ -35,6 +35,7 @@ from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.scaling import Scaling
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
+from raykv.controllers.node_settings import DEFAULTS
 
 RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
 BOUNDS = ("global_lru", "belady", "global_lru_host", "belady_host", "unbounded")
@@ -45,7 +46,8 @@ class Setup:
     """One comparison: ``nodes`` x ``engines_per_node``; tokens of KV per engine's GPU
     prefix cache (``gpu_tokens``) and per node in L2 and L3 (``l2_tokens``,
     ``l3_tokens``: the node's host memory for caching is their sum); raykv's
-    ``placement``; ``seed``; ``disk_tokens``: each node's disk tier (0: none)."""
+    ``placement`` and L2 eviction policy (``l2_eviction``); ``seed``; ``disk_tokens``:
+    each node's disk tier (0: none)."""
 
     nodes: int = 16
     engines_per_node: int = 8
@@ -55,6 +57,7 @@ class Setup:
     placement: str = "own"
     seed: int = 0
     disk_tokens: int = 0
+    l2_eviction: str = DEFAULTS.l2_eviction
 
     def __post_init__(self) -> None:
         for name in ("gpu_tokens", "l2_tokens", "l3_tokens"):
@@ -71,7 +74,7 @@ class Setup:
         disk = self.disk_tokens // b
         raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b, disk_blocks=disk,
                                     l3_blocks=self.l3_tokens // b, placement=self.placement,
-                                    routing="raykv")
+                                    routing="raykv", l2_eviction=self.l2_eviction)
         return {
             "gpu_only": base,
             "local_host": dataclasses.replace(

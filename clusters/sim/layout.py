@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raykv.cache_actors.node.eviction_order import check_eviction
+from raykv.controllers.node_settings import DEFAULTS
+
 PLACEMENTS = ("own", "any")
 ROUTINGS = ("raykv", "pow2", "round_robin")
 
@@ -18,7 +21,8 @@ class Layout:
     no L3) and a disk tier of ``disk_blocks`` (0: none). ``placement``: where L3 puts
     land (``own``, ``any``); ``routing``: ``raykv`` (the router's ranking), ``pow2``
     (power of two choices on queue length) or ``round_robin`` (the ``i``-th request to
-    engine ``i`` modulo the engines: a choice a replay on a real cluster makes too).
+    engine ``i`` modulo the engines: a choice a replay on a real cluster makes too);
+    ``l2_eviction``: the L2 pools' eviction policy (``node_settings.L2_EVICTIONS``).
     ``seed`` seeds every random choice."""
 
     nodes: int
@@ -29,6 +33,7 @@ class Layout:
     l3_blocks: int = 0
     placement: str = "own"
     routing: str = "pow2"
+    l2_eviction: str = DEFAULTS.l2_eviction
     seed: int = 0
     disk_blocks: int = 0
 
@@ -45,6 +50,7 @@ class Layout:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"layout: placement must be one of {PLACEMENTS}, got "
                              f"{self.placement!r}")
+        check_eviction(self.l2_eviction)
         if self.routing not in ROUTINGS:
             raise ValueError(f"layout: routing must be one of {ROUTINGS}, got "
                              f"{self.routing!r}")

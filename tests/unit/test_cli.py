@@ -317,6 +317,7 @@ EMULATED_UP = {
     "--l2-size": (["--l2-size", "200MB"], ("l2_bytes", 200 << 20)),
     "--l2-warm-size": (["--l2-warm-size", "64MB"], ("l2_warm_bytes", 64 << 20)),
     "--l2-warm-seconds": (["--l2-warm-seconds", "5"], ("l2_warm_s", 5.0)),
+    "--l2-eviction": (["--l2-eviction", "slru"], ("l2_eviction", "slru")),
     "--placement": (["--placement", "any"], ("placement", "any")),
     "--confirm-ttl": (["--confirm-ttl", "0.5"], ("confirm_ttl_s", 0.5)),
     "--tenant-quota": (["--tenant-quota", "acme=1GB"], ("tenant_quotas", {"acme": 1 << 30})),

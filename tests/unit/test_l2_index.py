@@ -150,8 +150,7 @@ class EvictsHeldPages(L2Index):
     def _take(self):
         if self._free:
             return self._free.pop()
-        for p in self._lru:
-            page = self._pages[p]
+        for page in self._pages:
             page.readers.clear()
         return super()._take()
 

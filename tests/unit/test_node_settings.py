@@ -236,3 +236,17 @@ def test_a_disk_tier_is_checked_before_any_node_starts(bad, match):
     sealed = replace(whole, seal_key="ab" * 32)
     assert sealed.actor_kwargs()["disk_dir"] == "/d"
     assert "ab" * 32 not in repr(sealed)
+
+
+@pytest.mark.parametrize("bad", ["LRU", "lfu", "", None, 1])
+def test_the_l2_eviction_is_one_of_the_policies(monkeypatch, bad):
+    from raykv.clusters import deploy
+    from raykv.controllers.node_settings import L2_EVICTIONS
+
+    with pytest.raises(ValueError, match="l2_eviction"):
+        NodeSettings(l2_eviction=bad)
+    # CONTROL: each policy's name is good
+    assert [NodeSettings(l2_eviction=n).l2_eviction for n in L2_EVICTIONS] == list(L2_EVICTIONS)
+    monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
+    out = CliRunner().invoke(main, ["up", "--l2-eviction", "lfu"])
+    assert out.exit_code == 2 and "--l2-eviction" in out.output

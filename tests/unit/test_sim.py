@@ -250,3 +250,67 @@ def test_a_written_workload_reads_back_as_a_trace(tmp_path):
     assert [(r.input_tokens, r.output_tokens, r.blocks) for r in back] == \
         [(r.input_tokens, r.output_tokens, r.blocks) for r in reqs]
     assert [r.at for r in back] == [round(r.at * 1000) / 1000 for r in reqs]
+
+
+def test_the_l2_runs_the_eviction_policy_the_layout_names():
+    """The synthetic trace's first 400 requests on one node whose L2 (300 pages) is its
+    cache (GPU caches of 2 blocks, L3 of 1): the L2 hits differ between ``lru`` and
+    ``s3fifo`` (the policy reaches the node's ``L2Index``); control: the same policy
+    twice gives the same figures. The layout's default policy is the node's; an unknown
+    one is refused."""
+    from raykv.controllers.node_settings import DEFAULTS
+
+    reqs = read_trace(TRACES / "synthetic_trace.jsonl", 400)
+
+    def l2_hits(policy: str) -> int:
+        layout = Layout(1, 2, 2, l2_blocks=300, l3_blocks=1, l2_eviction=policy)
+        return ClusterSim(layout, Costs(), reqs).run().blocks["l2"]
+
+    assert l2_hits("lru") < l2_hits("s3fifo")
+    assert l2_hits("slru") == l2_hits("slru")
+    assert Layout(1, 1, 1).l2_eviction == DEFAULTS.l2_eviction
+    with pytest.raises(ValueError, match="L2 eviction"):
+        Layout(1, 1, 1, l2_eviction="fifo")
+
+
+def eviction_table_errors(text: str, result: dict) -> list[str]:
+    """The rows of benchmarks.md's policy and split tables (*Eviction and the L2
+    split*) whose hit rates are not the recorded run's (``sim_eviction.json``)."""
+    import re
+
+    names = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+    want = []
+    for trace, r in result["traces"].items():
+        short = next(k for k, v in names.items() if v == trace)
+        for p in r["policies"]:
+            want.append((short, [p["runs"][n]["block_hit_rate"] for n in ("lru", "s3fifo",
+                                                                          "slru")]))
+        for p in r["split"]:
+            want.append((short, [x[n]["block_hit_rate"] for x in p["runs"].values()
+                                 for n in ("lru", "s3fifo") if n in x]))
+    rows = [line for line in text.split("### Eviction and the L2 split", 1)[1].split(
+        "**What the figures say.**", 1)[0].splitlines() if line.startswith(("| conv", "| synth"))]
+    got = [(row.split("|")[1].strip().split(",")[0],
+            [float(x) for x in re.findall(r"(?<![\w.(])(\d+\.\d\d)(?!\d)", row)])
+           for row in rows]
+    errors = []
+    for trace, rates in want:
+        rates = [round(100 * x, 2) for x in rates]
+        if not any(t == trace and g[:len(rates)] == rates or
+                   (len(set(rates)) == 1 and set(g) == set(rates)) for t, g in got):
+            errors.append(f"{trace}: {rates}")
+    return errors
+
+
+def test_the_eviction_tables_quote_the_recorded_runs():
+    """Every recorded policy point and split row of ``docs/sim_eviction.json`` is a row
+    of benchmarks.md's tables, figure for figure. Control: one figure changed is
+    caught."""
+    import json
+
+    docs = Path(__file__).parent.parent.parent / "docs"
+    text = (docs / "benchmarks.md").read_text()
+    result = json.loads((docs / "sim_eviction.json").read_text())
+    assert eviction_table_errors(text, result) == []
+    assert eviction_table_errors(text.replace("| 9.12 | **12.35**", "| 9.13 | **12.35**"),
+                                 result) != []
