@@ -112,7 +112,9 @@ class Engine:
             model, draft, r, tp_size, page_size, max_tokens, host_pages, state_slots, tag)
             for r in range(tp_size)]
         self.node_id = node_id
-        self.page_bytes: dict[str, int] = ray.get(self.ranks[0].page_bytes.remote())
+        # every rank started (pools made, deployment registered): none left to a request
+        self.page_bytes: dict[str, int] = ray.get([r.page_bytes.remote()
+                                                   for r in self.ranks])[0]
         self.kv_index = HostIndex(host_pages)
         self.state_index = HostIndex(state_slots)
 

@@ -215,14 +215,15 @@ class NodeLink:
     def prepare(self, node_id: str) -> None:
         """Open the route of data ops to the actor of ``node_id`` now, so that the first
         one is a single round trip: the local channel (its path asked of the actor, a
-        connection opened with the claim) when that actor is this node's and runs here,
-        else the actor looked up (kept until a re-attach) and, with a tenant, the owner
-        session with it opened. Within ``timeout_s``."""
+        connection for data ops and one for group queries opened with the claim) when
+        that actor is this node's and runs here, else the actor looked up (kept until a
+        re-attach) and, with a tenant, the owner session with it opened. Within
+        ``timeout_s``."""
         with self.bounded(self.timeout_s, "prepare"):
             self._refresh()
             if node_id == self.node_id and self._local:
-                with self._retryable("prepare"):
-                    self._open_channel()
+                with self._retryable("prepare"):  # group queries have connections apart
+                    self._open_channel().warm(DataOp.GROUP_EXISTS.value, self._calls.deadline)
                 return
             actor = self._actor if node_id == self.node_id else self._actor_of(node_id)
             if self.owner is not None:
