@@ -51,9 +51,9 @@ sample).
 a load gets the leading pages the node hands over, and a node's fill from L3
 (``L2Pools.acquire`` with ``fill``) ends at the first block its L2 holds after one it
 lacks, so a load could get fewer blocks than were found (vLLM's worker recomputes the
-rest); the fill's reservation evicts least recently used pages first, often those
-very blocks, and ``short_loads`` (blocks found but not loaded) was 0 in the recorded
-runs. The check is on *found*; *loaded* is compared too. Time is not compared: the
+rest); ``short_loads`` counts the blocks found but not loaded (0 with ``lru``, 32 of
+one request with ``s3fifo`` in the recorded runs: benchmarks.md). The check is on
+*found*; *loaded* is compared too. Time is not compared: the
 simulator's TTFTs are its cost model's.
 """
 

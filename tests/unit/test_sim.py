@@ -312,5 +312,5 @@ def test_the_eviction_tables_quote_the_recorded_runs():
     text = (docs / "benchmarks.md").read_text()
     result = json.loads((docs / "sim_eviction.json").read_text())
     assert eviction_table_errors(text, result) == []
-    assert eviction_table_errors(text.replace("| 9.12 | **12.35**", "| 9.13 | **12.35**"),
+    assert eviction_table_errors(text.replace("| 9.15 | **12.59**", "| 9.16 | **12.59**"),
                                  result) != []
