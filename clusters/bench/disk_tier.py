@@ -50,7 +50,6 @@ import gc
 import json
 import mmap
 import os
-import random
 import shlex
 import shutil
 import statistics
@@ -71,6 +70,7 @@ from raykv.clusters.bench.toolkit import gbps, machine_info, summarize
 from raykv.clusters.bench.warm_workload import Request, read_trace
 from raykv.clusters.mooncake_master import MooncakeMaster
 from raykv.clusters.sim.block_lru import BlockLRU
+from raykv.clusters.sim.trace import conversations
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
 
 PAGES = (256 * KiB, MiB, 4 * MiB)
@@ -395,18 +395,13 @@ def conversation_sample(requests: Sequence[Request], distinct: int,
     groups drawn in a seeded random order until the drawn requests hold at least
     ``distinct`` distinct blocks; the drawn requests in arrival order. ``ValueError`` if
     the whole trace holds fewer."""
-    groups: dict[int, list[Request]] = {}
-    for r in requests:
-        groups.setdefault(r.blocks[min(1, len(r.blocks) - 1)], []).append(r)
-    order = sorted(groups)
-    random.Random(seed).shuffle(order)
     drawn: list[Request] = []
     seen: set[int] = set()
-    for g in order:
+    for group in conversations(requests, seed):
         if len(seen) >= distinct:
             break
-        drawn += groups[g]
-        seen.update(b for r in groups[g] for b in r.blocks)
+        drawn += group
+        seen.update(b for r in group for b in r.blocks)
     if len(seen) < distinct:
         raise ValueError(f"the trace holds {len(seen)} distinct blocks, fewer than {distinct}")
     return sorted(drawn, key=lambda r: r.at_s)

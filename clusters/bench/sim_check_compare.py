@@ -9,14 +9,13 @@ blocks: ``Request.hit_tokens``).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from raykv.clusters.sim.cluster import ClusterSim
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.tally import Tally
-from raykv.clusters.sim.trace import Request
+from raykv.clusters.sim.trace import Request, conversations
 
 TIERS = ("l2", "l3_own", "l3_remote")
 """The tiers a replay through a node's L2 finds blocks in, nearest first (the
@@ -37,16 +36,11 @@ def conversation_sample(requests: Sequence[Request], n: int, seed: int = 0) -> l
     ``n`` of those in arrival order. ``ValueError`` if ``requests`` has fewer."""
     if n < 1 or n > len(requests):
         raise ValueError(f"a sample of {n} requests out of {len(requests)}")
-    groups: dict[int, list[Request]] = {}
-    for r in requests:
-        groups.setdefault(r.blocks[min(1, len(r.blocks) - 1)], []).append(r)
-    order = sorted(groups)
-    random.Random(seed).shuffle(order)
     drawn: list[Request] = []
-    for g in order:
+    for group in conversations(requests, seed):
         if len(drawn) >= n:
             break
-        drawn += groups[g]
+        drawn += group
     return sorted(drawn, key=lambda r: r.at)[:n]
 
 

@@ -10,9 +10,11 @@ be partial). Every field is checked before a request is made: a bad line is a
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 BLOCK_TOKENS = 512
 """Tokens per block of Mooncake's published traces."""
@@ -90,3 +92,24 @@ def shifted_copies(requests: Sequence[Request], copies: int) -> list[Request]:
     return [Request(r.at + c * span, r.input_tokens, r.output_tokens,
                     tuple(h + c * top for h in r.blocks))
             for c in range(copies) for r in requests]
+
+
+class _Blocks(Protocol):
+    @property
+    def blocks(self) -> Sequence[int]: ...
+
+
+R = TypeVar("R", bound=_Blocks)
+
+
+def conversations(requests: Sequence[R], seed: int = 0) -> list[list[R]]:
+    """``requests`` grouped into conversations by their second block (their first when
+    they have one: every request of the conversation trace starts with the same block),
+    the groups in a random order ``seed`` decides, each group's requests in the order
+    given."""
+    groups: dict[int, list[R]] = {}
+    for r in requests:
+        groups.setdefault(r.blocks[min(1, len(r.blocks) - 1)], []).append(r)
+    order = sorted(groups)
+    random.Random(seed).shuffle(order)
+    return [groups[g] for g in order]
