@@ -7,13 +7,16 @@ Per request it does what an SGLang HiCache engine does, through raykv's public A
 2. L2: the leading pages its node's host pools hold (engine-side ``HostIndex``; for a
    hybrid model the prefix must end where a Mamba checkpoint is held);
 3. L3: if L2 does not cover it, a *group* hit query (``CacheClient.group_exists``, both
-   ranks ask and get the same answer; KV, the Mamba checkpoint after the last page and
-   the draft KV must all exist) and a fetch of the missing pages from Mooncake into the
-   host pools (``batch_get_v2``; a failed read makes the hit fall back to L2);
+   ranks ask their node's actor and get the same answer; KV, the Mamba checkpoint after
+   the last page and the draft KV must all exist; the ranks registered when the engine
+   started, so a miss costs one query over the local channel and one lookup) and a
+   fetch of the missing pages from Mooncake into the host pools (``batch_get_v2``; a
+   failed read makes the hit fall back to L2);
 4. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
-   first token (TTFT stops here);
+   first token (TTFT stops here; ``stream`` hands it over before anything is saved);
 5. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
-   -> L3 (``batch_set_v2``, put-if-absent), recorded in the L2 index;
+   -> L3 (``batch_set_v2``, put-if-absent), recorded in the L2 index: after the first
+   token, off its path;
 6. greedy decode, speculative when a draft model is loaded.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -108,7 +112,9 @@ class Engine:
             model, draft, r, tp_size, page_size, max_tokens, host_pages, state_slots, tag)
             for r in range(tp_size)]
         self.node_id = node_id
-        self.page_bytes: dict[str, int] = ray.get(self.ranks[0].page_bytes.remote())
+        # every rank started (pools made, deployment registered): none left to a request
+        self.page_bytes: dict[str, int] = ray.get([r.page_bytes.remote()
+                                                   for r in self.ranks])[0]
         self.kv_index = HostIndex(host_pages)
         self.state_index = HostIndex(state_slots)
 
@@ -119,8 +125,19 @@ class Engine:
 
         ``use_cache=False`` recomputes the whole prompt and offloads nothing (the
         baseline without raykv). With a draft model, decoding is speculative unless
-        ``speculate`` is False.
+        ``speculate`` is False. The request as ``stream`` runs it, to its end.
         """
+        *_, gen = self.stream(tokens, max_new_tokens, use_cache, speculate)
+        return gen
+
+    def stream(self, tokens: list[int], max_new_tokens: int = 1, use_cache: bool = True,
+               speculate: bool = True) -> Iterator[Generation]:
+        """``generate``, yielding the request's ``Generation`` twice: once its first
+        token is chosen (``ttft_s`` set, nothing of this request saved yet: what a
+        server streams at once), then with every token, after the offload of the
+        prompt's new pages and the decode. The offload runs only once the caller asks
+        for more: off the path to the first token. ``ValueError`` (at the first
+        ``next``) if the request does not fit ``max_tokens``."""
         if not tokens or len(tokens) + max_new_tokens + self.spec_tokens > self.max_tokens:
             raise ValueError(f"{len(tokens)} prompt tokens + {max_new_tokens} new do not fit "
                              f"max_tokens={self.max_tokens}")
@@ -136,6 +153,7 @@ class Engine:
         gen = Generation([int(logits.argmax())], [logits], time.perf_counter() - t0,
                          len(tokens), len(keys), hit.pages, hit.l2, hit.l3, hit.state_tier,
                          hit.fetched, hit.query_s, hit.fetch_s, page_size=self.page_size)
+        yield gen
         if use_cache:
             t = time.perf_counter()
             gen.offloaded_pages = self._offload(keys, hit.pages)
@@ -146,7 +164,7 @@ class Engine:
         else:
             self._decode(tokens, gen, max_new_tokens)
         gen.decode_s = time.perf_counter() - t
-        return gen
+        yield gen
 
     def _models(self) -> list[str]:
         return [TARGET] + ([DRAFT] if self.draft is not None else [])

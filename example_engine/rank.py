@@ -71,7 +71,10 @@ class EngineRank:
     host KV (and draft) pool; ``state_slots``: checkpoints of the host Mamba pool.
     ``pool_tag`` names the engine: its host pools (``{pool_tag}-tp{rank}-{pool}``), so a
     restarted rank finds them again, and its ranks' ``engine_id``, so they share group
-    answers with each other and not with another engine of the same model. A rank
+    answers with each other and not with another engine of the same model. The ranks
+    of an engine run on one node, so their lookup home is that node's actor
+    (``lookup_home="node"``: group queries over the local channel); a rank registers
+    its deployment when it starts, so no request pays for that. A rank
     computes on one thread and reserves no Ray CPU, so several engines fit on a small
     node (the engine runs one forward at a time).
     """
@@ -94,7 +97,8 @@ class EngineRank:
             self.kv[DRAFT] = DeviceKV(self.models[DRAFT], max_tokens)
         self.client = CacheClient(StorageConfig(
             tp_rank=tp_rank, tp_size=tp_size, is_mla_model=target.attention == "mla",
-            model_name=target.name, extra_config={"engine_id": pool_tag}))
+            model_name=target.name,
+            extra_config={"engine_id": pool_tag, "lookup_home": "node"}))
         kind = "mla" if target.attention == "mla" else "mha"
         name = f"{pool_tag}-tp{tp_rank}"
         self.pools: dict[PoolName, HostPool] = {PoolName.KV: self.client.create_host_pool(
@@ -108,6 +112,7 @@ class EngineRank:
                 **self.kv[DRAFT].host_pool_args(page_size, host_pages))
         for pool_name, pool in self.pools.items():
             self.client.register_mem_host_pool_v2(pool, pool_name)
+        self.client.register_deployment()  # now, not at the first request's group query
         self.passes: dict[str, _Pass] = {}
 
     def page_bytes(self) -> dict[str, int]:
@@ -126,7 +131,7 @@ class EngineRank:
     def group_hit(self, keys: list[str]) -> PoolTransferResult:
         """The TP group's restorable prefix of ``keys`` in L3: KV, the Mamba checkpoint
         after the last page (``trailing_pages``, window 1) and the draft KV, over both
-        ranks, from one controller query (every rank gets the same answer)."""
+        ranks, from one query of their node's actor (every rank gets the same answer)."""
         return self.client.group_exists(keys, self._side_queries(keys))
 
     def fetch(self, keys: list[str], host_pages: list[int], state_key: str | None,

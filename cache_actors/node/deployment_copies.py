@@ -2,8 +2,10 @@
 
 A home node answers a group's queries from its copy of the group's ``Deployment``; a
 query that names a newer version than the copy (or a deployment not copied yet) has
-it fetched from the controller first. Single-key reads and writes of a dict, atomic
-under the GIL: any thread may call; a missing or older copy only costs a fetch.
+it fetched from the controller first. A rank's registration has it fetched before
+(the node actor's ``copy_deployment``), so the group's first query finds it. Single-key
+reads and writes of a dict, atomic under the GIL: any thread may call; a missing or
+older copy only costs a fetch.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from raykv.controllers.deployments import Deployment
 class DeploymentCopies:
     """Copies of deployments by id. ``fetch(id)``: the controller's current copy
     (``ValueError`` if it does not know it, ``TimeoutError`` if it does not answer in
-    time)."""
+    time); ``on_fetch()`` is told of each fetch that answered."""
 
-    def __init__(self, fetch: Callable[[str], Deployment]) -> None:
+    def __init__(self, fetch: Callable[[str], Deployment],
+                 on_fetch: Callable[[], None] = lambda: None) -> None:
         self._fetch = fetch
+        self._on_fetch = on_fetch
         self._copies: dict[str, Deployment] = {}
 
     def known(self, deployment_id: str, version: int) -> Deployment | None:
@@ -40,5 +44,6 @@ class DeploymentCopies:
                 raise DeadlineExceededError(
                     f"the controller did not hand over deployment {deployment_id!r} in "
                     "time") from None
+            self._on_fetch()
             self._copies[deployment_id] = dep
         return dep

@@ -3,10 +3,11 @@
 One per Ray node, named ``node_actor_name(node_id)`` in the ``raykv`` namespace, created
 only through ``node_actor_class``, which sets every Ray option it runs under. It is async
 with four concurrency groups, each its own event loop, none of which ever blocks:
-``control`` (health, channel_path, forget_confirmations) answers at once whatever the
-others do; ``pools`` (pool management, stats, shutdown) runs each call on a thread of its
-own executor (``POOL_THREADS``: creating a pool reserves its memory, destroying one
-drains its calls, up to 30 s); ``data`` calls (exists, put, get, group hits) run on the
+``control`` (health, channel_path, copy_deployment, forget_confirmations) answers at
+once whatever the others do (``copy_deployment`` on a thread of its own); ``pools``
+(pool management, stats, shutdown) runs each call on a thread of its own executor
+(``POOL_THREADS``: creating a pool reserves its memory, destroying one drains its
+calls, up to 30 s); ``data`` calls (exists, put, get, group hits) run on the
 service's executor; ``route`` calls (residency, residency_changes, locate: what routers ask,
 ``cache_actors.node.residency_query``) on ``ROUTE_THREADS`` threads of their own, never
 queued behind a transfer. Everything else (what each call does, which threads
@@ -107,9 +108,10 @@ class NodeCacheActor:
             placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes,
             seal_key=seal_key)
         self._namespace = ray.get_runtime_context().namespace
+        fetch_deployment = partial(controller_copy, self._namespace)
         self._pool_calls = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="raykv-pools")
         self._service = NodeService(
-            node_id, prefix, store, metrics := NodeMetrics(node_id), self._fetch_deployment,
+            node_id, prefix, store, metrics := NodeMetrics(node_id), fetch_deployment,
             segment_size=global_segment_size, group_window_s=group_window_s,
             confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
@@ -121,20 +123,8 @@ class NodeCacheActor:
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
-        self._warmup = L2Warmup(self._service.l2, ask_peers, self._fetch_deployment,
+        self._warmup = L2Warmup(self._service.l2, ask_peers, fetch_deployment,
                                 metrics.record_warmed, l2_warm_bytes, l2_warm_s)
-
-    def _fetch_deployment(self, deployment_id: str) -> Deployment:
-        """The controller's copy (``ValueError`` if it does not know it;
-        ``TimeoutError`` if the controller does not answer within ``WAIT_S``). Runs on a
-        thread of this async actor: waits on the future, not with ``ray.get``."""
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
-        try:
-            return controller.deployment.remote(deployment_id).future().result(WAIT_S)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):
-                raise ValueError(str(e.cause)) from None
-            raise
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._service.executor, fn,
@@ -324,6 +314,12 @@ class NodeCacheActor:
                                        for_call(owner, "clear_objects"))
 
     @ray.method(concurrency_group="control")
+    async def copy_deployment(self, deployment_id: str, version: int) -> None:
+        """Off the event loop (a controller call): ``DeploymentCopies.get``, so the
+        group's first query here finds the copy (a rank asks at its registration)."""
+        await asyncio.to_thread(self._service.deployments.get, deployment_id, version)
+
+    @ray.method(concurrency_group="control")
     async def forget_confirmations(self) -> None:
         self._service.forget_confirmations()
 
@@ -359,6 +355,19 @@ class NodeCacheActor:
         self._warmup.close()
         await self._pooled(self._service.shutdown, remove_pools)
         self._route.shutdown(wait=False)
+
+
+def controller_copy(namespace: str, deployment_id: str) -> Deployment:
+    """The controller's copy of a deployment (``ValueError`` if it does not know it;
+    ``TimeoutError`` if the controller does not answer within ``WAIT_S``). Runs on a
+    thread of the async node actor: waits on the future, not with ``ray.get``."""
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    try:
+        return controller.deployment.remote(deployment_id).future().result(WAIT_S)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise ValueError(str(e.cause)) from None
+        raise
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):

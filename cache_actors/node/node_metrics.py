@@ -41,7 +41,8 @@ from raykv.controllers.result_codes import ALREADY_PRESENT, EXISTS
 
 EXPORT_S = 1.0
 """Seconds between two updates of the Ray metrics from the counts."""
-GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "looked_up", "store_calls")
+GROUP_QUERY_COUNTS = ("recent", "inflight", "confirmed", "looked_up", "store_calls",
+                      "deployment_fetches")
 MERGED_CALL_COUNTS = ("calls", "batches", "largest")
 L2_OBJECT_COUNTS = ("filled", "fill_failed", "warmed", "warm_failed", "l3_put_submitted",
                     "l3_put", "l3_put_retried", "l3_put_failed")
@@ -235,6 +236,11 @@ class NodeMetrics:
             self._group["store_seconds"] += seconds
             self._latencies.append(("group_exists", seconds))
 
+    def record_deployment_fetch(self) -> None:
+        """One deployment copy fetched from the controller (``DeploymentCopies``)."""
+        with self._lock:
+            self._group["deployment_fetches"] += 1
+
     def record_group_query(self, how: str) -> None:
         """One group query answered ``how``: ``"recent"``, ``"inflight"``,
         ``"confirmed"`` or ``"looked_up"`` (see ``GroupQueries``)."""
@@ -371,7 +377,9 @@ class NodeMetrics:
         ``recent``), by joining a lookup in flight (``inflight``), from confirmations
         alone (``confirmed``), with lookups of their own (``looked_up``); the store calls
         of their lookups (``store_calls``) and the seconds they took
-        (``store_seconds``)."""
+        (``store_seconds``); the deployment copies fetched from the controller for them
+        (``deployment_fetches``: one per deployment and version, at its first query here
+        unless a rank's registration had it copied before)."""
         with self._lock:
             return dict(self._group)
 

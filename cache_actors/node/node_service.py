@@ -128,7 +128,7 @@ class NodeService:
         self._segment_size = segment_size
         self._started = time.time()
         self.executor = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="raykv-data")
-        self._deployments = DeploymentCopies(fetch_deployment)
+        self.deployments = DeploymentCopies(fetch_deployment, metrics.record_deployment_fetch)
         self._pools = NodePools(prefix, store, metrics.pool_size, quotas=tenant_quotas,
                                 digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
@@ -355,14 +355,14 @@ class NodeService:
         ``verified`` as for ``exists``."""
         caller = caller if verified else self.verify(caller)
         check_group_caller(caller, deployment_id, self._pools.owners.claimed)
-        dep = self._deployments.known(deployment_id, version)
+        dep = self.deployments.known(deployment_id, version)
         if dep is not None:
             self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
             return
 
         def fetch_then_submit() -> None:
             try:
-                dep = self._deployments.get(deployment_id, version)
+                dep = self.deployments.get(deployment_id, version)
                 self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
             except Exception as e:  # unknown deployment or pool: the caller's error
                 reply(None, e)

@@ -27,9 +27,9 @@ def node_stats(table: PoolTable, quotas: Mapping[str, int], store: dict,
     ``counters``: objects and bytes put/got, errors by Mooncake code
     (``NodeMetrics.counters``); ``group_queries``: the group queries answered here
     (``recent``, ``inflight``: shared; ``confirmed``: from confirmations alone;
-    ``looked_up``: own lookups; ``store_calls``, ``store_seconds``:
-    ``NodeMetrics.group_queries``); ``confirmed_pages`` held; ``merged_calls``: put/get
-    store calls made and the ranks' batches they carried
+    ``looked_up``: own lookups; ``store_calls``, ``store_seconds``,
+    ``deployment_fetches``: ``NodeMetrics.group_queries``); ``confirmed_pages`` held;
+    ``merged_calls``: put/get store calls made and the ranks' batches they carried
     (``cache_actors.node.transfer_merger``); ``l2``: the L2 cache (``L2Pools.stats``)."""
     tenants = table.tenants(quotas)
     return {

@@ -206,6 +206,16 @@ class ChannelClient:
             return value
         raise value
 
+    def warm(self, op: str, deadline: float) -> None:
+        """Open a connection of ``op``'s kind by ``deadline`` (monotonic seconds) and
+        keep it idle, unless one is idle already: the next such call opens none."""
+        kind = op in self._async_ops
+        with self._lock:
+            if self._idle[kind]:
+                return
+            generation = self._generation
+        self._release(kind, self._open(deadline), generation)
+
     def _open(self, deadline: float) -> _Link:
         try:
             bind = self._bind() if callable(self._bind) else self._bind

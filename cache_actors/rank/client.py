@@ -268,9 +268,10 @@ class CacheClient:
 
     # ------------------------------------------------------------ group hits
     def register_deployment(self) -> str:
-        """Register this rank and its pools with the controller; adopt the key scheme it
-        hands back. Returns the deployment id. ``ValueError`` if this rank contradicts
-        what its group registered (parallel sizes, MLA flag, pool kinds)."""
+        """Register this rank and its pools with the controller, adopt the key scheme it
+        hands back and ready the lookup home (``group_registration``): call it when the
+        engine starts, so that no group query pays for it. Returns the deployment id.
+        ``ValueError`` if this rank contradicts its group (parallel sizes, MLA, pools)."""
         reg = self._group.register(self._pools.specs)
         self.key_scheme = reg.key_scheme
         return reg.deployment_id

@@ -9,6 +9,11 @@ that the retry reaches their replacements; the link is then *stale*, and its nex
 first re-maps the client's pools (``remap``), whose memory the replacement may have
 allocated anew.
 
+Another node's actor (a lookup home elsewhere) is looked up by name once and kept until
+a re-attach; ``prepare`` opens a route (the channel, or that handle and the owner
+session) before the first data op, so that op is one round trip (a registration does,
+``group_registration``).
+
 Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), and whatever it
 does first (re-map after a re-attach, ask the actor for its channel's path) happens
 within that deadline too; every control call has ``CONTROL_TIMEOUT_S`` (creating a pool
@@ -104,6 +109,7 @@ class NodeLink:
             self._actor.engines.remote(ProcessIdentity.current())
         self._channel: ChannelClient | None = None
         self._controller: Any = None
+        self._others: dict[str, Any] = {}  # other nodes' actors, by node id (``_actor_of``)
         # .deadline, .granted: of the call in progress on a thread (``bounded``)
         self._calls = threading.local()
         self.stale = False
@@ -199,6 +205,30 @@ class NodeLink:
         with self.bounded(self.timeout_s, "owner session"):
             return self.owner.claim(node, lambda m, *a: self._ray(actor, m, *a), purpose)
 
+    def ask_at(self, node_id: str, method: str, *args) -> Any:
+        """Control ``method`` of the actor of ``node_id`` (this link's node or another),
+        through Ray, without re-mapping first."""
+        actor = self._actor if node_id == self.node_id else self._actor_of(node_id)
+        with self.bounded(CONTROL_TIMEOUT_S, method):
+            return self._ray(actor, method, *args)
+
+    def prepare(self, node_id: str) -> None:
+        """Open the route of data ops to the actor of ``node_id`` now, so that the first
+        one is a single round trip: the local channel (its path asked of the actor, a
+        connection for data ops and one for group queries opened with the claim) when
+        that actor is this node's and runs here, else the actor looked up (kept until a
+        re-attach) and, with a tenant, the owner session with it opened. Within
+        ``timeout_s``."""
+        with self.bounded(self.timeout_s, "prepare"):
+            self._refresh()
+            if node_id == self.node_id and self._local:
+                with self._retryable("prepare"):  # group queries have connections apart
+                    self._open_channel().warm(DataOp.GROUP_EXISTS.value, self._calls.deadline)
+                return
+            actor = self._actor if node_id == self.node_id else self._actor_of(node_id)
+            if self.owner is not None:
+                self.owner.session(node_id, lambda m, *a: self._ray(actor, m, *a))
+
     def ask_controller(self, method: str, *args) -> Any:
         """``method`` of the controller (looked up by name once, and again after a
         re-attach); ``NodeUnavailableError`` if there is none."""
@@ -231,22 +261,33 @@ class NodeLink:
             self.stale = False
 
     def _actor_of(self, node_id: str) -> Any:
+        """The actor of another node, looked up by name once (again after a re-attach)."""
+        actor = self._others.get(node_id)
+        if actor is not None:
+            return actor
         try:
-            return ray.get_actor(node_actor_name(node_id), namespace=self._namespace)
+            actor = ray.get_actor(node_actor_name(node_id), namespace=self._namespace)
         except ValueError as e:
             self._controller = None  # ask the controller again: the group may have moved
             raise NodeUnavailableError(f"no raykv node actor on node {node_id[:12]}; retry "
                                        "the call") from e
+        self._others[node_id] = actor
+        return actor
 
     def _over_channel(self, op: DataOp, args: tuple) -> Any:
         """``op`` over the local channel, opened first if it is not (its path asked of
         the actor through Ray), all within the call's deadline."""
+        return self._open_channel().call(op.value, *args, timeout_s=self._left())
+
+    def _open_channel(self) -> ChannelClient:
+        """The local channel, opened first if it is not (its path asked of the actor
+        through Ray, a first connection made), within the call's deadline."""
         if self._channel is None:
             path = self._ray(self._actor, "channel_path")
             bind = None if self.owner is None else partial(self.claim, None, "channel")
             self._channel = ChannelClient(path, async_ops=ASYNC_OPS, timeout_s=self.timeout_s,
                                           bind=bind, deadline=self._calls.deadline)
-        return self._channel.call(op.value, *args, timeout_s=self._left())
+        return self._channel
 
     def _left(self) -> float:
         """Seconds left to the call in progress on this thread (``bounded``)."""
@@ -292,6 +333,7 @@ class NodeLink:
         with contextlib.suppress(ValueError):
             self._actor = ray.get_actor(node_actor_name(self.node_id), namespace=self._namespace)
         self._controller = None
+        self._others.clear()
         if self.owner is not None:
             self.owner.forget()
         self.close()

@@ -56,6 +56,15 @@ class NodeRoute(Protocol):
         budget or the call around them ends sooner); yields the seconds granted."""
         ...
 
+    def ask_at(self, node_id: str, method: str, *args: Any) -> Any:
+        """Control ``method`` of the actor of ``node_id`` (this node's or another)."""
+        ...
+
+    def prepare(self, node_id: str) -> None:
+        """Open the route of data ops to the actor of ``node_id`` now (its channel, or
+        its handle and owner session), so that the first one is one round trip."""
+        ...
+
     def ask_controller(self, method: str, *args: Any) -> Any:
         """``method`` of the controller."""
         ...

@@ -64,12 +64,19 @@ class RankOwner:
         (``ValueError`` if the actor refuses it)."""
         if self._key is None:
             return self.base
+        return replace(self.base, proof=self.session(actor, ask).call_proof(purpose))
+
+    def session(self, actor: str, ask: Ask) -> RankSession | None:
+        """The owner session with ``actor``, opened through ``ask`` if there is none
+        (``ValueError`` if the actor refuses it); None without a tenant."""
+        if self._key is None:
+            return None
         session = self._sessions.get(actor)
         if session is None:
             session = self._open(ask)
             with self._lock:
                 self._sessions[actor] = session
-        return replace(self.base, proof=session.call_proof(purpose))
+        return session
 
     def _open(self, ask: Ask) -> RankSession:
         assert self._key is not None

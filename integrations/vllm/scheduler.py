@@ -93,6 +93,19 @@ class RayKVConnectorScheduler(ConnectorSide):
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
+    def _attach(self) -> None:
+        """``ConnectorSide._attach``, then the deployment registered with the
+        controller and its lookup home readied (``CacheClient.register_deployment``):
+        at start-up or on the attach thread, so no lookup pays for it. A registration
+        that fails here (raykv restarting, a conflicting group) is warned about and tried
+        again by the first lookup."""
+        super()._attach()
+        try:
+            self._client.register_deployment()
+        except Exception as e:
+            self._warn.warn("register", "RayKVConnector: registering the deployment "
+                            "failed (%s); the first lookup tries again", e)
+
     def _create_pool(self, client: CacheClient, name: str) -> HostPool:
         """A one-page pool of the ranks' block geometry (vLLM's KV cache spec): the
         scheduler only asks group queries, and this pool names the deployment's pool

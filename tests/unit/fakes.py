@@ -215,7 +215,8 @@ class FakeRoute:
     ``data_ops`` and answered (every object exists, is stored, is read in full; a group
     query: ``HIT``); controller calls are recorded in ``asked``, registrations in
     ``registered`` (their proofs in ``proofs``, over ``challenges``), answered with
-    deployment ``DEPLOYMENT`` at home node ``HOME``, a new version each; ``bounds`` holds
+    deployment ``DEPLOYMENT`` at home node ``HOME``, a new version each; control calls
+    of a named node's actor in ``asked_at``, routes opened in ``prepared``; ``bounds`` holds
     each ``bounded`` block (call, seconds), ``register_depths`` how many were open at
     each registration. ``made``: every route made, the latest last."""
 
@@ -234,6 +235,8 @@ class FakeRoute:
         self.calls: list[tuple] = []
         self.data_ops: list[tuple] = []
         self.asked: list[tuple] = []
+        self.asked_at: list[tuple] = []
+        self.prepared: list[str] = []
         self.registered: list[tuple] = []
         self.proofs: list[object] = []
         self.challenges = Challenges()  # the controller's
@@ -284,6 +287,12 @@ class FakeRoute:
         if op == DataOp.GET:
             return list(args[0].sizes)
         return self.HIT
+
+    def ask_at(self, node_id: str, method: str, *args):
+        self.asked_at.append((node_id, method, *args))
+
+    def prepare(self, node_id: str) -> None:
+        self.prepared.append(node_id)
 
     def ask_controller(self, method: str, *args):
         self.asked.append((method, *args))
@@ -355,6 +364,9 @@ class NoMetrics:
         pass
 
     def record_group_query(self, how: str) -> None:
+        pass
+
+    def record_deployment_fetch(self) -> None:
         pass
 
     def record_merged_call(self, batches: int) -> None:

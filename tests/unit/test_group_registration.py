@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from raykv.cache_actors.data_ops import DataOp
+from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.controllers.contract import PoolHitPolicy, PoolName, StorageConfig
 from raykv.controllers.deployments import PoolQuery, PoolSpec
@@ -28,6 +29,25 @@ def test_register_sends_the_rank_its_pools_and_its_node():
     reg = group.register((KV, MAMBA))
     assert link.asked == [("register_rank", CONFIG, [KV, MAMBA], "self-node", None)]
     assert reg.deployment_id == FakeRoute.DEPLOYMENT and reg.home_node == FakeRoute.HOME
+    # the lookup home readied for the first query: its copy of the deployment, the route
+    assert link.asked_at == [(FakeRoute.HOME, "copy_deployment", FakeRoute.DEPLOYMENT, 1)]
+    assert link.prepared == [FakeRoute.HOME]
+
+
+def test_a_home_that_cannot_be_readied_leaves_it_to_the_first_query():
+    link = route()
+
+    def down(node_id: str) -> None:
+        raise NodeUnavailableError("the home's actor is restarting")
+    link.prepare = down
+    group = GroupRegistration(link, CONFIG)
+    assert group.register((KV,)).home_node == FakeRoute.HOME  # registered all the same
+    assert not group.outdated((KV,))
+    assert group.exists(["a"], []) == FakeRoute.HIT
+    # CONTROL: another error is raised, not left to the query
+    link.prepare = lambda node_id: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        group.register((KV,))
 
 
 def test_outdated_until_registered_with_these_pools_on_this_attachment():

@@ -77,12 +77,14 @@ def test_deployment_copies_fetch_only_when_missing_or_older():
         fetched.append(dep_id)
         return SimpleNamespace(deployment_id=dep_id, version=len(fetched))
 
-    copies = DeploymentCopies(fetch)
+    told = []
+    copies = DeploymentCopies(fetch, lambda: told.append(1))
     assert copies.known("d", 1) is None
     assert copies.get("d", 1).version == 1
     assert copies.get("d", 1).version == 1 and fetched == ["d"]  # the copy serves
     assert copies.get("d", 2).version == 2 and fetched == ["d", "d"]  # older: fetched
     assert copies.known("d", 2).version == 2
+    assert len(told) == len(fetched)  # each fetch told (the node's deployment_fetches)
 
 
 def test_a_controller_that_does_not_answer_is_a_deadline():
