@@ -961,8 +961,8 @@ def _sim_options(command):
         click.option("--l3-tokens", default="2M", show_default=True, type=Tokens(512),
                      help="Each node's L3 segment, tokens (the other runs get L2 + L3 per "
                           "node)."),
-        click.option("--placement", default="own", show_default=True,
-                     type=click.Choice(["own", "any"]), help="raykv's L3 placement."),
+        click.option("--placement", default=DEFAULTS.placement, show_default=True,
+                     type=click.Choice(PLACEMENTS), help="raykv's L3 placement."),
         click.option("--l2-eviction", default=DEFAULTS.l2_eviction, show_default=True,
                      type=click.Choice(L2_EVICTIONS),
                      help="raykv's L2 eviction policy."),
@@ -1224,6 +1224,12 @@ def sim_table(result: dict) -> list[str]:
     return lines
 
 
+def _around(w: dict, mark: str = "") -> str:
+    """A hit-rate window pair of ``raykv sim``'s node changes, as printed."""
+    return (f"hit rate {w['before']['hit_rate']:.3f} in the {w['window_s']:g} s before"
+            f"{mark}, {w['after']['hit_rate']:.3f} after ({w['after_vs_before']:.2f}x)")
+
+
 def sim_changes(result: dict) -> list[str]:
     """The lines ``raykv sim`` prints of its disk tier and node changes, per run."""
     lines = []
@@ -1235,17 +1241,12 @@ def sim_changes(result: dict) -> list[str]:
                          f"(disk full)")
         sc = r["counters"].get("scaling", {})
         if "window" in sc:
-            w = sc["window"]
-            lines.append(f"{name}: hit rate {w['before']['hit_rate']:.3f} in the "
-                         f"{w['window_s']:g} s before --window-at, "
-                         f"{w['after']['hit_rate']:.3f} after ({w['after_vs_before']:.2f}x)")
+            lines.append(f"{name}: {_around(sc['window'], ' --window-at')}")
         for event, what in (("removed", "left"), ("added", "joined")):
             if event in sc:
                 e = sc[event]
-                lines.append(f"{name}: node {e['node']} {what} at {e['at']:g} s; hit rate "
-                             f"{e['before']['hit_rate']:.3f} in the {e['window_s']:g} s "
-                             f"before, {e['after']['hit_rate']:.3f} after "
-                             f"({e['after_vs_before']:.2f}x)")
+                lines.append(f"{name}: node {e['node']} {what} at {e['at']:g} s; "
+                             f"{_around(e)}")
         if "drain" in sc:
             d = sc["drain"]
             lines.append(f"{name}: drain moved {d['moved']} of {d['candidates']} candidate "

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raykv.cache_actors.node.eviction_order import check_eviction
-from raykv.controllers.node_settings import DEFAULTS
+from raykv.controllers.node_settings import DEFAULTS, PLACEMENTS
 
-PLACEMENTS = ("own", "any")
 ROUTINGS = ("raykv", "pow2", "round_robin")
 
 
