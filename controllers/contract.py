@@ -192,12 +192,16 @@ class PoolTransferResult:
     ``kv_hit_pages``: the longest prefix (in pages) that KV and every extra pool can
     restore together. ``extra_pool_hit_pages``: per extra pool, the pages it must load
     for that prefix. ``restorable_prefix_pages``: every prefix length (pages, ascending)
-    that all pools can restore.
+    that all pools can restore. ``load_runs``: the hit's pages in prefix order as runs
+    ``(tier, pages, seconds)`` of one tier each, with the answering node's estimate of
+    the seconds their load takes (None: no estimate); ``controllers.load_guard``'s
+    ``LoadRun``, as it travels. Empty when the node gave no estimates.
     """
 
     kv_hit_pages: int = 0
     extra_pool_hit_pages: dict[PoolName, int] = field(default_factory=dict)
     restorable_prefix_pages: list[int] = field(default_factory=list)
+    load_runs: list[tuple[str, int, float | None]] = field(default_factory=list)
 
 
 def check_parallel(config: StorageConfig) -> None:
