@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import sys
 from collections.abc import Iterator
 
@@ -553,6 +554,78 @@ def drain(address: str, namespace: str, node_id: str) -> None:
     click.echo(json.dumps(report, indent=2, default=str))
     if "error" in report:
         raise click.ClickException(f"node {node_id[:12]}: {report['error']}")
+
+
+@main.command(epilog=_epilog(zero="reported", one=(
+    "also when no Ray cluster answers at --address (checked within seconds), raykv",
+    "does not run in the namespace, the deployment is not registered (the registered",
+    "ones are listed) or a tenant's secret is missing")))
+@ADDRESS
+@NAMESPACE_OPT
+@click.option("--deployment", default=None, help="Its id, key prefix or model name "
+              "(default: the only one registered; else they are listed).")
+@click.option("--tokens", default=None, help="The prompt's token ids, comma-separated.")
+@click.option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A file of the prompt's token ids (commas or whitespace between).")
+@click.option("--text", default=None, help="The prompt as text (needs --tokenizer).")
+@click.option("--tokenizer", default=None, help="Hugging Face tokenizer (name or path) "
+              "that turns --text into token ids (transformers' AutoTokenizer).")
+@click.option("--hashes", default=None, type=click.Choice(["vllm", "example"]),
+              help="Page-hash scheme (default: the deployment's engine's: vllm for a "
+              "vLLM KV pool, else the example engine's).")
+@click.option("--prefill-tokens-per-s", default=None, type=SECONDS,
+              help="The engine's prefill rate: report whether the load guard would "
+              "skip the held blocks now.")
+@click.option("--load-guard", "guard", default="auto", show_default=True,
+              help="The guard's setting to apply: auto, off or a threshold in tokens.")
+@click.option("--node", default=None, help="The engine's node (id or its head) for the "
+              "guard (default: the deployment's lookup home).")
+@click.option("--timeout", "deadline_s", default=10.0, show_default=True, type=SECONDS,
+              help="Seconds every call to the cluster may take.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def why(address: str, namespace: str, deployment: str | None, tokens: str | None,
+        tokens_file: str | None, text: str | None, tokenizer: str | None,
+        hashes: str | None, prefill_tokens_per_s: float | None, guard: str,
+        node: str | None, deadline_s: float, as_json: bool) -> None:
+    """For a prompt, which tier holds each of its blocks (node L2 on which node, L3
+    memory on which segment, L3 disk) and, for each block not served, why: never
+    saved, evicted from L2 or L3, held under another identity (the fields that
+    differ), skipped by the load guard. At most 2048 blocks are looked at."""
+    import json
+
+    from raykv.clusters import deploy
+    from raykv.clusters.why import render
+    from raykv.clusters.why import why as explain
+
+    ids = _prompt_ids(tokens, tokens_file, text, tokenizer)
+    with _spinner("asking the controller and every node actor ..."):
+        _connected(deploy.connect, address, namespace)
+        report = _connected(explain, ids, deployment, namespace=namespace, hashes=hashes,
+                            prefill_tokens_per_s=prefill_tokens_per_s, guard=guard,
+                            node=node, deadline_s=deadline_s)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo("\n".join(render(report)))
+
+
+def _prompt_ids(tokens: str | None, tokens_file: str | None, text: str | None,
+                tokenizer: str | None) -> list[int]:
+    """The prompt's token ids from exactly one of the inputs; ``UsageError`` else."""
+    if sum(x is not None for x in (tokens, tokens_file, text)) != 1:
+        raise click.UsageError("give exactly one of --tokens, --tokens-file, --text")
+    if text is not None:
+        if not tokenizer:
+            raise click.UsageError("--text needs --tokenizer")
+        from transformers import AutoTokenizer
+
+        return list(AutoTokenizer.from_pretrained(tokenizer).encode(text))
+    raw = tokens if tokens is not None else pathlib.Path(tokens_file).read_text()
+    try:
+        return [int(t) for t in raw.replace(",", " ").split()]
+    except ValueError:
+        raise click.UsageError("token ids are integers separated by commas or "
+                               "whitespace") from None
 
 
 @main.command(epilog=_epilog(zero="raykv stopped", one=(

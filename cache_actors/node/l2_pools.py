@@ -64,6 +64,7 @@ from functools import partial
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.host_pools import PoolHandle
+from raykv.cache_actors.node.l2_evictions import L2Evictions
 from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.touch_journal import TouchJournal
@@ -138,6 +139,7 @@ class L2Pools:
         self.l2_bytes = l2_bytes
         self._index = partial(L2Index, lease_s=lease_s, clock=clock, eviction=eviction)
         self._log, self._touches = log or ResidencyLog(), touches or TouchJournal()
+        self.evictions = L2Evictions()  # what this node's L2 evicted lately: raykv why
         self._incarnation = uuid.uuid4().hex[:8]
         self._made = itertools.count(1)  # serial of the pools made (under _open_lock)
         self._lock = threading.Lock()
@@ -193,7 +195,7 @@ class L2Pools:
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
             handle = self._create(name, sized, caller.owner)
-            index = self._index(fits, on_change=told(self._log, caller.owner))
+            index = self._index(fits, on_change=told(self._log, caller.owner, self.evictions))
             with self._lock:
                 self._pools[name] = _L2Pool(handle, caller.owner, index)
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
@@ -333,13 +335,14 @@ class L2Pools:
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
         ``fill_failed``; the warm-up's ``warmed``, ``warm_failed``: objects) and its
-        write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``
-        and ``used``."""
+        write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``,
+        ``used`` and ``evictions`` (``L2Evictions.stats``)."""
         counts, _ = self.counters()
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
+        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts,
+                "evictions": self.evictions.stats()}
 
     def counters(self) -> tuple[dict[str, int], dict[str, tuple[Owner, dict[str, int]]]]:
         """The node's counts of ``stats`` and, per L2 pool, its owner and its index's
@@ -449,9 +452,16 @@ def read_pages(move: Move, entry: _L2Pool, keys: list[str], pages: list[int],
     return [c == entry.layout.object_bytes for c in codes]
 
 
-def told(log: ResidencyLog, owner: Owner | None) -> Callable[[str, bool], None]:
-    """An index's ``on_change`` for a pool of ``owner``: into the residency ``log``."""
-    return lambda key, ready: log.record(owner, "l2", (key,), ready)
+def told(log: ResidencyLog, owner: Owner | None,
+         evictions: L2Evictions) -> Callable[[str, bool], None]:
+    """An index's ``on_change`` for a pool of ``owner``: into the residency ``log``, and
+    a key that stopped being ready (the index tells only evictions so) into
+    ``evictions``."""
+    def change(key: str, ready: bool) -> None:
+        log.record(owner, "l2", (key,), ready)
+        if not ready:
+            evictions.record(key, time.time())
+    return change
 
 
 def dropped(log: ResidencyLog, pool: _L2Pool) -> None:

@@ -37,10 +37,12 @@ from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
 from raykv.cache_actors.node.tier_metrics import TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
+from raykv.cache_actors.node.why_query import WhyQuery
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
+from raykv.controllers.miss_reasons import NodeFacts
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.owner_keys import Challenge, SessionRequest
@@ -122,6 +124,8 @@ class NodeCacheActor:
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
+        self._why = WhyQuery(node_id, store, self._service.l2, self._service.touches,
+                             self._service.verify)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
         self._warmup = L2Warmup(self._service.l2, ask_peers, fetch_deployment,
                                 metrics.record_warmed, l2_warm_bytes, l2_warm_s)
@@ -292,6 +296,14 @@ class NodeCacheActor:
                      ) -> list[list[str]]:
         return await asyncio.get_running_loop().run_in_executor(
             self._route, self._residency.locate, keys, for_call(owner, "locate", keys))
+
+    @ray.method(concurrency_group="route")
+    async def why(self, keys: list[str], with_store: bool, owner: OwnerClaim | None = None,
+                  within_s: float = ROUTE_WAIT_S) -> NodeFacts:
+        """``WhyQuery.facts`` (``raykv why``), not run if no thread took it within
+        ``within_s`` seconds of its arrival here."""
+        return await self._routed(self._why.facts, within_s, keys, with_store,
+                                  for_call(owner, "why", keys, with_store))
 
     @ray.method(concurrency_group="route")
     async def touches(self, keys: list[str] | None = None, prefix: str = "",

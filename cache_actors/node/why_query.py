@@ -1,0 +1,73 @@
+"""A node's answer to ``raykv why``: what it knows of a list of object keys
+(``controllers.miss_reasons.NodeFacts``): whether each is ready in its L2, when its L2
+last evicted it (``L2Evictions``), when it last stored, read or served it
+(``TouchJournal``), and, when asked (``with_store``), where the store holds it (one
+``batch_get_replica_desc`` and one ``batch_is_exist``: memory segments, or the store's
+disk). It never moves a byte, leases no page and touches no pool.
+
+Owner rules as ``ResidencyQuery``'s (``controllers.ownership``): the caller's claim is
+verified (a tenant's needs its call proof), every key must lie in the claim's key prefix
+(a caller without one may not name a tenant's key: ``ValueError``), and L2 counts only
+pools of the caller's owner. A caller learns nothing of keys it could not compute.
+
+Bounds: at most ``MAX_BATCH_OBJECTS`` keys; a call whose thread starts after its
+``deadline`` (``time.monotonic()``) is not run (``DeadlineExceededError``).
+
+Threads: any (the node actor's ``route`` executor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.node.owner_masks import outside
+from raykv.controllers.miss_reasons import NodeFacts
+from raykv.controllers.object_batch import check_object_keys
+from raykv.controllers.ownership import OwnerClaim
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.node.l2_pools import L2Pools
+    from raykv.cache_actors.node.node_store import NodeStore
+    from raykv.cache_actors.node.touch_journal import TouchJournal
+
+
+class WhyQuery:
+    """``raykv why``'s facts of node ``node_id`` from its ``store``, ``l2`` and
+    ``touches``; ``verify``: a caller's claim checked (``NodeService.verify``)."""
+
+    def __init__(self, node_id: str, store: NodeStore, l2: L2Pools, touches: TouchJournal,
+                 verify: Callable[[OwnerClaim | None], OwnerClaim | None]) -> None:
+        self._node_id, self._store, self._l2 = node_id, store, l2
+        self._touches, self._verify = touches, verify
+
+    def facts(self, keys: list[str], with_store: bool, caller: OwnerClaim | None,
+              deadline: float) -> NodeFacts:
+        """This node's facts of ``keys`` (see the module docstring)."""
+        keys = check_object_keys(keys, "raykv why's keys")
+        caller = self._verify(caller)
+        if outside(keys, caller) is not None:
+            raise ValueError("keys outside the caller's key prefix (a tenant's keys need "
+                             "the tenant's claim)")
+        if time.monotonic() >= deadline:
+            raise DeadlineExceededError("raykv why's query started after its deadline; it "
+                                        "was not run")
+        l2 = self._l2.resident(keys, None if caller is None else caller.owner)
+        touched = {k: t.last for k, t in self._touches.of(keys).items()}
+        segments = stored = None
+        if with_store:
+            backend = self._store.backend
+            epoch = self._store.before_call()
+            codes = self._store.after_call(epoch, backend.exists(keys))
+            if any(c < 0 for c in codes):
+                raise RuntimeError("the store's lookup failed")
+            stored = [c == 1 for c in codes]
+            if backend.can_locate:
+                where = backend.locate(keys)
+                if where is None:
+                    raise RuntimeError("the store's replica lookup failed")
+                segments = [list(w) for w in where]
+        return NodeFacts(self._node_id, l2, self._l2.evictions.of(keys), touched, segments,
+                         stored)
