@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 
 import ray
+from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment
 from raykv.controllers.families import group_families
 from raykv.controllers.keyed_hashes import KeyedHashes
@@ -48,7 +49,6 @@ from raykv.controllers.miss_reasons import (
 from raykv.controllers.naming import NAMESPACE, node_actor_name
 from raykv.controllers.owner_keys import call_purpose
 from raykv.controllers.ownership import OwnerClaim, owner_key
-from raykv.controllers.pool_layout import PoolName
 from raykv.controllers.tenancy import tenant_secret
 
 HASHES = ("vllm", "example")

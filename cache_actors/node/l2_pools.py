@@ -122,9 +122,9 @@ class L2Pools:
     pools together (0: no L2); ``eviction``: their ``NodeSettings.l2_eviction``;
     ``flush_attempts``: puts per object of the write-behind at most (1: no retry); ``log`` /
     ``touches``: the node's residency log, told each key that becomes or stops being ready,
-    and touch journal, told each page an acquire serves (None: its own);
-    ``quota_left(owner)``: bytes its tenant (no tenant: the pools without one) may add here
-    (None: unbounded)."""
+    and touch journal, told each page an acquire serves (None: its own; ``raykv why`` reads
+    it and ``evictions``, its pools' ``L2Evictions``); ``quota_left(owner)``: bytes its
+    tenant (no tenant: the pools without one) may add here (None: unbounded)."""
 
     def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
                  destroy: Callable[[str, Owner | None], bool],
@@ -136,10 +136,9 @@ class L2Pools:
                  quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
         self._create, self._destroy, self._pool_names = create, destroy, pool_names
         self._move, self._verify, self._quota_left = move, verify, quota_left
-        self.l2_bytes = l2_bytes
+        self.l2_bytes, self._log = l2_bytes, log or ResidencyLog()
         self._index = partial(L2Index, lease_s=lease_s, clock=clock, eviction=eviction)
-        self._log, self._touches = log or ResidencyLog(), touches or TouchJournal()
-        self.evictions = L2Evictions()  # what this node's L2 evicted lately: raykv why
+        self.evictions, self.touches = L2Evictions(), touches or TouchJournal()
         self._incarnation = uuid.uuid4().hex[:8]
         self._made = itertools.count(1)  # serial of the pools made (under _open_lock)
         self._lock = threading.Lock()
@@ -271,7 +270,7 @@ class L2Pools:
             in_time(deadline)
             entry.index.release(holder)
             pages = entry.index.acquire(holder, keys)
-        self._touches.served(keys[:len(pages)], entry.layout.object_bytes)
+        self.touches.served(keys[:len(pages)], entry.layout.object_bytes)
         if not fill or len(pages) == len(keys):
             return pages
         return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)[0]
@@ -335,14 +334,13 @@ class L2Pools:
     def stats(self) -> dict:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
         ``fill_failed``; the warm-up's ``warmed``, ``warm_failed``: objects) and its
-        write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``,
-        ``used`` and ``evictions`` (``L2Evictions.stats``)."""
+        write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``
+        and ``used``."""
         counts, _ = self.counters()
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts,
-                "evictions": self.evictions.stats()}
+        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
 
     def counters(self) -> tuple[dict[str, int], dict[str, tuple[Owner, dict[str, int]]]]:
         """The node's counts of ``stats`` and, per L2 pool, its owner and its index's

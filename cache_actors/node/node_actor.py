@@ -37,7 +37,6 @@ from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
 from raykv.cache_actors.node.tier_metrics import TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
-from raykv.cache_actors.node.why_query import WhyQuery
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.contract import PoolTransferResult
@@ -124,8 +123,6 @@ class NodeCacheActor:
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
-        self._why = WhyQuery(node_id, store, self._service.l2, self._service.touches,
-                             self._service.verify)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
         self._warmup = L2Warmup(self._service.l2, ask_peers, fetch_deployment,
                                 metrics.record_warmed, l2_warm_bytes, l2_warm_s)
@@ -298,12 +295,8 @@ class NodeCacheActor:
             self._route, self._residency.locate, keys, for_call(owner, "locate", keys))
 
     @ray.method(concurrency_group="route")
-    async def why(self, keys: list[str], with_store: bool, owner: OwnerClaim | None = None,
-                  within_s: float = ROUTE_WAIT_S) -> NodeFacts:
-        """``WhyQuery.facts`` (``raykv why``), not run if no thread took it within
-        ``within_s`` seconds of its arrival here."""
-        return await self._routed(self._why.facts, within_s, keys, with_store,
-                                  for_call(owner, "why", keys, with_store))
+    async def why(self, keys: list[str], store: bool, owner: OwnerClaim | None = None) -> NodeFacts:
+        return await self._routed(self._residency.why.facts, WAIT_S, keys, store, owner)
 
     @ray.method(concurrency_group="route")
     async def touches(self, keys: list[str] | None = None, prefix: str = "",
@@ -358,9 +351,11 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
-        """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``."""
+        """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``,
+        ``l2_evictions`` (``L2Evictions.stats``)."""
         return await self._pooled(self._service.stats) | {"warnings": self._warnings,
-            "residency": self._residency.stats(), "warmup": self._warmup.stats()}
+            "residency": self._residency.stats(), "warmup": self._warmup.stats(),
+            "l2_evictions": self._service.l2.evictions.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.owner_masks import outside
 from raykv.cache_actors.node.residency_log import ResidencyLog
+from raykv.cache_actors.node.why_query import WhyQuery
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.residency import (
@@ -63,6 +64,7 @@ class ResidencyQuery:
                  log: ResidencyLog) -> None:
         self._node_id, self._store, self._l2, self._verify = node_id, store, l2, verify
         self._log = log
+        self.why = WhyQuery(node_id, store, l2, verify)  # raykv why's facts, a route query
         self._lock = threading.Lock()
         self.counts = {"queries": 0, "refused": 0, "failed": 0, "late": 0, "seconds": 0.0}
 

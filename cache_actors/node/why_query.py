@@ -1,9 +1,10 @@
-"""A node's answer to ``raykv why``: what it knows of a list of object keys
-(``controllers.miss_reasons.NodeFacts``): whether each is ready in its L2, when its L2
-last evicted it (``L2Evictions``), when it last stored, read or served it
-(``TouchJournal``), and, when asked (``with_store``), where the store holds it (one
-``batch_get_replica_desc`` and one ``batch_is_exist``: memory segments, or the store's
-disk). It never moves a byte, leases no page and touches no pool.
+"""A node's answer to ``raykv why`` (``NodeCacheActor.why``, on a route thread): what
+it knows of a list of object keys (``controllers.miss_reasons.NodeFacts``): whether
+each is ready in its L2, when its L2 last evicted it (``L2Pools.evictions``), when it
+last stored, read or served it (``L2Pools.touches``, the node's journal), and, when
+asked (``with_store``), where the store holds it (one ``batch_is_exist`` and one
+``batch_get_replica_desc``: memory segments, or the store's disk). It never moves a
+byte, leases no page and touches no pool.
 
 Owner rules as ``ResidencyQuery``'s (``controllers.ownership``): the caller's claim is
 verified (a tenant's needs its call proof), every key must lie in the claim's key prefix
@@ -26,28 +27,28 @@ from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.owner_masks import outside
 from raykv.controllers.miss_reasons import NodeFacts
 from raykv.controllers.object_batch import check_object_keys
-from raykv.controllers.ownership import OwnerClaim
+from raykv.controllers.ownership import OwnerClaim, for_call
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node.l2_pools import L2Pools
     from raykv.cache_actors.node.node_store import NodeStore
-    from raykv.cache_actors.node.touch_journal import TouchJournal
 
 
 class WhyQuery:
-    """``raykv why``'s facts of node ``node_id`` from its ``store``, ``l2`` and
-    ``touches``; ``verify``: a caller's claim checked (``NodeService.verify``)."""
+    """``raykv why``'s facts of node ``node_id`` from its ``store`` and ``l2`` (its
+    eviction record and the node's touch journal too); ``verify``: a caller's claim
+    checked (``NodeService.verify``)."""
 
-    def __init__(self, node_id: str, store: NodeStore, l2: L2Pools, touches: TouchJournal,
+    def __init__(self, node_id: str, store: NodeStore, l2: L2Pools,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None]) -> None:
-        self._node_id, self._store, self._l2 = node_id, store, l2
-        self._touches, self._verify = touches, verify
+        self._node_id, self._store, self._l2, self._verify = node_id, store, l2, verify
 
     def facts(self, keys: list[str], with_store: bool, caller: OwnerClaim | None,
               deadline: float) -> NodeFacts:
-        """This node's facts of ``keys`` (see the module docstring)."""
+        """This node's facts of ``keys`` (see the module docstring); ``caller``: the
+        claim as it came, bound here to this call (``for_call``)."""
         keys = check_object_keys(keys, "raykv why's keys")
-        caller = self._verify(caller)
+        caller = self._verify(for_call(caller, "why", keys, with_store))
         if outside(keys, caller) is not None:
             raise ValueError("keys outside the caller's key prefix (a tenant's keys need "
                              "the tenant's claim)")
@@ -55,7 +56,7 @@ class WhyQuery:
             raise DeadlineExceededError("raykv why's query started after its deadline; it "
                                         "was not run")
         l2 = self._l2.resident(keys, None if caller is None else caller.owner)
-        touched = {k: t.last for k, t in self._touches.of(keys).items()}
+        touched = {k: t.last for k, t in self._l2.touches.of(keys).items()}
         segments = stored = None
         if with_store:
             backend = self._store.backend
