@@ -144,6 +144,16 @@ def disk_line(node_id: str, s: dict) -> str | None:
             "(seal not verified, or unreadable)")
 
 
+def evictions_line(node_id: str, s: dict) -> str | None:
+    """A node's L2 evictions since start and the keys it remembers of them for ``raykv
+    why`` (its stats' ``l2_evictions``: ``L2Evictions.stats``); None before any."""
+    e = s.get("l2_evictions")
+    if not e or not e["evictions"]:
+        return None
+    return (f"node {node_id[:8]}: L2 evicted {e['evictions']} objects since start; the "
+            f"last {e['kept']} remembered (raykv why names them)")
+
+
 def master_line(master: dict) -> str | None:
     """A warning line while the master supervisor is restarting the master (its
     ``state``), with its failed attempts in a row and the last one's error; None while
@@ -191,8 +201,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
     one row per node and pool (a table where it fits the console's width, else the same
     figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
     each tenant's quota, each node's own segment (where its puts go first) and the
-    routers' residency queries it answered, its disk tier (``disk_line``), and the
-    warm-ups of its new L2 pools (``warmup_lines``)."""
+    routers' residency queries it answered, its disk tier (``disk_line``), its L2
+    evictions (``evictions_line``) and the warm-ups of its new L2 pools
+    (``warmup_lines``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
     console.print(f"[bold]raykv[/] master {master['master_address']} "
@@ -237,6 +248,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
         if (line := disk_line(node_id, s)) is not None:
             console.print(Text(line, style="yellow" if s["tiers"].get("refused") else ""),
                           soft_wrap=True)
+    for node_id, s in state["nodes"].items():
+        if (line := evictions_line(node_id, s)) is not None:
+            console.print(Text(line), soft_wrap=True)
     for node_id, s in state["nodes"].items():
         for line in warmup_lines(node_id, s):
             console.print(Text(line), soft_wrap=True)

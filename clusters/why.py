@@ -130,7 +130,7 @@ class _Asker:
         for i, node in enumerate(nodes):
             try:
                 actor, claim = self.claim(node, "why", keys, i == 0)
-                calls[node] = actor.why.remote(keys, i == 0, claim, self.deadline_s)
+                calls[node] = actor.why.remote(keys, i == 0, claim)
             except Exception as e:
                 failed[node] = _line(e)
         out = []
@@ -255,7 +255,7 @@ def _others(deps: dict[str, Deployment], dep: Deployment, tokens: list[int],
         blocks = min(len(tokens), MAX_PAGES * dep.page_size) // dep.page_size
         held = covered(dep.page_size, blocks, ps, held_blocks(facts, per_page))
         if any(held):
-            out.append(OtherHolding(other.deployment_id, other.identity.differences(mine),
+            out.append(OtherHolding(other.deployment_id, mine.differences(other.identity),
                                     held))
     return out, unseen
 

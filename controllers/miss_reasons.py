@@ -10,7 +10,9 @@ one ``BlockWhy`` per block:
 
 - held: the tiers holding every object of the block (``l2`` on which nodes, ``l3`` on
   which segments, ``l3_disk`` when the store holds it on no memory segment); a held block
-  after a missing one is not loadable (``AFTER_GAP``): engines load leading blocks only.
+  after a missing one is not loadable (``AFTER_GAP``): engines load leading blocks only;
+  one held in the store only that a node's L2 evicted lately says so (``EVICTED_L2``:
+  why it is no L2 hit).
 - missing, with every reason that applies, the surest first: ``EVICTED_L2`` (a node's
   L2 evicted an object of it lately: when, and which node), ``EVICTED_L3`` (a node
   stored or read an object of it in the store, which no longer holds it),
@@ -73,7 +75,8 @@ class OtherHolding:
 class BlockWhy:
     """One block: ``index`` in the prompt, its ``page_hash``; ``held``: tier -> where
     (node ids for ``l2``, segments for ``l3``, empty for ``l3_disk``); ``reasons``:
-    ``(reason, detail)`` pairs, surest first (empty: held and loadable)."""
+    ``(reason, detail)`` pairs, surest first, of why it is not served at all or (held
+    in the store only, ``EVICTED_L2``) not from L2 (empty: held in L2 and loadable)."""
 
     index: int
     page_hash: str
@@ -107,11 +110,12 @@ def covered(page_tokens: int, blocks: int, their_tokens: int,
 def held_blocks(facts: Sequence[NodeFacts], per_page: int) -> list[bool]:
     """Per page, whether some tier holds every object of it (any node's L2, or the
     store)."""
-    return [bool(where) for where in _held(facts, per_page)]
+    return [bool(where) for where in _held(facts, per_page, len(facts[0].l2) // per_page
+                                           if facts else 0)]
 
 
-def _held(facts: Sequence[NodeFacts], per_page: int) -> list[dict[str, list[str]]]:
-    n = len(facts[0].l2) // per_page if facts else 0
+def _held(facts: Sequence[NodeFacts], per_page: int, n: int) -> list[dict[str, list[str]]]:
+    """Per page of ``n``, the tiers holding every object of it, and where."""
     out: list[dict[str, list[str]]] = [{} for _ in range(n)]
     for f in facts:
         for i, flags in enumerate(pages_of(f.l2, per_page)):
@@ -140,19 +144,21 @@ def explain(hashes: Sequence[str], keys: Sequence[str], per_page: int,
     wall-clock seconds, to say how long ago a record was made."""
     out = []
     gap = None
-    for i, where in enumerate(_held(facts, per_page)):
+    for i, where in enumerate(_held(facts, per_page, len(hashes))):
         block = BlockWhy(i, hashes[i], where)
         page = keys[i * per_page:(i + 1) * per_page]
+        if "l2" not in where:
+            for f in facts:
+                when = [f.evicted[k] for k in page if k in f.evicted]
+                if when:
+                    block.reasons.append((EVICTED_L2,
+                                          f"node {f.node_id[:12]}, {_ago(now, when)}"))
         if where:
             if gap is not None:
                 block.reasons.append((AFTER_GAP, f"block {gap} before it is missing"))
             out.append(block)
             continue
         gap = i if gap is None else gap
-        for f in facts:
-            when = [f.evicted[k] for k in page if k in f.evicted]
-            if when:
-                block.reasons.append((EVICTED_L2, f"node {f.node_id[:12]}, {_ago(now, when)}"))
         for f in facts:
             when = [f.touched[k] for k in page if k in f.touched]
             if when:

@@ -32,7 +32,7 @@ def reasons(block) -> list[str]:
 
 def test_each_block_gets_its_tier_or_its_reason():
     store = NodeFacts("n1" * 8, l2=[True, True, False, False, False, False, False, False],
-                      evicted={"b1": 90.0}, touched={"c0": 50.0},
+                      evicted={"b1": 90.0, "a0": 80.0}, touched={"c0": 50.0},
                       segments=[["s1"], ["s1"], ["s2"], ["s2"], [], [], [], []],
                       stored=[True, True, True, True, False, False, False, False])
     other = NodeFacts("n2" * 8, l2=[False] * 8, evicted={"d0": 95.0})
@@ -41,7 +41,8 @@ def test_each_block_gets_its_tier_or_its_reason():
     a, b, c, d = explain(HASHES, KEYS, 2, [store, other], [theirs], now=100.0)
     assert a.held == {"l2": [store.node_id], "l3": ["s1"]} and a.nearest == "l2"
     assert a.reasons == []
-    assert b.held == {"l3": ["s2"]} and b.nearest == "l3" and b.reasons == []
+    assert b.held == {"l3": ["s2"]} and b.nearest == "l3"  # why no L2 hit:
+    assert reasons(b) == [EVICTED_L2] and "10.0 s ago" in b.reasons[0][1]
     assert c.held == {} and reasons(c) == [EVICTED_L3]
     assert "50.0 s ago" in c.reasons[0][1]
     assert reasons(d) == [EVICTED_L2, OTHER_IDENTITY]
@@ -162,3 +163,13 @@ def test_render_groups_runs_of_one_answer():
     assert lines[1] == "  blocks 0-1: held in l2 on node nnnnnnnnnnnn"
     assert lines[2] == "  block 2: missing (never_saved: no record)"
     assert "1 other deployment(s)" in lines[3]
+
+
+def test_status_shows_a_nodes_l2_evictions_once_there_are_some():
+    from raykv.clusters.status_view import evictions_line
+
+    line = evictions_line("abcdef0123", {"l2_evictions": {"evictions": 7, "kept": 5}})
+    assert line == ("node abcdef01: L2 evicted 7 objects since start; the last 5 "
+                    "remembered (raykv why names them)")
+    assert evictions_line("n", {"l2_evictions": {"evictions": 0, "kept": 0}}) is None
+    assert evictions_line("n", {"error": "gone"}) is None
