@@ -154,7 +154,8 @@ def test_page_hashes_are_the_engines():
 def test_render_groups_runs_of_one_answer():
     report = {"deployment": "d_", "model": "m", "tenant": None, "page_size": 4,
               "hashes": "vllm", "tokens": 12, "blocks_in_prompt": 3, "nodes": [],
-              "failed_nodes": {}, "not_checked": ["t1.x"], "guard": None,
+              "failed_nodes": {"f" * 20: "timed out"}, "not_checked": ["t1.x"],
+              "guard": None,
               "blocks": [{"index": i, "page_hash": "h", "tier": None,
                           "held": {"l2": ["n" * 20]} if i < 2 else {},
                           "reasons": [] if i < 2 else [[NEVER_SAVED, "no record"]]}
@@ -162,7 +163,8 @@ def test_render_groups_runs_of_one_answer():
     lines = render(report)
     assert lines[1] == "  blocks 0-1: held in l2 on node nnnnnnnnnnnn"
     assert lines[2] == "  block 2: missing (never_saved: no record)"
-    assert "1 other deployment(s)" in lines[3]
+    assert lines[3] == "  node ffffffffffff did not answer: timed out"
+    assert "1 other deployment(s)" in lines[4]
 
 
 def test_status_shows_a_nodes_l2_evictions_once_there_are_some():
@@ -173,3 +175,28 @@ def test_status_shows_a_nodes_l2_evictions_once_there_are_some():
                     "remembered (raykv why names them)")
     assert evictions_line("n", {"l2_evictions": {"evictions": 0, "kept": 0}}) is None
     assert evictions_line("n", {"error": "gone"}) is None
+
+
+def test_the_prompt_comes_from_exactly_one_input(tmp_path):
+    import click
+    from raykv.clusters.cli import _prompt_ids
+
+    assert _prompt_ids("1, 2,3", None, None, None) == [1, 2, 3]
+    path = tmp_path / "prompt.txt"
+    path.write_text("4 5\n6,7\n")
+    assert _prompt_ids(None, str(path), None, None) == [4, 5, 6, 7]
+    for bad in (("1", str(path), None, None), (None, None, None, None),
+                (None, None, "hi", None), ("1,x", None, None, None)):
+        with pytest.raises(click.UsageError):
+            _prompt_ids(*bad)
+
+
+def test_text_is_encoded_by_the_tokenizer_named(tmp_path):
+    from raykv.clusters.cli import _prompt_ids
+    from raykv.clusters.demo.vllm_model import make_llama
+    from transformers import AutoTokenizer
+
+    model = make_llama(str(tmp_path / "tiny-llama"))
+    ids = _prompt_ids(None, None, "why did this miss?", model)
+    assert ids == AutoTokenizer.from_pretrained(model).encode("why did this miss?")
+    assert len(ids) > 3
