@@ -21,9 +21,9 @@ engines), and the other deployments looked at are those without a tenant and tho
 the caller's own tenant: another tenant's presence is never seen, by anyone without
 that tenant's secret. The report says how many deployments it could not look at.
 
-Bounds: at most ``MAX_PAGES`` blocks (the rest of the prompt is not looked at, and the
-report says so), ``MAX_OTHERS`` other deployments, and every Ray call bounded by the
-deadline.
+Bounds: at most ``MAX_PAGES`` blocks and one call's keys (``MAX_BATCH_OBJECTS``; the
+rest of the prompt is not looked at, and the report says how many blocks were),
+``MAX_OTHERS`` other deployments, and every Ray call bounded by the deadline.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from raykv.controllers.miss_reasons import (
     load_runs,
 )
 from raykv.controllers.naming import NAMESPACE, node_actor_name
+from raykv.controllers.object_batch import MAX_BATCH_OBJECTS
 from raykv.controllers.owner_keys import call_purpose
 from raykv.controllers.ownership import OwnerClaim, owner_key
 from raykv.controllers.tenancy import tenant_secret
@@ -182,6 +183,9 @@ def why(tokens: Sequence[int], deployment: str | None, *, namespace: str = NAMES
     keyed = KeyedHashes(tenant_secret(dep.tenant) if dep.tenant else None)
     hashed = list(keyed.keys(raw)) if raw else []
     keys, per_page = keys_of(dep, hashed)
+    if len(keys) > MAX_BATCH_OBJECTS:  # one call's worth of keys: fewer pages
+        raw = raw[:MAX_BATCH_OBJECTS // per_page]
+        hashed, keys = hashed[:len(raw)], keys[:len(raw) * per_page]
     asker = _Asker(dep, namespace, deadline_s)
     facts, failed = asker.facts(nodes, keys) if keys else ([], {})
     others, unseen = _others(deps, dep, tokens, nodes, scheme, namespace, deadline_s)
@@ -194,7 +198,10 @@ def why(tokens: Sequence[int], deployment: str | None, *, namespace: str = NAMES
     if prefill_tokens_per_s is not None and blocks:
         home = _node(nodes, node) or dep.home_node
         settings = GuardSettings.parse(guard)
-        runs, estimated = _group_runs(asker, dep, home, hashed, deadline_s)
+        try:
+            runs, estimated = _group_runs(asker, dep, home, hashed, deadline_s)
+        except Exception as e:  # the guard is then shown without the node's estimates
+            runs, estimated, failed[f"{home} (group query)"] = [], False, _line(e)
         runs = runs if estimated else load_runs(blocks, home)
         choice = guard_view(blocks, runs, dep.page_size, prefill_tokens_per_s, settings)
         report["guard"] = {"node": home, "setting": settings.describe(),
