@@ -2,9 +2,9 @@
 it knows of a list of object keys (``controllers.miss_reasons.NodeFacts``): whether
 each is ready in its L2, when its L2 last evicted it (``L2Pools.evictions``), when it
 last stored, read or served it (``L2Pools.touches``, the node's journal), and, when
-asked (``with_store``), where the store holds it (one ``batch_is_exist`` and one
-``batch_get_replica_desc``: memory segments, or the store's disk). It never moves a
-byte, leases no page and touches no pool.
+asked (``with_store``), where the store holds it (one ``batch_is_exist``, then one
+``batch_get_replica_desc`` of the keys it holds: memory segments, or the store's
+disk). It never moves a byte, leases no page and touches no pool.
 
 Owner rules as ``ResidencyQuery``'s (``controllers.ownership``): the caller's claim is
 verified (a tenant's needs its call proof), every key must lie in the claim's key prefix
@@ -65,10 +65,12 @@ class WhyQuery:
             if any(c < 0 for c in codes):
                 raise RuntimeError("the store's lookup failed")
             stored = [c == 1 for c in codes]
-            if backend.can_locate:
-                where = backend.locate(keys)
+            held = [k for k, s in zip(keys, stored, strict=True) if s]
+            if backend.can_locate:  # only what it holds: Mooncake logs each miss
+                where = backend.locate(held) if held else []
                 if where is None:
                     raise RuntimeError("the store's replica lookup failed")
-                segments = [list(w) for w in where]
+                found = iter(where)
+                segments = [list(next(found)) if s else [] for s in stored]
         return NodeFacts(self._node_id, l2, self._l2.evictions.of(keys), touched, segments,
                          stored)

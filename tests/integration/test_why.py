@@ -5,7 +5,9 @@ about them as an operator would.
 
 Cases, each with its control (a prompt that IS there, reported held in the right tier):
 never saved; evicted from L2 (a second prompt took the pool's 4 pages: the first one is
-held in L3 only, and the node's eviction record says when L2 dropped it); another
+held in L3 only, and the node's eviction record says when L2 dropped it); evicted from
+L3 (such a prompt then removed from the store: the node's journal says it stored it,
+and its eviction record that L2 dropped it); another
 identity (a deployment of another KV dtype asks about blocks the first one saved: the
 differing fields named); another tenant (tenant ``alice`` asks about blocks saved
 without a tenant: ``tenant`` named; the deployment without a tenant asking about
@@ -26,10 +28,12 @@ from click.testing import CliRunner
 from raykv import start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.clusters.cli import main
-from raykv.clusters.why import page_hashes, why
+from raykv.clusters.why import keys_of, page_hashes, why
 from raykv.controllers import StorageConfig
+from raykv.controllers.deployments import Deployment
 from raykv.controllers.miss_reasons import (
     EVICTED_L2,
+    EVICTED_L3,
     NEVER_SAVED,
     OTHER_IDENTITY,
     SKIPPED_BY_GUARD,
@@ -95,12 +99,13 @@ def tiers(report: dict) -> list[str | None]:
 def saved(cluster):
     """Deployment A (bfloat16) saved prompt 1, then prompt 2, which evicted prompt 1
     from its L2 pool; deployment B (float16) registered and saved nothing; tenant
-    alice's deployment saved prompt 3. Yields the deployment ids."""
+    alice's deployment saved prompt 3. Yields the deployment ids, the node's and B's
+    client and L2 pool."""
     mp = pytest.MonkeyPatch()
     uid = f"{time.time_ns() % 10**9}"
     model = f"why/m{uid}"
     a, pool_a = engine(model, extra_backend_tag="bf16", kv_dtype="bfloat16")
-    b, _ = engine(model, extra_backend_tag="f16", kv_dtype="float16")
+    b, pool_b = engine(model, extra_backend_tag="f16", kv_dtype="float16")
     save(a, pool_a, prompt(1))
     save(a, pool_a, prompt(2))  # its 4 pages: prompt 1's go (flushed, not held)
     mp.setenv(TENANT_SECRET_ENV, SECRET)
@@ -108,7 +113,7 @@ def saved(cluster):
                        tenant="alice")
     save(t, pool_t, prompt(3))
     ids = {"a": a.register_deployment(), "b": b.register_deployment(),
-           "t": t.register_deployment(), "node": a.node_id}
+           "t": t.register_deployment(), "node": a.node_id, "b_client": (b, pool_b)}
     yield ids
     for client in (a, b, t):
         client.close()
@@ -137,6 +142,26 @@ def test_evicted_from_l2_is_named_with_its_node(saved):
     stats = ray.get(ray.get_actor(f"raykv-node-{saved['node']}", namespace="raykv")
                     .stats.remote(), timeout=30)
     assert stats["l2_evictions"]["evictions"] >= BLOCKS
+
+
+def test_evicted_from_l3_is_named_when_a_node_stored_it(saved, cluster):
+    """B saves prompt 5, then prompt 6 (its 4 L2 pages: prompt 5 leaves L2); prompt 5's
+    objects are then removed from the store behind the node's back (as Mooncake's own
+    eviction does), injected from here."""
+    client, pool = saved["b_client"]
+    save(client, pool, prompt(5))
+    save(client, pool, prompt(6))
+    dep = Deployment.from_dict(ray.get(cluster.controller.deployments.remote(),
+                                       timeout=30)[saved["b"]])
+    keys, _ = keys_of(dep, page_hashes("vllm", prompt(5), PAGE))
+    actor = cluster.node_actors[saved["node"]]
+    assert ray.get(actor.__ray_call__.remote(
+        lambda node: node._service._store.backend.remove(keys)), timeout=30) == [0] * BLOCKS
+    report = why(prompt(5), saved["b"])
+    assert tiers(report) == [None] * BLOCKS
+    assert reasons(report) == [[EVICTED_L2, EVICTED_L3]] * BLOCKS
+    # control: prompt 6, still held, has no such record
+    assert tiers(why(prompt(6), saved["b"])) == ["l2"] * BLOCKS
 
 
 def test_another_dtype_is_named(saved):
