@@ -25,6 +25,8 @@ import threading
 from collections import Counter
 from collections.abc import Mapping
 
+from raykv.controllers.contract import StorageConfig
+from raykv.controllers.deployments import deployment_id
 from raykv.controllers.load_guard import LoadChoice
 
 EXPORT_S = 5.0
@@ -92,6 +94,18 @@ class TokenMetrics:
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(export_s,), name="raykv-token-metrics",
                          daemon=True).start()
+
+    @classmethod
+    def for_rank(cls, counts: Mapping[str, int], config: StorageConfig
+                 ) -> TokenMetrics | None:
+        """The export of ``counts`` for the rank of ``config`` if it is its engine's
+        first (TP, PP and context-parallel rank 0: every rank gets the same answers, so
+        one counts for the engine), else None. Owner tags from ``config``."""
+        if config.tp_rank or config.pp_rank or config.attn_cp_rank:
+            return None
+        return cls(counts, {"tenant": config.extra_config.get("tenant") or "(none)",
+                            "deployment": deployment_id(config),
+                            "model": config.model_name or "(none)"})
 
     def export(self) -> None:
         """Hand Ray what each count grew by since the last export (any thread)."""
