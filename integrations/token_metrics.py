@@ -103,7 +103,7 @@ class TokenMetrics:
         one counts for the engine), else None. Owner tags from ``config``."""
         if config.tp_rank or config.pp_rank or config.attn_cp_rank:
             return None
-        return cls(counts, {"tenant": config.extra_config.get("tenant") or "(none)",
+        return cls(counts, {"tenant": config.tenant or "(none)",
                             "deployment": deployment_id(config),
                             "model": config.model_name or "(none)"})
 

@@ -54,7 +54,7 @@ def guard_runs(cluster, tmp_path_factory):
                                   RATE | {"load_guard": "off"}, {"s": SLOW_S, "head": 2}),
     }
     out = run_driver(tmp_path_factory.mktemp("guard"), cluster, 0, list(cases.values()))
-    return {name: steps(sc) for name, sc in zip(cases, out["scenarios"], strict=True)}
+    return {name: steps(out["scenarios"][name]) for name in cases}
 
 
 def loaded(result: list[dict]) -> tuple[int, int, list[bool]]:

@@ -149,3 +149,41 @@ def test_count_lookup_names_each_decision():
     count_lookup(counts, 64, LoadChoice(0), {}, 16)          # a miss: no decision
     count_lookup(counts, 64, LoadChoice(2), {"l2": 2}, 16)
     assert counts == {"asked_tokens": 128, "hit_tokens:l2": 32, "load_guard:load:none": 1}
+
+
+def test_token_metrics_export_what_grew_with_declared_labels(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import ray.util
+    from raykv.controllers.contract import StorageConfig
+    from raykv.integrations.token_metrics import TokenMetrics
+
+    from tests.unit.test_node_metrics import FakeMetric
+
+    made: dict[str, FakeMetric] = {}
+
+    def make(name, *args, **kwargs):
+        made[name] = FakeMetric(name, *args, **kwargs)
+        return made[name]
+
+    fake = SimpleNamespace(Counter=make)
+    monkeypatch.setattr(ray.util, "metrics", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "ray.util.metrics", fake)
+    config = StorageConfig(tp_rank=0, tp_size=2, model_name="org/m")
+    # only the engine's first rank exports (every rank gets the same answers)
+    assert TokenMetrics.for_rank({}, StorageConfig(tp_rank=1, tp_size=2)) is None
+    counts: Counter[str] = Counter()
+    m = TokenMetrics.for_rank(counts, config)
+    guard = HitGuard(GuardSettings(), 1e-4, 16)
+    guard.guard(answer(6, [("l2", 2, 1e-4), ("l3", 4, 2.0)]), 8, counts)
+    m.export()
+    m.export()  # nothing grew: nothing more
+    assert made["raykv_asked_tokens"].calls == [("inc", 128, {})]
+    assert made["raykv_hit_tokens"].calls == [("inc", 32, {"tier": "l2"})]
+    assert made["raykv_load_guard_skipped_tokens"].calls == [("inc", 64, {"tier": "l3"})]
+    assert made["raykv_load_guard_decisions"].calls == [
+        ("inc", 1, {"decision": "mixed", "reason": "slower_than_prefill"})]
+    assert made["raykv_asked_tokens"].defaults == {
+        "tenant": "(none)", "deployment": "org-m_", "model": "org/m"}
+    m.close()
