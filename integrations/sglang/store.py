@@ -53,16 +53,15 @@ class RayKVStore(HiCacheStorage):
     the attach, naming the valid ones): ``ray_address`` (default ``$RAY_ADDRESS``, else
     the cluster of the Ray node this process descends from, else ``auto``, as vLLM's
     connector), ``namespace`` (``ray_namespace`` is its alias), ``ray_auth_mode``,
-    ``ray_node_id`` (serve through the node actor of that node instead of the node Ray
-    placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
-    memfds), ``staging_pages`` (per pool and direction, default 256),
-    ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
-    deadline of each call to raykv, default 5 s: past it a lookup is a miss, a backup or
-    a load fails for its pages, and SGLang keeps serving), ``tenant`` (its secret from
-    ``$RAYKV_TENANT_SECRET`` of this process: keys no other tenant can find) and
-    ``model_revision`` (part of a tenant's key prefix), ``load_guard`` and
-    ``prefill_tokens_per_s`` (``hit_guard``); the KV dtype and page size are checked
-    through the registered pools (``config.STORAGE_KEYS``).
+    ``ray_node_id`` (serve through that node's actor instead of the one of the node Ray
+    placed this process on), ``zero_copy`` (default true: share ``allocator: shm`` memfds),
+    ``staging_pages`` (per pool and direction, default 256), ``extra_backend_tag`` (key
+    tag, as in SGLang's MooncakeStore), ``timeout_s`` (the deadline of each call to raykv,
+    default 5 s: past it a lookup is a miss, a backup or a load fails for its pages, and
+    SGLang keeps serving), ``tenant`` (its secret from ``$RAYKV_TENANT_SECRET`` of this
+    process: keys no other tenant can find), ``model_revision`` (part of a tenant's key
+    prefix), ``load_guard`` and ``prefill_tokens_per_s`` (``hit_guard``); the KV dtype and
+    page size are checked through the registered pools (``config.STORAGE_KEYS``).
 
     Methods follow SGLang's ``HiCacheStorage``: registration, the v2 API, the v1 API,
     the legacy abstract API, then ``clear``, ``get_stats``, ``close`` and
@@ -112,6 +111,8 @@ class RayKVStore(HiCacheStorage):
             raise ValueError(f"raykv does not serve SGLang pool {value(host_pool_name)!r} "
                              f"(served: {sorted(SUPPORTED_POOLS)})")
         self._served.register(name, host_pool)
+        if name is PoolName.KV:
+            self._guard.page_tokens = host_pool.page_size
 
     def on_host_pools_registered(self) -> None:
         """Register the deployment with the controller now, so a conflict with the rest
