@@ -130,12 +130,18 @@ def _load_guard(value: object) -> GuardSettings:
 
 def _prefill_rate(value: object) -> float | None:
     """Seconds per token of ``prefill_tokens_per_s`` (None: not given); ``ValueError``
-    unless a positive finite number."""
+    unless a positive finite number (or a string of one)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or \
-            not math.isfinite(value) or value <= 0:
+    rate = value
+    if isinstance(value, str):
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = None
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or \
+            not math.isfinite(rate) or rate <= 0:
         raise ValueError(f"raykv: --hicache-storage-backend-extra-config "
                          f"prefill_tokens_per_s {value!r}: expected a positive number of "
                          "prompt tokens the engine prefills per second")
-    return 1.0 / value
+    return 1.0 / rate

@@ -135,7 +135,9 @@ def test_backend_options_read_and_check_the_guard_keys():
     assert defaults.load_guard.mode == "auto" and defaults.prefill_s_per_token is None
     with pytest.raises(ValueError, match="extra-config load_guard 'fast'"):
         BackendOptions.from_extra({"load_guard": "fast"})
-    for bad in (0, -5, "1000", True, float("inf")):
+    assert BackendOptions.from_extra({"prefill_tokens_per_s": "500"}
+                                     ).prefill_s_per_token == pytest.approx(2e-3)
+    for bad in (0, -5, "fast", "nan", True, float("inf"), [1000]):
         with pytest.raises(ValueError, match="prefill_tokens_per_s"):
             BackendOptions.from_extra({"prefill_tokens_per_s": bad})
 
