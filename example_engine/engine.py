@@ -9,20 +9,20 @@ Per request it does what an SGLang HiCache engine does, through raykv's public A
 3. L3: if L2 does not cover it, a *group* hit query (``CacheClient.group_exists``, both
    ranks ask their node's actor and get the same answer; KV, the Mamba checkpoint after
    the last page and the draft KV must all exist; the ranks registered when the engine
-   started, so a miss costs one query over the local channel and one lookup) and a
-   fetch of the missing pages from Mooncake into the host pools (``batch_get_v2``; a
+   started, so a miss costs one query over the local channel and one lookup);
+4. the load guard (``load_estimates``): of the hit's runs (the L2 head, the L3 tail) it
+   keeps only the leading ones estimated to arrive sooner than the engine computes their
+   tokens (its own measured prefill seconds per token, and seconds per byte of its L2
+   and L3 loads); the rest is recomputed, as a miss would be, so the logits are the
+   same bit for bit;
+5. a fetch of the kept L3 pages from Mooncake into the host pools (``batch_get_v2``; a
    failed read makes the hit fall back to L2);
-3b. the load guard (``load_estimates``): of the hit's runs (the L2 head, the L3 tail)
-   it loads only the leading ones estimated to arrive sooner than the engine computes
-   their tokens (its own measured prefill seconds per token, and seconds per byte of
-   its L2 and L3 loads); the rest is recomputed, as a miss would be, so the logits are
-   the same bit for bit;
-4. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
+6. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
    first token (TTFT stops here; ``stream`` hands it over before anything is saved);
-5. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
+7. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
    -> L3 (``batch_set_v2``, put-if-absent), recorded in the L2 index: after the first
    token, off its path;
-6. greedy decode, speculative when a draft model is loaded.
+8. greedy decode, speculative when a draft model is loaded.
 """
 
 from __future__ import annotations
