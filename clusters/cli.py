@@ -184,6 +184,24 @@ POSITIVE = click.IntRange(min=1)
 SECONDS = click.FloatRange(min=0, min_open=True)
 
 
+class LoadGuard(click.ParamType):
+    """A load guard setting: ``auto``, ``off`` or a threshold in tokens, checked by
+    ``GuardSettings.parse`` and handed on as written (lower case)."""
+
+    name = "auto|off|TOKENS"
+
+    def convert(self, value, param, ctx):
+        from raykv.controllers.load_guard import GuardSettings
+
+        try:
+            return GuardSettings.parse(str(value)).describe()
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+LOAD_GUARD = LoadGuard()
+
+
 def _progress(line: str) -> None:
     """A line on stderr before a command's long phase (stdout keeps its results)."""
     click.echo(line, err=True)
@@ -238,6 +256,10 @@ def _require_figures(extra: str) -> None:
               help="Decoded per turn.")
 @click.option("--long-prompt", default=4096, show_default=True, type=POSITIVE,
               help="Tokens of the prompt timed recomputed vs fully cached.")
+@click.option("--load-guard", default=None, type=LOAD_GUARD,
+              help="Example engine: load a hit only where it arrives sooner than "
+              "computing it (auto), always (off), or when it is at least N tokens.  "
+              "[default: auto]")
 @click.option("--out", "out_dir", default="raykv-out", show_default=True,
               help="Folder for demo.json and demo.png (vllm: demo_vllm.json, .png).")
 def demo(engine: str, **options) -> None:
@@ -252,6 +274,9 @@ def demo(engine: str, **options) -> None:
         sys.exit(0 if run_demo(**options) else 1)
     import importlib.util
 
+    if "load_guard" in options:
+        raise click.UsageError("--load-guard is an option of the example engine "
+                               "(--engine example)")
     if "variant" in options:
         raise click.UsageError("--variant chooses the example engine's model; --engine vllm "
                                "runs a Llama (--hidden, --layers, --head-dim)")

@@ -9,15 +9,20 @@ Per request it does what an SGLang HiCache engine does, through raykv's public A
 3. L3: if L2 does not cover it, a *group* hit query (``CacheClient.group_exists``, both
    ranks ask their node's actor and get the same answer; KV, the Mamba checkpoint after
    the last page and the draft KV must all exist; the ranks registered when the engine
-   started, so a miss costs one query over the local channel and one lookup) and a
-   fetch of the missing pages from Mooncake into the host pools (``batch_get_v2``; a
+   started, so a miss costs one query over the local channel and one lookup);
+4. the load guard (``load_estimates``): of the hit's runs (the L2 head, the L3 tail) it
+   keeps only the leading ones estimated to arrive sooner than the engine computes their
+   tokens (its own measured prefill seconds per token, and seconds per byte of its L2
+   and L3 loads); the rest is recomputed, as a miss would be, so the logits are the
+   same bit for bit;
+5. a fetch of the kept L3 pages from Mooncake into the host pools (``batch_get_v2``; a
    failed read makes the hit fall back to L2);
-4. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
+6. host -> device copy of the hit pages, prefill of the rest in page-sized chunks,
    first token (TTFT stops here; ``stream`` hands it over before anything is saved);
-5. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
+7. offload of the newly computed full pages and Mamba checkpoints: device -> host pool
    -> L3 (``batch_set_v2``, put-if-absent), recorded in the L2 index: after the first
    token, off its path;
-6. greedy decode, speculative when a draft model is loaded.
+8. greedy decode, speculative when a draft model is loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv import PoolTransferResult
+from raykv.controllers.load_guard import GuardSettings, LoadChoice
 from raykv.example_engine.host_index import HostIndex
+from raykv.example_engine.load_estimates import EngineGuard
 from raykv.example_engine.model import ModelConfig
 from raykv.example_engine.page_hashes import page_hashes
 from raykv.example_engine.rank import DRAFT, TARGET, EngineRank
@@ -48,6 +55,9 @@ class Generation:
     (``"l2"``, ``"l3"`` or None when nothing was restored or the model has none).
     ``ttft_s`` = ``query_s`` (group hit query) + ``fetch_s`` (L3 -> host pools) + the
     prefill (host -> device copies, compute, first token) + bookkeeping.
+    ``skipped_pages``: pages of the hit the load guard recomputed instead of loading,
+    by the tier they were in (``l2``, ``l3``, ``l3_disk``); ``guard_reason``: why
+    (``controllers.load_guard``'s reasons; empty when the whole hit was loaded).
     """
 
     tokens: list[int]
@@ -68,6 +78,8 @@ class Generation:
     proposed: int = 0
     accepted: int = 0
     page_size: int = 0
+    skipped_pages: dict[str, int] = field(default_factory=dict)
+    guard_reason: str = ""
 
     @property
     def computed_tokens(self) -> int:
@@ -84,6 +96,8 @@ class _Hit:
     fetched: dict[str, int] = field(default_factory=dict)
     query_s: float = 0.0
     fetch_s: float = 0.0
+    skipped: dict[str, int] = field(default_factory=dict)
+    reason: str = ""
 
 
 class Engine:
@@ -92,13 +106,16 @@ class Engine:
     ``host_pages`` / ``state_slots``: capacity of each rank's host KV pool (pages) and
     Mamba pool (checkpoints). ``checkpoint_interval``: a Mamba checkpoint is offloaded
     after every ``checkpoint_interval``-th page (a public attribute). ``spec_tokens``:
-    draft tokens proposed per speculative step.
+    draft tokens proposed per speculative step. ``load_guard``: ``auto``, ``off`` or a
+    threshold in tokens (``GuardSettings.parse``); ``guard`` (public) holds the
+    estimates it decides with.
     """
 
     def __init__(self, model: ModelConfig, node_id: str, *, draft: ModelConfig | None = None,
                  page_size: int = 64, max_tokens: int = 4352, host_pages: int = 256,
                  state_slots: int = 256, tp_size: int = 2, checkpoint_interval: int = 1,
-                 spec_tokens: int = 3, name: str | None = None) -> None:
+                 spec_tokens: int = 3, name: str | None = None,
+                 load_guard: str | int | None = "auto") -> None:
         if max_tokens % page_size:
             raise ValueError(f"max_tokens {max_tokens} is not a multiple of page_size")
         self.model, self.draft, self.page_size = model, draft, page_size
@@ -117,6 +134,8 @@ class Engine:
                                                    for r in self.ranks])[0]
         self.kv_index = HostIndex(host_pages)
         self.state_index = HostIndex(state_slots)
+        self.guard = EngineGuard(GuardSettings.parse(load_guard))
+        self._load_bytes = sum(b for p, b in self.page_bytes.items() if p != "mamba")
 
     # --------------------------------------------------------------- request
     def generate(self, tokens: list[int], max_new_tokens: int = 1, use_cache: bool = True,
@@ -147,12 +166,19 @@ class Engine:
         host = self.kv_index.slots(keys[:hit.pages])
         slot = self.state_index.slots([keys[hit.pages - 1]])[0] \
             if self.hybrid and hit.pages else None
+        t = time.perf_counter()
         ray.get([r.start_prefill.remote(tokens, hit.pages, host, slot) for r in self.ranks])
+        self.guard.l2.observe(hit.pages * self._load_bytes, time.perf_counter() - t)
+        t = time.perf_counter()
         refs = [self._forward(m) for m in self._models()]
         logits = ray.get(refs)[0][-1]
+        computed = len(tokens) - hit.pages * self.page_size
+        self.guard.prefill.observe(-(-computed // self.page_size) * self.page_size,
+                                   time.perf_counter() - t)
         gen = Generation([int(logits.argmax())], [logits], time.perf_counter() - t0,
                          len(tokens), len(keys), hit.pages, hit.l2, hit.l3, hit.state_tier,
-                         hit.fetched, hit.query_s, hit.fetch_s, page_size=self.page_size)
+                         hit.fetched, hit.query_s, hit.fetch_s, page_size=self.page_size,
+                         skipped_pages=hit.skipped, guard_reason=hit.reason)
         yield gen
         if use_cache:
             t = time.perf_counter()
@@ -186,22 +212,27 @@ class Engine:
         return n
 
     def _restore(self, keys: list[str]) -> _Hit:
-        """Find the restorable prefix of ``keys`` (L2, then L3) and bring every page of
-        it into the host pools."""
+        """Find the restorable prefix of ``keys`` (L2, then L3), let the load guard
+        choose how much of it to load, and bring every page of that into the host
+        pools."""
         l2 = self._l2_prefix(keys)
-        hit = _Hit(l2, l2, 0, "l2" if self.hybrid and l2 else None)
-        if l2 == len(keys) or not keys:
+        total, load_runs, query_s = l2, [], 0.0
+        if keys and l2 < len(keys):
+            t = time.perf_counter()
+            answers: list[PoolTransferResult] = ray.get([r.group_hit.remote(keys)
+                                                         for r in self.ranks])
+            query_s = time.perf_counter() - t
+            if any(a != answers[0] for a in answers):
+                raise RuntimeError(f"TP ranks got different group hits: {answers}")
+            total, load_runs = max(l2, answers[0].kv_hit_pages), answers[0].load_runs
+        choice = self.guard.choose(self.guard.runs(l2, total, load_runs, self._load_bytes,
+                                                   self.hybrid), self.page_size)
+        hit = _Hit(min(l2, choice.pages), min(l2, choice.pages), 0, None, {}, query_s,
+                   0.0, _skipped(choice), choice.reason)
+        hit.state_tier = "l2" if self.hybrid and hit.pages else None
+        if choice.pages <= l2:
             return hit
-        t = time.perf_counter()
-        answers: list[PoolTransferResult] = ray.get([r.group_hit.remote(keys)
-                                                     for r in self.ranks])
-        hit.query_s = time.perf_counter() - t
-        if any(a != answers[0] for a in answers):
-            raise RuntimeError(f"TP ranks got different group hits: {answers}")
-        l3 = answers[0].kv_hit_pages
-        if l3 <= l2:
-            return hit
-        wanted = keys[:l3]
+        wanted = keys[:choice.pages]
         missing = [k for k in wanted if k not in self.kv_index]
         state_key = wanted[-1] if self.hybrid and wanted[-1] not in self.state_index else None
         slots = self.kv_index.allocate(len(missing), keep=wanted)
@@ -219,13 +250,15 @@ class Engine:
         self.kv_index.insert(missing, slots)
         if state_key is not None:
             self.state_index.insert([state_key], [state_slot])
+        state_bytes = self.page_bytes.get("mamba", 0) * (state_key is not None)
+        self.guard.l3.observe(len(missing) * self._load_bytes + state_bytes, hit.fetch_s)
         fetched = {pool: len(self.ranks) * len(missing) * b
                    for pool, b in self.page_bytes.items() if pool != "mamba"}
         if self.hybrid:
-            fetched["mamba"] = len(self.ranks) * self.page_bytes["mamba"] * (state_key is not None)
-        return _Hit(l3, l3 - len(missing), len(missing),
+            fetched["mamba"] = len(self.ranks) * state_bytes
+        return _Hit(choice.pages, choice.pages - len(missing), len(missing),
                     ("l3" if state_key else "l2") if self.hybrid else None, fetched,
-                    hit.query_s, hit.fetch_s)
+                    query_s, hit.fetch_s, hit.skipped, hit.reason)
 
     # -------------------------------------------------------------- offload
     def _offload(self, keys: list[str], hit: int) -> dict[str, int]:
@@ -290,3 +323,11 @@ class Engine:
             seq += new
             draft_len = base + min(k, len(proposals) - 1)
         del gen.tokens[max_new:], gen.logits[max_new:]
+
+
+def _skipped(choice: LoadChoice) -> dict[str, int]:
+    """Pages the guard chose not to load, by tier."""
+    out: dict[str, int] = {}
+    for run in choice.skipped:
+        out[run.tier] = out.get(run.tier, 0) + run.pages
+    return out

@@ -67,8 +67,10 @@ def replay(cluster, requests: Sequence[Request], host_pages: int, tag: str,
                       head_dim=32, vocab=VOCAB)
     max_tokens = PAGE_TOKENS * (longest + 2)
     node_ids = cluster.node_ids[:nodes]
+    # the load guard off: this replay checks what is restorable, not whether a load pays
     engines = [Engine(target, n, page_size=PAGE_TOKENS, max_tokens=max_tokens,
-                      host_pages=host_pages, tp_size=1, name=f"sim-check-{tag}-{i}")
+                      host_pages=host_pages, tp_size=1, name=f"sim-check-{tag}-{i}",
+                      load_guard="off")
                for i, n in enumerate(node_ids)]
     clients = [CacheClient(StorageConfig(model_name=target.name), node_id=n)
                for n in node_ids]

@@ -8,6 +8,12 @@ node through Mooncake (L3). Every request runs twice: with raykv (group hit, fet
 compute the rest) and without (recompute the whole prompt); the first-token logits must
 be bit-identical. Then a long prompt is timed: recomputed vs fully cached (from L3 on
 the other node, and from L2). Figures go to the console, ``demo.json`` and ``demo.png``.
+
+The engines run the load guard (``load_guard``: ``auto`` by default, ``off``, or a
+threshold in tokens): each request records what it loaded and what the guard
+recomputed instead, per tier, and its time to first token with raykv against
+recomputing the whole prompt (``ttft_ratio``; ``TTFT_SLACK`` says when a request counts
+as later than recomputing).
 """
 
 from __future__ import annotations
@@ -35,6 +41,17 @@ from raykv.example_engine.presets import build
 from raykv.example_engine.workload import ChatWorkload
 from rich.console import Console
 
+TTFT_SLACK = (1.1, 5.0)
+"""A request's first token with raykv counts as later than recomputing it when its TTFT
+exceeds ``1.1 x`` recomputing's ``+ 5 ms`` (timing noise of two runs on a shared
+machine)."""
+
+
+def later_than_recompute(ttft_ms: float, recompute_ms: float) -> bool:
+    """Whether ``ttft_ms`` with raykv is later than ``recompute_ms`` (``TTFT_SLACK``)."""
+    factor, extra_ms = TTFT_SLACK
+    return ttft_ms > factor * recompute_ms + extra_ms
+
 
 def _record(gen: Generation, base: Generation) -> dict:
     """One request's figures (``base``: the same prompt recomputed without raykv)."""
@@ -44,6 +61,9 @@ def _record(gen: Generation, base: Generation) -> dict:
                 ttft_ms=gen.ttft_s * 1e3, ttft_recompute_ms=base.ttft_s * 1e3,
                 query_ms=gen.query_s * 1e3, fetch_ms=gen.fetch_s * 1e3,
                 fetched_bytes=gen.fetched_bytes, offloaded_pages=gen.offloaded_pages,
+                ttft_ratio=gen.ttft_s / base.ttft_s,
+                later=later_than_recompute(gen.ttft_s * 1e3, base.ttft_s * 1e3),
+                skipped_pages=gen.skipped_pages, guard_reason=gen.guard_reason,
                 offload_ms=gen.offload_s * 1e3, decode_ms=gen.decode_s * 1e3,
                 reply_tokens=len(gen.tokens), draft_proposed=gen.proposed,
                 draft_accepted=gen.accepted,
@@ -71,18 +91,28 @@ def _summary(requests: list[dict], page_size: int, hybrid: bool, draft: bool) ->
             fetched[pool] = fetched.get(pool, 0) + b
     with_ms = sum(r["ttft_ms"] for r in requests)
     without_ms = sum(r["ttft_recompute_ms"] for r in requests)
+    skipped: dict[str, int] = {}
+    for r in requests:
+        for tier, n in r["skipped_pages"].items():
+            skipped[tier] = skipped.get(tier, 0) + n * page_size
     return dict(tier_hit_rate=tiers, pool_hit_rate=pools, fetched_bytes=fetched,
                 ttft_ms_total=with_ms, ttft_recompute_ms_total=without_ms,
-                speedup=without_ms / with_ms, all_exact=all(r["exact"] for r in requests))
+                speedup=without_ms / with_ms, all_exact=all(r["exact"] for r in requests),
+                guard_loaded_tokens={"l2": l2 * page_size, "l3": l3 * page_size},
+                guard_recomputed_tokens=skipped,
+                worst_ttft_ratio=max(r["ttft_ratio"] for r in requests),
+                later_than_recompute=sum(r["later"] for r in requests))
 
 
 def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 8,
              head_dim: int = 64, page_size: int = 64, sessions: int = 4, turns: int = 3,
              system_tokens: int = 1024, user_tokens: int = 64, reply_tokens: int = 16,
-             long_prompt: int = 4096, out_dir: str = "raykv-out",
+             long_prompt: int = 4096, load_guard: str = "auto", out_dir: str = "raykv-out",
              console: Console | None = None) -> bool:
     """Run the demo; returns True if every request's first-token logits with raykv equal
-    those of recomputing, and the cached long prompt restored every page it could."""
+    those of recomputing, and the cached long prompt restored every page it could or
+    the load guard recomputed it (``load_guard``: ``auto``, ``off`` or a threshold in
+    tokens, as ``GuardSettings.parse`` reads it)."""
     console = demo_console(console)
     target, draft = build(variant, f"demo/{variant}-{hidden}x{layers}", hidden=hidden,
                           layers=layers, head_dim=head_dim)
@@ -97,7 +127,8 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
                             "TP=2) on each node"):
             engines = [Engine(target, node, draft=draft, page_size=page_size,
                               max_tokens=max_tokens, host_pages=host_pages,
-                              state_slots=host_pages, name=f"demo-n{i}")
+                              state_slots=host_pages, name=f"demo-n{i}",
+                              load_guard=load_guard)
                        for i, node in enumerate(cluster.node_ids)]
             for eng in engines:  # warm-up: first calls of every path, nothing cached
                 eng.generate(list(range(page_size + 1)), 4, use_cache=False)
@@ -106,12 +137,13 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
         traffic = l3_traffic(cluster)
     summary = _summary(requests, page_size, target.ssm_layers > 0, draft is not None)
     summary["l3_bytes"] = traffic
-    _print(console, requests, summary, long)
+    _print(console, requests, summary, long, load_guard)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(variant=variant, target=asdict(target),
                   draft=asdict(draft) if draft else None, page_size=page_size, tp_size=2,
-                  nodes=2, workload=asdict(work), long_prompt=long_prompt)
+                  nodes=2, workload=asdict(work), long_prompt=long_prompt,
+                  load_guard=load_guard)
     bars = {"recompute": long["recompute_ms"],
             "cached (L3,\nother node)": long["cached_l3_ms"],
             "cached (L2,\nlocal pool)": long["cached_l2_ms"]}
@@ -119,7 +151,8 @@ def run_demo(*, variant: str = "hybrid-draft", hidden: int = 512, layers: int = 
               long_prompt=long), out, "demo",
          lambda r, path: plot_ttft(r["requests"], bars, long["tokens"], path), console)
     ok = summary["all_exact"] and long["exact"] and long["recompute_hit_pages"] == 0 and \
-        long["cached_l3_hit_pages"] == long["max_hit_pages"] == long["cached_l2_hit_pages"]
+        all(long[f"cached_{t}_hit_pages"] + long[f"cached_{t}_skipped_pages"]
+            == long["max_hit_pages"] for t in ("l2", "l3"))
     console.print("[green]OK[/]: with raykv, every first token's logits equal recomputing "
                   "them, bit for bit" if ok else "[red]FAILED[/]")
     return ok
@@ -153,6 +186,10 @@ def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) ->
                 cached_l2_ms=steps["cached_l2"].ttft_s * 1e3,
                 cached_l3_hit_pages=steps["cached_l3"].l3_pages,
                 cached_l2_hit_pages=steps["cached_l2"].l2_pages,
+                cached_l3_skipped_pages=sum(steps["cached_l3"].skipped_pages.values()),
+                cached_l2_skipped_pages=sum(steps["cached_l2"].skipped_pages.values()),
+                cached_l3_ratio=steps["cached_l3"].ttft_s / base.ttft_s,
+                cached_l2_ratio=steps["cached_l2"].ttft_s / base.ttft_s,
                 l3_fetched_bytes=steps["cached_l3"].fetched_bytes,
                 speedup_l3=base.ttft_s / steps["cached_l3"].ttft_s,
                 speedup_l2=base.ttft_s / steps["cached_l2"].ttft_s,
@@ -160,17 +197,24 @@ def _long_prompt(engines: list[Engine], n: int, vocab: int, console: Console) ->
                           for k in ("cached_l3", "cached_l2")))
 
 
-def _print(console: Console, requests: list[dict], summary: dict, long: dict) -> None:
+def _guard_cell(skipped: dict[str, int]) -> str:
+    """The table's guard column: ``load``, or the pages recomputed per tier."""
+    return ", ".join(f"{t.upper()} {n}p recomputed" for t, n in sorted(skipped.items())) \
+        or "load"
+
+
+def _print(console: Console, requests: list[dict], summary: dict, long: dict,
+           load_guard: str) -> None:
     table = right_table("Time to first token per request (ms)",
                         ("session", "turn", "node", "prompt", "L2 pages", "L3 pages",
-                         "computed", "raykv", "recompute", "speedup", "L3 MiB", "state",
-                         "exact"))
+                         "guard", "computed", "raykv", "recompute", "ratio", "L3 MiB",
+                         "state", "exact"))
     for r in requests:
         table.add_row(str(r["session"]), str(r["turn"]), str(r["node"]),
                       str(r["prompt_tokens"]), str(r["l2_pages"]), str(r["l3_pages"]),
-                      str(r["computed_tokens"]), f"{r['ttft_ms']:.0f}",
-                      f"{r['ttft_recompute_ms']:.0f}",
-                      f"{r['ttft_recompute_ms'] / r['ttft_ms']:.1f}x",
+                      _guard_cell(r["skipped_pages"]), str(r["computed_tokens"]),
+                      f"{r['ttft_ms']:.0f}", f"{r['ttft_recompute_ms']:.0f}",
+                      ("[red]" if r["later"] else "") + f"{r['ttft_ratio']:.2f}",
                       f"{sum(r['fetched_bytes'].values()) / MiB:.1f}", r["state_tier"] or "-",
                       "yes" if r["exact"] else "[red]NO")
     console.print(table)
@@ -180,6 +224,14 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"; total TTFT {summary['ttft_ms_total']:.0f} ms with raykv vs "
                   f"{summary['ttft_recompute_ms_total']:.0f} ms "
                   f"({summary['speedup']:.1f}x)")
+    loaded, skipped = summary["guard_loaded_tokens"], summary["guard_recomputed_tokens"]
+    console.print(f"load guard ({load_guard}): loaded L2 {loaded['l2']} tokens, L3 "
+                  f"{loaded['l3']}; recomputed instead "
+                  + (", ".join(f"{t.upper()} {n}" for t, n in sorted(skipped.items()))
+                     or "none")
+                  + f"; TTFT raykv / recompute at worst {summary['worst_ttft_ratio']:.2f}, "
+                  f"{summary['later_than_recompute']} of {len(requests)} requests later "
+                  f"than recomputing (over {TTFT_SLACK[0]}x + {TTFT_SLACK[1]:.0f} ms)")
     for pool, rates in summary["pool_hit_rate"].items():
         console.print(f"  pool {pool}: " + ", ".join(f"{t} {v:.0%}" for t, v in rates.items())
                       + f"; fetched from L3 {summary['fetched_bytes'].get(pool, 0) / MiB:.1f} MiB")
@@ -192,4 +244,5 @@ def _print(console: Console, requests: list[dict], summary: dict, long: dict) ->
                   f"{long['cached_l3_fetch_ms']:.0f} ms), from "
                   f"L2 (local pool) {long['cached_l2_ms']:.0f} ms "
                   f"({long['speedup_l2']:.1f}x lower); {long['cached_l3_hit_pages']} of "
-                  f"{long['max_hit_pages']} restorable pages hit")
+                  f"{long['max_hit_pages']} restorable pages loaded from L3 "
+                  f"({long['cached_l3_skipped_pages']} recomputed by the load guard)")

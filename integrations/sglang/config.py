@@ -7,10 +7,12 @@ backend itself reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.controllers.contract import PoolName, StorageConfig
+from raykv.controllers.load_guard import GuardSettings
 from raykv.controllers.naming import NAMESPACE
 
 SUPPORTED_POOLS = {p.value: p for p in PoolName}
@@ -22,7 +24,8 @@ MAMBA_STAGING_SLOTS = 16
 with more goes through in rounds)."""
 CONFIG_KEYS = ("ray_address", "namespace", "ray_namespace", "ray_auth_mode", "ray_node_id",
                "zero_copy", "staging_pages", "extra_backend_tag", "timeout_s", "tenant",
-               "model_revision", "lookup_home", "engine_id")
+               "model_revision", "lookup_home", "engine_id", "load_guard",
+               "prefill_tokens_per_s")
 """extra_config keys this backend reads (``ray_namespace``: the older name of
 ``namespace``, kept as its alias)."""
 STORAGE_KEYS = ("extra_backend_tag", "timeout_s", "tenant", "model_revision", "lookup_home",
@@ -88,12 +91,16 @@ class BackendOptions:
     allocator: str | None = None
     staging_pages: int = STAGING_PAGES
     interface_v1: bool = False
+    load_guard: GuardSettings = field(default_factory=GuardSettings)
+    prefill_s_per_token: float | None = None
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> BackendOptions:
         """The options of SGLang's extra config ``extra`` (None: all defaults).
         ``ValueError`` on a key nobody reads (``check_keys``) or on ``namespace`` and
-        its alias ``ray_namespace`` naming different namespaces."""
+        its alias ``ray_namespace`` naming different namespaces, on a ``load_guard``
+        that is not ``auto``, ``off`` or a number of tokens, and on a
+        ``prefill_tokens_per_s`` that is not a positive number."""
         extra = dict(extra or {})
         check_keys(extra)
         names = {extra[k] for k in ("namespace", "ray_namespace") if extra.get(k)}
@@ -108,4 +115,33 @@ class BackendOptions:
                    zero_copy=bool(extra.get("zero_copy", True)),
                    allocator=extra.get("allocator"),
                    staging_pages=int(extra.get("staging_pages", STAGING_PAGES)),
-                   interface_v1=bool(extra.get("interface_v1")))
+                   interface_v1=bool(extra.get("interface_v1")),
+                   load_guard=_load_guard(extra.get("load_guard")),
+                   prefill_s_per_token=_prefill_rate(extra.get("prefill_tokens_per_s")))
+
+
+def _load_guard(value: object) -> GuardSettings:
+    """``GuardSettings.parse`` with the key named in its error."""
+    try:
+        return GuardSettings.parse(value)
+    except ValueError as e:
+        raise ValueError(f"raykv: --hicache-storage-backend-extra-config {e}") from None
+
+
+def _prefill_rate(value: object) -> float | None:
+    """Seconds per token of ``prefill_tokens_per_s`` (None: not given); ``ValueError``
+    unless a positive finite number (or a string of one)."""
+    if value is None:
+        return None
+    rate = value
+    if isinstance(value, str):
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = None
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or \
+            not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"raykv: --hicache-storage-backend-extra-config "
+                         f"prefill_tokens_per_s {value!r}: expected a positive number of "
+                         "prompt tokens the engine prefills per second")
+    return 1.0 / rate

@@ -19,6 +19,7 @@ from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.sglang.config import SUPPORTED_POOLS, BackendOptions, storage_config
+from raykv.integrations.sglang.hit_guard import HitGuard
 from raykv.integrations.sglang.meters import BackendMeters
 from raykv.integrations.sglang.serving import ServedPools
 from raykv.integrations.sglang.transfers import (
@@ -28,6 +29,7 @@ from raykv.integrations.sglang.transfers import (
     to_raykv,
     value,
 )
+from raykv.integrations.token_metrics import TokenMetrics
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -51,15 +53,15 @@ class RayKVStore(HiCacheStorage):
     the attach, naming the valid ones): ``ray_address`` (default ``$RAY_ADDRESS``, else
     the cluster of the Ray node this process descends from, else ``auto``, as vLLM's
     connector), ``namespace`` (``ray_namespace`` is its alias), ``ray_auth_mode``,
-    ``ray_node_id`` (serve through the node actor of that node instead of the node Ray
-    placed this process on), ``zero_copy`` (default true: share ``allocator: shm``
-    memfds), ``staging_pages`` (per pool and direction, default 256),
-    ``extra_backend_tag`` (key tag, as in SGLang's MooncakeStore), ``timeout_s`` (the
-    deadline of each call to raykv, default 5 s: past it a lookup is a miss, a backup or
-    a load fails for its pages, and SGLang keeps serving), ``tenant`` (its secret from
-    ``$RAYKV_TENANT_SECRET`` of this process: keys no other tenant can find) and
-    ``model_revision`` (part of a tenant's key prefix); the KV dtype and page size are
-    checked through the registered pools (``config.STORAGE_KEYS``).
+    ``ray_node_id`` (serve through that node's actor instead of the one of the node Ray
+    placed this process on), ``zero_copy`` (default true: share ``allocator: shm`` memfds),
+    ``staging_pages`` (per pool and direction, default 256), ``extra_backend_tag`` (key
+    tag, as in SGLang's MooncakeStore), ``timeout_s`` (the deadline of each call to raykv,
+    default 5 s: past it a lookup is a miss, a backup or a load fails for its pages, and
+    SGLang keeps serving), ``tenant`` (its secret from ``$RAYKV_TENANT_SECRET`` of this
+    process: keys no other tenant can find), ``model_revision`` (part of a tenant's key
+    prefix), ``load_guard`` and ``prefill_tokens_per_s`` (``hit_guard``); the KV dtype and
+    page size are checked through the registered pools (``config.STORAGE_KEYS``).
 
     Methods follow SGLang's ``HiCacheStorage``: registration, the v2 API, the v1 API,
     the legacy abstract API, then ``clear``, ``get_stats``, ``close`` and
@@ -84,6 +86,8 @@ class RayKVStore(HiCacheStorage):
         self._warned_legacy = False
         self._meters = BackendMeters(self.config.enable_storage_metrics)
         self.counters = self._meters.counters
+        self._guard = HitGuard(opts.load_guard, opts.prefill_s_per_token)
+        self._metrics = TokenMetrics.for_rank(self.counters, self.config)
         self.mem_pool_host = None
         self.registered_pools = {}
         if not opts.interface_v1:
@@ -96,6 +100,7 @@ class RayKVStore(HiCacheStorage):
         """The anchor (KV) host pool."""
         super().register_mem_pool_host(mem_pool_host)
         self._served.register(PoolName.KV, mem_pool_host)
+        self._guard.page_tokens = mem_pool_host.page_size
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """Any pool of the host pool group (KV again included). ``ValueError`` for a pool
@@ -106,6 +111,8 @@ class RayKVStore(HiCacheStorage):
             raise ValueError(f"raykv does not serve SGLang pool {value(host_pool_name)!r} "
                              f"(served: {sorted(SUPPORTED_POOLS)})")
         self._served.register(name, host_pool)
+        if name is PoolName.KV:
+            self._guard.page_tokens = host_pool.page_size
 
     def on_host_pools_registered(self) -> None:
         """Register the deployment with the controller now, so a conflict with the rest
@@ -118,16 +125,17 @@ class RayKVStore(HiCacheStorage):
     def batch_exists_v2(self, keys: list[str], pool_transfers: list | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None):
         """The longest prefix KV and every pool of ``pool_transfers`` can restore, for
-        the whole TP group (raykv's group query)."""
+        the TP group (raykv's group query), cut by the load guard (``hit_guard``)."""
         if not keys:
             return SGPoolTransferResult(0, {}, [])
         try:
             self._ready()
             hit = self.client.group_exists(list(keys), exists_queries(pool_transfers))
+            pages, _ = self._guard.guard(hit, len(keys), self.counters)
             return SGPoolTransferResult(
-                hit.kv_hit_pages,
+                pages,
                 {SGPoolName(p.value): n for p, n in hit.extra_pool_hit_pages.items()},
-                list(hit.restorable_prefix_pages))
+                [p for p in hit.restorable_prefix_pages if p <= pages])
         except Exception as e:
             self._warn("batch_exists_v2", e)
             return SGPoolTransferResult(0, {}, [])
@@ -247,12 +255,13 @@ class RayKVStore(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Leading pages whose KV objects exist for every TP rank of the deployment."""
+        """Leading pages whose KV objects exist for every TP rank (load guard's cut)."""
         if not keys:
             return 0
         try:
             self._ready()
-            return self.client.group_exists(list(keys)).kv_hit_pages
+            return self._guard.guard(self.client.group_exists(list(keys)), len(keys),
+                                     self.counters)[0]
         except Exception as e:
             self._warn("batch_exists", e)
             return 0
@@ -303,6 +312,8 @@ class RayKVStore(HiCacheStorage):
         staged transfer under way on it has ended, so close() may wait for one transfer
         per pool (its rounds' store calls, each within ``timeout_s``). Calls after
         close() fail their pages, never raise."""
+        if self._metrics is not None:
+            self._metrics.close()
         self._served.close()
 
     def raykv_stats(self) -> dict:

@@ -28,8 +28,10 @@ Deadline steps (``test_sglang_deadlines.py``): ``stop_node_actor`` / ``cont_node
 (SIGSTOP / SIGCONT this backend's node actor), ``logged`` (another step with every
 backend data call timed, ``CallLog``; optionally stopping the actor between SGLang's hit
 query and its load), ``until_hit``, ``store_delay`` (slow store calls),
-``until_breaker_admits``, ``reuse`` (the last write's or load's host pages given to
-other bytes) and ``old_return`` (a control: failed calls return whatever runs).
+``until_breaker_admits``, ``slow_runs`` (group answers carrying slow ``load_runs``:
+the load guard's tests, ``test_sglang_guard.py``), ``reuse`` (the last write's or load's
+host pages given to other bytes) and ``old_return`` (a control: failed calls return
+whatever runs).
 Close steps (``test_sglang_close.py``): ``close_during_backup`` (the backend closed
 while SGLang's backup thread is in a store call), ``close_during_copy`` (closed while the
 backend copies pages through its staging pool) and ``read_back`` (every object of a
@@ -746,6 +748,27 @@ class Engine:
                   for n in self.node_ids]
         store_delay.delay_store_calls(actors, step["s"])
         return {"s": step["s"]}
+
+    def slow_runs(self, step) -> dict:
+        """From now on every group answer of this backend carries ``load_runs`` as a
+        node that gave estimates would: its first ``head`` pages from ``l2`` (1 us), the
+        rest from ``l3`` taking ``s`` seconds (the test's stand-in for a slow link; the
+        answer's pages stay the node's)."""
+        import dataclasses
+
+        client = self.store.client
+        plain = client.group_exists
+
+        def with_runs(*args, **kwargs):
+            hit = plain(*args, **kwargs)
+            n = hit.kv_hit_pages
+            head = min(step.get("head", 0), n)
+            runs = ([("l2", head, 1e-6)] if head else []) + \
+                ([("l3", n - head, step["s"])] if n > head else [])
+            return dataclasses.replace(hit, load_runs=runs)
+
+        client.group_exists = with_runs
+        return {"s": step["s"], "head": step.get("head", 0)}
 
     def old_return(self, step) -> dict:
         """CONTROL, for the rest of this process: a failed put's or get's ticket is freed

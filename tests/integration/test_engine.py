@@ -38,14 +38,17 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def engines(cluster):
-    """Per variant, a TP=2 engine on each node (made on first use)."""
+    """Per variant, a TP=2 engine on each node (made on first use), the load guard off:
+    these tests restore every hit to check it equals recomputing (the guard's choice:
+    ``test_engine_guard.py``)."""
     made: dict[str, tuple[Engine, Engine]] = {}
 
     def get(variant: str) -> tuple[Engine, Engine]:
         if variant not in made:
             target, draft = build(variant, f"test/{variant}", **SIZES)
             made[variant] = tuple(Engine(target, node, draft=draft, page_size=PS,
-                                         max_tokens=512, host_pages=24, state_slots=24)
+                                         max_tokens=512, host_pages=24, state_slots=24,
+                                         load_guard="off")
                                   for node in cluster.node_ids)
         return made[variant]
 

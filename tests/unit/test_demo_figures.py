@@ -22,7 +22,8 @@ RUN = json.loads((ROOT / "docs" / "demo.json").read_text())
 def printed(run: dict) -> list[str]:
     """The lines ``raykv demo`` prints for ``run`` after its progress bars."""
     console = Console(file=io.StringIO(), width=400, record=True)
-    _print(console, run["requests"], run["summary"], run["long_prompt"])
+    _print(console, run["requests"], run["summary"], run["long_prompt"],
+           run["config"]["load_guard"])
     return [line.rstrip() for line in console.export_text().splitlines()]
 
 
@@ -46,12 +47,20 @@ def demo_md_lines(run: dict) -> list[str]:
     lines = []
     for r in reqs:
         mib = sum(r["fetched_bytes"].values()) / MiB
+        guard = ", ".join(f"{t.upper()} {n} pages" for t, n in
+                          sorted(r["skipped_pages"].items())) or "load"
         lines.append(
             f"| {r['session']} | {r['turn']} | {r['node']} | {r['prompt_tokens']} | "
-            f"{r['l2_pages']} | {r['l3_pages']} | {r['state_tier'] or '-'} | "
+            f"{r['l2_pages']} | {r['l3_pages']} | {guard} | {r['state_tier'] or '-'} | "
             f"{r['computed_tokens']} | {r['ttft_ms']:.0f} | {r['ttft_recompute_ms']:.0f} | "
-            f"{r['ttft_recompute_ms'] / r['ttft_ms']:.1f}x | {mib:.1f} |")
+            f"{r['ttft_ratio']:.2f} | {mib:.1f} |")
     tiers = summary["tier_hit_rate"]
+    loaded, skipped = summary["guard_loaded_tokens"], summary["guard_recomputed_tokens"]
+    lines.append(f"- Load guard (`{run['config']['load_guard']}`): loaded {loaded['l2']:,} "
+                 f"tokens from L2 and {loaded['l3']:,} from L3, recomputed instead "
+                 f"{sum(skipped.values()):,}; TTFT with raykv / recomputing at worst "
+                 f"{summary['worst_ttft_ratio']:.2f}, {summary['later_than_recompute']} of "
+                 f"{len(reqs)} requests later than recomputing.")
     lines.append(f"- Total TTFT over the {len(reqs)} requests: "
                  f"{summary['ttft_ms_total'] / 1e3:.1f} s with raykv vs "
                  f"{summary['ttft_recompute_ms_total'] / 1e3:.1f} s recomputing "
