@@ -35,7 +35,7 @@ from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeServi
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
-from raykv.cache_actors.node.tier_metrics import TierMetrics
+from raykv.cache_actors.node.tier_metrics import LinkMetrics, TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
@@ -119,6 +119,8 @@ class NodeCacheActor:
             l2_bytes=l2_bytes, l2_eviction=l2_eviction)
         metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
         metrics.watch(BacklogMetrics(node_id, self._service.l2.counters).export)
+        metrics.watch(LinkMetrics(node_id, self._service.loads.costs.view).export)
+        self._service.loads.start()  # measures gets, probes links (load_runs' estimates)
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
@@ -348,11 +350,13 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``."""
         return await self._pooled(self._service.stats) | {"warnings": self._warnings,
-            "residency": self._residency.stats(), "warmup": self._warmup.stats()}
+            "residency": self._residency.stats(), "warmup": self._warmup.stats(),
+            "loads": self._service.loads.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
         self._warmup.close()
+        await self._pooled(self._service.loads.close)
         await self._pooled(self._service.shutdown, remove_pools)
         self._route.shutdown(wait=False)
 
