@@ -1,0 +1,109 @@
+"""A node's load estimates on a real two-node cluster (Ray, ``mooncake_master``): a group
+answer's hit comes with ``load_runs`` priced by the answering node, whose estimates
+follow what its own gets take (``cache_actors.node.load_estimates``).
+
+Node A (the other node) stores the pages; node B (the driver's, the group's lookup
+home) answers the group query and serves the driver's loads.
+"""
+
+import time
+
+import pytest
+import ray
+from raykv import CacheClient
+from raykv.controllers import StorageConfig
+
+from tests.integration.ranks import MHA, indices, start_rank
+from tests.integration.store_delay import delay_store_calls
+
+PAGES = 16
+DELAY_S = 0.2
+
+
+def loads_view(cluster, node: str) -> dict:
+    """``loads`` of ``node``'s actor (its ``stats``)."""
+    return ray.get(cluster.node_actors[node].stats.remote())["loads"]
+
+
+def wait_for(check, within_s: float = 30.0):
+    """``check()``'s first truthy answer, asked every 0.1 s; fails after ``within_s``."""
+    end = time.monotonic() + within_s
+    while not (got := check()):
+        assert time.monotonic() < end, "the node actor never got there"
+        time.sleep(0.1)
+    return got
+
+
+@pytest.fixture
+def stored(cluster, uid):
+    """A reader on node B (registered first: B is the group's home) and ``PAGES`` pages
+    stored by a writer of the same deployment on node A."""
+    here = ray.get_runtime_context().get_node_id()
+    (there,) = [n for n in cluster.node_ids[:2] if n != here]
+    config = StorageConfig(tp_rank=0, tp_size=1, model_name=f"loads/{uid}",
+                           extra_config={"engine_id": "e"})
+    reader = CacheClient(config)
+    pool = reader.create_host_pool("mha", **MHA)
+    reader.register_mem_pool_host(pool)
+    reader.register_deployment()
+    writer = start_rank(there, config)
+    keys = [f"{uid}-{i}" for i in range(PAGES)]
+    assert ray.get(writer.call.remote("batch_set_v1", keys, indices(0, PAGES))) == \
+        [True] * PAGES
+    try:
+        yield reader, keys, here, there
+    finally:
+        reader.close()
+        ray.kill(writer)
+
+
+def segment(cluster, node: str) -> str:
+    return ray.get(cluster.node_actors[node].health.remote())["segment"]
+
+
+def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
+    """The hit stored on A, asked through B: every page in runs from A's segment, each
+    priced (A's link is probed as soon as B first sees it). Control: a miss has no
+    runs."""
+    reader, keys, here, there = stored
+    a = segment(cluster, there)
+    hit = reader.group_exists(keys)
+    assert hit.kv_hit_pages == PAGES
+    assert sum(p for _, p, _ in hit.load_runs) == PAGES
+    assert {t for t, _, _ in hit.load_runs} == {"l3"}
+    wait_for(lambda: loads_view(cluster, here)["links"].get(a, {}).get("probe_age_s")
+             is not None)
+    hit = reader.group_exists(keys)
+    assert [(t, p) for t, p, _ in hit.load_runs] == [("l3", PAGES)]
+    assert hit.load_runs[0][2] > 0
+    view = loads_view(cluster, here)
+    assert view["links"][a]["mb_per_s"] > 0 and view["located_keys"] >= PAGES
+    # control: a miss is answered without runs
+    miss = reader.group_exists([f"{keys[0]}-none-{i}" for i in range(4)])
+    assert miss.kv_hit_pages == 0 and miss.load_runs == []
+
+
+def estimate_after_loads(cluster, reader, keys, here, loads: int) -> float:
+    """The hit's estimated seconds after ``loads`` more loads of it through B, each
+    measured by B's background thread before the next query."""
+    start = loads_view(cluster, here)["overall"]["samples"]
+    for _ in range(loads):
+        assert all(reader.batch_get_v1(keys, indices(0, PAGES)))
+    wait_for(lambda: loads_view(cluster, here)["overall"]["samples"] >= start + loads)
+    hit = reader.group_exists(keys)
+    assert hit.kv_hit_pages == PAGES
+    return sum(s for _, _, s in hit.load_runs)
+
+
+def test_slow_gets_on_the_answering_node_raise_its_estimates(cluster, stored):
+    """Loads through B, measured: the estimate follows them. With every store call of
+    B held ``DELAY_S``, five loads later the hit is estimated several times slower than
+    after five plain loads (the control, measured first on the same pages and link)."""
+    reader, keys, here, _ = stored
+    plain = estimate_after_loads(cluster, reader, keys, here, 5)
+    delay_store_calls([cluster.node_actors[here]], DELAY_S)
+    try:
+        slow = estimate_after_loads(cluster, reader, keys, here, 5)
+    finally:
+        delay_store_calls([cluster.node_actors[here]], 0)
+    assert slow > 5 * plain
