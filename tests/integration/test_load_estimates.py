@@ -37,7 +37,7 @@ def wait_for(check, within_s: float = 30.0):
 @pytest.fixture
 def stored(cluster, uid):
     """A reader on node B (registered first: B is the group's home) and ``PAGES`` pages
-    stored by a writer of the same deployment on node A."""
+    stored by a writer (a ``Rank``) of the same deployment on node A."""
     here = ray.get_runtime_context().get_node_id()
     (there,) = [n for n in cluster.node_ids[:2] if n != here]
     config = StorageConfig(tp_rank=0, tp_size=1, model_name=f"loads/{uid}",
@@ -51,7 +51,7 @@ def stored(cluster, uid):
     assert ray.get(writer.call.remote("batch_set_v1", keys, indices(0, PAGES))) == \
         [True] * PAGES
     try:
-        yield reader, keys, here, there
+        yield reader, keys, here, there, writer
     finally:
         reader.close()
         ray.kill(writer)
@@ -65,7 +65,7 @@ def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
     """The hit stored on A, asked through B: every page in runs from A's segment, each
     priced (A's link is probed as soon as B first sees it). Control: a miss has no
     runs."""
-    reader, keys, here, there = stored
+    reader, keys, here, there, writer = stored
     a = segment(cluster, there)
     hit = reader.group_exists(keys)
     assert hit.kv_hit_pages == PAGES
@@ -78,6 +78,9 @@ def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
     assert hit.load_runs[0][2] > 0
     view = loads_view(cluster, here)
     assert view["links"][a]["mb_per_s"] > 0 and view["located_keys"] >= PAGES
+    # the writer on A asks its lookup home B over Ray: the runs travel that route too
+    far = ray.get(writer.call.remote("group_exists", keys))
+    assert [(t, p) for t, p, _ in far.load_runs] == [("l3", PAGES)]
     # control: a miss is answered without runs
     miss = reader.group_exists([f"{keys[0]}-none-{i}" for i in range(4)])
     assert miss.kv_hit_pages == 0 and miss.load_runs == []
@@ -99,7 +102,7 @@ def test_slow_gets_on_the_answering_node_raise_its_estimates(cluster, stored):
     """Loads through B, measured: the estimate follows them. With every store call of
     B held ``DELAY_S``, five loads later the hit is estimated several times slower than
     after five plain loads (the control, measured first on the same pages and link)."""
-    reader, keys, here, _ = stored
+    reader, keys, here, _, _ = stored
     plain = estimate_after_loads(cluster, reader, keys, here, 5)
     delay_store_calls([cluster.node_actors[here]], DELAY_S)
     try:
