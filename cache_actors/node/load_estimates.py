@@ -184,11 +184,14 @@ class LoadEstimates:
                     waiting[1].append(reply)
                     return
                 self._waiting[id(result)] = (result, [reply])
-            if not self._backend.can_locate or not self.places.get(
-                    self._names(dep, keys, queries, result.kv_hit_pages))[1]:
-                self._estimate(result, dep, keys, queries)
-            else:
-                self._executor.submit(self._estimate, result, dep, keys, queries)
+            try:  # a locate to make: on the executor
+                if self._backend.can_locate and self.places.get(
+                        self._names(dep, keys, queries, result.kv_hit_pages))[1]:
+                    self._executor.submit(self._estimate, result, dep, keys, queries)
+                    return
+            except Exception:  # the executor shut down, or a bug: estimated here, or not
+                log.exception("a group answer's estimate could not be handed over")
+            self._estimate(result, dep, keys, queries)
         return done
 
     @staticmethod
