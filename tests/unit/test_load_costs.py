@@ -186,3 +186,30 @@ def test_a_node_that_cannot_locate_gives_one_run():
     hit = PoolTransferResult(kv_hit_pages=3)
     answered(estimates, hit, ["a", "b", "c"])
     assert hit.load_runs == [(MEMORY, 3, None)] and backend.locates == 0
+
+
+def test_the_link_gauge_follows_the_estimates_and_zeroes_a_forgotten_link(monkeypatch):
+    from types import SimpleNamespace
+
+    from raykv.cache_actors.node import tier_metrics
+    from raykv.cache_actors.node.tier_metrics import LinkMetrics
+
+    from tests.unit.test_node_metrics import FakeMetric
+
+    made = {}
+
+    def make(name, *args, **kwargs):
+        made[name] = FakeMetric(name, *args, **kwargs)
+        return made[name]
+
+    monkeypatch.setattr(tier_metrics, "metrics", SimpleNamespace(Gauge=make))
+    costs = LoadCosts()
+    costs.probed(A, 1e-8, 0.0)  # 100 MB/s
+    costs.seen([B])             # not estimated yet: not set
+    m = LinkMetrics("node-0123456789abcdef", costs.view)
+    gauge = made["raykv_link_bytes_per_second"]
+    m.export()
+    assert [(c[1], c[2]) for c in gauge.calls] == [(pytest.approx(1e8), {"segment": A})]
+    costs.forget([A])
+    m.export()
+    assert (gauge.calls[-1][1], gauge.calls[-1][2]) == (0, {"segment": A})
