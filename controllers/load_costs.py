@@ -45,11 +45,12 @@ CALL_WEIGHT = 0.2  # of the newest store call in the moving-average call time
 class Link:
     """One source segment's estimate: ``rate`` (seconds per byte and a fixed cost per
     call), when a probe last measured it (``probed_at``, the clock's seconds; None:
-    never) and when it was last used or seen (``seen_at``)."""
+    never) and when this node last read from it or found its objects (``used_at``;
+    None: only known as a peer)."""
 
     rate: Rate
     probed_at: float | None = None
-    seen_at: float = 0.0
+    used_at: float | None = None
 
 
 def fit_probe(small: int, small_s: float, large: int, large_s: float) -> tuple[float, float]:
@@ -99,15 +100,17 @@ class LoadCosts:
         return inflight * (self.call.per_unit() or 0.0)
 
     # ----------------------------------------------------------- the links
-    def _link(self, segment: str) -> Link:
-        """Under the lock: ``segment``'s link, made (and the oldest dropped) if new."""
+    def _link(self, segment: str, used: bool = True) -> Link:
+        """Under the lock: ``segment``'s link, made (and the least recently used
+        dropped) if new; ``used``: noted as used now."""
         link = self._links.get(segment)
         if link is None:
             link = self._links[segment] = Link(Rate())
             while len(self._links) > self._max:
                 self._links.popitem(last=False)
-        self._links.move_to_end(segment)
-        link.seen_at = self._clock()
+        if used:
+            self._links.move_to_end(segment)
+            link.used_at = self._clock()
         return link
 
     def seen(self, segments: Iterable[str]) -> list[str]:
@@ -120,12 +123,18 @@ class LoadCosts:
                 self._link(s)
         return new
 
+    def known(self, segments: Iterable[str]) -> None:
+        """Note ``segments`` as peers (the cluster's node list), not used yet."""
+        with self._lock:
+            for s in segments:
+                self._link(s, used=False)
+
     def probed(self, segment: str, per_byte: float, fixed_s: float) -> None:
         """A probe of ``segment``'s link measured ``per_byte`` and ``fixed_s``: the
         link's estimate starts there if no get measured it yet, else the probe counts as
         one more measurement (a call of 1 MB)."""
         with self._lock:
-            link = self._link(segment)
+            link = self._link(segment, used=False)
             link.probed_at = self._clock()
             if link.rate.samples == 0:
                 link.rate = Rate(prior_per_unit=per_byte, fixed_s=fixed_s)
@@ -160,14 +169,22 @@ class LoadCosts:
             return list(self._links)
 
     def probe_due(self, every_s: float, limit: int) -> list[str]:
-        """Up to ``limit`` segments whose link a probe never measured or measured more
-        than ``every_s`` ago, the never-probed and then the oldest-probed first."""
+        """Up to ``limit`` used segments whose link a probe never measured, or measured
+        more than ``every_s`` ago and was used since: the never-probed first, then the
+        oldest-probed. A peer never used is left to ``cold``."""
         now = self._clock()
         with self._lock:
             due = [(link.probed_at is not None, link.probed_at or 0.0, s)
-                   for s, link in self._links.items()
-                   if link.probed_at is None or now - link.probed_at >= every_s]
+                   for s, link in self._links.items() if link.used_at is not None and (
+                       link.probed_at is None or (now - link.probed_at >= every_s
+                                                  and link.used_at >= link.probed_at))]
         return [s for _, _, s in sorted(due)[:limit]]
+
+    def cold(self, limit: int) -> list[str]:
+        """Up to ``limit`` peers never used and never probed (a cold start's)."""
+        with self._lock:
+            return [s for s, link in self._links.items()
+                    if link.used_at is None and link.probed_at is None][:limit]
 
     def seconds(self, source: str | None, nbytes: int) -> float | None:
         """Estimated seconds to read ``nbytes`` from ``source`` (a segment, or None:

@@ -24,14 +24,17 @@ one ``l3`` run estimated from every get together (``whole_run``).
 
 Probes (``cache_actors.node.link_probe``), on the background thread, when ``start`` was
 called and the node can locate: its own probe objects are put at start and again
-whenever a round finds them gone; a round probes at most ``PROBE_LINKS`` segments
-(those never probed first, then those probed longest ago, at most once per
-``PROBE_EVERY_S`` each), within ``PROBE_ROUND_S``. Rounds run at start, when a
-segment new to the node is seen (a locate of a hit or a get found it) and every
-``PROBE_EVERY_S``. A node probes only the segments its hits and gets read from, so
-128 nodes never probe all to all: per node at most ``PROBE_LINKS`` links a round, each
-~0.27 MB read and one locate per round. A segment whose probe objects are gone is
-forgotten (its node left) until seen again.
+whenever a round finds them gone; a round probes at most ``PROBE_LINKS`` segments the
+node used (read from, or found a hit's objects on: never probed first, then those
+probed longest ago and used since, at most once per ``PROBE_EVERY_S`` each) and, once
+per ``PROBE_EVERY_S`` (at start, and every ``COLD_RETRY_S`` while no peer is known),
+up to ``COLD_LINKS`` peers of the cluster's node
+list it never used nor probed (a cold start's estimates), within ``PROBE_ROUND_S``.
+Rounds run at start, when a segment new to the node is seen (a locate of a hit or a get
+found it) and every ``PROBE_EVERY_S``. So 128 nodes never probe all to all: a link is
+probed again only while used, per node at most ``PROBE_LINKS + COLD_LINKS`` links a
+round, each ~0.27 MB read, and one locate per round. A segment whose probe objects are
+gone is forgotten (its node left) until seen again.
 
 Threads: ``put`` / ``get`` on data threads; ``answer``'s wrapper where the answer is
 known (lookup thread, channel I/O thread, event loop) and its locate on the executor;
@@ -69,6 +72,8 @@ SAMPLE_KEYS = 256
 PROBE_EVERY_S = 60.0
 PROBE_LINKS = 8
 PROBE_ROUND_S = 5.0
+COLD_LINKS = 8
+COLD_RETRY_S = 5.0
 
 
 def page_bytes(dep: Deployment, queries: Sequence[PoolQuery]) -> int:
@@ -219,14 +224,15 @@ class LoadEstimates:
             reply(result, None)
 
     # ------------------------------------------------------- background
-    def start(self) -> None:
+    def start(self, peers: Callable[[], list[str]] | None = None) -> None:
         """Start the background thread (measurements; probes where the node can
-        locate)."""
-        self._thread = threading.Thread(target=self._background, name="raykv-load-estimates",
-                                        daemon=True)
+        locate); ``peers()``: the segments of the cluster's other nodes (on that
+        thread, every ``PROBE_EVERY_S``; None: none but those this node reads)."""
+        self._thread = threading.Thread(target=self._background, args=(peers,),
+                                        name="raykv-load-estimates", daemon=True)
         self._thread.start()
 
-    def _background(self) -> None:
+    def _background(self, peers: Callable[[], list[str]] | None) -> None:
         probe = None
         if self._backend.can_locate and self._backend.own_segment:
             try:
@@ -236,7 +242,7 @@ class LoadEstimates:
                 log.exception("the link probe could not start: links are measured by "
                               "gets alone")
         published = False
-        next_round = time.monotonic()
+        next_round = next_cold = time.monotonic()
         while not self._stop.is_set():
             self._wake.wait(max(0.0, next_round - time.monotonic()))
             self._wake.clear()
@@ -251,6 +257,17 @@ class LoadEstimates:
             try:
                 published = published or probe.publish()
                 due = self.costs.probe_due(PROBE_EVERY_S, PROBE_LINKS)
+                if time.monotonic() >= next_cold:  # peers never used: a few an interval
+                    try:
+                        found = None if peers is None else peers()
+                        self.costs.known(found or ())
+                    except Exception as e:  # the controller away: look again soon
+                        found = []
+                        log.warning("the cluster's node list did not come: %s", e)
+                    # no peer known yet (the cluster starting): look again soon
+                    next_cold = time.monotonic() + (
+                        COLD_RETRY_S if found == [] else PROBE_EVERY_S)
+                    due += self.costs.cold(COLD_LINKS)
                 if due:
                     measured, absent = probe.measure(due, time.monotonic() + PROBE_ROUND_S)
                     for segment, (per_byte, fixed_s) in measured.items():
@@ -263,7 +280,7 @@ class LoadEstimates:
             if self.costs.probe_due(PROBE_EVERY_S, 1):
                 next_round = time.monotonic() + 1.0  # more due, or a failure: soon again
             else:
-                next_round = time.monotonic() + PROBE_EVERY_S
+                next_round = min(next_cold, time.monotonic() + PROBE_EVERY_S)
 
     def stats(self) -> dict:
         """``LoadCosts.view`` and ``located_keys`` (``KeyPlaces`` entries)."""

@@ -17,7 +17,7 @@ from tests.integration.ranks import MHA, indices, start_rank
 from tests.integration.store_delay import delay_store_calls
 
 PAGES = 16
-DELAY_S = 0.2
+DELAY_S = 0.5
 
 
 def loads_view(cluster, node: str) -> dict:
@@ -62,20 +62,20 @@ def segment(cluster, node: str) -> str:
 
 
 def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
-    """The hit stored on A, asked through B: every page in runs from A's segment, each
-    priced (A's link is probed as soon as B first sees it). Control: a miss has no
-    runs."""
+    """B knows A's link from a probe before any load (A is on the controller's node
+    list); the hit stored on A, asked through B: every page in runs from A's segment,
+    each priced. Control: a miss has no runs."""
     reader, keys, here, there, writer = stored
     a = segment(cluster, there)
+    # a cold start: B probed A's segment, a peer of the node list, before any load
+    cold = wait_for(lambda: (v := loads_view(cluster, here)["links"].get(a, {})).get(
+        "probe_age_s") is not None and v, within_s=90)
+    assert cold["samples"] == 0 and cold["mb_per_s"] > 0  # the probe's, no get's
     hit = reader.group_exists(keys)
     assert hit.kv_hit_pages == PAGES
     assert sum(p for _, p, _ in hit.load_runs) == PAGES
-    assert {t for t, _, _ in hit.load_runs} == {"l3"}
-    wait_for(lambda: loads_view(cluster, here)["links"].get(a, {}).get("probe_age_s")
-             is not None)
-    hit = reader.group_exists(keys)
     assert [(t, p) for t, p, _ in hit.load_runs] == [("l3", PAGES)]
-    assert hit.load_runs[0][2] > 0
+    assert hit.load_runs[0][2] > 0  # priced from the first load on: the probe's estimate
     view = loads_view(cluster, here)
     assert view["links"][a]["mb_per_s"] > 0 and view["located_keys"] >= PAGES
     # the writer on A asks its lookup home B over Ray: the runs travel that route too
@@ -100,8 +100,9 @@ def estimate_after_loads(cluster, reader, keys, here, loads: int) -> float:
 
 def test_slow_gets_on_the_answering_node_raise_its_estimates(cluster, stored):
     """Loads through B, measured: the estimate follows them. With every store call of
-    B held ``DELAY_S``, five loads later the hit is estimated several times slower than
-    after five plain loads (the control, measured first on the same pages and link)."""
+    B held ``DELAY_S``, five loads later the hit is estimated to take over half of
+    ``DELAY_S``; after five plain loads (the control, measured first on the same pages
+    and link) it is not."""
     reader, keys, here, _, _ = stored
     plain = estimate_after_loads(cluster, reader, keys, here, 5)
     delay_store_calls([cluster.node_actors[here]], DELAY_S)
@@ -109,4 +110,7 @@ def test_slow_gets_on_the_answering_node_raise_its_estimates(cluster, stored):
         slow = estimate_after_loads(cluster, reader, keys, here, 5)
     finally:
         delay_store_calls([cluster.node_actors[here]], 0)
-    assert slow > 5 * plain
+    # each delayed get took over DELAY_S: five of them move the average (weight 0.2)
+    # two thirds of the way there; a slower machine only raises it
+    assert slow >= DELAY_S / 2
+    assert plain < DELAY_S / 2  # control: plain loads do not

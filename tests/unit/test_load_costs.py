@@ -112,6 +112,22 @@ def test_links_are_bounded_probed_in_turn_and_forgotten():
     assert view["links"]["10.0.0.3:1000"]["probe_age_s"] == 0
 
 
+def test_peers_never_used_are_probed_once_as_a_cold_start_and_used_links_again():
+    clock = Clock()
+    costs = LoadCosts(clock=clock)
+    costs.known([A, B])
+    assert costs.probe_due(60, 8) == [] and costs.cold(1) == [A]  # a few an interval
+    costs.probed(A, 1e-9, 0.0)
+    assert costs.cold(8) == [B]
+    clock.now += 61
+    assert costs.probe_due(60, 8) == []  # probed, never used since: not again
+    costs.seen([A])
+    assert costs.probe_due(60, 8) == [A]  # used since its probe: due again
+    # control: a segment seen in use is due at once, without waiting for an interval
+    costs.seen(["10.0.0.3:1000"])
+    assert costs.probe_due(60, 8) == ["10.0.0.3:1000", A]
+
+
 def test_key_places_expire_and_are_bounded():
     clock = Clock()
     places = KeyPlaces(max_keys=2, ttl_s=10, clock=clock)
