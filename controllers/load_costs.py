@@ -38,6 +38,10 @@ from raykv.controllers.load_guard import Rate
 MEMORY, DISK = "l3", "l3_disk"
 """Tier names of ``load_runs`` (``controllers.load_guard``): a segment's memory, its disk."""
 MAX_SEGMENTS = 256
+PROBE_PREFIX = "raykv-link-probe/"
+"""Keys of link probe objects (``cache_actors.node.link_probe``): no page's (a
+deployment's keys end in a rank scope and buffer suffix, a tenant's begin ``t1.``);
+gets of them are not counted as pages served."""
 CALL_WEIGHT = 0.2  # of the newest store call in the moving-average call time
 
 

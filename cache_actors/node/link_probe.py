@@ -29,13 +29,12 @@ from collections.abc import Sequence
 
 import numpy as np
 from raykv.cache_actors.node.store_backend import StoreBackend
-from raykv.controllers.load_costs import fit_probe, source_of
+from raykv.controllers.load_costs import PROBE_PREFIX, fit_probe, source_of
 
 log = logging.getLogger(__name__)
 
 SMALL = 4096
 LARGE = 256 * 1024
-PROBE_PREFIX = "raykv-link-probe/"
 
 
 def probe_key(segment: str, size: int) -> str:
