@@ -13,8 +13,9 @@ the get's path. An object with no in-memory replica was served from disk (``l3_d
 
 A group answer with a hit (``answer`` wraps the reply) gets its ``load_runs``: the
 first object of each hit page (the first family's first buffer) is located, one locate
-per answer for the keys ``KeyPlaces`` does not know, on the service's executor (never
-on an I/O thread or the actor's event loop); each page's source is the node's own
+per answer for the keys ``KeyPlaces`` does not know, on one of ``LOCATE_THREADS``
+threads of its own (never on an I/O thread or the actor's event loop, never queued
+behind transfers); each page's source is the node's own
 segment if it holds a replica, else the first that does (``source_of``); the bytes of a
 page are the most any rank of the group loads per page of KV and the queried pools
 (``Deployment.page_bytes``). A miss and an answer already estimated (ranks share
@@ -37,7 +38,7 @@ round, each ~0.27 MB read, and one locate per round. A segment whose probe objec
 gone is forgotten (its node left) until seen again.
 
 Threads: ``put`` / ``get`` on data threads; ``answer``'s wrapper where the answer is
-known (lookup thread, channel I/O thread, event loop) and its locate on the executor;
+known (lookup thread, channel I/O thread, event loop) and its locate on a locate thread;
 the background thread does the rest. State: ``LoadCosts`` and ``KeyPlaces`` (locked
 themselves), the queue and the waiting answers under ``_lock``.
 """
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.link_probe import LinkProbe
@@ -74,6 +75,7 @@ PROBE_LINKS = 8
 PROBE_ROUND_S = 5.0
 COLD_LINKS = 8
 COLD_RETRY_S = 5.0
+LOCATE_THREADS = 2
 
 
 def page_bytes(dep: Deployment, queries: Sequence[PoolQuery]) -> int:
@@ -85,11 +87,12 @@ def page_bytes(dep: Deployment, queries: Sequence[PoolQuery]) -> int:
 
 
 class LoadEstimates:
-    """See the module docstring: over ``backend``, locating answers on ``executor``."""
+    """See the module docstring: over ``backend``."""
 
-    def __init__(self, backend: StoreBackend, executor: Executor) -> None:
+    def __init__(self, backend: StoreBackend) -> None:
         self._backend = backend
-        self._executor = executor
+        self._executor = ThreadPoolExecutor(LOCATE_THREADS,
+                                            thread_name_prefix="raykv-load-locate")
         self.costs = LoadCosts()
         self.places = KeyPlaces()
         self._lock = threading.Lock()
@@ -189,12 +192,12 @@ class LoadEstimates:
                     waiting[1].append(reply)
                     return
                 self._waiting[id(result)] = (result, [reply])
-            try:  # a locate to make: on the executor
+            try:  # a locate to make: on a locate thread
                 if self._backend.can_locate and self.places.get(
                         self._names(dep, keys, queries, result.kv_hit_pages))[1]:
                     self._executor.submit(self._estimate, result, dep, keys, queries)
                     return
-            except Exception:  # the executor shut down, or a bug: estimated here, or not
+            except Exception:  # closed, or a bug: estimated here (or replied without)
                 log.exception("a group answer's estimate could not be handed over")
             self._estimate(result, dep, keys, queries)
         return done
@@ -291,5 +294,6 @@ class LoadEstimates:
         most ``PROBE_ROUND_S`` (the store client closes next)."""
         self._stop.set()
         self._wake.set()
+        self._executor.shutdown(wait=False)
         if self._thread is not None:
             self._thread.join(PROBE_ROUND_S)

@@ -134,7 +134,7 @@ class NodeService:
                                 digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
         self.engines = self._pools.engine_watch  # the engines on this node (EngineWatch)
-        self.loads = LoadEstimates(store.backend, self.executor)  # load_runs' estimates
+        self.loads = LoadEstimates(store.backend)  # load_runs' estimates
         self._merger = TransferMerger(self.loads, on_call=metrics.record_merged_call)
         self._tickets = TicketDesk(outlived_by_store=store.process is not None)
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,

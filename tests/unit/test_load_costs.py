@@ -3,8 +3,6 @@ store)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from raykv.cache_actors.node.load_estimates import LoadEstimates, page_bytes
 from raykv.controllers.contract import PoolName, PoolTransferResult
@@ -173,17 +171,17 @@ def test_a_hit_is_located_once_and_a_miss_never():
     for h in keys[:2]:
         backend.objects[families.prefix + h + families.families[0].suffixes[0]] = 100
     assert page_bytes(dep, []) == 600  # the largest rank's page
-    with ThreadPoolExecutor(1) as executor:
-        estimates = LoadEstimates(backend, executor)
-        estimates.costs.probed(backend.own_segment, 1e-6, 0.0)
-        miss = PoolTransferResult()
-        assert answered(estimates, miss, keys) == [(miss, None)]
-        assert backend.locates == 0 and miss.load_runs == []
-        hit = PoolTransferResult(kv_hit_pages=2)
-        got = answered(estimates, hit, keys)
-        executor.submit(lambda: None).result()  # the estimate ran on the executor
-        got = got or answered(estimates, hit, keys)
-    assert backend.locates == 1
+    estimates = LoadEstimates(backend)
+    estimates.costs.probed(backend.own_segment, 1e-6, 0.0)
+    miss = PoolTransferResult()
+    assert answered(estimates, miss, keys) == [(miss, None)]
+    assert backend.locates == 0 and miss.load_runs == []
+    hit = PoolTransferResult(kv_hit_pages=2)
+    replies = []
+    estimates.answer(lambda r, e: replies.append(r), dep, keys, [])(hit, None)
+    estimates.close()  # the locate thread: its estimate done, then no other
+    estimates._executor.shutdown(wait=True)
+    assert replies == [hit] and backend.locates == 1
     assert hit.load_runs == [(MEMORY, 2, pytest.approx(2 * 600e-6))]
     # another rank asking later gets the same runs with no locate (shared answer)
     assert answered(estimates, hit, keys)[0][0].load_runs == hit.load_runs
@@ -197,7 +195,7 @@ def test_a_hit_is_located_once_and_a_miss_never():
 def test_a_node_that_cannot_locate_gives_one_run():
     backend = LocateCounting()
     backend.can_locate = False
-    estimates = LoadEstimates(backend, None)
+    estimates = LoadEstimates(backend)
     estimates.costs.observed({}, 0, 0.0)  # nothing measured: no estimate
     hit = PoolTransferResult(kv_hit_pages=3)
     answered(estimates, hit, ["a", "b", "c"])
