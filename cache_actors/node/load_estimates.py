@@ -98,6 +98,7 @@ class LoadEstimates:
         self._lock = threading.Lock()
         self._pending: deque[tuple[list[str], list[int], float]] = deque(maxlen=MAX_PENDING)
         self._waiting: dict[int, tuple[PoolTransferResult, list[Done]]] = {}
+        self._parts: dict[tuple, tuple[str, str]] = {}  # single dict ops: atomic
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,31 +193,41 @@ class LoadEstimates:
                     waiting[1].append(reply)
                     return
                 self._waiting[id(result)] = (result, [reply])
+            names = None
             try:  # a locate to make: on a locate thread
-                if self._backend.can_locate and self.places.get(
-                        self._names(dep, keys, queries, result.kv_hit_pages))[1]:
-                    self._executor.submit(self._estimate, result, dep, keys, queries)
-                    return
+                if self._backend.can_locate:
+                    names = self._names(dep, keys, queries, result.kv_hit_pages)
+                    if self.places.get(names)[1]:
+                        self._executor.submit(self._estimate, result, dep, queries, names)
+                        return
             except Exception:  # closed, or a bug: estimated here (or replied without)
                 log.exception("a group answer's estimate could not be handed over")
-            self._estimate(result, dep, keys, queries)
+            self._estimate(result, dep, queries, names)
         return done
 
-    @staticmethod
-    def _names(dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
+    def _names(self, dep: Deployment, keys: Sequence[str], queries: Sequence[PoolQuery],
                pages: int) -> list[str]:
-        families = group_families(dep, queries)
-        suffix = families.families[0].suffixes[0]
-        return [families.prefix + h + suffix for h in keys[:pages]]
+        """The first object of each of the first ``pages`` pages of ``keys`` (the key's
+        parts kept per deployment version and pools: at most 1,024, then made anew)."""
+        at = (dep.deployment_id, dep.version, tuple(queries))
+        parts = self._parts.get(at)
+        if parts is None:
+            families = group_families(dep, queries)
+            parts = (families.prefix, families.families[0].suffixes[0])
+            if len(self._parts) >= 1024:
+                self._parts.clear()
+            self._parts[at] = parts
+        prefix, suffix = parts
+        return [prefix + h + suffix for h in keys[:pages]]
 
-    def _estimate(self, result: PoolTransferResult, dep: Deployment, keys: Sequence[str],
-                  queries: Sequence[PoolQuery]) -> None:
-        """Fill ``result.load_runs``, then reply to every caller waiting on it (without
-        runs if estimating failed: the answer itself stands)."""
+    def _estimate(self, result: PoolTransferResult, dep: Deployment,
+                  queries: Sequence[PoolQuery], names: list[str] | None) -> None:
+        """Fill ``result.load_runs`` (``names``: the hit pages' first objects, None: not
+        to be located), then reply to every caller waiting on it (without runs if
+        estimating failed: the answer itself stands)."""
         try:
             nbytes, pages = page_bytes(dep, queries), result.kv_hit_pages
-            sources = self._sources(self._names(dep, keys, queries, pages)) \
-                if self._backend.can_locate else None
+            sources = None if names is None else self._sources(names)
             result.load_runs = whole_run(pages, nbytes, self.costs) if sources is None \
                 else load_runs(sources, nbytes, self.costs)
         except Exception:
