@@ -154,6 +154,30 @@ def evictions_line(node_id: str, s: dict) -> str | None:
             f"last {e['kept']} remembered (raykv why names them)")
 
 
+def link_lines(node_id: str, s: dict, width: int) -> list[str]:
+    """A node's load estimates (its stats' ``loads``: ``LoadCosts.view``): per source
+    segment the read rate it estimates (MB/s, ``?`` while unknown) and the age of its
+    last probe, then disk and the queue's wait; packed into lines of at most ``width``
+    characters where possible; none for a node without estimates (or whose stats
+    failed)."""
+    loads = s.get("loads")
+    if "error" in s or not loads:
+        return []
+
+    def rate(v: dict) -> str:
+        return "?" if v["mb_per_s"] is None else f"{v['mb_per_s']:.1f} MB/s"
+
+    def probed(v: dict) -> str:
+        age = v["probe_age_s"]
+        return "never probed" if age is None else f"probed {age:.0f} s ago"
+
+    pairs = [f"{seg} {rate(v)} ({probed(v)})" for seg, v in loads["links"].items()]
+    if loads["l3_disk"]["mb_per_s"] is not None:
+        pairs.append(f"disk {rate(loads['l3_disk'])}")
+    pairs.append(f"queue wait {loads['queue_wait_s'] * 1e3:.1f} ms")
+    return _packed(f"node {node_id[:8]} load estimates:", pairs, width)
+
+
 def master_line(master: dict) -> str | None:
     """A warning line while the master supervisor is restarting the master (its
     ``state``), with its failed attempts in a row and the last one's error; None while
@@ -202,7 +226,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
     figures as lines: ``_print_narrow``), the pool bytes per tenant and node against
     each tenant's quota, each node's own segment (where its puts go first) and the
     routers' residency queries it answered, its disk tier (``disk_line``), its L2
-    evictions (``evictions_line``) and the warm-ups of its new L2 pools
+    evictions (``evictions_line``), its load estimates per link (``link_lines``), and
+    the warm-ups of its new L2 pools
     (``warmup_lines``)."""
     console = console or Console()
     info, master = state["info"], state["master"]
@@ -250,6 +275,8 @@ def render_status(state: dict, console: Console | None = None) -> None:
                           soft_wrap=True)
     for node_id, s in state["nodes"].items():
         if (line := evictions_line(node_id, s)) is not None:
+            console.print(Text(line), soft_wrap=True)
+        for line in link_lines(node_id, s, console.width):
             console.print(Text(line), soft_wrap=True)
     for node_id, s in state["nodes"].items():
         for line in warmup_lines(node_id, s):

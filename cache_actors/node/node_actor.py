@@ -35,7 +35,7 @@ from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeServi
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
-from raykv.cache_actors.node.tier_metrics import TierMetrics
+from raykv.cache_actors.node.tier_metrics import LinkMetrics, TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import TicketRef
@@ -120,6 +120,9 @@ class NodeCacheActor:
             l2_bytes=l2_bytes, l2_eviction=l2_eviction)
         metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
         metrics.watch(BacklogMetrics(node_id, self._service.l2.counters).export)
+        metrics.watch(LinkMetrics(node_id, self._service.loads.costs.view).export)
+        # measures gets, probes links (load_runs' estimates)
+        self._service.loads.start(partial(peer_segments, node_id, self._namespace, {}))
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
@@ -352,14 +355,16 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
         """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``,
-        ``l2_evictions`` (``L2Evictions.stats``)."""
+        ``l2_evictions`` (``L2Evictions.stats``), ``loads`` (``LoadEstimates.stats``)."""
         return await self._pooled(self._service.stats) | {"warnings": self._warnings,
             "residency": self._residency.stats(), "warmup": self._warmup.stats(),
-            "l2_evictions": self._service.l2.evictions.stats()}
+            "l2_evictions": self._service.l2.evictions.stats(),
+            "loads": self._service.loads.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
         self._warmup.close()
+        await self._pooled(self._service.loads.close)
         await self._pooled(self._service.shutdown, remove_pools)
         self._route.shutdown(wait=False)
 
@@ -375,6 +380,38 @@ def controller_copy(namespace: str, deployment_id: str) -> Deployment:
         if isinstance(e.cause, ValueError):
             raise ValueError(str(e.cause)) from None
         raise
+
+
+PEERS_ASKED = 8
+"""Node actors ``peer_segments`` asks for their segment per call, at most."""
+
+
+def peer_segments(node_id: str, namespace: str, asked: dict[str, str],
+                  wait_s: float = 5.0) -> list[str]:
+    """The segments of the other node actors of the controller's node list (their
+    ``health``'s ``segment``): each node asked once (``asked``: node id -> its segment,
+    "" unknown, kept by the caller; nodes gone from the list dropped), at most
+    ``PEERS_ASKED`` a call, answers not in within ``wait_s`` left for the next call.
+    Runs on the load estimates' thread (waits on futures)."""
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    nodes: dict[str, str] = controller.nodes.remote().future().result(wait_s)
+    for gone in set(asked) - set(nodes):
+        del asked[gone]
+    todo = [n for n in nodes if n != node_id and n not in asked][:PEERS_ASKED]
+    futures = {}
+    for node in todo:
+        try:
+            futures[node] = ray.get_actor(nodes[node], namespace=namespace
+                                          ).health.remote().future()
+        except ValueError:  # gone since the list was made
+            continue
+    end = time.monotonic() + wait_s
+    for node, future in futures.items():
+        try:
+            asked[node] = future.result(max(0.0, end - time.monotonic()))["segment"] or ""
+        except Exception as e:  # too slow or gone: asked again next time
+            log.debug("node %s did not say its segment: %s", node[:8], e)
+    return [s for s in asked.values() if s]
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):

@@ -60,6 +60,7 @@ from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.l2_pools import L2Pools
+from raykv.cache_actors.node.load_estimates import LoadEstimates
 from raykv.cache_actors.node.node_pools import NodePools, quota_left, replaced_during
 from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
@@ -133,7 +134,8 @@ class NodeService:
                                 digests=tenant_digests, bound_only=bound_tenants_only)
         self._pools.readopt()
         self.engines = self._pools.engine_watch  # the engines on this node (EngineWatch)
-        self._merger = TransferMerger(store.backend, on_call=metrics.record_merged_call)
+        self.loads = LoadEstimates(store.backend)  # load_runs' estimates
+        self._merger = TransferMerger(self.loads, on_call=metrics.record_merged_call)
         self._tickets = TicketDesk(outlived_by_store=store.process is not None)
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,
                                     on_store_call=metrics.record_group_store_call,
@@ -357,13 +359,13 @@ class NodeService:
         check_group_caller(caller, deployment_id, self._pools.owners.claimed)
         dep = self.deployments.known(deployment_id, version)
         if dep is not None:
-            self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
+            self.loads.submit(self._groups, dep, keys, queries, rank, reply, engine)
             return
 
         def fetch_then_submit() -> None:
             try:
                 dep = self.deployments.get(deployment_id, version)
-                self._groups.submit(dep, keys, queries, tuple(rank), reply, engine)
+                self.loads.submit(self._groups, dep, keys, queries, rank, reply, engine)
             except Exception as e:  # unknown deployment or pool: the caller's error
                 reply(None, e)
         self.executor.submit(fetch_then_submit)
@@ -371,8 +373,7 @@ class NodeService:
     # --------------------------------------------------------------- control
     def forget_confirmations(self) -> None:
         """Check every object of later group queries at the store again (call when
-        objects may have left it without their lease running out: a node left, a forced
-        remove)."""
+        objects may have left it before their lease ran out: a node left, a forced remove)."""
         self._groups.forget()
 
     @property

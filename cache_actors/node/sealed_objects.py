@@ -13,7 +13,9 @@ object of a batch that answered so is read again alone first. After each get the
 master is asked where the objects it served live (one ``batch_get_replica_desc`` per
 call, of those only: a miss logs an error in Mooncake's client) and they are counted by
 tier: ``l3_memory`` (a segment), ``l3_disk`` (a node's disk tier only), ``unknown``
-(the lookup failed or the object went meanwhile).
+(the lookup failed or the object went meanwhile); a link probe's objects
+(``controllers.load_costs.PROBE_PREFIX``) are read, verified and neither looked up nor
+counted.
 
 Any data thread may call ``put_from`` and ``get_into`` at once: each call takes one
 region of the scratch area for its seals (``REGIONS`` of them; a call waits while all
@@ -30,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
+from raykv.controllers.load_costs import PROBE_PREFIX
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
 from raykv.controllers.result_codes import (
     CLIENT_ERROR,
@@ -140,7 +143,8 @@ class SealedObjects:
                     continue
                 codes.append(SEAL_MISMATCH)
                 self._refuse(bad, keys[i], why)
-        served = [i for i, n in enumerate(codes) if n >= 0]
+        served = [i for i, n in enumerate(codes) if n >= 0
+                  and not keys[i].startswith(PROBE_PREFIX)]  # link probes: no page
         if served:
             for i, tier in zip(served, self._tiers([keys[i] for i in served]), strict=True):
                 with self._lock:

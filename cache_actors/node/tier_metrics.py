@@ -52,3 +52,32 @@ class TierMetrics:
                 if (n := total - before.get(label, 0)) > 0:
                     metric.inc(n, tags={tag: label})
             self._seen[name] = dict(now.get(name, {}))
+
+
+class LinkMetrics:
+    """``raykv_link_bytes_per_second`` (tag ``segment``: a source segment ``host:port``,
+    or ``l3_disk``) of one node actor: its estimate of each link's read rate
+    (``controllers.load_costs.LoadCosts.view``, from ``read()``); a link the node
+    forgot reads 0, one not estimated yet is not set."""
+
+    def __init__(self, node_id: str, read: Callable[[], dict]) -> None:
+        self._read = read
+        self._shown: set[str] = set()
+        self._gauge = metrics.Gauge(
+            "raykv_link_bytes_per_second", "A node actor's estimate of the bytes per second "
+            "its gets read from each source segment (host:port) or from disk (l3_disk): "
+            "probes and measured gets, a moving average",
+            tag_keys=("node", "segment"))
+        self._gauge.set_default_tags({"node": node_id[:12]})
+
+    def export(self) -> None:
+        """Set each link's gauge; 0 for the links forgotten since the last call."""
+        view = self._read()
+        rates = {s: v["mb_per_s"] for s, v in view["links"].items()}
+        rates["l3_disk"] = view["l3_disk"]["mb_per_s"]
+        now = {s for s, mb in rates.items() if mb is not None}
+        for s in now:
+            self._gauge.set(min(rates[s], 1e6) * 1e6, tags={"segment": s})
+        for s in self._shown - now:
+            self._gauge.set(0, tags={"segment": s})
+        self._shown = now

@@ -51,6 +51,7 @@ LABELS = {  # metric -> the label names the node declares for it (beside Ray's o
     "raykv_l2_pages": {"node", "event", "tenant", "deployment"},
     "raykv_l2_objects": {"node", "event"},
     "raykv_l2_write_behind_objects": {"node"},
+    "raykv_link_bytes_per_second": {"node", "segment"},  # its own segment's, probed
 }
 
 

@@ -568,6 +568,30 @@ def test_drain_prints_the_report_and_fails_on_an_error_or_a_refusal(monkeypatch)
     assert refused.exit_code == 1 and "head node" in refused.output
 
 
+def test_status_shows_each_nodes_load_estimates():
+    """``raykv status``: a node's estimated read rate per source segment with the age
+    of its last probe, its disk's and its queue's wait; a node whose stats have no
+    estimates shows none (control)."""
+    from raykv.clusters.status_view import link_lines
+
+    loads = {"links": {"10.0.0.1:1000": {"mb_per_s": 1191.8, "fixed_ms": 0.2, "samples": 3,
+                                         "probe_age_s": 12.4},
+                       "10.0.0.2:1000": {"mb_per_s": None, "fixed_ms": 0.0, "samples": 0,
+                                         "probe_age_s": None}},
+             "l3_disk": {"mb_per_s": 80.0, "fixed_ms": 0.0, "samples": 1},
+             "overall": {"mb_per_s": 900.0, "fixed_ms": 0.0, "samples": 4},
+             "queue_wait_s": 0.0015, "located_keys": 16}
+    lines = link_lines("3b7474c5ffff", {"loads": loads}, 200)
+    assert lines == ["node 3b7474c5 load estimates: 10.0.0.1:1000 1191.8 MB/s (probed 12 s "
+                     "ago), 10.0.0.2:1000 ? (never probed), disk 80.0 MB/s, queue wait "
+                     "1.5 ms"]
+    out = io.StringIO()
+    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
+        STATE["nodes"]))] | {"loads": loads}}}, Console(file=out, width=200))
+    assert lines[0] in out.getvalue()
+    assert link_lines("n", {}, 80) == [] and link_lines("n", {"error": "gone"}, 80) == []
+
+
 def test_status_shows_each_nodes_disk_tier():
     """``raykv status``: a node with seals shows its disk slot's use against its bound,
     the objects served from memory and from disk, and those refused; a node without

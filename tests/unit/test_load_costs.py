@@ -1,0 +1,229 @@
+"""A node's load costs (pure) and how its load estimates answer a group query (a fake
+store)."""
+
+from __future__ import annotations
+
+import pytest
+from raykv.cache_actors.node.load_estimates import LoadEstimates, page_bytes
+from raykv.controllers.contract import PoolName, PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolSpec
+from raykv.controllers.families import group_families
+from raykv.controllers.load_costs import (
+    DISK,
+    MEMORY,
+    KeyPlaces,
+    LoadCosts,
+    fit_probe,
+    load_runs,
+    source_of,
+    whole_run,
+)
+
+from tests.unit.fakes import FakeBackend
+
+A, B = "10.0.0.1:1000", "10.0.0.2:1000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_probe_fit_separates_latency_from_bandwidth():
+    # 1 ms per call, 1 us per byte: 4 KiB in 5.096 ms, 256 KiB in 263.144 ms
+    per_byte, fixed = fit_probe(4096, 1e-3 + 4096e-6, 262144, 1e-3 + 262144e-6)
+    assert per_byte == pytest.approx(1e-6) and fixed == pytest.approx(1e-3)
+    # a large read no slower than the small one: per byte is the large read's bound
+    per_byte, fixed = fit_probe(4096, 0.01, 262144, 0.01)
+    assert per_byte == pytest.approx(0.01 / 262144)
+    assert fixed == pytest.approx(0.01 - 4096 * per_byte)
+    with pytest.raises(ValueError):
+        fit_probe(8, 1.0, 8, 1.0)
+
+
+def test_runs_split_by_source_and_price_each_link():
+    costs = LoadCosts()
+    costs.probed(A, 1e-9, 0.0)    # 1 GB/s
+    costs.probed(B, 1e-6, 0.001)  # 1 MB/s, 1 ms a call
+    runs = load_runs([A, A, B, B, B, None], 1000, costs)
+    assert [(t, p) for t, p, _ in runs] == [(MEMORY, 2), (MEMORY, 3), (DISK, 1)]
+    assert runs[0][2] == pytest.approx(2e-6) and runs[1][2] == pytest.approx(0.004)
+    assert runs[2][2] is None  # no disk read measured, no get at all
+    # control: a disk read measured gives the disk run its estimate
+    costs.observed({}, 1000, 0.01)
+    assert load_runs([None], 1000, costs)[0][2] == pytest.approx(0.01)
+
+
+def test_an_unknown_link_falls_back_to_every_get_together():
+    costs = LoadCosts()
+    assert costs.seconds(A, 1000) is None
+    costs.observed({B: 1000}, 0, 0.002)
+    assert costs.seconds(A, 1000) == pytest.approx(0.002)  # B's get is all it knows
+    assert whole_run(3, 1000, costs) == [(MEMORY, 3, pytest.approx(0.006))]
+    assert whole_run(3, 1000, LoadCosts()) == [(MEMORY, 3, None)]
+
+
+def test_measured_gets_move_a_link_and_share_a_call_by_bytes():
+    costs = LoadCosts()
+    costs.probed(A, 1e-9, 0.0)
+    before = costs.seconds(A, 1 << 20)
+    for _ in range(10):  # the link got slow: 1 MB in 0.1 s, 3 MB of B's in the same call
+        costs.observed({A: 1 << 20, B: 3 << 20}, 0, 0.4)
+    assert costs.seconds(A, 1 << 20) > 50 * before
+    assert costs.seconds(A, 1 << 20) == pytest.approx(0.1, rel=0.15)
+    assert costs.seconds(B, 3 << 20) == pytest.approx(0.3)
+
+
+def test_the_queue_wait_is_the_calls_in_flight_times_the_call_time():
+    costs = LoadCosts()
+    costs.probed(A, 1e-9, 0.0)
+    costs.probed(B, 1e-9, 0.0)
+    costs.call_started()
+    costs.call_ended(0.05)
+    assert costs.queue_wait() == 0  # nothing in flight
+    costs.call_started()
+    costs.call_started()
+    assert costs.queue_wait() == pytest.approx(0.1)
+    runs = load_runs([A, B], 1000, costs)  # the wait is paid once, by the first run
+    assert runs[0][2] == pytest.approx(0.1 + 1e-6) and runs[1][2] == pytest.approx(1e-6)
+
+
+def test_links_are_bounded_probed_in_turn_and_forgotten():
+    clock = Clock()
+    costs = LoadCosts(max_segments=2, clock=clock)
+    assert costs.seen([A, B]) == [A, B] and costs.seen([A]) == []
+    costs.seen(["10.0.0.3:1000"])  # over the bound: B, the least recently used, goes
+    assert costs.segments() == [A, "10.0.0.3:1000"]
+    assert costs.probe_due(60, 8) == [A, "10.0.0.3:1000"]
+    costs.probed(A, 1e-9, 0.0)
+    assert costs.probe_due(60, 8) == ["10.0.0.3:1000"]
+    clock.now += 61
+    costs.probed("10.0.0.3:1000", 1e-9, 0.0)
+    assert costs.probe_due(60, 8) == [A]  # probed 61 s ago: due again
+    costs.forget([A])
+    assert costs.segments() == ["10.0.0.3:1000"]
+    view = costs.view()
+    assert view["links"]["10.0.0.3:1000"]["mb_per_s"] == pytest.approx(1000)
+    assert view["links"]["10.0.0.3:1000"]["probe_age_s"] == 0
+
+
+def test_peers_never_used_are_probed_once_as_a_cold_start_and_used_links_again():
+    clock = Clock()
+    costs = LoadCosts(clock=clock)
+    costs.known([A, B])
+    assert costs.probe_due(60, 8) == [] and costs.cold(1) == [A]  # a few an interval
+    costs.probed(A, 1e-9, 0.0)
+    assert costs.cold(8) == [B]
+    clock.now += 61
+    assert costs.probe_due(60, 8) == []  # probed, never used since: not again
+    costs.seen([A])
+    assert costs.probe_due(60, 8) == [A]  # used since its probe: due again
+    # control: a segment seen in use is due at once, without waiting for an interval
+    costs.seen(["10.0.0.3:1000"])
+    assert costs.probe_due(60, 8) == ["10.0.0.3:1000", A]
+
+
+def test_key_places_expire_and_are_bounded():
+    clock = Clock()
+    places = KeyPlaces(max_keys=2, ttl_s=10, clock=clock)
+    places.put({"a": A, "b": None})
+    assert places.get(["a", "b", "c"]) == ({"a": A, "b": None}, ["c"])
+    places.put({"c": B})
+    assert places.get(["a"]) == ({}, ["a"])  # dropped: over the bound
+    clock.now += 11
+    assert places.get(["c"]) == ({}, ["c"])  # expired
+    assert source_of([B, A], A) == A and source_of([B, A], None) == B
+    assert source_of([], A) is None
+
+
+class LocateCounting(FakeBackend):
+    """The shared fake, counting locates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locates = 0
+
+    def locate(self, keys):
+        self.locates += 1
+        return super().locate(keys)
+
+
+def deployment() -> Deployment:
+    spec = PoolSpec(PoolName.KV, "mha", ("k", "v"))
+    return Deployment("d", "m", None, 2, 1, False, pools={PoolName.KV: spec},
+                      page_bytes={"0,0": {"kv": [100, 100]}, "1,0": {"kv": [300, 300]}})
+
+
+def answered(estimates: LoadEstimates, result: PoolTransferResult, keys: list[str]):
+    got = []
+    estimates.answer(lambda r, e: got.append((r, e)), deployment(), keys, [])(result, None)
+    return got
+
+
+def test_a_hit_is_located_once_and_a_miss_never():
+    backend = LocateCounting()
+    dep = deployment()
+    families = group_families(dep, [])
+    keys = ["h0", "h1", "h2"]
+    for h in keys[:2]:
+        backend.objects[families.prefix + h + families.families[0].suffixes[0]] = 100
+    assert page_bytes(dep, []) == 600  # the largest rank's page
+    estimates = LoadEstimates(backend)
+    estimates.costs.probed(backend.own_segment, 1e-6, 0.0)
+    miss = PoolTransferResult()
+    assert answered(estimates, miss, keys) == [(miss, None)]
+    assert backend.locates == 0 and miss.load_runs == []
+    hit = PoolTransferResult(kv_hit_pages=2)
+    replies = []
+    estimates.answer(lambda r, e: replies.append(r), dep, keys, [])(hit, None)
+    estimates.close()  # the locate thread: its estimate done, then no other
+    estimates._executor.shutdown(wait=True)
+    assert replies == [hit] and backend.locates == 1
+    assert hit.load_runs == [(MEMORY, 2, pytest.approx(2 * 600e-6))]
+    # another rank asking later gets the same runs with no locate (shared answer)
+    assert answered(estimates, hit, keys)[0][0].load_runs == hit.load_runs
+    assert backend.locates == 1
+    # control: a fresh answer of the same pages is estimated from the remembered places
+    again = PoolTransferResult(kv_hit_pages=2)
+    assert answered(estimates, again, keys)[0][0].load_runs == hit.load_runs
+    assert backend.locates == 1
+
+
+def test_a_node_that_cannot_locate_gives_one_run():
+    backend = LocateCounting()
+    backend.can_locate = False
+    estimates = LoadEstimates(backend)
+    estimates.costs.observed({}, 0, 0.0)  # nothing measured: no estimate
+    hit = PoolTransferResult(kv_hit_pages=3)
+    answered(estimates, hit, ["a", "b", "c"])
+    assert hit.load_runs == [(MEMORY, 3, None)] and backend.locates == 0
+
+
+def test_the_link_gauge_follows_the_estimates_and_zeroes_a_forgotten_link(monkeypatch):
+    from types import SimpleNamespace
+
+    from raykv.cache_actors.node import tier_metrics
+    from raykv.cache_actors.node.tier_metrics import LinkMetrics
+
+    from tests.unit.test_node_metrics import FakeMetric
+
+    made = {}
+
+    def make(name, *args, **kwargs):
+        made[name] = FakeMetric(name, *args, **kwargs)
+        return made[name]
+
+    monkeypatch.setattr(tier_metrics, "metrics", SimpleNamespace(Gauge=make))
+    costs = LoadCosts()
+    costs.probed(A, 1e-8, 0.0)  # 100 MB/s
+    costs.seen([B])             # not estimated yet: not set
+    m = LinkMetrics("node-0123456789abcdef", costs.view)
+    gauge = made["raykv_link_bytes_per_second"]
+    m.export()
+    assert [(c[1], c[2]) for c in gauge.calls] == [(pytest.approx(1e8), {"segment": A})]
+    costs.forget([A])
+    m.export()
+    assert (gauge.calls[-1][1], gauge.calls[-1][2]) == (0, {"segment": A})
