@@ -118,11 +118,9 @@ class NodeCacheActor:
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
             l2_bytes=l2_bytes, l2_eviction=l2_eviction)
-        metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
-        metrics.watch(BacklogMetrics(node_id, self._service.l2.counters).export)
-        metrics.watch(LinkMetrics(node_id, self._service.loads.costs.view).export)
-        # measures gets, probes links (load_runs' estimates)
-        self._service.loads.start(partial(peer_segments, node_id, self._namespace, {}))
+        watch_metrics(metrics, node_id, store, self._service)
+        self._service.loads.start(  # measures gets, probes links (load_runs' estimates)
+            partial(peer_segments, node_id, self._namespace, {}))
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
         self._residency = ResidencyQuery(node_id, store, self._service.l2,
                                          self._service.verify, self._service.residency_log)
@@ -270,8 +268,7 @@ class NodeCacheActor:
     async def residency(self, keys: list[str], per_page: int,
                         owner: OwnerClaim | None = None,
                         within_s: float = ROUTE_WAIT_S) -> Residency:
-        """``ResidencyQuery.residency``, not run if no thread took it within
-        ``within_s`` seconds of its arrival here."""
+        """``ResidencyQuery.residency``; not run unless a thread takes it within ``within_s``."""
         return await self._routed(self._residency.residency, within_s, keys, per_page,
                                   for_call(owner, "residency", keys, per_page))
 
@@ -279,8 +276,7 @@ class NodeCacheActor:
     async def residency_changes(self, since: tuple[str, int] | None,
                                 owner: OwnerClaim | None = None,
                                 within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
-        """``ResidencyQuery.changes``, not run if no thread took it within ``within_s``
-        seconds of its arrival here."""
+        """``ResidencyQuery.changes``; not run unless a thread takes it within ``within_s``."""
         return await self._routed(self._residency.changes, within_s, since,
                                   for_call(owner, "residency_changes", since))
 
@@ -354,12 +350,10 @@ class NodeCacheActor:
 
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
-        """``NodeService.stats``, ``warnings`` (both Mooncake wheels), ``residency``, ``warmup``,
-        ``l2_evictions`` (``L2Evictions.stats``), ``loads`` (``LoadEstimates.stats``)."""
+        """``NodeService.stats`` with warnings, residency, warmup, l2_evictions, loads."""
         return await self._pooled(self._service.stats) | {"warnings": self._warnings,
-            "residency": self._residency.stats(), "warmup": self._warmup.stats(),
-            "l2_evictions": self._service.l2.evictions.stats(),
-            "loads": self._service.loads.stats()}
+            "residency": self._residency.stats(), "warmup": self._warmup.stats(), "l2_evictions":
+            self._service.l2.evictions.stats(), "loads": self._service.loads.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
@@ -380,6 +374,14 @@ def controller_copy(namespace: str, deployment_id: str) -> Deployment:
         if isinstance(e.cause, ValueError):
             raise ValueError(str(e.cause)) from None
         raise
+
+
+def watch_metrics(metrics: NodeMetrics, node_id: str, store: NodeStore,
+                  service: NodeService) -> None:
+    """Export the node's tier, write-behind and link gauges with its metrics."""
+    metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
+    metrics.watch(BacklogMetrics(node_id, service.l2.counters).export)
+    metrics.watch(LinkMetrics(node_id, service.loads.costs.view).export)
 
 
 PEERS_ASKED = 8
