@@ -5,8 +5,11 @@
 by tier, token-weighted, with its denominator (``raykv_hit_tokens`` by ``tier``,
 ``raykv_asked_tokens``: the scheduler's ``l2_hit_tokens``, ``l3_hit_tokens`` and
 ``asked_tokens``), and each load's seconds and bytes by tier (``raykv_load_seconds``,
-``raykv_load_bytes``: histograms, from the worker's ``LoadTimes``), each also by the
-engine's ``tenant`` (``(none)`` without one) and ``deployment``.
+``raykv_load_bytes``: histograms, from the worker's ``LoadTimes``), the load guard's
+decisions (``raykv_load_guard_decisions`` by ``decision`` and ``reason``,
+``raykv_load_guard_skipped_tokens`` by ``tier``: the scheduler's ``guard_*`` counters,
+``load_choice``), each also by the engine's ``tenant`` (``(none)`` without one) and
+``deployment``.
 
 The sides count in their plain dict and record loads as before, on vLLM's threads; a
 thread of this module reads them every ``export_s`` seconds and hands Ray what grew
@@ -20,6 +23,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+from raykv.integrations.vllm.load_choice import (
+    DECISIONS,
+    GUARD_TIERS,
+    decision_key,
+    skipped_key,
+)
 from raykv.integrations.vllm.load_times import TIERS, LoadTimes
 
 EXPORT_S = 5.0
@@ -64,7 +73,18 @@ class ConnectorMetrics:
             "raykv_load_bytes", "Bytes of one request's load on a worker, by the slowest "
             "tier it read (l2, l3)", boundaries=LOAD_BYTES,
             tag_keys=("tier", "tenant", "deployment", "model", "tp_rank"))
-        for m in (self._asked, self._hit):
+        self._decisions = metrics.Counter(
+            "raykv_load_guard_decisions", "Hits the load guard loaded whole (load), "
+            "recomputed (recompute) or loaded in part (mixed), by why (reason)",
+            tag_keys=("decision", "reason", "tenant", "deployment", "model"))
+        self._skipped = metrics.Counter(
+            "raykv_load_guard_skipped_tokens", "Tokens of hits the load guard left to "
+            "recompute, by the tier they were found in (l2, l3, l3_disk)",
+            tag_keys=("tier", "tenant", "deployment", "model"))
+        self._guard = {decision_key(d, r): (self._decisions, {"decision": d, "reason": r})
+                       for d, r in DECISIONS} | {
+            skipped_key(t): (self._skipped, {"tier": t}) for t in GUARD_TIERS}
+        for m in (self._asked, self._hit, self._decisions, self._skipped):
             m.set_default_tags(owned)
         for m in (self._seconds, self._bytes):
             m.set_default_tags(owned | {"tp_rank": tags["tp_rank"]})
@@ -86,6 +106,9 @@ class ConnectorMetrics:
                         self._asked.inc(grown)
                     elif name.endswith("_hit_tokens") and name[:2] in TIERS:
                         self._hit.inc(grown, tags={"tier": name[:2]})
+                    elif name in self._guard:
+                        metric, tags = self._guard[name]
+                        metric.inc(grown, tags=tags)
             self._seen = now
             for tier, seconds, nbytes in self._loads.drain() if self._loads else ():
                 self._seconds.observe(seconds, tags={"tier": tier})
