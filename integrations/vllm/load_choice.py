@@ -51,6 +51,8 @@ L2, L3, L3_DISK = "l2", "l3", "l3_disk"
 GUARD_TIERS = (L2, L3, L3_DISK)
 PROBE_BYTES = 4 << 20
 """Bytes of the L2 prior's copy probe."""
+OPEN_STEPS = 64
+"""Steps built and not yet answered that ``StepClock`` keeps (the oldest dropped)."""
 
 # Decisions and their reasons, as counted (``guard_counters``) and labelled
 # (``raykv_load_guard_decisions``): every hit a lookup found past vLLM's own cache.
@@ -96,7 +98,9 @@ class StepClock:
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self.rate = Rate()  # seconds per token; no prior
         self._now = now
-        self._open: deque[tuple[float, int]] = deque()  # (built at, tokens or 0)
+        # (built at, tokens or 0); bounded: vLLM keeps at most a batch queue of steps
+        # in flight, and a step never answered must not grow it
+        self._open: deque[tuple[float, int]] = deque(maxlen=OPEN_STEPS)
         self._last_output: float | None = None
 
     def built(self, tokens: int, prefills: bool) -> None:

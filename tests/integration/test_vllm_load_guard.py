@@ -62,6 +62,10 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
                 assert got["cached"] == FULL, got
                 assert grown(s0, s1) == {"guard_load_no_estimate": 1,
                                          "l3_hit_tokens": FULL}
+                est = ray.get(b.load_guard_estimates.remote())
+                print("estimates before the recompute:", est, "prefill s of 7 blocks",
+                      est["prefill_s_per_token"] * FULL, "L3 load s of 7 blocks",
+                      est["l3_s_per_byte"] * est["page_bytes"] * 7)
                 got = ray.get(b.generate.remote(prompt(2)))  # L3, slow: recomputed
                 s2 = ray.get(b.scheduler_stats.remote())
                 assert got["cached"] == 0, got

@@ -208,6 +208,15 @@ class ControlEngine(DigestRecorder, VLLMEngine):
         guard = self._scheduler_connector().connector_scheduler._guard
         guard.settings = GuardSettings.parse(value, guard.settings.margin)
 
+    def load_guard_estimates(self) -> dict:
+        """The scheduler side's load guard estimates: ``prefill_s_per_token``,
+        ``l2_s_per_byte``, ``l3_s_per_byte`` (None: unknown) and ``page_bytes``."""
+        guard = self._scheduler_connector().connector_scheduler._guard
+        rates = guard.rates.rates
+        return {"prefill_s_per_token": guard.clock.rate.per_unit(),
+                "l2_s_per_byte": rates["l2"].per_unit(),
+                "l3_s_per_byte": rates["l3"].per_unit(), "page_bytes": guard.rates.page_bytes}
+
     def fail_next_async_load(self, index: int, report: bool = True) -> None:
         """``_fail_next_async_load``."""
         self.llm.collective_rpc(_fail_next_async_load, args=(index, report))
