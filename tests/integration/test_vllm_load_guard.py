@@ -12,7 +12,9 @@ of this tiny model by far: the two differ by an order of magnitude even on a loa
 machine), and its tokens equal B's cold run of the prompt (the same prompt under
 another cache salt: a run raykv cannot serve). The first prompt again is an L2 hit
 and is loaded under ``auto``. CONTROL: with the guard ``off``, an L3 hit of another
-prompt A saved is loaded (the counters show its L3 tokens loaded). Assertions are on
+prompt A saved is loaded (the counters show its L3 tokens loaded). With
+``async_transfers`` (lookups on their own thread, L3 loads parked), ``auto`` again: a
+third prompt's L3 hit is recomputed, and no request is parked for a load. Assertions are on
 the connector's counters and vLLM's cached tokens, not on times.
 """
 
@@ -50,7 +52,7 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
                          actor_class=ControlEngine)
         try:
             ready(a, b)
-            for seed in (1, 2, 4):
+            for seed in (1, 2, 4, 5):
                 ray.get(a.generate.remote(prompt(seed)))
             cold = ray.get(b.generate.remote(prompt(2), cache_salt="cold"))["tokens"]
             s0 = ray.get(b.scheduler_stats.remote())
@@ -82,6 +84,14 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
                 s4 = ray.get(b.scheduler_stats.remote())
                 assert got["cached"] == FULL, got
                 assert grown(s3, s4) == {"guard_load_off": 1, "l3_hit_tokens": FULL}
+                # async_transfers: the lookup thread's answer goes through the guard too
+                ray.get([b.set_load_guard.remote("auto"), b.async_transfers.remote(True)])
+                got = ray.get(b.generate.remote(prompt(5)))
+                s5 = ray.get(b.scheduler_stats.remote())
+                assert got["cached"] == 0, got
+                assert grown(s4, s5) == {"guard_recompute_slower_than_prefill": 1,
+                                         "guard_skipped_l3_tokens": FULL}
+                assert s5["async_lookups"] == s4["async_lookups"]  # nothing parked
             finally:
                 set_store_delay(cluster, 0)
         finally:
