@@ -45,9 +45,12 @@ the guard exists to prevent. 1.1 keeps the guard within 10 % of always loading w
 loading wins."""
 MAX_THRESHOLD_TOKENS = 1 << 24
 
-# Why a run was not loaded (``LoadChoice.reason``).
+# Why a hit was loaded or not (``LoadChoice.reason``).
 SLOWER = "slower_than_prefill"   # auto: loading the run costs more than computing it
 BELOW_THRESHOLD = "below_threshold"  # a fixed threshold: the hit is too short
+FASTER = "faster_than_prefill"   # auto: every run estimated to arrive sooner
+NO_ESTIMATE = "no_estimate"      # auto: a run or the prefill has no estimate yet: loaded
+ABOVE_THRESHOLD = "above_threshold"  # a fixed threshold: the hit is long enough
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ class LoadChoice:
     """What the guard chose for one hit: load the leading ``pages`` (0: recompute all).
 
     ``load_s`` / ``prefill_s``: the estimates of the whole hit it weighed (None where
-    unknown); ``skipped``: the runs not loaded; ``reason``: why they
-    were not (``SLOWER``, ``BELOW_THRESHOLD``; empty when everything is loaded)."""
+    unknown); ``skipped``: the runs not loaded; ``reason``: why (``SLOWER``,
+    ``BELOW_THRESHOLD`` for what was skipped; ``FASTER``, ``NO_ESTIMATE``,
+    ``ABOVE_THRESHOLD`` or ``OFF`` when all was loaded; empty for no hit)."""
 
     pages: int
     load_s: float | None = None
@@ -146,14 +150,16 @@ def choose_load(runs: Sequence[LoadRun], page_tokens: int, prefill_s_per_token: 
     load_s = sum(r.seconds for r in runs) if known and runs else None
     prefill_s = None if prefill_s_per_token is None else \
         prefill_s_per_token * total * page_tokens
-    if settings.mode == OFF or total == 0:
-        return LoadChoice(total, load_s, prefill_s)
+    if total == 0:
+        return LoadChoice(0, load_s, prefill_s)
+    if settings.mode == OFF:
+        return LoadChoice(total, load_s, prefill_s, reason=OFF)
     if settings.mode == "threshold":
         if total * page_tokens >= settings.threshold_tokens:
-            return LoadChoice(total, load_s, prefill_s)
+            return LoadChoice(total, load_s, prefill_s, reason=ABOVE_THRESHOLD)
         return LoadChoice(0, load_s, prefill_s, tuple(runs), BELOW_THRESHOLD)
     if prefill_s_per_token is None:
-        return LoadChoice(total, load_s, prefill_s)
+        return LoadChoice(total, load_s, prefill_s, reason=NO_ESTIMATE)
     best, best_gain, pages, cost = 0, 0.0, 0, 0.0
     for run in runs:
         pages += run.pages
@@ -162,7 +168,7 @@ def choose_load(runs: Sequence[LoadRun], page_tokens: int, prefill_s_per_token: 
         if gain > best_gain:
             best, best_gain = pages, gain
     if best == total:
-        return LoadChoice(total, load_s, prefill_s)
+        return LoadChoice(total, load_s, prefill_s, reason=FASTER if known else NO_ESTIMATE)
     return LoadChoice(best, load_s, prefill_s, _skipped(runs, best), SLOWER)
 
 

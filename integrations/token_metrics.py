@@ -1,6 +1,7 @@
 """An engine integration's token counters and load guard decisions as Ray metrics, for
-any engine (SGLang's backend exports through it; vLLM's connector defines the same
-``raykv_asked_tokens`` / ``raykv_hit_tokens`` in ``vllm.connector_metrics``):
+any engine (SGLang's backend exports through ``TokenMetrics``; vLLM's connector
+exports its own counts through the same ``token_counters`` in
+``vllm.connector_metrics``):
 
 - ``raykv_asked_tokens``: tokens a lookup asked raykv about (the hit rate's
   denominator);
@@ -63,6 +64,32 @@ def count_lookup(counts: Counter[str], asked_tokens: int, choice: LoadChoice,
         counts[f"{DECISION}{decision(choice, hit)}:{choice.reason or 'none'}"] += 1
 
 
+def token_counters(owner: Mapping[str, str]) -> tuple:
+    """The four Ray counters of the module docstring (``raykv_asked_tokens``,
+    ``raykv_hit_tokens``, ``raykv_load_guard_decisions``,
+    ``raykv_load_guard_skipped_tokens``), with ``owner`` (``tenant``, ``deployment``,
+    ``model``) as their default tags: the one definition every engine's export uses."""
+    from ray.util import metrics
+
+    counters = (
+        metrics.Counter("raykv_asked_tokens", "Tokens a lookup asked raykv about (full "
+                        "pages past the engine's own cache): the hit rate's denominator",
+                        tag_keys=("tenant", "deployment", "model")),
+        metrics.Counter("raykv_hit_tokens", "Tokens a lookup told the engine to load, by "
+                        "the tier they were found in",
+                        tag_keys=("tier", "tenant", "deployment", "model")),
+        metrics.Counter("raykv_load_guard_decisions", "Lookups with a hit, by what the "
+                        "load guard did (load, recompute, mixed) and why",
+                        tag_keys=("decision", "reason", "tenant", "deployment",
+                                  "model")),
+        metrics.Counter("raykv_load_guard_skipped_tokens", "Tokens of a hit the load "
+                        "guard left to be recomputed, by the tier they were in",
+                        tag_keys=("tier", "tenant", "deployment", "model")))
+    for m in counters:
+        m.set_default_tags(dict(owner))
+    return counters
+
+
 class TokenMetrics:
     """Exports ``counts`` (read, never written; keys as ``count_lookup`` writes them)
     with ``owner`` (``tenant``, ``deployment``, ``model``), by a thread of its own until
@@ -70,25 +97,8 @@ class TokenMetrics:
 
     def __init__(self, counts: Mapping[str, int], owner: Mapping[str, str],
                  export_s: float = EXPORT_S) -> None:
-        from ray.util import metrics
-
         self._counts = counts
-        self._asked = metrics.Counter(
-            "raykv_asked_tokens", "Tokens a lookup asked raykv about: the hit rate's "
-            "denominator", tag_keys=("tenant", "deployment", "model"))
-        self._hit = metrics.Counter(
-            "raykv_hit_tokens", "Tokens a lookup told the engine to load, by the tier "
-            "they were found in", tag_keys=("tier", "tenant", "deployment", "model"))
-        self._decisions = metrics.Counter(
-            "raykv_load_guard_decisions", "Lookups with a hit, by what the load guard "
-            "did (load, recompute, mixed) and why", tag_keys=(
-                "decision", "reason", "tenant", "deployment", "model"))
-        self._skipped = metrics.Counter(
-            "raykv_load_guard_skipped_tokens", "Tokens of a hit the load guard left to be "
-            "recomputed, by the tier they were in", tag_keys=(
-                "tier", "tenant", "deployment", "model"))
-        for m in (self._asked, self._hit, self._decisions, self._skipped):
-            m.set_default_tags(dict(owner))
+        self._asked, self._hit, self._decisions, self._skipped = token_counters(owner)
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()  # one export at a time
         self._stop = threading.Event()

@@ -69,7 +69,8 @@ class HitGuard:
         pages = restorable_cut(choice.pages, hit.restorable_prefix_pages)
         if pages < choice.pages:  # the guard's cut is not restorable: load less
             choice = LoadChoice(pages, choice.load_s, choice.prefill_s,
-                                _past(runs, pages), choice.reason or "not_restorable")
+                                _past(runs, pages),
+                                choice.reason if choice.skipped else "not_restorable")
         if counts is not None:
             tiers: Counter[str] = Counter()
             for run in runs:

@@ -30,6 +30,9 @@ Modules:
 - ``request_blocks``: the scheduler side's pure block bookkeeping.
 - ``page_hash``: the page hashes of a request's blocks (pure).
 - ``options``: ``kv_connector_extra_config`` (``ConnectorOptions``).
+- ``load_choice``: the scheduler side's load guard: which leading blocks of a hit are
+  worth loading, from the engine's measured prefill and the workers' measured loads
+  (pure).
 """
 
 from typing import TYPE_CHECKING

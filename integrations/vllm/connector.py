@@ -167,7 +167,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 do_save=kv.kv_role in ("kv_both", "kv_producer"), block_size=block_size,
                 tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
                 kv_cache_config=kv_cache_config)
-        self._stats_delta = StatsDelta(self._side.stats)
+        self._stats_delta = StatsDelta(self._side.stats, self._side.loads)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -243,7 +243,11 @@ class RayKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> RayKVConnectorStats | None:
         """What this side's counters grew by since vLLM last asked (None: nothing);
         vLLM asks on its scheduler thread after each step's output, on each worker
-        after each step (``vllm_stats``)."""
+        after each step (``vllm_stats``). vLLM's scheduler asks once per step's output,
+        in step order: the scheduler side's load guard takes it as the step's end
+        (``load_choice.StepClock``)."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.step_output()
         return self._stats_delta.take()
 
     @classmethod

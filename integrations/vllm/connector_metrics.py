@@ -5,8 +5,11 @@
 by tier, token-weighted, with its denominator (``raykv_hit_tokens`` by ``tier``,
 ``raykv_asked_tokens``: the scheduler's ``l2_hit_tokens``, ``l3_hit_tokens`` and
 ``asked_tokens``), and each load's seconds and bytes by tier (``raykv_load_seconds``,
-``raykv_load_bytes``: histograms, from the worker's ``LoadTimes``), each also by the
-engine's ``tenant`` (``(none)`` without one) and ``deployment``.
+``raykv_load_bytes``: histograms, from the worker's ``LoadTimes``), the load guard's
+decisions (``raykv_load_guard_decisions`` by ``decision`` and ``reason``,
+``raykv_load_guard_skipped_tokens`` by ``tier``: the scheduler's ``guard_*`` counters,
+``load_choice``), each also by the engine's ``tenant`` (``(none)`` without one) and
+``deployment``.
 
 The sides count in their plain dict and record loads as before, on vLLM's threads; a
 thread of this module reads them every ``export_s`` seconds and hands Ray what grew
@@ -20,6 +23,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+from raykv.integrations.token_metrics import token_counters
+from raykv.integrations.vllm.load_choice import (
+    DECISIONS,
+    GUARD_TIERS,
+    decision_key,
+    skipped_key,
+)
 from raykv.integrations.vllm.load_times import TIERS, LoadTimes
 
 EXPORT_S = 5.0
@@ -49,13 +59,7 @@ class ConnectorMetrics:
         self._counter.set_default_tags(dict(tags))
         owned = dict(owner or {"tenant": "(none)", "deployment": "(none)"})
         owned["model"] = tags["model"]
-        self._asked = metrics.Counter(
-            "raykv_asked_tokens", "Tokens vLLM's scheduler asked raykv for (full blocks "
-            "past vLLM's own prefix cache, per lookup): the hit rate's denominator",
-            tag_keys=("tenant", "deployment", "model"))
-        self._hit = metrics.Counter(
-            "raykv_hit_tokens", "Tokens a lookup told vLLM to load, by the tier they were "
-            "found in (l2, l3)", tag_keys=("tier", "tenant", "deployment", "model"))
+        self._asked, self._hit, self._decisions, self._skipped = token_counters(owned)
         self._seconds = metrics.Histogram(
             "raykv_load_seconds", "Seconds of one request's load on a worker, by the "
             "slowest tier it read (l2, l3)", boundaries=LOAD_SECONDS,
@@ -64,8 +68,9 @@ class ConnectorMetrics:
             "raykv_load_bytes", "Bytes of one request's load on a worker, by the slowest "
             "tier it read (l2, l3)", boundaries=LOAD_BYTES,
             tag_keys=("tier", "tenant", "deployment", "model", "tp_rank"))
-        for m in (self._asked, self._hit):
-            m.set_default_tags(owned)
+        self._guard = {decision_key(d, r): (self._decisions, {"decision": d, "reason": r})
+                       for d, r in DECISIONS} | {
+            skipped_key(t): (self._skipped, {"tier": t}) for t in GUARD_TIERS}
         for m in (self._seconds, self._bytes):
             m.set_default_tags(owned | {"tp_rank": tags["tp_rank"]})
         self._seen: dict[str, int] = {}
@@ -86,6 +91,9 @@ class ConnectorMetrics:
                         self._asked.inc(grown)
                     elif name.endswith("_hit_tokens") and name[:2] in TIERS:
                         self._hit.inc(grown, tags={"tier": name[:2]})
+                    elif name in self._guard:
+                        metric, tags = self._guard[name]
+                        metric.inc(grown, tags=tags)
             self._seen = now
             for tier, seconds, nbytes in self._loads.drain() if self._loads else ():
                 self._seconds.observe(seconds, tags={"tier": tier})

@@ -187,6 +187,28 @@ class KVEventBook:
         return out
 
 
+def record_saving(book: KVEventBook, req: Any, hashes: Sequence[str], first: int,
+                  block_size: int) -> None:
+    """Record in ``book`` the facts vLLM's ``BlockStored`` gives of a save of the
+    blocks ``first..`` of vLLM request ``req`` (page hashes ``hashes``), in vLLM's
+    hashes (a block vLLM has no hash for is not recorded: never published)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    bs, lora = block_size, req.lora_request
+    for i, page_hash in enumerate(hashes, start=first):
+        if i >= len(req.block_hashes):
+            break
+        extra, _ = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)
+        keys = to_event_extra_keys([extra])
+        book.saving(page_hash, BlockFacts(
+            block_hash=bytes(req.block_hashes[i]),
+            parent_hash=bytes(req.block_hashes[i - 1]) if i else None,
+            token_ids=tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
+            extra_keys=None if keys is None else tuple(keys),
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None))
+
+
 def to_vllm(events: Iterable[Stored | Removed], block_size: int) -> list:
     """``events`` as vLLM's ``BlockStored`` / ``BlockRemoved`` (hashes converted as
     vLLM's own events convert them)."""

@@ -62,6 +62,25 @@ def block_geometry(spec: object, layers: int) -> dict:
             "itemsize": itemsize}
 
 
+def config_geometry(kv_cache_config: object | None) -> dict | None:
+    """``block_geometry`` of one rank's block of vLLM's ``KVCacheConfig`` (its first
+    group's spec, every layer of the group); None without a config."""
+    if kv_cache_config is None:
+        return None
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    spec = getattr(spec, "kv_cache_specs", {}).get(group.layer_names[0], spec)
+    return block_geometry(spec, len(group.layer_names))
+
+
+def geometry_bytes(geometry: dict | None) -> int:
+    """Bytes of one block of ``geometry`` (``block_geometry``'s; None: 0)."""
+    if geometry is None:
+        return 0
+    return math.prod(geometry[k] for k in ("page_size", "layer_num", "head_num",
+                                           "head_dim", "itemsize"))
+
+
 def block_slots(block_ids: Sequence[int], block_size: int) -> torch.Tensor:
     """Host indices (token slots) of vLLM's blocks ``block_ids`` of ``block_size``
     tokens, block after block."""

@@ -34,18 +34,23 @@ def load_tier(loaded: int, l2_blocks: int) -> str:
 
 
 class LoadTimes:
-    """Loads measured and not yet exported: ``(tier, seconds, bytes)`` each. ``record``
+    """Loads measured and not yet exported: ``(tier, seconds, bytes)`` each, kept twice:
+    for the Ray metrics (``drain``) and for the load guard's estimates on the scheduler
+    side (``take_sums``, handed to vLLM in the worker's connector stats). ``record``
     from vLLM's threads (the step, the load thread), ``drain`` from the exporter's
-    thread; a deque's append and popleft are each atomic, so neither takes a lock.
-    Bounded: past ``limit`` records not exported the oldest are dropped."""
+    thread, ``take_sums`` from the step's; a deque's append and popleft are each atomic,
+    so none takes a lock. Bounded: past ``limit`` records not taken the oldest are
+    dropped."""
 
     def __init__(self, limit: int = 10_000) -> None:
         self._records: deque[tuple[str, float, int]] = deque(maxlen=limit)
+        self._unsummed: deque[tuple[str, float, int]] = deque(maxlen=limit)
 
     def record(self, tier: str, seconds: float, nbytes: int) -> None:
         """One load of ``nbytes`` (the blocks it loaded) from ``tier`` that took
         ``seconds`` (until it returned to its caller)."""
         self._records.append((tier, seconds, nbytes))
+        self._unsummed.append((tier, seconds, nbytes))
 
     def timed(self, load: Callable[[], int], l2_blocks: int, block_bytes: int) -> int:
         """``load()`` (the leading blocks it loaded; what it raises propagates),
@@ -59,10 +64,25 @@ class LoadTimes:
 
     def drain(self) -> list[tuple[str, float, int]]:
         """The records since the last call, oldest first."""
-        out = []
-        while self._records:
-            try:
-                out.append(self._records.popleft())
-            except IndexError:  # another drain took the last one
-                break
-        return out
+        return _take(self._records)
+
+    def take_sums(self) -> dict[str, int]:
+        """The loads recorded since the last call, summed per tier:
+        ``{tier}_load_us`` (microseconds) and ``{tier}_load_bytes``, only tiers with
+        loads."""
+        sums: dict[str, int] = {}
+        for tier, seconds, nbytes in _take(self._unsummed):
+            sums[f"{tier}_load_us"] = sums.get(f"{tier}_load_us", 0) + int(seconds * 1e6)
+            sums[f"{tier}_load_bytes"] = sums.get(f"{tier}_load_bytes", 0) + nbytes
+        return sums
+
+
+def _take(records: deque) -> list:
+    """Pop everything in ``records``, oldest first (another taker may take some)."""
+    out = []
+    while records:
+        try:
+            out.append(records.popleft())
+        except IndexError:  # another taker took the last one
+            break
+    return out

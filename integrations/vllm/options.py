@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S, StorageConfig
+from raykv.controllers.load_guard import DEFAULT_MARGIN, GuardSettings
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.tenancy import check_tenant
 
 KNOWN_KEYS = frozenset({"model_name", "extra_backend_tag", "namespace", "ray_address",
                         "pool_blocks", "l2_blocks", "async_transfers", "timeout_s", "tenant",
-                        "debug_corrupt_loads"})
+                        "debug_corrupt_loads", "load_guard", "load_guard_margin",
+                        "explain"})
 
 PAGE_LAYOUT = "lm1"
 """The page layout raykv stores for vLLM, versioned: one page per vLLM block holding
@@ -171,6 +173,16 @@ class ConnectorOptions:
       scheduler's hit query a miss, never a stalled engine.
     - ``tenant``: the tenant this engine serves (``StorageConfig.tenant``; its secret
       in ``RAYKV_TENANT_SECRET``); default none.
+    - ``load_guard``: the load guard (``controllers.load_guard``): ``"auto"`` (the
+      default: load a hit's leading pages only where their load is estimated to arrive
+      sooner than the engine would compute them, ``load_choice``), ``"off"`` (load
+      every hit) or a number of tokens (a fixed threshold: a hit shorter than that is
+      recomputed whole).
+    - ``load_guard_margin``: how many times faster than computing a load must be
+      estimated to be chosen (default ``DEFAULT_MARGIN``, 1.1; 0.5 to 10).
+    - ``explain``: log one line per lookup (``load_choice.explain``:
+      the tokens asked, which tier serves which, what the guard skipped and both
+      estimates); default false.
     - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
       values (shows that loaded KV is really used).
 
@@ -197,6 +209,8 @@ class ConnectorOptions:
     tenant: str | None = None
     debug_corrupt_loads: bool = False
     kv_events: bool = False
+    load_guard: GuardSettings = GuardSettings()
+    explain: bool = False
 
     @classmethod
     def parse(cls, extra_config: Mapping[str, Any] | None, *, tp_size: int, pp_size: int,
@@ -206,7 +220,8 @@ class ConnectorOptions:
         ``served_model`` (vLLM's served model name, else its model) whose blocks are
         ``identity``. ``ValueError`` on a misspelt key (``misspelt_keys``),
         ``pool_blocks`` < 1, ``l2_blocks`` < 0, ``async_transfers`` with ``l2_blocks``
-        0, a bad ``timeout_s`` or tenant name;
+        0, a bad ``timeout_s``, tenant name, ``load_guard``, ``load_guard_margin``
+        or ``explain``;
         other unknown keys are ignored (logged)."""
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
@@ -232,6 +247,18 @@ class ConnectorOptions:
         if async_transfers and not l2_blocks:
             raise ValueError("RayKVConnector: async_transfers needs l2_blocks > 0 (saves "
                              "and loads go through the node's L2 pages)")
+        margin = extra.get("load_guard_margin", DEFAULT_MARGIN)
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise ValueError(f"RayKVConnector: load_guard_margin must be a number, got "
+                             f"{margin!r}")
+        try:
+            guard = GuardSettings.parse(extra.get("load_guard"), float(margin))
+        except ValueError as e:
+            raise ValueError(f"RayKVConnector: {e}") from None
+        explain = extra.get("explain", False)
+        if not isinstance(explain, bool):
+            raise ValueError(f"RayKVConnector: explain must be true or false, got "
+                             f"{explain!r}")
         tag = extra["extra_backend_tag"] if "extra_backend_tag" in extra else \
             default_backend_tag(tp_size, pp_size, identity)
         return cls(model_name=str(model), extra_backend_tag=str(tag), identity=identity,
@@ -240,7 +267,8 @@ class ConnectorOptions:
                    l2_blocks=l2_blocks, async_transfers=async_transfers,
                    timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
                    tenant=check_tenant(extra.get("tenant") or None),
-                   debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)))
+                   debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)),
+                   load_guard=guard, explain=explain)
 
     def storage_config(self, *, tp_rank: int, tp_size: int, pp_rank: int,
                        pp_size: int) -> StorageConfig:

@@ -16,6 +16,9 @@ per request), and a hit that needs L3 answers ``(n, True)``: vLLM parks the requ
 and its load goes to the workers with the next metadata (``async_loads``), although
 the request is not scheduled; a hit all in the node's L2 is loaded on the step.
 
+The load guard (``load_choice``, setting ``load_guard``) picks per lookup the leading
+blocks of a hit vLLM is told to load, here alone, so every rank loads the same prefix.
+
 With vLLM's KV events on, the side keeps a ``kv_events.KVEventBook``: saves sent
 (``build_connector_meta``), the workers' reports of those that landed
 (``update_connector_output``) and lookups that stopped at a published block
@@ -25,14 +28,16 @@ With vLLM's KV events on, the side keeps a ``kv_events.KVEventBook``: saves sent
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.pool_layout import PoolLayout
-from raykv.integrations.vllm.kv_events import L2, L3, BlockFacts, KVEventBook, to_vllm
-from raykv.integrations.vllm.kv_views import block_geometry
+from raykv.integrations.vllm.kv_events import L2, L3, KVEventBook, record_saving, to_vllm
+from raykv.integrations.vllm.kv_views import config_geometry, geometry_bytes
+from raykv.integrations.vllm.load_choice import LoadGuard, copy_probe, count, explain
 from raykv.integrations.vllm.load_times import hit_tokens
 from raykv.integrations.vllm.lookups import STEP_WAIT_S, Lookups
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
@@ -50,7 +55,7 @@ from raykv.integrations.vllm.request_blocks import (
     restart,
 )
 from raykv.integrations.vllm.side import ConnectorSide
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -63,6 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
 
 class RayKVConnectorScheduler(ConnectorSide):
@@ -90,6 +97,8 @@ class RayKVConnectorScheduler(ConnectorSide):
         self._wait_until: float | None = None
         self._async_loads: list[BlockTransfer] = []
         self._events = KVEventBook(tp_size) if opts.kv_events else None
+        self._guard = LoadGuard(opts.load_guard, block_size, geometry_bytes(
+            config_geometry(kv_cache_config)), copy_probe())
         if self.do_load:
             self._attach_at_start()  # not in the first lookup: see _cache
 
@@ -112,13 +121,9 @@ class RayKVConnectorScheduler(ConnectorSide):
         spec, with the bytes per page of the workers' real blocks (the controller
         refuses another geometry under the same key prefix). Without a spec, a
         placeholder of one value per token."""
-        geometry = {"page_size": self.block_size, "layer_num": 1, "head_num": 1,
-                    "head_dim": 1, "dtype": "bfloat16", "itemsize": 2}
-        if self._kv_cache_config is not None:
-            group = self._kv_cache_config.kv_cache_groups[0]
-            spec = group.kv_cache_spec
-            spec = getattr(spec, "kv_cache_specs", {}).get(group.layer_names[0], spec)
-            geometry = block_geometry(spec, len(group.layer_names))
+        geometry = config_geometry(self._kv_cache_config) or {
+            "page_size": self.block_size, "layer_num": 1, "head_num": 1, "head_dim": 1,
+            "dtype": "bfloat16", "itemsize": 2}
         return client.create_host_pool(PoolLayout.vllm(size=self.block_size, **geometry),
                                        name=name, per_process=True)
 
@@ -155,15 +160,16 @@ class RayKVConnectorScheduler(ConnectorSide):
             self._step_budget = Budget(self.opts.timeout_s)
         t0 = time.perf_counter()
         with self._step_budget:
-            l2, hit = self._query([hash_hex(h) for h in hashes])
+            answer = self._query([hash_hex(h) for h in hashes])
         self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-        return self._answer(st, local, len(hashes), (l2, hit), num_computed_tokens), False
+        return self._answer(st, local, len(hashes), answer, num_computed_tokens)[0], False
 
-    def _query(self, keys: list[str]) -> tuple[int, int]:
-        """``(leading blocks of keys in the node's L2, leading blocks in L2 or L3)``:
-        the node's L2 first (its blocks need no L3 call), then one group query for the
-        rest; what fails is a miss (warned)."""
-        l2 = 0
+    def _query(self, keys: list[str]) -> tuple[int, int, list]:
+        """``(leading blocks of keys in the node's L2, leading blocks in L2 or L3, the
+        group answer's load_runs of the L3 part)``: the node's L2 first (its blocks
+        need no L3 call), then one group query for the rest; what fails is a miss
+        (warned)."""
+        l2, runs = 0, []
         try:
             client = self._cache()
             if self.opts.l2_blocks:
@@ -172,23 +178,29 @@ class RayKVConnectorScheduler(ConnectorSide):
                     self._events.missing(L2, keys[l2])
             hit = l2
             if l2 < len(keys):
-                hit += client.group_exists(keys[l2:]).kv_hit_pages
+                found = client.group_exists(keys[l2:])
+                hit, runs = hit + found.kv_hit_pages, found.load_runs
                 if self._events is not None and hit < len(keys):
                     self._events.missing(L3, keys[hit])
         except Exception as e:  # raykv unreachable, restarting, or refused: a miss
             self._warn.warn("query", "RayKVConnector: hit query failed, treated as a miss: "
                             "%s", e)
-            hit = l2
-        return l2, hit
+            hit, runs = l2, []
+        return l2, hit, runs
 
-    def _answer(self, st: RequestBlocks, local: int, asked: int, answer: tuple[int, int],
-                num_computed_tokens: int) -> int:
-        """Count a lookup's ``answer`` (``_query``'s) about ``asked`` blocks, with the
-        tokens it asked about and those to load by tier; the tokens to load."""
-        l2, hit = answer
+    def _answer(self, st: RequestBlocks, local: int, asked: int, answer: tuple,
+                num_computed_tokens: int) -> tuple[int, bool]:
+        """Count a lookup's ``answer`` (``_query``'s) about ``asked`` blocks, let the
+        load guard choose the leading blocks to load, count the tokens asked about and
+        those to load by tier; ``(tokens to load, whether any is past the node's L2)``."""
+        l2, hit, runs = answer
         self.stats["queries"] += 1
         self.stats["hit_blocks"] += hit
         self.stats["l2_hit_blocks"] += l2
+        outcome = self._guard.choose(l2, hit, runs) if hit else None
+        if outcome is not None:
+            count(self.stats, outcome)
+            hit, l2 = outcome.pages, min(l2, outcome.pages)
         st.local_hit_tokens, st.l2_hit_blocks = num_computed_tokens, l2
         n = external_tokens(local + hit, num_computed_tokens, self.block_size,
                             st.request.num_tokens)
@@ -196,7 +208,10 @@ class RayKVConnectorScheduler(ConnectorSide):
         self.stats["asked_tokens"] += asked * self.block_size
         self.stats["l2_hit_tokens"] += l2_tokens
         self.stats["l3_hit_tokens"] += l3_tokens
-        return n
+        if self.opts.explain:
+            log.info(explain(st.request.request_id, asked * self.block_size,
+                             num_computed_tokens, n, outcome, self.block_size))
+        return n, l3_tokens > 0
 
     def _lookup_async(self, st: RequestBlocks, local: int, hashes: list,
                       num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -208,7 +223,7 @@ class RayKVConnectorScheduler(ConnectorSide):
         if st.async_sent:
             return 0, False
         if self._lookups is None:
-            self._lookups = Lookups(miss=(0, 0))
+            self._lookups = Lookups(miss=(0, 0, []))
         now = time.monotonic()
         if self._wait_until is None:  # the first lookup of this scheduling step
             self._wait_until = now + STEP_WAIT_S
@@ -219,13 +234,11 @@ class RayKVConnectorScheduler(ConnectorSide):
         if answer is None:
             self.stats["lookups_pending"] += 1
             return None, False
-        l2, hit = answer
-        n = self._answer(st, local, len(keys), answer, num_computed_tokens)
-        st.load_async = n > 0 and hit > l2
+        n, st.load_async = self._answer(st, local, len(keys), answer, num_computed_tokens)
         self.stats["async_lookups"] += st.load_async
         return n, st.load_async
 
-    def _query_budgeted(self, keys: list[str]) -> tuple[int, int]:
+    def _query_budgeted(self, keys: list[str]) -> tuple[int, int, list]:
         """``_query`` within one ``timeout_s`` (on the lookup thread)."""
         with Budget(self.opts.timeout_s):
             return self._query(keys)
@@ -268,7 +281,8 @@ class RayKVConnectorScheduler(ConnectorSide):
                 if save is not None:
                     meta.saves.append(save)
                     if self._events is not None:
-                        self._saving(st, save)
+                        record_saving(self._events, st.request, save.hashes,
+                                      len(save.context), self.block_size)
 
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -292,25 +306,15 @@ class RayKVConnectorScheduler(ConnectorSide):
             elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
             step(st, rid, cached.num_computed_tokens[i])
+        self._guard.clock.built(scheduler_output.total_num_scheduled_tokens, not (
+            meta.loads or meta.async_loads) and any(
+            n - len(spec.get(r, ())) >= self.block_size for r, n in scheduled.items()))
         return meta
 
-    def _saving(self, st: RequestBlocks, save: BlockTransfer) -> None:
-        """Record the facts vLLM's ``BlockStored`` gives of ``save``'s blocks, in vLLM's
-        hashes (a block vLLM has no hash for is not recorded: never published)."""
-        req, bs = st.request, self.block_size
-        lora = req.lora_request
-        for i, page_hash in enumerate(save.hashes, start=len(save.context)):
-            if i >= len(req.block_hashes):
-                break
-            extra, _ = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)
-            keys = to_event_extra_keys([extra])
-            self._events.saving(page_hash, BlockFacts(
-                block_hash=bytes(req.block_hashes[i]),
-                parent_hash=bytes(req.block_hashes[i - 1]) if i else None,
-                token_ids=tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                extra_keys=None if keys is None else tuple(keys),
-                lora_id=lora.adapter_id if lora else None,
-                lora_name=lora.name if lora else None))
+    def step_output(self) -> None:
+        """The oldest step not yet ended came back (vLLM's scheduler, once per step's
+        output after ``update_connector_output``: ``load_choice.StepClock``)."""
+        self._guard.clock.output()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """vLLM events of raykv's tiers since the last call (none with events off)."""
@@ -320,6 +324,8 @@ class RayKVConnectorScheduler(ConnectorSide):
         landed = connector_output.kv_cache_events
         if self._events is not None and isinstance(landed, LandedReports):
             self._events.landed(landed.get_all_events())
+        if connector_output.kv_connector_stats is not None:  # the workers' measured loads
+            self._guard.rates.observe(connector_output.kv_connector_stats.data)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return

@@ -19,6 +19,7 @@ from raykv.controllers.contract import PoolName, StorageConfig
 from raykv.controllers.deployments import deployment_id
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
+from raykv.integrations.vllm.load_choice import guard_counters
 from raykv.integrations.vllm.load_times import LoadTimes
 from raykv.integrations.vllm.options import ConnectorOptions
 
@@ -56,14 +57,17 @@ def new_stats() -> dict[str, int]:
     into); ``asked_tokens``, ``l2_hit_tokens``, ``l3_hit_tokens`` (scheduler: per
     lookup, the tokens of the full blocks past vLLM's own prefix cache it asked about,
     and of those the tokens it told vLLM to load, by the tier they were found in:
-    ``load_times.hit_tokens``)."""
+    ``load_times.hit_tokens``); the load guard's (scheduler, ``load_choice``):
+    ``guard_{decision}_{reason}`` (lookups whose hit it loaded, recomputed or loaded in
+    part, by why) and ``guard_skipped_{tier}_tokens`` (tokens of a hit it left to
+    recompute, by the tier they were found in)."""
     return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
             "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
             "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
             "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
             "save_cpu_us": 0, "load_us": 0, "load_cpu_us": 0, "lookup_us": 0,
             "loaded_behind": 0, "layer_wait_us": 0, "loaded_past_l2": 0,
-            "asked_tokens": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0}
+            "asked_tokens": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0, **guard_counters()}
 
 
 class ConnectorSide(ABC):

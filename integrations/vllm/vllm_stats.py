@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from raykv.integrations.vllm.load_choice import guard_counters
+from raykv.integrations.vllm.load_times import LoadTimes
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -24,14 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 SHOWN = ("queries", "hit_blocks", "l2_hit_blocks", "asked_tokens", "l2_hit_tokens",
          "l3_hit_tokens", "loaded", "l2_loaded", "load_failed", "load_dropped", "saved",
-         "l2_saved", "save_failed", "save_refused", "save_dropped")
-"""The counters vLLM logs and exports (blocks and tokens; ``new_stats`` says what each
-counts); the microsecond sums stay in ``RayKVConnector.stats`` and ``raykv_connector``."""
+         "l2_saved", "save_failed", "save_refused", "save_dropped", *guard_counters())
+"""The counters vLLM logs and exports (blocks, tokens and the load guard's decisions;
+``new_stats`` says what each counts); the microsecond sums stay in
+``RayKVConnector.stats`` and ``raykv_connector``."""
 
 
 @dataclass
 class RayKVConnectorStats(KVConnectorStats):
-    """``data``: counter name -> what it grew by in the interval (``SHOWN`` only)."""
+    """``data``: counter name -> what it grew by in the interval (``SHOWN``, and from a
+    worker its loads' sums per tier, ``LoadTimes.take_sums``: what the scheduler side's
+    load guard reads in ``update_connector_output``, never logged or exported)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -52,15 +57,16 @@ class RayKVConnectorStats(KVConnectorStats):
 
 class StatsDelta:
     """What a side's ``stats`` (read, never written) grew by between two ``take``
-    calls, from one thread."""
+    calls, from one thread, with the sums of ``loads`` recorded since (a worker's)."""
 
-    def __init__(self, stats: Mapping[str, int]) -> None:
+    def __init__(self, stats: Mapping[str, int], loads: LoadTimes | None = None) -> None:
         self._stats = stats
+        self._loads = loads
         self._seen = dict.fromkeys(SHOWN, 0)
 
     def take(self) -> RayKVConnectorStats | None:
         """The growth since the last call (None: nothing grew)."""
-        grown = {}
+        grown = self._loads.take_sums() if self._loads is not None else {}
         for name in SHOWN:
             now = self._stats[name]
             if now != self._seen[name]:

@@ -395,7 +395,7 @@ def test_a_vllm_engine_on_one_host_loads_the_bytes_an_engine_on_another_saved(tm
     model = make_llama(str(tmp_path / "tiny-llama"))
     with start_local(hosts=2, link="10gbit", global_segment_size=256 * MiB,
                      log_to_driver=False) as c:
-        conf = {"model_name": "tiny-hosts"}
+        conf = {"model_name": "tiny-hosts", "load_guard": "off"}
         a = start_engine(c.node_ids[1], model, conf, enable_prefix_caching=True,
                          actor_class=ControlEngine)
         b = start_engine(c.node_ids[0], model, conf, actor_class=ControlEngine)

@@ -15,6 +15,11 @@ changed the greedy tokens of 5 of 6 prompts, as much after vLLM's own prefix-cac
 as after a raykv load) and on how a prefill is split (see test_partial_hit).
 ``test_loaded_blocks_are_the_bytes_the_other_engine_saved`` compares the KV bytes
 themselves; ``test_corrupted_loads_change_the_output`` shows the loaded KV is used.
+
+Every connector engine here runs with the load guard off (``"load_guard": "off"``):
+these tests are about loads, and under ``auto`` this tiny model's prefill may beat a
+load on a busy machine (a recompute measured here, an L3 hit of 7 blocks); the guard
+is tested in test_vllm_load_guard.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def engines(vcluster, model, uid_module):
     without the connector on node 1, with vLLM's own prefix cache (see
     test_partial_hit)."""
     n1, n2 = vcluster.node_ids
-    conf = {"model_name": f"tiny-{uid_module}"}
+    conf = {"model_name": f"tiny-{uid_module}", "load_guard": "off"}
     a = start_engine(n1, model, conf, enable_prefix_caching=True, actor_class=ControlEngine)
     b = start_engine(n2, model, conf, actor_class=ControlEngine,
                      kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
@@ -230,7 +235,7 @@ def other_engines(vcluster, model, uid_module):
     12345 (A's is unset). Engine D on node 1: A's configuration but a float16 model,
     hence a float16 KV cache (A's is bfloat16), same block size and page bytes."""
     n1, n2 = vcluster.node_ids
-    conf = {"model_name": f"tiny-{uid_module}"}
+    conf = {"model_name": f"tiny-{uid_module}", "load_guard": "off"}
     c = start_engine(n2, model, conf, env={"PYTHONHASHSEED": "12345"},
                      actor_class=ControlEngine)
     d = start_engine(n1, model, conf, dtype="float16", actor_class=ControlEngine)
@@ -419,7 +424,8 @@ def test_serve_llm_replicas_load_saved_blocks_and_route_to_the_node_that_holds_t
     example = serve_example()
     # A as the ``engines`` fixture's A, keying blocks with the routed replicas' tag
     a = start_engine(vcluster.node_ids[0], model, {
-        "model_name": f"tiny-{uid_module}", "extra_backend_tag": example.ROUTED_TAG},
+        "model_name": f"tiny-{uid_module}", "extra_backend_tag": example.ROUTED_TAG,
+        "load_guard": "off"},
         enable_prefix_caching=True)
     added = [vcluster.add_node(num_cpus=4, resources={"serve_llm": 1}) for _ in range(2)]
     config = example.raykv_llm_config(
@@ -475,7 +481,7 @@ def l2_engines(vcluster, model, uid_module):
     (vLLM's prefix cache on: the reference restores from it) and F (prefix cache off, so
     every cached token of F came through raykv)."""
     n2 = vcluster.node_ids[1]
-    conf = {"model_name": f"tiny-{uid_module}", "l2_blocks": L2_BLOCKS}
+    conf = {"model_name": f"tiny-{uid_module}", "l2_blocks": L2_BLOCKS, "load_guard": "off"}
     e = start_engine(n2, model, conf, enable_prefix_caching=True, actor_class=ControlEngine)
     f = start_engine(n2, model, conf, actor_class=ControlEngine)
     ready(e, f)
@@ -871,7 +877,7 @@ def test_tp2_each_rank_loads_its_own_blocks(vcluster, model, uid_module):
     each rank from one group answer and produces the same tokens (TP=2 numerics differ
     from TP=1's, so the first, fully computed run is the reference). One engine: two
     TP=2 engines on this 2-core machine took 14 minutes."""
-    conf = {"model_name": f"tiny-{uid_module}"}
+    conf = {"model_name": f"tiny-{uid_module}", "load_guard": "off"}
     e = start_engine(vcluster.node_ids[1], model, conf, tensor_parallel_size=2,
                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:

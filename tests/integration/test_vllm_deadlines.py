@@ -117,6 +117,7 @@ def engine(cluster, model):
     """The module's engine, on node 2: ``timeout_s`` = ``TIMEOUT_S``, 2 staging pages."""
     e = start_engine(cluster.node_ids[1], model, {
         "model_name": f"tiny-deadline-{os.urandom(4).hex()}", "timeout_s": TIMEOUT_S,
+        "load_guard": "off",
         "pool_blocks": 2}, actor_class=DeadlineEngine)
     ready(e)
     yield e

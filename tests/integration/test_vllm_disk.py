@@ -60,7 +60,7 @@ def tiers(cluster) -> dict:
 def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
     model = make_llama(str(tmp_path / "tiny-llama"))
     disk_dir = str(tmp_path / "disk")
-    conf = {"model_name": f"tiny-disk-{uid}"}
+    conf = {"model_name": f"tiny-disk-{uid}", "load_guard": "off"}
     p = prompt(1)
     with (start_local(num_nodes=1, global_segment_size=SEGMENT, disk_dir=disk_dir, **DISK)
           as cluster, engine_on(cluster, model, conf, enable_prefix_caching=True) as a):

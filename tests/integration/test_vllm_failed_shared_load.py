@@ -46,7 +46,7 @@ def engines(tmp_path_factory):
     import uuid
 
     model = make_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
-    conf = {"model_name": f"tiny-{uuid.uuid4().hex[:8]}"}
+    conf = {"model_name": f"tiny-{uuid.uuid4().hex[:8]}", "load_guard": "off"}
     with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
         n1, n2 = c.node_ids
         a = start_engine(n1, model, conf, dtype="float32", actor_class=ControlEngine)

@@ -3,9 +3,10 @@ the stored blocks (shows that loaded KV is really used), and that can record the
 of the blocks its connector saves and loads (the loaded KV compared with the saved KV
 byte for byte, which no numerical effect can blur), that reports its scheduler side's
 counters, key tag and vLLM's own block hash, that can be re-keyed (a control for the
-key tag), that can fail one block of its next load and restore the old rule of which
-saves to refuse after a failed load (a control), that can let its forward run ahead of
-the copies behind it (a control), and that answers with logprobs. In a
+key tag), that can switch its load guard, that can fail one block of its next load and
+restore the old rule of which saves to refuse after a failed load (a control), that can
+let its forward run ahead of the copies behind it (a control), and that answers with
+logprobs. In a
 module of its own so that Ray workers import it by name
 (``tests.integration.vllm_control``)."""
 
@@ -198,6 +199,23 @@ class ControlEngine(DigestRecorder, VLLMEngine):
         side = self._scheduler_connector().connector_scheduler
         side.opts = replace(side.opts, async_transfers=on)
         self.llm.collective_rpc(_async_worker, args=(on,))
+
+    def set_load_guard(self, value) -> None:
+        """The scheduler side's load guard switches to ``value`` (``load_guard``'s
+        values), its estimates kept (as if the engine had been configured so)."""
+        from raykv.controllers.load_guard import GuardSettings
+
+        guard = self._scheduler_connector().connector_scheduler._guard
+        guard.settings = GuardSettings.parse(value, guard.settings.margin)
+
+    def load_guard_estimates(self) -> dict:
+        """The scheduler side's load guard estimates: ``prefill_s_per_token``,
+        ``l2_s_per_byte``, ``l3_s_per_byte`` (None: unknown) and ``page_bytes``."""
+        guard = self._scheduler_connector().connector_scheduler._guard
+        rates = guard.rates.rates
+        return {"prefill_s_per_token": guard.clock.rate.per_unit(),
+                "l2_s_per_byte": rates["l2"].per_unit(),
+                "l3_s_per_byte": rates["l3"].per_unit(), "page_bytes": guard.rates.page_bytes}
 
     def fail_next_async_load(self, index: int, report: bool = True) -> None:
         """``_fail_next_async_load``."""

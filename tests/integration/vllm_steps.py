@@ -37,7 +37,8 @@ class StepEngine:
     ``kv_load_failure_policy=policy``; ``async_scheduling``: vLLM's ``AsyncScheduler``,
     driven as vLLM's engine core drives it with two batches in flight (step N+1 is
     scheduled before step N's output reaches the scheduler); ``extra``: more
-    ``kv_connector_extra_config`` keys. ``fail_loads``, when set, is asked each step
+    ``kv_connector_extra_config`` keys (the load guard off unless ``extra`` says
+    otherwise: the stepped tests are about loads). ``fail_loads``, when set, is asked each step
     for the keys whose reads fail in it (given the step's connector metadata)."""
 
     def __init__(self, model: str, model_name: str, *, policy: str = "recompute",
@@ -74,7 +75,8 @@ class StepEngine:
                 kv_connector="RayKVConnector",
                 kv_connector_module_path="raykv.integrations.vllm", kv_role="kv_both",
                 kv_load_failure_policy=policy,
-                kv_connector_extra_config={"model_name": model_name} | (extra or {})),
+                kv_connector_extra_config={"model_name": model_name,
+                                           "load_guard": "off"} | (extra or {})),
             device_config=DeviceConfig("cpu"))
         config.cache_config.num_gpu_blocks = num_blocks
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[

@@ -77,3 +77,24 @@ def test_hit_tokens_by_tier_over_asked_tokens_and_loads_by_tier(made):
     stats["l3_hit_tokens"] += 16
     m.close()
     assert hit.calls[-1][1:] == (16, {"tier": "l3"}) and len(asked.calls) == 1
+
+
+def test_load_guard_decisions_and_skipped_tokens_by_label(made):
+    """The scheduler's ``guard_*`` counters become ``raykv_load_guard_decisions`` by
+    decision and reason and ``raykv_load_guard_skipped_tokens`` by tier. CONTROL: a
+    counter of another name reaches neither."""
+    stats = new_stats()
+    m = ConnectorMetrics(stats, TAGS | {"role": "scheduler"}, export_s=3600.0,
+                         owner=OWNER)
+    stats["guard_mixed_slower_than_prefill"] += 2
+    stats["guard_load_no_estimate"] += 1
+    stats["guard_skipped_l3_tokens"] += 256
+    stats["queries"] += 3
+    m.export()
+    decisions, skipped = made["raykv_load_guard_decisions"], made[
+        "raykv_load_guard_skipped_tokens"]
+    assert sorted((c[2]["decision"], c[2]["reason"], c[1]) for c in decisions.calls) == [
+        ("load", "no_estimate", 1), ("mixed", "slower_than_prefill", 2)]
+    assert [(c[2], c[1]) for c in skipped.calls] == [({"tier": "l3"}, 256)]
+    assert decisions.defaults == OWNER | {"model": "org/m"}
+    m.close()

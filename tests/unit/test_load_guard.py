@@ -18,7 +18,7 @@ AUTO = GuardSettings()
 def test_a_load_faster_than_prefill_is_taken_whole():
     runs = [LoadRun("l2", 4, 0.004), LoadRun("l3", 4, 0.02)]
     choice = choose_load(runs, 16, 1e-3, AUTO)  # 128 tokens: 128 ms to compute, 24 to load
-    assert choice.pages == 8 and choice.skipped == () and choice.reason == ""
+    assert choice.pages == 8 and choice.skipped == () and choice.reason == "faster_than_prefill"
     assert choice.load_s == pytest.approx(0.024) and choice.prefill_s == pytest.approx(0.128)
 
 
@@ -28,7 +28,8 @@ def test_a_slow_remote_tail_is_recomputed_and_the_l2_head_loaded():
     assert choice.pages == 4 and choice.reason == SLOWER
     assert choice.skipped == (LoadRun("l3", 4, 1.2),)
     # control: the same runs with the guard off load everything
-    assert choose_load(runs, 16, 1e-3, GuardSettings.parse("off")).pages == 8
+    off = choose_load(runs, 16, 1e-3, GuardSettings.parse("off"))
+    assert (off.pages, off.reason) == (8, "off")
 
 
 def test_a_slow_head_makes_the_whole_hit_recomputed():
@@ -49,8 +50,9 @@ def test_the_margin_decides_near_the_crossover():
 
 
 def test_unknown_estimates_load():
-    assert choose_load([LoadRun("l3", 4, None)], 16, 1e-3, AUTO).pages == 4
-    assert choose_load([LoadRun("l3", 4, 9.0)], 16, None, AUTO).pages == 4
+    for runs, prefill in (([LoadRun("l3", 4, None)], 1e-3), ([LoadRun("l3", 4, 9.0)], None)):
+        choice = choose_load(runs, 16, prefill, AUTO)
+        assert (choice.pages, choice.reason) == (4, "no_estimate")
     assert choose_load([LoadRun("l3", 4, 9.0)], 16, 1e-3, AUTO).pages == 0  # control
 
 
@@ -67,7 +69,8 @@ def test_a_fixed_threshold_loads_long_hits_only():
     s = GuardSettings.parse("128")
     assert choose_load(runs, 16, 1e-3, s).pages == 0
     assert choose_load(runs, 16, 1e-3, s).reason == BELOW_THRESHOLD
-    assert choose_load(runs, 32, 1e-3, s).pages == 4  # 128 tokens: loaded, slow or not
+    choice = choose_load(runs, 32, 1e-3, s)  # 128 tokens: loaded, slow or not
+    assert (choice.pages, choice.reason) == (4, "above_threshold")
 
 
 @pytest.mark.parametrize("value,mode,tokens", [

@@ -24,7 +24,7 @@ def side():
 
 def answer(side, *, tokens: int, local: int, asked: int, l2: int, hit: int) -> int:
     st = RequestBlocks(SimpleNamespace(num_tokens=tokens), chain=None)
-    n = side._answer(st, local, asked, (l2, hit), local * 16)
+    n = side._answer(st, local, asked, (l2, hit, []), local * 16)[0]
     assert st.l2_hit_blocks == l2
     return n
 

@@ -105,7 +105,7 @@ class Hits:
     def group_exists(self, keys):
         from types import SimpleNamespace
 
-        return SimpleNamespace(kv_hit_pages=min(self.l3_hits, len(keys)))
+        return SimpleNamespace(kv_hit_pages=min(self.l3_hits, len(keys)), load_runs=[])
 
 
 @pytest.mark.parametrize("events", [True, False])
@@ -130,7 +130,7 @@ def test_the_schedulers_lookup_removes_the_first_published_block_it_misses(event
             side._events.saving(h, facts(i))
         side._events.landed([(t, h) for t in (L2, L3) for h in "abc"])
         assert len(side.take_events()) == 6
-    assert side._query(["a", "b", "c"]) == (1, 1)
+    assert side._query(["a", "b", "c"]) == (1, 1, [])
     got = [(e.ownership, e.block_hashes) for e in side.take_events()]
     assert got == ([(L2, [vllm_hash(facts(1).block_hash)]),
                     (L3, [vllm_hash(facts(1).block_hash)])] if events else [])
