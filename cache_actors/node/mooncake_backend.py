@@ -47,6 +47,7 @@ import os
 import time
 
 from raykv.cache_actors.node.disk_tier import DiskSlot
+from raykv.cache_actors.node.dummy_calls import DummyCalls
 from raykv.cache_actors.node.sealed_objects import SealedObjects
 from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
@@ -171,8 +172,8 @@ class MooncakeBackend:
         store = MooncakeDistributedStore()
         for _ in range(attempts):
             rc = store.setup_dummy(mem_pool_size, local_buffer_size, server_address)
-            if rc == 0:
-                backend = cls(store)
+            if rc == 0:  # calls sent again after a restart's dead connections
+                backend = cls(DummyCalls(store))
                 backend.can_locate = False
                 return backend
             time.sleep(0.1)
