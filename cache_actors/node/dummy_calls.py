@@ -63,8 +63,8 @@ class DummyCalls:
             if not broken(codes, signs) or time.monotonic() - t > AT_ONCE_S:
                 return codes
             if attempt < self._redials:
-                log.info("%s failed on a dead connection to mooncake_client; sent again",
-                         name)
+                log.warning("%s failed on a dead connection to mooncake_client; "
+                            "sent again", name)
         return codes
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
