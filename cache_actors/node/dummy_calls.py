@@ -11,12 +11,14 @@ reported such a failure as the objects' own codes: a put's existence check answe
 for every key, and the put counted its pages not stored (``NOT_CONFIRMED``).
 
 So a call whose every object failed the way a broken call fails (exists: every key
--1 or ``RPC_FAIL``; put, get, remove: every object ``RPC_FAIL``) and that failed at once
+-1 or ``RPC_FAIL``; put, get, remove: every object ``RPC_FAIL``), that failed at once
 (a dead connection answers at once; a call that failed slowly is not sent again: the
-server may be alive and busy) is sent again, up to ``REDIALS`` times: each retry draws
-another connection, and the pool holds no more dead ones than the calls it had in
-flight at once. A call to a dead connection never reached a live server, so sending it
-again moves nothing twice. Threads: any (the wrapped client is thread-safe).
+server may be alive and busy) and while ``mooncake_client`` is up (``up``: while it is
+down or being reconnected every call fails so, and the node's own probes expect that)
+is sent again, up to ``REDIALS`` times: each retry draws another connection, and the
+pool holds no more dead ones than the calls it had in flight at once. A call to a dead
+connection never reached a live server, so sending it again moves nothing twice.
+Threads: any (the wrapped client is thread-safe).
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def broken(codes: Sequence[int], signs: Sequence[int]) -> bool:
 
 class DummyCalls:
     """``store`` (a dummy ``MooncakeDistributedStore``) whose batch calls are sent again
-    while they failed as a dead connection fails (module docstring); every other
-    attribute is the store's own. ``redials``: the retries of one call."""
+    while they failed as a dead connection fails and ``up()`` says ``mooncake_client`` is
+    up (module docstring); every other attribute is the store's own. ``redials``: the
+    retries of one call."""
 
-    def __init__(self, store, redials: int = REDIALS) -> None:
+    def __init__(self, store, up: Callable[[], bool], redials: int = REDIALS) -> None:
         self._store = store
+        self._up = up
         self._redials = redials
 
     def __getattr__(self, name: str):
@@ -57,14 +61,17 @@ class DummyCalls:
 
     def _call(self, fn: Callable[[], Sequence[int]], signs: Sequence[int],
               name: str) -> list[int]:
-        for attempt in range(self._redials + 1):
+        sent = 0
+        while True:
             t = time.monotonic()
             codes = list(fn())
-            if not broken(codes, signs) or time.monotonic() - t > AT_ONCE_S:
-                return codes
-            if attempt < self._redials:
-                log.warning("%s failed on a dead connection to mooncake_client; "
-                            "sent again", name)
+            if not broken(codes, signs) or time.monotonic() - t > AT_ONCE_S or \
+                    not self._up() or sent == self._redials:
+                break
+            sent += 1
+        if sent:
+            log.warning("%s failed on %d dead connections to mooncake_client; sent "
+                        "again", name, sent)
         return codes
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
