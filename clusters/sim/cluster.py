@@ -4,9 +4,10 @@ Events by timestamp: a request arrives and is routed (``routing``); it waits in 
 engine's queue (one request computed at a time, first come first served); when it
 starts, its leading blocks are looked up tier by tier, nearest first (the engine's GPU
 prefix cache, its own host tier, its node's L2 through raykv's ``L2Index``: ``lookup``
-leases, ``acquire`` holds; then L3, the ``L3Store`` model: ``lookup`` leases), the found
-blocks are loaded (L3 reads queue on the links, then fill L2 as the node's own holder
-does) and the rest is computed; when it ends (its first token), its blocks enter the
+leases, ``acquire`` holds; then L3, the ``L3Store`` model: ``lookup`` leases), the
+layout's load guard keeps the leading blocks of that L2 and L3 hit worth loading
+(``guard``; off: all of them), those are loaded (L3 reads queue on the links, then fill
+L2 as the node's own holder does) and the rest is computed; when it ends (its first token), its blocks enter the
 GPU cache and its host tier or its node's L2 (``reserve`` and ``commit``, dirty while
 L3 lacks them), and the node's write-behind puts them to L3 (one put stream per node,
 queued on the links; placement ``own`` or ``any``); a put's end makes its objects
