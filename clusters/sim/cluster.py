@@ -7,12 +7,12 @@ prefix cache, its own host tier, its node's L2 through raykv's ``L2Index``: ``lo
 leases, ``acquire`` holds; then L3, the ``L3Store`` model: ``lookup`` leases), the
 layout's load guard keeps the leading blocks of that L2 and L3 hit worth loading
 (``guard``; off: all of them), those are loaded (L3 reads queue on the links, then fill
-L2 as the node's own holder does) and the rest is computed; when it ends (its first token), its blocks enter the
-GPU cache and its host tier or its node's L2 (``reserve`` and ``commit``, dirty while
-L3 lacks them), and the node's write-behind puts them to L3 (one put stream per node,
-queued on the links; placement ``own`` or ``any``); a put's end makes its objects
-readable and its L2 pages clean (``flushed``). With a disk tier, what L3 evicts goes to
-its node's disk (``disk``), and is read from there.
+L2 as the node's own holder does) and the rest is computed; when it ends (its first
+token), its blocks enter the GPU cache and its host tier or its node's L2 (``reserve``
+and ``commit``, dirty while L3 lacks them), and the node's write-behind puts them to L3
+(one put stream per node, queued on the links; placement ``own`` or ``any``); a put's
+end makes its objects readable and its L2 pages clean (``flushed``). With a disk tier,
+what L3 evicts goes to its node's disk (``disk``), and is read from there.
 
 Transfers queue on each node's links, put stream and disk (``links``). A node leaving
 or joining at a simulated second (``scaling``, ``node_changes``): a leaving node's
