@@ -1142,20 +1142,32 @@ SIM_EPILOG = _epilog(zero="done: the comparison printed (and written with --out)
 @click.option("--disk-get-gbps", default=None, type=SECONDS,
               help="A get served from a disk tier, GB/s [default: the cost model's, "
                    "0.39].")
+@click.option("--load-guard", default="auto", show_default=True,
+              help="raykv's load guard on the raykv runs: auto (load a hit's leading "
+                   "pages only while that is faster than computing them), off (load "
+                   "every hit) or N (load a hit of at least N tokens, else none).")
 def sim(runs: str, out_file: str | None, disk_tokens: int, remove_at: float | None,
         leaving_node: int | None, drain: bool, drain_deadline_s: float | None,
         add_at: float | None, warm_pages: int | None, window_s: float,
-        window_at: float | None, disk_get_gbps: float | None, **options) -> None:
+        window_at: float | None, disk_get_gbps: float | None, load_guard: str,
+        **options) -> None:
     """Replay TRACE (Mooncake's JSONL) on a simulated cluster through raykv's own cache
     and routing policies, on simulated time (no Ray, no GPU), against GPU caches alone,
     a host tier per engine, one pooled store, and the global LRU, Belady and unbounded
     references: hit rates per tier, TTFT, network bytes, load per node; optionally with
-    a disk tier, a node leaving (drained or not) and a node joining (warmed or not)."""
+    a disk tier, a node leaving (drained or not) and a node joining (warmed or not),
+    and raykv's load guard (``--load-guard``)."""
     import dataclasses
     import json
 
     from raykv.clusters.sim.compare import RUNS, compare
     from raykv.clusters.sim.scaling import Scaling
+    from raykv.controllers.load_guard import GuardSettings
+
+    try:
+        load_guard = GuardSettings.parse(load_guard).describe()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--load-guard'") from None
 
     chosen = RUNS if runs == "all" else tuple(r.strip() for r in runs.split(",") if r.strip())
     if not chosen or any(r not in RUNS for r in chosen):
@@ -1168,7 +1180,7 @@ def sim(runs: str, out_file: str | None, disk_tokens: int, remove_at: float | No
                 window_s=window_s, window_at=window_at, **changes)
     try:
         requests, setup, costs = _sim_inputs(**options)
-        setup = dataclasses.replace(setup, disk_tokens=disk_tokens)
+        setup = dataclasses.replace(setup, disk_tokens=disk_tokens, load_guard=load_guard)
         if disk_get_gbps is not None:
             costs = dataclasses.replace(costs, disk_get_gbps=disk_get_gbps)
         result = compare(requests, setup, costs, chosen, scaling)
@@ -1337,6 +1349,12 @@ def sim_changes(result: dict) -> list[str]:
             lines.append(f"{name}: L3 disk {r['tiers_block']['l3_disk']:.3f} of blocks; "
                          f"{disk['offloaded']} blocks offloaded, {disk['deleted']} deleted "
                          f"(disk full)")
+        guard = r["counters"].get("load_guard")
+        if guard is not None:
+            lines.append(f"{name}: load guard cut {guard['requests_cut']} hits, "
+                         f"{guard['blocks_skipped']} blocks computed instead (L2 "
+                         f"{guard['l2_skipped']}, L3 {guard['l3_skipped']}, disk "
+                         f"{guard['l3_disk_skipped']})")
         sc = r["counters"].get("scaling", {})
         if "window" in sc:
             lines.append(f"{name}: {_around(sc['window'], ' --window-at')}")

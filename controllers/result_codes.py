@@ -44,6 +44,11 @@ TRANSFER_FAIL = -800
 """Mooncake's code for an object whose bytes could not be moved: e.g. a put placed on the
 segment of a client that died (``mooncake_backend`` retries those once)."""
 
+RPC_FAIL = -900
+"""Mooncake's code for a call that did not reach its server: e.g. a dummy client's call
+sent on a connection to a ``mooncake_client`` that has since died
+(``cache_actors.node.dummy_calls`` sends those again)."""
+
 FILE_OPEN_FAIL = -1101
 """Mooncake's get code for an object on a disk tier whose bucket file is gone."""
 

@@ -45,8 +45,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from raykv.cache_actors.node.disk_tier import DiskSlot
+from raykv.cache_actors.node.dummy_calls import DummyCalls
 from raykv.cache_actors.node.sealed_objects import SealedObjects
 from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
@@ -161,18 +163,19 @@ class MooncakeBackend:
 
     @classmethod
     def dummy(cls, *, server_address: str, mem_pool_size: int, local_buffer_size: int,
-              attempts: int = 50) -> MooncakeBackend:
+              up: Callable[[], bool], attempts: int = 50) -> MooncakeBackend:
         """A dummy client of the ``mooncake_client`` listening on ``server_address``
         (``host:port``); ``setup`` is never called. ``mem_pool_size`` is the node's budget
-        for host pools, each allocated later with ``alloc``. Retries while the process is
-        still coming up; ``RuntimeError`` if it never answers."""
+        for host pools, each allocated later with ``alloc``; ``up``: whether that process
+        is up (``DummyCalls``). Retries while the process is still coming up;
+        ``RuntimeError`` if it never answers."""
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
         for _ in range(attempts):
             rc = store.setup_dummy(mem_pool_size, local_buffer_size, server_address)
-            if rc == 0:
-                backend = cls(store)
+            if rc == 0:  # calls sent again after a restart's dead connections
+                backend = cls(DummyCalls(store, up))
                 backend.can_locate = False
                 return backend
             time.sleep(0.1)

@@ -121,7 +121,8 @@ class NodeStore:
             rdma_devices=rdma_devices).start_or_adopt()
         backend = MooncakeBackend.dummy(server_address=process.address,
                                         mem_pool_size=host_pool_bytes,
-                                        local_buffer_size=local_buffer_size)
+                                        local_buffer_size=local_buffer_size,
+                                        up=lambda: not process.down.is_set())
         store = cls(backend, MemfdPoolMemory(backend, budget), process)
         store.exposed = _check_doors(listeners(process.record.pid), host,
                                      process.record.port)

@@ -4,14 +4,15 @@ Events by timestamp: a request arrives and is routed (``routing``); it waits in 
 engine's queue (one request computed at a time, first come first served); when it
 starts, its leading blocks are looked up tier by tier, nearest first (the engine's GPU
 prefix cache, its own host tier, its node's L2 through raykv's ``L2Index``: ``lookup``
-leases, ``acquire`` holds; then L3, the ``L3Store`` model: ``lookup`` leases), the found
-blocks are loaded (L3 reads queue on the links, then fill L2 as the node's own holder
-does) and the rest is computed; when it ends (its first token), its blocks enter the
-GPU cache and its host tier or its node's L2 (``reserve`` and ``commit``, dirty while
-L3 lacks them), and the node's write-behind puts them to L3 (one put stream per node,
-queued on the links; placement ``own`` or ``any``); a put's end makes its objects
-readable and its L2 pages clean (``flushed``). With a disk tier, what L3 evicts goes to
-its node's disk (``disk``), and is read from there.
+leases, ``acquire`` holds; then L3, the ``L3Store`` model: ``lookup`` leases), the
+layout's load guard keeps the leading blocks of that L2 and L3 hit worth loading
+(``guard``; off: all of them), those are loaded (L3 reads queue on the links, then fill
+L2 as the node's own holder does) and the rest is computed; when it ends (its first
+token), its blocks enter the GPU cache and its host tier or its node's L2 (``reserve``
+and ``commit``, dirty while L3 lacks them), and the node's write-behind puts them to L3
+(one put stream per node, queued on the links; placement ``own`` or ``any``); a put's
+end makes its objects readable and its L2 pages clean (``flushed``). With a disk tier,
+what L3 evicts goes to its node's disk (``disk``), and is read from there.
 
 Transfers queue on each node's links, put stream and disk (``links``). A node leaving
 or joining at a simulated second (``scaling``, ``node_changes``): a leaving node's
@@ -34,6 +35,7 @@ from raykv.clusters.sim import node_changes as nc
 from raykv.clusters.sim.block_lru import BlockLRU
 from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.disk import DiskTier
+from raykv.clusters.sim.guard import SimGuard, hit_runs
 from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.links import Links
@@ -42,6 +44,7 @@ from raykv.clusters.sim.routing import PowerOfTwo, RayKVRouting, RoundRobin
 from raykv.clusters.sim.scaling import Scaling
 from raykv.clusters.sim.tally import Tally
 from raykv.clusters.sim.trace import Request
+from raykv.controllers.load_guard import GuardSettings
 from raykv.controllers.residency import Residency
 from raykv.integrations.serve.ranking import Weights
 
@@ -85,6 +88,7 @@ class ClusterSim:
         self._router = RayKVRouting(rng, weights) if layout.routing == "raykv" else \
             RoundRobin() if layout.routing == "round_robin" else PowerOfTwo(rng)
         self._links = Links(layout.nodes, costs, sealed=disk is not None)
+        self._guard = SimGuard(GuardSettings.parse(layout.load_guard), costs)
         self._events: list[tuple[float, int, int, tuple]] = []
         self._seq = 0
         self.tally = Tally(layout.nodes)
@@ -167,10 +171,16 @@ class ClusterSim:
             pos += counts["host"]
             load += counts["host"] * c.block_bytes / (c.host_load_gbps * 1e9)
         l2 = self._l2[eng.node]
+        found = l2.lookup(keys[pos:]) if l2 is not None else 0
+        segs = self._l3.lookup(keys[pos + found:]) if self._l3 is not None else []
+        if not self._guard.off:
+            take = self._guard.pages(hit_runs(eng.node, found, segs, self._links, c,
+                                              self.now, l2 is not None))
+            found, segs = min(found, take), segs[:max(0, take - found)]
         copied = 0
         if l2 is not None:
             rest = keys[pos:]
-            counts["l2"] = l2.lookup(rest)
+            counts["l2"] = found
             l2.acquire(eng.holder, rest[:counts["l2"]])
             self._touched(eng.node, rest[:counts["l2"]])
             pos += counts["l2"]
@@ -178,7 +188,6 @@ class ClusterSim:
             load += c.l2_call_s
         if self._l3 is not None:
             rest = keys[pos:]
-            segs = self._l3.lookup(rest)
             if segs:
                 disk = sum(d for _, d in segs)
                 own = sum(s == eng.node and not d for s, d in segs)
@@ -335,4 +344,6 @@ class ClusterSim:
             out["l3"] = self._l3.stats()
         if isinstance(self._router, RayKVRouting):
             out["routing"] = dict(self._router.counts)
+        if not self._guard.off:
+            out["load_guard"] = dict(self._guard.counts)
         return out

@@ -9,8 +9,9 @@ Timed runs (``cluster.ClusterSim``), each with the GPU prefix cache of every eng
   power of two;
 - ``pooled``: one store of the node's host memory per node as its segment, no L2, random
   placement, power of two (Mooncake's store alone);
-- ``raykv``: L2 and L3 per node as given, raykv's placement and routing;
-- ``raykv_pow2``: the same tiers with power of two routing (what routing adds).
+- ``raykv``: L2 and L3 per node as given, raykv's placement, routing and load guard;
+- ``raykv_pow2``: the same tiers and guard with power of two routing (what routing
+  adds).
 
 With ``disk_tokens``, ``pooled`` and both raykv runs have a disk tier of that size per
 node (Mooncake's SSD offload under each segment); with a ``Scaling``, every timed run
@@ -35,6 +36,7 @@ from raykv.clusters.sim.costs import Costs
 from raykv.clusters.sim.layout import Layout
 from raykv.clusters.sim.scaling import Scaling
 from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
+from raykv.controllers.load_guard import GuardSettings
 from raykv.controllers.node_settings import DEFAULTS
 
 RUNS = ("gpu_only", "local_host", "pooled", "raykv", "raykv_pow2")
@@ -47,7 +49,8 @@ class Setup:
     prefix cache (``gpu_tokens``) and per node in L2 and L3 (``l2_tokens``,
     ``l3_tokens``: the node's host memory for caching is their sum); raykv's
     ``placement`` and L2 eviction policy (``l2_eviction``); ``seed``; ``disk_tokens``:
-    each node's disk tier (0: none)."""
+    each node's disk tier (0: none); ``load_guard``: raykv's load guard (``Layout``;
+    default the product's, ``auto``)."""
 
     nodes: int = 16
     engines_per_node: int = 8
@@ -58,6 +61,7 @@ class Setup:
     seed: int = 0
     disk_tokens: int = 0
     l2_eviction: str = DEFAULTS.l2_eviction
+    load_guard: str = GuardSettings().describe()
 
     def __post_init__(self) -> None:
         for name in ("gpu_tokens", "l2_tokens", "l3_tokens"):
@@ -74,7 +78,8 @@ class Setup:
         disk = self.disk_tokens // b
         raykv = dataclasses.replace(base, l2_blocks=self.l2_tokens // b, disk_blocks=disk,
                                     l3_blocks=self.l3_tokens // b, placement=self.placement,
-                                    routing="raykv", l2_eviction=self.l2_eviction)
+                                    routing="raykv", l2_eviction=self.l2_eviction,
+                                    load_guard=self.load_guard)
         return {
             "gpu_only": base,
             "local_host": dataclasses.replace(

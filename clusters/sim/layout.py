@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raykv.cache_actors.node.eviction_order import check_eviction
+from raykv.controllers.load_guard import GuardSettings
 from raykv.controllers.node_settings import DEFAULTS, PLACEMENTS
 
 ROUTINGS = ("raykv", "pow2", "round_robin")
@@ -21,7 +22,9 @@ class Layout:
     land (``own``, ``any``); ``routing``: ``raykv`` (the router's ranking), ``pow2``
     (power of two choices on queue length) or ``round_robin`` (the ``i``-th request to
     engine ``i`` modulo the engines: a choice a replay on a real cluster makes too);
-    ``l2_eviction``: the L2 pools' eviction policy (``node_settings.L2_EVICTIONS``).
+    ``l2_eviction``: the L2 pools' eviction policy (``node_settings.L2_EVICTIONS``);
+    ``load_guard``: the load guard's setting on the hits of L2 and L3 (``auto``, ``off``
+    or a threshold in tokens, as ``GuardSettings.parse`` reads it; ``clusters.sim.guard``).
     ``seed`` seeds every random choice."""
 
     nodes: int
@@ -35,6 +38,7 @@ class Layout:
     l2_eviction: str = DEFAULTS.l2_eviction
     seed: int = 0
     disk_blocks: int = 0
+    load_guard: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("nodes", "engines_per_node"):
@@ -50,6 +54,7 @@ class Layout:
             raise ValueError(f"layout: placement must be one of {PLACEMENTS}, got "
                              f"{self.placement!r}")
         check_eviction(self.l2_eviction)
+        GuardSettings.parse(self.load_guard)
         if self.routing not in ROUTINGS:
             raise ValueError(f"layout: routing must be one of {ROUTINGS}, got "
                              f"{self.routing!r}")

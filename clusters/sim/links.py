@@ -69,6 +69,26 @@ class Links:
                 self._disk[s]))
         return end
 
+    def estimate(self, node: int, seg: int, on_disk: bool, blocks: int, t: float) -> float:
+        """Seconds a read of ``blocks`` into ``node`` from segment ``seg`` (its disk when
+        ``on_disk``) would take if issued alone at ``t``, the queues as they are then:
+        what ``fetch`` of those blocks would add, changing nothing (the load guard's
+        estimate, ``clusters.sim.guard``)."""
+        c = self.costs
+        size = blocks * c.block_bytes
+        get = self._rate(c.store_get_gbps)
+        if not on_disk:
+            if seg == node:
+                return size / get
+            d = size / min(get, c.link_bytes_per_s)
+            return max(max(t, self._out[seg]), max(t, self._in[node])) + d - t
+        disk_rate = c.disk_get_gbps * 1e9
+        ready = max(t, self._disk[seg]) + size / disk_rate
+        if seg == node:
+            return ready - t
+        d = size / min(disk_rate, c.link_bytes_per_s)
+        return max(ready, self._out[seg], self._in[node]) + d - t
+
     def put(self, node: int, seg: int, blocks: int, t: float) -> float:
         """A put of ``blocks`` by ``node`` onto segment ``seg``, from ``t``: after the
         node's earlier puts, at its put rate (plus the seals), through both links when

@@ -453,7 +453,7 @@ def test_sim_with_a_disk_tier_and_node_changes(tmp_path):
     out = tmp_path / "sim.json"
     small = ["sim", str(trace), "--limit", "300", "--nodes", "3", "--engines-per-node", "1",
              "--gpu-tokens", "8K", "--l2-tokens", "16K", "--l3-tokens", "32K",
-             "--runs", "raykv"]
+             "--runs", "raykv", "--load-guard", "off"]  # the disk's hits loaded
     res = CliRunner().invoke(main, [*small, "--disk-tokens", "4M", "--remove-node", "30",
                                     "--no-drain", "--add-node", "60", "--window-s", "30",
                                     "--out", str(out)])

@@ -185,12 +185,12 @@ def test_embedded_binds_its_host_over_an_inherited_loopback(fake_mooncake, monke
 def test_dummy_setup_is_retried_then_gives_up(fake_mooncake):
     fake_mooncake.dummy_rcs = [-1, -1, 0]
     MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,
-                          attempts=3)
+                          up=lambda: True, attempts=3)
     assert fake_mooncake.made[-1].args == (8, 4, "h:1")
     fake_mooncake.dummy_rcs = [-1, -1, -5]
     with pytest.raises(RuntimeError, match="setup_dummy to h:1 failed with code -5"):
         MooncakeBackend.dummy(server_address="h:1", mem_pool_size=8, local_buffer_size=4,
-                              attempts=3)
+                              up=lambda: True, attempts=3)
 
 
 def test_puts_prefer_the_own_segment_and_a_dead_placement_is_retried_once(fake_mooncake):
