@@ -57,7 +57,7 @@ class Generation:
     prefill (host -> device copies, compute, first token) + bookkeeping.
     ``skipped_pages``: pages of the hit the load guard recomputed instead of loading,
     by the tier they were in (``l2``, ``l3``, ``l3_disk``); ``guard_reason``: why
-    (``controllers.load_guard``'s reasons; empty when the whole hit was loaded).
+    (``controllers.load_guard``'s reasons; empty when nothing was hit).
     """
 
     tokens: list[int]

@@ -60,7 +60,7 @@ def test_slow_l3_tail_is_recomputed_and_exact(cluster, variant):
         # CONTROL: the guard off, the same request on the same node loads from L3 all
         # 8 restorable pages (B's request offloaded the pages it computed, its 8th too)
         loaded = control.generate(prompt, 2)
-        assert (loaded.l3_pages, loaded.skipped_pages, loaded.guard_reason) == (8, {}, "")
+        assert (loaded.l3_pages, loaded.skipped_pages, loaded.guard_reason) == (8, {}, "off")
         assert_same(loaded, got)
     finally:
         set_store_delay(cluster, 0)
