@@ -5,11 +5,12 @@ Engine A computes prompts; its connector saves their blocks to the store. Engine
 (vLLM's prefix cache off, ``l2_blocks``: its loads go through the node's L2, where
 they stay) measures its prefill per token on a prompt no one saved; then every store
 get of the node actor waits ``DELAY_S`` (``set_store_delay``: injected into the node
-actor's process from the test side). B's first hit in L3 is loaded (no L3 estimate
-yet: the load measures it, ``DELAY_S`` and more); its next hit in L3 is recomputed
-(the L3 estimate, about ``DELAY_S``, exceeds the prefill estimate of a thousand tokens
-of this tiny model by far: the two differ by an order of magnitude even on a loaded
-machine), and its tokens equal B's cold run of the prompt (the same prompt under
+actor's process from the test side). B's first hit in L3 is priced by the node's probe
+of its link and loaded (the load measures the delay, ``DELAY_S`` and more; if a delayed
+store call already counted in the node's estimate, it is recomputed); its next hit in
+L3 is recomputed (the L3 estimate, about ``DELAY_S``, exceeds the prefill estimate of a
+thousand tokens of this tiny model by far: the two differ by an order of magnitude even
+on a loaded machine), and its tokens equal B's cold run of the prompt (the same prompt under
 another cache salt: a run raykv cannot serve). The first prompt again is an L2 hit
 and is loaded under ``auto``. CONTROL: with the guard ``off``, an L3 hit of another
 prompt A saved is loaded (the counters show its L3 tokens loaded). With
@@ -59,15 +60,20 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
             assert grown({k: 0 for k in s0}, s0) == {}  # no hit yet; prefill measured
             set_store_delay(cluster, DELAY_S)
             try:
-                got = ray.get(b.generate.remote(prompt(1)))  # L3, no L3 estimate: loads
+                # L3: priced by the node's probe of its link (fast) or, where a delayed
+                # store call already counts in its estimate, slow; either way measured
+                got = ray.get(b.generate.remote(prompt(1)))
                 s1 = ray.get(b.scheduler_stats.remote())
-                assert got["cached"] == FULL, got
-                assert grown(s0, s1) == {"guard_load_no_estimate": 1,
-                                         "l3_hit_tokens": FULL}
+                if got["cached"]:
+                    assert got["cached"] == FULL, got
+                    assert grown(s0, s1) in (
+                        {"guard_load_faster_than_prefill": 1, "l3_hit_tokens": FULL},
+                        {"guard_load_no_estimate": 1, "l3_hit_tokens": FULL})
+                else:
+                    assert grown(s0, s1) == {"guard_recompute_slower_than_prefill": 1,
+                                             "guard_skipped_l3_tokens": FULL}
                 est = ray.get(b.load_guard_estimates.remote())
-                print("estimates before the recompute:", est, "prefill s of 7 blocks",
-                      est["prefill_s_per_token"] * FULL, "L3 load s of 7 blocks",
-                      est["l3_s_per_byte"] * est["page_bytes"] * 7)
+                print("the scheduler's estimates before the recompute:", est)
                 got = ray.get(b.generate.remote(prompt(2)))  # L3, slow: recomputed
                 s2 = ray.get(b.scheduler_stats.remote())
                 assert got["cached"] == 0, got
