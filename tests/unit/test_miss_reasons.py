@@ -191,6 +191,7 @@ def test_the_prompt_comes_from_exactly_one_input(tmp_path):
             _prompt_ids(*bad)
 
 
+@pytest.mark.engine("transformers")
 def test_text_is_encoded_by_the_tokenizer_named(tmp_path):
     from raykv.clusters.cli import _prompt_ids
     from raykv.clusters.demo.vllm_model import make_llama
