@@ -140,7 +140,8 @@ class NodeLifecycle:
         return None
 
     def started(self, node_id: str, now: float) -> None:
-        """Its node actor was started: the idle clock starts now."""
+        """Its node actor was started: the idle clock starts now (again at the first look
+        it answers, if it is slow to start)."""
         self._wanted.discard(node_id)
         self._busy_at[node_id] = now
 
@@ -171,6 +172,9 @@ class NodeLifecycle:
                 if (node.head or s.keeps(n) or n in self._wanted or node.listed) \
                         and n not in self._drained:
                     plan.start.append(n)
+                continue
+            if node.engines is None:  # starting or not answering: the idle clock starts
+                self._busy_at.pop(n, None)  # once it answers (a slow start is not idleness)
                 continue
             busy_at = self._busy_at.setdefault(n, now)
             if node.engines:

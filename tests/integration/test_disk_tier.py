@@ -137,9 +137,9 @@ def test_more_pages_than_memory_holds_come_back_from_disk_byte_exact(store, tmp_
             close(bare)
     finally:
         master.stop()
-    assert all(rc >= 0 for rc in codes.values())
-    assert wrong(got) == []
-    assert sum(v == PAGE for v in got.values()) <= CAPACITY
+    # a put may also be refused while the full segment evicts: not kept either
+    assert wrong(got) == [] and sum(rc >= 0 for rc in codes.values()) > 0
+    assert 0 < sum(v == PAGE for v in got.values()) <= CAPACITY
     assert sum(v == OBJECT_NOT_FOUND for v in got.values()) >= COUNT - CAPACITY
 
 
@@ -380,8 +380,9 @@ def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path
     slot stays within its bound, Mooncake deleting its oldest buckets for new ones;
     puts still succeed after the first deletion, and every page a put stored reads back
     exact or misses, never other bytes; the kept buckets' pages all read exact. CONTROL:
-    pages do miss, each of them a page of a deleted bucket (the disk did fill), while
-    the module's store, with room on disk, read every page back."""
+    pages do miss, none of them a page of a kept bucket, pages of deleted buckets among
+    them (the disk did fill), while the module's store, with room on disk, read every
+    page back."""
     limit = MIN_SLOT_BYTES
     master = start_master(str(tmp_path))
     backend = None
@@ -424,5 +425,8 @@ def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path
     assert len(late) >= 16  # puts after the disk filled still succeed
     assert {got[key(i)] for i in IDS[-8:]} == {PAGE}  # the newest: in memory
     assert sorted(deleted) == sorted(written)[:len(deleted)]  # the oldest first
-    assert missed and missed <= in_deleted  # each miss: a page of a deleted bucket
+    # each miss: a page of no kept bucket (a bucket written and deleted between two
+    # looks is never seen, so not every miss is in a deleted bucket that was seen)
+    in_final = {k for name in final for k in written[name]}
+    assert missed & in_deleted and not missed & in_final
     assert {got[k] for name in final for k in written[name]} == {PAGE}

@@ -48,6 +48,20 @@ def test_a_node_actor_without_engines_retires_after_the_idle_period():
     assert lc.plan([unknown], now=10 * IDLE, wall_ms=0).leaving == []  # never on a guess
 
 
+def test_the_idle_clock_of_a_slow_starting_node_actor_starts_when_it_answers():
+    lc = life()
+    lc.started(W1, now=0.0)
+    starting = NodeSeen(W1, True, listed=True, has_actor=True, engines=None)
+    idle = NodeSeen(W1, True, listed=True, has_actor=True, engines=0)
+    assert lc.plan([starting], now=IDLE + 5, wall_ms=0).leaving == []
+    # first answer after a start longer than the idle period: the engine still has time
+    assert lc.plan([idle], now=IDLE + 6, wall_ms=0).leaving == []
+    assert lc.plan([idle], now=2 * IDLE + 6, wall_ms=0).leaving == [Leaving(W1, 20.0, "idle")]
+    control = life()  # answering all along: idle from its start
+    control.started(W1, now=0.0)
+    assert control.plan([idle], now=IDLE + 6, wall_ms=0).leaving == [Leaving(W1, 20.0, "idle")]
+
+
 def test_head_and_kept_nodes_never_retire_and_zero_means_never():
     for lc, node in ((life(), HEAD), (life(keep_nodes=(W1,)), W1),
                      (NodeLifecycle(LifecycleSettings(retire_idle_s=0)), W1)):
