@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.load_guard import Rate
+from raykv.controllers.pool_layout import MiB
 
 MEMORY, DISK = "l3", "l3_disk"
 """Tier names of ``load_runs`` (``controllers.load_guard``): a segment's memory, its disk."""
@@ -217,6 +218,23 @@ class LoadCosts:
         out["overall"] = _rate_view(self.overall)
         out["queue_wait_s"] = self.queue_wait()
         return out
+
+
+def tier_estimates(costs: LoadCosts, own: str | None) -> dict[str, float]:
+    """What a router credits a node with (``controllers.residency.ResidencyChanges``'s
+    ``load_s``): seconds this node would take now to load one MiB from its own segment
+    (``segment``) and from the store's other segments (``l3``: the median of its other
+    links' estimates), each with the queue's wait; a tier without an estimate is left
+    out."""
+    wait = costs.queue_wait()
+    out: dict[str, float] = {}
+    if own is not None and (mine := costs.seconds(own, MiB)) is not None:
+        out["segment"] = mine + wait
+    peers = sorted(s for segment in costs.segments() if segment != own
+                   and (s := costs.seconds(segment, MiB)) is not None)
+    if peers:
+        out[MEMORY] = peers[len(peers) // 2] + wait
+    return out
 
 
 def _rate_view(rate: Rate) -> dict:

@@ -12,7 +12,7 @@ without recomputing: a page after a gap is worth nothing. The node actor answers
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TIERS = ("l2", "segment", "l3")
 """The tiers a residency answer counts, nearest first."""
@@ -71,10 +71,14 @@ class ResidencyChanges:
     residency_log``): ``changes`` of the caller's owner, oldest first; ``seq``, the
     number to ask from next, with ``incarnation`` (the log's: a restarted node actor has
     another). ``reset``: the router forgets what it knew of this node first (its
-    ``changes`` are then the node's L2 as it is, and the log from ``seq`` on)."""
+    ``changes`` are then the node's L2 as it is, and the log from ``seq`` on).
+    ``load_s``: seconds the node would take now to load one MiB, per tier it has an
+    estimate for (``segment``: its own; ``l3``: the store's other segments;
+    ``controllers.load_costs.tier_estimates``)."""
 
     node_id: str
     incarnation: str
     seq: int
     reset: bool
     changes: list[Change]
+    load_s: dict[str, float] = field(default_factory=dict)

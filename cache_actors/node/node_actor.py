@@ -122,8 +122,8 @@ class NodeCacheActor:
         self._service.loads.start(  # measures gets, probes links (load_runs' estimates)
             partial(peer_segments, node_id, self._namespace, {}))
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
-        self._residency = ResidencyQuery(node_id, store, self._service.l2,
-                                         self._service.verify, self._service.residency_log)
+        self._residency = ResidencyQuery(node_id, store, self._service.l2, self._service.verify,
+                                         self._service.residency_log, self._service.loads.costs)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
         self._warmup = L2Warmup(self._service.l2, ask_peers, fetch_deployment,
                                 metrics.record_warmed, l2_warm_bytes, l2_warm_s)

@@ -39,6 +39,7 @@ from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.owner_masks import outside
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.why_query import WhyQuery
+from raykv.controllers.load_costs import LoadCosts, tier_estimates
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.residency import (
@@ -57,13 +58,13 @@ if TYPE_CHECKING:
 class ResidencyQuery:
     """Residency and locate answers of node ``node_id`` from its ``store`` and ``l2``;
     ``verify``: a caller's claim checked (``NodeService.verify``); ``log``: the node's
-    residency log."""
+    residency log; ``costs``: its load costs (what ``changes`` credits it with)."""
 
     def __init__(self, node_id: str, store: NodeStore, l2: L2Pools,
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None],
-                 log: ResidencyLog) -> None:
+                 log: ResidencyLog, costs: LoadCosts) -> None:
         self._node_id, self._store, self._l2, self._verify = node_id, store, l2, verify
-        self._log = log
+        self._log, self._costs = log, costs
         self.why = WhyQuery(node_id, store, l2, verify)  # raykv why's facts, a route query
         self._lock = threading.Lock()
         self.counts = {"queries": 0, "refused": 0, "failed": 0, "late": 0, "seconds": 0.0}
@@ -106,7 +107,7 @@ class ResidencyQuery:
         the log cannot answer from there, a ``reset`` with the caller's keys now ready
         in this node's L2 and its puts to this node's segment the log keeps (see
         ``cache_actors.node.residency_log``). Errors as
-        ``residency``'s."""
+        ``residency``'s. ``load_s``: what this node's load costs say now."""
         with self._counting():
             caller = self._verify(caller)
             if time.monotonic() >= deadline:
@@ -118,12 +119,14 @@ class ResidencyQuery:
             got = None
             if since is not None and since[0] == log.incarnation:
                 got = log.since(since[1], owner, prefix)
+            load_s = tier_estimates(self._costs, self._store.backend.own_segment)
             if got is not None:
-                return ResidencyChanges(self._node_id, log.incarnation, got[1], False, got[0])
+                return ResidencyChanges(self._node_id, log.incarnation, got[1], False, got[0],
+                                        load_s)
             keys, seq = self._l2.ready_keys(owner, prefix, MAX_CHANGES)
             put = log.kept("segment", owner, prefix, MAX_CHANGES - len(keys))
             return ResidencyChanges(self._node_id, log.incarnation, seq, True,
-                                    [("l2", k, True) for k in keys] + put)
+                                    [("l2", k, True) for k in keys] + put, load_s)
 
     def locate(self, keys: list[str], caller: OwnerClaim | None) -> list[list[str]]:
         """Per key, the segments holding a complete replica of it (empty: L3 has

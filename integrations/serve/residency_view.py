@@ -17,14 +17,18 @@ load, each engine's connector looks up what it loads. A node not heard from for
 ``stale_s`` (its actor stopped, dead or slow) counts as not answering: ``answer`` is
 None for it, and ``ranking.rank`` then routes the request as if raykv were not there.
 
+Each answer also carries the node's load estimates (``load_s``: seconds to load a MiB
+from its own segment and from the others), kept as last told for ``ranking``'s credit.
+
 Bounds: at most ``L2_KEYS`` and ``SEGMENT_KEYS`` keys per node (least recently told
-dropped first), whatever a node sends.
+dropped first), and the estimates of ``CREDITED`` tiers only, whatever a node sends.
 
 Threads: one (the router's event loop); nothing here blocks.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +40,8 @@ L2_KEYS = 1 << 20
 pages of 64 KiB)."""
 SEGMENT_KEYS = 1 << 18
 """Keys of one node's own segment a view keeps at most."""
+CREDITED = ("segment", "l3")
+"""The tiers whose load estimates a view keeps (anything else a node sends is dropped)."""
 
 
 @dataclass
@@ -44,6 +50,7 @@ class _Node:
     heard: float = float("-inf")
     l2: OrderedDict[str, None] = field(default_factory=OrderedDict)
     segment: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    load_s: dict[str, float] = field(default_factory=dict)
 
 
 class ResidencyView:
@@ -94,6 +101,8 @@ class ResidencyView:
                     self._l3[key] = self._l3.get(key, 0) + 1
                 _tell(node.segment, key, True, SEGMENT_KEYS, self._unheld)
         self.counts["changes"] += len(answer.changes)
+        node.load_s = {t: float(v) for t, v in answer.load_s.items()
+                       if t in CREDITED and isinstance(v, int | float) and 0 <= v < math.inf}
         node.since = (answer.incarnation, answer.seq)
         node.heard = self._clock()
 
@@ -101,6 +110,12 @@ class ResidencyView:
         """Whether ``node_id`` was heard from within ``stale_s``."""
         node = self._nodes.get(node_id)
         return node is not None and self._clock() - node.heard <= self.stale_s
+
+    def load_s(self, node_id: str) -> dict[str, float]:
+        """``node_id``'s last told seconds to load one MiB per tier (``segment``,
+        ``l3``; ``ResidencyChanges.load_s``); empty for a node not watched or not told."""
+        node = self._nodes.get(node_id)
+        return {} if node is None else dict(node.load_s)
 
     def answer(self, node_id: str, keys: list[str], per_page: int) -> Residency | None:
         """``keys``' residency (``per_page`` keys a page) on ``node_id`` as this view

@@ -84,6 +84,11 @@ class RouteOptions:
       preferred while another can get as much of the request from some tier (2).
       ``engine_blocks``: blocks the router remembers sending to each replica (4096;
       about what one engine's own cache holds; 0: no engine tier).
+    - ``page_bytes`` (bytes one rank loads per block) and ``prefill_tokens_per_s`` (the
+      engines' prefill speed): given both, a tier's pages on a node count only for the
+      share of their prefill time a load from there would save, from the node's own
+      load estimates (``ranking.Credit``): a replica whose node would load slowly ranks
+      as if it held less (None: no credit, every page counts).
     """
 
     model_name: str
@@ -110,6 +115,8 @@ class RouteOptions:
     weight_load: float = 0.1
     max_queue_gap: int = 2
     engine_blocks: int = 4096
+    page_bytes: int | None = None
+    prefill_tokens_per_s: float | None = None
 
     @classmethod
     def parse(cls, kwargs: Mapping[str, Any]) -> RouteOptions:
@@ -131,6 +138,12 @@ class RouteOptions:
             raise ValueError("RayKVRouter: block_size, tp_size, pp_size must be >= 1, "
                              "refresh_ms, deadline_ms, stale_ms > 0 and max_queue_gap, "
                              "text_memo_ids, engine_blocks, keys_wait_ms >= 0 (finite)")
+        if (opts.page_bytes is None) != (opts.prefill_tokens_per_s is None) or (
+                opts.page_bytes is not None and not (
+                    type(opts.page_bytes) is int and opts.page_bytes > 0
+                    and 0 < opts.prefill_tokens_per_s < math.inf)):
+            raise ValueError("RayKVRouter: page_bytes (an int > 0) and prefill_tokens_per_s "
+                             "(> 0, finite) go together (both or neither)")
         if opts.extra_backend_tag is None and opts.backend() is None:
             raise ValueError(f"RayKVRouter: on device {opts.device!r} give attention_backend "
                              "(the backend the engines run, e.g. FLASH_ATTN) or "

@@ -62,7 +62,7 @@ from raykv.cache_actors.throttled_log import ThrottledLog
 from raykv.controllers.residency import MAX_CHANGES
 from raykv.integrations.serve.node_answers import NodeAnswers
 from raykv.integrations.serve.prompt_tokens import PromptTokens
-from raykv.integrations.serve.ranking import Weights, rank, spread
+from raykv.integrations.serve.ranking import Credit, Weights, rank, spread
 from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 from raykv.integrations.serve.routed_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
@@ -94,6 +94,8 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         o = self.options
         self._weights = Weights(o.weight_engine, o.weight_l2, o.weight_segment, o.weight_l3,
                                 o.weight_load, o.max_queue_gap)
+        self._credit = None if o.page_bytes is None else Credit(
+            o.page_bytes, o.block_size / o.prefill_tokens_per_s)
         self.routed = RoutedKeys(o.engine_blocks)
         self.recent = RecentRoutes(SPREAD_WINDOW)
         # request id -> (its keys known when routed, the future of its whole keys)
@@ -210,8 +212,10 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
         def queue_len(c: RunningReplica) -> int | None:
             return cache.get(c.replica_id)
 
+        worth = None if self._credit is None else {
+            n: self._credit.worth(self.view.load_s(n)) for n in answers}
         ranked = rank(candidates, lambda c: c.node_id, answers, queue_len, self._weights,
-                      lambda c: self.routed.pages(c.replica_id, keys, per_page))
+                      lambda c: self.routed.pages(c.replica_id, keys, per_page), worth)
         if ranked is None:
             return "spread", spread(candidates, lambda c: self.recent.count(c.replica_id),
                                     queue_len)

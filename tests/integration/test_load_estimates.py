@@ -84,6 +84,14 @@ def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
     # control: a miss is answered without runs
     miss = reader.group_exists([f"{keys[0]}-none-{i}" for i in range(4)])
     assert miss.kv_hit_pages == 0 and miss.load_runs == []
+    # what B tells a router: a MiB from its own segment and from the others, priced
+    told = told_load_s(cluster, here)
+    assert set(told) == {"segment", "l3"} and min(told.values()) > 0, told
+
+
+def told_load_s(cluster, node: str) -> dict:
+    """What ``node``'s residency log tells a router of its load estimates."""
+    return ray.get(cluster.node_actors[node].residency_changes.remote(None)).load_s
 
 
 def estimate_after_loads(cluster, reader, keys, here, loads: int) -> float:
@@ -105,12 +113,16 @@ def test_slow_gets_on_the_answering_node_raise_its_estimates(cluster, stored):
     and link) it is not."""
     reader, keys, here, _, _ = stored
     plain = estimate_after_loads(cluster, reader, keys, here, 5)
+    plain_told = told_load_s(cluster, here)["l3"]
     delay_store_calls([cluster.node_actors[here]], DELAY_S)
     try:
         slow = estimate_after_loads(cluster, reader, keys, here, 5)
+        slow_told = told_load_s(cluster, here)["l3"]
     finally:
         delay_store_calls([cluster.node_actors[here]], 0)
     # each delayed get took over DELAY_S: five of them move the average (weight 0.2)
     # two thirds of the way there; a slower machine only raises it
     assert slow >= DELAY_S / 2
     assert plain < DELAY_S / 2  # control: plain loads do not
+    # a router is told B's slower link too (what ranks B as if it held less)
+    assert slow_told > 3 * plain_told, (plain_told, slow_told)

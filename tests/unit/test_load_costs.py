@@ -16,6 +16,7 @@ from raykv.controllers.load_costs import (
     fit_probe,
     load_runs,
     source_of,
+    tier_estimates,
     whole_run,
 )
 
@@ -89,6 +90,25 @@ def test_the_queue_wait_is_the_calls_in_flight_times_the_call_time():
     assert costs.queue_wait() == pytest.approx(0.1)
     runs = load_runs([A, B], 1000, costs)  # the wait is paid once, by the first run
     assert runs[0][2] == pytest.approx(0.1 + 1e-6) and runs[1][2] == pytest.approx(1e-6)
+
+
+def test_a_router_is_told_the_own_segment_and_the_median_other_link_per_mib():
+    costs = LoadCosts()
+    assert tier_estimates(costs, A) == {}  # nothing measured: no credit
+    C, D = "10.0.0.3:1000", "10.0.0.4:1000"
+    for seg, per_byte in ((A, 1e-10), (B, 1e-8), (C, 1e-9), (D, 1e-7)):
+        costs.probed(seg, per_byte, 0.001)
+    mib = 1 << 20
+    got = tier_estimates(costs, A)
+    assert got == {"segment": pytest.approx(0.001 + mib * 1e-10),
+                   MEMORY: pytest.approx(0.001 + mib * 1e-8)}  # of B, C, D: B's
+    costs.call_started()
+    costs.call_ended(0.05)
+    costs.call_started()  # one call in flight: both wait for it
+    waited = tier_estimates(costs, A)
+    assert waited["segment"] == pytest.approx(got["segment"] + 0.05)
+    assert waited[MEMORY] == pytest.approx(got[MEMORY] + 0.05)
+    assert set(tier_estimates(costs, None)) == {MEMORY}  # no segment of its own
 
 
 def test_links_are_bounded_probed_in_turn_and_forgotten():

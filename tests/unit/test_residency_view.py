@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from raykv.cache_actors.errors import DeadlineExceededError
@@ -14,6 +15,7 @@ from raykv.cache_actors.node.l2_index import L2Index
 from raykv.cache_actors.node.l2_pools import L2Pools
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.residency_query import ResidencyQuery
+from raykv.controllers.load_costs import LoadCosts
 from raykv.controllers.residency import ResidencyChanges
 from raykv.integrations.serve import residency_view
 from raykv.integrations.serve.residency_view import ResidencyView
@@ -126,7 +128,10 @@ def test_a_node_answers_a_router_from_its_l2_then_its_log():
     log = ResidencyLog()
     pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
                     lambda claim: claim, l2_bytes=1 << 20, log=log)
-    query = ResidencyQuery("node-1", None, pools, lambda claim: claim, log)
+    costs = LoadCosts()
+    costs.probed("seg-1", 1e-9, 0.001)  # its own segment: 1 GB/s and 1 ms a call
+    store = SimpleNamespace(backend=SimpleNamespace(own_segment="seg-1"))
+    query = ResidencyQuery("node-1", store, pools, lambda claim: claim, log, costs)
     far = time.monotonic() + 60
     h = pools.open((0, 0), layout(), 2, A)
     pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
@@ -140,6 +145,7 @@ def test_a_node_answers_a_router_from_its_l2_then_its_log():
         ("l2", "m_a", True), ("l2", "m_b", True), ("segment", "m_a", True),
         ("segment", "m_z", True)]
     assert first.seq == log.last and first.incarnation == log.incarnation
+    assert first.load_s == {"segment": pytest.approx(0.001 + (1 << 20) * 1e-9)}
     pools.forget(h.name)  # the pool left the node: its keys left L2
     then = query.changes((first.incarnation, first.seq), A, far)
     assert not then.reset
@@ -183,6 +189,20 @@ def test_the_view_answers_from_what_the_nodes_said():
     assert (a2.l2, a2.segment, a2.l3) == (0, 0, 1)  # its segment went with it
     view.apply(_changes("n3", 1, [("l2", "k0", True)]))  # not watched: dropped
     assert view.answer("n3", keys, 1) is None
+
+
+def test_the_view_keeps_each_nodes_last_told_load_estimates_and_no_others():
+    view = ResidencyView(1.0, Clock())
+    view.watch(["n1"])
+    assert view.load_s("n1") == {} and view.load_s("n9") == {}
+    told = {"segment": 0.002, "l3": 0.05, "l2": 1.0, "disk": 9.0, "bad": "x"}
+    view.apply(ResidencyChanges("n1", "i1", 1, False, [], told))
+    assert view.load_s("n1") == {"segment": 0.002, "l3": 0.05}  # credited tiers only
+    view.apply(ResidencyChanges("n1", "i1", 2, False, [],
+                                {"l3": float("nan"), "segment": -1.0}))
+    assert view.load_s("n1") == {}  # nothing a number of seconds: no credit
+    view.apply(ResidencyChanges("n1", "i1", 3, False, [], {"l3": 0.04}))
+    assert view.load_s("n1") == {"l3": 0.04}  # the last told, not merged
 
 
 def test_a_node_not_heard_from_is_stale_and_a_forgotten_node_unknown():

@@ -9,7 +9,7 @@ from raykv.controllers.contract import PoolName
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.residency import Residency
 from raykv.integrations.serve.prompt_tokens import PromptTokens
-from raykv.integrations.serve.ranking import Weights, held, rank, spread
+from raykv.integrations.serve.ranking import Credit, Weights, held, rank, spread
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
 from raykv.integrations.serve.routed_keys import RecentRoutes, RoutedKeys
 from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
@@ -74,6 +74,36 @@ def test_a_prefix_only_the_queued_replica_has_stays_with_it():
     got = rank(["x", "y", "z"], nodes, loaded, {"x": 3}.get, W,
                lambda r: {"x": 10}.get(r, 0))
     assert got[0] == ["y"]
+
+
+def test_a_node_that_would_load_slowly_ranks_as_if_it_held_less():
+    """Both nodes hold the request on other segments (L3); a's links are slow: a page
+    of 1 MiB takes 0.2 s to load there against 0.1 s to compute, so the guard would
+    recompute it and a holds nothing worth loading; b loads it in 10 ms."""
+    credit = Credit(page_bytes=1 << 20, prefill_page_s=0.1)
+    worth = {"a": credit.worth({"l3": 0.2, "segment": 0.001}),
+             "b": credit.worth({"l3": 0.01})}
+    assert worth["a"]["l3"] == 0.0 and worth["b"]["l3"] == pytest.approx(1 - 1.1 * 0.1)
+    answers = {"a": answer("a", l3=10), "b": answer("b", l3=6)}
+    got = rank(["a", "b"], lambda r: r, answers, lambda r: None, W, worth=worth)
+    assert got == [["b"], ["a"]]
+    # CONTROL: without the credit, a holds more and ranks first
+    assert rank(["a", "b"], lambda r: r, answers, lambda r: None, W) == [["a"], ["b"]]
+    # its own segment is fast: what a holds there still counts in full
+    assert held(answer("a", seg=10, l3=10), W, 0, worth["a"]) == pytest.approx(
+        0.8 * (1 - 1.1 * 0.001 / 0.1))
+    assert Credit(1 << 20, 0.1).worth({}) == {}  # no estimate: no credit
+
+
+def test_the_credit_needs_page_bytes_and_prefill_speed_together():
+    base = {"model_name": "m", "block_size": 16}
+    for bad in ({"page_bytes": 1 << 20}, {"prefill_tokens_per_s": 1e4},
+                {"page_bytes": 0, "prefill_tokens_per_s": 1e4},
+                {"page_bytes": 1 << 20, "prefill_tokens_per_s": math.inf}):
+        with pytest.raises(ValueError, match="go together"):
+            RouteOptions.parse(base | bad)
+    opts = RouteOptions.parse(base | {"page_bytes": 1 << 20, "prefill_tokens_per_s": 1e4})
+    assert (opts.page_bytes, opts.prefill_tokens_per_s) == (1 << 20, 1e4)
 
 
 def test_routed_keys_count_leading_pages_and_forget_the_oldest():
