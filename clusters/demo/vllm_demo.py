@@ -64,9 +64,10 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
                   long_prompt: int = 4096, out_dir: str = "raykv-out",
                   console: Console | None = None) -> dict:
     """Run the demo and write ``demo_vllm.json`` and ``demo_vllm.png`` to ``out_dir``;
-    returns the result (``result["ok"]``: node 1 loaded every restorable block of the long
-    prompt from raykv and then gave the same tokens as node 0 restoring the same prefix
-    from vLLM's own prefix cache, i.e. the loaded KV is the KV node 0 computed).
+    returns the result (``result["ok"]``: with the load guard off, node 1 loaded every
+    restorable block of the long prompt from raykv and then gave the same tokens as node 0
+    restoring the same prefix from vLLM's own prefix cache, i.e. the loaded KV is the KV
+    node 0 computed).
     ``page_size`` is vLLM's block size (a multiple of 32 on CPU); the model is made once under
     ``out_dir/models``."""
     console = demo_console(console)
@@ -94,7 +95,11 @@ def run_vllm_demo(*, hidden: int = 384, layers: int = 6, head_dim: int = 64,
     with start_demo_cluster(console, log_to_driver=False) as cluster:
         lap("cluster")
         with console.status("starting 4 vLLM engines (2 per node: with raykv, stock)"):
-            conf = {"model_name": f"demo/llama-{hidden}x{layers}", "l2_blocks": l2_blocks}
+            # the load guard off: this demo shows every tier's exact loads, and a tiny
+            # model on CPU computes a block about as fast as it loads it (the guard would
+            # recompute; the example engine's demo shows the guard's choices)
+            conf = {"model_name": f"demo/llama-{hidden}x{layers}", "l2_blocks": l2_blocks,
+                    "load_guard": "off"}
             with_raykv = [start_engine(n, model, conf, **llm) for n in cluster.node_ids]
             stock = [start_engine(n, model, None, **llm) for n in cluster.node_ids]
             ready(*with_raykv, *stock)
