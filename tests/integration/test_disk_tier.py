@@ -423,7 +423,8 @@ def test_a_full_disk_drops_what_it_cannot_hold_and_puts_go_on_in_memory(tmp_path
     assert wrong(got) == [] and set(got.values()) <= {PAGE, OBJECT_NOT_FOUND}
     late = [i for i in IDS[first_deleted:] if codes[key(i)] >= 0]
     assert len(late) >= 16  # puts after the disk filled still succeed
-    assert {got[key(i)] for i in IDS[-8:]} == {PAGE}  # the newest: in memory
+    # the newest stored: in memory (a put may be refused while the segment evicts)
+    assert {got[key(i)] for i in IDS[-8:] if key(i) in got} == {PAGE}
     assert sorted(deleted) == sorted(written)[:len(deleted)]  # the oldest first
     # each miss: a page of no kept bucket (a bucket written and deleted between two
     # looks is never seen, so not every miss is in a deleted bucket that was seen)
