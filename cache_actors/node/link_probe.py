@@ -4,11 +4,12 @@ load from it (``cache_actors.node.load_estimates`` decides when).
 Each node actor that can locate objects (an embedded Mooncake client) puts two probe
 objects, ``SMALL`` and ``LARGE`` bytes, under keys named by its own segment
 (``probe_key``), placed on that segment like its puts. A probe of a segment reads both
-(the small one twice, the faster read kept: the first read of a new peer pays its
-connection's setup) into a registered buffer of this actor, timed, and fits a fixed
-cost per call and seconds per byte through the two points
+(each twice, small then large, the faster read of each kept: the first read of a new
+peer pays its connection's setup, and a read that a busy node's scheduler held is not
+taken for the link) into a registered buffer of this actor, timed, and fits a fixed cost
+per call and seconds per byte through the two points
 (``controllers.load_costs.fit_probe``). ``LARGE`` is sized so a 10 Mbit/s link reads it
-in about 0.2 s (``SMALL`` + ``LARGE`` with one repeat: ~0.25 s); a faster link in less.
+in about 0.2 s (both objects twice: ~0.45 s); a faster link in less.
 
 Probe keys begin ``raykv-link-probe/`` and hold no page: a deployment's keys begin with
 its prefix and end in a rank scope and buffer suffix (``controllers.keys``), a tenant's
@@ -83,13 +84,13 @@ class LinkProbe:
                 continue
             if time.monotonic() >= deadline:
                 break
-            times = [self._timed_read(probe_key(segment, SMALL), SMALL),
-                     self._timed_read(probe_key(segment, LARGE), LARGE),
-                     self._timed_read(probe_key(segment, SMALL), SMALL)]
-            if times[1] is None or times[0] is None and times[2] is None:
+            times = [self._timed_read(probe_key(segment, n), n)
+                     for _ in range(2) for n in (SMALL, LARGE)]
+            small_s = min((t for t in times[0::2] if t is not None), default=None)
+            large_s = min((t for t in times[1::2] if t is not None), default=None)
+            if small_s is None or large_s is None:
                 log.debug("probe of %s failed", segment)
                 absent.append(segment)  # gone meanwhile, or unreadable: as absent
                 continue
-            small_s = min(t for t in (times[0], times[2]) if t is not None)
-            measured[source_of(large, own)] = fit_probe(SMALL, small_s, LARGE, times[1])
+            measured[source_of(large, own)] = fit_probe(SMALL, small_s, LARGE, large_s)
         return measured, absent
