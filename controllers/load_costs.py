@@ -8,8 +8,10 @@ seconds per byte and a fixed cost per call (seeded by a probe of that link, move
 every get the node serves), one ``Rate`` for disk-served gets (``l3_disk``), one of
 every get together (the fallback for a link never measured), and the node's queue: a
 new store call waits for the calls in flight, each taking the moving-average call time
-(a node actor merges whatever queued into its next call, so the calls in flight are
-the queue: ``cache_actors.node.transfer_merger``). Bounded: at most ``max_segments``
+or, once it has run longer, as long as it has run so far (a call that hangs, on a
+stopped peer or a stalled store, raises every estimate of the node for as long as it
+hangs, before it ends or fails; a node actor merges whatever queued into its next call,
+so the calls in flight are the queue: ``cache_actors.node.transfer_merger``). Bounded: at most ``max_segments``
 links, the least recently used forgotten first, and ``forget`` drops a link gone from
 the cluster.
 
@@ -27,6 +29,7 @@ each; ``Rate`` has its own).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -83,26 +86,31 @@ class LoadCosts:
         self.disk = Rate()
         self.overall = Rate()
         self.call = Rate(weight=CALL_WEIGHT)  # seconds per store call
-        self._inflight = 0
+        self._inflight: dict[int, float] = {}  # call -> when it started (the clock's)
+        self._calls = itertools.count()
 
     # ----------------------------------------------------------- the queue
-    def call_started(self) -> None:
-        """A store call of this node began (any op)."""
+    def call_started(self) -> int:
+        """A store call of this node began (any op): its handle for ``call_ended``."""
         with self._lock:
-            self._inflight += 1
+            call = next(self._calls)
+            self._inflight[call] = self._clock()
+        return call
 
-    def call_ended(self, seconds: float) -> None:
-        """The store call begun last-but-any ended after ``seconds``."""
+    def call_ended(self, call: int, seconds: float) -> None:
+        """The store call ``call`` (``call_started``'s handle) ended after ``seconds``."""
         with self._lock:
-            self._inflight = max(0, self._inflight - 1)
+            self._inflight.pop(call, None)
         self.call.observe(1, seconds)
 
     def queue_wait(self) -> float:
-        """Expected seconds before a new store call starts: the calls in flight, each
-        the moving-average call time (0 before any call ended)."""
+        """Expected seconds before a new store call starts: per call in flight, the
+        moving-average call time (0 before any call ended) or, if longer, its age."""
+        typical = self.call.per_unit() or 0.0
+        now = self._clock()
         with self._lock:
-            inflight = self._inflight
-        return inflight * (self.call.per_unit() or 0.0)
+            started = list(self._inflight.values())
+        return sum(max(typical, now - t) for t in started)
 
     # ----------------------------------------------------------- the links
     def _link(self, segment: str, used: bool = True) -> Link:

@@ -34,7 +34,7 @@ list it never used nor probed (a cold start's estimates), within ``PROBE_ROUND_S
 Rounds run at start, when a segment new to the node is seen (a locate of a hit or a get
 found it) and every ``PROBE_EVERY_S``. So 128 nodes never probe all to all: a link is
 probed again only while used, per node at most ``PROBE_LINKS + COLD_LINKS`` links a
-round, each ~0.27 MB read, and one locate per round. A segment whose probe objects are
+round, each ~0.53 MB read, and one locate per round. A segment whose probe objects are
 gone is forgotten (its node left) until seen again.
 
 Threads: ``put`` / ``get`` on data threads; ``answer``'s wrapper where the answer is
@@ -107,13 +107,13 @@ class LoadEstimates:
     def _timed(self, call: Callable[[list[str], list[int], list[int]], list[int]],
                keys: list[str], ptrs: list[int], sizes: list[int]
                ) -> tuple[list[int], float]:
-        self.costs.call_started()
+        handle = self.costs.call_started()
         t = time.perf_counter()
         try:
             codes = call(keys, ptrs, sizes)
         finally:
             took = time.perf_counter() - t
-            self.costs.call_ended(took)
+            self.costs.call_ended(handle, took)
         return codes, took
 
     def put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:

@@ -79,17 +79,36 @@ def test_measured_gets_move_a_link_and_share_a_call_by_bytes():
 
 
 def test_the_queue_wait_is_the_calls_in_flight_times_the_call_time():
-    costs = LoadCosts()
+    costs = LoadCosts(clock=Clock())
     costs.probed(A, 1e-9, 0.0)
     costs.probed(B, 1e-9, 0.0)
-    costs.call_started()
-    costs.call_ended(0.05)
+    costs.call_ended(costs.call_started(), 0.05)
     assert costs.queue_wait() == 0  # nothing in flight
     costs.call_started()
     costs.call_started()
     assert costs.queue_wait() == pytest.approx(0.1)
     runs = load_runs([A, B], 1000, costs)  # the wait is paid once, by the first run
     assert runs[0][2] == pytest.approx(0.1 + 1e-6) and runs[1][2] == pytest.approx(1e-6)
+
+
+def test_a_call_that_hangs_raises_the_wait_by_its_age_until_it_ends():
+    """A store call on a stopped peer: the wait grows with its age before it ends or
+    fails, and drops back once it ended. Control: a call within the usual call time
+    counts that time, not its age."""
+    clock = Clock()
+    costs = LoadCosts(clock=clock)
+    costs.probed(A, 1e-9, 0.0)
+    costs.call_ended(costs.call_started(), 0.05)
+    hung = costs.call_started()
+    clock.now += 0.01
+    assert costs.queue_wait() == pytest.approx(0.05)  # control: younger than usual
+    before = load_runs([A], 1000, costs)[0][2]
+    clock.now += 3.0
+    assert costs.queue_wait() == pytest.approx(3.01)
+    assert load_runs([A], 1000, costs)[0][2] == pytest.approx(before + 3.01 - 0.05)
+    assert tier_estimates(costs, None)[MEMORY] > 3.0  # a router is told too
+    costs.call_ended(hung, 3.01)
+    assert costs.queue_wait() == 0
 
 
 def test_a_router_is_told_the_own_segment_and_the_median_other_link_per_mib():
@@ -102,8 +121,7 @@ def test_a_router_is_told_the_own_segment_and_the_median_other_link_per_mib():
     got = tier_estimates(costs, A)
     assert got == {"segment": pytest.approx(0.001 + mib * 1e-10),
                    MEMORY: pytest.approx(0.001 + mib * 1e-8)}  # of B, C, D: B's
-    costs.call_started()
-    costs.call_ended(0.05)
+    costs.call_ended(costs.call_started(), 0.05)
     costs.call_started()  # one call in flight: both wait for it
     waited = tier_estimates(costs, A)
     assert waited["segment"] == pytest.approx(got["segment"] + 0.05)
