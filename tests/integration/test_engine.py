@@ -1,6 +1,7 @@
 """The example engine on a real two-node cluster: restoring a prefix from raykv (local
 host pool or Mooncake, computed on the other node) gives the same logits as recomputing
-it, bit for bit; KV without its Mamba checkpoint is a miss.
+it, bit for bit; KV without its Mamba checkpoint is a miss; with the store made slow,
+the load guard recomputes the L3 tail, bit for bit too.
 
 Bit-exact equality holds by construction (see ``example_engine.rank``): prefill always
 runs in page-aligned, page-sized chunks on single-threaded deterministic ranks, so
@@ -9,10 +10,15 @@ or restored. Both nodes run on this machine, so the kernels are the same.
 """
 
 import hashlib
+import os
 import random
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 from mooncake.store import MooncakeDistributedStore
 from raykv.example_engine import Engine
@@ -21,8 +27,13 @@ from raykv.example_engine.page_hashes import page_hashes
 from raykv.example_engine.presets import build
 from raykv.example_engine.workload import ChatWorkload
 
+from tests.integration.conftest import set_store_delay
+
 PS = 16  # tokens per page
 SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
+DELAY_S = 1.0
+"""Seconds every put and get of the node actors waits in the guard's test (far beyond
+what computing a few pages of this tiny model takes)."""
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +51,7 @@ def cluster():
 def engines(cluster):
     """Per variant, a TP=2 engine on each node (made on first use), the load guard off:
     these tests restore every hit to check it equals recomputing (the guard's choice:
-    ``test_engine_guard.py``)."""
+    ``test_slow_l3_tail_is_recomputed_and_exact``)."""
     made: dict[str, tuple[Engine, Engine]] = {}
 
     def get(variant: str) -> tuple[Engine, Engine]:
@@ -164,6 +175,89 @@ def test_kv_without_its_mamba_state_is_a_miss(engines, cluster):
     assert (local.hit_pages, local.l2_pages, local.l3_pages, local.state_tier) == (
         6, 6, 0, "l3")
     assert_same(local, a.generate(prompt + [5], 3, use_cache=False))
+
+
+@pytest.mark.parametrize("variant", ["mha", "hybrid-draft"])
+def test_slow_l3_tail_is_recomputed_and_exact(cluster, variant):
+    """The load guard with the store made slow from the test side (``store_delay``): the
+    engine measures its own slow L3 load, then loads only its L2 head and recomputes the
+    L3 tail, with logits identical to recomputing the whole prompt; the control, an
+    engine on the same node with the guard off, loads the tail from L3. No wall-clock
+    threshold: the assertions are the guard's decisions."""
+    target, draft = build(variant, f"test/guard-{variant}", **SIZES)
+    made = dict(page_size=PS, max_tokens=512, host_pages=32, state_slots=32, draft=draft)
+    a, b = (Engine(target, node, **made) for node in cluster.node_ids)
+    control = Engine(target, cluster.node_ids[1], load_guard="off", **made)
+    system = tokens(4 * PS + 7, seed=1)
+    a.generate(system, 1)                       # L3: the system prompt's 4 pages
+    set_store_delay(cluster, DELAY_S)
+    try:
+        first = b.generate(system + tokens(2 * PS + 3, 2), 1)
+        # nothing measured the store yet: the guard loads, and so measures it
+        assert (first.l3_pages, first.skipped_pages) == (4, {})
+        assert b.guard.l3.samples == 1
+        turn = system + tokens(3 * PS + 5, 3)
+        a.generate(turn, 1)                     # L3: its 3 new pages, from node A
+        prompt = turn + tokens(PS + 1, 4)
+        got = b.generate(prompt, 2)
+        # L2 head (the system prompt's 4 pages) loaded, the slow L3 tail recomputed
+        assert (got.l2_pages, got.l3_pages) == (4, 0)
+        assert got.skipped_pages == {"l3": 3}
+        assert got.guard_reason == "slower_than_prefill"
+        assert got.computed_tokens == len(prompt) - 4 * PS
+        assert_same(got, b.generate(prompt, 2, use_cache=False))
+        # CONTROL: the guard off, the same request on the same node loads from L3 all
+        # 8 restorable pages (B's request offloaded the pages it computed, its 8th too)
+        loaded = control.generate(prompt, 2)
+        assert (loaded.l3_pages, loaded.skipped_pages, loaded.guard_reason) == (8, {}, "off")
+        assert_same(loaded, got)
+    finally:
+        set_store_delay(cluster, 0)
+
+
+def queue_wait_s(cluster, node: str) -> float:
+    """The node actor's queue wait (``LoadCosts.queue_wait``), from its ``stats``."""
+    return ray.get(cluster.node_actors[node].stats.remote())["loads"]["queue_wait_s"]
+
+
+def test_a_stopped_peer_raises_the_estimates_and_requests_recompute_not_wait(cluster):
+    """Engine A's prompts are stored on A's node's segment; then A's node actor is
+    stopped (SIGSTOP: its process, the segment's server included, halts). Engine C on
+    node B asks for one of them: B's store call to read it hangs on the stopped peer.
+    While it hangs, B's queue wait grows with its age (the estimates move before any
+    deadline passes or any breaker opens), and engine B, on the same node, recomputes
+    its next L3 hit at once (``slower_than_prefill``) with the logits of recomputing it,
+    instead of queueing behind the hung call. Control: before the stop, B loads its
+    first L3 hit from A's segment."""
+    here = ray.get_runtime_context().get_node_id()
+    (there,) = [n for n in cluster.node_ids if n != here]
+    target, draft = build("mha", "test/stopped-peer", **SIZES)
+    made = dict(page_size=PS, max_tokens=512, host_pages=32, state_slots=32, draft=draft)
+    a = Engine(target, there, **made)
+    b, c = (Engine(target, here, **made) for _ in range(2))
+    prompts = [tokens(12 * PS + 3, seed=300 + i) for i in range(3)]
+    for p in prompts:
+        a.generate(p, 1)                        # L3, on A's segment
+    b.generate(tokens(4 * PS + 3, seed=399), 1)  # B measures its prefill (a miss)
+    loaded = b.generate(prompts[0], 1)          # CONTROL: A answers, B loads from L3
+    assert (loaded.l3_pages, loaded.skipped_pages) == (12, {}), loaded
+    pid = ray.get(cluster.node_actors[there].health.remote())["pid"]
+    hung = threading.Thread(target=lambda: c.generate(prompts[1], 1), daemon=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        hung.start()
+        deadline = time.monotonic() + 60
+        while queue_wait_s(cluster, here) < 2.0:  # C's read, hung on the stopped peer
+            assert time.monotonic() < deadline, "B's estimates never moved"
+            time.sleep(0.2)
+        got = next(b.stream(prompts[2], 1))     # its first token: nothing waited for A
+        assert (got.l3_pages, got.skipped_pages) == (0, {"l3": 12}), got
+        assert got.guard_reason == "slower_than_prefill"
+        want = next(b.stream(prompts[2], 1, use_cache=False))
+        assert got.tokens == want.tokens and torch.equal(got.logits[0], want.logits[0])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        hung.join(120)
 
 
 def test_chat_workload_shares_the_system_prompt_and_alternates_nodes():
