@@ -4,11 +4,12 @@ cold, per link rate and prompt length.
 
 ``run_guard_links_bench`` starts one cluster of two emulated hosts
 (``start_local(hosts=2)``, root only; host 1's link starts at ``START_LINK``): host 0
-contributes no store memory, host 1 holds the whole segment. Three vLLM engines (CPU
-build, in-process in Ray actors, eager, one OMP thread with
-``VLLM_CPU_OMP_THREADS_BIND=nobind``: ``vllm_actors.ENV``; an 8-layer width-512 random
-Llama, ``MODEL``; ``BLOCK``-token blocks; vLLM's prefix cache off, so every cached token
-came through raykv), one deployment:
+contributes no store memory, host 1 holds the whole segment, sized to every block W
+saves in the run and a quarter more (``guard_summary.store_blocks``; at least 512 MiB),
+so nothing is evicted. Three vLLM engines (CPU build, in-process in Ray actors, eager,
+one OMP thread with ``VLLM_CPU_OMP_THREADS_BIND=nobind``: ``vllm_actors.ENV``; an
+8-layer width-512 random Llama, ``MODEL``; ``BLOCK``-token blocks; vLLM's prefix cache
+off, so every cached token came through raykv), one deployment:
 
 - **W** on host 1 computes prompts; its connector saves their blocks to L3 on host 1's
   segment on the step (no L2), so its ``generate`` returns once they are stored (its
@@ -184,7 +185,7 @@ def run_guard_links_bench(links: Sequence[str] = DEFAULT_LINKS,
     check_root()
     console = console or Console()
     blocks = store_blocks(len(links), lengths, repeats, settle, SETTLE_TOKENS, max(lengths))
-    segment = max(256 * MiB, 2 * blocks * BLOCK * MODEL.kv_bytes_per_token)
+    segment = max(512 * MiB, blocks * BLOCK * MODEL.kv_bytes_per_token * 5 // 4)
     runs: list[dict] = []
     rows: list[dict] = []
     started = time.monotonic()

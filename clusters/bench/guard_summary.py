@@ -30,20 +30,24 @@ COUNTED = ("guard_", "l2_hit_tokens", "l3_hit_tokens")
 
 def check_links(links: Sequence[str]) -> None:
     """``ValueError`` unless ``links`` is non-empty and each is a ``tc`` rate or
-    ``UNSHAPED``."""
+    ``UNSHAPED``, none twice (a rate's prompts are seeded by its name)."""
     if not links:
         raise ValueError("no link rate given")
+    if len(set(links)) < len(links):
+        raise ValueError(f"a link rate is given twice: {','.join(links)}")
     for link in links:
         if link != UNSHAPED:
             parse_rate(link)
 
 
 def check_lengths(lengths: Sequence[int]) -> None:
-    """``ValueError`` unless ``lengths`` is non-empty and each prompt has a full block to
-    load (more than ``BLOCK`` tokens: vLLM computes a prompt's last token itself) and
-    at most ``MAX_TOKENS``."""
+    """``ValueError`` unless ``lengths`` is non-empty, none twice, and each prompt has a
+    full block to load (more than ``BLOCK`` tokens: vLLM computes a prompt's last token
+    itself) and at most ``MAX_TOKENS``."""
     if not lengths:
         raise ValueError("no prompt length given")
+    if len(set(lengths)) < len(lengths):
+        raise ValueError(f"a prompt length is given twice: {','.join(map(str, lengths))}")
     for n in lengths:
         if not BLOCK < n <= MAX_TOKENS:
             raise ValueError(f"prompt length {n}: expected {BLOCK + 1} to {MAX_TOKENS} "

@@ -31,10 +31,10 @@ def repeat(cold_s: float, off_s: float, auto_s: float, auto_cached: int, hit: in
 def test_checks_take_rates_unshaped_and_lengths_with_a_block_to_load():
     check_links(["10mbit", "unshaped", "1gbit"])
     check_lengths([BLOCK + 1, 4000])
-    for bad in ([], ["fast"], ["10mbit", "10"]):
+    for bad in ([], ["fast"], ["10mbit", "10"], ["1gbit", "1gbit"]):
         with pytest.raises(ValueError):
             check_links(bad)
-    for bad in ([], [BLOCK], [4001]):  # CONTROL: a length with no full block to load
+    for bad in ([], [BLOCK], [4001], [256, 256]):  # CONTROL: a length with no full block to load
         with pytest.raises(ValueError):
             check_lengths(bad)
 
