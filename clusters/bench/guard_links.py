@@ -195,7 +195,7 @@ def run_guard_links_bench(links: Sequence[str] = DEFAULT_LINKS,
             cluster = start_local(hosts=2, link=START_LINK,
                                   global_segment_size=[0, segment], log_to_driver=False)
         with cluster:
-            host0, host1 = cluster.node_ids
+            host0, host1 = sorted(cluster.node_ids, key=cluster.hosts.host_of)
             engines = []
             try:
                 w = start_engine(host1, model, CONNECTOR, **ENGINE)
@@ -218,8 +218,11 @@ def run_guard_links_bench(links: Sequence[str] = DEFAULT_LINKS,
                             done = [measure(w, r_off, r_auto, link, tokens, i)
                                     for i in range(repeats)]
                         rows.append(summarise(link, tokens, done))
+                        console.print(", ".join(f"{c} {v}" for c, v in zip(
+                            TABLE_COLUMNS, table_row(rows[-1]), strict=True)))
                         runs += [{"link": link, "tokens": tokens, "repeat": i,
                                   "saved_blocks": r.saved_blocks,
+                                  "expected_blocks": r.expected_blocks,
                                   **{k: asdict(getattr(r, k)) for k in ("cold", "off", "auto")}}
                                  for i, r in enumerate(done)]
             finally:
