@@ -54,6 +54,9 @@ from pathlib import Path
 import ray
 from raykv.clusters.bench.guard_summary import (
     BLOCK,
+    DEFAULT_LENGTHS,
+    DEFAULT_LINKS,
+    DEFAULT_SETTLE,
     MAX_TOKENS,
     TABLE_COLUMNS,
     UNSHAPED,
@@ -75,9 +78,6 @@ from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 
 START_LINK = "10gbit"
-DEFAULT_LINKS = ("10mbit", "100mbit", "1gbit", "10gbit")
-DEFAULT_LENGTHS = (256, 1024, 1920)
-DEFAULT_SETTLE = 8
 SETTLE_TOKENS = 1024
 WARM_COLD = 3
 MODEL = LlamaDims.of(512, 8)

@@ -24,6 +24,10 @@ MAX_TOKENS = 4000
 """The longest prompt the engines take (their ``max_model_len`` leaves room for it)."""
 VOCAB = 2048
 """Token ids of the benchmark's model (``vllm_model.VOCAB``); ids 0-2 are special."""
+DEFAULT_LINKS = ("10mbit", "100mbit", "1gbit", "10gbit")
+DEFAULT_LENGTHS = (256, 1024, 1920)
+DEFAULT_SETTLE = 8
+"""The benchmark's defaults (``raykv bench-guard-links`` repeats them in its options)."""
 COUNTED = ("guard_", "l2_hit_tokens", "l3_hit_tokens")
 """The scheduler-side connector counters a timed request reports (``grown``)."""
 

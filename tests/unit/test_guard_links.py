@@ -6,6 +6,9 @@ the faster of load and cold)."""
 import pytest
 from raykv.clusters.bench.guard_summary import (
     BLOCK,
+    DEFAULT_LENGTHS,
+    DEFAULT_LINKS,
+    DEFAULT_SETTLE,
     TABLE_COLUMNS,
     Repeat,
     Served,
@@ -129,3 +132,14 @@ def test_table_rows_show_milliseconds_ratios_and_dashes_where_no_figure():
     none = table_row(summarise("10mbit", 256, [repeat(0.1, 0.1, 0.1, 0, hit=0)]))
     assert none[-3:] == ["-", "-", "-"]
 
+
+
+def test_the_command_s_defaults_are_the_benchmark_s():
+    from raykv.clusters.cli import main
+
+    given = {p.name: p.default for p in main.commands["bench-guard-links"].params}
+    assert given["links"] == ",".join(DEFAULT_LINKS)
+    assert given["lengths"] == ",".join(map(str, DEFAULT_LENGTHS))
+    assert (given["repeats"], given["settle"]) == (3, DEFAULT_SETTLE)
+    check_links(DEFAULT_LINKS)
+    check_lengths(DEFAULT_LENGTHS)
