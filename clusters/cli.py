@@ -917,6 +917,54 @@ def bench_hosts(locality: bool, links: str | None, page_sizes: tuple[int, ...] |
         raise click.ClickException(str(e)) from None
 
 
+@main.command("bench-guard-links", epilog=_epilog(one=("also without root or vLLM",)))
+@click.option("--links", default="10mbit,100mbit,1gbit,10gbit", show_default=True,
+              help="Comma-separated rates of host 1's link, as tc writes them, or "
+                   "'unshaped'; one cluster, the link re-shaped between rates.")
+@click.option("--lengths", default="256,1024,1920", show_default=True,
+              type=IntList(min=129), help="Comma-separated prompt lengths in tokens "
+                                         "(129 to 4000).")
+@click.option("--repeats", default=3, show_default=True, type=POSITIVE,
+              help="Fresh prompts per rate and length (figures: medians).")
+@click.option("--settle", default=8, show_default=True, type=click.IntRange(min=0),
+              help="Untimed loads after each re-shaping, so the guard's estimate of the "
+                   "link follows the new rate.")
+@click.option("--out", "out_dir", default="raykv-out", show_default=True,
+              help="Folder for bench_guard_links.json.")
+def bench_guard_links(links: str, lengths: tuple[int, ...], repeats: int, settle: int,
+                      out_dir: str) -> None:
+    """The load guard vs link speed with real vLLM on two emulated hosts (root only):
+    TTFT of a hit always loaded, of the guard's choice and of a cold prefill, per link
+    rate and prompt length."""
+    import importlib.util
+
+    from raykv.clusters.bench.guard_summary import check_lengths, check_links
+
+    rates = [x.strip() for x in links.split(",") if x.strip()]
+    try:
+        check_links(rates)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--links'") from None
+    try:
+        check_lengths(lengths)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--lengths'") from None
+    if importlib.util.find_spec("vllm") is None:
+        from raykv.clusters.install_hints import vllm_install_hint
+
+        raise click.ClickException(f"bench-guard-links needs vLLM: {vllm_install_hint()}")
+    _progress(f"raykv bench-guard-links: starting 2 emulated hosts and 3 vLLM engines, "
+              f"then {len(rates)} link rate(s) x {len(lengths)} length(s) x {repeats} "
+              f"repeat(s) ...")
+    from raykv.clusters.bench.guard_links import run_guard_links_bench
+
+    try:
+        run_guard_links_bench(links=rates, lengths=lengths, repeats=repeats, settle=settle,
+                              out_dir=out_dir)
+    except (PermissionError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("bench-scale-down", epilog=_epilog(one=("also without root",)))
 @click.option("--links", default="1gbit,10gbit", show_default=True,
               help="Comma-separated link rates, as tc writes them; a cluster per rate "

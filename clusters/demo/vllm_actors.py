@@ -53,12 +53,14 @@ class VLLMEngine:
     """One vLLM ``LLM`` (the body of a Ray actor: ``start_engine``).
 
     ``connector``: raykv's ``kv_connector_extra_config`` (None: no connector);
-    ``failure_policy``: vLLM's ``kv_load_failure_policy``; ``llm_kwargs``: any other
-    ``LLM(...)`` argument, over ``LLM_DEFAULTS``.
+    ``failure_policy``: vLLM's ``kv_load_failure_policy``; ``kv_role``: vLLM's
+    ``kv_role`` of the connector (``kv_both``: loads and saves; ``kv_consumer``: only
+    loads); ``llm_kwargs``: any other ``LLM(...)`` argument, over ``LLM_DEFAULTS``.
     """
 
     def __init__(self, model: str, connector: dict | None, *,
-                 failure_policy: str = "recompute", **llm_kwargs) -> None:
+                 failure_policy: str = "recompute", kv_role: str = "kv_both",
+                 **llm_kwargs) -> None:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -70,7 +72,7 @@ class VLLMEngine:
         if connector is not None:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="RayKVConnector", kv_connector_module_path="raykv.integrations.vllm",
-                kv_role="kv_both", kv_load_failure_policy=failure_policy,
+                kv_role=kv_role, kv_load_failure_policy=failure_policy,
                 kv_connector_extra_config=connector)
         self.llm = LLM(model=model, **kw)
 

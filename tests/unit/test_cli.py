@@ -272,6 +272,10 @@ def test_bench_gpu_refuses_without_cuda(monkeypatch):
     (["bench-hosts", "--links", "unshaped"], ["--links", "unshaped"]),
     (["bench-hosts", "--locality", "--page-sizes", "96K"], ["--page-sizes", "64 KiB"]),
     (["bench-scale-down", "--links", "fast"], ["--links", "fast"]),
+    (["bench-guard-links", "--links", "1gbit,fast"], ["--links", "fast"]),
+    (["bench-guard-links", "--lengths", "128"], ["--lengths", "128"]),
+    (["bench-guard-links", "--lengths", "256,5000"], ["--lengths", "5000"]),
+    (["bench-guard-links", "--repeats", "0"], ["--repeats"]),
     (["bench-scale-down", "--modes", "on,maybe"], ["--modes", "maybe"]),
 ])
 def test_emulated_hosts_usage_errors(args, words):
