@@ -11,9 +11,9 @@ new store call waits for the calls in flight, each taking the moving-average cal
 or, once it has run longer, as long as it has run so far (a call that hangs, on a
 stopped peer or a stalled store, raises every estimate of the node for as long as it
 hangs, before it ends or fails; a node actor merges whatever queued into its next call,
-so the calls in flight are the queue: ``cache_actors.node.transfer_merger``). Bounded: at most ``max_segments``
-links, the least recently used forgotten first, and ``forget`` drops a link gone from
-the cluster.
+so the calls in flight are the queue: ``cache_actors.node.transfer_merger``).
+Bounded: at most ``max_segments`` links, the least recently used forgotten first, and
+``forget`` drops a link gone from the cluster.
 
 ``KeyPlaces`` remembers where recently located objects live (bounded, each entry for
 ``ttl_s``), so a measured get and a repeated hit need no second locate.
