@@ -166,9 +166,12 @@ class NodeReconciler:
         if (why := self._lifecycle.want(node_id)) is not None:
             raise ValueError(why)
         actor = self._actor(node_id)
-        if actor is None and node_id not in self._lifecycle.leaving():
+        leaving = self._lifecycle.leaving().get(node_id)
+        if actor is None and leaving is None:
             actor = await self._start(node_id)
         if actor is not None:
+            if leaving == "idle":  # called off at once: its puts land on its own segment
+                await actor.undrain.remote()
             await actor.health.remote()
 
     async def drain(self, node_id: str) -> dict:
@@ -219,7 +222,7 @@ class NodeReconciler:
             if actor is None:
                 report["outcome"] = "gone"
                 return
-            if leaving.deadline_s > 0:
+            if leaving.deadline_s > 0 and not self._lifecycle.called_off(node_id, 0):
                 report |= await self._drained(actor, leaving)
             engines = await self._engines(actor)
             unknown = engines is None and leaving.reason == "idle"  # keep what we can't tell

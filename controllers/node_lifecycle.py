@@ -11,7 +11,8 @@ Serve does with its per-node proxies, a node actor runs only where it is needed:
   ``NodePools.engines``) for ``retire_idle_s`` seconds *retires*: it drains its cache to
   the other nodes and stops, and its node becomes idle in Ray's sense once the engines'
   own actors are gone too; the autoscaler's ``idle_timeout`` counts from then. An engine
-  that asks for the node actor while it drains keeps it (the retirement is called off);
+  that asks for the node actor while it drains keeps it (the retirement is called off,
+  its drain at once: ``NodeReconciler.want``);
 - a node that Ray marks draining (a PREEMPTION drain: ``ray drain-node``, a KubeRay pod
   deletion, a spot notice) has its node actor drain before the deadline Ray gives, less
   ``deadline_margin_s``, then stop; no node actor starts on it again;
