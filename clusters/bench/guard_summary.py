@@ -58,12 +58,6 @@ def check_lengths(lengths: Sequence[int]) -> None:
                              f"tokens (a hit is whole {BLOCK}-token blocks)")
 
 
-def hit_tokens(tokens: int) -> int:
-    """The tokens of a ``tokens``-token prompt raykv can serve: its full blocks short of
-    the last token, which vLLM always computes."""
-    return (tokens - 1) // BLOCK * BLOCK
-
-
 def store_blocks(links: int, lengths: Sequence[int], repeats: int, settle: int,
                  settle_tokens: int, warm_tokens: int) -> int:
     """Blocks the writer saves in one run: two prompts of each length per repeat and

@@ -16,7 +16,6 @@ from raykv.clusters.bench.guard_summary import (
     check_links,
     grown,
     guard_decision,
-    hit_tokens,
     prompt_ids,
     store_blocks,
     summarise,
@@ -40,10 +39,6 @@ def test_checks_take_rates_unshaped_and_lengths_with_a_block_to_load():
     for bad in ([], [BLOCK], [4001], [256, 256]):  # CONTROL: a length with no full block to load
         with pytest.raises(ValueError):
             check_lengths(bad)
-
-
-def test_a_hit_is_the_full_blocks_short_of_the_last_token():
-    assert [hit_tokens(n) for n in (129, 256, 257, 1024, 1920)] == [128, 128, 256, 896, 1792]
 
 
 def test_prompts_are_seeded_by_their_tag():
