@@ -155,20 +155,20 @@ class LoadCosts:
         link.rate.observe(1 << 20, fixed_s + per_byte * (1 << 20))
 
     def observed(self, by_segment: Mapping[str, int], disk_bytes: int,
-                 seconds: float) -> None:
+                 seconds: float, failed: bool = False) -> None:
         """One get read ``by_segment`` bytes from each segment's memory and
         ``disk_bytes`` from disk in ``seconds``: each source is given the share of the
-        time its bytes were of the call's (the call's sources were read together)."""
+        time its bytes were of the call's (the call's sources were read together).
+        ``failed``: those bytes never arrived (a transfer or RPC failure after
+        ``seconds``; see ``observe``)."""
         total = sum(by_segment.values()) + disk_bytes
         if total <= 0:
             return
-        self.overall.observe(total, seconds)
-        if disk_bytes:
-            self.disk.observe(disk_bytes, seconds * disk_bytes / total)
         with self._lock:
             rates = [(self._link(s).rate, n) for s, n in by_segment.items() if n > 0]
-        for rate, n in rates:
-            rate.observe(n, seconds * n / total)
+        for rate, n in [(self.overall, total), (self.disk, disk_bytes), *rates]:
+            if n > 0:
+                observe(rate, n, seconds * n / total, failed)
 
     def forget(self, segments: Iterable[str]) -> None:
         """Drop the links of ``segments`` (gone from the cluster)."""
@@ -226,6 +226,16 @@ class LoadCosts:
         out["overall"] = _rate_view(self.overall)
         out["queue_wait_s"] = self.queue_wait()
         return out
+
+
+def observe(rate: Rate, nbytes: int, seconds: float, failed: bool = False) -> None:
+    """``rate.observe(nbytes, seconds)``; with ``failed`` (the bytes never arrived: a
+    transfer or RPC failure after ``seconds``) the time is a bound, not a rate: it
+    counts only where it is slower than ``rate``'s estimate, and never while there is
+    none (a failure that took long slows the source; one that came at once never makes
+    it look fast)."""
+    if not failed or seconds > (rate.seconds(nbytes) or float("inf")):
+        rate.observe(nbytes, seconds)
 
 
 def tier_estimates(costs: LoadCosts, own: str | None) -> dict[str, float]:

@@ -4,7 +4,8 @@ fills a group answer's ``load_runs`` (``PoolTransferResult``) from what it measu
 ``LoadEstimates`` stands between the node's ``TransferMerger`` and its store backend
 (``put`` / ``get``): each store call is counted in flight while it runs and timed (the
 queue: ``controllers.load_costs.LoadCosts.queue_wait``), and each get's served keys,
-bytes and seconds are queued (at most ``MAX_PENDING``, the oldest dropped) for the
+bytes and seconds, and apart those whose bytes failed to arrive (a transfer or RPC
+failure: a bound, ``load_costs.observe``; a miss is not measured), are queued (at most ``MAX_PENDING``, the oldest dropped) for the
 background thread, which attributes the bytes to the segments the objects were read
 from: the sources of keys located within ``KeyPlaces``' TTL are known; the others (at
 most ``SAMPLE_KEYS`` of the get, evenly spread, their bytes scaled to the get's) cost
@@ -62,9 +63,11 @@ from raykv.controllers.load_costs import (
     KeyPlaces,
     LoadCosts,
     load_runs,
+    observe,
     source_of,
     whole_run,
 )
+from raykv.controllers.result_codes import RPC_FAIL, TRANSFER_FAIL
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ PROBE_ROUND_S = 5.0
 COLD_LINKS = 8
 COLD_RETRY_S = 5.0
 LOCATE_THREADS = 2
+FAILED_MOVES = (TRANSFER_FAIL, RPC_FAIL)
+"""Get codes of objects whose bytes failed to arrive (not misses): measured as a bound."""
 
 
 def page_bytes(dep: Deployment, queries: Sequence[PoolQuery]) -> int:
@@ -96,7 +101,7 @@ class LoadEstimates:
         self.costs = LoadCosts()
         self.places = KeyPlaces()
         self._lock = threading.Lock()
-        self._pending: deque[tuple[list[str], list[int], float]] = deque(maxlen=MAX_PENDING)
+        self._pending: deque[tuple[list[str], list[int], float, bool]] = deque(maxlen=MAX_PENDING)
         self._waiting: dict[int, tuple[PoolTransferResult, list[Done]]] = {}
         self._parts: dict[tuple, tuple[str, str]] = {}  # single dict ops: atomic
         self._wake = threading.Event()
@@ -121,26 +126,30 @@ class LoadEstimates:
         return self._timed(self._backend.put, keys, ptrs, sizes)[0]
 
     def get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        """The backend's ``get``, counted in the queue and measured."""
+        """The backend's ``get``, counted in the queue and measured: its served objects
+        and, as a bound, those whose bytes failed to arrive (``FAILED_MOVES``)."""
         codes, took = self._timed(self._backend.get, keys, ptrs, sizes)
         served = [i for i, n in enumerate(codes) if n >= 0]
-        if served:
-            self._pending.append(([keys[i] for i in served], [codes[i] for i in served],
-                                  took))
-            self._wake.set()
+        failed = [i for i, n in enumerate(codes) if n in FAILED_MOVES]
+        for picked, nbytes, bound in ((served, codes, False), (failed, sizes, True)):
+            if picked:
+                self._pending.append(([keys[i] for i in picked],
+                                      [nbytes[i] for i in picked], took, bound))
+                self._wake.set()
         return codes
 
-    def _measure(self, keys: list[str], sizes: list[int], seconds: float) -> None:
+    def _measure(self, keys: list[str], sizes: list[int], seconds: float,
+                 failed: bool) -> None:
         """Background: fold one get in (see the module docstring)."""
         total = sum(sizes)
         if not self._backend.can_locate:
-            self.costs.overall.observe(total, seconds)
+            observe(self.costs.overall, total, seconds, failed)
             return
         step = -(-len(keys) // SAMPLE_KEYS)
         sample, nbytes = keys[::step], sizes[::step]
         sources = self._sources(sample)
         if sources is None:
-            self.costs.overall.observe(total, seconds)
+            observe(self.costs.overall, total, seconds, failed)
             return
         scale = total / max(1, sum(nbytes))
         by_segment: dict[str, int] = {}
@@ -151,7 +160,7 @@ class LoadEstimates:
             else:
                 by_segment[source] = by_segment.get(source, 0) + n
         self.costs.observed({s: round(n * scale) for s, n in by_segment.items()},
-                            round(disk * scale), seconds)
+                            round(disk * scale), seconds, failed)
 
     def _sources(self, keys: list[str]) -> list[str | None] | None:
         """Each key's source (``KeyPlaces``, else one locate of the others; new

@@ -15,10 +15,13 @@ from raykv.controllers.load_costs import (
     LoadCosts,
     fit_probe,
     load_runs,
+    observe,
     source_of,
     tier_estimates,
     whole_run,
 )
+from raykv.controllers.load_guard import Rate
+from raykv.controllers.result_codes import OBJECT_NOT_FOUND, TRANSFER_FAIL
 
 from tests.unit.fakes import FakeBackend
 
@@ -265,3 +268,68 @@ def test_the_link_gauge_follows_the_estimates_and_zeroes_a_forgotten_link(monkey
     costs.forget([A])
     m.export()
     assert (gauge.calls[-1][1], gauge.calls[-1][2]) == (0, {"segment": A})
+
+
+def test_a_failed_read_is_a_bound_that_only_slows_its_source():
+    """1 MB that never arrived after 2 s: the 100 MB/s source now estimates slower; the
+    same failure after 1 ms, or on a source with no estimate, changes nothing. Control:
+    the 1 ms read served counts, and makes the source faster."""
+    mb = 1_000_000
+    slowed = Rate(prior_per_unit=1e-8)
+    observe(slowed, mb, 2.0, failed=True)
+    assert slowed.seconds(mb) > 0.3 and slowed.samples == 1
+    quick = Rate(prior_per_unit=1e-8)
+    observe(quick, mb, 0.001, failed=True)
+    assert quick.seconds(mb) == pytest.approx(0.01) and quick.samples == 0
+    unknown = Rate()
+    observe(unknown, mb, 2.0, failed=True)
+    assert unknown.seconds(mb) is None
+    served = Rate(prior_per_unit=1e-8)
+    observe(served, mb, 0.001)
+    assert served.seconds(mb) < 0.01 and served.samples == 1
+
+
+class FailingReads(FakeBackend):
+    """The shared fake whose gets of ``failing`` keys answer ``code`` after ``took_s``
+    on ``clock``."""
+
+    def __init__(self, clock: Clock, failing: list[str], code: int, took_s: float) -> None:
+        super().__init__()
+        self.clock, self.failing, self.code, self.took_s = clock, failing, code, took_s
+
+    def get(self, keys, ptrs, sizes):
+        if keys != self.failing:
+            return super().get(keys, ptrs, sizes)
+        self.clock.now += self.took_s
+        return [self.code] * len(keys)
+
+
+@pytest.mark.parametrize("code", [TRANSFER_FAIL, OBJECT_NOT_FOUND])
+def test_a_get_whose_bytes_failed_to_arrive_slows_its_link_and_a_miss_does_not(
+        monkeypatch, code):
+    """A get of 4 objects of 1 MB on this node's segment (probed at 1 GB/s) that fails
+    them after 5 s: the link's estimate grows past 0.2 s a MB (a peer that stalls, then
+    fails, is seen as slow). Control: 4 misses after 5 s are not measured at all."""
+    import time as real_time
+
+    from raykv.cache_actors.node import load_estimates
+
+    clock = Clock()
+    monkeypatch.setattr(load_estimates.time, "perf_counter", clock)
+    keys = [f"k{i}" for i in range(4)]
+    backend = FailingReads(clock, keys, code, 5.0)
+    backend.objects.update(dict.fromkeys(keys, 1_000_000))  # located on the own segment
+    estimates = LoadEstimates(backend)
+    estimates.costs.probed(backend.own_segment, 1e-9, 0.0)
+    assert estimates.get(keys, [0] * 4, [1_000_000] * 4) == [code] * 4
+    if code == OBJECT_NOT_FOUND:
+        assert not estimates._pending  # a miss: nothing to measure
+        return
+    estimates.start()
+    try:
+        end = real_time.monotonic() + 10
+        while estimates.costs.seconds(backend.own_segment, 1_000_000) < 0.2:
+            assert real_time.monotonic() < end, estimates.costs.view()
+            real_time.sleep(0.01)
+    finally:
+        estimates.close()
