@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.clusters.store_usage import drain_room
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.node_lifecycle import (
@@ -91,6 +92,7 @@ class NodeReconciler:
         self._controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
         self._reports: dict[str, dict] = {}  # node -> how its last leaving went
         self._leavings: dict[str, asyncio.Task] = {}  # node -> its leaving, running
+        self._stopping: set[str] = set()  # leavings past calling off: the actor stops
         self._task = asyncio.get_event_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
@@ -158,13 +160,19 @@ class NodeReconciler:
         return actor
 
     # ------------------------------------------------------------ ways in
-    async def want(self, node_id: str) -> None:
+    async def want(self, node_id: str, engine: ProcessIdentity | None = None) -> None:
         """An engine on ``node_id`` needs its node actor: returns once it answers (at
-        once if it runs). ``ValueError`` if that node is not alive or is draining."""
+        once if it runs), with ``engine`` (that engine's process) counted as its engine.
+        A retirement for idleness is called off, or, once it is stopping the actor,
+        waited out and a new actor started. ``ValueError`` if that node is not alive or
+        is draining."""
         if node_id not in alive_node_ids():
             raise ValueError(f"node {node_id[:12]} is not an alive Ray node")
         if (why := self._lifecycle.want(node_id)) is not None:
             raise ValueError(why)
+        if node_id in self._stopping:
+            await self._leavings[node_id]  # never raises: the report says how it went
+            await self._gone(node_id)
         actor = self._actor(node_id)
         leaving = self._lifecycle.leaving().get(node_id)
         if actor is None and leaving is None:
@@ -173,6 +181,15 @@ class NodeReconciler:
             if leaving == "idle":  # called off at once: its puts land on its own segment
                 await actor.undrain.remote()
             await actor.health.remote()
+            if engine is not None:
+                await actor.engines.remote(engine)
+
+    async def _gone(self, node_id: str) -> None:
+        """Until the node actor of ``node_id``, killed, no longer answers to its name
+        (at most ``STOP_TIMEOUT_S`` seconds)."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self._actor(node_id) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def drain(self, node_id: str) -> dict:
         """``raykv drain``: the node actor of ``node_id`` drains its cache and stops, and
@@ -231,6 +248,7 @@ class NodeReconciler:
                 report["outcome"] = "kept"
                 log.info("node %s: retirement called off (an engine came)", node_id[:12])
                 return
+            self._stopping.add(node_id)  # no await since the check: an engine asking now waits
             await self._controller.retire_node.remote(node_id)
             with contextlib.suppress(Exception):  # killed below anyway
                 await asyncio.wait_for(actor.shutdown.remote(), STOP_TIMEOUT_S)
@@ -244,6 +262,7 @@ class NodeReconciler:
             log.exception("node %s: leaving (%s) failed", node_id[:12], leaving.reason)
         finally:
             self._reports[node_id] = report
+            self._stopping.discard(node_id)
             self._lifecycle.end(node_id, stopped, time.monotonic())
 
     async def _drained(self, actor, leaving: Leaving) -> dict:

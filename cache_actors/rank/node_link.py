@@ -103,10 +103,10 @@ class NodeLink:
         self.owner = owner
         self._namespace = namespace
         self._remap = remap
-        self._actor = node_actor_of(node_id, namespace)
         self._local = node_id == ray.get_runtime_context().get_node_id()
-        if self._local:  # an engine here: its node actor stays while it lives
-            self._actor.engines.remote(ProcessIdentity.current())
+        # an engine here: counted as its node actor's (which stays while it lives)
+        self._actor = node_actor_of(node_id, namespace,
+                                    ProcessIdentity.current() if self._local else None)
         self._channel: ChannelClient | None = None
         self._controller: Any = None
         self._others: dict[str, Any] = {}  # other nodes' actors, by node id (``_actor_of``)

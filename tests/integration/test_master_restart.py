@@ -158,7 +158,9 @@ def test_after_a_master_restart_another_node_reads_new_pages_exact(uid):
     reads the pages put after exact, across nodes: both nodes' segments are mounted on
     the new master and their transfer descriptors are in the new metadata server."""
     with start_local(num_nodes=2, global_segment_size=64 << 20) as cluster:
-        config = StorageConfig(model_name=f"restart/{uid}")
+        # a put while the master is down waits out the Mooncake client's own retries
+        # (seconds on a loaded machine): a deadline well past them, so each page answers
+        config = StorageConfig(model_name=f"restart/{uid}", extra_config={"timeout_s": 60})
         writer = start_rank(cluster.node_ids[0], config, pool_name=f"w{uid}")
         reader = start_rank(cluster.node_ids[1], config, pool_name=f"r{uid}")
         ray.get([writer.fill.remote(1), reader.fill.remote(2)])

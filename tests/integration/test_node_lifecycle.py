@@ -3,12 +3,14 @@ retires (draining first) once the node has had no rank for the idle period, and 
 and leaves a node Ray drains, within Ray's deadline (real Ray nodes, a real master;
 Ray's real autoscaler: test_autoscaler.py)."""
 
+import subprocess
 import time
 
 import pytest
 import ray
 from raykv import start_local
 from raykv.cache_actors.errors import NodeUnavailableError
+from raykv.cache_actors.processes import ProcessIdentity
 from raykv.clusters.node_actors import named_node_actors
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.node_lifecycle import LifecycleSettings
@@ -63,6 +65,20 @@ def test_node_actors_start_with_engines_and_retire_without(cluster, uid):
     again = start_rank(worker, StorageConfig())  # an engine brings it back
     assert has_actor(worker)
     ray.kill(again)
+
+    # an engine that asks is counted before the answer: no idle period can retire its
+    # node actor between the two (control: asking without an engine counts none)
+    ray.get(cluster.reconciler.want.remote(worker))
+    actor = ray.get_actor(node_actor_name(worker), namespace=NAMESPACE)
+    assert ray.get(actor.engines.remote()) == 0
+    engine = subprocess.Popen(["sleep", "60"])
+    try:
+        ray.get(cluster.reconciler.want.remote(worker, ProcessIdentity.of(engine.pid)))
+        actor = ray.get_actor(node_actor_name(worker), namespace=NAMESPACE)
+        assert ray.get(actor.engines.remote()) == 1
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_a_ray_drain_saves_the_hottest_by_its_deadline_and_keeps_the_node_off(cluster, uid):
