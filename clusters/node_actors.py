@@ -168,7 +168,7 @@ class NodeReconciler:
         is draining."""
         if node_id not in alive_node_ids():
             raise ValueError(f"node {node_id[:12]} is not an alive Ray node")
-        if (why := self._lifecycle.want(node_id)) is not None:
+        if (why := self._lifecycle.want(node_id, time.monotonic())) is not None:
             raise ValueError(why)
         if node_id in self._stopping:
             await self._leavings[node_id]  # never raises: the report says how it went
@@ -270,6 +270,8 @@ class NodeReconciler:
         its segment (its report), or what went wrong."""
         try:
             room = await self._room(actor)
+            if self._lifecycle.called_off(leaving.node_id, 0):  # an engine came meanwhile:
+                return {}  # a drain begun after its undrain would steer its puts away
             return await asyncio.wait_for(
                 actor.drain.remote(leaving.deadline_s, room, leaving.reason),
                 leaving.deadline_s + LOOK_TIMEOUT_S)

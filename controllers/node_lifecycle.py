@@ -129,15 +129,18 @@ class NodeLifecycle:
         self._drained: set[str] = set()  # Ray or an operator drains it: no node actor again
 
     # ------------------------------------------------------------- engines ask
-    def want(self, node_id: str) -> str | None:
-        """An engine on ``node_id`` asks for its node actor: None if it gets one (now or
-        kept: a retirement for idleness is called off), else why not."""
+    def want(self, node_id: str, now: float) -> str | None:
+        """An engine on ``node_id`` asks for its node actor at ``now``: None if it gets
+        one (now or kept: a retirement for idleness is called off, and the idle clock
+        starts again, so a look made before the engine came cannot retire it), else
+        why not."""
         reason = self._leaving.get(node_id)
         if node_id in self._drained or reason in ("preemption", "operator"):
             return f"node {node_id[:12]} is draining: it is about to leave the cluster"
         if reason == "idle":
             self._asked_while_leaving.add(node_id)
         self._wanted.add(node_id)
+        self._busy_at[node_id] = now
         return None
 
     def started(self, node_id: str, now: float) -> None:

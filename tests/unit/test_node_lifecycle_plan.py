@@ -21,7 +21,7 @@ def test_node_actors_start_on_the_head_kept_and_wanted_nodes_only():
     lc = life(keep_nodes=(W2,))
     seen = [NodeSeen(HEAD, True, head=True), NodeSeen(W1, True), NodeSeen(W2, True)]
     assert lc.plan(seen, now=0.0, wall_ms=0).start == [HEAD, W2]
-    assert lc.want(W1) is None
+    assert lc.want(W1, now=0.0) is None
     assert lc.plan(seen, now=0.0, wall_ms=0).start == [HEAD, W1, W2]
     lc.started(W1, now=0.0)  # a want is served once
     assert lc.plan(seen, now=0.0, wall_ms=0).start == [HEAD, W2]
@@ -81,9 +81,9 @@ def test_a_ray_drain_drains_before_its_deadline_less_the_margin():
     none = [NodeSeen(W2, True, has_actor=True, drain_deadline_ms=0)]
     assert lc.plan(none, now=0.0, wall_ms=0).leaving == [Leaving(W2, 20.0, "preemption")]
     # no node actor starts on a draining node, even one an engine asked for
-    assert lc.want(HEAD) is None
+    assert lc.want(HEAD, now=0.0) is None
     assert lc.plan([NodeSeen(HEAD, True, drain_deadline_ms=9)], now=0.0, wall_ms=0).start == []
-    assert "draining" in lc.want(HEAD)  # nor later
+    assert "draining" in lc.want(HEAD, now=0.0)  # nor later
 
 
 def test_drain_off_leaves_at_once():
@@ -101,7 +101,7 @@ def test_a_leaving_node_is_left_alone_and_an_engine_calls_an_idle_retirement_off
     assert lc.plan([idle], now=5 * IDLE, wall_ms=0).leaving == []  # once at a time
     assert lc.leaving() == {W1: "idle"}
     assert not lc.called_off(W1, engines=0)
-    assert lc.want(W1) is None  # an engine asks while it drains
+    assert lc.want(W1, now=0.0) is None  # an engine asks while it drains
     assert lc.called_off(W1, engines=0)
     lc.end(W1, stopped=False, now=5 * IDLE)
     assert lc.plan([idle], now=5 * IDLE + 1, wall_ms=0).leaving == []  # the clock restarted
@@ -111,13 +111,13 @@ def test_a_leaving_node_is_left_alone_and_an_engine_calls_an_idle_retirement_off
 def test_preemption_and_operator_drains_refuse_engines_and_stay_off():
     lc = life()
     assert lc.begin(Leaving(W1, 5.0, "preemption"))
-    assert "draining" in lc.want(W1)
+    assert "draining" in lc.want(W1, now=0.0)
     assert not lc.called_off(W1, engines=4)  # it goes anyway
     op = lc.operator_drain(W2)
     assert op == Leaving(W2, 20.0, "operator")
     assert lc.begin(op)
     lc.end(W2, stopped=True, now=0.0)
-    assert "draining" in lc.want(W2)
+    assert "draining" in lc.want(W2, now=0.0)
     assert lc.plan([NodeSeen(W2, True, listed=False)], now=0.0, wall_ms=0).start == []
 
 
@@ -126,7 +126,7 @@ def test_a_dead_node_is_retired_and_forgotten():
     lc.operator_drain(W1)
     plan = lc.plan([NodeSeen(W1, False, listed=True)], now=0.0, wall_ms=0)
     assert plan.left == [W1]
-    assert lc.want(W1) is None  # a new node with that id is a new node
+    assert lc.want(W1, now=0.0) is None  # a new node with that id is a new node
     assert lc.plan([NodeSeen(W2, False)], now=0.0, wall_ms=0).left == []
 
 
@@ -161,3 +161,15 @@ def test_status_lines_show_leaving_nodes_their_progress_and_reports():
     assert lines[1] == f"node {W2[:8]}: retiring (no engines)"
     assert lines[2] == f"node {HEAD[:8]} left (operator): outcome stopped, objects_moved 5"
     assert lifecycle_lines({"error": "gone"}) == ["node lifecycle: unknown (gone)"]
+
+
+def test_an_engine_that_asks_starts_the_idle_clock_again():
+    """A look that saw no engine, planned after an engine asked: the node actor is not
+    retired (the engine's ask is newer than the look). Control: without the ask it is."""
+    idle = NodeSeen(W1, True, listed=True, has_actor=True, engines=0)
+    for asked, leaving in ((True, []), (False, [Leaving(W1, 20.0, "idle")])):
+        lc = life()
+        assert lc.plan([idle], now=0.0, wall_ms=0).leaving == []
+        if asked:
+            assert lc.want(W1, now=IDLE - 0.5) is None
+        assert lc.plan([idle], now=IDLE, wall_ms=0).leaving == leaving
