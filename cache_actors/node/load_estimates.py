@@ -5,12 +5,13 @@ fills a group answer's ``load_runs`` (``PoolTransferResult``) from what it measu
 (``put`` / ``get``): each store call is counted in flight while it runs and timed (the
 queue: ``controllers.load_costs.LoadCosts.queue_wait``), and each get's served keys,
 bytes and seconds, and apart those whose bytes failed to arrive (a transfer or RPC
-failure: a bound, ``load_costs.observe``; a miss is not measured), are queued (at most ``MAX_PENDING``, the oldest dropped) for the
-background thread, which attributes the bytes to the segments the objects were read
-from: the sources of keys located within ``KeyPlaces``' TTL are known; the others (at
-most ``SAMPLE_KEYS`` of the get, evenly spread, their bytes scaled to the get's) cost
-one locate (``batch_get_replica_desc``) per get, on the background thread, never on
-the get's path. An object with no in-memory replica was served from disk (``l3_disk``).
+failure: a bound, ``load_costs.observe``; a miss is not measured), are queued (at most
+``MAX_PENDING``, the oldest dropped) for the background thread, which attributes the
+bytes to the segments the objects were read from: the sources of keys located within
+``KeyPlaces``' TTL are known; the others (at most ``SAMPLE_KEYS`` of the get, evenly
+spread, their bytes scaled to the get's) cost one locate (``batch_get_replica_desc``)
+per get, on the background thread, never on the get's path. An object with no in-memory
+replica was served from disk (``l3_disk``).
 
 A group answer with a hit (``answer`` wraps the reply) gets its ``load_runs``: the
 first object of each hit page (the first family's first buffer) is located, one locate
@@ -29,7 +30,8 @@ called and the node can locate: its own probe objects are put at start and again
 whenever a round finds them gone; a round probes at most ``PROBE_LINKS`` segments the
 node used (read from, or found a hit's objects on: never probed first, then those
 probed longest ago and used since, at most once per ``PROBE_EVERY_S`` each) and, once
-per ``PROBE_EVERY_S`` (at start, and every ``COLD_RETRY_S`` while no peer is known),
+per ``PROBE_EVERY_S`` (at start, and every ``COLD_RETRY_S`` while no peer is known or
+a node of the list has not told its segment yet),
 up to ``COLD_LINKS`` peers of the cluster's node
 list it never used nor probed (a cold start's estimates), within ``PROBE_ROUND_S``.
 Rounds run at start, when a segment new to the node is seen (a locate of a hit or a get
@@ -247,15 +249,16 @@ class LoadEstimates:
             reply(result, None)
 
     # ------------------------------------------------------- background
-    def start(self, peers: Callable[[], list[str]] | None = None) -> None:
+    def start(self, peers: Callable[[], tuple[list[str], bool]] | None = None) -> None:
         """Start the background thread (measurements; probes where the node can
-        locate); ``peers()``: the segments of the cluster's other nodes (on that
-        thread, every ``PROBE_EVERY_S``; None: none but those this node reads)."""
+        locate); ``peers()``: the segments of the cluster's other nodes and whether
+        every listed node told its own (on that thread, every ``PROBE_EVERY_S``, or
+        ``COLD_RETRY_S`` while one has not; None: none but those this node reads)."""
         self._thread = threading.Thread(target=self._background, args=(peers,),
                                         name="raykv-load-estimates", daemon=True)
         self._thread.start()
 
-    def _background(self, peers: Callable[[], list[str]] | None) -> None:
+    def _background(self, peers: Callable[[], tuple[list[str], bool]] | None) -> None:
         probe = None
         if self._backend.can_locate and self._backend.own_segment:
             try:
@@ -282,14 +285,15 @@ class LoadEstimates:
                 due = self.costs.probe_due(PROBE_EVERY_S, PROBE_LINKS)
                 if time.monotonic() >= next_cold:  # peers never used: a few an interval
                     try:
-                        found = None if peers is None else peers()
-                        self.costs.known(found or ())
+                        found, told = ([], True) if peers is None else peers()
+                        self.costs.known(found)
                     except Exception as e:  # the controller away: look again soon
-                        found = []
+                        found, told = [], False
                         log.warning("the cluster's node list did not come: %s", e)
-                    # no peer known yet (the cluster starting): look again soon
-                    next_cold = time.monotonic() + (
-                        COLD_RETRY_S if found == [] else PROBE_EVERY_S)
+                    # no peer known yet, or a listed peer not told yet (the cluster
+                    # starting, a node joining): look again soon
+                    soon = peers is not None and not (found and told)
+                    next_cold = time.monotonic() + (COLD_RETRY_S if soon else PROBE_EVERY_S)
                     due += self.costs.cold(COLD_LINKS)
                 if due:
                     measured, absent = probe.measure(due, time.monotonic() + PROBE_ROUND_S)

@@ -389,12 +389,13 @@ PEERS_ASKED = 8
 
 
 def peer_segments(node_id: str, namespace: str, asked: dict[str, str],
-                  wait_s: float = 5.0) -> list[str]:
+                  wait_s: float = 5.0) -> tuple[list[str], bool]:
     """The segments of the other node actors of the controller's node list (their
-    ``health``'s ``segment``): each node asked once (``asked``: node id -> its segment,
-    "" unknown, kept by the caller; nodes gone from the list dropped), at most
-    ``PEERS_ASKED`` a call, answers not in within ``wait_s`` left for the next call.
-    Runs on the load estimates' thread (waits on futures)."""
+    ``health``'s ``segment``), and whether every node of the list told its own: each
+    node asked once (``asked``: node id -> its segment, "" unknown, kept by the caller;
+    nodes gone from the list dropped), at most ``PEERS_ASKED`` a call, answers not in
+    within ``wait_s`` left for the next call. Runs on the load estimates' thread (waits
+    on futures)."""
     controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     nodes: dict[str, str] = controller.nodes.remote().future().result(wait_s)
     for gone in set(asked) - set(nodes):
@@ -413,7 +414,8 @@ def peer_segments(node_id: str, namespace: str, asked: dict[str, str],
             asked[node] = future.result(max(0.0, end - time.monotonic()))["segment"] or ""
         except Exception as e:  # too slow or gone: asked again next time
             log.debug("node %s did not say its segment: %s", node[:8], e)
-    return [s for s in asked.values() if s]
+    told = all(n in asked for n in nodes if n != node_id)
+    return [s for s in asked.values() if s], told
 
 
 def node_actor_class(node_id: str, namespace: str, env: dict[str, str]):

@@ -31,7 +31,7 @@ DRAIN_S = 20.0
 WAIT_S = IDLE_TIMEOUT_S + RETIRE_S + DRAIN_S + 60.0
 """How long the worker may take to go: the node actor's idle period, its drain, the
 autoscaler's idle timeout, then a margin for a loaded 2-core machine."""
-HELD_S = 3 * IDLE_TIMEOUT_S
+HELD_S = 2 * IDLE_TIMEOUT_S
 """How long the control watches a worker that must stay."""
 
 

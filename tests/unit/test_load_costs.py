@@ -333,3 +333,33 @@ def test_a_get_whose_bytes_failed_to_arrive_slows_its_link_and_a_miss_does_not(
             real_time.sleep(0.01)
     finally:
         estimates.close()
+
+
+def test_peers_are_asked_again_soon_while_a_listed_node_has_not_told_its_segment(
+        monkeypatch):
+    """A node starting beside others that have not told their segments yet asks for the
+    node list again after ``COLD_RETRY_S``, until every listed node told. CONTROL: once
+    all told, not again within the retry period."""
+    import time as real_time
+
+    from raykv.cache_actors.node import load_estimates
+
+    monkeypatch.setattr(load_estimates, "COLD_RETRY_S", 0.05)
+    answers = [([], False), ([B], False), ([B], True)]
+    calls: list[float] = []
+
+    def peers():
+        calls.append(real_time.monotonic())
+        return answers[min(len(calls), len(answers)) - 1]
+
+    estimates = LoadEstimates(FakeBackend())
+    estimates.start(peers)
+    try:
+        end = real_time.monotonic() + 10
+        while len(calls) < 3:
+            assert real_time.monotonic() < end, calls
+            real_time.sleep(0.01)
+        real_time.sleep(0.5)
+        assert len(calls) == 3
+    finally:
+        estimates.close()
