@@ -9,7 +9,8 @@ is pytest's own.
 Test files are handed to the two workers (``--dist loadfile``) in collection order, each
 file to the next worker that is free: the longest files are moved to the front
 (``LONGEST_FIRST``), so the run does not end with one worker alone on a long file while
-the other idles.
+the other idles, and the files that take the shared two-node cluster follow one another
+(``tests/integration/shared_cluster``), so a worker starts it about once.
 
 A test marked ``@pytest.mark.engine(NAME)`` needs that engine (``tests/engines.py``): where
 it is missing, it is skipped under ``RAYKV_NO_ENGINES=1`` and fails otherwise.
@@ -28,29 +29,40 @@ _exit_status = 0
 
 LONGEST_FIRST = (
     "tests/integration/test_vllm.py",
-    "tests/integration/test_final_returns.py",
     "tests/integration/test_dataplane.py",
-    "tests/integration/test_sglang.py",
-    "tests/integration/test_group.py",
+    "tests/integration/test_final_returns.py",
+    "tests/integration/test_production_path.py",
     "tests/integration/test_autoscaler.py",
     "tests/integration/test_cli_cluster.py",
-    "tests/integration/test_no_engines.py",
-    "tests/integration/test_master_restart.py",
-    "tests/integration/test_drain.py",
-    "tests/integration/test_production_path.py",
+    "tests/integration/test_engine.py",
     "tests/integration/test_hosts.py",
     "tests/integration/test_sglang_close.py",
     "tests/integration/test_vllm_disk.py",
+    "tests/integration/test_sglang.py",
+    "tests/integration/test_node_lifecycle.py",
+    "tests/integration/test_vllm_load_guard.py",
 )
-"""The test files with the most worker time in a whole run (each over 90 s here, most
-first); the rest keep their collection order after them."""
+"""The test files with the most worker time in a whole run (each over 100 s in a slow
+one, most first; a file that takes the shared cluster stays in that block instead);
+the rest keep their collection order after them."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """``LONGEST_FIRST``'s files first, in its order; a stable sort, so every file's own
+    """``LONGEST_FIRST``'s files first, in its order, then the files that take the
+    shared cluster (``tests/integration/shared_cluster``: one after another, a worker
+    keeps it from one to the next), then the rest; a stable sort, so every file's own
     tests keep their order."""
+    from tests.integration import shared_cluster
+
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    modules = {item.module for item in items if isinstance(item, pytest.Function)}
+    sharing = {m for m in modules if shared_cluster.shares(m, items)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        first = rank.get(item.nodeid.split("::")[0], len(rank))
+        return first, 0 if getattr(item, "module", None) in sharing else 1
+
+    items.sort(key=key)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -67,10 +79,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_by_another_module():
-    """Every test module starts with no Ray initialised in this process: a module that
-    left Ray initialised (a failed teardown, a test run alone in another order) would
-    make the next one's ``start_local`` refuse to start."""
+def _no_ray_left_by_another_module(request: pytest.FixtureRequest):
+    """Every test module starts with no Ray initialised in this process, but for the
+    shared cluster where the module takes it (``tests/integration/shared_cluster``): a
+    module that left Ray initialised (a failed teardown, a test run alone in another
+    order) would make the next one's ``start_local`` refuse to start."""
+    from tests.integration import shared_cluster
+
+    if shared_cluster.shares(request.module, request.session.items):
+        yield
+        return
+    shared_cluster.release()
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
@@ -80,6 +99,9 @@ def _no_ray_left_by_another_module():
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
     _exit_status = int(exitstatus)
+    from tests.integration import shared_cluster
+
+    shared_cluster.release()
 
 
 @pytest.hookimpl(trylast=True)

@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.integration import shared_cluster
+
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -64,9 +66,12 @@ def node_pids(cluster) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A two-node embedded cluster, per test module."""
-    with two_nodes("embedded") as c:
-        yield c
+    """The two-node embedded cluster of this test process, shared by the modules that
+    take it one after another (``shared_cluster``); each module leaves it with its store
+    calls undelayed."""
+    c = shared_cluster.get(lambda: two_nodes("embedded"))
+    yield c
+    set_store_delay(c, 0)
 
 
 @pytest.fixture(scope="module", params=MODES)

@@ -13,6 +13,7 @@ import ray
 from raykv import CacheClient
 from raykv.controllers import StorageConfig
 
+from tests.integration.conftest import two_nodes
 from tests.integration.ranks import MHA, indices, start_rank
 from tests.integration.store_delay import delay_store_calls
 
@@ -32,6 +33,14 @@ def wait_for(check, within_s: float = 30.0):
         assert time.monotonic() < end, "the node actor never got there"
         time.sleep(0.1)
     return got
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A two-node cluster of this module's own: a cold start's probes are its subject
+    (a shared cluster's links were used and its probe objects evicted before)."""
+    with two_nodes("embedded") as c:
+        yield c
 
 
 @pytest.fixture

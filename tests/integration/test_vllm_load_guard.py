@@ -33,7 +33,7 @@ from tests.integration.vllm_control import ControlEngine
 
 pytestmark = pytest.mark.engine("vllm")
 
-DELAY_S = 10.0
+DELAY_S = 5.0
 FULL = 7 * BLOCK  # a 1000-token prompt's tokens raykv may serve (the last one computed)
 
 
