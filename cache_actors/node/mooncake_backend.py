@@ -17,15 +17,6 @@ reported existing is complete), sends the others, and confirms the ones that cam
 with one more ``batch_is_exist``: an object not reported existing then gets
 ``NOT_CONFIRMED`` (a failure: the caller may put it again later), never a success.
 
-Promotion (a disk tier only): Mooncake 0.3.13 answers a put of a key it holds on disk
-alone as done and keeps the disk copy (its master refuses a second replica of a key with
-a finished one; its own promotion on a hit needs a read, which a load the guard skipped
-never makes), so a page that is slow to load from disk would stay there for good. So a
-put first locates the objects that exist: one with no complete memory replica is removed
-(forced) and put again, which places it in memory (its code then as any sent object's).
-Between the two a get of it misses (a disk tier seals every object and every get
-checks the seal: never other bytes).
-
 A put that Mooncake placed on a dead client's segment fails with ``TRANSFER_FAIL``
 (-800): the master keeps listing a segment until that client's heartbeats have been
 missing for its ``-client_ttl`` (10 s), so after a node actor is killed about half the
@@ -221,8 +212,7 @@ class MooncakeBackend:
         existing, else ``NOT_CONFIRMED`` (see the module docstring)."""
         present = self.exists(keys)
         codes = [ALREADY_PRESENT if e == EXISTS else 0 for e in present]
-        todo = sorted([i for i, e in enumerate(present) if e != EXISTS]
-                      + self._promoted(keys, codes))
+        todo = [i for i, e in enumerate(present) if e != EXISTS]
         if not todo:
             return codes
         results = self._put_from(todo, keys, ptrs, sizes, self._steer)
@@ -242,26 +232,6 @@ class MooncakeBackend:
                 if e != 1:
                     codes[i] = NOT_CONFIRMED
         return codes
-
-    def _promoted(self, keys: list[str], codes: list[int]) -> list[int]:
-        """With a disk tier: the indices of the ``ALREADY_PRESENT`` objects the store
-        holds on disk alone, removed from the store (forced) so that the put writes them
-        to memory again (their code set back to 0); none without a disk tier or when
-        they cannot be located."""
-        held = [i for i, c in enumerate(codes) if c == ALREADY_PRESENT]
-        if self.disk is None or not held:
-            return []
-        found = self.locate([keys[i] for i in held])
-        if found is None:
-            return []
-        disk_only = [i for i, segments in zip(held, found, strict=True) if not segments]
-        if not disk_only:
-            return []
-        removed = self.remove([keys[i] for i in disk_only])
-        out = [i for i, rc in zip(disk_only, removed, strict=True) if rc == 0]
-        for i in out:
-            codes[i] = 0
-        return out
 
     def _put_from(self, which: list[int], keys: list[str], ptrs: list[int],
                   sizes: list[int], config=None) -> list[int]:

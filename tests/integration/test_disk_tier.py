@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from raykv.cache_actors.node.disk_tier import MIN_SLOT_BYTES, DiskSlot
-from raykv.controllers.result_codes import ALREADY_PRESENT, OBJECT_NOT_FOUND, SEAL_MISMATCH
+from raykv.controllers.result_codes import OBJECT_NOT_FOUND, SEAL_MISMATCH
 
 from tests.integration.disk_stores import (
     CAPACITY,
@@ -141,26 +141,6 @@ def test_more_pages_than_memory_holds_come_back_from_disk_byte_exact(store, tmp_
     assert wrong(got) == [] and sum(rc >= 0 for rc in codes.values()) > 0
     assert 0 < sum(v == PAGE for v in got.values()) <= CAPACITY
     assert sum(v == OBJECT_NOT_FOUND for v in got.values()) >= COUNT - CAPACITY
-
-
-def test_pages_on_disk_alone_put_again_are_back_in_memory(store):
-    """A put of pages the store holds on disk alone (an engine saving what it
-    recomputed rather than load it from disk) removes each and puts it again: they are
-    in memory and read back exact. CONTROL: before the put they were on disk alone, and
-    a put of pages in memory leaves them as they were (``ALREADY_PRESENT``)."""
-    every = [key(i) for i in IDS]
-    keys = on_disk_only(store, every)[-4:]
-    assert len(keys) == 4
-    ids = [int(k[1:]) for k in keys]
-    assert set(put_pages(store.buf, SEED, ids).values()) == {0}
-    assert tiers(store.backend, keys) == ["l3_memory"] * 4
-    assert set(read(store.buf, SEED, ids).values()) == {PAGE}
-    held = [k for k, t in zip(every, tiers(store.backend, every), strict=True)
-            if t == "l3_memory" and k not in keys][:4]
-    assert len(held) == 4
-    assert set(put_pages(store.buf, SEED, [int(k[1:]) for k in held]).values()) == \
-        {ALREADY_PRESENT}
-    assert tiers(store.backend, held) == ["l3_memory"] * 4
 
 
 def test_nodes_of_one_machine_take_distinct_slots_and_read_each_others_disk(store):

@@ -3,6 +3,7 @@ retires (draining first) once the node has had no rank for the idle period, and 
 and leaves a node Ray drains, within Ray's deadline (real Ray nodes, a real master;
 Ray's real autoscaler: test_autoscaler.py)."""
 
+import os
 import subprocess
 import time
 
@@ -64,8 +65,13 @@ def test_node_actors_start_with_engines_and_retire_without(cluster, uid):
 
     again = start_rank(worker, StorageConfig())  # an engine brings it back
     assert has_actor(worker)
+    pid = ray.get(again.__ray_call__.remote(lambda _: os.getpid()))
     ray.kill(again)
 
+    def gone():
+        """the killed rank's process exited"""
+        return not os.path.exists(f"/proc/{pid}")
+    wait_until(gone)
     # an engine that asks is counted before the answer: no idle period can retire its
     # node actor between the two (control: asking without an engine counts none)
     ray.get(cluster.reconciler.want.remote(worker))

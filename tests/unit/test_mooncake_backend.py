@@ -315,33 +315,3 @@ def test_move_tasks_are_started_and_their_states_read():
     store.raises = {"create_move_task", "query_task"}
     assert backend.start_move("k", "a:1", "b:2") == (None, CLIENT_ERROR)
     assert backend.move_state(task) == "failed"
-
-
-def test_with_a_disk_tier_a_put_of_an_object_on_disk_alone_puts_it_in_memory_again(
-        fake_mooncake):
-    """A disk tier: of two present objects, the one with no memory replica is removed
-    (forced) and put again (stored: 0), the one in memory is left (``ALREADY_PRESENT``),
-    the absent one is put. Controls: without a disk tier the same put locates and
-    removes nothing; a removal that fails leaves the object as it was."""
-    def placed() -> PlacingStore:
-        store = PlacingStore()
-        store.objects = {"mem", "disk"}
-        store.where = {"mem": [_replica("a:1")], "disk": [_replica("a:1", memory=False)]}
-        return store
-
-    store = placed()
-    backend = MooncakeBackend(store, disk=SimpleNamespace())
-    assert backend.put(["mem", "disk", "new"], [1, 2, 3], [8, 8, 8]) == [ALREADY_PRESENT, 0, 0]
-    assert ("batch_remove", ["disk"], True) in store.calls
-    sent = [c for c in store.calls if c[0] == "batch_put_from"]
-    assert [c[1] for c in sent] == [["disk", "new"]]
-
-    store = placed()  # control: no disk tier
-    assert MooncakeBackend(store).put(["mem", "disk"], [1, 2], [8, 8]) == [ALREADY_PRESENT] * 2
-    assert [c[0] for c in store.calls] == ["batch_is_exist"]
-
-    store = placed()  # control: the removal fails
-    store.raises.add("batch_remove")
-    backend = MooncakeBackend(store, disk=SimpleNamespace())
-    assert backend.put(["disk"], [1], [8]) == [ALREADY_PRESENT]
-    assert not [c for c in store.calls if c[0] == "batch_put_from"]

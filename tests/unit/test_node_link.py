@@ -23,7 +23,7 @@ from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
 from raykv.cache_actors.tickets import TicketRef, process_book
 from raykv.controllers.call_budget import Budget
 from raykv.controllers.circuit_breaker import BreakerSettings, BreakerState
-from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
+from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, node_actor_name
 
 HERE, OTHER = "a" * 40, "b" * 40
 HANG = object()  # a fake call that never ends: ``ray.get`` times out
@@ -67,6 +67,7 @@ class FakeRay:
         self.lookups: list[str] = []
         self.timeouts: list[tuple[str, float]] = []
         self.cancelled: list[Ref] = []
+        self.wants: list[tuple] = []  # the reconciler's ``want`` calls' arguments
         self._node_id = node_id
         self.connected = True  # False: as after ray.shutdown()
 
@@ -84,6 +85,9 @@ class FakeRay:
         return SimpleNamespace(get_node_id=lambda: self._node_id)
 
     def get(self, ref: Ref, timeout: float | None = None):
+        if ref.method == "want":  # the lookup of the node's actor (``node_lookup``)
+            self.wants.append(ref.args)
+            return None
         # the time left when the call was made (a few us less than its deadline)
         self.timeouts.append((ref.method, None if timeout is None else round(timeout, 2)))
         answer = ref.actor.answers.get(ref.method)
@@ -137,6 +141,8 @@ class FakeChannel:
 def fake(monkeypatch):
     fake_ray = FakeRay()
     fake_ray.actors[node_actor_name(HERE)] = FakeActor("here", {"channel_path": "/sock"})
+    # an engine's link gets its node's actor through the reconciler (``want``)
+    fake_ray.actors[RECONCILER_NAME] = FakeActor("reconciler")
     monkeypatch.setattr(node_link, "ray", fake_ray)
     monkeypatch.setattr(node_lookup, "ray", fake_ray)
     monkeypatch.setattr(node_link, "ChannelClient", FakeChannel)
@@ -164,9 +170,9 @@ def test_control_calls_go_through_ray_with_the_control_deadline(fake):
     link = make_link()
     assert link.call("health") == {"mode": "embedded"}
     assert link.ask("get_pool", "p") is None
-    attached, *calls = actor.calls  # a link on its actor's node attaches its engine first
-    assert attached == ("engines", (ProcessIdentity.current(),))
-    assert calls == [("health", ()), ("get_pool", ("p",))]
+    # a link on its actor's node asks the reconciler for it, counted as its engine
+    assert fake.wants == [(HERE, ProcessIdentity.current())]
+    assert actor.calls == [("health", ()), ("get_pool", ("p",))]
     assert fake.timeouts == [("health", CONTROL_TIMEOUT_S), ("get_pool", CONTROL_TIMEOUT_S)]
 
 
@@ -181,7 +187,7 @@ def test_local_data_ops_take_the_channel_opened_within_the_deadline(fake):
     (exists, (get, (batch, ticket))) = channel.calls  # a get carries its ticket
     assert exists == ("exists", (["k"],)) and (get, batch) == ("get", "batch")
     assert isinstance(ticket, TicketRef) and ticket.book == process_book().name
-    assert actor.calls[1:] == [("channel_path", ())]
+    assert actor.calls == [("channel_path", ())]
     assert fake.timeouts == [("channel_path", 2.5)]
 
 
