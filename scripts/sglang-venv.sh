@@ -37,11 +37,11 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
     # at least what it takes once built (6.6 GB; more while torch's CUDA wheels install)
     need_space . 6656 "building $VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton
-    "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG"
+    "$VENV/bin/python" -m pip install -q --no-compile --upgrade pip
+    "$VENV/bin/python" -m pip install -q --no-compile torch==2.14.1 torchvision==0.29.1 triton
+    "$VENV/bin/python" -m pip install -q --no-compile --no-deps "sglang==$SGLANG"
     # What SGLang's storage / controller modules import, at the versions sglang 0.5.23 pins.
-    "$VENV/bin/python" -m pip install -q numpy orjson psutil pybase64 pillow starlette \
+    "$VENV/bin/python" -m pip install -q --no-compile numpy orjson psutil pybase64 pillow starlette \
         msgspec pydantic pyzmq tqdm dill transformers==5.19.0 tokenizers==0.23.2 \
         apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf ipython \
         requests aiohttp "python-dateutil<3" \
@@ -49,7 +49,7 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" != "$stamp" ]; then
         "blake3==$(pinned blake3)" \
         ninja
 fi
-"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -m pip install -q --no-compile --no-deps -e .
 if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
     say "$VENV: already built and checked"
     exit 0

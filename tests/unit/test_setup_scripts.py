@@ -94,14 +94,14 @@ def test_setup_constrains_every_pip_install_to_the_verified_versions(tmp_path):
     constraints is what the recording shows for the old definition."""
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert ".venv/bin/python -m pip install" not in setup.replace(
-        '.venv/bin/python -m pip install -c constraints.txt "$@"', "")
+        '.venv/bin/python -m pip install --no-compile -c constraints.txt "$@"', "")
     vpip = setup.split("vpip() {", 1)[1].split("\n}\n", 1)[0]
     fake = tmp_path / ".venv" / "bin"
     fake.mkdir(parents=True)
     (fake / "python").write_text('#!/bin/sh\necho "$@"\n')
     (fake / "python").chmod(0o755)
     got = bash(f"vpip() {{ {vpip}\n}}; vpip install -q x==1; vpip list", tmp_path)
-    assert got.stdout.splitlines() == ["-m pip install -c constraints.txt -q x==1",
+    assert got.stdout.splitlines() == ["-m pip install --no-compile -c constraints.txt -q x==1",
                                        "-m pip list"], got
     old = bash('vpip() { .venv/bin/python -m pip "$@"; }; vpip install -q x==1', tmp_path)
     assert "constraints" not in old.stdout  # CONTROL: the old vpip
