@@ -40,10 +40,9 @@ OWN_RAY = ("start_local(", "two_nodes(", "ray.init(")
 
 def shares(module: Any, items: list[pytest.Item]) -> bool:
     """Whether ``module``'s tests (of the session's ``items``) take the shared cluster:
-    one of them asks for
-    ``cluster``, and the module defines no ``cluster`` fixture of its own and starts
-    no Ray itself (``OWN_RAY``: a test of it that did so beside the shared cluster
-    would find Ray initialised)."""
+    one of them asks for ``cluster``, and the module defines no ``cluster`` fixture of
+    its own and starts no Ray itself (``OWN_RAY``: a test of it that did so beside the
+    shared cluster would find Ray initialised)."""
     if hasattr(module, "cluster"):
         return False
     source = inspect.getsource(module)
