@@ -1,9 +1,10 @@
 """A node's probe objects: a timed read of a peer's probe measures that link before any
 load from it (``cache_actors.node.load_estimates`` decides when).
 
-Each node actor that can locate objects (an embedded Mooncake client) puts two probe
-objects, ``SMALL`` and ``LARGE`` bytes, under keys named by its own segment
-(``probe_key``), placed on that segment like its puts. A probe of a segment reads both
+Each node actor that can locate objects (an embedded Mooncake client) with a segment of
+its own puts two probe objects, ``SMALL`` and ``LARGE`` bytes, under keys named by that
+segment (``probe_key``), placed on it like its puts; one that gives the store no memory
+puts none and still probes its peers. A probe of a segment reads both
 (each twice, small then large, the faster read of each kept: the first read of a new
 peer pays its connection's setup, and a read that a busy node's scheduler held is not
 taken for the link) into a registered buffer of this actor, timed, and fits a fixed cost
@@ -54,8 +55,11 @@ class LinkProbe:
         backend.register(self._ptr, LARGE)
 
     def publish(self) -> bool:
-        """Put this node's probe objects if absent: whether both are in the store."""
+        """Put this node's probe objects if absent: whether both are in the store (True
+        for a node with no segment of its own: it has none to put)."""
         own = self._backend.own_segment
+        if not own:
+            return True
         codes = self._backend.put([probe_key(own, SMALL), probe_key(own, LARGE)],
                                   [self._ptr, self._ptr], [SMALL, LARGE])
         return all(c >= 0 for c in codes)

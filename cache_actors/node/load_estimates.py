@@ -260,10 +260,11 @@ class LoadEstimates:
 
     def _background(self, peers: Callable[[], tuple[list[str], bool]] | None) -> None:
         probe = None
-        if self._backend.can_locate and self._backend.own_segment:
+        if self._backend.can_locate:  # with no segment of its own it still reads peers'
             try:
                 probe = LinkProbe(self._backend)
-                self.costs.seen([self._backend.own_segment])
+                if self._backend.own_segment:
+                    self.costs.seen([self._backend.own_segment])
             except Exception:
                 log.exception("the link probe could not start: links are measured by "
                               "gets alone")

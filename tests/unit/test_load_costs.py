@@ -363,3 +363,35 @@ def test_peers_are_asked_again_soon_while_a_listed_node_has_not_told_its_segment
         assert len(calls) == 3
     finally:
         estimates.close()
+
+
+class PeerObjects(FakeBackend):
+    """The shared fake whose objects all lie on the peer ``B``'s segment."""
+
+    def locate(self, keys):
+        return [(B,) if k in self.objects else () for k in keys]
+
+
+@pytest.mark.parametrize("own", [None, A])
+def test_a_node_that_gives_no_memory_probes_its_peers_and_puts_no_probe(own):
+    """A node with no segment of its own (``global_segment_size`` 0) still probes a peer
+    of the node list, and puts no probe object of its own. CONTROL: a node with a
+    segment puts its two."""
+    import time as real_time
+
+    from raykv.cache_actors.node.link_probe import LARGE, SMALL, probe_key
+
+    peer_probes = {probe_key(B, SMALL): SMALL, probe_key(B, LARGE): LARGE}
+    backend = PeerObjects(peer_probes)
+    backend.own_segment = own
+    estimates = LoadEstimates(backend)
+    estimates.start(lambda: ([B], True))
+    try:
+        end = real_time.monotonic() + 10
+        while estimates.costs.view()["links"].get(B, {}).get("probe_age_s") is None:
+            assert real_time.monotonic() < end, estimates.costs.view()
+            real_time.sleep(0.01)
+    finally:
+        estimates.close()
+    put = set(backend.objects) - set(peer_probes)
+    assert put == (set() if own is None else {probe_key(A, SMALL), probe_key(A, LARGE)})
