@@ -44,9 +44,9 @@ class. Either way each field is checked against its annotation (a ``StrEnum`` fi
 comes back as that enum). Nothing else can be decoded: there is no pickle, no class
 lookup by name. Errors travel as ``[name, message]``: an exception of one of the server's
 ``passthrough`` types under the name of its nearest class in ``_ERRORS`` (``ValueError``,
-``RuntimeError``, the ``NodeUnavailableError`` family), raised again as that class on the
-caller's side; any other as a ``RuntimeError`` naming it (and any other name comes back
-as ``RuntimeError``).
+``RuntimeError``, the ``NodeUnavailableError`` family, ``UnknownPoolError``), raised
+again as that class on the caller's side; any other as a ``RuntimeError`` naming it
+(and any other name comes back as ``RuntimeError``).
 
 Messages. A connection begins with a hello each way, ``[MAGIC, PROTOCOL, raykv
 version]`` (client first): peers whose ``PROTOCOL`` differ refuse each other with a
@@ -78,13 +78,14 @@ from raykv.cache_actors.errors import (
     NodeUnavailableError,
     StalePoolsError,
     StoreUnavailableError,
+    UnknownPoolError,
 )
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import PoolQuery
 from raykv.controllers.object_batch import MAX_BATCH_OBJECTS, ObjectBatch
 from raykv.controllers.ownership import OwnerClaim
 
-PROTOCOL = 3
+PROTOCOL = 4
 """The wire's version: raise it on any change to frames, messages or ``_CLASSES``."""
 
 MAGIC = "raykv-channel"
@@ -566,7 +567,7 @@ def parse_request(body: bytes | memoryview,
 # ----------------------------------------------------------------------- replies
 _ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     ValueError, RuntimeError, NodeUnavailableError, StoreUnavailableError,
-    StalePoolsError, DeadlineExceededError)}
+    StalePoolsError, DeadlineExceededError, UnknownPoolError)}
 
 
 def error_name(error: BaseException) -> str | None:

@@ -1,4 +1,12 @@
-"""Retryable errors a rank sees while its node's cache is (re)starting."""
+"""The errors a rank sees from its node actor that it acts on by type: the retryable
+ones while the node's cache is (re)starting, and a pool the node does not have."""
+
+
+class UnknownPoolError(ValueError):
+    """A call names a pool the node actor does not have: never created, destroyed, or
+    gone with a restart of the actor (its host pools, zero-copy engine pools and L2
+    pools live as long as it does). Not retryable as it is: the caller opens or adopts
+    the pool again (vLLM's L2 reopens, SGLang's backend adopts its pools again)."""
 
 
 class NodeUnavailableError(RuntimeError):

@@ -61,3 +61,17 @@ SEAL_MISMATCH = -4
 """raykv's get code for an object whose seal did not verify (``controllers.object_seal``:
 damaged or truncated on disk, or sealed under another cluster's seal key): its bytes are
 not served, the object is removed from the store, and the get counts as a miss."""
+
+
+# An L2 pool's answers to ``reserve``, per key (``cache_actors.node.l2_index``), read by
+# the ranks that write into L2 (``integrations.vllm.l2_blocks``): otherwise a page index.
+
+PRESENT = -1
+"""``reserve``'s answer for a key L2 holds already (ready)."""
+
+FULL = -2
+"""``reserve``'s answer for a key no page could be found for."""
+
+WRITING = -3
+"""``reserve``'s answer for a key another holder is writing now (not ready: not in L2
+until that write's commit, which may fail)."""

@@ -1,4 +1,4 @@
-"""Joining the raykv cluster's Ray from an engine process (pure Ray: no engine import).
+"""Joining the raykv cluster's Ray from an engine process (Ray only: no engine import).
 
 Both engine integrations call ``join_ray`` from the process the engine runs them in
 (SGLang's scheduler, vLLM's engine core and workers), which is often a plain process

@@ -45,18 +45,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from raykv.cache_actors.node.eviction_order import eviction_order
+from raykv.controllers.result_codes import FULL, PRESENT, WRITING
 
 Holder = tuple[int, int]
 """One rank thread: ``(thread id, start ticks)`` (``ProcessIdentity``; a process's main
 thread is the process itself)."""
-
-PRESENT = -1
-"""``reserve``'s answer for a key L2 holds already (ready)."""
-FULL = -2
-"""``reserve``'s answer for a key no page could be found for."""
-WRITING = -3
-"""``reserve``'s answer for a key another holder is writing now (not ready: not in L2
-until that write's commit, which may fail)."""
 
 
 @dataclass

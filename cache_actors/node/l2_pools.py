@@ -62,10 +62,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.errors import DeadlineExceededError, UnknownPoolError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_evictions import L2Evictions
-from raykv.cache_actors.node.l2_index import FULL, Holder, L2Index, check_holder
+from raykv.cache_actors.node.l2_index import Holder, L2Index, check_holder
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
@@ -75,6 +75,7 @@ from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import FULL
 
 log = logging.getLogger(__name__)
 
@@ -372,8 +373,8 @@ class L2Pools:
         with self._lock:
             entry = self._pools.get(pool)
         if entry is None or entry.owner != owner:
-            raise ValueError(f"{pool!r} is no L2 pool of the caller's on this node (the "
-                             "node actor may have restarted: open L2 again)")
+            raise UnknownPoolError(f"{pool!r} is no L2 pool of the caller's on this node "
+                                   "(the node actor may have restarted: open L2 again)")
         return entry
 
     def _fill(self, entry: _L2Pool, reader: Holder | None, keys: list[str],

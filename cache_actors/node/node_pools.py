@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NoReturn
 
-from raykv.cache_actors.errors import StalePoolsError
+from raykv.cache_actors.errors import StalePoolsError, UnknownPoolError
 from raykv.cache_actors.host_pools import HostPool, PoolHandle
 from raykv.cache_actors.node.engine_memory import map_engine_pool
 from raykv.cache_actors.node.engine_watch import EngineWatch
@@ -157,8 +157,8 @@ class PoolTable:
         for name in names:
             pool = self.pools.get(name)
             if pool is None:
-                raise ValueError(f"the batch names pool {name!r}, which this node does not "
-                                 "have (never created, or destroyed)")
+                raise UnknownPoolError(f"the batch names pool {name!r}, which this node "
+                                       "does not have (never created, or destroyed)")
             pool.check()  # an engine's memfd that shrank: refused, never a SIGBUS
             pools[name] = (pool.base_ptr, pool.nbytes)
             used.append(pool)

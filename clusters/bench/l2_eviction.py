@@ -39,7 +39,7 @@ from raykv.clusters.bench.block_digests import check_loads
 
 BLOCK = 128
 PROMPT = 1000  # tokens: 7 full blocks (the last token is always computed)
-FULL = PROMPT // BLOCK
+PROMPT_BLOCKS = PROMPT // BLOCK
 OUTPUT = 8
 L2_COUNTS = ("hits", "misses", "evicted", "written", "flushed", "full", "dirty")
 
@@ -62,7 +62,7 @@ def judge_tokens(out: dict, cold: list[int], restored: list[int]) -> str:
     loaded / none, the whole prompt computed) followed by ``_same`` or ``_differ``
     against the reference (R's restore / R's cold run); ``partial`` (not judged)."""
     loaded = out["loaded"]
-    if loaded == FULL:
+    if loaded == PROMPT_BLOCKS:
         return "full_same" if out["tokens"] == restored else "full_differ"
     if loaded == 0:
         return "none_same" if out["tokens"] == cold else "none_differ"
@@ -137,8 +137,8 @@ def split(rows: Sequence[dict]) -> dict:
             "blocks_looked_up": sum(r["cached"] // BLOCK for r in rows),
             "blocks_loaded": sum(r["loaded"] for r in rows),
             "blocks_load_failed": sum(r["load_failed"] for r in rows),
-            "blocks_recomputed": sum(FULL - r["loaded"] for r in rows),
-            "requests_by_load": tally("full" if r["loaded"] == FULL else
+            "blocks_recomputed": sum(PROMPT_BLOCKS - r["loaded"] for r in rows),
+            "requests_by_load": tally("full" if r["loaded"] == PROMPT_BLOCKS else
                                       "none" if r["loaded"] == 0 else "partial"
                                       for r in rows)}
 
@@ -191,7 +191,7 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
         for p in ps:
             cold.append(ray.get(ref.generate.remote(p, OUTPUT))["tokens"])
             again = ray.get(ref.generate.remote(p, OUTPUT))
-            if again["cached"] != FULL * BLOCK:
+            if again["cached"] != PROMPT_BLOCKS * BLOCK:
                 raise RuntimeError(f"the reference restored {again['cached']} tokens")
             restored.append(again["tokens"])
         actors = [cluster.node_actors[n] for n in (n0, n1)]
@@ -216,8 +216,8 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
                               "save_dropped", "save_failed")}
                    for i in range(len(engines))]
         result = {
-            "prompts": prompts, "prompt_tokens": PROMPT, "blocks_per_prompt": FULL,
-            "working_set_blocks": FULL * prompts, "l2_blocks_per_node": l2_blocks,
+            "prompts": prompts, "prompt_tokens": PROMPT, "blocks_per_prompt": PROMPT_BLOCKS,
+            "working_set_blocks": PROMPT_BLOCKS * prompts, "l2_blocks_per_node": l2_blocks,
             "engines": {"node0": 2, "node1": 1}, "steps": steps,
             "seconds": seconds, "load_average": os.getloadavg(), **split(rows),
             "tokens": tally(judged), "digest_check": check, "control_corrupt": control,
@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps of one request per engine")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args(argv)
-    if a.l2_blocks >= FULL * a.prompts:
+    if a.l2_blocks >= PROMPT_BLOCKS * a.prompts:
         raise SystemExit(f"--l2-blocks {a.l2_blocks} holds the whole working set "
-                         f"({FULL * a.prompts} blocks): no pressure")
+                         f"({PROMPT_BLOCKS * a.prompts} blocks): no pressure")
     print(json.dumps(run(a.prompts, a.l2_blocks, a.steps, a.out), indent=1))
 
 

@@ -68,7 +68,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ray
-from raykv.cache_actors.node.l2_index import FULL, WRITING
 from raykv.clusters.bench.sim_check_compare import (
     MAX_DIFF_PP,
     TIERS,
@@ -82,6 +81,7 @@ from raykv.clusters.sim.trace import Request, read_trace
 from raykv.controllers import StorageConfig
 from raykv.controllers.contract import PoolName
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import FULL, WRITING
 
 TRACE = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / \
     "conversation_trace.jsonl"

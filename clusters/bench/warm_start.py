@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 from raykv import start_local
-from raykv.cache_actors.node.l2_index import PRESENT
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.clusters.bench.toolkit import machine_info
 from raykv.clusters.bench.warm_workload import (
@@ -57,6 +56,7 @@ from raykv.clusters.bench.warm_workload import (
 )
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB, PoolLayout
+from raykv.controllers.result_codes import PRESENT
 
 TRACES = [Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / name
           for name in ("conversation_trace.jsonl", "synthetic_trace.jsonl")]

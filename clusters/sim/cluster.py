@@ -29,7 +29,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
-from raykv.cache_actors.node.l2_index import FULL, L2Index
+from raykv.cache_actors.node.l2_index import L2Index
 from raykv.cache_actors.node.l2_pools import LEASE_S
 from raykv.clusters.sim import node_changes as nc
 from raykv.clusters.sim.block_lru import BlockLRU
@@ -46,6 +46,7 @@ from raykv.clusters.sim.tally import Tally
 from raykv.clusters.sim.trace import Request
 from raykv.controllers.load_guard import GuardSettings
 from raykv.controllers.residency import Residency
+from raykv.controllers.result_codes import FULL
 from raykv.integrations.serve.ranking import Weights
 
 NODE_HOLDER = (0, 0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from raykv.cache_actors.node.l2_index import FULL, L2Index
+from raykv.cache_actors.node.l2_index import L2Index
 from raykv.cache_actors.node.touch_journal import TouchJournal, hottest
 from raykv.cache_actors.node.warm_plan import (
     MAX_PEERS,
@@ -43,6 +43,7 @@ from raykv.clusters.sim.l3_store import L3Store
 from raykv.clusters.sim.links import Links
 from raykv.clusters.sim.scaling import Served, around
 from raykv.controllers.drain_plan import fitting, room, sole_on
+from raykv.controllers.result_codes import FULL
 
 DRAIN, LEAVE, WARMED = 10, 11, 12
 """The events this module asks its cluster to push: the drain's next move, the

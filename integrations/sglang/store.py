@@ -12,6 +12,7 @@ from raykv.cache_actors.errors import (
     CircuitOpenError,
     DeadlineExceededError,
     NodeUnavailableError,
+    UnknownPoolError,
 )
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.cache_actors.throttled_log import ThrottledLog
@@ -334,7 +335,7 @@ class RayKVStore(HiCacheStorage):
         self.counters[f"{what}_failures"] += 1
         restarted = isinstance(e, NodeUnavailableError) and not isinstance(
             e, (DeadlineExceededError, CircuitOpenError))
-        if restarted or "does not have" in str(e):
+        if restarted or isinstance(e, UnknownPoolError):
             self._served.mark_readopt()
         self._warn_log.warn(what, "raykv %s failed, reported as misses / failed pages: %s",
                             what, e)

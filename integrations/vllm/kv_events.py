@@ -1,4 +1,4 @@
-"""vLLM KV events for raykv's tiers (pure: no vLLM import but in ``to_vllm``).
+"""vLLM KV events for raykv's tiers (no vLLM import but in ``to_vllm``).
 
 With vLLM's ``kv_events_config.enable_kv_cache_events`` on, the connector publishes,
 next to vLLM's own events for its device blocks, a ``BlockStored`` when a block lands

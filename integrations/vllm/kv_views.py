@@ -1,4 +1,4 @@
-"""vLLM's per-layer KV cache views as raykv reads them (pure: torch only, no vLLM).
+"""vLLM's per-layer KV cache views as raykv reads them (torch only, no vLLM).
 
 vLLM 0.32 hands a connector's ``register_kv_caches`` one logical ``[B, H, N, C]`` view
 per layer (``vllm.v1.kv_cache_interface.create_kv_cache_views``): B kernel blocks of N

@@ -47,9 +47,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING
+from raykv.cache_actors.errors import UnknownPoolError
 from raykv.cache_actors.rank.page_copies import copy_runs, copy_runs_behind
 from raykv.cache_actors.rank.staging_pools import page_runs
+from raykv.controllers.result_codes import FULL, PRESENT, WRITING
 
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
@@ -222,13 +223,12 @@ class L2Blocks:
         return SaveBehind(self, name, keys, ours, present, full, done, hold.pop_all())
 
     def _op(self, op: Callable, *args, **kw):
-        """``op(*args)``; a ``ValueError`` saying the pool is no L2 pool of the node's
-        (it restarted) loses the L2 and starts reopening it."""
+        """``op(*args)``; an ``UnknownPoolError`` (the pool is no L2 pool of the node's:
+        it restarted) loses the L2 and starts reopening it."""
         try:
             return op(*args, **kw)
-        except ValueError as e:
-            if "no L2 pool" in str(e):
-                self._lose()
+        except UnknownPoolError:
+            self._lose()
             raise
 
     def _pool(self) -> HostPool:

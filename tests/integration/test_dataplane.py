@@ -218,9 +218,9 @@ def test_l2_write_behind_then_a_node_without_it_fills_from_l3(cluster, uid):
     Node 2's L2 (Ray route: the driver is on node 1) reads them from L3 into its own
     pages (3 gets), byte for byte; asked again it serves them from L2 with no get.
     Control: a block never written is not found on either node."""
-    from raykv.cache_actors.node.l2_index import PRESENT
     from raykv.cache_actors.rank.client import CacheClient
     from raykv.controllers.pool_layout import PoolLayout
+    from raykv.controllers.result_codes import PRESENT
 
     node1, node2 = cluster.node_ids
     conf = StorageConfig(model_name=f"org/l2-{uid}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from raykv.clusters.bench import lmcache_h2h as h2h
 from raykv.clusters.bench.block_digests import check_loads
-from raykv.clusters.bench.l2_eviction import FULL, judge_tokens, schedule, split, tally
+from raykv.clusters.bench.l2_eviction import PROMPT_BLOCKS, judge_tokens, schedule, split, tally
 from raykv.clusters.bench.l2_faults import phases, step_cost
 
 
@@ -124,8 +124,8 @@ def test_eviction_judges_full_and_empty_loads_only():
     def judge(loaded: int, tokens: list[int]) -> str:
         return judge_tokens({"loaded": loaded, "tokens": tokens}, cold, restored)
 
-    assert judge(FULL, [1, 3]) == "full_same"
-    assert judge(FULL, [1, 2]) == "full_differ"
+    assert judge(PROMPT_BLOCKS, [1, 3]) == "full_same"
+    assert judge(PROMPT_BLOCKS, [1, 2]) == "full_differ"
     assert judge(0, [1, 2]) == "none_same"
     assert judge(0, [1, 3]) == "none_differ"
     assert judge(3, [9]) == "partial"

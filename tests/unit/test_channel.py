@@ -29,6 +29,7 @@ from raykv.cache_actors.errors import (
     DeadlineExceededError,
     NodeUnavailableError,
     StalePoolsError,
+    UnknownPoolError,
 )
 from raykv.cache_actors.node import channel_server
 from raykv.cache_actors.node.channel_server import ChannelServer
@@ -249,12 +250,17 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     def get(batch, ticket):
         raise StalePoolsError("re-map")
 
+    def exists(keys):
+        if keys == ["gone"]:
+            raise UnknownPoolError("no such pool")
+        return [1] * len(keys)
+
     def group(reply, dep, version, rank, engine, keys, queries):
         seen.append((dep, version, rank, engine, keys, queries))
         reply(PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2]), None)
 
     srv = ChannelServer(str(tmp_path / "n.sock"),
-                        {DataOp.PUT: put, DataOp.GET: get, DataOp.EXISTS: lambda k: [1] * len(k)},
+                        {DataOp.PUT: put, DataOp.GET: get, DataOp.EXISTS: exists},
                         arg_types=DATA_OP_ARGS, passthrough=(ValueError, NodeUnavailableError),
                         async_handlers={DataOp.GROUP_EXISTS: group},
                         deadline_ops=frozenset({DataOp.PUT}))
@@ -268,6 +274,8 @@ def test_the_data_ops_types_travel_and_passthrough_errors_keep_their_class(tmp_p
     with pytest.raises(StalePoolsError, match="re-map"):
         client.call(DataOp.GET, batch, None)
     assert client.call(DataOp.EXISTS, ["a", "b", "c"]) == [1, 1, 1]
+    with pytest.raises(UnknownPoolError, match="no such pool"):  # a ValueError: as itself
+        client.call(DataOp.EXISTS, ["gone"])
     query = PoolQuery(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, 2)
     got = client.call(DataOp.GROUP_EXISTS, "dep", 3, (0, 1), "e1", ["a"], [query])
     assert got == PoolTransferResult(2, {PoolName.MAMBA: 1}, [0, 2])

@@ -8,8 +8,9 @@ import functools
 
 import pytest
 from raykv.cache_actors.node.eviction_order import check_eviction, eviction_order
-from raykv.cache_actors.node.l2_index import FULL, L2Index
+from raykv.cache_actors.node.l2_index import L2Index
 from raykv.controllers.node_settings import L2_EVICTIONS
+from raykv.controllers.result_codes import FULL
 
 from tests.unit.test_l2_index import A, B, Clock, EvictsHeldPages, failures, simulate, written
 

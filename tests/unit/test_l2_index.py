@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING, L2Index
+from raykv.cache_actors.node.l2_index import L2Index
+from raykv.controllers.result_codes import FULL, PRESENT, WRITING
 
 A, B = (101, 1), (102, 1)  # two rank processes
 

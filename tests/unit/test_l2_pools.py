@@ -8,13 +8,13 @@ import dataclasses
 import time
 
 import pytest
-from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.errors import DeadlineExceededError, UnknownPoolError
 from raykv.cache_actors.host_pools import PoolHandle
-from raykv.cache_actors.node.l2_index import FULL, PRESENT, WRITING
 from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.controllers.result_codes import FULL, PRESENT, WRITING
 
 ME = tuple(dataclasses.astuple(ProcessIdentity.current()))  # a live holder: never reaped
 GONE = (1, 1)  # pid 1 with another start: a holder whose process is gone
@@ -48,7 +48,7 @@ class FakeNode:
         self.calls.append((op, list(batch.keys)))
         gone = set(batch.pools) - set(self.pools)
         if gone:  # as NodePools.resolve: memory that left is never read
-            raise ValueError(f"the batch names pools {gone} this node does not have")
+            raise UnknownPoolError(f"the batch names pools {gone} this node does not have")
         if op == "put":
             if self.fail_puts > 0:
                 self.fail_puts -= 1
@@ -116,11 +116,11 @@ def test_ops_need_the_pools_owner_and_keys_of_its_prefix():
     node = FakeNode()
     pools = l2(node)
     h = pools.open((0, 0), layout(), 8, A)
-    with pytest.raises(ValueError, match="no L2 pool"):
+    with pytest.raises(UnknownPoolError, match="no L2 pool"):
         pools.reserve(ME, h.name, ["n_x"], B)
     with pytest.raises(ValueError, match="prefix"):
         pools.reserve(ME, h.name, ["n_x"], A)
-    with pytest.raises(ValueError, match="no L2 pool"):
+    with pytest.raises(UnknownPoolError, match="no L2 pool"):
         pools.acquire(ME, "l2-other", ["m_x"], False, A)
     assert pools.lookup(["n_x"], 1, B) == 0
 
@@ -271,7 +271,7 @@ def test_reset_forgets_every_pool_and_open_makes_a_new_one():
     pools.commit(ME, h.name, ["m_a"], pages, [True], A)
     pools.reset()
     assert pools.lookup(["m_a"], 1, A) == 0
-    with pytest.raises(ValueError, match="no L2 pool"):
+    with pytest.raises(UnknownPoolError, match="no L2 pool"):
         pools.acquire(ME, h.name, ["m_a"], False, A)
     h2 = pools.open((0, 0), layout(), 4, A)
     assert h2.name != h.name and h.name not in node.pools  # the old one removed
@@ -377,7 +377,7 @@ def test_a_pool_removed_and_opened_again_gets_a_name_never_used_before():
     pools.forget(h.name)
     h2 = pools.open((0, 0), layout(), 4, A)
     assert h2.name != h.name and h2.name.startswith(l2_family("m_", (0, 0)))
-    with pytest.raises(ValueError, match="no L2 pool"):
+    with pytest.raises(UnknownPoolError, match="no L2 pool"):
         pools.reserve(ME, h.name, ["m_c"], A)
     assert pools.open((0, 0), layout(), 4, A) == h2  # another engine: the same pool
     gate.set()

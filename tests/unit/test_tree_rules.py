@@ -109,3 +109,138 @@ def test_rank_and_node_never_import_each_other():
         "cache_actors/node/x.py -> raykv.cache_actors.rank"]
     assert crossings(ast.parse("import raykv.cache_actors.node_x\n"),
                      "cache_actors/rank/x.py") == []
+
+
+def walked(tree: ast.AST, typing: bool) -> list[ast.AST]:
+    """``ast.walk(tree)``; without ``typing``, ``if TYPE_CHECKING:`` blocks left out."""
+    nodes, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack += node.orelse
+        else:
+            stack += ast.iter_child_nodes(node)
+    return nodes
+
+
+def imported(tree: ast.Module, typing: bool = True) -> list[str]:
+    """Every module ``tree`` imports, wherever (functions included; type-checking blocks
+    with ``typing``), absolute imports as written; ``from X import Y`` gives ``X.Y`` too
+    where that is a raykv module."""
+    found = []
+    for node in walked(tree, typing):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [m for a in node.names
+                                      if module_file(m := f"{node.module}.{a.name}")]
+    return found
+
+
+def node_imports(tree: ast.Module, name: str) -> list[str]:
+    """``"file -> module"`` for each import of ``cache_actors/node`` in ``tree``: the
+    node actor's modules run in its process only."""
+    node = "raykv.cache_actors.node"
+    return sorted({f"{name} -> {m}" for m in imported(tree)
+                   if m == node or m.startswith(node + ".")})
+
+
+def test_integrations_never_import_the_node_actors_modules():
+    files = [f for f in modules() if f.startswith("integrations/")]
+    assert len(files) > 30
+    assert [c for f in files for c in node_imports(parsed(f), f)] == []
+    # CONTROL: the import of L2's reserve answers that l2_blocks had is caught
+    assert node_imports(ast.parse(
+        "from raykv.cache_actors.node.l2_index import FULL, PRESENT\n"),
+        "integrations/vllm/l2_blocks.py") == [
+        "integrations/vllm/l2_blocks.py -> raykv.cache_actors.node.l2_index"]
+
+
+HEAVY = ("ray", "torch", "mooncake", "vllm", "sglang")
+"""What a pure module never imports: the runtime, the store, the device, the engines."""
+
+
+def module_file(module: str) -> str | None:
+    """The package file of the ``raykv`` module ``module`` (None: not raykv's)."""
+    parts = module.split(".")
+    if parts[0] != "raykv":
+        return None
+    base = "/".join(parts[1:]) if len(parts) > 1 else "raykv"
+    for name in (f"{base}.py", f"{base}/__init__.py"):
+        if (ROOT / name).is_file():
+            return name
+    return None
+
+
+def top_imports(tree: ast.Module) -> list[str]:
+    """The modules ``tree`` imports when it is imported: module-level statements
+    (inside ``if``/``try``/``with`` too), ``if TYPE_CHECKING:`` blocks aside."""
+    found: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                found.extend(imported(ast.Module(body=[node], type_ignores=[])))
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                for part in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, part, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return found
+
+
+def heavy_chain(module: str, read=lambda f: parsed(f), seen=None) -> list[str]:
+    """The import chain by which importing ``module`` loads one of ``HEAVY`` (its
+    packages' ``__init__`` included), or []."""
+    seen = set() if seen is None else seen
+    if module.split(".")[0] in HEAVY:
+        return [module]
+    file = module_file(module)
+    if file is None or module in seen:
+        return []
+    seen.add(module)
+    parts = module.split(".")
+    for m in [".".join(parts[:i]) for i in range(1, len(parts))] + top_imports(read(file)):
+        if m != module and (chain := heavy_chain(m, read, seen)):
+            return [module, *chain]
+    return []
+
+
+def declares_pure(tree: ast.Module) -> bool:
+    """Whether the first paragraph of the module's docstring calls it pure."""
+    doc = ast.get_docstring(tree) or ""
+    return re.search(r"\bpure\b", doc.split("\n\n")[0], re.IGNORECASE) is not None
+
+
+def impure(tree: ast.Module, name: str, read=lambda f: parsed(f)) -> list[str]:
+    """``"file: a -> b -> ray"`` for the first import of ``tree`` (anywhere in it but a
+    type-checking block) that is, or loads, one of ``HEAVY``."""
+    for m in imported(tree, typing=False):
+        if chain := heavy_chain(m, read):
+            return [f"{name}: {' -> '.join(chain)}"]
+    return []
+
+
+def test_pure_modules_import_no_ray_mooncake_torch_or_engine():
+    """Pure: ``controllers/`` (but the controller actor, ``controller.py``) and every
+    module whose docstring says so in its first paragraph."""
+    pure = [f for f in modules() if declares_pure(parsed(f))
+            or (f.startswith("controllers/") and f != "controllers/controller.py")]
+    assert len(pure) > 80
+    assert [i for f in pure for i in impure(parsed(f), f)] == []
+    # CONTROL: a direct import, one inside a function, and one through a raykv module
+    # (the node actor's, which imports Ray when imported) are each caught
+    assert impure(ast.parse("import torch\n"), "x.py") == ["x.py: torch"]
+    assert impure(ast.parse("def f():\n    from vllm import LLM\n"), "x.py") == [
+        "x.py: vllm"]
+    (chain,) = impure(ast.parse("from raykv.cache_actors.node import node_actor\n"), "x.py")
+    assert chain.startswith("x.py: raykv.cache_actors.node.node_actor -> ") \
+        and chain.rsplit(" -> ", 1)[1].split(".")[0] == "ray", chain
+    # ... and a type-checking import is not
+    assert impure(ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                            "    import torch\n"), "x.py") == []

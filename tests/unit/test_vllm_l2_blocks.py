@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from raykv.cache_actors.errors import UnknownPoolError
 from raykv.cache_actors.node.l2_index import L2Index
 from raykv.integrations.vllm.l2_blocks import L2Blocks
 
@@ -48,7 +49,7 @@ class FakeLink:
 
     def _check(self, pool: str) -> None:
         if self.gone or pool != self.pool.name:
-            raise ValueError(f"{pool!r} is no L2 pool of the caller's on this node")
+            raise UnknownPoolError(f"{pool!r} is no L2 pool of the caller's on this node")
 
     def acquire(self, pool, hashes, fill):
         self._check(pool)
@@ -139,7 +140,7 @@ def test_a_lost_pool_is_reopened_in_the_background():
     store = [torch.zeros(PAGES, *BLOCK)]
     blocks = l2(link, engine(layers=1), store)
     link.gone = True  # the node actor restarted
-    with pytest.raises(ValueError, match="no L2 pool"):
+    with pytest.raises(UnknownPoolError, match="no L2 pool"):
         blocks.load([0], ["h0"])
     deadline = time.monotonic() + 5
     while not blocks.usable or blocks.pool.name != "l2-pool-1":
