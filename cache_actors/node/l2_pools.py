@@ -61,11 +61,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError, UnknownPoolError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_evictions import L2Evictions
 from raykv.cache_actors.node.l2_index import Holder, L2Index, check_holder
+from raykv.cache_actors.node.node_pools import quota_left
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
@@ -76,6 +78,10 @@ from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import FULL
+
+if TYPE_CHECKING:
+    from raykv.cache_actors.node.node_pools import NodePools
+    from raykv.cache_actors.node.store_mover import StoreMover
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +95,8 @@ FILL_WAIT_S = PUT_WAIT_S
 """Deadline of an L3 read into L2 whose caller gave none, in seconds."""
 
 Move = Callable[[str, ObjectBatch, float, OwnerClaim | None], list[int]]
-"""``move(op, batch, deadline, caller)``: the node's ``put`` or ``get`` of a batch (the
-caller already verified), one code per object."""
+"""``move(op, batch, deadline, caller)`` (``StoreMover.move``): the node's ``put`` or
+``get`` of a batch (the caller already verified), one code per object."""
 
 
 @dataclass
@@ -116,27 +122,21 @@ class _L2Pool:
 
 
 class L2Pools:
-    """The L2 pools of one node (see the module docstring). ``create(name, layout, owner) ->
-    PoolHandle`` and ``destroy(name, owner)`` make and remove a pool as ``NodePools`` does
-    (quotas, budget); ``move``: the store's put and get (``Move``); ``verify``: a caller's
-    claim checked (``NodeService.verify``); ``l2_bytes``: the most bytes of this node's L2
-    pools together (0: no L2); ``eviction``: their ``NodeSettings.l2_eviction``;
-    ``flush_attempts``: puts per object of the write-behind at most (1: no retry); ``log`` /
-    ``touches``: the node's residency log, told each key that becomes or stops being ready,
-    and touch journal, told each page an acquire serves (None: its own; ``raykv why`` reads
-    it and ``evictions``, its pools' ``L2Evictions``); ``quota_left(owner)``: bytes its
-    tenant (no tenant: the pools without one) may add here (None: unbounded)."""
+    """The L2 pools of one node (see the module docstring): made and removed among the
+    node's ``pools`` as any pool (quotas, budget), their store calls and callers' claims
+    through the node's ``mover`` (``StoreMover``: a fill's get, the write-behind's put,
+    a claim checked); ``l2_bytes``: the most bytes of this node's L2 pools together (0:
+    no L2); ``eviction``: their ``NodeSettings.l2_eviction``; ``flush_attempts``: puts per
+    object of the write-behind at most (1: no retry); ``log`` / ``touches``: the node's
+    residency log, told each key that becomes or stops being ready, and touch journal,
+    told each page an acquire serves (None: its own; ``raykv why`` reads it and
+    ``evictions``, its pools' ``L2Evictions``)."""
 
-    def __init__(self, create: Callable[[str, PoolLayout, Owner | None], PoolHandle],
-                 destroy: Callable[[str, Owner | None], bool],
-                 pool_names: Callable[[], Sequence[str]], move: Move,
-                 verify: Callable[[OwnerClaim | None], OwnerClaim | None], *,
-                 l2_bytes: int, eviction: str = DEFAULTS.l2_eviction, lease_s: float = LEASE_S,
+    def __init__(self, pools: NodePools, mover: StoreMover, *, l2_bytes: int,
+                 eviction: str = DEFAULTS.l2_eviction, lease_s: float = LEASE_S,
                  flush_attempts: int = ATTEMPTS, clock: Callable[[], float] = time.monotonic,
-                 log: ResidencyLog | None = None, touches: TouchJournal | None = None,
-                 quota_left: Callable[[Owner], int | None] = lambda owner: None) -> None:
-        self._create, self._destroy, self._pool_names = create, destroy, pool_names
-        self._move, self._verify, self._quota_left = move, verify, quota_left
+                 log: ResidencyLog | None = None, touches: TouchJournal | None = None) -> None:
+        self._node_pools, self._mover = pools, mover
         self.l2_bytes, self._log = l2_bytes, log or ResidencyLog()
         self._index = partial(L2Index, lease_s=lease_s, clock=clock, eviction=eviction)
         self.evictions, self.touches = L2Evictions(), touches or TouchJournal()
@@ -147,7 +147,8 @@ class L2Pools:
         self._pools: dict[str, _L2Pool] = {}
         self._fills = itertools.count(1)  # serial of the node's own fill holders
         self.counts = dict.fromkeys(("filled", "fill_failed", "warmed", "warm_failed"), 0)
-        self.write_behind = WriteBehind(partial(put_pages, move), flushed_pages, self._served,
+        self.write_behind = WriteBehind(partial(put_pages, mover.move), flushed_pages,
+                                        self._served,
                                         self._lock, attempts=flush_attempts)
 
     # ---------------------------------------------------------------- control
@@ -161,7 +162,7 @@ class L2Pools:
         owner claim, a layout with more than one object per page, a bad ``share``,
         another layout than the existing pool's, or what pool creation refuses (tenant
         quota with less than one page left, budget)."""
-        caller = self._verify(caller)
+        caller = self._mover.verify(caller)
         if caller is None:
             raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
         if layout.objects_per_page != 1 or pages < 1 or type(share) is not int or share < 1:
@@ -179,9 +180,9 @@ class L2Pools:
                     raise ValueError(f"L2 pool {pool.name} holds pages of "
                                      f"{pool.layout.buffers}, not {layout.buffers}")
                 return pool.handle
-            for old in self._pool_names():  # an earlier incarnation's: never served again
+            for old in list(self._node_pools.table.pools):  # an earlier incarnation's: gone
                 if old.startswith(family):
-                    self._destroy(old, caller.owner)
+                    self._node_pools.destroy(old, caller.owner)
             # a name never given before, even to a pool of this family removed since
             name = f"{family}{self._incarnation}-{next(self._made)}"
             page_bytes = layout.object_bytes
@@ -190,11 +191,12 @@ class L2Pools:
             fits = min(pages, min(self.l2_bytes - used, self.l2_bytes // share) // page_bytes)
             if fits < 1:
                 return None
-            if (left := self._quota_left(caller.owner)) is not None:  # < 1 page: refused
+            left = quota_left(self._node_pools, caller.owner)
+            if left is not None:  # the tenant's quota (under one page: create refuses)
                 fits = max(1, min(fits, left // page_bytes))
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
-            handle = self._create(name, sized, caller.owner)
+            handle = self._node_pools.create(name, sized, None, caller.owner)
             index = self._index(fits, on_change=told(self._log, caller.owner, self.evictions))
             with self._lock:
                 self._pools[name] = _L2Pool(handle, caller.owner, index)
@@ -359,7 +361,7 @@ class L2Pools:
     def _checked(self, keys: list[str], caller: OwnerClaim | None,
                  verified: bool) -> Owner | None:
         keys = check_object_keys(keys)
-        caller = caller if verified else self._verify(caller)
+        caller = caller if verified else self._mover.verify(caller)
         prefix = caller.key_prefix if caller is not None else ""
         if prefix and not all(k.startswith(prefix) for k in keys):
             raise ValueError("L2 keys outside the caller's key prefix")
@@ -394,7 +396,7 @@ class L2Pools:
                 entry.index.commit(filler, pages[run:], [False] * (len(pages) - run),
                                    dirty=False)
         pages, keys = pages[:run], keys[:run]
-        ok = read_pages(self._move, entry, keys, pages, deadline, caller) if run else []
+        ok = read_pages(self._mover.move, entry, keys, pages, deadline, caller) if run else []
         good = (ok + [False]).index(False)
         if reader is None:  # a warm-up keeps the leading pages read: the others are no use
             ok = [i < good for i in range(run)]

@@ -31,10 +31,10 @@ from raykv.cache_actors.node.backlog_metrics import BacklogMetrics
 from raykv.cache_actors.node.l2_warmup import L2Warmup, ask_peers
 from raykv.cache_actors.node.node_memory import node_memory_bytes
 from raykv.cache_actors.node.node_metrics import NodeMetrics
-from raykv.cache_actors.node.node_service import DATA_THREADS, WAIT_S, NodeService
+from raykv.cache_actors.node.node_service import DATA_THREADS, NodeService
 from raykv.cache_actors.node.node_store import NodeStore
-from raykv.cache_actors.node.residency_query import ResidencyQuery
 from raykv.cache_actors.node.segment_drain import node_drain
+from raykv.cache_actors.node.store_mover import WAIT_S
 from raykv.cache_actors.node.tier_metrics import LinkMetrics, TierMetrics
 from raykv.cache_actors.node.touch_journal import MAX_ANSWER, Touch
 from raykv.cache_actors.processes import ProcessIdentity
@@ -122,8 +122,6 @@ class NodeCacheActor:
         self._service.loads.start(  # measures gets, probes links (load_runs' estimates)
             partial(peer_segments, node_id, self._namespace, {}))
         self._route = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="raykv-route")
-        self._residency = ResidencyQuery(node_id, store, self._service.l2, self._service.verify,
-                                         self._service.residency_log, self._service.loads.costs)
         self._drain = node_drain(store.backend, self._service, metrics, self._namespace)
         self._warmup = L2Warmup(self._service.l2, ask_peers, fetch_deployment,
                                 metrics.record_warmed, l2_warm_bytes, l2_warm_s)
@@ -269,7 +267,7 @@ class NodeCacheActor:
                         owner: OwnerClaim | None = None,
                         within_s: float = ROUTE_WAIT_S) -> Residency:
         """``ResidencyQuery.residency``; not run unless a thread takes it within ``within_s``."""
-        return await self._routed(self._residency.residency, within_s, keys, per_page,
+        return await self._routed(self._service.residency.residency, within_s, keys, per_page,
                                   for_call(owner, "residency", keys, per_page))
 
     @ray.method(concurrency_group="route")
@@ -277,7 +275,7 @@ class NodeCacheActor:
                                 owner: OwnerClaim | None = None,
                                 within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
         """``ResidencyQuery.changes``; not run unless a thread takes it within ``within_s``."""
-        return await self._routed(self._residency.changes, within_s, since,
+        return await self._routed(self._service.residency.changes, within_s, since,
                                   for_call(owner, "residency_changes", since))
 
     async def _routed(self, query, within_s: float, *args):
@@ -291,11 +289,11 @@ class NodeCacheActor:
     async def locate(self, keys: list[str], owner: OwnerClaim | None = None
                      ) -> list[list[str]]:
         return await asyncio.get_running_loop().run_in_executor(
-            self._route, self._residency.locate, keys, for_call(owner, "locate", keys))
+            self._route, self._service.residency.locate, keys, for_call(owner, "locate", keys))
 
     @ray.method(concurrency_group="route")
     async def why(self, keys: list[str], store: bool, owner: OwnerClaim | None = None) -> NodeFacts:
-        return await self._routed(self._residency.why.facts, WAIT_S, keys, store, owner)
+        return await self._routed(self._service.residency.why.facts, WAIT_S, keys, store, owner)
 
     @ray.method(concurrency_group="route")
     async def touches(self, keys: list[str] | None = None, prefix: str = "",
@@ -351,9 +349,11 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
         """``NodeService.stats`` with warnings, residency, warmup, l2_evictions, loads."""
-        return await self._pooled(self._service.stats) | {"warnings": self._warnings,
-            "residency": self._residency.stats(), "warmup": self._warmup.stats(), "l2_evictions":
-            self._service.l2.evictions.stats(), "loads": self._service.loads.stats()}
+        service = self._service
+        return await self._pooled(service.stats) | {
+            "warnings": self._warnings, "residency": service.residency.stats(),
+            "warmup": self._warmup.stats(), "l2_evictions": service.l2.evictions.stats(),
+            "loads": service.loads.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:

@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.data_ops import DATA_OP_ARGS, DEADLINE_OPS, DataOp
 from raykv.cache_actors.errors import (
-    DeadlineExceededError,
     NodeUnavailableError,
 )
 from raykv.cache_actors.host_pools import PoolHandle
@@ -61,29 +60,28 @@ from raykv.cache_actors.node.engine_watch import reap_every
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.l2_pools import L2Pools
 from raykv.cache_actors.node.load_estimates import LoadEstimates
-from raykv.cache_actors.node.node_pools import NodePools, quota_left, replaced_during
+from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.owner_masks import (
-    allowed,
     check_group_caller,
     merged,
     outside,
-    refused,
 )
 from raykv.cache_actors.node.residency_log import ResidencyLog
+from raykv.cache_actors.node.residency_query import ResidencyQuery
+from raykv.cache_actors.node.store_mover import StoreMover
 from raykv.cache_actors.node.ticket_desk import TicketDesk
 from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import shm_path
-from raykv.cache_actors.tickets import TicketRef, check_deadline
+from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
 from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.owner_keys import Challenge, SessionRequest
-from raykv.controllers.owner_sessions import UnknownSessionError
 from raykv.controllers.ownership import Owner, OwnerClaim, for_call
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
@@ -94,11 +92,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DATA_THREADS = 4
-WAIT_S = 30.0
-"""Longest a data call waits inside the node actor for its turn (a queued put/get, a group
-query's answer) when its caller gave no deadline of its own, in seconds: a stuck store
-call then fails the calls queued behind it with ``DeadlineExceededError`` instead of
-holding their threads for good."""
 ENGINE_REAP_S = 5.0
 """Seconds between two looks at the processes of engine-owned pools."""
 ENGINE_GRACE_S = 30.0
@@ -135,7 +128,6 @@ class NodeService:
         self._pools.readopt()
         self.engines = self._pools.engine_watch  # the engines on this node (EngineWatch)
         self.loads = LoadEstimates(store.backend)  # load_runs' estimates
-        self._merger = TransferMerger(self.loads, on_call=metrics.record_merged_call)
         self._tickets = TicketDesk(outlived_by_store=store.process is not None)
         self._groups = GroupQueries(self._group_lookup, group_window_s, confirm_ttl_s,
                                     on_store_call=metrics.record_group_store_call,
@@ -145,14 +137,15 @@ class NodeService:
         store.supervise(self._reallocate)
         self.residency_log = ResidencyLog()  # what routers keep their view of this node by
         self.touches = TouchJournal()  # what this node stored and read lately: drain, warm-up
+        self.mover = StoreMover(store, self._pools, TransferMerger(
+            self.loads, on_call=metrics.record_merged_call), self._tickets, metrics,
+            self.residency_log, self.touches)  # every put and get, L2's included
         # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
-        self.l2 = L2Pools(lambda name, layout, owner: self._pools.create(name, layout, None,
-                                                                        owner),
-                          self._pools.destroy, lambda: list(self._pools.table.pools),
-                          lambda op, batch, deadline, caller: self._move(
-                              op, batch, None, deadline, caller, True), self.verify,
-                          l2_bytes=l2_bytes, eviction=l2_eviction, log=self.residency_log,
-                          touches=self.touches, quota_left=partial(quota_left, self._pools))
+        self.l2 = L2Pools(self._pools, self.mover, l2_bytes=l2_bytes, eviction=l2_eviction,
+                          log=self.residency_log, touches=self.touches)
+        # what routers and raykv why ask of this node's tiers (on the actor's route threads)
+        self.residency = ResidencyQuery(node_id, store, self.l2, self.mover.verify,
+                                        self.residency_log, self.loads.costs)
         metrics.watch_l2(self.l2.counters)
         self._stop = threading.Event()
         reap_every(ENGINE_REAP_S, partial(self._pools.reap_engines, ENGINE_GRACE_S), self._stop)
@@ -187,14 +180,8 @@ class NodeService:
         return self._pools.owners.open_session(claim, request)
 
     def verify(self, claim: OwnerClaim | None) -> OwnerClaim | None:
-        """``claim`` once checked against this node's bindings (``OwnerBindings``; a
-        tenant's call proof is accepted once); ``ValueError`` naming the conflict,
-        ``NodeUnavailableError`` (retryable: the rank opens a new session) if its owner
-        session is not open here (this actor restarted or closed it)."""
-        try:
-            return self._pools.owners.verify(claim)
-        except UnknownSessionError as e:
-            raise NodeUnavailableError(str(e)) from None
+        """``StoreMover.verify``."""
+        return self.mover.verify(claim)
 
     def _owner(self, claim: OwnerClaim | None) -> Owner | None:
         checked = self.verify(claim)
@@ -274,56 +261,14 @@ class NodeService:
         ``DeadlineExceededError`` if the call reached this actor after it, still waits
         for the store then, or its ticket does not start (the rank gave up on it).
         ``caller``, ``verified``: as for ``exists``."""
-        return self._move("put", batch, ticket, deadline, caller, verified)
+        return self.mover.move("put", batch, deadline, caller, ticket, verified)
 
     def get(self, batch: ObjectBatch, ticket: TicketRef | None = None,
             deadline: float | None = None, caller: OwnerClaim | None = None, *,
             verified: bool = False) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
         ``ticket``, ``deadline``, ``caller`` and ``verified`` as for ``put``."""
-        return self._move("get", batch, ticket, deadline, caller, verified)
-
-    def _move(self, op: str, batch: ObjectBatch, ticket: TicketRef | None,
-              deadline: float | None, caller: OwnerClaim | None,
-              verified: bool) -> list[int]:
-        """The backend's ``op`` on every object of ``batch`` the caller may move (the
-        others: ``NOT_OWNED``), once the store is up and against one generation of the
-        pools, counted in flight on the pools it uses for the store call (a pool being
-        removed waits for it: ``NodePools.enter``), under its ticket; outcomes counted."""
-        deadline = time.monotonic() + WAIT_S if deadline is None else check_deadline(deadline)
-        held = None if ticket is None else self._tickets.ticket(ticket, deadline)
-        if time.monotonic() >= deadline:
-            raise DeadlineExceededError(f"{op} reached the node actor after its deadline; "
-                                        "it was not run")
-        self._store.before_call()
-        pools = self._pools
-        table = pools.table
-        ptrs, used = table.resolve(batch)
-        caller = caller if verified else self.verify(caller)
-        masked = refused(batch, used, table, caller)
-        moving = batch if masked is None else allowed(batch, masked)
-        if masked is not None:
-            ptrs = [p for p, no in zip(ptrs, masked, strict=True) if not no]
-            names = set(moving.pools)
-            used = tuple(p for p in used if p.name in names)
-        pools.enter(table, used)
-        try:
-            t = time.perf_counter()
-            codes = self._merger.run(op, moving.keys, ptrs, moving.sizes, deadline,
-                                     held) if len(moving) else []
-        finally:
-            pools.leave(used)
-        if pools.table.epoch != table.epoch:
-            replaced_during(op, moving, codes, table.epoch, pools.table.epoch,
-                            self._store.backend.remove)
-        codes = self._store.after_call(table.epoch, codes)
-        if op == "put" and self._store.backend.prefers_own:
-            self.residency_log.stored(caller, moving.keys, codes)
-        self.touches.moved(op, moving.keys, moving.sizes, codes, time.time())
-        if masked is not None:
-            codes = merged(codes, masked, NOT_OWNED)
-        self._metrics.record_move(op, batch, codes, time.perf_counter() - t)
-        return codes
+        return self.mover.move("get", batch, deadline, caller, ticket, verified)
 
     def _store_exists(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""

@@ -105,7 +105,6 @@ class CacheClient:
         tenant = self.config.tenant
         secret = tenant_secret(tenant) if tenant is not None else None
         self._hashes = KeyedHashes(secret)
-        self.key_scheme = KeyScheme.from_config(self.config)
         owner = RankOwner(claim_of(self.config),
                           None if secret is None else OwnerKey.of_secret(secret))
         del secret
@@ -128,8 +127,7 @@ class CacheClient:
         """The owner claim for one call of this client's to the node actor of
         ``node_id`` (default: its own node), as ``NodeLink.claim`` makes it: a tenant's
         carries a fresh call proof, good once, for a call of ``method`` with positional
-        ``args`` (those before the claim) only. Tools and tests that call a node actor
-        directly pass it as the call's owner."""
+        ``args`` (those before the claim) only; for tools that call a node actor."""
         return self._link.claim(node_id, method, *args)
 
     # ----------------------------------------------------------------- pools
@@ -224,9 +222,14 @@ class CacheClient:
         """
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
+    @property
+    def key_scheme(self) -> KeyScheme:
+        """How this rank's pages are keyed (``GroupRegistration.key_scheme``)."""
+        return self._group.key_scheme
+
     def l2(self) -> L2Link:
         """This rank's route to its node's L2 cache (``cache_actors.rank.l2_link``)."""
-        return L2Link(self, self._link, self._hashes)
+        return L2Link(self._link, self._hashes, self._group, self._pools)
 
     # -------------------------------------------------------- batches of pages
     def _transfer(self, transfers: Sequence[PoolTransfer],
@@ -272,9 +275,7 @@ class CacheClient:
         hands back and ready the lookup home (``group_registration``): call it when the
         engine starts, so that no group query pays for it. Returns the deployment id.
         ``ValueError`` if this rank contradicts its group (parallel sizes, MLA, pools)."""
-        reg = self._group.register(self._pools.specs)
-        self.key_scheme = reg.key_scheme
-        return reg.deployment_id
+        return self._group.register(self._pools.specs).deployment_id
 
     def group_exists(self, keys: Sequence[str],
                      transfers: Sequence[PoolTransfer] = ()) -> PoolTransferResult:

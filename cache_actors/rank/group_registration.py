@@ -22,16 +22,20 @@ from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.rank.node_route import NodeRoute
 from raykv.controllers.contract import PoolTransferResult, StorageConfig
 from raykv.controllers.deployments import PoolQuery, PoolSpec, Registration
+from raykv.controllers.keys import KeyScheme
 
 log = logging.getLogger(__name__)
 
 
 class GroupRegistration:
-    """The registration of one rank (``config``, on ``link``'s node)."""
+    """The registration of one rank (``config``, on ``link``'s node). ``key_scheme``:
+    the rank's key scheme, from its config until a registration hands back the
+    controller's."""
 
     def __init__(self, link: NodeRoute, config: StorageConfig) -> None:
         self._link = link
-        self._config = config
+        self.config = config
+        self.key_scheme = KeyScheme.from_config(config)
         self._current: tuple[Registration, tuple[PoolSpec, ...]] | None = None
 
     def register(self, specs: tuple[PoolSpec, ...]) -> Registration:
@@ -44,9 +48,10 @@ class GroupRegistration:
         query."""
         owner = self._link.owner
         proof = None if owner is None else owner.registration_proof(self._link.ask_controller)
-        reg = self._link.ask_controller("register_rank", self._config, list(specs),
+        reg = self._link.ask_controller("register_rank", self.config, list(specs),
                                         self._link.node_id, proof)
         self._current = (reg, specs)
+        self.key_scheme = reg.key_scheme
         try:  # ready the lookup home; one that cannot be reached now is by the query
             self._link.ask_at(reg.home_node, "copy_deployment", reg.deployment_id,
                               reg.version)
@@ -68,6 +73,6 @@ class GroupRegistration:
         assert self._current is not None, "register before a group query"
         reg = self._current[0]
         return self._link.data(DataOp.GROUP_EXISTS, reg.deployment_id, reg.version,
-                               (self._config.tp_rank, self._config.pp_rank),
-                               self._config.engine_id or "", keys, queries,
+                               (self.config.tp_rank, self.config.pp_rank),
+                               self.config.engine_id or "", keys, queries,
                                node_id=reg.home_node)

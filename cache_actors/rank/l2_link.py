@@ -28,18 +28,21 @@ from raykv.controllers.keys import mha_suffix
 
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
-    from raykv.cache_actors.rank.client import CacheClient
+    from raykv.cache_actors.rank.group_registration import GroupRegistration
     from raykv.cache_actors.rank.node_route import NodeRoute
+    from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle
     from raykv.controllers.keyed_hashes import KeyedHashes
     from raykv.controllers.pool_layout import PoolLayout
 
 
 class L2Link:
-    """The L2 ops of ``client`` (``CacheClient.l2``) on its node, for its KV pool kind
-    ``vllm`` (one object per page)."""
+    """The L2 ops of a rank (``CacheClient.l2``) on its node, for its KV pool kind
+    ``vllm`` (one object per page): over the rank's ``link``, keyed with its ``hashes``
+    and ``group``'s key scheme, the pools mapped by its ``pools``."""
 
-    def __init__(self, client: CacheClient, link: NodeRoute, hashes: KeyedHashes) -> None:
-        self._client, self._link, self._hashes = client, link, hashes
+    def __init__(self, link: NodeRoute, hashes: KeyedHashes, group: GroupRegistration,
+                 pools: PoolLifecycle) -> None:
+        self._link, self._hashes, self._group, self._pools = link, hashes, group, pools
         self._local = threading.local()
 
     @property
@@ -54,8 +57,7 @@ class L2Link:
     def _keys(self, page_hashes: Sequence[str], tp_rank: int | None = None) -> list[str]:
         """Object keys of ``page_hashes`` for TP rank ``tp_rank`` (default: the
         client's own)."""
-        scheme = self._client.key_scheme
-        cfg = self._client.config
+        scheme, cfg = self._group.key_scheme, self._group.config
         if tp_rank is not None and tp_rank != scheme.tp_rank:
             scheme = dataclasses.replace(scheme, tp_rank=tp_rank,
                                          mha=mha_suffix(tp_rank, cfg.pp_rank, cfg.pp_size))
@@ -67,12 +69,12 @@ class L2Link:
         first engine there, of at most ``pages`` pages of ``layout``'s geometry and of
         one ``tp_size x pp_size``-th of the node's L2 bytes, so each rank of the group
         finds room); None if the node has no L2 room. A control call."""
-        cfg = self._client.config
+        cfg = self._group.config
         rank, share = (cfg.tp_rank, cfg.pp_rank), cfg.tp_size * cfg.pp_size
         handle = self._link.call("l2_open", rank, layout, pages, share,
                                  owner=self._link.claim(None, "l2_open", rank, layout, pages,
                                                         share))
-        return None if handle is None else self._client.attach_host_pool(handle.name)
+        return None if handle is None else self._pools.attach(handle.name)
 
     def lookup(self, page_hashes: Sequence[str], tp_size: int) -> int:
         """Leading pages whose objects of every TP rank (0 .. ``tp_size`` - 1) are in

@@ -332,11 +332,3 @@ def _table(runs: list[dict]):
                       f"{rep.get('seconds', 0):.1f}",
                       "-" if rates is None else f"{rates['gbps']:.3f}")
     return table
-
-
-if __name__ == "__main__":
-    import sys
-
-    from raykv.clusters.cli import main
-
-    main(["bench-scale-down", *sys.argv[1:]], prog_name="raykv")

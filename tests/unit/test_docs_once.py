@@ -1,6 +1,7 @@
 """Docs said once: the tree in docs/architecture.md (the one tree; the README links to
 it) names every module of the package; the README's headline figures are those of the
-sample run it prints; no doc or code comment names an issue number."""
+sample run it prints; its first screen shows the set-up, main-job and test commands CI
+runs; no doc or code comment names an issue number."""
 
 import re
 import subprocess
@@ -80,3 +81,28 @@ def test_docs_link_only_inside_the_repository(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("[a](https://example.org) [b](/tmp/notes.md) [c](missing.md)")
     assert len(outside_links(doc)) == 3
+
+
+FIRST_SCREEN = 40
+COMMANDS = ("scripts/setup.sh", "raykv demo", "python -m pytest -q")
+"""The set-up, the main job and the test command, as ``.ci/run`` runs them."""
+
+
+def commands_missing(readme: str) -> list[str]:
+    """The ``COMMANDS`` that do not begin a line of a shell block within the README's
+    first ``FIRST_SCREEN`` lines."""
+    screen = "\n".join(readme.splitlines()[:FIRST_SCREEN])
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", screen, re.S)
+             for line in block.splitlines()]
+    return [c for c in COMMANDS if not any(line.startswith(c) for line in lines)]
+
+
+def test_the_readme_first_screen_shows_the_three_commands_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert commands_missing(readme) == []
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert all(any(line.startswith(c) for line in ci) for c in COMMANDS)
+    # CONTROL: the same README with its commands pushed below the first screen
+    pushed = readme.replace("```bash\nscripts/setup.sh", "\n" * FIRST_SCREEN +
+                            "```bash\nscripts/setup.sh", 1)
+    assert commands_missing(pushed) == list(COMMANDS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 from raykv.cache_actors.errors import DeadlineExceededError, UnknownPoolError
@@ -28,8 +29,11 @@ def layout(pages: int = 64) -> PoolLayout:
 
 
 class FakeNode:
-    """The pool table and the store: ``stored`` holds the L3 objects (key -> the page
-    offset they were put from); the next ``fail_puts`` puts fail."""
+    """The node's pools (as ``NodePools``: no quota) and its store mover (as
+    ``StoreMover``: claims pass as they are): ``stored`` holds the L3 objects (key -> the
+    page offset they were put from); the next ``fail_puts`` puts fail."""
+
+    limits: dict = {}
 
     def __init__(self) -> None:
         self.pools: dict[str, PoolHandle] = {}
@@ -37,7 +41,14 @@ class FakeNode:
         self.calls: list[tuple[str, list[str]]] = []
         self.fail_puts = 0
 
-    def create(self, name, lay, owner) -> PoolHandle:
+    @property
+    def table(self) -> SimpleNamespace:
+        return SimpleNamespace(pools=self.pools)
+
+    def verify(self, claim):
+        return claim
+
+    def create(self, name, lay, process, owner) -> PoolHandle:
         self.pools[name] = PoolHandle(name, "/dev/shm/" + name, lay)
         return self.pools[name]
 
@@ -60,8 +71,7 @@ class FakeNode:
 
 
 def l2(node: FakeNode, l2_bytes: int = 1 << 20) -> L2Pools:
-    return L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
-                   lambda claim: claim, l2_bytes=l2_bytes)
+    return L2Pools(node, node, l2_bytes=l2_bytes)
 
 
 def flushed(pools: L2Pools, n: int, counter: str = "") -> dict:
@@ -366,8 +376,8 @@ def test_a_pool_removed_and_opened_again_gets_a_name_never_used_before():
             first.set()
             gate.wait(5)  # the write-behind is busy: later commits wait in its queue
         return move(op, batch, deadline, caller)
-    pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), slow_first_put,
-                    lambda claim: claim, l2_bytes=1 << 20)
+    node.move = slow_first_put
+    pools = L2Pools(node, node, l2_bytes=1 << 20)
     h = pools.open((0, 0), layout(), 4, A)
     for key in ("m_a", "m_b"):
         pages = pools.reserve(ME, h.name, [key], A)
@@ -486,8 +496,7 @@ def test_pages_an_acquire_serves_are_touches_of_the_node():
     from raykv.cache_actors.node.touch_journal import TouchJournal
 
     node, journal = FakeNode(), TouchJournal()
-    pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
-                    lambda claim: claim, l2_bytes=1 << 20, touches=journal)
+    pools = L2Pools(node, node, l2_bytes=1 << 20, touches=journal)
     h = pools.open((0, 0), layout(), 8, A)
     pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2

@@ -126,8 +126,7 @@ def test_l2_tells_the_log_what_became_ready_and_what_left():
 def test_a_node_answers_a_router_from_its_l2_then_its_log():
     node = FakeNode()
     log = ResidencyLog()
-    pools = L2Pools(node.create, node.destroy, lambda: list(node.pools), node.move,
-                    lambda claim: claim, l2_bytes=1 << 20, log=log)
+    pools = L2Pools(node, node, l2_bytes=1 << 20, log=log)
     costs = LoadCosts()
     costs.probed("seg-1", 1e-9, 0.001)  # its own segment: 1 GB/s and 1 ms a call
     store = SimpleNamespace(backend=SimpleNamespace(own_segment="seg-1"))
