@@ -106,6 +106,11 @@ class NodeSettings:
     whoever starts a cluster with a disk tier; with it every object is sealed and every
     get verified. Standalone mode has no disk tier (its ``mooncake_client`` owns the
     segment, and raykv cannot verify what it offloads).
+
+    ``merge_max_inflight``: store calls in flight per node actor, each carrying the
+    concurrent ranks' batches that queued meanwhile (``cache_actors.node.transfer_merger``;
+    0: no merging, each rank's batch its own call); ``merge_max_objects``: the most
+    objects one merged call carries (a bigger single batch goes alone).
     """
 
     master_address: str = ""
@@ -133,6 +138,8 @@ class NodeSettings:
     disk_dir: str = ""
     disk_bytes: int = 0
     seal_key: str = field(default="", repr=False)
+    merge_max_inflight: int = 1
+    merge_max_objects: int = 2048
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", check_tenant_quotas(self.tenant_quotas))
@@ -167,6 +174,12 @@ class NodeSettings:
             raise ValueError("standalone mode has no disk tier: drop disk_dir or standalone")
         if self.seal_key:
             check_seal_key(self.seal_key)
+        if type(self.merge_max_inflight) is not int or self.merge_max_inflight < 0:
+            raise ValueError(f"merge_max_inflight must be an int >= 0, got "
+                             f"{self.merge_max_inflight!r}")
+        if type(self.merge_max_objects) is not int or self.merge_max_objects < 1:
+            raise ValueError(f"merge_max_objects must be an int >= 1, got "
+                             f"{self.merge_max_objects!r}")
         if self.rdma_devices and self.protocol != "rdma":
             raise ValueError(f"rdma_devices={self.rdma_devices!r} needs protocol 'rdma', "
                              f"got {self.protocol!r}")

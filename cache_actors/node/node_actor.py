@@ -94,6 +94,7 @@ class NodeCacheActor:
         l2_bytes: int, l2_warm_bytes: int, l2_warm_s: float, l2_eviction: str,
         placement: str,
         disk_dir: str, disk_bytes: int, seal_key: str,
+        merge_max_inflight: int, merge_max_objects: int,
     ) -> None:
         # Both Mooncake wheels in this node's environment: said at start and in stats.
         self._warnings = [w for w in (environment_warning(),) if w]
@@ -117,7 +118,8 @@ class NodeCacheActor:
             confirm_ttl_s=confirm_ttl_s, tenant_quotas={**tenant_quotas, None: untenanted_bound(
                 untenanted_pool_bytes, standalone, node_memory_bytes())},
             tenant_digests=tenant_digests, bound_tenants_only=bound_tenants_only,
-            l2_bytes=l2_bytes, l2_eviction=l2_eviction)
+            l2_bytes=l2_bytes, l2_eviction=l2_eviction,
+            merge_max_inflight=merge_max_inflight, merge_max_objects=merge_max_objects)
         watch_metrics(metrics, node_id, store, self._service)
         self._service.loads.start(  # measures gets, probes links (load_runs' estimates)
             partial(peer_segments, node_id, self._namespace, {}))
@@ -349,11 +351,10 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def stats(self) -> dict:
         """``NodeService.stats`` with warnings, residency, warmup, l2_evictions, loads."""
-        service = self._service
-        return await self._pooled(service.stats) | {
-            "warnings": self._warnings, "residency": service.residency.stats(),
-            "warmup": self._warmup.stats(), "l2_evictions": service.l2.evictions.stats(),
-            "loads": service.loads.stats()}
+        s = self._service
+        return await self._pooled(s.stats) | {"warnings": self._warnings, "residency":
+            s.residency.stats(), "warmup": self._warmup.stats(), "l2_evictions":
+            s.l2.evictions.stats(), "loads": s.loads.stats()}
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:

@@ -107,7 +107,9 @@ class NodeService:
     ``segment_size``: the bytes this node contributes to the store (reported only);
     ``tenant_quotas``: tenant -> bytes its pools here may hold (None: the pools without
     a tenant together); ``tenant_digests``: tenant -> its tenant digest, bound first;
-    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``)."""
+    ``bound_tenants_only``: no other tenant is bound (``OwnerBindings``);
+    ``merge_max_inflight``, ``merge_max_objects``: the store calls' merging
+    (``NodeSettings``)."""
 
     def __init__(self, node_id: str, prefix: str, store: NodeStore, metrics: NodeMetrics,
                  fetch_deployment: Callable[[str], Deployment], *, segment_size: int,
@@ -115,7 +117,9 @@ class NodeService:
                  l2_eviction: str = DEFAULTS.l2_eviction,
                  tenant_quotas: Mapping[str, int] | None = None,
                  tenant_digests: Mapping[str, str] | None = None,
-                 bound_tenants_only: bool = False, l2_bytes: int = 0) -> None:
+                 bound_tenants_only: bool = False, l2_bytes: int = 0,
+                 merge_max_inflight: int = DEFAULTS.merge_max_inflight,
+                 merge_max_objects: int = DEFAULTS.merge_max_objects) -> None:
         self.node_id = node_id
         self._store = store
         self._metrics = metrics
@@ -138,7 +142,8 @@ class NodeService:
         self.residency_log = ResidencyLog()  # what routers keep their view of this node by
         self.touches = TouchJournal()  # what this node stored and read lately: drain, warm-up
         self.mover = StoreMover(store, self._pools, TransferMerger(
-            self.loads, on_call=metrics.record_merged_call), self._tickets, metrics,
+            self.loads, max_inflight=merge_max_inflight, max_objects=merge_max_objects,
+            on_call=metrics.record_merged_call), self._tickets, metrics,
             self.residency_log, self.touches)  # every put and get, L2's included
         # the node's L2 cache (cache_actors.node.l2_pools): its ops are data ops
         self.l2 = L2Pools(self._pools, self.mover, l2_bytes=l2_bytes, eviction=l2_eviction,

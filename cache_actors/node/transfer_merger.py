@@ -40,7 +40,6 @@ the number of batches it carries (``NodeMetrics.record_merged_call``).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,15 +47,12 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
+from raykv.controllers.node_settings import DEFAULTS
 
 if TYPE_CHECKING:
     from raykv.cache_actors.node.ticket_desk import Ticket
 
 OPS = ("put", "get")
-MAX_INFLIGHT = int(os.environ.get("RAYKV_MERGE_MAX_INFLIGHT", "1"))
-"""Store calls in flight per node (environment ``RAYKV_MERGE_MAX_INFLIGHT``; 0: off)."""
-MAX_OBJECTS = int(os.environ.get("RAYKV_MERGE_MAX_OBJECTS", "2048"))
-"""Objects per merged call (environment ``RAYKV_MERGE_MAX_OBJECTS``)."""
 
 
 class _Request:
@@ -78,8 +74,8 @@ class TransferMerger:
     ``max_inflight=0`` turns merging off (each caller calls the backend itself).
     ``on_call(batches)``: told of each merged store call, under this merger's lock."""
 
-    def __init__(self, backend, *, max_inflight: int = MAX_INFLIGHT,
-                 max_objects: int = MAX_OBJECTS,
+    def __init__(self, backend, *, max_inflight: int = DEFAULTS.merge_max_inflight,
+                 max_objects: int = DEFAULTS.merge_max_objects,
                  on_call: Callable[[int], None] = lambda batches: None) -> None:
         if max_inflight < 0 or max_objects < 1:
             raise ValueError(f"max_inflight must be >= 0 and max_objects >= 1, got "

@@ -250,3 +250,14 @@ def test_the_l2_eviction_is_one_of_the_policies(monkeypatch, bad):
     monkeypatch.setattr(deploy, "up", lambda *a, **k: pytest.fail("started anyway"))
     out = CliRunner().invoke(main, ["up", "--l2-eviction", "lfu"])
     assert out.exit_code == 2 and "--l2-eviction" in out.output
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("merge_max_inflight", -1), ("merge_max_inflight", 1.0), ("merge_max_inflight", True),
+    ("merge_max_objects", 0), ("merge_max_objects", "2048")])
+def test_the_merging_of_store_calls_is_checked(field, bad):
+    with pytest.raises(ValueError, match=field):
+        NodeSettings(**{field: bad})
+    # CONTROL: no merging (0 calls in flight) and one object a call are good
+    off = NodeSettings(merge_max_inflight=0, merge_max_objects=1)
+    assert (off.merge_max_inflight, off.merge_max_objects) == (0, 1)
