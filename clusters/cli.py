@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import click
 from click.core import ParameterSource
-from raykv.controllers.node_lifecycle import DRAIN_TIMEOUT_S, RETIRE_IDLE_S, LifecycleSettings
+from raykv.clusters.node_lifecycle import DRAIN_TIMEOUT_S, RETIRE_IDLE_S, LifecycleSettings
 from raykv.controllers.node_settings import (
     DEFAULTS,
     L2_EVICTIONS,

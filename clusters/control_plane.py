@@ -1,5 +1,5 @@
 """Starting and stopping raykv's actors on a running Ray cluster: the controller, the
-reconciler (and through it the node actors, where ``controllers.node_lifecycle`` says)
+reconciler (and through it the node actors, where ``clusters.node_lifecycle`` says)
 and, when raykv runs its own
 master, the master supervisor. Used by ``start_local`` and by ``raykv up``/``down``."""
 
@@ -14,9 +14,9 @@ from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.clusters.master_supervisor import ports_key
 from raykv.clusters.node_actors import HEAD_RESOURCE, NodeReconciler, named_node_actors
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.controllers.controller import CacheController, checkpoint_key
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, SUPERVISOR_NAME
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 node (unless ``master_address`` and ``metadata_server`` of an existing one are given),
 the controller and the reconciler, which gives a node actor to the head node, to kept
 nodes and to every node where ranks run, and follows the autoscaler from then on
-(``controllers.node_lifecycle``). Everything is detached: it outlives the ``up``
+(``clusters.node_lifecycle``). Everything is detached: it outlives the ``up``
 command. ``down`` stops it all. Each joins the cluster through ``connect``, which fails
 in seconds, with a one-line ``RayUnreachableError``, where no Ray cluster answers.
 """
@@ -25,6 +25,7 @@ from raykv.cache_actors.ray_auth_mode import join_mode
 from raykv.clusters.control_plane import start_control_plane, stop_control_plane
 from raykv.clusters.master_supervisor import MasterSupervisor, ports_key
 from raykv.clusters.mooncake_master import check_confirm_ttl
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.clusters.ray_address import HINT, RayUnreachableError, check_gcs
 from raykv.controllers.naming import (
     CONTROLLER_NAME,
@@ -33,7 +34,6 @@ from raykv.controllers.naming import (
     SUPERVISOR_NAME,
     node_actor_name,
 )
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import NodeSettings
 from raykv.controllers.object_seal import read_seal_key
 

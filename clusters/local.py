@@ -25,8 +25,8 @@ from raykv.clusters import ray_auth
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
 from raykv.clusters.hosts import EmulatedHosts
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.node_settings import DEFAULTS, NodeSettings, pool_budget
 from raykv.controllers.object_seal import read_seal_key
 from raykv.controllers.pool_layout import MiB
@@ -239,7 +239,7 @@ def start_local(
     prefer the writing node's segment) or ``any`` (Mooncake's random choice).
     ``resources``: custom Ray resources every node advertises (also nodes added later),
     e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
-    they leave (``controllers.node_lifecycle``; default ``LifecycleSettings.fixed()``: a
+    they leave (``clusters.node_lifecycle``; default ``LifecycleSettings.fixed()``: a
     node actor on every node for good, as a fixed cluster wants).
     ``disk_dir``, ``disk_bytes``: each node's disk tier (``NodeSettings``; "", 0: none):
     the master offloads on eviction (``disk_tier.MASTER_FLAGS``, before

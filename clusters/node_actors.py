@@ -1,5 +1,5 @@
 """Creating, finding and retiring the node actors, and the reconciler that keeps one on
-each node that needs it (``controllers.node_lifecycle``) as the autoscaler adds and
+each node that needs it (``clusters.node_lifecycle``) as the autoscaler adds and
 removes nodes: it starts them, retires those without engines, and drains those of nodes
 that leave with notice."""
 
@@ -14,14 +14,14 @@ from dataclasses import replace
 import ray
 from raykv.cache_actors.node.node_actor import node_actor_class
 from raykv.cache_actors.processes import ProcessIdentity
-from raykv.clusters.store_usage import drain_room
-from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
-from raykv.controllers.node_lifecycle import (
+from raykv.clusters.node_lifecycle import (
     Leaving,
     LifecycleSettings,
     NodeLifecycle,
     NodeSeen,
 )
+from raykv.clusters.store_usage import drain_room
+from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.node_settings import NodeSettings
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ class ResidencyChanges:
     ``changes`` are then the node's L2 as it is, and the log from ``seq`` on).
     ``load_s``: seconds the node would take now to load one MiB, per tier it has an
     estimate for (``segment``: its own; ``l3``: the store's other segments;
-    ``controllers.load_costs.tier_estimates``)."""
+    ``cache_actors.node.load_costs.tier_estimates``)."""
 
     node_id: str
     incarnation: str

@@ -2,7 +2,7 @@
 
 The caller's owner claim is checked by the node actor (``NodeService.verify``: a
 tenant's proof) and names the deployment; its objects are named by one key pattern
-made from that claim (``controllers.clear_scope``: never another deployment's or
+made from that claim (``cache_actors.node.clear_scope``: never another deployment's or
 tenant's keys) and removed by the master, non-forced: Mooncake keeps an object that a
 lease holds (a lookup or a read reported it within the master's
 ``default_kv_lease_ttl``, 10 s by default; raykv's own put confirms what it stored with
@@ -38,8 +38,8 @@ import uuid
 from collections.abc import Callable
 
 from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.node.clear_scope import clear_pattern
 from raykv.cache_actors.node.node_store import NodeStore
-from raykv.controllers.clear_scope import clear_pattern
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.result_codes import OBJECT_HAS_LEASE
 
@@ -52,7 +52,7 @@ LEASE_POLL_S = 0.2
 """Seconds between two tries to remove the probe object."""
 PROBE_PREFIX = "raykv-lease-probe-"
 """First characters of a probe object's key (it has no ``_``: no clear pattern of
-``controllers.clear_scope`` matches it)."""
+``cache_actors.node.clear_scope`` matches it)."""
 
 
 class DeploymentClear:

@@ -9,7 +9,7 @@ destroys what is due.
 
 It also keeps the engine processes that attached to the node actor (``attach``, from
 the node actor's control event loop alone), so that ``alive`` counts every engine on the
-node for the reconciler (``controllers.node_lifecycle``).
+node for the reconciler (``clusters.node_lifecycle``).
 
 Threads: ``watch``, ``forget``, ``clear`` and ``watched`` (a snapshot) run under
 ``NodePools._lock``; ``due`` runs on the reaper thread without it, on that snapshot (it

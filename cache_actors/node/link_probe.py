@@ -9,7 +9,7 @@ puts none and still probes its peers. A probe of a segment reads both
 peer pays its connection's setup, and a read that a busy node's scheduler held is not
 taken for the link) into a registered buffer of this actor, timed, and fits a fixed cost
 per call and seconds per byte through the two points
-(``controllers.load_costs.fit_probe``). ``LARGE`` is sized so a 10 Mbit/s link reads it
+(``cache_actors.node.load_costs.fit_probe``). ``LARGE`` is sized so a 10 Mbit/s link reads it
 in about 0.2 s (both objects twice: ~0.45 s); a faster link in less.
 
 Probe keys begin ``raykv-link-probe/`` and hold no page: a deployment's keys begin with
@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from raykv.cache_actors.node.load_costs import PROBE_PREFIX, fit_probe, source_of
 from raykv.cache_actors.node.store_backend import StoreBackend
-from raykv.controllers.load_costs import PROBE_PREFIX, fit_probe, source_of
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ fills a group answer's ``load_runs`` (``PoolTransferResult``) from what it measu
 
 ``LoadEstimates`` stands between the node's ``TransferMerger`` and its store backend
 (``put`` / ``get``): each store call is counted in flight while it runs and timed (the
-queue: ``controllers.load_costs.LoadCosts.queue_wait``), and each get's served keys,
+queue: ``cache_actors.node.load_costs.LoadCosts.queue_wait``), and each get's served keys,
 bytes and seconds, and apart those whose bytes failed to arrive (a transfer or RPC
 failure: a bound, ``load_costs.observe``; a miss is not measured), are queued (at most
 ``MAX_PENDING``, the oldest dropped) for the background thread, which attributes the
@@ -57,11 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from raykv.cache_actors.node.group_queries import Done, GroupQueries
 from raykv.cache_actors.node.link_probe import LinkProbe
-from raykv.cache_actors.node.store_backend import StoreBackend
-from raykv.controllers.contract import PoolName, PoolTransferResult
-from raykv.controllers.deployments import Deployment, PoolQuery
-from raykv.controllers.families import group_families
-from raykv.controllers.load_costs import (
+from raykv.cache_actors.node.load_costs import (
     KeyPlaces,
     LoadCosts,
     load_runs,
@@ -69,6 +65,10 @@ from raykv.controllers.load_costs import (
     source_of,
     whole_run,
 )
+from raykv.cache_actors.node.store_backend import StoreBackend
+from raykv.controllers.contract import PoolName, PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolQuery
+from raykv.controllers.families import group_families
 from raykv.controllers.result_codes import RPC_FAIL, TRANSFER_FAIL
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
+from raykv.cache_actors.node.load_costs import LoadCosts, tier_estimates
 from raykv.cache_actors.node.owner_masks import outside
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.why_query import WhyQuery
-from raykv.controllers.load_costs import LoadCosts, tier_estimates
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.residency import (

@@ -14,7 +14,7 @@ master is asked where the objects it served live (one ``batch_get_replica_desc``
 call, of those only: a miss logs an error in Mooncake's client) and they are counted by
 tier: ``l3_memory`` (a segment), ``l3_disk`` (a node's disk tier only), ``unknown``
 (the lookup failed or the object went meanwhile); a link probe's objects
-(``controllers.load_costs.PROBE_PREFIX``) are read, verified and neither looked up nor
+(``cache_actors.node.load_costs.PROBE_PREFIX``) are read, verified and neither looked up nor
 counted.
 
 Any data thread may call ``put_from`` and ``get_into`` at once: each call takes one
@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
-from raykv.controllers.load_costs import PROBE_PREFIX
+from raykv.cache_actors.node.load_costs import PROBE_PREFIX
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
 from raykv.controllers.result_codes import (
     CLIENT_ERROR,

@@ -57,7 +57,7 @@ class TierMetrics:
 class LinkMetrics:
     """``raykv_link_bytes_per_second`` (tag ``segment``: a source segment ``host:port``,
     or ``l3_disk``) of one node actor: its estimate of each link's read rate
-    (``controllers.load_costs.LoadCosts.view``, from ``read()``); a link the node
+    (``cache_actors.node.load_costs.LoadCosts.view``, from ``read()``); a link the node
     forgot reads 0, one not estimated yet is not set."""
 
     def __init__(self, node_id: str, read: Callable[[], dict]) -> None:

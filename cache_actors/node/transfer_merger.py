@@ -5,7 +5,7 @@ each waited on its own batch inside the one transfer engine, and Mooncake's comp
 wait polls (``TransferFuture::wait`` -> ``getTransferStatus``, ``sched_yield``), so the
 node spent about twice the CPU per GB of N independent clients and its throughput fell
 with N. ``TransferMerger`` bounds the store calls in flight (``max_inflight``) and
-merges whatever queued meanwhile into the next call (``cache_actors.node.transfer_merge``).
+merges whatever queued meanwhile into the next call (``cache_actors.node.merge_plan``).
 
 It runs without a thread of its own (flat combining): a caller queues its batch; if a
 call slot is free it takes everything that can share one call (its own batch and any
@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import DeadlineExceededError
-from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
+from raykv.cache_actors.node.merge_plan import Pending, merge, select, split
 from raykv.controllers.node_settings import DEFAULTS
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ import ray
 import torch
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.host_pools import HostPool
+from raykv.cache_actors.rank.call_budget import Budget
 from raykv.cache_actors.rank.group_registration import GroupRegistration
 from raykv.cache_actors.rank.l2_link import L2Link
 from raykv.cache_actors.rank.node_guard import guard_of
@@ -36,7 +37,6 @@ from raykv.cache_actors.rank.pointer_api import PointerCalls
 from raykv.cache_actors.rank.pool_lifecycle import PoolLifecycle, pool_layout
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.cache_actors.rank.staging_pools import StagedPool, staged_call
-from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer, PoolTransferResult, StorageConfig
 from raykv.controllers.group_search import search
 from raykv.controllers.keyed_hashes import KeyedHashes
@@ -327,7 +327,7 @@ class CacheClient:
         call this client (or any other) makes on a thread while it is entered (``with
         budget: ...``, as often as needed) waits at most what is left of it, and spends
         it; with nothing left, a call fails at once (``DeadlineExceededError``, nothing
-        sent). See ``controllers.call_budget``."""
+        sent). See ``cache_actors.rank.call_budget``."""
         return Budget(self.config.timeout_s if seconds is None else seconds)
 
     def breaker_counts(self) -> dict:

@@ -5,7 +5,7 @@ One ``NodeGuard`` per node actor (namespace and node id) per process (``guard_of
 shared by every ``CacheClient`` of the process: an engine's scheduler side and its
 worker side wait on the same actor, so they learn together that it stopped answering.
 ``NodeLink.data`` runs each data call inside ``guard.call()``; the breaker's rules are
-``controllers.circuit_breaker``'s. A call only fails the breaker by running into its
+``cache_actors.rank.circuit_breaker``'s. A call only fails the breaker by running into its
 deadline (``DeadlineExceededError``): the other errors of an unavailable actor (Ray
 says it is dead or restarting, a broken channel, a store restarting) come back at once,
 so repeating them costs an engine nothing.
@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 from raykv.cache_actors.errors import CircuitOpenError, DeadlineExceededError
-from raykv.controllers.circuit_breaker import BreakerSettings, CircuitBreaker
+from raykv.cache_actors.rank.circuit_breaker import BreakerSettings, CircuitBreaker
 from raykv.controllers.naming import node_actor_name
 
 

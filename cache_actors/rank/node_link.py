@@ -18,7 +18,7 @@ Deadlines: every data op has ``timeout_s`` (``StorageConfig.timeout_s``), and wh
 does first (re-map after a re-attach, ask the actor for its channel's path) happens
 within that deadline too; every control call has ``CONTROL_TIMEOUT_S`` (creating a pool
 reserves its memory, seconds per GiB on a slow host). A budget entered on the calling
-thread (``controllers.call_budget``) shortens both to what it has left and is spent by
+thread (``cache_actors.rank.call_budget``) shortens both to what it has left and is spent by
 them; with nothing left a call fails at once. A call that runs past its deadline raises
 ``DeadlineExceededError`` (a ``NodeUnavailableError``): a Ray call is cancelled (best
 effort: a call the actor already started runs on), a channel connection is closed so
@@ -61,11 +61,11 @@ from raykv.cache_actors.channel_socket import ChannelClosedError, RequestNotSent
 from raykv.cache_actors.data_ops import ASYNC_OPS, DEADLINE_OPS, TICKETED_OPS, DataOp
 from raykv.cache_actors.errors import DeadlineExceededError, NodeUnavailableError
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.cache_actors.rank.call_budget import spending, time_left
 from raykv.cache_actors.rank.channel_client import ChannelClient
 from raykv.cache_actors.rank.node_guard import guard_of
 from raykv.cache_actors.rank.node_lookup import node_actor_of
 from raykv.cache_actors.tickets import process_book
-from raykv.controllers.call_budget import spending, time_left
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name
 from raykv.controllers.owner_keys import call_purpose
@@ -167,7 +167,7 @@ class NodeLink:
     @contextlib.contextmanager
     def bounded(self, limit_s: float, what: str) -> Iterator[float]:
         """Run the calls of the block within ``limit_s`` seconds, less where a budget
-        entered on this thread (``controllers.call_budget``) or the call around this one
+        entered on this thread (``cache_actors.rank.call_budget``) or the call around this one
         (a data op) ends sooner, and spend the time it takes from those budgets; yields
         the seconds granted to the caller's call (the outermost one on this thread: a
         group query's, for the data op it ends with). ``DeadlineExceededError`` at once

@@ -1,6 +1,6 @@
 """Finding a node's node actor, and asking for one where there is none.
 
-Node actors run only where they are needed (``controllers.node_lifecycle``). An engine
+Node actors run only where they are needed (``clusters.node_lifecycle``). An engine
 on a node gets its node actor from the reconciler (``NodeReconciler.want``), which starts
 it, calls off its retirement or waits out a retirement already stopping it and starts a
 new one, and counts the engine as that actor's before it answers (within a second or

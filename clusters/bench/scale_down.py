@@ -60,9 +60,9 @@ from raykv.clusters.bench.scale_down_workload import (
 )
 from raykv.clusters.bench.toolkit import human_bytes, right_table
 from raykv.clusters.host_plan import parse_rate
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.clusters.store_usage import read_store_usage
 from raykv.controllers.contract import StorageConfig
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.pool_layout import GiB, MiB
 from rich.console import Console
 

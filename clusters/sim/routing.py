@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from raykv.controllers.residency import Residency
 from raykv.integrations.serve.ranking import Weights, rank, spread
 from raykv.integrations.serve.route_keys import RouteOptions
-from raykv.integrations.serve.routed_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
+from raykv.integrations.serve.sent_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
 
 ENGINE_BLOCKS = next(f.default for f in dataclasses.fields(RouteOptions)
                      if f.name == "engine_blocks")

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.controllers.node_lifecycle import DRAIN_TIMEOUT_S
+from raykv.clusters.node_lifecycle import DRAIN_TIMEOUT_S
 from raykv.controllers.node_settings import NodeSettings
 
 _NODE = {f.name: f.default for f in dataclasses.fields(NodeSettings)}

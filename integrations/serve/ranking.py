@@ -2,7 +2,7 @@
 
 A replica's *value* for a request is what it holds of it: the best of ``weight_engine``
 times the leading pages the router itself sent to the replica lately (its stand-in for
-the engine's own prefix cache: ``routed_keys``), and ``weight_l2``, ``weight_segment``,
+the engine's own prefix cache: ``sent_keys``), and ``weight_l2``, ``weight_segment``,
 ``weight_l3`` times the pages its node holds in that tier, as a share of the request's
 pages, less ``weight_load`` per request in its queue. A replica whose queue is longer
 than the shortest known one by more than ``max_queue_gap`` requests is not in the first

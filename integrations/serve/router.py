@@ -12,7 +12,7 @@ requests share), the rest of its keys made meanwhile and counted for its replica
 made; a text the memo holds nothing of waits for its keys ``keys_wait_ms`` at most), the
 residency of those keys on each candidate replica's node as the router's view has it
 (``residency_view``: no call, microseconds), the pages the router itself sent to each
-candidate lately (``routed_keys``: its stand-in for the engine's own cache, learnt in
+candidate lately (``sent_keys``: its stand-in for the engine's own cache, learnt in
 ``on_request_routed``), and ranked groups of replicas by tier held against queue length
 (``ranking``). Beside the requests, one task per node of the replicas asks that node's
 actor what changed every ``refresh_ms`` (``residency_changes``, each call within
@@ -65,7 +65,7 @@ from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Credit, Weights, rank, spread
 from raykv.integrations.serve.residency_view import ResidencyView
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
-from raykv.integrations.serve.routed_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
+from raykv.integrations.serve.sent_keys import SPREAD_WINDOW, RecentRoutes, RoutedKeys
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class RayKVRouter(PowerOfTwoChoicesRequestRouter):
                           result: object) -> None:
         """Serve sent ``pending_request`` to ``replica_id``: its keys (if the router
         made them; those still being made once they are) count as that replica's from
-        now on (``routed_keys``), and the request among those it was sent lately."""
+        now on (``sent_keys``), and the request among those it was sent lately."""
         self.recent.routed(replica_id)
         keys, later = self._routing.pop(pending_request.metadata.internal_request_id,
                                         ([], None))

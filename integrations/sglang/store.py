@@ -14,9 +14,9 @@ from raykv.cache_actors.errors import (
     NodeUnavailableError,
     UnknownPoolError,
 )
+from raykv.cache_actors.rank.call_budget import Budget
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.cache_actors.throttled_log import ThrottledLog
-from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.sglang.config import SUPPORTED_POOLS, BackendOptions, storage_config

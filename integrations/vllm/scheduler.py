@@ -33,7 +33,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from raykv.controllers.call_budget import Budget
+from raykv.cache_actors.rank.call_budget import Budget
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.kv_events import L2, L3, KVEventBook, record_saving, to_vllm
 from raykv.integrations.vllm.kv_views import config_geometry, geometry_bytes

@@ -39,13 +39,13 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from raykv.cache_actors.rank.call_budget import Budget
 from raykv.cache_actors.rank.staging_pools import (
     EngineMemory,
     StagedPool,
     dtype_of,
     staging_layout,
 )
-from raykv.controllers.call_budget import Budget
 from raykv.controllers.contract import PoolName, PoolTransfer
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.async_loads import CLOSE_WAIT_S, AsyncLoads

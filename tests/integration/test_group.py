@@ -506,7 +506,7 @@ def test_a_repeated_prefix_lands_on_the_node_that_holds_it(cluster, apps):
 @pytest.mark.engine("ray.serve")
 def test_a_prefix_the_router_sent_to_a_replica_goes_back_to_it(cluster, apps):
     """No node holds this prefix (these replicas run no engine, nothing is saved): the
-    router's engine tier alone (what it sent where, ``routed_keys``) sends every repeat
+    router's engine tier alone (what it sent where, ``sent_keys``) sends every repeat
     to the replica it sent the first to, each counted as routed. Control: with
     ``engine_blocks`` 0 the same repeats tell no replica apart: each is a new prefix,
     spread to the replica sent the fewest lately: both nodes get some, and the app's

@@ -13,8 +13,8 @@ from raykv import start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.clusters.node_actors import named_node_actors
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from raykv.controllers.pool_layout import MiB
 
 from tests.integration.drain_ranks import POOL_PAGES, drain_rank

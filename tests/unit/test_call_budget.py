@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from raykv.controllers.call_budget import Budget, spending, time_left
+from raykv.cache_actors.rank.call_budget import Budget, spending, time_left
 
 
 class Clock:

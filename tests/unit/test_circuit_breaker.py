@@ -5,7 +5,7 @@ answer lets a trial through, and how the hold grows."""
 from __future__ import annotations
 
 import pytest
-from raykv.controllers.circuit_breaker import BreakerSettings, BreakerState, CircuitBreaker
+from raykv.cache_actors.rank.circuit_breaker import BreakerSettings, BreakerState, CircuitBreaker
 
 
 class Clock:

@@ -1,12 +1,12 @@
-"""``controllers.clear_scope``: the pattern of a deployment's keys matches every key its
+"""``cache_actors.node.clear_scope``: the pattern of a deployment's keys matches every key its
 ranks make and no key of another deployment or tenant (checked with Python's ``re`` on
 bytes, which reads the pattern as the master's ECMAScript regex does)."""
 
 import re
 
 import pytest
+from raykv.cache_actors.node.clear_scope import clear_pattern, regex_literal
 from raykv.controllers import KeyScheme, StorageConfig
-from raykv.controllers.clear_scope import clear_pattern, regex_literal
 from raykv.controllers.ownership import OwnerClaim, claim_of
 
 H = "5d85718ec594b982c252d0279e5966ffca33a5eaf2a455038d3ab331fde70cea"  # SGLang's shape

@@ -22,8 +22,8 @@ from raykv.clusters.cli import (
     SizeList,
     Tokens,
 )
+from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.clusters.status_view import render_status
-from raykv.controllers.node_lifecycle import LifecycleSettings
 from rich.console import Console
 
 RAYKV = str(Path(sys.executable).parent / "raykv")

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import re
 import subprocess
+from pathlib import Path
 
 from raykv.clusters.cli import main
 from raykv.clusters.local import start_local
@@ -85,8 +86,8 @@ def variables(text: str) -> set[str]:
 
 def test_every_raykv_environment_variable_is_listed():
     tree = subprocess.run(["git", "grep", "-h", "-o", "-E", "RAYKV_[A-Z0-9_]*", "--", "*.py",
-                           "*.sh", ".ci/run"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
+                           "*.sh", ".ci/run", f":!{Path(__file__).relative_to(ROOT)}"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     used = {v for v in variables(tree)
             if v not in INTERNAL_VARIABLES and not v.startswith("RAYKV_PEER_")}
     listed = [name(r[0]) for r in rows(REFERENCE, "Environment variables")]

@@ -4,11 +4,7 @@ store)."""
 from __future__ import annotations
 
 import pytest
-from raykv.cache_actors.node.load_estimates import LoadEstimates, page_bytes
-from raykv.controllers.contract import PoolName, PoolTransferResult
-from raykv.controllers.deployments import Deployment, PoolSpec
-from raykv.controllers.families import group_families
-from raykv.controllers.load_costs import (
+from raykv.cache_actors.node.load_costs import (
     DISK,
     MEMORY,
     KeyPlaces,
@@ -20,6 +16,10 @@ from raykv.controllers.load_costs import (
     tier_estimates,
     whole_run,
 )
+from raykv.cache_actors.node.load_estimates import LoadEstimates, page_bytes
+from raykv.controllers.contract import PoolName, PoolTransferResult
+from raykv.controllers.deployments import Deployment, PoolSpec
+from raykv.controllers.families import group_families
 from raykv.controllers.load_guard import Rate
 from raykv.controllers.result_codes import OBJECT_NOT_FOUND, TRANSFER_FAIL
 

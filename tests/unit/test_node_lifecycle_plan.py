@@ -1,7 +1,7 @@
 """Which nodes get a node actor and when one leaves: the reconciler's decisions."""
 
 import pytest
-from raykv.controllers.node_lifecycle import (
+from raykv.clusters.node_lifecycle import (
     KEEP_ALL,
     Leaving,
     LifecycleSettings,

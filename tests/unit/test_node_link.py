@@ -18,11 +18,11 @@ from raykv.cache_actors.errors import (
 )
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.rank import node_guard, node_link, node_lookup
+from raykv.cache_actors.rank.call_budget import Budget
+from raykv.cache_actors.rank.circuit_breaker import BreakerSettings, BreakerState
 from raykv.cache_actors.rank.node_guard import NodeGuard
 from raykv.cache_actors.rank.node_link import CONTROL_TIMEOUT_S, NodeLink
 from raykv.cache_actors.tickets import TicketRef, process_book
-from raykv.controllers.call_budget import Budget
-from raykv.controllers.circuit_breaker import BreakerSettings, BreakerState
 from raykv.controllers.naming import CONTROLLER_NAME, RECONCILER_NAME, node_actor_name
 
 HERE, OTHER = "a" * 40, "b" * 40

@@ -13,9 +13,9 @@ import pytest
 from raykv.cache_actors.errors import DeadlineExceededError
 from raykv.cache_actors.node.l2_index import L2Index
 from raykv.cache_actors.node.l2_pools import L2Pools
+from raykv.cache_actors.node.load_costs import LoadCosts
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.residency_query import ResidencyQuery
-from raykv.controllers.load_costs import LoadCosts
 from raykv.controllers.residency import ResidencyChanges
 from raykv.integrations.serve import residency_view
 from raykv.integrations.serve.residency_view import ResidencyView

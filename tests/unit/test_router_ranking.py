@@ -11,7 +11,7 @@ from raykv.controllers.residency import Residency
 from raykv.integrations.serve.prompt_tokens import PromptTokens
 from raykv.integrations.serve.ranking import Credit, Weights, held, rank, spread
 from raykv.integrations.serve.route_keys import RouteKeys, RouteOptions
-from raykv.integrations.serve.routed_keys import RecentRoutes, RoutedKeys
+from raykv.integrations.serve.sent_keys import RecentRoutes, RoutedKeys
 from raykv.integrations.vllm.page_hash import PageHashChain, no_extra_keys
 
 W = Weights()

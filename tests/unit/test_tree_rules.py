@@ -1,9 +1,11 @@
-"""Rules of the tree: no product class over 300 lines (the developer guide's limit),
-counted from its ``class`` line to its last line, decorators aside; the per-object
-result codes defined once (``controllers.result_codes``), every other module imports
-them; no product module reads a ``RAYKV_TEST_*`` switch (tests inject their hooks,
-docs/architecture.md "Test hooks"); ``cache_actors/rank`` and ``cache_actors/node``
-never import each other (docs/architecture.md "The tree")."""
+"""Rules of the tree (docs/architecture.md, "The tree"): no product class over 300 lines
+(the developer guide's limit), counted from its ``class`` line to its last line,
+decorators aside; the per-object result codes defined once (``controllers.result_codes``),
+every other module imports them; no product module reads a ``RAYKV_TEST_*`` switch
+(tests inject their hooks); ``cache_actors/rank`` and ``cache_actors/node`` never import
+each other; the integrations never import ``cache_actors/node``; pure modules import no
+Ray, Mooncake, torch or engine; no import circle; ``controllers/`` holds only what more
+than one process uses. Each rule has a control."""
 
 import ast
 import functools
@@ -291,3 +293,50 @@ def test_no_module_imports_itself_back():
     # under type checking), are caught, as is a longer circle
     assert circles({"client": {"l2_link"}, "l2_link": {"client"}}) == [["client", "l2_link"]]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def processes(file: str) -> set[str]:
+    """The processes whose code ``file`` is (``controllers/``: none of its own)."""
+    if file.startswith(("cache_actors/rank/", "integrations/", "example_engine/", "raykv/")):
+        return {"rank"}
+    if file.startswith("cache_actors/node/"):
+        return {"node"}
+    if file.startswith("cache_actors/"):
+        return {"rank", "node"}  # shared by both sides' code
+    return {"clusters"} if file.startswith("clusters/") else set()
+
+
+def single_process(users: dict[str, set[str]]) -> list[str]:
+    """The ``controllers/`` modules of ``users`` (module file -> the files importing it)
+    that one process alone reaches, directly or through other ``controllers/`` modules
+    (the controller actor aside)."""
+    def reach(file: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out: set[str] = set()
+        for user in users.get(file, ()):
+            if user.startswith("controllers/") and user not in seen:
+                out |= reach(user, seen | {file})
+            else:
+                out |= processes(user)
+        return out
+
+    return sorted(f for f in users if f.startswith("controllers/")
+                  and f != "controllers/controller.py" and len(reach(f)) < 2)
+
+
+def test_controllers_hold_only_what_more_than_one_process_uses():
+    """docs/architecture.md, the rule of where a module lives: logic that one process
+    alone runs lives with that process, pure or not."""
+    users: dict[str, set[str]] = {}
+    for f in modules():
+        for m in imported(parsed(f)):
+            if (file := module_file(m)) and file != f and not file.endswith("__init__.py"):
+                users.setdefault(file, set()).add(f)
+    assert single_process(users) == []
+    # CONTROL: the rank's breaker where it was (controllers/, used by the rank alone),
+    # and a module the node reaches only through another controllers module
+    assert single_process({"controllers/circuit_breaker.py": {"cache_actors/rank/node_guard.py"},
+                           "controllers/a.py": {"controllers/b.py"},
+                           "controllers/b.py": {"cache_actors/node/x.py", "clusters/y.py"},
+                           "controllers/c.py": {"controllers/d.py"},
+                           "controllers/d.py": {"cache_actors/node/x.py"}}) == [
+        "controllers/c.py", "controllers/circuit_breaker.py", "controllers/d.py"]

@@ -158,7 +158,7 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     dropped and counted (``save_dropped``), never sent to the store on the step.
     Control (saves on the step): those 2 go to the store (here unreachable: counted
     failed), and nothing is counted dropped."""
-    from raykv.controllers.call_budget import Budget
+    from raykv.cache_actors.rank.call_budget import Budget
     from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
     from raykv.integrations.vllm.request_blocks import BlockTransfer
 
@@ -277,7 +277,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
     commit returned, so no reserved page is released while its copy may still write it.
     Control: an L2 load that does not settle first acquires while the commit is still
     under way."""
-    from raykv.controllers.call_budget import Budget
+    from raykv.cache_actors.rank.call_budget import Budget
     from raykv.integrations.vllm.metadata import RayKVConnectorMetadata
     from raykv.integrations.vllm.request_blocks import BlockTransfer
 

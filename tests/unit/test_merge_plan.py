@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from raykv.cache_actors.node.transfer_merge import Pending, merge, select, split
+from raykv.cache_actors.node.merge_plan import Pending, merge, select, split
 from raykv.cache_actors.node.transfer_merger import TransferMerger
 from raykv.controllers.result_codes import ALREADY_PRESENT
 
