@@ -29,7 +29,7 @@ triple ``(book, slot, serial)`` (``TicketRef``) a put or get carries on either r
   ``ABANDONED`` (the node skips it whenever it arrives). Otherwise a store call of this
   ticket is running, and the rank waits for its end: the only wait of a data call not
   bounded by its deadline, bounded instead by the store call itself (see
-  ``docs/architecture.md``, failure model). A slot found ``STARTED`` and unlocked was
+  ``docs/failure-model.md``). A slot found ``STARTED`` and unlocked was
   held by a node actor that died during the call: in embedded mode nothing can touch
   the pages any more (the transfers ran in that process); in standalone mode
   ``mooncake_client`` may still finish the transfer, so the rank waits until the slot's

@@ -33,7 +33,7 @@ reports present; ``controllers.confirmed_pages``), concurrent queries batched in
 and when told (``forget_confirmations``: a node left).
 
 Threads and locks: which thread calls which method, and which lock guards which state,
-is ``docs/architecture.md``, *Threads of a node actor and what each lock guards* (the
+is ``docs/internals.md``, *Threads of a node actor and what each lock guards* (the
 one copy of that contract).
 """
 

@@ -1,7 +1,7 @@
 """A model of each node's disk tier (L4: Mooncake 0.3.13's SSD offload under raykv's
 disk slot), pure.
 
-What it models, as measured (``docs/architecture.md``, "The disk tier (L4)";
+What it models, as measured (``docs/internals.md``, "The disk tier (L4)";
 ``docs/disk_tier.json``):
 
 - an object the store evicts from a node's memory is written to that node's disk

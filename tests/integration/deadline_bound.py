@@ -1,6 +1,6 @@
 """The bound a test holds a call to raykv to when the failure model gives it one.
 
-``docs/architecture.md`` (failure model): a data call on a stopped, hung or slow node
+``docs/failure-model.md``: a data call on a stopped, hung or slow node
 actor returns within its deadline, ``timeout_s`` (a zero-copy put or get whose store
 call started in time: ``timeout_s`` plus the rest of that store call), and a call the
 open breaker refuses returns at once. What a test measures also holds its caller's own

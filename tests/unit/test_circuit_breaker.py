@@ -127,5 +127,5 @@ def test_bad_settings_are_refused(settings):
 
 
 def test_the_defaults_are_the_documented_ones():
-    """docs/architecture.md, failure model: a 1 s hold doubled up to 30 s."""
+    """docs/failure-model.md: a 1 s hold doubled up to 30 s."""
     assert BreakerSettings() == BreakerSettings(hold_s=1.0, max_hold_s=30.0)
