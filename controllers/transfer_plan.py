@@ -69,13 +69,17 @@ def registered(pools: Mapping[PoolName, PlanPool], role: PoolName) -> PlanPool:
         hint = ("register_mem_pool_host(pool)" if role == PoolName.KV
                 else f"register_mem_host_pool_v2(pool, PoolName.{role.name})")
         raise ValueError(f"no {role.value!r} host pool is registered: call {hint}")
+    if not pool.pool_name:
+        raise ValueError(f"the {role.value!r} pool is registered as a layout alone (group "
+                         "queries only): it moves no pages")
     return pool
 
 
 @dataclass(frozen=True)
 class PlanPool:
     """A pool registered for a role, as planning sees it: ``pool_name``, its name on the
-    node (what an ``ObjectBatch`` names each object's pool by), and its ``layout``."""
+    node (what an ``ObjectBatch`` names each object's pool by; "": a layout registered
+    alone, no pool, which moves no pages), and its ``layout``."""
 
     pool_name: str
     layout: PoolLayout

@@ -211,15 +211,15 @@ class CacheClient:
         self._pools.register_kv(pool, self.config.is_mla_model)
 
     def register_mem_host_pool_v2(self, pool, name: PoolName | str) -> None:
-        """Register ``pool`` as pool ``name`` for the v2 API.
-
-        A draft pool may also be a pool the engine allocated itself (any object with a
-        contiguous ``kv_buffer`` tensor, MHA ``(2, size, layers, heads, dim)`` or MLA
-        ``(size, layers, 1, dim)``, and ``page_size``): it is served through a shared
-        staging pool and a copy. A draft pool that cannot be served disables draft
-        offload with one warning. Other pools must come from this client, or be engine
-        memory served through a staging pool of this client (``StagedPool``).
-        """
+        """Register ``pool`` as pool ``name`` for the v2 API. A draft pool may also be
+        one the engine allocated (any object with a contiguous ``kv_buffer`` tensor, MHA
+        ``(2, size, layers, heads, dim)`` or MLA ``(size, layers, 1, dim)``, and
+        ``page_size``): served through a shared staging pool and a copy (one that cannot
+        be served disables draft offload with one warning). Other pools come from this
+        client, are engine memory served through its staging pool (``StagedPool``), or
+        are a ``PoolLayout`` alone: a rank that only asks group queries registers its
+        geometry and allocates nothing (a transfer of it is refused before any byte
+        moves)."""
         self._pools.register(pool, pool_role(name), self.config.is_mla_model)
 
     @property

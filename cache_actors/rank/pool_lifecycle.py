@@ -106,7 +106,7 @@ class PoolLifecycle:
     def __init__(self, link: NodeRoute) -> None:
         self._link = link
         self._mapped: dict[str, HostPool] = {}
-        self._registered: dict[PoolName, HostPool | StagedPool] = {}
+        self._registered: dict[PoolName, HostPool | StagedPool | PlanPool] = {}
         self._draft_problem: str | None = None
         self.epoch = 0
         self.plan_pools: dict[PoolName, PlanPool] = {}
@@ -196,14 +196,17 @@ class PoolLifecycle:
     def register_kv(self, pool: HostPool | StagedPool, is_mla_model: bool) -> None:
         """Register ``pool`` as KV (see ``CacheClient.register_mem_pool_host``)."""
         self._own(pool, "register_mem_pool_host")
-        want = "mla" if is_mla_model else "mha"
-        if pool.kind != want and not (pool.kind == "vllm" and want == "mha"):
-            raise ValueError(f"pool {pool.name!r} is {pool.kind.upper()} but the "
-                             f"config says is_mla_model={is_mla_model}")
+        check_kv_kind(f"pool {pool.name!r}", pool.kind, is_mla_model)
         self._set_registered({**self._registered, PoolName.KV: pool})
 
     def register(self, pool: object, name: PoolName, is_mla_model: bool) -> None:
         """Register ``pool`` as ``name`` (see ``CacheClient.register_mem_host_pool_v2``)."""
+        if isinstance(pool, PoolLayout):  # its geometry alone: no memory, no transfer
+            check_key_rule(name, pool.kind)
+            if name == PoolName.KV:
+                check_kv_kind("a KV layout", pool.kind, is_mla_model)
+            self._set_registered({**self._registered, name: PlanPool("", pool)})
+            return
         if name == PoolName.DRAFT and not isinstance(pool, HostPool | StagedPool):
             self._register_engine_draft(pool)
             return
@@ -228,9 +231,10 @@ class PoolLifecycle:
         staging = self.create(memory.layout, per_process=True)
         self._set_registered({**self._registered, PoolName.DRAFT: StagedPool(memory, staging)})
 
-    def _set_registered(self, pools: dict[PoolName, HostPool | StagedPool]) -> None:
+    def _set_registered(self, pools: dict[PoolName, HostPool | StagedPool | PlanPool]) -> None:
         self._registered = pools
-        self.plan_pools = {n: PlanPool(p.name, p.layout) for n, p in pools.items()}
+        self.plan_pools = {n: p if isinstance(p, PlanPool) else PlanPool(p.name, p.layout)
+                           for n, p in pools.items()}
         self.staged = {n: p for n, p in pools.items() if isinstance(p, StagedPool)}
         self.specs = tuple(sorted((pp.spec(n) for n, pp in self.plan_pools.items()),
                                   key=lambda s: s.role.value))
@@ -241,3 +245,12 @@ class PoolLifecycle:
             pool.close()
         self._mapped.clear()
         self._set_registered({})
+
+
+def check_kv_kind(what: str, kind: str, is_mla_model: bool) -> None:
+    """``ValueError`` unless ``what`` of ``kind`` can be the KV pool of a rank whose config
+    says ``is_mla_model`` (vLLM's pools serve MHA)."""
+    want = "mla" if is_mla_model else "mha"
+    if kind != want and not (kind == "vllm" and want == "mha"):
+        raise ValueError(f"{what} is {kind.upper()} but the config says "
+                         f"is_mla_model={is_mla_model}")

@@ -34,6 +34,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from raykv.cache_actors.rank.call_budget import Budget
+from raykv.controllers.contract import PoolName
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.kv_events import L2, L3, KVEventBook, record_saving, to_vllm
 from raykv.integrations.vllm.kv_views import config_geometry, geometry_bytes
@@ -60,7 +61,6 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -115,17 +115,17 @@ class RayKVConnectorScheduler(ConnectorSide):
             self._warn.warn("register", "RayKVConnector: registering the deployment "
                             "failed (%s); the first lookup tries again", e)
 
-    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
-        """A one-page pool of the ranks' block geometry (vLLM's KV cache spec): the
-        scheduler only asks group queries, and this pool names the deployment's pool
-        spec, with the bytes per page of the workers' real blocks (the controller
-        refuses another geometry under the same key prefix). Without a spec, a
-        placeholder of one value per token."""
+    def _register(self, client: CacheClient, name: str) -> None:
+        """The ranks' block geometry (vLLM's KV cache spec) registered as the KV pool's,
+        with no memory: the scheduler only asks group queries, and the geometry names
+        the deployment's pool spec, with the bytes per page of the workers' real blocks
+        (the controller refuses another geometry under the same key prefix). Without a
+        spec, a placeholder of one value per token."""
         geometry = config_geometry(self._kv_cache_config) or {
             "page_size": self.block_size, "layer_num": 1, "head_num": 1, "head_dim": 1,
             "dtype": "bfloat16", "itemsize": 2}
-        return client.create_host_pool(PoolLayout.vllm(size=self.block_size, **geometry),
-                                       name=name, per_process=True)
+        client.register_mem_host_pool_v2(PoolLayout.vllm(size=self.block_size, **geometry),
+                                         PoolName.KV)
 
     def _state(self, request: Request) -> RequestBlocks:
         """The tracked state of ``request`` (made on first sight), bound to this

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.throttled_log import ThrottledLog
-from raykv.controllers.contract import PoolName, StorageConfig
+from raykv.controllers.contract import StorageConfig
 from raykv.controllers.deployments import deployment_id
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
@@ -26,7 +26,6 @@ from raykv.integrations.vllm.options import ConnectorOptions
 if TYPE_CHECKING:
     from raykv.cache_actors.host_pools import HostPool
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv.cache_actors.rank.staging_pools import StagedPool
 
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
@@ -72,8 +71,8 @@ def new_stats() -> dict[str, int]:
 
 class ConnectorSide(ABC):
     """One side of the connector in one process: the scheduler side (one per engine) or
-    the worker side (one per TP rank). Subclasses say which pool they register
-    (``_create_pool``). Every method runs on the vLLM thread that calls the connector,
+    the worker side (one per TP rank). Subclasses say what they register as the KV pool
+    (``_register``). Every method runs on the vLLM thread that calls the connector,
     except ``_attach_in_background``, on the attach thread ``_cache`` starts."""
 
     ROLE = "side"
@@ -98,14 +97,10 @@ class ConnectorSide(ABC):
         self._publish = threading.Lock()  # an attach's publication against ``shutdown``
 
     @abstractmethod
-    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
-        """This side's host pool of kind ``vllm``, named ``name``, made by ``client``
-        (registered as the KV pool by ``_attach``)."""
-
-    def _served(self, pool: HostPool) -> HostPool | StagedPool:
-        """What ``_attach`` registers as the KV pool: ``pool`` itself, or vLLM's own
-        memory served through it (``StagedPool``: the worker side)."""
-        return pool
+    def _register(self, client: CacheClient, name: str) -> HostPool | None:
+        """Register this side's KV pool with ``client``: the host pool it made for it
+        (named ``name``; ``shutdown`` destroys it), or None where it registered a
+        geometry alone."""
 
     def _storage_config(self) -> StorageConfig:
         return self.opts.storage_config(tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -124,8 +119,7 @@ class ConnectorSide(ABC):
         client = CacheClient(self._storage_config(), node_id=node_id,
                              namespace=self.opts.namespace)
         try:
-            pool = self._create_pool(client, f"vllm-{uuid.uuid4().hex[:12]}")
-            client.register_mem_host_pool_v2(self._served(pool), PoolName.KV)
+            pool = self._register(client, f"vllm-{uuid.uuid4().hex[:12]}")
         except BaseException:
             client.close()
             raise
@@ -142,8 +136,9 @@ class ConnectorSide(ABC):
                         "deployment": deployment_id(self._storage_config())},
                         loads=self.loads)
         if closed:  # ``shutdown`` ran meanwhile: nobody would destroy or close them
-            with contextlib.suppress(Exception):
-                client.destroy_host_pool(pool)
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    client.destroy_host_pool(pool)
             with contextlib.suppress(Exception):
                 client.close()
             raise NodeUnavailableError("the connector shut down while it attached to raykv")
@@ -203,7 +198,8 @@ class ConnectorSide(ABC):
                 self._metrics.close()
         if client is None:
             return
-        with contextlib.suppress(Exception):
-            client.destroy_host_pool(pool)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                client.destroy_host_pool(pool)
         with contextlib.suppress(Exception):
             client.close()

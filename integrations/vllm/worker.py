@@ -115,17 +115,17 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
                 log.warning("RayKVConnector tp %d: the node has no L2 room; blocks go "
                             "through the store", self.tp_rank)
 
-    def _create_pool(self, client: CacheClient, name: str) -> HostPool:
-        """The staging pool: ``pool_blocks`` pages of vLLM's block geometry."""
-        return client.create_host_pool(
+    def _register(self, client: CacheClient, name: str) -> HostPool:
+        """The staging pool (``pool_blocks`` pages of vLLM's block geometry), registered
+        as vLLM's KV cache served through it: one window of ``pool_blocks`` blocks for
+        loads and saves (both run on vLLM's worker thread)."""
+        pool = client.create_host_pool(
             staging_layout(self._memory.layout, self.opts.pool_blocks), name=name,
             per_process=True)
-
-    def _served(self, pool: HostPool) -> StagedPool:
-        """vLLM's KV cache through ``pool``: one window of ``pool_blocks`` blocks for
-        loads and saves (both run on vLLM's worker thread)."""
-        return StagedPool(self._memory, pool, self.opts.pool_blocks, shared=True,
-                          stage=self._pages)
+        client.register_mem_host_pool_v2(StagedPool(
+            self._memory, pool, self.opts.pool_blocks, shared=True, stage=self._pages),
+            PoolName.KV)
+        return pool
 
     def _pages(self, pool: HostPool) -> list[torch.Tensor]:
         return pool_block_views(pool.kv_buffer, self._block_shape)  # pool's pages

@@ -130,6 +130,24 @@ def test_register_needs_this_clients_pools_of_the_right_kind(node, pools):
     assert [s.role for s in pools.specs] == [KV] and pools.staged == {}
 
 
+def test_a_layout_registers_its_geometry_and_allocates_nothing(node, pools):
+    """A rank that only asks group queries (vLLM's scheduler) registers the KV pool's
+    geometry: the same spec as a pool of that layout, no pool on the node, and a
+    transfer naming it is refused before any byte moves. CONTROL: a pool of the layout
+    registered instead makes a pool on the node, with the same spec."""
+    pools.register(mha(), KV, is_mla_model=False)
+    described = pools.specs
+    assert node.pools == {} and pools.mapped() == []
+    with pytest.raises(ValueError, match="is MHA but the config says is_mla_model=True"):
+        pools.register(mha(), KV, is_mla_model=True)
+    with pytest.raises(ValueError, match="registered as a layout alone"):
+        transfer(node, pools, [PoolTransfer(KV, ["k0"], slots(0))], write=True)
+    other = PoolLifecycle(node)
+    other.register(other.create(mha(), "kv-b"), KV, is_mla_model=False)
+    assert list(node.pools) == ["kv-b"] and other.specs == described
+    other.close()
+
+
 def test_an_engine_draft_pool_is_staged_through_a_mirror_pool(node, pools):
     draft = EngineDraft()
     pools.register(draft, DRAFT, is_mla_model=False)

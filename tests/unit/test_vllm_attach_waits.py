@@ -133,14 +133,17 @@ def test_a_failing_attach_is_retried_at_most_once_per_retry_interval(monkeypatch
 
 
 class _Side:
-    """A connector side of its own (no vLLM): its pool is made by ``make_pool``."""
+    """A connector side of its own (no vLLM): its pool is made by ``make_pool`` and
+    registered."""
 
     def __new__(cls, make_pool):
         from raykv.integrations.vllm.side import ConnectorSide
 
         class Side(ConnectorSide):
-            def _create_pool(self, client, name):
-                return make_pool(client, name)
+            def _register(self, client, name):
+                pool = make_pool(client, name)
+                client.register_mem_host_pool_v2(pool, "kv")
+                return pool
 
         return Side(_opts(), block_size=4, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
 

@@ -193,7 +193,7 @@ class Side(ConnectorSide):
         self.attaches = 0
         self.fail = False
 
-    def _create_pool(self, client, name):
+    def _register(self, client, name):
         raise AssertionError("not used: _attach is replaced")
 
     def _attach(self) -> None:
