@@ -31,7 +31,7 @@ from tests.integration.conftest import set_store_delay
 
 PS = 16  # tokens per page
 SIZES = dict(hidden=64, layers=4, head_dim=16, vocab=128)
-DELAY_S = 0.3
+DELAY_S = 1.0  # a slow store call: far slower than the prefill of a few pages, even under load
 """Seconds every put and get of the node actors waits in the guard's test (far beyond
 what computing a few pages of this tiny model takes)."""
 
