@@ -57,7 +57,7 @@ def watch_blocks(c, on: bool, saved: Callable[[str, int], None],
     def start_load_kv(forward_context, **kwargs) -> None:
         cls.start_load_kv(c, forward_context, **kwargs)
         failed = worker._load_errors  # not yet handed to vLLM
-        later = set(worker._behind.blocks) if worker._behind is not None else set()
+        later = set(worker._steps.behind.blocks) if worker._steps.behind is not None else set()
         for x in getattr(c._get_connector_metadata(), "loads", ()):
             for h, b in zip(x.hashes, x.block_ids, strict=True):
                 if b in later:

@@ -113,7 +113,7 @@ class ITLEngine(VLLMEngine):
         def load(worker) -> list[float]:
             from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-            l2 = get_kv_transfer_group().connector_worker._l2
+            l2 = get_kv_transfer_group().connector_worker._steps.l2
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()

@@ -57,8 +57,8 @@ from raykv.integrations.vllm.kv_views import (
     pool_dims,
     randomize,
 )
-from raykv.integrations.vllm.l2_blocks import L2Blocks, SaveBehind
-from raykv.integrations.vllm.l2_steps import L2StepsMixin
+from raykv.integrations.vllm.l2_blocks import L2Blocks
+from raykv.integrations.vllm.l2_steps import L2Steps
 from raykv.integrations.vllm.layer_loads import LayerLoads, LoadsBehind
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import ConnectorOptions
@@ -74,10 +74,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log lines
 
 
-class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
+class RayKVConnectorWorker(ConnectorSide):
     """The connector's worker-side methods (vLLM's contracts; the connector passes in
     the step's metadata). Attaches to raykv in ``register_kv_caches``, when the pool's
-    geometry is known."""
+    geometry is known. Its steps through the node's L2 are ``_steps`` (``L2Steps``)."""
 
     ROLE = "worker"
 
@@ -95,23 +95,22 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not seen yet
         # a step's loads and saves wait one timeout_s in all (made anew in start_load_kv)
         self._step_budget = Budget(opts.timeout_s)
-        self._l2: L2Blocks | None = None  # the node's L2 (opts.l2_blocks > 0)
         self._async: AsyncLoads | None = None  # the load thread (first async load)
         self._landed = LandedBlocks(opts.kv_events)  # saves that landed, for KV events
-        self._behind: LoadsBehind | None = None  # L2 loads behind the forward (host KV)
-        self._saving: tuple[SaveBehind, list[str]] | None = None  # the last step's L2 save
+        # the node's L2 (opts.l2_blocks > 0) and loads behind the forward (host KV)
+        self._steps = L2Steps(self.stats, self._landed, self._warn)
 
     def _attach(self) -> None:
         """``ConnectorSide._attach``, then the node's L2 if ``l2_blocks`` (none: refused)."""
         super()._attach()
         if self.opts.l2_blocks:
             try:
-                self._l2 = L2Blocks.open(self._client, self._layers, self._pages,
-                                         staging_layout(self._memory.layout, 1),
-                                         self.opts.l2_blocks)
+                self._steps.l2 = L2Blocks.open(self._client, self._layers, self._pages,
+                                               staging_layout(self._memory.layout, 1),
+                                               self.opts.l2_blocks)
             except Exception as e:  # the staging pool serves every block then
                 self._warn.warn("l2", "RayKVConnector: no L2 on this node (%s)", e)
-            if self._l2 is None:
+            if self._steps.l2 is None:
                 log.warning("RayKVConnector tp %d: the node has no L2 room; blocks go "
                             "through the store", self.tp_rank)
 
@@ -146,7 +145,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         self._layers = block_views(tensors, num_blocks, self.block_size)
         # Copies behind the forward on host KV caches only (a GPU's would need a
         # stream of their own and pinned pages: loads stay on the step there).
-        self._behind = LoadsBehind(list(kv_caches)) if first.device.type == "cpu" else None
+        self._steps.behind = (LoadsBehind(list(kv_caches)) if first.device.type == "cpu"
+                              else None)
         self._block_shape = tuple(self._layers[0].shape[1:])
         self._block_bytes = self._layers[0][0].nbytes * len(self._layers)  # all layers
         if math.prod(self._block_shape) % self.block_size:
@@ -173,8 +173,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         not load (on any TP rank) go to ``get_block_ids_with_load_errors`` and stay
         unsettled until the scheduler side has seen them. vLLM calls this every step
         before ``wait_for_save`` (before the forward in a step with loads)."""
-        self._settle_saves()  # before any L2 op of this step
-        self._settle_behind()  # a step whose wait_for_save vLLM did not call
+        self._steps.settle_saves()  # before any L2 op of this step
+        self._failed(self._steps.settle_behind())  # wait_for_save not called last step
         if not isinstance(meta, RayKVConnectorMetadata):
             return
         self._step_budget = Budget(self.opts.timeout_s)  # this step's loads and saves
@@ -189,7 +189,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         if not meta.loads:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
-        behind = self._layer_loads()
+        # corrupted loads (a test's control) are overwritten on the step, never behind it
+        behind = None if self.opts.debug_corrupt_loads else self._steps.layer_loads()
         with self._step_budget:  # first failed block per request; the last behind
             firsts = [self.loads.timed(
                 partial(self._load, x, behind if x is meta.loads[-1] else None),
@@ -215,8 +216,10 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         done, past_l2 = 0, None  # past_l2: where L2 stopped
         try:
             self._cache()
-            if self._l2 is not None and self._l2.usable:
-                loaded = self._load_l2(x, behind)
+            if self._steps.usable:
+                loaded = self._steps.load(x, behind)
+                if loaded and self.opts.debug_corrupt_loads:
+                    randomize(self._layers, x.block_ids[:loaded])
                 if loaded == len(x.block_ids):
                     return loaded
                 if loaded is not None:
@@ -247,12 +250,16 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         fails the load)."""
         with Budget(self.opts.timeout_s):
             self._cache()
-            if self._l2 is None or not self._l2.usable:
+            if not self._steps.usable:
                 return 0
-            done, _ = self._l2.load(x.block_ids, x.hashes)
+            done, _ = self._steps.l2.load(x.block_ids, x.hashes)
         if done and self.opts.debug_corrupt_loads:
             randomize(self._layers, x.block_ids[:done])
         return done
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """``L2Steps.wait_for_layer_load``: vLLM's forward, before each attention layer."""
+        self._steps.wait_for_layer_load(layer_name)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                set[str] | None]:
@@ -271,15 +278,15 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         return None, done.req_ids or None
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """After the forward: end the step's copies behind it (``_settle_behind``), then
+        """After the forward: end the step's copies behind it (``L2Steps.settle_behind``), then
         save the step's newly full blocks (``meta.saves``), except those computed over
         an unsettled block (``refuses``), whichever request's load failed: those are
         counted in ``save_refused`` and never stored. The time spent in steps that save
         is counted in ``save_us`` (wall) and ``save_cpu_us`` (this thread's CPU)."""
-        self._settle_saves()  # a step whose start_load_kv vLLM did not call
-        self._settle_behind()
-        if self._behind is not None:
-            self._behind.waits.step_ended()
+        self._steps.settle_saves()  # a step whose start_load_kv vLLM did not call
+        self._failed(self._steps.settle_behind())
+        if self._steps.behind is not None:
+            self._steps.behind.waits.step_ended()
         if not isinstance(meta, RayKVConnectorMetadata) or not meta.saves:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -290,15 +297,15 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
                     self.stats["save_refused"] += len(x.block_ids)
                     continue
                 saves.append(x)
-            if self.opts.async_transfers and self._l2 is not None and self._l2.usable:
-                saves = self._save_batch(saves)
+            if self.opts.async_transfers and self._steps.usable:
+                saves = self._steps.save_batch(saves)
             for x in saves:
                 self._save(x)
         self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
         self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
 
     def settle(self) -> None:
-        self._settle_saves()
+        self._steps.settle_saves()
 
     def refuses(self, x: BlockTransfer) -> bool:
         """Whether the save ``x`` was computed over a block whose load failed and that
@@ -310,9 +317,9 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         done = 0
         try:
             self._cache()
-            if self._l2 is not None and self._l2.usable:
+            if self._steps.usable:
                 try:
-                    x = self._save_l2(x)
+                    x = self._steps.save(x)
                 except Exception as e:  # the store takes the whole save then
                     self._warn.warn("l2 save", "RayKVConnector: L2 save failed (%s); saving "
                                     "through the store", e)
@@ -336,8 +343,8 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         """This step's reports of saves that landed (None: none, or events off); an L2
         save behind a step is reported once committed (here if it already is, else
         with a later step's)."""
-        if self._saving is not None and self._saving[0].done:
-            self._settle_saves()
+        if self._steps.saved_behind:
+            self._steps.settle_saves()
         return LandedReports(reports) if (reports := self._landed.take()) else None
 
     def _failed(self, blocks: Iterable[int]) -> None:
@@ -356,10 +363,10 @@ class RayKVConnectorWorker(L2StepsMixin, ConnectorSide):
         loads, self._async = self._async, None
         if loads is not None:
             loads.close()
-        self._settle_saves()
-        self._settle_behind()
-        if self._behind is not None:
-            self._behind.close()
+        self._steps.settle_saves()
+        self._failed(self._steps.settle_behind())
+        if self._steps.behind is not None:
+            self._steps.behind.close()
         super().shutdown()
 
 

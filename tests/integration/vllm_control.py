@@ -123,7 +123,7 @@ def _fail_next_async_load(worker, index: int, report: bool) -> None:
     complete) and reports the leading ``index`` blocks loaded, or, with ``report``
     False (a control: a hook that passes a failed load off as done), all of them."""
     w = _connector().connector_worker
-    l2 = w._l2
+    l2 = w._steps.l2
     load = l2.load
 
     def once(block_ids, hashes, behind=None):
@@ -147,9 +147,9 @@ def _unwaited_layer_loads(worker, on: bool) -> None:
     if not on:
         for name in ("wait_for_layer_load", "wait_for_save"):
             w.__dict__.pop(name, None)
-        w._l2.__dict__.pop("_copy_layer", None)
+        w._steps.l2.__dict__.pop("_copy_layer", None)
         return
-    copy_layer, wait_for_save = w._l2._copy_layer, w.wait_for_save
+    copy_layer, wait_for_save = w._steps.l2._copy_layer, w.wait_for_save
     forward_ended = threading.Event()
 
     def late(staged, runs, layer) -> None:
@@ -161,8 +161,8 @@ def _unwaited_layer_loads(worker, on: bool) -> None:
         wait_for_save(meta)
         forward_ended.clear()
 
-    w.wait_for_layer_load, w.wait_for_save = w._behind.waits.seen, after_forward
-    w._l2._copy_layer = late
+    w.wait_for_layer_load, w.wait_for_save = w._steps.behind.waits.seen, after_forward
+    w._steps.l2._copy_layer = late
 
 
 def _old_save_rule(worker, on: bool) -> None:

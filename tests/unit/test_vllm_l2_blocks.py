@@ -171,7 +171,7 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
             return len(self.index.commit(holder or self.holder, pages, ok, dirty=True))
 
     link = BehindLink()
-    w._l2 = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
+    w._steps.l2 = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
     w._step_budget = Budget(0.2)
     stored = []
 
@@ -210,7 +210,7 @@ def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
     a[0].normal_()
     assert l2(link, a, store).save([0, 1], ["h0", "h1"]) == (2, [])
     w._layers = engine(layers=1)
-    w._l2 = l2(link, w._layers, store)
+    w._steps.l2 = l2(link, w._layers, store)
     asked = []
 
     def batch_get_v2(transfers):  # the store through the staging pool: h2 is there
@@ -297,7 +297,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
     w = worker(async_transfers=True, timeout_s=2.0)
     link = SlowLink()
     w._layers = engine(layers=1)
-    w._l2 = l2(link, w._layers, [torch.zeros(PAGES, *BLOCK)])
+    w._steps.l2 = l2(link, w._layers, [torch.zeros(PAGES, *BLOCK)])
     w._step_budget = Budget(2.0)
     w._client = SimpleNamespace()
     w.wait_for_save(RayKVConnectorMetadata(saves=[BlockTransfer("r1", [0, 1], ["a", "b"])]))
@@ -308,7 +308,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
         assert events[:2] == ["commit", "acquire"]
         assert w.stats["l2_saved"] == 2 and w.stats["l2_loaded"] == 2
     else:
-        w._l2.load([4, 5], ["a", "b"])
+        w._steps.l2.load([4, 5], ["a", "b"])
         assert events[0] == "acquire"
         w.settle()
 

@@ -163,8 +163,8 @@ def _worker(layers: list[torch.Tensor], link: FakeLink, store: list[torch.Tensor
                              pp_size=1)
     names = [f"l{i}" for i in range(len(layers))]
     w._client, w._layers = SimpleNamespace(), layers
-    w._behind = LoadsBehind(names)
-    w._l2 = l2(link, layers, store)
+    w._steps.behind = LoadsBehind(names)
+    w._steps.l2 = l2(link, layers, store)
     return w, names
 
 
@@ -196,10 +196,10 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     assert w.stats["l2_loaded"] == 3 and w.stats["loaded_behind"] == 0
     held = []
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names,
-          between=lambda: held.append((w._behind._loads.busy, link.index.stats()["held"])))
+          between=lambda: held.append((w._steps.behind._loads.busy, link.index.stats()["held"])))
     assert held == [(True, 3)]
     assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 2
-    assert not w._behind._loads.busy and link.index.stats()["held"] == 0
+    assert not w._steps.behind._loads.busy and link.index.stats()["held"] == 0
     assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
     assert w.get_block_ids_with_load_errors() == set()
     w.shutdown()
@@ -221,7 +221,7 @@ def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
     def broken(staged, runs, layer):
         raise RuntimeError("copy failed")
 
-    w._l2._copy_layer = broken
+    w._steps.l2._copy_layer = broken
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names)
     assert w.get_block_ids_with_load_errors() == {3, 4}
     assert w.stats["load_failed"] == 2 and w.stats["loaded"] == 4
