@@ -90,11 +90,48 @@ def _recorded(worker) -> dict:
     return getattr(_connector(), "_digests", {"saved": {}, "loaded": []})
 
 
-def _corrupt(worker, on: bool) -> None:
-    from dataclasses import replace
+def randomize(layers, block_ids: list[int]) -> None:
+    """Random values into vLLM's ``block_ids`` of every layer (vLLM's KV cache: host
+    memory on CPU, else a GPU's)."""
+    import torch
 
-    w = _connector().connector_worker
-    w.opts = replace(w.opts, debug_corrupt_loads=on)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    for blocks in layers:
+        noise = torch.randn((len(block_ids), *blocks.shape[1:])).to(blocks.dtype)
+        blocks.index_copy_(0, ids, noise.to(blocks.device))
+
+
+def corrupt_loads(worker, on: bool) -> None:
+    """Control, injected into raykv's vLLM worker connector (``RayKVConnectorWorker``)
+    from outside (the connector holds no such switch): every block it loads is
+    overwritten with random values right after its load, each copy made on the step
+    (none behind the forward, which would land after the overwrite); off: its own
+    loads. Instance attributes over the class's methods, which is what it calls."""
+    for name in ("_load", "_load_async"):
+        worker.__dict__.pop(name, None)
+    worker._steps.__dict__.pop("layer_loads", None)
+    if not on:
+        return
+    load, load_async = worker._load, worker._load_async
+
+    def _load(x, behind=None) -> int:
+        n = load(x, None)
+        if n:
+            randomize(worker._layers, x.block_ids[:n])
+        return n
+
+    def _load_async(x) -> int:
+        n = load_async(x)
+        if n:
+            randomize(worker._layers, x.block_ids[:n])
+        return n
+
+    worker._load, worker._load_async = _load, _load_async
+    worker._steps.layer_loads = lambda: None
+
+
+def _corrupt(worker, on: bool) -> None:
+    corrupt_loads(_connector().connector_worker, on)
 
 
 class DigestRecorder:
@@ -112,8 +149,8 @@ class DigestRecorder:
         return rec
 
     def corrupt_loads(self, on: bool) -> None:
-        """Control: every load copies random values instead of the stored bytes
-        (``debug_corrupt_loads``), so ``check_loads`` must find them wrong."""
+        """Control: every load leaves random values instead of the stored bytes
+        (``corrupt_loads``), so ``check_loads`` must find them wrong."""
         self.llm.collective_rpc(_corrupt, args=(on,))
 
 

@@ -17,7 +17,7 @@ one prompt drawn at random, all at once; 8 greedy tokens. Checked: every loaded 
 digest is one some engine saved under that page hash (``check_loads``); tokens equal
 R's restoring the 7 blocks from its own prefix cache where an engine loaded all 7, R's
 cold run where it loaded none (a partial load splits the prefill elsewhere: not
-judged). Control: X then loads random values (``debug_corrupt_loads``) for two
+judged). Control: X then loads random values (``digest_engine.corrupt_loads``) for two
 prompts, and the check must find every one of those loads wrong. Counted: blocks
 loaded and recomputed per engine (worker counters, vLLM's ``num_cached_tokens``), and
 per node its L2 pool's ``hits``, ``misses``, ``evicted``, ``filled`` from L3 and its
@@ -153,7 +153,7 @@ def digest_check(engines: Sequence) -> dict:
 
 def corrupt_control(engines: Sequence, victim, prompts: Sequence[list[int]]) -> dict:
     """Control: ``victim`` records anew and serves ``prompts`` (stored already) with
-    ``debug_corrupt_loads`` on; the check of its loads against every engine's saves
+    ``corrupt_loads`` on; the check of its loads against every engine's saves
     (recorded before) must find each of them wrong."""
     import ray
 

@@ -106,11 +106,3 @@ def pool_block_views(kv_buffer: torch.Tensor, block_shape: Sequence[int]) -> lis
     return [pages[:, layer].view(kv_buffer.shape[0], *block_shape)
             for layer in range(kv_buffer.shape[1])]
 
-
-def randomize(layers: list[torch.Tensor], block_ids: list[int]) -> None:
-    """Test only (``debug_corrupt_loads``): random values into vLLM's ``block_ids`` of
-    every layer (vLLM's KV cache: host memory on CPU, else a GPU's)."""
-    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
-    for blocks in layers:
-        noise = torch.randn((len(block_ids), *blocks.shape[1:])).to(blocks.dtype)
-        blocks.index_copy_(0, ids, noise.to(blocks.device))

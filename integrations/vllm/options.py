@@ -18,8 +18,7 @@ from raykv.controllers.tenancy import check_tenant
 
 KNOWN_KEYS = frozenset({"model_name", "extra_backend_tag", "namespace", "ray_address",
                         "pool_blocks", "l2_blocks", "async_transfers", "timeout_s", "tenant",
-                        "debug_corrupt_loads", "load_guard", "load_guard_margin",
-                        "explain"})
+                        "load_guard", "load_guard_margin", "explain"})
 
 PAGE_LAYOUT = "lm1"
 """The page layout raykv stores for vLLM, versioned: one page per vLLM block holding
@@ -183,8 +182,6 @@ class ConnectorOptions:
     - ``explain``: log one line per lookup (``load_choice.explain``:
       the tokens asked, which tier serves which, what the guard skipped and both
       estimates); default false.
-    - ``debug_corrupt_loads``: test only: overwrite every loaded block with random
-      values (shows that loaded KV is really used).
 
     ``kv_events`` is not a key: the connector sets it from vLLM's own switch,
     ``kv_events_config.enable_kv_cache_events`` (then it publishes vLLM KV events for
@@ -207,7 +204,6 @@ class ConnectorOptions:
     async_transfers: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     tenant: str | None = None
-    debug_corrupt_loads: bool = False
     kv_events: bool = False
     load_guard: GuardSettings = GuardSettings()
     explain: bool = False
@@ -267,7 +263,6 @@ class ConnectorOptions:
                    l2_blocks=l2_blocks, async_transfers=async_transfers,
                    timeout_s=StorageConfig(extra_config=extra).timeout_s,  # validated
                    tenant=check_tenant(extra.get("tenant") or None),
-                   debug_corrupt_loads=bool(extra.get("debug_corrupt_loads", False)),
                    load_guard=guard, explain=explain)
 
     def storage_config(self, *, tp_rank: int, tp_size: int, pp_rank: int,

@@ -55,7 +55,6 @@ from raykv.integrations.vllm.kv_views import (
     block_views,
     pool_block_views,
     pool_dims,
-    randomize,
 )
 from raykv.integrations.vllm.l2_blocks import L2Blocks
 from raykv.integrations.vllm.l2_steps import L2Steps
@@ -189,8 +188,7 @@ class RayKVConnectorWorker(ConnectorSide):
         if not meta.loads:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
-        # corrupted loads (a test's control) are overwritten on the step, never behind it
-        behind = None if self.opts.debug_corrupt_loads else self._steps.layer_loads()
+        behind = self._steps.layer_loads()
         with self._step_budget:  # first failed block per request; the last behind
             firsts = [self.loads.timed(
                 partial(self._load, x, behind if x is meta.loads[-1] else None),
@@ -218,8 +216,6 @@ class RayKVConnectorWorker(ConnectorSide):
             self._cache()
             if self._steps.usable:
                 loaded = self._steps.load(x, behind)
-                if loaded and self.opts.debug_corrupt_loads:
-                    randomize(self._layers, x.block_ids[:loaded])
                 if loaded == len(x.block_ids):
                     return loaded
                 if loaded is not None:
@@ -231,8 +227,6 @@ class RayKVConnectorWorker(ConnectorSide):
                 ok = self._client.batch_get_v2([PoolTransfer(
                     PoolName.KV, hashes, self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 good = ok.index(False) if False in ok else n
-                if good and self.opts.debug_corrupt_loads:
-                    randomize(self._layers, x.block_ids[done:done + good])
                 done += good
                 if good < n:
                     break
@@ -253,8 +247,6 @@ class RayKVConnectorWorker(ConnectorSide):
             if not self._steps.usable:
                 return 0
             done, _ = self._steps.l2.load(x.block_ids, x.hashes)
-        if done and self.opts.debug_corrupt_loads:
-            randomize(self._layers, x.block_ids[:done])
         return done
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import ray
 import torch
-from raykv.clusters.bench.digest_engine import DigestRecorder, watch_blocks
+from raykv.clusters.bench.digest_engine import DigestRecorder, corrupt_loads, watch_blocks
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
@@ -30,8 +30,7 @@ def _connector():
 
 
 def _corrupt_loads(worker, on: bool) -> None:
-    w = _connector().connector_worker
-    w.opts = replace(w.opts, debug_corrupt_loads=on)
+    corrupt_loads(_connector().connector_worker, on)
 
 
 def _digests(c, block_ids: list[int]) -> list[list[str]]:

@@ -94,9 +94,10 @@ def test_vllm_own_test(vllm_run, selector):
 
 
 def test_control_corrupt_loads_fail(peer_env, tmp_path):
-    """Control: with raykv's loads overwritten by random bytes (the connector's
-    ``debug_corrupt_loads``), every case of a test that passes above fails, on the
-    worker loop's check of loaded blocks (vLLM's own assertions cannot see bytes)."""
+    """Control: with raykv's loads overwritten by random bytes (the peer connector's
+    worker wrapped by ``digest_engine.corrupt_loads``), every case of a test that passes
+    above fails, on the worker loop's check of loaded blocks (vLLM's own assertions
+    cannot see bytes)."""
     root, env = peer_env
     outcomes, tail = run_pytest(sys.executable, root, [CONTROL], "vllm_plugin",
                                 env | {"RAYKV_PEER_CORRUPT_LOADS": "1"}, tmp_path, TIMEOUT_S)

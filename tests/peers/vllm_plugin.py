@@ -54,14 +54,18 @@ def _peer_connector_class():
             kv.kv_connector_extra_config = {
                 "ray_address": os.environ["RAYKV_PEER_RAY_ADDRESS"],
                 "namespace": os.environ["RAYKV_PEER_NAMESPACE"],
-                "model_name": f"peer-{_uid}",
-                # control (test_vllm_peers.py): raykv's loads give random bytes
-                "debug_corrupt_loads": os.environ.get("RAYKV_PEER_CORRUPT_LOADS") == "1"}
+                "model_name": f"peer-{_uid}"}
             if role == KVConnectorRole.WORKER:
                 from vllm_world import init_one_rank_world  # this plugin's folder
 
                 init_one_rank_world()
             super().__init__(vllm_config, role, kv_cache_config)
+            if role == KVConnectorRole.WORKER and \
+                    os.environ.get("RAYKV_PEER_CORRUPT_LOADS") == "1":
+                from raykv.clusters.bench.digest_engine import corrupt_loads
+
+                # control (test_vllm_peers.py): raykv's loads give random bytes
+                corrupt_loads(self.connector_worker, True)
             _connectors.append(self)
 
     return PeerConnector

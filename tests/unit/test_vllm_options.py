@@ -30,8 +30,7 @@ def test_defaults():
     assert o == ConnectorOptions(model_name="org/m",
                                  extra_backend_tag="vllm-tp1-bfloat16-b128-cpu.lm1",
                                  identity=IDENT, namespace=NAMESPACE, ray_address=None,
-                                 pool_blocks=64, timeout_s=DEFAULT_TIMEOUT_S, tenant=None,
-                                 debug_corrupt_loads=False)
+                                 pool_blocks=64, timeout_s=DEFAULT_TIMEOUT_S, tenant=None)
 
 
 def test_backend_tag_names_tp_and_pp():
@@ -98,11 +97,10 @@ def test_odd_revisions_become_hashed_tag_parts():
 
 def test_every_key():
     o = parse({"model_name": "shared", "namespace": "ns", "ray_address": "h:1",
-               "pool_blocks": "8", "timeout_s": 1.5, "tenant": "team-a",
-               "debug_corrupt_loads": 1})
+               "pool_blocks": "8", "timeout_s": 1.5, "tenant": "team-a"})
     assert (o.model_name, o.namespace, o.ray_address) == ("shared", "ns", "h:1")
     assert o.tenant == "team-a"
-    assert (o.pool_blocks, o.timeout_s, o.debug_corrupt_loads) == (8, 1.5, True)
+    assert (o.pool_blocks, o.timeout_s) == (8, 1.5)
     assert parse({"model_name": ""}).model_name == "org/m"  # empty: the served model
 
 
