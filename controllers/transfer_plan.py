@@ -69,9 +69,6 @@ def registered(pools: Mapping[PoolName, PlanPool], role: PoolName) -> PlanPool:
         hint = ("register_mem_pool_host(pool)" if role == PoolName.KV
                 else f"register_mem_host_pool_v2(pool, PoolName.{role.name})")
         raise ValueError(f"no {role.value!r} host pool is registered: call {hint}")
-    if not pool.pool_name:
-        raise ValueError(f"the {role.value!r} pool is registered as a layout alone (group "
-                         "queries only): it moves no pages")
     return pool
 
 
@@ -229,6 +226,9 @@ def check_transfers(transfers: Sequence[PoolTransfer], pools: Mapping[PoolName, 
             out.fixed[role] = [False] * len(page_hashes)
             continue
         pool = registered(pools, role)
+        if not pool.pool_name:
+            raise ValueError(f"the {role.value!r} pool is registered as a layout alone "
+                             "(group queries only): it moves no pages")
         layout = pool.layout
         try:
             starts = layout.page_starts(_slots(idx), len(page_hashes))

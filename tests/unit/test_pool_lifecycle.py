@@ -18,7 +18,7 @@ from raykv.cache_actors.rank.staging_pools import (
 from raykv.controllers.contract import PoolName, PoolTransfer, StorageConfig
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.pool_layout import PoolLayout
-from raykv.controllers.transfer_plan import check_transfers
+from raykv.controllers.transfer_plan import check_hit_query, check_transfers
 
 from tests.unit.fake_node import FakeNode
 
@@ -132,11 +132,14 @@ def test_register_needs_this_clients_pools_of_the_right_kind(node, pools):
 
 def test_a_layout_registers_its_geometry_and_allocates_nothing(node, pools):
     """A rank that only asks group queries (vLLM's scheduler) registers the KV pool's
-    geometry: the same spec as a pool of that layout, no pool on the node, and a
-    transfer naming it is refused before any byte moves. CONTROL: a pool of the layout
-    registered instead makes a pool on the node, with the same spec."""
+    geometry: the same spec as a pool of that layout, no pool on the node, its group
+    queries are planned, and a transfer naming it is refused before any byte moves.
+    CONTROL: a pool of the layout registered instead makes a pool on the node, with the
+    same spec."""
     pools.register(mha(), KV, is_mla_model=False)
     described = pools.specs
+    keys, queries = check_hit_query(["p0", "p1"], (), pools.plan_pools, pools.disabled)
+    assert keys == ["p0", "p1"] and queries == []
     assert node.pools == {} and pools.mapped() == []
     with pytest.raises(ValueError, match="is MHA but the config says is_mla_model=True"):
         pools.register(mha(), KV, is_mla_model=True)
