@@ -27,7 +27,6 @@ otherwise.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import ray
@@ -37,6 +36,8 @@ from raykv.clusters.demo.vllm_actors import Engine, ready, start_engine
 from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
 from raykv.controllers.pool_layout import MiB
 
+from tests.integration.test_host_links import link_of, wait_for
+from tests.integration.test_vllm_load_guard import grown
 from tests.integration.vllm_control import ControlEngine
 
 pytestmark = [pytest.mark.engine("vllm"),
@@ -50,25 +51,6 @@ WARM_LOADS = 8
 estimate of it (0.2 each) from its probe, whose 256 KiB read a busy 2-core machine can
 slow to 10 MB/s, to what 5 MiB gets take."""
 ENGINE = dict(block_size=BLOCK, max_model_len=TOKENS + 64)
-
-
-def grown(before: dict, after: dict) -> dict:
-    """The guard's and the hit counters that grew between two looks."""
-    return {k: after[k] - before[k] for k in after
-            if after[k] != before[k] and (k.startswith("guard_") or k.endswith("hit_tokens"))}
-
-
-def probed(cluster, node: str, segment: str) -> dict:
-    """``node``'s estimate of its link to ``segment`` ({}: none yet)."""
-    return ray.get(cluster.node_actors[node].stats.remote())["loads"]["links"].get(segment, {})
-
-
-def wait_for(check, within_s: float = 60.0):
-    end = time.monotonic() + within_s
-    while not (got := check()):
-        assert time.monotonic() < end, "the node actor never probed the link"
-        time.sleep(0.2)
-    return got
 
 
 def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tmp_path, uid):
@@ -90,13 +72,13 @@ def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tm
             cold = {k: ray.get(r.generate.remote(p[k], 1, cache_salt="cold"))
                     for k in ("threshold", "slow")}
             segment = ray.get(c.node_actors[host1].health.remote())["segment"]
-            wait_for(lambda: probed(c, host0, segment).get("probe_age_s") is not None)
+            wait_for(lambda: link_of(c, host0, segment).get("probe_age_s") is not None)
 
             def served(k: str) -> tuple[dict, dict]:
                 before = ray.get(r.scheduler_stats.remote())
                 got = ray.get(r.generate.remote(p[k], 1))
                 print(k, "ttft_s", got["ttft_s"], "cached", got["cached"],
-                      "link", probed(c, host0, segment), flush=True)
+                      "link", link_of(c, host0, segment), flush=True)
                 return got, grown(before, ray.get(r.scheduler_stats.remote()))
 
             ray.get(r.set_load_guard.remote("off"))  # the link's estimate from real gets

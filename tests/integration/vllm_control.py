@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import ray
 import torch
-from raykv.clusters.bench.digest_engine import DigestRecorder, corrupt_loads, watch_blocks
+from raykv.clusters.bench.digest_engine import DigestRecorder, watch_blocks
 from raykv.clusters.demo.vllm_actors import VLLMEngine
 
 
@@ -27,10 +27,6 @@ def _connector():
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
     return get_kv_transfer_group()
-
-
-def _corrupt_loads(worker, on: bool) -> None:
-    corrupt_loads(_connector().connector_worker, on)
 
 
 def _digests(c, block_ids: list[int]) -> list[list[str]]:
@@ -183,8 +179,8 @@ def _old_save_rule(worker, on: bool) -> None:
 
 @ray.remote(num_cpus=0)
 class ControlEngine(DigestRecorder, VLLMEngine):
-    """``VLLMEngine`` plus ``corrupt_loads``, the block recorder, the benchmarks'
-    digest recorder (``DigestRecorder``), the scheduler side's view and ``rekey``
+    """``VLLMEngine`` plus the block recorder, the benchmarks' digest recorder
+    (``DigestRecorder``, with its ``corrupt_loads``), the scheduler side's view and ``rekey``
     (in-process, TP=1)."""
 
     def fail_next_load(self, index: int) -> None:
@@ -244,10 +240,6 @@ class ControlEngine(DigestRecorder, VLLMEngine):
                                                               o.outputs[0].logprobs,
                                                               strict=True)]}
                 for o in outs]
-
-    def corrupt_loads(self, on: bool) -> None:
-        """Every worker connector loads random bytes (on) or the stored blocks (off)."""
-        self.llm.collective_rpc(_corrupt_loads, args=(on,))
 
     def record_blocks(self, on: bool) -> None:
         """Start recording (anew) or stop recording the blocks the connector saves and

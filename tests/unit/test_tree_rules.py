@@ -83,19 +83,7 @@ def crossings(tree: ast.Module, name: str) -> list[str]:
     a module of the other side: a rank module of ``node/``, a node module of ``rank/``
     (type-checking imports included)."""
     other = next((o for side, o in SIDES.items() if name.startswith(side)), None)
-    if other is None:
-        return []
-    def crosses(module: str) -> bool:
-        return module == other or module.startswith(other + ".")
-
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if crosses(a.name)]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found += [node.module] if crosses(node.module) else [
-                m for a in node.names if crosses(m := f"{node.module}.{a.name}")]
-    return sorted(f"{name} -> {m}" for m in found)
+    return [] if other is None else imports_of(tree, name, other)
 
 
 def test_rank_and_node_never_import_each_other():
@@ -140,12 +128,17 @@ def imported(tree: ast.Module, typing: bool = True) -> list[str]:
     return found
 
 
-def node_imports(tree: ast.Module, name: str) -> list[str]:
-    """``"file -> module"`` for each import of ``cache_actors/node`` in ``tree``: the
-    node actor's modules run in its process only."""
-    node = "raykv.cache_actors.node"
+def imports_of(tree: ast.Module, name: str, package: str) -> list[str]:
+    """``"file -> module"`` for each import in ``tree`` (of the package file ``name``) of
+    ``package`` or a module in it (type-checking imports included)."""
     return sorted({f"{name} -> {m}" for m in imported(tree)
-                   if m == node or m.startswith(node + ".")})
+                   if m == package or m.startswith(package + ".")})
+
+
+def node_imports(tree: ast.Module, name: str) -> list[str]:
+    """``imports_of`` ``cache_actors/node``: the node actor's modules run in its process
+    only."""
+    return imports_of(tree, name, "raykv.cache_actors.node")
 
 
 def test_integrations_never_import_the_node_actors_modules():
