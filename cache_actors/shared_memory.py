@@ -38,7 +38,7 @@ def no_room(what: str, nbytes: int, fd: int, where: str) -> ValueError:
     except OSError as e:
         return ValueError(f"{what} needs {nbytes} bytes of shared memory that {where} cannot "
                           f"give ({e}); free some, or make the pool smaller")
-    budget = ("lower the node's host pool budget (host_pool_bytes: start_local("
+    budget = ("lower the node's host pool budget (host_pool_bytes: local_settings("
               "host_pool_bytes=...) / `raykv up --host-pool-size`) or make the pool smaller")
     if st.f_blocks == 0:  # memfds: no size limit of their own
         return ValueError(f"{what} needs {nbytes} bytes of shared memory but {where} could "

@@ -6,6 +6,10 @@ free loopback ports (``MooncakeMaster``: nothing of theirs listens beyond loopba
 at start), the controller, and the reconciler, which gives every node exactly
 one node actor (also nodes added later with ``add_node``). Leaving the ``with`` block
 (or ``shutdown()``) stops all of it and removes every shared-memory file it made.
+
+``launch`` is the part after Ray's nodes: any ``RayNodes`` (this module's ``OwnNodes``;
+the lab's emulated hosts, ``raykv_lab.hosts``) gets the same master, control plane and
+shutdown.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any, Protocol
 
 import ray
 from raykv.cache_actors.node.client_supervisor import stop_recorded
@@ -23,7 +28,6 @@ from raykv.cache_actors.node.disk_tier import MASTER_FLAGS
 from raykv.cache_actors.shared_memory import remove_shm_files
 from raykv.clusters import ray_auth
 from raykv.clusters.control_plane import LOOPBACK, start_control_plane, stop_control_plane
-from raykv.clusters.hosts import EmulatedHosts
 from raykv.clusters.mooncake_master import MooncakeMaster, check_confirm_ttl
 from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.controllers.naming import NAMESPACE, cluster_shm_prefix, node_actor_name
@@ -40,21 +44,90 @@ NO_PRESTART = {"prestart_worker_first_driver": False}
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                       "health_check_initial_delay_ms": 0}
 
+LOCAL_DEFAULTS = replace(DEFAULTS, global_segment_size=512 * MiB)
+"""``start_local``'s node settings when none are given: ``DEFAULTS`` with a smaller
+segment per node (one machine holds every node)."""
+
+
+def local_settings(**changes: Any) -> NodeSettings:
+    """``LOCAL_DEFAULTS`` with ``changes`` (``NodeSettings``' fields, checked as it checks
+    them: ``ValueError``, ``TypeError`` for an unknown name). ``host_pool_bytes`` not
+    given (or None) is its default by mode (``pool_budget``: no limit embedded, 1 GiB
+    standalone)."""
+    changes["host_pool_bytes"] = pool_budget(changes.get("host_pool_bytes"),
+                                             changes.get("standalone", False))
+    return replace(LOCAL_DEFAULTS, **changes)
+
+
+class RayNodes(Protocol):
+    """Where a local cluster's Ray nodes come from. ``launch`` calls, in the driver's
+    thread: ``master_host`` (the address the master and its metadata server bind),
+    ``join`` once (start or reach the nodes and ``ray.init`` this process; returns the
+    node ids, the head's first), ``shutdown`` once when the cluster stops or its start
+    failed (idempotent)."""
+
+    master_host: str
+
+    def join(self, cluster_tag: str, namespace: str, log_to_driver: bool) -> list[str]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class OwnNodes:
+    """``start_local``'s nodes: one Ray node in this process's ``ray.init``, or several
+    raylets of ``ray.cluster_utils.Cluster``, which ``LocalCluster.add_node`` grows."""
+
+    master_host = LOOPBACK
+
+    def __init__(self, num_nodes: int, node_args: dict) -> None:
+        self.num_nodes = num_nodes
+        self.node_args = node_args
+        """``Cluster.add_node``'s arguments for every node (CPUs, object store, resources)."""
+        self.cluster = None
+        """The ``ray.cluster_utils.Cluster`` (None for one node, or once shut down)."""
+        self.added: dict[str, object] = {}
+        """Node id -> the ``Cluster``'s node, for nodes ``add_node`` added."""
+
+    def join(self, cluster_tag: str, namespace: str, log_to_driver: bool) -> list[str]:
+        if self.num_nodes == 1:
+            ray.init(address="local", namespace=namespace, include_dashboard=False,
+                     log_to_driver=log_to_driver, _system_config=NO_PRESTART, **self.node_args)
+        else:
+            from ray.cluster_utils import Cluster
+
+            # no dashboard (as a one-node cluster): its fixed port, taken by any other
+            # Ray on the machine, made the head node time out at start; no autoscaler
+            # monitor: these nodes are added and removed by hand (``add_node``), and the
+            # monitor cost ~1 CPU-s per start
+            self.cluster = Cluster(initialize_head=True, head_node_args=self.node_args | {
+                "_system_config": FAST_HEALTH_CHECKS | NO_PRESTART, "include_dashboard": False,
+                "no_monitor": True})
+            for _ in range(self.num_nodes - 1):
+                self.cluster.add_node(**self.node_args)
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, namespace=namespace,
+                     log_to_driver=log_to_driver)
+        head = ray.get_runtime_context().get_node_id()
+        return [head, *sorted(n["NodeID"] for n in ray.nodes()
+                              if n["Alive"] and n["NodeID"] != head)]
+
+    def shutdown(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+
 
 class LocalCluster:
     """A running embedded raykv cluster. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, master: MooncakeMaster, settings: NodeSettings, namespace: str,
-                 ray_cluster=None, node_args: dict | None = None,
-                 hosts: EmulatedHosts | None = None) -> None:
+                 ray_nodes: RayNodes) -> None:
         self.master = master
-        self.hosts = hosts
-        """The emulated hosts (``start_local(hosts=N)``): addresses, links, faults."""
         self.settings = settings
         self.namespace = namespace
-        self._ray_cluster = ray_cluster
-        self._ray_nodes: dict[str, object] = {}
-        self._node_args = dict(node_args or {})
+        self.ray_nodes = ray_nodes
+        """Where the Ray nodes come from (``OwnNodes``, or the lab's emulated hosts: their
+        addresses, links and faults)."""
         self.node_ids: list[str] = []
         self.controller = None
         self.reconciler = None
@@ -85,17 +158,22 @@ class LocalCluster:
         return {n: ray.get_actor(node_actor_name(n), namespace=self.namespace)
                 for n in ray.get(self.controller.nodes.remote())}
 
+    def _own_cluster(self):
+        nodes = self.ray_nodes
+        if not isinstance(nodes, OwnNodes) or nodes.cluster is None:
+            raise RuntimeError("adding and removing nodes needs a cluster started with "
+                               "num_nodes > 1 (start_local's own nodes)")
+        return nodes
+
     def add_node(self, timeout_s: float = 60.0, **node_args) -> str:
         """Add a Ray node (multi-node clusters only); returns its id once its node actor
         answers. ``node_args`` go to ``Cluster.add_node`` (default: same CPUs as the rest)."""
-        if self._ray_cluster is None or self.hosts is not None:
-            raise RuntimeError("add_node needs a cluster started with num_nodes > 1 "
-                               "(and no emulated hosts)")
+        nodes = self._own_cluster()
         before = {n["NodeID"] for n in ray.nodes()}
-        node = self._ray_cluster.add_node(**(self._node_args | node_args))
-        self._ray_cluster.wait_for_nodes()
+        node = nodes.cluster.add_node(**(nodes.node_args | node_args))
+        nodes.cluster.wait_for_nodes()
         (node_id,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
-        self._ray_nodes[node_id] = node
+        nodes.added[node_id] = node
         self.node_ids.append(node_id)
         deadline = time.monotonic() + timeout_s
         while node_id not in ray.get(self.controller.nodes.remote()):
@@ -109,7 +187,8 @@ class LocalCluster:
         """Stop a node that ``add_node`` added (as the autoscaler would); returns once the
         controller no longer lists it (its node actor retired), so ``node_actors`` never
         names an actor that is gone. ``TimeoutError`` after ``timeout_s``."""
-        self._ray_cluster.remove_node(self._ray_nodes.pop(node_id))
+        nodes = self._own_cluster()
+        nodes.cluster.remove_node(nodes.added.pop(node_id))
         self.node_ids.remove(node_id)
         deadline = time.monotonic() + timeout_s
         while node_id in ray.get(self.controller.nodes.remote()):
@@ -118,14 +197,12 @@ class LocalCluster:
             time.sleep(0.2)
 
     def shutdown(self) -> None:
-        """Stop reconciler, node actors, controller, master and Ray; stop any
-        ``mooncake_client`` of this cluster still running (standalone mode) and remove
+        """Stop reconciler, node actors, controller, master and Ray (``ray_nodes``); stop
+        any ``mooncake_client`` of this cluster still running (standalone mode) and remove
         every shared-memory file of it. Each step runs even if an earlier one failed."""
         prefix = cluster_shm_prefix(self.cluster_tag)
-        steps = [self.master.stop, ray.shutdown, self._stop_ray_cluster,
+        steps = [self.master.stop, ray.shutdown, self.ray_nodes.shutdown,
                  lambda: stop_recorded(prefix), lambda: remove_shm_files(prefix)]
-        if self.hosts is not None:  # its Ray processes, namespaces, links, bridge
-            steps.append(self.hosts.shutdown)
         if self.controller is not None and ray.is_initialized():
             steps.insert(0, lambda: stop_control_plane(self.namespace))
         self.controller = self.reconciler = None
@@ -139,11 +216,6 @@ class LocalCluster:
         if errors:
             raise errors[0]
 
-    def _stop_ray_cluster(self) -> None:
-        if self._ray_cluster is not None:
-            self._ray_cluster.shutdown()
-            self._ray_cluster = None
-
     def __enter__(self) -> LocalCluster:
         return self
 
@@ -153,192 +225,104 @@ class LocalCluster:
 
 def start_local(
     num_nodes: int = 1,
+    settings: NodeSettings | None = None,
     *,
+    segment_sizes: Sequence[int] | None = None,
     cpus_per_node: int = 2,
-    global_segment_size: int | Sequence[int] = 512 * MiB,
-    local_buffer_size: int = DEFAULTS.local_buffer_size,
     object_store_memory: int = 256 * MiB,
+    resources: dict[str, float] | None = None,
     namespace: str = NAMESPACE,
     master_args: Sequence[str] = (),
-    mooncake_log_level: str = DEFAULTS.mooncake_log_level,
-    group_window_s: float = DEFAULTS.group_window_s,
-    confirm_ttl_s: float = DEFAULTS.confirm_ttl_s,
     reconcile_period_s: float = 1.0,
-    standalone: bool = DEFAULTS.standalone,
-    host_pool_bytes: int | None = None,
     log_to_driver: bool = True,
-    protocol: str = DEFAULTS.protocol,
-    rdma_devices: str = DEFAULTS.rdma_devices,
-    local_hostname: str | None = None,
-    tenant_quotas: dict[str, int] | None = None,
-    tenant_digests: dict[str, str] | None = None,
-    bound_tenants_only: bool = DEFAULTS.bound_tenants_only,
-    untenanted_pool_bytes: int | None = DEFAULTS.untenanted_pool_bytes,
-    hosts: int = 0,
-    link: str | None = None,
-    l2_bytes: int = DEFAULTS.l2_bytes,
-    l2_warm_bytes: int = DEFAULTS.l2_warm_bytes,
-    l2_warm_s: float = DEFAULTS.l2_warm_s,
-    l2_eviction: str = DEFAULTS.l2_eviction,
-    placement: str = DEFAULTS.placement,
-    resources: dict[str, float] | None = None,
     lifecycle: LifecycleSettings | None = None,
-    disk_dir: str = DEFAULTS.disk_dir,
-    disk_bytes: int = DEFAULTS.disk_bytes,
 ) -> LocalCluster:
     """Start an embedded raykv cluster of ``num_nodes`` Ray nodes on this machine.
 
-    ``global_segment_size`` (bytes) is what each node's Mooncake client contributes to
-    the store; a sequence gives one size per initial node (0 makes a node a pure
-    consumer); nodes added later get the first size. ``cpus_per_node`` is the logical
-    CPU count each Ray node advertises for ranks (node actors take none).
-    ``mooncake_log_level`` is Mooncake's ``MC_LOG_LEVEL`` in the node actors (``INFO``,
-    ``WARNING``, ``ERROR``). ``group_window_s`` bounds how long a group hit answer is
-    kept for the ranks of the group that have not asked yet (0: only ranks asking at the
-    same time share one). ``confirm_ttl_s``: how long group queries trust a page the
-    store confirmed present (below the master's object lease; 0: always ask the store).
-    Transport (as ``NodeSettings``): ``protocol`` (``tcp`` or ``rdma``), ``rdma_devices``
-    (comma-separated RDMA device names; "" lets Mooncake use every device; needs
-    ``rdma``), ``local_hostname``: the address every node's Mooncake binds and
-    advertises, 127.0.0.1 by default (also clients made later in this process:
+    ``settings`` are every node's (``NodeSettings``; default ``LOCAL_DEFAULTS``, and
+    ``local_settings(**changes)`` makes them from it): the master's address, its
+    metadata server and the cluster tag are filled in here, ``local_hostname`` None
+    becomes 127.0.0.1 (Mooncake clients made later in this process bind it too:
     ``MC_TCP_BIND_ADDRESS`` is set to it unless already set; RDMA needs the address of
-    an RDMA interface). The master and its metadata server listen on 127.0.0.1
-(Mooncake's transfer engines listen on every interface: docs/deploy.md). Multi-node clusters
-    detect a removed node within ~3 s. Ray prestarts no idle worker for the driver
-    (``NO_PRESTART``). Ray must not be initialised already.
-
-    ``hosts`` > 0: an emulated multi-host cluster instead (``clusters.hosts``, root
-    only): ``hosts`` Ray nodes, each in a network namespace of its own with its own
-    address (host 0, the head, in this machine's namespace, with the master, its
-    metadata server and this driver), every node's Mooncake bound to its host's address
-    (``local_hostname`` must stay None), each host's link shaped to ``link``
-    (``10gbit``; None: not shaped); ``num_nodes`` is then ``hosts``. Ray declares a
-    host dead after ~30 s unanswered. ``cluster.hosts`` takes links down and up and
-    changes their rates; ``shutdown`` removes every process, namespace, link and bridge
-    (after a crash of this process: ``raykv clean-hosts``).
-
-    ``standalone`` runs each node's segment in a ``mooncake_client`` process that its
-    node actor supervises (it survives a crash of the actor); ``host_pool_bytes`` is each
-    node's budget for host pools (default: no limit embedded, ``STANDALONE_POOL_BYTES``
-    (1 GiB) standalone, where it is what the node requests from ``mooncake_client``).
-    ``log_to_driver=False`` keeps the output of Ray workers (engines' logs) off this
-    process's console. The node defaults are ``controllers.node_settings.DEFAULTS``'
-    (``global_segment_size`` and ``local_hostname`` are smaller / local here: one
-    machine).
-    ``tenant_quotas``: tenant -> bytes of host pools its deployments may hold on each
-    node (``controllers.tenant_quotas``); ``ValueError`` for a bad name or size.
-    ``tenant_digests``: tenant -> its tenant digest (public owner key), bound on every
-    node from the start; ``bound_tenants_only``: no other tenant is bound
-    (``NodeSettings``). ``untenanted_pool_bytes``: the most bytes of each node's pools
-    without a tenant together (None: half the node's memory embedded, none beyond
-    ``host_pool_bytes`` standalone; 0: none). ``l2_bytes``: the most bytes of each
-    node's L2 pools (vLLM's node-local cache; 0: none). ``l2_warm_bytes``,
-    ``l2_warm_s``: the budgets of the warm-up of an L2 pool new on a node (bytes, 0: no
-    warm-up; seconds). ``l2_eviction``: which ready page an L2 pool evicts first
-    (``NodeSettings.l2_eviction``). ``placement``: ``own`` (puts
-    prefer the writing node's segment) or ``any`` (Mooncake's random choice).
+    an RDMA interface). ``segment_sizes``: one ``global_segment_size`` per initial node
+    instead (0 makes a node a pure consumer); nodes added later get the settings'.
+    ``cpus_per_node`` is the logical CPU count each Ray node advertises for ranks (node
+    actors take none); ``object_store_memory`` each node's Ray object store (bytes);
     ``resources``: custom Ray resources every node advertises (also nodes added later),
-    e.g. to place replicas by a bundle. ``lifecycle``: where node actors run and when
-    they leave (``clusters.node_lifecycle``; default ``LifecycleSettings.fixed()``: a
-    node actor on every node for good, as a fixed cluster wants).
-    ``disk_dir``, ``disk_bytes``: each node's disk tier (``NodeSettings``; "", 0: none):
-    the master offloads on eviction (``disk_tier.MASTER_FLAGS``, before
-    ``master_args``), every object is sealed under the seal key kept in ``disk_dir``
-    (``controllers.object_seal.read_seal_key``), and a cluster started again on the
-    same ``disk_dir`` finds what its nodes offloaded.
+    e.g. to place replicas by a bundle. The master and its metadata server listen on
+    127.0.0.1 (Mooncake's transfer engines listen on every interface: docs/deploy.md).
+    Multi-node clusters detect a removed node within ~3 s. Ray prestarts no idle worker
+    for the driver (``NO_PRESTART``). Ray must not be initialised already.
+
+    ``master_args``: more flags of ``mooncake_master``; with a disk tier
+    (``settings.disk_dir``) the master offloads on eviction (``disk_tier.MASTER_FLAGS``,
+    before ``master_args``), every object is sealed under the seal key kept in
+    ``disk_dir`` (``controllers.object_seal.read_seal_key``), and a cluster started again
+    on the same ``disk_dir`` finds what its nodes offloaded. ``reconcile_period_s``: how
+    often the reconciler looks for new nodes. ``log_to_driver=False`` keeps the output of
+    Ray workers (engines' logs) off this process's console. ``lifecycle``: where node
+    actors run and when they leave (``clusters.node_lifecycle``; default
+    ``LifecycleSettings.fixed()``: a node actor on every node for good, as a fixed
+    cluster wants).
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process; start_local starts "
                            "its own Ray (call ray.shutdown() first)")
-    if hosts:
-        if resources:
-            raise ValueError("resources are for start_local's own nodes, not emulated hosts")
-        if num_nodes not in (1, hosts) or local_hostname is not None:
-            raise ValueError("with hosts, num_nodes is the number of hosts and every node's "
-                             "Mooncake binds its host's address (local_hostname None)")
-        num_nodes = hosts
-    elif link is not None:
-        raise ValueError("link shapes emulated hosts: give hosts too")
-    else:
-        local_hostname = local_hostname or LOOPBACK
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
-    sizes = ([global_segment_size] * num_nodes if isinstance(global_segment_size, int)
-             else list(global_segment_size))
-    if len(sizes) != num_nodes:
-        raise ValueError(f"{len(sizes)} global_segment_size values for {num_nodes} nodes")
-    settings = NodeSettings(
-        cluster_tag=uuid.uuid4().hex[:8], global_segment_size=sizes[0],
-        local_buffer_size=local_buffer_size, protocol=protocol, rdma_devices=rdma_devices,
-        local_hostname=local_hostname, mooncake_log_level=mooncake_log_level,
-        standalone=standalone, host_pool_bytes=pool_budget(host_pool_bytes, standalone),
-        group_window_s=group_window_s, confirm_ttl_s=confirm_ttl_s,
-        tenant_quotas=dict(tenant_quotas or {}), tenant_digests=dict(tenant_digests or {}),
-        bound_tenants_only=bound_tenants_only, untenanted_pool_bytes=untenanted_pool_bytes,
-        l2_bytes=l2_bytes, l2_warm_bytes=l2_warm_bytes, l2_warm_s=l2_warm_s,
-        l2_eviction=l2_eviction, placement=placement, disk_dir=disk_dir, disk_bytes=disk_bytes)
-    if disk_dir:
-        settings = replace(settings, seal_key=read_seal_key(disk_dir))
+    settings = settings or LOCAL_DEFAULTS
+    settings = replace(settings, local_hostname=settings.local_hostname or LOOPBACK)
+    node_args: dict = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
+    if resources:
+        node_args["resources"] = dict(resources)
+    sizes = _sizes(settings, segment_sizes, num_nodes)
+    # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.local_hostname)
+    return launch(OwnNodes(num_nodes, node_args), settings, sizes, namespace=namespace,
+                  master_args=master_args, reconcile_period_s=reconcile_period_s,
+                  log_to_driver=log_to_driver, lifecycle=lifecycle)
+
+
+def _sizes(settings: NodeSettings, segment_sizes: Sequence[int] | None,
+           num_nodes: int) -> list[int]:
+    if segment_sizes is None:
+        return [settings.global_segment_size] * num_nodes
+    if len(segment_sizes) != num_nodes:
+        raise ValueError(f"{len(segment_sizes)} segment_sizes for {num_nodes} nodes")
+    return list(segment_sizes)
+
+
+def launch(ray_nodes: RayNodes, settings: NodeSettings, segment_sizes: Sequence[int], *,
+           namespace: str = NAMESPACE, master_args: Sequence[str] = (),
+           reconcile_period_s: float = 1.0, log_to_driver: bool = True,
+           lifecycle: LifecycleSettings | None = None) -> LocalCluster:
+    """The cluster on ``ray_nodes``: a master at its ``master_host``, Ray joined, the
+    controller and the reconciler (``start_local``'s arguments of the same names;
+    ``segment_sizes``: one ``global_segment_size`` per node ``join`` returns, in its
+    order). On any failure everything started is stopped (``ray_nodes.shutdown`` too)
+    and the error raised."""
+    settings = replace(settings, cluster_tag=settings.cluster_tag or uuid.uuid4().hex[:8])
+    if settings.disk_dir:
+        settings = replace(settings, seal_key=read_seal_key(settings.disk_dir))
         master_args = [*MASTER_FLAGS, *master_args]
-    check_confirm_ttl(confirm_ttl_s, master_args)
-    network = EmulatedHosts.create(hosts, link) if hosts else None
-    if network is None:
-        # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
     try:
-        master = MooncakeMaster(network.address(0) if network else LOOPBACK,
-                                extra_args=list(master_args)).start()
+        check_confirm_ttl(settings.confirm_ttl_s, master_args)
+        master = MooncakeMaster(ray_nodes.master_host, extra_args=list(master_args)).start()
     except BaseException:
-        if network is not None:
-            network.shutdown()
+        ray_nodes.shutdown()
         raise
     settings = replace(settings, master_address=master.master_address,
                        metadata_server=master.metadata_server)
-    ray_cluster = None
-    node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
-    if resources:
-        node_args["resources"] = dict(resources)
+    cluster = LocalCluster(master, settings, namespace, ray_nodes)
     try:
         ray_auth.settle()
-        if network is not None:
-            network.set_cluster_tag(settings.cluster_tag)
-            network.join_ray(cpus_per_node, object_store_memory, namespace=namespace,
-                             log_to_driver=log_to_driver)
-        elif num_nodes == 1:
-            ray.init(address="local", namespace=namespace, include_dashboard=False,
-                     log_to_driver=log_to_driver, _system_config=NO_PRESTART, **node_args)
-        else:
-            from ray.cluster_utils import Cluster
-
-            # no dashboard (as a one-node cluster): its fixed port, taken by any other
-            # Ray on the machine, made the head node time out at start; no autoscaler
-            # monitor: these nodes are added and removed by hand (``add_node``), and the
-            # monitor cost ~1 CPU-s per start
-            ray_cluster = Cluster(initialize_head=True, head_node_args=node_args | {
-                "_system_config": FAST_HEALTH_CHECKS | NO_PRESTART, "include_dashboard": False,
-                "no_monitor": True})
-            for _ in range(num_nodes - 1):
-                ray_cluster.add_node(**node_args)
-            ray_cluster.wait_for_nodes()
-            ray.init(address=ray_cluster.address, namespace=namespace,
-                     log_to_driver=log_to_driver)
-        cluster = LocalCluster(master, settings, namespace, ray_cluster, node_args, network)
-        head = ray.get_runtime_context().get_node_id()
-        others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
-        cluster.node_ids = (network.map_nodes(ray.nodes()) if network is not None
-                            else [head, *others])
-    except BaseException:
-        master.stop()
-        if ray_cluster is not None:
-            ray_cluster.shutdown()
-        ray.shutdown()
-        if network is not None:
-            network.shutdown()
-        raise
-    try:
+        cluster.node_ids = ray_nodes.join(settings.cluster_tag, namespace, log_to_driver)
+        if len(cluster.node_ids) != len(segment_sizes):
+            raise ValueError(f"{len(segment_sizes)} segment sizes for "
+                             f"{len(cluster.node_ids)} nodes")
         cluster.controller, cluster.reconciler = start_control_plane(
             settings, namespace, reconcile_period_s=reconcile_period_s,
-            overrides=dict(zip(cluster.node_ids, sizes, strict=True)),
+            overrides=dict(zip(cluster.node_ids, segment_sizes, strict=True)),
             lifecycle=lifecycle or LifecycleSettings.fixed(), master_metrics=master.metrics_url)
     except BaseException:
         cluster.shutdown()

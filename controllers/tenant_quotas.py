@@ -46,7 +46,7 @@ def check_untenanted_fits(bound: int, pool: str, nbytes: int, used: int) -> None
             f"needs {nbytes} bytes, they use {used} of {bound} bytes ({bound - used} left); "
             "destroy one of them, make the pool smaller, run the deployment under a "
             "tenant, or raise the bound (`raykv up --untenanted-pool-size`, "
-            "start_local(untenanted_pool_bytes=...))")
+            "local_settings(untenanted_pool_bytes=...))")
 
 
 def check_tenant_quotas(quotas: object) -> dict[str, int]:
@@ -76,4 +76,4 @@ def check_fits(quotas: Mapping[str, int], tenant: str | None, pool: str, nbytes:
             f"tenant {tenant!r} is over its quota on this node: pool {pool!r} needs {nbytes} "
             f"bytes, the tenant's pools here use {used} of its quota of {quota} bytes "
             f"({quota - used} left); destroy one of its pools, make the pool smaller or "
-            "raise the quota (`raykv up --tenant-quota`, start_local(tenant_quotas=...))")
+            "raise the quota (`raykv up --tenant-quota`, local_settings(tenant_quotas=...))")

@@ -36,12 +36,14 @@ if TYPE_CHECKING:
     from raykv.cache_actors.rank.staging_pools import describe_kv_buffer as describe_kv_buffer
     from raykv.cache_actors.rank.staging_pools import staging_layout as staging_layout
     from raykv.clusters.local import LocalCluster as LocalCluster
+    from raykv.clusters.local import local_settings as local_settings
     from raykv.clusters.local import start_local as start_local
     from raykv.controllers.contract import PoolHitPolicy as PoolHitPolicy
     from raykv.controllers.contract import PoolName as PoolName
     from raykv.controllers.contract import PoolTransfer as PoolTransfer
     from raykv.controllers.contract import PoolTransferResult as PoolTransferResult
     from raykv.controllers.contract import StorageConfig as StorageConfig
+    from raykv.controllers.node_settings import NodeSettings as NodeSettings
     from raykv.controllers.pool_layout import GiB as GiB
     from raykv.controllers.pool_layout import KiB as KiB
     from raykv.controllers.pool_layout import MiB as MiB
@@ -62,6 +64,7 @@ _EXPORTS = {
     "KiB": "raykv.controllers.pool_layout",
     "LocalCluster": "raykv.clusters.local",
     "MiB": "raykv.controllers.pool_layout",
+    "NodeSettings": "raykv.controllers.node_settings",
     "NodeUnavailableError": "raykv.cache_actors.errors",
     "PoolHandle": "raykv.cache_actors.host_pools",
     "PoolHitPolicy": "raykv.controllers.contract",
@@ -74,6 +77,7 @@ _EXPORTS = {
     "StorageConfig": "raykv.controllers.contract",
     "StoreUnavailableError": "raykv.cache_actors.errors",
     "describe_kv_buffer": "raykv.cache_actors.rank.staging_pools",
+    "local_settings": "raykv.clusters.local",
     "staging_layout": "raykv.cache_actors.rank.staging_pools",
     "start_local": "raykv.clusters.local",
 }

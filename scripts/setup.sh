@@ -22,7 +22,8 @@
 #    pick is a CPU build (a local wheel, an index you configured), else from PyTorch's CPU
 #    index ($TORCH_INDEX_URL overrides it). A plain `pip install torch==2.13.0` from the
 #    package index alone is the multi-GB CUDA build on Linux x86_64.
-# 3. raykv itself, editable, with its cpu, demo and test extras.
+# 3. raykv itself, editable, with its cpu and test extras, and raykv's lab (./lab: raykv
+#    demo, the benchmarks, the simulator, emulated hosts), editable.
 # Every pip install into .venv takes constraints.txt: the verified versions of Ray,
 # Mooncake, torch and vLLM, never a newer release nobody tested. No install byte-compiles
 # (--no-compile): Python compiles a module when it is first imported, and most of the
@@ -164,8 +165,8 @@ print(json.load(sys.stdin)["install"][0]["download_info"]["url"])' 2>/dev/null) 
 fi
 
 # 3. raykv.
-say "raykv: pip install -e '.[cpu,demo,test]'"
-vpip install -q -e '.[cpu,demo,test]'
+say "raykv and its lab: pip install -e '.[cpu,test]' -e ./lab"
+vpip install -q -e '.[cpu,test]' -e ./lab
 
 # 4. Engines.
 if [ "$ENGINES" = 1 ]; then

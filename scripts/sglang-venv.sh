@@ -56,7 +56,7 @@ if [ "$(cat "$VENV/.raykv-built" 2>/dev/null)" = "$stamp" ]; then
 fi
 # Import check, and compile SGLang's hash extension now rather than in the first test:
 # into the venv, where the tests and `raykv bench --engine sglang` take it from
-# (clusters/bench/sglang.py, sglang_env), so a test run under another HOME does not build it again. With the venv's
+# (lab/bench/sglang.py, sglang_env), so a test run under another HOME does not build it again. With the venv's
 # own ninja, as the tests' SGLang processes use it: another ninja version (the system's,
 # or the main venv's on an activated PATH) reads the build as out of date and compiles
 # it again.

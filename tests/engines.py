@@ -24,7 +24,7 @@ SGLANG_PY = os.environ.get("RAYKV_SGLANG_PYTHON") or os.path.join(REPO, ".venv-s
 """The SGLang venv's python (``scripts/sglang-venv.sh``), which the SGLang tests drive."""
 
 INSTALL = {
-    "vllm": "vLLM: raykv.clusters.install_hints.vllm_install_hint says how",
+    "vllm": "vLLM: raykv_lab.install_hints.vllm_install_hint says how",
     "transformers": "transformers, which vLLM brings (scripts/setup.sh)",
     "ray.serve": "Ray Serve, ray[serve] of the cluster's Ray version (scripts/setup.sh)",
     "sglang": f"the SGLang venv at {SGLANG_PY} (scripts/sglang-venv.sh, or point "
@@ -61,7 +61,7 @@ def require(engine: str) -> None:
         pytest.skip(f"needs {engine}, which {NO_ENGINES}=1 says this environment lacks")
     how = INSTALL[engine]
     if engine == "vllm":
-        from raykv.clusters.install_hints import vllm_install_hint
+        from raykv_lab.install_hints import vllm_install_hint
 
         how = vllm_install_hint()
     pytest.fail(f"{engine} is missing: install {how}, or set {NO_ENGINES}=1 to skip the tests "

@@ -61,7 +61,7 @@ def check_mode(extra_config: dict | None, mode: str) -> None:
     if want is not None and bool(want) != (mode == "standalone"):
         raise ValueError(f"extra_config['standalone_storage'] is {want!r} but this node's "
                          f"actor runs in {mode} mode; the mode is a cluster setting: "
-                         "start_local(standalone=...) / `raykv up --standalone`")
+                         "local_settings(standalone=...) / `raykv up --standalone`")
 
 
 class CacheClient:

@@ -24,7 +24,7 @@ def two_nodes(mode: str):
     mooncake_client per node) in Mooncake ``mode``, started while Ray's default
     dashboard port is taken (as another Ray on the machine takes it: a cluster's
     start must not depend on it; with the dashboard on, the head node timed out)."""
-    from raykv import start_local
+    from raykv import local_settings, start_local
 
     with contextlib.ExitStack() as held:
         listener = socket.socket()
@@ -32,8 +32,8 @@ def two_nodes(mode: str):
         with contextlib.suppress(OSError):  # taken already: as good
             listener.bind(("127.0.0.1", RAY_DASHBOARD_PORT))
             listener.listen()
-        cluster = start_local(num_nodes=2, global_segment_size=256 << 20,
-                              standalone=mode == "standalone")
+        cluster = start_local(settings=local_settings(global_segment_size=256 << 20,
+                                                      standalone=mode == "standalone"), num_nodes=2)
     with cluster:
         yield cluster
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 
 import pytest
-from raykv.clusters.bench.sglang import sglang_env
+from raykv_lab.bench.sglang import sglang_env
 
 from tests import engines
 

@@ -34,7 +34,7 @@ def release() -> None:
         stack.close()
 
 
-OWN_RAY = ("start_local(", "two_nodes(", "ray.init(")
+OWN_RAY = ("start_local(", "start_hosts(", "two_nodes(", "ray.init(")
 """Calls by which a module's tests start Ray themselves: such a module never shares."""
 
 

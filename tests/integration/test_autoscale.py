@@ -5,7 +5,7 @@ import time
 
 import ray
 import torch
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.clusters.node_actors import named_node_actors
 from raykv.controllers import NAMESPACE, StorageConfig, node_actor_name
 from raykv.controllers.pool_layout import MiB
@@ -14,7 +14,7 @@ from tests.integration.ranks import indices, start_rank
 
 
 def test_nodes_join_and_leave(uid):
-    with start_local(num_nodes=2, global_segment_size=64 * MiB,
+    with start_local(settings=local_settings(global_segment_size=64 * MiB), num_nodes=2,
                      master_args=["-client_ttl=4"]) as c:
         node1 = c.node_ids[0]
         new = c.add_node()

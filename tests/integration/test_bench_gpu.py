@@ -11,11 +11,11 @@ import contextlib
 
 import pytest
 from raykv.cache_actors.rank.client import CacheClient
-from raykv.clusters.bench import gpu
-from raykv.clusters.bench.gpu import run_gpu_bench, start_gpu_bench_cluster
-from raykv.clusters.bench.gpu_vllm import LAYOUTS, VllmGeometry
 from raykv.controllers.pool_layout import KiB
 from raykv.integrations.vllm.l2_blocks import L2Blocks
+from raykv_lab.bench import gpu
+from raykv_lab.bench.gpu import run_gpu_bench, start_gpu_bench_cluster
+from raykv_lab.bench.gpu_vllm import LAYOUTS, VllmGeometry
 
 # 2 layers, 2 KV heads of 8, 4-token blocks: 256 bytes per block
 SMALL = VllmGeometry(layers=2, heads=2, head_size=8, block_size=4, blocks=8, moved=4,

@@ -20,7 +20,7 @@ import time
 import pytest
 import ray
 import torch
-from raykv import CacheClient, start_local
+from raykv import CacheClient, local_settings, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
@@ -32,8 +32,8 @@ PAGES = 320
 TOKENS = 16
 SHAPE = dict(page_size=TOKENS, size=TOKENS * PAGES, layer_num=4, head_num=8, head_dim=64,
              dtype=torch.float16)  # 128 KiB per page: 40 MiB in all, 24 MiB of segment
-CLUSTER = dict(global_segment_size=24 * MiB, disk_bytes=1 << 30,
-               master_args=["-default_kv_lease_ttl=2500"])  # puts wait out one lease
+SETTINGS = dict(global_segment_size=24 * MiB, disk_bytes=1 << 30)
+MASTER_ARGS = ["-default_kv_lease_ttl=2500"]  # puts wait out one lease
 SECRET_A, SECRET_B = "a" * 32, "b" * 32
 MODEL = "org/disk"
 PUT_S = 180.0
@@ -101,7 +101,8 @@ def disk_dir(tmp_path_factory):
 def test_a_node_actor_restart_and_a_cluster_restart_find_the_disk_tier(disk_dir, uid,
                                                                       monkeypatch):
     keys = [f"{uid}-{i}" for i in range(PAGES)]
-    with start_local(num_nodes=1, disk_dir=disk_dir, **CLUSTER) as cluster:
+    with start_local(1, local_settings(disk_dir=disk_dir, **SETTINGS),
+                     master_args=MASTER_ARGS) as cluster:
         client, pool = client_of(monkeypatch, SECRET_A, "a")
         plain, plain_pool = client_of(monkeypatch, None)
         plain_pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape,
@@ -149,7 +150,8 @@ def test_a_node_actor_restart_and_a_cluster_restart_find_the_disk_tier(disk_dir,
         client.close()
         plain.close()
 
-    with start_local(num_nodes=1, disk_dir=disk_dir, **CLUSTER) as cluster:
+    with start_local(1, local_settings(disk_dir=disk_dir, **SETTINGS),
+                     master_args=MASTER_ARGS) as cluster:
         client, pool = client_of(monkeypatch, SECRET_A, "a")
         after_restart = read_back(client, pool, keys, written)
         print(f"after the cluster restart: {sum(after_restart)} of {PAGES} pages")

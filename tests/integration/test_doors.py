@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import ray
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.cache_actors.listeners import Listener, listeners
 from raykv.cache_actors.local_ports import free_port
 from raykv.clusters.mooncake_master import MooncakeMaster
@@ -21,7 +21,7 @@ WILDCARDS = {"0.0.0.0", "::"}
 
 
 def test_start_local_keeps_the_masters_doors_on_loopback():
-    with start_local(num_nodes=1, global_segment_size=64 * MiB) as c:
+    with start_local(settings=local_settings(global_segment_size=64 * MiB), num_nodes=1) as c:
         master, metadata = listeners(c.master.proc.pid), listeners(c.master.metadata_proc.pid)
         assert {x.port for x in master} >= {c.master.rpc_port, c.master.metrics_port}
         assert {x.port for x in metadata} == {c.master.http_port}

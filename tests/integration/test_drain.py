@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import ray
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.cache_actors.node.segment_drain import IN_FLIGHT
 from raykv.clusters.store_usage import read_store_usage
 from raykv.controllers.pool_layout import MiB
@@ -27,7 +27,7 @@ BIG_DIM = 2048
 @pytest.fixture(scope="module")
 def cluster():
     """Two nodes that stay (head and one more); each test adds the nodes that leave."""
-    with start_local(num_nodes=2, global_segment_size=SEGMENT,
+    with start_local(settings=local_settings(global_segment_size=SEGMENT), num_nodes=2,
                      master_args=["-client_ttl=4"]) as c:
         yield c
 

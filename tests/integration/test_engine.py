@@ -41,9 +41,9 @@ def cluster():
     """A two-node cluster of its own (default settings). The engine asks about the same
     keys again right after another node stored them: group answers are shared by the
     ranks of one request only, so the second request sees the new pages."""
-    from raykv import start_local
+    from raykv import local_settings, start_local
 
-    with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
+    with start_local(settings=local_settings(global_segment_size=256 << 20), num_nodes=2) as c:
         yield c
 
 

@@ -546,7 +546,7 @@ def text_app(cluster, apps, tmp_path, name: str, chat: bool = False, **extra):
     learnt that and loaded its tokenizer: (handle, router, document)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-    from raykv.clusters.demo.vllm_model import make_llama
+    from raykv_lab.engines.vllm_model import make_llama
     from transformers import AutoTokenizer
 
     _, opts = apps

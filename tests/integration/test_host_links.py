@@ -1,4 +1,4 @@
-"""A node's link estimates over emulated hosts (``start_local(hosts=2)``: two network
+"""A node's link estimates over emulated hosts (``start_hosts(2)``: two network
 namespaces, a real Ray node in each, a real ``mooncake_master``; links shaped with
 ``tc``): host 0's node probes host 1's segment as soon as a hit shows it, and its
 estimate follows that link's rate (``cache_actors.node.load_estimates``).
@@ -13,9 +13,10 @@ import time
 import pytest
 import ray
 import torch
-from raykv import start_local
+from raykv import local_settings
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
+from raykv_lab.hosts import start_hosts
 
 from tests.integration.ranks import indices, start_rank
 
@@ -45,7 +46,7 @@ def test_a_shaped_link_is_estimated_at_its_rate_and_an_unshaped_one_far_faster(u
     comes within 2x of 10 Mbit/s. Control: the probe's estimate of the unshaped link is
     over four times faster (on a loaded 2-core machine a probe read of 256 KiB is mostly
     the scheduler's: 10 MB/s was seen over 10 Gbit/s)."""
-    with start_local(hosts=2, link="10gbit", global_segment_size=64 * MiB,
+    with start_hosts(2, settings=local_settings(global_segment_size=64 * MiB), link="10gbit",
                      cpus_per_node=1, log_to_driver=False) as c:
         a, b = sorted(c.node_ids, key=c.hosts.host_of)
         b_segment = ray.get(c.node_actors[b].health.remote())["segment"]

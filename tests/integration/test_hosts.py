@@ -1,4 +1,4 @@
-"""A raykv cluster of emulated hosts (``start_local(hosts=2)``, ``clusters.hosts``): two
+"""A raykv cluster of emulated hosts (``start_hosts(2)``, ``lab.hosts``): two
 network namespaces with addresses of their own on raykv's private subnet, a real Ray
 node in each, a real ``mooncake_master`` on host 0. Bytes written by a rank on one host
 are read by a rank on the other; every node's Mooncake endpoint is its host's address
@@ -32,12 +32,12 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from raykv import start_local
-from raykv.clusters.host_plan import HostPlan
-from raykv.clusters.hosts import WORKDIR, cluster_pids, leftovers
+from raykv import local_settings
 from raykv.clusters.mooncake_master import MooncakeMaster
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
+from raykv_lab.host_plan import HostPlan
+from raykv_lab.hosts import WORKDIR, cluster_pids, leftovers, start_hosts
 
 from tests.integration.ranks import indices, start_rank
 
@@ -54,7 +54,7 @@ STUCK_TRANSFER_S = 25.0
 def hosts():
     """Two emulated hosts, links shaped to 10 Gbit/s (host 0 runs the head and the
     master)."""
-    with start_local(hosts=2, link="10gbit", global_segment_size=64 * MiB,
+    with start_hosts(2, settings=local_settings(global_segment_size=64 * MiB), link="10gbit",
                      cpus_per_node=1, log_to_driver=False) as c:
         yield c
 
@@ -155,13 +155,13 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
     mid-run and then unshaped (no ``tbf`` left on either end; control: there was one),
     and B's loads stay exact."""
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv.clusters.bench.host_locality import (
+    from raykv.controllers.pool_layout import PoolLayout
+    from raykv_lab.bench.host_locality import (
         Prefix,
         bench_prefix,
         geometry,
         wait_written,
     )
-    from raykv.controllers.pool_layout import PoolLayout
 
     a, b = sorted(hosts.node_ids, key=hosts.hosts.host_of)
     node_a = hosts.node_actors[a]
@@ -240,10 +240,11 @@ def test_a_normal_exit_leaves_nothing_behind(hosts):
 
 DRIVER = textwrap.dedent("""
     import sys, time
-    from raykv.clusters.local import start_local
-    c = start_local(hosts=2, global_segment_size=32 << 20, cpus_per_node=1,
+    from raykv.clusters.local import local_settings
+    from raykv_lab.hosts import start_hosts
+    c = start_hosts(2, local_settings(global_segment_size=32 << 20), cpus_per_node=1,
                     log_to_driver=False)
-    print(c.hosts.plan.index, c.cluster_tag, flush=True)
+    print(c.ray_nodes.plan.index, c.cluster_tag, flush=True)
     time.sleep(600)
 """)
 
@@ -315,7 +316,7 @@ def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
     ``timeout_s`` (measured: 12.3 s with ``timeout_s`` = 2)."""
     from raykv.cache_actors.errors import NodeUnavailableError
 
-    with start_local(hosts=2, global_segment_size=64 * MiB, cpus_per_node=1,
+    with start_hosts(2, settings=local_settings(global_segment_size=64 * MiB), cpus_per_node=1,
                      log_to_driver=False) as c:
         a, b = c.node_ids
         uid = "cut"
@@ -383,8 +384,8 @@ def test_a_vllm_engine_on_one_host_loads_the_bytes_an_engine_on_another_saved(tm
     saved. Control: with corrupted loads no block of any layer matches."""
     import random
 
-    from raykv.clusters.demo.vllm_actors import ready, start_engine
-    from raykv.clusters.demo.vllm_model import make_llama
+    from raykv_lab.engines.vllm_actors import ready, start_engine
+    from raykv_lab.engines.vllm_model import make_llama
 
     from tests.integration.vllm_control import ControlEngine
 
@@ -393,7 +394,7 @@ def test_a_vllm_engine_on_one_host_loads_the_bytes_an_engine_on_another_saved(tm
         return [rnd.randrange(3, 2000) for _ in range(1000)]
 
     model = make_llama(str(tmp_path / "tiny-llama"))
-    with start_local(hosts=2, link="10gbit", global_segment_size=256 * MiB,
+    with start_hosts(2, settings=local_settings(global_segment_size=256 * MiB), link="10gbit",
                      log_to_driver=False) as c:
         conf = {"model_name": "tiny-hosts", "load_guard": "off"}
         a = start_engine(c.node_ids[1], model, conf, enable_prefix_caching=True,

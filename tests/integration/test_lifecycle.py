@@ -8,7 +8,7 @@ import stat
 
 import ray
 import torch
-from raykv import CacheClient, start_local
+from raykv import CacheClient, local_settings, start_local
 from raykv.cache_actors.node.client_supervisor import record_path
 from raykv.cache_actors.shared_memory import SHM_DIR
 from raykv.controllers import CONTROLLER_NAME, NAMESPACE, StorageConfig, node_actor_name
@@ -19,7 +19,7 @@ from tests.integration.processes import running_clients, wait_for
 
 
 def test_start_local_then_shutdown_leaves_nothing(uid):
-    with start_local(num_nodes=1, global_segment_size=64 * MiB) as c:
+    with start_local(settings=local_settings(global_segment_size=64 * MiB), num_nodes=1) as c:
         master_pid = c.master.proc.pid
         assert c.master_address.startswith("127.0.0.1:")
         assert c.metadata_server.startswith("http://127.0.0.1:")
@@ -48,7 +48,7 @@ def _zombie(pid: int) -> bool:
 
 def test_store_full_is_reported_per_page(uid):
     """Pages that do not fit in the store come back False; never success, never a crash."""
-    with start_local(num_nodes=1, global_segment_size=16 * MiB) as c:
+    with start_local(settings=local_settings(global_segment_size=16 * MiB), num_nodes=1) as c:
         client = CacheClient(StorageConfig(is_mla_model=True))
         pages = 32  # 1 MiB pages, twice what the store holds
         pool = client.create_host_pool("mla", page_size=16, size=16 * pages, layer_num=1,
@@ -69,7 +69,7 @@ def test_store_full_is_reported_per_page(uid):
 
 def test_shutdown_leaves_no_mooncake_client(uid):
     """Also after the actor re-adopted its client (which is then no child of it)."""
-    c = start_local(num_nodes=1, standalone=True, host_pool_bytes=MiB)
+    c = start_local(settings=local_settings(standalone=True, host_pool_bytes=MiB), num_nodes=1)
     try:
         (node,) = c.node_ids
         record = record_path(node_shm_prefix(c.cluster_tag, node))

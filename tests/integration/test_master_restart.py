@@ -23,7 +23,7 @@ import time
 import pytest
 import ray
 import torch
-from raykv import StorageConfig, start_local
+from raykv import StorageConfig, local_settings, start_local
 from raykv.clusters.mooncake_master import MooncakeMaster
 
 from tests.integration.processes import wait_for
@@ -157,7 +157,7 @@ def test_after_a_master_restart_another_node_reads_new_pages_exact(uid):
     rank on the other node misses the pages written before (never other bytes) and
     reads the pages put after exact, across nodes: both nodes' segments are mounted on
     the new master and their transfer descriptors are in the new metadata server."""
-    with start_local(num_nodes=2, global_segment_size=64 << 20) as cluster:
+    with start_local(settings=local_settings(global_segment_size=64 << 20), num_nodes=2) as cluster:
         # a put while the master is down waits out the Mooncake client's own retries
         # (seconds on a loaded machine): a deadline well past them, so each page answers
         config = StorageConfig(model_name=f"restart/{uid}", extra_config={"timeout_s": 60})

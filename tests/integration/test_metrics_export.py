@@ -23,7 +23,7 @@ import ray
 
 pytest.importorskip("prometheus_client", reason="Ray's metrics export comes with ray[default]")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from raykv import CacheClient, start_local  # noqa: E402
+from raykv import CacheClient, local_settings, start_local  # noqa: E402
 from raykv.controllers import StorageConfig  # noqa: E402
 from raykv.controllers.deployments import deployment_id  # noqa: E402
 from raykv.controllers.pool_layout import PoolLayout  # noqa: E402
@@ -57,7 +57,8 @@ LABELS = {  # metric -> the label names the node declares for it (beside Ray's o
 
 @pytest.fixture(scope="module")
 def cluster():
-    with start_local(num_nodes=1, global_segment_size=64 << 20, l2_bytes=1 << 20) as c:
+    with start_local(settings=local_settings(global_segment_size=64 << 20, l2_bytes=1 << 20),
+                     num_nodes=1) as c:
         yield c
 
 
@@ -201,8 +202,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     counters grow with the second engine's load, not before); a counter that stayed 0
     (``load_failed``) is absent."""
     pytest.importorskip("vllm", reason="the vLLM connector's counters need vLLM")
-    from raykv.clusters.demo.vllm_model import make_llama
     from raykv.integrations.vllm.connector_metrics import LOAD_BYTES
+    from raykv_lab.engines.vllm_model import make_llama
 
     from tests.integration.vllm_steps import StepEngine
 

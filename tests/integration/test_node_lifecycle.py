@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.clusters.node_actors import named_node_actors
@@ -36,7 +36,7 @@ def wait_until(what, timeout_s: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with start_local(num_nodes=3, global_segment_size=64 * MiB,
+    with start_local(settings=local_settings(global_segment_size=64 * MiB), num_nodes=3,
                      lifecycle=LifecycleSettings(retire_idle_s=IDLE_S, drain_timeout_s=30)) as c:
         yield c
 

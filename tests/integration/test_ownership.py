@@ -18,7 +18,7 @@ import uuid
 import pytest
 import ray
 import torch
-from raykv import CacheClient, start_local
+from raykv import CacheClient, local_settings, start_local
 from raykv.cache_actors.data_ops import DataOp
 from raykv.clusters import deploy
 from raykv.clusters.status_view import render_status
@@ -46,9 +46,10 @@ def cluster():
     tenant may hold ``UNTENANTED`` bytes together, and to which tenant ``team-d`` is
     bound in advance (its digest in the cluster's settings)."""
     digest = tenant_digest("team-d", {TENANT_SECRET_ENV: SECRET_D})
-    with start_local(num_nodes=1, global_segment_size=256 << 20,
-                     tenant_quotas={"team-q": QUOTA}, tenant_digests={"team-d": digest},
-                     untenanted_pool_bytes=UNTENANTED) as c:
+    with start_local(settings=local_settings(global_segment_size=256 << 20,
+                                             tenant_quotas={"team-q": QUOTA},
+                                             tenant_digests={"team-d": digest},
+                                             untenanted_pool_bytes=UNTENANTED), num_nodes=1) as c:
         yield c
 
 

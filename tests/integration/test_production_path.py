@@ -87,10 +87,10 @@ class Head:
             "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
         self.log = root / "head.log"
-        # Ray's own `ray start`, patient with a loaded machine (clusters.ray_start)
+        # Ray's own `ray start`, patient with a loaded machine (lab.ray_start)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "raykv.clusters.ray_start", "start", "--head",
+                [sys.executable, "-m", "raykv_lab.ray_start", "start", "--head",
                  "--block", f"--port={port}", f"--temp-dir={root / 'ray'}",
                  "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
                  *ports], env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -262,7 +262,7 @@ class Server:
 @pytest.mark.engine("vllm")
 def test_readme_engines_share_prompt_tokens_through_raykv_and_a_failed_join_costs_misses(
         raykv_up: Head, tmp_path_factory):
-    from raykv.clusters.demo.vllm_model import make_llama
+    from raykv_lab.engines.vllm_model import make_llama
 
     head = raykv_up
     model = make_llama(str(tmp_path_factory.mktemp("prod") / "tiny-llama"))

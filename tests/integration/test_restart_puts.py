@@ -16,7 +16,7 @@ import time
 
 import pytest
 import ray
-from raykv import CacheClient, start_local
+from raykv import CacheClient, local_settings, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers import StorageConfig
 from raykv.controllers.pool_layout import MiB
@@ -30,7 +30,7 @@ RESTART_DEADLINE_S = 300.0  # generous: the machine may be loaded
 
 @pytest.fixture(scope="module")
 def cluster():
-    with start_local(num_nodes=1, global_segment_size=64 * MiB,
+    with start_local(settings=local_settings(global_segment_size=64 * MiB), num_nodes=1,
                      master_args=["-client_ttl=30"]) as c:
         yield c
 

@@ -36,14 +36,14 @@ SMALL_SHM_NODE = textwrap.dedent("""
     import json
     import torch
     from raykv.cache_actors.rank.client import CacheClient
-    from raykv import start_local
+    from raykv import local_settings, start_local
 
     def mha(mib):  # an MHA pool of `mib` MiB: 4096 bytes per token slot
         return dict(page_size=16, size=mib * 256, layer_num=4, head_num=4, head_dim=64,
                     dtype=torch.bfloat16)
 
     out = {}
-    with start_local(num_nodes=1, global_segment_size=64 << 20, log_to_driver=False):
+    with start_local(1, local_settings(global_segment_size=64 << 20), log_to_driver=False):
         client = CacheClient()
         pid = client.health()["pid"]
         try:

@@ -1,4 +1,4 @@
-"""``raykv sim`` against a real cluster (``clusters.bench.sim_check``): whole
+"""``raykv sim`` against a real cluster (``lab.bench.sim_check``): whole
 conversations of Mooncake's conversation trace replayed one request at a time on a real
 two-node embedded cluster (real Ray, real ``mooncake_master``, placement ``own``), each
 block one tiny page, and in the simulator on the same requests with the same tiers: the
@@ -9,10 +9,10 @@ the simulator with none of that tier, or four times it, disagrees with the same 
 run by more than 2 points (the check can fail)."""
 
 import pytest
-from raykv.clusters.bench import sim_check_engine
-from raykv.clusters.bench.sim_check import TRACE, check
-from raykv.clusters.bench.sim_check_compare import MAX_DIFF_PP, conversation_sample
-from raykv.clusters.sim.trace import read_trace
+from raykv_lab.bench import sim_check_engine
+from raykv_lab.bench.sim_check import TRACE, check
+from raykv_lab.bench.sim_check_compare import MAX_DIFF_PP, conversation_sample
+from raykv_lab.sim.trace import read_trace
 
 REQUESTS = 300
 PAGES = 256

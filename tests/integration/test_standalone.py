@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import ray
 import torch
-from raykv import CacheClient, NodeUnavailableError, start_local
+from raykv import CacheClient, NodeUnavailableError, local_settings, start_local
 from raykv.cache_actors.data_ops import DataOp
 from raykv.cache_actors.node.client_supervisor import ClientRecord
 from raykv.cache_actors.node.pool_memory import PoolBudget
@@ -44,8 +44,8 @@ CFG = StorageConfig(model_name="stand/alone", extra_config={"standalone_storage"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with start_local(num_nodes=2, global_segment_size=[256 << 20, 0], standalone=True,
-                     host_pool_bytes=BUDGET) as c:
+    with start_local(settings=local_settings(standalone=True, host_pool_bytes=BUDGET), num_nodes=2,
+                     segment_sizes=[256 << 20, 0]) as c:
         yield c
 
 

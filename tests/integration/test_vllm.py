@@ -1,8 +1,8 @@
 """raykv's vLLM connector with a real vLLM (CPU build) on a real two-node raykv cluster.
 
-Engines run inside Ray actors pinned to nodes (``raykv.clusters.demo.vllm_actors``),
+Engines run inside Ray actors pinned to nodes (``raykv_lab.engines.vllm_actors``),
 in-process and eager (one engine in vLLM's default multiprocess mode), on a tiny
-random Llama that a fixture makes (``raykv.clusters.demo.vllm_model``, no download).
+random Llama that a fixture makes (``raykv_lab.engines.vllm_model``, no download).
 Block size 128: a 1000-token prompt has 7 full blocks that may come from raykv (the
 last token is always computed).
 
@@ -31,9 +31,9 @@ import time
 
 import pytest
 import ray
-from raykv import start_local
-from raykv.clusters.demo.vllm_actors import ready, start_engine
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
+from raykv_lab.engines.vllm_actors import ready, start_engine
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.serve_llm import example as serve_example
 from tests.integration.serve_llm import serve_llm
@@ -57,7 +57,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def vcluster():
-    with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
+    with start_local(settings=local_settings(global_segment_size=256 << 20), num_nodes=2) as c:
         yield c
 
 
@@ -636,13 +636,13 @@ def test_l2_eviction_under_pressure_never_wrong_bytes(l2_engines, vcluster):
 
 def test_eviction_bench_check_passes_real_loads_and_catches_corrupted_ones(l2_engines,
                                                                           vcluster):
-    """The eviction benchmark's byte check (``raykv.clusters.bench.l2_eviction``: block
+    """The eviction benchmark's byte check (``raykv_lab.bench.l2_eviction``: block
     digests recorded in the engines, ``check_loads``) on real loads: E computes three
     prompts (21 blocks through an L2 of 12 pages), then F serves them, reading the
     evicted ones back from L3 through L2: every block F loaded is one E or F saved
     under its key. Control (the benchmark's own, ``corrupt_control``): F loads random
     values for one prompt, and the check finds every one of those loads wrong."""
-    from raykv.clusters.bench.l2_eviction import (
+    from raykv_lab.bench.l2_eviction import (
         corrupt_control,
         digest_check,
         node_l2,

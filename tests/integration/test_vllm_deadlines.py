@@ -39,8 +39,8 @@ import time
 
 import pytest
 import ray
-from raykv.clusters.demo.vllm_actors import ready, start_engine
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv_lab.engines.vllm_actors import ready, start_engine
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.conftest import set_store_delay
 from tests.integration.deadline_bound import within

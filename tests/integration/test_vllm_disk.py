@@ -21,17 +21,17 @@ import time
 
 import pytest
 import ray
-from raykv import start_local
-from raykv.clusters.demo.vllm_actors import ready, start_engine
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
 from raykv.controllers.pool_layout import MiB
+from raykv_lab.engines.vllm_actors import ready, start_engine
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.test_vllm import BLOCK, computed_then_restored, prompt
 
 pytestmark = pytest.mark.engine("vllm")
 
 SEGMENT = 24 * MiB
-DISK = dict(disk_bytes=1 << 30, master_args=["-default_kv_lease_ttl=2500"])
+MASTER_ARGS = ["-default_kv_lease_ttl=2500"]  # puts wait out one lease
 FILLER_TOKENS = 1900  # 14 full blocks, 3.5 MiB of KV per filler prompt
 ON_DISK = 16 * MiB  # two offload buckets: the oldest objects went to disk
 FILL_S = 240.0
@@ -62,7 +62,8 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
     disk_dir = str(tmp_path / "disk")
     conf = {"model_name": f"tiny-disk-{uid}", "load_guard": "off"}
     p = prompt(1)
-    with (start_local(num_nodes=1, global_segment_size=SEGMENT, disk_dir=disk_dir, **DISK)
+    with (start_local(1, local_settings(global_segment_size=SEGMENT, disk_dir=disk_dir,
+                                          disk_bytes=1 << 30), master_args=MASTER_ARGS)
           as cluster, engine_on(cluster, model, conf, enable_prefix_caching=True) as a):
         want = computed_then_restored(a, p)
         deadline = time.monotonic() + FILL_S
@@ -73,12 +74,13 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
             ray.get(a.generate.remote(prompt(seed, FILLER_TOKENS), 1))
         print(f"{seed - 1000} filler prompts, {used / MiB:.0f} MiB on disk")
 
-    with (start_local(num_nodes=1, global_segment_size=SEGMENT) as cluster,
+    with (start_local(1, local_settings(global_segment_size=SEGMENT)) as cluster,
           engine_on(cluster, model, conf) as c):
         got = ray.get(c.generate.remote(p))
         assert got["cached"] == 0, got  # CONTROL: a restart without a disk tier loses all
 
-    with (start_local(num_nodes=1, global_segment_size=SEGMENT, disk_dir=disk_dir, **DISK)
+    with (start_local(1, local_settings(global_segment_size=SEGMENT, disk_dir=disk_dir,
+                                          disk_bytes=1 << 30), master_args=MASTER_ARGS)
           as cluster, engine_on(cluster, model, conf) as b):
         got = ray.get(b.generate.remote(p))
         served = tiers(cluster)["served"]

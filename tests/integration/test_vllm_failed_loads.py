@@ -26,8 +26,8 @@ import random
 import uuid
 
 import pytest
-from raykv import start_local
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.vllm_steps import StepEngine
 from tests.peers.vllm_world import expected_kv
@@ -81,7 +81,7 @@ def seeded(model):
     rnd = random.Random(29)
     p1 = [rnd.randrange(3, 2000) for _ in range(100 * BS)]
     name = f"steps-{uuid.uuid4().hex[:8]}"
-    with start_local(num_nodes=1, global_segment_size=128 << 20):
+    with start_local(settings=local_settings(global_segment_size=128 << 20), num_nodes=1):
         seed = StepEngine(model, name)
         seed.add(p1)
         seed.run()

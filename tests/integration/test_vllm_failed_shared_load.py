@@ -23,9 +23,9 @@ import random
 
 import pytest
 import ray
-from raykv import start_local
-from raykv.clusters.demo.vllm_actors import ready, start_engine
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
+from raykv_lab.engines.vllm_actors import ready, start_engine
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.vllm_control import ControlEngine
 
@@ -47,7 +47,7 @@ def engines(tmp_path_factory):
 
     model = make_llama(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
     conf = {"model_name": f"tiny-{uuid.uuid4().hex[:8]}", "load_guard": "off"}
-    with start_local(num_nodes=2, global_segment_size=256 << 20) as c:
+    with start_local(settings=local_settings(global_segment_size=256 << 20), num_nodes=2) as c:
         n1, n2 = c.node_ids
         a = start_engine(n1, model, conf, dtype="float32", actor_class=ControlEngine)
         b = start_engine(n2, model, conf, dtype="float32", enable_prefix_caching=True,

@@ -1,5 +1,5 @@
 """The load guard against a shaped link, with real vLLM engines (CPU build, in-process in
-Ray actors) on emulated hosts (``start_local(hosts=2)``: two network namespaces, a real
+Ray actors) on emulated hosts (``start_hosts(2)``: two network namespaces, a real
 Ray node in each, a real ``mooncake_master``; links shaped with ``tc``).
 
 Engine W on host 1 computes prompts; its connector saves their blocks into host 1's
@@ -30,11 +30,11 @@ import os
 
 import pytest
 import ray
-from raykv import start_local
-from raykv.clusters.bench.guard_summary import BLOCK, prompt_ids
-from raykv.clusters.demo.vllm_actors import Engine, ready, start_engine
-from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
 from raykv.controllers.pool_layout import MiB
+from raykv_lab.bench.guard_summary import BLOCK, prompt_ids
+from raykv_lab.engines.vllm_actors import Engine, ready, start_engine
+from raykv_lab.engines.vllm_model import LlamaDims, make_llama
+from raykv_lab.hosts import start_hosts
 
 from tests.integration.test_host_links import link_of, wait_for
 from tests.integration.test_vllm_load_guard import grown
@@ -56,8 +56,7 @@ ENGINE = dict(block_size=BLOCK, max_model_len=TOKENS + 64)
 def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tmp_path, uid):
     model = make_llama(str(tmp_path / "llama"), MODEL)
     conf = {"model_name": f"guard-links-{uid}", "timeout_s": 60.0}
-    with start_local(hosts=2, link="10gbit", global_segment_size=[0, 128 * MiB],
-                     log_to_driver=False) as c:
+    with start_hosts(2, link="10gbit", segment_sizes=[0, 128 * MiB], log_to_driver=False) as c:
         host0, host1 = sorted(c.node_ids, key=c.hosts.host_of)
         w = start_engine(host1, model, conf, actor_class=Engine, **ENGINE)
         r = start_engine(host0, model, conf | {"explain": True}, kv_role="kv_consumer",

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import pytest
 import ray
-from raykv import start_local
-from raykv.clusters.demo.vllm_actors import Engine, ready, start_engine
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
+from raykv_lab.engines.vllm_actors import Engine, ready, start_engine
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.integration.conftest import set_store_delay
 from tests.integration.test_vllm import BLOCK, prompt
@@ -46,7 +46,8 @@ def grown(before: dict, after: dict) -> dict:
 def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid):
     model = make_llama(str(tmp_path / "tiny-llama"))
     conf = {"model_name": f"tiny-guard-{uid}", "timeout_s": 60.0}
-    with start_local(num_nodes=1, global_segment_size=128 << 20) as cluster:
+    with start_local(settings=local_settings(global_segment_size=128 << 20),
+                     num_nodes=1) as cluster:
         (node,) = cluster.node_ids
         a = start_engine(node, model, conf, actor_class=Engine)
         b = start_engine(node, model, conf | {"l2_blocks": 64, "explain": True},

@@ -12,7 +12,7 @@ import time
 
 import ray
 import torch
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.deployments import deployment_id
@@ -85,7 +85,8 @@ def first_reads(client: CacheClient, pool, chains: list[list[str]]) -> tuple[lis
 
 
 def test_a_node_that_joins_warms_its_new_l2_pool(uid):
-    with start_local(num_nodes=2, global_segment_size=64 * MiB, l2_bytes=16 * MiB) as c:
+    with start_local(settings=local_settings(global_segment_size=64 * MiB, l2_bytes=16 * MiB),
+                     num_nodes=2) as c:
         conf = StorageConfig(model_name=f"org/warm-{uid}")
         writer = engine(conf, c.node_ids[0])
         writer.register_deployment()  # as its scheduler's first group query does

@@ -25,7 +25,7 @@ import pytest
 import ray
 import torch
 from click.testing import CliRunner
-from raykv import start_local
+from raykv import local_settings, start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.clusters.cli import main
 from raykv.clusters.why import keys_of, page_hashes, why
@@ -51,7 +51,8 @@ SECRET = "s" * 32
 
 @pytest.fixture(scope="module")
 def cluster():
-    with start_local(num_nodes=1, global_segment_size=64 * MiB, l2_bytes=16 * MiB) as c:
+    with start_local(settings=local_settings(global_segment_size=64 * MiB, l2_bytes=16 * MiB),
+                     num_nodes=1) as c:
         yield c
 
 

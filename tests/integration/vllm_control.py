@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import ray
 import torch
-from raykv.clusters.bench.digest_engine import DigestRecorder, watch_blocks
-from raykv.clusters.demo.vllm_actors import VLLMEngine
+from raykv_lab.bench.digest_engine import DigestRecorder, watch_blocks
+from raykv_lab.engines.vllm_actors import VLLMEngine
 
 
 def _connector():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import ray
-from raykv.clusters.demo.vllm_actors import VLLMEngine
+from raykv_lab.engines.vllm_actors import VLLMEngine
 
 from tests.integration.process_stop import stop_process
 from tests.integration.vllm_control import _record_blocks, _recorded

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from raykv import start_local
-from raykv.clusters.bench.sglang import sglang_env
+from raykv import local_settings, start_local
+from raykv_lab.bench.sglang import sglang_env
 
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, run_pytest
@@ -37,7 +37,8 @@ def sglang_run(tmp_path_factory):
     except sources.PeerSourceError as e:
         pytest.fail(str(e), pytrace=False)
     tmp = tmp_path_factory.mktemp("sglang-peers")
-    with start_local(num_nodes=1, global_segment_size=256 << 20) as cluster:
+    with start_local(settings=local_settings(global_segment_size=256 << 20),
+                     num_nodes=1) as cluster:
         import ray
 
         env = {"RAYKV_PEER_RAY_ADDRESS": ray.get_runtime_context().gcs_address,

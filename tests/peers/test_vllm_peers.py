@@ -16,8 +16,8 @@ import os
 import sys
 
 import pytest
-from raykv import start_local
-from raykv.clusters.demo.vllm_model import make_llama
+from raykv import local_settings, start_local
+from raykv_lab.engines.vllm_model import make_llama
 
 from tests.peers import sources
 from tests.peers.runs import assert_all_passed, outcomes_of, run_pytest
@@ -67,7 +67,8 @@ def peer_env(tmp_path_factory):
     redirect = tmp / "redirect.json"  # vLLM's own model redirect: name -> folder
     redirect.write_text(json.dumps(dict.fromkeys(REDIRECTED_MODELS,
                                                  make_llama(str(tmp / "tiny-llama")))))
-    with start_local(num_nodes=1, global_segment_size=256 << 20) as cluster:
+    with start_local(settings=local_settings(global_segment_size=256 << 20),
+                     num_nodes=1) as cluster:
         import ray
 
         yield root, {"RAYKV_PEER_RAY_ADDRESS": ray.get_runtime_context().gcs_address,

@@ -62,7 +62,7 @@ def _peer_connector_class():
             super().__init__(vllm_config, role, kv_cache_config)
             if role == KVConnectorRole.WORKER and \
                     os.environ.get("RAYKV_PEER_CORRUPT_LOADS") == "1":
-                from raykv.clusters.bench.digest_engine import corrupt_loads
+                from raykv_lab.bench.digest_engine import corrupt_loads
 
                 # control (test_vllm_peers.py): raykv's loads give random bytes
                 corrupt_loads(self.connector_worker, True)

@@ -45,12 +45,12 @@ FRESH_IMPORTS = {
                       "raykv.controllers.controller", "raykv.clusters.master_supervisor",
                       "raykv.cache_actors.node.node_actor"],
     "integrations": ["raykv.integrations"],
-    "sglang benchmarks": ["raykv.clusters.bench.sglang", "raykv.clusters.bench.sglang_runner"],
+    "sglang benchmarks": ["raykv_lab.bench.sglang", "raykv_lab.bench.sglang_runner"],
     "sglang package": ["raykv.integrations.sglang", "raykv.integrations.sglang.config",
                        "raykv.integrations.sglang.pools", "raykv.integrations.sglang.transfers",
                        "raykv.integrations.sglang.serving"],
-    "drawing commands": ["raykv.clusters.demo.example_demo", "raykv.clusters.demo.chat",
-                         "raykv.clusters.bench.dataplane", "raykv.clusters.bench.ranks"],
+    "drawing commands": ["raykv_lab.demo.example_demo", "raykv_lab.demo.chat",
+                         "raykv_lab.bench.dataplane", "raykv_lab.bench.ranks"],
 }
 """Groups of modules, imported in this order by ``fresh_imports``."""
 WATCHED = ("torch", "sglang", "matplotlib")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from raykv.clusters.bench.verdict import check_message, missed_targets
 from raykv.clusters.cli import main
+from raykv_lab.bench.verdict import check_message, missed_targets
 
 MET = {">= 0.9x raw": True, "< 1 ms p50": True, "small pages": None}
 MISSED = {">= 0.9x raw": False, "< 1 ms p50": True, "small pages": None}
@@ -32,7 +32,7 @@ def stand_in(monkeypatch, module: str, function: str, targets: dict) -> list[dic
         calls.append(kwargs)
         return {"targets": targets}
 
-    monkeypatch.setattr(importlib.import_module(f"raykv.clusters.bench.{module}"), function,
+    monkeypatch.setattr(importlib.import_module(f"raykv_lab.bench.{module}"), function,
                         run)
     return calls
 

@@ -1,4 +1,4 @@
-"""The disk-tier benchmark (``clusters/bench/disk_tier``): its trace sample and LRU
+"""The disk-tier benchmark (``lab/bench/disk_tier``): its trace sample and LRU
 references (pure), and the recorded run docs/benchmarks.md quotes (docs/disk_tier.json):
 whole, every page read checked, and quoted as rendered here."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from raykv import KiB
-from raykv.clusters.bench.disk_tier import conversation_sample, lru_hit_rate
-from raykv.clusters.bench.warm_workload import BLOCK_TOKENS, Request
+from raykv_lab.bench.disk_tier import conversation_sample, lru_hit_rate
+from raykv_lab.bench.warm_workload import BLOCK_TOKENS, Request
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = json.loads((ROOT / "docs" / "disk_tier.json").read_text())

@@ -1,7 +1,7 @@
 """bench-ranks' verdict on its targets (pure: made-up cases, no cluster)."""
 
-from raykv.clusters.bench.ranks import judge
 from raykv.controllers.pool_layout import KiB
+from raykv_lab.bench.ranks import judge
 
 
 def case(ranks: int, page_bytes: int, ratio: float, cpu_ratio: float = 0.5) -> dict:

@@ -1,10 +1,10 @@
-"""clusters.bench.sglang's arithmetic and checks (the run itself: docs/benchmarks.md)."""
+"""lab.bench.sglang's arithmetic and checks (the run itself: docs/benchmarks.md)."""
 
 import statistics
 
 import pytest
-from raykv.clusters.bench.sglang import check_sizes, judge, sglang_python, size_row
 from raykv.controllers.pool_layout import KiB, MiB
+from raykv_lab.bench.sglang import check_sizes, judge, sglang_python, size_row
 
 
 def raw(page_bytes: int, raykv: list[float], mooncake: list[float]) -> dict:
@@ -49,7 +49,7 @@ def test_sizes_and_python_are_checked_before_anything_starts(tmp_path):
 
 
 def test_median_ci_brackets_the_median_and_narrows_with_agreement():
-    from raykv.clusters.bench.toolkit import median_ci
+    from raykv_lab.bench.toolkit import median_ci
 
     noisy = [0.6, 1.3, 0.9, 1.1, 0.7, 1.2, 0.95, 1.05, 0.8]
     lo, hi = median_ci(noisy)

@@ -5,10 +5,10 @@ run's step phases."""
 from __future__ import annotations
 
 import pytest
-from raykv.clusters.bench import lmcache_h2h as h2h
-from raykv.clusters.bench.block_digests import check_loads
-from raykv.clusters.bench.l2_eviction import PROMPT_BLOCKS, judge_tokens, schedule, split, tally
-from raykv.clusters.bench.l2_faults import phases, step_cost
+from raykv_lab.bench import lmcache_h2h as h2h
+from raykv_lab.bench.block_digests import check_loads
+from raykv_lab.bench.l2_eviction import PROMPT_BLOCKS, judge_tokens, schedule, split, tally
+from raykv_lab.bench.l2_faults import phases, step_cost
 
 
 def test_check_loads_accepts_any_saved_version_and_flags_the_rest():

@@ -1,4 +1,4 @@
-"""The pure parts of the warm-start benchmark (``clusters/bench/warm_workload``): the
+"""The pure parts of the warm-start benchmark (``lab/bench/warm_workload``): the
 trace's stretches, what the best cache could give, the per-tier shares."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from raykv import MiB
-from raykv.clusters.bench.warm_workload import (
+from raykv_lab.bench.warm_workload import (
     BLOCK_TOKENS,
     Request,
     Served,

@@ -14,16 +14,10 @@ from pathlib import Path
 
 import click
 import pytest
-from raykv.clusters.cli import (
-    BENCH_PAGE_QUANTUM,
-    SGLANG_PAGE_QUANTUM,
-    IntList,
-    Size,
-    SizeList,
-    Tokens,
-)
+from raykv.clusters.cli import IntList, Size, SizeList
 from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.clusters.status_view import render_status
+from raykv_lab.cli import BENCH_PAGE_QUANTUM, SGLANG_PAGE_QUANTUM, Tokens
 from rich.console import Console
 
 RAYKV = str(Path(sys.executable).parent / "raykv")
@@ -164,7 +158,7 @@ def test_param_types():
 
 
 def test_page_quanta_are_the_benchmarks_own():
-    from raykv.clusters.bench import sglang, toolkit
+    from raykv_lab.bench import sglang, toolkit
 
     assert BENCH_PAGE_QUANTUM == toolkit.PAGE_TOKENS * toolkit.KV_CACHE_DIM
     assert SGLANG_PAGE_QUANTUM == sglang.LAYER_PAGE_BYTES
@@ -266,8 +260,10 @@ def test_bench_gpu_refuses_without_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["up", "--link", "10gbit"], ["--link", "--emulate-hosts"]),
-    (["up", "--emulate-hosts", "2", "--address", "10.0.0.1:6379"], ["--emulate-hosts"]),
+    (["up", "--link", "10gbit"], ["--link"]),
+    (["up", "--emulate-hosts", "2"], ["--emulate-hosts"]),
+    (["emulate-hosts", "2", "--address", "10.0.0.1:6379"], ["--address"]),
+    (["emulate-hosts", "0"], ["HOSTS"]),
     (["bench-hosts", "--links", "fast"], ["--links", "fast"]),
     (["bench-hosts", "--links", "unshaped"], ["--links", "unshaped"]),
     (["bench-hosts", "--locality", "--page-sizes", "96K"], ["--page-sizes", "64 KiB"]),
@@ -290,7 +286,7 @@ def test_emulated_hosts_usage_errors(args, words):
 def test_emulated_hosts_refuse_without_root(monkeypatch):
     """Nothing is built without root, and the message says why (control: as root the
     same check passes)."""
-    from raykv.clusters import hosts
+    from raykv_lab import hosts
 
     monkeypatch.setattr(hosts.os, "geteuid", lambda: 1000)
     with pytest.raises(PermissionError, match="need root"):
@@ -300,8 +296,9 @@ def test_emulated_hosts_refuse_without_root(monkeypatch):
     hosts.check_root()
 
 
-EMULATED_UP = {
-    # option: (its arguments, the start_local keyword it must reach; None: refused)
+EMULATED = {
+    # option: (its arguments, the NodeSettings field or start_hosts keyword it must
+    # reach; None: not an option of emulate-hosts)
     "--address": (["--address", "10.0.0.1:6379"], None),
     "--master-address": (["--master-address", "10.0.0.1:50051"], None),
     "--metadata-server": (["--metadata-server", "http://10.0.0.1:8080/metadata"], None),
@@ -341,46 +338,52 @@ EMULATED_UP = {
     "--disk-size": (["--disk-dir", "/var/raykv", "--disk-size", "2GB"],
                     ("disk_bytes", 2 << 30)),
 }
-"""Every option of ``raykv up`` but --emulate-hosts' own (--link, --namespace): what
-``up --emulate-hosts`` does with it."""
+"""Every option of ``raykv up`` but --namespace: what the lab's ``emulate-hosts`` (which
+takes ``up``'s node options) does with it."""
 
 
 def test_every_up_option_is_classified_for_emulated_hosts():
-    """A new option of ``raykv up`` must say what --emulate-hosts does with it (below)."""
+    """A new option of ``raykv up`` must say what emulate-hosts does with it (above), and
+    emulate-hosts takes exactly the classified ones that reach it, plus its own."""
     from raykv.clusters.cli import main
 
-    options = {p.opts[0] for p in main.commands["up"].params}
-    assert options - {"--emulate-hosts", "--link", "--namespace"} == set(EMULATED_UP)
+    up = {p.opts[0] for p in main.commands["up"].params}
+    emulate = {p.opts[0] for p in main.get_command(None, "emulate-hosts").params}
+    assert up - {"--namespace"} == set(EMULATED)
+    assert emulate - {"--link", "--namespace", "hosts"} == {
+        o for o, (_, reaches) in EMULATED.items() if reaches is not None}
 
 
-@pytest.mark.parametrize("option", sorted(EMULATED_UP))
-def test_up_emulate_hosts_passes_each_option_or_refuses_it(monkeypatch, option):
-    """``raykv up --emulate-hosts 2 OPTION``: the option reaches ``start_local`` with its
-    value, or the command refuses it (exit 2, naming it) and starts nothing. Control:
-    without the option, ``start_local`` gets another value (so it was passed)."""
+@pytest.mark.parametrize("option", sorted(EMULATED))
+def test_emulate_hosts_passes_each_option_or_refuses_it(monkeypatch, option):
+    """``raykv emulate-hosts 2 OPTION``: the option reaches ``start_hosts`` (in its
+    settings, or as its lifecycle) with its value, or the command refuses it (exit 2,
+    naming it) and starts nothing. Control: without the option, ``start_hosts`` gets
+    another value (so it was passed)."""
+    from dataclasses import asdict
+
     from click.testing import CliRunner
-    from raykv.clusters import local
     from raykv.clusters.cli import main
+    from raykv_lab import hosts
 
     started = []
 
-    def fake_start_local(**kwargs):
-        started.append(kwargs)
-        raise ValueError("a fake start_local starts nothing")
+    def fake_start_hosts(count, settings, **kwargs):
+        started.append(asdict(settings) | kwargs | {"hosts": count})
+        raise ValueError("a fake start_hosts starts nothing")
 
-    monkeypatch.setattr(local, "start_local", fake_start_local)
-    args, reaches = EMULATED_UP[option]
-    out = CliRunner().invoke(main, ["up", "--emulate-hosts", "2", *args])
+    monkeypatch.setattr(hosts, "start_hosts", fake_start_hosts)
+    args, reaches = EMULATED[option]
+    out = CliRunner().invoke(main, ["emulate-hosts", "2", *args])
     if reaches is None:
-        assert out.exit_code == 2 and option in out.output and "--emulate-hosts" in out.output, \
-            out.output
+        assert out.exit_code == 2 and option in out.output, out.output
         assert started == []
         return
-    assert out.exit_code == 1 and "a fake start_local" in out.output, out.output
+    assert out.exit_code == 1 and "a fake start_hosts" in out.output, out.output
     (kwargs,) = started
     name, value = reaches
     assert kwargs[name] == value and kwargs["hosts"] == 2
-    CliRunner().invoke(main, ["up", "--emulate-hosts", "2"])
+    CliRunner().invoke(main, ["emulate-hosts", "2"])
     assert started[1][name] != value   # CONTROL: the default differs, so it was passed
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from raykv import MiB
-from raykv.clusters.demo.example_demo import _print
+from raykv_lab.demo.example_demo import _print
 from rich.console import Console
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("raykv", "controllers", "cache_actors", "clusters", "integrations",
-            "example_engine")
+            "example_engine", "lab")
 
 
 def tree() -> str:

@@ -1,10 +1,10 @@
-"""The pure parts of the load guard's link benchmark (``clusters/bench/guard_summary``):
+"""The pure parts of the load guard's link benchmark (``lab/bench/guard_summary``):
 its checks, prompts, the guard's decision from the connector's counters, and the
 figures per link rate and length (medians, ratios, whether the guard's choice matched
 the faster of load and cold)."""
 
 import pytest
-from raykv.clusters.bench.guard_summary import (
+from raykv_lab.bench.guard_summary import (
     BLOCK,
     DEFAULT_LENGTHS,
     DEFAULT_LINKS,

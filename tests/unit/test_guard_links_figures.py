@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from raykv.clusters.bench.guard_summary import TABLE_COLUMNS, table_row
+from raykv_lab.bench.guard_summary import TABLE_COLUMNS, table_row
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 HEADER = "| " + " | ".join(TABLE_COLUMNS) + " |"

@@ -1,11 +1,11 @@
-"""The pure plan of an emulated multi-host cluster (``clusters.host_plan``): addresses
+"""The pure plan of an emulated multi-host cluster (``lab.host_plan``): addresses
 stay inside raykv's private subnet, names fit Linux's 15 characters, a subnet in use
 here is never taken, and the commands shape both ends of a link."""
 
 import ipaddress
 
 import pytest
-from raykv.clusters.host_plan import (
+from raykv_lab.host_plan import (
     SUBNETS,
     HostPlan,
     choose_index,

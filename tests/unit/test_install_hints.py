@@ -5,9 +5,9 @@ elsewhere."""
 import shutil
 
 import pytest
-from raykv.clusters import install_hints
-from raykv.clusters.demo.vllm_actors import engine_gpus
-from raykv.clusters.install_hints import has_nvidia_gpu, vllm_install_hint
+from raykv_lab import install_hints
+from raykv_lab.engines.vllm_actors import engine_gpus
+from raykv_lab.install_hints import has_nvidia_gpu, vllm_install_hint
 
 
 def test_the_hint_names_the_build_for_the_platform():

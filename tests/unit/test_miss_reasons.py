@@ -194,7 +194,7 @@ def test_the_prompt_comes_from_exactly_one_input(tmp_path):
 @pytest.mark.engine("transformers")
 def test_text_is_encoded_by_the_tokenizer_named(tmp_path):
     from raykv.clusters.cli import _prompt_ids
-    from raykv.clusters.demo.vllm_model import make_llama
+    from raykv_lab.engines.vllm_model import make_llama
     from transformers import AutoTokenizer
 
     model = make_llama(str(tmp_path / "tiny-llama"))

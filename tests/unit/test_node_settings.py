@@ -163,12 +163,16 @@ def drifted(fn_defaults: dict[str, object]) -> dict[str, tuple[object, object]]:
 
 
 def test_node_defaults_are_written_once():
-    from raykv.clusters.local import start_local
+    from dataclasses import asdict
 
-    local = {name: p.default for name, p in inspect.signature(start_local).parameters.items()
-             if p.default is not inspect.Parameter.empty}
+    from raykv.clusters.local import LOCAL_DEFAULTS, start_local
+
+    # start_local takes its node settings whole (no keyword of its own repeats a field)
+    assert not {f.name for f in fields(NodeSettings)} & set(
+        inspect.signature(start_local).parameters)
     # one machine: a smaller segment (local_hostname None: Mooncake bound to the loopback,
     # or to each emulated host's address)
+    local = asdict(LOCAL_DEFAULTS)
     assert set(drifted(local)) == {"global_segment_size"}
     assert local["local_hostname"] is None
     cli_fields = {"segment_size": "global_segment_size", "confirm_ttl": "confirm_ttl_s",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from raykv.clusters.bench.scale_down_workload import (
+from raykv_lab.bench.scale_down_workload import (
     after_vs_before,
     drain_model_s,
     drain_rates,

@@ -7,8 +7,8 @@ from dataclasses import replace
 from itertools import pairwise
 
 import pytest
-from raykv.clusters.bench.serve_summary import Outcome, percentile, summarize, verdict
-from raykv.clusters.bench.serve_workload import WorkloadShape, workload
+from raykv_lab.bench.serve_summary import Outcome, percentile, summarize, verdict
+from raykv_lab.bench.serve_workload import WorkloadShape, workload
 
 SMALL = WorkloadShape(sessions=3, turns=4, opening_words=20, user_words=5, answer_words=3,
                       docs=2, doc_words=30, questions=3, question_words=4, rate=2.0)
@@ -101,15 +101,8 @@ def test_verdict_compares_raykv_with_the_other_routers():
     assert verdict({"raykv": runs["raykv"]})["computed_vs_pow2"]["met"] is None
 
 
-def test_node_resources_are_refused_for_emulated_hosts_before_anything_starts():
-    from raykv.clusters.local import start_local
-
-    with pytest.raises(ValueError, match="resources"):
-        start_local(hosts=2, resources={"serve_llm": 2})
-
-
 def test_computed_floor_counts_each_block_chain_once_and_every_tail():
-    from raykv.clusters.bench.serve_workload import computed_floor
+    from raykv_lab.bench.serve_workload import computed_floor
 
     a = list(range(10))  # 2 full blocks of 4, a tail of 2
     assert computed_floor([a], 4) == 10

@@ -1,4 +1,4 @@
-"""``raykv sim``'s simulator (``clusters.sim``, pure): the reference hit rates of
+"""``raykv sim``'s simulator (``lab.sim``, pure): the reference hit rates of
 Mooncake's published traces (tests/data/traces/README.md: one global LRU, unbounded)
 come out of its untimed references and of the timed cluster itself; the L3 model
 evicts as Mooncake documents; Belady bounds LRU; traces are checked line by line;
@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from raykv.clusters.sim.bounds import belady, global_lru, unbounded
-from raykv.clusters.sim.cluster import ClusterSim
-from raykv.clusters.sim.costs import Costs
-from raykv.clusters.sim.l3_store import L3Store
-from raykv.clusters.sim.layout import Layout
-from raykv.clusters.sim.tally import percentile
-from raykv.clusters.sim.trace import BLOCK_TOKENS, Request, read_trace, shifted_copies
-from raykv.clusters.sim.workloads import multi_round_qa, shared_prefix, to_jsonl
+from raykv_lab.sim.bounds import belady, global_lru, unbounded
+from raykv_lab.sim.cluster import ClusterSim
+from raykv_lab.sim.costs import Costs
+from raykv_lab.sim.l3_store import L3Store
+from raykv_lab.sim.layout import Layout
+from raykv_lab.sim.tally import percentile
+from raykv_lab.sim.trace import BLOCK_TOKENS, Request, read_trace, shifted_copies
+from raykv_lab.sim.workloads import multi_round_qa, shared_prefix, to_jsonl
 
 TRACES = Path(__file__).parent.parent / "data" / "traces"
 # tests/data/traces/README.md: capacity in tokens (None: unbounded) -> percent
@@ -182,7 +182,7 @@ def test_round_robin_takes_the_engines_in_turn_and_no_gpu_cache_holds_nothing():
 
 
 def test_the_simulator_imports_no_ray_mooncake_or_torch():
-    code = ("import sys; import raykv.clusters.sim.cluster, raykv.clusters.sim.compare; "
+    code = ("import sys; import raykv_lab.sim.cluster, raykv_lab.sim.compare; "
             "bad = [m for m in ('ray', 'mooncake', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

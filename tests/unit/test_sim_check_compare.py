@@ -1,15 +1,15 @@
-"""``sim_check``'s pure parts (``clusters.bench.sim_check_compare``): the sample is whole
+"""``sim_check``'s pure parts (``lab.bench.sim_check_compare``): the sample is whole
 conversations in arrival order, the same for a seed; the comparison finds a tier's
 difference in points (control: identical figures differ by none)."""
 
-from raykv.clusters.bench.sim_check_compare import (
+from raykv_lab.bench.sim_check_compare import (
     compare,
     conversation_sample,
     layout,
     one_at_a_time,
     simulate,
 )
-from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
+from raykv_lab.sim.trace import BLOCK_TOKENS, Request
 
 
 def conversation(c: int, turns: int, at: float) -> list[Request]:

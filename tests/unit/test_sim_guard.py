@@ -1,4 +1,4 @@
-"""The load guard in ``raykv sim`` (``clusters.sim.guard``, pure, on small hand-made
+"""The load guard in ``raykv sim`` (``lab.sim.guard``, pure, on small hand-made
 traces): the runs a node would weigh and their estimates, the cut the product's own
 ``choose_load`` makes, and what it changes in a replay (a disk tier slower than the
 GPU's prefill is not loaded; the skipped tail is a miss)."""
@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 from raykv.clusters.cli import main
-from raykv.clusters.sim.cluster import ClusterSim
-from raykv.clusters.sim.compare import Setup
-from raykv.clusters.sim.costs import Costs
-from raykv.clusters.sim.guard import SimGuard, hit_runs
-from raykv.clusters.sim.layout import Layout
-from raykv.clusters.sim.links import Links
-from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
 from raykv.controllers.load_guard import GuardSettings, LoadRun
+from raykv_lab.sim.cluster import ClusterSim
+from raykv_lab.sim.compare import Setup
+from raykv_lab.sim.costs import Costs
+from raykv_lab.sim.guard import SimGuard, hit_runs
+from raykv_lab.sim.layout import Layout
+from raykv_lab.sim.links import Links
+from raykv_lab.sim.trace import BLOCK_TOKENS, Request
 
 # prefill at 10,000 tokens/s; a 512-token block of 64 MiB: from a disk at 0.39 GB/s
 # 0.17 s (2,975 tokens/s), from memory at 100 GB/s 0.7 ms; everything else near free

@@ -1,4 +1,4 @@
-"""``raykv sim``'s disk tier and node changes (``clusters.sim``: ``disk``, ``l3_store``,
+"""``raykv sim``'s disk tier and node changes (``lab.sim``: ``disk``, ``l3_store``,
 ``node_changes``, ``scaling``; pure, on small hand-made traces): disk hits appear only
 when the working set passes memory; a node that leaves without a drain loses its
 segment's objects, with a drain the moved ones stay, hottest first; a joining node's
@@ -10,13 +10,13 @@ import random
 from pathlib import Path
 
 import pytest
-from raykv.clusters.sim.cluster import ClusterSim
-from raykv.clusters.sim.costs import Costs
-from raykv.clusters.sim.disk import DiskTier
-from raykv.clusters.sim.l3_store import L3Store
-from raykv.clusters.sim.layout import Layout
-from raykv.clusters.sim.scaling import Scaling, around
-from raykv.clusters.sim.trace import BLOCK_TOKENS, Request
+from raykv_lab.sim.cluster import ClusterSim
+from raykv_lab.sim.costs import Costs
+from raykv_lab.sim.disk import DiskTier
+from raykv_lab.sim.l3_store import L3Store
+from raykv_lab.sim.layout import Layout
+from raykv_lab.sim.scaling import Scaling, around
+from raykv_lab.sim.trace import BLOCK_TOKENS, Request
 
 # every speed so high that each request ends before the next one starts (the drain's
 # rate stays the measured one)

@@ -1,4 +1,4 @@
-"""The router's weights study (``clusters.sim.routing_weights``, pure): arrivals sped
+"""The router's weights study (``lab.sim.routing_weights``, pure): arrivals sped
 up keep the requests, every variant and power of two are replayed per point, and the
 weights reach the router (control: the same weights give the same figures); the docs'
 tables are the recorded figures and the router's default is the set they chose."""
@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from raykv.clusters.sim import routing_weights
-from raykv.clusters.sim.compare import Setup
-from raykv.clusters.sim.costs import Costs
-from raykv.clusters.sim.trace import read_trace
 from raykv.integrations.serve.ranking import Weights
 from raykv.integrations.serve.route_keys import RouteOptions
+from raykv_lab.sim import routing_weights
+from raykv_lab.sim.compare import Setup
+from raykv_lab.sim.costs import Costs
+from raykv_lab.sim.trace import read_trace
 
 TRACE = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl"
 

@@ -29,7 +29,7 @@ SEPS = [" ", " ", " ", " ", "  ", "\n", "\n\n", "\t", ", ", ". ", " (", ") ", " 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from raykv.clusters.demo.vllm_model import make_llama
+    from raykv_lab.engines.vllm_model import make_llama
 
     return make_llama(str(tmp_path_factory.mktemp("textmemo") / "tiny-llama"))
 
@@ -376,7 +376,7 @@ def test_text_tokens_known_is_the_head_of_completion_and_chat(tok):
 
 
 def test_the_bench_measures_plain_and_memo_on_both_workloads(model_dir):
-    from raykv.clusters.bench.text_memo import run
+    from raykv_lab.bench.text_memo import run
 
     out = run(model_dir, doc_words=300, questions=4, sessions=2, turns=3, opening_words=200)
     for kind, prompts in (("documents", 4), ("sessions", 6)):

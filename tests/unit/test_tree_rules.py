@@ -157,11 +157,14 @@ HEAVY = ("ray", "torch", "mooncake", "vllm", "sglang")
 
 
 def module_file(module: str) -> str | None:
-    """The package file of the ``raykv`` module ``module`` (None: not raykv's)."""
+    """The package file of the ``raykv`` or ``raykv_lab`` module ``module`` (None: not
+    theirs)."""
     parts = module.split(".")
-    if parts[0] != "raykv":
+    if parts[0] not in ("raykv", "raykv_lab"):
         return None
-    base = "/".join(parts[1:]) if len(parts) > 1 else "raykv"
+    top = "lab/" if parts[0] == "raykv_lab" else ""
+    base = top + "/".join(parts[1:]) if len(parts) > 1 else {"raykv": "raykv",
+                                                               "raykv_lab": "lab"}[parts[0]]
     for name in (f"{base}.py", f"{base}/__init__.py"):
         if (ROOT / name).is_file():
             return name
@@ -244,6 +247,8 @@ def test_pure_modules_import_no_ray_mooncake_torch_or_engine():
 def module_name(file: str) -> str:
     """The import name of the package file ``file``."""
     parts = file[:-3].split("/")
+    if parts[0] == "lab":
+        return ".".join(["raykv_lab", *parts[1:]])
     return ".".join(parts if parts[0] == "raykv" else ["raykv", *parts])
 
 
@@ -296,7 +301,7 @@ def processes(file: str) -> set[str]:
         return {"node"}
     if file.startswith("cache_actors/"):
         return {"rank", "node"}  # shared by both sides' code
-    return {"clusters"} if file.startswith("clusters/") else set()
+    return {"clusters"} if file.startswith(("clusters/", "lab/")) else set()
 
 
 def single_process(users: dict[str, set[str]]) -> list[str]:
@@ -333,3 +338,38 @@ def test_controllers_hold_only_what_more_than_one_process_uses():
                            "controllers/c.py": {"controllers/d.py"},
                            "controllers/d.py": {"cache_actors/node/x.py"}}) == [
         "controllers/c.py", "controllers/circuit_breaker.py", "controllers/d.py"]
+
+
+def lab_imports(tree: ast.Module, name: str) -> list[str]:
+    """``"file -> module"`` for each import of the lab (``raykv_lab``) in ``tree``, a
+    product module's (type-checking imports included)."""
+    return imports_of(tree, name, "raykv_lab")
+
+
+def test_the_product_never_imports_the_lab():
+    """docs/architecture.md, the product and the lab: what nodes and engines install
+    (``raykv``) runs without the lab (``raykv_lab``), which imports raykv, never back."""
+    product = [f for f in modules() if not f.startswith("lab/")]
+    assert len(product) > 100
+    assert [i for f in product for i in lab_imports(parsed(f), f)] == []
+    # CONTROL: the local cluster's import of the emulated hosts, as it was, is caught
+    assert lab_imports(ast.parse("from raykv_lab.hosts import EmulatedHosts\n"),
+                       "clusters/local.py") == ["clusters/local.py -> raykv_lab.hosts"]
+
+
+def demo_imports(source: str, name: str) -> list[str]:
+    """``"file -> module"`` for each import of a demo module (``raykv_lab.demo``) in the
+    test file ``name``."""
+    return imports_of(ast.parse(source), name, "raykv_lab.demo")
+
+
+def test_only_the_demos_tests_import_demo_modules():
+    """Test fixtures use the lab's engines (``raykv_lab.engines``), not the demo's code:
+    only tests of the demo itself (``test_demo*``) import it."""
+    tests = sorted(p for p in (ROOT / "tests").rglob("*.py")
+                   if not p.name.startswith("test_demo"))
+    assert len(tests) > 100
+    assert [i for p in tests for i in demo_imports(p.read_text(), p.name)] == []
+    # CONTROL: a fixture importing the vLLM engines from the demo, as before, is caught
+    assert demo_imports("from raykv_lab.demo.vllm_actors import start_engine\n",
+                        "conftest.py") == ["conftest.py -> raykv_lab.demo.vllm_actors"]

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from raykv.clusters.demo import vllm_model
-from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
+from raykv_lab.engines import vllm_model
+from raykv_lab.engines.vllm_model import LlamaDims, make_llama
 
 
 def counting_build(calls: list[str]):
