@@ -160,9 +160,9 @@ def measure(w, r_off, r_auto, link: str, tokens: int, repeat: int) -> Repeat:
 def _reshape(cluster, link: str, shaped: bool) -> bool:
     """Host 1's link at ``link``; whether it is shaped now."""
     if link != UNSHAPED:
-        cluster.hosts.set_rate(1, link)
+        cluster.ray_nodes.set_rate(1, link)
     elif shaped:
-        cluster.hosts.set_rate(1, None)
+        cluster.ray_nodes.set_rate(1, None)
     return link != UNSHAPED
 
 
@@ -194,7 +194,7 @@ def run_guard_links_bench(links: Sequence[str] = DEFAULT_LINKS,
             cluster = start_hosts(2, link=START_LINK, segment_sizes=[0, segment],
                                   log_to_driver=False)
         with cluster:
-            host0, host1 = sorted(cluster.node_ids, key=cluster.hosts.host_of)
+            host0, host1 = sorted(cluster.node_ids, key=cluster.ray_nodes.host_of)
             engines = []
             try:
                 w = start_engine(host1, model, CONNECTOR, **ENGINE)

@@ -269,7 +269,7 @@ def run_locality_bench(links: Sequence[str] = DEFAULT_LINKS,
                               cpus_per_node=1, log_to_driver=False)
     rows = []
     with cluster:
-        node_a, node_b = sorted(cluster.node_ids, key=cluster.hosts.host_of)
+        node_a, node_b = sorted(cluster.node_ids, key=cluster.ray_nodes.host_of)
         prefixes = []
         try:
             with console.status("writing the prefixes into host A's L2 (and L3 behind)"):
@@ -281,9 +281,9 @@ def run_locality_bench(links: Sequence[str] = DEFAULT_LINKS,
             shaped = first is not None
             for link in links:
                 if link != UNSHAPED:
-                    cluster.hosts.set_rate(1, link)
+                    cluster.ray_nodes.set_rate(1, link)
                 elif shaped:
-                    cluster.hosts.set_rate(1, None)
+                    cluster.ray_nodes.set_rate(1, None)
                 shaped = link != UNSHAPED
                 for prefix in prefixes:
                     with console.status(f"{link}, {human_bytes(prefix.page_bytes)} pages"):

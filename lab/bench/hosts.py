@@ -92,10 +92,10 @@ def run_hosts_bench(links: Sequence[str] = DEFAULT_LINKS,
     with cluster:
         client = CacheClient(StorageConfig(is_mla_model=True, model_name="raykv-bench-hosts"))
         raw = RawStore(cluster.metadata_server, cluster.master_address, niceness=15,
-                       host=cluster.hosts.address(0))
+                       host=cluster.ray_nodes.address(0))
         try:
             for link in links:
-                cluster.hosts.set_rate(1, link)
+                cluster.ray_nodes.set_rate(1, link)
                 for size in page_sizes:
                     with console.status(f"{link}, {human_bytes(size)} pages"):
                         rows.append(bench_link(client, raw, link, size, batch, iters, run_id))

@@ -55,7 +55,7 @@ def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, start as cluster:
         dims = LlamaDims.of(512, 8)
         model = make_llama(os.path.join(tmp, "llama"), dims)
-        node, *other = (sorted(cluster.node_ids, key=cluster.hosts.host_of) if link
+        node, *other = (sorted(cluster.node_ids, key=cluster.ray_nodes.host_of) if link
                         else cluster.node_ids)
         l2 = {"model_name": "bench-l2", "l2_blocks": prompts * blocks}
         e = start_engine(node, model, l2, enable_prefix_caching=True, **ENGINE)

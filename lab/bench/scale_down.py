@@ -226,7 +226,7 @@ def scale_down(link: str, drain: bool, prefixes: int, prefix_pages: int, request
                     raise
                 console.print(f"starting the emulated hosts failed, again: {e}")
     with cluster:
-        n0, n1, n2 = sorted(cluster.node_ids, key=cluster.hosts.host_of)
+        n0, n1, n2 = sorted(cluster.node_ids, key=cluster.ray_nodes.host_of)
         keys = [[f"sd-{run_id}-{p}-{i}" for i in range(prefix_pages)] for p in range(prefixes)]
         writers = {n1: _rank(n1, model, prefix_pages), n2: _rank(n2, model, prefix_pages)}
         with console.status("writing the prefixes on hosts 1 and 2"):

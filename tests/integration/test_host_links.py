@@ -48,7 +48,7 @@ def test_a_shaped_link_is_estimated_at_its_rate_and_an_unshaped_one_far_faster(u
     the scheduler's: 10 MB/s was seen over 10 Gbit/s)."""
     with start_hosts(2, settings=local_settings(global_segment_size=64 * MiB), link="10gbit",
                      cpus_per_node=1, log_to_driver=False) as c:
-        a, b = sorted(c.node_ids, key=c.hosts.host_of)
+        a, b = sorted(c.node_ids, key=c.ray_nodes.host_of)
         b_segment = ray.get(c.node_actors[b].health.remote())["segment"]
         config = StorageConfig(tp_rank=0, tp_size=1, model_name=f"links/{uid}",
                                extra_config={"engine_id": "e"})
@@ -62,7 +62,7 @@ def test_a_shaped_link_is_estimated_at_its_rate_and_an_unshaped_one_far_faster(u
         try:
             fast = wait_for(lambda: (v := link_of(c, a, b_segment)).get("probe_age_s")
                             is not None and v)["mb_per_s"]
-            c.hosts.set_rate(1, "10mbit")
+            c.ray_nodes.set_rate(1, "10mbit")
             assert ray.get(reader.call.remote("group_exists", keys)).kv_hit_pages == PAGES
             for _ in range(10):
                 assert all(ray.get(reader.call.remote("batch_get_v1", keys,
@@ -72,6 +72,6 @@ def test_a_shaped_link_is_estimated_at_its_rate_and_an_unshaped_one_far_faster(u
             assert SLOW_MB_S / 2 <= slow <= SLOW_MB_S * 2
             assert fast > 4 * slow
         finally:
-            c.hosts.set_rate(1, "10gbit")
+            c.ray_nodes.set_rate(1, "10gbit")
             ray.kill(reader)
             ray.kill(writer)

@@ -7,7 +7,7 @@ nothing of the master's that lists or removes keys answers while its RPC serves 
 host's node actor (control: a master started with the wide flags answers
 ``/get_all_keys`` there); the cluster leaves nothing behind, after a normal exit and
 after ``kill -9`` of its driver and ``raykv clean-hosts`` (control: before the clean-up
-the namespaces are still there); ``raykv up --emulate-hosts`` runs with the node
+the namespaces are still there); ``raykv emulate-hosts`` runs with the node
 options given and removes its hosts at SIGTERM; a prefix written through host 0's L2 loads from that
 L2 with no store get and from L3 on both hosts byte for byte (control: L2 pages
 scribbled over are found different), also with host 1's link slowed to 100 Mbit/s
@@ -65,7 +65,7 @@ def cfg(uid: str, **kw) -> StorageConfig:
 
 def in_host(c, host: int, code: str, timeout: float = 30) -> subprocess.CompletedProcess:
     """Run python ``code`` on emulated host ``host`` (inside its namespace)."""
-    return subprocess.run([*c.hosts.plan.exec_prefix(host), sys.executable, "-c", code],
+    return subprocess.run([*c.ray_nodes.plan.exec_prefix(host), sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -108,14 +108,15 @@ def test_a_rank_on_one_host_reads_what_a_rank_on_another_wrote(hosts, uid):
     # each host's node actor tells Mooncake peers its host's address, never loopback
     for node_id, actor in hosts.node_actors.items():
         endpoint = ray.get(actor.stats.remote())["mooncake_endpoint"]
-        assert endpoint.rpartition(":")[0] == hosts.hosts.address(hosts.hosts.host_of(node_id))
-    assert hosts.master_address.startswith(hosts.hosts.address(0) + ":")
+        net = hosts.ray_nodes
+        assert endpoint.rpartition(":")[0] == net.address(net.host_of(node_id))
+    assert hosts.master_address.startswith(hosts.ray_nodes.address(0) + ":")
 
 
 def test_from_another_host_the_master_lists_and_removes_nothing(hosts):
     """Host 1 reaches the master's RPC (its node actor is served: it joined the store)
     and the metadata server, never the metrics server that lists every key."""
-    head, master = hosts.hosts.address(0), hosts.master
+    head, master = hosts.ray_nodes.address(0), hosts.master
     probe = textwrap.dedent(f"""
         import socket
         for port in ({master.rpc_port}, {master.http_port}, {master.metrics_port}):
@@ -140,10 +141,10 @@ def test_from_another_host_the_master_lists_and_removes_nothing(hosts):
 
 def qdiscs(c, host: int) -> str:
     """``tc qdisc show`` of both ends of host ``host``'s link."""
-    near, far = c.hosts.plan.veth(host)
+    near, far = c.ray_nodes.plan.veth(host)
     return "".join(subprocess.run([*pre, "tc", "qdisc", "show", "dev", dev],
                                   capture_output=True, text=True, check=True).stdout
-                   for pre, dev in (([], near), (c.hosts.plan.exec_prefix(host), far)))
+                   for pre, dev in (([], near), (c.ray_nodes.plan.exec_prefix(host), far)))
 
 
 def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(hosts, uid):
@@ -163,7 +164,7 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
         wait_written,
     )
 
-    a, b = sorted(hosts.node_ids, key=hosts.hosts.host_of)
+    a, b = sorted(hosts.node_ids, key=hosts.ray_nodes.host_of)
     node_a = hosts.node_actors[a]
     puts = ray.get(node_a.stats.remote())["l2"]["l3_put"]
     prefix = Prefix(hosts, a, b, 64 * 1024, 4, uid, seed=1)
@@ -186,16 +187,16 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
         missing = [f"{h}-never" for h in prefix.hashes]
         assert ray.get(prefix.reader_b.read.remote("l3_cross", missing))["loaded"] == 0
         try:  # host B's link slowed to 100 Mbit/s mid-run, then unshaped
-            hosts.hosts.set_rate(1, "100mbit")
+            hosts.ray_nodes.set_rate(1, "100mbit")
             assert qdiscs(hosts, 1).count("rate 100Mbit") == 2
             slow = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
             assert (slow["loaded"], slow["same"]) == (4, True)
-            hosts.hosts.set_rate(1, None)
+            hosts.ray_nodes.set_rate(1, None)
             assert "tbf" not in qdiscs(hosts, 1)
             fast = ray.get(prefix.reader_b.read.remote("l3_cross", prefix.hashes))
             assert (fast["loaded"], fast["same"]) == (4, True)
         finally:
-            hosts.hosts.set_rate(1, "10gbit")
+            hosts.ray_nodes.set_rate(1, "10gbit")
         assert qdiscs(hosts, 1).count("tbf") == 2
     finally:
         prefix.close()
@@ -206,7 +207,7 @@ def test_the_hosts_ray_is_stopped_alone_and_joined_again(hosts):
     every Ray process of the hosts and nothing else (the master still runs), then Ray
     starts again with a node on each host and this process joins it. Runs next to last:
     the cluster's node actors and controller are gone with the old Ray."""
-    net = hosts.hosts
+    net = hosts.ray_nodes
     folder = str(net.workdir / "ray")
 
     def ray_processes() -> list[str]:
@@ -232,7 +233,7 @@ def test_the_hosts_ray_is_stopped_alone_and_joined_again(hosts):
 
 def test_a_normal_exit_leaves_nothing_behind(hosts):
     """Runs last in this module: shuts the module's cluster down itself."""
-    index, tag = hosts.hosts.plan.index, hosts.cluster_tag
+    index, tag = hosts.ray_nodes.plan.index, hosts.cluster_tag
     assert nothing_left(index, tag)  # control: the probe sees a running cluster
     hosts.shutdown()
     assert nothing_left(index, tag) == []
@@ -269,14 +270,14 @@ def test_kill_9_then_clean_hosts_leaves_nothing_behind():
 
 
 
-def test_raykv_up_emulate_hosts_runs_with_the_node_options(tmp_path):
-    """``raykv up --emulate-hosts 2`` with node options (segment size, a tenant quota, an
+def test_raykv_emulate_hosts_runs_with_the_node_options(tmp_path):
+    """``raykv emulate-hosts 2`` with node options (segment size, a tenant quota, an
     L2 size, placement) comes up, every node actor runs with those options
     (``raykv status --json``), and SIGTERM removes every host. Before, the command
     dropped them: the nodes ran with the defaults."""
     env = os.environ | {"RAY_AUTH_MODE": "token"}  # the hosts' Ray, as the command joins it
     up = subprocess.Popen(
-        [sys.executable, "-m", "raykv.clusters.cli", "up", "--emulate-hosts", "2",
+        [sys.executable, "-m", "raykv.clusters.cli", "emulate-hosts", "2",
          "--segment-size", "48MB", "--tenant-quota", "acme=40MB", "--l2-size", "24MB",
          "--placement", "any"],
         cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -326,7 +327,7 @@ def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
         keys = [f"{uid}-{i}" for i in range(4)]
         assert ray.get(writer.call.remote("batch_set_v1", keys, indices(0, 4))) == [True] * 4
         expect = [ray.get(writer.pages.remote(i * 4, 1)) for i in range(4)]
-        c.hosts.link_down(1)
+        c.ray_nodes.link_down(1)
         took = []
         try:
             deadline = time.monotonic() + 20
@@ -344,7 +345,7 @@ def test_a_host_cut_off_for_20_s_costs_misses_never_wrong_bytes():
                         assert torch.equal(ray.get(reader.pages.remote(16 + i * 4, 1)),
                                            expect[i])
         finally:
-            c.hosts.link_up(1)
+            c.ray_nodes.link_up(1)
         print("calls while the link was down took (s):", [round(t, 2) for t in took])
         back, attempt = time.monotonic(), 0
         while True:  # fresh pages from host 1, read on host 0

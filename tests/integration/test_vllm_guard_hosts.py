@@ -57,7 +57,7 @@ def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tm
     model = make_llama(str(tmp_path / "llama"), MODEL)
     conf = {"model_name": f"guard-links-{uid}", "timeout_s": 60.0}
     with start_hosts(2, link="10gbit", segment_sizes=[0, 128 * MiB], log_to_driver=False) as c:
-        host0, host1 = sorted(c.node_ids, key=c.hosts.host_of)
+        host0, host1 = sorted(c.node_ids, key=c.ray_nodes.host_of)
         w = start_engine(host1, model, conf, actor_class=Engine, **ENGINE)
         r = start_engine(host0, model, conf | {"explain": True}, kv_role="kv_consumer",
                          actor_class=ControlEngine, **ENGINE)
@@ -94,7 +94,7 @@ def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tm
                                "guard_skipped_l3_tokens": HIT}
             print("cold ttft_s", {k: v["ttft_s"] for k, v in cold.items()}, flush=True)
 
-            c.hosts.set_rate(1, "10mbit")
+            c.ray_nodes.set_rate(1, "10mbit")
             ray.get(r.set_load_guard.remote("off"))  # CONTROL: off loads across it
             for k in ("off1", "off2"):
                 got, counted = served(k)
@@ -107,6 +107,6 @@ def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tm
             assert counted == {"guard_recompute_slower_than_prefill": 1,
                                "guard_skipped_l3_tokens": HIT}
         finally:
-            c.hosts.set_rate(1, "10gbit")
+            c.ray_nodes.set_rate(1, "10gbit")
             for e in (w, r):
                 ray.kill(e)
