@@ -46,7 +46,7 @@ class Conn:
         self.send_lock = threading.Lock()
         self.busy = False
         self.dead = False
-        self.caller: object = None  # what the server's ``bind`` made of its claim
+        self.claim: object = None  # what the server's ``bind`` made of its claim (checked)
         self.io: ChannelIO | None = None  # set before the I/O thread may send on it
         self._out: memoryview | None = None  # a reply's bytes the socket has not taken
 

@@ -6,7 +6,8 @@ connection whose first request is ``BIND_OP`` with an ``OwnerClaim`` is bound to
 ``bind(claim)`` returns (the node actor checks the claim; a refused claim is answered
 with its error and the connection closed); a connection that sends no claim is served
 as a caller without one (None). Every handler is then given its connection's
-``caller=``. A second ``BIND_OP`` on a connection is a malformed request.
+``claim=`` (the checked claim, or None). A second ``BIND_OP`` on a connection is a
+malformed request.
 
 Serving, two kinds of connection. A connection starts with its own thread, which reads
 each request and runs the handler itself: no thread switch lies between a request and
@@ -105,8 +106,8 @@ class ChannelServer:
     ``arg_types[op]`` gives every op's argument types; a request that does not match
     them never reaches a handler. The handlers of ``deadline_ops`` are also given the
     caller's deadline, ``deadline=`` (``time.monotonic()`` seconds). With ``bind``
-    (``bind(claim) -> caller``, raising to refuse), connections may claim an owner and
-    every handler is given ``caller=`` (see the module docstring). A handler's
+    (``bind(claim) -> checked claim``, raising to refuse), connections may claim an owner and
+    every handler is given ``claim=`` (see the module docstring). A handler's
     exception of a ``passthrough`` type goes back to the caller as itself; any other is
     logged and reported as a ``RuntimeError``; the server keeps serving in every case."""
 
@@ -258,7 +259,7 @@ class ChannelServer:
         """Bind ``conn`` to ``claim`` and answer; False (answered with the error) if
         ``bind`` refused it: the caller then closes the connection."""
         try:
-            conn.caller = self._bind(claim)
+            conn.claim = self._bind(claim)
         except Exception as e:  # refused: the rank sees why, the connection ends
             conn.send(self._encode(BIND_OP, None, e))
             return False
@@ -320,7 +321,7 @@ class ChannelServer:
                 f"{op} reached the node actor after its deadline; it was not run"))
             return
         start = self._async.get(op)
-        kw = {} if self._bind is None else {"caller": conn.caller}
+        kw = {} if self._bind is None else {"claim": conn.claim}
         try:
             if start is not None:
                 start(respond, *args, **kw)

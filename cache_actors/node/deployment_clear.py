@@ -68,13 +68,13 @@ class DeploymentClear:
         self._node = node_id[:12]
         self._lock = threading.Lock()
 
-    def clear(self, caller: OwnerClaim | None) -> int:
-        """Remove the objects of ``caller``'s deployment within ``CLEAR_WAIT_S``; the
+    def clear(self, claim: OwnerClaim | None) -> int:
+        """Remove the objects of ``claim``'s deployment within ``CLEAR_WAIT_S``; the
         number removed. ``ValueError`` for a refused claim or a deployment that cannot
         be cleared (no key prefix), ``DeadlineExceededError`` past the deadline,
         ``StoreUnavailableError`` while ``mooncake_client`` is down (standalone),
         ``RuntimeError`` naming the code of any other store error."""
-        checked = self._verify(caller)
+        checked = self._verify(claim)
         pattern = clear_pattern(checked)
         self._store.before_call()
         removed = self.run(pattern, time.monotonic() + CLEAR_WAIT_S)

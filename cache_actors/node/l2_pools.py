@@ -153,8 +153,8 @@ class L2Pools:
 
     # ---------------------------------------------------------------- control
     def open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
-             caller: OwnerClaim | None, share: int = 1) -> PoolHandle | None:
-        """The L2 pool of ``caller``'s deployment and ``rank`` (tp, pp) on this node, of
+             claim: OwnerClaim | None, share: int = 1) -> PoolHandle | None:
+        """The L2 pool of ``claim``'s deployment and ``rank`` (tp, pp) on this node, of
         ``layout``'s page geometry: the existing one (another engine made it), else a
         new one of at most ``pages`` pages, as many as fit in what is left of
         ``l2_bytes`` (None if not one page), in a ``share``-th of it (one per rank of
@@ -162,27 +162,27 @@ class L2Pools:
         owner claim, a layout with more than one object per page, a bad ``share``,
         another layout than the existing pool's, or what pool creation refuses (tenant
         quota with less than one page left, budget)."""
-        caller = self._mover.verify(caller)
-        if caller is None:
+        claim = self._mover.verify(claim)
+        if claim is None:
             raise ValueError("an L2 pool belongs to a deployment: open it with an owner claim")
         if layout.objects_per_page != 1 or pages < 1 or type(share) is not int or share < 1:
             raise ValueError(f"an L2 pool holds one object per page, at least one page, in a "
                              f"share >= 1 of the node (got {layout.objects_per_page} objects, "
                              f"{pages} pages, share {share!r})")
-        family = l2_family(caller.deployment_id, rank)
+        family = l2_family(claim.deployment_id, rank)
         with self._open_lock:
             with self._lock:
                 pool = next((p for n, p in self._pools.items() if n.startswith(family)),
                             None)
             if pool is not None:
-                if pool.layout.buffers != layout.buffers or \
+                if pool.layout.buffers != layout.buffers or\
                         pool.layout.page_size != layout.page_size:
                     raise ValueError(f"L2 pool {pool.name} holds pages of "
                                      f"{pool.layout.buffers}, not {layout.buffers}")
                 return pool.handle
             for old in list(self._node_pools.table.pools):  # an earlier incarnation's: gone
                 if old.startswith(family):
-                    self._node_pools.destroy(old, caller.owner)
+                    self._node_pools.destroy(old, claim.owner)
             # a name never given before, even to a pool of this family removed since
             name = f"{family}{self._incarnation}-{next(self._made)}"
             page_bytes = layout.object_bytes
@@ -191,15 +191,15 @@ class L2Pools:
             fits = min(pages, min(self.l2_bytes - used, self.l2_bytes // share) // page_bytes)
             if fits < 1:
                 return None
-            left = quota_left(self._node_pools, caller.owner)
+            left = quota_left(self._node_pools, claim.owner)
             if left is not None:  # the tenant's quota (under one page: create refuses)
                 fits = max(1, min(fits, left // page_bytes))
             sized = PoolLayout(layout.kind, layout.page_size, fits * layout.page_size,
                                layout.buffers, layout.order)
-            handle = self._node_pools.create(name, sized, None, caller.owner)
-            index = self._index(fits, on_change=told(self._log, caller.owner, self.evictions))
+            handle = self._node_pools.create(name, sized, None, claim.owner)
+            index = self._index(fits, on_change=told(self._log, claim.owner, self.evictions))
             with self._lock:
-                self._pools[name] = _L2Pool(handle, caller.owner, index)
+                self._pools[name] = _L2Pool(handle, claim.owner, index)
             log.info("L2 pool %s: %d pages of %d bytes", name, fits, page_bytes)
             return handle
 
@@ -220,13 +220,13 @@ class L2Pools:
                 dropped(self._log, pool)
 
     # ------------------------------------------------------------------- data
-    def lookup(self, keys: list[str], per_page: int, caller: OwnerClaim | None = None, *,
+    def lookup(self, keys: list[str], per_page: int, claim: OwnerClaim | None = None, *,
                verified: bool = False) -> int:
         """How many leading pages of ``keys`` (``per_page`` consecutive keys each: one
         per TP rank) every key is ready in an L2 pool of the caller's owner; their
         pages are leased for ``LEASE_S``. ``ValueError`` for bad keys or keys outside
         the caller's key prefix."""
-        owner = self._checked(keys, caller, verified)
+        owner = self._checked(keys, claim, verified)
         if per_page < 1 or len(keys) % per_page:
             raise ValueError(f"{len(keys)} keys are no whole number of pages of {per_page}")
         with self._lock:
@@ -259,7 +259,7 @@ class L2Pools:
             return keys, self._log.last
 
     def acquire(self, holder: Holder, pool: str, keys: list[str], fill: bool,
-                caller: OwnerClaim | None = None, *, deadline: float | None = None,
+                claim: OwnerClaim | None = None, *, deadline: float | None = None,
                 verified: bool = False) -> list[int]:
         """Pages of the leading ``keys`` for ``holder`` to read, held until its next op
         on ``pool`` (its earlier pages released first); with ``fill``, keys L2 does not
@@ -268,7 +268,7 @@ class L2Pools:
         page for. ``ValueError`` for a holder that names no thread (``check_holder``);
         ``DeadlineExceededError`` past ``deadline``, nothing changed (``in_time``)."""
         holder = check_holder(holder)
-        entry = self._entry(pool, keys, caller, verified)
+        entry = self._entry(pool, keys, claim, verified)
         with self._lock:
             in_time(deadline)
             entry.index.release(holder)
@@ -276,29 +276,29 @@ class L2Pools:
         self.touches.served(keys[:len(pages)], entry.layout.object_bytes)
         if not fill or len(pages) == len(keys):
             return pages
-        return pages + self._fill(entry, holder, keys[len(pages):], caller, deadline)[0]
+        return pages + self._fill(entry, holder, keys[len(pages):], claim, deadline)[0]
 
-    def warm(self, pool: str, keys: list[str], caller: OwnerClaim | None,
+    def warm(self, pool: str, keys: list[str], claim: OwnerClaim | None,
              deadline: float) -> tuple[int, int, int]:
-        """A warm-up's ``_fill`` of the ``keys`` pool ``pool`` lacks (``caller``: its
+        """A warm-up's ``_fill`` of the ``keys`` pool ``pool`` lacks (``claim``: its
         opener's claim; ``cache_actors.node.l2_warmup``): (pages read, leading ``keys``
         the pool holds now, its free pages left); (0, 0, 0) for a pool gone."""
         with self._lock:
             entry = self._pools.get(pool)
             missing = [k for k in keys if entry and entry.index.page_of(k) is None]
-        made = self._fill(entry, None, missing, caller, deadline)[1] if missing else 0
+        made = self._fill(entry, None, missing, claim, deadline)[1] if missing else 0
         with self._lock:
             held = [bool(entry and entry.index.page_of(k) is not None) for k in keys]
             return made, (held + [False]).index(False), entry.index.free if entry else 0
 
     def reserve(self, holder: Holder, pool: str, keys: list[str],
-                caller: OwnerClaim | None = None, *, deadline: float | None = None,
+                claim: OwnerClaim | None = None, *, deadline: float | None = None,
                 verified: bool = False) -> list[int]:
         """Per key a page for ``holder`` to write (its earlier pages released first),
         ``PRESENT``, ``WRITING`` or ``FULL`` (``L2Index.reserve``); holders whose process
         is gone are released when pages run short. Past ``deadline``: as ``acquire``."""
         holder = check_holder(holder)
-        entry = self._entry(pool, keys, caller, verified)
+        entry = self._entry(pool, keys, claim, verified)
         with self._lock:
             in_time(deadline)
             entry.index.release(holder)
@@ -310,13 +310,13 @@ class L2Pools:
         return pages
 
     def commit(self, holder: Holder, pool: str, keys: list[str], pages: list[int],
-               ok: list[bool], caller: OwnerClaim | None = None, *,
+               ok: list[bool], claim: OwnerClaim | None = None, *,
                deadline: float | None = None, verified: bool = False) -> int:
         """``holder`` wrote ``keys`` into ``pages`` (``ok``: in full): those become
         ready and are queued for the write-behind put to L3; the others free. Returns
         how many became ready. Past ``deadline``: as ``acquire``."""
         holder = check_holder(holder)
-        entry = self._entry(pool, keys, caller, verified)
+        entry = self._entry(pool, keys, claim, verified)
         if len(pages) != len(keys) or len(ok) != len(keys):
             raise ValueError(f"a commit of {len(keys)} keys names {len(pages)} pages and "
                              f"{len(ok)} outcomes")
@@ -330,7 +330,7 @@ class L2Pools:
             made = entry.index.commit(holder, pages, ok, dirty=True)
             if made:  # under the lock that guards the write-behind's counters
                 by_page = dict(zip(pages, keys, strict=True))
-                self.write_behind.submit((entry, caller), [by_page[p] for p in made], made)
+                self.write_behind.submit((entry, claim), [by_page[p] for p in made], made)
         return len(made)
 
     # ----------------------------------------------------------------- status
@@ -358,20 +358,20 @@ class L2Pools:
         self.write_behind.close()
 
     # ---------------------------------------------------------------- helpers
-    def _checked(self, keys: list[str], caller: OwnerClaim | None,
+    def _checked(self, keys: list[str], claim: OwnerClaim | None,
                  verified: bool) -> Owner | None:
         keys = check_object_keys(keys)
-        caller = caller if verified else self._mover.verify(caller)
-        prefix = caller.key_prefix if caller is not None else ""
+        claim = claim if verified else self._mover.verify(claim)
+        prefix = claim.key_prefix if claim is not None else ""
         if prefix and not all(k.startswith(prefix) for k in keys):
             raise ValueError("L2 keys outside the caller's key prefix")
         if not prefix and any(k.startswith(TENANT_KEYS) for k in keys):
             raise ValueError("a tenant's L2 keys need the tenant's claim")
-        return None if caller is None else caller.owner
+        return None if claim is None else claim.owner
 
-    def _entry(self, pool: str, keys: list[str], caller: OwnerClaim | None,
+    def _entry(self, pool: str, keys: list[str], claim: OwnerClaim | None,
                verified: bool) -> _L2Pool:
-        owner = self._checked(keys, caller, verified)
+        owner = self._checked(keys, claim, verified)
         with self._lock:
             entry = self._pools.get(pool)
         if entry is None or entry.owner != owner:
@@ -380,7 +380,7 @@ class L2Pools:
         return entry
 
     def _fill(self, entry: _L2Pool, reader: Holder | None, keys: list[str],
-              caller: OwnerClaim | None, deadline: float | None) -> tuple[list[int], int]:
+              claim: OwnerClaim | None, deadline: float | None) -> tuple[list[int], int]:
         """Read the leading ``keys`` from L3 into pages the node reserves under a
         holder of its own (``reader`` None, a warm-up: free pages only, none evicted);
         those read in full become ready (clean), held by ``reader``. (The pages of the
@@ -396,13 +396,13 @@ class L2Pools:
                 entry.index.commit(filler, pages[run:], [False] * (len(pages) - run),
                                    dirty=False)
         pages, keys = pages[:run], keys[:run]
-        ok = read_pages(self._mover.move, entry, keys, pages, deadline, caller) if run else []
+        ok = read_pages(self._mover.move, entry, keys, pages, deadline, claim) if run else []
         good = (ok + [False]).index(False)
         if reader is None:  # a warm-up keeps the leading pages read: the others are no use
             ok = [i < good for i in range(run)]
         kind, failed = ("filled", "fill_failed") if reader else ("warmed", "warm_failed")
         with self._lock:  # past the reader's deadline: ready, but held by nobody
-            late = reader is not None and deadline is not None and \
+            late = reader is not None and deadline is not None and\
                 time.monotonic() >= deadline
             made = entry.index.commit(filler, pages, ok, dirty=False,
                                       reader=None if late else reader)
@@ -440,13 +440,13 @@ def in_time(deadline: float | None) -> None:
 
 
 def read_pages(move: Move, entry: _L2Pool, keys: list[str], pages: list[int],
-               deadline: float | None, caller: OwnerClaim | None) -> list[bool]:
+               deadline: float | None, claim: OwnerClaim | None) -> list[bool]:
     """A fill's store call (with the node's ``move``): ``keys`` read from L3 into
     ``pages`` of ``entry`` (``deadline`` None: ``FILL_WAIT_S``); per object whether it
     was read in full (a failed call: none was, the pages free again)."""
     try:
         codes = move("get", pages_batch(entry, keys, pages),
-                     deadline or time.monotonic() + FILL_WAIT_S, caller)
+                     deadline or time.monotonic() + FILL_WAIT_S, claim)
     except Exception as e:
         log.debug("L2 fill of %d objects failed: %s", len(keys), e)
         return [False] * len(keys)
@@ -475,9 +475,9 @@ def put_pages(move: Move, target: tuple[_L2Pool, OwnerClaim | None], keys: list[
     """The write-behind's store call (``write_behind.Put``, with the node's ``move``):
     ``pages`` of the pool put to L3 for the committing caller; per object whether L3
     holds it."""
-    entry, caller = target
+    entry, claim = target
     return [c in (0, 1) for c in move("put", pages_batch(entry, keys, pages), deadline,
-                                      caller)]
+                                      claim)]
 
 
 def pages_batch(entry: _L2Pool, keys: list[str], pages: list[int]) -> ObjectBatch:

@@ -140,36 +140,36 @@ class NodeCacheActor:
     @ray.method(concurrency_group="pools")
     async def create_pool(self, name: str, layout: PoolLayout,
                           process: ProcessIdentity | None = None,
-                          owner: OwnerClaim | None = None) -> PoolHandle:
+                          claim: OwnerClaim | None = None) -> PoolHandle:
         return await self._pooled(self._service.create_pool, name, layout, process,
-                                  for_call(owner, "create_pool", name, layout, process))
+                                  for_call(claim, "create_pool", name, layout, process))
 
     @ray.method(concurrency_group="pools")
     async def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                                inode: tuple[int, int], owner: OwnerClaim | None = None
+                                inode: tuple[int, int], claim: OwnerClaim | None = None
                                 ) -> PoolHandle:
         return await self._pooled(self._service.adopt_engine_pool, name, path, layout,
-                                  inode, for_call(owner, "adopt_engine_pool", name, path,
+                                  inode, for_call(claim, "adopt_engine_pool", name, path,
                                                   layout, inode))
 
     @ray.method(concurrency_group="pools")
-    async def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
+    async def get_pool(self, name: str, claim: OwnerClaim | None = None) -> PoolHandle:
         return await self._pooled(self._service.get_pool, name,
-                                  for_call(owner, "get_pool", name))
+                                  for_call(claim, "get_pool", name))
 
     @ray.method(concurrency_group="pools")
     async def list_pools(self) -> list[PoolHandle]:
         return await self._pooled(self._service.list_pools)
 
     @ray.method(concurrency_group="pools")
-    async def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
+    async def destroy_pool(self, name: str, claim: OwnerClaim | None = None) -> bool:
         return await self._pooled(self._service.destroy_pool, name,
-                                  for_call(owner, "destroy_pool", name))
+                                  for_call(claim, "destroy_pool", name))
 
     @ray.method(concurrency_group="pools")
     async def l2_open(self, rank: tuple[int, int], layout: PoolLayout, pages: int,
-                      share: int = 1, owner: OwnerClaim | None = None) -> PoolHandle | None:
-        claim = for_call(owner, "l2_open", rank, layout, pages, share)
+                      share: int = 1, claim: OwnerClaim | None = None) -> PoolHandle | None:
+        claim = for_call(claim, "l2_open", rank, layout, pages, share)
         handle = await self._pooled(self._service.l2.open, rank, layout, pages, claim, share)
         return self._warmup.opened(handle, rank, claim)  # a new pool: warmed off this call
 
@@ -184,60 +184,60 @@ class NodeCacheActor:
 
     # ------------------------------------------------------------------ data
     @ray.method(concurrency_group="data")
-    async def exists(self, keys: list[str], owner: OwnerClaim | None = None) -> list[int]:
-        return await self._run(self._service.exists, keys, for_call(owner, "exists", keys))
+    async def exists(self, keys: list[str], claim: OwnerClaim | None = None) -> list[int]:
+        return await self._run(self._service.exists, keys, for_call(claim, "exists", keys))
 
     @ray.method(concurrency_group="data")
-    async def put(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
-                  deadline: float | None = None, ticket: TicketRef | None = None
+    async def put(self, batch: ObjectBatch, ticket: TicketRef | None = None,
+                  deadline: float | None = None, claim: OwnerClaim | None = None
                   ) -> list[int]:
         """``deadline``: the rank's (``time.monotonic()`` seconds of this host, which the
         rank shares: its pools are this node's shared memory)."""
         return await self._run(self._service.put, batch, ticket, deadline,
-                               for_call(owner, "put", batch))
+                               for_call(claim, "put", batch))
 
     @ray.method(concurrency_group="data")
-    async def get(self, batch: ObjectBatch, owner: OwnerClaim | None = None,
-                  deadline: float | None = None, ticket: TicketRef | None = None
+    async def get(self, batch: ObjectBatch, ticket: TicketRef | None = None,
+                  deadline: float | None = None, claim: OwnerClaim | None = None
                   ) -> list[int]:
         return await self._run(self._service.get, batch, ticket, deadline,
-                               for_call(owner, "get", batch))
+                               for_call(claim, "get", batch))
 
     @ray.method(concurrency_group="data")
     async def l2_lookup(self, keys: list[str], per_page: int,
-                        owner: OwnerClaim | None = None) -> int:
+                        claim: OwnerClaim | None = None) -> int:
         return await self._run(self._service.l2.lookup, keys, per_page,
-                               for_call(owner, "l2_lookup", keys, per_page))
+                               for_call(claim, "l2_lookup", keys, per_page))
 
     @ray.method(concurrency_group="data")
     async def l2_acquire(self, holder: tuple[int, int], pool: str, keys: list[str],
-                         fill: bool, owner: OwnerClaim | None = None,
+                         fill: bool, claim: OwnerClaim | None = None,
                          deadline: float | None = None) -> list[int]:
         """``deadline``: as ``put``'s; the L2 ops change nothing past it."""
         return await self._run(partial(self._service.l2.acquire, deadline=deadline),
                                holder, pool, keys, fill,
-                               for_call(owner, "l2_acquire", holder, pool, keys, fill))
+                               for_call(claim, "l2_acquire", holder, pool, keys, fill))
 
     @ray.method(concurrency_group="data")
     async def l2_reserve(self, holder: tuple[int, int], pool: str, keys: list[str],
-                         owner: OwnerClaim | None = None,
+                         claim: OwnerClaim | None = None,
                          deadline: float | None = None) -> list[int]:
         return await self._run(partial(self._service.l2.reserve, deadline=deadline),
                                holder, pool, keys,
-                               for_call(owner, "l2_reserve", holder, pool, keys))
+                               for_call(claim, "l2_reserve", holder, pool, keys))
 
     @ray.method(concurrency_group="data")
     async def l2_commit(self, holder: tuple[int, int], pool: str, keys: list[str],
-                        pages: list[int], ok: list[bool], owner: OwnerClaim | None = None,
+                        pages: list[int], ok: list[bool], claim: OwnerClaim | None = None,
                         deadline: float | None = None) -> int:
         return await self._run(partial(self._service.l2.commit, deadline=deadline),
                                holder, pool, keys, pages, ok,
-                               for_call(owner, "l2_commit", holder, pool, keys, pages, ok))
+                               for_call(claim, "l2_commit", holder, pool, keys, pages, ok))
 
     @ray.method(concurrency_group="data")
     async def group_exists(self, deployment_id: str, version: int, rank: tuple[int, int],
                            engine: str, keys: list[str], queries: list[PoolQuery],
-                           owner: OwnerClaim | None = None) -> PoolTransferResult:
+                           claim: OwnerClaim | None = None) -> PoolTransferResult:
         """Waits for the service's reply at most ``WAIT_S`` (then
         ``DeadlineExceededError``), on the event loop: no thread is held meanwhile."""
         loop = asyncio.get_running_loop()
@@ -254,7 +254,7 @@ class NodeCacheActor:
         def reply(result: PoolTransferResult | None, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(settle, result, error)
         self._service.group_exists(reply, deployment_id, version, rank, engine, keys, queries,
-                                   for_call(owner, "group_exists", deployment_id, version,
+                                   for_call(claim, "group_exists", deployment_id, version,
                                             rank, engine, keys, queries))
         try:
             return await asyncio.wait_for(answer, WAIT_S)
@@ -266,19 +266,19 @@ class NodeCacheActor:
     # ---------------------------------------------------------------- routing
     @ray.method(concurrency_group="route")
     async def residency(self, keys: list[str], per_page: int,
-                        owner: OwnerClaim | None = None,
+                        claim: OwnerClaim | None = None,
                         within_s: float = ROUTE_WAIT_S) -> Residency:
         """``ResidencyQuery.residency``; not run unless a thread takes it within ``within_s``."""
         return await self._routed(self._service.residency.residency, within_s, keys, per_page,
-                                  for_call(owner, "residency", keys, per_page))
+                                  for_call(claim, "residency", keys, per_page))
 
     @ray.method(concurrency_group="route")
     async def residency_changes(self, since: tuple[str, int] | None,
-                                owner: OwnerClaim | None = None,
+                                claim: OwnerClaim | None = None,
                                 within_s: float = ROUTE_WAIT_S) -> ResidencyChanges:
         """``ResidencyQuery.changes``; not run unless a thread takes it within ``within_s``."""
         return await self._routed(self._service.residency.changes, within_s, since,
-                                  for_call(owner, "residency_changes", since))
+                                  for_call(claim, "residency_changes", since))
 
     async def _routed(self, query, within_s: float, *args):
         """``query(*args, deadline)`` on a route thread; the deadline is ``within_s``
@@ -288,14 +288,14 @@ class NodeCacheActor:
             self._route, query, *args, deadline)
 
     @ray.method(concurrency_group="route")
-    async def locate(self, keys: list[str], owner: OwnerClaim | None = None
+    async def locate(self, keys: list[str], claim: OwnerClaim | None = None
                      ) -> list[list[str]]:
         return await asyncio.get_running_loop().run_in_executor(
-            self._route, self._service.residency.locate, keys, for_call(owner, "locate", keys))
+            self._route, self._service.residency.locate, keys, for_call(claim, "locate", keys))
 
     @ray.method(concurrency_group="route")
-    async def why(self, keys: list[str], store: bool, owner: OwnerClaim | None = None) -> NodeFacts:
-        return await self._routed(self._service.residency.why.facts, WAIT_S, keys, store, owner)
+    async def why(self, keys: list[str], store: bool, claim: OwnerClaim | None = None) -> NodeFacts:
+        return await self._routed(self._service.residency.why.facts, WAIT_S, keys, store, claim)
 
     @ray.method(concurrency_group="route")
     async def touches(self, keys: list[str] | None = None, prefix: str = "",
@@ -312,10 +312,10 @@ class NodeCacheActor:
         return self._service.engines.alive()
 
     @ray.method(concurrency_group="control")
-    async def clear_objects(self, owner: OwnerClaim | None = None) -> int:
+    async def clear_objects(self, claim: OwnerClaim | None = None) -> int:
         """Off the event loop: it waits out the store's leases (seconds)."""
         return await asyncio.to_thread(self._service.clear_objects,
-                                       for_call(owner, "clear_objects"))
+                                       for_call(claim, "clear_objects"))
 
     @ray.method(concurrency_group="control")
     async def copy_deployment(self, deployment_id: str, version: int) -> None:

@@ -64,7 +64,7 @@ from raykv.cache_actors.node.node_pools import NodePools
 from raykv.cache_actors.node.node_stats import node_stats
 from raykv.cache_actors.node.node_store import NodeStore
 from raykv.cache_actors.node.owner_masks import (
-    check_group_caller,
+    check_group_claim,
     merged,
     outside,
 )
@@ -194,8 +194,8 @@ class NodeService:
 
     def create_pool(self, name: str, layout: PoolLayout,
                     process: ProcessIdentity | None = None,
-                    owner: OwnerClaim | None = None) -> PoolHandle:
-        """Create pool ``name`` of ``owner`` (or attach it if it exists with the same
+                    claim: OwnerClaim | None = None) -> PoolHandle:
+        """Create pool ``name`` of ``claim``'s owner (or attach it if it exists with the same
         layout and owner); with ``process`` (one engine process's pool) it is removed
         once that process exited (``NodePools.create``, the engine reaper).
 
@@ -205,46 +205,46 @@ class NodeService:
         allocated then), and ``StoreUnavailableError`` while ``mooncake_client`` is down
         (standalone).
         """
-        return self._pools.create(name, layout, process, self._owner(owner))
+        return self._pools.create(name, layout, process, self._owner(claim))
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                          inode: Sequence[int], owner: OwnerClaim | None = None
+                          inode: Sequence[int], claim: OwnerClaim | None = None
                           ) -> PoolHandle:
         """Serve an engine's own memfd ``path`` (``/proc/<pid>/fd/<fd>``, ``inode`` its
-        ``(st_dev, st_ino)`` as the engine sees it) as pool ``name`` of ``owner`` with
+        ``(st_dev, st_ino)`` as the engine sees it) as pool ``name`` of ``claim``'s owner with
         no copy (``NodePools.adopt_engine``)."""
-        return self._pools.adopt_engine(name, path, layout, inode, self._owner(owner))
+        return self._pools.adopt_engine(name, path, layout, inode, self._owner(claim))
 
-    def get_pool(self, name: str, owner: OwnerClaim | None = None) -> PoolHandle:
-        """The handle of pool ``name`` of ``owner``; ``ValueError`` if this node has no
+    def get_pool(self, name: str, claim: OwnerClaim | None = None) -> PoolHandle:
+        """The handle of pool ``name`` of ``claim``'s owner; ``ValueError`` if this node has no
         such pool or it is another owner's."""
-        return self._pools.handle(name, self.node_id[:12], self._owner(owner))
+        return self._pools.handle(name, self.node_id[:12], self._owner(claim))
 
     def list_pools(self) -> list[PoolHandle]:
         """Every pool's handle, whoever owns it (what ``stats`` shows too; mapping one
         needs this node's shared memory)."""
         return [p.handle for p in self._pools.settled().pools.values()]
 
-    def destroy_pool(self, name: str, owner: OwnerClaim | None = None) -> bool:
-        """Remove pool ``name`` of ``owner``: later data calls naming it fail with
+    def destroy_pool(self, name: str, claim: OwnerClaim | None = None) -> bool:
+        """Remove pool ``name`` of ``claim``'s owner: later data calls naming it fail with
         ``ValueError``, the calls in flight on it end first (``NodePools.destroy``),
         then it is unregistered and released; False if there was none, ``ValueError``
         if it is another owner's."""
-        removed = self._pools.destroy(name, self._owner(owner))
+        removed = self._pools.destroy(name, self._owner(claim))
         self.l2.forget(name)
         return removed
 
     # ------------------------------------------------------------------ data
-    def exists(self, keys: list[str], caller: OwnerClaim | None = None, *,
+    def exists(self, keys: list[str], claim: OwnerClaim | None = None, *,
                verified: bool = False) -> list[int]:
         """1 / 0 / negative error per key (``NOT_OWNED`` for a key outside the
         caller's key prefix); ``ValueError`` for keys that are not a list of non-empty
         strings of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``) or a refused
-        claim. ``caller``: the owner claim, checked here (a tenant's call proof is good
+        claim. ``claim``: the owner claim, checked here (a tenant's call proof is good
         once) unless ``verified`` (the channel: checked when its connection opened)."""
         keys = check_object_keys(keys)
-        caller = caller if verified else self.verify(caller)
-        out = outside(keys, caller)
+        claim = claim if verified else self.verify(claim)
+        out = outside(keys, claim)
         t = time.perf_counter()
         if out is None:
             codes = self._store_exists(keys)
@@ -252,11 +252,11 @@ class NodeService:
             asked = [k for k, no in zip(keys, out, strict=True) if not no]
             codes = merged(self._store_exists(asked) if asked else [], out, NOT_OWNED)
         self._metrics.record_exists(time.perf_counter() - t, codes,
-                                    None if caller is None else caller.owner)
+                                    None if claim is None else claim.owner)
         return codes
 
     def put(self, batch: ObjectBatch, ticket: TicketRef | None = None,
-            deadline: float | None = None, caller: OwnerClaim | None = None, *,
+            deadline: float | None = None, claim: OwnerClaim | None = None, *,
             verified: bool = False) -> list[int]:
         """Put-if-absent every object from its pool: 0 stored, ``ALREADY_PRESENT`` (1),
         negative error (``NOT_OWNED``: not the caller's pool or key prefix). ``ticket``:
@@ -265,15 +265,15 @@ class NodeService:
         ``WAIT_S`` from now; ``ValueError`` unless ``check_deadline`` accepts it):
         ``DeadlineExceededError`` if the call reached this actor after it, still waits
         for the store then, or its ticket does not start (the rank gave up on it).
-        ``caller``, ``verified``: as for ``exists``."""
-        return self.mover.move("put", batch, deadline, caller, ticket, verified)
+        ``claim``, ``verified``: as for ``exists``."""
+        return self.mover.move("put", batch, deadline, claim, ticket, verified)
 
     def get(self, batch: ObjectBatch, ticket: TicketRef | None = None,
-            deadline: float | None = None, caller: OwnerClaim | None = None, *,
+            deadline: float | None = None, claim: OwnerClaim | None = None, *,
             verified: bool = False) -> list[int]:
         """Read every object into its pool; bytes read / negative error per object.
-        ``ticket``, ``deadline``, ``caller`` and ``verified`` as for ``put``."""
-        return self.mover.move("get", batch, deadline, caller, ticket, verified)
+        ``ticket``, ``deadline``, ``claim`` and ``verified`` as for ``put``."""
+        return self.mover.move("get", batch, deadline, claim, ticket, verified)
 
     def _store_exists(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative per key; ``NodeUnavailableError`` while the store is down."""
@@ -291,7 +291,7 @@ class NodeService:
 
     def group_exists(self, reply: Done, deployment_id: str, version: int,
                      rank: tuple[int, int], engine: str, keys: list[str],
-                     queries: list[PoolQuery], caller: OwnerClaim | None = None, *,
+                     queries: list[PoolQuery], claim: OwnerClaim | None = None, *,
                      verified: bool = False) -> None:
         """The group hit of ``deployment_id`` for page ``keys``, asked by ``rank`` (tp, pp)
         of ``engine`` (``engine_id``, "" if none): one answer for an engine's ranks asking
@@ -301,12 +301,12 @@ class NodeService:
         time); ``ValueError`` raised here for bad keys or a pool the deployment did not
         register. A deployment not known here at ``version`` is fetched from the
         controller on ``executor`` first. Both routes call it: the channel's I/O thread
-        and the Ray actor, which waits for the reply at most ``WAIT_S``. ``caller``: the
+        and the Ray actor, which waits for the reply at most ``WAIT_S``. ``claim``: the
         owner claim; a caller of another deployment is refused (``ValueError``), so is a
         caller without a claim once a claim of the deployment was bound here;
         ``verified`` as for ``exists``."""
-        caller = caller if verified else self.verify(caller)
-        check_group_caller(caller, deployment_id, self._pools.owners.claimed)
+        claim = claim if verified else self.verify(claim)
+        check_group_claim(deployment_id, claim, self._pools.owners.claimed)
         dep = self.deployments.known(deployment_id, version)
         if dep is not None:
             self.loads.submit(self._groups, dep, keys, queries, rank, reply, engine)

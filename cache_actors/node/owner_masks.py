@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     from raykv.cache_actors.node.node_pools import PoolTable
 
 
-def outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
-    """Per key, whether it lies outside ``caller``'s key prefix (a caller without one,
+def outside(keys: list[str], claim: OwnerClaim | None) -> list[bool] | None:
+    """Per key, whether it lies outside ``claim``'s key prefix (a caller without one,
     the default deployment's or one without a claim: whether it is a tenant's key);
     None if none does."""
-    prefix = caller.key_prefix if caller is not None else ""
+    prefix = claim.key_prefix if claim is not None else ""
     if not prefix:
         if not any(map(str.startswith, keys, repeat(TENANT_KEYS))):
             return None
@@ -34,14 +34,14 @@ def outside(keys: list[str], caller: OwnerClaim | None) -> list[bool] | None:
     return [not k.startswith(prefix) for k in keys]
 
 
-def refused(batch: ObjectBatch, used: tuple, table: PoolTable, caller: OwnerClaim | None
+def refused(batch: ObjectBatch, used: tuple, table: PoolTable, claim: OwnerClaim | None
             ) -> list[bool] | None:
-    """Per object of ``batch``, whether ``caller`` may not move it (not its owner's
+    """Per object of ``batch``, whether ``claim`` may not move it (not its owner's
     pool of ``table``, or a key outside its prefix); None if it may move every one.
     ``used``: the pools of ``table`` the batch names."""
-    owner = None if caller is None else caller.owner
+    owner = None if claim is None else claim.owner
     foreign = {p.name for p in used if table.owners.get(p.name) != owner}
-    out = outside(batch.keys, caller)
+    out = outside(batch.keys, claim)
     if not foreign and out is None:
         return None
     return [pool in foreign or (out is not None and out[i])
@@ -65,16 +65,16 @@ def merged(codes: list[int], refused: list[bool], code: int) -> list[int]:
     return [code if no else next(moved) for no in refused]
 
 
-def check_group_caller(caller: OwnerClaim | None, deployment_id: str,
-                       claimed: Callable[[str], bool]) -> None:
-    """``ValueError`` unless ``caller`` may query the group of ``deployment_id``: a
+def check_group_claim(deployment_id: str, claim: OwnerClaim | None,
+                      claimed: Callable[[str], bool]) -> None:
+    """``ValueError`` unless ``claim`` may query the group of ``deployment_id``: a
     caller of another deployment may not, nor a caller without a claim once a claim of
     that deployment was bound on this node (``claimed``)."""
-    if caller is None:
+    if claim is None:
         if claimed(deployment_id):
             raise ValueError(f"a group query of deployment {deployment_id!r} needs its "
                              "owner claim (a caller without one is refused)")
-    elif caller.deployment_id != deployment_id:
-        raise ValueError(f"a rank of deployment {caller.deployment_id!r} may not query "
+    elif claim.deployment_id != deployment_id:
+        raise ValueError(f"a rank of deployment {claim.deployment_id!r} may not query "
                          f"the group of deployment {deployment_id!r}")
 

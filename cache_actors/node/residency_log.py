@@ -66,11 +66,11 @@ class ResidencyLog:
                 self._entries.append((owner, tier, k, held))
                 self._last += 1
 
-    def stored(self, caller: OwnerClaim | None, keys: Sequence[str], codes: Sequence[int]
+    def stored(self, keys: Sequence[str], codes: Sequence[int], claim: OwnerClaim | None
                ) -> None:
-        """A put of ``caller`` with this node's own segment preferred ended with
+        """A put of ``claim`` with this node's own segment preferred ended with
         ``codes``: the keys stored (0) came onto the segment."""
-        owner = None if caller is None else caller.owner
+        owner = None if claim is None else claim.owner
         self.record(owner, "segment", (k for k, c in zip(keys, codes, strict=True) if c == 0),
                     True)
 

@@ -69,14 +69,14 @@ class ResidencyQuery:
         self._lock = threading.Lock()
         self.counts = {"queries": 0, "refused": 0, "failed": 0, "late": 0, "seconds": 0.0}
 
-    def residency(self, keys: list[str], per_page: int, caller: OwnerClaim | None,
+    def residency(self, keys: list[str], per_page: int, claim: OwnerClaim | None,
                   deadline: float) -> Residency:
         """Leading pages of ``keys`` (``per_page`` keys a page, TP rank order within a
         page) in this node's L2, on its own segment and in L3 anywhere (see the module
         docstring for the rules and errors)."""
         t = time.perf_counter()
         with self._counting():
-            owner = self._checked(keys, caller)
+            owner = self._checked(keys, claim)
             pages = check_pages(keys, per_page)
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError("the residency query started after its "
@@ -100,7 +100,7 @@ class ResidencyQuery:
             self.counts["seconds"] += time.perf_counter() - t
         return answer
 
-    def changes(self, since: tuple[str, int] | None, caller: OwnerClaim | None,
+    def changes(self, since: tuple[str, int] | None, claim: OwnerClaim | None,
                 deadline: float) -> ResidencyChanges:
         """The changes of the caller's owner (keys in its key prefix) after ``since``
         (``(incarnation, seq)`` of this node's last answer; None: none yet), or, when
@@ -109,12 +109,12 @@ class ResidencyQuery:
         ``cache_actors.node.residency_log``). Errors as
         ``residency``'s. ``load_s``: what this node's load costs say now."""
         with self._counting():
-            caller = self._verify(caller)
+            claim = self._verify(claim)
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError("the changes query started after its "
                                             "deadline; it was not run")
-            owner = None if caller is None else caller.owner
-            prefix = "" if caller is None else caller.key_prefix
+            owner = None if claim is None else claim.owner
+            prefix = "" if claim is None else claim.key_prefix
             log = self._log
             got = None
             if since is not None and since[0] == log.incarnation:
@@ -128,12 +128,12 @@ class ResidencyQuery:
             return ResidencyChanges(self._node_id, log.incarnation, seq, True,
                                     [("l2", k, True) for k in keys] + put, load_s)
 
-    def locate(self, keys: list[str], caller: OwnerClaim | None) -> list[list[str]]:
+    def locate(self, keys: list[str], claim: OwnerClaim | None) -> list[list[str]]:
         """Per key, the segments holding a complete replica of it (empty: L3 has
         none); the same rules and errors as ``residency``, and ``RuntimeError`` on a
         node whose client cannot locate (standalone)."""
         with self._counting():
-            self._checked(keys, caller)
+            self._checked(keys, claim)
             if not self._store.backend.can_locate:
                 raise RuntimeError("this node's Mooncake client (standalone: a dummy of "
                                    "mooncake_client) cannot locate replicas")
@@ -147,13 +147,13 @@ class ResidencyQuery:
             return dict(self.counts)
 
     # ----------------------------------------------------------------- helpers
-    def _checked(self, keys: list[str], caller: OwnerClaim | None) -> OwnerClaim | None:
+    def _checked(self, keys: list[str], claim: OwnerClaim | None) -> OwnerClaim | None:
         check_object_keys(keys, "the residency query's keys")
-        caller = self._verify(caller)
-        if outside(keys, caller) is not None:
+        claim = self._verify(claim)
+        if outside(keys, claim) is not None:
             raise ValueError("keys outside the caller's key prefix (a tenant's keys need "
                              "the tenant's claim)")
-        return caller
+        return claim
 
     def _located(self, keys: list[str]) -> list[tuple[str, ...]]:
         epoch = self._store.before_call()

@@ -66,12 +66,12 @@ class StoreMover:
             raise NodeUnavailableError(str(e)) from None
 
     def move(self, op: str, batch: ObjectBatch, deadline: float | None,
-             caller: OwnerClaim | None, ticket: TicketRef | None = None,
+             claim: OwnerClaim | None, ticket: TicketRef | None = None,
              verified: bool = True) -> list[int]:
         """The backend's ``op`` (``put`` or ``get``) on ``batch``, one code per object
         (see the module docstring). ``deadline``: ``time.monotonic()`` seconds (None:
         ``WAIT_S`` from now); ``DeadlineExceededError`` if it passed before the store
-        call could start. ``caller``: the owner claim, checked here unless ``verified``.
+        call could start. ``claim``: the owner claim, checked here unless ``verified``.
         ``ticket``: the rank's (None: none)."""
         deadline = time.monotonic() + WAIT_S if deadline is None else check_deadline(deadline)
         held = None if ticket is None else self._tickets.ticket(ticket, deadline)
@@ -82,8 +82,8 @@ class StoreMover:
         pools = self._pools
         table = pools.table
         ptrs, used = table.resolve(batch)
-        caller = caller if verified else self.verify(caller)
-        masked = refused(batch, used, table, caller)
+        claim = claim if verified else self.verify(claim)
+        masked = refused(batch, used, table, claim)
         moving = batch if masked is None else allowed(batch, masked)
         if masked is not None:
             ptrs = [p for p, no in zip(ptrs, masked, strict=True) if not no]
@@ -101,7 +101,7 @@ class StoreMover:
                             self._store.backend.remove)
         codes = self._store.after_call(table.epoch, codes)
         if op == "put" and self._store.backend.prefers_own:
-            self._residency_log.stored(caller, moving.keys, codes)
+            self._residency_log.stored(moving.keys, codes, claim)
         self._touches.moved(op, moving.keys, moving.sizes, codes, time.time())
         if masked is not None:
             codes = merged(codes, masked, NOT_OWNED)

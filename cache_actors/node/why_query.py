@@ -43,19 +43,19 @@ class WhyQuery:
                  verify: Callable[[OwnerClaim | None], OwnerClaim | None]) -> None:
         self._node_id, self._store, self._l2, self._verify = node_id, store, l2, verify
 
-    def facts(self, keys: list[str], with_store: bool, caller: OwnerClaim | None,
+    def facts(self, keys: list[str], with_store: bool, claim: OwnerClaim | None,
               deadline: float) -> NodeFacts:
-        """This node's facts of ``keys`` (see the module docstring); ``caller``: the
+        """This node's facts of ``keys`` (see the module docstring); ``claim``: the
         claim as it came, bound here to this call (``for_call``)."""
         keys = check_object_keys(keys, "raykv why's keys")
-        caller = self._verify(for_call(caller, "why", keys, with_store))
-        if outside(keys, caller) is not None:
+        claim = self._verify(for_call(claim, "why", keys, with_store))
+        if outside(keys, claim) is not None:
             raise ValueError("keys outside the caller's key prefix (a tenant's keys need "
                              "the tenant's claim)")
         if time.monotonic() >= deadline:
             raise DeadlineExceededError("raykv why's query started after its deadline; it "
                                         "was not run")
-        l2 = self._l2.resident(keys, None if caller is None else caller.owner)
+        l2 = self._l2.resident(keys, None if claim is None else claim.owner)
         touched = {k: t.last for k, t in self._l2.touches.of(keys).items()}
         segments = stored = None
         if with_store:

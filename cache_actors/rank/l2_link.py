@@ -72,7 +72,7 @@ class L2Link:
         cfg = self._group.config
         rank, share = (cfg.tp_rank, cfg.pp_rank), cfg.tp_size * cfg.pp_size
         handle = self._link.call("l2_open", rank, layout, pages, share,
-                                 owner=self._link.claim(None, "l2_open", rank, layout, pages,
+                                 claim=self._link.claim(None, "l2_open", rank, layout, pages,
                                                         share))
         return None if handle is None else self._pools.attach(handle.name)
 

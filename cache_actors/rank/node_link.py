@@ -151,9 +151,10 @@ class NodeLink:
                 *args, ticket = args
                 kw["ticket"] = ticket
             claim = self.claim(target if remote else None, op, *args)
-            owner = () if claim is None else (claim,)
+            if claim is not None:  # by name, as the channel hands it to the handler
+                kw["claim"] = claim
             actor = self._actor_of(target) if remote else self._actor
-            return self._ray(actor, op, *args, *owner, **kw)
+            return self._ray(actor, op, *args, **kw)
         try:
             with self._retryable(op):
                 return self._over_channel(op, args)

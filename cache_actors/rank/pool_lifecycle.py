@@ -125,7 +125,7 @@ class PoolLifecycle:
         name = check_pool_name(name or f"{layout.kind}-{uuid.uuid4().hex[:12]}")
         process = ProcessIdentity.current() if per_process else None
         return self._map(self._link.call("create_pool", name, layout, process,
-                                         owner=self._link.claim(None, "create_pool", name,
+                                         claim=self._link.claim(None, "create_pool", name,
                                                                 layout, process)))
 
     def adopt_engine(self, name: str, path: str, layout: PoolLayout,
@@ -135,7 +135,7 @@ class PoolLifecycle:
         pool here (``NodeService.adopt_engine_pool``)."""
         inode = tuple(inode)
         self._link.call("adopt_engine_pool", name, path, layout, inode,
-                        owner=self._link.claim(None, "adopt_engine_pool", name, path, layout,
+                        claim=self._link.claim(None, "adopt_engine_pool", name, path, layout,
                                                inode))
         return self.attach(name)
 
@@ -145,7 +145,7 @@ class PoolLifecycle:
             return self._mapped[name]
         name = check_pool_name(name)
         return self._map(self._link.call("get_pool", name,
-                                         owner=self._link.claim(None, "get_pool", name)))
+                                         claim=self._link.claim(None, "get_pool", name)))
 
     def destroy(self, pool: HostPool | str) -> bool:
         """Unmap and unregister ``pool`` here, remove it from the node; False if the
@@ -157,7 +157,7 @@ class PoolLifecycle:
                                   if v is not mapped and getattr(v, "pool", None) is not mapped})
             mapped.close()
         return self._link.call("destroy_pool", name,
-                               owner=self._link.claim(None, "destroy_pool", name))
+                               claim=self._link.claim(None, "destroy_pool", name))
 
     def remap(self) -> None:
         """Map again every pool whose handle the node actor changed (the link calls
@@ -165,7 +165,7 @@ class PoolLifecycle:
         for name in list(self._mapped):
             with contextlib.suppress(ValueError):
                 self._map(self._link.ask("get_pool", name,
-                                         owner=self._link.claim(None, "get_pool", name)))
+                                         claim=self._link.claim(None, "get_pool", name)))
 
     def _map(self, handle: PoolHandle) -> HostPool:
         if handle.epoch != self.epoch:  # the node's pools were allocated anew

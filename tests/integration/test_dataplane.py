@@ -197,7 +197,7 @@ def test_control_group_answers_while_data_calls_run(cluster, uid):
     plan = planned(client, [PoolTransfer(PoolName.KV, keys, torch.arange(16 * 64))],
                    write=False)
     actor = cluster.node_actors[client.node_id]
-    busy = [actor.get.remote(plan.batch, client.owner_claim())  # 12 x 64 MiB of reads
+    busy = [actor.get.remote(plan.batch, claim=client.owner_claim())  # 12 x 64 MiB of reads
             for _ in range(12)]
     health = ray.get(actor.health.remote())
     pending = ray.wait(busy, num_returns=len(busy), timeout=0)[1]

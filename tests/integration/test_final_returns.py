@@ -170,11 +170,11 @@ def test_a_deadline_not_finite_or_too_far_is_refused_on_both_routes(slow_cluster
     channel.close()
     assert not ok and isinstance(error, ValueError) and "deadline" in str(error), error
     with pytest.raises(ValueError, match="deadline"):
-        ray.get(actor.get.remote(batch, client.owner_claim(), bad))
+        ray.get(actor.get.remote(batch, claim=client.owner_claim(), deadline=bad))
     # CONTROL: the same batch with the caller's own deadline moves, on both routes
     assert client._link.data(DataOp.PUT, batch) == [0]
-    assert ray.get(actor.get.remote(batch, client.owner_claim(),
-                                    time.monotonic() + 30)) == [64]
+    assert ray.get(actor.get.remote(batch, claim=client.owner_claim(),
+                                    deadline=time.monotonic() + 30)) == [64]
     client.close()
 
 

@@ -100,12 +100,12 @@ def test_another_deployment_is_refused_the_owner_is_served(cluster, monkeypatch)
                    write=True)
     assert b._link.data(DataOp.PUT, plan.batch) == [NOT_OWNED] * len(plan.batch)
     actor = cluster.node_actors[a.node_id]
-    assert ray.get(actor.put.remote(plan.batch, b.owner_claim())) == [NOT_OWNED] * len(
+    assert ray.get(actor.put.remote(plan.batch, claim=b.owner_claim())) == [NOT_OWNED] * len(
         plan.batch)
     assert ray.get(actor.get.remote(plan.batch)) == [NOT_OWNED] * len(plan.batch)
     assert a._link.data(DataOp.PUT, plan.batch) == [0] * len(plan.batch)
     assert b._link.data(DataOp.GET, plan.batch) == [NOT_OWNED] * len(plan.batch)
-    assert ray.get(actor.get.remote(plan.batch, a.owner_claim())) == plan.batch.sizes
+    assert ray.get(actor.get.remote(plan.batch, claim=a.owner_claim())) == plan.batch.sizes
     assert b._link.data(DataOp.EXISTS, plan.batch.keys) == [NOT_OWNED] * len(plan.batch)
     assert a._link.data(DataOp.EXISTS, plan.batch.keys) == [1] * len(plan.batch)
 

@@ -48,7 +48,7 @@ class FakeNode(FakeRoute):
         return path
 
     def create_pool(self, name: str, layout: PoolLayout, process=None,
-                    owner=None) -> PoolHandle:
+                    claim=None) -> PoolHandle:
         old = self.pools.get(name)
         if old is not None:
             if old.layout != layout:
@@ -56,22 +56,22 @@ class FakeNode(FakeRoute):
             return old
         self.pools[name] = PoolHandle(name, self._file(name, layout), layout, self.epoch)
         self.processes[name] = process
-        self.owners[name] = owner
+        self.owners[name] = claim
         return self.pools[name]
 
-    def get_pool(self, name: str, owner=None) -> PoolHandle:
+    def get_pool(self, name: str, claim=None) -> PoolHandle:
         if name not in self.pools:
             raise ValueError(f"this node has no pool {name!r}")
         return self.pools[name]
 
-    def destroy_pool(self, name: str, owner=None) -> bool:
+    def destroy_pool(self, name: str, claim=None) -> bool:
         handle = self.pools.pop(name, None)
         if handle is not None:
             os.unlink(handle.path)
         return handle is not None
 
     def adopt_engine_pool(self, name: str, path: str, layout: PoolLayout,
-                          inode: Sequence[int], owner=None) -> None:
+                          inode: Sequence[int], claim=None) -> None:
         self.pools[name] = PoolHandle(name, path, layout, self.epoch)
 
     def reallocate(self) -> None:

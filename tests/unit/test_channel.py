@@ -408,7 +408,7 @@ def test_a_flood_of_garbage_connections_leaves_nothing_behind(server, caplog):
     assert client.call("echo", 1, [], {}) == [1, [], {}]
     base_fds, base_threads = fds(), threads()
     flood(server.path)
-    assert settle(lambda: fds() <= base_fds and threads() <= base_threads), \
+    assert settle(lambda: fds() <= base_fds and threads() <= base_threads),\
         f"fds {fds()} (were {base_fds}), threads {threads()} (were {base_threads})"
     assert len(caplog.records) < 20
     assert client.call("echo", 2, [], {}) == [2, [], {}]
@@ -452,7 +452,7 @@ def test_accepting_survives_running_out_of_fds(server, caplog):
     fresh = ChannelClient(server.path)
     assert fresh.call("echo", 2, [], {}) == [2, [], {}]
     fresh.close()
-    assert settle(lambda: fds() <= base_fds and threads() <= base_threads), \
+    assert settle(lambda: fds() <= base_fds and threads() <= base_threads),\
         f"fds {fds()} (were {base_fds}), threads {threads()} (were {base_threads})"
     client.close()
 
@@ -476,7 +476,7 @@ def test_short_lived_caller_threads_leave_no_connections_behind(server):
         for t in callers:
             t.join(ANSWER_S)
     assert sorted(r[0] for r in out) == list(range(100))
-    assert settle(lambda: fds() - base_fds <= 2 * MAX_IDLE), \
+    assert settle(lambda: fds() - base_fds <= 2 * MAX_IDLE),\
         f"{fds() - base_fds} fds more than before the callers"
     client.close()
 
@@ -668,11 +668,11 @@ def test_a_connection_is_served_as_the_owner_it_claimed(tmp_path):
             raise ValueError("claim refused: another proof")
         return claim
 
-    def whoami(caller=None):
-        return None if caller is None else caller.deployment_id
+    def whoami(claim=None):
+        return None if claim is None else claim.deployment_id
 
-    def group(reply, caller=None):
-        reply(None if caller is None else caller.tenant, None)
+    def group(reply, claim=None):
+        reply(None if claim is None else claim.tenant, None)
 
     srv = ChannelServer(str(tmp_path / "n.sock"), {"whoami": whoami},
                         arg_types={"whoami": Signature(()), "group": Signature(())},

@@ -194,11 +194,11 @@ def test_a_fill_that_ends_past_its_readers_deadline_holds_nothing_for_the_reader
     evictable. (Before: the late commit held the page for the reader past its next
     op, unknown to it: pinned until that thread's op after, or for good.)"""
     class LateNode(FakeNode):
-        def move(self, op, batch, deadline, caller):
+        def move(self, op, batch, deadline, claim):
             while time.monotonic() < deadline:  # the store call outlives the deadline
                 time.sleep(0.005)
             assert pools.acquire(ME, name, [], False, A) == []  # the reader's next op
-            return super().move(op, batch, deadline, caller)
+            return super().move(op, batch, deadline, claim)
 
     node = LateNode()
     node.stored = {"m_a": 0}

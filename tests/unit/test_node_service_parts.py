@@ -14,7 +14,7 @@ from raykv.cache_actors.node.node_pools import PoolTable
 from raykv.cache_actors.node.node_stats import node_stats, owner_dict
 from raykv.cache_actors.node.owner_masks import (
     allowed,
-    check_group_caller,
+    check_group_claim,
     merged,
     outside,
     refused,
@@ -62,12 +62,12 @@ def test_objects_of_other_owners_pools_are_masked_and_their_codes_put_back():
 
 
 def test_group_queries_of_another_deployment_are_refused():
-    check_group_caller(A, "a_", lambda d: True)
-    check_group_caller(None, "a_", lambda d: False)
+    check_group_claim("a_", A, lambda d: True)
+    check_group_claim("a_", None, lambda d: False)
     with pytest.raises(ValueError, match="may not query"):
-        check_group_caller(A, "b_", lambda d: False)
+        check_group_claim("b_", A, lambda d: False)
     with pytest.raises(ValueError, match="needs its owner claim"):
-        check_group_caller(None, "a_", lambda d: True)
+        check_group_claim("a_", None, lambda d: True)
 
 
 def test_deployment_copies_fetch_only_when_missing_or_older():

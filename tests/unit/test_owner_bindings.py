@@ -474,21 +474,21 @@ PA, PB = claim_of(CONFIGS["a"]).key_prefix, claim_of(CONFIGS["b"]).key_prefix
 
 def test_data_calls_fail_per_object_on_foreign_pools_and_keys(service):
     node, store, ranks = service
-    pool_a = node.create_pool("pa", LAYOUT, owner=ranks("a"))
-    pool_b = node.create_pool("pb", LAYOUT, owner=ranks("b"))
+    pool_a = node.create_pool("pa", LAYOUT, claim=ranks("a"))
+    pool_b = node.create_pool("pb", LAYOUT, claim=ranks("b"))
     mixed = batch(pool_a, [PA + "1", PA + "2"])
     mixed.add(PB + "1", "pb", 0, 8)
     mixed.add(PA + "3", "pb", 8, 8)
-    assert node.put(mixed, caller=ranks("a")) == [0, 0, NOT_OWNED, NOT_OWNED]
+    assert node.put(mixed, claim=ranks("a")) == [0, 0, NOT_OWNED, NOT_OWNED]
     assert set(store.backend.stored) == {PA + "1", PA + "2"}  # nothing from B's pool
     outside = batch(pool_a, [PA + "4", PB + "2"])  # A's pool, a key of another prefix
-    assert node.put(outside, caller=ranks("a")) == [0, NOT_OWNED]
-    assert node.exists([PA + "1", PB + "1"], caller=ranks("a")) == [1, NOT_OWNED]
-    assert node.put(batch(pool_b, [PB + "3"]), caller=ranks("b")) == [0]  # control
-    assert node.exists([PB + "3"], caller=ranks("b")) == [1]
-    assert node.exists([PB + "3"], caller=ranks("a")) == [NOT_OWNED]
-    assert node.put(batch(pool_a, ["x"]), caller=None) == [NOT_OWNED]  # no claim
-    assert node.get(batch(pool_b, [PB + "3"]), caller=ranks("a")) == [NOT_OWNED]
+    assert node.put(outside, claim=ranks("a")) == [0, NOT_OWNED]
+    assert node.exists([PA + "1", PB + "1"], claim=ranks("a")) == [1, NOT_OWNED]
+    assert node.put(batch(pool_b, [PB + "3"]), claim=ranks("b")) == [0]  # control
+    assert node.exists([PB + "3"], claim=ranks("b")) == [1]
+    assert node.exists([PB + "3"], claim=ranks("a")) == [NOT_OWNED]
+    assert node.put(batch(pool_a, ["x"]), claim=None) == [NOT_OWNED]  # no claim
+    assert node.get(batch(pool_b, [PB + "3"]), claim=ranks("a")) == [NOT_OWNED]
     assert PB + "2" not in store.backend.stored
 
 
@@ -496,38 +496,38 @@ def test_a_claimless_caller_reaches_legacy_pools_with_any_key_but_a_tenants(serv
     node, store, ranks = service
     legacy = node.create_pool("old", LAYOUT)
     assert node.put(batch(legacy, ["anything"])) == [0]
-    assert node.put(batch(legacy, ["other"]), caller=ranks("plain")) == [NOT_OWNED]
+    assert node.put(batch(legacy, ["other"]), claim=ranks("plain")) == [NOT_OWNED]
     # a tenant's keys are out of reach of every caller without that tenant's prefix:
     # no claim, the default deployment's empty prefix, another deployment's prefix
-    default = node.create_pool("dflt", LAYOUT, owner=claim_of(StorageConfig()))
-    for pool, caller in ((legacy, None), (default, claim_of(StorageConfig()))):
-        assert node.put(batch(pool, [PA + "k", "free"]), caller=caller) == [NOT_OWNED, 0]
-        assert node.exists([PA + "k"], caller=caller) == [NOT_OWNED]
+    default = node.create_pool("dflt", LAYOUT, claim=claim_of(StorageConfig()))
+    for pool, claim in ((legacy, None), (default, claim_of(StorageConfig()))):
+        assert node.put(batch(pool, [PA + "k", "free"]), claim=claim) == [NOT_OWNED, 0]
+        assert node.exists([PA + "k"], claim=claim) == [NOT_OWNED]
     assert PA + "k" not in store.backend.stored
-    own = node.create_pool("pa", LAYOUT, owner=ranks("a"))  # control: the tenant's own
-    assert node.put(batch(own, [PA + "k"]), caller=ranks("a")) == [0]
+    own = node.create_pool("pa", LAYOUT, claim=ranks("a"))  # control: the tenant's own
+    assert node.put(batch(own, [PA + "k"]), claim=ranks("a")) == [0]
 
 
 def test_ill_typed_batches_still_fail_whole_before_ownership(service):
     node, _, ranks = service
-    pool_a = node.create_pool("pa", LAYOUT, owner=ranks("a"))
+    pool_a = node.create_pool("pa", LAYOUT, claim=ranks("a"))
     bad = ObjectBatch([PA + "1"], ["pa"], [0.5], [8], pool_a.epoch)
-    for caller in ("a", "b", None):
+    for claim in ("a", "b", None):
         with pytest.raises(ValueError, match=r"offsets\[0\] is 0.5"):
-            node.put(bad, caller=caller and ranks(caller))
+            node.put(bad, claim=claim and ranks(claim))
     outside = ObjectBatch([PA + "1"], ["pa"], [LAYOUT.nbytes], [8], pool_a.epoch)
     with pytest.raises(ValueError, match="do not lie inside"):
-        node.put(outside, caller=ranks("b"))
+        node.put(outside, claim=ranks("b"))
 
 
 def test_group_queries_of_another_deployment_are_refused(service):
     node, _, ranks = service
     answers = []
     node.verify(ranks("a"))  # team-a's deployment claimed on this node
-    for caller in ("b", None):
+    for claim in ("b", None):
         with pytest.raises(ValueError, match="t1.6=team-a"):
             node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0), "",
-                              ["k"], [], caller and ranks(caller))
+                              ["k"], [], claim and ranks(claim))
     # control: the deployment's own rank gets as far as the deployment (unknown to the
     # fake controller: its answer is that error, not a refusal)
     node.group_exists(lambda r, e: answers.append((r, e)), TENANT_ID, 1, (0, 0), "", ["k"],

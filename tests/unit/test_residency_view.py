@@ -138,7 +138,7 @@ def test_a_node_answers_a_router_from_its_l2_then_its_log():
     hb = pools.open((0, 0), layout(), 2, B)
     pb = pools.reserve(ME, hb.name, ["n_a"], B)
     pools.commit(ME, hb.name, ["n_a"], pb, [True], B)
-    log.stored(A, ["m_a", "m_y", "m_z"], [0, -800, 0])  # a put: m_y failed
+    log.stored(["m_a", "m_y", "m_z"], [0, -800, 0], A)  # a put: m_y failed
     first = query.changes(None, A, far)  # no view yet: L2 as it is, then the log
     assert first.reset and sorted(first.changes) == [
         ("l2", "m_a", True), ("l2", "m_b", True), ("segment", "m_a", True),
