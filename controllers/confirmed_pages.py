@@ -12,11 +12,11 @@ segment unmounted (its node left) or the master restarting; the node actor calls
 Granularity: one entry per (page hash, key). A key names a set of objects per page: a
 family (one family ``prefix + hash + suffix`` for a fixed tuple of suffixes: one rank's
 or the replicated copy's objects of one pool), or a whole group (every family),
-so a page whose every object was confirmed is found with one lookup. A group key is a
+so a page whose every object was confirmed is found with one table read. A group key is a
 *cover* (``cover(family keys)``): its entry also stands for each of its families, so a
 page confirmed whole needs that one entry, and a query over another set of pools still
-finds the families they share. Entries are indexed by page hash first, so one lookup per
-page finds every key of it, and a page never confirmed costs one failed lookup per
+finds the families they share. Entries are indexed by page hash first, so one read per
+page finds every key of it, and a page never confirmed costs one failed read per
 generation whatever the number of keys. An entry holds the time until which it can be
 trusted; a cover entry takes the earliest of its families', so no entry outlives the
 confirmation it came from. Memory is bounded by
@@ -48,7 +48,7 @@ def _covered(entry: dict[FamilyKey, float], key: FamilyKey) -> float:
 
 class ConfirmedPages:
     """See the module docstring. ``ttl_s <= 0`` disables it (nothing is remembered).
-    Thread-safe without a lock on the hot path: lookups and inserts are single dict
+    Thread-safe without a lock on the hot path: reads and inserts are single dict
     operations (two racing first inserts for one page may keep only one of them: a
     confirmation is lost, nothing false is recorded); a generation turn is taken under
     a lock."""
@@ -91,7 +91,7 @@ class ConfirmedPages:
 
     def confirm(self, key: FamilyKey, hashes: Sequence[str], since: float) -> None:
         """Record that every object of ``key`` for ``hashes`` was reported present by a
-        store lookup that started at ``since`` (the lease began no earlier)."""
+        existence check that started at ``since`` (the lease began no earlier)."""
         self.record(key, hashes, [since + self.ttl_s] * len(hashes))
 
     def record(self, key: FamilyKey, hashes: Sequence[str], until: Sequence[float]) -> None:

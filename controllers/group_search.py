@@ -1,6 +1,6 @@
-"""One group hit query, resolved with as few object lookups as possible (pure logic).
+"""One group hit query, resolved with as few existence checks as possible (pure logic).
 
-The answer is the one a lookup of every object of every rank and pool gives (the unit
+The answer is the one an existence check of every object of every rank and pool gives (the unit
 tests' oracle, ``tests/unit/oracle.py``, computes it that simple way); this module
 reaches it by looking up only what can change it:
 
@@ -19,7 +19,7 @@ object looked up in vain for a miss.
 
 A step whose objects are all confirmed needs no store call, so a prefix asked again
 while its confirmations hold is answered from memory; a page confirmed whole (every
-family) is found with one lookup. Objects are grouped in **families**: one family
+family) is found with one existence check. Objects are grouped in **families**: one family
 ``prefix + page hash + suffix`` per rank and role (``controllers.families``; a
 replicated pool's family is shared by the TP ranks, so nothing is named twice), and a
 page of a family counts as present when every object of it exists.
@@ -65,8 +65,8 @@ def _pages(bits: int, n: int) -> list[int]:
 
 
 class GroupSearch:
-    """The staged lookups of one query (see the module docstring). ``wanted`` holds the
-    object names the next store lookup must cover (empty once ``result`` is set); feed
+    """The staged existence checks of one query (see the module docstring). ``wanted`` holds the
+    object names the next existence check must cover (empty once ``result`` is set); feed
     the store's codes for exactly those names, in that order, to ``feed``. Pages found
     whole are confirmed under the group's cover key, other pages found per family,
     once the answer is known."""
@@ -93,11 +93,11 @@ class GroupSearch:
             self._until = [list(map(max, row, whole)) for row in self._until]
         self._present = [bytearray(t > now for t in row) if max(row, default=0.0) > now
                          else bytearray(n) for row in self._until]
-        self._fresh = [bytearray(n) for _ in families]  # found by this search's lookups
+        self._fresh = [bytearray(n) for _ in families]  # found by this search's existence checks
         self._all = [s for s, f in enumerate(families) if not f.window]  # all-pages rows
         self._bases: list[str] | None = None  # prefix + hash per page, made when needed
         self._asked: list[tuple[int, Sequence[int]]] = []
-        self._since: float | None = None  # when this search's first store lookup began
+        self._since: float | None = None  # when this search's first existence check began
         self._speculate = speculate
         self._stage = 0
         self._advance()
@@ -190,9 +190,9 @@ class GroupSearch:
                                        [until[p] for p in pages])
 
     def feed(self, codes: Sequence[int], since: float) -> None:
-        """Take the store's codes (1 = exists) for ``wanted``, from a lookup that started
+        """Take the store's codes (1 = exists) for ``wanted``, from an existence check that started
         at ``since`` (monotonic seconds); go on. Everything this search finds counts as
-        confirmed from its first lookup on, so one query's confirmations end together."""
+        confirmed from its first existence check on, so one query's confirmations end together."""
         found = list(codes)
         if len(found) != len(self.wanted):
             raise ValueError(f"{len(found)} codes for {len(self.wanted)} objects")

@@ -16,10 +16,10 @@ Each query is a ``GroupSearch``: it looks up only the objects that can change it
 and that the store has not confirmed within ``confirm_ttl_s`` (``ConfirmedPages``:
 Mooncake leases every object it reports present), so a query may be answered at once,
 in the submitting thread, with no store call. Per deployment and pool set, the share of
-recent queries that needed a lookup and found their first page (a moving average)
+recent queries that needed an existence check and found their first page (a moving average)
 decides how a query looks up: mostly hits, every object in one store call (one round
 trip); mostly misses, a probe of page 0 first (a miss then costs a handful of objects).
-The others queue; up to ``parallel`` lookup threads take everything queued, make one
+The others queue; up to ``parallel`` query threads take everything queued, make one
 ``exists`` call over the union of the objects the current step of each query needs (no
 name twice), feed the codes back, call ``done`` for the queries answered and queue the
 rest for their next step. Nobody waits on a query but its own ``done``: under load one
@@ -84,11 +84,11 @@ class GroupQueries:
     """See the module docstring. ``exists(objects) -> list[int]`` returns 1 / 0 /
     negative per object; ``confirm_ttl_s`` (below the store's lease; 0 = off) is how
     long a confirmed page is trusted; ``on_store_call(seconds)`` is told the duration of
-    each store call (on the lookup thread, before its queries are answered),
+    each store call (on the query thread, before its queries are answered),
     ``on_query(how)`` how each query was answered, under this object's lock, before the
     answer is handed over: ``"recent"`` (another rank's recent answer), ``"inflight"``
-    (joined a lookup in flight), ``"confirmed"`` (from confirmations alone, no store
-    call) or ``"looked_up"`` (lookups of its own)."""
+    (joined an existence check in flight), ``"confirmed"`` (from confirmations alone, no store
+    call) or ``"looked_up"`` (existence checks of its own)."""
 
     def __init__(self, exists: Callable[[list[str]], list[int]], window_s: float,
                  confirm_ttl_s: float = 0.0,
@@ -104,7 +104,7 @@ class GroupQueries:
         self._on_query = on_query
         self._max_recent = max_recent
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # lookup threads wait here
+        self._work = threading.Condition(self._lock)  # query threads wait here
         self._recent: OrderedDict[tuple, _Answer] = OrderedDict()
         self._inflight: dict[tuple, _Query] = {}
         self._pending: list[_Query] = []
@@ -112,7 +112,7 @@ class GroupQueries:
         self._hit_share: dict[frozenset, float] = {}  # per group key, moving average
         self._parallel = parallel
         self._idle_s = idle_s
-        self._threads = 0  # lookup threads alive
+        self._threads = 0  # query threads alive
         self._idle = 0     # of which waiting for work
 
     def forget(self) -> None:
@@ -135,7 +135,7 @@ class GroupQueries:
         """Start the group hit query of ``dep`` for page ``keys`` and extra pools
         ``queries``, asked by ``rank`` of ``engine`` ("": none named); ``done(result,
         None)`` or ``done(None, error)`` is called once it is answered (a store failure:
-        for every query of that lookup), in this thread if the answer is known at once.
+        for every query of that check), in this thread if the answer is known at once.
         ``ValueError`` (raised here, ``done`` never called) if ``queries`` names a pool
         the deployment did not register, ``keys`` that are not a list of non-empty str
         of at most ``MAX_BATCH_OBJECTS`` (``check_object_keys``), an ``engine`` that is
@@ -182,7 +182,7 @@ class GroupQueries:
                     how = "looked_up"
                     self._on_query(how)
                     self._wake()
-                    q = None  # answered by a lookup thread
+                    q = None  # answered by a query thread
                     break
             # outside the lock, then look again
             families = self._families(dep, queries)
@@ -195,16 +195,16 @@ class GroupQueries:
             _tell(done, q.search.result, None)
 
     def _wake(self) -> None:
-        """Under the lock: get a lookup thread to the queue, starting one if none is idle."""
+        """Under the lock: get a query thread to the queue, starting one if none is idle."""
         if self._idle:
             self._work.notify()
         elif self._threads < self._parallel:
             self._threads += 1
-            threading.Thread(target=self._lookups, name="raykv-group-lookup",
+            threading.Thread(target=self._serve_queue, name="raykv-group-query",
                              daemon=True).start()
 
-    def _lookups(self) -> None:
-        """A lookup thread: answer queued queries until idle for ``idle_s``."""
+    def _serve_queue(self) -> None:
+        """A query thread: answer queued queries until idle for ``idle_s``."""
         while True:
             with self._lock:
                 while not self._pending:
@@ -265,7 +265,7 @@ class GroupQueries:
             again = [q for q in batch if q.error is None and q.search.result is None]
             if again:
                 self._pending += again
-                if self._idle:  # another lookup thread may take them while this one replies
+                if self._idle:  # another query thread may take them while this one replies
                     self._work.notify()
             self._keep(finished, time.monotonic())
             for q in finished:

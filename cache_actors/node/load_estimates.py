@@ -41,7 +41,7 @@ round, each ~0.53 MB read, and one locate per round. A segment whose probe objec
 gone is forgotten (its node left) until seen again.
 
 Threads: ``put`` / ``get`` on data threads; ``answer``'s wrapper where the answer is
-known (lookup thread, channel I/O thread, event loop) and its locate on a locate thread;
+known (group query thread, channel I/O thread, event loop) and its locate on a locate thread;
 the background thread does the rest. State: ``LoadCosts`` and ``KeyPlaces`` (locked
 themselves), the queue and the waiting answers under ``_lock``.
 """

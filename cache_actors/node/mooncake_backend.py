@@ -1,4 +1,4 @@
-"""The node's Mooncake client: zero-copy batch puts, gets, lookups and removals.
+"""The node's Mooncake client: zero-copy batch puts, gets, existence checks and removals.
 
 Every method returns one code per object (``controllers.result_codes``), never raising:
 put -> 0 stored / ``ALREADY_PRESENT`` (1, not rewritten) / negative error;
@@ -259,7 +259,7 @@ class MooncakeBackend:
 
     def locate(self, keys: list[str]) -> list[tuple[str, ...]] | None:
         """Per key, the segments holding a complete in-memory replica of it (empty: the
-        store has none); None if the lookup raised (logged) or this client cannot
+        store has none); None if the check raised (logged) or this client cannot
         locate (``can_locate``)."""
         if not self.can_locate:
             return None
@@ -309,7 +309,7 @@ class MooncakeBackend:
 
     def remove_matching(self, pattern: str) -> int:
         """Non-forced ``remove_by_regex``: the number of objects whose key ``pattern``
-        matches that were removed; leased objects (Mooncake leases what a lookup or a
+        matches that were removed; leased objects (Mooncake leases what an existence check or a
         read reported) and objects still being written stay. Negative: an error (-600
         a pattern the master cannot read)."""
         try:

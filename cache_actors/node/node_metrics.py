@@ -4,9 +4,10 @@ queries (``GroupQueries`` tells it how each was answered and what its store call
 and merged transfers (``TransferMerger`` tells it each store call's batches).
 
 Per tenant and deployment. Per tier, L3 (the store: objects got = hits, failed gets =
-misses, lookups found or not, bytes moved) and L2 (the pools' bytes; the L2 cache's page
-events, ``raykv_l2_pages``), the Ray metrics carry the ``tenant`` and ``deployment`` of
-the pool's owner (of the caller, for a lookup; ``(none)`` for none), beside ``pool``.
+misses, keys an existence check found or not, bytes moved) and L2 (the pools' bytes;
+the L2 cache's page events, ``raykv_l2_pages``), the Ray metrics carry the ``tenant``
+and ``deployment`` of the pool's owner (of the caller, for an existence check;
+``(none)`` for none), beside ``pool``.
 The L2 cache's counts (``L2Pools.counters``) are read by the exporter thread and what
 grew since its last look exported (``watch_l2``): its data ops count nothing here.
 Their label sets are bounded for the actor's life, whatever pools come and go: at
@@ -23,7 +24,7 @@ seconds anyway, so the delay is not visible to a metrics scrape; ``stats()`` rea
 counts directly and is always current.
 
 Thread-safe: data calls record from the Ray data threads, the local channel's threads,
-the group-query lookup threads and callers holding the locks of ``GroupQueries`` and
+the group query threads and callers holding the locks of ``GroupQueries`` and
 ``TransferMerger`` (this lock is taken last, never the other way round); the exporter
 thread drains what they recorded.
 """
@@ -104,8 +105,8 @@ class NodeMetrics:
             "raykv_bytes", "Bytes moved, by op, pool and the pool owner's tenant and "
             "deployment", tag_keys=("node", "op", "pool", *owner_keys))
         self._lookups = metrics.Counter(
-            "raykv_lookups", "Keys looked up in the store (L3), found (hit) or not (miss), "
-            "by the caller's tenant and deployment",
+            "raykv_exists_keys", "Keys an existence check asked the store (L3) about, "
+            "found (hit) or not (miss), by the caller's tenant and deployment",
             tag_keys=("node", "answer", *owner_keys))
         self._latency = metrics.Histogram(
             "raykv_call_seconds", "Store call latency in the node actor, by op",
@@ -117,7 +118,7 @@ class NodeMetrics:
         self._group_queries = metrics.Counter(
             "raykv_group_queries", "Group existence queries answered here, by how: "
             "recent / inflight (shared by the ranks of a group), confirmed (from confirmed "
-            "pages alone) or looked_up (lookups of its own)",
+            "pages alone) or looked_up (existence checks of its own)",
             tag_keys=("node", "answer"))
         self._l2_pages = metrics.Counter(
             "raykv_l2_pages", "L2 cache page events (hits, misses, written, evicted, full, "
@@ -230,7 +231,7 @@ class NodeMetrics:
                                                    ("deployment", dep)))] += n
 
     def record_group_store_call(self, seconds: float) -> None:
-        """One store call (lookup) of the group queries that took ``seconds``."""
+        """One store call (an existence check) of the group queries that took ``seconds``."""
         with self._lock:
             self._group["store_calls"] += 1
             self._group["store_seconds"] += seconds
@@ -374,9 +375,9 @@ class NodeMetrics:
 
     def group_queries(self) -> dict[str, float]:
         """Group queries answered here: from a recent answer (another rank's:
-        ``recent``), by joining a lookup in flight (``inflight``), from confirmations
-        alone (``confirmed``), with lookups of their own (``looked_up``); the store calls
-        of their lookups (``store_calls``) and the seconds they took
+        ``recent``), by joining an existence check in flight (``inflight``), from confirmations
+        alone (``confirmed``), with existence checks of their own (``looked_up``); the store calls
+        of their checks (``store_calls``) and the seconds they took
         (``store_seconds``); the deployment copies fetched from the controller for them
         (``deployment_fetches``: one per deployment and version, at its first query here
         unless a rank's registration had it copied before)."""

@@ -44,7 +44,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "raykv.js
 LABELS = {  # metric -> the label names the node declares for it (beside Ray's own)
     "raykv_objects": {"node", "op", "pool", "outcome", "tenant", "deployment"},
     "raykv_bytes": {"node", "op", "pool", "tenant", "deployment"},
-    "raykv_lookups": {"node", "answer", "tenant", "deployment"},
+    "raykv_exists_keys": {"node", "answer", "tenant", "deployment"},
     "raykv_call_seconds": {"node", "op"},
     "raykv_pool_bytes": {"node", "pool", "tenant", "deployment"},
     "raykv_group_queries": {"node", "answer"},
@@ -154,8 +154,8 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
         assert time.monotonic() < deadline, {k: (got[k], v) for k, v in want.items()
                                              if got[k] != v}
         time.sleep(1)
-    at_least = {("raykv_lookups", "_total", ("answer", "hit")): 3,  # this rank's exists
-                ("raykv_lookups", "_total", ("answer", "miss")): 1,
+    at_least = {("raykv_exists_keys", "_total", ("answer", "hit")): 3,  # this rank's exists
+                ("raykv_exists_keys", "_total", ("answer", "miss")): 1,
                 ("raykv_call_seconds", "_count", ("op", "put")): 1,
                 ("raykv_call_seconds", "_count", ("op", "get")): 1}
     for k, n in at_least.items():

@@ -158,7 +158,7 @@ def test_tenant_and_deployment_labels_stay_bounded_as_pools_come_and_go(recorded
     assert {"dep-0", "tenant-0", "p0"} <= set().union(*labels.values())
     got = sum(c[1] for c in made["raykv_bytes"].calls)
     assert got == 8 * n  # nothing lost to the bound
-    hits = sum(c[1] for c in made["raykv_lookups"].calls if c[2]["answer"] == "hit")
+    hits = sum(c[1] for c in made["raykv_exists_keys"].calls if c[2]["answer"] == "hit")
     assert hits == n
     assert m._pools == {} and m._gauges == {} and m._pool_counts == {}
     last = {}  # the gauge of every label set ends at 0: no destroyed pool's bytes linger
