@@ -308,7 +308,7 @@ NODE_OPTIONS = (
                   "(default: half the node's memory, embedded mode; none beyond "
                   "--host-pool-size with --standalone; 0: no bound)."),
     click.option("--l2-size", default=short_size(DEFAULTS.l2_bytes), show_default=True, type=Size(),
-                  help="Per node: the most bytes vLLM engines' node-local cache (L2) holds, "
+                  help="Per node: the most bytes vLLM engines' node-local cache (L2 pools) holds, "
                   "counted in --host-pool-size and the tenants' quotas (0: no L2)."),
     click.option("--l2-warm-size", default=short_size(DEFAULTS.l2_warm_bytes), show_default=True,
                   type=Size(), help="Per L2 pool new on a node (a node that joined, a deployment "

@@ -8,7 +8,7 @@ layer, or ``BLNHC``, every layer of a block side by side). ``LAYOUTS`` lists tho
 orders; ``kv_cache`` builds such a cache on the device without vLLM. Each layout's
 cache is served by one ``VllmWorkerKV``: the worker's own views (``kv_views``), its
 staging pool (``StagedPool`` + ``batch_set_v2`` / ``batch_get_v2``: the store path, L3)
-and its node-local cache (``L2Blocks``: L2, the node puts to L3 behind). Blocks saved
+and its node-local cache (``L2Blocks``: an L2 pool, the node puts to L3 behind). Blocks saved
 from one layout are loaded into the next layout's cache and compared there as logical
 views, so every pair proves that a page's bytes do not depend on the physical layout.
 The floor of each save and load is the same blocks' device copies into and out of a
