@@ -617,3 +617,42 @@ def test_status_shows_each_nodes_disk_tier():
         STATE["nodes"]))] | {"tiers": tiers}}}, Console(file=out, width=200))
     assert line in out.getvalue()
     assert disk_line("n", {}) is None
+
+
+def test_installed_packages_add_commands_but_never_replace_raykvs(monkeypatch):
+    """The lab's commands reach ``raykv`` through the ``raykv.commands`` entry points;
+    a command of the same name as one of raykv's own never replaces it. CONTROL: the
+    entry point's new command is added."""
+    import importlib.metadata
+
+    from raykv.clusters.cli import COMMAND_GROUP, RaykvGroup, main
+
+    assert {"demo", "bench", "sim", "emulate-hosts", "clean-hosts"} <= set(
+        main.list_commands(click.Context(main)))  # the lab, installed by the set-up
+
+    @click.command("up")
+    def fake_up() -> None:
+        """Not raykv's."""
+
+    @click.command("extra")
+    def extra() -> None:
+        """Another package's."""
+
+    class Point:
+        def load(self):
+            return (fake_up, extra)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [Point()] if group == COMMAND_GROUP else [])
+
+    @click.group(cls=RaykvGroup)
+    def cli() -> None:
+        """A raykv-like group."""
+
+    @cli.command("up")
+    def own_up() -> None:
+        """raykv's own."""
+
+    ctx = click.Context(cli)
+    assert cli.get_command(ctx, "up") is own_up
+    assert cli.get_command(ctx, "extra") is extra
