@@ -7,7 +7,7 @@ import re
 
 from tests.unit.test_docs_once import ROOT
 
-SECTION = "## A miss is nearly free: the CI-sized demo, before and after"
+SECTION = "## A miss is nearly free: the CI-sized demo (`raykv demo`)"
 
 
 def rows(record: dict) -> list[str]:

@@ -87,7 +87,7 @@ def test_the_docs_tables_are_the_recorded_figures():
 
 def test_the_routers_default_is_the_chosen_weights():
     recorded = json.loads((DOCS / "sim_routing.json").read_text())
-    chosen = [n for n in _tables()["conversation"] if "(the default now)" in n]
+    chosen = [n for n in _tables()["conversation"] if "(the default)" in n]
     assert len(chosen) == 1
     name = _name(chosen[0])
     assert recorded["variants"][name] == dataclasses.asdict(Weights())
