@@ -48,7 +48,8 @@ class Costs:
     """Each node's link, Gbit/s each way: an assumption (a common data-centre NIC)."""
     link_efficiency: float = 0.94
     """The share of a link a transfer fills: 0.94 of a shaped 1 Gbit/s link, raykv and
-    raw Mooncake alike (``bench-hosts``)."""
+    raw Mooncake alike, seen in a ``bench-hosts`` run of which no JSON was recorded (an
+    assumption of the model, as ``link_gbit`` is)."""
     object_bytes: int = 1 << 20
     """One Mooncake object of raykv's with vLLM: the K or the V of one 16-token block of
     Llama-3-8B, 1 MiB (architecture; the object of ``bench-scale-down``'s drain rate and
