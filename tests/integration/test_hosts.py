@@ -225,7 +225,7 @@ def test_the_hosts_ray_is_stopped_alone_and_joined_again(hosts):
     net.stop_ray()
     assert ray_processes() == []
     assert hosts.master.alive()
-    net.join_ray(1, hosts._node_args["object_store_memory"], namespace=hosts.namespace,
+    net.join_ray(1, net.object_store_memory, namespace=hosts.namespace,
                  log_to_driver=False)
     alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     assert alive == sorted([net.address(0), net.address(1)])
