@@ -98,8 +98,9 @@ def save_prompts(cluster, model: str, conf: dict, prompts: list[list[int]]) -> l
             (before,) = ray.get(s.worker_stats.remote())
             ttft.append(ray.get(s.generate.remote(p, OUTPUT))["ttft_s"])
             (after,) = ray.get(s.worker_stats.remote())
-            if after["saved"] - before["saved"] != len(p) // BLOCK:
-                raise RuntimeError(f"S saved {after['saved'] - before['saved']} of "
+            saved = after.counters.saved - before.counters.saved
+            if saved != len(p) // BLOCK:
+                raise RuntimeError(f"S saved {saved} of "
                                    f"{len(p) // BLOCK} blocks: {after}")
         return ttft
     finally:

@@ -48,7 +48,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import ray
@@ -75,6 +75,7 @@ from raykv.clusters.bench.toolkit import right_table
 from raykv.clusters.demo.vllm_actors import VLLMEngine, ready, start_engine
 from raykv.clusters.demo.vllm_model import LlamaDims, make_llama
 from raykv.controllers.pool_layout import MiB
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from rich.console import Console
 
 START_LINK = "10gbit"
@@ -103,8 +104,8 @@ class GuardEngine(VLLMEngine):
         got["grown"] = grown(before, self._counters())
         return got
 
-    def _counters(self) -> dict[str, int]:
-        return dict(self.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats)
+    def _counters(self) -> ConnectorStats:
+        return replace(self.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats)
 
 
 def _served(got: dict) -> Served:
@@ -115,7 +116,7 @@ def _served(got: dict) -> Served:
 def _saved(w) -> int:
     """Blocks W's worker connector has saved so far."""
     (stats,) = ray.get(w.worker_stats.remote())
-    return stats["saved"]
+    return stats.counters.saved
 
 
 def _write(w, prompts: Sequence[list[int]]) -> int:

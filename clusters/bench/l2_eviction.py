@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from raykv.clusters.bench.block_digests import check_loads
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 
 BLOCK = 128
 PROMPT = 1000  # tokens: 7 full blocks (the last token is always computed)
@@ -99,11 +100,11 @@ def node_l2(actor) -> dict:
     return out
 
 
-def worker_counts(engines: Sequence) -> list[dict]:
+def worker_counts(engines: Sequence) -> list[ConnectorStats]:
     """Each engine's worker connector counters (TP rank 0)."""
     import ray
 
-    return [w[0] for w in ray.get([e.worker_stats.remote() for e in engines])]
+    return [w[0].counters for w in ray.get([e.worker_stats.remote() for e in engines])]
 
 
 def churn(engines: Sequence, prompts: Sequence[list[int]], plan: list[list[int]]
@@ -122,8 +123,8 @@ def churn(engines: Sequence, prompts: Sequence[list[int]], plan: list[list[int]]
                         for e, i in zip(engines, picks, strict=True)])
         w1 = worker_counts(engines)
         rows += [{"step": step, "engine": k, "prompt": i, "cached": o["cached"],
-                  "loaded": w1[k]["loaded"] - w0[k]["loaded"],
-                  "load_failed": w1[k]["load_failed"] - w0[k]["load_failed"],
+                  "loaded": w1[k].loaded - w0[k].loaded,
+                  "load_failed": w1[k].load_failed - w0[k].load_failed,
                   "tokens": o["tokens"]}
                  for k, (i, o) in enumerate(zip(picks, outs, strict=True))]
     return rows
@@ -211,7 +212,7 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
         for e in engines:
             ray.get(e.record.remote(False))
         judged = [judge_tokens(r, cold[r["prompt"]], restored[r["prompt"]]) for r in rows]
-        workers = [{k: w1[i].get(k, 0) - w0[i].get(k, 0)
+        workers = [{k: getattr(w1[i], k) - getattr(w0[i], k)
                     for k in ("loaded", "l2_loaded", "load_failed", "saved", "l2_saved",
                               "save_dropped", "save_failed")}
                    for i in range(len(engines))]

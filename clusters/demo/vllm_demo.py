@@ -159,7 +159,7 @@ TIERS = {"vllm_cached_tokens": "vLLM prefix cache", "l2_tokens": "raykv L2 (node
 def _loaded(engine) -> tuple[int, int]:
     """Blocks the engine's (TP=1) worker connector has loaded and saved so far."""
     (s,) = ray.get(engine.worker_stats.remote())
-    return s["loaded"], s["saved"]
+    return s.counters.loaded, s.counters.saved
 
 
 def tier_counts(cluster, engines: list) -> dict[str, int]:

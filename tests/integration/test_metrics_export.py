@@ -232,8 +232,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     engines[0].run()
     engines[0].close()  # each side exports what is left
     first = engines[0].scheduler.connector.stats
-    assert engines[0].worker.stats["saved"] == 4
-    assert first["asked_tokens"] == 4 * 16 and first["l3_hit_tokens"] == 0  # a miss
+    assert engines[0].worker.stats.saved == 4
+    assert first.asked_tokens == 4 * 16 and first.l3_hit_tokens == 0  # a miss
     wait_for({("raykv_asked_tokens", "_total"): 4 * 16})
     # CONTROL: nothing hit or loaded yet, so none of those counters is there
     assert exported("raykv_hit_tokens", "_total") == 0
@@ -243,8 +243,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     engines[1].run()
     engines[1].close()
     second, worker = engines[1].scheduler.connector.stats, engines[1].worker.stats
-    assert worker["loaded"] == 4 and second["l3_hit_tokens"] == 4 * 16
-    assert second["l2_hit_tokens"] == 0  # no L2 cache in these engines: every hit is L3's
+    assert worker.loaded == 4 and second.l3_hit_tokens == 4 * 16
+    assert second.l2_hit_tokens == 0  # no L2 cache in these engines: every hit is L3's
     found = wait_for({("raykv_asked_tokens", "_total"): 2 * 4 * 16,
                       ("raykv_hit_tokens", "_total", ("tier", "l3")): 4 * 16,
                       ("raykv_load_seconds", "_count", ("tier", "l3")): 1,  # one load
@@ -262,16 +262,16 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
         assert {s.labels["tenant"] for s in samples} == {"(none)"}
         assert "(none)" not in {s.labels["deployment"] for s in samples}
     # vLLM's own connector stats, summed as its scheduler reports them
-    assert engines[0].vllm_stats["saved"] == 4
-    assert engines[0].vllm_stats["asked_tokens"] == 4 * 16
-    assert engines[1].vllm_stats["loaded"] == 4
-    assert engines[1].vllm_stats["l3_hit_tokens"] == 4 * 16
-    assert "load_failed" not in engines[1].vllm_stats  # never grew
+    assert engines[0].vllm_stats.saved == 4
+    assert engines[0].vllm_stats.asked_tokens == 4 * 16
+    assert engines[1].vllm_stats.loaded == 4
+    assert engines[1].vllm_stats.l3_hit_tokens == 4 * 16
+    assert engines[1].vllm_stats.load_failed == 0  # never grew
     want = {}
     for role, side in (("worker", lambda e: e.connector),
                        ("scheduler", lambda e: e.scheduler.connector)):
         for counter in ("saved", "loaded", "queries", "hit_blocks"):
-            n = sum(side(e).stats[counter] for e in engines)
+            n = sum(getattr(side(e).stats, counter) for e in engines)
             if n:
                 want[(role, counter)] = n
     assert want[("worker", "saved")] == 4 and want[("scheduler", "hit_blocks")] == 4

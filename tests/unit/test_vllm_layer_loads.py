@@ -193,12 +193,12 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     b = engine(blocks=9, layers=2)
     w, names = _worker(b, link, store)
     _step(w, names, [0, 1, 2], ["h0", "h1", "h2"], names)
-    assert w.stats["l2_loaded"] == 3 and w.stats["loaded_behind"] == 0
+    assert w.stats.l2_loaded == 3 and w.stats.loaded_behind == 0
     held = []
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names,
           between=lambda: held.append((w._steps.behind._loads.busy, link.index.stats()["held"])))
     assert held == [(True, 3)]
-    assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 2
+    assert w.stats.l2_loaded == 6 and w.stats.loaded_behind == 2
     assert not w._steps.behind._loads.busy and link.index.stats()["held"] == 0
     assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
     assert w.get_block_ids_with_load_errors() == set()
@@ -208,7 +208,7 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     w, names = _worker(c, link, store)
     for _ in range(2):
         _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names[:1])
-    assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 0
+    assert w.stats.l2_loaded == 6 and w.stats.loaded_behind == 0
     w.shutdown()
 
 
@@ -224,7 +224,7 @@ def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
     w._steps.l2._copy_layer = broken
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names)
     assert w.get_block_ids_with_load_errors() == {3, 4}
-    assert w.stats["load_failed"] == 2 and w.stats["loaded"] == 4
+    assert w.stats.load_failed == 2 and w.stats.loaded == 4
     assert link.index.stats()["held"] == 0
     w.shutdown()
 
