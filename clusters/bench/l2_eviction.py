@@ -85,18 +85,17 @@ def l2_delta(before: dict, after: dict) -> dict:
 
 def node_l2(actor) -> dict:
     """A node actor's L2 counters summed over its L2 pools, its fills from L3 and its
-    store gets."""
+    store gets (by name, as the result's rows hold them)."""
     import ray
 
     stats = ray.get(actor.stats.remote())
-    out = {"store_gets": stats["counters"].get("get_objects", 0),
-           "filled": stats["l2"].get("filled", 0), "fill_failed": stats["l2"].get(
-               "fill_failed", 0), "l3_put": stats["l2"].get("l3_put", 0),
+    out = {"store_gets": stats.counters.get("get_objects", 0), "filled": stats.l2.filled,
+           "fill_failed": stats.l2.fill_failed, "l3_put": stats.l2.l3_put,
            "pages": 0, **dict.fromkeys(L2_COUNTS, 0)}
-    for pool in stats["l2"]["pools"].values():
-        out["pages"] += pool["pages"]
+    for pool in stats.l2.pools.values():
+        out["pages"] += pool.pages
         for k in L2_COUNTS:
-            out[k] += pool.get(k, 0)
+            out[k] += getattr(pool, k)
     return out
 
 

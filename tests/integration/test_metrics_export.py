@@ -117,12 +117,12 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     assert len(l2.acquire(l2_pool.name, hashes, False)) == 4  # hits
     assert l2.acquire(l2_pool.name, [f"{uid}-l2-none"], False) == []  # a miss
     deadline = time.monotonic() + SCRAPE_S
-    while client.stats()["l2"]["l3_put"] < 4:  # the write-behind landed
-        assert time.monotonic() < deadline, client.stats()["l2"]
+    while client.stats().l2.l3_put < 4:  # the write-behind landed
+        assert time.monotonic() < deadline, client.stats().l2
         time.sleep(0.2)
     stats = client.stats()
-    counters, l2_stats = stats["counters"], stats["l2"]
-    (l2_counts,) = [p for name, p in l2_stats["pools"].items() if name == l2_pool.name]
+    counters, l2_stats = stats.counters, stats.l2
+    (l2_counts,) = [p for name, p in l2_stats.pools.items() if name == l2_pool.name]
     node_id = cluster.node_ids[0]
     (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
     me = {"node": node_id[:12]}
@@ -131,19 +131,19 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
         ("raykv_objects", "_total", ("op", "get"), ("outcome", "ok")): counters["get_objects"],
         ("raykv_bytes", "_total", ("op", "put")): counters["put_bytes"],
         ("raykv_group_queries", "_total", ("answer", "looked_up")):
-            stats["group_queries"]["looked_up"],
+            stats.group_queries.looked_up,
         ("raykv_pool_bytes", "", ("pool", pool.name)): pool.nbytes,
         ("raykv_pool_bytes", "", ("pool", l2_pool.name)): l2_pool.nbytes,
-        ("raykv_l2_pages", "_total", ("event", "written")): l2_counts["written"],
-        ("raykv_l2_pages", "_total", ("event", "hits")): l2_counts["hits"],
-        ("raykv_l2_pages", "_total", ("event", "misses")): l2_counts["misses"],
+        ("raykv_l2_pages", "_total", ("event", "written")): l2_counts.written,
+        ("raykv_l2_pages", "_total", ("event", "hits")): l2_counts.hits,
+        ("raykv_l2_pages", "_total", ("event", "misses")): l2_counts.misses,
         ("raykv_l2_objects", "_total", ("event", "l3_put_submitted")):
-            l2_stats["l3_put_submitted"],
-        ("raykv_l2_objects", "_total", ("event", "l3_put")): l2_stats["l3_put"],
-        ("raykv_l2_write_behind_objects", ""): l2_stats["l3_put_submitted"]
-        - l2_stats["l3_put"] - l2_stats["l3_put_failed"],  # 0: every put ended
+            l2_stats.l3_put_submitted,
+        ("raykv_l2_objects", "_total", ("event", "l3_put")): l2_stats.l3_put,
+        ("raykv_l2_write_behind_objects", ""): l2_stats.l3_put_submitted
+        - l2_stats.l3_put - l2_stats.l3_put_failed,  # 0: every put ended
     }
-    assert counters["put_objects"] >= 3 and l2_counts["hits"] == 4 and l2_counts["misses"]
+    assert counters["put_objects"] >= 3 and l2_counts.hits == 4 and l2_counts.misses
     got: dict = {}
     while True:
         found = scrape(node)
@@ -166,7 +166,7 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     objects = found["raykv_objects"]
     assert total(objects, "_total", **me, op="put", pool=pool.name,
                  deployment=deployment_id(client.config), tenant="(none)") == \
-        stats["pools"][pool.name]["counters"]["put_ok"] == 2 * len(keys)  # K and V
+        stats.pools[pool.name].counters["put_ok"] == 2 * len(keys)  # K and V
     # CONTROL: what the node never counted is not there
     assert not [s for s in objects if s.labels.get("outcome", "").startswith("error")]
     assert total(objects, "_total", node="not-a-node") == 0

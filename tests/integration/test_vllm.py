@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import random
 import time
+from dataclasses import asdict
 
 import pytest
 import ray
@@ -335,7 +336,7 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
 
 def _gets(vcluster) -> dict[str, int]:
     """Objects each node actor has read from Mooncake so far."""
-    return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+    return {n: ray.get(actor.stats.remote()).counters.get("get_objects", 0)
             for n, actor in vcluster.node_actors.items()}
 
 
@@ -493,10 +494,11 @@ def l2_engines(vcluster, model, uid_module):
 def _l2_stats(vcluster, node: str) -> dict:
     """The node's L2 counters summed over its L2 pools, and its store gets."""
     stats = ray.get(vcluster.node_actors[node].stats.remote())
-    out = {"gets": stats["counters"].get("get_objects", 0), **{
-        k: stats["l2"][k] for k in ("filled", "fill_failed", "l3_put", "l3_put_failed")}}
-    for pool in stats["l2"]["pools"].values():
-        for k, v in pool.items():
+    l2 = stats.l2
+    out = {"gets": stats.counters.get("get_objects", 0), "filled": l2.filled,
+           "fill_failed": l2.fill_failed, "l3_put": l2.l3_put, "l3_put_failed": l2.l3_put_failed}
+    for pool in l2.pools.values():
+        for k, v in asdict(pool).items():
             out[k] = out.get(k, 0) + v
     return out
 

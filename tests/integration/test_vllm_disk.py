@@ -24,6 +24,7 @@ import ray
 from raykv import start_local
 from raykv.clusters.demo.vllm_actors import ready, start_engine
 from raykv.clusters.demo.vllm_model import make_llama
+from raykv.controllers.node_records import TierStats
 from raykv.controllers.pool_layout import MiB
 
 from tests.integration.test_vllm import BLOCK, computed_then_restored, prompt
@@ -52,9 +53,9 @@ def engine_on(cluster, model: str, conf: dict, **kw):
         ray.kill(e)
 
 
-def tiers(cluster) -> dict:
+def tiers(cluster) -> TierStats:
     (actor,) = cluster.node_actors.values()
-    return ray.get(actor.stats.remote())["tiers"]
+    return ray.get(actor.stats.remote()).tiers
 
 
 def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
@@ -67,7 +68,7 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
         want = computed_then_restored(a, p)
         deadline = time.monotonic() + FILL_S
         seed = 1000
-        while (used := tiers(cluster)["used_bytes"]) < ON_DISK:
+        while (used := tiers(cluster).used_bytes) < ON_DISK:
             assert time.monotonic() < deadline, f"{used} bytes on disk"
             seed += 1
             ray.get(a.generate.remote(prompt(seed, FILLER_TOKENS), 1))
@@ -81,7 +82,7 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
     with (start_local(num_nodes=1, global_segment_size=SEGMENT, disk_dir=disk_dir, **DISK)
           as cluster, engine_on(cluster, model, conf) as b):
         got = ray.get(b.generate.remote(p))
-        served = tiers(cluster)["served"]
+        served = tiers(cluster).served
         assert got["cached"] == 7 * BLOCK, (got, served)
         assert got["tokens"] == want
         assert served.get("l3_disk", 0) >= 7 and "l3_memory" not in served, served
