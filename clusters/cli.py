@@ -486,8 +486,11 @@ def status(address: str, namespace: str, as_json: bool, watch: bool, interval: f
 
     with spinner("asking the controller and every node actor ..."):
         state = _connected(deploy.status, address, namespace)
-    if as_json:
-        click.echo(json.dumps(state, indent=2, default=str))
+    if as_json:  # the nodes' records as the dicts they are in JSON
+        from raykv.controllers.node_records import as_dict
+
+        nodes = {node: as_dict(s) for node, s in state["nodes"].items()}
+        click.echo(json.dumps(state | {"nodes": nodes}, indent=2, default=str))
     else:
         render_status(state)
 

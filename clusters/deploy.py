@@ -34,6 +34,7 @@ from raykv.controllers.naming import (
     SUPERVISOR_NAME,
     node_actor_name,
 )
+from raykv.controllers.node_records import StatsFailed
 from raykv.controllers.node_settings import NodeSettings
 from raykv.controllers.object_seal import read_seal_key
 
@@ -172,7 +173,7 @@ def drain(address: str, node_id: str, namespace: str = NAMESPACE) -> dict:
 
 def status(address: str, namespace: str = NAMESPACE) -> dict:
     """The controller's info, its deployments, the master supervisor's state, every
-    node actor's stats (``nodes``: node id -> stats, or ``{"error": ...}``) and the
+    node actor's stats (``nodes``: node id -> ``NodeStats``, or ``StatsFailed``) and the
     reconciler's ``lifecycle`` (``NodeReconciler.leaving``: nodes leaving now, the last
     report of each that left or stayed)."""
     connect(address, namespace)
@@ -186,7 +187,7 @@ def status(address: str, namespace: str = NAMESPACE) -> dict:
             actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
             nodes[node_id] = ray.get(actor.stats.remote(), timeout=10)
         except Exception as e:
-            nodes[node_id] = {"error": str(e).splitlines()[0]}
+            nodes[node_id] = StatsFailed(str(e).splitlines()[0])
     try:
         supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
         master = ray.get(supervisor.addresses.remote(), timeout=10)

@@ -2,17 +2,19 @@
 counters in one status snapshot and what changed since the one before.
 
 A snapshot is ``clusters.deploy.status``'s answer: ``nodes`` maps a node id to its node
-actor's ``stats()`` (or ``{"error": ...}``). A node actor counts what reaches it: objects
-read from L3 (the store) into its L2 pools (``get_objects``, its L3 hits), objects asked
-for that the store did not hold (``get_error_-704``, misses), other failed reads
-(errors), and the bytes moved each way. Pages an engine finds in its own L2 pool never
-reach the node actor, so no L2 hit is counted here.
+actor's ``stats()`` (a ``NodeStats``; ``StatsFailed`` where they failed). A node actor
+counts what reaches it: objects read from L3 (the store) into its L2 pools
+(``get_objects``, its L3 hits), objects asked for that the store did not hold
+(``get_error_-704``, misses), other failed reads (errors), and the bytes moved each way.
+Pages an engine finds in its own L2 pool never reach the node actor, so no L2 hit is
+counted here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raykv.controllers.node_records import NodeStats, StatsFailed
 from raykv.controllers.result_codes import OBJECT_NOT_FOUND
 
 GB = 1e9
@@ -50,9 +52,9 @@ class NodeRow:
         return self.l3_hits / asked if asked else None
 
 
-def _counts(stats: dict) -> dict[str, int]:
+def _counts(stats: NodeStats) -> dict[str, int]:
     """The counters ``node_rows`` reads from one node's ``stats()``."""
-    c = stats.get("counters", {})
+    c = stats.counters
     get_errors = sum(v for k, v in c.items() if k.startswith("get_error_"))
     return {"hits": c.get("get_objects", 0), "misses": c.get(MISS, 0),
             "errors": get_errors - c.get(MISS, 0), "put_bytes": c.get("put_bytes", 0),
@@ -68,12 +70,12 @@ def node_rows(before: dict | None, after: dict, dt: float) -> list[NodeRow]:
     previous = before["nodes"] if before is not None else {}
     rows = []
     for node_id, stats in after["nodes"].items():
-        if "error" in stats:
-            rows.append(NodeRow(node_id[:8], error=stats["error"]))
+        if isinstance(stats, StatsFailed):
+            rows.append(NodeRow(node_id[:8], error=stats.error))
             continue
         now = _counts(stats)
         last = previous.get(node_id)
-        then = _counts(last) if last is not None and "error" not in last else None
+        then = _counts(last) if isinstance(last, NodeStats) else None
         if then is not None and any(now[k] < then[k] for k in now):
             then = None  # the node actor restarted: its counts began again at 0
         rows.append(NodeRow(
@@ -82,6 +84,6 @@ def node_rows(before: dict | None, after: dict, dt: float) -> list[NodeRow]:
             misses_per_s=None if then is None else (now["misses"] - then["misses"]) / dt,
             put_gbps=None if then is None else (now["put_bytes"] - then["put_bytes"]) / dt / GB,
             get_gbps=None if then is None else (now["get_bytes"] - then["get_bytes"]) / dt / GB,
-            pools=len(stats.get("pools", {})), pool_used=stats.get("host_pool_used", 0),
-            pool_budget=stats.get("host_pool_bytes", 0)))
+            pools=len(stats.pools), pool_used=stats.host_pool_used,
+            pool_budget=stats.host_pool_bytes))
     return rows

@@ -1,9 +1,12 @@
-"""Renders ``raykv status`` for a terminal of any width, or a pipe (80 columns)."""
+"""Renders ``raykv status`` for a terminal of any width, or a pipe (80 columns): a
+status's ``nodes`` map each node id to its ``NodeStats`` (``StatsFailed`` where its stats
+failed)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from raykv.controllers.node_records import LinkView, NodeStats, RateView, StatsFailed
 from raykv.controllers.pool_layout import MiB
 from rich.console import Console
 from rich.measure import Measurement
@@ -19,23 +22,27 @@ COLUMNS = ("node", "store MiB", "pool", "kind", "pool MiB", "pages", "put", "pre
            "put err", "got", "get miss", "get hit rate")
 
 
-def _pool_rows(nodes: dict) -> Iterator[tuple[str, ...]]:
+Nodes = dict[str, NodeStats | StatsFailed]
+"""A status's ``nodes``: node id -> its stats, or why they failed."""
+
+
+def _pool_rows(nodes: Nodes) -> Iterator[tuple[str, ...]]:
     """One row of ``COLUMNS`` per node and pool (a node without pools: one row with
     pool ``-``; a node whose stats failed: its error under ``pool``, in red)."""
     for node_id, s in nodes.items():
-        if "error" in s:
-            yield (node_id[:8], "", "[red]" + s["error"], *[""] * 9)
+        if isinstance(s, StatsFailed):
+            yield (node_id[:8], "", "[red]" + s.error, *[""] * 9)
             continue
-        seg = f"{s['global_segment_size'] / MiB:.0f}"
-        if not s["pools"]:
+        seg = f"{s.global_segment_size / MiB:.0f}"
+        if not s.pools:
             yield (node_id[:8], seg, "-", *[""] * 9)
-        for name, p in s["pools"].items():
-            c = p["counters"]
+        for name, p in s.pools.items():
+            c = p.counters
             put_err = sum(v for k, v in c.items() if k.startswith("put_error"))
             miss = sum(v for k, v in c.items() if k.startswith("get_error"))
             got = c.get("get_ok", 0)
-            yield (node_id[:8], seg, name, p["kind"], f"{p['bytes'] / MiB:.1f}",
-                   str(p["pages"]), str(c.get("put_ok", 0)), str(c.get("put_present", 0)),
+            yield (node_id[:8], seg, name, p.kind, f"{p.bytes / MiB:.1f}",
+                   str(p.pages), str(c.get("put_ok", 0)), str(c.get("put_present", 0)),
                    str(put_err), str(got), str(miss), _rate(got, got + miss))
 
 
@@ -82,24 +89,21 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def tenant_lines(node_id: str, s: dict, width: int) -> list[str]:
+def tenant_lines(node_id: str, s: NodeStats | StatsFailed, width: int) -> list[str]:
     """The pool bytes of each tenant on a node against its quota, and of the pools
     without a tenant against their bound (their ``quota``), as lines of at most
     ``width`` characters where possible; none for a node without tenants (or whose
     stats failed)."""
-    tenants = s.get("tenants") or {}
-    if "error" in s or not tenants:
+    if isinstance(s, StatsFailed) or not s.tenants:
         return []
     pairs = []
-    for tenant, t in sorted(tenants.items()):
-        quota = (f" of {_size(t['quota'])} quota" if t.get("quota") is not None
-                 else ", no quota")
-        pairs.append(f"{tenant} {_size(t['pool_bytes'])}{quota} ({t['pools']} pools)")
-    rest = s.get("untenanted") or {}
-    if rest.get("pools"):
-        bound = (f" of {_size(rest['quota'])} bound" if rest.get("quota") is not None
-                 else "")
-        pairs.append(f"no tenant {_size(rest['pool_bytes'])}{bound} ({rest['pools']} pools)")
+    for tenant, t in sorted(s.tenants.items()):
+        quota = f" of {_size(t.quota)} quota" if t.quota is not None else ", no quota"
+        pairs.append(f"{tenant} {_size(t.pool_bytes)}{quota} ({t.pools} pools)")
+    rest = s.untenanted
+    if rest.pools:
+        bound = f" of {_size(rest.quota)} bound" if rest.quota is not None else ""
+        pairs.append(f"no tenant {_size(rest.pool_bytes)}{bound} ({rest.pools} pools)")
     return _packed(f"node {node_id[:8]} tenants:", pairs, width)
 
 
@@ -107,74 +111,73 @@ SHOWN_WARMUPS = 3
 """Warm-ups ``raykv status`` shows per node besides those still running: the latest."""
 
 
-def warmup_lines(node_id: str, s: dict) -> list[str]:
+def warmup_lines(node_id: str, s: NodeStats | StatsFailed) -> list[str]:
     """The warm-ups of the L2 pools new on a node (its stats' ``warmup``:
     ``L2Warmup.stats``): each one queued or running and the latest ``SHOWN_WARMUPS``
     done, with the pages and bytes read and why it ended; then the node's totals. None
     for a node without warm-ups (or whose stats failed)."""
-    w = s.get("warmup") or {}
-    if "error" in s or not w.get("warmups"):
+    if isinstance(s, StatsFailed) or not s.warmup.warmups:
         return []
-    ups = list(w["warmups"].values())
-    done = [u for u in ups if u["state"] == "done"][-SHOWN_WARMUPS:]
+    w = s.warmup
+    ups = list(w.warmups.values())
+    done = [u for u in ups if u.state == "done"][-SHOWN_WARMUPS:]
     lines = []
-    for u in [u for u in ups if u["state"] != "done"] + done:
-        state = u["state"] if u["state"] != "done" else f"done ({u['stopped']})"
-        lines.append(f"node {node_id[:8]}: L2 warm-up of {u['deployment']} rank "
-                     f"{','.join(map(str, u['rank']))}: {state}, {u['pages']} of "
-                     f"{u['chosen']} pages read ({_size(u['bytes'])})")
-    lines.append(f"node {node_id[:8]}: L2 warm-ups read {w['pages']} pages "
-                 f"({_size(w['bytes'])}), {w['running']} running; budget "
-                 f"{_size(w['warm_bytes'])} and {w['warm_s']:g} s each")
+    for u in [u for u in ups if u.state != "done"] + done:
+        state = u.state if u.state != "done" else f"done ({u.stopped})"
+        lines.append(f"node {node_id[:8]}: L2 warm-up of {u.deployment} rank "
+                     f"{','.join(map(str, u.rank))}: {state}, {u.pages} of "
+                     f"{u.chosen} pages read ({_size(u.bytes)})")
+    lines.append(f"node {node_id[:8]}: L2 warm-ups read {w.pages} pages "
+                 f"({_size(w.bytes)}), {w.running} running; budget "
+                 f"{_size(w.warm_bytes)} and {w.warm_s:g} s each")
     return lines
 
 
-def disk_line(node_id: str, s: dict) -> str | None:
+def disk_line(node_id: str, s: NodeStats | StatsFailed) -> str | None:
     """A node's tiers with seals (its stats' ``tiers``: ``MooncakeBackend.tier_stats``):
     its disk slot's use against its bound, the objects gets served from memory and from
     disk, and those refused for a seal that did not verify. None without seals."""
-    t = s.get("tiers")
-    if not t:
+    t = None if isinstance(s, StatsFailed) else s.tiers
+    if t is None:
         return None
-    served, refused = t.get("served", {}), sum(t.get("refused", {}).values())
-    disk = (f"disk {_size(t['used_bytes'])} of {_size(t['limit_bytes'])} in {t['path']}; "
-            if "path" in t else "")
+    served, refused = t.served, sum(t.refused.values())
+    disk = (f"disk {_size(t.used_bytes or 0)} of {_size(t.limit_bytes or 0)} in {t.path}; "
+            if t.path is not None else "")
     return (f"node {node_id[:8]}: {disk}gets served {served.get('l3_memory', 0)} objects "
             f"from memory, {served.get('l3_disk', 0)} from disk; {refused} refused "
             "(seal not verified, or unreadable)")
 
 
-def evictions_line(node_id: str, s: dict) -> str | None:
+def evictions_line(node_id: str, s: NodeStats | StatsFailed) -> str | None:
     """A node's L2 evictions since start and the keys it remembers of them for ``raykv
     why`` (its stats' ``l2_evictions``: ``L2Evictions.stats``); None before any."""
-    e = s.get("l2_evictions")
-    if not e or not e["evictions"]:
+    if isinstance(s, StatsFailed) or not s.l2_evictions.evictions:
         return None
-    return (f"node {node_id[:8]}: L2 evicted {e['evictions']} objects since start; the "
-            f"last {e['kept']} remembered (raykv why names them)")
+    e = s.l2_evictions
+    return (f"node {node_id[:8]}: L2 evicted {e.evictions} objects since start; the "
+            f"last {e.kept} remembered (raykv why names them)")
 
 
-def link_lines(node_id: str, s: dict, width: int) -> list[str]:
+def link_lines(node_id: str, s: NodeStats | StatsFailed, width: int) -> list[str]:
     """A node's load estimates (its stats' ``loads``: ``LoadCosts.view``): per source
     segment the read rate it estimates (MB/s, ``?`` while unknown) and the age of its
     last probe, then disk and the queue's wait; packed into lines of at most ``width``
-    characters where possible; none for a node without estimates (or whose stats
-    failed)."""
-    loads = s.get("loads")
-    if "error" in s or not loads:
+    characters where possible; none for a node whose stats failed."""
+    if isinstance(s, StatsFailed):
         return []
+    loads = s.loads
 
-    def rate(v: dict) -> str:
-        return "?" if v["mb_per_s"] is None else f"{v['mb_per_s']:.1f} MB/s"
+    def rate(v: RateView) -> str:
+        return "?" if v.mb_per_s is None else f"{v.mb_per_s:.1f} MB/s"
 
-    def probed(v: dict) -> str:
-        age = v["probe_age_s"]
+    def probed(v: LinkView) -> str:
+        age = v.probe_age_s
         return "never probed" if age is None else f"probed {age:.0f} s ago"
 
-    pairs = [f"{seg} {rate(v)} ({probed(v)})" for seg, v in loads["links"].items()]
-    if loads["l3_disk"]["mb_per_s"] is not None:
-        pairs.append(f"disk {rate(loads['l3_disk'])}")
-    pairs.append(f"queue wait {loads['queue_wait_s'] * 1e3:.1f} ms")
+    pairs = [f"{seg} {rate(v)} ({probed(v)})" for seg, v in loads.links.items()]
+    if loads.l3_disk.mb_per_s is not None:
+        pairs.append(f"disk {rate(loads.l3_disk)}")
+    pairs.append(f"queue wait {loads.queue_wait_s * 1e3:.1f} ms")
     return _packed(f"node {node_id[:8]} load estimates:", pairs, width)
 
 
@@ -237,8 +240,9 @@ def render_status(state: dict, console: Console | None = None) -> None:
                   f"{info.get('mode', 'embedded')} mode")
     if (line := master_line(master)) is not None:
         console.print(Text(line, style="yellow"))
-    for node_id, s in state["nodes"].items():
-        for warning in s.get("warnings", ()):
+    nodes: Nodes = state["nodes"]
+    for node_id, s in nodes.items():
+        for warning in () if isinstance(s, StatsFailed) else s.warnings:
             console.print(Text(f"warning: node {node_id[:8]}: {warning}", style="yellow"))
     for line in lifecycle_lines(state.get("lifecycle", {})):
         console.print(line)
@@ -249,7 +253,7 @@ def render_status(state: dict, console: Console | None = None) -> None:
                       f"{dep['pp_size']}, {'MLA' if dep['is_mla_model'] else 'MHA'}, pools "
                       f"{pools}, {len(dep['ranks'])} rank(s) registered, group queries on "
                       f"node {home}")
-    rows = list(_pool_rows(state["nodes"]))
+    rows = list(_pool_rows(nodes))
     table = Table(title="nodes and pools")
     for col in COLUMNS:
         table.add_column(col)
@@ -260,32 +264,32 @@ def render_status(state: dict, console: Console | None = None) -> None:
         console.print(table)
     else:
         _print_narrow(rows, console)
-    for node_id, s in state["nodes"].items():
+    for node_id, s in nodes.items():
         for line in tenant_lines(node_id, s, console.width):
             console.print(Text(line), soft_wrap=True)
-    for node_id, s in state["nodes"].items():
-        if "own_segment" in s:
-            r = s.get("residency") or {}
+    for node_id, s in nodes.items():
+        if isinstance(s, NodeStats):
             console.print(f"node {node_id[:8]}: puts prefer segment "
-                          f"{s['own_segment'] or '(none known: placed at random)'}; "
-                          f"{r.get('queries', 0)} residency queries from routers")
-    for node_id, s in state["nodes"].items():
+                          f"{s.own_segment or '(none known: placed at random)'}; "
+                          f"{s.residency.queries} residency queries from routers")
+    for node_id, s in nodes.items():
         if (line := disk_line(node_id, s)) is not None:
-            console.print(Text(line, style="yellow" if s["tiers"].get("refused") else ""),
-                          soft_wrap=True)
-    for node_id, s in state["nodes"].items():
+            refused = isinstance(s, NodeStats) and s.tiers is not None and s.tiers.refused
+            console.print(Text(line, style="yellow" if refused else ""), soft_wrap=True)
+    for node_id, s in nodes.items():
         if (line := evictions_line(node_id, s)) is not None:
             console.print(Text(line), soft_wrap=True)
         for line in link_lines(node_id, s, console.width):
             console.print(Text(line), soft_wrap=True)
-    for node_id, s in state["nodes"].items():
+    for node_id, s in nodes.items():
         for line in warmup_lines(node_id, s):
             console.print(Text(line), soft_wrap=True)
-    for node_id, s in state["nodes"].items():
-        g = s.get("group_queries")
-        if g and (g["looked_up"] or g["recent"] or g["inflight"] or g.get("confirmed")):
-            shared = g["recent"] + g["inflight"]
-            confirmed = g.get("confirmed", 0)
-            console.print(f"node {node_id[:8]}: {g['looked_up'] + confirmed + shared} group "
-                          f"queries, {shared} shared by ranks of a group, {confirmed} "
-                          f"answered from confirmed pages, {g['store_calls']} store lookups")
+    for node_id, s in nodes.items():
+        if isinstance(s, StatsFailed):
+            continue
+        g = s.group_queries
+        if g.looked_up or g.recent or g.inflight or g.confirmed:
+            shared = g.recent + g.inflight
+            console.print(f"node {node_id[:8]}: {g.looked_up + g.confirmed + shared} group "
+                          f"queries, {shared} shared by ranks of a group, {g.confirmed} "
+                          f"answered from confirmed pages, {g.store_calls} store lookups")

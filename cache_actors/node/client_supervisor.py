@@ -34,6 +34,7 @@ from raykv.cache_actors.node.own_files import read_own_file, write_own_file
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.shared_memory import SHM_DIR, shm_path
 from raykv.controllers.naming import CLIENT_RECORD
+from raykv.controllers.node_records import ClientProcess
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +247,9 @@ class MooncakeClientProcess:
         self._kill()
         Path(self._path).unlink(missing_ok=True)
 
-    def info(self) -> dict:
-        return {"pid": self.record.pid if self.record else None,
-                "port": self.record.port if self.record else None,
-                "adopted": self.adopted, "restarts": self.restarts,
-                "alive": not self.down.is_set() and self.alive()}
+    def info(self) -> ClientProcess:
+        """The process as the node's stats show it."""
+        return ClientProcess(pid=self.record.pid if self.record else None,
+                             port=self.record.port if self.record else None,
+                             adopted=self.adopted, restarts=self.restarts,
+                             alive=not self.down.is_set() and self.alive())

@@ -18,6 +18,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from raykv.controllers.node_records import L2EvictionStats
+
 EVICTIONS_KEPT = 100_000
 """Evicted keys a node remembers (about 15 MB of keys)."""
 
@@ -48,7 +50,7 @@ class L2Evictions:
         with self._lock:
             return {k: t for k in keys if (t := self._keys.get(k)) is not None}
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> L2EvictionStats:
         """``evictions`` recorded since start, ``kept`` now."""
         with self._lock:
-            return {"evictions": self.count, "kept": len(self._keys)}
+            return L2EvictionStats(evictions=self.count, kept=len(self._keys))

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from raykv.cache_actors.node.eviction_order import eviction_order
+from raykv.controllers.node_records import L2PoolStats
 from raykv.controllers.result_codes import FULL, PRESENT, WRITING
 
 Holder = tuple[int, int]
@@ -232,14 +233,14 @@ class L2Index:
         """Every holder holding a page now."""
         return list(self._held)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> L2PoolStats:
         """``pages``, ``ready``, ``dirty``, ``held``, ``leased`` now, and ``counts``."""
         now = self._clock()
         ready = [p for p in self._pages if p.ready]
-        return {"pages": len(self._pages), "ready": len(ready),
-                "dirty": sum(p.dirty for p in ready),
-                "held": sum(bool(p.readers or p.writer) for p in self._pages),
-                "leased": sum(p.lease_until > now for p in ready), **self.counts}
+        return L2PoolStats(pages=len(self._pages), ready=len(ready),
+                           dirty=sum(p.dirty for p in ready),
+                           held=sum(bool(p.readers or p.writer) for p in self._pages),
+                           leased=sum(p.lease_until > now for p in ready), **self.counts)
 
     # ---------------------------------------------------------------- helpers
     def _take(self) -> int | None:

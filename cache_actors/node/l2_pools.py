@@ -73,6 +73,7 @@ from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.cache_actors.node.write_behind import ATTEMPTS, PUT_WAIT_S, WriteBehind
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.tickets import check_deadline
+from raykv.controllers.node_records import L2Stats
 from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
@@ -334,7 +335,7 @@ class L2Pools:
         return len(made)
 
     # ----------------------------------------------------------------- status
-    def stats(self) -> dict:
+    def stats(self) -> L2Stats:
         """Per L2 pool its ``L2Index.stats``; the node's fills (``filled``,
         ``fill_failed``; the warm-up's ``warmed``, ``warm_failed``: objects) and its
         write-behind's counts in objects (``WriteBehind.named_counts``); ``l2_bytes``
@@ -343,7 +344,7 @@ class L2Pools:
         with self._lock:
             pools = {n: p.index.stats() for n, p in self._pools.items()}
             used = sum(p.layout.nbytes for p in self._pools.values())
-        return {"l2_bytes": self.l2_bytes, "used": used, "pools": pools, **counts}
+        return L2Stats(l2_bytes=self.l2_bytes, used=used, pools=pools, **counts)
 
     def counters(self) -> tuple[dict[str, int], dict[str, tuple[Owner, dict[str, int]]]]:
         """The node's counts of ``stats`` and, per L2 pool, its owner and its index's

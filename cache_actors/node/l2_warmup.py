@@ -58,6 +58,7 @@ from raykv.cache_actors.node.warm_plan import (
 from raykv.controllers.contract import PoolName
 from raykv.controllers.deployments import Deployment
 from raykv.controllers.naming import CONTROLLER_NAME
+from raykv.controllers.node_records import Warmup, WarmupStats
 from raykv.controllers.ownership import Owner, OwnerClaim
 
 if TYPE_CHECKING:
@@ -120,17 +121,17 @@ class L2Warmup:
             self._set(handle.name, state="done", stopped="stopped")
         return handle
 
-    def stats(self) -> dict:
+    def stats(self) -> WarmupStats:
         """``warm_bytes`` and ``warm_s`` (the budgets), the ``pages`` and ``bytes`` read
         by every warm-up, ``running`` (warm-ups queued or running) and ``warmups``: per
         pool (the latest ``KEPT``) its ``deployment``, ``rank``, ``state`` (queued,
         running, done), ``pages`` and ``bytes`` read, ``chosen`` (pages chosen to read),
         ``stopped`` (why it ended: module docstring) and ``seconds``."""
         with self._lock:
-            warmups = {n: dict(w) for n, w in self._warmups.items()}
-            return {"warm_bytes": self.warm_bytes, "warm_s": self.warm_s, **self._totals,
-                    "running": sum(w["state"] != "done" for w in warmups.values()),
-                    "warmups": warmups}
+            warmups = {n: Warmup(**w) for n, w in self._warmups.items()}
+            return WarmupStats(warm_bytes=self.warm_bytes, warm_s=self.warm_s, **self._totals,
+                               running=sum(w.state != "done" for w in warmups.values()),
+                               warmups=warmups)
 
     def close(self) -> None:
         """Stop: the warm-up under way ends after its current batch, none starts."""

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.load_guard import Rate
+from raykv.controllers.node_records import LinkView, LoadStats, RateView
 from raykv.controllers.pool_layout import MiB
 
 MEMORY, DISK = "l3", "l3_disk"
@@ -212,20 +213,20 @@ class LoadCosts:
         estimate = rate.seconds(nbytes)
         return self.overall.seconds(nbytes) if estimate is None else estimate
 
-    def view(self) -> dict:
+    def view(self, located_keys: int) -> LoadStats:
         """What ``stats`` shows: per segment its ``mb_per_s`` (None: unknown),
         ``fixed_ms``, ``samples`` and ``probe_age_s`` (None: never probed); the same
-        (less the probe) for ``l3_disk`` and ``overall``; ``queue_wait_s``."""
+        (less the probe) for ``l3_disk`` and ``overall``; ``queue_wait_s``; and
+        ``located_keys``, the caller's ``KeyPlaces`` entries."""
         now = self._clock()
         with self._lock:
             links = list(self._links.items())
-        out = {"links": {s: _rate_view(link.rate) | {
-            "probe_age_s": None if link.probed_at is None else round(now - link.probed_at, 1)}
-            for s, link in links}}
-        out[DISK] = _rate_view(self.disk)
-        out["overall"] = _rate_view(self.overall)
-        out["queue_wait_s"] = self.queue_wait()
-        return out
+        return LoadStats(
+            links={s: _rate_view(link.rate, LinkView, probe_age_s=None if link.probed_at
+                                 is None else round(now - link.probed_at, 1))
+                   for s, link in links},
+            l3_disk=_rate_view(self.disk), overall=_rate_view(self.overall),
+            queue_wait_s=self.queue_wait(), located_keys=located_keys)
 
 
 def observe(rate: Rate, nbytes: int, seconds: float, failed: bool = False) -> None:
@@ -255,11 +256,12 @@ def tier_estimates(costs: LoadCosts, own: str | None) -> dict[str, float]:
     return out
 
 
-def _rate_view(rate: Rate) -> dict:
+def _rate_view(rate: Rate, view: type[RateView] = RateView, **more: float | None) -> RateView:
+    """``rate`` as a ``view`` (a ``RateView``, or a ``LinkView`` with ``more``)."""
     per_byte = rate.per_unit()
-    return {"mb_per_s": None if per_byte is None else
-            (round(1e-6 / per_byte, 3) if per_byte > 0 else float("inf")),
-            "fixed_ms": round(rate.fixed_s * 1e3, 3), "samples": rate.samples}
+    return view(mb_per_s=None if per_byte is None else
+                (round(1e-6 / per_byte, 3) if per_byte > 0 else float("inf")),
+                fixed_ms=round(rate.fixed_s * 1e3, 3), samples=rate.samples, **more)
 
 
 class KeyPlaces:

@@ -69,6 +69,7 @@ from raykv.cache_actors.node.store_backend import StoreBackend
 from raykv.controllers.contract import PoolName, PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.families import group_families
+from raykv.controllers.node_records import LoadStats
 from raykv.controllers.result_codes import RPC_FAIL, TRANSFER_FAIL
 
 log = logging.getLogger(__name__)
@@ -310,9 +311,9 @@ class LoadEstimates:
             else:
                 next_round = min(next_cold, time.monotonic() + PROBE_EVERY_S)
 
-    def stats(self) -> dict:
-        """``LoadCosts.view`` and ``located_keys`` (``KeyPlaces`` entries)."""
-        return self.costs.view() | {"located_keys": len(self.places)}
+    def stats(self) -> LoadStats:
+        """``LoadCosts.view`` with ``located_keys`` (``KeyPlaces`` entries)."""
+        return self.costs.view(len(self.places))
 
     def close(self) -> None:
         """Stop the background thread: it ends after its current round, waited for at

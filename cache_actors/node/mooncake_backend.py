@@ -46,10 +46,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from raykv.cache_actors.node.disk_tier import DiskSlot
 from raykv.cache_actors.node.dummy_calls import DummyCalls
 from raykv.cache_actors.node.sealed_objects import SealedObjects
+from raykv.controllers.node_records import TierStats
 from raykv.controllers.result_codes import (
     ALREADY_PRESENT,
     CLIENT_ERROR,
@@ -346,15 +348,15 @@ class MooncakeBackend:
         except Exception:
             return ""
 
-    def tier_stats(self) -> dict | None:
+    def tier_stats(self) -> TierStats | None:
         """Sealed gets' counts (``SealedObjects.stats``) and the disk slot's ``path``,
         ``limit_bytes`` and ``used_bytes``; None without seals."""
         if self._sealed is None:
             return None
         out = self._sealed.stats()
         if self.disk is not None:
-            out |= {"path": str(self.disk.path), "limit_bytes": self.disk.limit_bytes,
-                    "used_bytes": self.disk.used_bytes()}
+            out = replace(out, path=str(self.disk.path), limit_bytes=self.disk.limit_bytes,
+                          used_bytes=self.disk.used_bytes())
         return out
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.miss_reasons import NodeFacts
 from raykv.controllers.naming import CONTROLLER_NAME, node_actor_name, node_shm_prefix
+from raykv.controllers.node_records import NodeStats
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.owner_keys import Challenge, SessionRequest
 from raykv.controllers.ownership import OwnerClaim, for_call
@@ -349,12 +350,9 @@ class NodeCacheActor:
         self._drain.undo()
 
     @ray.method(concurrency_group="pools")
-    async def stats(self) -> dict:
-        """``NodeService.stats`` with warnings, residency, warmup, l2_evictions, loads."""
-        s = self._service
-        return await self._pooled(s.stats) | {"warnings": self._warnings, "residency":
-            s.residency.stats(), "warmup": self._warmup.stats(), "l2_evictions":
-            s.l2.evictions.stats(), "loads": s.loads.stats()}
+    async def stats(self) -> NodeStats:
+        """``NodeService.stats`` with this actor's warnings and warm-ups."""
+        return await self._pooled(self._service.stats, self._warnings, self._warmup.stats())
 
     @ray.method(concurrency_group="pools")
     async def shutdown(self, remove_pools: bool = True) -> None:
@@ -382,7 +380,7 @@ def watch_metrics(metrics: NodeMetrics, node_id: str, store: NodeStore,
     """Export the node's tier, write-behind and link gauges with its metrics."""
     metrics.watch(TierMetrics(node_id, store.backend.tier_stats).export)
     metrics.watch(BacklogMetrics(node_id, service.l2.counters).export)
-    metrics.watch(LinkMetrics(node_id, service.loads.costs.view).export)
+    metrics.watch(LinkMetrics(node_id, service.loads.stats).export)
 
 
 PEERS_ASKED = 8

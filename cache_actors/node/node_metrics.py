@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from ray.util import metrics
+from raykv.controllers.node_records import GroupQueryStats, MergedCallStats
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import Owner
 from raykv.controllers.result_codes import ALREADY_PRESENT, EXISTS
@@ -373,7 +374,7 @@ class NodeMetrics:
         with self._lock:
             return dict(self._pool_counts.get(pool, {}))
 
-    def group_queries(self) -> dict[str, float]:
+    def group_queries(self) -> GroupQueryStats:
         """Group queries answered here: from a recent answer (another rank's:
         ``recent``), by joining an existence check in flight (``inflight``), from confirmations
         alone (``confirmed``), with existence checks of their own (``looked_up``); the store calls
@@ -382,10 +383,10 @@ class NodeMetrics:
         (``deployment_fetches``: one per deployment and version, at its first query here
         unless a rank's registration had it copied before)."""
         with self._lock:
-            return dict(self._group)
+            return GroupQueryStats(**self._group)
 
-    def merged_calls(self) -> dict[str, int]:
+    def merged_calls(self) -> MergedCallStats:
         """Put/get store calls made (``calls``), the ranks' batches they carried
         (``batches``) and the most batches in one call (``largest``)."""
         with self._lock:
-            return dict(self._merged)
+            return MergedCallStats(**self._merged)

@@ -66,6 +66,7 @@ from raykv.cache_actors.node.pool_changes import PoolChanges
 from raykv.cache_actors.node.pool_flights import PoolFlights
 from raykv.cache_actors.node.pool_records import PoolRecords
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.node_records import TenantUse
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import Owner, OwnerBindings, check_access
 from raykv.controllers.pool_layout import PoolLayout, check_pool_name
@@ -117,18 +118,17 @@ class PoolTable:
         return sum(p.nbytes for n, p in self.pools.items()
                    if getattr(owners.get(n), "tenant", None) == tenant)
 
-    def tenants(self, quotas: Mapping[str, int]) -> dict[str | None, dict]:
+    def tenants(self, quotas: Mapping[str, int]) -> dict[str | None, TenantUse]:
         """Per tenant with pools here or a quota in ``quotas``: ``pool_bytes``, ``pools``
         and ``quota`` (bytes, None: none); pools without a tenant under the key ``None``
         (counted under no quota)."""
-        out: dict = {t: {"pool_bytes": 0, "pools": 0, "quota": q} for t, q in quotas.items()}
+        out: dict[str | None, TenantUse] = {t: TenantUse(quota=q) for t, q in quotas.items()}
         for name, pool in self.pools.items():
             owner = self.owners.get(name)
             tenant = owner.tenant if owner is not None else None
-            entry = out.setdefault(tenant, {"pool_bytes": 0, "pools": 0,
-                                            "quota": quotas.get(tenant)})
-            entry["pool_bytes"] += pool.nbytes
-            entry["pools"] += 1
+            entry = out.setdefault(tenant, TenantUse(quota=quotas.get(tenant)))
+            entry.pool_bytes += pool.nbytes
+            entry.pools += 1
         return out
 
     def check_current(self, current: PoolTable, pools: tuple[HostPool, ...]) -> None:
@@ -276,7 +276,7 @@ class NodePools:
         with self._lock:
             return self.table.use(tenant) + self._changes.pending(tenant)
 
-    def tenants(self) -> dict[str | None, dict]:
+    def tenants(self) -> dict[str | None, TenantUse]:
         """``PoolTable.tenants`` of the settled table under ``limits``."""
         return self.settled().tenants(self.limits)
 

@@ -79,6 +79,7 @@ from raykv.cache_actors.shared_memory import shm_path
 from raykv.cache_actors.tickets import TicketRef
 from raykv.controllers.deployments import Deployment, PoolQuery
 from raykv.controllers.naming import CHANNEL_SOCKET
+from raykv.controllers.node_records import NodeStats, WarmupStats
 from raykv.controllers.node_settings import DEFAULTS
 from raykv.controllers.object_batch import ObjectBatch, check_object_keys
 from raykv.controllers.owner_keys import Challenge, SessionRequest
@@ -337,13 +338,17 @@ class NodeService:
                 "mode": self._store.mode, "pools": len(self._pools.table.pools),
                 "pid": os.getpid(), "segment": self._store.backend.own_segment}
 
-    def stats(self) -> dict:
-        """Counters since start (``node_stats`` says what each entry holds)."""
+    def stats(self, warnings: list[str], warmup: WarmupStats) -> NodeStats:
+        """Counters since start (``node_stats`` says what each entry holds), with the
+        actor's ``warnings`` and ``warmup``."""
         return node_stats(self._pools.settled(), self._pools.limits, self._store.stats(),
                           self._metrics, node_id=self.node_id,
                           uptime_s=time.time() - self._started,
                           segment_size=self._segment_size,
-                          confirmed_pages=len(self._groups.confirmed), l2=self.l2.stats())
+                          confirmed_pages=len(self._groups.confirmed), l2=self.l2.stats(),
+                          warnings=warnings, residency=self.residency.stats(),
+                          warmup=warmup, l2_evictions=self.l2.evictions.stats(),
+                          loads=self.loads.stats())
 
     def shutdown(self, remove_pools: bool = True) -> None:
         """Stop for good: close the channel and the Mooncake client (standalone: stop

@@ -34,6 +34,7 @@ from raykv.cache_actors.node.pool_memory import (
     ShmPoolMemory,
 )
 from raykv.cache_actors.node.store_backend import StoreBackend
+from raykv.controllers.node_records import StoreStats
 from raykv.controllers.object_seal import check_seal_key
 
 log = logging.getLogger(__name__)
@@ -178,22 +179,19 @@ class NodeStore:
             return not self.process.down.is_set() and self.process.alive()
         return self.backend.healthy()
 
-    def stats(self) -> dict:
+    def stats(self) -> StoreStats:
         """Mode, host pool budget and bytes in use, the client's ``mooncake_endpoint``
         (``host:port`` its peers are told: the node's address), ``own_segment`` (the
         name of the segment this node's puts prefer; None: none known), the
         ``mooncake_client`` process, and with seals the ``tiers``
         (``StoreBackend.tier_stats``)."""
-        out = {"mode": self.mode, "host_pool_bytes": self.memory.budget.limit,
-               "host_pool_used": self.memory.budget.used,
-               "exposed_ports": [str(x) for x in self.exposed],
-               "mooncake_endpoint": self.backend.endpoint(),
-               "own_segment": self.backend.own_segment}
-        if self.process is not None:
-            out["mooncake_client"] = self.process.info()
-        if (tiers := self.backend.tier_stats()) is not None:
-            out["tiers"] = tiers
-        return out
+        return StoreStats(mode=self.mode, host_pool_bytes=self.memory.budget.limit,
+                          host_pool_used=self.memory.budget.used,
+                          exposed_ports=[str(x) for x in self.exposed],
+                          mooncake_endpoint=self.backend.endpoint(),
+                          own_segment=self.backend.own_segment,
+                          mooncake_client=None if self.process is None
+                          else self.process.info(), tiers=self.backend.tier_stats())
 
     def close(self) -> None:
         """Close the client and stop ``mooncake_client`` (the actor stops for good)."""

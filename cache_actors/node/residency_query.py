@@ -40,6 +40,7 @@ from raykv.cache_actors.node.load_costs import LoadCosts, tier_estimates
 from raykv.cache_actors.node.owner_masks import outside
 from raykv.cache_actors.node.residency_log import ResidencyLog
 from raykv.cache_actors.node.why_query import WhyQuery
+from raykv.controllers.node_records import ResidencyStats
 from raykv.controllers.object_batch import check_object_keys
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.residency import (
@@ -139,12 +140,12 @@ class ResidencyQuery:
                                    "mooncake_client) cannot locate replicas")
             return [list(w) for w in self._located(keys)]
 
-    def stats(self) -> dict:
+    def stats(self) -> ResidencyStats:
         """``queries`` answered or refused, ``refused`` (bad input or claim),
         ``failed`` (store errors), ``late`` (past their deadline), ``seconds`` spent
         answering."""
         with self._lock:
-            return dict(self.counts)
+            return ResidencyStats(**self.counts)
 
     # ----------------------------------------------------------------- helpers
     def _checked(self, keys: list[str], claim: OwnerClaim | None) -> OwnerClaim | None:

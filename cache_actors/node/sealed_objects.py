@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from raykv.cache_actors.node.load_costs import PROBE_PREFIX
+from raykv.controllers.node_records import TierStats
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
 from raykv.controllers.result_codes import (
     CLIENT_ERROR,
@@ -192,11 +193,12 @@ class SealedObjects:
             if rc != 0:
                 log.warning("could not remove %s, which failed its seal: code %s", k, rc)
 
-    def stats(self) -> dict:
-        """``served`` and ``served_bytes`` by tier, ``refused`` by reason."""
+    def stats(self) -> TierStats:
+        """``served`` and ``served_bytes`` by tier, ``refused`` by reason (no disk slot:
+        ``MooncakeBackend.tier_stats`` adds it)."""
         with self._lock:
-            return {"served": dict(self.served), "served_bytes": dict(self.served_bytes),
-                    "refused": dict(self.refused)}
+            return TierStats(served=dict(self.served), served_bytes=dict(self.served_bytes),
+                             refused=dict(self.refused))
 
     def close(self) -> None:
         """Unregister the seal area (the client closes next)."""

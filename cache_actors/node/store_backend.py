@@ -11,7 +11,10 @@ thread of the node actor may call the batch calls at once; pool threads call
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from raykv.controllers.node_records import TierStats
 
 
 class StoreBackend(Protocol):
@@ -100,7 +103,7 @@ class StoreBackend(Protocol):
         """``"done"``, ``"failed"`` or ``"running"``: the state of a started move."""
         ...
 
-    def tier_stats(self) -> dict | None:
+    def tier_stats(self) -> TierStats | None:
         """With seals (a cluster with a disk tier): objects and bytes gets served by tier
         and objects refused by reason, and the disk slot's ``path``, ``limit_bytes`` and
         ``used_bytes`` (``MooncakeBackend.tier_stats``); None without."""

@@ -13,14 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ray.util import metrics
+from raykv.controllers.node_records import LoadStats, TierStats
 
 
 class TierMetrics:
     """``raykv_l3_served_objects`` / ``raykv_l3_served_bytes`` (tag ``tier``) and
     ``raykv_seal_refused_objects`` (tag ``reason``) of one node actor, from
-    ``read()`` (None: no seals on this node, nothing to export)."""
+    ``read()`` (None: no seals on this node, nothing to export); each named after the
+    ``TierStats`` field it counts."""
 
-    def __init__(self, node_id: str, read: Callable[[], dict | None]) -> None:
+    def __init__(self, node_id: str, read: Callable[[], TierStats | None]) -> None:
         self._read = read
         self._seen: dict[str, dict[str, int]] = {}
         self._metrics = {
@@ -48,19 +50,20 @@ class TierMetrics:
         for name, metric in self._metrics.items():
             tag = "reason" if name == "refused" else "tier"
             before = self._seen.get(name, {})
-            for label, total in now.get(name, {}).items():
+            counts: dict[str, int] = getattr(now, name)
+            for label, total in counts.items():
                 if (n := total - before.get(label, 0)) > 0:
                     metric.inc(n, tags={tag: label})
-            self._seen[name] = dict(now.get(name, {}))
+            self._seen[name] = dict(counts)
 
 
 class LinkMetrics:
     """``raykv_link_bytes_per_second`` (tag ``segment``: a source segment ``host:port``,
     or ``l3_disk``) of one node actor: its estimate of each link's read rate
-    (``cache_actors.node.load_costs.LoadCosts.view``, from ``read()``); a link the node
-    forgot reads 0, one not estimated yet is not set."""
+    (``LoadEstimates.stats``, from ``read()``); a link the node forgot reads 0, one not
+    estimated yet is not set."""
 
-    def __init__(self, node_id: str, read: Callable[[], dict]) -> None:
+    def __init__(self, node_id: str, read: Callable[[], LoadStats]) -> None:
         self._read = read
         self._shown: set[str] = set()
         self._gauge = metrics.Gauge(
@@ -73,8 +76,8 @@ class LinkMetrics:
     def export(self) -> None:
         """Set each link's gauge; 0 for the links forgotten since the last call."""
         view = self._read()
-        rates = {s: v["mb_per_s"] for s, v in view["links"].items()}
-        rates["l3_disk"] = view["l3_disk"]["mb_per_s"]
+        rates = {s: v.mb_per_s for s, v in view.links.items()}
+        rates["l3_disk"] = view.l3_disk.mb_per_s
         now = {s for s, mb in rates.items() if mb is not None}
         for s in now:
             self._gauge.set(min(rates[s], 1e6) * 1e6, tags={"segment": s})

@@ -42,6 +42,7 @@ from raykv.controllers.group_search import search
 from raykv.controllers.keyed_hashes import KeyedHashes
 from raykv.controllers.keys import KeyScheme
 from raykv.controllers.naming import NAMESPACE
+from raykv.controllers.node_records import NodeStats
 from raykv.controllers.owner_keys import OwnerKey
 from raykv.controllers.ownership import OwnerClaim, claim_of
 from raykv.controllers.pool_layout import PoolLayout
@@ -356,7 +357,7 @@ class CacheClient:
     def health(self) -> dict:
         return self._link.call("health")
 
-    def stats(self) -> dict:
+    def stats(self) -> NodeStats:
         return self._link.call("stats")
 
     def close(self) -> None:

@@ -26,6 +26,8 @@ Modules:
   and the rank's shared host pool, and that pool to and from the store; a failed load
   is reported, never raised, and recomputed by vLLM.
 - ``side``: what both sides share: the raykv client, its pool, counters.
+- ``connector_stats``: the counters as typed records, and their one edge to vLLM's
+  connector stats dicts (pure).
 - ``metadata``: what the scheduler side sends the workers each step.
 - ``request_blocks``: the scheduler side's pure block bookkeeping.
 - ``page_hash``: the page hashes of a request's blocks (pure).

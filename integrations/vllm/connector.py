@@ -12,6 +12,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from raykv.integrations.vllm.connector_stats import (
+    ConnectorStats,
+    growth_from_vllm,
+    growth_to_vllm,
+)
 from raykv.integrations.vllm.metadata import LandedReports, RayKVConnectorMetadata
 from raykv.integrations.vllm.options import (
     ConnectorOptions,
@@ -183,8 +188,8 @@ class RayKVConnector(KVConnectorBase_V1):
         return self.connector_worker or self.connector_scheduler
 
     @property
-    def stats(self) -> dict[str, int]:
-        """This side's counters (``raykv.integrations.vllm.side.new_stats``). Read on
+    def stats(self) -> ConnectorStats:
+        """This side's counters (``connector_stats.ConnectorStats``). Read on
         the side's vLLM thread: on the worker side, reading them first ends the L2 save
         behind the last step (``settle``), so that they count it."""
         self._side.settle()
@@ -253,7 +258,10 @@ class RayKVConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> \
             RayKVConnectorStats:
-        return RayKVConnectorStats(data=dict(data or {}))
+        """vLLM's stats of ``data`` (what a ``RayKVConnectorStats`` carried across
+        vLLM's processes), read back and checked: ``ValueError`` naming any key raykv's
+        counters do not have (``connector_stats.growth_from_vllm``)."""
+        return RayKVConnectorStats(data=growth_to_vllm(growth_from_vllm(data or {})))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,

@@ -1,5 +1,5 @@
-"""A vLLM connector side's counters (``side.new_stats``) and loads as Ray metrics:
-``raykv_connector``, by ``counter`` (its name in ``new_stats``), ``role``
+"""A vLLM connector side's counters (``connector_stats.ConnectorStats``) and loads as Ray
+metrics: ``raykv_connector``, by ``counter`` (its field name), ``role``
 (``scheduler`` / ``worker``), ``tp_rank`` and ``model`` (the connector's
 ``model_name``): a bounded label set (one series per counter and side); the hit rate
 by tier, token-weighted, with its denominator (``raykv_hit_tokens`` by ``tier``,
@@ -11,7 +11,7 @@ decisions (``raykv_load_guard_decisions`` by ``decision`` and ``reason``,
 ``load_choice``), each also by the engine's ``tenant`` (``(none)`` without one) and
 ``deployment``.
 
-The sides count in their plain dict and record loads as before, on vLLM's threads; a
+The sides count in their ``ConnectorStats`` and record loads, on vLLM's threads; a
 thread of this module reads them every ``export_s`` seconds and hands Ray what grew
 since its last look, so no vLLM step makes a Ray metric call. Made once the side is
 attached (its process then is in the Ray cluster, whose metrics agent on this node
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import asdict
 
 from raykv.integrations.token_metrics import token_counters
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv.integrations.vllm.load_choice import (
     DECISIONS,
     GUARD_TIERS,
@@ -45,7 +47,7 @@ class ConnectorMetrics:
     ``model``), and ``loads`` (drained) with ``owner`` (``tenant``, ``deployment``)
     too, by a thread of its own until ``close``."""
 
-    def __init__(self, stats: Mapping[str, int], tags: Mapping[str, str],
+    def __init__(self, stats: ConnectorStats, tags: Mapping[str, str],
                  export_s: float = EXPORT_S, *, owner: Mapping[str, str] | None = None,
                  loads: LoadTimes | None = None) -> None:
         from ray.util import metrics
@@ -83,7 +85,7 @@ class ConnectorMetrics:
         """Hand Ray what each counter grew by since the last export, and the loads
         recorded since (any thread)."""
         with self._lock:
-            now = dict(self._stats)  # its keys never change: a copy is safe meanwhile
+            now = asdict(self._stats)  # counter name -> total (its fields never change)
             for name, total in now.items():
                 if (grown := total - self._seen.get(name, 0)) > 0:
                     self._counter.inc(grown, tags={"counter": name})

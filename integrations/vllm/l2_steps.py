@@ -21,6 +21,7 @@ from raykv.integrations.vllm.request_blocks import BlockTransfer
 
 if TYPE_CHECKING:
     from raykv.cache_actors.throttled_log import ThrottledLog
+    from raykv.integrations.vllm.connector_stats import ConnectorStats
     from raykv.integrations.vllm.kv_events import LandedBlocks
     from raykv.integrations.vllm.l2_blocks import L2Blocks, SaveBehind
     from raykv.integrations.vllm.layer_loads import LayerLoads, LoadsBehind
@@ -30,7 +31,7 @@ class L2Steps:
     """See the module docstring: counting into ``stats``, reporting landed saves to
     ``landed``, warning through ``warn``."""
 
-    def __init__(self, stats: dict[str, int], landed: LandedBlocks,
+    def __init__(self, stats: ConnectorStats, landed: LandedBlocks,
                  warn: ThrottledLog) -> None:
         self.l2: L2Blocks | None = None
         self.behind: LoadsBehind | None = None
@@ -56,8 +57,8 @@ class L2Steps:
             return None
         if later:
             self.behind.blocks = later
-        self._stats["l2_loaded"] += done
-        self._stats["loaded_behind"] += len(later)
+        self._stats.l2_loaded += done
+        self._stats.loaded_behind += len(later)
         return done
 
     def layer_loads(self) -> LayerLoads | None:
@@ -71,7 +72,7 @@ class L2Steps:
         (vLLM's forward calls this before each attention layer); the time waited is
         counted in ``layer_wait_us``."""
         if self.behind is not None:
-            self._stats["layer_wait_us"] += int(self.behind.wait(layer_name) * 1e6)
+            self._stats.layer_wait_us += int(self.behind.wait(layer_name) * 1e6)
 
     def settle_behind(self) -> list[int]:
         """End the step's copies behind the forward: wait for them, give their pages
@@ -85,9 +86,9 @@ class L2Steps:
             self.l2.release()
         if ok:
             return []
-        self._stats["loaded"] -= len(blocks)
-        self._stats["l2_loaded"] -= len(blocks)
-        self._stats["load_failed"] += len(blocks)
+        self._stats.loaded -= len(blocks)
+        self._stats.l2_loaded -= len(blocks)
+        self._stats.load_failed += len(blocks)
         return list(blocks)
 
     def save_batch(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
@@ -126,15 +127,15 @@ class L2Steps:
         try:
             saved, full = behind.wait()
         except Exception as e:
-            self._stats["save_failed"] += len(hashes)
+            self._stats.save_failed += len(hashes)
             self._warn.warn("l2 save", "RayKVConnector: L2 save of %d blocks failed (%s)",
                             len(hashes), e)
             return
         self._landed.l2_saved(hashes, saved, full)
-        self._stats["saved"] += saved
-        self._stats["l2_saved"] += saved
-        self._stats["save_dropped"] += len(full)
-        self._stats["save_failed"] += len(hashes) - saved - len(full)
+        self._stats.saved += saved
+        self._stats.l2_saved += saved
+        self._stats.save_dropped += len(full)
+        self._stats.save_failed += len(hashes) - saved - len(full)
         if full:
             self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "
                             "blocks (its write-behind is behind, or another engine was "
@@ -146,9 +147,9 @@ class L2Steps:
         raises propagates: the worker counts the blocks not saved."""
         saved, full = self.l2.save(x.block_ids, x.hashes)
         self._landed.l2_saved(x.hashes, saved, full)
-        self._stats["saved"] += saved
-        self._stats["l2_saved"] += saved
-        self._stats["save_failed"] += len(x.block_ids) - saved - len(full)
+        self._stats.saved += saved
+        self._stats.l2_saved += saved
+        self._stats.save_failed += len(x.block_ids) - saved - len(full)
         if not full:
             return None
         self._warn.warn("l2 full", "RayKVConnector: the node's L2 had no page for %d "

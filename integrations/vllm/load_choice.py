@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.controllers.load_guard import (
@@ -50,6 +50,7 @@ from raykv.controllers.load_guard import (
     Rate,
     choose_load,
 )
+from raykv.integrations.vllm.connector_stats import ConnectorStats, StatsGrowth
 
 L2, L3, L3_DISK = "l2", "l3", "l3_disk"
 GUARD_TIERS = (L2, L3, L3_DISK)
@@ -58,7 +59,7 @@ PROBE_BYTES = 4 << 20
 OPEN_STEPS = 64
 """Steps built and not yet answered that ``StepClock`` keeps (the oldest dropped)."""
 
-# Decisions and their reasons, as counted (``guard_counters``) and labelled
+# Decisions and their reasons, as counted (``ConnectorStats``' ``guard_*``) and labelled
 # (``raykv_load_guard_decisions``): every hit a lookup found past vLLM's own cache.
 LOAD, RECOMPUTE, MIXED = "load", "recompute", "mixed"
 DECISIONS = ((LOAD, OFF), (LOAD, FASTER), (LOAD, NO_ESTIMATE), (LOAD, ABOVE_THRESHOLD),
@@ -66,19 +67,13 @@ DECISIONS = ((LOAD, OFF), (LOAD, FASTER), (LOAD, NO_ESTIMATE), (LOAD, ABOVE_THRE
 
 
 def decision_key(decision: str, reason: str) -> str:
-    """The connector counter (``side.new_stats``) of one decision and reason."""
+    """The connector counter (a ``ConnectorStats`` field) of one decision and reason."""
     return f"guard_{decision}_{reason}"
 
 
 def skipped_key(tier: str) -> str:
     """The connector counter of the tokens the guard left to recompute from ``tier``."""
     return f"guard_skipped_{tier}_tokens"
-
-
-def guard_counters() -> dict[str, int]:
-    """Every guard counter, zero: one per ``DECISIONS`` entry, one per tier skipped."""
-    return {**{decision_key(d, r): 0 for d, r in DECISIONS},
-            **{skipped_key(t): 0 for t in GUARD_TIERS}}
 
 
 def copy_probe(nbytes: int = PROBE_BYTES) -> float:
@@ -127,13 +122,13 @@ class TierRates:
         self.page_bytes = page_bytes
         self.rates = {L2: Rate(l2_prior), L3: Rate()}
 
-    def observe(self, data: Mapping[str, int]) -> None:
-        """Fold in the workers' loads of one step (their connector stats' ``data``:
-        ``{tier}_load_us``, ``{tier}_load_bytes`` summed over ranks)."""
-        for tier, rate in self.rates.items():
-            nbytes = data.get(f"{tier}_load_bytes", 0)
+    def observe(self, growth: StatsGrowth) -> None:
+        """Fold in the workers' loads of one step (their connector stats' load sums,
+        summed over ranks)."""
+        for tier, nbytes, us in ((L2, growth.l2_load_bytes, growth.l2_load_us),
+                                 (L3, growth.l3_load_bytes, growth.l3_load_us)):
             if nbytes > 0:
-                rate.observe(nbytes, data.get(f"{tier}_load_us", 0) / 1e6)
+                self.rates[tier].observe(nbytes, us / 1e6)
 
     def seconds(self, tier: str, pages: int) -> float | None:
         """The estimate of loading ``pages`` from ``tier`` (``l3_disk`` as ``l3``); None
@@ -191,11 +186,14 @@ def decide(runs: Sequence[LoadRun], page_tokens: int, prefill_s_per_token: float
     return GuardOutcome(choice.pages, decision, reason, skipped, tuple(runs), choice)
 
 
-def count(stats: dict[str, int], outcome: GuardOutcome) -> None:
-    """Add ``outcome`` to the connector's counters (``guard_counters``' keys)."""
-    stats[decision_key(outcome.decision, outcome.reason)] += 1
+def count(stats: ConnectorStats, outcome: GuardOutcome) -> None:
+    """Add ``outcome`` to the connector's counters (its ``guard_*`` fields;
+    ``AttributeError`` for a decision or tier without one)."""
+    name = decision_key(outcome.decision, outcome.reason)
+    setattr(stats, name, getattr(stats, name) + 1)
     for tier, tokens in outcome.skipped_tokens.items():
-        stats[skipped_key(tier if tier in GUARD_TIERS else L3)] += tokens
+        name = skipped_key(tier if tier in GUARD_TIERS else L3)
+        setattr(stats, name, getattr(stats, name) + tokens)
 
 
 def _s(value: float | None) -> str:

@@ -16,6 +16,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from raykv.integrations.vllm.connector_stats import StatsGrowth
+
 L2, L3 = "l2", "l3"
 TIERS = (L2, L3)
 
@@ -66,15 +68,16 @@ class LoadTimes:
         """The records since the last call, oldest first."""
         return _take(self._records)
 
-    def take_sums(self) -> dict[str, int]:
-        """The loads recorded since the last call, summed per tier:
-        ``{tier}_load_us`` (microseconds) and ``{tier}_load_bytes``, only tiers with
-        loads."""
-        sums: dict[str, int] = {}
-        for tier, seconds, nbytes in _take(self._unsummed):
-            sums[f"{tier}_load_us"] = sums.get(f"{tier}_load_us", 0) + int(seconds * 1e6)
-            sums[f"{tier}_load_bytes"] = sums.get(f"{tier}_load_bytes", 0) + nbytes
-        return sums
+    def take_sums(self) -> StatsGrowth:
+        """The loads recorded since the last call, summed per tier: a growth of the
+        load sums alone (``l2_load_us`` in microseconds, ``l2_load_bytes``, and
+        ``l3``'s)."""
+        us, nbytes = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
+        for tier, seconds, size in _take(self._unsummed):
+            us[tier] += int(seconds * 1e6)
+            nbytes[tier] += size
+        return StatsGrowth(l2_load_us=us[L2], l2_load_bytes=nbytes[L2],
+                           l3_load_us=us[L3], l3_load_bytes=nbytes[L3])
 
 
 def _take(records: deque) -> list:

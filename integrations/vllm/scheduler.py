@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from raykv.cache_actors.rank.call_budget import Budget
 from raykv.controllers.contract import PoolName
 from raykv.controllers.pool_layout import PoolLayout
+from raykv.integrations.vllm.connector_stats import growth_from_vllm
 from raykv.integrations.vllm.kv_events import L2, L3, KVEventBook, record_saving, to_vllm
 from raykv.integrations.vllm.kv_views import config_geometry, geometry_bytes
 from raykv.integrations.vllm.load_choice import LoadGuard, copy_probe, count, explain
@@ -161,7 +162,7 @@ class RayKVConnectorScheduler(ConnectorSide):
         t0 = time.perf_counter()
         with self._step_budget:
             answer = self._query([hash_hex(h) for h in hashes])
-        self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats.lookup_us += int((time.perf_counter() - t0) * 1e6)
         return self._answer(st, local, len(hashes), answer, num_computed_tokens)[0], False
 
     def _query(self, keys: list[str]) -> tuple[int, int, list]:
@@ -194,9 +195,9 @@ class RayKVConnectorScheduler(ConnectorSide):
         load guard choose the leading blocks to load, count the tokens asked about and
         those to load by tier; ``(tokens to load, whether any is past the node's L2)``."""
         l2, hit, runs = answer
-        self.stats["queries"] += 1
-        self.stats["hit_blocks"] += hit
-        self.stats["l2_hit_blocks"] += l2
+        self.stats.queries += 1
+        self.stats.hit_blocks += hit
+        self.stats.l2_hit_blocks += l2
         outcome = self._guard.choose(l2, hit, runs) if hit else None
         if outcome is not None:
             count(self.stats, outcome)
@@ -205,9 +206,9 @@ class RayKVConnectorScheduler(ConnectorSide):
         n = external_tokens(local + hit, num_computed_tokens, self.block_size,
                             st.request.num_tokens)
         l2_tokens, l3_tokens = hit_tokens(n, l2, self.block_size)
-        self.stats["asked_tokens"] += asked * self.block_size
-        self.stats["l2_hit_tokens"] += l2_tokens
-        self.stats["l3_hit_tokens"] += l3_tokens
+        self.stats.asked_tokens += asked * self.block_size
+        self.stats.l2_hit_tokens += l2_tokens
+        self.stats.l3_hit_tokens += l3_tokens
         if self.opts.explain:
             log.info(explain(st.request.request_id, asked * self.block_size,
                              num_computed_tokens, n, outcome, self.block_size))
@@ -232,10 +233,10 @@ class RayKVConnectorScheduler(ConnectorSide):
                                    partial(self._query_budgeted, keys),
                                    max(0.0, self._wait_until - now))
         if answer is None:
-            self.stats["lookups_pending"] += 1
+            self.stats.lookups_pending += 1
             return None, False
         n, st.load_async = self._answer(st, local, len(keys), answer, num_computed_tokens)
-        self.stats["async_lookups"] += st.load_async
+        self.stats.async_lookups += st.load_async
         return n, st.load_async
 
     def _query_budgeted(self, keys: list[str]) -> tuple[int, int, list]:
@@ -325,7 +326,8 @@ class RayKVConnectorScheduler(ConnectorSide):
         if self._events is not None and isinstance(landed, LandedReports):
             self._events.landed(landed.get_all_events())
         if connector_output.kv_connector_stats is not None:  # the workers' measured loads
-            self._guard.rates.observe(connector_output.kv_connector_stats.data)
+            self._guard.rates.observe(growth_from_vllm(
+                connector_output.kv_connector_stats.data))
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return

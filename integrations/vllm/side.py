@@ -19,7 +19,7 @@ from raykv.controllers.contract import StorageConfig
 from raykv.controllers.deployments import deployment_id
 from raykv.integrations.ray_join import join_ray
 from raykv.integrations.vllm.connector_metrics import ConnectorMetrics
-from raykv.integrations.vllm.load_choice import guard_counters
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv.integrations.vllm.load_times import LoadTimes
 from raykv.integrations.vllm.options import ConnectorOptions
 
@@ -32,41 +32,6 @@ log = logging.getLogger("vllm." + __name__)  # shows up with vLLM's own log line
 ATTACH_RETRY_S = 5.0
 """The least time between two background attaches (``ConnectorSide._cache``): a join
 that fails at once is not retried on every step."""
-
-
-def new_stats() -> dict[str, int]:
-    """The connector's counters, all zero: ``queries``, ``hit_blocks`` and
-    ``l2_hit_blocks`` (scheduler side: hit queries asked, blocks they found, of those
-    in the node's L2), ``loaded``, ``load_failed``, ``saved``, ``save_failed``,
-    ``save_refused`` (worker side: blocks; refused: computed over a block whose load
-    failed, never stored), ``l2_loaded``, ``l2_saved`` (blocks loaded through and saved
-    into the node's L2); with ``async_transfers``: ``async_lookups`` (scheduler: hits
-    that vLLM loads asynchronously), ``lookups_pending`` (lookups answered "ask again
-    later"), ``async_loaded`` (worker: of ``loaded``, those loaded off the step),
-    ``load_dropped`` (of ``load_failed``, those the load queue had no room for),
-    ``save_dropped`` (blocks L2 had no page for: not saved, a future miss);
-    ``save_us``, ``save_cpu_us`` (worker: microseconds of wall and of the worker
-    thread's CPU spent in ``wait_for_save`` in steps that save), ``load_us``,
-    ``load_cpu_us`` (the same for ``start_load_kv``'s loads on the step), ``lookup_us``
-    (scheduler: microseconds of wall its hit queries took, without
-    ``async_transfers``); ``loaded_behind`` (worker: of ``l2_loaded``, blocks copied
-    layer by layer behind the forward), ``layer_wait_us`` (microseconds the forward
-    waited for those copies in ``wait_for_layer_load``), ``loaded_past_l2`` (of
-    ``loaded``, blocks read through the staging pool because L2 had no page to read them
-    into); ``asked_tokens``, ``l2_hit_tokens``, ``l3_hit_tokens`` (scheduler: per
-    lookup, the tokens of the full blocks past vLLM's own prefix cache it asked about,
-    and of those the tokens it told vLLM to load, by the tier they were found in:
-    ``load_times.hit_tokens``); the load guard's (scheduler, ``load_choice``):
-    ``guard_{decision}_{reason}`` (lookups whose hit it loaded, recomputed or loaded in
-    part, by why) and ``guard_skipped_{tier}_tokens`` (tokens of a hit it left to
-    recompute, by the tier they were found in)."""
-    return {"queries": 0, "hit_blocks": 0, "l2_hit_blocks": 0, "loaded": 0,
-            "load_failed": 0, "saved": 0, "save_failed": 0, "save_refused": 0,
-            "l2_loaded": 0, "l2_saved": 0, "async_lookups": 0, "lookups_pending": 0,
-            "async_loaded": 0, "load_dropped": 0, "save_dropped": 0, "save_us": 0,
-            "save_cpu_us": 0, "load_us": 0, "load_cpu_us": 0, "lookup_us": 0,
-            "loaded_behind": 0, "layer_wait_us": 0, "loaded_past_l2": 0,
-            "asked_tokens": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0, **guard_counters()}
 
 
 class ConnectorSide(ABC):
@@ -84,7 +49,7 @@ class ConnectorSide(ABC):
         self.block_size = block_size  # tokens per vLLM block
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.stats = new_stats()
+        self.stats = ConnectorStats()  # this side's counters, counted on vLLM's threads
         self.loads = LoadTimes()  # the worker's loads, exported with the counters
         self._warn = ThrottledLog(log)  # once per kind per WARN_EVERY_S (30 s)
         self._client: CacheClient | None = None

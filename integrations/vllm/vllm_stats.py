@@ -2,77 +2,77 @@
 (``KV Transfer metrics: ...``, every log interval) and exports on its Prometheus
 endpoint (``vllm:raykv_connector_total`` by ``counter``, beside vLLM's engine labels).
 
-Each side hands vLLM what its counters (``side.new_stats``) grew by since its last
-``get_kv_connector_stats`` (``StatsDelta.take``, on the thread vLLM calls it from:
-the scheduler's after each step's output, each worker's after each step); vLLM sums the
-workers' and the scheduler's (``RayKVConnectorStats.aggregate``) and logs or exports the
-sums (``reduce``, ``RayKVPromMetrics.observe``). A worker's block counters are its own
-TP rank's: summed over an engine's ranks, a block loaded on every rank counts once per
-rank.
+Each side hands vLLM what its counters (``connector_stats.ConnectorStats``) grew by
+since its last ``get_kv_connector_stats`` (``StatsDelta.take``, on the thread vLLM calls
+it from: the scheduler's after each step's output, each worker's after each step); vLLM
+sums the workers' and the scheduler's (``RayKVConnectorStats.aggregate``) and logs or
+exports the sums (``reduce``, ``RayKVPromMetrics.observe``). A worker's block counters
+are its own TP rank's: summed over an engine's ranks, a block loaded on every rank
+counts once per rank. ``KVConnectorStats.data`` is vLLM's dict: it is made from a
+``StatsGrowth`` by ``growth_to_vllm`` and read back by ``growth_from_vllm`` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raykv.integrations.vllm.load_choice import guard_counters
+from raykv.integrations.vllm.connector_stats import (
+    SHOWN,
+    ConnectorStats,
+    StatsGrowth,
+    growth_from_vllm,
+    growth_to_vllm,
+    shown,
+)
 from raykv.integrations.vllm.load_times import LoadTimes
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-SHOWN = ("queries", "hit_blocks", "l2_hit_blocks", "asked_tokens", "l2_hit_tokens",
-         "l3_hit_tokens", "loaded", "l2_loaded", "load_failed", "load_dropped", "saved",
-         "l2_saved", "save_failed", "save_refused", "save_dropped", *guard_counters())
-"""The counters vLLM logs and exports (blocks, tokens and the load guard's decisions;
-``new_stats`` says what each counts); the microsecond sums stay in
-``RayKVConnector.stats`` and ``raykv_connector``."""
-
 
 @dataclass
 class RayKVConnectorStats(KVConnectorStats):
-    """``data``: counter name -> what it grew by in the interval (``SHOWN``, and from a
-    worker its loads' sums per tier, ``LoadTimes.take_sums``: what the scheduler side's
-    load guard reads in ``update_connector_output``, never logged or exported)."""
+    """``data``: a ``StatsGrowth`` as vLLM carries it (``growth_to_vllm``): counter name
+    -> what it grew by in the interval, and from a worker its loads' sums per tier."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> RayKVConnectorStats:
         """This one with ``other``'s counts added (vLLM: over workers and intervals)."""
-        for name, n in other.data.items():
-            self.data[name] = self.data.get(name, 0) + n
+        self.data = growth_to_vllm(growth_from_vllm(self.data)
+                                   + growth_from_vllm(other.data))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         """Every ``SHOWN`` counter's growth in the interval, 0 included."""
-        return {name: self.data.get(name, 0) for name in SHOWN}
+        growth = growth_from_vllm(self.data)
+        return {name: getattr(growth, name) for name in SHOWN}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return growth_from_vllm(self.data) == StatsGrowth()
 
 
 class StatsDelta:
     """What a side's ``stats`` (read, never written) grew by between two ``take``
     calls, from one thread, with the sums of ``loads`` recorded since (a worker's)."""
 
-    def __init__(self, stats: Mapping[str, int], loads: LoadTimes | None = None) -> None:
+    def __init__(self, stats: ConnectorStats, loads: LoadTimes | None = None) -> None:
         self._stats = stats
         self._loads = loads
-        self._seen = dict.fromkeys(SHOWN, 0)
+        self._seen = StatsGrowth()
 
     def take(self) -> RayKVConnectorStats | None:
         """The growth since the last call (None: nothing grew)."""
-        grown = self._loads.take_sums() if self._loads is not None else {}
-        for name in SHOWN:
-            now = self._stats[name]
-            if now != self._seen[name]:
-                grown[name] = now - self._seen[name]
-                self._seen[name] = now
-        return RayKVConnectorStats(data=grown) if grown else None
+        now = shown(self._stats)
+        grown = now - self._seen
+        self._seen = now
+        if self._loads is not None:
+            grown += self._loads.take_sums()
+        return None if grown == StatsGrowth() else RayKVConnectorStats(
+            data=growth_to_vllm(grown))
 
 
 class RayKVPromMetrics(KVConnectorPromMetrics):
@@ -90,6 +90,7 @@ class RayKVPromMetrics(KVConnectorPromMetrics):
                           for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, n in transfer_stats_data.items():
-            if name in SHOWN and n > 0:
+        growth = growth_from_vllm(transfer_stats_data)
+        for name in SHOWN:
+            if (n := getattr(growth, name)) > 0:
                 self._counters[engine_idx][name].inc(n)

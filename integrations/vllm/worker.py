@@ -198,10 +198,10 @@ class RayKVConnectorWorker(ConnectorSide):
         for x, first in zip(meta.loads, firsts, strict=True):
             if first < len(x.block_ids):
                 self._failed(x.block_ids[first:])
-                self.stats["load_failed"] += len(x.block_ids) - first
-            self.stats["loaded"] += first
-        self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
-        self.stats["load_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+                self.stats.load_failed += len(x.block_ids) - first
+            self.stats.loaded += first
+        self.stats.load_us += int((time.perf_counter() - t0) * 1e6)
+        self.stats.load_cpu_us += int((time.thread_time() - c0) * 1e6)
 
     def _load(self, x: BlockTransfer, behind: LayerLoads | None = None) -> int:
         """Load ``x``'s blocks into vLLM's KV cache (the client copies each block read in
@@ -234,7 +234,7 @@ class RayKVConnectorWorker(ConnectorSide):
             self._warn.warn("load", "RayKVConnector: load of %d blocks failed (%s); "
                             "vLLM recomputes them", len(x.block_ids) - done, e)
         if past_l2 is not None:
-            self.stats["loaded_past_l2"] += done - past_l2
+            self.stats.loaded_past_l2 += done - past_l2
         return done
 
     def _load_async(self, x: BlockTransfer) -> int:
@@ -263,10 +263,10 @@ class RayKVConnectorWorker(ConnectorSide):
             return None, None
         done = self._async.finished()
         self._failed(done.failed_blocks)
-        self.stats["loaded"] += done.loaded
-        self.stats["async_loaded"] += done.loaded
-        self.stats["load_failed"] += done.failed
-        self.stats["load_dropped"] += done.dropped
+        self.stats.loaded += done.loaded
+        self.stats.async_loaded += done.loaded
+        self.stats.load_failed += done.failed
+        self.stats.load_dropped += done.dropped
         return None, done.req_ids or None
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
@@ -286,15 +286,15 @@ class RayKVConnectorWorker(ConnectorSide):
             saves = []
             for x in meta.saves:
                 if self.refuses(x):
-                    self.stats["save_refused"] += len(x.block_ids)
+                    self.stats.save_refused += len(x.block_ids)
                     continue
                 saves.append(x)
             if self.opts.async_transfers and self._steps.usable:
                 saves = self._steps.save_batch(saves)
             for x in saves:
                 self._save(x)
-        self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
-        self.stats["save_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+        self.stats.save_us += int((time.perf_counter() - t0) * 1e6)
+        self.stats.save_cpu_us += int((time.thread_time() - c0) * 1e6)
 
     def settle(self) -> None:
         self._steps.settle_saves()
@@ -323,11 +323,11 @@ class RayKVConnectorWorker(ConnectorSide):
                     PoolName.KV, x.hashes[done:done + n],
                     self._slots(x.block_ids[done:done + n]))])[PoolName.KV]
                 self._landed.l3_saved(x.hashes[done:done + n], ok)
-                self.stats["saved"] += sum(ok)
-                self.stats["save_failed"] += n - sum(ok)
+                self.stats.saved += sum(ok)
+                self.stats.save_failed += n - sum(ok)
                 done += n
         except Exception as e:  # a lost save is a future miss, never an error for vLLM
-            self.stats["save_failed"] += len(x.block_ids) - done
+            self.stats.save_failed += len(x.block_ids) - done
             self._warn.warn("save", "RayKVConnector: save of %d blocks failed (%s)",
                             len(x.block_ids) - done, e)
 

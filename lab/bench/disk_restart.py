@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -49,6 +50,7 @@ import ray
 import torch
 from raykv.clusters.local import local_settings
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import TierStats, as_dict
 from raykv.controllers.pool_layout import MiB, PoolLayout
 from raykv_lab.bench.toolkit import machine_info
 
@@ -71,9 +73,9 @@ def cluster_args(disk_dir: str) -> dict:
                 master_args=[f"-default_kv_lease_ttl={LEASE_MS}"], log_to_driver=False)
 
 
-def tiers(cluster) -> dict:
+def tiers(cluster) -> TierStats:
     (actor,) = cluster.node_actors.values()
-    return ray.get(actor.stats.remote())["tiers"]
+    return ray.get(actor.stats.remote()).tiers
 
 
 def stop(*engines) -> None:
@@ -99,8 +101,9 @@ def save_prompts(cluster, model: str, conf: dict, prompts: list[list[int]]) -> l
             (before,) = ray.get(s.worker_stats.remote())
             ttft.append(ray.get(s.generate.remote(p, OUTPUT))["ttft_s"])
             (after,) = ray.get(s.worker_stats.remote())
-            if after["saved"] - before["saved"] != len(p) // BLOCK:
-                raise RuntimeError(f"S saved {after['saved'] - before['saved']} of "
+            saved = after.counters.saved - before.counters.saved
+            if saved != len(p) // BLOCK:
+                raise RuntimeError(f"S saved {saved} of "
                                    f"{len(p) // BLOCK} blocks: {after}")
         return ttft
     finally:
@@ -121,9 +124,9 @@ def push_to_disk(cluster, want_bytes: int) -> dict:
         slots = torch.arange(FILLER.size)
         started = time.monotonic()
         put = n = 0
-        while tiers(cluster)["used_bytes"] < want_bytes:
+        while tiers(cluster).used_bytes < want_bytes:
             if time.monotonic() - started > FILL_S:
-                raise TimeoutError(f"{tiers(cluster)['used_bytes']} of {want_bytes} bytes "
+                raise TimeoutError(f"{tiers(cluster).used_bytes} of {want_bytes} bytes "
                                    "on disk")
             ok = client.batch_set_v1([f"f{n}-{i}" for i in range(pages)], slots)
             put += sum(ok)
@@ -170,10 +173,10 @@ def serve_restarted(cluster, model: str, conf: dict, prompts: list[list[int]],
             order = (d, c) if i % 2 == 0 else (c, d)
             got = {}
             for e in order:
-                before = tiers(cluster)["served"]
+                before = tiers(cluster).served
                 got[e] = ray.get(e.generate.remote(p, OUTPUT))
                 if e is d:
-                    after = tiers(cluster)["served"]
+                    after = tiers(cluster).served
                     served = {k: after[k] - before.get(k, 0) for k in after}
             rows.append({"disk": got[d], "cold": got[c], "disk_first": i % 2 == 0,
                          "served_objects": served})
@@ -209,11 +212,11 @@ def run(prompts: int, tokens: int, warm_page_cache: bool) -> dict:
             saver_ttft = save_prompts(cluster, model, conf, texts)
             saved_bytes = prompts * full * BLOCK * dims.kv_bytes_per_token
             fill = push_to_disk(cluster, saved_bytes + MARGIN_BYTES)
-            disk_before = tiers(cluster)["used_bytes"]
+            disk_before = tiers(cluster).used_bytes
         dropped = 0 if warm_page_cache else drop_page_cache(disk_dir)
         with start_local(**cluster_args(disk_dir)) as cluster:
             rows = serve_restarted(cluster, model, conf, texts, rnd)
-            after = {k: v for k, v in tiers(cluster).items() if k != "path"}  # a tmp dir
+            after = as_dict(replace(tiers(cluster), path=None))  # a tmp dir: left out
     ratios = [r["disk"]["ttft_s"] / r["cold"]["ttft_s"] for r in rows]
     return {
         "command": "python -m raykv_lab.bench.disk_restart " + shlex.join(sys.argv[1:]),

@@ -67,6 +67,7 @@ from raykv import KiB, MiB
 from raykv.cache_actors.node.disk_tier import BUCKET_BYTES, MASTER_FLAGS, DiskSlot
 from raykv.cache_actors.node.mooncake_backend import MooncakeBackend
 from raykv.clusters.mooncake_master import MooncakeMaster
+from raykv.controllers.node_records import as_dict
 from raykv.controllers.object_seal import SEAL_BYTES, check, seal
 from raykv_lab.bench.toolkit import gbps, machine_info, summarize
 from raykv_lab.bench.warm_workload import Request, read_trace
@@ -314,7 +315,7 @@ def disk_side(client: Client, n: int) -> dict:
                 for t, d in zip(times[state][page], device[dev], strict=True))
             for state, dev in (("cold", "cold"), ("warm", "warm"), ("cold", "direct"))}
     return out | {"slot_bytes": client.slot.used_bytes(),
-                  "tier_stats": client.backend.tier_stats()}
+                  "tier_stats": as_dict(client.backend.tier_stats())}
 
 
 def memory_side(client: Client, n: int) -> dict:
@@ -442,7 +443,7 @@ def replay(client: Client, requests: Sequence[Request]) -> dict:
     return {"hit_rate": hits / blocks, "hits": hits, "blocks": blocks, "wrong": wrong,
             "unsaved": unsaved, "seconds": time.perf_counter() - t,
             "put_seconds": client.put_s, "put_retries": client.put_retries,
-            "served": client.backend.tier_stats()["served"],
+            "served": client.backend.tier_stats().served,
             "held_at_end": {"memory": len(memory), "disk": len(disk)}}
 
 

@@ -145,7 +145,7 @@ def _bench_tp(cluster, raw: RawStore, tp: int, pages: int, calls: int, concurren
     for keys in stored:  # every rank's objects of every page
         raw.put_tiny(group_families(deployment, queries).objects(keys))
     transfer = [PoolTransfer(PoolName.MAMBA, None, None, TRAIL)]
-    before = ray.get(home.stats.remote())["group_queries"]
+    before = ray.get(home.stats.remote()).group_queries
     cold, cold_raw = _latency(clients[0], raw, deployment, stored, queries, transfer, calls,
                               lambda: ray.get(home.forget_confirmations.remote()))
     warm, warm_raw = _latency(clients[0], raw, deployment, stored[:8], queries, transfer,
@@ -158,11 +158,11 @@ def _bench_tp(cluster, raw: RawStore, tp: int, pages: int, calls: int, concurren
                                         seconds),
         "qps_raw": _raw_throughput(raw, deployment, stored, queries, concurrency, seconds),
     }
-    after = ray.get(home.stats.remote())["group_queries"]
+    after = ray.get(home.stats.remote()).group_queries
     for c in clients:
         c.close()
-    answered = {k: after[k] - before[k] for k in ("recent", "inflight", "confirmed",
-                                                   "looked_up", "store_calls")}
+    answered = {k: getattr(after, k) - getattr(before, k)
+                for k in ("recent", "inflight", "confirmed", "looked_up", "store_calls")}
     row = {"tp": tp, "pages": pages,
            "objects": len(group_families(deployment, queries).objects(stored[0])),
            "answered": answered, **qps}

@@ -48,11 +48,12 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import ray
 from raykv.controllers.pool_layout import MiB
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.bench.guard_summary import (
     BLOCK,
     DEFAULT_LENGTHS,
@@ -103,8 +104,8 @@ class GuardEngine(VLLMEngine):
         got["grown"] = grown(before, self._counters())
         return got
 
-    def _counters(self) -> dict[str, int]:
-        return dict(self.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats)
+    def _counters(self) -> ConnectorStats:
+        return replace(self.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats)
 
 
 def _served(got: dict) -> Served:
@@ -115,7 +116,7 @@ def _served(got: dict) -> Served:
 def _saved(w) -> int:
     """Blocks W's worker connector has saved so far."""
     (stats,) = ray.get(w.worker_stats.remote())
-    return stats["saved"]
+    return stats.counters.saved
 
 
 def _write(w, prompts: Sequence[list[int]]) -> int:

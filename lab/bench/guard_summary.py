@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv.integrations.vllm.load_choice import DECISIONS, decision_key
 from raykv_lab.host_plan import parse_rate
 
@@ -75,10 +76,12 @@ def prompt_ids(tag: str, tokens: int) -> list[int]:
     return [rnd.randrange(3, VOCAB) for _ in range(tokens)]
 
 
-def grown(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """The ``COUNTED`` counters that grew from ``before`` to ``after``, by how much."""
-    return {k: n - before.get(k, 0) for k, n in after.items()
-            if k.startswith(COUNTED) and n > before.get(k, 0)}
+def grown(before: ConnectorStats, after: ConnectorStats) -> dict[str, int]:
+    """The ``COUNTED`` counters that grew from ``before`` to ``after``, by how much (by
+    counter name, as the result's rows hold them)."""
+    then = asdict(before)
+    return {k: n - then[k] for k, n in asdict(after).items()
+            if k.startswith(COUNTED) and n > then[k]}
 
 
 def guard_decision(counters: Mapping[str, int]) -> tuple[str, str]:

@@ -173,14 +173,14 @@ class LocalityRank:
 
 def _gets(actor) -> int:
     """The node actor's Mooncake objects got so far (``get_objects``)."""
-    return ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+    return ray.get(actor.stats.remote()).counters.get("get_objects", 0)
 
 
 def wait_written(actor, puts: int) -> None:
     """Wait until the node actor's L2 put ``puts`` pages to L3 behind the writer
     (``RuntimeError`` after ``FLUSH_WAIT_S``)."""
     deadline = time.monotonic() + FLUSH_WAIT_S
-    while (done := ray.get(actor.stats.remote())["l2"]["l3_put"]) < puts:
+    while (done := ray.get(actor.stats.remote()).l2.l3_put) < puts:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the write-behind put {done} of {puts} pages to L3 in "
                                f"{FLUSH_WAIT_S:.0f} s")

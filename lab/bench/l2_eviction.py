@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.bench.block_digests import check_loads
 
 BLOCK = 128
@@ -84,26 +85,25 @@ def l2_delta(before: dict, after: dict) -> dict:
 
 def node_l2(actor) -> dict:
     """A node actor's L2 counters summed over its L2 pools, its fills from L3 and its
-    store gets."""
+    store gets (by name, as the result's rows hold them)."""
     import ray
 
     stats = ray.get(actor.stats.remote())
-    out = {"store_gets": stats["counters"].get("get_objects", 0),
-           "filled": stats["l2"].get("filled", 0), "fill_failed": stats["l2"].get(
-               "fill_failed", 0), "l3_put": stats["l2"].get("l3_put", 0),
+    out = {"store_gets": stats.counters.get("get_objects", 0), "filled": stats.l2.filled,
+           "fill_failed": stats.l2.fill_failed, "l3_put": stats.l2.l3_put,
            "pages": 0, **dict.fromkeys(L2_COUNTS, 0)}
-    for pool in stats["l2"]["pools"].values():
-        out["pages"] += pool["pages"]
+    for pool in stats.l2.pools.values():
+        out["pages"] += pool.pages
         for k in L2_COUNTS:
-            out[k] += pool.get(k, 0)
+            out[k] += getattr(pool, k)
     return out
 
 
-def worker_counts(engines: Sequence) -> list[dict]:
+def worker_counts(engines: Sequence) -> list[ConnectorStats]:
     """Each engine's worker connector counters (TP rank 0)."""
     import ray
 
-    return [w[0] for w in ray.get([e.worker_stats.remote() for e in engines])]
+    return [w[0].counters for w in ray.get([e.worker_stats.remote() for e in engines])]
 
 
 def churn(engines: Sequence, prompts: Sequence[list[int]], plan: list[list[int]]
@@ -122,8 +122,8 @@ def churn(engines: Sequence, prompts: Sequence[list[int]], plan: list[list[int]]
                         for e, i in zip(engines, picks, strict=True)])
         w1 = worker_counts(engines)
         rows += [{"step": step, "engine": k, "prompt": i, "cached": o["cached"],
-                  "loaded": w1[k]["loaded"] - w0[k]["loaded"],
-                  "load_failed": w1[k]["load_failed"] - w0[k]["load_failed"],
+                  "loaded": w1[k].loaded - w0[k].loaded,
+                  "load_failed": w1[k].load_failed - w0[k].load_failed,
                   "tokens": o["tokens"]}
                  for k, (i, o) in enumerate(zip(picks, outs, strict=True))]
     return rows
@@ -212,7 +212,7 @@ def run(prompts: int, l2_blocks: int, steps: int, out: Path) -> dict:
         for e in engines:
             ray.get(e.record.remote(False))
         judged = [judge_tokens(r, cold[r["prompt"]], restored[r["prompt"]]) for r in rows]
-        workers = [{k: w1[i].get(k, 0) - w0[i].get(k, 0)
+        workers = [{k: getattr(w1[i], k) - getattr(w0[i], k)
                     for k in ("loaded", "l2_loaded", "load_failed", "saved", "l2_saved",
                               "save_dropped", "save_failed")}
                    for i in range(len(engines))]

@@ -39,6 +39,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from raykv_lab.bench.block_digests import check_loads
@@ -133,8 +134,8 @@ def kill_phase(cluster, model: str, steps: int, timeout_s: float) -> dict:
             failed += 1
     w1 = worker_counts(engines)
     rows += [{"step": steps, "engine": k, "prompt": i, "cached": o["cached"],
-              "loaded": w1[k]["loaded"] - w0[k]["loaded"],
-              "load_failed": w1[k]["load_failed"] - w0[k]["load_failed"],
+              "loaded": w1[k].loaded - w0[k].loaded,
+              "load_failed": w1[k].load_failed - w0[k].load_failed,
               "tokens": o["tokens"]}
              for k, (i, o) in enumerate(outs) if o is not None]
     restart_s = _restarted(actor, pid)
@@ -197,7 +198,8 @@ def stop_phase(cluster, model: str, stop_s: float, timeout_s: float) -> dict:
                                                                  res["steps"], strict=True)],
                       stop, cont)
     ray.kill(eng)
-    return {"stop_s": cont - stop, "budget_s": timeout_s, "connector": counters,
+    return {"stop_s": cont - stop, "budget_s": timeout_s,
+            "connector": asdict(counters) if counters else {},
             **step_cost(by_phase, timeout_s)}
 
 

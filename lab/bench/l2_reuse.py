@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import ray
+from raykv.controllers.node_records import as_dict
 from raykv_lab.bench.host_locality import UNSHAPED
 from raykv_lab.host_plan import parse_rate
 
@@ -74,9 +75,9 @@ def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
             l2_first = len(rows) % 2 == 1
             cold = ray.get(e.generate.remote(p, OUTPUT))
             own = None if l2_first else ray.get(e.generate.remote(p, OUTPUT))
-            gets = ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+            gets = ray.get(actor.stats.remote()).counters.get("get_objects", 0)
             from_l2 = ray.get(f.generate.remote(p, OUTPUT))
-            f_gets = ray.get(actor.stats.remote())["counters"].get("get_objects", 0) - gets
+            f_gets = ray.get(actor.stats.remote()).counters.get("get_objects", 0) - gets
             if l2_first:
                 own = ray.get(e.generate.remote(p, OUTPUT))
             from_l3 = ray.get(g.generate.remote(p, OUTPUT))
@@ -87,7 +88,7 @@ def run(prompts: int, tokens: int, out: Path, link: str | None = None) -> dict:
                         "link": link,
                         "model": {"hidden": dims.hidden, "layers": dims.layers,
                                   "kv_bytes_per_token": dims.kv_bytes_per_token},
-                        "l2_stats": ray.get(actor.stats.remote())["l2"]}
+                        "l2_stats": as_dict(ray.get(actor.stats.remote()).l2)}
         for k in ("cold", "own_prefix_cache", "l2", "l3", *cross):
             result[k] = {"ttft_ms_median": 1000 * statistics.median(
                 r[k]["ttft_s"] for r in rows),

@@ -262,7 +262,7 @@ def _wait_l2_clean(actor) -> None:
     import ray
 
     deadline = time.monotonic() + SETTLE_S
-    while any(p["dirty"] for p in ray.get(actor.stats.remote())["l2"]["pools"].values()):
+    while any(p.dirty for p in ray.get(actor.stats.remote()).l2.pools.values()):
         if time.monotonic() > deadline:
             raise RuntimeError(f"node 0's write-behind not done in {SETTLE_S} s")
         time.sleep(0.05)
@@ -280,13 +280,14 @@ def _wait_chunks(folder: Path, chunks: int) -> None:
 def _gets(actor) -> int:
     import ray
 
-    return ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+    return ray.get(actor.stats.remote()).counters.get("get_objects", 0)
 
 
 def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int],
         tail: int = 0) -> dict:
     import ray
     from raykv.clusters.local import local_settings, start_local
+    from raykv.controllers.node_records import as_dict
     from raykv_lab.engines.vllm_actors import ENV, ready, start_engine
     from raykv_lab.engines.vllm_model import LlamaDims, make_llama
 
@@ -370,7 +371,7 @@ def run(python: str, rounds: int, tokens: int, out: Path, ports: tuple[int, int]
                                 "kv_bytes_per_token": dims.kv_bytes_per_token},
                       "niceness": nice, "load_average": os.getloadavg(), "rows": rows,
                       "summary": summary(rows),
-                      "l2_stats": [ray.get(a.stats.remote())["l2"] for a in (a0, a1)]}
+                      "l2_stats": [as_dict(ray.get(a.stats.remote()).l2) for a in (a0, a1)]}
         finally:
             for proc in reversed(procs):
                 (proc.close if isinstance(proc, LMCacheEngine) else proc.stop)()

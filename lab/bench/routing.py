@@ -170,7 +170,7 @@ def run(pages: int, iters: int, out: Path, requests: int = 200, text: bool = Tru
                                          itemsize=2), pages)
         slots = link.reserve(pool.name, hashes)
         link.commit(pool.name, hashes, slots, [True] * pages)
-        while client.stats()["l2"]["l3_put"] < pages:
+        while client.stats().l2.l3_put < pages:
             time.sleep(0.05)
         chain = keys.keys(prompt)
         claim = client.owner_claim(node1)

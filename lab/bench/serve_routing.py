@@ -51,6 +51,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import ray
+from raykv.controllers.node_records import as_dict
 from raykv_lab.bench.serve_summary import Outcome, percentile, summarize, verdict
 from raykv_lab.bench.serve_workload import (
     Stream,
@@ -290,12 +291,12 @@ def _node_stats(cluster) -> dict:
         except Exception as e:  # a figure missing, not a failed run
             out[node[:12]] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue
-        l2 = stats.get("l2") or {}
-        out[node[:12]] = {"counters": stats.get("counters"),
-                          "l2": {k: v for k, v in l2.items() if k != "pools"},
-                          "l2_pools": [{k: v for k, v in pool.items()
-                                        if k in ("pages", "written", "evicted", "hits", "misses")}
-                                       for pool in (l2.get("pools") or {}).values()]}
+        l2 = as_dict(stats.l2)  # the result's JSON: its counts by name
+        del l2["pools"]
+        out[node[:12]] = {"counters": stats.counters, "l2": l2,
+                          "l2_pools": [{"pages": p.pages, "hits": p.hits, "misses": p.misses,
+                                        "written": p.written, "evicted": p.evicted}
+                                       for p in stats.l2.pools.values()]}
     return out
 
 

@@ -153,8 +153,8 @@ class NodeEngine:
         given up on); ``TimeoutError`` after ``FLUSH_WAIT_S``."""
         end = time.monotonic() + FLUSH_WAIT_S
         while True:
-            s = self.client.stats()["l2"]
-            if s["l3_put"] + s["l3_put_failed"] >= s["l3_put_submitted"]:
+            s = self.client.stats().l2
+            if s.l3_put + s.l3_put_failed >= s.l3_put_submitted:
                 return
             if time.monotonic() > end:
                 raise TimeoutError(f"node {self.node_id}'s write-behind did not end: {s}")
@@ -162,10 +162,12 @@ class NodeEngine:
 
     def counters(self) -> dict:
         """The node's L2 pool counters and write-behind counts (its stats)."""
-        s = self.client.stats()["l2"]
-        pool = s["pools"][self.pool]
-        return {k: pool[k] for k in ("pages", "hits", "misses", "evicted", "full")} | \
-            {k: s[k] for k in ("filled", "fill_failed", "l3_put", "l3_put_failed")}
+        s = self.client.stats().l2
+        pool = s.pools[self.pool]
+        return {"pages": pool.pages, "hits": pool.hits, "misses": pool.misses,
+                "evicted": pool.evicted, "full": pool.full, "filled": s.filled,
+                "fill_failed": s.fill_failed, "l3_put": s.l3_put,
+                "l3_put_failed": s.l3_put_failed}
 
     def missing(self, hashes: Sequence[str]) -> int:
         """How many of ``hashes`` L3 holds no replica of (nothing leased)."""

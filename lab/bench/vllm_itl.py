@@ -39,9 +39,11 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import ray
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.engines.vllm_actors import VLLMEngine
 
 BLOCK = 32
@@ -124,14 +126,14 @@ class ITLEngine(VLLMEngine):
         (times,) = self.llm.collective_rpc(load)
         return statistics.median(times)
 
-    def worker_counters(self) -> dict:
-        """The worker connector's counters (none without a connector)."""
+    def worker_counters(self) -> ConnectorStats | None:
+        """The worker connector's counters (None without a connector)."""
         from vllm.distributed.kv_transfer.kv_transfer_state import (
             get_kv_transfer_group,
             has_kv_transfer_group,
         )
 
-        return dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
+        return get_kv_transfer_group().stats if has_kv_transfer_group() else None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -202,10 +204,11 @@ def run(requests: int, prompt: int, output: int, rounds: int, modes: list[str],
                     cpu1 = _node_cpu_s(actor)
                     counters = ray.get(eng.worker_counters.remote())
                     row = {"mode": mode, "round": r, **_summary(res),
-                           "node_cpu_s": cpu1 - cpu0, "connector": counters}
+                           "node_cpu_s": cpu1 - cpu0,
+                           "connector": asdict(counters) if counters else {}}
                     if counters:  # wait_for_save's cost per step (warm-up included)
-                        row["save_ms_per_step"] = counters["save_us"] / 1000 / len(res["steps"])
-                        row["save_cpu_ms_per_step"] = (counters["save_cpu_us"] / 1000
+                        row["save_ms_per_step"] = counters.save_us / 1000 / len(res["steps"])
+                        row["save_cpu_ms_per_step"] = (counters.save_cpu_us / 1000
                                                        / len(res["steps"]))
                     if mode != "stock":
                         deadline = time.monotonic() + 2.0

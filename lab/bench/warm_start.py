@@ -44,6 +44,7 @@ import torch
 from raykv import local_settings, start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import NodeStats, as_dict
 from raykv.controllers.pool_layout import MiB, PoolLayout
 from raykv.controllers.result_codes import PRESENT
 from raykv_lab.bench.toolkit import machine_info
@@ -108,17 +109,17 @@ class Rank:
                                  [p for _, p in mine], [True] * len(mine))
         return Served(min(in_l2, len(got)), max(0, len(got) - in_l2))
 
-    def stats(self) -> dict:
+    def stats(self) -> NodeStats:
         return self.client.stats()
 
 
-def waited(what: str, rank: Rank, done: Callable[[dict], bool]) -> dict:
+def waited(what: str, rank: Rank, done: Callable[[NodeStats], bool]) -> NodeStats:
     """``rank``'s node stats once ``done(stats)`` holds (``TimeoutError`` after
     ``WAIT_S``)."""
     deadline = time.monotonic() + WAIT_S
     while not done(s := rank.stats()):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: {s.get('warmup')} {s['l2']}")
+            raise TimeoutError(f"{what}: {s.warmup} {s.l2}")
         time.sleep(0.2)
     return s
 
@@ -143,7 +144,7 @@ def one_setting(first: Sequence[Request], then: Sequence[Request], before_s: flo
             for r in first:
                 old.serve(r)
             first_s = time.perf_counter() - t
-            waited("write-behind", old, lambda s: s["l2"]["l3_put_pending"] == 0)
+            waited("write-behind", old, lambda s: s.l2.l3_put_pending == 0)
             t = time.perf_counter()
             node = c.add_node()
             join_s = time.perf_counter() - t
@@ -151,24 +152,24 @@ def one_setting(first: Sequence[Request], then: Sequence[Request], before_s: flo
             new = Rank(conf, node, l2_pages)
             ranks.append(new)
             s = waited("warm-up", new, lambda s: not warm or (
-                s["warmup"]["warmups"] and not s["warmup"]["running"]))
+                bool(s.warmup.warmups) and not s.warmup.running))
             ready_s = time.perf_counter() - t
-            before = s["l2"]
+            before = s.l2
             t = time.perf_counter()
             served = [new.serve(r) for r in then]
             then_s = time.perf_counter() - t
             after = new.stats()
-            warmups = list(after["warmup"]["warmups"].values())
-            (pool,) = after["l2"]["pools"].values()
+            warmups = list(after.warmup.warmups.values())
+            (pool,) = after.l2.pools.values()
             return {
                 "warm_pages": warm_pages, "first_served_s": first_s, "join_s": join_s,
                 "open_to_ready_s": ready_s, "then_served_s": then_s,
                 "shares": shares(then, served),
                 "by_slice": by_slice(then, served, before_s, SLICE_S),
-                "warmup": warmups[0] if warmups else None,
-                "l2": {"filled": after["l2"]["filled"] - before["filled"],
-                       "warmed": after["l2"]["warmed"], "hits": pool["hits"],
-                       "evicted": pool["evicted"]},
+                "warmup": as_dict(warmups[0]) if warmups else None,
+                "l2": {"filled": after.l2.filled - before.filled,
+                       "warmed": after.l2.warmed, "hits": pool.hits,
+                       "evicted": pool.evicted},
                 "old_unsaved": old.unsaved, "unsaved": new.unsaved,
                 "wrong_pages": old.wrong + new.wrong,
                 "load_avg": list(os.getloadavg())}

@@ -99,7 +99,7 @@ def l3_traffic(cluster: LocalCluster) -> dict[str, int]:
     """Bytes and objects the node actors have put into and got from Mooncake so far,
     summed over nodes (``L3_COUNTERS``)."""
     stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
-    return {k: sum(s["counters"].get(k, 0) for s in stats) for k in L3_COUNTERS}
+    return {k: sum(s.counters.get(k, 0) for s in stats) for k in L3_COUNTERS}
 
 
 def print_l3_traffic(console: Console, io: dict[str, int]) -> None:

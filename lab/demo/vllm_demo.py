@@ -159,7 +159,7 @@ TIERS = {"vllm_cached_tokens": "vLLM prefix cache", "l2_tokens": "raykv L2 (node
 def _loaded(engine) -> tuple[int, int]:
     """Blocks the engine's (TP=1) worker connector has loaded and saved so far."""
     (s,) = ray.get(engine.worker_stats.remote())
-    return s["loaded"], s["saved"]
+    return s.counters.loaded, s.counters.saved
 
 
 def tier_counts(cluster, engines: list) -> dict[str, int]:
@@ -175,15 +175,14 @@ def tier_counts(cluster, engines: list) -> dict[str, int]:
     while True:
         stats = ray.get([a.stats.remote() for a in cluster.node_actors.values()])
         if time.monotonic() > deadline or all(
-                s["l2"]["l3_put"] + s["l2"]["l3_put_failed"] >= s["l2"]["l3_put_submitted"]
-                for s in stats):
+                s.l2.l3_put + s.l2.l3_put_failed >= s.l2.l3_put_submitted for s in stats):
             break
         time.sleep(0.05)
     workers = [_loaded(e) for e in engines]
     return dict(
-        l2_hits=sum(p["hits"] for s in stats for p in s["l2"]["pools"].values()),
-        l3_gets=sum(s["counters"].get("get_objects", 0) for s in stats),
-        filled=sum(s["l2"]["filled"] for s in stats),
+        l2_hits=sum(p.hits for s in stats for p in s.l2.pools.values()),
+        l3_gets=sum(s.counters.get("get_objects", 0) for s in stats),
+        filled=sum(s.l2.filled for s in stats),
         loaded=sum(w[0] for w in workers), saved=sum(w[1] for w in workers))
 
 

@@ -21,9 +21,11 @@ Imports vLLM only inside the actor.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -42,11 +44,22 @@ LLM_DEFAULTS = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=
                     max_num_seqs=4, disable_log_stats=False)
 
 
-def _worker_stats(worker) -> dict:
+@dataclass(frozen=True)
+class WorkerStats:
+    """One TP rank's worker connector as ``VLLMEngine.worker_stats`` reports it."""
+
+    counters: ConnectorStats
+    """Its counters (``RayKVConnector.stats``)."""
+    tp_rank: int
+    pid: int
+    """The worker's process id."""
+
+
+def _worker_stats(worker) -> WorkerStats:
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
     c = get_kv_transfer_group()
-    return dict(c.stats, tp_rank=c.tp_rank, pid=os.getpid())
+    return WorkerStats(c.stats, c.tp_rank, os.getpid())
 
 
 class VLLMEngine:
@@ -99,9 +112,9 @@ class VLLMEngine:
         next request finds nothing in it. False if vLLM refused (requests running)."""
         return self.llm.reset_prefix_cache()
 
-    def worker_stats(self) -> list[dict]:
-        """Each TP rank's worker connector counters (``RayKVConnector.stats``, its TP
-        rank and pid). Needs the callable to reach the workers: in-process engines, or
+    def worker_stats(self) -> list[WorkerStats]:
+        """Each TP rank's worker connector counters, its TP rank and pid. Needs the
+        callable to reach the workers: in-process engines, or
         ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` with the multiprocess engine."""
         return self.llm.collective_rpc(_worker_stats)
 

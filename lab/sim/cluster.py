@@ -28,6 +28,7 @@ import heapq
 import random
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from raykv.cache_actors.node.l2_index import L2Index
 from raykv.cache_actors.node.l2_pools import LEASE_S
@@ -293,7 +294,7 @@ class ClusterSim:
             self._arrive(i)
         self._changes.report["removed"] = {
             "node": node, "at": self.now, "rerouted": len(rerouted),
-            "l2_pages_lost": l2.stats()["ready"] if l2 is not None else 0}
+            "l2_pages_lost": l2.stats().ready if l2 is not None else 0}
         self._pushed(self._changes.remove(node, s.drain, s.drain_deadline_s, l3,
                                           self._alive, self.now))
 
@@ -334,7 +335,7 @@ class ClusterSim:
     def stats(self) -> dict:
         """The tiers' own counters after ``run``: L2 (summed over nodes), L3, routing;
         with ``scaling``, its events' reports (``NodeChanges.summary``)."""
-        l2 = [x.stats() for x in self._l2 if x is not None]
+        l2 = [asdict(x.stats()) for x in self._l2 if x is not None]  # by counter name
         out: dict = {}
         if self._changes is not None:
             out["scaling"] = self._changes.summary(self.tally.log, self.scaling.window_s,

@@ -567,9 +567,9 @@ class Engine:
         be = self.store
         st = be.raykv_stats()
         node = be.client.stats()
-        st["node"] = {"mode": node.get("mode"), "host_pool_used": node.get("host_pool_used")}
-        st["node_pools"] = {n: {"kind": p["kind"], "bytes": p["bytes"]}
-                            for n, p in node["pools"].items()}
+        st["node"] = {"mode": node.mode, "host_pool_used": node.host_pool_used}
+        st["node_pools"] = {n: {"kind": p.kind, "bytes": p.bytes}
+                            for n, p in node.pools.items()}
         st["sglang_fds"] = {}
         pools = [("kv", self.host), ("mamba", self.mamba), ("swa", self.swa),
                  (self.side_name.value if self.side_name else "", self.side)]

@@ -23,7 +23,7 @@ def client(cluster):
 
 
 def moved(client) -> dict:
-    counters = client.stats()["counters"]
+    counters = client.stats().counters
     return {k: v for k, v in counters.items() if k.startswith(("put", "get"))}
 
 

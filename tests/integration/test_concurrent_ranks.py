@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import MergedCallStats
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.result_codes import ALREADY_PRESENT
 
@@ -39,9 +40,9 @@ def one_deployment(cluster):
             for i in range(RANKS)]
 
 
-def merged_calls(cluster) -> dict:
+def merged_calls(cluster) -> MergedCallStats:
     actor = cluster.node_actors[cluster.node_ids[0]]
-    return ray.get(actor.stats.remote())["merged_calls"]
+    return ray.get(actor.stats.remote()).merged_calls
 
 
 def test_concurrent_ranks_round_trip_their_own_bytes(cluster, ranks, uid):
@@ -61,8 +62,8 @@ def test_concurrent_ranks_round_trip_their_own_bytes(cluster, ranks, uid):
     # The four rounds' batches went through the merger (several per store call when
     # they met in its queue; how many did is up to timing).
     after = merged_calls(cluster)
-    assert after["batches"] - before["batches"] == 4 * 2 * RANKS
-    assert after["calls"] - before["calls"] <= 4 * 2 * RANKS
+    assert after.batches - before.batches == 4 * 2 * RANKS
+    assert after.calls - before.calls <= 4 * 2 * RANKS
 
 
 def object_batch(rank, start: int, keys: list[str], pool: str) -> ObjectBatch:

@@ -241,20 +241,20 @@ def test_l2_write_behind_then_a_node_without_it_fills_from_l3(cluster, uid):
         assert la.reserve(pa.name, hashes[:1]) == [PRESENT]
         assert la.lookup(hashes + [f"{uid}x"], 1) == 3
         for _ in range(100):  # the write-behind put runs in node 1's actor
-            if a.stats()["l2"]["l3_put"] >= 3:
+            if a.stats().l2.l3_put >= 3:
                 break
             time.sleep(0.05)
-        assert a.stats()["l2"]["l3_put"] == 3
+        assert a.stats().l2.l3_put == 3
         assert lb.lookup(hashes, 1) == 0  # node 2's L2 is its own
-        gets = b.stats()["counters"].get("get_objects", 0)
+        gets = b.stats().counters.get("get_objects", 0)
         got = lb.acquire(pb.name, hashes + [f"{uid}x"], True)
         assert len(got) == 3
         assert torch.equal(l2_pages(pb, got), wrote)
-        assert b.stats()["counters"]["get_objects"] == gets + 3
+        assert b.stats().counters["get_objects"] == gets + 3
         assert lb.acquire(pb.name, hashes, True) == got
         stats = b.stats()
-        assert stats["counters"]["get_objects"] == gets + 3  # from L2: no store get
-        assert stats["l2"]["filled"] == 3 and stats["l2"]["fill_failed"] == 1  # x
+        assert stats.counters["get_objects"] == gets + 3  # from L2: no store get
+        assert stats.l2.filled == 3 and stats.l2.fill_failed == 1  # x
     finally:
         a.close()
         b.close()
@@ -290,7 +290,7 @@ def test_l2_write_behind_retries_a_failed_put_so_l3_has_no_hole(cluster, uid, at
     a, b = CacheClient(conf, node_id=node1), CacheClient(conf, node_id=node2)
     try:
         set_flush_attempts(n1, attempts)
-        before = a.stats()["l2"]
+        before = a.stats().l2
         la, lb = a.l2(), b.l2()
         pa, pb = la.open(layout, 8), lb.open(layout, 8)
         hashes = [f"{uid}{i}" for i in range(3)]
@@ -302,20 +302,21 @@ def test_l2_write_behind_retries_a_failed_put_so_l3_has_no_hole(cluster, uid, at
             buf[got] = torch.randint(0, 255, (len(got), buf.shape[1]), dtype=torch.uint8)
             assert la.commit(pa.name, chunk, got, [True] * len(got)) == len(got)
             for _ in range(100):  # block 0's failed put first, then blocks 1 and 2
-                s = a.stats()["l2"]
-                if s["l3_put"] + s["l3_put_failed"] + s["l3_put_pending"] >= \
-                        before["l3_put"] + before["l3_put_failed"] + len(pages) + len(got):
+                s = a.stats().l2
+                if s.l3_put + s.l3_put_failed + s.l3_put_pending >= \
+                        before.l3_put + before.l3_put_failed + len(pages) + len(got):
                     break
                 time.sleep(0.05)
             pages += got
         wrote = l2_pages(pa, pages)
         for _ in range(100):  # the retry runs after a back-off of 0.5 s
-            s = a.stats()["l2"]
-            if s["l3_put"] + s["l3_put_failed"] - before["l3_put"] - \
-                    before["l3_put_failed"] >= 3:
+            s = a.stats().l2
+            if s.l3_put + s.l3_put_failed - before.l3_put - \
+                    before.l3_put_failed >= 3:
                 break
             time.sleep(0.05)
-        done = {k: s[k] - before[k] for k in ("l3_put", "l3_put_failed", "l3_put_retried")}
+        done = {k: getattr(s, k) - getattr(before, k)
+                for k in ("l3_put", "l3_put_failed", "l3_put_retried")}
         got = lb.acquire(pb.name, hashes, True)  # node 2: from L3, up to the first gap
         if attempts > 1:
             assert done == {"l3_put": 3, "l3_put_failed": 0, "l3_put_retried": 1}, s
@@ -325,7 +326,7 @@ def test_l2_write_behind_retries_a_failed_put_so_l3_has_no_hole(cluster, uid, at
             assert got == []
             behind = lb.acquire(pb.name, hashes[1:], True)
             assert torch.equal(l2_pages(pb, behind), wrote[1:])
-        assert s["l3_put_pending"] == 0
+        assert s.l3_put_pending == 0
         assert la.lookup(hashes, 1) == 3  # node 1's L2 holds the chain either way
     finally:
         set_flush_attempts(n1, ATTEMPTS)
@@ -360,13 +361,13 @@ def test_residency_names_the_node_that_holds_a_chain(cluster, uid):
         pages = la.reserve(pa.name, hashes)
         assert la.commit(pa.name, hashes, pages, [True] * 16) == 16
         for _ in range(100):  # the write-behind put runs in node 1's actor
-            if a.stats()["l2"]["l3_put"] >= 16:
+            if a.stats().l2.l3_put >= 16:
                 break
             time.sleep(0.05)
         keys = la._keys(hashes + [f"{uid}x"])
         embedded = ray.get(n1.health.remote())["mode"] == "embedded"
-        seg1 = ray.get(n1.stats.remote())["own_segment"]
-        seg2 = ray.get(n2.stats.remote())["own_segment"]
+        seg1 = ray.get(n1.stats.remote()).own_segment
+        seg2 = ray.get(n2.stats.remote()).own_segment
         on1 = 16 if embedded else 0
         assert (seg1 and seg2 and seg1 != seg2) if embedded else seg1 is seg2 is None
         r1 = ray.get(n1.residency.remote(keys, 1, a.owner_claim(node1)))
@@ -394,8 +395,8 @@ def test_residency_names_the_node_that_holds_a_chain(cluster, uid):
             ray.get(n1.residency.remote(["t1.x_" + keys[0]], 1))
         with pytest.raises(DeadlineExceededError):
             ray.get(n1.residency.remote(keys, 1, a.owner_claim(node1), 0.0))
-        stats = ray.get(n1.stats.remote())["residency"]
-        assert stats["queries"] >= 7 and stats["refused"] >= 2 and stats["late"] >= 1
+        stats = ray.get(n1.stats.remote()).residency
+        assert stats.queries >= 7 and stats.refused >= 2 and stats.late >= 1
     finally:
         a.close()
         b.close()

@@ -23,6 +23,7 @@ import torch
 from raykv import CacheClient, local_settings, start_local
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import TierStats
 from raykv.controllers.pool_layout import MiB
 from raykv.controllers.tenancy import TENANT_SECRET_ENV
 
@@ -89,8 +90,8 @@ def read_back(client: CacheClient, pool, keys: list[str], written: torch.Tensor)
     return got
 
 
-def tiers(cluster) -> dict:
-    return ray.get(next(iter(cluster.node_actors.values())).stats.remote())["tiers"]
+def tiers(cluster) -> TierStats:
+    return ray.get(next(iter(cluster.node_actors.values())).stats.remote()).tiers
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +116,9 @@ def test_a_node_actor_restart_and_a_cluster_restart_find_the_disk_tier(disk_dir,
         put_all(client, keys)
         time.sleep(2)
         before = tiers(cluster)
-        assert before["used_bytes"] > 8 * MiB, before  # buckets reached the disk
+        assert before.used_bytes > 8 * MiB, before  # buckets reached the disk
         assert all(read_back(client, pool, keys, written))
-        assert tiers(cluster)["served"].get("l3_disk", 0) > 0
+        assert tiers(cluster).served.get("l3_disk", 0) > 0
 
         os.kill(cluster.master.proc.pid, signal.SIGKILL)  # the master alone
         cluster.master.proc.wait()
@@ -157,8 +158,8 @@ def test_a_node_actor_restart_and_a_cluster_restart_find_the_disk_tier(disk_dir,
         print(f"after the cluster restart: {sum(after_restart)} of {PAGES} pages")
         assert sum(after_restart) >= PAGES // 3
         # two objects a page (K and V), all from disk now
-        assert tiers(cluster)["served"].get("l3_disk", 0) >= 2 * sum(after_restart)
-        assert "l3_memory" not in tiers(cluster)["served"]
+        assert tiers(cluster).served.get("l3_disk", 0) >= 2 * sum(after_restart)
+        assert "l3_memory" not in tiers(cluster).served
         other, other_pool = client_of(monkeypatch, SECRET_B, "b")
         assert not any(read_back(other, other_pool, keys, written))
         # CONTROL: clients without a tenant share their pages across a restart too

@@ -31,9 +31,9 @@ def test_start_local_keeps_the_masters_doors_on_loopback():
         (actor,) = c.node_actors.values()
         pid = ray.get(actor.health.remote())["pid"]
         stats = ray.get(actor.stats.remote())
-        named = stats["exposed_ports"]
+        named = stats.exposed_ports
         # the control of test_hosts: a single-host cluster's node advertises loopback
-        assert stats["mooncake_endpoint"].startswith("127.0.0.1:")
+        assert stats.mooncake_endpoint.startswith("127.0.0.1:")
         mine = {str(x) for x in listeners(pid)}
         assert set(named) <= mine and not any(x.startswith("127.") for x in named)
         print("the node's Mooncake client listens beyond loopback on", named)

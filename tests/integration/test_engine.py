@@ -217,7 +217,7 @@ def test_slow_l3_tail_is_recomputed_and_exact(cluster, variant):
 
 def queue_wait_s(cluster, node: str) -> float:
     """The node actor's queue wait (``LoadCosts.queue_wait``), from its ``stats``."""
-    return ray.get(cluster.node_actors[node].stats.remote())["loads"]["queue_wait_s"]
+    return ray.get(cluster.node_actors[node].stats.remote()).loads.queue_wait_s
 
 
 def test_a_stopped_peer_raises_the_estimates_and_requests_recompute_not_wait(cluster):

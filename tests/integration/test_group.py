@@ -138,12 +138,12 @@ def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
     assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
     dep = ray.get(cluster.controller.deployments.remote())[f"conf-{uid}_"]  # its key prefix
     home = ray.get_actor(node_actor_name(dep["home_node"]), namespace=NAMESPACE)
-    before = ray.get(home.stats.remote())["group_queries"]
+    before = ray.get(home.stats.remote()).group_queries
     # The same rank asks again: a fresh answer, from the pages the store just leased.
     assert ray.get(r0.call.remote("group_exists", keys, ask)).kv_hit_pages == 4
-    after = ray.get(home.stats.remote())["group_queries"]
-    assert after["confirmed"] == before["confirmed"] + 1
-    assert after["store_calls"] == before["store_calls"]
+    after = ray.get(home.stats.remote()).group_queries
+    assert after.confirmed == before.confirmed + 1
+    assert after.store_calls == before.store_calls
     # A forced remove takes objects whatever their lease; told so, the actor asks again.
     raw = MooncakeDistributedStore()
     assert raw.setup("127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "",
@@ -155,14 +155,14 @@ def test_confirmed_pages_spare_the_store_until_forgotten(cluster, uid):
     ray.get(home.forget_confirmations.remote())
     hit = ray.get(r0.call.remote("group_exists", keys, ask))
     assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [0, 1, 2]
-    assert ray.get(home.stats.remote())["group_queries"]["store_calls"] > after["store_calls"]
+    assert ray.get(home.stats.remote()).group_queries.store_calls > after.store_calls
 
 
 def answered(node: str) -> int:
     """Group queries ``node``'s actor has answered so far, however."""
     stats = ray.get(ray.get_actor(node_actor_name(node), namespace=NAMESPACE).stats.remote())
-    return sum(v for k, v in stats["group_queries"].items()
-               if k in ("recent", "inflight", "confirmed", "looked_up"))
+    g = stats.group_queries
+    return g.recent + g.inflight + g.confirmed + g.looked_up
 
 
 @ray.remote(num_cpus=0)
@@ -460,7 +460,7 @@ def hold_on_node(cluster, opts: RouteOptions, prompt: list[int]) -> None:
         pages = link.reserve(pool.name, hashes)
         assert link.commit(pool.name, hashes, pages, [True] * len(hashes)) == len(hashes)
         for _ in range(200):
-            if client.stats()["l2"]["l3_put"] >= len(hashes):
+            if client.stats().l2.l3_put >= len(hashes):
                 break
             time.sleep(0.05)
     finally:

@@ -15,6 +15,7 @@ import ray
 import torch
 from raykv import local_settings
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import LinkView
 from raykv.controllers.pool_layout import MiB
 from raykv_lab.hosts import start_hosts
 
@@ -27,8 +28,9 @@ SHAPE = dict(page_size=16, size=PAGES * 16, layer_num=4, head_num=8, head_dim=64
 SLOW_MB_S = 10e6 / 8 / 1e6  # 10 Mbit/s in MB/s
 
 
-def link_of(cluster, node: str, segment: str) -> dict:
-    return ray.get(cluster.node_actors[node].stats.remote())["loads"]["links"].get(segment, {})
+def link_of(cluster, node: str, segment: str) -> LinkView | None:
+    """``node``'s estimate of its link from ``segment`` (None: none yet)."""
+    return ray.get(cluster.node_actors[node].stats.remote()).loads.links.get(segment)
 
 
 def wait_for(check, within_s: float = 60.0):
@@ -60,15 +62,15 @@ def test_a_shaped_link_is_estimated_at_its_rate_and_an_unshaped_one_far_faster(u
         assert ray.get(writer.call.remote("batch_set_v1", keys, indices(0, PAGES, 16))) \
             == [True] * PAGES
         try:
-            fast = wait_for(lambda: (v := link_of(c, a, b_segment)).get("probe_age_s")
-                            is not None and v)["mb_per_s"]
+            fast = wait_for(lambda: (v := link_of(c, a, b_segment)) is not None
+                            and v.probe_age_s is not None and v).mb_per_s
             c.ray_nodes.set_rate(1, "10mbit")
             assert ray.get(reader.call.remote("group_exists", keys)).kv_hit_pages == PAGES
             for _ in range(10):
                 assert all(ray.get(reader.call.remote("batch_get_v1", keys,
                                                       indices(0, PAGES, 16))))
-            slow = wait_for(lambda: (v := link_of(c, a, b_segment)).get("samples", 0) >= 10
-                            and v)["mb_per_s"]
+            slow = wait_for(lambda: (v := link_of(c, a, b_segment)) is not None
+                            and v.samples >= 10 and v).mb_per_s
             assert SLOW_MB_S / 2 <= slow <= SLOW_MB_S * 2
             assert fast > 4 * slow
         finally:

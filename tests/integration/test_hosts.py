@@ -107,7 +107,7 @@ def test_a_rank_on_one_host_reads_what_a_rank_on_another_wrote(hosts, uid):
     assert torch.equal(ray.get(reader.pages.remote(16, 4)), ray.get(writer.pages.remote(0, 4)))
     # each host's node actor tells Mooncake peers its host's address, never loopback
     for node_id, actor in hosts.node_actors.items():
-        endpoint = ray.get(actor.stats.remote())["mooncake_endpoint"]
+        endpoint = ray.get(actor.stats.remote()).mooncake_endpoint
         net = hosts.ray_nodes
         assert endpoint.rpartition(":")[0] == net.address(net.host_of(node_id))
     assert hosts.master_address.startswith(hosts.ray_nodes.address(0) + ":")
@@ -166,7 +166,7 @@ def test_locality_bench_loads_a_prefix_from_l2_and_across_hosts_byte_for_byte(ho
 
     a, b = sorted(hosts.node_ids, key=hosts.ray_nodes.host_of)
     node_a = hosts.node_actors[a]
-    puts = ray.get(node_a.stats.remote())["l2"]["l3_put"]
+    puts = ray.get(node_a.stats.remote()).l2.l3_put
     prefix = Prefix(hosts, a, b, 64 * 1024, 4, uid, seed=1)
     try:
         assert ray.get(prefix.writer.write.remote(prefix.hashes)) == 4

@@ -173,7 +173,7 @@ def test_mla_model_rank_scoping(cluster, uid):
                                               model_name="dsv/32"), pools)
              for r, node in enumerate((node1, node2))]
     keys = [f"{uid}-{i}" for i in range(2)]
-    put_before = ray.get(cluster.node_actors[node2].stats.remote())["counters"]
+    put_before = ray.get(cluster.node_actors[node2].stats.remote()).counters
     for r, rank in enumerate(ranks):
         ray.get(rank.fill.remote(r))
         out = ray.get(rank.call.remote("batch_set_v2", [
@@ -181,7 +181,7 @@ def test_mla_model_rank_scoping(cluster, uid):
             PoolTransfer(MAMBA, keys, torch.tensor([0, 1]), TRAIL),
             PoolTransfer(IDX, keys, None, indices_from_pool=KV)]))
         assert out == {KV: [True] * 2, MAMBA: [True] * 2, IDX: [True] * 2}
-    put_after = ray.get(cluster.node_actors[node2].stats.remote())["counters"]
+    put_after = ray.get(cluster.node_actors[node2].stats.remote()).counters
     moved = put_after.get("put_objects", 0) - put_before.get("put_objects", 0)
     assert moved == 2 * 3  # rank 1 stored only its Mamba objects (temporal + 2 conv)
     store = MooncakeDistributedStore()

@@ -62,7 +62,7 @@ def test_store_full_is_reported_per_page(uid):
         got = client.batch_get_v1(keys, torch.arange(16 * pages))
         assert [g for g, o in zip(got, ok, strict=True) if not o] == [False] * ok.count(False)
         assert client.health()["store_healthy"]
-        counters = client.stats()["counters"]
+        counters = client.stats().counters
         assert any(k.startswith("put_error_") for k in counters), counters
         assert c.node_actors
 

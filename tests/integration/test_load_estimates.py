@@ -12,6 +12,7 @@ import pytest
 import ray
 from raykv import CacheClient
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import LoadStats
 
 from tests.integration.conftest import two_nodes
 from tests.integration.ranks import MHA, indices, start_rank
@@ -21,9 +22,9 @@ PAGES = 16
 DELAY_S = 0.5
 
 
-def loads_view(cluster, node: str) -> dict:
+def loads_view(cluster, node: str) -> LoadStats:
     """``loads`` of ``node``'s actor (its ``stats``)."""
-    return ray.get(cluster.node_actors[node].stats.remote())["loads"]
+    return ray.get(cluster.node_actors[node].stats.remote()).loads
 
 
 def wait_for(check, within_s: float = 30.0):
@@ -77,16 +78,16 @@ def test_a_hit_from_another_node_comes_with_priced_runs(cluster, stored):
     reader, keys, here, there, writer = stored
     a = segment(cluster, there)
     # a cold start: B probed A's segment, a peer of the node list, before any load
-    cold = wait_for(lambda: (v := loads_view(cluster, here)["links"].get(a, {})).get(
-        "probe_age_s") is not None and v, within_s=90)
-    assert cold["samples"] == 0 and cold["mb_per_s"] > 0  # the probe's, no get's
+    cold = wait_for(lambda: (v := loads_view(cluster, here).links.get(a)) is not None
+                    and v.probe_age_s is not None and v, within_s=90)
+    assert cold.samples == 0 and cold.mb_per_s > 0  # the probe's, no get's
     hit = reader.group_exists(keys)
     assert hit.kv_hit_pages == PAGES
     assert sum(p for _, p, _ in hit.load_runs) == PAGES
     assert [(t, p) for t, p, _ in hit.load_runs] == [("l3", PAGES)]
     assert hit.load_runs[0][2] > 0  # priced from the first load on: the probe's estimate
     view = loads_view(cluster, here)
-    assert view["links"][a]["mb_per_s"] > 0 and view["located_keys"] >= PAGES
+    assert view.links[a].mb_per_s > 0 and view.located_keys >= PAGES
     # the writer on A asks its lookup home B over Ray: the runs travel that route too
     far = ray.get(writer.call.remote("group_exists", keys))
     assert [(t, p) for t, p, _ in far.load_runs] == [("l3", PAGES)]
@@ -106,10 +107,10 @@ def told_load_s(cluster, node: str) -> dict:
 def estimate_after_loads(cluster, reader, keys, here, loads: int) -> float:
     """The hit's estimated seconds after ``loads`` more loads of it through B, each
     measured by B's background thread before the next query."""
-    start = loads_view(cluster, here)["overall"]["samples"]
+    start = loads_view(cluster, here).overall.samples
     for _ in range(loads):
         assert all(reader.batch_get_v1(keys, indices(0, PAGES)))
-    wait_for(lambda: loads_view(cluster, here)["overall"]["samples"] >= start + loads)
+    wait_for(lambda: loads_view(cluster, here).overall.samples >= start + loads)
     hit = reader.group_exists(keys)
     assert hit.kv_hit_pages == PAGES
     return sum(s for _, _, s in hit.load_runs)

@@ -118,12 +118,12 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     assert len(l2.acquire(l2_pool.name, hashes, False)) == 4  # hits
     assert l2.acquire(l2_pool.name, [f"{uid}-l2-none"], False) == []  # a miss
     deadline = time.monotonic() + SCRAPE_S
-    while client.stats()["l2"]["l3_put"] < 4:  # the write-behind landed
-        assert time.monotonic() < deadline, client.stats()["l2"]
+    while client.stats().l2.l3_put < 4:  # the write-behind landed
+        assert time.monotonic() < deadline, client.stats().l2
         time.sleep(0.2)
     stats = client.stats()
-    counters, l2_stats = stats["counters"], stats["l2"]
-    (l2_counts,) = [p for name, p in l2_stats["pools"].items() if name == l2_pool.name]
+    counters, l2_stats = stats.counters, stats.l2
+    (l2_counts,) = [p for name, p in l2_stats.pools.items() if name == l2_pool.name]
     node_id = cluster.node_ids[0]
     (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
     me = {"node": node_id[:12]}
@@ -132,19 +132,19 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
         ("raykv_objects", "_total", ("op", "get"), ("outcome", "ok")): counters["get_objects"],
         ("raykv_bytes", "_total", ("op", "put")): counters["put_bytes"],
         ("raykv_group_queries", "_total", ("answer", "looked_up")):
-            stats["group_queries"]["looked_up"],
+            stats.group_queries.looked_up,
         ("raykv_pool_bytes", "", ("pool", pool.name)): pool.nbytes,
         ("raykv_pool_bytes", "", ("pool", l2_pool.name)): l2_pool.nbytes,
-        ("raykv_l2_pages", "_total", ("event", "written")): l2_counts["written"],
-        ("raykv_l2_pages", "_total", ("event", "hits")): l2_counts["hits"],
-        ("raykv_l2_pages", "_total", ("event", "misses")): l2_counts["misses"],
+        ("raykv_l2_pages", "_total", ("event", "written")): l2_counts.written,
+        ("raykv_l2_pages", "_total", ("event", "hits")): l2_counts.hits,
+        ("raykv_l2_pages", "_total", ("event", "misses")): l2_counts.misses,
         ("raykv_l2_objects", "_total", ("event", "l3_put_submitted")):
-            l2_stats["l3_put_submitted"],
-        ("raykv_l2_objects", "_total", ("event", "l3_put")): l2_stats["l3_put"],
-        ("raykv_l2_write_behind_objects", ""): l2_stats["l3_put_submitted"]
-        - l2_stats["l3_put"] - l2_stats["l3_put_failed"],  # 0: every put ended
+            l2_stats.l3_put_submitted,
+        ("raykv_l2_objects", "_total", ("event", "l3_put")): l2_stats.l3_put,
+        ("raykv_l2_write_behind_objects", ""): l2_stats.l3_put_submitted
+        - l2_stats.l3_put - l2_stats.l3_put_failed,  # 0: every put ended
     }
-    assert counters["put_objects"] >= 3 and l2_counts["hits"] == 4 and l2_counts["misses"]
+    assert counters["put_objects"] >= 3 and l2_counts.hits == 4 and l2_counts.misses
     got: dict = {}
     while True:
         found = scrape(node)
@@ -167,7 +167,7 @@ def test_node_metrics_reach_rays_prometheus_export(cluster):
     objects = found["raykv_objects"]
     assert total(objects, "_total", **me, op="put", pool=pool.name,
                  deployment=deployment_id(client.config), tenant="(none)") == \
-        stats["pools"][pool.name]["counters"]["put_ok"] == 2 * len(keys)  # K and V
+        stats.pools[pool.name].counters["put_ok"] == 2 * len(keys)  # K and V
     # CONTROL: what the node never counted is not there
     assert not [s for s in objects if s.labels.get("outcome", "").startswith("error")]
     assert total(objects, "_total", node="not-a-node") == 0
@@ -233,8 +233,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     engines[0].run()
     engines[0].close()  # each side exports what is left
     first = engines[0].scheduler.connector.stats
-    assert engines[0].worker.stats["saved"] == 4
-    assert first["asked_tokens"] == 4 * 16 and first["l3_hit_tokens"] == 0  # a miss
+    assert engines[0].worker.stats.saved == 4
+    assert first.asked_tokens == 4 * 16 and first.l3_hit_tokens == 0  # a miss
     wait_for({("raykv_asked_tokens", "_total"): 4 * 16})
     # CONTROL: nothing hit or loaded yet, so none of those counters is there
     assert exported("raykv_hit_tokens", "_total") == 0
@@ -244,8 +244,8 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
     engines[1].run()
     engines[1].close()
     second, worker = engines[1].scheduler.connector.stats, engines[1].worker.stats
-    assert worker["loaded"] == 4 and second["l3_hit_tokens"] == 4 * 16
-    assert second["l2_hit_tokens"] == 0  # no L2 cache in these engines: every hit is L3's
+    assert worker.loaded == 4 and second.l3_hit_tokens == 4 * 16
+    assert second.l2_hit_tokens == 0  # no L2 cache in these engines: every hit is L3's
     found = wait_for({("raykv_asked_tokens", "_total"): 2 * 4 * 16,
                       ("raykv_hit_tokens", "_total", ("tier", "l3")): 4 * 16,
                       ("raykv_load_seconds", "_count", ("tier", "l3")): 1,  # one load
@@ -263,16 +263,16 @@ def test_vllm_connector_counters_reach_rays_prometheus_export(cluster, tmp_path)
         assert {s.labels["tenant"] for s in samples} == {"(none)"}
         assert "(none)" not in {s.labels["deployment"] for s in samples}
     # vLLM's own connector stats, summed as its scheduler reports them
-    assert engines[0].vllm_stats["saved"] == 4
-    assert engines[0].vllm_stats["asked_tokens"] == 4 * 16
-    assert engines[1].vllm_stats["loaded"] == 4
-    assert engines[1].vllm_stats["l3_hit_tokens"] == 4 * 16
-    assert "load_failed" not in engines[1].vllm_stats  # never grew
+    assert engines[0].vllm_stats.saved == 4
+    assert engines[0].vllm_stats.asked_tokens == 4 * 16
+    assert engines[1].vllm_stats.loaded == 4
+    assert engines[1].vllm_stats.l3_hit_tokens == 4 * 16
+    assert engines[1].vllm_stats.load_failed == 0  # never grew
     want = {}
     for role, side in (("worker", lambda e: e.connector),
                        ("scheduler", lambda e: e.scheduler.connector)):
         for counter in ("saved", "loaded", "queries", "hit_blocks"):
-            n = sum(side(e).stats[counter] for e in engines)
+            n = sum(getattr(side(e).stats, counter) for e in engines)
             if n:
                 want[(role, counter)] = n
     assert want[("worker", "saved")] == 4 and want[("scheduler", "hit_blocks")] == 4

@@ -10,11 +10,13 @@ registers when it starts, and hands over its first token before it saves anythin
 """
 
 import random
+from dataclasses import asdict
 
 import pytest
 import ray
 from raykv import CacheClient
 from raykv.controllers import StorageConfig
+from raykv.controllers.node_records import GroupQueryStats
 from raykv.example_engine import Engine
 from raykv.example_engine.presets import build
 
@@ -25,15 +27,17 @@ PS = 16
 SIZES = dict(hidden=64, layers=2, head_dim=16, vocab=128)
 
 
-def group_counts(cluster, node: str) -> dict:
+def group_counts(cluster, node: str) -> GroupQueryStats:
     """``group_queries`` of ``node``'s actor (its ``stats``)."""
-    return ray.get(cluster.node_actors[node].stats.remote())["group_queries"]
+    return ray.get(cluster.node_actors[node].stats.remote()).group_queries
 
 
-def grown(before: dict, after: dict) -> dict:
-    """The counts of ``group_counts`` that grew, by how much (seconds left out)."""
-    return {k: after[k] - before[k] for k in after
-            if k != "store_seconds" and after[k] != before[k]}
+def grown(before: GroupQueryStats, after: GroupQueryStats) -> dict[str, int]:
+    """The counts of ``group_counts`` that grew, by name and how much (seconds left
+    out)."""
+    then, now = asdict(before), asdict(after)
+    return {k: now[k] - then[k] for k in now
+            if k != "store_seconds" and now[k] != then[k]}
 
 
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "control_lazy"])
@@ -140,7 +144,7 @@ def test_an_engine_registers_when_it_starts(cluster, engine):
 
 def puts(cluster, node: str) -> int:
     """Objects ``node``'s actor has put into the store so far."""
-    return ray.get(cluster.node_actors[node].stats.remote())["counters"].get(
+    return ray.get(cluster.node_actors[node].stats.remote()).counters.get(
         "put_objects", 0)
 
 

@@ -26,6 +26,7 @@ from raykv.controllers import PoolName, StorageConfig
 from raykv.controllers.contract import PoolTransfer
 from raykv.controllers.deployments import deployment_id
 from raykv.controllers.naming import node_actor_name
+from raykv.controllers.node_records import PoolOwner, TenantUse
 from raykv.controllers.ownership import tenant_digest
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import NOT_OWNED
@@ -213,11 +214,11 @@ def test_a_tenant_stops_at_its_quota_and_status_shows_its_use(cluster, monkeypat
 
     state = deploy.status(cluster.address, cluster.namespace)
     (node,) = state["nodes"].values()
-    assert node["tenants"]["team-q"] == {"pool_bytes": QUOTA, "pools": 3, "quota": QUOTA}
-    assert node["tenants"]["team-r"]["pool_bytes"] >= 4 * POOL_BYTES
-    assert node["tenants"]["team-r"]["quota"] is None
-    assert node["pools"][pools[0].name]["owner"] == {"deployment": deployment_id(q.config),
-                                                      "tenant": "team-q"}
+    assert node.tenants["team-q"] == TenantUse(pool_bytes=QUOTA, pools=3, quota=QUOTA)
+    assert node.tenants["team-r"].pool_bytes >= 4 * POOL_BYTES
+    assert node.tenants["team-r"].quota is None
+    assert node.pools[pools[0].name].owner == PoolOwner(deployment=deployment_id(q.config),
+                                                        tenant="team-q")
     out = io.StringIO()
     render_status(state, Console(file=out, width=100))
     assert "team-q 24.0 KiB of 24.0 KiB quota (3 pools)" in out.getvalue(), out.getvalue()
@@ -238,12 +239,12 @@ def test_pools_without_a_tenant_stop_at_their_bound_and_tenants_go_on(cluster, m
     uid = uuid.uuid4().hex[:8]
     plain = client(monkeypatch, f"untenanted/{uid}")
 
-    def untenanted() -> dict:
+    def untenanted() -> TenantUse:
         (node,) = deploy.status(cluster.address, cluster.namespace)["nodes"].values()
-        return node["untenanted"]
+        return node.untenanted
 
-    assert untenanted()["quota"] == UNTENANTED
-    room = UNTENANTED - untenanted()["pool_bytes"]
+    assert untenanted().quota == UNTENANTED
+    room = UNTENANTED - untenanted().pool_bytes
     fill = plain.create_host_pool("mha", **(MHA | {"size": 64 * room // POOL_BYTES}))
     with pytest.raises(ValueError, match=f"the pools without a tenant are over their bound "
                                          f"on this node: pool '.*' needs {POOL_BYTES} bytes, "
@@ -285,7 +286,7 @@ def test_an_l2_pool_shrinks_to_what_is_left_of_its_tenants_quota(cluster, monkey
         assert l2.size // L2_PAGE.page_size == (QUOTA - POOL_BYTES) // page
         state = deploy.status(cluster.address, cluster.namespace)
         (node,) = state["nodes"].values()
-        assert node["tenants"]["team-q"] == {"pool_bytes": QUOTA, "pools": 2, "quota": QUOTA}
+        assert node.tenants["team-q"] == TenantUse(pool_bytes=QUOTA, pools=2, quota=QUOTA)
         # the quota is full: another deployment of the tenant gets no page
         with pytest.raises(ValueError, match="tenant 'team-q' is over its quota on this "
                                              "node"):

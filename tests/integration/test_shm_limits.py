@@ -63,7 +63,7 @@ SMALL_SHM_NODE = textwrap.dedent("""
         out["get"] = client.batch_get_v1(keys, idx)
         out["same_bytes"] = bool(torch.equal(small.kv_buffer[:, :128], data[:, :128]))
         out["same_actor"] = client.health()["pid"] == pid
-        out["pools"] = sorted(client.stats()["pools"])
+        out["pools"] = sorted(client.stats().pools)
     print("RESULT", json.dumps(out))
 """)
 

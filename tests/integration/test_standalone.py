@@ -27,6 +27,7 @@ from raykv.cache_actors.rank.staging_pools import (
     staging_layout,
 )
 from raykv.controllers import PoolHitPolicy, PoolName, PoolTransfer, StorageConfig
+from raykv.controllers.node_records import NodeStats
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.integrations.vllm.l2_blocks import L2Blocks
@@ -49,7 +50,7 @@ def cluster():
         yield c
 
 
-def stats(cluster, node: str) -> dict:
+def stats(cluster, node: str) -> NodeStats:
     return ray.get(cluster.node_actors[node].stats.remote())
 
 
@@ -90,18 +91,18 @@ def hybrid_pair(cluster):
 
 def test_budget_counts_every_buffer_once_and_refuses_what_does_not_fit(cluster, uid):
     node1, node2 = cluster.node_ids
-    used_before = stats(cluster, node1)["host_pool_used"]
+    used_before = stats(cluster, node1).host_pool_used
     writer, reader = (start_hybrid(n, CFG, POOLS) for n in (node1, node2))
     # A draft pool registered after the rank (and the node) started.
     for rank in (writer, reader):
         ray.get(rank.add_pool.remote("draft", "mha", HYBRID["draft"][1]))
     handles = ray.get(writer.handles.remote())
     st = stats(cluster, node1)
-    assert st["mode"] == "standalone" and st["host_pool_bytes"] == BUDGET
+    assert st.mode == "standalone" and st.host_pool_bytes == BUDGET
     distinct = sum(h.layout.nbytes for h in handles.values())
     assert distinct == sum(sum(b.slot_bytes for b in h.layout.buffers) * h.layout.size
                            for h in handles.values())  # K+V, temporal + both conv, draft
-    assert st["host_pool_used"] - used_before == distinct
+    assert st.host_pool_used - used_before == distinct
     # What was requested from mooncake_client: one memfd per pool, of exactly its size.
     assert len({h.path for h in handles.values()}) == len(handles)
     assert sum(os.stat(h.path).st_size for h in handles.values()) == distinct
@@ -111,13 +112,13 @@ def test_budget_counts_every_buffer_once_and_refuses_what_does_not_fit(cluster, 
     assert write(writer, keys, 8) == {KV: [True] * 3, MAMBA: [True], DRAFT: [True] * 3}
     read_back_equal(writer, reader, keys, 8)
 
-    left = BUDGET - st["host_pool_used"]
+    left = BUDGET - st.host_pool_used
     with pytest.raises(ValueError, match=rf"needs {left + 1} bytes .* host_pool_bytes={BUDGET}"):
         ray.get(writer.call.remote("create_host_pool", "mla", page_size=1, size=left + 1,
                                    layer_num=1, kv_cache_dim=1, dtype=torch.uint8,
                                    name=f"big-{uid}"))
     after = stats(cluster, node1)
-    assert after["host_pool_used"] == st["host_pool_used"] and f"big-{uid}" not in after["pools"]
+    assert after.host_pool_used == st.host_pool_used and f"big-{uid}" not in after.pools
 
 
 def test_killed_node_actor_keeps_l3_and_adopts_its_client(cluster, uid):
@@ -132,10 +133,10 @@ def test_killed_node_actor_keeps_l3_and_adopts_its_client(cluster, uid):
     wait_for(lambda: ray.get(cluster.node_actors[node1].health.remote())["pid"] != actor_pid,
              "the node actor's restart")
     after = stats(cluster, node1)
-    assert after["mooncake_client"]["pid"] == before["mooncake_client"]["pid"]
-    assert after["mooncake_client"]["adopted"]
+    assert after.mooncake_client.pid == before.mooncake_client.pid
+    assert after.mooncake_client.adopted
     assert len(running_clients(cluster)) == 2  # one per node, no second one on node 1
-    assert after["host_pool_used"] == before["host_pool_used"]  # pools made again
+    assert after.host_pool_used == before.host_pool_used  # pools made again
     read_back_equal(writer, reader, keys, 0)  # L3 survived in node 1's mooncake_client
 
     # The writer's mappings are of the dead actor's memory: one retryable error, then
@@ -152,17 +153,17 @@ def test_killed_node_actor_keeps_l3_and_adopts_its_client(cluster, uid):
 def test_killed_mooncake_client_fails_clearly_then_recovers(cluster, uid):
     node1 = cluster.node_ids[0]
     writer, reader = hybrid_pair(cluster)
-    before = stats(cluster, node1)["mooncake_client"]
-    os.kill(before["pid"], signal.SIGKILL)
-    wait_for(lambda: before["pid"] not in running_clients(cluster), "mooncake_client's death")
+    before = stats(cluster, node1).mooncake_client
+    os.kill(before.pid, signal.SIGKILL)
+    wait_for(lambda: before.pid not in running_clients(cluster), "mooncake_client's death")
 
     keys = [f"{uid}-{i}" for i in range(3)]
     with pytest.raises(NodeUnavailableError, match="mooncake_client|allocated anew"):
         write(writer, keys, 0)
-    after = wait_for(lambda: (s := stats(cluster, node1)["mooncake_client"])["alive"] and s,
+    after = wait_for(lambda: (s := stats(cluster, node1).mooncake_client).alive and s,
                      "mooncake_client's restart")
-    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
-    assert after["port"] == before["port"]
+    assert after.restarts == before.restarts + 1 and after.pid != before.pid
+    assert after.port == before.port
     assert len(running_clients(cluster)) == 2
     # The next call re-maps the writer's pools (allocated anew, empty), then data moves.
     assert ray.get(writer.call.remote("health"))["store_healthy"]
@@ -212,10 +213,10 @@ def test_data_calls_racing_a_reallocation_fail_only_retryably(cluster, uid):
         t.start()
     try:
         wait_for(lambda: outcomes["ok"] >= 20, "data calls before the kill")
-        before = stats(cluster, node1)["mooncake_client"]
-        os.kill(before["pid"], signal.SIGKILL)
-        wait_for(lambda: stats(cluster, node1)["mooncake_client"]["restarts"] >
-                 before["restarts"] and outcomes["StalePoolsError"] >= 20,
+        before = stats(cluster, node1).mooncake_client
+        os.kill(before.pid, signal.SIGKILL)
+        wait_for(lambda: stats(cluster, node1).mooncake_client.restarts >
+                 before.restarts and outcomes["StalePoolsError"] >= 20,
                  "the re-allocation, then stale calls")
     finally:
         stop.set()
@@ -258,7 +259,7 @@ def kill_client_and_wait_for_new_pools(cluster, client: CacheClient, pool: str,
     allocated its pools anew (``pool``'s handle is of another epoch than ``epoch``): by
     then the old memory was given back, unless a rank still holds it."""
     actor = cluster.node_actors[client.node_id]
-    pid = stats(cluster, client.node_id)["mooncake_client"]["pid"]
+    pid = stats(cluster, client.node_id).mooncake_client.pid
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: ray.get(actor.get_pool.remote(pool, client.owner_claim())).epoch != epoch,
              "the pools allocated anew after mooncake_client's restart")

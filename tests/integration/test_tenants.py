@@ -296,7 +296,7 @@ def test_a_tenants_router_finds_its_prefix_and_learns_nothing_of_others(cluster,
         pages = link.reserve(pool.name, hashes)
         assert link.commit(pool.name, hashes, pages, [True] * 6) == 6
         for _ in range(200):
-            if client.stats()["l2"]["l3_put"] >= 6:
+            if client.stats().l2.l3_put >= 6:
                 break
             time.sleep(0.05)
         assert ask(keys, nodes) == {node1: (6, 6, 6), node2: (0, 0, 6)}

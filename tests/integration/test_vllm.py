@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import random
 import time
+from dataclasses import asdict
 
 import pytest
 import ray
@@ -225,7 +226,7 @@ def test_kv_events_name_the_blocks_raykv_stored(engines):
     (w0,) = ray.get(a.worker_stats.remote())
     ray.get(a.generate.remote(q))
     (w1,) = ray.get(a.worker_stats.remote())
-    assert w1["saved"] - w0["saved"] == 7
+    assert w1.counters.saved - w0.counters.saved == 7
     assert ray.get(a.recorded_events.remote()) == []
 
 
@@ -247,9 +248,9 @@ def other_engines(vcluster, model, uid_module):
 
 def _counts(engine) -> tuple[int, int]:
     """``engine``'s blocks found by its hit queries and blocks loaded, so far."""
-    hits = ray.get(engine.scheduler_stats.remote())["hit_blocks"]
+    hits = ray.get(engine.scheduler_stats.remote()).hit_blocks
     (worker,) = ray.get(engine.worker_stats.remote())
-    return hits, worker["loaded"]
+    return hits, worker.counters.loaded
 
 
 def _served(engine, p: list[int], **kw) -> tuple[dict, tuple[int, int]]:
@@ -335,7 +336,7 @@ def test_other_kv_dtype_is_a_miss_never_a_load(engines, other_engines):
 
 def _gets(vcluster) -> dict[str, int]:
     """Objects each node actor has read from Mooncake so far."""
-    return {n: ray.get(actor.stats.remote())["counters"].get("get_objects", 0)
+    return {n: ray.get(actor.stats.remote()).counters.get("get_objects", 0)
             for n, actor in vcluster.node_actors.items()}
 
 
@@ -493,10 +494,11 @@ def l2_engines(vcluster, model, uid_module):
 def _l2_stats(vcluster, node: str) -> dict:
     """The node's L2 counters summed over its L2 pools, and its store gets."""
     stats = ray.get(vcluster.node_actors[node].stats.remote())
-    out = {"gets": stats["counters"].get("get_objects", 0), **{
-        k: stats["l2"][k] for k in ("filled", "fill_failed", "l3_put", "l3_put_failed")}}
-    for pool in stats["l2"]["pools"].values():
-        for k, v in pool.items():
+    l2 = stats.l2
+    out = {"gets": stats.counters.get("get_objects", 0), "filled": l2.filled,
+           "fill_failed": l2.fill_failed, "l3_put": l2.l3_put, "l3_put_failed": l2.l3_put_failed}
+    for pool in l2.pools.values():
+        for k, v in asdict(pool).items():
             out[k] = out.get(k, 0) + v
     return out
 
@@ -537,7 +539,7 @@ def test_l2_same_node_reuse_without_mooncake(engines, l2_engines, vcluster):
         ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
     assert got["cached"] == 7 * BLOCK, got
     assert got["tokens"] == want
-    assert sched1["l2_hit_blocks"] - sched0["l2_hit_blocks"] == 7
+    assert sched1.l2_hit_blocks - sched0.l2_hit_blocks == 7
     assert after["gets"] == before["gets"], (before, after)  # no Mooncake get
     assert after["hits"] - before["hits"] == 7
     assert len(loaded) == 7 and {h: saved[h] for h in loaded} == loaded
@@ -582,8 +584,8 @@ def test_l2_loads_copied_behind_the_forward_are_waited_for_layer_by_layer(l2_eng
         ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False),
                  f.unwaited_layer_loads.remote(False)])
     assert got["cached"] == 7 * BLOCK, got
-    assert w1["l2_loaded"] - w0["l2_loaded"] == 7, (w0, w1, _l2_stats(vcluster, n2))
-    assert w1["loaded_behind"] - w0["loaded_behind"] == 6
+    assert w1.counters.l2_loaded - w0.counters.l2_loaded == 7, (w0, w1, _l2_stats(vcluster, n2))
+    assert w1.counters.loaded_behind - w0.counters.loaded_behind == 6
     assert len(loaded) == 7 and {h: saved[h] for h in loaded} == loaded  # once copied
     if waited:
         assert got["tokens"] == want
@@ -666,7 +668,7 @@ def test_eviction_bench_check_passes_real_loads_and_catches_corrupted_ones(l2_en
         control = corrupt_control([e, f], f, ps[2:])
     finally:
         ray.get([x.record.remote(False) for x in (e, f)])
-    assert check["checked"] == w1["loaded"] - w0["loaded"] > 0, (check, w0, w1)
+    assert check["checked"] == w1.loaded - w0.loaded > 0, (check, w0, w1)
     assert check["wrong"] == check["never_saved"] == 0, check
     assert s1["filled"] > s0["filled"] and s1["evicted"] > s0["evicted"], (s0, s1)
     assert control["checked"] > 0 and control["wrong"] == control["checked"], control
@@ -723,9 +725,10 @@ def test_async_transfers_load_l3_off_the_step_and_save_every_block(engines, l2_e
         (e1,) = ray.get(e.worker_stats.remote())
     assert got["cached"] == 7 * BLOCK, got
     assert got["tokens"] == want
-    assert s1["async_lookups"] - s0["async_lookups"] == 1, (s0, s1)
-    assert w1["async_loaded"] - w0["async_loaded"] == 7, (w0, w1)
-    assert e1["l2_saved"] - e0["l2_saved"] == 8 and e1["save_dropped"] == e0["save_dropped"]
+    assert s1.async_lookups - s0.async_lookups == 1, (s0, s1)
+    assert w1.counters.async_loaded - w0.counters.async_loaded == 7, (w0, w1)
+    assert e1.counters.l2_saved - e0.counters.l2_saved == 8
+    assert e1.counters.save_dropped == e0.counters.save_dropped
     _flushed(vcluster, n2)
     q_ext = q + out["tokens"][:8 * BLOCK + 1 - len(q)]
     restored = ray.get(e.generate.remote(q_ext))
@@ -762,13 +765,13 @@ def test_async_load_failure_is_recomputed(engines, l2_engines, vcluster, report)
         ray.get(f.fail_next_async_load.remote(3, report))
         got = ray.get(f.generate.remote(p))
         (w1,) = ray.get(f.worker_stats.remote())
-    assert w1["async_loaded"] - w0["async_loaded"] == (3 if report else 7), (w0, w1)
+    assert w1.counters.async_loaded - w0.counters.async_loaded == (3 if report else 7), (w0, w1)
     if report:
-        assert w1["load_failed"] - w0["load_failed"] == 4, (w0, w1)
-        assert w1["saved"] - w0["saved"] == 4, (w0, w1)  # recomputed, then saved
+        assert w1.counters.load_failed - w0.counters.load_failed == 4, (w0, w1)
+        assert w1.counters.saved - w0.counters.saved == 4, (w0, w1)  # recomputed, then saved
         assert got["tokens"] == want["tokens"]
     else:
-        assert w1["saved"] == w0["saved"], (w0, w1)
+        assert w1.counters.saved == w0.counters.saved, (w0, w1)
         assert got["tokens"] != want["tokens"]
 
 
@@ -803,7 +806,7 @@ def test_l2_node_actor_killed_engines_serve_l2_comes_back_empty(engines, l2_engi
     finally:
         ray.get([e.record_blocks.remote(False), f.record_blocks.remote(False)])
     assert emptied.get("ready", 0) == 0 and emptied.get("hits", 0) == 0, emptied
-    _check_b(got, w1["loaded"] - w0["loaded"], cold, restored, "after the kill")
+    _check_b(got, w1.counters.loaded - w0.counters.loaded, cold, restored, "after the kill")
     assert all(saved[h] == d for h, d in loaded.items())
     deadline = time.monotonic() + 90
     for attempt in itertools.count():  # until the L2 is reopened and puts land again
@@ -840,7 +843,7 @@ def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
     ray.kill(vcluster.node_actors[n2], no_restart=False)
     got = ray.get(b.generate.remote(p))  # the actor is down or just back: never wrong
     (after,) = ray.get(b.worker_stats.remote())
-    _check_b(got, after["loaded"] - before["loaded"], cold, restored, "after the kill")
+    _check_b(got, after.counters.loaded - before.counters.loaded, cold, restored, "after the kill")
     print("B's worker connector before", before, "after", after)
     deadline = time.monotonic() + 60
     while True:
@@ -863,7 +866,7 @@ def test_node_actor_restart_recomputes_then_hits_again(engines, vcluster):
         (s0,) = ray.get(b.worker_stats.remote())
         got = ray.get(b.generate.remote(q))
         (s1,) = ray.get(b.worker_stats.remote())
-        loaded = s1["loaded"] - s0["loaded"]
+        loaded = s1.counters.loaded - s0.counters.loaded
         _check_b(got, loaded, cold, restored, f"attempt {attempt}")
         if got["cached"] == 7 * BLOCK and loaded == 7:
             break
@@ -889,10 +892,10 @@ def test_tp2_each_rank_loads_its_own_blocks(vcluster, model, uid_module):
         assert got["cached"] == 7 * BLOCK, got
         assert got["tokens"] == want["tokens"]
         stats = ray.get(e.worker_stats.remote())
-        assert sorted(s["tp_rank"] for s in stats) == [0, 1]
-        assert [s["loaded"] for s in stats] == [7, 7], stats
-        assert [s["saved"] for s in stats] == [7, 7], stats
-        assert [s["load_failed"] for s in stats] == [0, 0], stats
+        assert sorted(s.tp_rank for s in stats) == [0, 1]
+        assert [s.counters.loaded for s in stats] == [7, 7], stats
+        assert [s.counters.saved for s in stats] == [7, 7], stats
+        assert [s.counters.load_failed for s in stats] == [0, 0], stats
     finally:
         with contextlib.suppress(Exception):
             ray.get(e.close.remote(), timeout=60)

@@ -82,7 +82,7 @@ def last_lookup(engine) -> dict:
 
 def loaded(engine) -> tuple[int, int]:
     (stats,) = ray.get(engine.worker_stats.remote())
-    return stats["loaded"], stats["load_failed"]
+    return stats.counters.loaded, stats.counters.load_failed
 
 
 def until_loaded(engine, p: list[int], want: list[int]) -> None:
@@ -188,7 +188,7 @@ def test_store_calls_past_the_deadline_never_change_what_vllm_computes(cluster, 
     # Runs raykv cannot serve (another cache salt: other keys): computed whole.
     refs = bounded(e.generate_many.remote(prompts, f"ref-{uid}"), "reference run")
     assert [r["cached"] for r in refs] == [0, 0], refs
-    saves0 = ray.get(e.worker_stats.remote())[0]
+    saves0 = ray.get(e.worker_stats.remote())[0].counters
     ray.get(e.record_blocks.remote(True))
     ray.get(e.old_return.remote(not fixed))
     try:
@@ -201,8 +201,8 @@ def test_store_calls_past_the_deadline_never_change_what_vllm_computes(cluster, 
         saved = ray.get(e.recorded_blocks.remote())["saved"]
         hashes = list(saved)  # both prompts' 7 blocks
         stored = dict(zip(hashes, ray.get(e.stored.remote(hashes)), strict=True))
-        saves = ray.get(e.worker_stats.remote())[0]
-        assert len(hashes) == 14 and saves["save_failed"] > saves0["save_failed"], saves
+        saves = ray.get(e.worker_stats.remote())[0].counters
+        assert len(hashes) == 14 and saves.save_failed > saves0.save_failed, saves
         assert [s["tokens"] for s in slow] == [r["tokens"] for r in refs], slow
         assert [s["cached"] for s in slow] == [0, 0], slow
         until_probed(e)

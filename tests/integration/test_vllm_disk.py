@@ -22,6 +22,7 @@ import time
 import pytest
 import ray
 from raykv import local_settings, start_local
+from raykv.controllers.node_records import TierStats
 from raykv.controllers.pool_layout import MiB
 from raykv_lab.engines.vllm_actors import ready, start_engine
 from raykv_lab.engines.vllm_model import make_llama
@@ -52,9 +53,9 @@ def engine_on(cluster, model: str, conf: dict, **kw):
         ray.kill(e)
 
 
-def tiers(cluster) -> dict:
+def tiers(cluster) -> TierStats:
     (actor,) = cluster.node_actors.values()
-    return ray.get(actor.stats.remote())["tiers"]
+    return ray.get(actor.stats.remote()).tiers
 
 
 def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
@@ -68,7 +69,7 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
         want = computed_then_restored(a, p)
         deadline = time.monotonic() + FILL_S
         seed = 1000
-        while (used := tiers(cluster)["used_bytes"]) < ON_DISK:
+        while (used := tiers(cluster).used_bytes) < ON_DISK:
             assert time.monotonic() < deadline, f"{used} bytes on disk"
             seed += 1
             ray.get(a.generate.remote(prompt(seed, FILLER_TOKENS), 1))
@@ -83,7 +84,7 @@ def test_a_fresh_engine_after_a_cluster_restart_loads_from_disk(tmp_path, uid):
                                           disk_bytes=1 << 30), master_args=MASTER_ARGS)
           as cluster, engine_on(cluster, model, conf) as b):
         got = ray.get(b.generate.remote(p))
-        served = tiers(cluster)["served"]
+        served = tiers(cluster).served
         assert got["cached"] == 7 * BLOCK, (got, served)
         assert got["tokens"] == want
         assert served.get("l3_disk", 0) >= 7 and "l3_memory" not in served, served

@@ -85,7 +85,7 @@ def seeded(model):
         seed = StepEngine(model, name)
         seed.add(p1)
         seed.run()
-        assert seed.worker.stats["saved"] == 100, seed.worker.stats
+        assert seed.worker.stats.saved == 100, seed.worker.stats
         seed.close()
         reader = StepEngine(model, name)
         assert all(b == expected_kv(p1)[j * BS:(j + 1) * BS]
@@ -122,7 +122,7 @@ def shared_failure(model, seeded, *, policy: str, async_scheduling: bool,
         e.run()
         assert not armed[0], "request 1 loaded nothing"
         assert e.loaded == {r1.request_id: e.loaded[r1.request_id]}  # request 2: a local hit
-        assert e.worker.stats["load_failed"] == 100 - FAILED, e.worker.stats
+        assert e.worker.stats.load_failed == 100 - FAILED, e.worker.stats
         assert r2.request_id not in e.loaded
     finally:
         e.close()
@@ -178,7 +178,7 @@ def test_kv_delivery_not_required_and_wrapper_keys_pass(model, seeded):
         assert KVConnectorBase_V1.requires_kv_delivery.fget(e.scheduler.connector) is True
         e.add(p1[:4 * BS + 3])
         e.run()
-        assert e.worker.stats["loaded"] == 4
+        assert e.worker.stats.loaded == 4
     finally:
         e.close()
     with pytest.raises(ValueError, match="look misspelt"):

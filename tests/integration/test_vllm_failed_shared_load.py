@@ -71,7 +71,7 @@ def failed_shared_load(engines, seed: int) -> tuple[dict, dict]:
     got1, got2 = ray.get(b.generate_logprobs.remote([p1, p2]))
     (w1,) = ray.get(b.worker_stats.remote())
     assert got1["cached"] == 7 * BLOCK and got2["cached"] == SHARED * BLOCK, (got1, got2)
-    assert w1["load_failed"] - w0["load_failed"] == 7 - (SHARED - 1), w1
+    assert w1.counters.load_failed - w0.counters.load_failed == 7 - (SHARED - 1), w1
     (want,) = ray.get(ref.generate_logprobs.remote([p2]))
     (got,) = ray.get(a.generate_logprobs.remote([p2]))
     assert got["cached"] == 7 * BLOCK, got  # 4 blocks A saved, 3 B saved

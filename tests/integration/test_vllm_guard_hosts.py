@@ -71,7 +71,8 @@ def test_a_hit_across_a_10_mbit_link_is_recomputed_and_an_unshaped_one_loaded(tm
             cold = {k: ray.get(r.generate.remote(p[k], 1, cache_salt="cold"))
                     for k in ("threshold", "slow")}
             segment = ray.get(c.node_actors[host1].health.remote())["segment"]
-            wait_for(lambda: link_of(c, host0, segment).get("probe_age_s") is not None)
+            wait_for(lambda: (v := link_of(c, host0, segment)) is not None
+                     and v.probe_age_s is not None)
 
             def served(k: str) -> tuple[dict, dict]:
                 before = ray.get(r.scheduler_stats.remote())

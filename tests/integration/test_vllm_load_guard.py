@@ -21,9 +21,12 @@ the connector's counters and vLLM's cached tokens, not on times.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import ray
 from raykv import local_settings, start_local
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.engines.vllm_actors import Engine, ready, start_engine
 from raykv_lab.engines.vllm_model import make_llama
 
@@ -37,10 +40,11 @@ DELAY_S = 5.0
 FULL = 7 * BLOCK  # a 1000-token prompt's tokens raykv may serve (the last one computed)
 
 
-def grown(before: dict, after: dict) -> dict:
-    """The guard's and the hit counters that grew between two looks."""
-    return {k: after[k] - before[k] for k in after
-            if after[k] != before[k] and (k.startswith("guard_") or k.endswith("hit_tokens"))}
+def grown(before: ConnectorStats, after: ConnectorStats) -> dict[str, int]:
+    """The guard's and the hit counters that grew between two looks, by name."""
+    then, now = asdict(before), asdict(after)
+    return {k: now[k] - then[k] for k in now
+            if now[k] != then[k] and (k.startswith("guard_") or k.endswith("hit_tokens"))}
 
 
 def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid):
@@ -58,7 +62,7 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
                 ray.get(a.generate.remote(prompt(seed)))
             cold = ray.get(b.generate.remote(prompt(2), cache_salt="cold"))["tokens"]
             s0 = ray.get(b.scheduler_stats.remote())
-            assert grown({k: 0 for k in s0}, s0) == {}  # no hit yet; prefill measured
+            assert grown(ConnectorStats(), s0) == {}  # no hit yet; prefill measured
             set_store_delay(cluster, DELAY_S)
             try:
                 # L3: priced by the node's probe of its link (fast) or, where a delayed
@@ -98,7 +102,7 @@ def test_the_guard_recomputes_a_slow_l3_hit_loads_l2_and_off_loads(tmp_path, uid
                 assert got["cached"] == 0, got
                 assert grown(s4, s5) == {"guard_recompute_slower_than_prefill": 1,
                                          "guard_skipped_l3_tokens": FULL}
-                assert s5["async_lookups"] == s4["async_lookups"]  # nothing parked
+                assert s5.async_lookups == s4.async_lookups  # nothing parked
             finally:
                 set_store_delay(cluster, 0)
         finally:

@@ -16,6 +16,7 @@ from raykv import local_settings, start_local
 from raykv.cache_actors.rank.client import CacheClient
 from raykv.controllers import StorageConfig
 from raykv.controllers.deployments import deployment_id
+from raykv.controllers.node_records import NodeStats
 from raykv.controllers.pool_layout import MiB, PoolLayout
 
 LAYOUT = PoolLayout.vllm(page_size=4, size=4, layer_num=2, head_num=1, head_dim=16,
@@ -38,11 +39,11 @@ def engine(conf: StorageConfig, node_id: str) -> CacheClient:
     return client
 
 
-def waited(what, done, client: CacheClient) -> dict:
+def waited(what, done, client: CacheClient) -> NodeStats:
     """``client``'s node stats once ``done(stats)`` holds (bounded by ``WAIT_S``)."""
     deadline = time.monotonic() + WAIT_S
     while not done(s := client.stats()):
-        assert time.monotonic() < deadline, (what, s.get("warmup"), s["l2"])
+        assert time.monotonic() < deadline, (what, s.warmup, s.l2)
         time.sleep(0.2)
     return s
 
@@ -76,12 +77,12 @@ def first_reads(client: CacheClient, pool, chains: list[list[str]]) -> tuple[lis
         link.lookup(chain, 1)
         got.append(link.acquire(pool.name, chain, True))
     after = client.stats()
-    hits = sum(p["hits"] for p in after["l2"]["pools"].values()) - \
-        sum(p["hits"] for p in before["l2"]["pools"].values())
+    hits = sum(p.hits for p in after.l2.pools.values()) - \
+        sum(p.hits for p in before.l2.pools.values())
     return got, {"l2_hits": hits,
-                 "store_gets": after["counters"].get("get_objects", 0) -
-                 before["counters"].get("get_objects", 0),
-                 "filled": after["l2"]["filled"] - before["l2"]["filled"]}
+                 "store_gets": after.counters.get("get_objects", 0) -
+                 before.counters.get("get_objects", 0),
+                 "filled": after.l2.filled - before.l2.filled}
 
 
 def test_a_node_that_joins_warms_its_new_l2_pool(uid):
@@ -103,7 +104,7 @@ def test_a_node_that_joins_warms_its_new_l2_pool(uid):
                 buf[pages] = torch.randint(0, 255, (PAGES, buf.shape[1]), dtype=torch.uint8)
                 wrote.append(l2_pages(pool, pages))
                 assert link.commit(pool.name, chain, pages, [True] * PAGES) == PAGES
-            waited("write-behind", lambda s: s["l2"]["l3_put"] >= CHAINS * PAGES, writer)
+            waited("write-behind", lambda s: s.l2.l3_put >= CHAINS * PAGES, writer)
 
             # CONTROL: a node that joins with the warm-up off (set in its node actor)
             off = c.add_node()
@@ -112,7 +113,7 @@ def test_a_node_that_joins_warms_its_new_l2_pool(uid):
             cold = engine(conf, off)
             clients.append(cold)
             cold_pool = cold.l2().open(LAYOUT, 32)
-            assert cold.stats()["warmup"]["warmups"] == {}
+            assert cold.stats().warmup.warmups == {}
             got, counted = first_reads(cold, cold_pool, chains)
             assert [len(g) for g in got] == [PAGES] * CHAINS  # from L3, through L2
             assert counted == {"l2_hits": 0, "store_gets": CHAINS * PAGES,
@@ -123,17 +124,17 @@ def test_a_node_that_joins_warms_its_new_l2_pool(uid):
             warm = engine(conf, on)
             clients.append(warm)
             warm_pool = warm.l2().open(LAYOUT, 32)
-            s = waited("warm-up", lambda s: s["warmup"]["warmups"] and
-                       not s["warmup"]["running"], warm)
-            (w,) = s["warmup"]["warmups"].values()
-            assert (w["state"], w["stopped"], w["pages"]) == ("done", "done", CHAINS * PAGES)
-            assert w["bytes"] == CHAINS * PAGES * LAYOUT.object_bytes == s["warmup"]["bytes"]
-            assert s["l2"]["warmed"] == CHAINS * PAGES and s["l2"]["warm_failed"] == 0
+            s = waited("warm-up", lambda s: s.warmup.warmups and
+                       not s.warmup.running, warm)
+            (w,) = s.warmup.warmups.values()
+            assert (w.state, w.stopped, w.pages) == ("done", "done", CHAINS * PAGES)
+            assert w.bytes == CHAINS * PAGES * LAYOUT.object_bytes == s.warmup.bytes
+            assert s.l2.warmed == CHAINS * PAGES and s.l2.warm_failed == 0
             got, counted = first_reads(warm, warm_pool, chains)
             assert counted == {"l2_hits": CHAINS * PAGES, "store_gets": 0, "filled": 0}
             for pages, bytes_ in zip(got, wrote, strict=True):
                 assert torch.equal(l2_pages(warm_pool, pages), bytes_)
-            exported(on, off, deployment_id(conf), w["bytes"])
+            exported(on, off, deployment_id(conf), w.bytes)
         finally:
             for client in clients:
                 client.close()

@@ -76,15 +76,15 @@ def save(client: CacheClient, pool, tokens: list[int]) -> None:
     waited for in L3 (the write-behind)."""
     link = client.l2()
     hashes = page_hashes("vllm", tokens, PAGE)
-    before = client.stats()["l2"]["l3_put"]
+    before = client.stats().l2.l3_put
     pages = link.reserve(pool.name, hashes)
     assert all(p >= 0 for p in pages), pages
     buf = pool.kv_buffer.view(torch.uint8).view(pool.layout.num_pages, -1)
     buf[pages] = torch.randint(0, 255, (len(pages), buf.shape[1]), dtype=torch.uint8)
     assert link.commit(pool.name, hashes, pages, [True] * len(pages)) == len(pages)
     deadline = time.monotonic() + WAIT_S
-    while client.stats()["l2"]["l3_put"] < before + len(pages):
-        assert time.monotonic() < deadline, client.stats()["l2"]
+    while client.stats().l2.l3_put < before + len(pages):
+        assert time.monotonic() < deadline, client.stats().l2
         time.sleep(0.1)
 
 
@@ -142,7 +142,7 @@ def test_evicted_from_l2_is_named_with_its_node(saved):
     assert all(EVICTED_L2 not in r for r in reasons(why(prompt(2), saved["a"])))
     stats = ray.get(ray.get_actor(f"raykv-node-{saved['node']}", namespace="raykv")
                     .stats.remote(), timeout=30)
-    assert stats["l2_evictions"]["evictions"] >= BLOCKS
+    assert stats.l2_evictions.evictions >= BLOCKS
 
 
 def test_evicted_from_l3_is_named_when_a_node_stored_it(saved, cluster):

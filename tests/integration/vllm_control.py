@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import ray
 import torch
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.bench.digest_engine import DigestRecorder, watch_blocks
 from raykv_lab.engines.vllm_actors import VLLMEngine
 
@@ -296,9 +297,9 @@ class ControlEngine(DigestRecorder, VLLMEngine):
     def _scheduler_connector(self):
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
 
-    def scheduler_stats(self) -> dict[str, int]:
+    def scheduler_stats(self) -> ConnectorStats:
         """The scheduler side's counters (``queries``, ``hit_blocks``)."""
-        return dict(self._scheduler_connector().stats)
+        return self._scheduler_connector().stats
 
     def key_tag(self) -> str:
         """The key tag (``extra_backend_tag``) the connector uses."""

@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from raykv.integrations.vllm.connector_stats import StatsGrowth, growth_from_vllm
 
 from tests.peers.vllm_world import MOD, failing_reads, init_one_rank_world, kv_of
 
@@ -96,7 +97,7 @@ class StepEngine:
         self.connector.register_kv_caches({"layer.0": self.kv})
         self.loaded: dict[str, list[int]] = {}  # request id -> block ids it loaded
         self.fail_loads: Callable[[object], set[str]] | None = None
-        self.vllm_stats: dict[str, int] = {}  # vLLM's sums of the connector's stats
+        self.vllm_stats = StatsGrowth()  # vLLM's sums of the connector's stats
         self._count = 0
 
     @property
@@ -146,8 +147,8 @@ class StepEngine:
         scheduler stats summed into ``vllm_stats`` (what ``vllm serve`` logs)."""
         for outputs in self.scheduler.update_from_output(out, result).values():
             stats = outputs.scheduler_stats
-            for name, n in ((stats and stats.kv_connector_stats) or {}).items():
-                self.vllm_stats[name] = self.vllm_stats.get(name, 0) + n
+            if stats and stats.kv_connector_stats:  # vLLM's dict, read back
+                self.vllm_stats += growth_from_vllm(stats.kv_connector_stats)
 
     def execute(self, out):
         """One step of the model runner: vLLM's connector calls around ``forward``, in

@@ -139,9 +139,9 @@ class WorkerLoop:
         stats = self.seeder.connector.stats
         deadline = time.monotonic() + SEED_S
         while True:
-            failed = stats["save_failed"]
+            failed = stats.save_failed
             self.seeder.step(meta)
-            if stats["save_failed"] == failed:
+            if stats.save_failed == failed:
                 return
             assert time.monotonic() < deadline, \
                 f"raykv did not store the seeded blocks in {SEED_S:g} s ({stats})"

@@ -1,7 +1,8 @@
 """Stand-ins shared by the unit tests: one fake per Protocol of the product
 (``FakeBackend``: ``StoreBackend``; ``FakeMemory``: ``PoolMemory``; ``FakeRoute``:
 ``NodeRoute``), each kept in step with its Protocol by tests/unit/test_protocol_fakes.py,
-and smaller stand-ins of the node actor's other parts."""
+smaller stand-ins of the node actor's other parts, and a node actor's stats
+(``node_stats``) for what reads them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import re
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 from typing import Any
 
@@ -23,9 +24,43 @@ from raykv.cache_actors.shared_memory import unlink_shm_file
 from raykv.controllers.contract import PoolTransferResult
 from raykv.controllers.deployments import Registration
 from raykv.controllers.keys import KeyScheme
+from raykv.controllers.node_records import (
+    GroupQueryStats,
+    L2EvictionStats,
+    L2Stats,
+    LoadStats,
+    MergedCallStats,
+    NodeStats,
+    RateView,
+    ResidencyStats,
+    TenantUse,
+    WarmupStats,
+)
 from raykv.controllers.owner_sessions import Challenges
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import ALREADY_PRESENT, EXISTS, OBJECT_NOT_FOUND
+
+IDLE_RATE = RateView(mb_per_s=None, fixed_ms=0.0, samples=0)
+IDLE_NODE = NodeStats(
+    mode="embedded", host_pool_bytes=0, host_pool_used=0, exposed_ports=[],
+    mooncake_endpoint="10.0.0.1:15000", own_segment=None, node_id="n" * 56, uptime_s=1.0,
+    global_segment_size=1 << 30, pools={}, tenants={}, untenanted=TenantUse(),
+    counters={}, group_queries=GroupQueryStats(0, 0, 0, 0, 0, 0, 0.0), confirmed_pages=0,
+    merged_calls=MergedCallStats(0, 0, 0),
+    l2=L2Stats(l2_bytes=0, used=0, pools={}, filled=0, fill_failed=0, warmed=0,
+               warm_failed=0, l3_put_submitted=0, l3_put=0, l3_put_retried=0,
+               l3_put_failed=0, l3_put_pending=0),
+    warnings=[], residency=ResidencyStats(0, 0, 0, 0, 0.0),
+    warmup=WarmupStats(warm_bytes=0, warm_s=0.0, pages=0, bytes=0, running=0, warmups={}),
+    l2_evictions=L2EvictionStats(0, 0),
+    loads=LoadStats(links={}, l3_disk=IDLE_RATE, overall=IDLE_RATE, queue_wait_s=0.0,
+                    located_keys=0))
+"""A node actor's stats with nothing counted: an embedded node, 1 GiB segment, no pools."""
+
+
+def node_stats(**fields: Any) -> NodeStats:
+    """``IDLE_NODE`` with ``fields`` over it (what ``raykv status`` and its rates read)."""
+    return replace(IDLE_NODE, **fields)
 
 
 class Counts:
@@ -151,7 +186,7 @@ class FakeBackend:
     def move_state(self, task: object) -> str:
         return self.move_states.get(task, "done")
 
-    def tier_stats(self) -> dict | None:
+    def tier_stats(self) -> None:
         """No seals: a fake store has no disk tier."""
         return None
 

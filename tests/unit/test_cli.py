@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -17,8 +18,22 @@ import pytest
 from raykv.clusters.cli import IntList, Size, SizeList
 from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.clusters.status_view import render_status
+from raykv.controllers.node_records import (
+    LinkView,
+    LoadStats,
+    PoolStats,
+    RateView,
+    ResidencyStats,
+    StatsFailed,
+    TenantUse,
+    TierStats,
+    Warmup,
+    WarmupStats,
+)
 from raykv_lab.cli import BENCH_PAGE_QUANTUM, SGLANG_PAGE_QUANTUM, Tokens
 from rich.console import Console
+
+from tests.unit.fakes import node_stats
 
 RAYKV = str(Path(sys.executable).parent / "raykv")
 
@@ -170,19 +185,19 @@ STATE = {
     "master": {"master_address": "10.1.2.3:45123", "restarts": 0},
     "deployments": {},
     "nodes": {
-        "3b7474c5b7c6aa69e31103d0": {
-            "global_segment_size": 16 << 30,
-            "pools": {"p1a2b3c4d-kv": {"kind": "mha", "bytes": 163840123, "pages": 163840,
-                                       "counters": {"put_ok": 1638400, "put_present": 12,
-                                                    "get_ok": 1638406, "get_error_miss": 3}}}},
-        "ffff74c5b7c6aa69e31103d0": {"error": "ActorDiedError: the actor died"},
-        "eeee74c5b7c6aa69e31103d0": {"global_segment_size": 0, "pools": {},
-                                     "own_segment": None},
-        "dddd74c5b7c6aa69e31103d0": {"global_segment_size": 1 << 30, "pools": {},
-                                     "own_segment": "10.1.2.4:15123",
-                                     "residency": {"queries": 7}},
+        "3b7474c5b7c6aa69e31103d0": node_stats(
+            global_segment_size=16 << 30,
+            pools={"p1a2b3c4d-kv": PoolStats("mha", 163840123, 163840, None, {
+                "put_ok": 1638400, "put_present": 12, "get_ok": 1638406,
+                "get_error_miss": 3})}),
+        "ffff74c5b7c6aa69e31103d0": StatsFailed("ActorDiedError: the actor died"),
+        "eeee74c5b7c6aa69e31103d0": node_stats(global_segment_size=0, own_segment=None),
+        "dddd74c5b7c6aa69e31103d0": node_stats(
+            global_segment_size=1 << 30, own_segment="10.1.2.4:15123",
+            residency=ResidencyStats(7, 0, 0, 0, 0.0)),
     },
 }
+FIRST = STATE["nodes"]["3b7474c5b7c6aa69e31103d0"]
 
 
 @pytest.mark.parametrize("width", [80, 40])
@@ -234,19 +249,19 @@ def test_tenant_quota_values_convert_to_bytes():
 def test_status_shows_pool_bytes_per_tenant_against_its_quota():
     from raykv.clusters.status_view import tenant_lines
 
-    node = {"tenants": {"team-a": {"pool_bytes": 48 << 20, "pools": 3, "quota": 64 << 20},
-                        "team-b": {"pool_bytes": 1 << 20, "pools": 1, "quota": None}},
-            "untenanted": {"pool_bytes": 2 << 20, "pools": 2, "quota": None}}
+    node = node_stats(tenants={"team-a": TenantUse(48 << 20, 3, 64 << 20),
+                               "team-b": TenantUse(1 << 20, 1, None)},
+                      untenanted=TenantUse(2 << 20, 2, None))
     text = "\n".join(tenant_lines("3b7474c5ffff", node, 80))
     for value in ("node 3b7474c5 tenants:", "team-a 48.0 MiB of 64.0 MiB quota (3 pools)",
                   "team-b 1.0 MiB, no quota (1 pools)", "no tenant 2.0 MiB (2 pools)"):
         assert value in text, (value, text)
     assert all(len(line) <= 80 for line in text.splitlines())
-    node["untenanted"]["quota"] = 8 << 20  # their bound (NodeSettings.untenanted_pool_bytes)
+    node.untenanted.quota = 8 << 20  # their bound (NodeSettings.untenanted_pool_bytes)
     assert "no tenant 2.0 MiB of 8.0 MiB bound (2 pools)" in "\n".join(
         tenant_lines("3b7474c5ffff", node, 80))
-    assert tenant_lines("n", {"tenants": {}, "untenanted": {"pools": 2}}, 80) == []
-    assert tenant_lines("n", {"error": "gone"}, 80) == []
+    assert tenant_lines("n", node_stats(untenanted=TenantUse(0, 2)), 80) == []
+    assert tenant_lines("n", StatsFailed("gone"), 80) == []
 
 
 def test_bench_gpu_refuses_without_cuda(monkeypatch):
@@ -523,15 +538,15 @@ def test_status_shows_each_nodes_warm_ups():
     node without warm-ups (or whose stats failed) shows none."""
     from raykv.clusters.status_view import SHOWN_WARMUPS, warmup_lines
 
-    def up(state: str, stopped: str | None, pages: int) -> dict:
-        return {"deployment": "org-m_", "rank": [1, 0], "state": state, "pages": pages,
-                "bytes": pages << 20, "chosen": 40, "stopped": stopped, "seconds": 1.5}
+    def up(state: str, stopped: str | None, pages: int) -> Warmup:
+        return Warmup(deployment="org-m_", rank=[1, 0], state=state, pages=pages,
+                      bytes=pages << 20, chosen=40, stopped=stopped, seconds=1.5)
 
-    node = {"warmup": {"warm_bytes": 256 << 20, "warm_s": 30.0, "pages": 52,
-                       "bytes": 52 << 20, "running": 1, "warmups": {
-                           **{f"l2-{i}": up("done", "time", 10) for i in range(4)},
-                           "l2-new": up("running", None, 12)}}}
-    lines = warmup_lines("3b7474c5ffff", node)
+    warmup = WarmupStats(warm_bytes=256 << 20, warm_s=30.0, pages=52, bytes=52 << 20,
+                         running=1, warmups={
+                             **{f"l2-{i}": up("done", "time", 10) for i in range(4)},
+                             "l2-new": up("running", None, 12)})
+    lines = warmup_lines("3b7474c5ffff", node_stats(warmup=warmup))
     assert lines[0] == ("node 3b7474c5: L2 warm-up of org-m_ rank 1,0: running, 12 of 40 "
                         "pages read (12.0 MiB)")
     assert lines[1] == ("node 3b7474c5: L2 warm-up of org-m_ rank 1,0: done (time), 10 of "
@@ -540,11 +555,11 @@ def test_status_shows_each_nodes_warm_ups():
     assert lines[-1] == ("node 3b7474c5: L2 warm-ups read 52 pages (52.0 MiB), 1 running; "
                          "budget 256.0 MiB and 30 s each")
     out = io.StringIO()
-    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
-        STATE["nodes"]))] | node}}, Console(file=out, width=200))
+    render_status(STATE | {"nodes": {"3b7474c5ffff": replace(FIRST, warmup=warmup)}},
+                  Console(file=out, width=200))
     assert lines[0] in out.getvalue()
-    assert warmup_lines("n", {"warmup": {"warmups": {}}}) == []
-    assert warmup_lines("n", {"error": "gone"}) == []
+    assert warmup_lines("n", node_stats()) == []
+    assert warmup_lines("n", StatsFailed("gone")) == []
 
 
 def test_drain_prints_the_report_and_fails_on_an_error_or_a_refusal(monkeypatch):
@@ -577,26 +592,29 @@ def test_drain_prints_the_report_and_fails_on_an_error_or_a_refusal(monkeypatch)
 
 def test_status_shows_each_nodes_load_estimates():
     """``raykv status``: a node's estimated read rate per source segment with the age
-    of its last probe, its disk's and its queue's wait; a node whose stats have no
-    estimates shows none (control)."""
+    of its last probe, its disk's and its queue's wait; a node without estimates shows
+    its queue's wait alone, one whose stats failed nothing (controls)."""
     from raykv.clusters.status_view import link_lines
 
-    loads = {"links": {"10.0.0.1:1000": {"mb_per_s": 1191.8, "fixed_ms": 0.2, "samples": 3,
-                                         "probe_age_s": 12.4},
-                       "10.0.0.2:1000": {"mb_per_s": None, "fixed_ms": 0.0, "samples": 0,
-                                         "probe_age_s": None}},
-             "l3_disk": {"mb_per_s": 80.0, "fixed_ms": 0.0, "samples": 1},
-             "overall": {"mb_per_s": 900.0, "fixed_ms": 0.0, "samples": 4},
-             "queue_wait_s": 0.0015, "located_keys": 16}
-    lines = link_lines("3b7474c5ffff", {"loads": loads}, 200)
+    loads = LoadStats(
+        links={"10.0.0.1:1000": LinkView(mb_per_s=1191.8, fixed_ms=0.2, samples=3,
+                                         probe_age_s=12.4),
+               "10.0.0.2:1000": LinkView(mb_per_s=None, fixed_ms=0.0, samples=0,
+                                         probe_age_s=None)},
+        l3_disk=RateView(mb_per_s=80.0, fixed_ms=0.0, samples=1),
+        overall=RateView(mb_per_s=900.0, fixed_ms=0.0, samples=4),
+        queue_wait_s=0.0015, located_keys=16)
+    lines = link_lines("3b7474c5ffff", node_stats(loads=loads), 200)
     assert lines == ["node 3b7474c5 load estimates: 10.0.0.1:1000 1191.8 MB/s (probed 12 s "
                      "ago), 10.0.0.2:1000 ? (never probed), disk 80.0 MB/s, queue wait "
                      "1.5 ms"]
     out = io.StringIO()
-    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
-        STATE["nodes"]))] | {"loads": loads}}}, Console(file=out, width=200))
+    render_status(STATE | {"nodes": {"3b7474c5ffff": replace(FIRST, loads=loads)}},
+                  Console(file=out, width=200))
     assert lines[0] in out.getvalue()
-    assert link_lines("n", {}, 80) == [] and link_lines("n", {"error": "gone"}, 80) == []
+    assert link_lines("n", node_stats(), 80) == [  # CONTROL: no estimate, only the queue
+        "node n load estimates: queue wait 0.0 ms"]
+    assert link_lines("n", StatsFailed("gone"), 80) == []
 
 
 def test_status_shows_each_nodes_disk_tier():
@@ -605,18 +623,18 @@ def test_status_shows_each_nodes_disk_tier():
     seals shows no such line (control)."""
     from raykv.clusters.status_view import disk_line
 
-    tiers = {"served": {"l3_memory": 7, "l3_disk": 5}, "served_bytes": {},
-             "refused": {"mac": 2}, "path": "/var/raykv/node-0",
-             "limit_bytes": 4 << 30, "used_bytes": 48 << 20}
-    line = disk_line("3b7474c5ffff", {"tiers": tiers})
+    tiers = TierStats(served={"l3_memory": 7, "l3_disk": 5}, served_bytes={},
+                      refused={"mac": 2}, path="/var/raykv/node-0",
+                      limit_bytes=4 << 30, used_bytes=48 << 20)
+    line = disk_line("3b7474c5ffff", node_stats(tiers=tiers))
     assert line == ("node 3b7474c5: disk 48.0 MiB of 4096.0 MiB in /var/raykv/node-0; gets "
                     "served 7 objects from memory, 5 from disk; 2 refused (seal not "
                     "verified, or unreadable)")
     out = io.StringIO()
-    render_status(STATE | {"nodes": {"3b7474c5ffff": STATE["nodes"][next(iter(
-        STATE["nodes"]))] | {"tiers": tiers}}}, Console(file=out, width=200))
+    render_status(STATE | {"nodes": {"3b7474c5ffff": replace(FIRST, tiers=tiers)}},
+                  Console(file=out, width=200))
     assert line in out.getvalue()
-    assert disk_line("n", {}) is None
+    assert disk_line("n", node_stats()) is None
 
 
 def test_installed_packages_add_commands_but_never_replace_raykvs(monkeypatch):

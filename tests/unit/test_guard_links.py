@@ -4,6 +4,7 @@ figures per link rate and length (medians, ratios, whether the guard's choice ma
 the faster of load and cold)."""
 
 import pytest
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv_lab.bench.guard_summary import (
     BLOCK,
     DEFAULT_LENGTHS,
@@ -55,9 +56,9 @@ def test_store_blocks_counts_every_prompt_the_writer_saves():
 
 
 def test_grown_keeps_the_guard_and_hit_counters_that_grew():
-    before = {"guard_load_off": 2, "l3_hit_tokens": 100, "queries": 1, "saved": 3}
-    after = {"guard_load_off": 3, "l3_hit_tokens": 100, "queries": 9, "saved": 5,
-             "guard_skipped_l3_tokens": 896}
+    before = ConnectorStats(guard_load_off=2, l3_hit_tokens=100, queries=1, saved=3)
+    after = ConnectorStats(guard_load_off=3, l3_hit_tokens=100, queries=9, saved=5,
+                           guard_skipped_l3_tokens=896)
     assert grown(before, after) == {"guard_load_off": 1, "guard_skipped_l3_tokens": 896}
 
 

@@ -119,7 +119,7 @@ def test_release_abandons_writes_and_ends_reads():
     ix.release(B)
     assert ix.page_of("b") is None  # never ready without its writer's commit
     assert ix.commit(B, [q], [True], dirty=False) == []  # a late commit is refused
-    assert ix.stats()["held"] == 0 and ix.counts["aborted"] == 1
+    assert ix.stats().held == 0 and ix.counts["aborted"] == 1
 
 
 def test_failed_writes_free_their_pages():

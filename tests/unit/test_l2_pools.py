@@ -13,6 +13,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, UnknownPoolError
 from raykv.cache_actors.host_pools import PoolHandle
 from raykv.cache_actors.node.l2_pools import L2Pools, l2_family
 from raykv.cache_actors.processes import ProcessIdentity
+from raykv.controllers.node_records import L2Stats
 from raykv.controllers.ownership import OwnerClaim
 from raykv.controllers.pool_layout import PoolLayout
 from raykv.controllers.result_codes import FULL, PRESENT, WRITING
@@ -74,13 +75,13 @@ def l2(node: FakeNode, l2_bytes: int = 1 << 20) -> L2Pools:
     return L2Pools(node, node, l2_bytes=l2_bytes)
 
 
-def flushed(pools: L2Pools, n: int, counter: str = "") -> dict:
+def flushed(pools: L2Pools, n: int, counter: str = "") -> L2Stats:
     """Wait until the write-behind ended for ``n`` objects (or ``counter`` reached
     ``n``); the stats then."""
     deadline = time.monotonic() + 5
     while True:
         s = pools.stats()
-        if (s[counter] if counter else s["l3_put"] + s["l3_put_failed"]) >= n:
+        if (getattr(s, counter) if counter else s.l3_put + s.l3_put_failed) >= n:
             return s
         assert time.monotonic() < deadline, s
         time.sleep(0.005)
@@ -144,9 +145,9 @@ def test_save_write_behind_then_lookup_and_read():
     assert pools.lookup(["m_a", "m_b"], 1, A) == 0  # not committed: not readable
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
     assert pools.reserve(GONE, h.name, ["m_a"], A) == [PRESENT]
-    assert pools.stats()["l3_put_submitted"] == 2  # handed over at the commit
+    assert pools.stats().l3_put_submitted == 2  # handed over at the commit
     s = flushed(pools, 2)
-    assert s["l3_put"] + s["l3_put_failed"] == s["l3_put_submitted"] == 2  # ended
+    assert s.l3_put + s.l3_put_failed == s.l3_put_submitted == 2  # ended
     assert set(node.stored) == {"m_a", "m_b"}
     assert pools.lookup(["m_a", "m_b", "m_c"], 1, A) == 2
     assert pools.lookup(["m_a", "m_b"], 2, A) == 1  # two keys per page (TP 2)
@@ -206,8 +207,8 @@ def test_a_fill_that_ends_past_its_readers_deadline_holds_nothing_for_the_reader
     name = pools.open((0, 0), layout(), 1, A).name
     with pytest.raises(DeadlineExceededError):
         pools.acquire(ME, name, ["m_a"], True, A, deadline=time.monotonic() + 0.05)
-    s = pools.stats()["pools"][name]
-    assert (s["ready"], s["held"]) == (1, 0)
+    s = pools.stats().pools[name]
+    assert (s.ready, s.held) == (1, 0)
     assert pools.reserve(GONE, name, ["m_z"], A) == [0]  # the page was evictable
 
 
@@ -229,13 +230,13 @@ def test_a_failed_write_behind_is_retried_and_its_page_kept_until_it_lands():
     node.fail_puts = 10**6
     pools, h, p = one_dirty_page(node, attempts=1000, backoff_s=0.002)
     s = flushed(pools, 2, "l3_put_retried")
-    assert s["l3_put_pending"] == 1 and s["l3_put"] == s["l3_put_failed"] == 0
-    assert s["pools"][h.name]["dirty"] == 1
+    assert s.l3_put_pending == 1 and s.l3_put == s.l3_put_failed == 0
+    assert s.pools[h.name].dirty == 1
     assert pools.reserve(ME, h.name, ["m_b"], A) == [FULL]  # dirty: never evicted
     node.fail_puts = 0
     s = flushed(pools, 1)
-    assert s["l3_put"] == 1 and s["l3_put_failed"] == 0 and "m_a" in node.stored
-    assert s["pools"][h.name]["dirty"] == 0 and s["l3_put_pending"] == 0
+    assert s.l3_put == 1 and s.l3_put_failed == 0 and "m_a" in node.stored
+    assert s.pools[h.name].dirty == 0 and s.l3_put_pending == 0
     assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # flushed: evicted for m_b
 
 
@@ -249,12 +250,12 @@ def test_a_write_behind_that_fails_every_time_is_counted_then_evictable(attempts
     node.fail_puts = 10**6
     pools, h, p = one_dirty_page(node, attempts)
     s = flushed(pools, 1)
-    assert s["l3_put_failed"] == 1 and s["l3_put"] == 0
-    assert s["l3_put_retried"] == attempts - 1
+    assert s.l3_put_failed == 1 and s.l3_put == 0
+    assert s.l3_put_retried == attempts - 1
     assert [op for op, _ in node.calls] == ["put"] * attempts
     assert "m_a" not in node.stored
     assert pools.resident(["m_a"], A.owner) == [True]  # still right in L2
-    assert s["pools"][h.name]["dirty"] == 0
+    assert s.pools[h.name].dirty == 0
     assert pools.reserve(ME, h.name, ["m_b"], A) == [p]  # evictable: evicted for m_b
 
 
@@ -269,8 +270,8 @@ def test_a_retry_into_a_pool_that_left_the_node_is_dropped():
     s = flushed(pools, 1, "l3_put_failed")
     puts = len(node.calls)
     time.sleep(0.2)  # several back-offs: no put runs any more
-    assert len(node.calls) == puts and s["l3_put"] == 0 and s["l3_put_pending"] == 0
-    assert s["l3_put_failed"] == s["l3_put_submitted"] == 1  # ended, as failed
+    assert len(node.calls) == puts and s.l3_put == 0 and s.l3_put_pending == 0
+    assert s.l3_put_failed == s.l3_put_submitted == 1  # ended, as failed
 
 
 def test_reset_forgets_every_pool_and_open_makes_a_new_one():
@@ -392,7 +393,7 @@ def test_a_pool_removed_and_opened_again_gets_a_name_never_used_before():
     assert pools.open((0, 0), layout(), 4, A) == h2  # another engine: the same pool
     gate.set()
     s = flushed(pools, 2)
-    assert "m_b" not in node.stored and s["l3_put_failed"] >= 1
+    assert "m_b" not in node.stored and s.l3_put_failed >= 1
 
 
 @pytest.mark.parametrize("bad", [("x", 1), (None, 1), (1, 2, 3), (-1, 1), (0, 1),
@@ -431,7 +432,7 @@ def test_a_commit_hands_its_pages_to_the_write_behind_under_the_lock_of_its_coun
     pages = pools.reserve(ME, h.name, ["m_a", "m_b"], A)
     assert pools.commit(ME, h.name, ["m_a", "m_b"], pages, [True, True], A) == 2
     assert seen == [True]
-    assert flushed(pools, 2)["l3_put_submitted"] == 2
+    assert flushed(pools, 2).l3_put_submitted == 2
 
 
 def late_commit(pools: L2Pools) -> int:

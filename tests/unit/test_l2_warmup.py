@@ -12,6 +12,7 @@ import pytest
 from raykv.cache_actors.node.l2_warmup import L2Warmup
 from raykv.cache_actors.node.touch_journal import TouchJournal
 from raykv.controllers.deployments import Deployment
+from raykv.controllers.node_records import Warmup, WarmupStats
 
 from tests.unit.test_l2_pools import ME, A, FakeNode, l2, layout
 
@@ -62,9 +63,9 @@ def stored(node: FakeNode, peers: Peers, keys: list[str], now: float) -> None:
     peers.journals[0].touched(keys, [PAGE] * len(keys), now)
 
 
-def finished(warm: L2Warmup) -> dict:
+def finished(warm: L2Warmup) -> WarmupStats:
     deadline = time.monotonic() + 10
-    while (s := warm.stats())["running"]:
+    while (s := warm.stats()).running:
         assert time.monotonic() < deadline, s
         time.sleep(0.005)
     return s
@@ -76,22 +77,22 @@ def test_a_new_pool_gets_the_hottest_runs_read_into_free_pages():
     stored(node, peers, [key(f"x{i}") for i in range(2)], 2.0)
     h = warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A)
     s = finished(warm)
-    (w,) = s["warmups"].values()
-    assert w | {"seconds": 0} == {"deployment": "m_", "rank": [0, 0], "state": "done",
-                                  "pages": 5, "bytes": 5 * PAGE, "chosen": 5,
-                                  "stopped": "done", "seconds": 0}
-    assert s["pages"] == 5 and s["bytes"] == 5 * PAGE
+    (w,) = s.warmups.values()
+    assert dataclasses.replace(w, seconds=0) == Warmup(
+        deployment="m_", rank=[0, 0], state="done", pages=5, bytes=5 * PAGE, chosen=5,
+        stopped="done", seconds=0)
+    assert s.pages == 5 and s.bytes == 5 * PAGE
     gets = [keys for op, keys in node.calls if op == "get"]
     # both runs chosen (the latest first), read coldest first: the hottest end most
     # recently used, the last pages of them L2 evicts
     assert gets == [[key(i) for i in range(3)], [key("x0"), key("x1")]]
     assert pools.lookup([key(i) for i in range(3)], 1, A) == 3
-    assert pools.stats()["warmed"] == 5 and pools.stats()["filled"] == 0
+    assert pools.stats().warmed == 5 and pools.stats().filled == 0
     assert metrics.warmed == [(A.owner, 3 * PAGE), (A.owner, 2 * PAGE)]
     assert peers.asked == [("m_", 1024, ["node-1"], 5.0)]  # MIN_ANSWER
     # the same pool opened again (another engine): no second warm-up
     assert warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A) == h
-    assert len(finished(warm)["warmups"]) == 1 and len(peers.asked) == 1
+    assert len(finished(warm).warmups) == 1 and len(peers.asked) == 1
 
 
 def test_warm_up_fills_free_pages_only_and_never_evicts():
@@ -104,15 +105,15 @@ def test_warm_up_fills_free_pages_only_and_never_evicts():
     pages = pools.reserve(ME, h.name, mine, A)
     assert pools.commit(ME, h.name, mine, pages, [True] * 3, A) == 3
     deadline = time.monotonic() + 5
-    while pools.stats()["l3_put"] < 3:  # flushed: evictable
+    while pools.stats().l3_put < 3:  # flushed: evictable
         assert time.monotonic() < deadline
         time.sleep(0.005)
     pools.acquire(ME, h.name, [], False, A)  # the engine's holds released
     hot = [key(i) for i in range(5)]
     stored(node, peers, hot, 1.0)
     warm.opened(h, (0, 0), A)
-    (w,) = finished(warm)["warmups"].values()
-    assert (w["pages"], w["chosen"], w["stopped"]) == (1, 4, "no room")  # 4: its size
+    (w,) = finished(warm).warmups.values()
+    assert (w.pages, w.chosen, w.stopped) == (1, 4, "no room")  # 4: its size
     assert pools.resident(mine, A.owner) == [True] * 3
     assert pools.resident(hot, A.owner) == [True] + [False] * 4
     pools.acquire(ME, h.name, hot[1:], True, A)  # CONTROL: a reader's fill evicts
@@ -123,8 +124,8 @@ def test_budgets_of_bytes_and_time():
     node, peers, _, pools, warm = setup(warm_bytes=2 * PAGE + 1)
     stored(node, peers, [key(i) for i in range(4)], 1.0)
     warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A)
-    (w,) = finished(warm)["warmups"].values()
-    assert (w["pages"], w["chosen"], w["stopped"]) == (2, 2, "done")
+    (w,) = finished(warm).warmups.values()
+    assert (w.pages, w.chosen, w.stopped) == (2, 2, "done")
     assert pools.resident([key(i) for i in range(4)], A.owner) == [True, True, False, False]
     # time: the clock passes the budget once the peers answered
     now = [0.0]
@@ -136,8 +137,8 @@ def test_budgets_of_bytes_and_time():
     stored(node, peers, [key(i) for i in range(3)], 1.0)
     peers.on_ask = lambda: now.__setitem__(0, 11.0)
     warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A)
-    (w,) = finished(warm)["warmups"].values()
-    assert (w["pages"], w["chosen"], w["stopped"]) == (0, 3, "time")
+    (w,) = finished(warm).warmups.values()
+    assert (w.pages, w.chosen, w.stopped) == (0, 3, "time")
     assert peers.asked[0][3] == 5.0  # the peers' wait: within the budget
     assert not [c for c in node.calls if c[0] == "get"]
 
@@ -148,11 +149,11 @@ def test_a_page_l3_lost_ends_its_run_and_the_next_run_follows():
     stored(node, peers, [key("a"), key("b")], 2.0)
     del node.stored[key("a")]  # the first page of the latest run is gone from L3
     warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A)
-    (w,) = finished(warm)["warmups"].values()
-    assert (w["pages"], w["stopped"]) == (3, "done")
+    (w,) = finished(warm).warmups.values()
+    assert (w.pages, w.stopped) == (3, "done")
     assert pools.resident([key("a"), key("b")], A.owner) == [False, False]
     assert pools.resident([key(i) for i in range(3)], A.owner) == [True] * 3
-    assert pools.stats()["warm_failed"] == 2  # a, and b: no use without a
+    assert pools.stats().warm_failed == 2  # a, and b: no use without a
 
 
 @pytest.mark.parametrize("case", ["off", "no room", "nothing", "unknown", "bad rank", "late"])
@@ -174,13 +175,13 @@ def test_when_no_warm_up_reads_anything(case):
     assert warm.opened(h, rank, A) is h
     s = finished(warm)
     if case in ("off", "no room"):
-        assert s["warmups"] == {} and peers.asked == []
+        assert s.warmups == {} and peers.asked == []
     else:
-        (w,) = s["warmups"].values()
-        assert w["stopped"] == {"nothing": "nothing", "late": "time",
+        (w,) = s.warmups.values()
+        assert w.stopped == {"nothing": "nothing", "late": "time",
                                 "unknown": "unknown deployment"}.get(case, "error: ValueError")
         assert bool(peers.asked) == (case == "nothing")
-    assert s["pages"] == 0 and metrics.warmed == [] and pools.stats()["warmed"] == 0
+    assert s.pages == 0 and metrics.warmed == [] and pools.stats().warmed == 0
 
 
 def test_a_closed_warm_up_starts_nothing():
@@ -188,7 +189,7 @@ def test_a_closed_warm_up_starts_nothing():
     stored(node, peers, [key(0)], 1.0)
     warm.close()
     warm.opened(pools.open((0, 0), layout(8), 8, A), (0, 0), A)
-    assert warm.stats()["warmups"] == {} and peers.asked == []
+    assert warm.stats().warmups == {} and peers.asked == []
 
 
 def test_the_ranks_key_suffix_comes_from_the_deployment():
@@ -217,8 +218,8 @@ def test_opened_never_waits_for_the_warm_up():
     peers.on_ask = lambda: answer.wait(10)
     h = pools.open((0, 0), layout(8), 8, A)
     assert warm.opened(h, (0, 0), A) is h
-    (w,) = warm.stats()["warmups"].values()
-    assert w["state"] in ("queued", "running") and w["pages"] == 0
+    (w,) = warm.stats().warmups.values()
+    assert w.state in ("queued", "running") and w.pages == 0
     answer.set()
-    (w,) = finished(warm)["warmups"].values()
-    assert (w["pages"], w["stopped"]) == (1, "done")
+    (w,) = finished(warm).warmups.values()
+    assert (w.pages, w.stopped) == (1, "done")

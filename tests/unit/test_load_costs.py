@@ -146,9 +146,9 @@ def test_links_are_bounded_probed_in_turn_and_forgotten():
     assert costs.probe_due(60, 8) == [A]  # probed 61 s ago: due again
     costs.forget([A])
     assert costs.segments() == ["10.0.0.3:1000"]
-    view = costs.view()
-    assert view["links"]["10.0.0.3:1000"]["mb_per_s"] == pytest.approx(1000)
-    assert view["links"]["10.0.0.3:1000"]["probe_age_s"] == 0
+    view = costs.view(3)
+    assert view.links["10.0.0.3:1000"].mb_per_s == pytest.approx(1000)
+    assert view.links["10.0.0.3:1000"].probe_age_s == 0 and view.located_keys == 3
 
 
 def test_peers_never_used_are_probed_once_as_a_cold_start_and_used_links_again():
@@ -261,7 +261,7 @@ def test_the_link_gauge_follows_the_estimates_and_zeroes_a_forgotten_link(monkey
     costs = LoadCosts()
     costs.probed(A, 1e-8, 0.0)  # 100 MB/s
     costs.seen([B])             # not estimated yet: not set
-    m = LinkMetrics("node-0123456789abcdef", costs.view)
+    m = LinkMetrics("node-0123456789abcdef", lambda: costs.view(0))
     gauge = made["raykv_link_bytes_per_second"]
     m.export()
     assert [(c[1], c[2]) for c in gauge.calls] == [(pytest.approx(1e8), {"segment": A})]
@@ -329,7 +329,7 @@ def test_a_get_whose_bytes_failed_to_arrive_slows_its_link_and_a_miss_does_not(
     try:
         end = real_time.monotonic() + 10
         while estimates.costs.seconds(backend.own_segment, 1_000_000) < 0.2:
-            assert real_time.monotonic() < end, estimates.costs.view()
+            assert real_time.monotonic() < end, estimates.stats()
             real_time.sleep(0.01)
     finally:
         estimates.close()
@@ -388,8 +388,8 @@ def test_a_node_that_gives_no_memory_probes_its_peers_and_puts_no_probe(own):
     estimates.start(lambda: ([B], True))
     try:
         end = real_time.monotonic() + 10
-        while estimates.costs.view()["links"].get(B, {}).get("probe_age_s") is None:
-            assert real_time.monotonic() < end, estimates.costs.view()
+        while (link := estimates.stats().links.get(B)) is None or link.probe_age_s is None:
+            assert real_time.monotonic() < end, estimates.stats()
             real_time.sleep(0.01)
     finally:
         estimates.close()

@@ -21,6 +21,9 @@ from raykv.controllers.miss_reasons import (
     guard_view,
     load_runs,
 )
+from raykv.controllers.node_records import L2EvictionStats, StatsFailed
+
+from tests.unit.fakes import node_stats
 
 KEYS = ["a0", "a1", "b0", "b1", "c0", "c1", "d0", "d1"]  # 4 pages of 2 objects
 HASHES = ["ha", "hb", "hc", "hd"]
@@ -115,7 +118,7 @@ def test_the_eviction_record_is_a_bounded_lru():
     rec.record("a", 3.0)  # again: the newest
     rec.record("c", 4.0)  # b, the oldest, is forgotten
     assert rec.of(["a", "b", "c", "x"]) == {"a": 3.0, "c": 4.0}
-    assert rec.stats() == {"evictions": 4, "kept": 2}
+    assert rec.stats() == L2EvictionStats(evictions=4, kept=2)
     with pytest.raises(ValueError):
         L2Evictions(capacity=0)
 
@@ -170,11 +173,11 @@ def test_render_groups_runs_of_one_answer():
 def test_status_shows_a_nodes_l2_evictions_once_there_are_some():
     from raykv.clusters.status_view import evictions_line
 
-    line = evictions_line("abcdef0123", {"l2_evictions": {"evictions": 7, "kept": 5}})
+    line = evictions_line("abcdef0123", node_stats(l2_evictions=L2EvictionStats(7, 5)))
     assert line == ("node abcdef01: L2 evicted 7 objects since start; the last 5 "
                     "remembered (raykv why names them)")
-    assert evictions_line("n", {"l2_evictions": {"evictions": 0, "kept": 0}}) is None
-    assert evictions_line("n", {"error": "gone"}) is None
+    assert evictions_line("n", node_stats()) is None
+    assert evictions_line("n", StatsFailed("gone")) is None
 
 
 def test_the_prompt_comes_from_exactly_one_input(tmp_path):

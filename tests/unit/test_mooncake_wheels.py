@@ -14,7 +14,10 @@ from raykv.cache_actors.mooncake_wheels import (
     installed_wheels,
 )
 from raykv.clusters.status_view import render_status
+from raykv.controllers.node_records import StatsFailed
 from rich.console import Console
+
+from tests.unit.fakes import node_stats
 
 
 def test_both_wheels_are_named_with_the_fix():
@@ -49,11 +52,10 @@ def test_the_environment_is_read_from_package_metadata(monkeypatch, tmp_path):
 
 def test_status_shows_each_nodes_warning():
     warning = conflict_warning({CPU_WHEEL, CUDA_WHEEL})
-    node = {"global_segment_size": 1 << 30, "pools": {}}
     state = {"info": {"metadata_server": "http://10.1.2.3:1/metadata", "mode": "embedded"},
              "master": {"master_address": "10.1.2.3:2", "restarts": 0}, "deployments": {},
-             "nodes": {"aaaa1111bbbb": node | {"warnings": [warning]},
-                       "cccc2222dddd": node | {"warnings": []}, "eeee3333ffff": node}}
+             "nodes": {"aaaa1111bbbb": node_stats(warnings=[warning]),
+                       "cccc2222dddd": node_stats(), "eeee3333ffff": StatsFailed("gone")}}
     out = io.StringIO()
     render_status(state, Console(file=out, width=400))
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("warning:")]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from raykv.cache_actors.node import node_metrics
 from raykv.cache_actors.node.node_metrics import NodeMetrics
+from raykv.controllers.node_records import GroupQueryStats, MergedCallStats
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.result_codes import ALREADY_PRESENT
 
@@ -110,10 +111,10 @@ def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
     """``GroupQueries`` and ``TransferMerger`` only report: the counts ``stats()`` shows
     are these, and the Ray metrics are exported from the same records."""
     m, made = recorded
-    assert m.group_queries() == {"recent": 0, "inflight": 0, "confirmed": 0, "looked_up": 0,
-                                 "store_calls": 0, "deployment_fetches": 0,
-                                 "store_seconds": 0.0}
-    assert m.merged_calls() == {"calls": 0, "batches": 0, "largest": 0}
+    assert m.group_queries() == GroupQueryStats(
+        recent=0, inflight=0, confirmed=0, looked_up=0, store_calls=0,
+        deployment_fetches=0, store_seconds=0.0)
+    assert m.merged_calls() == MergedCallStats(calls=0, batches=0, largest=0)
     for how in ("looked_up", "recent", "inflight", "looked_up", "confirmed"):
         m.record_group_query(how)
     m.record_group_store_call(0.25)
@@ -121,10 +122,10 @@ def test_group_queries_and_merged_calls_are_counted_once_for_stats(recorded):
     m.record_deployment_fetch()
     for batches in (1, 3, 2):
         m.record_merged_call(batches)
-    assert m.group_queries() == {"recent": 1, "inflight": 1, "confirmed": 1, "looked_up": 2,
-                                 "store_calls": 2, "deployment_fetches": 1,
-                                 "store_seconds": 0.75}
-    assert m.merged_calls() == {"calls": 3, "batches": 6, "largest": 3}
+    assert m.group_queries() == GroupQueryStats(
+        recent=1, inflight=1, confirmed=1, looked_up=2, store_calls=2,
+        deployment_fetches=1, store_seconds=0.75)
+    assert m.merged_calls() == MergedCallStats(calls=3, batches=6, largest=3)
     m.export()
     answers = sorted((c[2]["answer"], c[1]) for c in made["raykv_group_queries"].calls)
     assert answers == [("confirmed", 1), ("inflight", 1), ("looked_up", 2), ("recent", 1)]

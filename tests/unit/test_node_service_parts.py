@@ -11,7 +11,7 @@ from raykv.cache_actors.errors import DeadlineExceededError, StalePoolsError
 from raykv.cache_actors.node.deployment_copies import DeploymentCopies
 from raykv.cache_actors.node.engine_watch import EngineWatch
 from raykv.cache_actors.node.node_pools import PoolTable
-from raykv.cache_actors.node.node_stats import node_stats, owner_dict
+from raykv.cache_actors.node.node_stats import node_stats, pool_owner
 from raykv.cache_actors.node.owner_masks import (
     allowed,
     check_group_claim,
@@ -19,8 +19,11 @@ from raykv.cache_actors.node.owner_masks import (
     outside,
     refused,
 )
+from raykv.controllers.node_records import PoolOwner, PoolStats, StoreStats, TenantUse
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import TENANT_KEYS, Owner, OwnerClaim
+
+from tests.unit.fakes import IDLE_NODE
 
 A = OwnerClaim("a_", key_prefix="a_")
 B_OWNER = Owner("b_")
@@ -138,24 +141,29 @@ class Metrics:
         return {"put": 1}
 
     def group_queries(self):
-        return {"looked_up": 0}
+        return IDLE_NODE.group_queries
 
     def merged_calls(self):
-        return {"calls": 0}
+        return IDLE_NODE.merged_calls
 
 
 def test_stats_show_pools_owners_and_tenants():
     table = table_of({"p": Owner("d", "t"), "legacy": None})
-    stats = node_stats(table, {"t": 1000, "u": 5}, {"mode": "embedded"}, Metrics(),
+    store = StoreStats(mode="embedded", host_pool_bytes=0, host_pool_used=128,
+                       exposed_ports=[], mooncake_endpoint=None, own_segment=None)
+    idle = IDLE_NODE
+    stats = node_stats(table, {"t": 1000, "u": 5}, store, Metrics(),
                        node_id="n", uptime_s=1.0, segment_size=7, confirmed_pages=3,
-                       l2={"pools": 0})
-    assert stats["mode"] == "embedded" and stats["global_segment_size"] == 7
-    assert stats["pools"]["p"] == {"kind": "mla", "bytes": 64, "pages": 4,
-                                   "owner": {"deployment": "d", "tenant": "t"},
-                                   "counters": {"puts": 1}}
-    assert stats["pools"]["legacy"]["owner"] is None
-    assert stats["tenants"] == {"t": {"pool_bytes": 64, "pools": 1, "quota": 1000},
-                                "u": {"pool_bytes": 0, "pools": 0, "quota": 5}}
-    assert stats["untenanted"] == {"pool_bytes": 64, "pools": 1, "quota": None}
-    assert stats["confirmed_pages"] == 3 and stats["l2"] == {"pools": 0}
-    assert owner_dict(None) is None
+                       l2=idle.l2, warnings=["w"], residency=idle.residency,
+                       warmup=idle.warmup, l2_evictions=idle.l2_evictions, loads=idle.loads)
+    assert stats.mode == "embedded" and stats.global_segment_size == 7
+    assert stats.host_pool_used == 128 and stats.mooncake_client is None
+    assert stats.pools["p"] == PoolStats(kind="mla", bytes=64, pages=4,
+                                         owner=PoolOwner(deployment="d", tenant="t"),
+                                         counters={"puts": 1})
+    assert stats.pools["legacy"].owner is None
+    assert stats.tenants == {"t": TenantUse(pool_bytes=64, pools=1, quota=1000),
+                             "u": TenantUse(pool_bytes=0, pools=0, quota=5)}
+    assert stats.untenanted == TenantUse(pool_bytes=64, pools=1, quota=None)
+    assert stats.confirmed_pages == 3 and stats.l2 is idle.l2 and stats.warnings == ["w"]
+    assert pool_owner(None) is None

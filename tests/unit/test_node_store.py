@@ -13,6 +13,7 @@ from raykv.cache_actors.errors import NodeUnavailableError, StoreUnavailableErro
 from raykv.cache_actors.node import node_store
 from raykv.cache_actors.node.node_store import PROBE_KEY, NodeStore
 from raykv.cache_actors.node.pool_memory import PoolBudget
+from raykv.controllers.node_records import ClientProcess, as_dict
 
 from tests.unit.fakes import FakeBackend, FakeMemory
 
@@ -28,8 +29,8 @@ class FakeProcess:
     def alive(self) -> bool:
         return self.is_alive
 
-    def info(self) -> dict:
-        return {"port": 4242}
+    def info(self) -> ClientProcess:
+        return ClientProcess(pid=7, port=4242, adopted=False, restarts=0, alive=True)
 
     def watch(self, on_restart) -> None:
         self.watched = on_restart
@@ -56,10 +57,14 @@ def test_embedded_calls_always_start_and_keep_their_codes():
     assert store.before_call() == 7 and store.mode == "embedded"
     assert store.after_call(7, [0, -800, -900]) == [0, -800, -900]  # per-object errors
     assert store.after_call(6, [-1]) == [-1]  # embedded pool memory never changes epoch
-    assert store.stats() == {"mode": "embedded", "host_pool_bytes": 1 << 20,
-                             "host_pool_used": 4096, "exposed_ports": [],
-                             "mooncake_endpoint": "10.213.0.2:12345",
-                             "own_segment": "10.213.0.2:12345"}
+    stats = store.stats()
+    assert (stats.mooncake_client, stats.tiers) == (None, None)
+    # as JSON: the dict the node answered before its stats were records, the process
+    # and the tiers left out (an embedded node, no seals)
+    assert as_dict(stats) == {"mode": "embedded", "host_pool_bytes": 1 << 20,
+                              "host_pool_used": 4096, "exposed_ports": [],
+                              "mooncake_endpoint": "10.213.0.2:12345",
+                              "own_segment": "10.213.0.2:12345"}
 
 
 def test_no_call_starts_while_mooncake_client_is_down():
@@ -107,7 +112,9 @@ def test_health():
 
 def test_standalone_stats_name_the_process_and_close_stops_it():
     store, process = standalone()
-    assert store.stats()["mooncake_client"] == {"port": 4242}
+    assert store.stats().mooncake_client.port == 4242
+    assert as_dict(store.stats())["mooncake_client"] == {
+        "pid": 7, "port": 4242, "adopted": False, "restarts": 0, "alive": True}
     store.close()
     assert store.backend.closed and process.stopped
 

@@ -21,6 +21,7 @@ from raykv.cache_actors.node.node_service import NodeService
 from raykv.cache_actors.node.pool_memory import PoolBudget, ShmPoolMemory
 from raykv.cache_actors.rank.rank_owner import RankOwner
 from raykv.controllers.contract import StorageConfig
+from raykv.controllers.node_records import TenantUse
 from raykv.controllers.node_settings import NodeSettings
 from raykv.controllers.object_batch import ObjectBatch
 from raykv.controllers.ownership import (
@@ -400,9 +401,9 @@ def test_a_tenants_pools_stop_at_its_quota_and_other_tenants_go_on(prefix):
     create(node, "b1", B)  # team-b has no quota: unaffected
     create(node, "p1", PLAIN)  # no tenant: under no quota
     assert node.tenants() == {
-        "team-a": {"pool_bytes": 2 * LAYOUT.nbytes, "pools": 2, "quota": 2 * LAYOUT.nbytes},
-        "team-b": {"pool_bytes": LAYOUT.nbytes, "pools": 1, "quota": None},
-        None: {"pool_bytes": LAYOUT.nbytes, "pools": 1, "quota": None}}
+        "team-a": TenantUse(pool_bytes=2 * LAYOUT.nbytes, pools=2, quota=2 * LAYOUT.nbytes),
+        "team-b": TenantUse(pool_bytes=LAYOUT.nbytes, pools=1, quota=None),
+        None: TenantUse(pool_bytes=LAYOUT.nbytes, pools=1, quota=None)}
     node.destroy("a1", A)
     create(node, "a3", A)  # control: room again once one of its pools went
     node.close(remove=True)
@@ -428,8 +429,8 @@ def test_pools_without_a_tenant_stop_at_their_bound_and_tenants_go_on(prefix, bo
     create(node, "a1", A)  # a tenant's pool: unaffected
     create(node, "b1", B)
     untenanted = node.tenants()[None]
-    assert untenanted["quota"] == (2 * LAYOUT.nbytes if bound else None)
-    assert untenanted["pools"] == (2 if bound else 3)
+    assert untenanted.quota == (2 * LAYOUT.nbytes if bound else None)
+    assert untenanted.pools == (2 if bound else 3)
     node.destroy("legacy", None)
     create(node, "p3", PLAIN)  # room again once one of them went
     node.close(remove=True)

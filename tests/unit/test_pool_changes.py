@@ -97,7 +97,7 @@ def test_a_pool_being_allocated_blocks_no_other_change_and_no_read(gated):
     assert done(node.create, "other", LAYOUT)[0].name == "other"
     assert done(node.handle, "old", "n")[0].name == "old"
     assert done(node.destroy, "old") == [True]
-    assert done(node.tenants)[0][None]["pools"] == 1  # "other"
+    assert done(node.tenants)[0][None].pools == 1  # "other"
     again, attached = start(node.create, "big", LAYOUT)  # waits for the first "big"
     assert making.is_alive() and again.is_alive() and not made and not attached
     memory.gate.set()
@@ -158,4 +158,4 @@ def test_pools_being_made_count_against_their_tenant_s_quota(gated):
     assert isinstance(refused, ValueError) and "over its quota" in str(refused)
     memory.gate.set()
     making.join(ANSWER_S)
-    assert node.tenants()["t"]["pools"] == 3
+    assert node.tenants()["t"].pools == 3

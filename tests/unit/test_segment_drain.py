@@ -170,12 +170,12 @@ def test_flush_puts_l2_pages_waiting_for_a_retry_at_once():
     h = pools.open((0, 0), layout(), 1, A)
     pages = pools.reserve(ME, h.name, ["m_a"], A)
     pools.commit(ME, h.name, ["m_a"], pages, [True], A)
-    while pools.stats()["l3_put_pending"] != 1:
+    while pools.stats().l3_put_pending != 1:
         time.sleep(0.005)
     time.sleep(0.1)
     assert "m_a" not in node.stored  # control: the retry waits its back-off
     assert pools.write_behind.flush(time.monotonic() + 10) == 1
-    assert "m_a" in node.stored and pools.stats()["l3_put_pending"] == 0
+    assert "m_a" in node.stored and pools.stats().l3_put_pending == 0
     pools.close()
 
 

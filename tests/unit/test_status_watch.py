@@ -13,21 +13,25 @@ from click.testing import CliRunner
 from raykv.clusters.cli import main
 from raykv.clusters.status_rates import NodeRow, node_rows
 from raykv.clusters.status_watch import bandwidth, cells, lines
+from raykv.controllers.node_records import NodeStats, PoolStats, StatsFailed
+
+from tests.unit.fakes import node_stats
 
 A, B = "aaaa1111" + "0" * 48, "bbbb2222" + "0" * 48
 
 
-def node(hits=0, misses=0, other=0, put=0, got=0, pools=1, used=3 << 20, budget=0) -> dict:
+def node(hits=0, misses=0, other=0, put=0, got=0, pools=1, used=3 << 20,
+         budget=0) -> NodeStats:
     counters = {"get_objects": hits, "put_objects": hits, "put_bytes": put, "get_bytes": got}
     if misses:
         counters["get_error_-704"] = misses
     if other:
         counters["get_error_-800"] = other
-    return {"counters": counters, "pools": {f"p{i}": {} for i in range(pools)},
-            "host_pool_used": used, "host_pool_bytes": budget}
+    return node_stats(counters=counters, host_pool_used=used, host_pool_bytes=budget,
+                      pools={f"p{i}": PoolStats("mha", 0, 0, None, {}) for i in range(pools)})
 
 
-def snapshot(**nodes: dict) -> dict:
+def snapshot(**nodes: NodeStats | StatsFailed) -> dict:
     return {"nodes": {{"a": A, "b": B}[k]: v for k, v in nodes.items()}}
 
 
@@ -39,9 +43,9 @@ def test_first_snapshot_has_counts_and_no_rates():
 
 
 def test_rates_are_differences_over_the_interval():
-    before = snapshot(a=node(hits=10, misses=1, put=1_000_000_000, got=0), b={"error": "x"})
+    before = snapshot(a=node(hits=10, misses=1, put=1_000_000_000, got=0), b=StatsFailed("x"))
     after = snapshot(a=node(hits=30, misses=5, other=3, put=5_000_000_000, got=2_000_000),
-                     b={"error": "ActorDiedError"})
+                     b=StatsFailed("ActorDiedError"))
     a, b = node_rows(before, after, 2.0)
     assert (a.hits_per_s, a.misses_per_s, a.put_gbps, a.get_gbps) == (10.0, 2.0, 2.0, 0.001)
     assert (a.l3_hits, a.misses, a.errors) == (30, 5, 3)  # -800 is an error, not a miss

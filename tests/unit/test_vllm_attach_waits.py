@@ -70,8 +70,8 @@ def test_a_worker_step_never_waits_for_a_hung_attach(hung):
     w.wait_for_save(meta)
     took = time.monotonic() - t0
     assert w.get_block_ids_with_load_errors() == set(range(2 * CALLS))
-    assert w.stats["load_failed"] == 2 * CALLS and w.stats["save_failed"] == CALLS
-    assert w.stats["loaded"] == w.stats["saved"] == 0
+    assert w.stats.load_failed == 2 * CALLS and w.stats.save_failed == CALLS
+    assert w.stats.loaded == w.stats.saved == 0
     assert len(calls) == 1 and w._attaching.is_alive()
     assert took < BOUND_S, took
 

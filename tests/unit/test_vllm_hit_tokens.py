@@ -33,13 +33,13 @@ def test_hit_tokens_by_tier_over_the_tokens_asked(side):
     # 6 blocks past 1 of vLLM's own: 2 in L2, 2 more in L3
     assert answer(side, tokens=7 * 16 + 5, local=1, asked=6, l2=2, hit=4) == 4 * 16
     stats = side.stats
-    assert (stats["asked_tokens"], stats["l2_hit_tokens"], stats["l3_hit_tokens"]) == (
+    assert (stats.asked_tokens, stats.l2_hit_tokens, stats.l3_hit_tokens) == (
         6 * 16, 2 * 16, 2 * 16)
     # a prompt of whole blocks all in L2: its last token is left to compute
     assert answer(side, tokens=3 * 16, local=0, asked=3, l2=3, hit=3) == 3 * 16 - 1
-    assert (stats["asked_tokens"], stats["l2_hit_tokens"], stats["l3_hit_tokens"]) == (
+    assert (stats.asked_tokens, stats.l2_hit_tokens, stats.l3_hit_tokens) == (
         9 * 16, 2 * 16 + 3 * 16 - 1, 2 * 16)
     # CONTROL: a miss asks and hits nothing
     assert answer(side, tokens=5 * 16, local=0, asked=4, l2=0, hit=0) == 0
-    assert (stats["asked_tokens"], stats["l2_hit_tokens"], stats["l3_hit_tokens"]) == (
+    assert (stats.asked_tokens, stats.l2_hit_tokens, stats.l3_hit_tokens) == (
         13 * 16, 5 * 16 - 1, 2 * 16)

@@ -104,7 +104,7 @@ def test_saved_blocks_load_into_another_engine_byte_for_byte():
     assert l2(link, b, store).load([0, 5], ["h4", "h1"]) == (2, [])
     for la, lb in zip(a, b, strict=True):
         assert torch.equal(lb[0], la[4]) and torch.equal(lb[5], la[1])
-    assert link.index.stats()["held"] == 0  # the load gave its pages back
+    assert link.index.stats().held == 0  # the load gave its pages back
 
 
 def test_blocks_without_a_page_are_handed_back_and_a_miss_stops_a_load():
@@ -185,12 +185,12 @@ def test_async_saves_drop_and_count_what_l2_has_no_page_for(async_transfers):
     w.wait_for_save(meta)
     w.settle()  # the async batch is committed behind the step: counted once settled
     s = w.stats
-    assert s["l2_saved"] == 3 and link.index.stats()["ready"] == 3
+    assert s.l2_saved == 3 and link.index.stats().ready == 3
     if async_transfers:
-        assert s["save_dropped"] == 2 and s["save_failed"] == 0 and not stored
+        assert s.save_dropped == 2 and s.save_failed == 0 and not stored
     else:
-        assert s["save_dropped"] == 0 and s["save_failed"] == 2 and len(stored) == 1
-    assert s["save_us"] > 0
+        assert s.save_dropped == 0 and s.save_failed == 2 and len(stored) == 1
+    assert s.save_us > 0
 
 
 @pytest.mark.engine("vllm")
@@ -222,8 +222,8 @@ def test_blocks_l2_has_no_page_for_are_loaded_through_the_store():
     w.start_load_kv(RayKVConnectorMetadata(
         loads=[BlockTransfer("r", [3, 4, 5], ["h0", "h1", "h2"])]))
     assert asked == [["h2"]]
-    assert w.stats["loaded"] == 3 and w.stats["l2_loaded"] == 2
-    assert w.stats["loaded_past_l2"] == 1 and w.stats["load_failed"] == 0
+    assert w.stats.loaded == 3 and w.stats.l2_loaded == 2
+    assert w.stats.loaded_past_l2 == 1 and w.stats.load_failed == 0
     assert w.get_block_ids_with_load_errors() == set()
     assert torch.equal(w._layers[0][3:5], a[0][0:2])
 
@@ -240,7 +240,7 @@ def test_a_save_behind_commits_on_its_own_thread_for_the_reserving_one():
     assert blocks.save([0], ["h0"]) == (1, [])
     behind = blocks.save_behind([0, 1, 2], ["h0", "h1", "h2"])
     assert behind.wait() == (3, [])  # h0 present, h1 and h2 committed
-    assert link.index.stats()["held"] == 0
+    assert link.index.stats().held == 0
     b = engine(layers=1)
     assert l2(link, b, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (3, [])
     assert torch.equal(b[0][3:6], a[0][0:3])
@@ -306,7 +306,7 @@ def test_no_l2_op_of_the_next_step_comes_before_the_last_steps_commit(settled):
         w.start_load_kv(RayKVConnectorMetadata(loads=[BlockTransfer("r2", [4, 5],
                                                                     ["a", "b"])]))
         assert events[:2] == ["commit", "acquire"]
-        assert w.stats["l2_saved"] == 2 and w.stats["l2_loaded"] == 2
+        assert w.stats.l2_saved == 2 and w.stats.l2_loaded == 2
     else:
         w._steps.l2.load([4, 5], ["a", "b"])
         assert events[0] == "acquire"
@@ -321,7 +321,7 @@ def test_a_save_behind_whose_copy_fails_frees_its_pages_and_raises():
     blocks = l2(link, [torch.zeros(6, 3)], [torch.zeros(PAGES, *BLOCK)])  # 3 != (2, 4)
     with pytest.raises(RuntimeError):
         blocks.save_behind([0, 1], ["h0", "h1"])
-    assert link.index.stats()["held"] == 0 and link.index.stats()["ready"] == 0
+    assert link.index.stats().held == 0 and link.index.stats().ready == 0
     good = l2(link, engine(layers=1), [torch.zeros(PAGES, *BLOCK)])
     assert good.save_behind([0, 1], ["h0", "h1"]).wait() == (2, [])
 

@@ -121,18 +121,18 @@ def test_an_l2_load_copies_its_last_block_at_once_and_the_rest_behind():
     assert (done, later) == (3, [3, 4]) and behind.layers == 2
     assert all(torch.equal(lb[5], la[2]) for la, lb in zip(a, b, strict=True))
     assert not any(lb[3:5].any() for lb in b)  # behind: not copied yet
-    assert link.index.stats()["held"] == 3
+    assert link.index.stats().held == 3
     behind.copy(0)
     assert torch.equal(b[0][3:6], a[0][0:3]) and not b[1][3:5].any()  # layer 0 only
     behind.copy(1)
     assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
     blocks.release()
-    assert link.index.stats()["held"] == 0
+    assert link.index.stats().held == 0
 
     c = engine(layers=2)
     assert l2(link, c, store).load([3, 4, 5], ["h0", "h1", "h2"]) == (3, [])
     assert all(torch.equal(lc[3:6], la[0:3]) for la, lc in zip(a, c, strict=True))
-    assert link.index.stats()["held"] == 0
+    assert link.index.stats().held == 0
 
 
 def test_a_one_block_load_is_copied_at_once_even_with_behind():
@@ -145,7 +145,7 @@ def test_a_one_block_load_is_copied_at_once_even_with_behind():
     b = engine(layers=1)
     assert l2(link, b, store).load([2], ["h0"], loads) == (1, [])
     assert not loads.busy and torch.equal(b[0][2], a[0][0])
-    assert link.index.stats()["held"] == 0
+    assert link.index.stats().held == 0
     loads.close()
 
 
@@ -193,13 +193,13 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     b = engine(blocks=9, layers=2)
     w, names = _worker(b, link, store)
     _step(w, names, [0, 1, 2], ["h0", "h1", "h2"], names)
-    assert w.stats["l2_loaded"] == 3 and w.stats["loaded_behind"] == 0
+    assert w.stats.l2_loaded == 3 and w.stats.loaded_behind == 0
     held = []
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names,
-          between=lambda: held.append((w._steps.behind._loads.busy, link.index.stats()["held"])))
+          between=lambda: held.append((w._steps.behind._loads.busy, link.index.stats().held)))
     assert held == [(True, 3)]
-    assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 2
-    assert not w._steps.behind._loads.busy and link.index.stats()["held"] == 0
+    assert w.stats.l2_loaded == 6 and w.stats.loaded_behind == 2
+    assert not w._steps.behind._loads.busy and link.index.stats().held == 0
     assert all(torch.equal(lb[3:6], la[0:3]) for la, lb in zip(a, b, strict=True))
     assert w.get_block_ids_with_load_errors() == set()
     w.shutdown()
@@ -208,7 +208,7 @@ def test_a_worker_copies_behind_once_the_forward_asked_for_every_layer_and_settl
     w, names = _worker(c, link, store)
     for _ in range(2):
         _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names[:1])
-    assert w.stats["l2_loaded"] == 6 and w.stats["loaded_behind"] == 0
+    assert w.stats.l2_loaded == 6 and w.stats.loaded_behind == 0
     w.shutdown()
 
 
@@ -224,8 +224,8 @@ def test_a_copy_behind_that_fails_makes_its_blocks_load_errors_of_the_step():
     w._steps.l2._copy_layer = broken
     _step(w, names, [3, 4, 5], ["h0", "h1", "h2"], names)
     assert w.get_block_ids_with_load_errors() == {3, 4}
-    assert w.stats["load_failed"] == 2 and w.stats["loaded"] == 4
-    assert link.index.stats()["held"] == 0
+    assert w.stats.load_failed == 2 and w.stats.loaded == 4
+    assert link.index.stats().held == 0
     w.shutdown()
 
 

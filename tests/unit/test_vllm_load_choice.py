@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from raykv.controllers.load_guard import GuardSettings, LoadRun
+from raykv.integrations.vllm.connector_stats import ConnectorStats, StatsGrowth
 from raykv.integrations.vllm.load_choice import (
     DECISIONS,
     LoadGuard,
@@ -18,7 +19,6 @@ from raykv.integrations.vllm.load_choice import (
     decide,
     decision_key,
     explain,
-    guard_counters,
     hit_runs,
 )
 from raykv.integrations.vllm.load_times import LoadTimes
@@ -69,7 +69,7 @@ def test_tier_rates_from_the_workers_sums_and_l3_disk_as_l3():
     rates = TierRates(page_bytes=1000, l2_prior=1e-9)
     assert rates.seconds("l2", 2) == pytest.approx(2e-6)
     assert rates.seconds("l3", 2) is None  # no prior: unknown until measured
-    rates.observe({"l3_load_us": 2_000_000, "l3_load_bytes": 4000, "loaded": 3})
+    rates.observe(StatsGrowth(l3_load_us=2_000_000, l3_load_bytes=4000, loaded=3))
     assert rates.seconds("l3", 2) == pytest.approx(1.0)
     assert rates.seconds("l3_disk", 2) == pytest.approx(1.0)
     assert TierRates(page_bytes=0, l2_prior=1e-9).seconds("l2", 2) is None
@@ -77,13 +77,13 @@ def test_tier_rates_from_the_workers_sums_and_l3_disk_as_l3():
 
 def test_load_times_sums_reach_vllms_stats_once_and_the_export_still_sees_each_load():
     pytest.importorskip("vllm", reason="vllm_stats subclasses vLLM's stats")
-    from raykv.integrations.vllm.vllm_stats import SHOWN, StatsDelta
+    from raykv.integrations.vllm.vllm_stats import StatsDelta
 
     loads = LoadTimes()
     loads.record("l3", 0.5, 1000)
     loads.record("l3", 0.25, 500)
     loads.record("l2", 0.001, 100)
-    delta = StatsDelta(dict.fromkeys(SHOWN, 0), loads)
+    delta = StatsDelta(ConnectorStats(), loads)
     assert delta.take().data == {"l3_load_us": 750_000, "l3_load_bytes": 1500,
                                  "l2_load_us": 1000, "l2_load_bytes": 100}
     assert delta.take() is None  # taken once
@@ -92,7 +92,7 @@ def test_load_times_sums_reach_vllms_stats_once_and_the_export_still_sees_each_l
 
 def test_hit_runs_use_the_group_answers_runs_else_the_own_l3_rate():
     rates = TierRates(page_bytes=100, l2_prior=1e-6)
-    rates.observe({"l3_load_us": 1000, "l3_load_bytes": 100})  # 1e-5 s per byte
+    rates.observe(StatsGrowth(l3_load_us=1000, l3_load_bytes=100))  # 1e-5 s per byte
     assert hit_runs(3, 3, [], rates) == [LoadRun("l2", 3, pytest.approx(3e-4))]
     assert hit_runs(0, 2, [], rates) == [LoadRun("l3", 2, pytest.approx(2e-3))]
     runs = hit_runs(1, 4, [("l3", 1, 0.5), ("l3_disk", 2, None)], rates)
@@ -120,9 +120,9 @@ def test_hit_runs_use_the_group_answers_runs_else_the_own_l3_rate():
 def test_decide_labels_every_choice(runs, prefill, settings, want):
     got = decide(runs, 16, prefill, settings)
     assert (got.pages, got.decision, got.reason, got.skipped_tokens) == want
-    stats = guard_counters()
-    count(stats, got)  # every label pair has its counter (KeyError otherwise)
-    assert stats[decision_key(got.decision, got.reason)] == 1
+    stats = ConnectorStats()
+    count(stats, got)  # every label pair has its counter (AttributeError otherwise)
+    assert getattr(stats, decision_key(got.decision, got.reason)) == 1
     assert (got.decision, got.reason) in DECISIONS
 
 
@@ -154,7 +154,7 @@ def test_the_scheduler_tells_vllm_only_the_chosen_pages(side):
     answer with the guard off loads all 4 blocks, 2 of them from L3."""
     guard = side._guard
     guard.rates = TierRates(page_bytes=1000, l2_prior=1e-9)
-    guard.rates.observe({"l3_load_us": 10_000_000, "l3_load_bytes": 1000})  # 10 ms/B
+    guard.rates.observe(StatsGrowth(l3_load_us=10_000_000, l3_load_bytes=1000))  # 10 ms/B
     guard.clock.rate.observe(1000, 0.1)  # 0.1 ms per token
 
     def ask(settings):
@@ -165,11 +165,11 @@ def test_the_scheduler_tells_vllm_only_the_chosen_pages(side):
 
     assert ask(AUTO) == ((2 * 16, False), 2)
     stats = side.stats
-    assert stats["guard_mixed_slower_than_prefill"] == 1
-    assert stats["guard_skipped_l3_tokens"] == 2 * 16
-    assert (stats["l2_hit_tokens"], stats["l3_hit_tokens"]) == (2 * 16, 0)
+    assert stats.guard_mixed_slower_than_prefill == 1
+    assert stats.guard_skipped_l3_tokens == 2 * 16
+    assert (stats.l2_hit_tokens, stats.l3_hit_tokens) == (2 * 16, 0)
     assert ask(OFF) == ((4 * 16, True), 2)  # CONTROL
-    assert stats["guard_load_off"] == 1 and stats["l3_hit_tokens"] == 2 * 16
+    assert stats.guard_load_off == 1 and stats.l3_hit_tokens == 2 * 16
 
 
 def test_the_schedulers_steps_feed_the_prefill_estimate(side):
@@ -214,6 +214,6 @@ def test_load_guard_wires_its_estimates():
     guard = LoadGuard(AUTO, 16, 1000, l2_prior=1e-9)
     assert guard.choose(2, 2, []).decision == "load"  # no prefill estimate: load
     guard.clock.rate.observe(1000, 1e-3)
-    guard.rates.observe({"l3_load_us": 5_000_000, "l3_load_bytes": 1000})
+    guard.rates.observe(StatsGrowth(l3_load_us=5_000_000, l3_load_bytes=1000))
     got = guard.choose(1, 3, [])
     assert (got.pages, got.decision) == (1, "mixed")

@@ -7,6 +7,7 @@ import pytest
 from raykv.cache_actors.errors import NodeUnavailableError
 from raykv.controllers.contract import DEFAULT_TIMEOUT_S
 from raykv.controllers.naming import NAMESPACE
+from raykv.integrations.vllm.connector_stats import ConnectorStats
 from raykv.integrations.vllm.options import (
     ConnectorOptions,
     KVIdentity,
@@ -15,7 +16,7 @@ from raykv.integrations.vllm.options import (
     kv_layout,
     misspelt_keys,
 )
-from raykv.integrations.vllm.side import ConnectorSide, new_stats
+from raykv.integrations.vllm.side import ConnectorSide
 
 IDENT = KVIdentity(kv_dtype="bfloat16", page_size=128, layout="cpu.lm1")
 
@@ -228,4 +229,4 @@ def test_cache_reports_why_attaching_failed():
     side._attaching.join(5)
     with pytest.raises(NodeUnavailableError, match="no node actor"):
         side._cache()
-    assert side.stats == new_stats()
+    assert side.stats == ConnectorStats()

@@ -1,11 +1,14 @@
 """raykv's counters in vLLM's own connector stats: a side hands vLLM what grew since it
 last asked; vLLM's real ``KVConnectorLogging`` (what ``vllm serve`` logs) and
 ``KVConnectorProm`` (its Prometheus endpoint) resolve raykv's connector class, sum the
-workers' and the scheduler's stats and show them. vLLM's scheduler asking a real
-connector: ``tests/integration/test_metrics_export.py``."""
+workers' and the scheduler's stats and show them; a dict vLLM hands back is read with
+every key checked. vLLM's scheduler asking a real connector:
+``tests/integration/test_metrics_export.py``. The records themselves (no vLLM):
+``tests/unit/test_connector_stats.py``."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import partial
 from types import SimpleNamespace
 
@@ -13,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's connector stats need vLLM")
 from prometheus_client import CollectorRegistry, Counter  # noqa: E402
-from raykv.integrations.vllm.side import new_stats  # noqa: E402
+from raykv.integrations.vllm.connector import RayKVConnector  # noqa: E402
+from raykv.integrations.vllm.connector_stats import SHOWN, ConnectorStats  # noqa: E402
 from raykv.integrations.vllm.vllm_stats import (  # noqa: E402
-    SHOWN,
     RayKVConnectorStats,
     StatsDelta,
 )
@@ -30,15 +33,15 @@ TRANSFER = KVTransferConfig(kv_connector="RayKVConnector", kv_role="kv_both",
 
 
 def test_a_side_hands_vllm_what_grew_since_it_last_asked():
-    stats = new_stats()
+    stats = ConnectorStats()
     delta = StatsDelta(stats)
     assert delta.take() is None  # nothing yet
-    stats["loaded"] += 4
-    stats["load_us"] += 900  # not a SHOWN counter: stays raykv's
-    stats["l3_hit_tokens"] += 64
+    stats.loaded += 4
+    stats.load_us += 900  # not a SHOWN counter: stays raykv's
+    stats.l3_hit_tokens += 64
     assert delta.take().data == {"loaded": 4, "l3_hit_tokens": 64}
     assert delta.take() is None  # CONTROL: each growth handed over once
-    stats["loaded"] += 1
+    stats.loaded += 1
     assert delta.take().data == {"loaded": 1}
 
 
@@ -67,7 +70,7 @@ def test_vllms_logging_and_prometheus_show_the_summed_counters():
     prom = Prom(SimpleNamespace(kv_transfer_config=TRANSFER), ["model_name", "engine"],
                 {0: ["m", "0"]})
     prom.observe(summed.to_dict(), 0)
-    prom.observe({"loaded": 2, "load_us": 5}, 0)
+    prom.observe({"loaded": 2, "l3_load_us": 5}, 0)
 
     def value(counter: str) -> float | None:
         return registry.get_sample_value("vllm:raykv_connector_total", {
@@ -75,5 +78,19 @@ def test_vllms_logging_and_prometheus_show_the_summed_counters():
 
     assert value("loaded") == 10 and value("l3_hit_tokens") == 64
     assert value("load_failed") == 0  # declared, never grown
-    assert value("load_us") is None  # CONTROL: only SHOWN counters are exported
-    assert set(SHOWN) <= set(new_stats())
+    assert value("l3_load_us") is None  # CONTROL: only SHOWN counters are exported
+    assert set(SHOWN) <= set(asdict(ConnectorStats()))
+
+
+def test_vllm_hands_back_its_dict_read_with_every_key_checked():
+    """What vLLM rebuilds from the dict it carried (``build_kv_connector_stats``) is the
+    growth the worker handed it; a dict with a key raykv has no counter for is refused
+    by name, where a dict would have taken it as a new counter (CONTROL)."""
+    data = RayKVConnectorStats(data={"loaded": 3, "l2_load_bytes": 4096}).to_dict()
+    assert RayKVConnector.build_kv_connector_stats(data).data == data
+    assert RayKVConnector.build_kv_connector_stats(None).data == {}
+    with pytest.raises(ValueError, match=r"no counter \['loadd'\]"):
+        RayKVConnector.build_kv_connector_stats({"loadd": 3})
+    with pytest.raises(ValueError, match="no counter"):
+        RayKVConnectorStats(data={"loaded": 1}).aggregate(
+            RayKVConnectorStats(data={"load_us": 5}))  # a raykv counter vLLM never sees
