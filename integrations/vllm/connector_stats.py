@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -173,7 +174,7 @@ def growth_to_vllm(growth: StatsGrowth) -> dict[str, int]:
     return {name: n for name, n in zip(GROWTH_KEYS, astuple(growth), strict=True) if n}
 
 
-def growth_from_vllm(data: Mapping[str, object]) -> StatsGrowth:
+def growth_from_vllm(data: Mapping[str, Any]) -> StatsGrowth:
     """The ``StatsGrowth`` of a ``KVConnectorStats.data`` (``growth_to_vllm``'s, or
     vLLM's sum of several); a key it lacks is 0. ``ValueError`` naming them if it holds
     a key ``StatsGrowth`` has no field for or a value that is no integer (another
