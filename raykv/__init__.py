@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from raykv.controllers.contract import PoolTransfer as PoolTransfer
     from raykv.controllers.contract import PoolTransferResult as PoolTransferResult
     from raykv.controllers.contract import StorageConfig as StorageConfig
+    from raykv.controllers.node_records import NodeStats as NodeStats
     from raykv.controllers.node_settings import NodeSettings as NodeSettings
     from raykv.controllers.pool_layout import GiB as GiB
     from raykv.controllers.pool_layout import KiB as KiB
@@ -65,6 +66,7 @@ _EXPORTS = {
     "LocalCluster": "raykv.clusters.local",
     "MiB": "raykv.controllers.pool_layout",
     "NodeSettings": "raykv.controllers.node_settings",
+    "NodeStats": "raykv.controllers.node_records",
     "NodeUnavailableError": "raykv.cache_actors.errors",
     "PoolHandle": "raykv.cache_actors.host_pools",
     "PoolHitPolicy": "raykv.controllers.contract",
