@@ -121,10 +121,10 @@ def test_more_pages_than_memory_holds_come_back_from_disk_byte_exact(store, tmp_
     exact = [k for k, v in got.items() if v == PAGE]
     assert len(exact) == COUNT, {v for v in got.values() if v != PAGE}
     stats = store.backend.tier_stats()
-    assert stats["served"].get("l3_disk", 0) > 0 and stats["refused"] == {}
+    assert stats.served.get("l3_disk", 0) > 0 and stats.refused == {}
     on_disk = {k for keys in buckets(store.slot).values() for k in keys}
     assert len(on_disk) >= COUNT - CAPACITY and on_disk <= set(exact)
-    assert 0 < stats["used_bytes"] <= stats["limit_bytes"]
+    assert 0 < stats.used_bytes <= stats.limit_bytes
 
     master = start_master(str(tmp_path), offload=False)  # CONTROL: no disk tier
     try:
@@ -164,7 +164,7 @@ def test_nodes_of_one_machine_take_distinct_slots_and_read_each_others_disk(stor
             reader.kill()
     assert store.slot.name == "node-0" and slot_name == "node-1"
     assert set(got.values()) == {PAGE}
-    assert stats["served"] == {"l3_disk": len(ids)}
+    assert stats.served == {"l3_disk": len(ids)}
 
     diskless = client(where(store.master), seal_key=seal_key_of(store.disk_dir), segment=0)
     try:
@@ -173,7 +173,7 @@ def test_nodes_of_one_machine_take_distinct_slots_and_read_each_others_disk(stor
     finally:
         close(diskless)
     assert set(got.values()) == {PAGE}
-    assert stats["served"] == {"l3_disk": len(ids)}
+    assert stats.served == {"l3_disk": len(ids)}
 
 
 def disk_records(s: Store, bucket: Path, keys: list[str]) -> list[int]:
@@ -200,9 +200,9 @@ def test_flipped_bytes_on_disk_are_refused_counted_and_removed(store):
     changed = (plain != page(SEED, victim)).nonzero()[0]
     assert len(changed) == 16 and changed[0] == PAGE // 2
 
-    before = store.backend.tier_stats()["refused"].get("mac", 0)
+    before = store.backend.tier_stats().refused.get("mac", 0)
     assert read(store.buf, SEED, [victim]) == {keys[n]: SEAL_MISMATCH}
-    assert store.backend.tier_stats()["refused"].get("mac", 0) == before + 1
+    assert store.backend.tier_stats().refused.get("mac", 0) == before + 1
     assert store.backend.exists([keys[n]]) == [0]
     assert read(store.buf, SEED, [victim]) == {keys[n]: OBJECT_NOT_FOUND}
     assert put_pages(store.buf, SEED, [victim]) == {keys[n]: 0}  # written anew
@@ -234,7 +234,7 @@ def test_a_truncated_bucket_gives_misses_never_wrong_bytes(store):
     assert set(whole.values()) == {PAGE}
     assert [mixed[key(i)] for i in before[:4]] == [PAGE] * 4
     assert all(v < 0 for v in cut_off.values()) and all(mixed[key(i)] < 0 for i in after[:4])
-    assert store.backend.tier_stats()["refused"].get("unreadable") == len(after)
+    assert store.backend.tier_stats().refused.get("unreadable") == len(after)
     assert store.backend.exists([key(i) for i in after]) == [0] * len(after)
     assert set(put_pages(store.buf, SEED, after[:4]).values()) == {0}  # written anew
     assert set(read(store.buf, SEED, after[:4]).values()) == {PAGE}
@@ -311,7 +311,7 @@ def test_a_restart_keeps_the_pages_that_reached_disk(restarted):
     intact = [k for p in plan["intact"] for k in plan["buckets"][p] if k not in planted]
     got = read(s.buf, SEED, ids_of(intact))
     assert set(got.values()) == {PAGE}
-    assert s.backend.tier_stats()["served"] == {"l3_disk": len(intact)}
+    assert s.backend.tier_stats().served == {"l3_disk": len(intact)}
     on_disk = {k for keys in plan["buckets"].values() for k in keys}
     memory_only = [i for i in IDS if key(i) not in on_disk | planted]
     assert len(memory_only) >= 16
@@ -326,14 +326,14 @@ def test_damage_before_a_restart_is_never_served_after_it(restarted):
     of a truncated ``.meta`` that then fail their seal), as do the deleted bucket and
     the page removed before; no get answers other bytes."""
     s, plan = restarted, restarted.plan
-    before = s.backend.tier_stats()["refused"].get("mac", 0)
+    before = s.backend.tier_stats().refused.get("mac", 0)
     flipped = plan["flipped-before"]
     assert read(s.buf, SEED, ids_of([flipped])) == {flipped: SEAL_MISMATCH}
-    assert s.backend.tier_stats()["refused"].get("mac", 0) == before + 1
+    assert s.backend.tier_stats().refused.get("mac", 0) == before + 1
     assert s.backend.exists([flipped]) == [0]
     for name in ("meta-truncated", "meta-deleted"):
         got = read(s.buf, SEED, ids_of(plan[name]))
-        print(name, "after the restart:", set(got.values()), s.backend.tier_stats()["refused"])
+        print(name, "after the restart:", set(got.values()), s.backend.tier_stats().refused)
         assert wrong(got) == [] and set(got.values()) != {PAGE}
     _, truncated = plan["truncated"]
     got = read(s.buf, SEED, ids_of(truncated))
