@@ -275,7 +275,7 @@ def start_local(
     node_args: dict = {"num_cpus": cpus_per_node, "object_store_memory": object_store_memory}
     if resources:
         node_args["resources"] = dict(resources)
-    sizes = _sizes(settings, segment_sizes, num_nodes)
+    sizes = per_node_sizes(settings, segment_sizes, num_nodes)
     # Mooncake clients made in this process (benchmarks, tools) bind where the nodes do.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.local_hostname)
     return launch(OwnNodes(num_nodes, node_args), settings, sizes, namespace=namespace,
@@ -283,8 +283,10 @@ def start_local(
                   log_to_driver=log_to_driver, lifecycle=lifecycle)
 
 
-def _sizes(settings: NodeSettings, segment_sizes: Sequence[int] | None,
-           num_nodes: int) -> list[int]:
+def per_node_sizes(settings: NodeSettings, segment_sizes: Sequence[int] | None,
+                   num_nodes: int) -> list[int]:
+    """Each of ``num_nodes`` nodes' ``global_segment_size``: ``segment_sizes`` if given
+    (``ValueError`` unless one per node), else the settings' for every node."""
     if segment_sizes is None:
         return [settings.global_segment_size] * num_nodes
     if len(segment_sizes) != num_nodes:

@@ -30,7 +30,7 @@ from pathlib import Path
 from raykv.cache_actors.local_ports import free_port
 from raykv.cache_actors.processes import ProcessIdentity
 from raykv.cache_actors.ray_auth_mode import use_mode
-from raykv.clusters.local import LOCAL_DEFAULTS, LocalCluster, launch
+from raykv.clusters.local import LOCAL_DEFAULTS, LocalCluster, launch, per_node_sizes
 from raykv.clusters.node_lifecycle import LifecycleSettings
 from raykv.controllers.naming import NAMESPACE
 from raykv.controllers.node_settings import NodeSettings
@@ -340,9 +340,7 @@ def start_hosts(hosts: int, settings: NodeSettings | None = None, *, link: str |
     if settings.local_hostname is not None:
         raise ValueError("on emulated hosts every node's Mooncake binds its host's address "
                          "(local_hostname None)")
-    if segment_sizes is not None and len(segment_sizes) != hosts:
-        raise ValueError(f"{len(segment_sizes)} segment_sizes for {hosts} hosts")
-    sizes = list(segment_sizes or [settings.global_segment_size] * hosts)
+    sizes = per_node_sizes(settings, segment_sizes, hosts)
     network = EmulatedHosts.create(hosts, link, cpus_per_node, object_store_memory)
     return launch(network, settings, sizes, namespace=namespace, master_args=master_args,
                   reconcile_period_s=reconcile_period_s, log_to_driver=log_to_driver,
