@@ -286,18 +286,10 @@ class LoadStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class NodeStats:
+class NodeStats(StoreStats):
     """A node actor's ``stats()``: its store client's (``StoreStats``'s fields, first),
     then what its parts count; every count since the actor started."""
 
-    mode: str
-    host_pool_bytes: int
-    host_pool_used: int
-    exposed_ports: list[str]
-    mooncake_endpoint: str | None
-    own_segment: str | None
-    mooncake_client: ClientProcess | None = field(default=None, metadata=OMITTED)
-    tiers: TierStats | None = field(default=None, metadata=OMITTED)
     node_id: str
     uptime_s: float
     global_segment_size: int
@@ -312,7 +304,7 @@ class NodeStats:
     (``NodeMetrics.counters``: ``get_objects``, ``get_error_-704``, ...)."""
     group_queries: GroupQueryStats
     confirmed_pages: int
-    """Pages confirmed present, trusted without a lookup."""
+    """Pages confirmed present, trusted without an existence check."""
     merged_calls: MergedCallStats
     l2: L2Stats
     warnings: list[str]
